@@ -1,0 +1,16 @@
+"""jaxserve: a JAX/XLA inference server for large language models on TPU and GPU."""
+
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+
+def __getattr__(name):
+    # LLM pulls in JAX and Flax; import it lazily so `jaxserve --help` stays quick.
+    if name == "LLM":
+        from jaxserve.llm import LLM
+
+        return LLM
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]

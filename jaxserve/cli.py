@@ -1,0 +1,104 @@
+"""`jaxserve` command line: generate (offline) for now."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import time
+
+from jaxserve.config import EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that builds an engine."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="Hugging Face checkpoint directory (default: the built-in demo model)")
+    g.add_argument("--config", default=None, help="engine settings YAML (e.g. configs/engine/cpu.yaml)")
+    g.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--page-size", type=int, default=None)
+    g.add_argument("--num-pages", type=int, default=None)
+    g.add_argument("--kv-cache-memory-gib", type=float, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--seed", type=int, default=None)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    overrides = {
+        "model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
+        "page_size": args.page_size, "num_pages": args.num_pages,
+        "kv_cache_memory_gib": args.kv_cache_memory_gib, "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed,
+        "enable_prefix_caching": False if args.no_prefix_caching else None,
+    }
+    if args.config:
+        return EngineConfig.from_yaml(args.config, **overrides)
+    return EngineConfig(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from jaxserve.demo import DEMO_NOTICE
+    from jaxserve.llm import LLM
+    from jaxserve.sampling_params import SamplingParams
+
+    config = engine_config_from_args(args)
+    if config.model is None:
+        print(DEMO_NOTICE, file=sys.stderr)
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        max_tokens=args.max_tokens, seed=args.seed_sampling, ignore_eos=args.ignore_eos,
+        stop=args.stop or None, repetition_penalty=args.repetition_penalty)
+    llm = LLM(warmup=True, **{**dataclasses.asdict(config), "model": config.model})
+    prompts = args.prompt or ["Hello, my name is"]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    for out in outputs:
+        c = out.outputs[0]
+        print(f"--- prompt: {out.prompt!r}")
+        print(c.text)
+        print(f"--- {len(c.token_ids)} tokens, finish_reason={c.finish_reason}")
+    total = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"{total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tokens/s)", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxserve", description="jaxserve: a JAX/XLA LLM inference server for TPU and GPU")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text offline from prompts",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--stop", action="append", help="a stop string (repeat for several)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--seed-sampling", type=int, default=None, help="per-request sampling seed")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no libtpu" noise
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad user input: say what, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""Model and engine configuration: frozen dataclasses, from a Hugging Face config.json or YAML.
+
+Model presets in `configs/models/*.yaml` use Hugging Face's config.json key names, so one
+mapping (`ModelConfig.from_hf`) serves checkpoints and presets alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DTYPES = ("bfloat16", "float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Rotary embedding frequency scaling: 'default', 'linear' or 'llama3'."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a decoder-only transformer of the Llama family."""
+
+    model_type: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    # Per layer: "full_attention" or "sliding_attention" (uses sliding_window).
+    layer_types: tuple[str, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            kind = "sliding_attention" if self.sliding_window else "full_attention"
+            object.__setattr__(self, "layer_types", (kind,) * self.num_layers)
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    def layer_window(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def num_params(self) -> int:
+        e, m, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = e * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        if self.qkv_bias:
+            attn += d * (self.num_heads + 2 * self.num_kv_heads)
+        if self.o_bias:
+            attn += e
+        if self.qk_norm:
+            attn += 2 * d
+        layer = attn + 3 * e * m + 2 * e
+        embed = self.vocab_size * e * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + embed + e
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Map a Hugging Face config.json dict onto ModelConfig; unsupported features raise."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
+            )
+        if hf.get("mlp_bias"):
+            raise ValueError("mlp_bias=true is not supported")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+        num_heads = hf["num_attention_heads"]
+        num_layers = hf["num_hidden_layers"]
+        attention_bias = bool(hf.get("attention_bias", False))
+        qkv_bias, o_bias = attention_bias, attention_bias
+        if model_type == "qwen2":  # Qwen2 always has q/k/v bias and never an o_proj bias.
+            qkv_bias, o_bias = True, False
+        sliding_window = hf.get("sliding_window")
+        layer_types = tuple(hf.get("layer_types") or ())
+        if model_type in ("qwen2", "qwen3") and not layer_types:
+            if hf.get("use_sliding_window"):
+                first = hf.get("max_window_layers", num_layers)
+                layer_types = tuple(
+                    "sliding_attention" if i >= first else "full_attention"
+                    for i in range(num_layers)
+                )
+            else:
+                sliding_window = None
+        if layer_types and "sliding_attention" not in layer_types:
+            sliding_window = None
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        rope_theta, rope_scaling = _rope_from_hf(hf)
+        return cls(
+            model_type=model_type,
+            architecture=(hf.get("architectures") or [f"{model_type.title()}ForCausalLM"])[0],
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            qk_norm=model_type == "qwen3",
+            sliding_window=sliding_window or None,
+            layer_types=layer_types,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "ModelConfig":
+        """Load from a checkpoint directory, a config.json, or a YAML preset."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.exists():
+            raise ValueError(f"no model config at {path}")
+        text = path.read_text()
+        data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+        return cls.from_hf(data)
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling]:
+    # transformers >= 5 writes `rope_parameters`; older files have rope_theta + rope_scaling.
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    merged = {**scaling, **params}
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported")
+    fields = {f.name for f in dataclasses.fields(RopeScaling)}
+    kwargs = {k: v for k, v in merged.items() if k in fields and k != "rope_type"}
+    return float(theta), RopeScaling(rope_type=rope_type, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs a model: memory, batching, buckets.
+
+    `num_pages` fixes the KV page pool; otherwise it is sized from `kv_cache_memory_gib`
+    (or, on accelerators, from `memory_utilization` of the device's free memory).
+    Token buckets default to 1 (single-sequence decode) and powers of two from 8 to
+    `max_num_batched_tokens`; a batch of T tokens holds up to min(T, max_num_seqs)
+    sequences, so each token bucket is one compiled program (two with penalties).
+    """
+
+    model: str | None = None
+    dtype: str = "bfloat16"
+    max_model_len: int | None = None
+    page_size: int = 16
+    num_pages: int | None = None
+    kv_cache_memory_gib: float | None = None
+    memory_utilization: float = 0.9
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+    token_buckets: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError(f"num_pages must be positive, got {self.num_pages}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
+        if not 0.0 < self.memory_utilization <= 1.0:
+            raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        buckets = tuple(sorted(set(self.token_buckets))) or _default_buckets(
+            self.max_num_batched_tokens)
+        object.__setattr__(self, "token_buckets", buckets)
+        if buckets[0] < 1 or buckets[-1] < self.max_num_batched_tokens:
+            raise ValueError(f"token_buckets {buckets} must be positive and the largest must "
+                             f"cover max_num_batched_tokens ({self.max_num_batched_tokens})")
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, **overrides: Any) -> "EngineConfig":
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown engine settings {unknown}; known: {sorted(known)}")
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        if "token_buckets" in data:
+            data["token_buckets"] = tuple(data["token_buckets"])
+        return cls(**data)
+
+
+def _default_buckets(hi: int) -> tuple[int, ...]:
+    buckets, b = [1], 8
+    while b < hi:
+        buckets.append(b)
+        b *= 2
+    return tuple(sorted(set(buckets + [hi])))

@@ -1,0 +1,262 @@
+"""The engine: requests in, tokens out, one `step()` at a time.
+
+Each step: the scheduler picks tokens, the builder lays them out as a bucket-padded
+ragged batch, the runner runs the jitted step, and the host appends sampled tokens,
+detokenizes, and checks stop conditions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import random
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine.batch import BatchBuilder
+from jaxserve.engine.request import Sequence
+from jaxserve.engine.runner import ModelRunner, kv_page_bytes, pages_per_seq, pool_size
+from jaxserve.engine.sampler import SampleOutput
+from jaxserve.engine.scheduler import Scheduler, SchedulerConfig
+from jaxserve.loading.safetensors import load_checkpoint, random_params
+from jaxserve.loading.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxserve.outputs import Logprob, StepOutput
+from jaxserve.sampling_params import SamplingParams
+from sharding.mesh import make_mesh
+from sharding.rules import ShardingContext
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    seq: Sequence
+    max_tokens: int
+    detok: IncrementalDetokenizer | None
+    text: str = ""
+    emitted: int = 0  # characters of text already returned
+    pending: list = dataclasses.field(default_factory=list)  # token ids not yet returned
+    pending_logprobs: list = dataclasses.field(default_factory=list)
+
+
+class Engine:
+    """Continuous-batching engine over one model (see `Engine.from_config`)."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, graphdef, params,
+                 tokenizer: Tokenizer | None, shard: ShardingContext,
+                 extra_eos_ids: tuple[int, ...] = ()):
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        eos = set(model_config.eos_token_ids) | set(extra_eos_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        dtype = _DTYPES[config.dtype]
+        per_seq = pages_per_seq(self.max_model_len, config.page_size)
+        num_pages = config.num_pages or pool_size(
+            kv_page_bytes(model_config.num_layers, config.page_size, model_config.num_kv_heads,
+                          model_config.head_dim, dtype),
+            per_seq * config.max_num_seqs, config.kv_cache_memory_gib,
+            config.memory_utilization, shard.mesh.devices.flat[0])
+        if num_pages < per_seq:
+            raise ValueError(
+                f"the KV cache holds {num_pages} pages of {config.page_size} tokens, fewer than "
+                f"one sequence of max_model_len={self.max_model_len} needs ({per_seq}); "
+                "lower max_model_len or give the cache more memory")
+        self.num_pages = num_pages
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            page_size=config.page_size,
+            num_pages=num_pages,
+            enable_prefix_caching=config.enable_prefix_caching,
+            policy=config.scheduling_policy,
+        ))
+        self.builder = BatchBuilder(
+            token_buckets=config.token_buckets, max_num_seqs=config.max_num_seqs,
+            page_size=config.page_size, num_pages=num_pages, pages_per_seq=per_seq,
+            max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids)
+        self.runner = ModelRunner(graphdef, params, shard, self.builder, model_config.num_layers,
+                                  model_config.num_kv_heads, model_config.head_dim, dtype)
+        self._requests: dict[str, _Request] = {}
+        self._rng = random.Random(config.seed)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, mesh_shape: dict[str, int] | None = None,
+                    random_weights_preset: str | None = None) -> "Engine":
+        """Load the checkpoint directory `config.model` (the demo model when None).
+
+        `random_weights_preset` (a YAML model preset) builds random weights instead, with
+        no tokenizer: for benchmarks and planning.
+        """
+        shard = ShardingContext(make_mesh(mesh_shape))
+        dtype = _DTYPES[config.dtype]
+        if random_weights_preset is not None:
+            model_config = ModelConfig.from_file(random_weights_preset)
+            graphdef, params = random_params(model_config, dtype, shard, seed=config.seed)
+            return cls(config, model_config, graphdef, params, None, shard)
+        if config.model is None:
+            from jaxserve.demo import demo_model_dir
+            config = dataclasses.replace(config, model=str(demo_model_dir()))
+        model_dir = Path(config.model)
+        if not model_dir.is_dir():
+            raise ValueError(f"model {config.model!r} is not a directory; give a Hugging Face "
+                             "checkpoint directory (config.json, *.safetensors, tokenizer)")
+        model_config = ModelConfig.from_file(model_dir)
+        graphdef, params = load_checkpoint(model_dir, model_config, dtype, shard)
+        tokenizer = Tokenizer.from_pretrained(model_dir)
+        return cls(config, model_config, graphdef, params, tokenizer, shard,
+                   extra_eos_ids=_generation_eos_ids(model_dir))
+
+    # ----------------------------------------------------------------- requests
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None, priority: int = 0) -> list[int]:
+        """Queue a request; returns its prompt token ids. Bad input raises ValueError."""
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        token_ids = self._prompt_ids(prompt)
+        room = self.max_model_len - len(token_ids)
+        if room < 1:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is "
+                             f"{self.max_model_len}, so at most {self.max_model_len - 1} fit")
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len}); lower max_tokens to at most {room}")
+        if params.seed is None:  # every request samples from its own reproducible stream
+            params = dataclasses.replace(params, seed=self._rng.randrange(2**32))
+        seq = Sequence(request_id, token_ids, params=params, priority=priority)
+        detok = (IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+                 if self.tokenizer is not None else None)
+        self._requests[request_id] = _Request(seq, min(params.max_tokens or room, room), detok)
+        self.scheduler.add(seq)
+        return token_ids
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: give prompts as token ids")
+            if not prompt:
+                raise ValueError("prompt is empty")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its pages; False if it is unknown or already done."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.abort(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # ----------------------------------------------------------------- stepping
+
+    def warmup(self, progress: bool = True) -> None:
+        self.runner.warmup(progress)
+
+    def step(self) -> list[StepOutput]:
+        """Run one batch; return the requests that produced tokens or finished."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        batch, key = self.builder.build(sched)
+        sampled = self.runner.run(batch, key)
+        row = {id(s.seq): i for i, s in enumerate(sched.scheduled)}
+        outputs = []
+        for seq in self.scheduler.on_step_done(sched):
+            req = self._requests.get(seq.request_id)
+            if req is None:
+                continue
+            outputs.append(self._append(req, sampled, row[id(seq)]))
+        return outputs
+
+    def _append(self, req: _Request, sampled: SampleOutput, i: int) -> StepOutput:
+        seq, params = req.seq, req.seq.params
+        token = int(sampled.token_ids[i])
+        seq.output_token_ids.append(token)
+        req.pending.append(token)
+        if params.logprobs is not None:
+            req.pending_logprobs.append(self._logprobs(sampled, i, token, params.logprobs))
+        if req.detok is not None:
+            req.text += req.detok.add(token)
+        finish, stop_reason = self._check_stop(req, token)
+        if finish is None:
+            # Hold back what could be the start of a stop string, so no text is ever retracted.
+            upto = len(req.text) - (max((len(s) for s in params.stop), default=1) - 1)
+        else:
+            if req.detok is not None and stop_reason not in params.stop:
+                req.text += req.detok.flush()
+            upto = len(req.text)
+            self.scheduler.finish(seq, finish)
+            del self._requests[seq.request_id]
+        new_text = req.text[req.emitted:upto] if upto > req.emitted else ""
+        req.emitted = max(req.emitted, upto)
+        out = StepOutput(
+            request_id=seq.request_id, new_token_ids=req.pending, new_text=new_text,
+            new_logprobs=req.pending_logprobs if params.logprobs is not None else None,
+            finished=finish is not None, finish_reason=finish, stop_reason=stop_reason,
+            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
+        req.pending, req.pending_logprobs = [], []
+        return out
+
+    def _check_stop(self, req: _Request, token: int) -> tuple[str | None, str | int | None]:
+        seq, params = req.seq, req.seq.params
+        n = len(seq.output_token_ids)
+        if n >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return "stop", None
+            if token in params.stop_token_ids:
+                return "stop", token
+            for stop in params.stop:
+                start = max(0, req.emitted - len(stop))
+                idx = req.text.find(stop, start)
+                if idx >= 0:
+                    req.text = req.text[:idx]
+                    return "stop", stop
+        if n >= req.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _logprobs(self, s: SampleOutput, i: int, token: int, n: int) -> dict[int, Logprob]:
+        top = {int(t): Logprob(float(lp), rank=r + 1)
+               for r, (t, lp) in enumerate(zip(s.top_ids[i][:n], s.top_logprobs[i][:n]))}
+        if token not in top:
+            rank = next((r + 1 for r, t in enumerate(s.top_ids[i]) if t == token), None)
+            top = {token: Logprob(float(s.logprob[i]), rank=rank), **top}
+        if self.tokenizer is not None:
+            for t, lp in top.items():
+                lp.decoded_token = self.tokenizer.decode([t], skip_special_tokens=False)
+        return top
+
+
+def _generation_eos_ids(model_dir: Path) -> tuple[int, ...]:
+    path = model_dir / "generation_config.json"
+    if not path.exists():
+        return ()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))

@@ -1,0 +1,53 @@
+"""Host-side state of one request while the engine works on it."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One request's tokens, KV pages and progress.
+
+    `num_computed_tokens` counts the tokens whose K/V are in the cache. A step schedules
+    tokens `[num_computed_tokens, num_computed_tokens + n)`; when that reaches
+    `num_tokens`, the step's sampled token is appended to `output_token_ids`.
+    Lower `priority` is served first (vLLM's convention).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: Any = None
+    priority: int = 0
+    arrival: int = 0
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    page_ids: list[int] = dataclasses.field(default_factory=list)
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

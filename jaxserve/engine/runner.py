@@ -1,0 +1,106 @@
+"""The jitted step and the device state it runs on: parameters, KV cache, compiled buckets."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
+from jaxserve.engine.sampler import SampleOutput, sample
+from jaxserve.models.transformer import KVCache
+from sharding.rules import ShardingContext
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_GIB = 1.0
+
+
+def step(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch: StepBatch
+         ) -> tuple[KVCache, SampleOutput]:
+    """One forward pass over a ragged batch, then sampling at each sequence's last token."""
+    model = nnx.merge(graphdef, params)
+    hidden, kv_caches = model(batch.input_ids, batch.positions, kv_caches, batch.attn)
+    last = jnp.maximum(batch.attn.cu_q_lens[1:] - 1, 0)
+    logits = model.logits(hidden[last])
+    return kv_caches, sample(logits, batch.sampling, batch.history)
+
+
+def kv_page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+    """Bytes of one page across all layers, K and V."""
+    return 2 * num_layers * page_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+
+
+def pool_size(page_bytes: int, pages_needed: int, memory_gib: float | None,
+              utilization: float, device) -> int:
+    """Pages that fit the memory budget, at most what max_num_seqs full contexts can use.
+
+    The budget is `memory_gib` if given, else `utilization` of the device's free memory
+    (accelerators), else DEFAULT_CPU_KV_GIB (CPU reports no memory limit).
+    """
+    if memory_gib is not None:
+        budget = memory_gib * 2**30
+    else:
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        if stats and "bytes_limit" in stats:
+            budget = stats["bytes_limit"] * utilization - stats.get("bytes_in_use", 0)
+        else:
+            budget = DEFAULT_CPU_KV_GIB * 2**30
+    return max(0, min(int(budget // page_bytes), pages_needed))
+
+
+class ModelRunner:
+    """Owns params and KV cache on device; runs the step for one bucket-padded batch."""
+
+    def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, shard: ShardingContext,
+                 builder: BatchBuilder, num_layers: int, num_kv_heads: int, head_dim: int,
+                 kv_dtype):
+        self.params = params
+        self.shard = shard
+        self.builder = builder
+        shape = (builder.num_pages, builder.page_size, num_kv_heads, head_dim)
+        kv_sharding = shard.sharding((None, None, "kv_heads", None))
+        zeros = jax.jit(lambda: jnp.zeros(shape, kv_dtype), out_shardings=kv_sharding)
+        self.kv_caches: KVCache = [(zeros(), zeros()) for _ in range(num_layers)]
+        self._jitted = jax.jit(functools.partial(step, graphdef), donate_argnums=(1,))
+        self._compiled: dict[BucketKey, jax.stages.Compiled] = {}
+        self.warmed_up = False
+        self.compiles_after_warmup = 0
+
+    def _compile(self, key: BucketKey) -> jax.stages.Compiled:
+        dummy = self.builder.empty(key)
+        compiled = self._jitted.lower(self.params, self.kv_caches, dummy).compile()
+        self._compiled[key] = compiled
+        return compiled
+
+    def warmup(self, progress: bool = True) -> None:
+        """Compile every bucket now, so nothing compiles while serving."""
+        keys = [k for k in self.builder.all_buckets() if k not in self._compiled]
+        for key in tqdm(keys, desc="compiling step buckets", disable=not progress or not keys,
+                        unit="bucket"):
+            self._compile(key)
+        self.warmed_up = True
+
+    def run(self, batch: StepBatch, key: BucketKey) -> SampleOutput:
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            if self.warmed_up:
+                self.compiles_after_warmup += 1
+                log.warning("compiling bucket %s after warm-up: a bucket is missing", key)
+            compiled = self._compile(key)
+        self.kv_caches, out = compiled(self.params, self.kv_caches, batch)
+        return jax.tree.map(np.asarray, out)
+
+    @property
+    def num_compiled(self) -> int:
+        return len(self._compiled)
+
+
+def pages_per_seq(max_model_len: int, page_size: int) -> int:
+    return math.ceil(max_model_len / page_size)

@@ -1,0 +1,119 @@
+"""Sampling on device, batched, with per-request parameters as arrays.
+
+Order (as vLLM): penalties → (greedy argmax | temperature → top-k → top-p → min-p → draw).
+Each sequence draws with its own key, `fold_in(key(seed), output index)`, so a seeded
+request gets the same tokens whatever else shares its batch. Logprobs are those of the
+model's raw distribution (before penalties and filters).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.sampling_params import MAX_LOGPROBS
+
+_NEG_INF = -jnp.inf
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplingArrays:
+    """Per-sequence sampling parameters `[S]` (banned_ids: `[S, MAX_STOP_TOKEN_IDS]`)."""
+
+    temperature: jax.Array  # f32, 0 = greedy
+    top_k: jax.Array  # i32, 0 = off
+    top_p: jax.Array  # f32, 1 = off
+    min_p: jax.Array  # f32, 0 = off
+    presence_penalty: jax.Array  # f32
+    frequency_penalty: jax.Array  # f32
+    repetition_penalty: jax.Array  # f32
+    seed: jax.Array  # u32
+    output_index: jax.Array  # i32, how many tokens the sequence has generated
+    banned_ids: jax.Array  # i32, -1 padded: stop tokens forbidden until min_tokens is reached
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TokenHistory:
+    """Token ids seen by each sequence, for penalties: `tokens[S, H]` (-1 padded)."""
+
+    tokens: jax.Array
+    prompt_lens: jax.Array  # [S]; tokens at index >= prompt_len are generated
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SampleOutput:
+    token_ids: jax.Array  # [S] i32
+    logprob: jax.Array  # [S] f32, of the sampled token
+    top_ids: jax.Array  # [S, MAX_LOGPROBS] i32
+    top_logprobs: jax.Array  # [S, MAX_LOGPROBS] f32
+
+
+def apply_penalties(logits: jax.Array, p: SamplingArrays, history: TokenHistory) -> jax.Array:
+    s, v = logits.shape
+    tokens = jnp.where(history.tokens >= 0, history.tokens, v)  # v is out of range: dropped
+    rows = jnp.arange(s)[:, None]
+    generated = jnp.arange(tokens.shape[1])[None, :] >= history.prompt_lens[:, None]
+    counts = jnp.zeros((s, v), jnp.float32).at[rows, tokens].add(generated, mode="drop")
+    seen = jnp.zeros((s, v), jnp.bool_).at[rows, tokens].set(True, mode="drop")
+    rep = p.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - p.frequency_penalty[:, None] * counts
+    return logits - p.presence_penalty[:, None] * (counts > 0)
+
+
+def ban_tokens(logits: jax.Array, banned_ids: jax.Array) -> jax.Array:
+    v = logits.shape[1]
+    banned = jnp.where(banned_ids >= 0, banned_ids, v)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, banned].set(_NEG_INF, mode="drop")
+
+
+def filter_logits(logits: jax.Array, p: SamplingArrays) -> jax.Array:
+    """Mask (to -inf) tokens outside top-k, outside the top-p nucleus, or below min-p."""
+    v = logits.shape[1]
+
+    def top_k_top_p(logits):
+        sorted_desc = -jnp.sort(-logits, axis=-1)
+        k = jnp.where((p.top_k > 0) & (p.top_k < v), p.top_k, v)
+        kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+        sorted_desc = jnp.where(jnp.arange(v)[None, :] < k[:, None], sorted_desc, _NEG_INF)
+        probs = jax.nn.softmax(sorted_desc, axis=-1)
+        # Keep the smallest prefix whose mass reaches top_p: token i stays if the mass
+        # before it is below top_p.
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        keep = mass_before < p.top_p[:, None]
+        last = jnp.sum(keep, axis=-1) - 1
+        threshold = jnp.maximum(kth[:, 0], jnp.take_along_axis(sorted_desc, last[:, None], -1)[:, 0])
+        return jnp.where(logits >= threshold[:, None], logits, _NEG_INF)
+
+    needs_sort = jnp.any((p.top_k > 0) & (p.top_k < v)) | jnp.any(p.top_p < 1.0)
+    logits = jax.lax.cond(needs_sort, top_k_top_p, lambda x: x, logits)
+    probs = jax.nn.softmax(logits, axis=-1)
+    floor = p.min_p[:, None] * probs.max(axis=-1, keepdims=True)
+    return jnp.where(probs >= floor, logits, _NEG_INF)
+
+
+def sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | None) -> SampleOutput:
+    """Pick one token per row of `raw_logits[S, V]` (float32)."""
+    logits = raw_logits if history is None else apply_penalties(raw_logits, p, history)
+    logits = ban_tokens(logits, p.banned_ids)
+    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw(logits):
+        temp = jnp.where(p.temperature > 0, p.temperature, 1.0)
+        scaled = filter_logits(logits / temp[:, None], p)
+        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(p.seed, p.output_index)
+        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[1],)))(keys)
+        drawn = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+        return jnp.where(p.temperature > 0, drawn, greedy_ids)
+
+    token_ids = jax.lax.cond(jnp.any(p.temperature > 0), draw, lambda _: greedy_ids, logits)
+    logprobs = jax.nn.log_softmax(raw_logits, axis=-1)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logprobs.shape[1]))
+    chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
+    return SampleOutput(token_ids, chosen, top_ids.astype(jnp.int32), top_logprobs)

@@ -1,0 +1,90 @@
+"""The offline API, shaped like vLLM's: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.engine import Engine
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Generate text from a Hugging Face checkpoint directory (the demo model if None).
+
+    Keyword arguments are EngineConfig fields (dtype, max_model_len, page_size,
+    max_num_seqs, max_num_batched_tokens, enable_prefix_caching, num_pages, ...);
+    `mesh` is a {"data": n, "model": m} mapping. All step buckets compile here.
+    """
+
+    def __init__(self, model: str | None = None, *, mesh: dict[str, int] | None = None,
+                 warmup: bool = True, **engine_args):
+        known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+        unknown = sorted(set(engine_args) - known)
+        if unknown:
+            raise ValueError(f"unknown LLM arguments {unknown}; known: {sorted(known)}")
+        self.engine = Engine.from_config(EngineConfig(model=model, **engine_args), mesh)
+        self._ids = itertools.count()
+        if warmup:
+            self.engine.warmup()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion; results come back in the prompts' order."""
+        if isinstance(prompts, str) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = sampling_params or SamplingParams()
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        priority = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+
+        results: dict[str, RequestOutput] = {}
+        order = []
+        try:
+            for prompt, p, prio in zip(prompts, params, priority):
+                rid = str(next(self._ids))
+                ids = self.engine.add_request(rid, prompt, p, prio)
+                order.append(rid)
+                results[rid] = RequestOutput(
+                    rid, prompt if isinstance(prompt, str) else None, ids,
+                    [CompletionOutput(0, "", [], None, [] if p.logprobs is not None else None)],
+                    finished=False)
+        except ValueError:
+            for rid in order:
+                self.engine.abort_request(rid)
+            raise
+
+        bar = tqdm(total=len(order), desc="generating", disable=not use_tqdm)
+        while self.engine.has_unfinished():
+            for step_out in self.engine.step():
+                result = results[step_out.request_id]
+                out = result.outputs[0]
+                out.token_ids.extend(step_out.new_token_ids)
+                out.text += step_out.new_text
+                if step_out.new_logprobs is not None:
+                    out.logprobs.extend(step_out.new_logprobs)
+                if step_out.finished:
+                    out.finish_reason = step_out.finish_reason
+                    out.stop_reason = step_out.stop_reason
+                    result.finished = True
+                    result.num_cached_tokens = step_out.num_cached_tokens
+                    bar.update()
+        bar.close()
+        return [results[rid] for rid in order]

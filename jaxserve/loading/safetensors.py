@@ -1,0 +1,156 @@
+"""Load Hugging Face safetensors checkpoints into the model's parameters, one tensor at a time.
+
+Files are memory-mapped and parsed here (the format is an 8-byte header length, a JSON
+header and raw little-endian data), so bf16 needs no torch and each tensor is converted
+and placed on its devices before the next is read: the host never holds a second full
+copy of the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from jaxserve.config import ModelConfig
+from jaxserve.models.transformer import Transformer
+from sharding.rules import ShardingContext
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+}
+# Buffers some checkpoints carry that the model recomputes.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint's safetensors files, from the index when the checkpoint is sharded."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / f for f in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def read_tensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield (name, read-only memory-mapped array) for every tensor of one file."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        begin, end = info["data_offsets"]
+        yield name, data[begin:end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+def _hf_to_ours(name: str, x: np.ndarray, cfg: ModelConfig) -> tuple[tuple, np.ndarray] | None:
+    """Map a Hugging Face tensor to (our parameter path, array in our layout)."""
+    e, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    if name == "model.embed_tokens.weight":
+        return ("embed",), x
+    if name == "model.norm.weight":
+        return ("norm",), x
+    if name == "lm_head.weight":
+        return (None if cfg.tie_word_embeddings else (("lm_head",), x.T))
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if not m:
+        raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+    i, rest = int(m.group(1)), m.group(2)
+    heads = {"q": hq, "k": hkv, "v": hkv}
+    table = {
+        "input_layernorm.weight": (("input_norm",), lambda: x),
+        "post_attention_layernorm.weight": (("post_attn_norm",), lambda: x),
+        "self_attn.o_proj.weight": (("attn", "o_proj"), lambda: x.T.reshape(hq, d, e)),
+        "self_attn.o_proj.bias": (("attn", "o_bias"), lambda: x),
+        "self_attn.q_norm.weight": (("attn", "q_norm"), lambda: x),
+        "self_attn.k_norm.weight": (("attn", "k_norm"), lambda: x),
+        "mlp.gate_proj.weight": (("mlp", "gate_proj"), lambda: x.T),
+        "mlp.up_proj.weight": (("mlp", "up_proj"), lambda: x.T),
+        "mlp.down_proj.weight": (("mlp", "down_proj"), lambda: x.T),
+    }
+    for p, h in heads.items():
+        table[f"self_attn.{p}_proj.weight"] = (("attn", f"{p}_proj"), lambda h=h: x.T.reshape(e, h, d))
+        table[f"self_attn.{p}_proj.bias"] = (("attn", f"{p}_bias"), lambda h=h: x.reshape(h, d))
+    if rest not in table:
+        raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+    path, convert = table[rest]
+    return ("layers", i) + path, convert()
+
+
+def abstract_model(cfg: ModelConfig, dtype, shard: ShardingContext) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's structure and parameter shapes, allocating nothing."""
+    model = nnx.eval_shape(lambda: Transformer(cfg, dtype, rngs=nnx.Rngs(0), shard=shard))
+    return nnx.split(model)
+
+
+def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype, shard: ShardingContext
+                    ) -> tuple[nnx.GraphDef, nnx.State]:
+    """Read every tensor of an HF checkpoint straight into sharded device arrays."""
+    graphdef, abstract = abstract_model(cfg, dtype, shard)
+    expected = dict(nnx.to_flat_state(abstract))
+    loaded: dict[tuple, jax.Array] = {}
+    for file in checkpoint_files(model_dir):
+        for name, tensor in read_tensors(file):
+            if _IGNORED.match(name):
+                continue
+            mapped = _hf_to_ours(name, tensor, cfg)
+            if mapped is None:
+                continue
+            path, array = mapped
+            if path not in expected:
+                raise ValueError(f"tensor {name!r} does not fit this model config ({path})")
+            var = expected[path]
+            if tuple(array.shape) != tuple(var.shape):
+                raise ValueError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}; the config expects "
+                    f"{tuple(var.shape)} after conversion"
+                )
+            sharding = shard.sharding(var.get_metadata()["logical_axes"])
+            loaded[path] = jax.device_put(np.asarray(array, dtype=var.dtype), sharding)
+    missing = sorted(".".join(map(str, p)) for p in expected if p not in loaded)
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} lacks tensors for: {missing[:8]}"
+                         + (" ..." if len(missing) > 8 else ""))
+    return graphdef, _fill(abstract, loaded)
+
+
+def random_params(cfg: ModelConfig, dtype, shard: ShardingContext, seed: int = 0
+                  ) -> tuple[nnx.GraphDef, nnx.State]:
+    """Random weights (std 0.02) for benchmarks and planning: same structure as a checkpoint."""
+    graphdef, abstract = abstract_model(cfg, dtype, shard)
+    key = jax.random.key(seed)
+    values = {}
+    for i, (path, var) in enumerate(nnx.to_flat_state(abstract)):
+        sharding = shard.sharding(var.get_metadata()["logical_axes"])
+        name = path[-1]
+        if name.endswith("norm"):
+            init = lambda k, s=var.shape, t=var.dtype: jnp.ones(s, t)
+        else:
+            init = lambda k, s=var.shape, t=var.dtype: (0.02 * jax.random.normal(k, s)).astype(t)
+        values[path] = jax.jit(init, out_shardings=sharding)(jax.random.fold_in(key, i))
+    return graphdef, _fill(abstract, values)
+
+
+def _fill(abstract: nnx.State, values: dict[tuple, jax.Array]) -> nnx.State:
+    flat = nnx.to_flat_state(abstract)
+    for path, var in flat:
+        var.set_value(values[path]) if hasattr(var, "set_value") else setattr(var, "value", values[path])
+    return nnx.from_flat_state(flat)

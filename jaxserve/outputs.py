@@ -1,0 +1,47 @@
+"""What the engine hands back: per-step deltas and, offline, whole results (vLLM-shaped)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None  # 1 = most likely; None when outside the returned top-N
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """New tokens of one request after one engine step (what a stream sends)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[dict[int, Logprob]] | None
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the matched stop string or stop token id
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[dict[int, Logprob]] | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    num_cached_tokens: int = 0

@@ -1,0 +1,103 @@
+"""Per-request sampling and stopping parameters, named as in vLLM."""
+
+from __future__ import annotations
+
+import dataclasses
+
+# Device-side limits: the step takes fixed-width arrays for these.
+MAX_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 24  # stop_token_ids (<= 16) plus EOS ids
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    temperature 0 means greedy. top_k -1 (or 0) and top_p 1.0 and min_p 0.0 switch those
+    filters off. Penalties follow vLLM: presence and frequency apply to generated tokens,
+    repetition to prompt and generated tokens (1.0 = off). `seed` makes the request's
+    tokens reproducible whatever else shares its batch. `logprobs=N` returns the sampled
+    token's log-probability and the N most likely tokens of the model's distribution.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field with a bad value."""
+
+        def bad(field: str, why: str) -> None:
+            raise ValueError(f"SamplingParams.{field} {why} (got {getattr(self, field)!r})")
+
+        if not _is_number(self.temperature) or self.temperature < 0:
+            bad("temperature", "must be a number >= 0 (0 means greedy)")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not _is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1):
+            bad("top_k", "must be -1 or 0 (off) or a positive integer")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        for field in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, field)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                bad(field, "must be in [-2, 2]")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0 (1.0 means off)")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            bad("max_tokens", "must be a positive integer or None")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a list of non-empty strings")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of non-negative token ids")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS - 8:
+            bad("stop_token_ids", f"may hold at most {MAX_STOP_TOKEN_IDS - 8} ids")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**32):
+            bad("seed", "must be an integer in [0, 2**32)")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x

@@ -1,0 +1,1 @@
+"""Attention and matmul kernels: each beside a pure-JAX reference with the same signature."""

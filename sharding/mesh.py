@@ -1,0 +1,31 @@
+"""Device meshes from a {axis: size} mapping."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh
+
+AXES = ("data", "model")
+
+
+def make_mesh(shape: dict[str, int] | None = None, devices: list | None = None) -> Mesh:
+    """A mesh with axes ('data', 'model'); default: one device.
+
+    `mesh_utils.create_device_mesh` orders devices to follow the physical topology.
+    """
+    shape = dict(shape or {"data": 1, "model": 1})
+    unknown = set(shape) - set(AXES)
+    if unknown:
+        raise ValueError(f"unknown mesh axes {sorted(unknown)}; use {AXES}")
+    sizes = tuple(int(shape.get(a, 1)) for a in AXES)
+    devices = devices if devices is not None else jax.devices()
+    need = math.prod(sizes)
+    if need > len(devices):
+        raise ValueError(f"mesh {dict(zip(AXES, sizes))} needs {need} devices, have {len(devices)}")
+    if need == 1:
+        return Mesh(np.array(devices[:1]).reshape(sizes), AXES)
+    return Mesh(mesh_utils.create_device_mesh(sizes, devices[:need]), AXES)

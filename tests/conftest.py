@@ -1,0 +1,101 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints, made with transformers itself."""
+
+from __future__ import annotations
+
+import os
+
+import tempfile
+
+# Tests run on the CPU (Pallas kernels in interpret mode). XLA:CPU spends 0.1-0.4 s of
+# LLVM time per fusion on these 2-core machines; optimisation level 0 halves compile time
+# without changing results, and a per-run persistent cache lets engines with the same
+# shapes share compiled programs. Benchmarks use neither.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="jaxserve-test-xla-"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+VOCAB = 320  # > 259, so the demo's byte tokenizer fits every tiny model
+
+
+def _hf_config(arch: str):
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=256, initializer_range=0.1,
+                  bos_token_id=0, eos_token_id=1, rms_norm_eps=1e-5)
+    if arch == "llama":  # Llama 3 rope scaling, GQA 4:2, untied
+        return tf.LlamaForCausalLM, tf.LlamaConfig(
+            **common, num_key_value_heads=2, rope_theta=500000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    if arch == "mistral":  # sliding window (8) far smaller than the prompts
+        return tf.MistralForCausalLM, tf.MistralConfig(
+            **common, num_key_value_heads=2, sliding_window=8)
+    if arch == "qwen2":  # q/k/v bias, MQA, tied embeddings
+        return tf.Qwen2ForCausalLM, tf.Qwen2Config(
+            **common, num_key_value_heads=1, tie_word_embeddings=True, use_sliding_window=False)
+    if arch == "qwen3":  # q/k RMSNorm, head_dim != hidden / heads
+        return tf.Qwen3ForCausalLM, tf.Qwen3Config(
+            **common, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
+    raise ValueError(arch)
+
+
+def make_checkpoint(arch: str, path: Path, seed: int = 0):
+    """Save a random tiny model of `arch` with save_pretrained; return the torch model."""
+    import torch
+
+    from jaxserve.demo import write_byte_tokenizer
+
+    cls, cfg = _hf_config(arch)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    model.save_pretrained(path)
+    write_byte_tokenizer(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """{arch: (directory, torch model)} built once per test session."""
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            path = tmp_path_factory.mktemp(arch)
+            cache[arch] = (path, make_checkpoint(arch, path))
+        return cache[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def prompts():
+    """Token-id prompts of different lengths (up to several pages of 4 tokens)."""
+    rng = np.random.default_rng(1234)
+    return [rng.integers(3, VOCAB, size=n).tolist() for n in (5, 17, 30, 43)]
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Greedy continuation by transformers' own incremental decoding (its KV cache)."""
+    import torch
+
+    out, ids = [], torch.tensor([prompt])
+    past = None
+    with torch.no_grad():
+        for _ in range(n):
+            res = model(ids, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            out.append(int(torch.argmax(res.logits[0, -1])))
+            ids = torch.tensor([[out[-1]]])
+    return out

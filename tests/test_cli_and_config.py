@@ -1,0 +1,69 @@
+"""The `jaxserve` command and the config dataclasses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jaxserve.cli import main
+from jaxserve.config import EngineConfig, ModelConfig
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    assert "generate" in capsys.readouterr().out
+
+
+def test_generate_on_demo_model(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("JAXSERVE_CACHE", str(tmp_path))
+    code = main(["generate", "--prompt", "Hi there", "--max-tokens", "5", "--ignore-eos",
+                 "--max-num-batched-tokens", "16", "--max-num-seqs", "2", "--max-model-len", "64",
+                 "--dtype", "float32"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert "meaningless" in err
+    assert "5 tokens, finish_reason=length" in out
+    assert (tmp_path / "demo-v2" / "model.safetensors").exists()
+
+
+def test_generate_bad_flag_value_is_a_clean_error(capsys):
+    assert main(["generate", "--temperature", "-1"]) == 2
+    assert "temperature" in capsys.readouterr().err
+
+
+def test_presets_have_published_parameter_counts():
+    counts = {name: ModelConfig.from_file(f"configs/models/{name}.yaml").num_params()
+              for name in ("llama3-8b", "llama3-70b", "qwen2.5-0.5b", "smollm2-135m")}
+    assert round(counts["llama3-8b"] / 1e9, 2) == 8.03
+    assert round(counts["llama3-70b"] / 1e9, 1) == 70.6
+    assert round(counts["qwen2.5-0.5b"] / 1e6) == 494
+    assert round(counts["smollm2-135m"] / 1e6) == 135
+
+
+def test_hf_config_mapping(tmp_path):
+    hf = {"model_type": "qwen2", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
+          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 2,
+          "rope_scaling": {"type": "linear", "factor": 2.0}, "eos_token_id": [5, 6]}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    cfg = ModelConfig.from_file(tmp_path)
+    assert (cfg.qkv_bias, cfg.o_bias, cfg.head_dim, cfg.eos_token_ids) == (True, False, 8, (5, 6))
+    assert [cfg.layer_window(i) for i in range(3)] == [None, None, 16]
+    assert (cfg.rope_scaling.rope_type, cfg.rope_scaling.factor) == ("linear", 2.0)
+    with pytest.raises(ValueError, match="model_type"):
+        ModelConfig.from_hf({**hf, "model_type": "gpt2"})
+    with pytest.raises(ValueError, match="rope scaling"):
+        ModelConfig.from_hf({**hf, "rope_scaling": {"type": "yarn", "factor": 4.0}})
+
+
+def test_engine_config_validation(tmp_path):
+    assert EngineConfig(max_num_batched_tokens=64).token_buckets == (1, 8, 16, 32, 64)
+    with pytest.raises(ValueError, match="dtype"):
+        EngineConfig(dtype="int3")
+    (tmp_path / "e.yaml").write_text("max_num_seqs: 4\nbogus: 1\n")
+    with pytest.raises(ValueError, match="bogus"):
+        EngineConfig.from_yaml(tmp_path / "e.yaml")
+    assert EngineConfig.from_yaml("configs/engine/cpu.yaml", max_num_seqs=3).max_num_seqs == 3

@@ -1,0 +1,161 @@
+"""The engine and offline API on a tiny Llama with a byte-level tokenizer."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from jaxserve import LLM, SamplingParams
+
+ENGINE = dict(dtype="float32", max_model_len=128, page_size=4, max_num_seqs=4,
+              max_num_batched_tokens=64, token_buckets=(16, 64))
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints):
+    path, _ = checkpoints("llama")
+    return LLM(str(path), **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoints):
+    return checkpoints("llama")[1]
+
+
+def tokens(out):
+    return out.outputs[0].token_ids
+
+
+def test_seed_gives_same_tokens_whatever_the_batch(llm, prompts):
+    p = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=24,
+                       ignore_eos=True)
+    alone = tokens(llm.generate([prompts[1]], p)[0])
+    others = [SamplingParams(temperature=t, seed=s, max_tokens=m, ignore_eos=True)
+              for t, s, m in ((0.0, None, 5), (1.3, 7, 30), (0.5, None, 12))]
+    mixed = llm.generate([prompts[3], prompts[1], prompts[0], prompts[2]],
+                         [others[0], p, others[1], others[2]])
+    assert tokens(mixed[1]) == alone
+    again = llm.generate([prompts[2], prompts[1]], [others[2], p])
+    assert tokens(again[1]) == alone
+    unseeded = llm.generate([prompts[1]] * 2, SamplingParams(temperature=1.0, max_tokens=24,
+                                                             ignore_eos=True))
+    assert tokens(unseeded[0]) != tokens(unseeded[1])
+
+
+def test_stop_conditions(llm, prompts):
+    base = llm.generate([prompts[2]], SamplingParams(temperature=0.0, max_tokens=40,
+                                                    ignore_eos=True))[0].outputs[0]
+    assert len(base.token_ids) == 40 and base.finish_reason == "length"
+
+    stop_id = base.token_ids[6]
+    first = base.token_ids.index(stop_id)
+    out = llm.generate([prompts[2]], SamplingParams(temperature=0.0, max_tokens=40,
+                                                   stop_token_ids=[stop_id]))[0].outputs[0]
+    assert out.token_ids == base.token_ids[:first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+
+    # min_tokens forbids the stop token until 8 tokens exist.
+    out = llm.generate([prompts[2]], SamplingParams(
+        temperature=0.0, max_tokens=40, min_tokens=8, stop_token_ids=[stop_id]))[0].outputs[0]
+    assert stop_id not in out.token_ids[:8] and len(out.token_ids) >= 8
+
+    text = base.text
+    assert len(text) > 12
+    stop = text[8:11]
+    out = llm.generate([prompts[2]], SamplingParams(temperature=0.0, max_tokens=40,
+                                                   stop=[stop]))[0].outputs[0]
+    assert out.text == text[:text.index(stop)]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+
+
+def test_eos_stops_unless_ignored(llm, prompts):
+    """Make EOS certain by banning nothing and forcing it: stop_token_ids vs eos handled alike."""
+    eos = llm.engine.eos_token_ids
+    assert 1 in eos
+    base = llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=30,
+                                                    ignore_eos=True))[0].outputs[0]
+    if 1 in base.token_ids:
+        cut = base.token_ids.index(1)
+        out = llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=30))[0]
+        assert tokens(out) == base.token_ids[:cut + 1]
+        assert out.outputs[0].finish_reason == "stop"
+    else:
+        out = llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=30))[0]
+        assert tokens(out) == base.token_ids
+
+
+def test_logprobs_match_transformers(llm, hf_model, prompts):
+    out = llm.generate([prompts[1]], SamplingParams(temperature=0.0, max_tokens=4,
+                                                   logprobs=3, ignore_eos=True))[0].outputs[0]
+    ids = prompts[1] + out.token_ids
+    with torch.no_grad():
+        logp = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0], -1).numpy()
+    for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        row = logp[len(prompts[1]) - 1 + i]
+        top3 = np.argsort(-row)[:3].tolist()
+        assert list(lp)[:3] == top3 and tok == top3[0]
+        for t, entry in lp.items():
+            assert abs(entry.logprob - row[t]) < 1e-4
+        assert lp[tok].rank == 1
+
+
+def test_text_prompt_and_detokenized_output(llm):
+    tok = llm.get_tokenizer()
+    out = llm.generate("Hello, world", SamplingParams(temperature=0.0, max_tokens=10,
+                                                      ignore_eos=True))[0]
+    assert out.prompt_token_ids == tok.encode("Hello, world")
+    assert out.prompt_token_ids[0] == tok.bos_token_id
+    assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids)
+
+
+def test_no_compile_after_warmup(llm, prompts):
+    compiles = []
+    listener = lambda event, *a, **k: compiles.append(event) if "compile" in event else None  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                  SamplingParams(temperature=0.7, top_k=5, seed=3, max_tokens=9),
+                  SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, max_tokens=15),
+                  SamplingParams(logprobs=5, min_p=0.1, max_tokens=7, stop=["ab"])]
+        llm.generate(prompts * 2, params * 2)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+    assert llm.engine.runner.compiles_after_warmup == 0
+
+
+def test_bad_arguments_raise_value_error(llm):
+    too_long = list(range(3, 3 + 128))
+    cases = [
+        (lambda: SamplingParams(temperature=-1), "temperature"),
+        (lambda: SamplingParams(top_p=0.0), "top_p"),
+        (lambda: SamplingParams(top_k=-5), "top_k"),
+        (lambda: SamplingParams(max_tokens=0), "max_tokens"),
+        (lambda: SamplingParams(logprobs=50), "logprobs"),
+        (lambda: llm.generate([[]]), "empty"),
+        (lambda: llm.generate([[5, 10**6]]), "vocabulary"),
+        (lambda: llm.generate([too_long]), "max_model_len"),
+        (lambda: llm.generate([[5, 6]], SamplingParams(max_tokens=127)), "max_tokens"),
+        (lambda: LLM("/nonexistent/dir", warmup=False), "not a directory"),
+        (lambda: LLM(None, warmup=False, bogus=1), "unknown LLM arguments"),
+    ]
+    for make, needle in cases:
+        with pytest.raises(ValueError, match=needle):
+            make()
+    assert not llm.engine.has_unfinished()  # a bad prompt left nothing queued
+
+
+def test_abort_frees_pages(llm, prompts):
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"abort-{i}", p, SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.scheduler.allocator.num_used_pages > 0
+    for i in range(len(prompts)):
+        assert engine.abort_request(f"abort-{i}")
+    assert not engine.abort_request("abort-0")
+    assert engine.scheduler.allocator.num_used_pages == 0
+    assert not engine.has_unfinished()

@@ -1,0 +1,128 @@
+"""Parity with Hugging Face transformers (PyTorch, float32) on tiny random checkpoints.
+
+Tolerance for prompt logits: |ours - HF| <= 1e-4 + 1e-4 * |HF|. Both sides compute in
+float32 with different op orders (einsum vs. linear, fused vs. separate softmax), which
+moves logits of these 2-layer, 64-wide models by ~1e-6; 1e-4 leaves 100x headroom while
+any real error (rope, bias, norm, window, head layout) moves them by more than 1e-2.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from conftest import hf_greedy
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import ModelConfig
+from jaxserve.loading.safetensors import load_checkpoint
+from jaxserve.models.transformer import AttentionMetadata
+from sharding.mesh import make_mesh
+from sharding.rules import ShardingContext
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+NEW_TOKENS = 32
+# Small buckets keep the number of compiled programs per engine low.
+ENGINE = dict(dtype="float32", max_model_len=128, page_size=4, max_num_seqs=4,
+              max_num_batched_tokens=64, token_buckets=(16, 64))
+
+
+def ragged_prompt_logits(model_dir, prompts, page_size=4, seed=0):
+    """Our logits at every prompt position, all prompts in one ragged batch, pages shuffled."""
+    cfg = ModelConfig.from_file(model_dir)
+    graphdef, params = load_checkpoint(model_dir, cfg, jnp.float32, ShardingContext(make_mesh()))
+    model = nnx.merge(graphdef, params)
+    rng = np.random.default_rng(seed)
+    per_seq = max(-(-len(p) // page_size) for p in prompts)
+    num_pages = per_seq * len(prompts) + 3
+    pages = rng.permutation(num_pages)[: per_seq * len(prompts)].reshape(len(prompts), per_seq)
+    ids, pos, slots, cu = [], [], [], [0]
+    for s, p in enumerate(prompts):
+        ids += p
+        pos += range(len(p))
+        slots += [pages[s, j // page_size] * page_size + j % page_size for j in range(len(p))]
+        cu.append(len(ids))
+    shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    caches = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in range(cfg.num_layers)]
+    meta = AttentionMetadata(
+        slot_mapping=jnp.array(slots, jnp.int32), cu_q_lens=jnp.array(cu, jnp.int32),
+        kv_lens=jnp.array([len(p) for p in prompts], jnp.int32),
+        page_indices=jnp.array(pages, jnp.int32), num_seqs=jnp.array(len(prompts), jnp.int32))
+    hidden, _ = jax.jit(model.__call__)(jnp.array(ids, jnp.int32), jnp.array(pos, jnp.int32),
+                                        caches, meta)
+    logits = np.asarray(model.logits(hidden))
+    return [logits[cu[s]:cu[s + 1]] for s in range(len(prompts))]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prompt_logits_match_transformers(arch, checkpoints, prompts):
+    path, hf_model = checkpoints(arch)
+    ours = ragged_prompt_logits(path, prompts)
+    for prompt, got in zip(prompts, ours):
+        with torch.no_grad():
+            want = hf_model(torch.tensor([prompt])).logits[0].numpy()
+        assert want.std() > 0.3, "random logits too flat to compare"
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def hf_continuations(checkpoints, prompts):
+    return {arch: [hf_greedy(checkpoints(arch)[1], p, NEW_TOKENS) for p in prompts]
+            for arch in ARCHS}
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def _generate(path, prompts, **overrides):
+    llm = LLM(str(path), **{**ENGINE, **overrides})
+    outs = llm.generate(prompts, GREEDY)
+    assert llm.engine.runner.compiles_after_warmup == 0
+    assert llm.engine.scheduler.allocator.num_used_pages == 0, "pages leaked"
+    return llm, outs
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_batch_matches_transformers(arch, checkpoints, prompts, hf_continuations):
+    path, _ = checkpoints(arch)
+    _, outs = _generate(path, prompts, enable_prefix_caching=False)
+    for out, prompt, want in zip(outs, prompts, hf_continuations[arch]):
+        assert out.prompt_token_ids == prompt
+        assert out.outputs[0].token_ids == want
+        assert out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_with_chunked_prefill(arch, checkpoints, prompts, hf_continuations):
+    """A 16-token budget splits the 17-, 30- and 43-token prompts into chunks."""
+    path, _ = checkpoints(arch)
+    _, outs = _generate(path, prompts, max_num_batched_tokens=16, token_buckets=(16,),
+                        enable_prefix_caching=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_continuations[arch]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_with_preemption(arch, checkpoints, prompts, hf_continuations):
+    """A pool of 32 pages (128 tokens) cannot hold four sequences of up to 75 tokens."""
+    path, _ = checkpoints(arch)
+    llm, outs = _generate(path, prompts, num_pages=32, enable_prefix_caching=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == hf_continuations[arch]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_with_prefix_cache_hits(arch, checkpoints, prompts):
+    """Prompts sharing a 24-token prefix: later ones reuse its pages, outputs unchanged."""
+    path, hf_model = checkpoints(arch)
+    shared = prompts[3][:24]
+    family = [shared + p[:n] for p, n in zip(prompts, (3, 6, 9, 1))]
+    want = [hf_greedy(hf_model, p, NEW_TOKENS) for p in family]
+    llm = LLM(str(path), **ENGINE, enable_prefix_caching=True)
+    first = llm.generate(family[:1], GREEDY)  # fills the cache
+    rest = llm.generate(family[1:], GREEDY)
+    assert [o.outputs[0].token_ids for o in first + rest] == want
+    assert all(o.num_cached_tokens == 24 for o in rest)
+    assert llm.engine.scheduler.allocator.num_used_pages == 0

@@ -1,0 +1,118 @@
+"""The reference ragged paged attention against plain dense masked attention (numpy)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention, write_kv
+
+
+def random_batch(rng, *, num_seqs, page_size, num_kv_heads, group, head_dim, dtype, max_pages=6):
+    """Mixed decode/prefill sequences with contexts of 1..max_pages pages, pages shuffled."""
+    q_lens, kv_lens = [], []
+    for _ in range(num_seqs):
+        kv = int(rng.integers(1, max_pages * page_size + 1))
+        q = 1 if rng.random() < 0.5 else int(rng.integers(1, kv + 1))  # decode or prefill chunk
+        q_lens.append(q)
+        kv_lens.append(kv)
+    num_pages = num_seqs * max_pages + 5
+    perm = rng.permutation(num_pages)
+    page_indices = perm[: num_seqs * max_pages].reshape(num_seqs, max_pages)
+    hq = num_kv_heads * group
+    k_pages = rng.standard_normal((num_pages, page_size, num_kv_heads, head_dim))
+    v_pages = rng.standard_normal((num_pages, page_size, num_kv_heads, head_dim))
+    q = rng.standard_normal((sum(q_lens), hq, head_dim))
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    cast = lambda x: x.astype(np.float32).astype(dtype)  # noqa: E731
+    return dict(q=cast(q), k_pages=cast(k_pages), v_pages=cast(v_pages),
+                kv_lens=np.array(kv_lens, np.int32), page_indices=page_indices.astype(np.int32),
+                cu_q_lens=cu.astype(np.int32))
+
+
+def dense_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sm_scale,
+                    sliding_window=None, soft_cap=None):
+    q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
+    page_size, hkv = k_pages.shape[1], k_pages.shape[2]
+    group = q.shape[1] // hkv
+    out = np.zeros_like(q)
+    for s in range(len(kv_lens)):
+        kv_len, start, end = kv_lens[s], cu_q_lens[s], cu_q_lens[s + 1]
+        slots = [(page_indices[s, j // page_size], j % page_size) for j in range(kv_len)]
+        k = np.stack([k_pages[p, r] for p, r in slots])  # [kv, hkv, d]
+        v = np.stack([v_pages[p, r] for p, r in slots])
+        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+        for i, t in enumerate(range(start, end)):
+            pos = kv_len - (end - start) + i
+            scores = np.einsum("hd,khd->hk", q[t], k) * sm_scale
+            if soft_cap is not None:
+                scores = soft_cap * np.tanh(scores / soft_cap)
+            keys = np.arange(kv_len)
+            mask = keys <= pos
+            if sliding_window is not None:
+                mask &= keys > pos - sliding_window
+            scores = np.where(mask[None], scores, -np.inf)
+            p = np.exp(scores - scores.max(-1, keepdims=True))
+            out[t] = np.einsum("hk,khd->hd", p / p.sum(-1, keepdims=True), v)
+    return out
+
+
+CASES = [
+    dict(group=1, head_dim=64, page_size=4),
+    dict(group=4, head_dim=64, page_size=8),
+    dict(group=8, head_dim=128, page_size=4),
+    dict(group=4, head_dim=64, page_size=4, sliding_window=7),
+    dict(group=2, head_dim=64, page_size=4, soft_cap=5.0),
+    dict(group=4, head_dim=64, page_size=4, pages_per_block=1),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_reference_matches_dense(case, seed):
+    rng = np.random.default_rng(seed)
+    case = dict(case)
+    window, cap, ppb = case.pop("sliding_window", None), case.pop("soft_cap", None), case.pop(
+        "pages_per_block", None)
+    b = random_batch(rng, num_seqs=5, num_kv_heads=2, dtype=np.float32, **case)
+    scale = case["head_dim"] ** -0.5
+    max_seqs = 8  # padded sequence slots past num_seqs must be ignored
+    pad = max_seqs - 5
+    got = ragged_paged_attention(
+        jnp.asarray(b["q"]), jnp.asarray(b["k_pages"]), jnp.asarray(b["v_pages"]),
+        jnp.asarray(np.pad(b["kv_lens"], (0, pad))),
+        jnp.asarray(np.pad(b["page_indices"], ((0, pad), (0, 0)))),
+        jnp.asarray(np.pad(b["cu_q_lens"], (0, pad), mode="edge")), jnp.int32(5),
+        sm_scale=scale, sliding_window=window, soft_cap=cap, pages_per_block=ppb)
+    want = dense_attention(b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["page_indices"],
+                           b["cu_q_lens"], scale, window, cap)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
+
+
+def test_padding_tokens_give_zeros_and_bf16_close():
+    rng = np.random.default_rng(7)
+    b = random_batch(rng, num_seqs=3, num_kv_heads=2, group=4, head_dim=64, page_size=4,
+                     dtype=jnp.bfloat16)
+    t = b["q"].shape[0]
+    q = np.concatenate([b["q"], np.ones((5,) + b["q"].shape[1:], b["q"].dtype)])  # 5 pad tokens
+    got = ragged_paged_attention(q, b["k_pages"], b["v_pages"], b["kv_lens"], b["page_indices"],
+                                 b["cu_q_lens"], jnp.int32(3), sm_scale=0.125)
+    got = np.asarray(got, np.float32)
+    assert np.all(got[t:] == 0)
+    want = dense_attention(b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["page_indices"],
+                           b["cu_q_lens"], 0.125)
+    # bf16 inputs, f32 accumulation, bf16 output: bf16 has 8 bits of mantissa (~4e-3).
+    np.testing.assert_allclose(got[:t], want, atol=2e-2, rtol=2e-2)
+
+
+def test_write_kv_places_tokens_and_drops_padding():
+    k_pages = jnp.zeros((4, 2, 1, 3))
+    v_pages = jnp.zeros((4, 2, 1, 3))
+    k = jnp.arange(9, dtype=jnp.float32).reshape(3, 1, 3) + 1
+    slots = jnp.array([5, 0, 8])  # page 2 row 1, page 0 row 0, out of range (dropped)
+    k2, v2 = jax.jit(write_kv)(k_pages, v_pages, k, -k, slots)
+    np.testing.assert_array_equal(k2[2, 1, 0], k[0, 0])
+    np.testing.assert_array_equal(v2[0, 0, 0], -k[1, 0])
+    assert float(jnp.abs(k2).sum()) == float(k[:2].sum())

@@ -1,0 +1,96 @@
+"""On-device sampling: exact filter masks, the sampling distribution, seeds, penalties."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.engine.sampler import SamplingArrays, TokenHistory, apply_penalties, filter_logits, sample
+from jaxserve.sampling_params import MAX_STOP_TOKEN_IDS
+
+
+def arrays(n, **kw) -> SamplingArrays:
+    base = dict(temperature=np.ones(n, np.float32), top_k=np.zeros(n, np.int32),
+                top_p=np.ones(n, np.float32), min_p=np.zeros(n, np.float32),
+                presence_penalty=np.zeros(n, np.float32), frequency_penalty=np.zeros(n, np.float32),
+                repetition_penalty=np.ones(n, np.float32), seed=np.arange(n, dtype=np.uint32),
+                output_index=np.zeros(n, np.int32),
+                banned_ids=np.full((n, MAX_STOP_TOKEN_IDS), -1, np.int32))
+    for k, v in kw.items():
+        base[k] = np.asarray(v, base[k].dtype)
+    return SamplingArrays(**base)
+
+
+PROBS = np.array([0.5, 0.3, 0.15, 0.05])  # distinct, sums to 1
+
+
+def kept(logits, **params) -> list[list[int]]:
+    out = np.asarray(jax.jit(filter_logits)(jnp.asarray(logits, jnp.float32),
+                                            arrays(len(logits), **params)))
+    return [np.flatnonzero(np.isfinite(row)).tolist() for row in out]
+
+
+def test_top_k_top_p_min_p_masks_are_exact():
+    logits = np.log(np.tile(PROBS, (6, 1)))
+    got = kept(logits,
+               top_k=[0, 3, 1, 0, 0, 2],
+               top_p=[1.0, 1.0, 1.0, 0.7, 0.85, 0.9],
+               min_p=[0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    # row 3: mass before token 2 is 0.8 >= 0.7, so the nucleus is {0, 1};
+    # row 5: top-2 renormalised is [0.625, 0.375]: both stay under top_p=0.9.
+    assert got == [[0, 1, 2, 3], [0, 1, 2], [0], [0, 1], [0, 1, 2], [0, 1]]
+    # min_p: keep probs >= min_p * max prob (0.5): floors 0.1 and 0.35.
+    assert kept(np.log(np.tile(PROBS, (2, 1))), min_p=[0.2, 0.7]) == [[0, 1, 2], [0]]
+
+
+def test_temperature_sampling_follows_softmax():
+    """Chi-square of 8000 seeded draws against softmax(logits / T): df=7, 0.1% level 24.32."""
+    n, temp = 8000, 0.7
+    logits = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0], np.float32)
+    out = jax.jit(sample)(jnp.tile(logits, (n, 1)), arrays(n, temperature=np.full(n, temp)), None)
+    counts = np.bincount(np.asarray(out.token_ids), minlength=8)
+    expected = n * np.exp(logits / temp) / np.exp(logits / temp).sum()
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert chi2 < 24.32, (counts, expected.round())
+    # The same draws against the untempered softmax must be rejected (the test has power).
+    wrong = n * np.exp(logits) / np.exp(logits).sum()
+    assert ((counts - wrong) ** 2 / wrong).sum() > 100
+
+
+def test_seeded_draw_independent_of_batch():
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((5, 50)).astype(np.float32)
+    params = dict(temperature=[0.9, 1.2, 0.0, 0.5, 1.0], top_p=[0.9, 1, 1, 0.8, 1],
+                  seed=[11, 22, 33, 44, 55], output_index=[3, 0, 1, 7, 2])
+    batch = np.asarray(jax.jit(sample)(jnp.asarray(logits), arrays(5, **params), None).token_ids)
+    for i in range(5):
+        alone = arrays(1, **{k: [v[i]] for k, v in params.items()})
+        got = jax.jit(sample)(jnp.asarray(logits[i:i + 1]), alone, None).token_ids
+        assert int(got[0]) == batch[i]
+    # A different output index (the next position) gives an independent draw stream.
+    draws = {int(jax.jit(sample)(jnp.asarray(logits[:1]), arrays(
+        1, temperature=[1.0], seed=[11], output_index=[k]), None).token_ids[0]) for k in range(20)}
+    assert len(draws) > 3
+
+
+def test_greedy_bans_and_logprobs():
+    logits = np.array([[0.0, 3.0, 1.0, 2.0], [5.0, 1.0, 0.0, 0.0]], np.float32)
+    banned = np.full((2, MAX_STOP_TOKEN_IDS), -1, np.int32)
+    banned[0, 0] = 1  # row 0 may not pick its argmax
+    out = jax.jit(sample)(jnp.asarray(logits), arrays(2, temperature=[0, 0], banned_ids=banned), None)
+    assert np.asarray(out.token_ids).tolist() == [3, 0]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    np.testing.assert_allclose(out.logprob, [logp[0, 3], logp[1, 0]], rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(out.top_ids)[0, :4], [1, 3, 2, 0])
+    np.testing.assert_allclose(np.asarray(out.top_logprobs)[0, :4], np.sort(logp[0])[::-1], rtol=1e-6)
+
+
+def test_penalties_exact():
+    logits = jnp.array([[2.0, -2.0, 1.0, 0.5, 3.0]])
+    # prompt = [0, 1]; generated = [2, 2, 3]
+    hist = TokenHistory(tokens=jnp.array([[0, 1, 2, 2, 3, -1]]), prompt_lens=jnp.array([2]))
+    p = arrays(1, repetition_penalty=[2.0], frequency_penalty=[0.5], presence_penalty=[0.25])
+    got = np.asarray(apply_penalties(logits, p, hist))[0]
+    want = [2.0 / 2, -2.0 * 2, 1.0 / 2 - 0.5 * 2 - 0.25, 0.5 / 2 - 0.5 - 0.25, 3.0]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
