@@ -66,6 +66,9 @@ CASES = [
     dict(group=4, head_dim=64, page_size=4, sliding_window=7),
     dict(group=2, head_dim=64, page_size=4, soft_cap=5.0),
     dict(group=4, head_dim=64, page_size=4, pages_per_block=1),
+    dict(group=4, head_dim=64, page_size=4, queries_per_block=1),
+    dict(group=2, head_dim=64, page_size=4, queries_per_block=3, sliding_window=5),
+    dict(group=4, head_dim=64, page_size=8, queries_per_block=32),
 ]
 
 
@@ -74,8 +77,8 @@ CASES = [
 def test_reference_matches_dense(case, seed):
     rng = np.random.default_rng(seed)
     case = dict(case)
-    window, cap, ppb = case.pop("sliding_window", None), case.pop("soft_cap", None), case.pop(
-        "pages_per_block", None)
+    window, cap = case.pop("sliding_window", None), case.pop("soft_cap", None)
+    ppb, qpb = case.pop("pages_per_block", None), case.pop("queries_per_block", None)
     b = random_batch(rng, num_seqs=5, num_kv_heads=2, dtype=np.float32, **case)
     scale = case["head_dim"] ** -0.5
     max_seqs = 8  # padded sequence slots past num_seqs must be ignored
@@ -85,7 +88,8 @@ def test_reference_matches_dense(case, seed):
         jnp.asarray(np.pad(b["kv_lens"], (0, pad))),
         jnp.asarray(np.pad(b["page_indices"], ((0, pad), (0, 0)))),
         jnp.asarray(np.pad(b["cu_q_lens"], (0, pad), mode="edge")), jnp.int32(5),
-        sm_scale=scale, sliding_window=window, soft_cap=cap, pages_per_block=ppb)
+        sm_scale=scale, sliding_window=window, soft_cap=cap, pages_per_block=ppb,
+        queries_per_block=qpb)
     want = dense_attention(b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["page_indices"],
                            b["cu_q_lens"], scale, window, cap)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
