@@ -159,3 +159,23 @@ def test_abort_frees_pages(llm, prompts):
     assert not engine.abort_request("abort-0")
     assert engine.scheduler.allocator.num_used_pages == 0
     assert not engine.has_unfinished()
+
+
+def test_bfloat16_engine_close_to_float32_transformers(checkpoints, hf_model, prompts):
+    """bf16 weights and KV cache. bf16 keeps 8 bits of mantissa (~0.4% per rounding); over two
+    layers the log-probabilities move by up to ~0.04 here, so the bound is 0.1. Top-1 must
+    agree at >= 90% of positions (teacher-forced on our own output)."""
+    path, _ = checkpoints("llama")
+    llm = LLM(str(path), **{**ENGINE, "dtype": "bfloat16"})
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, logprobs=5,
+                                               ignore_eos=True))
+    agree = []
+    for prompt, out in zip(prompts, outs):
+        ids = prompt + out.outputs[0].token_ids
+        with torch.no_grad():
+            logp = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0], -1).numpy()
+        for i, (tok, lp) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
+            row = logp[len(prompt) - 1 + i]
+            assert max(abs(e.logprob - row[t]) for t, e in lp.items()) < 0.1
+            agree.append(int(np.argmax(row)) == tok)
+    assert np.mean(agree) >= 0.9
