@@ -1,4 +1,4 @@
-"""`jaxserve` command line: generate (offline) for now."""
+"""`jaxserve` command line: serve (gRPC), generate (offline), client."""
 
 from __future__ import annotations
 
@@ -68,6 +68,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from jaxserve.demo import DEMO_NOTICE
+    from jaxserve.engine.engine import Engine
+    from server.app import serve
+
+    config = engine_config_from_args(args)
+    if config.model is None:
+        logging.warning(DEMO_NOTICE)
+    engine = Engine.from_config(config)
+    return asyncio.run(serve(engine, host=args.host, port=args.port,
+                             max_waiting=args.max_waiting, grace_s=args.grace,
+                             model_name=config.model or "demo"))
+
+
+def cmd_client(args: argparse.Namespace) -> int:
+    from server.client import run_cli
+
+    return run_cli(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxserve", description="jaxserve: a JAX/XLA LLM inference server for TPU and GPU")
@@ -86,6 +108,30 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed-sampling", type=int, default=None, help="per-request sampling seed")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve the model over gRPC",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
+    srv.add_argument("--port", type=int, default=50051)
+    srv.add_argument("--max-waiting", type=int, default=1024,
+                     help="waiting requests before new ones get RESOURCE_EXHAUSTED")
+    srv.add_argument("--grace", type=float, default=30.0,
+                     help="seconds in-flight requests get to finish on SIGTERM")
+    add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
+
+    cli = sub.add_parser("client", help="call a running server")
+    cli.add_argument("--target", default="127.0.0.1:50051")
+    csub = cli.add_subparsers(dest="client_command", required=True)
+    cgen = csub.add_parser("generate", help="generate from a prompt")
+    cgen.add_argument("--prompt", required=True)
+    cgen.add_argument("--max-tokens", type=int, default=64)
+    cgen.add_argument("--temperature", type=float, default=0.0)
+    cgen.add_argument("--seed", type=int, default=None)
+    cgen.add_argument("--stream", action="store_true", help="print text as it arrives")
+    csub.add_parser("status", help="running/waiting requests, KV pages, tokens/s")
+    csub.add_parser("info", help="model and engine facts")
+    cli.set_defaults(func=cmd_client)
     return parser
 
 

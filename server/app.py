@@ -1,0 +1,96 @@
+"""The gRPC server: Inference service, health, reflection, warm-up, graceful drain.
+
+Start-up: the port opens at once with health NOT_SERVING (so probes see a live process),
+the step buckets compile, then health turns SERVING. SIGTERM/SIGINT: health goes
+NOT_SERVING, new requests are refused with UNAVAILABLE, in-flight requests get
+`grace_s` seconds to finish, the rest are aborted, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from jaxserve.engine.engine import Engine
+from server.async_engine import AsyncEngine
+from server.protos.jaxserve.v1 import inference_pb2 as pb
+from server.protos.jaxserve.v1 import inference_pb2_grpc as pb_grpc
+from server.servicer import InferenceServicer
+
+log = logging.getLogger(__name__)
+
+INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+MAX_MESSAGE_BYTES = 64 * 2**20
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Keep idle streams (a long prefill sends nothing for a while) alive, and let clients
+    # ping as often as every 10 s without being cut off.
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 50051,
+                max_waiting: int = 1024, grace_s: float = 30.0, model_name: str = "") -> int:
+    """Run until SIGTERM/SIGINT; returns the process exit code."""
+    async_engine = AsyncEngine(engine, max_waiting=max_waiting)
+    mesh = engine.runner.shard.mesh
+    servicer = InferenceServicer(async_engine, model_name,
+                                 {k: int(v) for k, v in mesh.shape.items()})
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    pb_grpc.add_InferenceServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = f"{host}:{port}"
+    if server.add_insecure_port(address) == 0:
+        raise ValueError(f"cannot bind {address}")
+
+    async def set_health(status) -> None:
+        for name in ("", INFERENCE_SERVICE):
+            await health_servicer.set(name, status)
+
+    await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+    log.info("listening on %s (NOT_SERVING until warm-up ends)", address)
+    await asyncio.to_thread(engine.warmup)
+    async_engine.start()
+    await set_health(health_pb2.HealthCheckResponse.SERVING)
+    log.info("ready: serving %s on %s", model_name or "model", address)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    stop_task = asyncio.create_task(stop.wait())
+    while not stop.is_set():
+        await asyncio.wait([stop_task], timeout=1.0)
+        if not async_engine.is_alive:
+            log.error("the engine loop died (%r): NOT_SERVING", async_engine.error)
+            await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            await stop.wait()
+
+    log.info("draining: NOT_SERVING, %d requests in flight, %.0f s grace",
+             async_engine.num_streams(), grace_s)
+    servicer.accepting = False
+    await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    deadline = loop.time() + grace_s
+    while async_engine.num_streams() and loop.time() < deadline:
+        await asyncio.sleep(0.1)
+    for rid in list(async_engine._streams):
+        async_engine.abort(rid)
+    await asyncio.sleep(0.2)  # let the aborts reach their streams
+    await server.stop(grace=2.0)
+    async_engine.stop()
+    log.info("stopped")
+    return 0

@@ -1,0 +1,117 @@
+"""A small client for jaxserve's gRPC API: sync and async generate that yield chunks."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import AsyncIterator, Iterator
+
+import grpc
+from google.protobuf import json_format
+
+from server.protos.jaxserve.v1 import inference_pb2 as pb
+from server.protos.jaxserve.v1 import inference_pb2_grpc as pb_grpc
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 2**20),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+def make_request(prompt: str | list[int], request_id: str = "", **sampling) -> pb.GenerateRequest:
+    """A GenerateRequest from a text or token-id prompt and SamplingParams fields."""
+    req = pb.GenerateRequest(request_id=request_id, sampling=pb.SamplingParams(**sampling))
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    return req
+
+
+class Client:
+    """Blocking client. `generate` yields GenerateResponse messages (chunks, then complete)."""
+
+    def __init__(self, target: str = "127.0.0.1:50051"):
+        self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.InferenceStub(self.channel)
+
+    def generate(self, prompt: str | list[int], request_id: str = "", timeout: float | None = None,
+                 **sampling) -> Iterator[pb.GenerateResponse]:
+        yield from self.stub.Generate(make_request(prompt, request_id, **sampling), timeout=timeout)
+
+    def complete(self, prompt: str | list[int], **sampling) -> tuple[list[int], str, pb.Complete]:
+        """Run to the end: (token ids, text, the Complete message)."""
+        ids, text, done = [], "", None
+        for msg in self.generate(prompt, **sampling):
+            if msg.HasField("chunk"):
+                ids += msg.chunk.token_ids
+                text += msg.chunk.text
+            else:
+                done = msg.complete
+        return ids, text, done
+
+    def abort(self, *request_ids: str) -> int:
+        return self.stub.Abort(pb.AbortRequest(request_ids=request_ids)).num_aborted
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.stub.Tokenize(pb.TokenizeRequest(
+            text=text, add_special_tokens=add_special_tokens)).ids)
+
+    def info(self) -> pb.ModelInfo:
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest())
+
+    def status(self) -> pb.ServerStatus:
+        return self.stub.GetServerStatus(pb.GetServerStatusRequest())
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class AsyncClient:
+    """asyncio client; `generate` is an async iterator of GenerateResponse messages."""
+
+    def __init__(self, target: str = "127.0.0.1:50051"):
+        self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.InferenceStub(self.channel)
+
+    async def generate(self, prompt: str | list[int], request_id: str = "",
+                       timeout: float | None = None, **sampling
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        call = self.stub.Generate(make_request(prompt, request_id, **sampling), timeout=timeout)
+        async for msg in call:
+            yield msg
+
+    async def status(self) -> pb.ServerStatus:
+        return await self.stub.GetServerStatus(pb.GetServerStatusRequest())
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    client = Client(args.target)
+    try:
+        if args.client_command == "generate":
+            sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature)
+            if args.seed is not None:
+                sampling["seed"] = args.seed
+            text = ""
+            for msg in client.generate(args.prompt, **sampling):
+                if msg.HasField("chunk"):
+                    text += msg.chunk.text
+                    if args.stream:
+                        print(msg.chunk.text, end="", flush=True)
+                else:
+                    print("" if args.stream else text)
+                    print(json_format.MessageToJson(msg.complete))
+        elif args.client_command == "status":
+            print(json_format.MessageToJson(client.status()))
+        else:
+            print(json_format.MessageToJson(client.info()))
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    return 0
