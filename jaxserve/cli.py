@@ -76,12 +76,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from server.app import serve
 
     config = engine_config_from_args(args)
-    if config.model is None:
-        logging.warning(DEMO_NOTICE)
-    engine = Engine.from_config(config)
+    if args.random_weights:
+        engine = Engine.from_config(config, random_weights_preset=args.random_weights)
+        name = f"{args.random_weights} (random weights)"
+    else:
+        if config.model is None:
+            logging.warning(DEMO_NOTICE)
+        engine = Engine.from_config(config)
+        name = config.model or "demo"
     return asyncio.run(serve(engine, host=args.host, port=args.port,
-                             max_waiting=args.max_waiting, grace_s=args.grace,
-                             model_name=config.model or "demo"))
+                             max_waiting=args.max_waiting, grace_s=args.grace, model_name=name))
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from server.bench import main as bench_main
+
+    return bench_main(args)
 
 
 def cmd_client(args: argparse.Namespace) -> int:
@@ -117,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="waiting requests before new ones get RESOURCE_EXHAUSTED")
     srv.add_argument("--grace", type=float, default=30.0,
                      help="seconds in-flight requests get to finish on SIGTERM")
+    srv.add_argument("--random-weights", default=None, metavar="PRESET_YAML",
+                     help="serve random weights of a model preset (no tokenizer: token-id "
+                          "prompts only), e.g. configs/models/smollm2-135m.yaml, for benchmarks")
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
@@ -132,6 +145,15 @@ def build_parser() -> argparse.ArgumentParser:
     csub.add_parser("status", help="running/waiting requests, KV pages, tokens/s")
     csub.add_parser("info", help="model and engine facts")
     cli.set_defaults(func=cmd_client)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    bserve = bsub.add_parser("serve", help="load a running server; TTFT, TPOT, throughput",
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from server.bench import add_args as add_bench_args
+
+    add_bench_args(bserve)
+    bserve.set_defaults(func=cmd_bench_serve)
     return parser
 
 

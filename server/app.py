@@ -18,13 +18,17 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxserve.engine.engine import Engine
 from server.async_engine import AsyncEngine
+from server.jetstream import OrchestratorServicer
 from server.protos.jaxserve.v1 import inference_pb2 as pb
 from server.protos.jaxserve.v1 import inference_pb2_grpc as pb_grpc
+from server.protos.jetstream_proto import jetstream_pb2 as js
+from server.protos.jetstream_proto import jetstream_pb2_grpc as js_grpc
 from server.servicer import InferenceServicer
 
 log = logging.getLogger(__name__)
 
 INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+JETSTREAM_SERVICE = js.DESCRIPTOR.services_by_name["Orchestrator"].full_name
 MAX_MESSAGE_BYTES = 64 * 2**20
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -48,16 +52,19 @@ async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 50051,
                                  {k: int(v) for k, v in mesh.shape.items()})
     server = grpc.aio.server(options=SERVER_OPTIONS)
     pb_grpc.add_InferenceServicer_to_server(servicer, server)
+    js_grpc.add_OrchestratorServicer_to_server(
+        OrchestratorServicer(async_engine, lambda: servicer.accepting), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (INFERENCE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        (INFERENCE_SERVICE, JETSTREAM_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
+        server)
     address = f"{host}:{port}"
     if server.add_insecure_port(address) == 0:
         raise ValueError(f"cannot bind {address}")
 
     async def set_health(status) -> None:
-        for name in ("", INFERENCE_SERVICE):
+        for name in ("", INFERENCE_SERVICE, JETSTREAM_SERVICE):
             await health_servicer.set(name, status)
 
     await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)

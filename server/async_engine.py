@@ -66,6 +66,7 @@ class AsyncEngine:
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._rate_window = rate_window_s
         self.step_gaps: collections.deque[float] = collections.deque(maxlen=10_000)
+        self.step_times: collections.deque[float] = collections.deque(maxlen=10_000)
         self.error: BaseException | None = None
 
     # ------------------------------------------------------------ asyncio side
@@ -110,6 +111,10 @@ class AsyncEngine:
         span = max(now - recent[0][0], 1e-3)
         return sum(n for _, n in recent) / span
 
+    def mean_ms(self, samples: collections.deque) -> float:
+        values = list(samples)
+        return 1e3 * sum(values) / len(values) if values else 0.0
+
     # ------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
@@ -125,6 +130,7 @@ class AsyncEngine:
                     self.step_gaps.append(start - last_step_end)
                 outputs = self.engine.step()
                 last_step_end = time.monotonic()
+                self.step_times.append(last_step_end - start)
                 produced = sum(len(o.new_token_ids) for o in outputs)
                 self.total_generated += produced
                 self._recent.append((last_step_end, produced))

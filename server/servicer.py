@@ -118,4 +118,6 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             prefix_cache_hit_rate=alloc.prefix_hit_rate,
             tokens_per_second=self.engine.tokens_per_second(),
             uptime_seconds=time.monotonic() - self.started,
-            total_generated_tokens=self.engine.total_generated)
+            total_generated_tokens=self.engine.total_generated,
+            mean_step_ms=self.engine.mean_ms(self.engine.step_times),
+            mean_step_gap_ms=self.engine.mean_ms(self.engine.step_gaps))

@@ -3,74 +3,24 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxserve import LLM, SamplingParams
+from serverproc import ENGINE, running_server
 from server.client import AsyncClient, Client
 from server.protos.jaxserve.v1 import inference_pb2 as pb
-
-ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "128", "--page-size", "4",
-                "--max-num-seqs", "4", "--max-num-batched-tokens", "64"]
-ENGINE = dict(dtype="float32", max_model_len=128, page_size=4, max_num_seqs=4,
-              max_num_batched_tokens=64)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    channel = grpc.insecure_channel(target)
-    stub = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + timeout
-    seen_not_serving = False
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "server exited during start-up"
-        try:
-            status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
-            if status == health_pb2.HealthCheckResponse.SERVING:
-                channel.close()
-                assert seen_not_serving, "health was never NOT_SERVING during warm-up"
-                return
-            seen_not_serving = True
-        except grpc.RpcError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("server did not become SERVING")
 
 
 @pytest.fixture(scope="module")
 def server(checkpoints, tmp_path_factory):
     path, _ = checkpoints("llama")
-    port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(path), "--port",
-             str(port), "--max-waiting", "500", "--grace", "5", *ENGINE_FLAGS],
-            stdout=out, stderr=subprocess.STDOUT, env=env)
-    target = f"127.0.0.1:{port}"
-    try:
-        wait_serving(target, proc)
-    except BaseException:
-        proc.kill()
-        print(log.read_text())
-        raise
-    yield target, proc, path
-    if proc.poll() is None:
-        proc.kill()
+    with running_server(path, log, "--max-waiting", "500", "--grace", "5") as (target, proc):
+        yield target, proc, path
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +47,8 @@ def test_reflection_lists_services(server):
     channel = grpc.insecure_channel(server[0])
     services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
     channel.close()
-    assert {"jaxserve.v1.Inference", "grpc.health.v1.Health"} <= services
+    assert {"jaxserve.v1.Inference", "jetstream_proto.Orchestrator",
+            "grpc.health.v1.Health"} <= services
 
 
 def test_stream_equals_offline_api(server, client, prompts):
@@ -210,6 +161,20 @@ def test_model_info(server, client):
         "LlamaForCausalLM", 320, 128, 4)
     assert 1 in info.eos_token_ids and info.num_kv_pages >= 32
     assert dict(info.mesh_shape) == {"data": 1, "model": 1}
+
+
+@pytest.mark.parametrize("api,rate", [("jaxserve", float("inf")), ("jetstream", 50.0)])
+def test_serving_benchmark_counts(server, api, rate):
+    from server.bench import run
+
+    r = asyncio.run(run(server[0], api, num_prompts=8, input_len=8, output_len=4,
+                        request_rate=rate, max_concurrency=None, seed=0))
+    assert (r["completed"], r["failed"]) == (8, 0)
+    if api == "jaxserve":  # ignore_eos: exact; JetStream may stop at EOS
+        assert r["output_tokens"] == 32
+    assert 8 <= r["output_tokens"] <= 32
+    assert 0 < r["ttft_ms"]["median"] <= r["ttft_ms"]["p99"]
+    assert r["server_mean_step_ms"] > 0 and r["server_mean_step_gap_ms"] >= 0
 
 
 def test_sigterm_drains_and_exits_zero(server, client, prompts):

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # repository root: imports are server.protos.*
-PROTOS = ["server/protos/jaxserve/v1/inference.proto"]
+PROTOS = ["server/protos/jaxserve/v1/inference.proto",
+          "server/protos/jetstream_proto/jetstream.proto"]
 
 
 def generate(out_dir: Path = ROOT) -> None:

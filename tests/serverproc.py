@@ -1,0 +1,72 @@
+"""Start a real `jaxserve serve` process on a free localhost port for end-to-end tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "128", "--page-size", "4",
+                "--max-num-seqs", "4", "--max-num-batched-tokens", "64"]
+# The same engine settings for the offline API, to compare outputs.
+ENGINE = dict(dtype="float32", max_model_len=128, page_size=4, max_num_seqs=4,
+              max_num_batched_tokens=64)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    """Poll grpc.health.v1 until SERVING; it must have said NOT_SERVING during warm-up."""
+    channel = grpc.insecure_channel(target)
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    seen_not_serving = False
+    try:
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, "server exited during start-up"
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    assert seen_not_serving, "health was never NOT_SERVING during warm-up"
+                    return
+                seen_not_serving = True
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("server did not become SERVING")
+    finally:
+        channel.close()
+
+
+@contextlib.contextmanager
+def running_server(model_dir, log_path, *extra_flags: str):
+    """Yield (target, process); kill the process if a test left it running."""
+    port = free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir),
+             "--port", str(port), *ENGINE_FLAGS, *extra_flags],
+            stdout=out, stderr=subprocess.STDOUT, env=env)
+    target = f"127.0.0.1:{port}"
+    try:
+        wait_serving(target, proc)
+    except BaseException:
+        proc.kill()
+        print(open(log_path).read())
+        raise
+    try:
+        yield target, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
