@@ -94,8 +94,7 @@ async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 50051,
     deadline = loop.time() + grace_s
     while async_engine.num_streams() and loop.time() < deadline:
         await asyncio.sleep(0.1)
-    for rid in list(async_engine._streams):
-        async_engine.abort(rid)
+    async_engine.abort_all()
     await asyncio.sleep(0.2)  # let the aborts reach their streams
     await server.stop(grace=2.0)
     async_engine.stop()

@@ -103,6 +103,9 @@ class AsyncEngine:
     def num_streams(self) -> int:
         return len(self._streams)
 
+    def abort_all(self) -> None:
+        self._inbox.put(("abort_all",))
+
     def tokens_per_second(self) -> float:
         now = time.monotonic()
         recent = [(t, n) for t, n in list(self._recent) if now - t <= self._rate_window]
@@ -177,9 +180,14 @@ class AsyncEngine:
             self._streams[rid] = stream
             _deliver(stream.loop, _settle, admitted, ids)
         elif kind == "abort":
-            rid = cmd[1]
-            if self.engine.abort_request(rid):
-                self._send(self._aborted(rid))
+            self._abort(cmd[1])
+        elif kind == "abort_all":
+            for rid in list(self._streams):
+                self._abort(rid)
+
+    def _abort(self, rid: str) -> None:
+        if self.engine.abort_request(rid):
+            self._send(self._aborted(rid))
 
     def _aborted(self, rid: str) -> StepOutput:
         stream = self._streams.get(rid)
