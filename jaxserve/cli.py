@@ -26,6 +26,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                   help="device mesh, e.g. model=4 (default: one device)")
+    g.add_argument("--sharding", default="tp", help="sharding strategy (tp)")
+
+
+def parse_mesh(text: str | None) -> dict[str, int] | None:
+    """'data=2,model=4' -> {'data': 2, 'model': 4}."""
+    if not text:
+        return None
+    mesh = {}
+    for part in text.split(","):
+        name, sep, size = part.partition("=")
+        if not sep or not size.strip().isdigit():
+            raise ValueError(f"--mesh {text!r}: write axis=size pairs, e.g. data=2,model=4")
+        mesh[name.strip()] = int(size)
+    return mesh
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -53,7 +69,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         max_tokens=args.max_tokens, seed=args.seed_sampling, ignore_eos=args.ignore_eos,
         stop=args.stop or None, repetition_penalty=args.repetition_penalty)
-    llm = LLM(warmup=True, **{**dataclasses.asdict(config), "model": config.model})
+    llm = LLM(warmup=True, mesh=parse_mesh(args.mesh), sharding=args.sharding,
+              **{**dataclasses.asdict(config), "model": config.model})
     prompts = args.prompt or ["Hello, my name is"]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
@@ -77,12 +94,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     if args.random_weights:
-        engine = Engine.from_config(config, random_weights_preset=args.random_weights)
+        engine = Engine.from_config(config, parse_mesh(args.mesh), args.random_weights,
+                                    sharding=args.sharding)
         name = f"{args.random_weights} (random weights)"
     else:
         if config.model is None:
             logging.warning(DEMO_NOTICE)
-        engine = Engine.from_config(config)
+        engine = Engine.from_config(config, parse_mesh(args.mesh), sharding=args.sharding)
         name = config.model or "demo"
     return asyncio.run(serve(engine, host=args.host, port=args.port,
                              max_waiting=args.max_waiting, grace_s=args.grace, model_name=name))

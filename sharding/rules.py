@@ -27,6 +27,35 @@ class ShardingRules:
 
 
 REPLICATED = ShardingRules()
+STRATEGIES = ("tp",)
+
+
+def strategy_rules(name: str, mesh: Mesh, num_heads: int, num_kv_heads: int, vocab_size: int,
+                   intermediate_size: int) -> ShardingRules:
+    """The table of a named strategy for a model on a mesh.
+
+    tp (Megatron): q/k/v and gate/up split by heads / mlp columns, o and down by rows (so
+    each block ends in one all-reduce), embedding and logits split by vocabulary. KV heads
+    are replicated when there are fewer of them than `model` devices (or they do not
+    divide); the KV cache follows the kv_heads rule.
+    """
+    if name not in STRATEGIES:
+        raise ValueError(f"sharding strategy {name!r} is unknown; choose one of {STRATEGIES}")
+    tp = mesh.shape.get("model", 1)
+    if tp == 1:
+        return ShardingRules(name)
+    if num_heads % tp:
+        raise ValueError(f"tensor parallelism over {tp} devices needs num_attention_heads "
+                         f"({num_heads}) divisible by {tp}")
+    if intermediate_size % tp:
+        raise ValueError(f"tensor parallelism over {tp} devices needs intermediate_size "
+                         f"({intermediate_size}) divisible by {tp}")
+    table = [("q_heads", "model"), ("mlp", "model")]
+    if num_kv_heads % tp == 0:
+        table.append(("kv_heads", "model"))
+    if vocab_size % tp == 0:
+        table.append(("vocab", "model"))
+    return ShardingRules(name, tuple(table))
 
 
 @dataclasses.dataclass(frozen=True)

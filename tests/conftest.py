@@ -38,6 +38,9 @@ def _hf_config(arch: str):
             **common, num_key_value_heads=2, rope_theta=500000.0,
             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                           "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    if arch == "llama8":  # 8 heads, 2 KV heads: tensor parallel up to 8 (KV replicated past 2)
+        return tf.LlamaForCausalLM, tf.LlamaConfig(**{**common, "num_attention_heads": 8},
+                                                   num_key_value_heads=2)
     if arch == "mistral":  # sliding window (8) far smaller than the prompts
         return tf.MistralForCausalLM, tf.MistralConfig(
             **common, num_key_value_heads=2, sliding_window=8)

@@ -26,7 +26,7 @@ from jaxserve.loading.tokenizer import IncrementalDetokenizer, Tokenizer
 from jaxserve.outputs import Logprob, StepOutput
 from jaxserve.sampling_params import SamplingParams
 from sharding.mesh import make_mesh
-from sharding.rules import ShardingContext
+from sharding.rules import ShardingContext, strategy_rules
 
 log = logging.getLogger(__name__)
 
@@ -91,16 +91,18 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, mesh_shape: dict[str, int] | None = None,
-                    random_weights_preset: str | None = None) -> "Engine":
+                    random_weights_preset: str | None = None, sharding: str = "tp") -> "Engine":
         """Load the checkpoint directory `config.model` (the demo model when None).
 
-        `random_weights_preset` (a YAML model preset) builds random weights instead, with
-        no tokenizer: for benchmarks and planning.
+        `mesh_shape` ({"data": d, "model": m}) and `sharding` (a strategy of
+        sharding/rules.py) place the model on devices. `random_weights_preset` (a YAML
+        model preset) builds random weights instead, with no tokenizer: for benchmarks.
         """
-        shard = ShardingContext(make_mesh(mesh_shape))
+        mesh = make_mesh(mesh_shape)
         dtype = _DTYPES[config.dtype]
         if random_weights_preset is not None:
             model_config = ModelConfig.from_file(random_weights_preset)
+            shard = _sharding_context(mesh, sharding, model_config)
             graphdef, params = random_params(model_config, dtype, shard, seed=config.seed)
             return cls(config, model_config, graphdef, params, None, shard)
         if config.model is None:
@@ -111,6 +113,7 @@ class Engine:
             raise ValueError(f"model {config.model!r} is not a directory; give a Hugging Face "
                              "checkpoint directory (config.json, *.safetensors, tokenizer)")
         model_config = ModelConfig.from_file(model_dir)
+        shard = _sharding_context(mesh, sharding, model_config)
         graphdef, params = load_checkpoint(model_dir, model_config, dtype, shard)
         tokenizer = Tokenizer.from_pretrained(model_dir)
         return cls(config, model_config, graphdef, params, tokenizer, shard,
@@ -252,6 +255,12 @@ class Engine:
             for t, lp in top.items():
                 lp.decoded_token = self.tokenizer.decode([t], skip_special_tokens=False)
         return top
+
+
+def _sharding_context(mesh, strategy: str, cfg: ModelConfig) -> ShardingContext:
+    rules = strategy_rules(strategy, mesh, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size,
+                           cfg.intermediate_size)
+    return ShardingContext(mesh, rules)
 
 
 def _generation_eos_ids(model_dir: Path) -> tuple[int, ...]:

@@ -68,7 +68,14 @@ class ModelRunner:
         kv_sharding = shard.sharding((None, None, "kv_heads", None))
         zeros = jax.jit(lambda: jnp.zeros(shape, kv_dtype), out_shardings=kv_sharding)
         self.kv_caches: KVCache = [(zeros(), zeros()) for _ in range(num_layers)]
-        self._jitted = jax.jit(functools.partial(step, graphdef), donate_argnums=(1,))
+        # Fixed layouts in and out, so the donated cache and the params never reshard.
+        param_shardings = jax.tree.map(lambda x: x.sharding, params)
+        cache_shardings = [(kv_sharding, kv_sharding) for _ in range(num_layers)]
+        replicated = shard.sharding(())
+        self._jitted = jax.jit(
+            functools.partial(step, graphdef), donate_argnums=(1,),
+            in_shardings=(param_shardings, cache_shardings, replicated),
+            out_shardings=(cache_shardings, replicated))
         self._compiled: dict[BucketKey, jax.stages.Compiled] = {}
         self.warmed_up = False
         self.compiles_after_warmup = 0

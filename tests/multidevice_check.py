@@ -1,0 +1,60 @@
+"""Run the engine on 1 device and with tensor parallelism 2, 4, 8 over 8 CPU devices.
+
+Started by tests/test_sharding.py in its own process (the device count is fixed when JAX
+starts): `python tests/multidevice_check.py MODEL_DIR OUT.json`. Writes, per mesh, the
+greedy tokens and top-5 logprobs of a batch of prompts, and the shapes that the compiled
+step all-gathers, next to the parameters' full shapes.
+"""
+
+import json
+import re
+import sys
+
+import jax
+import numpy as np
+
+from jaxserve import LLM, SamplingParams
+
+ENGINE = dict(dtype="float32", max_model_len=128, page_size=4, max_num_seqs=4,
+              max_num_batched_tokens=64, token_buckets=(16, 64))
+MESHES = [None, {"model": 2}, {"model": 4}, {"model": 8}]
+
+
+def all_gather_shapes(hlo: str) -> list[list[int]]:
+    shapes = []
+    for line in hlo.splitlines():
+        m = re.search(r"= \w+\[([\d,]*)\][^ ]* all-gather(-start)?\(", line)
+        if m:
+            shapes.append([int(d) for d in m.group(1).split(",") if d])
+    return shapes
+
+
+def main(model_dir: str, out_path: str) -> None:
+    assert len(jax.devices()) == 8, jax.devices()
+    rng = np.random.default_rng(1234)
+    prompts = [rng.integers(3, 320, size=n).tolist() for n in (5, 17, 30, 43)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
+    results = {}
+    for mesh in MESHES:
+        llm = LLM(model_dir, mesh=mesh, sharding="tp", **ENGINE)
+        outs = llm.generate(prompts, params)
+        runner = llm.engine.runner
+        hlo = runner._compiled[(64, 4, False)].as_text()
+        results[json.dumps(mesh)] = {
+            "tokens": [o.outputs[0].token_ids for o in outs],
+            "logprobs": [[{str(t): e.logprob for t, e in lp.items()} for lp in o.outputs[0].logprobs]
+                         for o in outs],
+            "all_gather_shapes": all_gather_shapes(hlo),
+            "all_reduces": len(re.findall(r" all-reduce(-start)?\(", hlo)),
+            "param_shapes": [list(x.shape) for x in jax.tree.leaves(runner.params) if x.ndim > 1],
+            "kv_cache_sharding": str(runner.kv_caches[0][0].sharding.spec),
+            "q_proj_sharding": str(runner.params["layers"][0]["attn"]["q_proj"].value.sharding.spec),
+            "leaked_pages": llm.engine.scheduler.allocator.num_used_pages,
+            "compiles_after_warmup": runner.compiles_after_warmup,
+        }
+    with open(out_path, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
