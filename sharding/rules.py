@@ -1,7 +1,7 @@
 """Logical axis names → mesh axes. A strategy is a table; model code never names mesh axes.
 
 Logical names used by the model: vocab, embed, q_heads, kv_heads, head_dim, mlp for
-parameters; tokens and seqs for activations.
+parameters; residual (the residual stream's token axis), tokens and seqs for activations.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class ShardingRules:
 
 
 REPLICATED = ShardingRules()
-STRATEGIES = ("tp",)
+STRATEGIES = ("tp", "tp+sp")
 
 
 def strategy_rules(name: str, mesh: Mesh, num_heads: int, num_kv_heads: int, vocab_size: int,
@@ -38,6 +38,8 @@ def strategy_rules(name: str, mesh: Mesh, num_heads: int, num_kv_heads: int, voc
     each block ends in one all-reduce), embedding and logits split by vocabulary. KV heads
     are replicated when there are fewer of them than `model` devices (or they do not
     divide); the KV cache follows the kv_heads rule.
+    tp+sp adds sequence parallelism: the residual stream between blocks is split over
+    tokens on the same `model` axis.
     """
     if name not in STRATEGIES:
         raise ValueError(f"sharding strategy {name!r} is unknown; choose one of {STRATEGIES}")
@@ -55,6 +57,8 @@ def strategy_rules(name: str, mesh: Mesh, num_heads: int, num_kv_heads: int, voc
         table.append(("kv_heads", "model"))
     if vocab_size % tp == 0:
         table.append(("vocab", "model"))
+    if name == "tp+sp":
+        table.append(("residual", "model"))
     return ShardingRules(name, tuple(table))
 
 

@@ -1,9 +1,10 @@
-"""Run the engine on 1 device and with tensor parallelism 2, 4, 8 over 8 CPU devices.
+"""Run the engine on 1 device, with tensor parallelism 2, 4, 8 and with TP+SP over 8 CPU devices.
 
 Started by tests/test_sharding.py in its own process (the device count is fixed when JAX
 starts): `python tests/multidevice_check.py MODEL_DIR OUT.json`. Writes, per mesh, the
-greedy tokens and top-5 logprobs of a batch of prompts, and the shapes that the compiled
-step all-gathers, next to the parameters' full shapes.
+greedy tokens and top-5 logprobs of a batch of prompts, the collectives of the compiled
+step (all-gathered shapes next to the parameters' full shapes, all-reduce and
+reduce-scatter counts), and the shardings of q_proj and the KV cache.
 """
 
 import json
@@ -17,7 +18,8 @@ from jaxserve import LLM, SamplingParams
 
 ENGINE = dict(dtype="float32", max_model_len=128, page_size=4, max_num_seqs=4,
               max_num_batched_tokens=64, token_buckets=(16, 64))
-MESHES = [None, {"model": 2}, {"model": 4}, {"model": 8}]
+RUNS = [(None, "tp"), ({"model": 2}, "tp"), ({"model": 4}, "tp"), ({"model": 8}, "tp"),
+        ({"model": 4}, "tp+sp")]
 
 
 def all_gather_shapes(hlo: str) -> list[list[int]]:
@@ -35,12 +37,12 @@ def main(model_dir: str, out_path: str) -> None:
     prompts = [rng.integers(3, 320, size=n).tolist() for n in (5, 17, 30, 43)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
     results = {}
-    for mesh in MESHES:
-        llm = LLM(model_dir, mesh=mesh, sharding="tp", **ENGINE)
+    for mesh, strategy in RUNS:
+        llm = LLM(model_dir, mesh=mesh, sharding=strategy, **ENGINE)
         outs = llm.generate(prompts, params)
         runner = llm.engine.runner
         hlo = runner._compiled[(64, 4, False)].as_text()
-        results[json.dumps(mesh)] = {
+        results[json.dumps(mesh) + ("" if strategy == "tp" else " " + strategy)] = {
             "tokens": [o.outputs[0].token_ids for o in outs],
             "logprobs": [[{str(t): e.logprob for t, e in lp.items()} for lp in o.outputs[0].logprobs]
                          for o in outs],

@@ -1,4 +1,7 @@
-"""Tensor parallelism over 8 CPU devices gives the single-device tokens (subprocess)."""
+"""Tensor (and sequence) parallelism over 8 CPU devices gives the single-device tokens.
+
+The runs happen in a subprocess (tests/multidevice_check.py) started with 8 CPU devices.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ def runs(checkpoints, tmp_path_factory):
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("mesh", ['{"model": 2}', '{"model": 4}', '{"model": 8}'])
+@pytest.mark.parametrize("mesh", ['{"model": 2}', '{"model": 4}', '{"model": 8}',
+                                  '{"model": 4} tp+sp'])
 def test_tensor_parallel_matches_one_device(runs, mesh):
     one, tp = runs["null"], runs[mesh]
     assert tp["tokens"] == one["tokens"]
@@ -49,3 +53,4 @@ def test_weights_split_not_gathered(runs, mesh, kv_spec):
     assert tp["all_reduces"] >= 2 * 2  # attention out and MLP down, per layer
     full = {tuple(s) for s in tp["param_shapes"]}
     assert not [s for s in tp["all_gather_shapes"] if tuple(s) in full]
+

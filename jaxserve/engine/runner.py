@@ -32,6 +32,17 @@ def step(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch: S
     return kv_caches, sample(logits, batch.sampling, batch.history)
 
 
+def jit_step(graphdef: nnx.GraphDef, param_shardings, shard: ShardingContext, num_layers: int):
+    """The step, jitted with fixed layouts in and out (params as given, the KV cache by its
+    rule, batch and outputs replicated), so the donated cache and params never reshard."""
+    kv = shard.sharding((None, None, "kv_heads", None))
+    cache_shardings = [(kv, kv) for _ in range(num_layers)]
+    replicated = shard.sharding(())
+    return jax.jit(functools.partial(step, graphdef), donate_argnums=(1,),
+                   in_shardings=(param_shardings, cache_shardings, replicated),
+                   out_shardings=(cache_shardings, replicated))
+
+
 def kv_page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
     """Bytes of one page across all layers, K and V."""
     return 2 * num_layers * page_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
@@ -68,14 +79,8 @@ class ModelRunner:
         kv_sharding = shard.sharding((None, None, "kv_heads", None))
         zeros = jax.jit(lambda: jnp.zeros(shape, kv_dtype), out_shardings=kv_sharding)
         self.kv_caches: KVCache = [(zeros(), zeros()) for _ in range(num_layers)]
-        # Fixed layouts in and out, so the donated cache and the params never reshard.
-        param_shardings = jax.tree.map(lambda x: x.sharding, params)
-        cache_shardings = [(kv_sharding, kv_sharding) for _ in range(num_layers)]
-        replicated = shard.sharding(())
-        self._jitted = jax.jit(
-            functools.partial(step, graphdef), donate_argnums=(1,),
-            in_shardings=(param_shardings, cache_shardings, replicated),
-            out_shardings=(cache_shardings, replicated))
+        self._jitted = jit_step(graphdef, jax.tree.map(lambda x: x.sharding, params), shard,
+                                num_layers)
         self._compiled: dict[BucketKey, jax.stages.Compiled] = {}
         self.warmed_up = False
         self.compiles_after_warmup = 0

@@ -98,10 +98,16 @@ class Block(nnx.Module):
         self.eps = cfg.rms_norm_eps
 
     def __call__(self, x, positions, kv, meta, shard):
-        h, kv = self.attn(rms_norm(x, self.input_norm[...], self.eps), positions, kv, meta, shard)
-        x = shard.constrain(x + h, ("tokens", "embed"))
-        x = x + self.mlp(rms_norm(x, self.post_attn_norm[...], self.eps), shard)
-        return shard.constrain(x, ("tokens", "embed")), kv
+        # The residual stream ("residual" axis) is split over tokens under sequence
+        # parallelism: the norms run on a shard, an all-gather rebuilds all tokens before
+        # the column-split matmuls ("tokens" axis), and the row-split matmuls' partial sums
+        # go straight back to token shards (a reduce-scatter instead of an all-reduce).
+        h = shard.constrain(rms_norm(x, self.input_norm[...], self.eps), ("tokens", "embed"))
+        h, kv = self.attn(h, positions, kv, meta, shard)
+        x = x + shard.constrain(h, ("residual", "embed"))
+        h = shard.constrain(rms_norm(x, self.post_attn_norm[...], self.eps), ("tokens", "embed"))
+        x = x + shard.constrain(self.mlp(h, shard), ("residual", "embed"))
+        return x, kv
 
 
 class Transformer(nnx.Module):
@@ -119,7 +125,7 @@ class Transformer(nnx.Module):
                  meta: AttentionMetadata) -> tuple[jax.Array, KVCache]:
         """Hidden states `[T, hidden]` after the last block (before the final norm)."""
         shard = self.shard
-        x = shard.constrain(self.embed[...][input_ids], ("tokens", "embed"))
+        x = shard.constrain(self.embed[...][input_ids], ("residual", "embed"))
         new_caches = []
         for block, kv in zip(self.layers, kv_caches):
             x, kv = block(x, positions, kv, meta, shard)
