@@ -118,6 +118,17 @@ def cmd_client(args: argparse.Namespace) -> int:
     return run_cli(args)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from jaxserve.config import ModelConfig
+    from sharding.planner import format_plan, plan
+
+    cfg = ModelConfig.from_file(args.model)
+    result = plan(cfg, args.topology, args.strategy, args.dtype, args.max_model_len,
+                  args.max_num_seqs, args.max_num_batched_tokens, args.page_size)
+    print(format_plan(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxserve", description="jaxserve: a JAX/XLA LLM inference server for TPU and GPU")
@@ -163,6 +174,20 @@ def build_parser() -> argparse.ArgumentParser:
     csub.add_parser("status", help="running/waiting requests, KV pages, tokens/s")
     csub.add_parser("info", help="model and engine facts")
     cli.set_defaults(func=cmd_client)
+
+    pl = sub.add_parser("plan", help="compile for a TPU topology (no weights, needs libtpu) "
+                                     "and report per-chip memory and collectives",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    pl.add_argument("--model", required=True,
+                    help="model preset YAML or checkpoint dir (e.g. configs/models/llama3-8b.yaml)")
+    pl.add_argument("--topology", required=True, help="TPU topology, e.g. v5e:2x2, v6e:2x4")
+    pl.add_argument("--strategy", default="tp", choices=["tp", "tp+sp"])
+    pl.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    pl.add_argument("--max-model-len", type=int, default=4096)
+    pl.add_argument("--max-num-seqs", type=int, default=64)
+    pl.add_argument("--max-num-batched-tokens", type=int, default=512)
+    pl.add_argument("--page-size", type=int, default=16)
+    pl.set_defaults(func=cmd_plan)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)

@@ -9,6 +9,7 @@ a v5e/v6e slice). `collectives` counts the communication ops of the compiled pro
 from __future__ import annotations
 
 import collections
+import functools
 import re
 
 import jax
@@ -64,3 +65,140 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
 
 def collectives(compiled: jax.stages.Compiled) -> dict[str, int]:
     return dict(collections.Counter(_COLLECTIVE.findall(compiled.as_text())))
+
+
+# HBM per chip, GiB (public specifications).
+HBM_GIB = {"v4": 32, "v5e": 16, "v5litepod": 16, "v5p": 95, "v6e": 32}
+_COLLECTIVE_SHAPE = re.compile(
+    r"= (\(?[a-z0-9]+\[[\d,]*\][^ ]*) (all-reduce|reduce-scatter|all-gather|all-to-all|"
+    r"collective-permute)(?:-start)?\(")
+_ARRAY = re.compile(r"([a-z]+)(\d+)\[([\d,]*)\]")
+
+
+def _bytes_of(shape_text: str) -> int:
+    total = 0
+    for _, bits, dims in _ARRAY.findall(shape_text):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * max(int(bits), 8) // 8
+    return total
+
+
+def collective_bytes(compiled: jax.stages.Compiled) -> dict[str, tuple[int, int]]:
+    """{kind: (count, bytes of results per chip)} from the compiled HLO."""
+    out: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for shape, kind in _COLLECTIVE_SHAPE.findall(compiled.as_text()):
+        out[kind][0] += 1
+        out[kind][1] += _bytes_of(shape)
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def plan(cfg: ModelConfig, topology: str, strategy: str = "tp", dtype: str = "bfloat16",
+         max_model_len: int = 4096, max_num_seqs: int = 64,
+         max_num_batched_tokens: int = 512, page_size: int = 16) -> dict:
+    """Compile a decode and a prefill bucket for `topology` (TP over all its chips) and
+    report per-chip memory, KV capacity, collectives and XLA's cost estimates.
+
+    The step's shapes do not depend on the KV pool's size, so it compiles with a small
+    nominal pool; the tokens of KV that fit come from the HBM left after weights and the
+    largest bucket's temporaries. A bucket that XLA cannot fit is reported, not raised.
+    """
+    devices = tpu_devices(topology)
+    chips = len(devices)
+    generation = topology.split(":")[0]
+    if generation not in HBM_GIB:
+        raise ValueError(f"unknown TPU generation {generation!r}; known: {sorted(HBM_GIB)}")
+    hbm = HBM_GIB[generation] * 2**30
+    jdtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+    engine = EngineConfig(dtype=dtype, max_model_len=max_model_len, page_size=page_size,
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          token_buckets=(max_num_seqs, max_num_batched_tokens))
+    num_pages = 2 * max_num_seqs  # nominal
+    mesh = make_mesh({"model": chips}, devices=devices)
+    rules = strategy_rules(strategy, mesh, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size,
+                           cfg.intermediate_size)
+    kv_split = chips if any(k == "kv_heads" for k, _ in rules.table) else 1
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads // kv_split * cfg.head_dim * \
+        jnp.dtype(jdtype).itemsize
+    nominal_kv = num_pages * page_size * kv_per_token
+    buckets = {}
+    for name, t in (("decode", max_num_seqs), ("prefill", max_num_batched_tokens)):
+        key = (t, min(t, max_num_seqs), False)
+        try:
+            compiled = compile_step(cfg, engine, {"model": chips}, strategy, devices, num_pages,
+                                    key, jdtype)
+        except Exception as e:  # noqa: BLE001 - XLA reports "does not fit" as an error
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            buckets[name] = {"tokens": t, "error": str(e).splitlines()[0]}
+            continue
+        mem = compiled.memory_analysis()
+        cost = compiled.cost_analysis() or {}
+        cost = cost[0] if isinstance(cost, list) else cost
+        buckets[name] = {
+            "tokens": t, "argument_bytes": mem.argument_size_in_bytes,
+            "temp_bytes": mem.temp_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
+            "collectives": collective_bytes(compiled),
+            "flops": float(cost.get("flops", 0.0)),
+            "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+        }
+    analytic = _analytic_weight_bytes(cfg, jdtype, mesh, rules)
+    ok = [b for b in buckets.values() if "error" not in b]
+    weights = ok[0]["argument_bytes"] - nominal_kv if ok else analytic
+    temp = max((b["temp_bytes"] for b in ok), default=0)
+    fit_tokens = max(0, (hbm - weights - temp) // kv_per_token)
+    return {
+        "model_params": cfg.num_params(), "topology": topology, "chips": chips,
+        "strategy": strategy, "dtype": dtype, "hbm_bytes": hbm, "weight_bytes": weights,
+        "analytic_weight_bytes": analytic, "kv_bytes_per_token": kv_per_token,
+        "kv_heads_split": kv_split > 1, "temp_bytes": temp, "kv_tokens_that_fit": fit_tokens,
+        "wanted_kv_tokens": max_num_seqs * max_model_len,
+        "fits": len(ok) == len(buckets) and fit_tokens >= max_num_seqs * max_model_len,
+        "buckets": buckets,
+    }
+
+
+def _analytic_weight_bytes(cfg: ModelConfig, dtype, mesh, rules) -> int:
+    _, abstract = abstract_model(cfg, dtype, ShardingContext(mesh, rules))
+    total = 0
+    for _, var in nnx.to_flat_state(abstract):
+        spec = rules.spec(var.get_metadata()["logical_axes"])
+        split = 1
+        for axes in spec:
+            if axes:
+                split *= mesh.shape[axes] if isinstance(axes, str) else 1
+        total += int(jnp.dtype(var.dtype).itemsize) * int(
+            functools.reduce(lambda a, b: a * b, var.shape, 1)) // split
+    return total
+
+
+def format_plan(p: dict) -> str:
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    kv_note = "" if p["kv_heads_split"] else " (KV heads replicated: fewer than chips)"
+    rows = [
+        ("model", f"{p['model_params'] / 1e9:.2f}B params, {p['dtype']}"),
+        ("topology", f"{p['topology']} ({p['chips']} chips, {gib(p['hbm_bytes'])} HBM each), "
+                     f"strategy {p['strategy']}"),
+        ("weights per chip (compiled)", gib(p["weight_bytes"])),
+        ("weights per chip (analytic)", f"{gib(p['analytic_weight_bytes'])} "
+                                        f"(ratio {p['weight_bytes'] / p['analytic_weight_bytes']:.3f})"),
+        ("KV cache per token per chip", f"{p['kv_bytes_per_token'] / 1024:.1f} KiB{kv_note}"),
+        ("temporary memory (max bucket)", gib(p["temp_bytes"])),
+        ("KV tokens that fit in the rest", f"{p['kv_tokens_that_fit']:,}"),
+        ("fits max_num_seqs x max_model_len", f"{'yes' if p['fits'] else 'NO'} "
+                                              f"({p['wanted_kv_tokens']:,} tokens wanted)"),
+    ]
+    for name, b in p["buckets"].items():
+        if "error" in b:
+            rows.append((f"{name} step, {b['tokens']} tokens", f"does not compile: {b['error']}"))
+            continue
+        coll = ", ".join(f"{k} x{c} ({v / 2**20:.1f} MiB)" for k, (c, v) in
+                         sorted(b["collectives"].items())) or "none"
+        rows.append((f"{name} step, {b['tokens']} tokens: collectives", coll))
+        rows.append((f"{name} step: XLA cost estimate",
+                     f"{b['flops'] / 1e12:.3f} TFLOP, {b['bytes_accessed'] / 2**30:.2f} GiB accessed"))
+    width = max(len(k) for k, _ in rows)
+    lines = [f"| {'per chip'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
+    lines += [f"| {k.ljust(width)} | {v} |" for k, v in rows]
+    return "\n".join(lines)

@@ -78,3 +78,25 @@ def test_tp_sp_step_compiles_for_v5e(devices):
     compiled = compile_step(CFG, ENGINE, {"model": 4}, "tp+sp", devices, PAGES, (64, 8, False))
     counts = collectives(compiled)
     assert counts.get("all-gather", 0) > 0 and counts.get("all-reduce", 0) > 0
+
+
+def test_jaxserve_plan_cli(tmp_path, capsys):
+    """`jaxserve plan` on Llama-3-8B dimensions (2 layers): the table's compiled weight bytes
+    per chip match the analytic count, and the KV per token is 2 layers x K,V x 2 heads x
+    128 x 2 bytes."""
+    from jaxserve.cli import main
+
+    preset = tmp_path / "llama3-8b-2l.yaml"
+    text = open("configs/models/llama3-8b.yaml").read().replace("num_hidden_layers: 32",
+                                                                   "num_hidden_layers: 2")
+    preset.write_text(text)
+    code = main(["plan", "--model", str(preset), "--topology", "v5e:2x2", "--max-model-len",
+                 "1024", "--max-num-seqs", "16", "--max-num-batched-tokens", "128"])
+    out = capsys.readouterr().out
+    assert code == 0
+    ratio = float(re.search(r"weights per chip \(analytic\)\s+\| [\d.]+ GiB \(ratio ([\d.]+)\)",
+                            out).group(1))
+    assert abs(ratio - 1.0) < 0.03
+    assert re.search(r"KV cache per token per chip\s+\| 2\.0 KiB", out)
+    assert re.search(r"decode step, 16 tokens: collectives\s+\| .*all-reduce x\d+", out)
+    assert re.search(r"fits max_num_seqs x max_model_len\s+\| yes", out)
