@@ -73,7 +73,7 @@ def test_stop_conditions(llm, prompts):
 def test_eos_stops_unless_ignored(llm, prompts):
     """Make EOS certain by banning nothing and forcing it: stop_token_ids vs eos handled alike."""
     eos = llm.engine.eos_token_ids
-    assert 1 in eos
+    assert eos == (1,)  # config.json, generation_config.json and the tokenizer agree
     base = llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=30,
                                                     ignore_eos=True))[0].outputs[0]
     if 1 in base.token_ids:

@@ -159,7 +159,7 @@ def test_model_info(server, client):
     info = client.info()
     assert (info.architecture, info.vocab_size, info.max_context_length, info.page_size) == (
         "LlamaForCausalLM", 320, 128, 4)
-    assert 1 in info.eos_token_ids and info.num_kv_pages >= 32
+    assert list(info.eos_token_ids) == [1] and info.num_kv_pages >= 32
     assert dict(info.mesh_shape) == {"data": 1, "model": 1}
 
 
