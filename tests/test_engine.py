@@ -147,6 +147,17 @@ def test_bad_arguments_raise_value_error(llm):
     assert not llm.engine.has_unfinished()  # a bad prompt left nothing queued
 
 
+def test_stop_strings_need_a_tokenizer(llm):
+    engine = llm.engine
+    tokenizer, engine.tokenizer = engine.tokenizer, None
+    try:
+        with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+            engine.add_request("no-tok", [5, 6, 7], SamplingParams(stop=["ab"]))
+    finally:
+        engine.tokenizer = tokenizer
+    assert not engine.has_unfinished()
+
+
 def test_abort_frees_pages(llm, prompts):
     engine = llm.engine
     for i, p in enumerate(prompts):

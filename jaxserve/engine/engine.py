@@ -127,6 +127,9 @@ class Engine:
         params = params or SamplingParams()
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer and this model has none; "
+                             "use stop_token_ids")
         token_ids = self._prompt_ids(prompt)
         room = self.max_model_len - len(token_ids)
         if room < 1:
