@@ -9,7 +9,7 @@ a v5e/v6e slice). `collectives` counts the communication ops of the compiled pro
 from __future__ import annotations
 
 import collections
-import functools
+import math
 import re
 
 import jax
@@ -20,8 +20,9 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.batch import BatchBuilder, BucketKey
 from jaxserve.engine.runner import jit_step, pages_per_seq
 from jaxserve.loading.safetensors import abstract_model
+from jaxserve.models.transformer import KV_CACHE_AXES
 from sharding.mesh import make_mesh
-from sharding.rules import ShardingContext, strategy_rules
+from sharding.rules import ShardingContext, model_sharding
 
 _COLLECTIVE = re.compile(
     r" (all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute)(?:-start)?\(")
@@ -38,9 +39,7 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
                  strategy: str, devices: list, num_pages: int, key: BucketKey,
                  dtype=jnp.bfloat16) -> jax.stages.Compiled:
     """Ahead-of-time compile of one step bucket, sharded over `devices`."""
-    mesh = make_mesh(mesh_shape, devices=devices)
-    shard = ShardingContext(mesh, strategy_rules(strategy, mesh, cfg.num_heads, cfg.num_kv_heads,
-                                                 cfg.vocab_size, cfg.intermediate_size))
+    shard = model_sharding(make_mesh(mesh_shape, devices=devices), strategy, cfg)
     graphdef, abstract = abstract_model(cfg, dtype, shard)
     flat = nnx.to_flat_state(abstract)
     for _, var in flat:
@@ -51,9 +50,8 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
     builder = BatchBuilder(engine.token_buckets, engine.max_num_seqs, engine.page_size,
                            num_pages, pages_per_seq(max_len, engine.page_size), max_len,
                            cfg.eos_token_ids)
-    kv_sharding = shard.sharding((None, None, "kv_heads", None))
     kv = jax.ShapeDtypeStruct((num_pages, engine.page_size, cfg.num_kv_heads, cfg.head_dim),
-                              dtype, sharding=kv_sharding)
+                              dtype, sharding=shard.sharding(KV_CACHE_AXES))
     caches = [(kv, kv) for _ in range(cfg.num_layers)]
     replicated = shard.sharding(())
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
@@ -115,10 +113,8 @@ def plan(cfg: ModelConfig, topology: str, strategy: str = "tp", dtype: str = "bf
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           token_buckets=(max_num_seqs, max_num_batched_tokens))
     num_pages = 2 * max_num_seqs  # nominal
-    mesh = make_mesh({"model": chips}, devices=devices)
-    rules = strategy_rules(strategy, mesh, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size,
-                           cfg.intermediate_size)
-    kv_split = chips if any(k == "kv_heads" for k, _ in rules.table) else 1
+    shard = model_sharding(make_mesh({"model": chips}, devices=devices), strategy, cfg)
+    kv_split = chips if any(k == "kv_heads" for k, _ in shard.rules.table) else 1
     kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads // kv_split * cfg.head_dim * \
         jnp.dtype(jdtype).itemsize
     nominal_kv = num_pages * page_size * kv_per_token
@@ -143,7 +139,7 @@ def plan(cfg: ModelConfig, topology: str, strategy: str = "tp", dtype: str = "bf
             "flops": float(cost.get("flops", 0.0)),
             "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
         }
-    analytic = _analytic_weight_bytes(cfg, jdtype, mesh, rules)
+    analytic = _analytic_weight_bytes(cfg, jdtype, shard)
     ok = [b for b in buckets.values() if "error" not in b]
     weights = ok[0]["argument_bytes"] - nominal_kv if ok else analytic
     temp = max((b["temp_bytes"] for b in ok), default=0)
@@ -159,17 +155,13 @@ def plan(cfg: ModelConfig, topology: str, strategy: str = "tp", dtype: str = "bf
     }
 
 
-def _analytic_weight_bytes(cfg: ModelConfig, dtype, mesh, rules) -> int:
-    _, abstract = abstract_model(cfg, dtype, ShardingContext(mesh, rules))
+def _analytic_weight_bytes(cfg: ModelConfig, dtype, shard: ShardingContext) -> int:
+    """Parameters x bytes / shards, from each parameter's shard shape under the rules."""
+    _, abstract = abstract_model(cfg, dtype, shard)
     total = 0
     for _, var in nnx.to_flat_state(abstract):
-        spec = rules.spec(var.get_metadata()["logical_axes"])
-        split = 1
-        for axes in spec:
-            if axes:
-                split *= mesh.shape[axes] if isinstance(axes, str) else 1
-        total += int(jnp.dtype(var.dtype).itemsize) * int(
-            functools.reduce(lambda a, b: a * b, var.shape, 1)) // split
+        shape = shard.sharding(var.get_metadata()["logical_axes"]).shard_shape(var.shape)
+        total += math.prod(shape) * jnp.dtype(var.dtype).itemsize
     return total
 
 

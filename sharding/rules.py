@@ -62,6 +62,12 @@ def strategy_rules(name: str, mesh: Mesh, num_heads: int, num_kv_heads: int, voc
     return ShardingRules(name, tuple(table))
 
 
+def model_sharding(mesh: Mesh, strategy: str, cfg) -> "ShardingContext":
+    """The sharding context of a model (a ModelConfig) on a mesh under a named strategy."""
+    return ShardingContext(mesh, strategy_rules(strategy, mesh, cfg.num_heads, cfg.num_kv_heads,
+                                                cfg.vocab_size, cfg.intermediate_size))
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardingContext:
     """What the model needs to place activations: the mesh and the strategy's rules."""

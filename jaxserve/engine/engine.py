@@ -26,7 +26,7 @@ from jaxserve.loading.tokenizer import IncrementalDetokenizer, Tokenizer
 from jaxserve.outputs import Logprob, StepOutput
 from jaxserve.sampling_params import SamplingParams
 from sharding.mesh import make_mesh
-from sharding.rules import ShardingContext, strategy_rules
+from sharding.rules import ShardingContext, model_sharding
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class Engine:
         dtype = _DTYPES[config.dtype]
         if random_weights_preset is not None:
             model_config = ModelConfig.from_file(random_weights_preset)
-            shard = _sharding_context(mesh, sharding, model_config)
+            shard = model_sharding(mesh, sharding, model_config)
             graphdef, params = random_params(model_config, dtype, shard, seed=config.seed)
             return cls(config, model_config, graphdef, params, None, shard)
         if config.model is None:
@@ -113,7 +113,7 @@ class Engine:
             raise ValueError(f"model {config.model!r} is not a directory; give a Hugging Face "
                              "checkpoint directory (config.json, *.safetensors, tokenizer)")
         model_config = ModelConfig.from_file(model_dir)
-        shard = _sharding_context(mesh, sharding, model_config)
+        shard = model_sharding(mesh, sharding, model_config)
         graphdef, params = load_checkpoint(model_dir, model_config, dtype, shard)
         tokenizer = Tokenizer.from_pretrained(model_dir)
         return cls(config, model_config, graphdef, params, tokenizer, shard,
@@ -258,12 +258,6 @@ class Engine:
             for t, lp in top.items():
                 lp.decoded_token = self.tokenizer.decode([t], skip_special_tokens=False)
         return top
-
-
-def _sharding_context(mesh, strategy: str, cfg: ModelConfig) -> ShardingContext:
-    rules = strategy_rules(strategy, mesh, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size,
-                           cfg.intermediate_size)
-    return ShardingContext(mesh, rules)
 
 
 def _generation_eos_ids(model_dir: Path) -> tuple[int, ...]:

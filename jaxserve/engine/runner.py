@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.sampler import SampleOutput, sample
-from jaxserve.models.transformer import KVCache
+from jaxserve.models.transformer import KV_CACHE_AXES, KVCache
 from sharding.rules import ShardingContext
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ def step(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch: S
 def jit_step(graphdef: nnx.GraphDef, param_shardings, shard: ShardingContext, num_layers: int):
     """The step, jitted with fixed layouts in and out (params as given, the KV cache by its
     rule, batch and outputs replicated), so the donated cache and params never reshard."""
-    kv = shard.sharding((None, None, "kv_heads", None))
+    kv = shard.sharding(KV_CACHE_AXES)
     cache_shardings = [(kv, kv) for _ in range(num_layers)]
     replicated = shard.sharding(())
     return jax.jit(functools.partial(step, graphdef), donate_argnums=(1,),
@@ -76,7 +76,7 @@ class ModelRunner:
         self.shard = shard
         self.builder = builder
         shape = (builder.num_pages, builder.page_size, num_kv_heads, head_dim)
-        kv_sharding = shard.sharding((None, None, "kv_heads", None))
+        kv_sharding = shard.sharding(KV_CACHE_AXES)
         zeros = jax.jit(lambda: jnp.zeros(shape, kv_dtype), out_shardings=kv_sharding)
         self.kv_caches: KVCache = [(zeros(), zeros()) for _ in range(num_layers)]
         self._jitted = jit_step(graphdef, jax.tree.map(lambda x: x.sharding, params), shard,

@@ -19,6 +19,8 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention, write_
 from sharding.rules import ShardingContext
 
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: (k_pages, v_pages)
+# Logical axes of one layer's K or V pages: [num_pages, page_size, num_kv_heads, head_dim].
+KV_CACHE_AXES = (None, None, "kv_heads", None)
 
 
 @jax.tree_util.register_dataclass
