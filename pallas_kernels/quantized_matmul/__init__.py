@@ -1,0 +1,110 @@
+"""Weight-only quantized matmul (W8A16, W4A16, W8A16-fp8): `y[M, N] = x[M, K] @ w[K, N]`.
+
+Weight formats (K = in-features, N = out-features; all scales float32, symmetric, no
+zero points):
+
+- "int8": values int8 `[K, N]`, scales `[1, N]` = max|w| over K / 127 (per output
+  channel); an all-zero column gets scale 1.
+- "int4": group-wise along K with G = min(group_size, K) rows per group (K % G == 0, G
+  even). values uint8 `[K // 2, N]`, two signed 4-bit two's-complement values per byte
+  (range [-8, 7], quantize produces [-7, 7]); scales `[K // G, N]` = max|w| over the
+  group / 7. Packing: within each group of G rows, byte row j (0 <= j < G/2) of that
+  group holds row j in the LOW nibble and row j + G/2 in the HIGH nibble, so a kernel
+  unpacks a group into two contiguous halves without interleaving.
+- "fp8": values float8_e4m3fn `[K, N]`, scales `[1, N]` = max|w| over K / 448.
+
+Implementations, all with the signature of `reference.quantized_matmul`:
+
+- "reference" (reference.py): dequantize to x's dtype, one XLA dot accumulating in
+  float32. The truth, and the CPU path.
+- "tpu" (tpu.py): Pallas Mosaic kernel, grid (M, N, K blocks), f32 VMEM accumulator.
+  Compiles ahead of time for v5e and v6e for all three kinds: Mosaic accepts the
+  float8_e4m3fn -> f32 conversion on both, though neither has fp8 arithmetic (the
+  kernel never asks for any: fp8 is a storage format here, as int8 and int4 are).
+- "gpu" (gpu.py): Pallas Triton kernel, grid (M, N blocks), K loop in a fori_loop. fp8
+  needs a CUDA GPU of compute capability >= 8.9 (Ada, Hopper) for the conversion (Pallas
+  refuses it below); int4 needs a power-of-two group size >= 32. Where either fails,
+  `impl=None` uses the reference instead (XLA converts fp8 on any GPU).
+
+`impl=None` picks by platform: the default device's if one is set (as when compiling
+ahead of time under `jax.default_device(tpu_device)`), else `jax.default_backend()`.
+
+Block sizes (override with block_m / block_n / block_k), from the shapes only:
+- TPU: bm = min(round_up(M, 8 for f32 / 16 for bf16), 256); bn = min(round_up(N, 128),
+  512); bk = min(round_up(K, u), max(u, L rounded down to a multiple of u)) with
+  L = 512 for 8-bit or 1024 for int4 (256 KiB of weight per 512 columns per step) and
+  u = lcm(128, G) for int4, else 128.
+- GPU: powers of two; bm = clamp(next_pow2(M), 16, 64); bn = clamp(next_pow2(N), 16, 128);
+  bk = clamp(next_pow2(K), 16, 128), at least G for int4.
+Both pad operands to whole blocks (K by whole int4 groups) and slice the result.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.platform import GPU_PLATFORMS, current_platform
+from pallas_kernels.quantized_matmul import gpu, reference, tpu
+from pallas_kernels.quantized_matmul.reference import (
+    dequantize, quantize, quantized_shapes)
+
+IMPLS = ("reference", "tpu", "gpu")
+FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
+
+
+def gpu_converts_fp8(compute_capability: str) -> bool:
+    """Whether Pallas's Triton lowering converts float8_e4m3fn on a GPU reporting this
+    compute capability: CUDA "major.minor" >= 8.9 (Ada, Hopper and later). ROCm reports
+    gfx names, whose fp8 support this does not try to judge: the reference runs there."""
+    major, _, minor = str(compute_capability).partition(".")
+    if not (major.isdigit() and minor.isdigit()):
+        return False
+    return (int(major), int(minor)) >= FP8_MIN_COMPUTE_CAPABILITY
+
+
+def _default_device() -> jax.Device:
+    dev = jax.config.jax_default_device
+    return jax.devices()[0] if dev is None or isinstance(dev, str) else dev
+
+
+def choose_impl(kind: str, group: int) -> str:
+    """The implementation impl=None runs for this format on the current platform."""
+    platform = current_platform()
+    if platform == "tpu":
+        return "tpu"
+    if platform not in GPU_PLATFORMS or not gpu.supports(kind, group):
+        return "reference"
+    if kind == "fp8":
+        cc = getattr(_default_device(), "compute_capability", "")
+        return "gpu" if gpu_converts_fp8(cc) else "reference"
+    return "gpu"
+
+
+def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind: str,
+                     impl: str | None = None, interpret: bool = False,
+                     **block_sizes: int) -> jax.Array:
+    """`x[M, K] @ dequantize(values, scales)` -> `[M, N]` in x's dtype.
+
+    impl: "reference", "tpu", "gpu", or None to pick by platform (see the module doc).
+    interpret: run a Pallas kernel in interpret mode (CPU tests); needs an explicit impl,
+      since "whichever kernel this platform runs" is the reference on a CPU.
+    block_sizes: block_m / block_n / block_k for the kernels (the reference ignores them).
+    """
+    k = reference.check_operands(x, values, scales, kind)
+    if impl is None:
+        if interpret:
+            raise ValueError("interpret=True needs an explicit impl ('tpu' or 'gpu')")
+        impl = choose_impl(kind, k // scales.shape[0] if kind == "int4" else 1)
+    if impl == "reference":
+        return reference.quantized_matmul(x, values, scales, kind=kind)
+    if impl == "tpu":
+        return tpu.quantized_matmul(x, values, scales, kind=kind, interpret=interpret,
+                                    **block_sizes)
+    if impl == "gpu":
+        return gpu.quantized_matmul(x, values, scales, kind=kind, interpret=interpret,
+                                    **block_sizes)
+    raise ValueError(f"unknown impl {impl!r}: use one of {', '.join(IMPLS)} or None")
+
+
+__all__ = ["quantized_matmul", "quantize", "dequantize", "quantized_shapes", "choose_impl",
+           "current_platform", "gpu_converts_fp8"]

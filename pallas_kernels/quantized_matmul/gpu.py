@@ -1,0 +1,138 @@
+"""Weight-only quantized matmul as a Pallas GPU kernel (Triton lowering).
+
+One program per (M block, N block); a `lax.fori_loop` walks K, loading an x tile and a
+quantized weight tile per step, dequantizing the tile in registers to x's dtype and
+accumulating `tl.dot` results in float32. Triton has no scratch memory, so the
+accumulator is the loop carry, and no tensor slicing, so every piece the kernel needs is
+loaded from its ref directly (an int4 group as its low-nibble and high-nibble halves).
+
+Triton shapes are powers of two and `dot` needs every dimension >= 16, which fixes the
+block rule and limits int4 groups to powers of two >= 32 (see `supports`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.quantized_matmul.reference import (
+    check_operands, pad_operands, round_up)
+
+MIN_BLOCK = 16  # smallest dimension Triton's dot accepts
+MAX_BLOCK_M = 64
+MAX_BLOCK_N = 128
+MAX_BLOCK_K = 128
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _is_power_of_2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _clamped_power_of_2(n: int, most: int) -> int:
+    return min(max(next_power_of_2(n), MIN_BLOCK), most)
+
+
+def supports(kind: str, group: int) -> bool:
+    """Whether this kernel handles the format: an int4 group's halves are dot operands."""
+    return kind != "int4" or (_is_power_of_2(group) and group // 2 >= MIN_BLOCK)
+
+
+def block_sizes(m: int, k: int, n: int, kind: str, group: int,
+                block_m: int | None = None, block_n: int | None = None,
+                block_k: int | None = None) -> tuple[int, int, int]:
+    """(bm, bn, bk), powers of two, from the shapes.
+
+    bm = clamp(next_pow2(M), 16, 64): decode batches waste little of a 16-row tile.
+    bn = clamp(next_pow2(N), 16, 128): N blocks are the parallelism when M is small.
+    bk = clamp(next_pow2(K), 16, 128), and at least one int4 group (a multiple of G).
+    Explicit block_m / block_n / block_k override, checked for the same rules.
+    """
+    bm = block_m or _clamped_power_of_2(m, MAX_BLOCK_M)
+    bn = block_n or _clamped_power_of_2(n, MAX_BLOCK_N)
+    bk = block_k or max(_clamped_power_of_2(k, MAX_BLOCK_K), group if kind == "int4" else 1)
+    if not all(_is_power_of_2(b) and b >= MIN_BLOCK for b in (bm, bn, bk)) or (
+            kind == "int4" and bk % group):
+        raise ValueError(
+            f"GPU block sizes (block_m={bm}, block_n={bn}, block_k={bk}) must be powers of "
+            f"two >= {MIN_BLOCK}" + (f", block_k a multiple of the int4 group {group}"
+                                     if kind == "int4" else ""))
+    return bm, bn, bk
+
+
+def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+def _kernel(x_ref, w_ref, s_ref, o_ref, *, kind: str, group: int, block_k: int):
+    bm, bn = o_ref.shape
+    steps = x_ref.shape[1] // block_k
+
+    def dense_step(step, acc):
+        rows = pl.ds(step * block_k, block_k)
+        # int8 -> float via the dtype conversion; fp8 -> x's dtype is a native convert
+        # on sm89+ (Ada, Hopper), which the dispatcher checks.
+        return acc + _dot(x_ref[:, rows], w_ref[rows, :])
+
+    def int4_step(step, acc):
+        half = group // 2
+        for g in range(block_k // group):
+            start = step * block_k + g * group
+            # uint8 -> int32 zero-extends; shifting the nibble to the top and back
+            # arithmetically sign-extends it.
+            packed = w_ref[pl.ds(start // 2, half), :].astype(jnp.int32)
+            low, high = (packed << 28) >> 28, (packed << 24) >> 28
+            part = (_dot(x_ref[:, pl.ds(start, half)], low.astype(jnp.float32))
+                    + _dot(x_ref[:, pl.ds(start + half, half)], high.astype(jnp.float32)))
+            acc = acc + part * s_ref[pl.ds(start // group, 1), :]
+        return acc
+
+    body = int4_step if kind == "int4" else dense_step
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
+    if kind != "int4":
+        acc = acc * s_ref[...]
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "block_m", "block_n", "block_k",
+                                             "num_warps", "num_stages", "interpret"))
+def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind: str,
+                     block_m: int | None = None, block_n: int | None = None,
+                     block_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
+                     interpret: bool = False) -> jax.Array:
+    """`x[M, K] @ dequantize(values, scales)` -> `[M, N]` in x's dtype, on a GPU.
+
+    Operands are zero-padded to whole blocks (K by whole int4 groups) and the result
+    sliced back.
+    """
+    k = check_operands(x, values, scales, kind)
+    m, n = x.shape[0], values.shape[1]
+    group = k // scales.shape[0] if kind == "int4" else 1
+    if not supports(kind, group):
+        raise ValueError(f"the GPU kernel needs an int4 group size that is a power of two "
+                         f">= {2 * MIN_BLOCK}, got {group}: use impl='reference'")
+    bm, bn, bk = block_sizes(m, k, n, kind, group, block_m, block_n, block_k)
+    mp, kp, np_ = round_up(m, bm), round_up(k, bk), round_up(n, bn)
+    x, values, scales = pad_operands(x, values, scales, kind, mp, kp, np_)
+
+    # Each program sees its rows of x and its columns of the weight over all of K; the
+    # K loop slices them. Block shapes need not be powers of two, only what is loaded.
+    out = pl.pallas_call(
+        functools.partial(_kernel, kind=kind, group=group, block_k=bk),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
+        grid=(mp // bm, np_ // bn),
+        in_specs=[pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
+                  pl.BlockSpec((values.shape[0], bn), lambda i, j: (0, j)),
+                  pl.BlockSpec((scales.shape[0], bn), lambda i, j: (0, j))],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+    )(x, values, scales)
+    return out[:m, :n]

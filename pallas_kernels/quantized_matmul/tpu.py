@@ -1,0 +1,167 @@
+"""Weight-only quantized matmul as a Pallas Mosaic (TPU) kernel.
+
+Grid (M blocks, N blocks, K blocks), K innermost so an f32 accumulator in VMEM scratch
+carries the partial sums across it. Each step loads an x tile `[bm, bk]` and a quantized
+weight tile, dequantizes the tile in VMEM to x's dtype and feeds the MXU; the weight stays
+quantized in HBM, which is the point: decode is bound by weight bytes read.
+
+Scales: a per-channel scale (int8, fp8) is the same for every K, so it multiplies the
+accumulator once, at the last K step. An int4 group scale changes every G rows, so each
+group gets its own dot and its scale multiplies that partial sum inside the K step.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.quantized_matmul.reference import (
+    check_operands, pad_operands, round_up)
+
+MAX_BLOCK_M = 256
+MAX_BLOCK_N = 512
+# K per step: 512 rows of 8-bit weights or 1024 rows of int4 are both 256 KiB of weight
+# per 512 columns, large enough to hide the ~0.35 us fixed cost of a grid step behind
+# the DMA of the next tile on v5e/v6e HBM.
+MAX_BLOCK_K = {"int8": 512, "fp8": 512, "int4": 1024}
+LANES = 128
+
+
+def sublanes(dtype: jnp.dtype) -> int:
+    """Rows of one (sublane, 128) tile: 8 for 32-bit, 16 for bf16 (two rows per sublane)."""
+    return 8 * 4 // jnp.dtype(dtype).itemsize
+
+
+def k_unit(kind: str, group: int) -> int:
+    """bk must hold whole lane tiles of x and, for int4, whole groups."""
+    return math.lcm(LANES, group) if kind == "int4" else LANES
+
+
+def block_sizes(m: int, k: int, n: int, kind: str, group: int, dtype: jnp.dtype,
+                block_m: int | None = None, block_n: int | None = None,
+                block_k: int | None = None) -> tuple[int, int, int]:
+    """(bm, bn, bk) from the shapes alone (never the default device, which is the host CPU
+    when compiling ahead of time).
+
+    bm = min(round_up(M, sublanes), 256): decode batches get one M block padded to a tile.
+    bn = min(round_up(N, 128), 512).
+    bk = min(round_up(K, unit), the largest multiple of unit <= 512 (8-bit) or 1024 (int4)),
+    unit = lcm(128, G) for int4, else 128.
+    Explicit block_m / block_n / block_k override, checked for the same alignment.
+    """
+    sub, unit = sublanes(dtype), k_unit(kind, group)
+    bm = block_m or min(round_up(m, sub), MAX_BLOCK_M)
+    bn = block_n or min(round_up(n, LANES), MAX_BLOCK_N)
+    bk = block_k or min(round_up(k, unit), max(unit, MAX_BLOCK_K[kind] // unit * unit))
+    if bm % sub or bn % LANES or bk % unit:
+        raise ValueError(
+            f"TPU block sizes (block_m={bm}, block_n={bn}, block_k={bk}) must be multiples "
+            f"of ({sub}, {LANES}, {unit}) for {kind} with x {jnp.dtype(dtype).name}"
+            + (f" and int4 group {group}" if kind == "int4" else ""))
+    return bm, bn, bk
+
+
+def _mxu_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    # float32 x asks for full f32 passes: Mosaic's default contraction precision is its
+    # own choice, and the reference computes float32 at HIGHEST.
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    return jnp.dot(x, w, preferred_element_type=jnp.float32, precision=precision)
+
+
+def _dequantize_8bit_tile(w: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    # Through float32: every int8 and every float8_e4m3fn value is exact there and in
+    # bf16, and f32 is the conversion every TPU generation's VPU has.
+    return w.astype(jnp.float32).astype(dtype)
+
+
+def _int4_block_dot(x_ref, w_ref, s_ref, group: int) -> jax.Array:
+    """Sum over the block's groups of (x_group @ w_group) * scale_group, in float32."""
+    half = group // 2
+    packed = w_ref[...].astype(jnp.int32)
+    # Nibble to the top of the int32, then an arithmetic shift back: sign extension of
+    # two's complement 4-bit values without selects.
+    low = ((packed << 28) >> 28).astype(jnp.float32)
+    high = ((packed << 24) >> 28).astype(jnp.float32)
+    total = None
+    for g in range(x_ref.shape[1] // group):
+        rows = slice(g * half, (g + 1) * half)
+        # The format puts a group's first half in the low nibbles and its second half in
+        # the high ones, so the group is two contiguous pieces: no interleave needed.
+        w = jnp.concatenate([low[rows], high[rows]], axis=0).astype(x_ref.dtype)
+        part = _mxu_dot(x_ref[:, g * group:(g + 1) * group], w)
+        part = part * s_ref[g:g + 1, :]
+        total = part if total is None else total + part
+    return total
+
+
+def _kernel(x_ref, w_ref, s_ref, o_ref, acc_ref, *, kind: str, group: int):
+    step = pl.program_id(2)
+
+    @pl.when(step == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    if kind == "int4":
+        acc_ref[...] += _int4_block_dot(x_ref, w_ref, s_ref, group)
+    else:
+        w = _dequantize_8bit_tile(w_ref[...], x_ref.dtype)
+        acc_ref[...] += _mxu_dot(x_ref[...], w)
+
+    @pl.when(step == pl.num_programs(2) - 1)
+    def _store():
+        acc = acc_ref[...]
+        if kind != "int4":
+            acc = acc * s_ref[...]
+        o_ref[...] = acc.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "block_m", "block_n", "block_k",
+                                             "interpret"))
+def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind: str,
+                     block_m: int | None = None, block_n: int | None = None,
+                     block_k: int | None = None, interpret: bool = False) -> jax.Array:
+    """`x[M, K] @ dequantize(values, scales)` -> `[M, N]` in x's dtype, on a TPU core.
+
+    Operands are zero-padded to whole blocks here (K by whole int4 groups) and the result
+    sliced back, so any M, K, N the format allows works.
+    """
+    k = check_operands(x, values, scales, kind)
+    m, n = x.shape[0], values.shape[1]
+    group = k // scales.shape[0] if kind == "int4" else 1
+    bm, bn, bk = block_sizes(m, k, n, kind, group, x.dtype, block_m, block_n, block_k)
+    mp, kp, np_ = round_up(m, bm), round_up(k, bk), round_up(n, bn)
+    x, values, scales = pad_operands(x, values, scales, kind, mp, kp, np_)
+
+    if kind == "int4":
+        w_spec = pl.BlockSpec((bk // 2, bn), lambda i, j, s: (s, j))
+        # One K step's group scales as a block whose rows are the whole (middle) axis:
+        # a [bk // G, bn] block of a 2-D array would break the 8-row tiling rule.
+        scales = scales.reshape(kp // bk, bk // group, np_)
+        s_spec = pl.BlockSpec((pl.squeezed, bk // group, bn), lambda i, j, s: (s, 0, j))
+    else:
+        w_spec = pl.BlockSpec((bk, bn), lambda i, j, s: (s, j))
+        s_spec = pl.BlockSpec((1, bn), lambda i, j, s: (0, j))
+
+    itemsize = jnp.dtype(x.dtype).itemsize
+    cost = pl.CostEstimate(
+        flops=2 * mp * kp * np_, transcendentals=0,
+        bytes_accessed=(values.size * values.dtype.itemsize * (mp // bm)
+                        + x.size * itemsize * (np_ // bn) + mp * np_ * itemsize))
+    out = pl.pallas_call(
+        functools.partial(_kernel, kind=kind, group=group),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
+        grid=(mp // bm, np_ // bn, kp // bk),
+        in_specs=[pl.BlockSpec((bm, bk), lambda i, j, s: (i, s)), w_spec, s_spec],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j, s: (i, j)),
+        scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")),
+        cost_estimate=cost,
+        interpret=interpret,
+    )(x, values, scales)
+    return out[:m, :n]

@@ -1,0 +1,338 @@
+"""Weight-only quantized matmul: the reference against numpy float64, the Pallas TPU and GPU
+kernels (interpret mode) against the reference, and both kernels compiled / lowered for
+their real targets from this CPU machine.
+
+Tolerances, derived rather than tuned (Σ below is the elementwise |x| @ |w_deq|, the sum of
+absolute products each output element adds up):
+- float32 x: both paths compute exact f32 products of f32 values and differ only in f32
+  summation order, so they agree to 1e-5 of the output's magnitude (max |y|).
+- bfloat16 x (8 significant bits, so rounding is relative 2^-8): the reference rounds every
+  dequantized weight to bf16 (2^-8 Σ in all), sums in f32, and rounds y to bf16 (2^-8 |y|
+  <= 2^-8 Σ): within 2^-7 Σ of the float64 oracle. The kernels keep int8 / int4 / fp8
+  values exact in bf16 (integers up to 256 and e4m3's 4 significant bits fit; products
+  with x are exact in f32) and apply the scales in f32, so their only bf16 rounding is
+  y's: within 2^-8 |y| + 2^-14 Σ (f32 summation) of the oracle, and within the sum of both
+  bounds of the reference.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import quantized_matmul as qmm
+from pallas_kernels.quantized_matmul import gpu, reference, tpu
+
+
+@pytest.fixture
+def rng(request):
+    """A Generator seeded by the test's id: fresh draws per case, reproducible per case."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def numpy_unpack_int4(values: np.ndarray, group: int) -> np.ndarray:
+    """An unpacker written from the format's description alone, byte by byte."""
+    v = np.asarray(values, dtype=np.uint8)
+    half, n = v.shape
+    low = (v & 0x0F).astype(np.int16)
+    high = (v >> 4).astype(np.int16)
+    low, high = np.where(low >= 8, low - 16, low), np.where(high >= 8, high - 16, high)
+    out = np.empty((2 * half, n), dtype=np.int16)
+    per = group // 2
+    for start in range(0, half, per):
+        out[2 * start:2 * start + per] = low[start:start + per]
+        out[2 * start + per:2 * start + group] = high[start:start + per]
+    return out
+
+
+def numpy_dequantize(values, scales, kind: str) -> np.ndarray:
+    """float64 weight from the stored format, independently of reference.dequantize."""
+    scales = np.asarray(scales, np.float64)
+    if kind == "int4":
+        q = numpy_unpack_int4(np.asarray(values), 2 * values.shape[0] // scales.shape[0])
+        return q * np.repeat(scales, q.shape[0] // scales.shape[0], axis=0)
+    return np.asarray(values.astype(jnp.float32), np.float64) * scales
+
+
+def draw(rng, m: int, k: int, n: int, kind: str, dtype, group_size: int = 128):
+    """Random normal x and a quantized random normal weight (never zeros)."""
+    x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32), dtype)
+    w = rng.standard_normal((k, n), dtype=np.float32)
+    values, scales = reference.quantize(jnp.asarray(w), kind, group_size)
+    return x, values, scales
+
+
+def oracle(x, values, scales, kind):
+    """(y, Σ) in float64: the exact product with the dequantized weight, and |x| @ |w|."""
+    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    w64 = numpy_dequantize(values, scales, kind)
+    return x64 @ w64, np.abs(x64) @ np.abs(w64)
+
+
+def f64(a) -> np.ndarray:
+    return np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64)
+
+
+def assert_kernel_matches(y, x, values, scales, kind):
+    """The kernel's output against the reference (and, for bf16, the float64 oracle)."""
+    ref = f64(reference.quantized_matmul(x, values, scales, kind=kind))
+    y = f64(y)
+    assert y.shape == ref.shape
+    if x.dtype == jnp.float32:
+        np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+        return
+    exact, sigma = oracle(x, values, scales, kind)
+    kernel_bound = 2.0**-8 * np.abs(exact) + 2.0**-14 * sigma
+    reference_bound = 2.0**-7 * sigma
+    assert np.all(np.abs(y - exact) <= kernel_bound), np.abs(y - exact).max()
+    assert np.all(np.abs(y - ref) <= kernel_bound + reference_bound), np.abs(y - ref).max()
+
+
+# --- reference: formats and the truth ----------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_integer_quantization_error_is_at_most_half_a_step(rng, kind):
+    """Round-to-nearest: every element is within scale/2 of its dequantized value."""
+    w = rng.standard_normal((256, 96), dtype=np.float32) * 3
+    w[:, 5] = 0.0  # an all-zero column must not divide by zero
+    values, scales = reference.quantize(jnp.asarray(w), kind, group_size=64)
+    deq = np.asarray(reference.dequantize(values, scales, kind, jnp.float32), np.float64)
+    step = np.repeat(np.asarray(scales, np.float64), 256 // scales.shape[0], axis=0)
+    assert np.all(np.isfinite(deq)) and np.all(deq[:, 5] == 0)
+    # 1e-6 relative slack: w / scale and q * scale are each rounded once in float32.
+    assert np.all(np.abs(w - deq) <= step / 2 * (1 + 1e-6) + 1e-6 * np.abs(w))
+    assert scales.shape == ((1, 96) if kind == "int8" else (4, 96))
+
+
+def test_fp8_quantization_relative_error(rng):
+    """e4m3 has 3 mantissa bits: a normal value rounds within 2^-4 relative; values below
+    its smallest normal (2^-6 in scaled units) within half a subnormal step, 2^-10 scaled."""
+    w = rng.standard_normal((128, 64), dtype=np.float32)
+    w[:, 3] = 0.0
+    values, scales = reference.quantize(jnp.asarray(w), "fp8")
+    deq = np.asarray(reference.dequantize(values, scales, "fp8", jnp.float32), np.float64)
+    s = np.asarray(scales, np.float64)
+    assert values.dtype == jnp.float8_e4m3fn and np.all(np.isfinite(deq))
+    bound = np.maximum(2.0**-4 * np.abs(w), 2.0**-10 * s) * (1 + 1e-6)
+    assert np.all(np.abs(w - deq) <= bound)
+    # The largest element of each column lands on 448, the top of the range.
+    assert np.allclose(np.abs(deq).max(axis=0)[s[0] != 1], np.abs(w).max(axis=0)[s[0] != 1])
+
+
+def test_int4_packing_round_trip_against_numpy(rng):
+    """pack -> independent numpy unpack gives the ints back, and the reference unpack agrees."""
+    group = 32
+    q = rng.integers(-8, 8, size=(128, 48))
+    packed = reference.pack_int4(jnp.asarray(q), group)
+    assert packed.dtype == jnp.uint8 and packed.shape == (64, 48)
+    np.testing.assert_array_equal(numpy_unpack_int4(np.asarray(packed), group), q)
+    np.testing.assert_array_equal(np.asarray(reference.unpack_int4(packed, group)), q)
+    # The layout by hand: byte row j of group 1 = row 32 + j (low), row 48 + j (high).
+    byte = int(np.asarray(packed)[16 + 3, 7])
+    assert (byte & 0xF) == q[32 + 3, 7] & 0xF and (byte >> 4) == q[48 + 3, 7] & 0xF
+
+
+def test_int4_quantize_matches_numpy_rounding(rng):
+    w = rng.standard_normal((256, 40), dtype=np.float32)
+    values, scales = reference.quantize(jnp.asarray(w), "int4", group_size=128)
+    s = np.asarray(scales)
+    expected = np.round(w.reshape(2, 128, 40) / s[:, None, :]).reshape(256, 40)
+    np.testing.assert_array_equal(numpy_unpack_int4(np.asarray(values), 128), expected)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_reference_matmul_against_float64(rng, kind, dtype):
+    x, values, scales = draw(rng, 7, 256, 72, kind, dtype)
+    y = f64(qmm.quantized_matmul(x, values, scales, kind=kind, impl="reference"))
+    exact, sigma = oracle(x, values, scales, kind)
+    assert y.dtype == np.float64 and y.shape == (7, 72)
+    # f32: summation order only (see the module doc); bf16: the reference's 2^-7 Σ bound.
+    bound = 1e-5 * np.abs(exact).max() if dtype == jnp.float32 else 2.0**-7 * sigma
+    assert np.all(np.abs(y - exact) <= bound), np.abs(y - exact).max()
+
+
+@pytest.mark.parametrize("kind, k, n", [("int8", 100, 24), ("fp8", 100, 24), ("int4", 96, 24)])
+def test_quantized_shapes_match_quantize(kind, k, n):
+    values, scales = reference.quantize(jnp.ones((k, n)), kind, group_size=32)
+    (vs, vd), (ss, sd) = qmm.quantized_shapes(k, n, kind, group_size=32)
+    assert (values.shape, values.dtype, scales.shape, scales.dtype) == (vs, vd, ss, sd)
+
+
+def test_bad_formats_say_what_to_do():
+    with pytest.raises(ValueError, match="multiple of an even group size"):
+        reference.quantize(jnp.ones((192, 8)), "int4", group_size=128)  # 192 % 128
+    with pytest.raises(ValueError, match="even group size"):
+        reference.quantize(jnp.ones((9, 8)), "int4", group_size=128)  # G = 9
+    with pytest.raises(ValueError, match="unknown quantization kind"):
+        reference.quantize(jnp.ones((8, 8)), "int3")
+    values, scales = reference.quantize(jnp.ones((128, 8)), "int8")
+    with pytest.raises(ValueError, match="do not fit together"):
+        qmm.quantized_matmul(jnp.ones((2, 64)), values, scales, kind="int8")
+
+
+def test_dispatch_on_cpu_and_interpret_needs_an_impl(rng):
+    x, values, scales = draw(rng, 3, 128, 16, "int8", jnp.float32)
+    assert qmm.choose_impl("int8", 1) == "reference"
+    np.testing.assert_array_equal(
+        np.asarray(qmm.quantized_matmul(x, values, scales, kind="int8")),
+        np.asarray(reference.quantized_matmul(x, values, scales, kind="int8")))
+    with pytest.raises(ValueError, match="explicit impl"):
+        qmm.quantized_matmul(x, values, scales, kind="int8", interpret=True)
+    with pytest.raises(ValueError, match="unknown impl"):
+        qmm.quantized_matmul(x, values, scales, kind="int8", impl="cuda")
+
+
+def test_fp8_on_gpu_needs_compute_capability_8_9():
+    assert [qmm.gpu_converts_fp8(cc) for cc in ("8.0", "8.6", "8.9", "9.0", "10.0", "gfx942")] \
+        == [False, False, True, True, True, False]
+
+
+# --- kernels in interpret mode against the reference --------------------------------------
+
+# (M, K, N): decode-sized and odd M, K and N that are and are not block multiples.
+SHAPES = [(1, 128, 128), (5, 256, 200), (16, 256, 256), (37, 384, 200)]
+
+
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_kernel_matches_reference(rng, impl, kind, dtype):
+    for m, k, n in SHAPES:
+        x, values, scales = draw(rng, m, k, n, kind, dtype)
+        y = qmm.quantized_matmul(x, values, scales, kind=kind, impl=impl, interpret=True)
+        assert y.dtype == dtype and y.shape == (m, n)
+        assert_kernel_matches(y, x, values, scales, kind)
+
+
+# Small explicit blocks: several M, N and K blocks, K padded by a whole block (384 -> 512),
+# and int4 groups of 64, two per K block.
+FORCED_BLOCKS = {"tpu": dict(block_m=16, block_n=128, block_k=256),
+                 "gpu": dict(block_m=16, block_n=64, block_k=256)}
+
+
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_kernel_with_many_blocks(rng, impl, kind, dtype):
+    x, values, scales = draw(rng, 37, 384, 256, kind, dtype, group_size=64)
+    y = qmm.quantized_matmul(x, values, scales, kind=kind, impl=impl, interpret=True,
+                             **FORCED_BLOCKS[impl])
+    assert_kernel_matches(y, x, values, scales, kind)
+
+
+def test_block_rules():
+    # TPU: decode batch -> one bf16 tile of rows; big weights -> 512-wide N, 512/1024 K.
+    assert tpu.block_sizes(16, 4096, 14336, "int8", 1, jnp.bfloat16) == (16, 512, 512)
+    assert tpu.block_sizes(16, 4096, 14336, "int4", 128, jnp.bfloat16) == (16, 512, 1024)
+    assert tpu.block_sizes(5, 384, 200, "fp8", 1, jnp.float32) == (8, 256, 384)
+    assert tpu.block_sizes(1000, 96, 8, "int4", 96, jnp.bfloat16) == (256, 128, 384)
+    with pytest.raises(ValueError, match="multiples"):
+        tpu.block_sizes(16, 256, 256, "int4", 128, jnp.bfloat16, block_k=64)
+    # GPU: powers of two >= 16, K blocks hold whole int4 groups.
+    assert gpu.block_sizes(1, 4096, 14336, "int8", 1) == (16, 128, 128)
+    assert gpu.block_sizes(37, 384, 200, "int4", 256) == (64, 128, 256)
+    assert not gpu.supports("int4", 96) and not gpu.supports("int4", 16)
+    with pytest.raises(ValueError, match="powers of two"):
+        gpu.block_sizes(16, 256, 256, "int8", 1, block_n=96)
+
+
+# --- the GPU kernel lowers to Triton (no GPU needed) --------------------------------------
+
+LLAMA3_8B_MLP = [(16, 4096, 14336), (16, 14336, 4096)]  # x[16, K] @ W[K, N]
+
+
+def abstract_operands(m: int, k: int, n: int, kind: str, sharding=None, dtype=jnp.bfloat16):
+    (vs, vd), (ss, sd) = reference.quantized_shapes(k, n, kind)
+    return (jax.ShapeDtypeStruct((m, k), dtype, sharding=sharding),
+            jax.ShapeDtypeStruct(vs, vd, sharding=sharding),
+            jax.ShapeDtypeStruct(ss, sd, sharding=sharding))
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+def test_gpu_kernel_lowers_to_triton_for_llama3_8b(kind):
+    """Pallas's Triton lowering (jaxpr -> Triton IR, as for compute capability 9.0 when no
+    GPU is present) accepts the kernel at real shapes: one program per 128 output columns."""
+    m, k, n = LLAMA3_8B_MLP[0]
+    fn = jax.jit(lambda x, v, s: gpu.quantized_matmul(x, v, s, kind=kind))
+    exported = jax.export.export(
+        fn, platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(*abstract_operands(m, k, n, kind))
+    text = exported.mlir_module()
+    assert "__gpu$xla.gpu.triton" in text
+    assert f"grid_y = {n // 128} : i32" in text
+
+
+# --- the TPU kernel compiled ahead of time for real TPU generations -----------------------
+
+TOPOLOGIES = ["v5e:2x2", "v6e:2x2"]
+
+
+def tpu_chip(topology: str):
+    """Chip 0 of a TPU topology, waiting while another process holds libtpu's lockfile."""
+    pytest.importorskip("libtpu", reason="libtpu is not installed: pip install 'jax[tpu]'")
+    from sharding.planner import tpu_devices
+
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            return tpu_devices(topology)[0]
+        except Exception as e:  # noqa: BLE001 - libtpu raises a bare runtime error
+            if "lockfile" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(5)
+
+
+@pytest.fixture(scope="module", params=TOPOLOGIES)
+def chip(request):
+    return tpu_chip(request.param)
+
+
+def compile_on_chip(fn, args, dev):
+    with jax.default_device(dev):
+        return jax.jit(fn).lower(*args).compile()
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("m, k, n", LLAMA3_8B_MLP, ids=["up", "down"])
+def test_tpu_kernel_compiles_with_weights_quantized_in_hbm(chip, kind, m, k, n):
+    """Mosaic accepts the kernel on v5e and v6e (fp8 included), and the compiled program's
+    arguments are exactly x + the quantized weight + scales: no dequantized copy of the
+    weight exists in HBM, not even as a temporary."""
+    from jax.sharding import SingleDeviceSharding
+
+    args = abstract_operands(m, k, n, kind, SingleDeviceSharding(chip))
+    compiled = compile_on_chip(
+        lambda x, v, s: qmm.quantized_matmul(x, v, s, kind=kind, impl="tpu"), args, chip)
+    mem = compiled.memory_analysis()
+    weight_bytes = k * n // (2 if kind == "int4" else 1)
+    assert mem.argument_size_in_bytes == m * k * 2 + weight_bytes + args[2].size * 4
+    assert mem.output_size_in_bytes == m * n * 2
+    assert mem.temp_size_in_bytes < weight_bytes // 16
+    assert "tpu_custom_call" in compiled.as_text()
+
+
+def test_tpu_kernel_compiles_for_float32_x(chip):
+    """float32 activations take the kernel's full-precision (HIGHEST) MXU path."""
+    from jax.sharding import SingleDeviceSharding
+
+    m, k, n = LLAMA3_8B_MLP[0]
+    args = abstract_operands(m, k, n, "int4", SingleDeviceSharding(chip), jnp.float32)
+    compiled = compile_on_chip(
+        lambda x, v, s: qmm.quantized_matmul(x, v, s, kind="int4", impl="tpu"), args, chip)
+    assert compiled.memory_analysis().output_size_in_bytes == m * n * 4
+
+
+def test_dispatch_picks_the_tpu_kernel_under_a_tpu_default_device(chip):
+    """impl=None follows the default device, as the planner's AOT compile sets it."""
+    with jax.default_device(chip):
+        assert qmm.current_platform() == "tpu"
+        assert qmm.choose_impl("fp8", 1) == "tpu"
+    assert qmm.choose_impl("fp8", 1) == "reference"
