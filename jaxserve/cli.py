@@ -8,7 +8,7 @@ import logging
 import sys
 import time
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import KERNEL_IMPLS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -25,6 +25,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--quantization", choices=list(QUANTIZATIONS), default=None,
+                   help="quantize the linear layers' weights at load (a checkpoint made by "
+                        "`jaxserve convert` is already quantized)")
+    g.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=None,
+                   help="KV cache storage: auto (the model dtype), int8 or fp8 (e4m3), with "
+                        "a scale per token and head")
+    g.add_argument("--kernel-impl", choices=list(KERNEL_IMPLS), default=None,
+                   help="attention / matmul kernels (default: by platform)")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--mesh", default=None, metavar="data=D,model=M",
                    help="device mesh, e.g. model=4 (default: one device)")
@@ -51,6 +59,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "kv_cache_memory_gib": args.kv_cache_memory_gib, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed,
         "enable_prefix_caching": False if args.no_prefix_caching else None,
+        "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+        "kernel_impl": args.kernel_impl,
     }
     if args.config:
         return EngineConfig.from_yaml(args.config, **overrides)
@@ -124,8 +134,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     cfg = ModelConfig.from_file(args.model)
     result = plan(cfg, args.topology, args.strategy, args.dtype, args.max_model_len,
-                  args.max_num_seqs, args.max_num_batched_tokens, args.page_size)
+                  args.max_num_seqs, args.max_num_batched_tokens, args.page_size,
+                  args.quantization, args.kv_cache_dtype)
     print(format_plan(result))
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    import jax.numpy as jnp
+
+    from jaxserve.config import ModelConfig
+    from jaxserve.loading.converted import convert
+    from sharding.mesh import make_mesh
+    from sharding.rules import model_sharding
+
+    cfg = ModelConfig.from_file(args.model)
+    shard = model_sharding(make_mesh(parse_mesh(args.mesh)), "tp", cfg)
+    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
+    out = convert(args.model, args.out, dtype, args.dtype, args.quantization, shard)
+    print(f"wrote {out} ({args.quantization or 'unquantized'} weights, {args.dtype}); serve it "
+          f"with: jaxserve serve --model {out}")
     return 0
 
 
@@ -187,7 +215,21 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--max-num-seqs", type=int, default=64)
     pl.add_argument("--max-num-batched-tokens", type=int, default=512)
     pl.add_argument("--page-size", type=int, default=16)
+    pl.add_argument("--quantization", choices=list(QUANTIZATIONS), default=None)
+    pl.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto")
     pl.set_defaults(func=cmd_plan)
+
+    conv = sub.add_parser("convert", help="quantize an HF checkpoint once and save it with "
+                                          "Orbax, for fast loading",
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    conv.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    conv.add_argument("--out", required=True, help="new directory for the converted checkpoint")
+    conv.add_argument("--quantization", choices=list(QUANTIZATIONS), default=None)
+    conv.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                      help="dtype of the weights left unquantized (embeddings, norms)")
+    conv.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                      help="devices to hold the weights while converting (default: one)")
+    conv.set_defaults(func=cmd_convert)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)

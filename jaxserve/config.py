@@ -16,6 +16,10 @@ import yaml
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DTYPES = ("bfloat16", "float32")
+# kv_cache_dtype names and the dtype each stores ("auto": the model's dtype).
+KV_CACHE_DTYPES = {"auto": None, "int8": "int8", "fp8": "float8_e4m3fn"}
+KERNEL_IMPLS = ("reference", "tpu", "gpu")
+QUANTIZATIONS = ("int8", "int4", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +184,12 @@ class EngineConfig:
     Token buckets default to 1 (single-sequence decode) and powers of two from 8 to
     `max_num_batched_tokens`; a batch of T tokens holds up to min(T, max_num_seqs)
     sequences, so each token bucket is one compiled program (two with penalties).
+    `kv_cache_dtype` "auto" stores K/V in `dtype`; "int8" / "fp8" (e4m3) store them
+    quantized with a float32 scale per token and head. `quantization` ("int8" | "int4" |
+    "fp8") quantizes the linear layers' weights at load (embeddings, norms and the LM head
+    stay in `dtype`). `kernel_impl` picks the attention and matmul kernels ("reference" |
+    "tpu" | "gpu"; None: by platform); `interpret_kernels` runs the Pallas kernels in
+    interpret mode (for testing them on CPU).
     """
 
     model: str | None = None
@@ -195,6 +205,10 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     seed: int = 0
     token_buckets: tuple[int, ...] = ()
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    kernel_impl: str | None = None
+    interpret_kernels: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -211,6 +225,15 @@ class EngineConfig:
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.kernel_impl not in (None, *KERNEL_IMPLS):
+            raise ValueError(f"kernel_impl must be one of {KERNEL_IMPLS} (or unset: by "
+                             f"platform), got {self.kernel_impl!r}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} (or unset), "
+                             f"got {self.quantization!r}")
         if not 0.0 < self.memory_utilization <= 1.0:
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         buckets = tuple(sorted(set(self.token_buckets))) or _default_buckets(

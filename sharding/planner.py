@@ -18,9 +18,10 @@ from flax import nnx
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.batch import BatchBuilder, BucketKey
-from jaxserve.engine.runner import jit_step, pages_per_seq
+from jaxserve.engine.engine import kv_cache_dtype, model_options
+from jaxserve.engine.runner import abstract_kv_cache, jit_step, kv_page_bytes, pages_per_seq
 from jaxserve.loading.safetensors import abstract_model
-from jaxserve.models.transformer import KV_CACHE_AXES
+from jaxserve.models.layers import ModelOptions
 from sharding.mesh import make_mesh
 from sharding.rules import ShardingContext, model_sharding
 
@@ -38,9 +39,10 @@ def tpu_devices(topology: str) -> list:
 def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, int],
                  strategy: str, devices: list, num_pages: int, key: BucketKey,
                  dtype=jnp.bfloat16) -> jax.stages.Compiled:
-    """Ahead-of-time compile of one step bucket, sharded over `devices`."""
+    """Ahead-of-time compile of one step bucket, sharded over `devices`, with the engine's
+    weight quantization, KV cache dtype and kernels (on a TPU: our Pallas kernels)."""
     shard = model_sharding(make_mesh(mesh_shape, devices=devices), strategy, cfg)
-    graphdef, abstract = abstract_model(cfg, dtype, shard)
+    graphdef, abstract = abstract_model(cfg, dtype, shard, model_options(engine))
     flat = nnx.to_flat_state(abstract)
     for _, var in flat:
         sharding = shard.sharding(var.get_metadata()["logical_axes"])
@@ -50,13 +52,12 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
     builder = BatchBuilder(engine.token_buckets, engine.max_num_seqs, engine.page_size,
                            num_pages, pages_per_seq(max_len, engine.page_size), max_len,
                            cfg.eos_token_ids)
-    kv = jax.ShapeDtypeStruct((num_pages, engine.page_size, cfg.num_kv_heads, cfg.head_dim),
-                              dtype, sharding=shard.sharding(KV_CACHE_AXES))
-    caches = [(kv, kv) for _ in range(cfg.num_layers)]
+    caches = abstract_kv_cache(cfg, num_pages, engine.page_size, kv_cache_dtype(engine), shard)
     replicated = shard.sharding(())
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
                          builder.empty(key))
-    fn = jit_step(graphdef, jax.tree.map(lambda x: x.sharding, params), shard, cfg.num_layers)
+    fn = jit_step(graphdef, jax.tree.map(lambda x: x.sharding, params),
+                  jax.tree.map(lambda x: x.sharding, caches), shard)
     with jax.default_device(devices[0]):
         return fn.lower(params, caches, batch).compile()
 
@@ -94,7 +95,8 @@ def collective_bytes(compiled: jax.stages.Compiled) -> dict[str, tuple[int, int]
 
 def plan(cfg: ModelConfig, topology: str, strategy: str = "tp", dtype: str = "bfloat16",
          max_model_len: int = 4096, max_num_seqs: int = 64,
-         max_num_batched_tokens: int = 512, page_size: int = 16) -> dict:
+         max_num_batched_tokens: int = 512, page_size: int = 16,
+         quantization: str | None = None, kv_cache_dtype_name: str = "auto") -> dict:
     """Compile a decode and a prefill bucket for `topology` (TP over all its chips) and
     report per-chip memory, KV capacity, collectives and XLA's cost estimates.
 
@@ -111,12 +113,12 @@ def plan(cfg: ModelConfig, topology: str, strategy: str = "tp", dtype: str = "bf
     jdtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
     engine = EngineConfig(dtype=dtype, max_model_len=max_model_len, page_size=page_size,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          token_buckets=(max_num_seqs, max_num_batched_tokens))
+                          token_buckets=(max_num_seqs, max_num_batched_tokens),
+                          quantization=quantization, kv_cache_dtype=kv_cache_dtype_name)
     num_pages = 2 * max_num_seqs  # nominal
     shard = model_sharding(make_mesh({"model": chips}, devices=devices), strategy, cfg)
     kv_split = chips if any(k == "kv_heads" for k, _ in shard.rules.table) else 1
-    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads // kv_split * cfg.head_dim * \
-        jnp.dtype(jdtype).itemsize
+    kv_per_token = kv_page_bytes(cfg, page_size, kv_cache_dtype(engine)) // page_size // kv_split
     nominal_kv = num_pages * page_size * kv_per_token
     buckets = {}
     for name, t in (("decode", max_num_seqs), ("prefill", max_num_batched_tokens)):
@@ -139,14 +141,15 @@ def plan(cfg: ModelConfig, topology: str, strategy: str = "tp", dtype: str = "bf
             "flops": float(cost.get("flops", 0.0)),
             "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
         }
-    analytic = _analytic_weight_bytes(cfg, jdtype, shard)
+    analytic = _analytic_weight_bytes(cfg, jdtype, shard, model_options(engine))
     ok = [b for b in buckets.values() if "error" not in b]
     weights = ok[0]["argument_bytes"] - nominal_kv if ok else analytic
     temp = max((b["temp_bytes"] for b in ok), default=0)
     fit_tokens = max(0, (hbm - weights - temp) // kv_per_token)
     return {
         "model_params": cfg.num_params(), "topology": topology, "chips": chips,
-        "strategy": strategy, "dtype": dtype, "hbm_bytes": hbm, "weight_bytes": weights,
+        "strategy": strategy, "dtype": dtype, "quantization": quantization,
+        "kv_cache_dtype": kv_cache_dtype_name, "hbm_bytes": hbm, "weight_bytes": weights,
         "analytic_weight_bytes": analytic, "kv_bytes_per_token": kv_per_token,
         "kv_heads_split": kv_split > 1, "temp_bytes": temp, "kv_tokens_that_fit": fit_tokens,
         "wanted_kv_tokens": max_num_seqs * max_model_len,
@@ -155,9 +158,10 @@ def plan(cfg: ModelConfig, topology: str, strategy: str = "tp", dtype: str = "bf
     }
 
 
-def _analytic_weight_bytes(cfg: ModelConfig, dtype, shard: ShardingContext) -> int:
+def _analytic_weight_bytes(cfg: ModelConfig, dtype, shard: ShardingContext,
+                           options: ModelOptions) -> int:
     """Parameters x bytes / shards, from each parameter's shard shape under the rules."""
-    _, abstract = abstract_model(cfg, dtype, shard)
+    _, abstract = abstract_model(cfg, dtype, shard, options)
     total = 0
     for _, var in nnx.to_flat_state(abstract):
         shape = shard.sharding(var.get_metadata()["logical_axes"]).shard_shape(var.shape)
@@ -169,7 +173,8 @@ def format_plan(p: dict) -> str:
     gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
     kv_note = "" if p["kv_heads_split"] else " (KV heads replicated: fewer than chips)"
     rows = [
-        ("model", f"{p['model_params'] / 1e9:.2f}B params, {p['dtype']}"),
+        ("model", f"{p['model_params'] / 1e9:.2f}B params, {p['dtype']}, weights "
+                  f"{p['quantization'] or p['dtype']}, KV cache {p['kv_cache_dtype']}"),
         ("topology", f"{p['topology']} ({p['chips']} chips, {gib(p['hbm_bytes'])} HBM each), "
                      f"strategy {p['strategy']}"),
         ("weights per chip (compiled)", gib(p["weight_bytes"])),

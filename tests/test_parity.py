@@ -19,7 +19,7 @@ from conftest import hf_greedy
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import ModelConfig
 from jaxserve.loading.safetensors import load_checkpoint
-from jaxserve.models.transformer import AttentionMetadata
+from jaxserve.models.transformer import AttentionMetadata, ModelOptions, kv_cache_layout
 from sharding.mesh import make_mesh
 from sharding.rules import ShardingContext
 
@@ -30,10 +30,12 @@ ENGINE = dict(dtype="float32", max_model_len=128, page_size=4, max_num_seqs=4,
               max_num_batched_tokens=64, token_buckets=(16, 64))
 
 
-def ragged_prompt_logits(model_dir, prompts, page_size=4, seed=0):
+def ragged_prompt_logits(model_dir, prompts, page_size=4, seed=0, options=ModelOptions(),
+                         kv_dtype=jnp.float32):
     """Our logits at every prompt position, all prompts in one ragged batch, pages shuffled."""
     cfg = ModelConfig.from_file(model_dir)
-    graphdef, params = load_checkpoint(model_dir, cfg, jnp.float32, ShardingContext(make_mesh()))
+    graphdef, params = load_checkpoint(model_dir, cfg, jnp.float32, ShardingContext(make_mesh()),
+                                       options)
     model = nnx.merge(graphdef, params)
     rng = np.random.default_rng(seed)
     per_seq = max(-(-len(p) // page_size) for p in prompts)
@@ -45,8 +47,8 @@ def ragged_prompt_logits(model_dir, prompts, page_size=4, seed=0):
         pos += range(len(p))
         slots += [pages[s, j // page_size] * page_size + j % page_size for j in range(len(p))]
         cu.append(len(ids))
-    shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-    caches = [(jnp.zeros(shape), jnp.zeros(shape)) for _ in range(cfg.num_layers)]
+    layout = kv_cache_layout(cfg, num_pages, page_size, kv_dtype)
+    caches = [tuple(jnp.zeros(shape, dtype) for shape, dtype, _ in layout)] * cfg.num_layers
     meta = AttentionMetadata(
         slot_mapping=jnp.array(slots, jnp.int32), cu_q_lens=jnp.array(cu, jnp.int32),
         kv_lens=jnp.array([len(p) for p in prompts], jnp.int32),

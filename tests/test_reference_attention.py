@@ -22,8 +22,8 @@ def random_batch(rng, *, num_seqs, page_size, num_kv_heads, group, head_dim, dty
     perm = rng.permutation(num_pages)
     page_indices = perm[: num_seqs * max_pages].reshape(num_seqs, max_pages)
     hq = num_kv_heads * group
-    k_pages = rng.standard_normal((num_pages, page_size, num_kv_heads, head_dim))
-    v_pages = rng.standard_normal((num_pages, page_size, num_kv_heads, head_dim))
+    k_pages = rng.standard_normal((num_kv_heads, num_pages, page_size, head_dim))
+    v_pages = rng.standard_normal((num_kv_heads, num_pages, page_size, head_dim))
     q = rng.standard_normal((sum(q_lens), hq, head_dim))
     cu = np.concatenate([[0], np.cumsum(q_lens)])
     cast = lambda x: x.astype(np.float32).astype(dtype)  # noqa: E731
@@ -35,14 +35,14 @@ def random_batch(rng, *, num_seqs, page_size, num_kv_heads, group, head_dim, dty
 def dense_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sm_scale,
                     sliding_window=None, soft_cap=None):
     q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
-    page_size, hkv = k_pages.shape[1], k_pages.shape[2]
+    hkv, page_size = k_pages.shape[0], k_pages.shape[2]
     group = q.shape[1] // hkv
     out = np.zeros_like(q)
     for s in range(len(kv_lens)):
         kv_len, start, end = kv_lens[s], cu_q_lens[s], cu_q_lens[s + 1]
         slots = [(page_indices[s, j // page_size], j % page_size) for j in range(kv_len)]
-        k = np.stack([k_pages[p, r] for p, r in slots])  # [kv, hkv, d]
-        v = np.stack([v_pages[p, r] for p, r in slots])
+        k = np.stack([k_pages[:, p, r] for p, r in slots])  # [kv, hkv, d]
+        v = np.stack([v_pages[:, p, r] for p, r in slots])
         k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
         for i, t in enumerate(range(start, end)):
             pos = kv_len - (end - start) + i
@@ -112,11 +112,39 @@ def test_padding_tokens_give_zeros_and_bf16_close():
 
 
 def test_write_kv_places_tokens_and_drops_padding():
-    k_pages = jnp.zeros((4, 2, 1, 3))
-    v_pages = jnp.zeros((4, 2, 1, 3))
-    k = jnp.arange(9, dtype=jnp.float32).reshape(3, 1, 3) + 1
+    k_pages = jnp.zeros((2, 4, 2, 3))  # [Hkv, pages, page_size, D]
+    v_pages = jnp.zeros((2, 4, 2, 3))
+    k = jnp.arange(18, dtype=jnp.float32).reshape(3, 2, 3) + 1
     slots = jnp.array([5, 0, 8])  # page 2 row 1, page 0 row 0, out of range (dropped)
     k2, v2 = jax.jit(write_kv)(k_pages, v_pages, k, -k, slots)
-    np.testing.assert_array_equal(k2[2, 1, 0], k[0, 0])
-    np.testing.assert_array_equal(v2[0, 0, 0], -k[1, 0])
+    np.testing.assert_array_equal(k2[:, 2, 1], k[0])
+    np.testing.assert_array_equal(v2[:, 0, 0], -k[1])
     assert float(jnp.abs(k2).sum()) == float(k[:2].sum())
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
+def test_quantized_cache_round_trip_and_attention(dtype):
+    """Tokens written to a quantized cache come back within half a quantization step (int8)
+    or e4m3's 3-bit mantissa (fp8), and attention over it matches dense attention over the
+    dequantized values exactly as the f32 path does."""
+    rng = np.random.default_rng(3)
+    b = random_batch(rng, num_seqs=4, num_kv_heads=2, group=4, head_dim=64, page_size=4,
+                     dtype=np.float32)
+    hkv, num_pages, page_size, d = b["k_pages"].shape
+    zeros = jnp.zeros((hkv, num_pages, page_size, d), dtype)
+    ones = jnp.ones((hkv, num_pages, page_size), jnp.float32)
+    flat_k = b["k_pages"].transpose(1, 2, 0, 3).reshape(-1, hkv, d)  # every slot's token
+    flat_v = b["v_pages"].transpose(1, 2, 0, 3).reshape(-1, hkv, d)
+    slots = jnp.arange(num_pages * page_size)
+    kq, vq, ks, vs = jax.jit(write_kv)(zeros, zeros, flat_k, flat_v, slots, ones, ones)
+    k_deq = np.asarray(kq, np.float32) * np.asarray(ks)[..., None]
+    v_deq = np.asarray(vq, np.float32) * np.asarray(vs)[..., None]
+    amax = np.abs(b["k_pages"]).max(-1, keepdims=True)
+    # int8: |err| <= step / 2 = amax / 254. e4m3: 3 mantissa bits, relative 2^-4.
+    bound = amax / 254 + 1e-6 if dtype == jnp.int8 else np.abs(b["k_pages"]) * 2**-4 + amax * 2**-9
+    assert np.all(np.abs(k_deq - b["k_pages"]) <= bound)
+    got = ragged_paged_attention(b["q"], kq, vq, b["kv_lens"], b["page_indices"], b["cu_q_lens"],
+                                 jnp.int32(4), sm_scale=0.125, k_scales=ks, v_scales=vs)
+    want = dense_attention(b["q"], k_deq, v_deq, b["kv_lens"], b["page_indices"], b["cu_q_lens"],
+                           0.125)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)

@@ -41,7 +41,7 @@ def test_tensor_parallel_matches_one_device(runs, mesh):
     assert tp["leaked_pages"] == 0 and tp["compiles_after_warmup"] == 0
 
 
-@pytest.mark.parametrize("mesh,kv_spec", [('{"model": 2}', "P(None, None, 'model', None)"),
+@pytest.mark.parametrize("mesh,kv_spec", [('{"model": 2}', "P('model', None, None, None)"),
                                           ('{"model": 4}', "P(None, None, None, None)"),
                                           ('{"model": 8}', "P(None, None, None, None)")])
 def test_weights_split_not_gathered(runs, mesh, kv_spec):

@@ -112,3 +112,29 @@ def test_plan_says_when_it_does_not_fit(monkeypatch):
     assert not result["fits"]
     assert result["kv_tokens_that_fit"] < result["wanted_kv_tokens"]
     assert "| NO (16,384 tokens wanted)" in planner.format_plan(result)
+
+
+@pytest.mark.parametrize("topology,quant", [
+    ("v5e:2x2", {}),
+    ("v5e:2x2", dict(quantization="int8", kv_cache_dtype="int8", page_size=32)),
+    ("v6e:2x2", dict(quantization="int4", kv_cache_dtype="fp8", page_size=32)),
+])
+def test_engine_step_compiles_with_pallas_kernels(topology, quant):
+    """The whole step of Llama-3-8B's dimensions (2 layers) on one chip runs our Mosaic
+    kernels: one ragged paged attention per layer and, quantized, one matmul per linear
+    layer (q, k, v, o, gate, up, down); the weights stay quantized in HBM."""
+    cfg = dataclasses.replace(LLAMA3_8B_2L, vocab_size=1024)  # linear layers dominate
+    chip = tpu_devices(topology)[:1]
+    engine = dataclasses.replace(ENGINE, max_model_len=1024, **quant)
+    compiled = compile_step(cfg, engine, {"model": 1}, "tp", chip, PAGES, (64, 8, False))
+    kernels = compiled.as_text().count('custom_call_target="tpu_custom_call"')
+    assert kernels == cfg.num_layers * (1 + (7 if "quantization" in quant else 0))
+    e, m, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    linear = 2 * e * (cfg.num_heads + cfg.num_kv_heads) * d + 3 * e * m  # weights per layer
+    bits = {None: 16, "int8": 8, "int4": 4}[quant.get("quantization")]
+    group_scales = linear // 128 * 4 if bits == 4 else 0  # float32 per 128 rows
+    kv_bytes = 1 if "kv_cache_dtype" in quant else 2
+    kv = 2 * cfg.num_kv_heads * PAGES * engine.page_size * d * kv_bytes
+    expected = cfg.num_layers * (linear * bits // 8 + group_scales + kv) + 2 * cfg.vocab_size * e * 2
+    args = compiled.memory_analysis().argument_size_in_bytes
+    assert abs(args - expected) / expected < 0.03, (args, expected)  # + norms, channel scales

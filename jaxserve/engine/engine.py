@@ -15,14 +15,16 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import KV_CACHE_DTYPES, EngineConfig, ModelConfig
 from jaxserve.engine.batch import BatchBuilder
 from jaxserve.engine.request import Sequence
 from jaxserve.engine.runner import ModelRunner, kv_page_bytes, pages_per_seq, pool_size
 from jaxserve.engine.sampler import SampleOutput
 from jaxserve.engine.scheduler import Scheduler, SchedulerConfig
+from jaxserve.loading import converted
 from jaxserve.loading.safetensors import load_checkpoint, random_params
 from jaxserve.loading.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxserve.models.transformer import ModelOptions
 from jaxserve.outputs import Logprob, StepOutput
 from jaxserve.sampling_params import SamplingParams
 from sharding.mesh import make_mesh
@@ -58,11 +60,10 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
-        dtype = _DTYPES[config.dtype]
+        kv_dtype = kv_cache_dtype(config)
         per_seq = pages_per_seq(self.max_model_len, config.page_size)
         num_pages = config.num_pages or pool_size(
-            kv_page_bytes(model_config.num_layers, config.page_size, model_config.num_kv_heads,
-                          model_config.head_dim, dtype),
+            kv_page_bytes(model_config, config.page_size, kv_dtype),
             per_seq * config.max_num_seqs, config.kv_cache_memory_gib,
             config.memory_utilization, shard.mesh.devices.flat[0])
         if num_pages < per_seq:
@@ -84,8 +85,7 @@ class Engine:
             token_buckets=config.token_buckets, max_num_seqs=config.max_num_seqs,
             page_size=config.page_size, num_pages=num_pages, pages_per_seq=per_seq,
             max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids)
-        self.runner = ModelRunner(graphdef, params, shard, self.builder, model_config.num_layers,
-                                  model_config.num_kv_heads, model_config.head_dim, dtype)
+        self.runner = ModelRunner(graphdef, params, shard, self.builder, model_config, kv_dtype)
         self._requests: dict[str, _Request] = {}
         self._rng = random.Random(config.seed)
 
@@ -100,10 +100,12 @@ class Engine:
         """
         mesh = make_mesh(mesh_shape)
         dtype = _DTYPES[config.dtype]
+        options = model_options(config)
         if random_weights_preset is not None:
             model_config = ModelConfig.from_file(random_weights_preset)
             shard = model_sharding(mesh, sharding, model_config)
-            graphdef, params = random_params(model_config, dtype, shard, seed=config.seed)
+            graphdef, params = random_params(model_config, dtype, shard, seed=config.seed,
+                                             options=options)
             return cls(config, model_config, graphdef, params, None, shard)
         if config.model is None:
             from jaxserve.demo import demo_model_dir
@@ -114,7 +116,12 @@ class Engine:
                              "checkpoint directory (config.json, *.safetensors, tokenizer)")
         model_config = ModelConfig.from_file(model_dir)
         shard = model_sharding(mesh, sharding, model_config)
-        graphdef, params = load_checkpoint(model_dir, model_config, dtype, shard)
+        if converted.is_converted(model_dir):
+            options = converted.served_options(model_dir, options)
+            config = dataclasses.replace(config, quantization=options.quantization)
+            graphdef, params = converted.restore(model_dir, model_config, dtype, shard, options)
+        else:
+            graphdef, params = load_checkpoint(model_dir, model_config, dtype, shard, options)
         tokenizer = Tokenizer.from_pretrained(model_dir)
         return cls(config, model_config, graphdef, params, tokenizer, shard,
                    extra_eos_ids=_generation_eos_ids(model_dir))
@@ -258,6 +265,15 @@ class Engine:
             for t, lp in top.items():
                 lp.decoded_token = self.tokenizer.decode([t], skip_special_tokens=False)
         return top
+
+
+def kv_cache_dtype(config: EngineConfig) -> jnp.dtype:
+    return jnp.dtype(KV_CACHE_DTYPES[config.kv_cache_dtype] or _DTYPES[config.dtype])
+
+
+def model_options(config: EngineConfig) -> ModelOptions:
+    return ModelOptions(kernel_impl=config.kernel_impl, quantization=config.quantization,
+                        interpret=config.interpret_kernels)
 
 
 def _generation_eos_ids(model_dir: Path) -> tuple[int, ...]:

@@ -12,9 +12,10 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from jaxserve.config import ModelConfig
 from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.sampler import SampleOutput, sample
-from jaxserve.models.transformer import KV_CACHE_AXES, KVCache
+from jaxserve.models.transformer import KVCache, kv_cache_layout
 from sharding.rules import ShardingContext
 
 log = logging.getLogger(__name__)
@@ -32,20 +33,28 @@ def step(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch: S
     return kv_caches, sample(logits, batch.sampling, batch.history)
 
 
-def jit_step(graphdef: nnx.GraphDef, param_shardings, shard: ShardingContext, num_layers: int):
-    """The step, jitted with fixed layouts in and out (params as given, the KV cache by its
-    rule, batch and outputs replicated), so the donated cache and params never reshard."""
-    kv = shard.sharding(KV_CACHE_AXES)
-    cache_shardings = [(kv, kv) for _ in range(num_layers)]
+def jit_step(graphdef: nnx.GraphDef, param_shardings, cache_shardings, shard: ShardingContext):
+    """The step, jitted with fixed layouts in and out (params and KV cache as given, batch
+    and outputs replicated), so the donated cache and params never reshard."""
     replicated = shard.sharding(())
     return jax.jit(functools.partial(step, graphdef), donate_argnums=(1,),
                    in_shardings=(param_shardings, cache_shardings, replicated),
                    out_shardings=(cache_shardings, replicated))
 
 
-def kv_page_bytes(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
-    """Bytes of one page across all layers, K and V."""
-    return 2 * num_layers * page_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+def kv_page_bytes(cfg: ModelConfig, page_size: int, kv_dtype) -> int:
+    """Bytes of one page across all layers: K and V, and their scales when quantized."""
+    layer = kv_cache_layout(cfg, 1, page_size, kv_dtype)
+    return cfg.num_layers * sum(int(np.prod(shape)) * jnp.dtype(dtype).itemsize
+                                for shape, dtype, _ in layer)
+
+
+def abstract_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, kv_dtype,
+                      shard: ShardingContext) -> list[tuple[jax.ShapeDtypeStruct, ...]]:
+    """The KV cache's shapes, dtypes and shardings, allocating nothing."""
+    layer = tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=shard.sharding(axes))
+                  for shape, dtype, axes in kv_cache_layout(cfg, num_pages, page_size, kv_dtype))
+    return [layer] * cfg.num_layers
 
 
 def pool_size(page_bytes: int, pages_needed: int, memory_gib: float | None,
@@ -70,17 +79,16 @@ class ModelRunner:
     """Owns params and KV cache on device; runs the step for one bucket-padded batch."""
 
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, shard: ShardingContext,
-                 builder: BatchBuilder, num_layers: int, num_kv_heads: int, head_dim: int,
-                 kv_dtype):
+                 builder: BatchBuilder, cfg: ModelConfig, kv_dtype):
         self.params = params
         self.shard = shard
         self.builder = builder
-        shape = (builder.num_pages, builder.page_size, num_kv_heads, head_dim)
-        kv_sharding = shard.sharding(KV_CACHE_AXES)
-        zeros = jax.jit(lambda: jnp.zeros(shape, kv_dtype), out_shardings=kv_sharding)
-        self.kv_caches: KVCache = [(zeros(), zeros()) for _ in range(num_layers)]
-        self._jitted = jit_step(graphdef, jax.tree.map(lambda x: x.sharding, params), shard,
-                                num_layers)
+        abstract = abstract_kv_cache(cfg, builder.num_pages, builder.page_size, kv_dtype, shard)
+        zeros = lambda x: jax.jit(lambda: jnp.zeros(x.shape, x.dtype),  # noqa: E731
+                                  out_shardings=x.sharding)()
+        self.kv_caches: KVCache = [tuple(zeros(x) for x in layer) for layer in abstract]
+        self._jitted = jit_step(graphdef, jax.tree.map(lambda x: x.sharding, params),
+                                jax.tree.map(lambda x: x.sharding, abstract), shard)
         self._compiled: dict[BucketKey, jax.stages.Compiled] = {}
         self.warmed_up = False
         self.compiles_after_warmup = 0

@@ -21,7 +21,8 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.transformer import Transformer
+from jaxserve.models.transformer import ModelOptions, Transformer
+from pallas_kernels.quantized_matmul import quantize
 from sharding.rules import ShardingContext
 
 _DTYPES = {
@@ -95,16 +96,19 @@ def _hf_to_ours(name: str, x: np.ndarray, cfg: ModelConfig) -> tuple[tuple, np.n
     return ("layers", i) + path, convert()
 
 
-def abstract_model(cfg: ModelConfig, dtype, shard: ShardingContext) -> tuple[nnx.GraphDef, nnx.State]:
+def abstract_model(cfg: ModelConfig, dtype, shard: ShardingContext,
+                   options: ModelOptions = ModelOptions()) -> tuple[nnx.GraphDef, nnx.State]:
     """The model's structure and parameter shapes, allocating nothing."""
-    model = nnx.eval_shape(lambda: Transformer(cfg, dtype, rngs=nnx.Rngs(0), shard=shard))
+    model = nnx.eval_shape(lambda: Transformer(cfg, dtype, rngs=nnx.Rngs(0), shard=shard,
+                                               options=options))
     return nnx.split(model)
 
 
-def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype, shard: ShardingContext
-                    ) -> tuple[nnx.GraphDef, nnx.State]:
-    """Read every tensor of an HF checkpoint straight into sharded device arrays."""
-    graphdef, abstract = abstract_model(cfg, dtype, shard)
+def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype, shard: ShardingContext,
+                    options: ModelOptions = ModelOptions()) -> tuple[nnx.GraphDef, nnx.State]:
+    """Read every tensor of an HF checkpoint straight into sharded device arrays
+    (quantizing the linear layers' weights on the way when `options.quantization`)."""
+    graphdef, abstract = abstract_model(cfg, dtype, shard, options)
     expected = dict(nnx.to_flat_state(abstract))
     loaded: dict[tuple, jax.Array] = {}
     for file in checkpoint_files(model_dir):
@@ -118,13 +122,14 @@ def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype, shard: Shard
             if path not in expected:
                 raise ValueError(f"tensor {name!r} does not fit this model config ({path})")
             var = expected[path]
-            if tuple(array.shape) != tuple(var.shape):
+            quantized = _scales_path(path) in expected
+            size = int(np.prod(var.shape)) * (2 if var.dtype == jnp.uint8 else 1)  # int4: 2/byte
+            if array.size != size if quantized else tuple(array.shape) != tuple(var.shape):
                 raise ValueError(
                     f"tensor {name!r} has shape {tuple(tensor.shape)}; the config expects "
                     f"{tuple(var.shape)} after conversion"
                 )
-            sharding = shard.sharding(var.get_metadata()["logical_axes"])
-            loaded[path] = jax.device_put(np.asarray(array, dtype=var.dtype), sharding)
+            loaded.update(_place(path, array, expected, shard, options.quantization))
     missing = sorted(".".join(map(str, p)) for p in expected if p not in loaded)
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks tensors for: {missing[:8]}"
@@ -132,21 +137,48 @@ def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype, shard: Shard
     return graphdef, _fill(abstract, loaded)
 
 
-def random_params(cfg: ModelConfig, dtype, shard: ShardingContext, seed: int = 0
-                  ) -> tuple[nnx.GraphDef, nnx.State]:
-    """Random weights (std 0.02) for benchmarks and planning: same structure as a checkpoint."""
-    graphdef, abstract = abstract_model(cfg, dtype, shard)
+def random_params(cfg: ModelConfig, dtype, shard: ShardingContext, seed: int = 0,
+                  options: ModelOptions = ModelOptions()) -> tuple[nnx.GraphDef, nnx.State]:
+    """Random weights (std 0.02) for benchmarks and planning: same structure as a checkpoint
+    (random float weights, quantized like a checkpoint's when `options.quantization`)."""
+    _, float_abstract = abstract_model(cfg, dtype, shard)
+    graphdef, abstract = abstract_model(cfg, dtype, shard, options)
+    expected = dict(nnx.to_flat_state(abstract))
     key = jax.random.key(seed)
     values = {}
-    for i, (path, var) in enumerate(nnx.to_flat_state(abstract)):
-        sharding = shard.sharding(var.get_metadata()["logical_axes"])
-        name = path[-1]
-        if name.endswith("norm"):
+    for i, (path, var) in enumerate(nnx.to_flat_state(float_abstract)):
+        if path[-1].endswith("norm"):
             init = lambda k, s=var.shape, t=var.dtype: jnp.ones(s, t)
         else:
             init = lambda k, s=var.shape, t=var.dtype: (0.02 * jax.random.normal(k, s)).astype(t)
-        values[path] = jax.jit(init, out_shardings=sharding)(jax.random.fold_in(key, i))
+        if _scales_path(path) in expected:
+            values.update(_place(path, init(jax.random.fold_in(key, i)), expected, shard,
+                                 options.quantization))
+        else:
+            sharding = shard.sharding(var.get_metadata()["logical_axes"])
+            values[path] = jax.jit(init, out_shardings=sharding)(jax.random.fold_in(key, i))
     return graphdef, _fill(abstract, values)
+
+
+def _scales_path(path: tuple) -> tuple:
+    return path[:-1] + (f"{path[-1]}_scales",)
+
+
+def _place(path: tuple, array, expected: dict, shard: ShardingContext,
+           quantization: str | None) -> dict[tuple, jax.Array]:
+    """One weight onto its devices: as is, or quantized (from float32) into values and
+    scales where the model holds that layer quantized."""
+    var = expected[path]
+    sharding = shard.sharding(var.get_metadata()["logical_axes"])
+    scales_path = _scales_path(path)
+    if scales_path not in expected:
+        return {path: jax.device_put(np.asarray(array, dtype=var.dtype), sharding)}
+    scales_sharding = shard.sharding(expected[scales_path].get_metadata()["logical_axes"])
+    n = expected[scales_path].shape[1]
+    quantize_2d = jax.jit(lambda w: quantize(w.reshape(-1, n), quantization),
+                          out_shardings=(sharding, scales_sharding))
+    values, scales = quantize_2d(jnp.asarray(array, jnp.float32))
+    return {path: values, scales_path: scales}
 
 
 def _fill(abstract: nnx.State, values: dict[tuple, jax.Array]) -> nnx.State:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -10,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import RopeScaling
+from pallas_kernels.quantized_matmul import quantized_matmul, quantized_shapes
 
 
 def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str, ...], dtype,
@@ -25,6 +27,54 @@ def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str, ...], 
     else:
         value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
     return nnx.Param(value, logical_axes=axes)
+
+
+def linear(rngs: nnx.Rngs | None, in_shape: tuple[int, ...], out_shape: tuple[int, ...],
+           in_axes: tuple[str, ...], out_axes: tuple[str, ...], dtype,
+           quantization: str | None) -> tuple[nnx.Param, nnx.Param | None]:
+    """(weight, scales) of a linear layer `y = x · W`.
+
+    Unquantized: a float weight of shape `in_shape + out_shape` and no scales. Quantized:
+    the 2-D `[K, N]` values and scales of pallas_kernels/quantized_matmul (K and N the
+    flattened in and out dims), each tagged with the logical axis of its leading in / out
+    dim, which keeps whole heads on one shard; checkpoints overwrite the zeros at load.
+    """
+    if quantization is None:
+        return param(rngs, in_shape + out_shape, in_axes + out_axes, dtype), None
+    (vshape, vdtype), (sshape, sdtype) = quantized_shapes(
+        math.prod(in_shape), math.prod(out_shape), quantization)
+    values = nnx.Param(jnp.zeros(vshape, vdtype), logical_axes=(in_axes[0], out_axes[0]))
+    scales = nnx.Param(jnp.ones(sshape, sdtype),
+                       logical_axes=(in_axes[0] if sshape[0] > 1 else None, out_axes[0]))
+    return values, scales
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    """How the model runs, beyond its config: the kernels (None: by platform; "reference" |
+    "tpu" | "gpu"), weight quantization (None | "int8" | "int4" | "fp8"), and interpret
+    mode for the Pallas kernels (CPU tests)."""
+
+    kernel_impl: str | None = None
+    quantization: str | None = None
+    interpret: bool = False
+
+
+def dense(x: jax.Array, w: nnx.Param, scales: nnx.Param | None, n_in: int,
+          out_shape: tuple[int, ...], options: ModelOptions, on_mesh: bool) -> jax.Array:
+    """Contract the last `n_in` dims of x with a weight made by `linear`.
+
+    XLA cannot partition a Pallas kernel, so on a mesh the quantized matmul takes the
+    reference path (dequantize and dot), which XLA shards like any dot.
+    """
+    if scales is None:
+        return jnp.tensordot(x, w[...], axes=n_in)
+    impl = "reference" if on_mesh else options.kernel_impl
+    lead = x.shape[: x.ndim - n_in]
+    y = quantized_matmul(x.reshape(math.prod(lead), -1), w[...], scales[...],
+                         kind=options.quantization, impl=impl,
+                         interpret=options.interpret and impl not in (None, "reference"))
+    return y.reshape(lead + out_shape)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -8,19 +8,36 @@ ragged batch of T tokens and a paged KV cache (layout in pallas_kernels/).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from jaxserve.config import ModelConfig
-from jaxserve.models.layers import apply_rope, param, rms_norm, rope_inv_freq
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention, write_kv
+from jaxserve.models.layers import (
+    ModelOptions, apply_rope, dense, linear, param, rms_norm, rope_inv_freq)
+from pallas_kernels.ragged_paged_attention import default_impl, ragged_paged_attention, write_kv
 from sharding.rules import ShardingContext
 
-KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: (k_pages, v_pages)
-# Logical axes of one layer's K or V pages: [num_pages, page_size, num_kv_heads, head_dim].
-KV_CACHE_AXES = (None, None, "kv_heads", None)
+# Per layer: (k_pages, v_pages), plus (k_scales, v_scales) for a quantized cache.
+KVCache = list[tuple[jax.Array, ...]]
+# Logical axes of one layer's K or V pages: [num_kv_heads, num_pages, page_size, head_dim].
+KV_CACHE_AXES = ("kv_heads", None, None, None)
+QUANTIZED_KV_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
+Q_AXES = ("tokens", "q_heads", None)
+
+
+def kv_cache_layout(cfg: ModelConfig, num_pages: int, page_size: int, kv_dtype
+                    ) -> tuple[tuple[tuple[int, ...], object, tuple], ...]:
+    """(shape, dtype, logical axes) of one layer's cache entries: K and V pages, and their
+    float32 per-token scales `[num_kv_heads, num_pages, page_size]` when quantized."""
+    pages = ((cfg.num_kv_heads, num_pages, page_size, cfg.head_dim), kv_dtype, KV_CACHE_AXES)
+    if jnp.dtype(kv_dtype) not in [jnp.dtype(d) for d in QUANTIZED_KV_DTYPES]:
+        return pages, pages
+    scales = (pages[0][:3], jnp.float32, KV_CACHE_AXES[:3])
+    return pages, pages, scales, scales
 
 
 @jax.tree_util.register_dataclass
@@ -36,12 +53,18 @@ class AttentionMetadata:
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs | None):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs | None,
+                 options: ModelOptions):
         e, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        self.q_proj = param(rngs, (e, hq, d), ("embed", "q_heads", "head_dim"), dtype)
-        self.k_proj = param(rngs, (e, hkv, d), ("embed", "kv_heads", "head_dim"), dtype)
-        self.v_proj = param(rngs, (e, hkv, d), ("embed", "kv_heads", "head_dim"), dtype)
-        self.o_proj = param(rngs, (hq, d, e), ("q_heads", "head_dim", "embed"), dtype)
+        quant = options.quantization
+        self.q_proj, self.q_proj_scales = linear(
+            rngs, (e,), (hq, d), ("embed",), ("q_heads", "head_dim"), dtype, quant)
+        self.k_proj, self.k_proj_scales = linear(
+            rngs, (e,), (hkv, d), ("embed",), ("kv_heads", "head_dim"), dtype, quant)
+        self.v_proj, self.v_proj_scales = linear(
+            rngs, (e,), (hkv, d), ("embed",), ("kv_heads", "head_dim"), dtype, quant)
+        self.o_proj, self.o_proj_scales = linear(
+            rngs, (hq, d), (e,), ("q_heads", "head_dim"), ("embed",), dtype, quant)
         if cfg.qkv_bias:
             self.q_bias = param(rngs, (hq, d), ("q_heads", "head_dim"), dtype)
             self.k_bias = param(rngs, (hkv, d), ("kv_heads", "head_dim"), dtype)
@@ -52,51 +75,90 @@ class Attention(nnx.Module):
             self.q_norm = param(rngs, (d,), ("head_dim",), dtype, init="ones")
             self.k_norm = param(rngs, (d,), ("head_dim",), dtype, init="ones")
         self.cfg = cfg
+        self.options = options
         self.window = cfg.layer_window(layer)
 
     def __call__(self, x, positions, kv, meta: AttentionMetadata, shard: ShardingContext):
         cfg = self.cfg
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        q = jnp.einsum("te,ehd->thd", x, self.q_proj[...])
-        k = jnp.einsum("te,ehd->thd", x, self.k_proj[...])
-        v = jnp.einsum("te,ehd->thd", x, self.v_proj[...])
+        lin = functools.partial(dense, options=self.options, on_mesh=shard.mesh.size > 1)
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q = lin(x, self.q_proj, self.q_proj_scales, 1, (hq, d))
+        k = lin(x, self.k_proj, self.k_proj_scales, 1, (hkv, d))
+        v = lin(x, self.v_proj, self.v_proj_scales, 1, (hkv, d))
         if cfg.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if cfg.qk_norm:
             q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
             k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
-        q = shard.constrain(apply_rope(q, positions, inv_freq), ("tokens", "q_heads", None))
+        q = shard.constrain(apply_rope(q, positions, inv_freq), Q_AXES)
         k = apply_rope(k, positions, inv_freq)
-        k_pages, v_pages = write_kv(*kv, k, v, meta.slot_mapping)
-        out = ragged_paged_attention(
-            q, k_pages, v_pages, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs,
-            sm_scale=cfg.head_dim**-0.5, sliding_window=self.window,
-        )
-        out = jnp.einsum("thd,hde->te", out, self.o_proj[...])
+        kv = write_kv(kv[0], kv[1], k, v, meta.slot_mapping, *kv[2:])
+        out = attention(q, kv, meta, shard, self.options, sm_scale=cfg.head_dim**-0.5,
+                        sliding_window=self.window)
+        out = lin(out, self.o_proj, self.o_proj_scales, 2, (cfg.hidden_size,))
         if cfg.o_bias:
             out = out + self.o_bias[...]
-        return out, (k_pages, v_pages)
+        return out, kv
+
+
+def attention(q: jax.Array, kv: tuple[jax.Array, ...], meta: AttentionMetadata,
+              shard: ShardingContext, options: ModelOptions, **kwargs) -> jax.Array:
+    """Ragged paged attention with the configured kernel, run per shard on a mesh.
+
+    XLA cannot partition a Pallas kernel, so on a mesh the kernel runs under shard_map on
+    each device's query heads and KV heads. That needs the KV heads split like the query
+    heads; where they are replicated (fewer KV heads than devices) each device would need
+    a slice of the KV pool, so the pure-JAX reference runs instead, which XLA partitions.
+    """
+    impl = options.kernel_impl or default_impl()
+    q_spec = shard.rules.spec(Q_AXES)
+    kv_specs = tuple(shard.rules.spec(KV_CACHE_AXES[:x.ndim]) for x in kv)
+    if shard.mesh.size > 1 and impl != "reference" and kv_specs[0][0] != q_spec[1]:
+        impl = "reference"
+
+    def attend(q, kv, kv_lens, page_indices, cu_q_lens, num_seqs):
+        scales = dict(k_scales=kv[2], v_scales=kv[3]) if len(kv) == 4 else {}
+        return ragged_paged_attention(q, kv[0], kv[1], kv_lens, page_indices, cu_q_lens,
+                                      num_seqs, impl=impl, interpret=options.interpret,
+                                      **scales, **kwargs)
+
+    if shard.mesh.size > 1 and impl != "reference":
+        replicated = PartitionSpec()
+        attend = jax.shard_map(attend, mesh=shard.mesh, check_vma=False,
+                               in_specs=(q_spec, kv_specs) + (replicated,) * 4,
+                               out_specs=q_spec)
+    return attend(q, kv, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs)
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None):
-        e, m = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = param(rngs, (e, m), ("embed", "mlp"), dtype)
-        self.up_proj = param(rngs, (e, m), ("embed", "mlp"), dtype)
-        self.down_proj = param(rngs, (m, e), ("mlp", "embed"), dtype)
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None, options: ModelOptions):
+        e, m, quant = cfg.hidden_size, cfg.intermediate_size, options.quantization
+        self.gate_proj, self.gate_proj_scales = linear(
+            rngs, (e,), (m,), ("embed",), ("mlp",), dtype, quant)
+        self.up_proj, self.up_proj_scales = linear(rngs, (e,), (m,), ("embed",), ("mlp",), dtype, quant)
+        self.down_proj, self.down_proj_scales = linear(
+            rngs, (m,), (e,), ("mlp",), ("embed",), dtype, quant)
+        self.options = options
+        self.sizes = (e, m)
 
     def __call__(self, x, shard: ShardingContext):
-        h = jax.nn.silu(x @ self.gate_proj[...]) * (x @ self.up_proj[...])
-        return shard.constrain(h, ("tokens", "mlp")) @ self.down_proj[...]
+        lin = functools.partial(dense, n_in=1, options=self.options, on_mesh=shard.mesh.size > 1)
+        e, m = self.sizes
+        gate = lin(x, self.gate_proj, self.gate_proj_scales, out_shape=(m,))
+        h = jax.nn.silu(gate) * lin(x, self.up_proj, self.up_proj_scales, out_shape=(m,))
+        h = shard.constrain(h, ("tokens", "mlp"))
+        return lin(h, self.down_proj, self.down_proj_scales, out_shape=(e,))
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs | None):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs | None,
+                 options: ModelOptions):
         e = cfg.hidden_size
         self.input_norm = param(rngs, (e,), ("embed",), dtype, init="ones")
-        self.attn = Attention(cfg, layer, dtype, rngs)
+        self.attn = Attention(cfg, layer, dtype, rngs, options)
         self.post_attn_norm = param(rngs, (e,), ("embed",), dtype, init="ones")
-        self.mlp = MLP(cfg, dtype, rngs)
+        self.mlp = MLP(cfg, dtype, rngs, options)
         self.eps = cfg.rms_norm_eps
 
     def __call__(self, x, positions, kv, meta, shard):
@@ -114,11 +176,11 @@ class Block(nnx.Module):
 
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None,
-                 shard: ShardingContext | None = None):
+                 shard: ShardingContext | None = None, options: ModelOptions = ModelOptions()):
         self.cfg = cfg
         self.shard = shard
         self.embed = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
-        self.layers = nnx.List([Block(cfg, i, dtype, rngs) for i in range(cfg.num_layers)])
+        self.layers = nnx.List([Block(cfg, i, dtype, rngs, options) for i in range(cfg.num_layers)])
         self.norm = param(rngs, (cfg.hidden_size,), ("embed",), dtype, init="ones")
         if not cfg.tie_word_embeddings:
             self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)

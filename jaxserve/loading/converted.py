@@ -1,0 +1,89 @@
+"""Our own converted checkpoints: quantized parameters saved with Orbax, restored into shards.
+
+A converted directory holds the Hugging Face files a model needs besides its weights
+(config.json, generation_config.json, tokenizer files), the parameters as an Orbax
+checkpoint under `params/`, and `jaxserve.json` saying how they were made. Restoring
+reads every array straight into its device shards under the engine's sharding rules, and
+quantized weights are loaded as stored: nothing is re-quantized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from jaxserve.config import ModelConfig
+from jaxserve.loading.safetensors import abstract_model, load_checkpoint
+from jaxserve.models.layers import ModelOptions
+from sharding.rules import ShardingContext
+
+MANIFEST = "jaxserve.json"
+FORMAT = "jaxserve-orbax-v1"
+# Everything of an HF directory but its weights.
+_CARRIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer.model",
+            "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def is_converted(model_dir: str | Path) -> bool:
+    return (Path(model_dir) / MANIFEST).is_file()
+
+
+def read_manifest(model_dir: str | Path) -> dict:
+    manifest = json.loads((Path(model_dir) / MANIFEST).read_text())
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{model_dir}/{MANIFEST}: format {manifest.get('format')!r} is not "
+                         f"{FORMAT!r}; convert the checkpoint again with this jaxserve")
+    return manifest
+
+
+def convert(model_dir: str | Path, out_dir: str | Path, dtype, dtype_name: str,
+            quantization: str | None, shard: ShardingContext) -> Path:
+    """Load an HF checkpoint (quantizing its linear layers) and save it as a converted dir."""
+    model_dir, out_dir = Path(model_dir), Path(out_dir).absolute()
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ValueError(f"output directory {out_dir} is not empty; choose a new one")
+    cfg = ModelConfig.from_file(model_dir)
+    _, params = load_checkpoint(model_dir, cfg, dtype, shard, ModelOptions(quantization=quantization))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in _CARRIED:
+        if (model_dir / name).is_file():
+            shutil.copy2(model_dir / name, out_dir / name)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(out_dir / "params", nnx.to_pure_dict(params))
+    manifest = {"format": FORMAT, "dtype": dtype_name, "quantization": quantization,
+                "source": str(model_dir.absolute())}
+    (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return out_dir
+
+
+def restore(model_dir: str | Path, cfg: ModelConfig, dtype, shard: ShardingContext,
+            options: ModelOptions) -> tuple[nnx.GraphDef, nnx.State]:
+    """The converted parameters, each array read straight into its shards."""
+    manifest = read_manifest(model_dir)
+    if options.quantization != manifest["quantization"]:
+        raise ValueError(f"{model_dir} holds {manifest['quantization'] or 'unquantized'} weights;"
+                         f" it cannot be served with quantization={options.quantization!r}")
+    graphdef, abstract = abstract_model(cfg, dtype, shard, options)
+    flat = nnx.to_flat_state(abstract)
+    for _, var in flat:
+        sharding = shard.sharding(var.get_metadata()["logical_axes"])
+        var.set_value(jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=sharding))
+    target = nnx.from_flat_state(flat)
+    with ocp.StandardCheckpointer() as ckptr:
+        restored = ckptr.restore(Path(model_dir).absolute() / "params", nnx.to_pure_dict(target))
+    nnx.replace_by_pure_dict(target, restored)
+    return graphdef, target
+
+
+def served_options(model_dir: str | Path, options: ModelOptions) -> ModelOptions:
+    """The options a converted checkpoint is served with: its own quantization unless the
+    caller asked for one (restore() refuses a different one)."""
+    if options.quantization is None:
+        return dataclasses.replace(options, quantization=read_manifest(model_dir)["quantization"])
+    return options

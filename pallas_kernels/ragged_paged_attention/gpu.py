@@ -1,0 +1,279 @@
+"""Ragged paged attention as a Pallas GPU kernel (Triton lowering).
+
+Same signature, page layout and work items as reference.py (see work_items.py). The grid
+is (KV head, work item[, KV split]). A program holds one item's queries for one KV head,
+the `group` query heads of that KV head packed as rows of one `[rows, head_dim]` tile
+(GQA), and walks the item's sequence one block of `pages_per_block` pages at a time with
+an online softmax in float32. Triton has no scalar prefetch and no DMA: the item metadata
+and the page table are plain operands read with scalar loads, and each block's K and V
+`[pages_per_block * page_size, head_dim]` tiles are gathered token by token, each key's
+page number read from the page table, so pages smaller than a Triton tile (4 or 8
+tokens) still make one key tile. Blocks wholly before the sliding window or past the item's
+last query are skipped. Decode, prefill chunks and mixed batches are the same program with
+different item sizes. A quantized cache (int8 / fp8) is loaded as stored and converted to
+q's dtype in registers: the per-token K scales multiply the scores, the V scales the
+probabilities. Dots take q's dtype with float32 accumulation (bf16 probabilities before
+P·V when q is bf16; IEEE float32, not Triton's TF32 default, when q is float32).
+
+Block-size rule (no device query, so it is the same when lowering ahead of time). Triton
+tensors are powers of two and its dot needs every dimension >= 16:
+- queries per item `bq`: T // S capped at 32 (1 for a pure decode batch), the reference's
+  rule, then capped so bq * group <= 128 (the flash-attention query tile: a 256-row float32
+  accumulator and score tile would spill Triton's registers); rows = bq * group rounded up
+  to a power of two >= 16 (a decode item of Llama-3-8B, group 4, fills 4 of 16 rows:
+  decode is memory-bound, the idle rows are free).
+- KV tokens per block: 128 (the flash-attention key tile), i.e. `pages_per_block =
+  128 // page_size`, capped at the page table's width rounded up to a power of two and
+  raised to at least 16 tokens: 64-128 tokens for any table of 64 or more tokens.
+Both are keyword-overridable; compiled (not interpreted) kernels need `pages_per_block *
+page_size` and `head_dim` to be powers of two >= 16 (ValueError otherwise).
+
+Split-KV (flash decoding). With few programs (a small decode batch) most of the GPU's
+132 SMs (H100 / H200 SXM) would idle while each program walks a long context alone. Then
+each item's blocks are divided into `num_kv_splits` contiguous, equal ranges, one program
+per (KV head, item, split), each writing its unnormalised float32 partial (max score m,
+softmax sum l, accumulator) for a log-sum-exp combine in plain XLA afterwards. An empty
+split (an item with fewer blocks than splits) writes m = MASKED, l = 0, acc = 0, which the
+combine weighs by exp(MASKED - m_max) = 0, or, for a row no split sees, divides by 1.
+Default rule: splits = clamp(ceil(132 / (num_kv_heads * num_items)), 1, KV blocks of the
+page table), so a batch that already fills the SMs is not split; it is the same on CPU, so
+tests pass `num_kv_splits` explicitly to exercise the path.
+
+Launch defaults: num_warps 4 for tiles of up to 32 rows (decode), 8 for the larger prefill
+tiles (JAX's flash attention uses 8 for its 128-row tiles at head_dim 128); num_stages 2
+(also its choice), so the next block's loads overlap this block's dots without the shared
+memory of deeper pipelines. Not yet tuned on hardware.
+
+Not fused: writing the new tokens' K/V stays a separate XLA scatter (reference.write_kv).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.ragged_paged_attention.reference import MASKED
+from pallas_kernels.ragged_paged_attention.work_items import (
+    default_queries_per_block, gather_queries, scatter_outputs, work_items)
+
+MIN_TILE = 16  # smallest dimension Triton's dot accepts
+MAX_ROWS = 128  # query rows (queries x group) per program
+KV_TOKENS_PER_BLOCK = 128
+NUM_SMS = 132  # H100 / H200 SXM
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _is_power_of_2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def default_gpu_queries_per_block(num_tokens: int, max_seqs: int, group: int) -> int:
+    """The reference's rule, capped at MAX_ROWS query rows (see module doc)."""
+    return max(1, min(default_queries_per_block(num_tokens, max_seqs), MAX_ROWS // group))
+
+
+def default_pages_per_block(page_size: int, pages_per_seq: int) -> int:
+    """Pages whose tokens make a power-of-two key tile of 16-128 tokens (see module doc)."""
+    pages = min(max(1, KV_TOKENS_PER_BLOCK // page_size), next_power_of_2(pages_per_seq))
+    return max(pages, -(-MIN_TILE // page_size))
+
+
+def default_num_kv_splits(num_programs: int, num_blocks: int, num_sms: int = NUM_SMS) -> int:
+    """Enough KV splits for `num_programs` (KV heads x items) to fill the SMs, never more
+    than the KV blocks of a full page table."""
+    return max(1, min(-(-num_sms // num_programs), num_blocks))
+
+
+def default_num_warps(rows: int) -> int:
+    return 4 if rows <= 32 else 8
+
+
+def _check_tiles(block_tokens: int, head_dim: int) -> None:
+    fixes = {"pages_per_block * page_size": "pass a pages_per_block that makes one",
+             "head_dim": "use impl='reference' for this model"}
+    for name, size in (("pages_per_block * page_size", block_tokens), ("head_dim", head_dim)):
+        if not (_is_power_of_2(size) and size >= MIN_TILE):
+            raise ValueError(f"{name} is {size}, but the GPU kernel's Triton tiles need a power "
+                             f"of two >= {MIN_TILE}: {fixes[name]}")
+
+
+def _kernel(seq_ref, q_pos_ref, num_q_ref, kv_len_ref, table_ref, q_ref, k_ref, v_ref, *rest,
+            sm_scale, sliding_window, soft_cap, group, pages_per_block, quantized, num_splits):
+    if quantized:
+        ks_ref, vs_ref, *out_refs = rest
+    else:
+        out_refs = rest
+    w = pl.program_id(1)
+    rows, head_dim = q_ref.shape
+    num_pages, page_size = k_ref.shape[0], k_ref.shape[1]
+    block_tokens = pages_per_block * page_size
+    seq, q_pos, num_q, kv_len = seq_ref[w], q_pos_ref[w], num_q_ref[w], kv_len_ref[w]
+
+    # Keys this item can see: up to its last query's position; from the window's start.
+    end = jnp.minimum(kv_len, q_pos + num_q)
+    first = 0
+    if sliding_window is not None:
+        first = jnp.maximum(q_pos - sliding_window + 1, 0) // block_tokens
+    last = jnp.where(num_q > 0, (end + block_tokens - 1) // block_tokens, first)
+    if num_splits > 1:  # this program's contiguous share of the item's blocks
+        per_split = (last - first + num_splits - 1) // num_splits
+        first = jnp.minimum(first + pl.program_id(2) * per_split, last)
+        last = jnp.minimum(first + per_split, last)
+
+    q = q_ref[...]
+    compute_dtype = q.dtype
+    # float32 dots must be IEEE: Triton's default for float32 is TF32 (10-bit mantissa).
+    precision = jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
+    row_pos = q_pos + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) // group
+    token = jax.lax.broadcasted_iota(jnp.int32, (block_tokens,), 0)
+    page_in_block, row_in_page = token // page_size, token % page_size
+
+    def body(b, carry):
+        m, l, acc = carry
+        # Entries past a sequence's pages may hold anything; keep every read in the pool
+        # (their keys are masked by kv_len below).
+        pages = jnp.minimum(table_ref[seq, b * pages_per_block + page_in_block], num_pages - 1)
+        k = k_ref[pages, row_in_page, :].astype(compute_dtype)  # [block_tokens, head_dim]
+        v = v_ref[pages, row_in_page, :].astype(compute_dtype)
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                preferred_element_type=jnp.float32) * sm_scale
+        if quantized:
+            s = s * ks_ref[pages, row_in_page][None, :]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        k_pos = b * block_tokens + token
+        visible = (k_pos[None, :] <= row_pos[:, None]) & (k_pos[None, :] < kv_len)
+        if sliding_window is not None:
+            visible &= k_pos[None, :] > row_pos[:, None] - sliding_window
+        s = jnp.where(visible, s, MASKED)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        # A row with nothing visible yet keeps m = MASKED, where exp(s - m) would be 1: a
+        # split that sees none of a row's keys must report l = 0 to the combine.
+        p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
+        correction = jnp.exp(m - m_new)
+        l = l * correction + p.sum(axis=1)
+        if quantized:
+            p = p * vs_ref[pages, row_in_page][None, :]
+        pv = jax.lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
+                                 precision=precision, preferred_element_type=jnp.float32)
+        return m_new, l, acc * correction[:, None] + pv
+
+    init = (jnp.full((rows,), MASKED, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(first, last, body, init)
+    if num_splits > 1:
+        acc_ref, m_ref, l_ref = out_refs
+        acc_ref[...], m_ref[...], l_ref[...] = acc, m, l
+    else:
+        [o_ref] = out_refs
+        o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+
+
+def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
+    """Log-sum-exp merge of split partials `acc[..., splits, rows, D]`, `m, l[..., splits,
+    rows]` into `[..., rows, D]` float32. Empty splits (m = MASKED, l = 0) weigh nothing."""
+    m_max = m.max(axis=-2, keepdims=True)
+    weight = jnp.exp(m - m_max)  # 0 for an empty split beside a real one; never NaN
+    l_sum = (l * weight).sum(axis=-2)
+    acc_sum = (acc * weight[..., None]).sum(axis=-3)
+    return acc_sum / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
+
+
+def _whole(shape: tuple[int, ...]) -> pl.BlockSpec:
+    """The whole array for every program (scalar metadata and the page table)."""
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
+    pages_per_block: int | None = None,
+    queries_per_block: int | None = None,
+    interpret: bool = False,
+    num_kv_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> jax.Array:
+    """See reference.ragged_paged_attention; `interpret=True` runs on CPU. `num_kv_splits`,
+    `num_warps` and `num_stages` override the rules in the module docstring."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    max_seqs, pages_per_seq = page_indices.shape
+    group = num_q_heads // num_kv_heads
+    quantized = k_scales is not None
+    bq = queries_per_block or default_gpu_queries_per_block(num_tokens, max_seqs, group)
+    block = pages_per_block or default_pages_per_block(page_size, pages_per_seq)
+    if not interpret:
+        _check_tiles(block * page_size, head_dim)
+    num_blocks = -(-pages_per_seq // block)
+    # Pad the page table to whole blocks; padded entries are masked by kv_lens.
+    page_indices = jnp.pad(page_indices, ((0, 0), (0, num_blocks * block - pages_per_seq)))
+    rows = max(MIN_TILE, next_power_of_2(bq * group))
+
+    items = work_items(cu_q_lens, kv_lens, num_seqs, num_tokens, bq)
+    num_items = items.seq.shape[0]
+    splits = num_kv_splits or default_num_kv_splits(num_kv_heads * num_items, num_blocks)
+    qi = gather_queries(q, items, num_kv_heads, rows)  # [Hkv, W, rows, D]
+
+    pages_spec = pl.BlockSpec((None, num_pages, page_size, head_dim),
+                              lambda h, *_: (h, 0, 0, 0))
+    in_specs = [_whole((num_items,))] * 4 + [
+        _whole(page_indices.shape),
+        pl.BlockSpec((None, None, rows, head_dim), lambda h, w, *_: (h, w, 0, 0)),
+        pages_spec, pages_spec]
+    operands = [items.seq, items.q_pos, items.num_q, items.kv_len, page_indices,
+                qi, k_pages, v_pages]
+    if quantized:
+        scales_spec = pl.BlockSpec((None, num_pages, page_size), lambda h, *_: (h, 0, 0))
+        in_specs += [scales_spec, scales_spec]
+        operands += [k_scales, v_scales]
+    if splits > 1:
+        grid = (num_kv_heads, num_items, splits)
+        out_shape = [
+            jax.ShapeDtypeStruct((num_kv_heads, num_items, splits, rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((num_kv_heads, num_items, splits, rows), jnp.float32),
+            jax.ShapeDtypeStruct((num_kv_heads, num_items, splits, rows), jnp.float32)]
+        out_specs = [
+            pl.BlockSpec((None, None, None, rows, head_dim), lambda h, w, s: (h, w, s, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda h, w, s: (h, w, s, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda h, w, s: (h, w, s, 0))]
+    else:
+        grid = (num_kv_heads, num_items)
+        out_shape = jax.ShapeDtypeStruct((num_kv_heads, num_items, rows, head_dim), q.dtype)
+        out_specs = pl.BlockSpec((None, None, rows, head_dim), lambda h, w: (h, w, 0, 0))
+
+    kernel = functools.partial(
+        _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        group=group, pages_per_block=block, quantized=quantized, num_splits=splits)
+    out = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(
+            num_warps=num_warps or default_num_warps(rows), num_stages=num_stages or 2),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(*operands)
+    if splits > 1:
+        out = combine_splits(*out)
+    return scatter_outputs(out, items, num_tokens, group, q.dtype)

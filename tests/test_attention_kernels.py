@@ -1,0 +1,245 @@
+"""The Pallas attention kernels against the reference, in interpret mode on CPU.
+
+Every case draws a fresh random ragged batch (its own seed): contexts from 1 token to
+several pages, page tables shuffled, padding sequences and padding tokens past the real
+ones. The reference itself is checked against dense numpy attention in
+test_reference_attention.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention, write_kv
+
+KERNELS = ["tpu", "gpu"]
+
+
+def ragged_batch(rng, kind, *, num_seqs=5, page_size=8, num_kv_heads=2, group=4, head_dim=64,
+                 max_pages=5, dtype=jnp.float32, kv_dtype=None):
+    """decode: one new token per sequence; prefill: whole prompts; mixed: both, plus
+    prefill chunks that continue an earlier context."""
+    kv_lens, q_lens = [], []
+    for s in range(num_seqs):
+        kv = int(rng.integers(1, max_pages * page_size + 1))
+        phase = kind if kind != "mixed" else ("decode", "prefill", "chunk")[s % 3]
+        q = {"decode": 1, "prefill": kv, "chunk": int(rng.integers(1, kv + 1))}[phase]
+        kv_lens.append(kv)
+        q_lens.append(q)
+    max_seqs, pad_tokens = num_seqs + 3, 5  # padding sequence slots and padding tokens
+    num_pages = num_seqs * max_pages + 7
+    page_indices = np.zeros((max_seqs, max_pages), np.int32)
+    page_indices[:num_seqs] = rng.permutation(num_pages)[: num_seqs * max_pages].reshape(
+        num_seqs, max_pages)
+    shape = (num_kv_heads, num_pages, page_size, head_dim)
+    k = rng.standard_normal(shape).astype(np.float32)
+    v = rng.standard_normal(shape).astype(np.float32)
+    t = sum(q_lens) + pad_tokens
+    q = rng.standard_normal((t, num_kv_heads * group, head_dim)).astype(np.float32)
+    cu = np.concatenate([[0], np.cumsum(q_lens), np.full(max_seqs - num_seqs, sum(q_lens))])
+    batch = dict(q=jnp.asarray(q, dtype), kv_lens=jnp.asarray(np.pad(kv_lens, (0, 3)), jnp.int32),
+                 page_indices=jnp.asarray(page_indices), cu_q_lens=jnp.asarray(cu, jnp.int32),
+                 num_seqs=jnp.int32(num_seqs))
+    if kv_dtype is None:
+        batch.update(k_pages=jnp.asarray(k, dtype), v_pages=jnp.asarray(v, dtype))
+    else:  # store every slot through the quantizing write path
+        tokens = lambda x: x.transpose(1, 2, 0, 3).reshape(-1, num_kv_heads, head_dim)  # noqa: E731
+        empty = jnp.zeros(shape, kv_dtype)
+        ones = jnp.ones(shape[:3], jnp.float32)
+        kq, vq, ks, vs = write_kv(empty, empty, tokens(k), tokens(v),
+                                  jnp.arange(num_pages * page_size), ones, ones)
+        batch.update(k_pages=kq, v_pages=vq, k_scales=ks, v_scales=vs)
+    return batch, sum(q_lens)
+
+
+# f32: the kernels and the reference differ only in summation order (~1e-6).
+# bf16: the kernels round probabilities to bf16 before the P·V matmul (MXU / tensor-core
+# input) and both round the output to bf16: 8-bit mantissas, relative 2^-9 each, on
+# outputs of magnitude <= ~3 (averages of N(0,1) values), so 2e-2 absolute.
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+CASES = [
+    dict(kind="decode", group=1, head_dim=64),
+    dict(kind="prefill", group=4, head_dim=128),
+    dict(kind="mixed", group=8, head_dim=64),
+    dict(kind="mixed", group=4, head_dim=128, num_kv_heads=1),
+    dict(kind="mixed", group=4, sliding_window=7),
+    dict(kind="prefill", group=2, sliding_window=11, page_size=4),
+    dict(kind="mixed", group=2, soft_cap=5.0),
+    dict(kind="mixed", group=4, dtype=jnp.bfloat16, head_dim=128),
+    dict(kind="decode", group=8, dtype=jnp.bfloat16),
+    dict(kind="mixed", group=4, kv_dtype=jnp.int8),
+    dict(kind="mixed", group=4, kv_dtype=jnp.int8, dtype=jnp.bfloat16),
+    dict(kind="decode", group=4, kv_dtype=jnp.float8_e4m3fn, dtype=jnp.bfloat16),
+    dict(kind="mixed", group=4, pages_per_block=1, queries_per_block=3),
+    dict(kind="mixed", group=1, page_size=4, pages_per_block=3, queries_per_block=2,
+         sliding_window=6),
+]
+
+
+def case_id(case):
+    return "-".join(f"{k}={getattr(v, '__name__', v)}" for k, v in case.items())
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[case_id(c) for c in CASES])
+def test_kernel_matches_reference(impl, index):
+    case = dict(CASES[index])
+    options = {k: case.pop(k) for k in ("sliding_window", "soft_cap", "pages_per_block",
+                                        "queries_per_block") if k in case}
+    kind = case.pop("kind")
+    rng = np.random.default_rng([index, 17])
+    batch, real = ragged_batch(rng, kind, **case)
+    dtype = case.get("dtype", jnp.float32)
+    sm_scale = batch["q"].shape[-1] ** -0.5
+    run = lambda impl, **kw: np.asarray(  # noqa: E731
+        ragged_paged_attention(**batch, sm_scale=sm_scale, impl=impl, **options, **kw), np.float32)
+    want = run("reference")
+    got = run(impl, interpret=True)
+    assert np.abs(want[:real]).max() > 0.1  # a real signal, not zeros
+    np.testing.assert_allclose(got[:real], want[:real], atol=TOL[dtype], rtol=TOL[dtype])
+    assert np.all(got[real:] == 0)  # padding tokens
+
+
+def test_kernel_under_jit_with_padded_page_table_entries():
+    """Page-table entries past a sequence's pages may hold anything in range: stale pages
+    must be masked, never read into the result."""
+    rng = np.random.default_rng(5)
+    batch, real = ragged_batch(rng, "mixed", group=2)
+    table = np.asarray(batch["page_indices"]).copy()
+    num_pages = batch["k_pages"].shape[1]
+    page_size = batch["k_pages"].shape[2]
+    kv_lens = np.asarray(batch["kv_lens"])
+    for s in range(len(kv_lens)):
+        used = -(-int(kv_lens[s]) // page_size)
+        table[s, used:] = rng.integers(0, num_pages, table.shape[1] - used)
+    batch["page_indices"] = jnp.asarray(table)
+    f = jax.jit(lambda b: ragged_paged_attention(**b, sm_scale=0.125, impl="tpu", interpret=True))
+    want = ragged_paged_attention(**batch, sm_scale=0.125, impl="reference")
+    np.testing.assert_allclose(np.asarray(f(batch))[:real], np.asarray(want)[:real],
+                               atol=1e-5, rtol=1e-5)
+
+
+# --- the GPU kernel's split-KV (flash-decoding) path --------------------------------------
+
+# Long contexts (up to 16 pages of 8 tokens) in key tiles of 2 pages, so an item walks up to
+# 8 blocks and a split covers several or none of them.
+SPLIT_CASES = [
+    dict(num_kv_splits=1),  # the same long walk in one program: the baseline
+    dict(num_kv_splits=2),
+    dict(num_kv_splits=4, group=1),
+    dict(num_kv_splits=4, sliding_window=13),  # the window spans <= 2 blocks: 2+ splits empty
+    dict(num_kv_splits=2, sliding_window=40, soft_cap=5.0),
+    dict(num_kv_splits=2, kv_dtype=jnp.int8),
+    dict(num_kv_splits=4, kv_dtype=jnp.int8, dtype=jnp.bfloat16, sliding_window=20),
+    dict(num_kv_splits=3, kind="mixed", max_pages=8),  # prefill chunks split too
+]
+
+
+@pytest.mark.parametrize("index", range(len(SPLIT_CASES)),
+                         ids=[case_id(c) for c in SPLIT_CASES])
+def test_gpu_split_kv_matches_reference(index):
+    case = dict(SPLIT_CASES[index])
+    options = {k: case.pop(k) for k in ("sliding_window", "soft_cap") if k in case}
+    kind = case.pop("kind", "decode")
+    case.setdefault("max_pages", 16)
+    case.setdefault("group", 4)
+    rng = np.random.default_rng([index, 29])
+    batch, real = ragged_batch(rng, kind, page_size=8, **{
+        k: case[k] for k in ("group", "max_pages", "dtype", "kv_dtype") if k in case})
+    if kind == "decode":  # one single-token context (every split but one empty), one full
+        kv_lens = np.asarray(batch["kv_lens"]).copy()
+        kv_lens[:2] = 1, case["max_pages"] * 8
+        batch["kv_lens"] = jnp.asarray(kv_lens)
+    dtype = case.get("dtype", jnp.float32)
+    sm_scale = batch["q"].shape[-1] ** -0.5
+    want = np.asarray(ragged_paged_attention(**batch, sm_scale=sm_scale, impl="reference",
+                                             pages_per_block=2, **options), np.float32)
+    got = np.asarray(ragged_paged_attention(
+        **batch, sm_scale=sm_scale, impl="gpu", interpret=True, pages_per_block=2,
+        num_kv_splits=case["num_kv_splits"], **options), np.float32)
+    assert np.abs(want[:real]).max() > 0.1
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got[:real], want[:real], atol=TOL[dtype], rtol=TOL[dtype])
+    assert np.all(got[real:] == 0)
+
+
+def test_gpu_split_kv_under_jit_with_padded_page_table_entries():
+    """Stale page-table entries past a sequence's pages are masked in every split."""
+    rng = np.random.default_rng(6)
+    batch, real = ragged_batch(rng, "decode", group=2, max_pages=12)
+    table = np.asarray(batch["page_indices"]).copy()
+    num_pages, page_size = batch["k_pages"].shape[1:3]
+    for s, kv_len in enumerate(np.asarray(batch["kv_lens"])):
+        used = -(-int(kv_len) // page_size)
+        table[s, used:] = rng.integers(0, num_pages, table.shape[1] - used)
+    batch["page_indices"] = jnp.asarray(table)
+    f = jax.jit(lambda b: ragged_paged_attention(**b, sm_scale=0.125, impl="gpu", interpret=True,
+                                                 pages_per_block=2, num_kv_splits=3))
+    want = ragged_paged_attention(**batch, sm_scale=0.125, impl="reference")
+    np.testing.assert_allclose(np.asarray(f(batch))[:real], np.asarray(want)[:real],
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_gpu_block_and_split_rules():
+    from pallas_kernels.ragged_paged_attention import gpu
+
+    assert gpu.default_gpu_queries_per_block(64, 64, 4) == 1  # decode
+    assert gpu.default_gpu_queries_per_block(2048, 8, 4) == 32  # the reference's cap
+    assert gpu.default_gpu_queries_per_block(2048, 8, 8) == 16  # at most 128 query rows
+    assert gpu.default_pages_per_block(16, 128) == 8  # 128-token key tiles
+    assert gpu.default_pages_per_block(8, 5) == 8  # 5 pages round up to a 64-token tile
+    assert gpu.default_pages_per_block(4, 2) == 4  # never below Triton's 16
+    assert gpu.default_pages_per_block(256, 4) == 1
+    assert gpu.default_num_kv_splits(8 * 4, 64) == 5  # 4 decodes x 8 KV heads fill 132 SMs
+    assert gpu.default_num_kv_splits(8 * 64, 64) == 1  # a full batch is not split
+    assert gpu.default_num_kv_splits(2, 3) == 3  # never more splits than blocks
+    batch, _ = ragged_batch(np.random.default_rng(0), "decode", page_size=4)
+    with pytest.raises(ValueError, match="power of two"):
+        ragged_paged_attention(**batch, sm_scale=0.125, impl="gpu", pages_per_block=3)
+
+
+# --- the GPU kernel lowers to Triton (no GPU needed) --------------------------------------
+
+# Llama-3-8B attention: 32 query heads, 8 KV heads, head_dim 128, pages of 16 tokens.
+LLAMA3_8B_BATCHES = {  # (tokens, sequence slots, pages per sequence, KV dtype)
+    "decode": (64, 64, 128, jnp.bfloat16),
+    "decode-long-split": (4, 4, 512, jnp.bfloat16),
+    "prefill": (2048, 8, 256, jnp.bfloat16),
+    "decode-fp8": (4, 4, 512, jnp.float8_e4m3fn),
+}
+
+
+@pytest.mark.parametrize("name", LLAMA3_8B_BATCHES)
+def test_gpu_kernel_lowers_for_cuda(name):
+    """Pallas's Triton lowering (jaxpr -> Triton IR, as for compute capability 9.0 when no
+    GPU is present) accepts the kernel at Llama-3-8B shapes; this checks the power-of-two
+    tile shapes, not Triton's own compile (that needs a GPU)."""
+    from pallas_kernels.ragged_paged_attention import gpu
+
+    num_tokens, max_seqs, pages_per_seq, kv_dtype = LLAMA3_8B_BATCHES[name]
+    num_pages = 4096
+    sds = jax.ShapeDtypeStruct
+    args = [sds((num_tokens, 32, 128), jnp.bfloat16),
+            sds((8, num_pages, 16, 128), kv_dtype), sds((8, num_pages, 16, 128), kv_dtype),
+            sds((max_seqs,), jnp.int32), sds((max_seqs, pages_per_seq), jnp.int32),
+            sds((max_seqs + 1,), jnp.int32), sds((), jnp.int32)]
+    quantized = kv_dtype != jnp.bfloat16
+    if quantized:
+        args += [sds((8, num_pages, 16), jnp.float32)] * 2
+
+    def attention(*a):
+        scales = dict(k_scales=a[7], v_scales=a[8]) if quantized else {}
+        return gpu.ragged_paged_attention(*a[:7], sm_scale=128 ** -0.5, **scales)
+
+    exported = jax.export.export(
+        jax.jit(attention), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(*args)
+    text = exported.mlir_module()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    splits = 5 if name.startswith("decode-") else 1  # ceil(132 / (8 heads x 4 items))
+    assert f"grid_z = {splits} : i32" in text

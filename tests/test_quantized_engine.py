@@ -1,0 +1,63 @@
+"""The engine with our Pallas kernels (interpret mode), quantized weights and KV caches,
+and converted (Orbax) checkpoints."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxserve.loading.safetensors as safetensors
+from jaxserve import LLM, SamplingParams
+from jaxserve.cli import main
+
+# One token bucket keeps the interpreted kernels' compile time down.
+ENGINE = dict(dtype="float32", max_model_len=64, page_size=4, max_num_seqs=4,
+              max_num_batched_tokens=16, token_buckets=(16,))
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def greedy(llm, prompts):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+@pytest.mark.parametrize("impl,quant", [
+    ("tpu", {}),
+    ("tpu", dict(quantization="int8", kv_cache_dtype="int8")),
+    ("gpu", dict(quantization="int4", kv_cache_dtype="fp8")),
+])
+def test_kernels_give_the_reference_engines_tokens(checkpoints, prompts, impl, quant):
+    """Chunked prefill (16-token budget) and decode through the Pallas attention and
+    quantized-matmul kernels reproduce the pure-JAX engine's greedy tokens."""
+    path, _ = checkpoints("llama")
+    want = greedy(LLM(str(path), kernel_impl="reference", **ENGINE, **quant), prompts)
+    got = greedy(LLM(str(path), kernel_impl=impl, interpret_kernels=True, **ENGINE, **quant),
+                 prompts)
+    assert got == want
+
+
+def test_convert_then_serve_without_requantizing(checkpoints, prompts, tmp_path, monkeypatch):
+    path, _ = checkpoints("llama")
+    out = tmp_path / "llama-int8"
+    assert main(["convert", "--model", str(path), "--out", str(out), "--quantization", "int8",
+                 "--dtype", "float32"]) == 0
+    assert {"config.json", "jaxserve.json", "params"} <= {p.name for p in out.iterdir()}
+    fresh = LLM(str(path), quantization="int8", **ENGINE)
+
+    def no_quantizing(*args, **kwargs):
+        raise AssertionError("a converted checkpoint must not be quantized again")
+
+    monkeypatch.setattr(safetensors, "quantize", no_quantizing)
+    restored = LLM(str(out), **ENGINE)
+    assert restored.engine.config.quantization == "int8"
+    fresh_state = dict(nnx.to_flat_state(fresh.engine.runner.params))
+    for key, var in nnx.to_flat_state(restored.engine.runner.params):
+        np.testing.assert_array_equal(np.asarray(var[...]), np.asarray(fresh_state[key][...]))
+    q_proj = dict(nnx.to_flat_state(restored.engine.runner.params))[
+        ("layers", 0, "attn", "q_proj")][...]
+    assert q_proj.dtype == jnp.int8
+    assert greedy(restored, prompts) == greedy(fresh, prompts)
+    with pytest.raises(ValueError, match="holds int8 weights"):
+        LLM(str(out), quantization="int4", **ENGINE)
+    assert main(["convert", "--model", str(path), "--out", str(out)]) == 2  # not empty
