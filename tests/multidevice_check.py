@@ -1,4 +1,5 @@
-"""Run the engine on 1 device, with tensor parallelism 2, 4, 8 and with TP+SP over 8 CPU devices.
+"""Run the engine on 1 device, with tensor parallelism 2, 4, 8, with TP+SP and with our
+Pallas kernels (interpret mode) over 8 CPU devices.
 
 Started by tests/test_sharding.py in its own process (the device count is fixed when JAX
 starts): `python tests/multidevice_check.py MODEL_DIR OUT.json`. Writes, per mesh, the
@@ -18,8 +19,13 @@ from jaxserve import LLM, SamplingParams
 
 ENGINE = dict(dtype="float32", max_model_len=128, page_size=4, max_num_seqs=4,
               max_num_batched_tokens=64, token_buckets=(16, 64))
-RUNS = [(None, "tp"), ({"model": 2}, "tp"), ({"model": 4}, "tp"), ({"model": 8}, "tp"),
-        ({"model": 4}, "tp+sp")]
+KERNELS = dict(kernel_impl="tpu", interpret_kernels=True)
+# (mesh, strategy, extra engine settings, name suffix). With the Pallas kernels, TP=2 splits
+# the model's 2 KV heads (the kernel runs per shard under shard_map); TP=8 replicates them
+# (the engine falls back to the reference attention).
+RUNS = [(None, "tp", {}, ""), ({"model": 2}, "tp", {}, ""), ({"model": 4}, "tp", {}, ""),
+        ({"model": 8}, "tp", {}, ""), ({"model": 4}, "tp+sp", {}, " tp+sp"),
+        ({"model": 2}, "tp", KERNELS, " tpu-kernels"), ({"model": 8}, "tp", KERNELS, " tpu-kernels")]
 
 
 def all_gather_shapes(hlo: str) -> list[list[int]]:
@@ -37,12 +43,12 @@ def main(model_dir: str, out_path: str) -> None:
     prompts = [rng.integers(3, 320, size=n).tolist() for n in (5, 17, 30, 43)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
     results = {}
-    for mesh, strategy in RUNS:
-        llm = LLM(model_dir, mesh=mesh, sharding=strategy, **ENGINE)
+    for mesh, strategy, extra, suffix in RUNS:
+        llm = LLM(model_dir, mesh=mesh, sharding=strategy, **ENGINE, **extra)
         outs = llm.generate(prompts, params)
         runner = llm.engine.runner
         hlo = runner._compiled[(64, 4, False)].as_text()
-        results[json.dumps(mesh) + ("" if strategy == "tp" else " " + strategy)] = {
+        results[json.dumps(mesh) + suffix] = {
             "tokens": [o.outputs[0].token_ids for o in outs],
             "logprobs": [[{str(t): e.logprob for t, e in lp.items()} for lp in o.outputs[0].logprobs]
                          for o in outs],

@@ -28,7 +28,8 @@ def runs(checkpoints, tmp_path_factory):
 
 
 @pytest.mark.parametrize("mesh", ['{"model": 2}', '{"model": 4}', '{"model": 8}',
-                                  '{"model": 4} tp+sp'])
+                                  '{"model": 4} tp+sp', '{"model": 2} tpu-kernels',
+                                  '{"model": 8} tpu-kernels'])
 def test_tensor_parallel_matches_one_device(runs, mesh):
     one, tp = runs["null"], runs[mesh]
     assert tp["tokens"] == one["tokens"]

@@ -77,7 +77,7 @@ def ragged_paged_attention(
     item_pages = page_indices[items.seq]  # [W, pages]
 
     def load(pages_ref, scales_ref, pages):
-        x = pages_ref[:, pages].astype(jnp.float32)  # [Hkv, W, block, page_size, D]
+        x = as_float32(_gather_pages(pages_ref, pages))  # [Hkv, W, block, page_size, D]
         if scales_ref is not None:
             x = x * scales_ref[:, pages][..., None]
         x = x.reshape(num_kv_heads, num_items, block * page_size, head_dim)
@@ -113,6 +113,28 @@ def ragged_paged_attention(
     return scatter_outputs(out.transpose(1, 0, 2, 3), items, num_tokens, group, q.dtype)
 
 
+def _bits(x: jax.Array) -> jax.Array:
+    """A 16-bit float array as uint16 (bit for bit); other dtypes unchanged.
+
+    XLA:CPU has no bf16 gather or scatter: it converts the operand to float32 first, and
+    for the KV pool that conversion (hoisted out of the loop, or around the scatter) reads
+    and writes every page of the pool per layer and step. Integers move natively.
+    """
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
+
+
+def _unbits(x: jax.Array, dtype) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+
+
+def _gather_pages(pages_ref: jax.Array, pages: jax.Array) -> jax.Array:
+    return _unbits(_bits(pages_ref)[:, pages], pages_ref.dtype)
+
+
+def as_float32(x: jax.Array) -> jax.Array:
+    return x.astype(jnp.float32)
+
+
 def quantize_kv(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """`x[..., head_dim]` → (values in `dtype`, float32 scales `[...]`), symmetric per
     token and head: amax maps to the format's largest value (127 for int8, 448 for e4m3)."""
@@ -140,8 +162,9 @@ def write_kv(
     flat = (shape[0], shape[1] * shape[2], shape[3])
 
     def put(pages, x):
-        x = x.astype(pages.dtype).transpose(1, 0, 2)  # [Hkv, T, D]
-        return pages.reshape(flat).at[:, slot_mapping].set(x, mode="drop").reshape(shape)
+        x = _bits(x.astype(pages.dtype).transpose(1, 0, 2))  # [Hkv, T, D]
+        new = _bits(pages).reshape(flat).at[:, slot_mapping].set(x, mode="drop")
+        return _unbits(new, pages.dtype).reshape(shape)
 
     def put_scales(scales, s):
         flat_scales = scales.reshape(flat[:2])

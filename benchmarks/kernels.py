@@ -1,0 +1,444 @@
+"""The Pallas kernels against their references and against this device's bandwidth floor.
+
+Ragged paged attention at Llama-3-8B per-layer shapes (32 query heads, 8 KV heads,
+head_dim 128, bf16 queries; bf16 or int8 KV pages):
+  decode 64 x 2048 (the target shape; 8 x 1024 on CPU unless --full), decode 4 x 8192
+  (small batch, long context: the GPU kernel's split-KV path), prefill 1 x 512 new tokens
+  at context 512, a mixed batch (8 decodes at context 2048 + a 256-token chunk at context
+  512), and the decode rows again with an int8 cache; plus `write_kv` (the XLA scatter
+  that stores the new tokens' K/V, cache donated as in the engine) for each of them.
+Weight-only quantized matmul at Llama-3-8B MLP shapes: x[M, 4096] @ W[4096, 14336] and
+x[M, 14336] @ W[14336, 4096], M in {1, 16, 64} (M in {1, 16} and the first shape only
+on CPU unless --full), bf16 dot (the peer a user would otherwise run) beside int8, int4
+(group 128) and fp8 weights.
+
+Every row is timed for the reference (pure JAX) and for the platform's kernel ("tpu" on
+TPU, "gpu" on GPU; --impl forces one, "none" times the reference only). A CPU has no
+compiled kernel (Pallas interpret mode measures the interpreter, not the kernel), so
+there the kernel columns say "n/a (CPU)". Times are the median of --iters calls after a
+compile and a warm-up call, each ended by block_until_ready.
+
+Floor: the bytes a row must move once (K and V of every context token, int8 scales
+included; new K/V written; quantized weight values + scales) divided by the memory
+bandwidth measured in the same run (offline_throughput.measure_bandwidth: a jitted sum
+over 1 GiB). "% of floor" is floor / time, so 100% means running at the bandwidth
+ceiling. Attention rows also show a compute floor (causal attention FLOPs / a measured
+matmul rate) because prefill is bound by it, not by bandwidth. Rows small enough to stay
+in a cache (L2 on a GPU, L3 on a CPU) can exceed 100%. Inputs are random (fixed seeds),
+page tables shuffled over a pool with spare pages. On a GPU the script also says whether
+the issue's targets are met: decode attention at 64 x 2048 >= 70% of the bandwidth
+floor, and the int8 (W8A16) kernel faster than the bf16 dot for M <= 16.
+
+    python benchmarks/kernels.py [--full] [--impl tpu|gpu|none] [--iters N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from offline_throughput import measure_bandwidth, measure_matmul
+from pallas_kernels.platform import GPU_PLATFORMS
+from pallas_kernels.quantized_matmul import choose_impl, quantize, quantized_matmul
+from pallas_kernels.ragged_paged_attention import quantize_kv, ragged_paged_attention, write_kv
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B, per layer
+HIDDEN, INTERMEDIATE = 4096, 14336
+INT4_GROUP = 128
+SEED = 0
+DECODE_TARGET = 0.70  # GPU: decode attention at 64 x 2048, fraction of the bandwidth floor
+INT8_TARGET_MAX_M = 16  # GPU: int8 W8A16 must beat the bf16 dot up to this M
+NA_CPU = "n/a (CPU)"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCase:
+    """A ragged batch: sequence s has q_lens[s] new tokens at the end of kv_lens[s]."""
+
+    name: str
+    q_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    kv_dtype: str = "bfloat16"
+    target: bool = False  # the issue's decode shape, checked against DECODE_TARGET on GPU
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)
+
+    def kv_bytes(self, tokens: int) -> int:
+        """K and V of `tokens` tokens, all KV heads; a quantized cache adds a float32 scale
+        per token, head and K/V."""
+        per_head = HEAD_DIM * jnp.dtype(self.kv_dtype).itemsize
+        if self.kv_dtype != "bfloat16":
+            per_head += 4
+        return tokens * NUM_KV_HEADS * 2 * per_head
+
+    def kv_bytes_read(self) -> int:
+        return self.kv_bytes(sum(self.kv_lens))
+
+    def kv_bytes_written(self) -> int:
+        return self.kv_bytes(self.num_tokens)
+
+    def flops(self) -> int:
+        """Causal attention: a query at position p scores and sums p + 1 keys (2 FLOPs per
+        multiply-add, for QK and for PV), per query head and head_dim element."""
+        visible = sum(sum(range(kv - q + 1, kv + 1)) for q, kv in zip(self.q_lens, self.kv_lens))
+        return 4 * visible * NUM_Q_HEADS * HEAD_DIM
+
+
+@dataclasses.dataclass
+class Row:
+    """One table row; None times mean 'not run', with `kernel_note` saying why."""
+
+    name: str
+    bytes_moved: int
+    floor_ms: float
+    ref_ms: float
+    kernel_ms: float | None = None
+    kernel_note: str = ""
+    compute_floor_ms: float | None = None
+    max_diff: float | None = None
+    peer_ms: float | None = None  # matmul rows: the bf16 dot of the same shape
+
+
+def attention_cases(on_cpu: bool, full: bool) -> list[AttentionCase]:
+    batch, context = (8, 1024) if on_cpu and not full else (64, 2048)
+    cases = [
+        AttentionCase(f"decode {batch} x {context}", (1,) * batch, (context,) * batch,
+                      target=(batch, context) == (64, 2048)),
+        AttentionCase("decode 4 x 8192", (1,) * 4, (8192,) * 4),
+        AttentionCase("prefill 1 x 512 at ctx 512", (512,), (512,)),
+        AttentionCase("mixed 8 decodes @2048 + 256 chunk @512", (1,) * 8 + (256,), (2048,) * 8 + (512,)),
+    ]
+    int8 = [dataclasses.replace(c, name=c.name + " int8", kv_dtype="int8", target=False)
+            for c in cases if c.name.startswith("decode")]
+    return cases + int8
+
+
+def page_size_for(kv_dtype: str, platform_name: str) -> int:
+    """16 tokens; 32 for an 8-bit cache on TPU, whose page DMAs must be whole int8 tiles."""
+    return 32 if platform_name == "tpu" and kv_dtype != "bfloat16" else 16
+
+
+def page_table(kv_lens: Sequence[int], page_size: int, rng: np.random.Generator
+               ) -> tuple[np.ndarray, int]:
+    """Shuffled pages over a pool an eighth larger than needed, so tables have holes and
+    neighbouring pages of a sequence are not neighbours in memory."""
+    pages = [-(-kv // page_size) for kv in kv_lens]
+    num_pages = sum(pages) + sum(pages) // 8 + 1
+    order = rng.permutation(num_pages).astype(np.int32)
+    table = np.zeros((len(kv_lens), max(pages)), np.int32)
+    start = 0
+    for s, n in enumerate(pages):
+        table[s, :n] = order[start:start + n]
+        start += n
+    return table, num_pages
+
+
+def slot_mapping(case: AttentionCase, table: np.ndarray, page_size: int) -> np.ndarray:
+    """Flat cache slot of each new token: the last q_lens[s] positions of sequence s."""
+    slots = []
+    for s, (q, kv) in enumerate(zip(case.q_lens, case.kv_lens)):
+        pos = np.arange(kv - q, kv)
+        slots.append(table[s, pos // page_size] * page_size + pos % page_size)
+    return np.concatenate(slots).astype(np.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "kv_dtype"))
+def random_pages(key: jax.Array, shape: tuple[int, ...], kv_dtype: str) -> tuple[jax.Array, ...]:
+    """(pages) for a bf16 cache, (values, scales) for a quantized one, drawn on device so
+    a 0.5 GB pool does not go through the host."""
+    if kv_dtype == "bfloat16":
+        return (jax.random.normal(key, shape, jnp.bfloat16),)
+    return quantize_kv(jax.random.normal(key, shape, jnp.float32), jnp.dtype(kv_dtype))
+
+
+def build_attention_batch(case: AttentionCase, page_size: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    table, num_pages = page_table(case.kv_lens, page_size, rng)
+    kq, kk, kv, knew = jax.random.split(jax.random.PRNGKey(seed), 4)
+    shape = (NUM_KV_HEADS, num_pages, page_size, HEAD_DIM)
+    k_pages, v_pages = random_pages(kk, shape, case.kv_dtype), random_pages(kv, shape, case.kv_dtype)
+    new_kv = jax.random.normal(knew, (2, case.num_tokens, NUM_KV_HEADS, HEAD_DIM), jnp.bfloat16)
+    return dict(
+        q=jax.random.normal(kq, (case.num_tokens, NUM_Q_HEADS, HEAD_DIM), jnp.bfloat16),
+        k_pages=k_pages[0], v_pages=v_pages[0],
+        scales=(k_pages[1], v_pages[1]) if len(k_pages) > 1 else (),
+        kv_lens=jnp.asarray(case.kv_lens, jnp.int32), page_indices=jnp.asarray(table),
+        cu_q_lens=jnp.asarray(np.concatenate([[0], np.cumsum(case.q_lens)]), jnp.int32),
+        num_seqs=jnp.int32(len(case.q_lens)),
+        new_k=new_kv[0], new_v=new_kv[1],
+        slots=jnp.asarray(slot_mapping(case, table, page_size)))
+
+
+def median_ms(fn: Callable[[], object], iters: int) -> float:
+    """Median wall time of fn() after a compile call and a warm-up call."""
+    jax.block_until_ready(fn())
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def attention_fn(impl: str) -> Callable:
+    return jax.jit(functools.partial(ragged_paged_attention, impl=impl,
+                                     sm_scale=1.0 / math.sqrt(HEAD_DIM)))
+
+
+def time_attention(batch: dict, impl: str, iters: int) -> tuple[float, jax.Array]:
+    fn = attention_fn(impl)
+    args = (batch["q"], batch["k_pages"], batch["v_pages"], batch["kv_lens"],
+            batch["page_indices"], batch["cu_q_lens"], batch["num_seqs"])
+    scales = dict(zip(("k_scales", "v_scales"), batch["scales"]))
+    call = lambda: fn(*args, **scales)  # noqa: E731
+    return median_ms(call, iters), call()
+
+
+def time_write(batch: dict, iters: int) -> float:
+    """The engine donates the cache to the step, so the scatter updates it in place; without
+    donation XLA would copy the whole pool and time that instead. Consumes the batch's pages."""
+    step = jax.jit(lambda cache, k, v, slots: write_kv(cache[0], cache[1], k, v, slots, *cache[2:]),
+                   donate_argnums=0)
+    cache = (batch.pop("k_pages"), batch.pop("v_pages"), *batch.pop("scales"))
+    new = (batch["new_k"], batch["new_v"], batch["slots"])
+    for _ in range(2):  # compile, warm up
+        cache = jax.block_until_ready(step(cache, *new))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        cache = jax.block_until_ready(step(cache, *new))
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def attention_rows(cases: list[AttentionCase], impl: str | None, platform_name: str,
+                   bandwidth: float, flops_rate: float, iters: int) -> list[Row]:
+    rows = []
+    for i, case in enumerate(cases):
+        batch = build_attention_batch(case, page_size_for(case.kv_dtype, platform_name), SEED + i)
+        ref_ms, ref_out = time_attention(batch, "reference", iters)
+        row = Row(case.name, case.kv_bytes_read(), 1e3 * case.kv_bytes_read() / bandwidth, ref_ms,
+                  compute_floor_ms=1e3 * case.flops() / flops_rate, kernel_note=NA_CPU)
+        if impl is not None:
+            row.kernel_ms, out = time_attention(batch, impl, iters)
+            row.max_diff = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref_out.astype(jnp.float32))))
+        del ref_out
+        written = case.kv_bytes_written()
+        rows.append(row)
+        rows.append(Row(f"write_kv {case.num_tokens} tokens ({case.name})", written,
+                        1e3 * written / bandwidth, time_write(batch, iters),
+                        kernel_note="XLA scatter on every backend"))
+        del batch
+    return rows
+
+
+def matmul_shapes(on_cpu: bool, full: bool) -> tuple[list[tuple[int, int]], list[int]]:
+    """(K, N) weight shapes and the M values to run: the MLP's up/gate and down projections."""
+    if on_cpu and not full:
+        return [(HIDDEN, INTERMEDIATE)], [1, 16]
+    return [(HIDDEN, INTERMEDIATE), (INTERMEDIATE, HIDDEN)], [1, 16, 64]
+
+
+def weight_variants(k: int, n: int, seed: int) -> dict[str, tuple[jax.Array, ...]]:
+    """The bf16 weight and its int8 / int4 / fp8 quantizations of the same random matrix."""
+    w = jax.random.normal(jax.random.PRNGKey(seed), (k, n), jnp.float32) / math.sqrt(k)
+    variants = {"bf16": (w.astype(jnp.bfloat16),)}
+    for kind in ("int8", "int4", "fp8"):
+        variants[kind] = quantize(w, kind, group_size=INT4_GROUP)
+    return variants
+
+
+def matmul_kernel_note(kind: str, impl: str | None) -> str:
+    """Why a quantized row has no kernel timing, or "" when the kernel runs."""
+    if impl is None:
+        return NA_CPU
+    if choose_impl(kind, INT4_GROUP) != impl:
+        return "n/a (no kernel for this format here)"
+    return ""
+
+
+def matmul_rows(on_cpu: bool, full: bool, impl: str | None, bandwidth: float, iters: int) -> list[Row]:
+    shapes, ms = matmul_shapes(on_cpu, full)
+    dot = jax.jit(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype))
+    rows = []
+    for s, (k, n) in enumerate(shapes):
+        weights = weight_variants(k, n, SEED + s)
+        for m in ms:
+            x = jax.random.normal(jax.random.PRNGKey(SEED + 100 + m), (m, k), jnp.bfloat16)
+            peer_ms = median_ms(lambda: dot(x, weights["bf16"][0]), iters)  # noqa: B023
+            nbytes = k * n * 2
+            rows.append(Row(f"bf16 dot M={m} [{k}x{n}]", nbytes, 1e3 * nbytes / bandwidth, peer_ms,
+                            kernel_note="(the peer)", peer_ms=peer_ms))
+            for kind in ("int8", "int4", "fp8"):
+                rows.append(quantized_row(kind, x, weights[kind], impl, bandwidth, iters, peer_ms))
+            del x
+        del weights
+    return rows
+
+
+def quantized_row(kind: str, x: jax.Array, weight: tuple[jax.Array, jax.Array], impl: str | None,
+                  bandwidth: float, iters: int, peer_ms: float) -> Row:
+    values, scales = weight
+    k, n = x.shape[1], values.shape[1]
+    nbytes = values.nbytes + scales.nbytes
+    fn = lambda i: jax.jit(functools.partial(quantized_matmul, kind=kind, impl=i))  # noqa: E731
+    ref = fn("reference")
+    row = Row(f"{kind} M={x.shape[0]} [{k}x{n}]", nbytes, 1e3 * nbytes / bandwidth,
+              median_ms(lambda: ref(x, values, scales), iters), peer_ms=peer_ms,
+              kernel_note=matmul_kernel_note(kind, impl))
+    if not row.kernel_note:
+        kernel = fn(impl)
+        row.kernel_ms = median_ms(lambda: kernel(x, values, scales), iters)
+        diff = kernel(x, values, scales).astype(jnp.float32) - ref(x, values, scales).astype(jnp.float32)
+        row.max_diff = float(jnp.max(jnp.abs(diff)))
+    return row
+
+
+def pct(floor_ms: float, ms: float | None) -> str:
+    if ms is None:
+        return ""
+    value = 100 * floor_ms / ms
+    return f"{value:.0f}%" if value >= 10 else f"{value:.2g}%"  # keep small rows readable
+
+
+def gbps(nbytes: int, ms: float | None) -> str:
+    return "" if ms is None else f"{nbytes / ms / 1e6:.3g}"
+
+
+def markdown(header: list[str], body: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(cells) + " |" for cells in body]
+    return "\n".join(lines)
+
+
+def attention_table(rows: list[Row]) -> str:
+    header = ["row", "MB moved", "bw floor ms", "compute floor ms", "ref ms", "ref GB/s",
+              "ref % floor", "kernel ms", "kernel GB/s", "kernel % floor", "kernel speedup",
+              "max abs diff"]
+    body = []
+    for r in rows:
+        kernel = ([f"{r.kernel_ms:.3f}", gbps(r.bytes_moved, r.kernel_ms), pct(r.floor_ms, r.kernel_ms),
+                   f"{r.ref_ms / r.kernel_ms:.2f}x", f"{r.max_diff:.2g}"]
+                  if r.kernel_ms is not None else [r.kernel_note, "", "", "", ""])
+        compute = "" if r.compute_floor_ms is None else f"{r.compute_floor_ms:.3f}"
+        body.append([r.name, f"{r.bytes_moved / 1e6:.3g}", f"{r.floor_ms:.3f}", compute,
+                     f"{r.ref_ms:.3f}", gbps(r.bytes_moved, r.ref_ms), pct(r.floor_ms, r.ref_ms),
+                     *kernel])
+    return markdown(header, body)
+
+
+def matmul_table(rows: list[Row]) -> str:
+    header = ["row", "weight MB", "bw floor ms", "ref ms", "ref % floor", "ref vs bf16 dot",
+              "kernel ms", "kernel % floor", "kernel vs bf16 dot", "max abs diff"]
+    body = []
+    for r in rows:
+        kernel = ([f"{r.kernel_ms:.3f}", pct(r.floor_ms, r.kernel_ms), f"{r.peer_ms / r.kernel_ms:.2f}x",
+                   f"{r.max_diff:.2g}"] if r.kernel_ms is not None else [r.kernel_note, "", "", ""])
+        body.append([r.name, f"{r.bytes_moved / 1e6:.1f}", f"{r.floor_ms:.3f}", f"{r.ref_ms:.3f}",
+                     pct(r.floor_ms, r.ref_ms), f"{r.peer_ms / r.ref_ms:.2f}x", *kernel])
+    return markdown(header, body)
+
+
+def gpu_targets(attention: list[Row], matmuls: list[Row], cases: list[AttentionCase]) -> list[str]:
+    """The issue's GPU targets, met or missed, for the rows that ran a kernel."""
+    lines = []
+    for case in cases:
+        row = next(r for r in attention if r.name == case.name)
+        if case.target and row.kernel_ms is not None:
+            frac = row.floor_ms / row.kernel_ms
+            verdict = "met" if frac >= DECODE_TARGET else "missed"
+            lines.append(f"- attention {case.name}: {100 * frac:.0f}% of the bandwidth "
+                         f"floor (target >= {100 * DECODE_TARGET:.0f}%): {verdict}")
+    for r in matmuls:
+        m = int(r.name.split("M=")[1].split()[0])
+        if r.name.startswith("int8") and m <= INT8_TARGET_MAX_M and r.kernel_ms is not None:
+            verdict = "met" if r.kernel_ms < r.peer_ms else "missed"
+            lines.append(f"- int8 W8A16 {r.name}: {r.kernel_ms:.3f} ms vs bf16 dot "
+                         f"{r.peer_ms:.3f} ms (target: faster): {verdict}")
+    return lines
+
+
+def machine() -> str:
+    dev = jax.devices()[0]
+    host = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            host = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    host = f"{host}, {os.cpu_count()} cores"
+    if dev.platform == "cpu":
+        return f"CPU: {host}"
+    return f"{dev.device_kind} ({dev.platform}) x{jax.device_count()}, host {host}"
+
+
+def kernel_impl(requested: str | None, platform_name: str) -> str | None:
+    """The kernel to time, or None for the reference only. Forcing a kernel that cannot
+    compile here is a user error, reported before anything is timed."""
+    native = "tpu" if platform_name == "tpu" else "gpu" if platform_name in GPU_PLATFORMS else None
+    if requested is None:
+        return native
+    if requested == "none":
+        return None
+    if requested != native:
+        raise SystemExit(f"--impl {requested} needs a {requested.upper()}, but JAX's device here is "
+                         f"{platform_name}: use --impl none (reference only) or run on a {requested.upper()}")
+    return requested
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--full", action="store_true", help="the full shape set on CPU too")
+    ap.add_argument("--impl", choices=["tpu", "gpu", "none"], default=None,
+                    help="kernel to time beside the reference (default: the platform's)")
+    ap.add_argument("--iters", type=int, default=None, help="timed calls per row (default 10 on CPU, 20 else)")
+    args = ap.parse_args()
+
+    platform_name = jax.devices()[0].platform
+    on_cpu = platform_name == "cpu"
+    impl = kernel_impl(args.impl, platform_name)
+    iters = args.iters or (10 if on_cpu else 20)
+    start = time.perf_counter()
+    bandwidth = measure_bandwidth()
+    # The reference computes attention in float32 (XLA:CPU's path); the kernels use bf16 dots.
+    flops_dtype = jnp.float32 if on_cpu else jnp.bfloat16
+    flops_rate = measure_matmul(flops_dtype, n=2048 if on_cpu else 8192)
+
+    cases = attention_cases(on_cpu, args.full)
+    attention = attention_rows(cases, impl, platform_name, bandwidth, flops_rate, iters)
+    matmuls = matmul_rows(on_cpu, args.full, impl, bandwidth, iters)
+
+    print(f"\n## kernels, {datetime.date.today().isoformat()}\n")
+    print(f"- machine: {machine()}")
+    print(f"- jax {jax.__version__}, backend {platform_name}, kernel impl: {impl or 'none (reference only)'}"
+          f"{' — no compiled kernel on CPU' if on_cpu else ''}")
+    print(f"- measured memory bandwidth: {bandwidth / 1e9:.1f} GB/s; matmul rate: "
+          f"{flops_rate / 1e9:.1f} GFLOP/s ({jnp.dtype(flops_dtype).name})")
+    print(f"- shapes: {'full' if args.full or not on_cpu else 'CPU default (reduced; --full for all)'}; "
+          f"median of {iters} calls; total {time.perf_counter() - start:.0f} s\n")
+    print("### ragged paged attention (Llama-3-8B layer: 32 q / 8 kv heads, head_dim 128, bf16)\n")
+    print(attention_table(attention))
+    print("\n### quantized matmul (bf16 activations)\n")
+    print(matmul_table(matmuls))
+    if platform_name in GPU_PLATFORMS:
+        print("\n### GPU targets\n")
+        print("\n".join(gpu_targets(attention, matmuls, cases)) or "- no kernel rows ran")
+
+
+if __name__ == "__main__":
+    main()
