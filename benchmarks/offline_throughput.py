@@ -105,13 +105,16 @@ def main() -> None:
     ap.add_argument("--preset", default="configs/models/smollm2-135m.yaml")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--sync", action="store_true",
+                    help="no async scheduling: the host waits for each step's tokens before "
+                         "building the next batch")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
     cfg = ModelConfig.from_file(args.preset)
     engine_cfg = EngineConfig(dtype=args.dtype, max_model_len=512, page_size=16, max_num_seqs=64,
                               max_num_batched_tokens=512, token_buckets=(1, 64, 512),
-                              enable_prefix_caching=False)
+                              enable_prefix_caching=False, async_scheduling=not args.sync)
     t0 = time.perf_counter()
     engine = Engine.from_config(engine_cfg, random_weights_preset=args.preset)
     engine.warmup()
@@ -128,7 +131,10 @@ def main() -> None:
     rng = np.random.default_rng(0)
     a = run_engine(engine, [rng.integers(0, cfg.vocab_size, 32).tolist()], 256)
     prompts_b = [rng.integers(0, cfg.vocab_size, 128).tolist() for _ in range(64)]
+    steps, overlapped = engine.num_steps, engine.num_overlapped_steps
     b = run_engine(engine, prompts_b, 128)
+    b_steps = engine.num_steps - steps
+    b_overlapped = engine.num_overlapped_steps - overlapped
     hf = None if args.skip_hf else run_hf(cfg, args.dtype, prompts_b, 128)
 
     decode_floor_ms = 1e3 * weight_bytes / bandwidth
@@ -153,6 +159,8 @@ def main() -> None:
         ("(b) total time", f"{b['total_s']:.2f} s"),
         ("(b) output tokens/s", f"{b['tokens_per_s']:.1f}"),
         ("(b) compute floor", f"{b_floor_s:.2f} s, ratio {b['total_s'] / b_floor_s:.2f}x"),
+        ("(b) steps queued behind a running step", f"{b_overlapped} of {b_steps}"
+                                                   + (" (--sync)" if args.sync else "")),
     ]
     if hf is not None:
         rows += [("(b) transformers generate, static batch", f"{hf['total_s']:.2f} s, {hf['tokens_per_s']:.1f} tokens/s"),

@@ -189,7 +189,8 @@ class EngineConfig:
     "fp8") quantizes the linear layers' weights at load (embeddings, norms and the LM head
     stay in `dtype`). `kernel_impl` picks the attention and matmul kernels ("reference" |
     "tpu" | "gpu"; None: by platform); `interpret_kernels` runs the Pallas kernels in
-    interpret mode (for testing them on CPU).
+    interpret mode (for testing them on CPU). `async_scheduling` dispatches each step
+    before the host has processed the previous one's tokens (see Engine.step).
     """
 
     model: str | None = None
@@ -209,6 +210,7 @@ class EngineConfig:
     quantization: str | None = None
     kernel_impl: str | None = None
     interpret_kernels: bool = False
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -59,7 +59,8 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
     fn = jit_step(graphdef, jax.tree.map(lambda x: x.sharding, params),
                   jax.tree.map(lambda x: x.sharding, caches), shard)
     with jax.default_device(devices[0]):
-        return fn.lower(params, caches, batch).compile()
+        sampled = jax.ShapeDtypeStruct((engine.max_num_seqs,), jnp.int32, sharding=replicated)
+        return fn.lower(params, caches, batch, sampled).compile()
 
 
 def collectives(compiled: jax.stages.Compiled) -> dict[str, int]:

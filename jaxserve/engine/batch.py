@@ -13,6 +13,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from jaxserve.engine.request import PLACEHOLDER
 from jaxserve.engine.sampler import SamplingArrays, TokenHistory
 from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.models.transformer import AttentionMetadata
@@ -26,6 +27,9 @@ class StepBatch:
     positions: np.ndarray  # [T]
     attn: AttentionMetadata
     sampling: SamplingArrays
+    # [T]: for a token whose id is still on the device (a PLACEHOLDER, sampled by the step
+    # before), the row of that step's sampled tokens to read it from; else -1.
+    prev_index: np.ndarray
     history: TokenHistory | None = None
 
 
@@ -50,7 +54,10 @@ class BatchBuilder:
         """Every bucket a schedule can produce."""
         return [self.bucket(t, h) for h in (False, True) for t in self.token_buckets]
 
-    def build(self, out: SchedulerOutput) -> tuple[StepBatch, BucketKey]:
+    def build(self, out: SchedulerOutput, prev_rows: dict[int, int] | None = None
+              ) -> tuple[StepBatch, BucketKey]:
+        """The batch of a schedule. `prev_rows` maps id(seq) to its row in the sampled
+        tokens of the step still in flight, for seqs whose last token is a PLACEHOLDER."""
         seqs = [x.seq for x in out.scheduled]
         history = any(s.params.uses_penalties for s in seqs)
         key = self.bucket(out.num_batched_tokens, history)
@@ -61,6 +68,9 @@ class BatchBuilder:
             pos = np.arange(start, start + n, dtype=np.int32)
             pages = np.asarray(seq.page_ids, dtype=np.int32)
             batch.input_ids[t:t + n] = seq.token_ids[start:start + n]
+            if batch.input_ids[t + n - 1] == PLACEHOLDER:  # only the newest token can be
+                batch.input_ids[t + n - 1] = 0
+                batch.prev_index[t + n - 1] = prev_rows[id(seq)]
             batch.positions[t:t + n] = pos
             batch.attn.slot_mapping[t:t + n] = pages[pos // self.page_size] * self.page_size + pos % self.page_size
             t += n
@@ -97,6 +107,7 @@ class BatchBuilder:
         return StepBatch(
             input_ids=np.zeros(t, i32),
             positions=np.zeros(t, i32),
+            prev_index=np.full(t, -1, i32),
             attn=AttentionMetadata(
                 slot_mapping=np.full(t, self.num_pages * self.page_size, i32),
                 cu_q_lens=np.zeros(s + 1, i32),

@@ -13,12 +13,13 @@ import logging
 import random
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 
 from jaxserve.config import KV_CACHE_DTYPES, EngineConfig, ModelConfig
 from jaxserve.engine.batch import BatchBuilder
-from jaxserve.engine.request import Sequence
-from jaxserve.engine.runner import ModelRunner, kv_page_bytes, pages_per_seq, pool_size
+from jaxserve.engine.request import PLACEHOLDER, Sequence
+from jaxserve.engine.runner import ModelRunner, fetch, kv_page_bytes, pages_per_seq, pool_size
 from jaxserve.engine.sampler import SampleOutput
 from jaxserve.engine.scheduler import Scheduler, SchedulerConfig
 from jaxserve.loading import converted
@@ -44,6 +45,20 @@ class _Request:
     emitted: int = 0  # characters of text already returned
     pending: list = dataclasses.field(default_factory=list)  # token ids not yet returned
     pending_logprobs: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A dispatched step: its device outputs, each scheduled seq's row in them, and the
+    seqs whose sampled token is real (they hold a PLACEHOLDER for it)."""
+
+    out: SampleOutput
+    rows: dict[int, int]
+    done: list[Sequence]
+
+
+def _is_ready(out: SampleOutput) -> bool:
+    return all(x.is_ready() for x in jax.tree.leaves(out))
 
 
 class Engine:
@@ -88,6 +103,9 @@ class Engine:
         self.runner = ModelRunner(graphdef, params, shard, self.builder, model_config, kv_dtype)
         self._requests: dict[str, _Request] = {}
         self._rng = random.Random(config.seed)
+        self._inflight: _InFlight | None = None
+        self.num_steps = 0  # steps dispatched
+        self.num_overlapped_steps = 0  # dispatched while the step before was still running
 
     @classmethod
     def from_config(cls, config: EngineConfig, mesh_shape: dict[str, int] | None = None,
@@ -193,25 +211,54 @@ class Engine:
         self.runner.warmup(progress)
 
     def step(self) -> list[StepOutput]:
-        """Run one batch; return the requests that produced tokens or finished."""
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return []
-        batch, key = self.builder.build(sched)
-        sampled = self.runner.run(batch, key)
-        row = {id(s.seq): i for i, s in enumerate(sched.scheduled)}
+        """Run one batch; return the requests that produced tokens or finished.
+
+        With `async_scheduling` a step's tokens are returned by the next call: each call
+        schedules, builds and dispatches its batch first, then waits for the step before
+        it, so the device always has the next step queued while the host appends tokens,
+        detokenizes and checks stops. The new batch reads the pending tokens (placeholders
+        on the host) from the device. Requests using penalties need their full history, so
+        a call with such a pending token waits for it first.
+        """
+        pending, self._inflight = self._inflight, None
         outputs = []
-        for seq in self.scheduler.on_step_done(sched):
+        if pending is not None and (not self.config.async_scheduling
+                                    or any(s.params.uses_penalties for s in pending.done)):
+            outputs, pending = self._finish(pending), None
+        sched = self.scheduler.schedule()
+        if not sched.is_empty:
+            batch, key = self.builder.build(sched, pending.rows if pending else None)
+            if pending is not None:
+                self.num_overlapped_steps += not _is_ready(pending.out)
+            out = self.runner.dispatch(batch, key)
+            self.num_steps += 1
+        if pending is not None:
+            outputs = self._finish(pending)
+        if sched.is_empty:
+            return outputs
+        done = self.scheduler.on_step_done(sched)
+        for seq in done:
+            seq.output_token_ids.append(PLACEHOLDER)
+        self._inflight = _InFlight(out, {id(s.seq): i for i, s in enumerate(sched.scheduled)}, done)
+        if not self.config.async_scheduling:
+            outputs, self._inflight = self._finish(self._inflight), None
+        return outputs
+
+    def _finish(self, step: "_InFlight") -> list[StepOutput]:
+        """Wait for a dispatched step; append its tokens to the requests still running."""
+        sampled = fetch(step.out)
+        outputs = []
+        for seq in step.done:
             req = self._requests.get(seq.request_id)
-            if req is None:
-                continue
-            outputs.append(self._append(req, sampled, row[id(seq)]))
+            if req is not None and req.seq is seq:  # not aborted or finished meanwhile
+                outputs.append(self._append(req, sampled, step.rows[id(seq)]))
         return outputs
 
     def _append(self, req: _Request, sampled: SampleOutput, i: int) -> StepOutput:
         seq, params = req.seq, req.seq.params
         token = int(sampled.token_ids[i])
-        seq.output_token_ids.append(token)
+        assert seq.output_token_ids[-1] == PLACEHOLDER
+        seq.output_token_ids[-1] = token
         req.pending.append(token)
         if params.logprobs is not None:
             req.pending_logprobs.append(self._logprobs(sampled, i, token, params.logprobs))

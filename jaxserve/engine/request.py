@@ -7,6 +7,11 @@ import enum
 from typing import Any
 
 
+# An output token sampled by a step still running on the device (async scheduling): the
+# next step reads its id from the device, the host fills it in when the step's outputs land.
+PLACEHOLDER = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -23,14 +23,22 @@ log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_GIB = 1.0
 
 
-def step(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch: StepBatch
-         ) -> tuple[KVCache, SampleOutput]:
-    """One forward pass over a ragged batch, then sampling at each sequence's last token."""
+def step(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch: StepBatch,
+         prev_tokens: jax.Array) -> tuple[KVCache, SampleOutput, jax.Array]:
+    """One forward pass over a ragged batch, then sampling at each sequence's last token.
+
+    `prev_tokens[max_num_seqs]` are the previous step's sampled tokens, still on the
+    device: tokens with `batch.prev_index >= 0` take their id from there, so the host can
+    schedule this step before it has seen them. Returns this step's, padded the same way.
+    """
     model = nnx.merge(graphdef, params)
-    hidden, kv_caches = model(batch.input_ids, batch.positions, kv_caches, batch.attn)
+    input_ids = jnp.where(batch.prev_index >= 0,
+                          prev_tokens[jnp.maximum(batch.prev_index, 0)], batch.input_ids)
+    hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attn)
     last = jnp.maximum(batch.attn.cu_q_lens[1:] - 1, 0)
     logits = model.logits(hidden[last])
-    return kv_caches, sample(logits, batch.sampling, batch.history)
+    out = sample(logits, batch.sampling, batch.history)
+    return kv_caches, out, prev_tokens.at[: out.token_ids.shape[0]].set(out.token_ids)
 
 
 def jit_step(graphdef: nnx.GraphDef, param_shardings, cache_shardings, shard: ShardingContext):
@@ -38,8 +46,8 @@ def jit_step(graphdef: nnx.GraphDef, param_shardings, cache_shardings, shard: Sh
     and outputs replicated), so the donated cache and params never reshard."""
     replicated = shard.sharding(())
     return jax.jit(functools.partial(step, graphdef), donate_argnums=(1,),
-                   in_shardings=(param_shardings, cache_shardings, replicated),
-                   out_shardings=(cache_shardings, replicated))
+                   in_shardings=(param_shardings, cache_shardings, replicated, replicated),
+                   out_shardings=(cache_shardings, replicated, replicated))
 
 
 def kv_page_bytes(cfg: ModelConfig, page_size: int, kv_dtype) -> int:
@@ -92,10 +100,13 @@ class ModelRunner:
         self._compiled: dict[BucketKey, jax.stages.Compiled] = {}
         self.warmed_up = False
         self.compiles_after_warmup = 0
+        replicated = shard.sharding(())
+        # The last step's sampled tokens, on the device (see `step`).
+        self.sampled = jax.device_put(np.zeros(builder.max_num_seqs, np.int32), replicated)
 
     def _compile(self, key: BucketKey) -> jax.stages.Compiled:
         dummy = self.builder.empty(key)
-        compiled = self._jitted.lower(self.params, self.kv_caches, dummy).compile()
+        compiled = self._jitted.lower(self.params, self.kv_caches, dummy, self.sampled).compile()
         self._compiled[key] = compiled
         return compiled
 
@@ -107,19 +118,32 @@ class ModelRunner:
             self._compile(key)
         self.warmed_up = True
 
-    def run(self, batch: StepBatch, key: BucketKey) -> SampleOutput:
+    def dispatch(self, batch: StepBatch, key: BucketKey) -> SampleOutput:
+        """Start the step and return its outputs as device arrays, without waiting.
+
+        Placeholder tokens of the batch read the previous dispatched step's samples."""
         compiled = self._compiled.get(key)
         if compiled is None:
             if self.warmed_up:
                 self.compiles_after_warmup += 1
                 log.warning("compiling bucket %s after warm-up: a bucket is missing", key)
             compiled = self._compile(key)
-        self.kv_caches, out = compiled(self.params, self.kv_caches, batch)
-        return jax.tree.map(np.asarray, out)
+        self.kv_caches, out, self.sampled = compiled(self.params, self.kv_caches, batch,
+                                                     self.sampled)
+        return out
+
+    def run(self, batch: StepBatch, key: BucketKey) -> SampleOutput:
+        """Run the step and wait for its outputs, as numpy arrays."""
+        return fetch(self.dispatch(batch, key))
 
     @property
     def num_compiled(self) -> int:
         return len(self._compiled)
+
+
+def fetch(out: SampleOutput) -> SampleOutput:
+    """Wait for a dispatched step's outputs and copy them to the host."""
+    return jax.tree.map(np.asarray, out)
 
 
 def pages_per_seq(max_model_len: int, page_size: int) -> int:
