@@ -109,6 +109,7 @@ async def run(target: str, api: str, num_prompts: int, input_len: int, output_le
         "ttft_ms": stats(ttft), "tpot_ms": stats(tpot),
         "server_mean_step_ms": status.mean_step_ms,
         "server_mean_step_gap_ms": status.mean_step_gap_ms,
+        "server_steps": status.steps, "server_overlapped_steps": status.overlapped_steps,
     }
 
 
@@ -128,7 +129,9 @@ def print_table(r: dict) -> None:
             rows.append((key.replace("_ms", "").upper() + " mean / median / p99",
                          f"{s['mean']:.1f} / {s['median']:.1f} / {s['p99']:.1f} ms"))
     rows += [("engine step (mean)", f"{r['server_mean_step_ms']:.1f} ms"),
-             ("gap between steps (mean)", f"{r['server_mean_step_gap_ms']:.2f} ms")]
+             ("gap between steps (mean)", f"{r['server_mean_step_gap_ms']:.2f} ms"),
+             ("steps queued behind a running step", f"{r['server_overlapped_steps']} of "
+                                                    f"{r['server_steps']} (since server start)")]
     width = max(len(k) for k, _ in rows)
     print(f"| {'metric'.ljust(width)} | value |\n|{'-' * (width + 2)}|-------|")
     for k, v in rows:

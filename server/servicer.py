@@ -120,4 +120,5 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             uptime_seconds=time.monotonic() - self.started,
             total_generated_tokens=self.engine.total_generated,
             mean_step_ms=self.engine.mean_ms(self.engine.step_times),
-            mean_step_gap_ms=self.engine.mean_ms(self.engine.step_gaps))
+            mean_step_gap_ms=self.engine.mean_ms(self.engine.step_gaps),
+            steps=e.num_steps, overlapped_steps=e.num_overlapped_steps)
