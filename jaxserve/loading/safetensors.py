@@ -1,9 +1,11 @@
 """Load Hugging Face safetensors checkpoints into the model's parameters, one tensor at a time.
 
 Files are memory-mapped and parsed here (the format is an 8-byte header length, a JSON
-header and raw little-endian data), so bf16 needs no torch and each tensor is converted
-and placed on its devices before the next is read: the host never holds a second full
-copy of the weights.
+header and raw little-endian data), so bf16 needs no torch. Each tensor goes straight to
+its device shards (`jax.make_array_from_callback`: every shard is sliced from the mapped
+file and converted on its own) before the next is read, so the host never holds a second
+full copy of the weights, nor of any one tensor. Weights quantized at load are the
+exception: one tensor at a time is quantized on a device from float32.
 """
 
 from __future__ import annotations
@@ -172,7 +174,10 @@ def _place(path: tuple, array, expected: dict, shard: ShardingContext,
     sharding = shard.sharding(var.get_metadata()["logical_axes"])
     scales_path = _scales_path(path)
     if scales_path not in expected:
-        return {path: jax.device_put(np.asarray(array, dtype=var.dtype), sharding)}
+        # Each device's shard is read (from the memory-mapped file, through any transpose
+        # view) and converted on its own: no full converted copy on the host.
+        return {path: jax.make_array_from_callback(
+            tuple(var.shape), sharding, lambda index: np.asarray(array[index], dtype=var.dtype))}
     scales_sharding = shard.sharding(expected[scales_path].get_metadata()["logical_axes"])
     n = expected[scales_path].shape[1]
     quantize_2d = jax.jit(lambda w: quantize(w.reshape(-1, n), quantization),
