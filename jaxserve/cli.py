@@ -98,11 +98,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
+    from jaxserve import distributed
     from jaxserve.demo import DEMO_NOTICE
     from jaxserve.engine.engine import Engine
     from server.app import serve
 
     config = engine_config_from_args(args)
+    dist = distributed.DistributedConfig.from_args(args.coordinator, args.num_processes,
+                                                   args.process_id)
+    if dist is not None:
+        distributed.initialize(dist)
     if args.random_weights:
         engine = Engine.from_config(config, parse_mesh(args.mesh), args.random_weights,
                                     sharding=args.sharding)
@@ -112,8 +117,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
             logging.warning(DEMO_NOTICE)
         engine = Engine.from_config(config, parse_mesh(args.mesh), sharding=args.sharding)
         name = config.model or "demo"
-    return asyncio.run(serve(engine, host=args.host, port=args.port,
+    if dist is not None and dist.process_id > 0:
+        engine.warmup()
+        logging.info("process %d: following process 0's steps", dist.process_id)
+        try:
+            distributed.follow(engine)
+        except Exception as e:  # noqa: BLE001 - process 0 or a peer is gone
+            logging.error("process %d: lost the other processes (%s); exiting",
+                          dist.process_id, str(e).splitlines()[0])
+            distributed.exit_now(1)
+        return 0
+    if dist is not None:
+        engine.runner.broadcaster = distributed.StepBroadcaster()
+    code = asyncio.run(serve(engine, host=args.host, port=args.port,
                              max_waiting=args.max_waiting, grace_s=args.grace, model_name=name))
+    if dist is not None and code != 0:
+        distributed.exit_now(code)
+    return code
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -188,6 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="serve random weights of a model preset (no tokenizer: token-id "
                           "prompts only), e.g. configs/models/smollm2-135m.yaml, for benchmarks")
     add_engine_args(srv)
+    multi = srv.add_argument_group("multi-host (every process runs the same command; process 0 "
+                                   "serves gRPC)")
+    multi.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                       help="process 0's coordination address (env JAX_COORDINATOR_ADDRESS)")
+    multi.add_argument("--num-processes", type=int, default=None,
+                       help="processes in the job (env JAX_NUM_PROCESSES)")
+    multi.add_argument("--process-id", type=int, default=None,
+                       help="this process's index, 0 for the leader (env JAX_PROCESS_ID)")
     srv.set_defaults(func=cmd_serve)
 
     cli = sub.add_parser("client", help="call a running server")

@@ -83,7 +83,9 @@ async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 50051,
     while not stop.is_set():
         await asyncio.wait([stop_task], timeout=1.0)
         if not async_engine.is_alive:
-            log.error("the engine loop died (%r): NOT_SERVING", async_engine.error)
+            log.error("the engine loop died (%r)%s: NOT_SERVING", async_engine.error,
+                      " - a follower process is gone or unreachable"
+                      if engine.runner.broadcaster is not None else "")
             await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
             await stop.wait()
 
@@ -98,5 +100,8 @@ async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 50051,
     await asyncio.sleep(0.2)  # let the aborts reach their streams
     await server.stop(grace=2.0)
     async_engine.stop()
+    broadcaster = engine.runner.broadcaster
+    if broadcaster is not None and async_engine.error is None:
+        broadcaster.stop()  # the followers exit too
     log.info("stopped")
-    return 0
+    return 0 if async_engine.error is None else 1

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+from jaxserve.distributed import PING_INTERVAL_S
 from jaxserve.engine.engine import Engine
 from jaxserve.outputs import StepOutput
 from jaxserve.sampling_params import SamplingParams
@@ -68,6 +69,7 @@ class AsyncEngine:
         self.step_gaps: collections.deque[float] = collections.deque(maxlen=10_000)
         self.step_times: collections.deque[float] = collections.deque(maxlen=10_000)
         self.error: BaseException | None = None
+        self._last_ping = time.monotonic()
 
     # ------------------------------------------------------------ asyncio side
 
@@ -127,6 +129,7 @@ class AsyncEngine:
                 self._drain(block=not self.engine.has_unfinished())
                 if not self.engine.has_unfinished():
                     last_step_end = None
+                    self._ping_followers()
                     continue
                 start = time.monotonic()
                 if last_step_end is not None:
@@ -146,6 +149,15 @@ class AsyncEngine:
             self.error = e
             for rid in list(self._streams):
                 self._send(self._aborted(rid))
+
+    def _ping_followers(self) -> None:
+        """Multi-host: an idle leader still checks its followers are alive (see
+        jaxserve.distributed); a dead one raises here and stops the loop."""
+        broadcaster = self.engine.runner.broadcaster
+        now = time.monotonic()
+        if broadcaster is not None and now - self._last_ping >= PING_INTERVAL_S:
+            broadcaster.ping()
+            self._last_ping = now
 
     def _drain(self, block: bool) -> None:
         try:

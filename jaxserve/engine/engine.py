@@ -80,7 +80,7 @@ class Engine:
         num_pages = config.num_pages or pool_size(
             kv_page_bytes(model_config, config.page_size, kv_dtype),
             per_seq * config.max_num_seqs, config.kv_cache_memory_gib,
-            config.memory_utilization, shard.mesh.devices.flat[0])
+            config.memory_utilization, shard.mesh.local_devices[0])
         if num_pages < per_seq:
             raise ValueError(
                 f"the KV cache holds {num_pages} pages of {config.page_size} tokens, fewer than "

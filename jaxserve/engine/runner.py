@@ -100,6 +100,8 @@ class ModelRunner:
         self._compiled: dict[BucketKey, jax.stages.Compiled] = {}
         self.warmed_up = False
         self.compiles_after_warmup = 0
+        # Multi-host, process 0: sends each step to the other processes (jaxserve.distributed).
+        self.broadcaster = None
         replicated = shard.sharding(())
         # The last step's sampled tokens, on the device (see `step`).
         self.sampled = jax.device_put(np.zeros(builder.max_num_seqs, np.int32), replicated)
@@ -128,6 +130,8 @@ class ModelRunner:
                 self.compiles_after_warmup += 1
                 log.warning("compiling bucket %s after warm-up: a bucket is missing", key)
             compiled = self._compile(key)
+        if self.broadcaster is not None:
+            self.broadcaster.send(batch, key)
         self.kv_caches, out, self.sampled = compiled(self.params, self.kv_caches, batch,
                                                      self.sampled)
         return out
@@ -142,8 +146,9 @@ class ModelRunner:
 
 
 def fetch(out: SampleOutput) -> SampleOutput:
-    """Wait for a dispatched step's outputs and copy them to the host."""
-    return jax.tree.map(np.asarray, out)
+    """Wait for a dispatched step's outputs and copy them to the host (they are replicated:
+    on several hosts, this process's copy)."""
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), out)
 
 
 def pages_per_seq(max_model_len: int, page_size: int) -> int:

@@ -1,0 +1,101 @@
+"""Multi-host serving with two processes on this machine (2 CPU devices each, one mesh of 4).
+
+Process 0 serves gRPC and broadcasts every step; process 1 runs the same steps. The
+greedy tokens must equal one process's offline API; killing the follower must turn the
+server NOT_SERVING with a clear log (not hang), and a clean SIGTERM stops both.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from jaxserve import LLM, SamplingParams
+from serverproc import ENGINE, ENGINE_FLAGS, free_port, wait_serving
+from server.client import Client
+
+pytestmark = pytest.mark.slow
+PROMPTS = [[5, 9, 200, 31, 17, 8, 99], [44, 45, 46, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+
+
+def start_job(model_dir, tmp_path):
+    """(leader, follower, target): `jaxserve serve` twice, as processes 0 and 1."""
+    coordinator, port = f"127.0.0.1:{free_port()}", free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"}
+    procs = []
+    for pid in (1, 0):
+        cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir),
+               "--port", str(port), *ENGINE_FLAGS, "--mesh", "model=4",
+               "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(pid)]
+        with open(tmp_path / f"process{pid}.log", "w") as out:
+            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env))
+    follower, leader = procs
+    target = f"127.0.0.1:{port}"
+    try:
+        wait_serving(target, leader)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        print((tmp_path / "process0.log").read_text()[-3000:])
+        raise
+    return leader, follower, target
+
+
+def greedy(client):
+    return [client.complete(p, max_tokens=16, temperature=0.0, ignore_eos=True)[0]
+            for p in PROMPTS]
+
+
+def health(target) -> int:
+    with grpc.insecure_channel(target) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+def test_two_processes_serve_one_model(checkpoints, tmp_path):
+    path, _ = checkpoints("llama8")
+    want = [o.outputs[0].token_ids for o in LLM(str(path), **ENGINE).generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))]
+    leader, follower, target = start_job(path, tmp_path)
+    try:
+        client = Client(target)
+        assert greedy(client) == want
+        status = client.status()
+        assert status.kv_pages_used == 0 and status.steps > 0
+        leader.send_signal(signal.SIGTERM)
+        assert leader.wait(timeout=60) == 0
+        assert follower.wait(timeout=60) == 0  # told to stop by process 0
+        assert "process 0 said stop" in (tmp_path / "process1.log").read_text()
+    finally:
+        for p in (leader, follower):
+            if p.poll() is None:
+                p.kill()
+
+
+def test_follower_failure_turns_the_server_not_serving(checkpoints, tmp_path):
+    path, _ = checkpoints("llama8")
+    leader, follower, target = start_job(path, tmp_path)
+    try:
+        assert health(target) == health_pb2.HealthCheckResponse.SERVING
+        follower.kill()
+        follower.wait()
+        deadline = time.monotonic() + 30  # the idle leader pings every second
+        while health(target) != health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() < deadline, "still SERVING without its follower"
+            time.sleep(0.5)
+        log = (tmp_path / "process0.log").read_text()
+        assert "a follower process is gone or unreachable" in log
+        leader.send_signal(signal.SIGTERM)
+        assert leader.wait(timeout=60) == 1  # exits, without waiting for the dead peer
+    finally:
+        for p in (leader, follower):
+            if p.poll() is None:
+                p.kill()
