@@ -150,13 +150,43 @@ def cmd_client(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from jaxserve.config import ModelConfig
-    from sharding.planner import format_plan, plan
+    from sharding.planner import (check_plot, format_compare, format_plan, gpu_target,
+                                  parse_compare, plan_target, plot_memory)
 
+    if args.compare and (args.topology or args.target):
+        raise ValueError("--compare names its own targets (e.g. v5e:2x2/tp,h100x8/tp): "
+                         "leave out --topology and --target")
+    if args.topology and args.target:
+        raise ValueError("--topology (a TPU slice, e.g. v5e:2x2) and --target (GPUs, e.g. "
+                         "h100x8) are mutually exclusive: give one")
+    if not (args.compare or args.topology or args.target):
+        raise ValueError("say what to plan for: --topology v5e:2x2 (TPU), --target h100x8 "
+                         "(GPU) or --compare v5e:2x2/tp,h100x8/tp")
+    if args.topology and gpu_target(args.topology) is not None:
+        raise ValueError(f"--topology {args.topology!r} is not a TPU slice (GENERATION:AxB, "
+                         f"e.g. v5e:2x2); GPUs go to --target")
+    if args.target and gpu_target(args.target) is None:
+        raise ValueError(f"--target {args.target!r} is not a GPU target (e.g. h100x8); TPU "
+                         f"slices go to --topology")
+    if args.plot:
+        check_plot(args.plot)  # before minutes of compiling, not after
     cfg = ModelConfig.from_file(args.model)
-    result = plan(cfg, args.topology, args.strategy, args.dtype, args.max_model_len,
-                  args.max_num_seqs, args.max_num_batched_tokens, args.page_size,
-                  args.quantization, args.kv_cache_dtype)
-    print(format_plan(result))
+    common = dict(dtype=args.dtype, max_model_len=args.max_model_len,
+                  max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size)
+    if args.compare:
+        configs = parse_compare(args.compare, args.strategy, args.quantization,
+                                args.kv_cache_dtype)
+        plans = [plan_target(cfg, **c, **common) for c in configs]
+        print(format_compare(plans))
+    else:
+        plans = [plan_target(cfg, args.topology or args.target, strategy=args.strategy,
+                             quantization=args.quantization,
+                             kv_cache_dtype_name=args.kv_cache_dtype, **common)]
+        print(format_plan(plans[0]))
+    if args.plot:
+        plot_memory(plans, args.plot)
+        print(f"wrote {args.plot}")
     return 0
 
 
@@ -231,12 +261,25 @@ def build_parser() -> argparse.ArgumentParser:
     csub.add_parser("info", help="model and engine facts")
     cli.set_defaults(func=cmd_client)
 
-    pl = sub.add_parser("plan", help="compile for a TPU topology (no weights, needs libtpu) "
-                                     "and report per-chip memory and collectives",
+    pl = sub.add_parser("plan", help="compile for a TPU topology (needs libtpu) or a GPU node "
+                                     "(emulated on CPU), without weights, and report per-chip "
+                                     "memory and collectives",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     pl.add_argument("--model", required=True,
                     help="model preset YAML or checkpoint dir (e.g. configs/models/llama3-8b.yaml)")
-    pl.add_argument("--topology", required=True, help="TPU topology, e.g. v5e:2x2, v6e:2x4")
+    pl.add_argument("--topology", default=None,
+                    help="TPU topology, e.g. v5e:2x2, v6e:2x4 (one of --topology, --target, "
+                         "--compare)")
+    pl.add_argument("--target", default=None,
+                    help="GPU node: h100x1|x2|x4|x8, h200x1..x8, a100x1..x8; compiled by XLA:CPU "
+                         "on as many CPU devices (temporaries and collectives are estimates)")
+    pl.add_argument("--compare", default=None, metavar="TARGET[/STRATEGY[/WEIGHTS[/KV]]],...",
+                    help="plan several configurations and print one table, e.g. "
+                         "'v5e:2x2/tp,v5e:2x2/tp+sp,v5e:2x4/tp,v5e:2x2/tp/int8,h100x8/tp'; "
+                         "fields left out take --strategy, --quantization, --kv-cache-dtype")
+    pl.add_argument("--plot", default=None, metavar="PATH.png",
+                    help="also draw per-chip memory (weights, KV, temporaries) against HBM "
+                         "(needs matplotlib)")
     pl.add_argument("--strategy", default="tp", choices=["tp", "tp+sp"])
     pl.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     pl.add_argument("--max-model-len", type=int, default=4096)

@@ -4,36 +4,63 @@
 parameters, KV cache and batch, for any devices: real ones, or a TPU topology from
 `jax.experimental.topologies` when libtpu is installed (so a CPU machine can compile for
 a v5e/v6e slice). `collectives` counts the communication ops of the compiled program.
+
+`plan` reports per-chip memory, KV capacity, collectives and cost for a TPU slice
+('v5e:2x2') or a GPU node ('h100x8'). There is no GPU compiler here: a GPU target is
+compiled by XLA:CPU on as many emulated CPU devices, with the GPU's memory for the fit;
+weights and KV per device are exact (shapes and shardings), temporaries, collectives and
+cost are CPU-compiled estimates. `plan_target` starts a child process with enough CPU
+devices when this one has too few (JAX fixes the count at start). `format_plan`,
+`format_compare` and `plot_memory` present one plan or several.
 """
 
 from __future__ import annotations
 
 import collections
 import math
+import os
+import pickle
 import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, ModelConfig
 from jaxserve.engine.batch import BatchBuilder, BucketKey
 from jaxserve.engine.engine import kv_cache_dtype, model_options
 from jaxserve.engine.runner import abstract_kv_cache, jit_step, kv_page_bytes, pages_per_seq
 from jaxserve.loading.safetensors import abstract_model
 from jaxserve.models.layers import ModelOptions
 from sharding.mesh import make_mesh
-from sharding.rules import ShardingContext, model_sharding
+from sharding.rules import STRATEGIES, ShardingContext, model_sharding
 
 _COLLECTIVE = re.compile(
     r" (all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute)(?:-start)?\(")
 
 
 def tpu_devices(topology: str) -> list:
-    """The devices of a TPU topology such as 'v5e:2x2' (needs libtpu, not a TPU)."""
+    """The devices of a TPU topology such as 'v5e:2x2' (needs libtpu, not a TPU).
+
+    libtpu's default host is 2x2 chips; a smaller slice (v5e:1x1, v6e:1x2) is one host of
+    its own size."""
     from jax.experimental import topologies
 
-    return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+    dims = [int(d) for d in topology.partition(":")[2].split("x") if d.isdigit()]
+    kwargs = {}
+    if dims and min(dims) < 2 and math.prod(dims) < 4:
+        kwargs["chips_per_host_bounds"] = tuple(dims + [1] * (3 - len(dims)))
+    try:
+        desc = topologies.get_topology_desc(platform="tpu", topology_name=topology, **kwargs)
+    except Exception as e:  # noqa: BLE001 - libtpu says what was wrong with the name
+        raise ValueError(f"cannot compile for TPU topology {topology!r}: {str(e).splitlines()[0]} "
+                         f"(write GENERATION:AxB such as v5e:2x2 or v6e:2x4; needs libtpu: "
+                         f"pip install 'jax[tpu]=={jax.__version__}')") from e
+    return list(desc.devices)
 
 
 def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, int],
@@ -69,6 +96,49 @@ def collectives(compiled: jax.stages.Compiled) -> dict[str, int]:
 
 # HBM per chip, GiB (public specifications).
 HBM_GIB = {"v4": 32, "v5e": 16, "v5litepod": 16, "v5p": 95, "v6e": 32}
+# Memory per GPU, GiB, from NVIDIA's public datasheets: H100 SXM 80 GB (HBM3), H200 SXM
+# 141 GB (HBM3e), A100 SXM 80 GB (HBM2e). Those "GB" are close to GiB (nvidia-smi shows an
+# H100 80GB as 81559 MiB); the CUDA context's few hundred MiB are not taken off.
+GPU_HBM_GIB = {"h100": 80, "h200": 141, "a100": 80}
+GPU_COUNTS = (1, 2, 4, 8)  # GPUs of one NVLink node
+GPU_TARGETS = tuple(f"{g}x{n}" for g in GPU_HBM_GIB for n in GPU_COUNTS)
+CPU_ESTIMATE = "(CPU-compiled estimate)"
+_GPU_ATTENTION = ("reference (pure JAX: no Pallas TPU kernel on CPU, and the Pallas GPU "
+                  "kernel is not compiled here)")
+
+
+def gpu_target(name: str) -> tuple[str, int] | None:
+    """'h100x8' -> ('h100', 8); None for a TPU topology (it has a ':'); unknown names raise."""
+    if ":" in name:
+        return None
+    gpu, _, count = name.lower().partition("x")
+    if gpu not in GPU_HBM_GIB or not count.isdigit() or int(count) not in GPU_COUNTS:
+        raise ValueError(f"unknown target {name!r}: a GPU target is one of "
+                         f"{', '.join(GPU_TARGETS)}; a TPU slice is GENERATION:AxB "
+                         f"(e.g. v5e:2x2) and goes to --topology")
+    return gpu, int(count)
+
+
+def resolve_target(target: str) -> tuple[str, list, int]:
+    """(platform, devices, HBM bytes per device) of a TPU topology or a GPU target.
+
+    A GPU target's devices are this process's CPU devices: XLA:CPU compiles the step with
+    the same shardings, which fixes weight and KV bytes per device exactly."""
+    gpu = gpu_target(target)
+    if gpu is None:
+        generation = target.split(":")[0]
+        if generation not in HBM_GIB:
+            raise ValueError(f"unknown TPU generation {generation!r}; known: {sorted(HBM_GIB)}")
+        return "tpu", tpu_devices(target), int(HBM_GIB[generation] * 2**30)
+    name, count = gpu
+    cpus = jax.devices("cpu")
+    if len(cpus) < count:
+        raise ValueError(f"{target} compiles on {count} CPU devices and this process has "
+                         f"{len(cpus)}: start it with JAX_PLATFORMS=cpu XLA_FLAGS="
+                         f"--xla_force_host_platform_device_count={count}, or call plan_target")
+    return "gpu", cpus[:count], int(GPU_HBM_GIB[name] * 2**30)
+
+
 _COLLECTIVE_SHAPE = re.compile(
     r"= (\(?[a-z0-9]+\[[\d,]*\][^ ]*) (all-reduce|reduce-scatter|all-gather|all-to-all|"
     r"collective-permute)(?:-start)?\(")
@@ -94,23 +164,70 @@ def collective_bytes(compiled: jax.stages.Compiled) -> dict[str, tuple[int, int]
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
-def plan(cfg: ModelConfig, topology: str, strategy: str = "tp", dtype: str = "bfloat16",
+_ENTRY_PARAM = re.compile(r"^\s*(%[\w.\-]+) = (?:bf16|f16)\[([\d,]*)\]\S* parameter\(", re.M)
+_F32_OF_ONE = re.compile(r"^\s*%[\w.\-]+ = f32\[([\d,]*)\]\S* (?:fusion|convert)\((%[\w.\-]+)\)",
+                         re.M)
+
+
+def cpu_weight_upcast_bytes(hlo_text: str) -> int:
+    """Bytes of the f32 copies XLA:CPU makes of 16-bit arguments (it has no bf16 matmul and
+    converts every weight up front, all live at once): counted in its temporaries, though a
+    GPU would not make them. Each is an entry-computation f32 value computed from one
+    16-bit parameter alone, with as many elements."""
+    start = hlo_text.find("\nENTRY")
+    if start < 0:
+        return 0
+    entry = hlo_text[start:]
+    size = lambda dims: math.prod(int(d) for d in dims.split(",") if d)  # noqa: E731
+    params = {name: size(dims) for name, dims in _ENTRY_PARAM.findall(entry)}
+    return sum(4 * size(dims) for dims, operand in _F32_OF_ONE.findall(entry)
+               if params.get(operand) == size(dims))
+
+
+_CUMSUM_WINDOW = re.compile(r"= [a-z]+\d*\[([\d,]*)\]\S* reduce-window\(.*window=\{size=([\dx]+)"
+                            r"[^\n]*cumsum", re.M)
+
+
+def cpu_cumsum_flops(hlo_text: str) -> float:
+    """FLOPs that XLA's cost analysis gives `jnp.cumsum` lowered for CPU: a reduce-window
+    as wide as the axis, counted as N adds per element (O(N^2); the sampler's top-p does
+    one over the vocabulary). A GPU lowers cumsum to one linear scan (CUB)."""
+    size = lambda dims, sep: math.prod(int(d) for d in dims.split(sep) if d)  # noqa: E731
+    return float(sum(size(out, ",") * (size(window, "x") - 1)
+                     for out, window in _CUMSUM_WINDOW.findall(hlo_text)))
+
+
+def _remove_cpu_artefacts(bucket: dict, hlo_text: str) -> None:
+    """Take out of an XLA:CPU bucket what a GPU would not do: the f32 weight copies (their
+    bytes from the temporaries; each is written once, its bf16 source read once more and
+    the dot reads 4 bytes an element instead of 2: twice its bytes from bytes accessed)
+    and the O(N^2) count of cumsum. The raw numbers stay, prefixed cpu_."""
+    upcast, cumsum = cpu_weight_upcast_bytes(hlo_text), cpu_cumsum_flops(hlo_text)
+    bucket.update(cpu_weight_upcast_bytes=upcast, cpu_cumsum_flops=cumsum,
+                  cpu_temp_bytes=bucket["temp_bytes"], cpu_flops=bucket["flops"],
+                  cpu_bytes_accessed=bucket["bytes_accessed"],
+                  temp_bytes=max(0, bucket["temp_bytes"] - upcast),
+                  flops=max(0.0, bucket["flops"] - cumsum),
+                  bytes_accessed=max(0.0, bucket["bytes_accessed"] - 2 * upcast))
+
+
+def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bfloat16",
          max_model_len: int = 4096, max_num_seqs: int = 64,
          max_num_batched_tokens: int = 512, page_size: int = 16,
          quantization: str | None = None, kv_cache_dtype_name: str = "auto") -> dict:
-    """Compile a decode and a prefill bucket for `topology` (TP over all its chips) and
-    report per-chip memory, KV capacity, collectives and XLA's cost estimates.
+    """Compile a decode and a prefill bucket for `target` (a TPU topology such as 'v5e:4x4',
+    or a GPU target such as 'h100x8', whose CPU devices this process must have; see
+    `plan_target`), the model axis over all its chips, and report per-chip memory, KV
+    capacity, collectives and XLA's cost estimates.
 
     The step's shapes do not depend on the KV pool's size, so it compiles with a small
     nominal pool; the tokens of KV that fit come from the HBM left after weights and the
     largest bucket's temporaries. A bucket that XLA cannot fit is reported, not raised.
+    For a GPU target (platform 'gpu') weights and KV per device are exact; temporaries,
+    collectives and cost come from XLA:CPU, less its own artefacts, and are estimates.
     """
-    devices = tpu_devices(topology)
+    platform, devices, hbm = resolve_target(target)
     chips = len(devices)
-    generation = topology.split(":")[0]
-    if generation not in HBM_GIB:
-        raise ValueError(f"unknown TPU generation {generation!r}; known: {sorted(HBM_GIB)}")
-    hbm = HBM_GIB[generation] * 2**30
     jdtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
     engine = EngineConfig(dtype=dtype, max_model_len=max_model_len, page_size=page_size,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -121,7 +238,7 @@ def plan(cfg: ModelConfig, topology: str, strategy: str = "tp", dtype: str = "bf
     kv_split = chips if any(k == "kv_heads" for k, _ in shard.rules.table) else 1
     kv_per_token = kv_page_bytes(cfg, page_size, kv_cache_dtype(engine)) // page_size // kv_split
     nominal_kv = num_pages * page_size * kv_per_token
-    buckets = {}
+    buckets, tpu_kernels = {}, 0
     for name, t in (("decode", max_num_seqs), ("prefill", max_num_batched_tokens)):
         key = (t, min(t, max_num_seqs), False)
         try:
@@ -135,6 +252,8 @@ def plan(cfg: ModelConfig, topology: str, strategy: str = "tp", dtype: str = "bf
         mem = compiled.memory_analysis()
         cost = compiled.cost_analysis() or {}
         cost = cost[0] if isinstance(cost, list) else cost
+        text = compiled.as_text()
+        tpu_kernels = max(tpu_kernels, text.count('custom_call_target="tpu_custom_call"'))
         buckets[name] = {
             "tokens": t, "argument_bytes": mem.argument_size_in_bytes,
             "temp_bytes": mem.temp_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
@@ -142,20 +261,33 @@ def plan(cfg: ModelConfig, topology: str, strategy: str = "tp", dtype: str = "bf
             "flops": float(cost.get("flops", 0.0)),
             "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
         }
+        if platform == "gpu":
+            _remove_cpu_artefacts(buckets[name], text)
     analytic = _analytic_weight_bytes(cfg, jdtype, shard, model_options(engine))
     ok = [b for b in buckets.values() if "error" not in b]
-    weights = ok[0]["argument_bytes"] - nominal_kv if ok else analytic
+    compiled_weights = ok[0]["argument_bytes"] - nominal_kv if ok else None
+    # On a TPU the compiled size is the truth (it includes tile padding); XLA:CPU's layout
+    # says nothing about a GPU's, so there the shapes and shardings are.
+    weights = compiled_weights if platform == "tpu" and ok else analytic
     temp = max((b["temp_bytes"] for b in ok), default=0)
     fit_tokens = max(0, (hbm - weights - temp) // kv_per_token)
+    if platform == "gpu":
+        attention = _GPU_ATTENTION
+    elif tpu_kernels:
+        attention = f"Pallas TPU kernels ({tpu_kernels} Mosaic calls per step)"
+    else:
+        attention = "reference (pure JAX, partitioned by XLA)"
     return {
-        "model_params": cfg.num_params(), "topology": topology, "chips": chips,
-        "strategy": strategy, "dtype": dtype, "quantization": quantization,
+        "model_params": cfg.num_params(), "target": target, "platform": platform,
+        "chips": chips, "strategy": strategy, "dtype": dtype, "quantization": quantization,
         "kv_cache_dtype": kv_cache_dtype_name, "hbm_bytes": hbm, "weight_bytes": weights,
-        "analytic_weight_bytes": analytic, "kv_bytes_per_token": kv_per_token,
-        "kv_heads_split": kv_split > 1, "temp_bytes": temp, "kv_tokens_that_fit": fit_tokens,
+        "compiled_weight_bytes": compiled_weights, "analytic_weight_bytes": analytic,
+        "kv_bytes_per_token": kv_per_token, "kv_heads_split": kv_split > 1,
+        "temp_bytes": temp, "kv_tokens_that_fit": fit_tokens,
+        "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
         "wanted_kv_tokens": max_num_seqs * max_model_len,
         "fits": len(ok) == len(buckets) and fit_tokens >= max_num_seqs * max_model_len,
-        "buckets": buckets,
+        "attention": attention, "buckets": buckets,
     }
 
 
@@ -170,33 +302,239 @@ def _analytic_weight_bytes(cfg: ModelConfig, dtype, shard: ShardingContext,
     return total
 
 
+def plan_target(cfg: ModelConfig, target: str, **kwargs) -> dict:
+    """`plan(cfg, target, **kwargs)`, in a child process with enough CPU devices when the
+    target is N GPUs and this process has fewer than N (JAX fixes the count at start)."""
+    gpu = gpu_target(target)
+    if gpu is None or len(jax.devices("cpu")) >= gpu[1]:
+        return plan(cfg, target, **kwargs)
+    return _plan_in_child(cfg, target, gpu[1], kwargs)
+
+
+def _plan_in_child(cfg: ModelConfig, target: str, devices: int, kwargs: dict) -> dict:
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
+                   os.environ.get("XLA_FLAGS", ""))
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}".strip(),
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    with tempfile.TemporaryDirectory(prefix="jaxserve-plan-") as tmp:
+        job, result = Path(tmp) / "job.pkl", Path(tmp) / "result.pkl"
+        job.write_bytes(pickle.dumps((cfg, target, kwargs)))
+        code = ("import sys; from sharding.planner import _child_main; "
+                "sys.exit(_child_main(sys.argv[1:]))")
+        proc = subprocess.run([sys.executable, "-c", code, str(job), str(result)], env=env,
+                              capture_output=True, text=True)
+        if proc.returncode != 0 or not result.exists():
+            raise RuntimeError(f"planning {target} on {devices} CPU devices failed in a child "
+                               f"process (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        out = pickle.loads(result.read_bytes())
+    if isinstance(out, ValueError):
+        raise out
+    return out
+
+
+def _child_main(argv: list[str]) -> int:
+    """Run one plan from a pickled (cfg, target, kwargs) job; the result (or the ValueError
+    that says what was wrong with the input) is pickled back."""
+    job, result = argv
+    cfg, target, kwargs = pickle.loads(Path(job).read_bytes())
+    try:
+        out = plan(cfg, target, **kwargs)
+    except ValueError as e:
+        out = ValueError(str(e))
+    Path(result).write_bytes(pickle.dumps(out))
+    return 0
+
+
+def parse_compare(spec: str, strategy: str = "tp", quantization: str | None = None,
+                  kv_cache_dtype_name: str = "auto") -> list[dict]:
+    """'v5e:2x2/tp,v5e:2x4/tp+sp/int8,h100x8' -> one dict of plan() arguments per entry.
+
+    An entry is TARGET[/STRATEGY[/WEIGHTS[/KV]]]: WEIGHTS is a quantization or 'none', KV a
+    KV cache dtype; fields left out take the values given here (the command's flags)."""
+    configs = []
+    for entry in filter(None, (e.strip() for e in spec.split(","))):
+        target, *fields = entry.split("/")
+        if len(fields) > 3 or not target:
+            raise ValueError(f"--compare entry {entry!r}: write TARGET[/STRATEGY[/WEIGHTS[/KV]]], "
+                             f"e.g. v5e:2x2/tp or h100x8/tp/int8/int8")
+        s, q, kv = (fields + [strategy, quantization or "none", kv_cache_dtype_name][len(fields):])
+        if s not in STRATEGIES:
+            raise ValueError(f"--compare entry {entry!r}: strategy {s!r} is unknown; choose "
+                             f"one of {STRATEGIES}")
+        if q not in ("none", *QUANTIZATIONS):
+            raise ValueError(f"--compare entry {entry!r}: weights {q!r} are unknown; choose "
+                             f"none or one of {QUANTIZATIONS}")
+        if kv not in KV_CACHE_DTYPES:
+            raise ValueError(f"--compare entry {entry!r}: KV cache dtype {kv!r} is unknown; "
+                             f"choose one of {tuple(KV_CACHE_DTYPES)}")
+        gpu_target(target)  # an unknown GPU name fails now, not after the others compiled
+        configs.append({"target": target, "strategy": s,
+                        "quantization": None if q == "none" else q, "kv_cache_dtype_name": kv})
+    if not configs:
+        raise ValueError("--compare needs at least one TARGET[/STRATEGY[/WEIGHTS[/KV]]] entry")
+    return configs
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB"
+
+
+def _collectives_text(counts: dict, abbreviate: bool = False) -> str:
+    names = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS",
+             "all-to-all": "A2A", "collective-permute": "CP"}
+    return ", ".join(f"{names[k] if abbreviate else k} x{c} ({v / 2**20:.1f} MiB)"
+                     for k, (c, v) in sorted(counts.items())) or "none"
+
+
 def format_plan(p: dict) -> str:
-    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
-    kv_note = "" if p["kv_heads_split"] else " (KV heads replicated: fewer than chips)"
+    gpu = p["platform"] == "gpu"
+    unit = "GPU" if gpu else "chip"
+    est = f" {CPU_ESTIMATE}" if gpu else ""
+    kv_note = "" if p["kv_heads_split"] else f" (KV heads replicated: fewer than {unit}s)"
+    what = (f"{p['chips']} GPUs emulated by {p['chips']} XLA:CPU devices" if gpu
+            else f"{p['chips']} chips")
     rows = [
         ("model", f"{p['model_params'] / 1e9:.2f}B params, {p['dtype']}, weights "
                   f"{p['quantization'] or p['dtype']}, KV cache {p['kv_cache_dtype']}"),
-        ("topology", f"{p['topology']} ({p['chips']} chips, {gib(p['hbm_bytes'])} HBM each), "
-                     f"strategy {p['strategy']}"),
-        ("weights per chip (compiled)", gib(p["weight_bytes"])),
-        ("weights per chip (analytic)", f"{gib(p['analytic_weight_bytes'])} "
-                                        f"(ratio {p['weight_bytes'] / p['analytic_weight_bytes']:.3f})"),
-        ("KV cache per token per chip", f"{p['kv_bytes_per_token'] / 1024:.1f} KiB{kv_note}"),
-        ("temporary memory (max bucket)", gib(p["temp_bytes"])),
-        ("KV tokens that fit in the rest", f"{p['kv_tokens_that_fit']:,}"),
+        ("target" if gpu else "topology",
+         f"{p['target']} ({what}, {_gib(p['hbm_bytes'])} HBM each), strategy {p['strategy']}"),
+        ("attention", p["attention"]),
+    ]
+    if gpu:
+        compiled = p["compiled_weight_bytes"]
+        upcast = max((b.get("cpu_weight_upcast_bytes", 0) for b in p["buckets"].values()),
+                     default=0)
+        cumsum = max((b.get("cpu_cumsum_flops", 0) for b in p["buckets"].values()), default=0)
+        rows += [
+            ("estimates", "weights and KV per GPU are exact (shapes and shardings); "
+                          f"temporaries, collectives and cost are {CPU_ESTIMATE[1:-1]}s, less "
+                          f"XLA:CPU's f32 copies of 16-bit weights ({_gib(upcast)}) and its "
+                          f"O(V^2) count of the top-p cumsum ({cumsum / 1e12:.3f} TFLOP)"),
+            ("weights per GPU (exact)", _gib(p["weight_bytes"]) + (
+                "" if compiled is None else f" (XLA:CPU arguments: {_gib(compiled)}, "
+                                            f"ratio {compiled / p['weight_bytes']:.3f})")),
+        ]
+    else:
+        rows += [
+            ("weights per chip (compiled)", _gib(p["weight_bytes"])),
+            ("weights per chip (analytic)",
+             f"{_gib(p['analytic_weight_bytes'])} "
+             f"(ratio {p['weight_bytes'] / p['analytic_weight_bytes']:.3f})"),
+        ]
+    rows += [
+        (f"KV cache per token per {unit}", f"{p['kv_bytes_per_token'] / 1024:.1f} KiB{kv_note}"),
+        ("temporary memory (max bucket)", f"{_gib(p['temp_bytes'])}{est}"),
+        ("KV tokens that fit in the rest", f"{p['kv_tokens_that_fit']:,}{est}"),
         ("fits max_num_seqs x max_model_len", f"{'yes' if p['fits'] else 'NO'} "
-                                              f"({p['wanted_kv_tokens']:,} tokens wanted)"),
+                                              f"({p['wanted_kv_tokens']:,} tokens wanted){est}"),
     ]
     for name, b in p["buckets"].items():
         if "error" in b:
             rows.append((f"{name} step, {b['tokens']} tokens", f"does not compile: {b['error']}"))
             continue
-        coll = ", ".join(f"{k} x{c} ({v / 2**20:.1f} MiB)" for k, (c, v) in
-                         sorted(b["collectives"].items())) or "none"
-        rows.append((f"{name} step, {b['tokens']} tokens: collectives", coll))
+        rows.append((f"{name} step, {b['tokens']} tokens: collectives",
+                     _collectives_text(b["collectives"]) + est))
         rows.append((f"{name} step: XLA cost estimate",
-                     f"{b['flops'] / 1e12:.3f} TFLOP, {b['bytes_accessed'] / 2**30:.2f} GiB accessed"))
+                     f"{b['flops'] / 1e12:.3f} TFLOP, {b['bytes_accessed'] / 2**30:.2f} GiB "
+                     f"accessed{est}"))
     width = max(len(k) for k, _ in rows)
-    lines = [f"| {'per chip'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
+    lines = [f"| {('per ' + unit).ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
     lines += [f"| {k.ljust(width)} | {v} |" for k, v in rows]
     return "\n".join(lines)
+
+
+def plan_label(p: dict) -> str:
+    """'v5e:2x2/tp', with weights and KV dtype when they are not the model dtype."""
+    label = f"{p['target']}/{p['strategy']}"
+    if p["quantization"] or p["kv_cache_dtype"] != "auto":
+        label += f"/{p['quantization'] or 'none'}"
+    if p["kv_cache_dtype"] != "auto":
+        label += f"/{p['kv_cache_dtype']}"
+    return label
+
+
+def format_compare(plans: list[dict]) -> str:
+    """One Markdown table, a row per plan; '*' marks GPU numbers that are CPU-compiled
+    estimates."""
+    head = ["config", "chips", "HBM/chip", "weights/chip", "KV/token/chip", "KV tokens fit",
+            "temp", "fits", "decode collectives", "decode TFLOP", "decode GiB accessed"]
+    rows = []
+    for p in plans:
+        star = "*" if p["platform"] == "gpu" else ""
+        d = p["buckets"].get("decode", {})
+        if "error" in d or not d:
+            coll = flops = accessed = "does not compile"
+        else:
+            coll = _collectives_text(d["collectives"], abbreviate=True) + star
+            flops = f"{d['flops'] / 1e12:.3f}{star}"
+            accessed = f"{d['bytes_accessed'] / 2**30:.2f}{star}"
+        rows.append([plan_label(p), str(p["chips"]), _gib(p["hbm_bytes"]), _gib(p["weight_bytes"]),
+                     f"{p['kv_bytes_per_token'] / 1024:.1f} KiB",
+                     f"{p['kv_tokens_that_fit']:,}{star}", _gib(p["temp_bytes"]) + star,
+                     ("yes" if p["fits"] else "NO") + star, coll, flops, accessed])
+    widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+
+    lines = [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    lines += [line(r) for r in rows]
+    p0 = plans[0]
+    lines.append(f"\n{p0['model_params'] / 1e9:.2f}B params, {p0['dtype']}; KV wanted: "
+                 f"max_num_seqs x max_model_len = {p0['wanted_kv_tokens']:,} tokens. Per chip "
+                 f"(per GPU). Collectives: AR all-reduce, AG all-gather, RS reduce-scatter, "
+                 f"A2A all-to-all, CP collective-permute (count, result bytes).")
+    if any(p["platform"] == "gpu" for p in plans):
+        lines.append(f"* {CPU_ESTIMATE}: GPU targets compile on XLA:CPU devices with reference "
+                     "attention (no Pallas TPU kernel on CPU, no GPU kernel here); their "
+                     "weights and KV per GPU are exact (shapes and shardings).")
+    return "\n".join(lines)
+
+
+def check_plot(path: str | os.PathLike) -> None:
+    """Raise ValueError now, before minutes of compiling, if `plot_memory` could not write
+    `path`: no matplotlib, or no such folder."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib (or the 'plot' "
+                         "extra: pip install 'jaxserve[plot]')") from None
+    folder = Path(path).resolve().parent
+    if not folder.is_dir():
+        raise ValueError(f"--plot {path}: folder {folder} does not exist")
+
+
+def plot_memory(plans: list[dict], path: str | os.PathLike) -> None:
+    """A bar per plan of per-chip memory (weights, KV for max_num_seqs x max_model_len,
+    temporaries), stacked, against its HBM (a red line). Needs matplotlib."""
+    check_plot(path)
+    from matplotlib.figure import Figure  # no pyplot: no global backend or state
+
+    gib = 2**30
+    x = list(range(len(plans)))
+    weights = [p["weight_bytes"] / gib for p in plans]
+    kv = [p["wanted_kv_tokens"] * p["kv_bytes_per_token"] / gib for p in plans]
+    temp = [p["temp_bytes"] / gib for p in plans]
+    labels = [plan_label(p) + ("*" if p["platform"] == "gpu" else "") for p in plans]
+    fig = Figure(figsize=(max(6.0, 1.4 * len(plans) + 4), 4.8), layout="constrained")
+    ax = fig.add_subplot()
+    ax.bar(x, weights, label="weights", color="tab:blue")
+    ax.bar(x, kv, bottom=weights, color="tab:orange",
+           label=f"KV cache ({plans[0]['max_num_seqs']} seqs x {plans[0]['max_model_len']} tokens)")
+    ax.bar(x, temp, bottom=[w + k for w, k in zip(weights, kv)], color="tab:green",
+           label="temporaries")
+    ax.hlines([p["hbm_bytes"] / gib for p in plans], [i - 0.45 for i in x],
+              [i + 0.45 for i in x], colors="red", linewidths=2, label="HBM per chip")
+    for i, total in enumerate(w + k + t for w, k, t in zip(weights, kv, temp)):
+        ax.annotate(f"{total:.1f}", (i, total), ha="center", va="bottom", fontsize="small")
+    slanted = max(len(label) for label in labels) * len(plans) > 48
+    ax.set_xticks(x, labels, rotation=20 if slanted else 0, ha="right" if slanted else "center")
+    ax.set_ylabel("GiB per chip")
+    ax.set_title(f"{plans[0]['model_params'] / 1e9:.2f}B params, {plans[0]['dtype']}: "
+                 f"memory per chip")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if any(p["platform"] == "gpu" for p in plans):
+        ax.set_xlabel("* GPU: temporaries are XLA:CPU-compiled estimates", fontsize="small")
+    fig.savefig(path, dpi=100)

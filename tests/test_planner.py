@@ -1,0 +1,151 @@
+"""`jaxserve plan`: --compare (one table), --plot (a PNG) and GPU targets (the step compiled
+by XLA:CPU on as many emulated devices, in a child process when this one has fewer).
+
+Llama-3-8B's dimensions with 2 layers and small buckets keep each compile to seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from jaxserve.cli import main
+from jaxserve.config import ModelConfig
+
+SMALL = ["--max-model-len", "1024", "--max-num-seqs", "16", "--max-num-batched-tokens", "128"]
+LLAMA3_8B_2L = dataclasses.replace(ModelConfig.from_file("configs/models/llama3-8b.yaml"),
+                                   num_layers=2, layer_types=())
+BF16_WEIGHTS = LLAMA3_8B_2L.num_params() * 2  # bytes on one device
+
+
+@pytest.fixture(scope="module")
+def preset(tmp_path_factory):
+    path = tmp_path_factory.mktemp("preset") / "llama3-8b-2l.yaml"
+    text = open("configs/models/llama3-8b.yaml").read()
+    assert "num_hidden_layers: 32" in text
+    path.write_text(text.replace("num_hidden_layers: 32", "num_hidden_layers: 2"))
+    return str(path)
+
+
+def gib(text: str) -> float:
+    return float(re.match(r"([\d.]+) GiB", text.strip()).group(1)) * 2**30
+
+
+def assert_png(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 10_000, len(data)  # axes, bars, labels: not an empty canvas
+
+
+def test_compare_two_tpu_slices_in_one_table(preset, tmp_path, capsys):
+    """2 and 4 v5e chips in one table, one row each: tensor parallelism halves weights and
+    KV per chip (8 KV heads split 2 and 4 ways); the same plans draw one PNG."""
+    pytest.importorskip("libtpu", reason="libtpu is not installed: pip install 'jax[tpu]'")
+    plot = tmp_path / "compare.png"
+    code = main(["plan", "--model", preset, "--compare", "v5e:1x2/tp,v5e:2x2/tp",
+                 "--plot", str(plot), *SMALL])
+    out = capsys.readouterr().out
+    assert code == 0
+    table = [line for line in out.splitlines() if line.startswith("|")]
+    assert len(table) == 4 and table[0].startswith("| config "), out  # head, rule, 2 rows
+    head = [c.strip() for c in table[0].strip("|").split("|")]
+    rows = [dict(zip(head, (c.strip() for c in line.strip("|").split("|")))) for line in table[2:]]
+    assert [(r["config"], r["chips"], r["HBM/chip"]) for r in rows] == [
+        ("v5e:1x2/tp", "2", "16.00 GiB"), ("v5e:2x2/tp", "4", "16.00 GiB")]
+    w2, w4 = gib(rows[0]["weights/chip"]), gib(rows[1]["weights/chip"])
+    assert abs(w2 / w4 - 2) < 2 * 0.03, (w2, w4)
+    assert abs(w2 - BF16_WEIGHTS / 2) / (BF16_WEIGHTS / 2) < 0.03, (w2, BF16_WEIGHTS)
+    assert [r["KV/token/chip"] for r in rows] == ["4.0 KiB", "2.0 KiB"]
+    assert all(r["fits"] == "yes" and re.search(r"AR x\d+", r["decode collectives"])
+               for r in rows)
+    assert "*" not in out  # nothing on a TPU is a CPU-compiled estimate
+    assert_png(plot)
+
+
+def test_plot_of_one_gpu_plan(preset, tmp_path, capsys):
+    """--plot with a single plan; h100x1 compiles in this process (one CPU device)."""
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "one.png"
+    assert main(["plan", "--model", preset, "--target", "h100x1", "--plot", str(plot),
+                 *SMALL]) == 0
+    assert f"wrote {plot}" in capsys.readouterr().out
+    assert_png(plot)
+
+
+def test_gpu_target_in_child_process_splits_weights_and_marks_estimates(preset, capsys):
+    """h100x2 needs 2 CPU devices, so it plans in a child process: the weights per GPU are
+    half of one device's, the child really compiled 2-way TP (its argument bytes match and
+    it all-reduces), and what came from XLA:CPU says so."""
+    assert main(["plan", "--model", preset, "--target", "h100x2", *SMALL]) == 0
+    out = capsys.readouterr().out
+    rows = dict((k.strip(), v.strip()) for k, v in
+                (line.strip("|").split("|", 1) for line in out.splitlines()[2:]))
+    weights = gib(rows["weights per GPU (exact)"])
+    assert abs(weights - BF16_WEIGHTS / 2) / (BF16_WEIGHTS / 2) < 0.03, (weights, BF16_WEIGHTS)
+    ratio = float(re.search(r"ratio ([\d.]+)", rows["weights per GPU (exact)"]).group(1))
+    assert abs(ratio - 1) < 0.03
+    assert rows["target"].startswith("h100x2 (2 GPUs emulated by 2 XLA:CPU devices, 80.00 GiB")
+    assert rows["KV cache per token per GPU"] == "4.0 KiB"  # 2 layers x K,V x 4 heads x 128 x 2 B
+    assert rows["attention"].startswith("reference") and "no Pallas TPU kernel" in rows["attention"]
+    assert re.search(r"all-reduce x\d+", rows["decode step, 16 tokens: collectives"])
+    for key in ("temporary memory (max bucket)", "KV tokens that fit in the rest",
+                "fits max_num_seqs x max_model_len", "decode step, 16 tokens: collectives",
+                "decode step: XLA cost estimate"):
+        assert rows[key].endswith("(CPU-compiled estimate)"), (key, rows[key])
+    assert "(CPU-compiled estimate)" not in rows["weights per GPU (exact)"]
+
+
+def test_gpu_plan_takes_out_xla_cpu_artefacts():
+    """XLA:CPU converts bf16 weights to f32 before its matmuls (all at once) and counts the
+    sampler's cumsum over the vocabulary as N^2 adds; the GPU plan removes both, so a
+    decode step's temporaries are small and its FLOPs are ~2 x tokens x matmul params."""
+    from sharding.planner import plan_target
+
+    p = plan_target(LLAMA3_8B_2L, "h100x2", max_model_len=1024, max_num_seqs=16,
+                    max_num_batched_tokens=128)
+    decode = p["buckets"]["decode"]
+    assert p["platform"] == "gpu" and p["chips"] == 2
+    assert decode["cpu_temp_bytes"] > p["weight_bytes"]  # the f32 copies, as XLA:CPU has them
+    assert p["temp_bytes"] < 0.05 * p["weight_bytes"]
+    matmul_params = LLAMA3_8B_2L.num_params() - LLAMA3_8B_2L.vocab_size * LLAMA3_8B_2L.hidden_size
+    expected = 2 * 16 * matmul_params / 2
+    assert decode["cpu_flops"] > 3 * expected
+    assert abs(decode["flops"] - expected) / expected < 0.15, (decode["flops"], expected)
+    assert decode["bytes_accessed"] < 2 * p["weight_bytes"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--target", "h100x3"], "unknown target 'h100x3'"),
+    (["--target", "tpu9x8"], "unknown target 'tpu9x8'"),
+    (["--topology", "v5e:2x2", "--target", "h100x8"], "mutually exclusive"),
+    ([], "--topology v5e:2x2 (TPU), --target h100x8"),
+    (["--topology", "h100x8"], "not a TPU slice"),
+    (["--target", "v5e:2x2"], "not a GPU target"),
+    (["--compare", "v5e:2x2/tp", "--target", "h100x8"], "leave out --topology and --target"),
+    (["--compare", "v5e:2x2/dp"], "strategy 'dp' is unknown"),
+    (["--compare", "v5e:2x2/tp/int3"], "weights 'int3' are unknown"),
+    (["--compare", "h200x3/tp"], "unknown target 'h200x3'"),
+    (["--target", "h100x1", "--plot", "/no/such/folder/plan.png"], "does not exist"),
+])
+def test_bad_targets_are_a_clear_error(preset, capsys, args, message):
+    assert main(["plan", "--model", preset, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err, err
+
+
+def test_compare_entries_take_the_command_flags_as_defaults():
+    from sharding.planner import parse_compare
+
+    got = parse_compare("v5e:2x2, v6e:2x4/tp+sp, h100x8/tp/none, v5e:4x4/tp/int4/fp8",
+                        strategy="tp", quantization="int8", kv_cache_dtype_name="int8")
+    assert got == [
+        {"target": "v5e:2x2", "strategy": "tp", "quantization": "int8",
+         "kv_cache_dtype_name": "int8"},
+        {"target": "v6e:2x4", "strategy": "tp+sp", "quantization": "int8",
+         "kv_cache_dtype_name": "int8"},
+        {"target": "h100x8", "strategy": "tp", "quantization": None, "kv_cache_dtype_name": "int8"},
+        {"target": "v5e:4x4", "strategy": "tp", "quantization": "int4",
+         "kv_cache_dtype_name": "fp8"},
+    ]
