@@ -37,6 +37,12 @@ def all_gather_shapes(hlo: str) -> list[list[int]]:
     return shapes
 
 
+def shapes_of(hlo: str, op: str) -> list[list[int]]:
+    """The result shapes of every `op` (all-reduce, reduce-scatter) in the program."""
+    return [[int(d) for d in m.group(1).split(",") if d]
+            for m in re.finditer(rf"= \w+\[([\d,]*)\][^ ]* {op}(-start)?\(", hlo)]
+
+
 def main(model_dir: str, out_path: str) -> None:
     assert len(jax.devices()) == 8, jax.devices()
     rng = np.random.default_rng(1234)
@@ -54,6 +60,8 @@ def main(model_dir: str, out_path: str) -> None:
                          for o in outs],
             "all_gather_shapes": all_gather_shapes(hlo),
             "all_reduces": len(re.findall(r" all-reduce(-start)?\(", hlo)),
+            "all_reduce_shapes": shapes_of(hlo, "all-reduce"),
+            "reduce_scatter_shapes": shapes_of(hlo, "reduce-scatter"),
             "param_shapes": [list(x.shape) for x in jax.tree.leaves(runner.params) if x.ndim > 1],
             "kv_cache_sharding": str(runner.kv_caches[0][0].sharding.spec),
             "q_proj_sharding": str(runner.params["layers"][0]["attn"]["q_proj"].value.sharding.spec),

@@ -55,3 +55,16 @@ def test_weights_split_not_gathered(runs, mesh, kv_spec):
     full = {tuple(s) for s in tp["param_shapes"]}
     assert not [s for s in tp["all_gather_shapes"] if tuple(s) in full]
 
+
+
+def test_sequence_parallel_reduce_scatters_instead_of_all_reducing(runs):
+    """The compiled 64-token step (hidden 64, 2 layers, TP=4): under TP every layer
+    all-reduces its attention and MLP outputs [64, 64]; under TP+SP those become
+    reduce-scatters to token shards [16, 64]. Left in both: the vocabulary-parallel
+    embedding lookup's all-reduce."""
+    tp, sp = runs['{"model": 4}'], runs['{"model": 4} tp+sp']
+    layers = 2
+    assert tp["all_reduce_shapes"].count([64, 64]) == 2 * layers + 1
+    assert tp["reduce_scatter_shapes"] == []
+    assert sp["all_reduce_shapes"].count([64, 64]) == 1
+    assert sp["reduce_scatter_shapes"] == [[16, 64]] * (2 * layers)

@@ -27,6 +27,7 @@ KVCache = list[tuple[jax.Array, ...]]
 KV_CACHE_AXES = ("kv_heads", None, None, None)
 QUANTIZED_KV_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
 Q_AXES = ("tokens", "q_heads", None)
+RESIDUAL_AXES = ("residual", "embed")
 
 
 def kv_cache_layout(cfg: ModelConfig, num_pages: int, page_size: int, kv_dtype
@@ -96,7 +97,8 @@ class Attention(nnx.Module):
         kv = write_kv(kv[0], kv[1], k, v, meta.slot_mapping, *kv[2:])
         out = attention(q, kv, meta, shard, self.options, sm_scale=cfg.head_dim**-0.5,
                         sliding_window=self.window)
-        out = lin(out, self.o_proj, self.o_proj_scales, 2, (cfg.hidden_size,))
+        out = row_parallel(out, self.o_proj, self.o_proj_scales, 2, (cfg.hidden_size,),
+                           self.options, shard)
         if cfg.o_bias:
             out = out + self.o_bias[...]
         return out, kv
@@ -131,6 +133,33 @@ def attention(q: jax.Array, kv: tuple[jax.Array, ...], meta: AttentionMetadata,
     return attend(q, kv, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs)
 
 
+def row_parallel(x: jax.Array, w: nnx.Param, scales: nnx.Param | None, n_in: int,
+                 out_shape: tuple[int, ...], options: ModelOptions, shard: ShardingContext
+                 ) -> jax.Array:
+    """A row-split matmul (o_proj, down_proj) whose result joins the residual stream.
+
+    Under sequence parallelism each device's partial sums are reduce-scattered over
+    tokens (shard_map + psum_scatter): XLA left to itself all-reduces and then slices.
+    That needs the tokens to divide evenly over the devices (not the 1-token bucket) and a
+    float weight; otherwise the plain matmul, whose result XLA all-reduces.
+    """
+    tokens_axis = shard.rules.spec(RESIDUAL_AXES)[0]
+    if (shard.mesh.size == 1 or tokens_axis is None or scales is not None
+            or x.shape[0] % shard.mesh.shape[tokens_axis]):
+        y = dense(x, w, scales, n_in, out_shape, options, on_mesh=shard.mesh.size > 1)
+        return shard.constrain(y, RESIDUAL_AXES)
+
+    def partial_sums(x, w):
+        return jax.lax.psum_scatter(jnp.tensordot(x, w, axes=n_in), tokens_axis,
+                                    scatter_dimension=0, tiled=True)
+
+    x_axes = Q_AXES if n_in == 2 else ("tokens", "mlp")
+    return jax.shard_map(
+        partial_sums, mesh=shard.mesh, check_vma=False,
+        in_specs=(shard.rules.spec(x_axes), shard.rules.spec(w.get_metadata()["logical_axes"])),
+        out_specs=shard.rules.spec(RESIDUAL_AXES))(x, w[...])
+
+
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None, options: ModelOptions):
         e, m, quant = cfg.hidden_size, cfg.intermediate_size, options.quantization
@@ -148,7 +177,7 @@ class MLP(nnx.Module):
         gate = lin(x, self.gate_proj, self.gate_proj_scales, out_shape=(m,))
         h = jax.nn.silu(gate) * lin(x, self.up_proj, self.up_proj_scales, out_shape=(m,))
         h = shard.constrain(h, ("tokens", "mlp"))
-        return lin(h, self.down_proj, self.down_proj_scales, out_shape=(e,))
+        return row_parallel(h, self.down_proj, self.down_proj_scales, 1, (e,), self.options, shard)
 
 
 class Block(nnx.Module):
@@ -168,9 +197,9 @@ class Block(nnx.Module):
         # go straight back to token shards (a reduce-scatter instead of an all-reduce).
         h = shard.constrain(rms_norm(x, self.input_norm[...], self.eps), ("tokens", "embed"))
         h, kv = self.attn(h, positions, kv, meta, shard)
-        x = x + shard.constrain(h, ("residual", "embed"))
+        x = x + shard.constrain(h, RESIDUAL_AXES)
         h = shard.constrain(rms_norm(x, self.post_attn_norm[...], self.eps), ("tokens", "embed"))
-        x = x + shard.constrain(self.mlp(h, shard), ("residual", "embed"))
+        x = x + shard.constrain(self.mlp(h, shard), RESIDUAL_AXES)
         return x, kv
 
 
@@ -189,7 +218,7 @@ class Transformer(nnx.Module):
                  meta: AttentionMetadata) -> tuple[jax.Array, KVCache]:
         """Hidden states `[T, hidden]` after the last block (before the final norm)."""
         shard = self.shard
-        x = shard.constrain(self.embed[...][input_ids], ("residual", "embed"))
+        x = shard.constrain(self.embed[...][input_ids], RESIDUAL_AXES)
         new_caches = []
         for block, kv in zip(self.layers, kv_caches):
             x, kv = block(x, positions, kv, meta, shard)
