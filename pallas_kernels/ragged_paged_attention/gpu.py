@@ -58,7 +58,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.ragged_paged_attention.reference import MASKED
 from pallas_kernels.ragged_paged_attention.work_items import (
-    default_queries_per_block, gather_queries, scatter_outputs, work_items)
+    default_queries_per_block, gather_queries, scatter_outputs, visible_blocks, work_items)
 
 MIN_TILE = 16  # smallest dimension Triton's dot accepts
 MAX_ROWS = 128  # query rows (queries x group) per program
@@ -116,12 +116,7 @@ def _kernel(seq_ref, q_pos_ref, num_q_ref, kv_len_ref, table_ref, q_ref, k_ref, 
     block_tokens = pages_per_block * page_size
     seq, q_pos, num_q, kv_len = seq_ref[w], q_pos_ref[w], num_q_ref[w], kv_len_ref[w]
 
-    # Keys this item can see: up to its last query's position; from the window's start.
-    end = jnp.minimum(kv_len, q_pos + num_q)
-    first = 0
-    if sliding_window is not None:
-        first = jnp.maximum(q_pos - sliding_window + 1, 0) // block_tokens
-    last = jnp.where(num_q > 0, (end + block_tokens - 1) // block_tokens, first)
+    first, last = visible_blocks(q_pos, num_q, kv_len, block_tokens, sliding_window)
     if num_splits > 1:  # this program's contiguous share of the item's blocks
         per_split = (last - first + num_splits - 1) // num_splits
         first = jnp.minimum(first + pl.program_id(2) * per_split, last)

@@ -34,7 +34,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.ragged_paged_attention.reference import MASKED
 from pallas_kernels.ragged_paged_attention.work_items import (
-    default_queries_per_block, gather_queries, scatter_outputs, work_items)
+    default_queries_per_block, gather_queries, scatter_outputs, visible_blocks, work_items)
 
 KV_TOKENS_PER_BLOCK = 512
 
@@ -62,12 +62,7 @@ def _kernel(seq_ref, q_pos_ref, num_q_ref, kv_len_ref, pages_ref,  # scalar pref
     block_tokens = pages_per_block * page_size
     seq, q_pos, num_q, kv_len = seq_ref[w], q_pos_ref[w], num_q_ref[w], kv_len_ref[w]
 
-    # Keys this item can see: up to its last query's position; from the window's start.
-    end = jnp.minimum(kv_len, q_pos + num_q)
-    first = 0
-    if sliding_window is not None:
-        first = jnp.maximum(q_pos - sliding_window + 1, 0) // block_tokens
-    last = jnp.where(num_q > 0, (end + block_tokens - 1) // block_tokens, first)
+    first, last = visible_blocks(q_pos, num_q, kv_len, block_tokens, sliding_window)
 
     def copies(b, slot):
         out = []

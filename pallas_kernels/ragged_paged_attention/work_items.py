@@ -75,6 +75,17 @@ def work_items(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array,
     return WorkItems(seq, q_pos, num_q, kv_len, token)
 
 
+def visible_blocks(q_pos, num_q, kv_len, block_tokens: int, sliding_window: int | None):
+    """The KV blocks `[first, last)` of `block_tokens` keys an item's queries can see: up
+    to its last query's position, from its first query's window start. Empty for an item
+    without queries. Scalars in, scalars out: the kernels call it per program."""
+    end = jnp.minimum(kv_len, q_pos + num_q)
+    first = 0
+    if sliding_window is not None:
+        first = jnp.maximum(q_pos - sliding_window + 1, 0) // block_tokens
+    return first, jnp.where(num_q > 0, (end + block_tokens - 1) // block_tokens, first)
+
+
 def gather_queries(q: jax.Array, items: WorkItems, num_kv_heads: int, rows: int | None = None
                    ) -> jax.Array:
     """`q[T, Hq, D]` → `[Hkv, W, rows, D]`: row `i * group + g` is query i's head
