@@ -150,8 +150,8 @@ def cmd_client(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from jaxserve.config import ModelConfig
-    from sharding.planner import (check_plot, format_compare, format_plan, gpu_target,
-                                  parse_compare, plan_target, plot_memory)
+    from sharding.plan_report import check_plot, format_compare, format_plan, plot_memory
+    from sharding.planner import gpu_target, parse_compare, plan_target
 
     if args.compare and (args.topology or args.target):
         raise ValueError("--compare names its own targets (e.g. v5e:2x2/tp,h100x8/tp): "

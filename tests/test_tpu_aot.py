@@ -104,14 +104,14 @@ def test_jaxserve_plan_cli(tmp_path, capsys):
 
 def test_plan_says_when_it_does_not_fit(monkeypatch):
     """With 0.7 GiB of HBM per chip, 0.69 GiB of weights leave room for too few KV tokens."""
-    from sharding import planner
+    from sharding import plan_report, planner
 
     monkeypatch.setitem(planner.HBM_GIB, "v5e", 0.7)
     result = planner.plan(LLAMA3_8B_2L, "v5e:2x2", max_model_len=1024, max_num_seqs=16,
                           max_num_batched_tokens=128)
     assert not result["fits"]
     assert result["kv_tokens_that_fit"] < result["wanted_kv_tokens"]
-    assert "| NO (16,384 tokens wanted)" in planner.format_plan(result)
+    assert "| NO (16,384 tokens wanted)" in plan_report.format_plan(result)
 
 
 @pytest.mark.parametrize("topology,quant", [
