@@ -136,10 +136,6 @@ class ModelRunner:
                                                      self.sampled)
         return out
 
-    def run(self, batch: StepBatch, key: BucketKey) -> SampleOutput:
-        """Run the step and wait for its outputs, as numpy arrays."""
-        return fetch(self.dispatch(batch, key))
-
     @property
     def num_compiled(self) -> int:
         return len(self._compiled)

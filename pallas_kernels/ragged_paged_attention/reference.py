@@ -77,7 +77,7 @@ def ragged_paged_attention(
     item_pages = page_indices[items.seq]  # [W, pages]
 
     def load(pages_ref, scales_ref, pages):
-        x = as_float32(_gather_pages(pages_ref, pages))  # [Hkv, W, block, page_size, D]
+        x = _gather_pages(pages_ref, pages).astype(jnp.float32)  # [Hkv, W, block, page_size, D]
         if scales_ref is not None:
             x = x * scales_ref[:, pages][..., None]
         x = x.reshape(num_kv_heads, num_items, block * page_size, head_dim)
@@ -129,10 +129,6 @@ def _unbits(x: jax.Array, dtype) -> jax.Array:
 
 def _gather_pages(pages_ref: jax.Array, pages: jax.Array) -> jax.Array:
     return _unbits(_bits(pages_ref)[:, pages], pages_ref.dtype)
-
-
-def as_float32(x: jax.Array) -> jax.Array:
-    return x.astype(jnp.float32)
 
 
 def quantize_kv(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
