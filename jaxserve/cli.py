@@ -8,7 +8,8 @@ import logging
 import sys
 import time
 
-from jaxserve.config import KERNEL_IMPLS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from jaxserve.config import (
+    KERNEL_IMPLS, KV_CACHE_DTYPES, QUANTIZATIONS, SHARDING_STRATEGIES, EngineConfig)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -35,8 +36,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="attention / matmul kernels (default: by platform)")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--mesh", default=None, metavar="data=D,model=M",
-                   help="device mesh, e.g. model=4 (default: one device)")
-    g.add_argument("--sharding", default="tp", help="sharding strategy (tp)")
+                   help="device mesh, e.g. model=4 or data=2,model=4 (default: one device)")
+    g.add_argument("--sharding", default=None, choices=SHARDING_STRATEGIES,
+                   help="sharding strategy over the mesh (default: tp)")
 
 
 def parse_mesh(text: str | None) -> dict[str, int] | None:
@@ -60,7 +62,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed,
         "enable_prefix_caching": False if args.no_prefix_caching else None,
         "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
-        "kernel_impl": args.kernel_impl,
+        "kernel_impl": args.kernel_impl, "mesh": parse_mesh(args.mesh),
+        "sharding": args.sharding,
     }
     if args.config:
         return EngineConfig.from_yaml(args.config, **overrides)
@@ -79,8 +82,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
         max_tokens=args.max_tokens, seed=args.seed_sampling, ignore_eos=args.ignore_eos,
         stop=args.stop or None, repetition_penalty=args.repetition_penalty)
-    llm = LLM(warmup=True, mesh=parse_mesh(args.mesh), sharding=args.sharding,
-              **{**dataclasses.asdict(config), "model": config.model})
+    llm = LLM(warmup=True, **{**dataclasses.asdict(config), "model": config.model})
     prompts = args.prompt or ["Hello, my name is"]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
@@ -109,13 +111,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if dist is not None:
         distributed.initialize(dist)
     if args.random_weights:
-        engine = Engine.from_config(config, parse_mesh(args.mesh), args.random_weights,
-                                    sharding=args.sharding)
+        engine = Engine.from_config(config, args.random_weights)
         name = f"{args.random_weights} (random weights)"
     else:
         if config.model is None:
             logging.warning(DEMO_NOTICE)
-        engine = Engine.from_config(config, parse_mesh(args.mesh), sharding=args.sharding)
+        engine = Engine.from_config(config)
         name = config.model or "demo"
     if dist is not None and dist.process_id > 0:
         engine.warmup()
@@ -173,7 +174,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = ModelConfig.from_file(args.model)
     common = dict(dtype=args.dtype, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size)
+                  max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
+                  data_parallel=args.data_parallel)
     if args.compare:
         configs = parse_compare(args.compare, args.strategy, args.quantization,
                                 args.kv_cache_dtype)
@@ -280,7 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--plot", default=None, metavar="PATH.png",
                     help="also draw per-chip memory (weights, KV, temporaries) against HBM "
                          "(needs matplotlib)")
-    pl.add_argument("--strategy", default="tp", choices=["tp", "tp+sp"])
+    pl.add_argument("--strategy", default="tp", choices=SHARDING_STRATEGIES)
+    pl.add_argument("--data-parallel", type=int, default=2, metavar="D",
+                    help="data-parallel groups for dp+tp and dp+tp+sp (mesh data=D, "
+                         "model=chips/D); dp alone puts every chip on data")
     pl.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     pl.add_argument("--max-model-len", type=int, default=4096)
     pl.add_argument("--max-num-seqs", type=int, default=64)

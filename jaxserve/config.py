@@ -20,6 +20,8 @@ DTYPES = ("bfloat16", "float32")
 KV_CACHE_DTYPES = {"auto": None, "int8": "int8", "fp8": "float8_e4m3fn"}
 KERNEL_IMPLS = ("reference", "tpu", "gpu")
 QUANTIZATIONS = ("int8", "int4", "fp8")
+SHARDING_STRATEGIES = ("tp", "tp+sp", "dp", "dp+tp", "dp+tp+sp")
+MESH_AXES = ("data", "model")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +193,10 @@ class EngineConfig:
     "tpu" | "gpu"; None: by platform); `interpret_kernels` runs the Pallas kernels in
     interpret mode (for testing them on CPU). `async_scheduling` dispatches each step
     before the host has processed the previous one's tokens (see Engine.step).
+    `mesh` ({"data": d, "model": m}; default one device) and `sharding` (tp, tp+sp, dp,
+    dp+tp, dp+tp+sp; sharding/rules.py) place the model on devices; under data
+    parallelism `num_pages`, `max_num_seqs` and `max_num_batched_tokens` are totals over
+    the data shards.
     """
 
     model: str | None = None
@@ -211,6 +217,8 @@ class EngineConfig:
     kernel_impl: str | None = None
     interpret_kernels: bool = False
     async_scheduling: bool = True
+    mesh: dict[str, int] | None = None
+    sharding: str = "tp"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -236,6 +244,14 @@ class EngineConfig:
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} (or unset), "
                              f"got {self.quantization!r}")
+        if self.sharding not in SHARDING_STRATEGIES:
+            raise ValueError(f"sharding must be one of {SHARDING_STRATEGIES}, got {self.sharding!r}")
+        if self.mesh is not None:
+            bad = {k: v for k, v in self.mesh.items()
+                   if k not in MESH_AXES or not isinstance(v, int) or v < 1}
+            if bad:
+                raise ValueError(f"mesh {self.mesh}: axes are {MESH_AXES} with positive integer "
+                                 f"sizes, e.g. {{data: 2, model: 4}}; bad: {bad}")
         if not 0.0 < self.memory_utilization <= 1.0:
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         buckets = tuple(sorted(set(self.token_buckets))) or _default_buckets(

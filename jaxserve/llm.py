@@ -21,18 +21,16 @@ class LLM:
 
     Keyword arguments are EngineConfig fields (dtype, max_model_len, page_size,
     max_num_seqs, max_num_batched_tokens, enable_prefix_caching, num_pages, ...);
-    `mesh` is a {"data": n, "model": m} mapping and `sharding` a strategy ("tp"). All
-    step buckets compile here.
+    `mesh` is a {"data": d, "model": m} mapping and `sharding` a strategy ("tp", "tp+sp",
+    "dp", "dp+tp", "dp+tp+sp"). All step buckets compile here.
     """
 
-    def __init__(self, model: str | None = None, *, mesh: dict[str, int] | None = None,
-                 sharding: str = "tp", warmup: bool = True, **engine_args):
+    def __init__(self, model: str | None = None, *, warmup: bool = True, **engine_args):
         known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
         unknown = sorted(set(engine_args) - known)
         if unknown:
             raise ValueError(f"unknown LLM arguments {unknown}; known: {sorted(known)}")
-        self.engine = Engine.from_config(EngineConfig(model=model, **engine_args), mesh,
-                                         sharding=sharding)
+        self.engine = Engine.from_config(EngineConfig(model=model, **engine_args))
         self._ids = itertools.count()
         if warmup:
             self.engine.warmup()

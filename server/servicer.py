@@ -111,11 +111,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def GetServerStatus(self, request, context) -> pb.ServerStatus:
         e = self.engine.engine
-        alloc = e.scheduler.allocator
+        sched = e.scheduler
         return pb.ServerStatus(
-            running_requests=e.scheduler.num_running, waiting_requests=e.scheduler.num_waiting,
-            kv_pages_used=alloc.num_used_pages, kv_pages_total=alloc.num_pages,
-            prefix_cache_hit_rate=alloc.prefix_hit_rate,
+            running_requests=sched.num_running, waiting_requests=sched.num_waiting,
+            kv_pages_used=sched.num_used_pages, kv_pages_total=sched.num_pages,
+            prefix_cache_hit_rate=sched.prefix_hit_rate,
             tokens_per_second=self.engine.tokens_per_second(),
             uptime_seconds=time.monotonic() - self.started,
             total_generated_tokens=self.engine.total_generated,

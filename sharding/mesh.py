@@ -9,7 +9,9 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
-AXES = ("data", "model")
+from jaxserve.config import MESH_AXES
+
+AXES = MESH_AXES
 
 
 def make_mesh(shape: dict[str, int] | None = None, devices: list | None = None) -> Mesh:

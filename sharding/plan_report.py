@@ -26,14 +26,16 @@ def format_plan(p: dict) -> str:
     gpu = p["platform"] == "gpu"
     unit = "GPU" if gpu else "chip"
     est = f" {CPU_ESTIMATE}" if gpu else ""
-    kv_note = "" if p["kv_heads_split"] else f" (KV heads replicated: fewer than {unit}s)"
+    heads = p["kv_heads_per_chip"]
+    kv_note = f" ({heads} KV head{'s' if heads > 1 else ''} per {unit})"
     what = (f"{p['chips']} GPUs emulated by {p['chips']} XLA:CPU devices" if gpu
             else f"{p['chips']} chips")
     rows = [
         ("model", f"{p['model_params'] / 1e9:.2f}B params, {p['dtype']}, weights "
                   f"{p['quantization'] or p['dtype']}, KV cache {p['kv_cache_dtype']}"),
         ("target" if gpu else "topology",
-         f"{p['target']} ({what}, {_gib(p['hbm_bytes'])} HBM each), strategy {p['strategy']}"),
+         f"{p['target']} ({what}, {_gib(p['hbm_bytes'])} HBM each), strategy {p['strategy']}, "
+         f"mesh data={p['mesh']['data']} x model={p['mesh']['model']}"),
         ("attention", p["attention"]),
     ]
     if gpu:
@@ -61,7 +63,7 @@ def format_plan(p: dict) -> str:
         (f"KV cache per token per {unit}", f"{p['kv_bytes_per_token'] / 1024:.1f} KiB{kv_note}"),
         ("temporary memory (max bucket)", f"{_gib(p['temp_bytes'])}{est}"),
         ("KV tokens that fit in the rest", f"{p['kv_tokens_that_fit']:,}{est}"),
-        ("fits max_num_seqs x max_model_len", f"{'yes' if p['fits'] else 'NO'} "
+        ("fits its seqs x max_model_len", f"{'yes' if p['fits'] else 'NO'} "
                                               f"({p['wanted_kv_tokens']:,} tokens wanted){est}"),
     ]
     for name, b in p["buckets"].items():
@@ -116,8 +118,8 @@ def format_compare(plans: list[dict]) -> str:
     lines = [line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     lines += [line(r) for r in rows]
     p0 = plans[0]
-    lines.append(f"\n{p0['model_params'] / 1e9:.2f}B params, {p0['dtype']}; KV wanted: "
-                 f"max_num_seqs x max_model_len = {p0['wanted_kv_tokens']:,} tokens. Per chip "
+    lines.append(f"\n{p0['model_params'] / 1e9:.2f}B params, {p0['dtype']}; KV wanted per "
+                 f"chip: max_num_seqs (of its data-parallel group) x max_model_len. Per chip "
                  f"(per GPU). Collectives: AR all-reduce, AG all-gather, RS reduce-scatter, "
                  f"A2A all-to-all, CP collective-permute (count, result bytes).")
     if any(p["platform"] == "gpu" for p in plans):

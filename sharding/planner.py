@@ -67,7 +67,8 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
                  strategy: str, devices: list, num_pages: int, key: BucketKey,
                  dtype=jnp.bfloat16) -> jax.stages.Compiled:
     """Ahead-of-time compile of one step bucket, sharded over `devices`, with the engine's
-    weight quantization, KV cache dtype and kernels (on a TPU: our Pallas kernels)."""
+    weight quantization, KV cache dtype and kernels (on a TPU: our Pallas kernels).
+    `num_pages` is the KV pool of each data shard."""
     shard = model_sharding(make_mesh(mesh_shape, devices=devices), strategy, cfg)
     graphdef, abstract = abstract_model(cfg, dtype, shard, model_options(engine))
     flat = nnx.to_flat_state(abstract)
@@ -78,8 +79,9 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
     max_len = engine.max_model_len or cfg.max_position_embeddings
     builder = BatchBuilder(engine.token_buckets, engine.max_num_seqs, engine.page_size,
                            num_pages, pages_per_seq(max_len, engine.page_size), max_len,
-                           cfg.eos_token_ids)
-    caches = abstract_kv_cache(cfg, num_pages, engine.page_size, kv_cache_dtype(engine), shard)
+                           cfg.eos_token_ids, shard.data_shards)
+    caches = abstract_kv_cache(cfg, num_pages * shard.data_shards, engine.page_size,
+                               kv_cache_dtype(engine), shard)
     replicated = shard.sharding(())
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
                          builder.empty(key))
@@ -214,11 +216,13 @@ def _remove_cpu_artefacts(bucket: dict, hlo_text: str) -> None:
 def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bfloat16",
          max_model_len: int = 4096, max_num_seqs: int = 64,
          max_num_batched_tokens: int = 512, page_size: int = 16,
-         quantization: str | None = None, kv_cache_dtype_name: str = "auto") -> dict:
+         quantization: str | None = None, kv_cache_dtype_name: str = "auto",
+         data_parallel: int = 2) -> dict:
     """Compile a decode and a prefill bucket for `target` (a TPU topology such as 'v5e:4x4',
     or a GPU target such as 'h100x8', whose CPU devices this process must have; see
-    `plan_target`), the model axis over all its chips, and report per-chip memory, KV
-    capacity, collectives and XLA's cost estimates.
+    `plan_target`), and report per-chip memory, KV capacity, collectives and XLA's cost
+    estimates. The mesh: tp strategies put every chip on the `model` axis; dp alone every
+    chip on `data`; dp+tp strategies `data_parallel` groups of chips/data_parallel.
 
     The step's shapes do not depend on the KV pool's size, so it compiles with a small
     nominal pool; the tokens of KV that fit come from the HBM left after weights and the
@@ -233,16 +237,21 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           token_buckets=(max_num_seqs, max_num_batched_tokens),
                           quantization=quantization, kv_cache_dtype=kv_cache_dtype_name)
-    num_pages = 2 * max_num_seqs  # nominal
-    shard = model_sharding(make_mesh({"model": chips}, devices=devices), strategy, cfg)
-    kv_split = chips if any(k == "kv_heads" for k, _ in shard.rules.table) else 1
-    kv_per_token = kv_page_bytes(cfg, page_size, kv_cache_dtype(engine)) // page_size // kv_split
+    data = chips if strategy == "dp" else data_parallel if strategy.startswith("dp") else 1
+    if data < 1 or chips % data or max_num_seqs % data or max_num_batched_tokens % data:
+        raise ValueError(f"{data} data-parallel groups must divide the {chips} chips, "
+                         f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens "
+                         f"({max_num_batched_tokens})")
+    mesh_shape = {"data": data, "model": chips // data}
+    num_pages = 2 * max_num_seqs // data  # nominal, per data shard
+    shard = model_sharding(make_mesh(mesh_shape, devices=devices), strategy, cfg)
+    kv_per_token = kv_page_bytes(cfg, page_size, kv_cache_dtype(engine), shard) // page_size
     nominal_kv = num_pages * page_size * kv_per_token
     buckets, tpu_kernels = {}, 0
     for name, t in (("decode", max_num_seqs), ("prefill", max_num_batched_tokens)):
         key = (t, min(t, max_num_seqs), False)
         try:
-            compiled = compile_step(cfg, engine, {"model": chips}, strategy, devices, num_pages,
+            compiled = compile_step(cfg, engine, mesh_shape, strategy, devices, num_pages,
                                     key, jdtype)
         except Exception as e:  # noqa: BLE001 - XLA reports "does not fit" as an error
             if "RESOURCE_EXHAUSTED" not in str(e):
@@ -270,7 +279,8 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
     # says nothing about a GPU's, so there the shapes and shardings are.
     weights = compiled_weights if platform == "tpu" and ok else analytic
     temp = max((b["temp_bytes"] for b in ok), default=0)
-    fit_tokens = max(0, (hbm - weights - temp) // kv_per_token)
+    fit_tokens = max(0, (hbm - weights - temp) // kv_per_token)  # per chip = per data shard
+    wanted = max_num_seqs // data * max_model_len
     if platform == "gpu":
         attention = _GPU_ATTENTION
     elif tpu_kernels:
@@ -282,13 +292,21 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
         "chips": chips, "strategy": strategy, "dtype": dtype, "quantization": quantization,
         "kv_cache_dtype": kv_cache_dtype_name, "hbm_bytes": hbm, "weight_bytes": weights,
         "compiled_weight_bytes": compiled_weights, "analytic_weight_bytes": analytic,
-        "kv_bytes_per_token": kv_per_token, "kv_heads_split": kv_split > 1,
+        "mesh": mesh_shape, "kv_bytes_per_token": kv_per_token,
+        "kv_heads_per_chip": kv_heads_per_chip(cfg, shard),
         "temp_bytes": temp, "kv_tokens_that_fit": fit_tokens,
         "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
-        "wanted_kv_tokens": max_num_seqs * max_model_len,
-        "fits": len(ok) == len(buckets) and fit_tokens >= max_num_seqs * max_model_len,
+        "wanted_kv_tokens": wanted,
+        "fits": len(ok) == len(buckets) and fit_tokens >= wanted,
         "attention": attention, "buckets": buckets,
     }
+
+
+def kv_heads_per_chip(cfg: ModelConfig, shard: ShardingContext) -> int:
+    """KV heads each chip stores: split, one per chip (heads copied where fewer than
+    chips), or all of them (replicated)."""
+    heads = cfg.num_kv_heads * shard.rules.kv_head_replicas
+    return heads // shard.axis_size(shard.rules.spec(("cache_heads",))[0])
 
 
 def _analytic_weight_bytes(cfg: ModelConfig, dtype, shard: ShardingContext,

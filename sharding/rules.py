@@ -1,25 +1,37 @@
 """Logical axis names → mesh axes. A strategy is a table; model code never names mesh axes.
 
 Logical names used by the model: vocab, embed, q_heads, kv_heads, head_dim, mlp for
-parameters; residual (the residual stream's token axis), tokens and seqs for activations.
+parameters; residual (the residual stream's token axis), tokens and seqs for activations;
+cache_heads (kv_heads times `kv_head_replicas`) and pages for the KV cache.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxserve.config import MESH_AXES, SHARDING_STRATEGIES
+
 MeshAxes = str | tuple[str, ...] | None
+
+DATA, MODEL = MESH_AXES
 
 
 @dataclasses.dataclass(frozen=True)
 class ShardingRules:
-    """A strategy: (logical axis, mesh axes) pairs; names not listed are replicated."""
+    """A strategy: (logical axis, mesh axes) pairs; names not listed are replicated.
+
+    `kv_head_replicas` > 1 when KV heads are fewer than `model` devices: each KV head is
+    stored that many times in the KV cache (one copy per device that needs it), so the
+    cache still splits over `model` (see transformer.kv_cache_layout).
+    """
 
     name: str = "replicated"
     table: tuple[tuple[str, MeshAxes], ...] = ()
+    kv_head_replicas: int = 1
 
     def spec(self, logical_axes: tuple[str | None, ...]) -> PartitionSpec:
         lookup = dict(self.table)
@@ -27,7 +39,7 @@ class ShardingRules:
 
 
 REPLICATED = ShardingRules()
-STRATEGIES = ("tp", "tp+sp")
+STRATEGIES = SHARDING_STRATEGIES
 
 
 def strategy_rules(name: str, mesh: Mesh, num_heads: int, num_kv_heads: int, vocab_size: int,
@@ -35,31 +47,47 @@ def strategy_rules(name: str, mesh: Mesh, num_heads: int, num_kv_heads: int, voc
     """The table of a named strategy for a model on a mesh.
 
     tp (Megatron): q/k/v and gate/up split by heads / mlp columns, o and down by rows (so
-    each block ends in one all-reduce), embedding and logits split by vocabulary. KV heads
-    are replicated when there are fewer of them than `model` devices (or they do not
-    divide); the KV cache follows the kv_heads rule.
-    tp+sp adds sequence parallelism: the residual stream between blocks is split over
-    tokens on the same `model` axis.
+    each block ends in one all-reduce), embedding and logits split by vocabulary. With
+    fewer KV heads than `model` devices, k/v projections are replicated and each device
+    stores the one KV head its query heads read (`kv_head_replicas` copies of each);
+    where the counts do not divide that way, the KV cache is replicated whole.
+    sp adds sequence parallelism: the residual stream between blocks is split over tokens
+    on the `model` axis (and `data`, under dp).
+    dp: weights replicated over `data`; tokens, sequences and KV pages split over `data`
+    (each data shard has its own page pool and its own requests).
     """
     if name not in STRATEGIES:
         raise ValueError(f"sharding strategy {name!r} is unknown; choose one of {STRATEGIES}")
-    tp = mesh.shape.get("model", 1)
-    if tp == 1:
-        return ShardingRules(name)
-    if num_heads % tp:
-        raise ValueError(f"tensor parallelism over {tp} devices needs num_attention_heads "
-                         f"({num_heads}) divisible by {tp}")
-    if intermediate_size % tp:
-        raise ValueError(f"tensor parallelism over {tp} devices needs intermediate_size "
-                         f"({intermediate_size}) divisible by {tp}")
-    table = [("q_heads", "model"), ("mlp", "model")]
-    if num_kv_heads % tp == 0:
-        table.append(("kv_heads", "model"))
-    if vocab_size % tp == 0:
-        table.append(("vocab", "model"))
-    if name == "tp+sp":
-        table.append(("residual", "model"))
-    return ShardingRules(name, tuple(table))
+    parts = set(name.split("+"))
+    dp, tp = mesh.shape.get(DATA, 1), mesh.shape.get(MODEL, 1)
+    if dp > 1 and "dp" not in parts:
+        raise ValueError(f"the mesh has data={dp} but strategy {name!r} has no data "
+                         "parallelism; use dp, dp+tp or dp+tp+sp")
+    if tp > 1 and "tp" not in parts:
+        raise ValueError(f"the mesh has model={tp} but strategy {name!r} has no tensor "
+                         "parallelism; use tp, tp+sp, dp+tp or dp+tp+sp")
+    table: list[tuple[str, MeshAxes]] = []
+    replicas = 1
+    if dp > 1:
+        table += [("tokens", DATA), ("seqs", DATA), ("pages", DATA), ("residual", DATA)]
+    if tp > 1:
+        for what, size in (("num_attention_heads", num_heads),
+                           ("intermediate_size", intermediate_size)):
+            if size % tp:
+                raise ValueError(f"tensor parallelism over {tp} devices needs {what} ({size}) "
+                                 f"divisible by {tp}")
+        table += [("q_heads", MODEL), ("mlp", MODEL)]
+        if num_kv_heads % tp == 0:
+            table += [("kv_heads", MODEL), ("cache_heads", MODEL)]
+        elif tp % num_kv_heads == 0:
+            replicas = tp // num_kv_heads
+            table.append(("cache_heads", MODEL))
+        if vocab_size % tp == 0:
+            table.append(("vocab", MODEL))
+        if "sp" in parts:
+            table = [(k, v) for k, v in table if k != "residual"]
+            table.append(("residual", (DATA, MODEL) if dp > 1 else MODEL))
+    return ShardingRules(name, tuple(table), replicas)
 
 
 def model_sharding(mesh: Mesh, strategy: str, cfg) -> "ShardingContext":
@@ -74,6 +102,15 @@ class ShardingContext:
 
     mesh: Mesh
     rules: ShardingRules = REPLICATED
+
+    @property
+    def data_shards(self) -> int:
+        """Data-parallel shards: each has its own requests and KV page pool."""
+        return self.mesh.shape.get(DATA, 1) if dict(self.rules.table).get("pages") else 1
+
+    def axis_size(self, axes: MeshAxes) -> int:
+        axes = (axes,) if isinstance(axes, str) else (axes or ())
+        return math.prod(self.mesh.shape[a] for a in axes)
 
     def sharding(self, logical_axes: tuple[str | None, ...]) -> NamedSharding:
         return NamedSharding(self.mesh, self.rules.spec(logical_axes))

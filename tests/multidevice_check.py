@@ -1,5 +1,6 @@
-"""Run the engine on 1 device, with tensor parallelism 2, 4, 8, with TP+SP and with our
-Pallas kernels (interpret mode) over 8 CPU devices.
+"""Run the engine on 1 device, with tensor parallelism 2, 4, 8, with TP+SP, with data
+parallelism (alone, with TP, with TP+SP) and with our Pallas kernels (interpret mode)
+over 8 CPU devices.
 
 Started by tests/test_sharding.py in its own process (the device count is fixed when JAX
 starts): `python tests/multidevice_check.py MODEL_DIR OUT.json`. Writes, per mesh, the
@@ -20,12 +21,15 @@ from jaxserve import LLM, SamplingParams
 ENGINE = dict(dtype="float32", max_model_len=128, page_size=4, max_num_seqs=4,
               max_num_batched_tokens=64, token_buckets=(16, 64))
 KERNELS = dict(kernel_impl="tpu", interpret_kernels=True)
-# (mesh, strategy, extra engine settings, name suffix). With the Pallas kernels, TP=2 splits
-# the model's 2 KV heads (the kernel runs per shard under shard_map); TP=8 replicates them
-# (the engine falls back to the reference attention).
+# (mesh, strategy, extra engine settings, name suffix). The model has 2 KV heads: TP=2
+# splits them; TP=4 and 8 store each on the 2 or 4 devices that read it. The Pallas
+# kernels run per device under shard_map (with DP, per data shard too).
 RUNS = [(None, "tp", {}, ""), ({"model": 2}, "tp", {}, ""), ({"model": 4}, "tp", {}, ""),
         ({"model": 8}, "tp", {}, ""), ({"model": 4}, "tp+sp", {}, " tp+sp"),
-        ({"model": 2}, "tp", KERNELS, " tpu-kernels"), ({"model": 8}, "tp", KERNELS, " tpu-kernels")]
+        ({"model": 2}, "tp", KERNELS, " tpu-kernels"), ({"model": 8}, "tp", KERNELS, " tpu-kernels"),
+        ({"data": 2}, "dp", {}, " dp"), ({"data": 2, "model": 4}, "dp+tp", {}, " dp+tp"),
+        ({"data": 2, "model": 4}, "dp+tp+sp", {}, " dp+tp+sp"),
+        ({"data": 2, "model": 4}, "dp+tp", KERNELS, " dp+tp tpu-kernels")]
 
 
 def all_gather_shapes(hlo: str) -> list[list[int]]:
@@ -64,8 +68,12 @@ def main(model_dir: str, out_path: str) -> None:
             "reduce_scatter_shapes": shapes_of(hlo, "reduce-scatter"),
             "param_shapes": [list(x.shape) for x in jax.tree.leaves(runner.params) if x.ndim > 1],
             "kv_cache_sharding": str(runner.kv_caches[0][0].sharding.spec),
+            "kv_cache_shape": list(runner.kv_caches[0][0].shape),
+            "kv_cache_shard_shape": list(runner.kv_caches[0][0].addressable_shards[0].data.shape),
+            "prompt_tokens_per_data_shard": [a.prefix_queries
+                                             for a in llm.engine.scheduler.allocators],
             "q_proj_sharding": str(runner.params["layers"][0]["attn"]["q_proj"].value.sharding.spec),
-            "leaked_pages": llm.engine.scheduler.allocator.num_used_pages,
+            "leaked_pages": llm.engine.scheduler.num_used_pages,
             "compiles_after_warmup": runner.compiles_after_warmup,
         }
     with open(out_path, "w") as f:

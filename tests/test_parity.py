@@ -52,7 +52,7 @@ def ragged_prompt_logits(model_dir, prompts, page_size=4, seed=0, options=ModelO
     meta = AttentionMetadata(
         slot_mapping=jnp.array(slots, jnp.int32), cu_q_lens=jnp.array(cu, jnp.int32),
         kv_lens=jnp.array([len(p) for p in prompts], jnp.int32),
-        page_indices=jnp.array(pages, jnp.int32), num_seqs=jnp.array(len(prompts), jnp.int32))
+        page_indices=jnp.array(pages, jnp.int32), num_seqs=jnp.array([len(prompts)], jnp.int32))
     hidden, _ = jax.jit(model.__call__)(jnp.array(ids, jnp.int32), jnp.array(pos, jnp.int32),
                                         caches, meta)
     logits = np.asarray(model.logits(hidden))

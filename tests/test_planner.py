@@ -41,23 +41,26 @@ def assert_png(path):
 
 def test_compare_two_tpu_slices_in_one_table(preset, tmp_path, capsys):
     """2 and 4 v5e chips in one table, one row each: tensor parallelism halves weights and
-    KV per chip (8 KV heads split 2 and 4 ways); the same plans draw one PNG."""
+    KV per chip (8 KV heads split 2 and 4 ways); 4 chips as 2 data-parallel groups of 2
+    hold what 2-way TP holds per chip; the same plans draw one PNG."""
     pytest.importorskip("libtpu", reason="libtpu is not installed: pip install 'jax[tpu]'")
     plot = tmp_path / "compare.png"
-    code = main(["plan", "--model", preset, "--compare", "v5e:1x2/tp,v5e:2x2/tp",
+    code = main(["plan", "--model", preset, "--compare", "v5e:1x2/tp,v5e:2x2/tp,v5e:2x2/dp+tp",
                  "--plot", str(plot), *SMALL])
     out = capsys.readouterr().out
     assert code == 0
     table = [line for line in out.splitlines() if line.startswith("|")]
-    assert len(table) == 4 and table[0].startswith("| config "), out  # head, rule, 2 rows
+    assert len(table) == 5 and table[0].startswith("| config "), out  # head, rule, 3 rows
     head = [c.strip() for c in table[0].strip("|").split("|")]
     rows = [dict(zip(head, (c.strip() for c in line.strip("|").split("|")))) for line in table[2:]]
     assert [(r["config"], r["chips"], r["HBM/chip"]) for r in rows] == [
-        ("v5e:1x2/tp", "2", "16.00 GiB"), ("v5e:2x2/tp", "4", "16.00 GiB")]
-    w2, w4 = gib(rows[0]["weights/chip"]), gib(rows[1]["weights/chip"])
+        ("v5e:1x2/tp", "2", "16.00 GiB"), ("v5e:2x2/tp", "4", "16.00 GiB"),
+        ("v5e:2x2/dp+tp", "4", "16.00 GiB")]
+    w2, w4, dp = (gib(r["weights/chip"]) for r in rows)
     assert abs(w2 / w4 - 2) < 2 * 0.03, (w2, w4)
     assert abs(w2 - BF16_WEIGHTS / 2) / (BF16_WEIGHTS / 2) < 0.03, (w2, BF16_WEIGHTS)
-    assert [r["KV/token/chip"] for r in rows] == ["4.0 KiB", "2.0 KiB"]
+    assert abs(dp - w2) / w2 < 0.01, (dp, w2)
+    assert [r["KV/token/chip"] for r in rows] == ["4.0 KiB", "2.0 KiB", "4.0 KiB"]
     assert all(r["fits"] == "yes" and re.search(r"AR x\d+", r["decode collectives"])
                for r in rows)
     assert "*" not in out  # nothing on a TPU is a CPU-compiled estimate
@@ -87,11 +90,12 @@ def test_gpu_target_in_child_process_splits_weights_and_marks_estimates(preset, 
     ratio = float(re.search(r"ratio ([\d.]+)", rows["weights per GPU (exact)"]).group(1))
     assert abs(ratio - 1) < 0.03
     assert rows["target"].startswith("h100x2 (2 GPUs emulated by 2 XLA:CPU devices, 80.00 GiB")
-    assert rows["KV cache per token per GPU"] == "4.0 KiB"  # 2 layers x K,V x 4 heads x 128 x 2 B
+    # 2 layers x K,V x 4 heads x 128 x 2 B
+    assert rows["KV cache per token per GPU"] == "4.0 KiB (4 KV heads per GPU)"
     assert rows["attention"].startswith("reference") and "no Pallas TPU kernel" in rows["attention"]
     assert re.search(r"all-reduce x\d+", rows["decode step, 16 tokens: collectives"])
     for key in ("temporary memory (max bucket)", "KV tokens that fit in the rest",
-                "fits max_num_seqs x max_model_len", "decode step, 16 tokens: collectives",
+                "fits its seqs x max_model_len", "decode step, 16 tokens: collectives",
                 "decode step: XLA cost estimate"):
         assert rows[key].endswith("(CPU-compiled estimate)"), (key, rows[key])
     assert "(CPU-compiled estimate)" not in rows["weights per GPU (exact)"]
@@ -124,7 +128,7 @@ def test_gpu_plan_takes_out_xla_cpu_artefacts():
     (["--topology", "h100x8"], "not a TPU slice"),
     (["--target", "v5e:2x2"], "not a GPU target"),
     (["--compare", "v5e:2x2/tp", "--target", "h100x8"], "leave out --topology and --target"),
-    (["--compare", "v5e:2x2/dp"], "strategy 'dp' is unknown"),
+    (["--compare", "v5e:2x2/xp"], "strategy 'xp' is unknown"),
     (["--compare", "v5e:2x2/tp/int3"], "weights 'int3' are unknown"),
     (["--compare", "h200x3/tp"], "unknown target 'h200x3'"),
     (["--target", "h100x1", "--plot", "/no/such/folder/plan.png"], "does not exist"),

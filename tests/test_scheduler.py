@@ -47,23 +47,26 @@ def prefix_keys(tokens: list[int]) -> list[tuple[int, int]]:
 
 
 class FakeDevice:
-    """The KV pool as one prefix key per slot, to check what attention would read."""
+    """The KV pools (one per data shard) as one prefix key per slot, to check what
+    attention would read."""
 
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, data_shards: int, num_pages: int, page_size: int):
         self.page_size = page_size
-        self.kv: list[list[tuple[int, int] | None]] = [[None] * page_size for _ in range(num_pages)]
+        self.kv: list[list[list[tuple[int, int] | None]]] = [
+            [[None] * page_size for _ in range(num_pages)] for _ in range(data_shards)]
 
     def step(self, sched: Scheduler, out: SchedulerOutput) -> None:
         ps = self.page_size
         for s in out.scheduled:
             keys = prefix_keys(s.seq.token_ids)
+            pool, alloc = self.kv[s.seq.data_shard], sched.allocators[s.seq.data_shard]
             for pos in range(s.start):  # the context this chunk attends to
                 page = s.seq.page_ids[pos // ps]
-                assert self.kv[page][pos % ps] == keys[pos], (s.seq.request_id, pos)
+                assert pool[page][pos % ps] == keys[pos], (s.seq.request_id, pos)
             for pos in range(s.start, s.start + s.num_new_tokens):
                 page = s.seq.page_ids[pos // ps]
-                assert sched.allocator.refcount(page) == 1, "writing into a shared page"
-                self.kv[page][pos % ps] = keys[pos]
+                assert alloc.refcount(page) == 1, "writing into a shared page"
+                pool[page][pos % ps] = keys[pos]
 
 
 class Sim:
@@ -72,7 +75,8 @@ class Sim:
     def __init__(self, sched: Scheduler, check_kv: bool = True):
         self.sched = sched
         self.cfg = sched.config
-        self.device = FakeDevice(self.cfg.num_pages, self.cfg.page_size) if check_kv else None
+        self.device = (FakeDevice(self.cfg.data_shards, self.cfg.num_pages, self.cfg.page_size)
+                       if check_kv else None)
         self.targets: dict[str, int] = {}  # request_id -> number of outputs wanted
         self.seqs: list[Sequence] = []
         self.outputs: list[SchedulerOutput] = []
@@ -115,6 +119,10 @@ class Sim:
         assert out.num_batched_tokens <= cfg.max_num_batched_tokens
         assert len(sched.running) <= cfg.max_num_seqs
         assert len(out.scheduled) <= cfg.max_num_seqs
+        for d in range(cfg.data_shards):  # each data shard within its share
+            assert sum(s.num_new_tokens for s in out.scheduled
+                       if s.seq.data_shard == d) <= cfg.max_num_batched_tokens // cfg.data_shards
+            assert sum(s.data_shard == d for s in sched.running) <= cfg.max_num_seqs // cfg.data_shards
         ids = [id(s.seq) for s in out.scheduled]
         assert len(ids) == len(set(ids)), "a seq scheduled twice in one step"
         for s in out.scheduled:
@@ -143,21 +151,23 @@ class Sim:
 
     def check_pages(self) -> None:
         sched = self.sched
-        alloc = sched.allocator
-        alloc.check_invariants()
         for seq in sched.waiting:
             assert seq.page_ids == [] and seq.status is SequenceStatus.WAITING
-        for page in range(alloc.num_pages):
-            assert alloc.refcount(page) == sum(s.page_ids.count(page) for s in sched.running)
-        assert alloc.num_used_pages == len({p for s in sched.running for p in s.page_ids})
+        for d, alloc in enumerate(sched.allocators):
+            alloc.check_invariants()
+            running = [s for s in sched.running if s.data_shard == d]
+            for page in range(alloc.num_pages):
+                assert alloc.refcount(page) == sum(s.page_ids.count(page) for s in running)
+            assert alloc.num_used_pages == len({p for s in running for p in s.page_ids})
 
     def assert_drained(self) -> None:
-        alloc = self.sched.allocator
         assert not self.sched.has_unfinished
-        assert alloc.num_used_pages == 0
-        assert alloc.num_free_pages == alloc.num_pages
-        assert all(alloc.refcount(p) == 0 for p in range(alloc.num_pages))
-        alloc.check_invariants()
+        assert self.sched.num_used_pages == 0
+        for alloc in self.sched.allocators:
+            assert alloc.num_free_pages == alloc.num_pages
+            assert all(alloc.refcount(p) == 0 for p in range(alloc.num_pages))
+            assert not alloc._seqs, "bookkeeping kept for a finished sequence"
+            alloc.check_invariants()
         for seq in self.seqs:
             assert seq.is_finished and seq.page_ids == []
             if seq.finish_reason == "length":
@@ -172,24 +182,28 @@ class Sim:
 
 
 @pytest.mark.parametrize(
-    "seed, policy, caching, num_pages",
+    "seed, policy, caching, num_pages, data_shards",
     [
-        (0, "fcfs", True, 24),
-        (1, "fcfs", False, 24),
-        (2, "priority", True, 24),
-        (3, "priority", False, 20),
-        (4, "fcfs", True, 64),
+        (0, "fcfs", True, 24, 1),
+        (1, "fcfs", False, 24, 1),
+        (2, "priority", True, 24, 1),
+        (3, "priority", False, 20, 1),
+        (4, "fcfs", True, 64, 1),
+        (5, "fcfs", True, 20, 2),
+        (6, "priority", True, 16, 2),
     ],
 )
-def test_random_run_respects_budget_and_leaks_nothing(seed, policy, caching, num_pages):
+def test_random_run_respects_budget_and_leaks_nothing(seed, policy, caching, num_pages,
+                                                      data_shards):
     rng = random.Random(seed)
     cfg = config(
-        max_num_seqs=6,
-        max_num_batched_tokens=16,
+        max_num_seqs=6 * data_shards,
+        max_num_batched_tokens=16 * data_shards,
         max_model_len=48,
         num_pages=num_pages,
         enable_prefix_caching=caching,
         policy=policy,
+        data_shards=data_shards,
     )
     sim = Sim(Scheduler(cfg))
     prefixes = [[rng.randrange(7) for _ in range(rng.randrange(4, 20))] for _ in range(3)]
@@ -220,10 +234,10 @@ def test_random_run_respects_budget_and_leaks_nothing(seed, policy, caching, num
     preemptions = sum(s.num_preemptions for s in sim.seqs)
     if num_pages <= 24:
         assert preemptions > 0, "the pool was meant to be too small"
-    if caching:
-        assert sim.sched.allocator.prefix_hits > 0
-    else:
-        assert sim.sched.allocator.prefix_hits == 0
+    hits = [a.prefix_hits for a in sim.sched.allocators]
+    assert all(hits) if caching else not any(hits)
+    # Every data shard ran requests.
+    assert {s.data_shard for s in sim.seqs} == set(range(data_shards))
 
 
 def test_random_run_with_abort_between_schedule_and_step_done():
@@ -559,3 +573,61 @@ def test_empty_schedule():
     out = sched.schedule()
     assert out.is_empty and out.num_batched_tokens == 0 and out.preempted == []
     assert sched.on_step_done(out) == []
+
+
+# ------------------------------------------------------------ data parallelism
+
+
+def test_data_shards_split_budget_and_seats():
+    """Two data shards: each has half the seats and half the token budget, so a lone long
+    prompt gets 8 tokens a step, and new requests fill the emptier shard."""
+    sched = Scheduler(config(max_num_seqs=4, max_num_batched_tokens=16, data_shards=2))
+    sim = Sim(sched)
+    long = sim.add("long", list(range(1, 31)), max_tokens=2)
+    out = sim.step()
+    assert [(s.seq, s.num_new_tokens) for s in out.scheduled] == [(long, 8)]
+    others = [sim.add(f"r{i}", [i + 1] * 3, max_tokens=2) for i in range(4)]
+    out = sim.step()
+    # Shard 0 holds `long` (8 more tokens); shard 1 takes two 3-token prompts (6 of its
+    # 8 tokens, both its seats); shard 0's second seat has no budget left.
+    assert [s.seq.data_shard for s in out.scheduled] == [0, 1, 1]
+    assert [s.seq for s in out.scheduled] == [long, others[0], others[1]]
+    sim.run()
+    sim.assert_drained()
+
+
+def test_data_shard_placement_follows_cached_prefix():
+    """A prompt whose prefix is cached in one shard goes there, though the other shard
+    has more free pages; a prompt with no cached prefix goes to the freer shard."""
+    sched = Scheduler(config(max_num_seqs=4, data_shards=2, num_pages=32))
+    sim = Sim(sched)
+    shared = [5, 6, 7, 1, 2, 3, 4, 5, 6]  # two full pages of 4, then one token
+    first = sim.add("first", shared, max_tokens=10)
+    sim.step()
+    sim.step()
+    assert first.data_shard == 0 and sched.allocators[0].num_free_pages < 32
+    second = sim.add("second", shared[:8] + [9], max_tokens=1)
+    other = sim.add("other", [3, 3, 3, 3, 3], max_tokens=1)
+    sim.step()
+    assert (second.data_shard, second.num_cached_tokens) == (0, 8)
+    assert other.data_shard == 1
+    sim.run()
+    sim.assert_drained()
+
+
+def test_preemption_stays_in_the_data_shard():
+    """Pages run out in shard 0 (two growing sequences in 8 pages): its latest sequence is
+    preempted; shard 1's lone sequence, with room to spare, is untouched."""
+    sched = Scheduler(config(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32,
+                             num_pages=8, data_shards=2))
+    sim = Sim(sched)
+    r0, r1, r2 = (sim.add(f"r{i}", [i + 1] * 12, max_tokens=20) for i in range(3))
+    sim.step()
+    assert (r0.data_shard, r1.data_shard, r2.data_shard) == (0, 1, 0)
+    preempted = []
+    while not preempted:
+        preempted = sim.step().preempted
+    assert preempted == [r2]
+    sim.run()
+    assert r1.num_preemptions == 0 and r0.num_preemptions == 0
+    sim.assert_drained()

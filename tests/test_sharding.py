@@ -1,4 +1,4 @@
-"""Tensor (and sequence) parallelism over 8 CPU devices gives the single-device tokens.
+"""Tensor, sequence and data parallelism over 8 CPU devices give the single-device tokens.
 
 The runs happen in a subprocess (tests/multidevice_check.py) started with 8 CPU devices.
 """
@@ -29,7 +29,10 @@ def runs(checkpoints, tmp_path_factory):
 
 @pytest.mark.parametrize("mesh", ['{"model": 2}', '{"model": 4}', '{"model": 8}',
                                   '{"model": 4} tp+sp', '{"model": 2} tpu-kernels',
-                                  '{"model": 8} tpu-kernels'])
+                                  '{"model": 8} tpu-kernels', '{"data": 2} dp',
+                                  '{"data": 2, "model": 4} dp+tp',
+                                  '{"data": 2, "model": 4} dp+tp+sp',
+                                  '{"data": 2, "model": 4} dp+tp tpu-kernels'])
 def test_tensor_parallel_matches_one_device(runs, mesh):
     one, tp = runs["null"], runs[mesh]
     assert tp["tokens"] == one["tokens"]
@@ -42,19 +45,40 @@ def test_tensor_parallel_matches_one_device(runs, mesh):
     assert tp["leaked_pages"] == 0 and tp["compiles_after_warmup"] == 0
 
 
-@pytest.mark.parametrize("mesh,kv_spec", [('{"model": 2}', "P('model', None, None, None)"),
-                                          ('{"model": 4}', "P(None, None, None, None)"),
-                                          ('{"model": 8}', "P(None, None, None, None)")])
-def test_weights_split_not_gathered(runs, mesh, kv_spec):
-    """q_proj is split by heads; KV heads (2) are split at TP=2 and replicated beyond; the
-    compiled step all-reduces and never all-gathers a weight back to its full shape."""
+@pytest.mark.parametrize("mesh,kv_spec,cache_heads", [
+    ('{"model": 2}', "P('model', None, None, None)", 2),
+    ('{"model": 4}', "P('model', None, None, None)", 4),
+    ('{"model": 8}', "P('model', None, None, None)", 8)])
+def test_weights_split_not_gathered(runs, mesh, kv_spec, cache_heads):
+    """q_proj is split by heads; the 2 KV heads are split at TP=2, and beyond that each is
+    stored once per device that reads it (cache heads = TP), so every device holds one
+    [pages, page_size, head_dim] slab; the compiled step all-reduces and never
+    all-gathers a weight back to its full shape."""
     tp = runs[mesh]
     assert tp["q_proj_sharding"] == "P(None, 'model', None)"
     assert tp["kv_cache_sharding"] == kv_spec
+    assert tp["kv_cache_shape"][0] == cache_heads
+    devices = json.loads(mesh)["model"]
+    assert tp["kv_cache_shard_shape"] == [cache_heads // devices] + tp["kv_cache_shape"][1:]
     assert tp["all_reduces"] >= 2 * 2  # attention out and MLP down, per layer
     full = {tuple(s) for s in tp["param_shapes"]}
     assert not [s for s in tp["all_gather_shapes"] if tuple(s) in full]
 
+
+@pytest.mark.parametrize("name", ['{"data": 2} dp', '{"data": 2, "model": 4} dp+tp',
+                                  '{"data": 2, "model": 4} dp+tp+sp'])
+def test_data_parallel_splits_requests_and_pages(runs, name):
+    """Each data shard has its own half of the page pool (pages axis over `data`), both
+    shards got prompts, and the step gathers neither a weight nor the KV cache."""
+    dp = runs[name]
+    assert "'data'" in dp["kv_cache_sharding"].split(",")[1]
+    assert dp["kv_cache_shard_shape"][1] * 2 == dp["kv_cache_shape"][1]
+    assert all(n > 0 for n in dp["prompt_tokens_per_data_shard"])
+    assert len(dp["prompt_tokens_per_data_shard"]) == 2
+    full = {tuple(s) for s in dp["param_shapes"]}
+    gathered = {tuple(s) for s in dp["all_gather_shapes"]}
+    assert not gathered & full
+    assert not [s for s in gathered if len(s) == 4 and s[2:] == tuple(dp["kv_cache_shape"][2:])]
 
 
 def test_sequence_parallel_reduce_scatters_instead_of_all_reducing(runs):
@@ -68,3 +92,8 @@ def test_sequence_parallel_reduce_scatters_instead_of_all_reducing(runs):
     assert tp["reduce_scatter_shapes"] == []
     assert sp["all_reduce_shapes"].count([64, 64]) == 1
     assert sp["reduce_scatter_shapes"] == [[16, 64]] * (2 * layers)
+    # With DP=2 in front, each data shard's 32 tokens are reduce-scattered over its 4
+    # model devices.
+    dp_tp, dp_sp = runs['{"data": 2, "model": 4} dp+tp'], runs['{"data": 2, "model": 4} dp+tp+sp']
+    assert dp_tp["reduce_scatter_shapes"] == []
+    assert dp_sp["reduce_scatter_shapes"] == [[8, 64]] * (2 * layers)

@@ -99,7 +99,7 @@ def test_jaxserve_plan_cli(tmp_path, capsys):
     assert abs(ratio - 1.0) < 0.03
     assert re.search(r"KV cache per token per chip\s+\| 2\.0 KiB", out)
     assert re.search(r"decode step, 16 tokens: collectives\s+\| .*all-reduce x\d+", out)
-    assert re.search(r"fits max_num_seqs x max_model_len\s+\| yes", out)
+    assert re.search(r"fits its seqs x max_model_len\s+\| yes", out)
 
 
 def test_plan_says_when_it_does_not_fit(monkeypatch):

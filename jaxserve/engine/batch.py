@@ -1,8 +1,14 @@
 """The step's input: a flat ragged batch of numpy arrays, padded to a (tokens, seqs) bucket.
 
 Only T (tokens) varies, over a few buckets; a batch of T tokens has room for
-S = min(T, max_num_seqs) sequences, so the number of compiled programs is finite. Penalties need every sequence's token history, so batches that use
-them carry a `TokenHistory` and compile as a separate variant.
+S = min(T, max_num_seqs) sequences, so the number of compiled programs is finite.
+Penalties need every sequence's token history, so batches that use them carry a
+`TokenHistory` and compile as a separate variant.
+
+With D data-parallel shards every array is D equal blocks (T/D tokens, S/D sequences
+each), block d holding the sequences placed in shard d, with token offsets, slots and
+page ids local to that shard (AttentionMetadata). The bucket is chosen by the busiest
+shard.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ class StepBatch:
     history: TokenHistory | None = None
 
 
-BucketKey = tuple[int, int, bool]  # (tokens, seqs, with token history)
+BucketKey = tuple[int, int, bool]  # (tokens, seqs, with token history), all shards together
 
 
 @dataclasses.dataclass
@@ -41,30 +47,46 @@ class BatchBuilder:
     token_buckets: tuple[int, ...]
     max_num_seqs: int
     page_size: int
-    num_pages: int
+    num_pages: int  # per data shard
     pages_per_seq: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    data_shards: int = 1
 
     def bucket(self, num_tokens: int, history: bool) -> BucketKey:
-        t = self.token_buckets[bisect.bisect_left(self.token_buckets, num_tokens)]
-        return t, min(t, self.max_num_seqs), history
+        """The bucket for `num_tokens` tokens in the busiest shard."""
+        d = self.data_shards
+        shard_buckets = sorted({-(-t // d) for t in self.token_buckets})
+        t = shard_buckets[bisect.bisect_left(shard_buckets, num_tokens)]
+        return d * t, d * min(t, self.max_num_seqs // d), history
 
     def all_buckets(self) -> list[BucketKey]:
         """Every bucket a schedule can produce."""
-        return [self.bucket(t, h) for h in (False, True) for t in self.token_buckets]
+        return sorted({self.bucket(-(-t // self.data_shards), h)
+                       for h in (False, True) for t in self.token_buckets})
 
     def build(self, out: SchedulerOutput, prev_rows: dict[int, int] | None = None
-              ) -> tuple[StepBatch, BucketKey]:
-        """The batch of a schedule. `prev_rows` maps id(seq) to its row in the sampled
-        tokens of the step still in flight, for seqs whose last token is a PLACEHOLDER."""
-        seqs = [x.seq for x in out.scheduled]
-        history = any(s.params.uses_penalties for s in seqs)
-        key = self.bucket(out.num_batched_tokens, history)
+              ) -> tuple[StepBatch, BucketKey, dict[int, int]]:
+        """The batch of a schedule, and each scheduled seq's row (keyed by id(seq)) in
+        the step's sampled outputs. `prev_rows` are the rows of the step still in flight,
+        for seqs whose last token is a PLACEHOLDER (read from that step's outputs)."""
+        d = self.data_shards
+        tokens, counts = [0] * d, [0] * d
+        for x in out.scheduled:
+            tokens[x.seq.data_shard] += x.num_new_tokens
+        history = any(x.seq.params.uses_penalties for x in out.scheduled)
+        key = self.bucket(max(tokens), history)
         batch = self.empty(key)
-        cu, t = batch.attn.cu_q_lens, 0
-        for i, sched in enumerate(out.scheduled):
+        shard_t, shard_s = key[0] // d, key[1] // d
+        cu, ends = batch.attn.cu_q_lens, [0] * d
+        rows = {}
+        for sched in out.scheduled:
             seq, start, n = sched.seq, sched.start, sched.num_new_tokens
+            shard = seq.data_shard
+            i, local = shard * shard_s + counts[shard], ends[shard]
+            t = shard * shard_t + local
+            counts[shard] += 1
+            rows[id(seq)] = i
             pos = np.arange(start, start + n, dtype=np.int32)
             pages = np.asarray(seq.page_ids, dtype=np.int32)
             batch.input_ids[t:t + n] = seq.token_ids[start:start + n]
@@ -73,18 +95,20 @@ class BatchBuilder:
                 batch.prev_index[t + n - 1] = prev_rows[id(seq)]
             batch.positions[t:t + n] = pos
             batch.attn.slot_mapping[t:t + n] = pages[pos // self.page_size] * self.page_size + pos % self.page_size
-            t += n
-            cu[i + 1] = t
+            ends[shard] = local + n
+            cu[shard * (shard_s + 1) + counts[shard]] = local + n
             batch.attn.kv_lens[i] = start + n
             batch.attn.page_indices[i, :len(pages)] = pages
             self._fill_sampling(batch.sampling, i, seq.params, seq)
             if history:
-                tokens = seq.token_ids
-                batch.history.tokens[i, :len(tokens)] = tokens
+                tokens_so_far = seq.token_ids
+                batch.history.tokens[i, :len(tokens_so_far)] = tokens_so_far
                 batch.history.prompt_lens[i] = seq.num_prompt_tokens
-        cu[len(seqs) + 1:] = t
-        batch.attn.num_seqs[...] = len(seqs)
-        return batch, key
+        for shard in range(d):
+            block = shard * (shard_s + 1)
+            cu[block + counts[shard] + 1:block + shard_s + 1] = ends[shard]
+        batch.attn.num_seqs[:] = counts
+        return batch, key, rows
 
     def _fill_sampling(self, a: SamplingArrays, i: int, p: SamplingParams, seq) -> None:
         a.temperature[i] = p.temperature
@@ -110,10 +134,10 @@ class BatchBuilder:
             prev_index=np.full(t, -1, i32),
             attn=AttentionMetadata(
                 slot_mapping=np.full(t, self.num_pages * self.page_size, i32),
-                cu_q_lens=np.zeros(s + 1, i32),
+                cu_q_lens=np.zeros(s + self.data_shards, i32),
                 kv_lens=np.zeros(s, i32),
                 page_indices=np.zeros((s, self.pages_per_seq), i32),
-                num_seqs=np.zeros((), i32),
+                num_seqs=np.zeros(self.data_shards, i32),
             ),
             sampling=SamplingArrays(
                 temperature=np.zeros(s, np.float32),

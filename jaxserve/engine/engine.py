@@ -77,16 +77,18 @@ class Engine:
         self.eos_token_ids = tuple(sorted(eos))
         kv_dtype = kv_cache_dtype(config)
         per_seq = pages_per_seq(self.max_model_len, config.page_size)
-        num_pages = config.num_pages or pool_size(
-            kv_page_bytes(model_config, config.page_size, kv_dtype),
-            per_seq * config.max_num_seqs, config.kv_cache_memory_gib,
+        shards = shard.data_shards
+        # Pages per data shard: each device holds its shard's pages (of its cache heads).
+        num_pages = config.num_pages // shards if config.num_pages else pool_size(
+            kv_page_bytes(model_config, config.page_size, kv_dtype, shard),
+            per_seq * config.max_num_seqs // shards, config.kv_cache_memory_gib,
             config.memory_utilization, shard.mesh.local_devices[0])
         if num_pages < per_seq:
             raise ValueError(
-                f"the KV cache holds {num_pages} pages of {config.page_size} tokens, fewer than "
-                f"one sequence of max_model_len={self.max_model_len} needs ({per_seq}); "
-                "lower max_model_len or give the cache more memory")
-        self.num_pages = num_pages
+                f"the KV cache holds {num_pages} pages of {config.page_size} tokens per data "
+                f"shard, fewer than one sequence of max_model_len={self.max_model_len} needs "
+                f"({per_seq}); lower max_model_len or give the cache more memory")
+        self.num_pages = num_pages * shards
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -95,11 +97,13 @@ class Engine:
             num_pages=num_pages,
             enable_prefix_caching=config.enable_prefix_caching,
             policy=config.scheduling_policy,
+            data_shards=shards,
         ))
         self.builder = BatchBuilder(
             token_buckets=config.token_buckets, max_num_seqs=config.max_num_seqs,
             page_size=config.page_size, num_pages=num_pages, pages_per_seq=per_seq,
-            max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids)
+            max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
+            data_shards=shards)
         self.runner = ModelRunner(graphdef, params, shard, self.builder, model_config, kv_dtype)
         self._requests: dict[str, _Request] = {}
         self._rng = random.Random(config.seed)
@@ -108,15 +112,16 @@ class Engine:
         self.num_overlapped_steps = 0  # dispatched while the step before was still running
 
     @classmethod
-    def from_config(cls, config: EngineConfig, mesh_shape: dict[str, int] | None = None,
-                    random_weights_preset: str | None = None, sharding: str = "tp") -> "Engine":
+    def from_config(cls, config: EngineConfig, random_weights_preset: str | None = None
+                    ) -> "Engine":
         """Load the checkpoint directory `config.model` (the demo model when None).
 
-        `mesh_shape` ({"data": d, "model": m}) and `sharding` (a strategy of
+        `config.mesh` ({"data": d, "model": m}) and `config.sharding` (a strategy of
         sharding/rules.py) place the model on devices. `random_weights_preset` (a YAML
         model preset) builds random weights instead, with no tokenizer: for benchmarks.
         """
-        mesh = make_mesh(mesh_shape)
+        mesh = make_mesh(config.mesh)
+        sharding = config.sharding
         dtype = _DTYPES[config.dtype]
         options = model_options(config)
         if random_weights_preset is not None:
@@ -227,7 +232,7 @@ class Engine:
             outputs, pending = self._finish(pending), None
         sched = self.scheduler.schedule()
         if not sched.is_empty:
-            batch, key = self.builder.build(sched, pending.rows if pending else None)
+            batch, key, rows = self.builder.build(sched, pending.rows if pending else None)
             if pending is not None:
                 self.num_overlapped_steps += not _is_ready(pending.out)
             out = self.runner.dispatch(batch, key)
@@ -239,7 +244,7 @@ class Engine:
         done = self.scheduler.on_step_done(sched)
         for seq in done:
             seq.output_token_ids.append(PLACEHOLDER)
-        self._inflight = _InFlight(out, {id(s.seq): i for i, s in enumerate(sched.scheduled)}, done)
+        self._inflight = _InFlight(out, rows, done)
         if not self.config.async_scheduling:
             outputs, self._inflight = self._finish(self._inflight), None
         return outputs

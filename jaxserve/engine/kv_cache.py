@@ -200,6 +200,11 @@ class PageAllocator:
         seq.page_ids = []
         self._seqs.pop(seq, None)
 
+    def forget(self, seq: Sequence) -> None:
+        """Drop the prefix-cache bookkeeping of a sequence that holds no pages here (one
+        looked up in this pool but placed in another)."""
+        self._seqs.pop(seq, None)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached page that no sequence holds (e.g. after a weight update)."""
         while self._evictable:

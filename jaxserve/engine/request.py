@@ -38,6 +38,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     page_ids: list[int] = dataclasses.field(default_factory=list)
+    data_shard: int = 0  # whose page pool `page_ids` index (data parallelism)
     num_preemptions: int = 0
     finish_reason: str | None = None
 

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from jaxserve.config import ModelConfig
 from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.sampler import SampleOutput, sample
-from jaxserve.models.transformer import KVCache, kv_cache_layout
+from jaxserve.models.transformer import KV_CACHE_AXES, KVCache, kv_cache_layout
 from sharding.rules import ShardingContext
 
 log = logging.getLogger(__name__)
@@ -35,10 +35,18 @@ def step(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch: S
     input_ids = jnp.where(batch.prev_index >= 0,
                           prev_tokens[jnp.maximum(batch.prev_index, 0)], batch.input_ids)
     hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attn)
-    last = jnp.maximum(batch.attn.cu_q_lens[1:] - 1, 0)
-    logits = model.logits(hidden[last])
+    logits = model.logits(last_tokens(hidden, batch.attn.cu_q_lens, batch.attn.num_seqs.shape[0]))
     out = sample(logits, batch.sampling, batch.history)
     return kv_caches, out, prev_tokens.at[: out.token_ids.shape[0]].set(out.token_ids)
+
+
+def last_tokens(hidden: jax.Array, cu_q_lens: jax.Array, data_shards: int) -> jax.Array:
+    """Each sequence's last scheduled token's hidden state, `[S, hidden]`, taken within
+    each data shard's block of tokens (so no shard reads another's)."""
+    blocks = hidden.reshape(data_shards, -1, hidden.shape[-1])
+    cu = cu_q_lens.reshape(data_shards, -1)
+    last = jnp.maximum(cu[:, 1:] - 1, 0)
+    return jnp.take_along_axis(blocks, last[:, :, None], axis=1).reshape(-1, hidden.shape[-1])
 
 
 def jit_step(graphdef: nnx.GraphDef, param_shardings, cache_shardings, shard: ShardingContext):
@@ -50,18 +58,24 @@ def jit_step(graphdef: nnx.GraphDef, param_shardings, cache_shardings, shard: Sh
                    out_shardings=(cache_shardings, replicated, replicated))
 
 
-def kv_page_bytes(cfg: ModelConfig, page_size: int, kv_dtype) -> int:
-    """Bytes of one page across all layers: K and V, and their scales when quantized."""
-    layer = kv_cache_layout(cfg, 1, page_size, kv_dtype)
+def kv_page_bytes(cfg: ModelConfig, page_size: int, kv_dtype,
+                  shard: ShardingContext | None = None) -> int:
+    """Bytes of one page across all layers: K and V, and their scales when quantized.
+    With `shard`, the bytes one device holds of it (its share of the cache heads)."""
+    replicas = shard.rules.kv_head_replicas if shard else 1
+    split = shard.axis_size(shard.rules.spec(KV_CACHE_AXES)[0]) if shard else 1
+    layer = kv_cache_layout(cfg, 1, page_size, kv_dtype, replicas)
     return cfg.num_layers * sum(int(np.prod(shape)) * jnp.dtype(dtype).itemsize
-                                for shape, dtype, _ in layer)
+                                for shape, dtype, _ in layer) // split
 
 
 def abstract_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, kv_dtype,
                       shard: ShardingContext) -> list[tuple[jax.ShapeDtypeStruct, ...]]:
-    """The KV cache's shapes, dtypes and shardings, allocating nothing."""
+    """The KV cache's shapes, dtypes and shardings (`num_pages` in all data shards),
+    allocating nothing."""
+    layout = kv_cache_layout(cfg, num_pages, page_size, kv_dtype, shard.rules.kv_head_replicas)
     layer = tuple(jax.ShapeDtypeStruct(shape, dtype, sharding=shard.sharding(axes))
-                  for shape, dtype, axes in kv_cache_layout(cfg, num_pages, page_size, kv_dtype))
+                  for shape, dtype, axes in layout)
     return [layer] * cfg.num_layers
 
 
@@ -91,7 +105,8 @@ class ModelRunner:
         self.params = params
         self.shard = shard
         self.builder = builder
-        abstract = abstract_kv_cache(cfg, builder.num_pages, builder.page_size, kv_dtype, shard)
+        abstract = abstract_kv_cache(cfg, builder.num_pages * builder.data_shards,
+                                     builder.page_size, kv_dtype, shard)
         zeros = lambda x: jax.jit(lambda: jnp.zeros(x.shape, x.dtype),  # noqa: E731
                                   out_shardings=x.sharding)()
         self.kv_caches: KVCache = [tuple(zeros(x) for x in layer) for layer in abstract]

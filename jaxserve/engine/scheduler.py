@@ -9,6 +9,12 @@ what is left of the budget (chunked prefill). When KV pages run out, a running s
 preempted by recompute: its pages are freed and it goes back to the waiting queue with all
 its tokens (prompt and outputs so far) to compute again, prefix cache permitting.
 
+Under data parallelism the devices form `data_shards` groups, each with its own KV page
+pool, its share of the sequence seats and of the token budget. A sequence is placed in one
+shard when admitted (the one with the longest cached prefix, then the most free pages)
+and stays there until it finishes or is preempted; preemption picks victims in the same
+shard.
+
 Plain Python over plain data, tested without JAX.
 """
 
@@ -31,16 +37,22 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     page_size: int
-    num_pages: int
+    num_pages: int  # per data shard
     enable_prefix_caching: bool = True
     policy: str = "fcfs"  # or "priority": lower Sequence.priority first, then arrival
+    data_shards: int = 1
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size", "num_pages"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size",
+                     "num_pages", "data_shards"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) % self.data_shards:
+                raise ValueError(f"{name} ({getattr(self, name)}) must divide evenly over "
+                                 f"the {self.data_shards} data-parallel shards")
         # Otherwise a sequence near max_model_len could never get all its pages, even
         # alone, and would be preempted and readmitted forever.
         if self.num_pages * self.page_size < self.max_model_len:
@@ -73,7 +85,9 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.allocator = PageAllocator(config.num_pages, config.page_size, config.enable_prefix_caching)
+        self.allocators = [PageAllocator(config.num_pages, config.page_size,
+                                         config.enable_prefix_caching)
+                           for _ in range(config.data_shards)]
         # Kept sorted by `_order_key`. For fcfs that is arrival order, and a preempted seq
         # (which arrived before every waiting one) lands at the front.
         self.waiting: list[Sequence] = []
@@ -98,6 +112,25 @@ class Scheduler:
 
     def get(self, request_id: str) -> Sequence | None:
         return self._requests.get(request_id)
+
+    @property
+    def allocator(self) -> PageAllocator:
+        """The page allocator (one data shard only; see `allocators`)."""
+        assert len(self.allocators) == 1, "several data shards: use allocators"
+        return self.allocators[0]
+
+    @property
+    def num_pages(self) -> int:
+        return sum(a.num_pages for a in self.allocators)
+
+    @property
+    def num_used_pages(self) -> int:
+        return sum(a.num_used_pages for a in self.allocators)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        queries = sum(a.prefix_queries for a in self.allocators)
+        return sum(a.prefix_hits for a in self.allocators) / queries if queries else 0.0
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -128,7 +161,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.allocator.free(seq)
+        self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         if self._requests.get(seq.request_id) is seq:
@@ -139,14 +172,16 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work within the token budget; see the module docstring."""
         out = SchedulerOutput(scheduled=[], preempted=[], num_batched_tokens=0)
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        shards = self.config.data_shards
+        budgets = [self.config.max_num_batched_tokens // shards] * shards
+        self._schedule_running(out, budgets)
         # A step that had to preempt is short of pages: admitting new work now would only
         # get it preempted next (vLLM does the same). This also keeps the seqs preempted
         # in this step from being readmitted in it.
         if not out.preempted:
-            budget = self._schedule_waiting(out, budget)
-        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
-        assert out.num_batched_tokens == sum(s.num_new_tokens for s in out.scheduled)
+            self._schedule_waiting(out, budgets)
+        out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        assert out.num_batched_tokens == self.config.max_num_batched_tokens - sum(budgets)
         return out
 
     def on_step_done(self, out: SchedulerOutput) -> list[Sequence]:
@@ -162,7 +197,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             seq.num_computed_tokens = s.start + s.num_new_tokens
-            self.allocator.commit(seq)
+            self.allocators[seq.data_shard].commit(seq)
             if seq.num_computed_tokens == seq.num_tokens:
                 done.append(seq)
         return done
@@ -184,53 +219,83 @@ class Scheduler:
         )
         return min(seq.num_tokens - seq.num_computed_tokens, budget)
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        """Schedule running seqs in order, preempting when pages run out. Returns the budget left."""
+    def _schedule_running(self, out: SchedulerOutput, budgets: list[int]) -> None:
+        """Schedule running seqs in order, preempting (in the same data shard) when pages
+        run out. Takes the tokens from `budgets`, one per data shard."""
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running):
             seq = self.running[i]
-            n = self._num_to_compute(seq, budget)
-            if n <= 0:  # engine has not appended its token yet: nothing to do for it
+            shard = seq.data_shard
+            n = self._num_to_compute(seq, budgets[shard])
+            if n <= 0:  # shard's budget spent, or the engine has not appended its token yet
                 i += 1
                 continue
             scheduled = True
-            while not self.allocator.allocate_more(seq, seq.num_computed_tokens + n):
-                victim = self._pick_victim()
+            while not self.allocators[shard].allocate_more(seq, seq.num_computed_tokens + n):
+                victim = self._pick_victim(shard)
                 j = self.running.index(victim)
-                budget += self._preempt(victim, out)
-                if victim is seq:
+                budgets[shard] += self._preempt(victim, out)
+                if victim is seq:  # now gone from running: i is the next seq
                     scheduled = False
                     break
                 if j < i:  # (priority policy) a seq already scheduled this step
                     i -= 1
             if not scheduled:
-                break
+                continue
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
-            budget -= n
+            budgets[shard] -= n
             i += 1
-        return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        """Admit waiting seqs in order while budget, seat and pages last. Returns the budget left."""
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _schedule_waiting(self, out: SchedulerOutput, budgets: list[int]) -> None:
+        """Admit waiting seqs in order while budget, seats and pages last."""
+        seats = [self.config.max_num_seqs // self.config.data_shards] * self.config.data_shards
+        for seq in self.running:
+            seats[seq.data_shard] -= 1
+        while self.waiting:
             seq = self.waiting[0]
-            num_cached = self.allocator.lookup_prefix(seq)
-            n = min(seq.num_tokens - num_cached, budget)
-            if not self.allocator.allocate_prompt(seq, n):
+            shard = self._place(seq, budgets, seats)
+            if shard is None:
                 break  # head of line waits for pages; running seqs are not preempted for it
-            assert seq.num_computed_tokens == num_cached
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budgets[shard])
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
-            budget -= n
-        return budget
+            budgets[shard] -= n
+            seats[shard] -= 1
 
-    def _pick_victim(self) -> Sequence:
-        """fcfs: the latest admitted running seq; priority: the worst (priority, arrival)."""
+    def _place(self, seq: Sequence, budgets: list[int], seats: list[int]) -> int | None:
+        """Give a waiting seq pages in the data shard with budget and a seat that caches
+        the longest prefix of it, then has the most free pages; None if none can."""
+        cached = {d: self.allocators[d].lookup_prefix(seq)
+                  for d in range(len(self.allocators)) if budgets[d] > 0 and seats[d] > 0}
+        order = sorted(cached, key=lambda d: (-cached[d], -self.allocators[d].num_free_pages, d))
+        for d in order:
+            n = min(seq.num_tokens - cached[d], budgets[d])
+            if self.allocators[d].allocate_prompt(seq, n):
+                assert seq.num_computed_tokens == cached[d]
+                seq.data_shard = d
+                for other in self.allocators:
+                    if other is not self.allocators[d]:
+                        other.forget(seq)
+                return d
+        return None
+
+    def _pick_victim(self, shard: int) -> Sequence:
+        """fcfs: the latest admitted running seq of the data shard; priority: its worst
+        (priority, arrival)."""
+        candidates = [s for s in self.running if s.data_shard == shard]
         if self.config.policy == "priority":
-            return max(self.running, key=lambda s: (s.priority, s.arrival))
-        return self.running[-1]
+            return max(candidates, key=lambda s: (s.priority, s.arrival))
+        return candidates[-1]
+
+    def _release(self, seq: Sequence) -> None:
+        """Free `seq`'s pages in its shard and forget its lookups in the others."""
+        for d, alloc in enumerate(self.allocators):
+            if d == seq.data_shard:
+                alloc.free(seq)
+            else:
+                alloc.forget(seq)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
         """Free `seq`'s pages and requeue it for full recompute.
@@ -244,7 +309,7 @@ class Scheduler:
             if s.seq is seq:
                 refund = out.scheduled.pop(k).num_new_tokens
                 break
-        self.allocator.free(seq)
+        self._release(seq)
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING

@@ -19,22 +19,30 @@ from jaxserve.config import ModelConfig
 from jaxserve.models.layers import (
     ModelOptions, apply_rope, dense, linear, param, rms_norm, rope_inv_freq)
 from pallas_kernels.ragged_paged_attention import default_impl, ragged_paged_attention, write_kv
-from sharding.rules import ShardingContext
+from sharding.rules import DATA, MODEL, ShardingContext
 
 # Per layer: (k_pages, v_pages), plus (k_scales, v_scales) for a quantized cache.
 KVCache = list[tuple[jax.Array, ...]]
-# Logical axes of one layer's K or V pages: [num_kv_heads, num_pages, page_size, head_dim].
-KV_CACHE_AXES = ("kv_heads", None, None, None)
+# Logical axes of one layer's K or V pages: [cache_heads, num_pages, page_size, head_dim].
+KV_CACHE_AXES = ("cache_heads", "pages", None, None)
 QUANTIZED_KV_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
 Q_AXES = ("tokens", "q_heads", None)
+NEW_KV_AXES = ("tokens", "cache_heads", None)
 RESIDUAL_AXES = ("residual", "embed")
+SEQ_AXES = ("seqs",)
 
 
-def kv_cache_layout(cfg: ModelConfig, num_pages: int, page_size: int, kv_dtype
+def kv_cache_layout(cfg: ModelConfig, num_pages: int, page_size: int, kv_dtype,
+                    kv_head_replicas: int = 1
                     ) -> tuple[tuple[tuple[int, ...], object, tuple], ...]:
     """(shape, dtype, logical axes) of one layer's cache entries: K and V pages, and their
-    float32 per-token scales `[num_kv_heads, num_pages, page_size]` when quantized."""
-    pages = ((cfg.num_kv_heads, num_pages, page_size, cfg.head_dim), kv_dtype, KV_CACHE_AXES)
+    float32 per-token scales `[cache_heads, num_pages, page_size]` when quantized.
+
+    cache_heads = num_kv_heads x kv_head_replicas (sharding/rules.py): a KV head stored
+    once per tensor-parallel device that reads it.
+    """
+    heads = cfg.num_kv_heads * kv_head_replicas
+    pages = ((heads, num_pages, page_size, cfg.head_dim), kv_dtype, KV_CACHE_AXES)
     if jnp.dtype(kv_dtype) not in [jnp.dtype(d) for d in QUANTIZED_KV_DTYPES]:
         return pages, pages
     scales = (pages[0][:3], jnp.float32, KV_CACHE_AXES[:3])
@@ -47,10 +55,14 @@ class AttentionMetadata:
     """Where each token's K/V goes and which pages each sequence reads (see reference.py)."""
 
     slot_mapping: jax.Array  # [T]
-    cu_q_lens: jax.Array  # [S + 1]
+    cu_q_lens: jax.Array  # [D * (S/D + 1)]
     kv_lens: jax.Array  # [S]
     page_indices: jax.Array  # [S, pages_per_seq]
-    num_seqs: jax.Array  # []
+    num_seqs: jax.Array  # [D]
+
+    # With D data shards (1 without data parallelism), every array is D equal blocks, one
+    # per shard, in the shard's own terms: token offsets within its T/D tokens, slots and
+    # page ids within its page pool.
 
 
 class Attention(nnx.Module):
@@ -94,9 +106,12 @@ class Attention(nnx.Module):
             k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
         q = shard.constrain(apply_rope(q, positions, inv_freq), Q_AXES)
         k = apply_rope(k, positions, inv_freq)
-        kv = write_kv(kv[0], kv[1], k, v, meta.slot_mapping, *kv[2:])
-        out = attention(q, kv, meta, shard, self.options, sm_scale=cfg.head_dim**-0.5,
-                        sliding_window=self.window)
+        replicas = shard.rules.kv_head_replicas
+        if replicas > 1:  # one copy of each KV head per device that reads it
+            k, v = jnp.repeat(k, replicas, axis=1), jnp.repeat(v, replicas, axis=1)
+        k, v = shard.constrain(k, NEW_KV_AXES), shard.constrain(v, NEW_KV_AXES)
+        out, kv = paged_attention(q, k, v, kv, meta, shard, self.options,
+                                  sm_scale=cfg.head_dim**-0.5, sliding_window=self.window)
         out = row_parallel(out, self.o_proj, self.o_proj_scales, 2, (cfg.hidden_size,),
                            self.options, shard)
         if cfg.o_bias:
@@ -104,33 +119,60 @@ class Attention(nnx.Module):
         return out, kv
 
 
-def attention(q: jax.Array, kv: tuple[jax.Array, ...], meta: AttentionMetadata,
-              shard: ShardingContext, options: ModelOptions, **kwargs) -> jax.Array:
-    """Ragged paged attention with the configured kernel, run per shard on a mesh.
+def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple[jax.Array, ...],
+                    meta: AttentionMetadata, shard: ShardingContext, options: ModelOptions,
+                    **kwargs) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """Write the new tokens' K/V into the paged cache, then ragged paged attention.
 
-    XLA cannot partition a Pallas kernel, so on a mesh the kernel runs under shard_map on
-    each device's query heads and KV heads. That needs the KV heads split like the query
-    heads; where they are replicated (fewer KV heads than devices) each device would need
-    a slice of the KV pool, so the pure-JAX reference runs instead, which XLA partitions.
+    Both run per shard under shard_map where XLA cannot partition them on its own:
+    - over `data` (data parallelism): each shard's page ids and token offsets are local to
+      its own page pool and tokens;
+    - over `model` when a Pallas kernel runs (XLA cannot partition a kernel): each device
+      takes its query heads and the cache heads they read. Where the cache is replicated
+      whole (KV heads that neither divide nor are divided by the `model` size), the
+      pure-JAX reference runs instead and XLA partitions it.
     """
     impl = options.kernel_impl or default_impl()
-    q_spec = shard.rules.spec(Q_AXES)
-    kv_specs = tuple(shard.rules.spec(KV_CACHE_AXES[:x.ndim]) for x in kv)
-    if shard.mesh.size > 1 and impl != "reference" and kv_specs[0][0] != q_spec[1]:
+    q_spec, cache_spec = shard.rules.spec(Q_AXES), shard.rules.spec(KV_CACHE_AXES)
+    if shard.mesh.size > 1 and impl != "reference" and cache_spec[0] != q_spec[1]:
         impl = "reference"
+    manual = set()
+    if shard.data_shards > 1:
+        manual.add(DATA)
+    if impl != "reference" and q_spec[1] is not None:
+        manual.add(q_spec[1])
+    if manual:  # a kernel must see no automatic axis, not even one of size 1
+        manual |= {a for a, n in shard.mesh.shape.items() if n == 1}
 
-    def attend(q, kv, kv_lens, page_indices, cu_q_lens, num_seqs):
+    def local(q, k, v, kv, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs):
+        kv = write_kv(kv[0], kv[1], k, v, slot_mapping, *kv[2:])
         scales = dict(k_scales=kv[2], v_scales=kv[3]) if len(kv) == 4 else {}
-        return ragged_paged_attention(q, kv[0], kv[1], kv_lens, page_indices, cu_q_lens,
-                                      num_seqs, impl=impl, interpret=options.interpret,
-                                      **scales, **kwargs)
+        out = ragged_paged_attention(q, kv[0], kv[1], kv_lens, page_indices, cu_q_lens,
+                                     num_seqs[0], impl=impl, interpret=options.interpret,
+                                     **scales, **kwargs)
+        return out, kv
 
-    if shard.mesh.size > 1 and impl != "reference":
-        replicated = PartitionSpec()
-        attend = jax.shard_map(attend, mesh=shard.mesh, check_vma=False,
-                               in_specs=(q_spec, kv_specs) + (replicated,) * 4,
-                               out_specs=q_spec)
-    return attend(q, kv, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs)
+    args = (q, k, v, kv, meta.slot_mapping, meta.kv_lens, meta.page_indices, meta.cu_q_lens,
+            meta.num_seqs)
+    if not manual:
+        return local(*args)
+    spec = lambda axes: _only(shard.rules.spec(axes), manual)  # noqa: E731
+    kv_specs = tuple(spec(KV_CACHE_AXES[:x.ndim]) for x in kv)
+    seq_spec = spec(SEQ_AXES)
+    return jax.shard_map(
+        local, mesh=shard.mesh, axis_names=manual, check_vma=False,
+        in_specs=(spec(Q_AXES), spec(NEW_KV_AXES), spec(NEW_KV_AXES), kv_specs,
+                  spec(("tokens",)), seq_spec, seq_spec, seq_spec, seq_spec),
+        out_specs=(spec(Q_AXES), kv_specs))(*args)
+
+
+def _only(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
+    """`spec` with every mesh axis outside `axes` dropped (a partial shard_map's view)."""
+    def keep(entry):
+        entry = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        kept = tuple(a for a in entry if a in axes)
+        return kept[0] if len(kept) == 1 else (kept or None)
+    return PartitionSpec(*(keep(e) for e in spec))
 
 
 def row_parallel(x: jax.Array, w: nnx.Param, scales: nnx.Param | None, n_in: int,
@@ -139,18 +181,19 @@ def row_parallel(x: jax.Array, w: nnx.Param, scales: nnx.Param | None, n_in: int
     """A row-split matmul (o_proj, down_proj) whose result joins the residual stream.
 
     Under sequence parallelism each device's partial sums are reduce-scattered over
-    tokens (shard_map + psum_scatter): XLA left to itself all-reduces and then slices.
-    That needs the tokens to divide evenly over the devices (not the 1-token bucket) and a
-    float weight; otherwise the plain matmul, whose result XLA all-reduces.
+    tokens (shard_map + psum_scatter over `model`): XLA left to itself all-reduces and
+    then slices. That needs the tokens to divide evenly over the residual's shards (not
+    the 1-token bucket) and a float weight; otherwise the plain matmul, whose result XLA
+    all-reduces.
     """
-    tokens_axis = shard.rules.spec(RESIDUAL_AXES)[0]
-    if (shard.mesh.size == 1 or tokens_axis is None or scales is not None
-            or x.shape[0] % shard.mesh.shape[tokens_axis]):
+    residual = shard.rules.spec(RESIDUAL_AXES)[0]
+    sp = MODEL in ((residual,) if isinstance(residual, str) else (residual or ()))
+    if not sp or scales is not None or x.shape[0] % shard.axis_size(residual):
         y = dense(x, w, scales, n_in, out_shape, options, on_mesh=shard.mesh.size > 1)
         return shard.constrain(y, RESIDUAL_AXES)
 
     def partial_sums(x, w):
-        return jax.lax.psum_scatter(jnp.tensordot(x, w, axes=n_in), tokens_axis,
+        return jax.lax.psum_scatter(jnp.tensordot(x, w, axes=n_in), MODEL,
                                     scatter_dimension=0, tiled=True)
 
     x_axes = Q_AXES if n_in == 2 else ("tokens", "mlp")
