@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 import pytest
 
 from jaxserve.cli import main
@@ -67,3 +69,38 @@ def test_engine_config_validation(tmp_path):
     with pytest.raises(ValueError, match="bogus"):
         EngineConfig.from_yaml(tmp_path / "e.yaml")
     assert EngineConfig.from_yaml("configs/engine/cpu.yaml", max_num_seqs=3).max_num_seqs == 3
+
+
+def test_mesh_and_sharding_settings(tmp_path):
+    """mesh and sharding come from YAML (flags override), and bad ones say what to write;
+    a strategy that does not use a mesh axis, or data shards that do not divide the seats,
+    are errors too."""
+    (tmp_path / "e.yaml").write_text("mesh: {data: 2, model: 4}\nsharding: dp+tp\n")
+    cfg = EngineConfig.from_yaml(tmp_path / "e.yaml")
+    assert (cfg.mesh, cfg.sharding) == ({"data": 2, "model": 4}, "dp+tp")
+    assert EngineConfig.from_yaml(tmp_path / "e.yaml", sharding="dp+tp+sp").sharding == "dp+tp+sp"
+    with pytest.raises(ValueError, match="sharding must be one of"):
+        EngineConfig(sharding="pp")
+    with pytest.raises(ValueError, match="axes are"):
+        EngineConfig(mesh={"rows": 2})
+    with pytest.raises(ValueError, match="positive integer"):
+        EngineConfig(mesh={"model": 0})
+
+    import jax
+
+    from sharding.rules import strategy_rules
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    assert strategy_rules("dp", mesh, 8, 2, 100, 64).table == ()  # one device: nothing split
+    two_by_four = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
+    with pytest.raises(ValueError, match="no data parallelism; use dp"):
+        strategy_rules("tp", two_by_four, 8, 2, 100, 64)
+    with pytest.raises(ValueError, match="no tensor parallelism"):
+        strategy_rules("dp", two_by_four, 8, 2, 100, 64)
+    rules = strategy_rules("dp+tp+sp", two_by_four, 8, 2, 100, 64)
+    assert rules.kv_head_replicas == 2  # 2 KV heads on 4 model devices: each stored twice
+    assert rules.spec(("residual", "embed")) == jax.sharding.PartitionSpec(("data", "model"), None)
+
+    from jaxserve.engine.scheduler import SchedulerConfig
+    with pytest.raises(ValueError, match="divide evenly over the 2 data-parallel shards"):
+        SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64, max_model_len=32,
+                        page_size=4, num_pages=16, data_shards=2)
