@@ -16,7 +16,8 @@ def arrays(n, **kw) -> SamplingArrays:
                 presence_penalty=np.zeros(n, np.float32), frequency_penalty=np.zeros(n, np.float32),
                 repetition_penalty=np.ones(n, np.float32), seed=np.arange(n, dtype=np.uint32),
                 output_index=np.zeros(n, np.int32),
-                banned_ids=np.full((n, MAX_STOP_TOKEN_IDS), -1, np.int32))
+                banned_ids=np.full((n, MAX_STOP_TOKEN_IDS), -1, np.int32),
+                logprobs=np.ones(n, np.bool_))
     for k, v in kw.items():
         base[k] = np.asarray(v, base[k].dtype)
     return SamplingArrays(**base)
@@ -84,6 +85,15 @@ def test_greedy_bans_and_logprobs():
     np.testing.assert_allclose(out.logprob, [logp[0, 3], logp[1, 0]], rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(out.top_ids)[0, :4], [1, 3, 2, 0])
     np.testing.assert_allclose(np.asarray(out.top_logprobs)[0, :4], np.sort(logp[0])[::-1], rtol=1e-6)
+    # Logprobs are computed when any row asks (for every row), and skipped when none does:
+    # the tokens do not change.
+    one = jax.jit(sample)(jnp.asarray(logits), arrays(2, temperature=[0, 0], banned_ids=banned,
+                                                     logprobs=[False, True]), None)
+    np.testing.assert_allclose(one.logprob, out.logprob, rtol=1e-6)
+    none = jax.jit(sample)(jnp.asarray(logits), arrays(2, temperature=[0, 0], banned_ids=banned,
+                                                      logprobs=[False, False]), None)
+    assert np.asarray(none.token_ids).tolist() == [3, 0]
+    assert not np.asarray(none.logprob).any() and not np.asarray(none.top_ids).any()
 
 
 def test_penalties_exact():

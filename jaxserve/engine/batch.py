@@ -120,6 +120,7 @@ class BatchBuilder:
         a.repetition_penalty[i] = p.repetition_penalty
         a.seed[i] = p.seed
         a.output_index[i] = len(seq.output_token_ids)
+        a.logprobs[i] = p.logprobs is not None
         if len(seq.output_token_ids) < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
             a.banned_ids[i, :len(banned)] = banned[:MAX_STOP_TOKEN_IDS]
@@ -150,6 +151,7 @@ class BatchBuilder:
                 seed=np.zeros(s, np.uint32),
                 output_index=np.zeros(s, i32),
                 banned_ids=np.full((s, MAX_STOP_TOKEN_IDS), -1, i32),
+                logprobs=np.zeros(s, np.bool_),
             ),
             history=TokenHistory(
                 tokens=np.full((s, self.max_model_len), -1, i32),

@@ -3,7 +3,8 @@
 Order (as vLLM): penalties → (greedy argmax | temperature → top-k → top-p → min-p → draw).
 Each sequence draws with its own key, `fold_in(key(seed), output index)`, so a seeded
 request gets the same tokens whatever else shares its batch. Logprobs are those of the
-model's raw distribution (before penalties and filters).
+model's raw distribution (before penalties and filters), computed only when a sequence of
+the batch asks for them (zeros otherwise).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class SamplingArrays:
     seed: jax.Array  # u32
     output_index: jax.Array  # i32, how many tokens the sequence has generated
     banned_ids: jax.Array  # i32, -1 padded: stop tokens forbidden until min_tokens is reached
+    logprobs: jax.Array  # bool, the request asked for logprobs
 
 
 @jax.tree_util.register_dataclass
@@ -113,7 +115,18 @@ def sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | Non
         return jnp.where(p.temperature > 0, drawn, greedy_ids)
 
     token_ids = jax.lax.cond(jnp.any(p.temperature > 0), draw, lambda _: greedy_ids, logits)
-    logprobs = jax.nn.log_softmax(raw_logits, axis=-1)
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logprobs.shape[1]))
-    chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
-    return SampleOutput(token_ids, chosen, top_ids.astype(jnp.int32), top_logprobs)
+    s, k = raw_logits.shape[0], min(MAX_LOGPROBS, raw_logits.shape[1])
+
+    def with_logprobs(_):
+        logprobs = jax.nn.log_softmax(raw_logits, axis=-1)
+        top_logprobs, top_ids = jax.lax.top_k(logprobs, k)
+        chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
+        return chosen, top_ids.astype(jnp.int32), top_logprobs
+
+    def without(_):  # nobody asked: skip a softmax and a top-k over the vocabulary
+        return (jnp.zeros(s, jnp.float32), jnp.zeros((s, k), jnp.int32),
+                jnp.zeros((s, k), jnp.float32))
+
+    chosen, top_ids, top_logprobs = jax.lax.cond(jnp.any(p.logprobs), with_logprobs, without,
+                                                 None)
+    return SampleOutput(token_ids, chosen, top_ids, top_logprobs)
