@@ -23,13 +23,18 @@ ENGINE = dict(dtype="float32", max_model_len=128, page_size=4, max_num_seqs=4,
 KERNELS = dict(kernel_impl="tpu", interpret_kernels=True)
 # (mesh, strategy, extra engine settings, name suffix). The model has 2 KV heads: TP=2
 # splits them; TP=4 and 8 store each on the 2 or 4 devices that read it. The Pallas
-# kernels run per device under shard_map (with DP, per data shard too).
+# kernels run per device under shard_map (with DP, per data shard too), the int8 matmul
+# kernels too (column-split: no collective; row-split: psum, or psum_scatter under SP).
 RUNS = [(None, "tp", {}, ""), ({"model": 2}, "tp", {}, ""), ({"model": 4}, "tp", {}, ""),
         ({"model": 8}, "tp", {}, ""), ({"model": 4}, "tp+sp", {}, " tp+sp"),
         ({"model": 2}, "tp", KERNELS, " tpu-kernels"), ({"model": 8}, "tp", KERNELS, " tpu-kernels"),
         ({"data": 2}, "dp", {}, " dp"), ({"data": 2, "model": 4}, "dp+tp", {}, " dp+tp"),
         ({"data": 2, "model": 4}, "dp+tp+sp", {}, " dp+tp+sp"),
-        ({"data": 2, "model": 4}, "dp+tp", KERNELS, " dp+tp tpu-kernels")]
+        ({"data": 2, "model": 4}, "dp+tp", KERNELS, " dp+tp tpu-kernels"),
+        (None, "tp", {"quantization": "int8"}, " int8"),
+        ({"model": 2}, "tp+sp", {**KERNELS, "quantization": "int8"}, " int8 tp+sp tpu-kernels"),
+        ({"data": 2, "model": 4}, "dp+tp", {**KERNELS, "quantization": "int8"},
+         " int8 dp+tp tpu-kernels")]
 
 
 def all_gather_shapes(hlo: str) -> list[list[int]]:

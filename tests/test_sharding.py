@@ -34,7 +34,21 @@ def runs(checkpoints, tmp_path_factory):
                                   '{"data": 2, "model": 4} dp+tp+sp',
                                   '{"data": 2, "model": 4} dp+tp tpu-kernels'])
 def test_tensor_parallel_matches_one_device(runs, mesh):
-    one, tp = runs["null"], runs[mesh]
+    compare_runs(runs["null"], runs[mesh])
+
+
+@pytest.mark.parametrize("mesh", ['{"model": 2} int8 tp+sp tpu-kernels',
+                                  '{"data": 2, "model": 4} int8 dp+tp tpu-kernels'])
+def test_quantized_matmul_kernels_per_device_match_one_device(runs, mesh):
+    """int8 weights with the Pallas matmul kernels under shard_map give the tokens of int8
+    weights on one device (reference dequantize-and-dot); under SP the row-split
+    kernels' partial products are reduce-scattered to token shards (2 per layer)."""
+    compare_runs(runs["null int8"], runs[mesh])
+    if "tp+sp" in mesh:
+        assert runs[mesh]["reduce_scatter_shapes"] == [[32, 64]] * 4
+
+
+def compare_runs(one, tp):
     assert tp["tokens"] == one["tokens"]
     # float32 logprobs: sharded matmuls sum in a different order; 1e-4 as in test_parity.
     for seq_one, seq_tp in zip(one["logprobs"], tp["logprobs"]):

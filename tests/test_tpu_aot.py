@@ -138,3 +138,22 @@ def test_engine_step_compiles_with_pallas_kernels(topology, quant):
     expected = cfg.num_layers * (linear * bits // 8 + group_scales + kv) + 2 * cfg.vocab_size * e * 2
     args = compiled.memory_analysis().argument_size_in_bytes
     assert abs(args - expected) / expected < 0.03, (args, expected)  # + norms, channel scales
+
+
+@pytest.mark.parametrize("strategy,quantization", [("tp+sp", "int4"), ("tp", "int8")])
+def test_quantized_kernels_run_per_chip_on_a_mesh(devices, strategy, quantization):
+    """On 4 v5e chips every linear layer runs our Mosaic matmul per chip under shard_map
+    (XLA cannot partition a kernel): 7 matmul kernels + 1 attention kernel per layer on
+    each chip. Row-split layers (o, down) sum their partial products: all-reduce under TP,
+    reduce-scatter to token shards under TP+SP, with int4 groups (128 rows) split whole."""
+    cfg = dataclasses.replace(LLAMA3_8B_2L, vocab_size=1024)
+    engine = dataclasses.replace(ENGINE, max_model_len=1024, quantization=quantization)
+    compiled = compile_step(cfg, engine, {"model": 4}, strategy, devices, PAGES, (64, 8, False))
+    text = compiled.as_text()
+    assert text.count('custom_call_target="tpu_custom_call"') == cfg.num_layers * 8
+    hidden = rf"= bf16\[(\d+),{cfg.hidden_size}\]\S* (reduce-scatter|all-reduce)(?:-start)?\("
+    found = [(int(t), op) for t, op in re.findall(hidden, text)]
+    if strategy == "tp+sp":
+        assert found.count((16, "reduce-scatter")) == 2 * cfg.num_layers
+    else:
+        assert found.count((64, "all-reduce")) >= 2 * cfg.num_layers

@@ -94,7 +94,7 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, kv, meta: AttentionMetadata, shard: ShardingContext):
         cfg = self.cfg
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        lin = functools.partial(dense, options=self.options, on_mesh=shard.mesh.size > 1)
+        lin = functools.partial(dense, options=self.options, shard=shard)
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q = lin(x, self.q_proj, self.q_proj_scales, 1, (hq, d))
         k = lin(x, self.k_proj, self.k_proj_scales, 1, (hkv, d))
@@ -183,13 +183,15 @@ def row_parallel(x: jax.Array, w: nnx.Param, scales: nnx.Param | None, n_in: int
     Under sequence parallelism each device's partial sums are reduce-scattered over
     tokens (shard_map + psum_scatter over `model`): XLA left to itself all-reduces and
     then slices. That needs the tokens to divide evenly over the residual's shards (not
-    the 1-token bucket) and a float weight; otherwise the plain matmul, whose result XLA
-    all-reduces.
+    the 1-token bucket); otherwise the plain matmul, whose result is all-reduced.
     """
     residual = shard.rules.spec(RESIDUAL_AXES)[0]
     sp = MODEL in ((residual,) if isinstance(residual, str) else (residual or ()))
-    if not sp or scales is not None or x.shape[0] % shard.axis_size(residual):
-        y = dense(x, w, scales, n_in, out_shape, options, on_mesh=shard.mesh.size > 1)
+    scatter = sp and x.shape[0] % shard.axis_size(residual) == 0
+    if scales is not None:  # quantized: dense runs the kernel per device
+        return dense(x, w, scales, n_in, out_shape, options, shard, scatter_tokens=scatter)
+    if not scatter:
+        y = dense(x, w, scales, n_in, out_shape, options, shard)
         return shard.constrain(y, RESIDUAL_AXES)
 
     def partial_sums(x, w):
@@ -215,7 +217,7 @@ class MLP(nnx.Module):
         self.sizes = (e, m)
 
     def __call__(self, x, shard: ShardingContext):
-        lin = functools.partial(dense, n_in=1, options=self.options, on_mesh=shard.mesh.size > 1)
+        lin = functools.partial(dense, n_in=1, options=self.options, shard=shard)
         e, m = self.sizes
         gate = lin(x, self.gate_proj, self.gate_proj_scales, out_shape=(m,))
         h = jax.nn.silu(gate) * lin(x, self.up_proj, self.up_proj_scales, out_shape=(m,))
