@@ -284,7 +284,8 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
     if platform == "gpu":
         attention = _GPU_ATTENTION
     elif tpu_kernels:
-        attention = f"Pallas TPU kernels ({tpu_kernels} Mosaic calls per step)"
+        attention = (f"Pallas TPU kernels ({tpu_kernels} Mosaic calls per step, per chip: "
+                     f"attention{' and quantized matmuls' if quantization else ''})")
     else:
         attention = "reference (pure JAX, partitioned by XLA)"
     return {

@@ -1,8 +1,8 @@
 """Logical axis names → mesh axes. A strategy is a table; model code never names mesh axes.
 
-Logical names used by the model: vocab, embed, q_heads, kv_heads, head_dim, mlp for
-parameters; residual (the residual stream's token axis), tokens and seqs for activations;
-cache_heads (kv_heads times `kv_head_replicas`) and pages for the KV cache.
+Logical names used by the model: vocab, embed, q_heads, cache_heads (KV heads, times
+`kv_head_replicas`), head_dim, mlp for parameters; residual (the residual stream's token
+axis), tokens and seqs for activations; cache_heads and pages for the KV cache.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ class ShardingRules:
     """A strategy: (logical axis, mesh axes) pairs; names not listed are replicated.
 
     `kv_head_replicas` > 1 when KV heads are fewer than `model` devices: each KV head is
-    stored that many times in the KV cache (one copy per device that needs it), so the
-    cache still splits over `model` (see transformer.kv_cache_layout).
+    stored that many times, in the k/v projections and the KV cache (one copy per device
+    that reads it), so both still split over `model` (transformer.Attention).
     """
 
     name: str = "replicated"
@@ -48,9 +48,9 @@ def strategy_rules(name: str, mesh: Mesh, num_heads: int, num_kv_heads: int, voc
 
     tp (Megatron): q/k/v and gate/up split by heads / mlp columns, o and down by rows (so
     each block ends in one all-reduce), embedding and logits split by vocabulary. With
-    fewer KV heads than `model` devices, k/v projections are replicated and each device
-    stores the one KV head its query heads read (`kv_head_replicas` copies of each);
-    where the counts do not divide that way, the KV cache is replicated whole.
+    fewer KV heads than `model` devices, each device holds the one KV head its query
+    heads read (k/v projections and cache, `kv_head_replicas` copies of each head); where
+    the counts do not divide that way, k/v and the cache are replicated whole.
     sp adds sequence parallelism: the residual stream between blocks is split over tokens
     on the `model` axis (and `data`, under dp).
     dp: weights replicated over `data`; tokens, sequences and KV pages split over `data`
@@ -78,7 +78,7 @@ def strategy_rules(name: str, mesh: Mesh, num_heads: int, num_kv_heads: int, voc
                                  f"divisible by {tp}")
         table += [("q_heads", MODEL), ("mlp", MODEL)]
         if num_kv_heads % tp == 0:
-            table += [("kv_heads", MODEL), ("cache_heads", MODEL)]
+            table.append(("cache_heads", MODEL))
         elif tp % num_kv_heads == 0:
             replicas = tp // num_kv_heads
             table.append(("cache_heads", MODEL))

@@ -12,11 +12,18 @@ reduce-scatter counts), and the shardings of q_proj and the KV cache.
 import json
 import re
 import sys
+import tempfile
+from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.config import ModelConfig
+from jaxserve.loading.converted import convert
+from sharding.mesh import make_mesh
+from sharding.rules import model_sharding
 
 ENGINE = dict(dtype="float32", max_model_len=128, page_size=4, max_num_seqs=4,
               max_num_batched_tokens=64, token_buckets=(16, 64))
@@ -78,9 +85,21 @@ def main(model_dir: str, out_path: str) -> None:
             "prompt_tokens_per_data_shard": [a.prefix_queries
                                              for a in llm.engine.scheduler.allocators],
             "q_proj_sharding": str(runner.params["layers"][0]["attn"]["q_proj"].value.sharding.spec),
+            "k_proj_shard_shape": list(runner.params["layers"][0]["attn"]["k_proj"].value
+                                       .addressable_shards[0].data.shape),
             "leaked_pages": llm.engine.scheduler.num_used_pages,
             "compiles_after_warmup": runner.compiles_after_warmup,
         }
+    # A checkpoint converted on 4 devices (each KV head stored twice) holds one copy of each
+    # head: served on 1 device and on 8 (4 copies) it gives the int8 tokens.
+    cfg = ModelConfig.from_file(model_dir)
+    out = Path(tempfile.mkdtemp()) / "converted"
+    convert(model_dir, out, jnp.float32, "float32", "int8",
+            model_sharding(make_mesh({"model": 4}), "tp", cfg))
+    for mesh in (None, {"model": 8}):
+        llm = LLM(str(out), mesh=mesh, **ENGINE)
+        results[f"converted {json.dumps(mesh)}"] = {
+            "tokens": [o.outputs[0].token_ids for o in llm.generate(prompts, params)]}
     with open(out_path, "w") as f:
         json.dump(results, f)
 

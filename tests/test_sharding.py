@@ -48,6 +48,14 @@ def test_quantized_matmul_kernels_per_device_match_one_device(runs, mesh):
         assert runs[mesh]["reduce_scatter_shapes"] == [[32, 64]] * 4
 
 
+def test_converted_checkpoint_keeps_one_copy_per_kv_head(runs):
+    """Converted on 4 devices (2 KV heads stored twice), restored on 1 and on 8 devices
+    (4 copies): the tokens of int8 weights quantized at load."""
+    want = runs["null int8"]["tokens"]
+    assert runs["converted null"]["tokens"] == want
+    assert runs['converted {"model": 8}']["tokens"] == want
+
+
 def compare_runs(one, tp):
     assert tp["tokens"] == one["tokens"]
     # float32 logprobs: sharded matmuls sum in a different order; 1e-4 as in test_parity.
@@ -74,6 +82,8 @@ def test_weights_split_not_gathered(runs, mesh, kv_spec, cache_heads):
     assert tp["kv_cache_shape"][0] == cache_heads
     devices = json.loads(mesh)["model"]
     assert tp["kv_cache_shard_shape"] == [cache_heads // devices] + tp["kv_cache_shape"][1:]
+    # k_proj [embed, cache heads, head_dim]: each device holds its own head(s) only.
+    assert tp["k_proj_shard_shape"][1] == cache_heads // devices
     assert tp["all_reduces"] >= 2 * 2  # attention out and MLP down, per layer
     full = {tuple(s) for s in tp["param_shapes"]}
     assert not [s for s in tp["all_gather_shapes"] if tuple(s) in full]

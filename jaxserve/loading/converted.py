@@ -4,7 +4,9 @@ A converted directory holds the Hugging Face files a model needs besides its wei
 (config.json, generation_config.json, tokenizer files), the parameters as an Orbax
 checkpoint under `params/`, and `jaxserve.json` saying how they were made. Restoring
 reads every array straight into its device shards under the engine's sharding rules, and
-quantized weights are loaded as stored: nothing is re-quantized.
+quantized weights are loaded as stored: nothing is re-quantized. k/v projections are saved
+with one copy of each KV head, whatever mesh converted them, and repeated at restore for
+the serving mesh (transformer.Attention).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxserve.config import ModelConfig
-from jaxserve.loading.safetensors import abstract_model, load_checkpoint
+from jaxserve.loading.safetensors import (
+    abstract_model, is_kv_param, load_checkpoint, repeat_kv_heads, unrepeat_kv_heads)
 from jaxserve.models.layers import ModelOptions
 from sharding.rules import ShardingContext
 
@@ -54,8 +57,13 @@ def convert(model_dir: str | Path, out_dir: str | Path, dtype, dtype_name: str,
     for name in _CARRIED:
         if (model_dir / name).is_file():
             shutil.copy2(model_dir / name, out_dir / name)
+    replicas = shard.rules.kv_head_replicas
+    flat = nnx.to_flat_state(params)
+    for path, var in flat:
+        if is_kv_param(path):
+            var.set_value(unrepeat_kv_heads(var[...], path, replicas, cfg.head_dim))
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(out_dir / "params", nnx.to_pure_dict(params))
+        ckptr.save(out_dir / "params", nnx.to_pure_dict(nnx.from_flat_state(flat)))
     manifest = {"format": FORMAT, "dtype": dtype_name, "quantization": quantization,
                 "source": str(model_dir.absolute())}
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -70,15 +78,29 @@ def restore(model_dir: str | Path, cfg: ModelConfig, dtype, shard: ShardingConte
         raise ValueError(f"{model_dir} holds {manifest['quantization'] or 'unquantized'} weights;"
                          f" it cannot be served with quantization={options.quantization!r}")
     graphdef, abstract = abstract_model(cfg, dtype, shard, options)
+    replicas = shard.rules.kv_head_replicas
     flat = nnx.to_flat_state(abstract)
-    for _, var in flat:
+    repeat = {}  # k/v parameters: restored with one copy per head (replicated), then repeated
+    for path, var in flat:
         sharding = shard.sharding(var.get_metadata()["logical_axes"])
-        var.set_value(jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=sharding))
+        shape = var.shape
+        if is_kv_param(path) and replicas > 1:
+            repeat[path] = sharding
+            shape = jax.eval_shape(lambda x, p=path: unrepeat_kv_heads(
+                x, p, replicas, cfg.head_dim), jax.ShapeDtypeStruct(shape, var.dtype)).shape
+            sharding = shard.sharding(())
+        var.set_value(jax.ShapeDtypeStruct(shape, var.dtype, sharding=sharding))
     target = nnx.from_flat_state(flat)
     with ocp.StandardCheckpointer() as ckptr:
         restored = ckptr.restore(Path(model_dir).absolute() / "params", nnx.to_pure_dict(target))
     nnx.replace_by_pure_dict(target, restored)
-    return graphdef, target
+    flat = nnx.to_flat_state(target)
+    for path, var in flat:
+        if path in repeat:
+            expand = jax.jit(lambda x, p=path: repeat_kv_heads(x, p, replicas, cfg.head_dim),
+                             out_shardings=repeat[path])
+            var.set_value(expand(var[...]))
+    return graphdef, nnx.from_flat_state(flat)
 
 
 def served_options(model_dir: str | Path, options: ModelOptions) -> ModelOptions:

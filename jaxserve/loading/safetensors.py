@@ -64,8 +64,48 @@ def read_tensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
         yield name, data[begin:end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
-def _hf_to_ours(name: str, x: np.ndarray, cfg: ModelConfig) -> tuple[tuple, np.ndarray] | None:
-    """Map a Hugging Face tensor to (our parameter path, array in our layout)."""
+_KV_PARAMS = ("k_proj", "v_proj", "k_bias", "v_bias", "k_proj_scales", "v_proj_scales")
+
+
+def is_kv_param(path: tuple) -> bool:
+    """A k/v projection's weight, scales or bias: its heads are stored kv_head_replicas
+    times (transformer.Attention)."""
+    return len(path) >= 2 and path[-2] == "attn" and path[-1] in _KV_PARAMS
+
+
+def _head_dim_axis(path: tuple) -> int:
+    """The axis that carries the heads: the first of a bias `[H, D]`, else the second
+    (`[E, H, D]` float weights; quantized `[K', H * D]` values and scales)."""
+    return 0 if path[-1].endswith("bias") else 1
+
+
+def repeat_kv_heads(x, path: tuple, replicas: int, head_dim: int, xp=jnp):
+    """Each KV head of a k/v parameter repeated `replicas` times, in place order
+    (head h becomes heads h*r .. h*r + r - 1, as device m reads head m // r)."""
+    if replicas == 1:
+        return x
+    axis = _head_dim_axis(path)
+    lead = 1 if axis == 0 else x.shape[0]
+    shape = list(x.shape)
+    shape[axis] *= replicas
+    return xp.repeat(x.reshape(lead, -1, head_dim), replicas, axis=1).reshape(shape)
+
+
+def unrepeat_kv_heads(x, path: tuple, replicas: int, head_dim: int):
+    """Inverse of repeat_kv_heads: one copy of each head."""
+    if replicas == 1:
+        return x
+    axis = _head_dim_axis(path)
+    lead = 1 if axis == 0 else x.shape[0]
+    shape = list(x.shape)
+    shape[axis] //= replicas
+    return x.reshape(lead, -1, head_dim)[:, ::replicas].reshape(shape)
+
+
+def _hf_to_ours(name: str, x: np.ndarray, cfg: ModelConfig, kv_replicas: int = 1
+                ) -> tuple[tuple, np.ndarray] | None:
+    """Map a Hugging Face tensor to (our parameter path, array in our layout), k/v heads
+    repeated `kv_replicas` times."""
     e, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     if name == "model.embed_tokens.weight":
         return ("embed",), x
@@ -95,7 +135,11 @@ def _hf_to_ours(name: str, x: np.ndarray, cfg: ModelConfig) -> tuple[tuple, np.n
     if rest not in table:
         raise ValueError(f"unexpected tensor {name!r} in checkpoint")
     path, convert = table[rest]
-    return ("layers", i) + path, convert()
+    path = ("layers", i) + path
+    array = convert()
+    if is_kv_param(path):
+        array = repeat_kv_heads(array, path, kv_replicas, d, xp=np)
+    return path, array
 
 
 def abstract_model(cfg: ModelConfig, dtype, shard: ShardingContext,
@@ -117,7 +161,7 @@ def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype, shard: Shard
         for name, tensor in read_tensors(file):
             if _IGNORED.match(name):
                 continue
-            mapped = _hf_to_ours(name, tensor, cfg)
+            mapped = _hf_to_ours(name, tensor, cfg, shard.rules.kv_head_replicas)
             if mapped is None:
                 continue
             path, array = mapped
@@ -147,10 +191,16 @@ def random_params(cfg: ModelConfig, dtype, shard: ShardingContext, seed: int = 0
     graphdef, abstract = abstract_model(cfg, dtype, shard, options)
     expected = dict(nnx.to_flat_state(abstract))
     key = jax.random.key(seed)
+    replicas = shard.rules.kv_head_replicas
     values = {}
     for i, (path, var) in enumerate(nnx.to_flat_state(float_abstract)):
         if path[-1].endswith("norm"):
             init = lambda k, s=var.shape, t=var.dtype: jnp.ones(s, t)
+        elif is_kv_param(path) and replicas > 1:  # copies of each head, as a checkpoint's
+            one = list(var.shape)
+            one[_head_dim_axis(path)] //= replicas
+            init = lambda k, s=tuple(one), t=var.dtype, p=path: repeat_kv_heads(
+                (0.02 * jax.random.normal(k, s)).astype(t), p, replicas, cfg.head_dim)
         else:
             init = lambda k, s=var.shape, t=var.dtype: (0.02 * jax.random.normal(k, s)).astype(t)
         if _scales_path(path) in expected:

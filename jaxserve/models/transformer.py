@@ -66,22 +66,29 @@ class AttentionMetadata:
 
 
 class Attention(nnx.Module):
+    """Self-attention over the paged cache. k/v projections (and biases) hold
+    `num_kv_heads x kv_replicas` heads, logical axis `cache_heads`: with fewer KV heads
+    than tensor-parallel devices each head is stored once per device that reads it
+    (`kv_replicas` copies, made at load; sharding/rules.py), so every device computes and
+    caches just its own head."""
+
     def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs | None,
-                 options: ModelOptions):
-        e, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+                 options: ModelOptions, kv_replicas: int = 1):
+        e, d, hq = cfg.hidden_size, cfg.head_dim, cfg.num_heads
+        hkv = cfg.num_kv_heads * kv_replicas
         quant = options.quantization
         self.q_proj, self.q_proj_scales = linear(
             rngs, (e,), (hq, d), ("embed",), ("q_heads", "head_dim"), dtype, quant)
         self.k_proj, self.k_proj_scales = linear(
-            rngs, (e,), (hkv, d), ("embed",), ("kv_heads", "head_dim"), dtype, quant)
+            rngs, (e,), (hkv, d), ("embed",), ("cache_heads", "head_dim"), dtype, quant)
         self.v_proj, self.v_proj_scales = linear(
-            rngs, (e,), (hkv, d), ("embed",), ("kv_heads", "head_dim"), dtype, quant)
+            rngs, (e,), (hkv, d), ("embed",), ("cache_heads", "head_dim"), dtype, quant)
         self.o_proj, self.o_proj_scales = linear(
             rngs, (hq, d), (e,), ("q_heads", "head_dim"), ("embed",), dtype, quant)
         if cfg.qkv_bias:
             self.q_bias = param(rngs, (hq, d), ("q_heads", "head_dim"), dtype)
-            self.k_bias = param(rngs, (hkv, d), ("kv_heads", "head_dim"), dtype)
-            self.v_bias = param(rngs, (hkv, d), ("kv_heads", "head_dim"), dtype)
+            self.k_bias = param(rngs, (hkv, d), ("cache_heads", "head_dim"), dtype)
+            self.v_bias = param(rngs, (hkv, d), ("cache_heads", "head_dim"), dtype)
         if cfg.o_bias:
             self.o_bias = param(rngs, (e,), ("embed",), dtype)
         if cfg.qk_norm:
@@ -90,12 +97,13 @@ class Attention(nnx.Module):
         self.cfg = cfg
         self.options = options
         self.window = cfg.layer_window(layer)
+        self.kv_heads = hkv
 
     def __call__(self, x, positions, kv, meta: AttentionMetadata, shard: ShardingContext):
         cfg = self.cfg
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         lin = functools.partial(dense, options=self.options, shard=shard)
-        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        hq, hkv, d = cfg.num_heads, self.kv_heads, cfg.head_dim
         q = lin(x, self.q_proj, self.q_proj_scales, 1, (hq, d))
         k = lin(x, self.k_proj, self.k_proj_scales, 1, (hkv, d))
         v = lin(x, self.v_proj, self.v_proj_scales, 1, (hkv, d))
@@ -106,9 +114,6 @@ class Attention(nnx.Module):
             k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
         q = shard.constrain(apply_rope(q, positions, inv_freq), Q_AXES)
         k = apply_rope(k, positions, inv_freq)
-        replicas = shard.rules.kv_head_replicas
-        if replicas > 1:  # one copy of each KV head per device that reads it
-            k, v = jnp.repeat(k, replicas, axis=1), jnp.repeat(v, replicas, axis=1)
         k, v = shard.constrain(k, NEW_KV_AXES), shard.constrain(v, NEW_KV_AXES)
         out, kv = paged_attention(q, k, v, kv, meta, shard, self.options,
                                   sm_scale=cfg.head_dim**-0.5, sliding_window=self.window)
@@ -227,10 +232,10 @@ class MLP(nnx.Module):
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs | None,
-                 options: ModelOptions):
+                 options: ModelOptions, kv_replicas: int = 1):
         e = cfg.hidden_size
         self.input_norm = param(rngs, (e,), ("embed",), dtype, init="ones")
-        self.attn = Attention(cfg, layer, dtype, rngs, options)
+        self.attn = Attention(cfg, layer, dtype, rngs, options, kv_replicas)
         self.post_attn_norm = param(rngs, (e,), ("embed",), dtype, init="ones")
         self.mlp = MLP(cfg, dtype, rngs, options)
         self.eps = cfg.rms_norm_eps
@@ -254,7 +259,9 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         self.shard = shard
         self.embed = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
-        self.layers = nnx.List([Block(cfg, i, dtype, rngs, options) for i in range(cfg.num_layers)])
+        replicas = shard.rules.kv_head_replicas if shard is not None else 1
+        self.layers = nnx.List([Block(cfg, i, dtype, rngs, options, replicas)
+                                for i in range(cfg.num_layers)])
         self.norm = param(rngs, (cfg.hidden_size,), ("embed",), dtype, init="ones")
         if not cfg.tie_word_embeddings:
             self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
