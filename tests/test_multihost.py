@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 PROMPTS = [[5, 9, 200, 31, 17, 8, 99], [44, 45, 46, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
 
 
-def start_job(model_dir, tmp_path):
+def start_job(model_dir, tmp_path, mesh=("--mesh", "model=4")):
     """(leader, follower, target): `jaxserve serve` twice, as processes 0 and 1."""
     coordinator, port = f"127.0.0.1:{free_port()}", free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
@@ -33,7 +33,7 @@ def start_job(model_dir, tmp_path):
     procs = []
     for pid in (1, 0):
         cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir),
-               "--port", str(port), *ENGINE_FLAGS, "--mesh", "model=4",
+               "--port", str(port), *ENGINE_FLAGS, *mesh,
                "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(pid)]
         with open(tmp_path / f"process{pid}.log", "w") as out:
             procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env))
@@ -60,11 +60,14 @@ def health(target) -> int:
             health_pb2.HealthCheckRequest(), timeout=5).status
 
 
-def test_two_processes_serve_one_model(checkpoints, tmp_path):
+@pytest.mark.parametrize("mesh", [("--mesh", "model=4"),
+                                  ("--mesh", "data=2,model=2", "--sharding", "dp+tp")])
+def test_two_processes_serve_one_model(checkpoints, tmp_path, mesh):
+    """4-way TP over both processes, or 2 data shards (2-way TP each) over them."""
     path, _ = checkpoints("llama8")
     want = [o.outputs[0].token_ids for o in LLM(str(path), **ENGINE).generate(
         PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))]
-    leader, follower, target = start_job(path, tmp_path)
+    leader, follower, target = start_job(path, tmp_path, mesh)
     try:
         client = Client(target)
         assert greedy(client) == want
