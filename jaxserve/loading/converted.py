@@ -22,7 +22,8 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig
 from jaxserve.loading.safetensors import (
-    abstract_model, is_kv_param, load_checkpoint, repeat_kv_heads, unrepeat_kv_heads)
+    abstract_model, is_kv_param, kv_heads_shape, load_checkpoint, repeat_kv_heads,
+    unrepeat_kv_heads)
 from jaxserve.models.layers import ModelOptions
 from sharding.rules import ShardingContext
 
@@ -86,8 +87,7 @@ def restore(model_dir: str | Path, cfg: ModelConfig, dtype, shard: ShardingConte
         shape = var.shape
         if is_kv_param(path) and replicas > 1:
             repeat[path] = sharding
-            shape = jax.eval_shape(lambda x, p=path: unrepeat_kv_heads(
-                x, p, replicas, cfg.head_dim), jax.ShapeDtypeStruct(shape, var.dtype)).shape
+            shape = kv_heads_shape(shape, path, 1, replicas)
             sharding = shard.sharding(())
         var.set_value(jax.ShapeDtypeStruct(shape, var.dtype, sharding=sharding))
     target = nnx.from_flat_state(flat)

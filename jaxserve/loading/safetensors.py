@@ -79,27 +79,33 @@ def _head_dim_axis(path: tuple) -> int:
     return 0 if path[-1].endswith("bias") else 1
 
 
+def kv_heads_shape(shape: tuple, path: tuple, num: int, den: int = 1) -> tuple:
+    """`shape` of a k/v parameter with its head count times num / den."""
+    shape = list(shape)
+    shape[_head_dim_axis(path)] = shape[_head_dim_axis(path)] * num // den
+    return tuple(shape)
+
+
+def _by_head(x, path: tuple, head_dim: int):
+    """x as `[lead, heads, head_dim]`."""
+    return x.reshape(1 if _head_dim_axis(path) == 0 else x.shape[0], -1, head_dim)
+
+
 def repeat_kv_heads(x, path: tuple, replicas: int, head_dim: int, xp=jnp):
     """Each KV head of a k/v parameter repeated `replicas` times, in place order
     (head h becomes heads h*r .. h*r + r - 1, as device m reads head m // r)."""
     if replicas == 1:
         return x
-    axis = _head_dim_axis(path)
-    lead = 1 if axis == 0 else x.shape[0]
-    shape = list(x.shape)
-    shape[axis] *= replicas
-    return xp.repeat(x.reshape(lead, -1, head_dim), replicas, axis=1).reshape(shape)
+    return xp.repeat(_by_head(x, path, head_dim), replicas, axis=1).reshape(
+        kv_heads_shape(x.shape, path, replicas))
 
 
 def unrepeat_kv_heads(x, path: tuple, replicas: int, head_dim: int):
     """Inverse of repeat_kv_heads: one copy of each head."""
     if replicas == 1:
         return x
-    axis = _head_dim_axis(path)
-    lead = 1 if axis == 0 else x.shape[0]
-    shape = list(x.shape)
-    shape[axis] //= replicas
-    return x.reshape(lead, -1, head_dim)[:, ::replicas].reshape(shape)
+    return _by_head(x, path, head_dim)[:, ::replicas].reshape(
+        kv_heads_shape(x.shape, path, 1, replicas))
 
 
 def _hf_to_ours(name: str, x: np.ndarray, cfg: ModelConfig, kv_replicas: int = 1
@@ -197,9 +203,8 @@ def random_params(cfg: ModelConfig, dtype, shard: ShardingContext, seed: int = 0
         if path[-1].endswith("norm"):
             init = lambda k, s=var.shape, t=var.dtype: jnp.ones(s, t)
         elif is_kv_param(path) and replicas > 1:  # copies of each head, as a checkpoint's
-            one = list(var.shape)
-            one[_head_dim_axis(path)] //= replicas
-            init = lambda k, s=tuple(one), t=var.dtype, p=path: repeat_kv_heads(
+            one = kv_heads_shape(var.shape, path, 1, replicas)
+            init = lambda k, s=one, t=var.dtype, p=path: repeat_kv_heads(
                 (0.02 * jax.random.normal(k, s)).astype(t), p, replicas, cfg.head_dim)
         else:
             init = lambda k, s=var.shape, t=var.dtype: (0.02 * jax.random.normal(k, s)).astype(t)
