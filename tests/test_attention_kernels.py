@@ -218,8 +218,6 @@ def test_gpu_kernel_lowers_for_cuda(name):
     """Pallas's Triton lowering (jaxpr -> Triton IR, as for compute capability 9.0 when no
     GPU is present) accepts the kernel at Llama-3-8B shapes; this checks the power-of-two
     tile shapes, not Triton's own compile (that needs a GPU)."""
-    from pallas_kernels.ragged_paged_attention import gpu
-
     num_tokens, max_seqs, pages_per_seq, kv_dtype = LLAMA3_8B_BATCHES[name]
     num_pages = 4096
     sds = jax.ShapeDtypeStruct
@@ -233,7 +231,7 @@ def test_gpu_kernel_lowers_for_cuda(name):
 
     def attention(*a):
         scales = dict(k_scales=a[7], v_scales=a[8]) if quantized else {}
-        return gpu.ragged_paged_attention(*a[:7], sm_scale=128 ** -0.5, **scales)
+        return ragged_paged_attention(*a[:7], sm_scale=128 ** -0.5, impl="gpu", **scales)
 
     exported = jax.export.export(
         jax.jit(attention), platforms=["cuda"],

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import quantized_matmul as qmm
-from pallas_kernels.quantized_matmul import gpu, reference, tpu
+from pallas_kernels.quantized_matmul import formats, gpu, reference, tpu
 
 
 @pytest.fixture
@@ -51,7 +51,7 @@ def numpy_unpack_int4(values: np.ndarray, group: int) -> np.ndarray:
 
 
 def numpy_dequantize(values, scales, kind: str) -> np.ndarray:
-    """float64 weight from the stored format, independently of reference.dequantize."""
+    """float64 weight from the stored format, independently of formats.dequantize."""
     scales = np.asarray(scales, np.float64)
     if kind == "int4":
         q = numpy_unpack_int4(np.asarray(values), 2 * values.shape[0] // scales.shape[0])
@@ -63,7 +63,7 @@ def draw(rng, m: int, k: int, n: int, kind: str, dtype, group_size: int = 128):
     """Random normal x and a quantized random normal weight (never zeros)."""
     x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32), dtype)
     w = rng.standard_normal((k, n), dtype=np.float32)
-    values, scales = reference.quantize(jnp.asarray(w), kind, group_size)
+    values, scales = formats.quantize(jnp.asarray(w), kind, group_size)
     return x, values, scales
 
 
@@ -101,8 +101,8 @@ def test_integer_quantization_error_is_at_most_half_a_step(rng, kind):
     """Round-to-nearest: every element is within scale/2 of its dequantized value."""
     w = rng.standard_normal((256, 96), dtype=np.float32) * 3
     w[:, 5] = 0.0  # an all-zero column must not divide by zero
-    values, scales = reference.quantize(jnp.asarray(w), kind, group_size=64)
-    deq = np.asarray(reference.dequantize(values, scales, kind, jnp.float32), np.float64)
+    values, scales = formats.quantize(jnp.asarray(w), kind, group_size=64)
+    deq = np.asarray(formats.dequantize(values, scales, kind, jnp.float32), np.float64)
     step = np.repeat(np.asarray(scales, np.float64), 256 // scales.shape[0], axis=0)
     assert np.all(np.isfinite(deq)) and np.all(deq[:, 5] == 0)
     # 1e-6 relative slack: w / scale and q * scale are each rounded once in float32.
@@ -115,8 +115,8 @@ def test_fp8_quantization_relative_error(rng):
     its smallest normal (2^-6 in scaled units) within half a subnormal step, 2^-10 scaled."""
     w = rng.standard_normal((128, 64), dtype=np.float32)
     w[:, 3] = 0.0
-    values, scales = reference.quantize(jnp.asarray(w), "fp8")
-    deq = np.asarray(reference.dequantize(values, scales, "fp8", jnp.float32), np.float64)
+    values, scales = formats.quantize(jnp.asarray(w), "fp8")
+    deq = np.asarray(formats.dequantize(values, scales, "fp8", jnp.float32), np.float64)
     s = np.asarray(scales, np.float64)
     assert values.dtype == jnp.float8_e4m3fn and np.all(np.isfinite(deq))
     bound = np.maximum(2.0**-4 * np.abs(w), 2.0**-10 * s) * (1 + 1e-6)
@@ -129,10 +129,10 @@ def test_int4_packing_round_trip_against_numpy(rng):
     """pack -> independent numpy unpack gives the ints back, and the reference unpack agrees."""
     group = 32
     q = rng.integers(-8, 8, size=(128, 48))
-    packed = reference.pack_int4(jnp.asarray(q), group)
+    packed = formats.pack_int4(jnp.asarray(q), group)
     assert packed.dtype == jnp.uint8 and packed.shape == (64, 48)
     np.testing.assert_array_equal(numpy_unpack_int4(np.asarray(packed), group), q)
-    np.testing.assert_array_equal(np.asarray(reference.unpack_int4(packed, group)), q)
+    np.testing.assert_array_equal(np.asarray(formats.unpack_int4(packed, group)), q)
     # The layout by hand: byte row j of group 1 = row 32 + j (low), row 48 + j (high).
     byte = int(np.asarray(packed)[16 + 3, 7])
     assert (byte & 0xF) == q[32 + 3, 7] & 0xF and (byte >> 4) == q[48 + 3, 7] & 0xF
@@ -140,7 +140,7 @@ def test_int4_packing_round_trip_against_numpy(rng):
 
 def test_int4_quantize_matches_numpy_rounding(rng):
     w = rng.standard_normal((256, 40), dtype=np.float32)
-    values, scales = reference.quantize(jnp.asarray(w), "int4", group_size=128)
+    values, scales = formats.quantize(jnp.asarray(w), "int4", group_size=128)
     s = np.asarray(scales)
     expected = np.round(w.reshape(2, 128, 40) / s[:, None, :]).reshape(256, 40)
     np.testing.assert_array_equal(numpy_unpack_int4(np.asarray(values), 128), expected)
@@ -160,19 +160,19 @@ def test_reference_matmul_against_float64(rng, kind, dtype):
 
 @pytest.mark.parametrize("kind, k, n", [("int8", 100, 24), ("fp8", 100, 24), ("int4", 96, 24)])
 def test_quantized_shapes_match_quantize(kind, k, n):
-    values, scales = reference.quantize(jnp.ones((k, n)), kind, group_size=32)
+    values, scales = formats.quantize(jnp.ones((k, n)), kind, group_size=32)
     (vs, vd), (ss, sd) = qmm.quantized_shapes(k, n, kind, group_size=32)
     assert (values.shape, values.dtype, scales.shape, scales.dtype) == (vs, vd, ss, sd)
 
 
 def test_bad_formats_say_what_to_do():
     with pytest.raises(ValueError, match="multiple of an even group size"):
-        reference.quantize(jnp.ones((192, 8)), "int4", group_size=128)  # 192 % 128
+        formats.quantize(jnp.ones((192, 8)), "int4", group_size=128)  # 192 % 128
     with pytest.raises(ValueError, match="even group size"):
-        reference.quantize(jnp.ones((9, 8)), "int4", group_size=128)  # G = 9
+        formats.quantize(jnp.ones((9, 8)), "int4", group_size=128)  # G = 9
     with pytest.raises(ValueError, match="unknown quantization kind"):
-        reference.quantize(jnp.ones((8, 8)), "int3")
-    values, scales = reference.quantize(jnp.ones((128, 8)), "int8")
+        formats.quantize(jnp.ones((8, 8)), "int3")
+    values, scales = formats.quantize(jnp.ones((128, 8)), "int8")
     with pytest.raises(ValueError, match="do not fit together"):
         qmm.quantized_matmul(jnp.ones((2, 64)), values, scales, kind="int8")
 
@@ -249,7 +249,7 @@ LLAMA3_8B_MLP = [(16, 4096, 14336), (16, 14336, 4096)]  # x[16, K] @ W[K, N]
 
 
 def abstract_operands(m: int, k: int, n: int, kind: str, sharding=None, dtype=jnp.bfloat16):
-    (vs, vd), (ss, sd) = reference.quantized_shapes(k, n, kind)
+    (vs, vd), (ss, sd) = formats.quantized_shapes(k, n, kind)
     return (jax.ShapeDtypeStruct((m, k), dtype, sharding=sharding),
             jax.ShapeDtypeStruct(vs, vd, sharding=sharding),
             jax.ShapeDtypeStruct(ss, sd, sharding=sharding))
@@ -319,14 +319,44 @@ def test_tpu_kernel_compiles_with_weights_quantized_in_hbm(chip, kind, m, k, n):
     assert "tpu_custom_call" in compiled.as_text()
 
 
+def kernel_dot_precisions(fn, *args) -> list:
+    """The precision of every dot in `fn`'s jaxpr, Pallas kernel bodies included."""
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield eqn
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (list, tuple)) else [param]:
+                    sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
+                    if hasattr(sub, "eqns"):
+                        yield from walk(sub)
+    return [e.params["precision"] for e in walk(jax.make_jaxpr(fn)(*args).jaxpr)
+            if e.primitive.name == "dot_general"]
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_tpu_kernel_asks_for_full_float32_passes_for_float32_x(kind):
+    """float32 activations take the MXU's full-precision (HIGHEST) path, as the reference
+    does; bf16 activations leave the precision to Mosaic. (On a CPU the interpreter's dots
+    are exact either way, so this reads the kernel body the TPU would compile.)"""
+    highest = (jax.lax.Precision.HIGHEST,) * 2
+    for dtype, want in ((jnp.float32, highest), (jnp.bfloat16, None)):
+        (vs, vd), (ss, sd) = formats.quantized_shapes(256, 256, kind)
+        args = (jax.ShapeDtypeStruct((16, 256), dtype), jax.ShapeDtypeStruct(vs, vd),
+                jax.ShapeDtypeStruct(ss, sd))
+        precisions = kernel_dot_precisions(
+            lambda x, v, s: tpu.quantized_matmul(x, v, s, kind=kind), *args)
+        assert precisions and all(p == want for p in precisions), (dtype, precisions)
+
+
 def test_tpu_kernel_compiles_for_float32_x(chip):
-    """float32 activations take the kernel's full-precision (HIGHEST) MXU path."""
+    """Mosaic accepts the HIGHEST-precision float32 path on v5e and v6e."""
     from jax.sharding import SingleDeviceSharding
 
     m, k, n = LLAMA3_8B_MLP[0]
     args = abstract_operands(m, k, n, "int4", SingleDeviceSharding(chip), jnp.float32)
     compiled = compile_on_chip(
         lambda x, v, s: qmm.quantized_matmul(x, v, s, kind="int4", impl="tpu"), args, chip)
+    assert "tpu_custom_call" in compiled.as_text()
     assert compiled.memory_analysis().output_size_in_bytes == m * n * 4
 
 

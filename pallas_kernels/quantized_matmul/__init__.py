@@ -13,6 +13,8 @@ zero points):
   unpacks a group into two contiguous halves without interleaving.
 - "fp8": values float8_e4m3fn `[K, N]`, scales `[1, N]` = max|w| over K / 448.
 
+formats.py quantizes, packs, dequantizes, checks and pads them.
+
 Implementations, all with the signature of `reference.quantized_matmul`:
 
 - "reference" (reference.py): dequantize to x's dtype, one XLA dot accumulating in
@@ -45,8 +47,8 @@ import jax
 
 from pallas_kernels.platform import GPU_PLATFORMS, current_platform
 from pallas_kernels.quantized_matmul import gpu, reference, tpu
-from pallas_kernels.quantized_matmul.reference import (
-    dequantize, quantize, quantized_shapes)
+from pallas_kernels.quantized_matmul.formats import (
+    check_operands, dequantize, quantize, quantized_shapes)
 
 IMPLS = ("reference", "tpu", "gpu")
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
@@ -90,7 +92,7 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
       since "whichever kernel this platform runs" is the reference on a CPU.
     block_sizes: block_m / block_n / block_k for the kernels (the reference ignores them).
     """
-    k = reference.check_operands(x, values, scales, kind)
+    k = check_operands(x, values, scales, kind)
     if impl is None:
         if interpret:
             raise ValueError("interpret=True needs an explicit impl ('tpu' or 'gpu')")

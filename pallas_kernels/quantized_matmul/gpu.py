@@ -19,21 +19,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.quantized_matmul.reference import (
-    check_operands, pad_operands, round_up)
+from pallas_kernels.quantized_matmul.formats import check_operands, pad_operands
+from pallas_kernels.tiling import is_power_of_2, next_power_of_2, round_up
 
 MIN_BLOCK = 16  # smallest dimension Triton's dot accepts
 MAX_BLOCK_M = 64
 MAX_BLOCK_N = 128
 MAX_BLOCK_K = 128
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def _is_power_of_2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 def _clamped_power_of_2(n: int, most: int) -> int:
@@ -42,7 +34,7 @@ def _clamped_power_of_2(n: int, most: int) -> int:
 
 def supports(kind: str, group: int) -> bool:
     """Whether this kernel handles the format: an int4 group's halves are dot operands."""
-    return kind != "int4" or (_is_power_of_2(group) and group // 2 >= MIN_BLOCK)
+    return kind != "int4" or (is_power_of_2(group) and group // 2 >= MIN_BLOCK)
 
 
 def block_sizes(m: int, k: int, n: int, kind: str, group: int,
@@ -58,7 +50,7 @@ def block_sizes(m: int, k: int, n: int, kind: str, group: int,
     bm = block_m or _clamped_power_of_2(m, MAX_BLOCK_M)
     bn = block_n or _clamped_power_of_2(n, MAX_BLOCK_N)
     bk = block_k or max(_clamped_power_of_2(k, MAX_BLOCK_K), group if kind == "int4" else 1)
-    if not all(_is_power_of_2(b) and b >= MIN_BLOCK for b in (bm, bn, bk)) or (
+    if not all(is_power_of_2(b) and b >= MIN_BLOCK for b in (bm, bn, bk)) or (
             kind == "int4" and bk % group):
         raise ValueError(
             f"GPU block sizes (block_m={bm}, block_n={bn}, block_k={bk}) must be powers of "
@@ -71,7 +63,11 @@ def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
-def _kernel(x_ref, w_ref, s_ref, o_ref, *, kind: str, group: int, block_k: int):
+def _kernel(x_ref,  # [bm, K]: this program's rows of x, all of K (the loop slices it)
+            w_ref,  # [K, bn] (int8, fp8) or [K / 2, bn] (int4, packed): its columns
+            s_ref,  # [1, bn] channel scales, or [K / G, bn] int4 group scales
+            o_ref,  # [bm, bn]
+            *, kind: str, group: int, block_k: int):
     bm, bn = o_ref.shape
     steps = x_ref.shape[1] // block_k
 

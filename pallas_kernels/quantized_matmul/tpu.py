@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.quantized_matmul.reference import (
-    check_operands, pad_operands, round_up)
+from pallas_kernels.quantized_matmul.formats import check_operands, pad_operands
+from pallas_kernels.tiling import round_up, sublane_tile
 
 MAX_BLOCK_M = 256
 MAX_BLOCK_N = 512
@@ -30,11 +30,6 @@ MAX_BLOCK_N = 512
 # the DMA of the next tile on v5e/v6e HBM.
 MAX_BLOCK_K = {"int8": 512, "fp8": 512, "int4": 1024}
 LANES = 128
-
-
-def sublanes(dtype: jnp.dtype) -> int:
-    """Rows of one (sublane, 128) tile: 8 for 32-bit, 16 for bf16 (two rows per sublane)."""
-    return 8 * 4 // jnp.dtype(dtype).itemsize
 
 
 def k_unit(kind: str, group: int) -> int:
@@ -48,13 +43,13 @@ def block_sizes(m: int, k: int, n: int, kind: str, group: int, dtype: jnp.dtype,
     """(bm, bn, bk) from the shapes alone (never the default device, which is the host CPU
     when compiling ahead of time).
 
-    bm = min(round_up(M, sublanes), 256): decode batches get one M block padded to a tile.
+    bm = min(round_up(M, sublane tile), 256): decode batches get one M block padded to a tile.
     bn = min(round_up(N, 128), 512).
     bk = min(round_up(K, unit), the largest multiple of unit <= 512 (8-bit) or 1024 (int4)),
     unit = lcm(128, G) for int4, else 128.
     Explicit block_m / block_n / block_k override, checked for the same alignment.
     """
-    sub, unit = sublanes(dtype), k_unit(kind, group)
+    sub, unit = sublane_tile(dtype), k_unit(kind, group)
     bm = block_m or min(round_up(m, sub), MAX_BLOCK_M)
     bn = block_n or min(round_up(n, LANES), MAX_BLOCK_N)
     bk = block_k or min(round_up(k, unit), max(unit, MAX_BLOCK_K[kind] // unit * unit))
@@ -99,7 +94,12 @@ def _int4_block_dot(x_ref, w_ref, s_ref, group: int) -> jax.Array:
     return total
 
 
-def _kernel(x_ref, w_ref, s_ref, o_ref, acc_ref, *, kind: str, group: int):
+def _kernel(x_ref,  # [bm, bk] VMEM: x's tile at (M block, K step)
+            w_ref,  # [bk, bn] (int8, fp8) or [bk / 2, bn] (int4, packed) VMEM
+            s_ref,  # [1, bn] channel scales, or [bk / G, bn] int4 group scales, VMEM
+            o_ref,  # [bm, bn] VMEM, written at the last K step
+            acc_ref,  # [bm, bn] float32 VMEM scratch, carried over the K steps
+            *, kind: str, group: int):
     step = pl.program_id(2)
 
     @pl.when(step == 0)

@@ -1,16 +1,20 @@
 """Ragged paged attention: a Pallas kernel per accelerator beside the pure-JAX reference.
 
-`ragged_paged_attention(...)` picks the Mosaic kernel (tpu.py) on TPU, the Pallas GPU
-kernel (gpu.py) on NVIDIA GPUs and the reference (reference.py) elsewhere; `impl`
-overrides the choice, and `interpret=True` runs a kernel on CPU (tests). Page layout and
-work items: work_items.py.
+`ragged_paged_attention(...)` validates its inputs once (work_items.AttentionInputs), then
+runs the Mosaic kernel (tpu.py) on TPU, the Pallas GPU kernel (gpu.py) on NVIDIA GPUs and
+the reference (reference.py) elsewhere; `impl` overrides the choice, and `interpret=True`
+runs a kernel on CPU (tests). Page layout and the K/V writer: kv_cache.py. Work items:
+work_items.py.
 """
 
 from __future__ import annotations
 
+import jax
+
 from pallas_kernels.platform import GPU_PLATFORMS, current_platform
 from pallas_kernels.ragged_paged_attention import reference
-from pallas_kernels.ragged_paged_attention.reference import quantize_kv, write_kv
+from pallas_kernels.ragged_paged_attention.kv_cache import quantize_kv, write_kv
+from pallas_kernels.ragged_paged_attention.work_items import AttentionInputs
 
 IMPLS = ("reference", "tpu", "gpu")
 
@@ -26,18 +30,29 @@ def default_impl(platform: str | None = None) -> str:
 
 
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
-                           impl: str | None = None, interpret: bool = False, **kwargs):
-    """See reference.ragged_paged_attention for the arguments; `impl` is one of IMPLS."""
+                           sm_scale: float, sliding_window: int | None = None,
+                           soft_cap: float | None = None, k_scales=None, v_scales=None,
+                           impl: str | None = None, interpret: bool = False,
+                           **block_sizes) -> jax.Array:
+    """Causal attention of ragged queries over paged K/V: `[T, num_q_heads, head_dim]` in
+    q's dtype, zeros for padding queries.
+
+    The arguments are described in work_items.AttentionInputs; `impl` is one of IMPLS (None:
+    by platform). `block_sizes` are the backend's overrides (pages_per_block,
+    queries_per_block; the kernels' own in their modules).
+    """
+    x = AttentionInputs.validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
+                                 num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
+                                 soft_cap=soft_cap, k_scales=k_scales, v_scales=v_scales)
     impl = impl or default_impl()
-    args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     if impl == "reference":
-        return reference.ragged_paged_attention(*args, **kwargs)
+        return reference.ragged_paged_attention(x, **block_sizes)
     if impl == "tpu":
         from pallas_kernels.ragged_paged_attention import tpu
-        return tpu.ragged_paged_attention(*args, interpret=interpret, **kwargs)
+        return tpu.ragged_paged_attention(x, interpret=interpret, **block_sizes)
     if impl == "gpu":
         from pallas_kernels.ragged_paged_attention import gpu
-        return gpu.ragged_paged_attention(*args, interpret=interpret, **kwargs)
+        return gpu.ragged_paged_attention(x, interpret=interpret, **block_sizes)
     raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
 
 

@@ -1,6 +1,6 @@
 """Ragged paged attention as a Pallas GPU kernel (Triton lowering).
 
-Same signature, page layout and work items as reference.py (see work_items.py). The grid
+Same inputs, page layout and work items as reference.py (see work_items.py). The grid
 is (KV head, work item[, KV split]). A program holds one item's queries for one KV head,
 the `group` query heads of that KV head packed as rows of one `[rows, head_dim]` tile
 (GQA), and walks the item's sequence one block of `pages_per_block` pages at a time with
@@ -44,7 +44,7 @@ tiles (JAX's flash attention uses 8 for its 128-row tiles at head_dim 128); num_
 (also its choice), so the next block's loads overlap this block's dots without the shared
 memory of deeper pipelines. Not yet tuned on hardware.
 
-Not fused: writing the new tokens' K/V stays a separate XLA scatter (reference.write_kv).
+Not fused: writing the new tokens' K/V stays a separate XLA scatter (kv_cache.write_kv).
 """
 
 from __future__ import annotations
@@ -56,22 +56,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.ragged_paged_attention.reference import MASKED
 from pallas_kernels.ragged_paged_attention.work_items import (
-    default_queries_per_block, gather_queries, scatter_outputs, visible_blocks, work_items)
+    MASKED, AttentionInputs, default_queries_per_block, gather_queries, plan_blocks,
+    scatter_outputs, visible_blocks)
+from pallas_kernels.tiling import is_power_of_2, next_power_of_2
 
 MIN_TILE = 16  # smallest dimension Triton's dot accepts
 MAX_ROWS = 128  # query rows (queries x group) per program
 KV_TOKENS_PER_BLOCK = 128
 NUM_SMS = 132  # H100 / H200 SXM
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def _is_power_of_2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 def default_gpu_queries_per_block(num_tokens: int, max_seqs: int, group: int) -> int:
@@ -99,13 +92,20 @@ def _check_tiles(block_tokens: int, head_dim: int) -> None:
     fixes = {"pages_per_block * page_size": "pass a pages_per_block that makes one",
              "head_dim": "use impl='reference' for this model"}
     for name, size in (("pages_per_block * page_size", block_tokens), ("head_dim", head_dim)):
-        if not (_is_power_of_2(size) and size >= MIN_TILE):
+        if not (is_power_of_2(size) and size >= MIN_TILE):
             raise ValueError(f"{name} is {size}, but the GPU kernel's Triton tiles need a power "
                              f"of two >= {MIN_TILE}: {fixes[name]}")
 
 
-def _kernel(seq_ref, q_pos_ref, num_q_ref, kv_len_ref, table_ref, q_ref, k_ref, v_ref, *rest,
-            sm_scale, sliding_window, soft_cap, group, pages_per_block, quantized, num_splits):
+def _kernel(seq_ref, q_pos_ref, num_q_ref, kv_len_ref,  # [W] each: item metadata
+            table_ref,  # [S, num_blocks * pages_per_block]: the padded page table
+            q_ref,  # [rows, head_dim]: this item's queries of this KV head
+            k_ref, v_ref,  # [num_pages, page_size, head_dim]: this KV head's pages
+            *rest, sm_scale, sliding_window, soft_cap, group, pages_per_block, quantized,
+            num_splits):
+    # rest: ks_ref, vs_ref [num_pages, page_size] (this head's scales, quantized caches
+    # only), then the outputs: o_ref [rows, head_dim], or with KV splits acc_ref [rows,
+    # head_dim] and m_ref, l_ref [rows] (this split's unnormalised partials, float32).
     if quantized:
         ks_ref, vs_ref, *out_refs = rest
     else:
@@ -186,60 +186,37 @@ def _whole(shape: tuple[int, ...]) -> pl.BlockSpec:
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
-def ragged_paged_attention(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    kv_lens: jax.Array,
-    page_indices: jax.Array,
-    cu_q_lens: jax.Array,
-    num_seqs: jax.Array,
-    *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
-    pages_per_block: int | None = None,
-    queries_per_block: int | None = None,
-    interpret: bool = False,
-    num_kv_splits: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-) -> jax.Array:
+def ragged_paged_attention(x: AttentionInputs, *, pages_per_block: int | None = None,
+                           queries_per_block: int | None = None, interpret: bool = False,
+                           num_kv_splits: int | None = None, num_warps: int | None = None,
+                           num_stages: int | None = None) -> jax.Array:
     """See reference.ragged_paged_attention; `interpret=True` runs on CPU. `num_kv_splits`,
     `num_warps` and `num_stages` override the rules in the module docstring."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, num_pages, page_size, _ = k_pages.shape
-    max_seqs, pages_per_seq = page_indices.shape
-    group = num_q_heads // num_kv_heads
-    quantized = k_scales is not None
-    bq = queries_per_block or default_gpu_queries_per_block(num_tokens, max_seqs, group)
-    block = pages_per_block or default_pages_per_block(page_size, pages_per_seq)
+    num_kv_heads, page_size, head_dim, group = x.num_kv_heads, x.page_size, x.head_dim, x.group
+    num_pages = x.k_pages.shape[1]
+    block = pages_per_block or default_pages_per_block(page_size, x.pages_per_seq)
     if not interpret:
         _check_tiles(block * page_size, head_dim)
-    num_blocks = -(-pages_per_seq // block)
-    # Pad the page table to whole blocks; padded entries are masked by kv_lens.
-    page_indices = jnp.pad(page_indices, ((0, 0), (0, num_blocks * block - pages_per_seq)))
-    rows = max(MIN_TILE, next_power_of_2(bq * group))
-
-    items = work_items(cu_q_lens, kv_lens, num_seqs, num_tokens, bq)
-    num_items = items.seq.shape[0]
-    splits = num_kv_splits or default_num_kv_splits(num_kv_heads * num_items, num_blocks)
-    qi = gather_queries(q, items, num_kv_heads, rows)  # [Hkv, W, rows, D]
+    plan = plan_blocks(
+        x, queries_per_block or default_gpu_queries_per_block(x.num_tokens, x.max_seqs, group),
+        block)
+    items, num_items = plan.items, plan.num_items
+    rows = max(MIN_TILE, next_power_of_2(plan.queries_per_block * group))
+    splits = num_kv_splits or default_num_kv_splits(num_kv_heads * num_items, plan.num_blocks)
+    qi = gather_queries(x.q, items, num_kv_heads, rows)  # [Hkv, W, rows, D]
 
     pages_spec = pl.BlockSpec((None, num_pages, page_size, head_dim),
                               lambda h, *_: (h, 0, 0, 0))
     in_specs = [_whole((num_items,))] * 4 + [
-        _whole(page_indices.shape),
+        _whole(plan.page_indices.shape),
         pl.BlockSpec((None, None, rows, head_dim), lambda h, w, *_: (h, w, 0, 0)),
         pages_spec, pages_spec]
-    operands = [items.seq, items.q_pos, items.num_q, items.kv_len, page_indices,
-                qi, k_pages, v_pages]
-    if quantized:
+    operands = [items.seq, items.q_pos, items.num_q, items.kv_len, plan.page_indices,
+                qi, x.k_pages, x.v_pages]
+    if x.quantized:
         scales_spec = pl.BlockSpec((None, num_pages, page_size), lambda h, *_: (h, 0, 0))
         in_specs += [scales_spec, scales_spec]
-        operands += [k_scales, v_scales]
+        operands += [x.k_scales, x.v_scales]
     if splits > 1:
         grid = (num_kv_heads, num_items, splits)
         out_shape = [
@@ -252,12 +229,12 @@ def ragged_paged_attention(
             pl.BlockSpec((None, None, None, rows), lambda h, w, s: (h, w, s, 0))]
     else:
         grid = (num_kv_heads, num_items)
-        out_shape = jax.ShapeDtypeStruct((num_kv_heads, num_items, rows, head_dim), q.dtype)
+        out_shape = jax.ShapeDtypeStruct((num_kv_heads, num_items, rows, head_dim), x.q.dtype)
         out_specs = pl.BlockSpec((None, None, rows, head_dim), lambda h, w: (h, w, 0, 0))
 
     kernel = functools.partial(
-        _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        group=group, pages_per_block=block, quantized=quantized, num_splits=splits)
+        _kernel, sm_scale=x.sm_scale, sliding_window=x.sliding_window, soft_cap=x.soft_cap,
+        group=group, pages_per_block=block, quantized=x.quantized, num_splits=splits)
     out = pl.pallas_call(
         kernel,
         grid=grid,
@@ -271,4 +248,4 @@ def ragged_paged_attention(
     )(*operands)
     if splits > 1:
         out = combine_splits(*out)
-    return scatter_outputs(out, items, num_tokens, group, q.dtype)
+    return scatter_outputs(out, items, x.num_tokens, group, x.q.dtype)

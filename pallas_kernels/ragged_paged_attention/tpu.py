@@ -1,6 +1,6 @@
 """Ragged paged attention as a Pallas Mosaic TPU kernel.
 
-Same signature, page layout and work items as reference.py (see work_items.py). The grid
+Same inputs, page layout and work items as reference.py (see work_items.py). The grid
 is (KV head, work item). A program holds one item's queries for one KV head, the `group`
 query heads of that KV head packed as rows of one `[rows, head_dim]` tile (GQA), and walks
 the item's sequence one block of pages at a time: the page table and item metadata are
@@ -32,25 +32,29 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.ragged_paged_attention.reference import MASKED
 from pallas_kernels.ragged_paged_attention.work_items import (
-    default_queries_per_block, gather_queries, scatter_outputs, visible_blocks, work_items)
+    MASKED, AttentionInputs, default_queries_per_block, gather_queries, plan_blocks,
+    scatter_outputs, visible_blocks)
+from pallas_kernels.tiling import round_up, sublane_tile
 
 KV_TOKENS_PER_BLOCK = 512
-
-
-def sublane_tile(dtype) -> int:
-    """Rows of a TPU vreg tile for this dtype: 8 for 32-bit, 16 for 16-bit, 32 for 8-bit."""
-    return 32 // jnp.dtype(dtype).itemsize
 
 
 def default_pages_per_block(page_size: int, pages_per_seq: int) -> int:
     return max(1, min(pages_per_seq, KV_TOKENS_PER_BLOCK // page_size))
 
 
-def _kernel(seq_ref, q_pos_ref, num_q_ref, kv_len_ref, pages_ref,  # scalar prefetch (SMEM)
-            q_ref, k_hbm, v_hbm, *rest, sm_scale, sliding_window, soft_cap, group,
-            pages_per_block, quantized):
+def _kernel(seq_ref,  # [W] SMEM (scalar prefetch): each item's sequence
+            q_pos_ref,  # [W] SMEM: position of the item's first query
+            num_q_ref,  # [W] SMEM: real queries of the item (0: empty)
+            kv_len_ref,  # [W] SMEM: the item's sequence's context length
+            pages_ref,  # [S, num_blocks * pages_per_block] SMEM: the padded page table
+            q_ref,  # [rows, head_dim] VMEM: this item's queries of this KV head
+            k_hbm, v_hbm,  # [Hkv, num_pages, page_size, head_dim] HBM (memory_space=ANY)
+            *rest, sm_scale, sliding_window, soft_cap, group, pages_per_block, quantized):
+    # rest: ks_ref, vs_ref [1, num_blocks * block_tokens] VMEM (this head's and sequence's
+    # per-token scales, quantized caches only); o_ref [rows, head_dim] VMEM; k_buf, v_buf
+    # [2, block_tokens, head_dim] VMEM double buffers; sems [2 (K/V), 2 (buffer)] DMA.
     if quantized:
         ks_ref, vs_ref, o_ref, k_buf, v_buf, sems = rest
     else:
@@ -124,74 +128,54 @@ def _kernel(seq_ref, q_pos_ref, num_q_ref, kv_len_ref, pages_ref,  # scalar pref
     o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
 
 
-def ragged_paged_attention(
-    q: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    kv_lens: jax.Array,
-    page_indices: jax.Array,
-    cu_q_lens: jax.Array,
-    num_seqs: jax.Array,
-    *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
-    k_scales: jax.Array | None = None,
-    v_scales: jax.Array | None = None,
-    pages_per_block: int | None = None,
-    queries_per_block: int | None = None,
-    interpret: bool = False,
-    vmem_limit_bytes: int | None = None,
-) -> jax.Array:
+def ragged_paged_attention(x: AttentionInputs, *, pages_per_block: int | None = None,
+                           queries_per_block: int | None = None, interpret: bool = False,
+                           vmem_limit_bytes: int | None = None) -> jax.Array:
     """See reference.ragged_paged_attention; `interpret=True` runs on CPU."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, _, page_size, _ = k_pages.shape
-    max_seqs, pages_per_seq = page_indices.shape
-    group = num_q_heads // num_kv_heads
-    quantized = k_scales is not None
-    if not interpret and page_size % sublane_tile(k_pages.dtype):
-        raise ValueError(f"page_size {page_size} is not a multiple of {sublane_tile(k_pages.dtype)}"
-                         f", the TPU tile height of {k_pages.dtype} KV pages")
-    bq = queries_per_block or default_queries_per_block(num_tokens, max_seqs)
-    block = pages_per_block or default_pages_per_block(page_size, pages_per_seq)
-    num_blocks = -(-pages_per_seq // block)
-    page_indices = jnp.pad(page_indices, ((0, 0), (0, num_blocks * block - pages_per_seq)))
-    rows = -(-bq * group // sublane_tile(q.dtype)) * sublane_tile(q.dtype)
-
-    items = work_items(cu_q_lens, kv_lens, num_seqs, num_tokens, bq)
-    num_items = items.seq.shape[0]
-    qi = gather_queries(q, items, num_kv_heads, rows)  # [Hkv, W, rows, D]
+    num_kv_heads, page_size, head_dim, group = x.num_kv_heads, x.page_size, x.head_dim, x.group
+    if not interpret and page_size % sublane_tile(x.k_pages.dtype):
+        raise ValueError(f"page_size {page_size} is not a multiple of "
+                         f"{sublane_tile(x.k_pages.dtype)}, the TPU tile height of "
+                         f"{x.k_pages.dtype} KV pages")
+    plan = plan_blocks(
+        x, queries_per_block or default_queries_per_block(x.num_tokens, x.max_seqs),
+        pages_per_block or default_pages_per_block(page_size, x.pages_per_seq))
+    block, items = plan.pages_per_block, plan.items
+    rows = round_up(plan.queries_per_block * group, sublane_tile(x.q.dtype))
+    qi = gather_queries(x.q, items, num_kv_heads, rows)  # [Hkv, W, rows, D]
     q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda h, w, *_: (h, w, 0, 0))
     in_specs = [q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
-    operands = [qi, k_pages, v_pages]
-    if quantized:
+    operands = [qi, x.k_pages, x.v_pages]
+    if x.quantized:
         # Each sequence's scales, gathered once per layer by XLA into one lane-dense row
         # per (head, sequence): 4 bytes per token and head next to head_dim bytes of values.
-        width = num_blocks * block * page_size
-        for scales in (k_scales, v_scales):
-            operands.append(scales[:, page_indices].reshape(num_kv_heads, max_seqs, 1, width))
+        width = plan.num_blocks * block * page_size
+        for scales in (x.k_scales, x.v_scales):
+            operands.append(scales[:, plan.page_indices].reshape(num_kv_heads, x.max_seqs, 1,
+                                                                 width))
             in_specs.append(pl.BlockSpec((None, None, 1, width),
                                          lambda h, w, seq, *_: (h, seq[w], 0, 0)))
     kernel = functools.partial(
-        _kernel, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        group=group, pages_per_block=block, quantized=quantized)
+        _kernel, sm_scale=x.sm_scale, sliding_window=x.sliding_window, soft_cap=x.soft_cap,
+        group=group, pages_per_block=block, quantized=x.quantized)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
-            grid=(num_kv_heads, num_items),
+            grid=(num_kv_heads, plan.num_items),
             in_specs=in_specs,
             out_specs=q_spec,
             scratch_shapes=[
-                pltpu.VMEM((2, block * page_size, head_dim), k_pages.dtype),
-                pltpu.VMEM((2, block * page_size, head_dim), v_pages.dtype),
+                pltpu.VMEM((2, block * page_size, head_dim), x.k_pages.dtype),
+                pltpu.VMEM((2, block * page_size, head_dim), x.v_pages.dtype),
                 pltpu.SemaphoreType.DMA((2, 2)),
             ],
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel"), vmem_limit_bytes=vmem_limit_bytes),
-        out_shape=jax.ShapeDtypeStruct((num_kv_heads, num_items, rows, head_dim), q.dtype),
+        out_shape=jax.ShapeDtypeStruct((num_kv_heads, plan.num_items, rows, head_dim),
+                                       x.q.dtype),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(items.seq, items.q_pos, items.num_q, items.kv_len, page_indices, *operands)
-    return scatter_outputs(out, items, num_tokens, group, q.dtype)
+    )(items.seq, items.q_pos, items.num_q, items.kv_len, plan.page_indices, *operands)
+    return scatter_outputs(out, items, x.num_tokens, group, x.q.dtype)

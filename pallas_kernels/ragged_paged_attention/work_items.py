@@ -1,23 +1,16 @@
-"""How every backend splits a ragged batch into work items, and the KV page layout.
-
-Page layout (shared by every backend): per layer, K and V are each
-`[num_kv_heads, num_pages, page_size, head_dim]`, head-major, so one head's page is a
-contiguous `[page_size, head_dim]` tile: a TPU pads only the last two dimensions to its
-(8|16|32) x 128 tiles, so a token-major layout with 1-2 KV heads per chip would waste up
-to 16x HBM, and a per-head kernel would need strided copies. Token `j` of a sequence lives
-in page `page_indices[s, j // page_size]` at row `j % page_size`. A quantized cache (int8
-or fp8 values) has float32 scales `[num_kv_heads, num_pages, page_size]`, one per token
-and head: the stored value times its scale is the K or V element.
+"""What every attention backend shares: its validated inputs and the work-item split.
 
 A ragged batch concatenates the new tokens of S sequences into `q[T]`. Sequence `s` owns
-queries `cu_q_lens[s]:cu_q_lens[s+1]` and has `kv_lens[s]` tokens of K/V in its pages,
-the new ones included, so its queries sit at the last positions of its context. Only the
-first `num_seqs` sequences are real; queries past `cu_q_lens[num_seqs]` are padding.
+queries `cu_q_lens[s]:cu_q_lens[s+1]` and has `kv_lens[s]` tokens of K/V in its pages
+(kv_cache.py), the new ones included, so its queries sit at the last positions of its
+context. Only the first `num_seqs` sequences are real; queries past
+`cu_q_lens[num_seqs]` are padding.
 
 Queries are grouped into work items, each a block of up to `bq` consecutive queries of one
 sequence, so a prefill chunk reads its pages once per block rather than once per token,
 and a decode batch (bq = 1) reads each sequence's pages once. With the query heads of one
-KV head packed together, an item is a `[bq * group, head_dim]` tile of queries.
+KV head packed together, an item is a `[bq * group, head_dim]` tile of queries. Each
+backend walks an item's keys in blocks of `pages_per_block` pages with an online softmax.
 """
 
 from __future__ import annotations
@@ -27,7 +20,121 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-QUANTIZED_KV_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
+from pallas_kernels.ragged_paged_attention.kv_cache import QUANTIZED_KV_MAX
+
+MASKED = -1e30  # score of a key a query may not see (finite: no inf - inf = NaN)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionInputs:
+    """One call's operands, checked once for every backend (`validate`).
+
+    q `[T, num_q_heads, head_dim]`; k_pages, v_pages `[num_kv_heads, num_pages, page_size,
+    head_dim]`; kv_lens `[S]` int32, each sequence's context length including its new
+    tokens; page_indices `[S, pages_per_seq]` int32; cu_q_lens `[S + 1]` int32, query
+    offsets; num_seqs a scalar int32, the real sequences; k_scales, v_scales
+    `[num_kv_heads, num_pages, page_size]` float32 for an int8 / fp8 cache, else None.
+    sm_scale multiplies q·k; a query at position p sees keys at positions
+    > p - sliding_window; soft_cap makes scores soft_cap * tanh(scores / soft_cap).
+    """
+
+    q: jax.Array
+    k_pages: jax.Array
+    v_pages: jax.Array
+    kv_lens: jax.Array
+    page_indices: jax.Array
+    cu_q_lens: jax.Array
+    num_seqs: jax.Array
+    k_scales: jax.Array | None
+    v_scales: jax.Array | None
+    sm_scale: float = dataclasses.field(metadata=dict(static=True))
+    sliding_window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    soft_cap: float | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    @property
+    def num_tokens(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_pages.shape[0]
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.q.shape[1] // self.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[2]
+
+    @property
+    def max_seqs(self) -> int:
+        return self.page_indices.shape[0]
+
+    @property
+    def pages_per_seq(self) -> int:
+        return self.page_indices.shape[1]
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scales is not None
+
+    @classmethod
+    def validate(cls, q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
+                 sm_scale: float, sliding_window: int | None = None,
+                 soft_cap: float | None = None, k_scales=None, v_scales=None
+                 ) -> "AttentionInputs":
+        """The inputs as arrays, or a ValueError saying which shape or dtype is wrong."""
+        args = [jnp.asarray(a) for a in (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
+                                         num_seqs)]
+        scales = [None if s is None else jnp.asarray(s) for s in (k_scales, v_scales)]
+        x = cls(*args, *scales, sm_scale=sm_scale, sliding_window=sliding_window,
+                soft_cap=soft_cap)
+        _check(x)
+        return x
+
+
+def _check(x: AttentionInputs) -> None:
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise ValueError(f"ragged_paged_attention: {what}")
+
+    need(x.q.ndim == 3, f"q must be [tokens, q_heads, head_dim], got {x.q.shape}")
+    need(x.k_pages.ndim == 4 and x.k_pages.shape == x.v_pages.shape
+         and x.k_pages.dtype == x.v_pages.dtype,
+         f"k_pages and v_pages must be [kv_heads, pages, page_size, head_dim] of one shape and "
+         f"dtype, got {x.k_pages.shape} {x.k_pages.dtype} and {x.v_pages.shape} "
+         f"{x.v_pages.dtype}")
+    need(x.k_pages.shape[3] == x.head_dim,
+         f"head_dim of q ({x.head_dim}) and of the pages ({x.k_pages.shape[3]}) differ")
+    need(x.q.shape[1] % x.num_kv_heads == 0,
+         f"q_heads ({x.q.shape[1]}) must be a multiple of kv_heads ({x.num_kv_heads})")
+    s = x.max_seqs
+    for name, a, shape in (("kv_lens", x.kv_lens, (s,)), ("cu_q_lens", x.cu_q_lens, (s + 1,)),
+                           ("num_seqs", x.num_seqs, ())):
+        need(a.shape == shape and a.dtype == jnp.int32,
+             f"{name} must be int32 {list(shape)} for page_indices of {s} sequences, got "
+             f"{a.dtype} {list(a.shape)}")
+    need(x.page_indices.ndim == 2 and x.page_indices.dtype == jnp.int32,
+         f"page_indices must be int32 [seqs, pages_per_seq], got {x.page_indices.dtype} "
+         f"{x.page_indices.shape}")
+    quantized = x.k_pages.dtype.name in QUANTIZED_KV_MAX
+    need((x.k_scales is None) == (x.v_scales is None) and quantized == x.quantized,
+         f"a {x.k_pages.dtype} cache needs {'both' if quantized else 'no'} k_scales and "
+         f"v_scales")
+    if x.quantized:
+        for name, a in (("k_scales", x.k_scales), ("v_scales", x.v_scales)):
+            need(a.shape == x.k_pages.shape[:3] and a.dtype == jnp.float32,
+                 f"{name} must be float32 {list(x.k_pages.shape[:3])}, got {a.dtype} "
+                 f"{list(a.shape)}")
+    need(x.sliding_window is None or x.sliding_window > 0,
+         f"sliding_window must be positive, got {x.sliding_window}")
 
 
 @jax.tree_util.register_dataclass
@@ -41,6 +148,35 @@ class WorkItems:
     num_q: jax.Array  # [W] int32
     kv_len: jax.Array  # [W] int32
     token: jax.Array  # [W, bq] flat query index of each row; num_tokens for padding rows
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPlan:
+    """How a backend walks the batch: its work items and the page table padded to whole
+    blocks of `pages_per_block` pages (padded entries are masked by kv_lens)."""
+
+    items: WorkItems
+    page_indices: jax.Array  # [S, num_blocks * pages_per_block]
+    queries_per_block: int
+    pages_per_block: int
+
+    @property
+    def num_blocks(self) -> int:
+        """KV blocks of a full page table."""
+        return self.page_indices.shape[1] // self.pages_per_block
+
+    @property
+    def num_items(self) -> int:
+        return self.items.seq.shape[0]
+
+
+def plan_blocks(x: AttentionInputs, queries_per_block: int, pages_per_block: int) -> BlockPlan:
+    """The plan every backend follows, given the block sizes its own rules chose."""
+    num_blocks = -(-x.pages_per_seq // pages_per_block)
+    page_indices = jnp.pad(x.page_indices,
+                           ((0, 0), (0, num_blocks * pages_per_block - x.pages_per_seq)))
+    items = work_items(x.cu_q_lens, x.kv_lens, x.num_seqs, x.num_tokens, queries_per_block)
+    return BlockPlan(items, page_indices, queries_per_block, pages_per_block)
 
 
 def default_queries_per_block(num_tokens: int, max_seqs: int, cap: int = 32) -> int:
