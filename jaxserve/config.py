@@ -14,14 +14,14 @@ from typing import Any
 
 import yaml
 
+from sharding.strategies import MESH_AXES, STRATEGIES
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DTYPES = ("bfloat16", "float32")
 # kv_cache_dtype names and the dtype each stores ("auto": the model's dtype).
 KV_CACHE_DTYPES = {"auto": None, "int8": "int8", "fp8": "float8_e4m3fn"}
 KERNEL_IMPLS = ("reference", "tpu", "gpu")
 QUANTIZATIONS = ("int8", "int4", "fp8")
-SHARDING_STRATEGIES = ("tp", "tp+sp", "dp", "dp+tp", "dp+tp+sp")
-MESH_AXES = ("data", "model")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +178,17 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling]:
 
 
 @dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    """How the model runs, beyond its shape: the kernels (None: by platform; "reference" |
+    "tpu" | "gpu"), weight quantization (None | "int8" | "int4" | "fp8"), and interpret
+    mode for the Pallas kernels (CPU tests)."""
+
+    kernel_impl: str | None = None
+    quantization: str | None = None
+    interpret: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs a model: memory, batching, buckets.
 
@@ -244,8 +255,8 @@ class EngineConfig:
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} (or unset), "
                              f"got {self.quantization!r}")
-        if self.sharding not in SHARDING_STRATEGIES:
-            raise ValueError(f"sharding must be one of {SHARDING_STRATEGIES}, got {self.sharding!r}")
+        if self.sharding not in STRATEGIES:
+            raise ValueError(f"sharding must be one of {STRATEGIES}, got {self.sharding!r}")
         if self.mesh is not None:
             bad = {k: v for k, v in self.mesh.items()
                    if k not in MESH_AXES or not isinstance(v, int) or v < 1}
@@ -260,6 +271,16 @@ class EngineConfig:
         if buckets[0] < 1 or buckets[-1] < self.max_num_batched_tokens:
             raise ValueError(f"token_buckets {buckets} must be positive and the largest must "
                              f"cover max_num_batched_tokens ({self.max_num_batched_tokens})")
+
+    @property
+    def model_options(self) -> ModelOptions:
+        return ModelOptions(kernel_impl=self.kernel_impl, quantization=self.quantization,
+                            interpret=self.interpret_kernels)
+
+    @property
+    def kv_storage_dtype(self) -> str:
+        """The dtype name the KV cache stores (`kv_cache_dtype`, or the model's for auto)."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, **overrides: Any) -> "EngineConfig":

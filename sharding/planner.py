@@ -30,14 +30,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, ModelConfig
+from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, ModelConfig, ModelOptions
 from jaxserve.engine.batch import BatchBuilder, BucketKey
-from jaxserve.engine.engine import kv_cache_dtype, model_options
 from jaxserve.engine.runner import abstract_kv_cache, jit_step, kv_page_bytes, pages_per_seq
 from jaxserve.loading.safetensors import abstract_model
-from jaxserve.models.layers import ModelOptions
 from sharding.mesh import make_mesh
-from sharding.rules import STRATEGIES, ShardingContext, model_sharding
+from sharding.rules import ShardingContext, model_sharding
+from sharding.strategies import STRATEGIES
 
 _COLLECTIVE = re.compile(
     r" (all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute)(?:-start)?\(")
@@ -64,13 +63,14 @@ def tpu_devices(topology: str) -> list:
 
 
 def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, int],
-                 strategy: str, devices: list, num_pages: int, key: BucketKey,
-                 dtype=jnp.bfloat16) -> jax.stages.Compiled:
+                 strategy: str, devices: list, num_pages: int, key: BucketKey
+                 ) -> jax.stages.Compiled:
     """Ahead-of-time compile of one step bucket, sharded over `devices`, with the engine's
     weight quantization, KV cache dtype and kernels (on a TPU: our Pallas kernels).
     `num_pages` is the KV pool of each data shard."""
     shard = model_sharding(make_mesh(mesh_shape, devices=devices), strategy, cfg)
-    graphdef, abstract = abstract_model(cfg, dtype, shard, model_options(engine))
+    graphdef, abstract = abstract_model(cfg, jnp.dtype(engine.dtype), shard,
+                                        engine.model_options)
     flat = nnx.to_flat_state(abstract)
     for _, var in flat:
         sharding = shard.sharding(var.get_metadata()["logical_axes"])
@@ -81,7 +81,7 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
                            num_pages, pages_per_seq(max_len, engine.page_size), max_len,
                            cfg.eos_token_ids, shard.data_shards)
     caches = abstract_kv_cache(cfg, num_pages * shard.data_shards, engine.page_size,
-                               kv_cache_dtype(engine), shard)
+                               jnp.dtype(engine.kv_storage_dtype), shard)
     replicated = shard.sharding(())
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
                          builder.empty(key))
@@ -232,7 +232,6 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
     """
     platform, devices, hbm = resolve_target(target)
     chips = len(devices)
-    jdtype = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
     engine = EngineConfig(dtype=dtype, max_model_len=max_model_len, page_size=page_size,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           token_buckets=(max_num_seqs, max_num_batched_tokens),
@@ -245,14 +244,14 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
     mesh_shape = {"data": data, "model": chips // data}
     num_pages = 2 * max_num_seqs // data  # nominal, per data shard
     shard = model_sharding(make_mesh(mesh_shape, devices=devices), strategy, cfg)
-    kv_per_token = kv_page_bytes(cfg, page_size, kv_cache_dtype(engine), shard) // page_size
+    kv_dtype = jnp.dtype(engine.kv_storage_dtype)
+    kv_per_token = kv_page_bytes(cfg, page_size, kv_dtype, shard) // page_size
     nominal_kv = num_pages * page_size * kv_per_token
     buckets, tpu_kernels = {}, 0
     for name, t in (("decode", max_num_seqs), ("prefill", max_num_batched_tokens)):
-        key = (t, min(t, max_num_seqs), False)
+        key = BucketKey(t, min(t, max_num_seqs), False)
         try:
-            compiled = compile_step(cfg, engine, mesh_shape, strategy, devices, num_pages,
-                                    key, jdtype)
+            compiled = compile_step(cfg, engine, mesh_shape, strategy, devices, num_pages, key)
         except Exception as e:  # noqa: BLE001 - XLA reports "does not fit" as an error
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
@@ -272,7 +271,7 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
         }
         if platform == "gpu":
             _remove_cpu_artefacts(buckets[name], text)
-    analytic = _analytic_weight_bytes(cfg, jdtype, shard, model_options(engine))
+    analytic = _analytic_weight_bytes(cfg, jnp.dtype(dtype), shard, engine.model_options)
     ok = [b for b in buckets.values() if "error" not in b]
     compiled_weights = ok[0]["argument_bytes"] - nominal_kv if ok else None
     # On a TPU the compiled size is the truth (it includes tile padding); XLA:CPU's layout

@@ -13,11 +13,9 @@ import math
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxserve.config import MESH_AXES, SHARDING_STRATEGIES
+from sharding.strategies import DATA, MODEL, STRATEGIES
 
 MeshAxes = str | tuple[str, ...] | None
-
-DATA, MODEL = MESH_AXES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +37,6 @@ class ShardingRules:
 
 
 REPLICATED = ShardingRules()
-STRATEGIES = SHARDING_STRATEGIES
 
 
 def strategy_rules(name: str, mesh: Mesh, num_heads: int, num_kv_heads: int, vocab_size: int,

@@ -94,7 +94,7 @@ def main(model_dir: str, out_path: str) -> None:
     # head: served on 1 device and on 8 (4 copies) it gives the int8 tokens.
     cfg = ModelConfig.from_file(model_dir)
     out = Path(tempfile.mkdtemp()) / "converted"
-    convert(model_dir, out, jnp.float32, "float32", "int8",
+    convert(model_dir, out, "float32", "int8",
             model_sharding(make_mesh({"model": 4}), "tp", cfg))
     for mesh in (None, {"model": 8}):
         llm = LLM(str(out), mesh=mesh, **ENGINE)

@@ -17,9 +17,9 @@ from flax import nnx
 
 from conftest import hf_greedy
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import ModelConfig
+from jaxserve.config import ModelConfig, ModelOptions
 from jaxserve.loading.safetensors import load_checkpoint
-from jaxserve.models.transformer import AttentionMetadata, ModelOptions, kv_cache_layout
+from jaxserve.models.transformer import AttentionMetadata, kv_cache_layout
 from sharding.mesh import make_mesh
 from sharding.rules import ShardingContext
 

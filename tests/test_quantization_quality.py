@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.models.transformer import ModelOptions
+from jaxserve.config import ModelOptions
 from test_parity import ragged_prompt_logits
 
 ARCHS = ["llama", "qwen3"]

@@ -5,6 +5,7 @@ Needs libtpu (`pip install "jax[tpu]==<our jax>"`, in the dev extras), not a TPU
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
 
@@ -17,6 +18,7 @@ pytest.importorskip("libtpu", reason="libtpu is not installed: pip install 'jax[
 from flax import nnx  # noqa: E402
 
 from jaxserve.config import EngineConfig, ModelConfig  # noqa: E402
+from jaxserve.engine.batch import BucketKey  # noqa: E402
 from jaxserve.loading.safetensors import abstract_model  # noqa: E402
 from sharding.mesh import make_mesh  # noqa: E402
 from sharding.planner import collectives, compile_step, tpu_devices  # noqa: E402
@@ -28,6 +30,7 @@ CFG = ModelConfig(model_type="llama", architecture="LlamaForCausalLM", vocab_siz
 ENGINE = EngineConfig(max_model_len=256, page_size=16, max_num_seqs=8, max_num_batched_tokens=64,
                       token_buckets=(64,))
 PAGES = 64
+KEY = BucketKey(tokens=64, seqs=8, history=False)
 # Llama-3-8B's dimensions with 2 layers: real tile-friendly shapes (TPU pads tiny minor
 # dimensions to 8x128 tiles), compiled in seconds.
 LLAMA3_8B_2L = dataclasses.replace(ModelConfig.from_file("configs/models/llama3-8b.yaml"),
@@ -53,7 +56,7 @@ def sharded_weight_bytes(cfg: ModelConfig, devices) -> int:
 
 
 def test_tp_step_compiles_for_v5e_with_megatron_collectives(devices):
-    compiled = compile_step(CFG, ENGINE, {"model": 4}, "tp", devices, PAGES, (64, 8, False))
+    compiled = compile_step(CFG, ENGINE, {"model": 4}, "tp", devices, PAGES, KEY)
     hidden = re.findall(r"= bf16\[64,256\]\S* all-reduce(?:-start)?\(", compiled.as_text())
     # One all-reduce after attention and one after the MLP per layer, plus the
     # vocabulary-parallel embedding lookup.
@@ -66,7 +69,7 @@ def test_per_chip_memory_matches_analytic_count(devices):
     """Arguments per chip = weights x 2 bytes / 4 (split ones) + the chip's KV pages, within 3%."""
     cfg = LLAMA3_8B_2L
     engine = dataclasses.replace(ENGINE, max_model_len=1024)
-    compiled = compile_step(cfg, engine, {"model": 4}, "tp", devices, PAGES, (64, 8, False))
+    compiled = compile_step(cfg, engine, {"model": 4}, "tp", devices, PAGES, KEY)
     weights = sharded_weight_bytes(cfg, devices)
     kv = 2 * cfg.num_layers * PAGES * ENGINE.page_size * (cfg.num_kv_heads // 4) * cfg.head_dim * 2
     args = compiled.memory_analysis().argument_size_in_bytes
@@ -74,10 +77,27 @@ def test_per_chip_memory_matches_analytic_count(devices):
     assert weights < cfg.num_params() * 2 / 3  # the weights really are split
 
 
-def test_tp_sp_step_compiles_for_v5e(devices):
-    compiled = compile_step(CFG, ENGINE, {"model": 4}, "tp+sp", devices, PAGES, (64, 8, False))
-    counts = collectives(compiled)
-    assert counts.get("all-gather", 0) > 0 and counts.get("all-reduce", 0) > 0
+def hidden_state_collectives(compiled) -> collections.Counter:
+    """(rows, op) of every collective on a [rows, hidden] bf16 array (the residual)."""
+    return collections.Counter(re.findall(
+        rf"= bf16\[(\d+),{CFG.hidden_size}\]\S* (reduce-scatter|all-gather|all-reduce)"
+        r"(?:-start)?\(", compiled.as_text()))
+
+
+def test_tp_sp_step_reduce_scatters_where_tp_all_reduces(devices):
+    """Sequence parallelism turns each block's two all-reduces of the residual (64 tokens)
+    into a reduce-scatter to 16-token shards and an all-gather back before the next
+    column-split matmuls; only the vocabulary-parallel embedding is still all-reduced.
+    Plain TP on the same mesh all-reduces all five (the test above)."""
+    compiled = compile_step(CFG, ENGINE, {"model": 4}, "tp+sp", devices, PAGES, KEY)
+    counts = hidden_state_collectives(compiled)
+    layers = CFG.num_layers
+    assert counts[("16", "reduce-scatter")] == 2 * layers
+    assert counts[("64", "all-gather")] == 2 * layers
+    assert counts[("64", "all-reduce")] == 1
+    tp = hidden_state_collectives(compile_step(CFG, ENGINE, {"model": 4}, "tp", devices,
+                                               PAGES, KEY))
+    assert tp == collections.Counter({("64", "all-reduce"): 2 * layers + 1})
 
 
 def test_jaxserve_plan_cli(tmp_path, capsys):
@@ -126,7 +146,7 @@ def test_engine_step_compiles_with_pallas_kernels(topology, quant):
     cfg = dataclasses.replace(LLAMA3_8B_2L, vocab_size=1024)  # linear layers dominate
     chip = tpu_devices(topology)[:1]
     engine = dataclasses.replace(ENGINE, max_model_len=1024, **quant)
-    compiled = compile_step(cfg, engine, {"model": 1}, "tp", chip, PAGES, (64, 8, False))
+    compiled = compile_step(cfg, engine, {"model": 1}, "tp", chip, PAGES, KEY)
     kernels = compiled.as_text().count('custom_call_target="tpu_custom_call"')
     assert kernels == cfg.num_layers * (1 + (7 if "quantization" in quant else 0))
     e, m, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
@@ -148,7 +168,7 @@ def test_quantized_kernels_run_per_chip_on_a_mesh(devices, strategy, quantizatio
     reduce-scatter to token shards under TP+SP, with int4 groups (128 rows) split whole."""
     cfg = dataclasses.replace(LLAMA3_8B_2L, vocab_size=1024)
     engine = dataclasses.replace(ENGINE, max_model_len=1024, quantization=quantization)
-    compiled = compile_step(cfg, engine, {"model": 4}, strategy, devices, PAGES, (64, 8, False))
+    compiled = compile_step(cfg, engine, {"model": 4}, strategy, devices, PAGES, KEY)
     text = compiled.as_text()
     assert text.count('custom_call_target="tpu_custom_call"') == cfg.num_layers * 8
     hidden = rf"= bf16\[(\d+),{cfg.hidden_size}\]\S* (reduce-scatter|all-reduce)(?:-start)?\("

@@ -17,14 +17,14 @@ import shutil
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import ModelConfig, ModelOptions
 from jaxserve.loading.safetensors import (
     abstract_model, is_kv_param, kv_heads_shape, load_checkpoint, repeat_kv_heads,
     unrepeat_kv_heads)
-from jaxserve.models.layers import ModelOptions
 from sharding.rules import ShardingContext
 
 MANIFEST = "jaxserve.json"
@@ -46,14 +46,16 @@ def read_manifest(model_dir: str | Path) -> dict:
     return manifest
 
 
-def convert(model_dir: str | Path, out_dir: str | Path, dtype, dtype_name: str,
-            quantization: str | None, shard: ShardingContext) -> Path:
-    """Load an HF checkpoint (quantizing its linear layers) and save it as a converted dir."""
+def convert(model_dir: str | Path, out_dir: str | Path, dtype: str, quantization: str | None,
+            shard: ShardingContext) -> Path:
+    """Load an HF checkpoint (quantizing its linear layers, the rest in `dtype`, a name
+    such as "bfloat16") and save it as a converted dir."""
     model_dir, out_dir = Path(model_dir), Path(out_dir).absolute()
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ValueError(f"output directory {out_dir} is not empty; choose a new one")
     cfg = ModelConfig.from_file(model_dir)
-    _, params = load_checkpoint(model_dir, cfg, dtype, shard, ModelOptions(quantization=quantization))
+    _, params = load_checkpoint(model_dir, cfg, jnp.dtype(dtype), shard,
+                                ModelOptions(quantization=quantization))
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in _CARRIED:
         if (model_dir / name).is_file():
@@ -65,7 +67,7 @@ def convert(model_dir: str | Path, out_dir: str | Path, dtype, dtype_name: str,
             var.set_value(unrepeat_kv_heads(var[...], path, replicas, cfg.head_dim))
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(out_dir / "params", nnx.to_pure_dict(nnx.from_flat_state(flat)))
-    manifest = {"format": FORMAT, "dtype": dtype_name, "quantization": quantization,
+    manifest = {"format": FORMAT, "dtype": dtype, "quantization": quantization,
                 "source": str(model_dir.absolute())}
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return out_dir

@@ -22,12 +22,12 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from jaxserve.config import ModelConfig
-from jaxserve.models.transformer import ModelOptions, Transformer
+from jaxserve.config import ModelConfig, ModelOptions
+from jaxserve.models.transformer import Transformer
 from pallas_kernels.quantized_matmul import quantize
 from sharding.rules import ShardingContext
 
-_DTYPES = {
+_SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
     "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
@@ -58,10 +58,10 @@ def read_tensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in _DTYPES:
+        if info["dtype"] not in _SAFETENSORS_DTYPES:
             raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
         begin, end = info["data_offsets"]
-        yield name, data[begin:end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+        yield name, data[begin:end].view(_SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
 _KV_PARAMS = ("k_proj", "v_proj", "k_bias", "v_bias", "k_proj_scales", "v_proj_scales")

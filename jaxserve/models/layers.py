@@ -1,17 +1,16 @@
-"""Building blocks of the decoder: RMSNorm, rotary embeddings, and parameters with axis names."""
+"""The decoder's math on one device: parameters with axis names, matmuls, RMSNorm, rotary
+embeddings. How they split over a mesh is in parallel.py."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec
 
-from jaxserve.config import RopeScaling
+from jaxserve.config import ModelOptions, RopeScaling
 from pallas_kernels.quantized_matmul import quantized_matmul, quantized_shapes
 
 
@@ -50,64 +49,20 @@ def linear(rngs: nnx.Rngs | None, in_shape: tuple[int, ...], out_shape: tuple[in
     return values, scales
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelOptions:
-    """How the model runs, beyond its config: the kernels (None: by platform; "reference" |
-    "tpu" | "gpu"), weight quantization (None | "int8" | "int4" | "fp8"), and interpret
-    mode for the Pallas kernels (CPU tests)."""
+def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_in: int,
+           out_shape: tuple[int, ...], options: ModelOptions, impl: str | None = None
+           ) -> jax.Array:
+    """Contract the last `n_in` dims of x with a weight made by `linear` (its values).
 
-    kernel_impl: str | None = None
-    quantization: str | None = None
-    interpret: bool = False
-
-
-def dense(x: jax.Array, w: nnx.Param, scales: nnx.Param | None, n_in: int,
-          out_shape: tuple[int, ...], options: ModelOptions, shard=None,
-          scatter_tokens: bool = False) -> jax.Array:
-    """Contract the last `n_in` dims of x with a weight made by `linear`.
-
-    A float weight is one dot, which XLA partitions on a mesh. A quantized weight runs the
-    quantized-matmul kernel; XLA cannot partition a Pallas kernel, so on a mesh (`shard`,
-    a ShardingContext) it runs per device under shard_map: a column-split weight (N over
-    `model`) needs no collective, a row-split one (K over `model`) sums its partial
-    products over `model`, reduce-scattering them over tokens when `scatter_tokens`
-    (sequence parallelism). Where an int4 weight's groups do not divide over the devices,
-    the reference (dequantize and dot) runs instead and XLA partitions it.
+    A float weight is one dot. A quantized weight runs the quantized-matmul kernel of
+    `impl` (default: the options' choice) on x flattened to `[tokens, K]`.
     """
     if scales is None:
-        return jnp.tensordot(x, w[...], axes=n_in)
+        return jnp.tensordot(x, w, axes=n_in)
     lead = x.shape[: x.ndim - n_in]
-    x2 = x.reshape(math.prod(lead), -1)
-    on_mesh = shard is not None and shard.mesh.size > 1
-    impl = options.kernel_impl
-
-    def matmul(x2, values, scales, impl=impl):
-        return quantized_matmul(x2, values, scales, kind=options.quantization, impl=impl,
-                                interpret=options.interpret and impl not in (None, "reference"))
-
-    if not on_mesh:
-        return matmul(x2, w[...], scales[...]).reshape(lead + out_shape)
-    w_spec = shard.rules.spec(w.get_metadata()["logical_axes"])
-    s_spec = shard.rules.spec(scales.get_metadata()["logical_axes"])
-    k_axis, n_axis = w_spec
-    groups = scales.shape[0]  # int4: groups along K, which must split whole; else 1
-    if k_axis is not None and groups > 1 and groups % shard.axis_size(k_axis):
-        return matmul(x2, w[...], scales[...], impl="reference").reshape(lead + out_shape)
-    scatter = scatter_tokens and k_axis is not None
-    tokens = shard.rules.spec(("tokens",))[0]
-    out_tokens = shard.rules.spec(("residual",))[0] if scatter else tokens
-
-    def local(x2, values, scales):
-        y = matmul(x2, values, scales)
-        if k_axis is None:
-            return y
-        if scatter:
-            return jax.lax.psum_scatter(y, k_axis, scatter_dimension=0, tiled=True)
-        return jax.lax.psum(y, k_axis)
-
-    y = jax.shard_map(local, mesh=shard.mesh, check_vma=False,
-                      in_specs=(PartitionSpec(tokens, k_axis), w_spec, s_spec),
-                      out_specs=PartitionSpec(out_tokens, n_axis))(x2, w[...], scales[...])
+    impl = impl or options.kernel_impl
+    y = quantized_matmul(x.reshape(math.prod(lead), -1), w, scales, kind=options.quantization,
+                         impl=impl, interpret=options.interpret and impl not in (None, "reference"))
     return y.reshape(lead + out_shape)
 
 

@@ -2,7 +2,9 @@
 
 One model, driven by ModelConfig: GQA/MQA, optional q/k/v bias (Qwen2), q/k RMSNorm
 (Qwen3), sliding-window layers (Mistral), tied or untied embeddings. It runs over a flat
-ragged batch of T tokens and a paged KV cache (layout in pallas_kernels/).
+ragged batch of T tokens and a paged KV cache (layout in pallas_kernels/). The math is in
+layers.py; the matmuls and the attention go through parallel.py, which splits them over
+the mesh.
 """
 
 from __future__ import annotations
@@ -13,23 +15,16 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec
 
-from jaxserve.config import ModelConfig
-from jaxserve.models.layers import (
-    ModelOptions, apply_rope, dense, linear, param, rms_norm, rope_inv_freq)
-from pallas_kernels.ragged_paged_attention import default_impl, ragged_paged_attention, write_kv
-from sharding.rules import DATA, MODEL, ShardingContext
+from jaxserve.config import ModelConfig, ModelOptions
+from jaxserve.models.layers import apply_rope, linear, param, rms_norm, rope_inv_freq
+from jaxserve.models.parallel import (
+    KV_CACHE_AXES, NEW_KV_AXES, Q_AXES, RESIDUAL_AXES, dense, paged_attention, row_parallel)
+from sharding.rules import ShardingContext
 
 # Per layer: (k_pages, v_pages), plus (k_scales, v_scales) for a quantized cache.
 KVCache = list[tuple[jax.Array, ...]]
-# Logical axes of one layer's K or V pages: [cache_heads, num_pages, page_size, head_dim].
-KV_CACHE_AXES = ("cache_heads", "pages", None, None)
 QUANTIZED_KV_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
-Q_AXES = ("tokens", "q_heads", None)
-NEW_KV_AXES = ("tokens", "cache_heads", None)
-RESIDUAL_AXES = ("residual", "embed")
-SEQ_AXES = ("seqs",)
 
 
 def kv_cache_layout(cfg: ModelConfig, num_pages: int, page_size: int, kv_dtype,
@@ -124,92 +119,6 @@ class Attention(nnx.Module):
         return out, kv
 
 
-def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple[jax.Array, ...],
-                    meta: AttentionMetadata, shard: ShardingContext, options: ModelOptions,
-                    **kwargs) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """Write the new tokens' K/V into the paged cache, then ragged paged attention.
-
-    Both run per shard under shard_map where XLA cannot partition them on its own:
-    - over `data` (data parallelism): each shard's page ids and token offsets are local to
-      its own page pool and tokens;
-    - over `model` when a Pallas kernel runs (XLA cannot partition a kernel): each device
-      takes its query heads and the cache heads they read. Where the cache is replicated
-      whole (KV heads that neither divide nor are divided by the `model` size), the
-      pure-JAX reference runs instead and XLA partitions it.
-    """
-    impl = options.kernel_impl or default_impl()
-    q_spec, cache_spec = shard.rules.spec(Q_AXES), shard.rules.spec(KV_CACHE_AXES)
-    if shard.mesh.size > 1 and impl != "reference" and cache_spec[0] != q_spec[1]:
-        impl = "reference"
-    manual = set()
-    if shard.data_shards > 1:
-        manual.add(DATA)
-    if impl != "reference" and q_spec[1] is not None:
-        manual.add(q_spec[1])
-    if manual:  # a kernel must see no automatic axis, not even one of size 1
-        manual |= {a for a, n in shard.mesh.shape.items() if n == 1}
-
-    def local(q, k, v, kv, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs):
-        kv = write_kv(kv[0], kv[1], k, v, slot_mapping, *kv[2:])
-        scales = dict(k_scales=kv[2], v_scales=kv[3]) if len(kv) == 4 else {}
-        out = ragged_paged_attention(q, kv[0], kv[1], kv_lens, page_indices, cu_q_lens,
-                                     num_seqs[0], impl=impl, interpret=options.interpret,
-                                     **scales, **kwargs)
-        return out, kv
-
-    args = (q, k, v, kv, meta.slot_mapping, meta.kv_lens, meta.page_indices, meta.cu_q_lens,
-            meta.num_seqs)
-    if not manual:
-        return local(*args)
-    spec = lambda axes: _only(shard.rules.spec(axes), manual)  # noqa: E731
-    kv_specs = tuple(spec(KV_CACHE_AXES[:x.ndim]) for x in kv)
-    seq_spec = spec(SEQ_AXES)
-    return jax.shard_map(
-        local, mesh=shard.mesh, axis_names=manual, check_vma=False,
-        in_specs=(spec(Q_AXES), spec(NEW_KV_AXES), spec(NEW_KV_AXES), kv_specs,
-                  spec(("tokens",)), seq_spec, seq_spec, seq_spec, seq_spec),
-        out_specs=(spec(Q_AXES), kv_specs))(*args)
-
-
-def _only(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
-    """`spec` with every mesh axis outside `axes` dropped (a partial shard_map's view)."""
-    def keep(entry):
-        entry = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        kept = tuple(a for a in entry if a in axes)
-        return kept[0] if len(kept) == 1 else (kept or None)
-    return PartitionSpec(*(keep(e) for e in spec))
-
-
-def row_parallel(x: jax.Array, w: nnx.Param, scales: nnx.Param | None, n_in: int,
-                 out_shape: tuple[int, ...], options: ModelOptions, shard: ShardingContext
-                 ) -> jax.Array:
-    """A row-split matmul (o_proj, down_proj) whose result joins the residual stream.
-
-    Under sequence parallelism each device's partial sums are reduce-scattered over
-    tokens (shard_map + psum_scatter over `model`): XLA left to itself all-reduces and
-    then slices. That needs the tokens to divide evenly over the residual's shards (not
-    the 1-token bucket); otherwise the plain matmul, whose result is all-reduced.
-    """
-    residual = shard.rules.spec(RESIDUAL_AXES)[0]
-    sp = MODEL in ((residual,) if isinstance(residual, str) else (residual or ()))
-    scatter = sp and x.shape[0] % shard.axis_size(residual) == 0
-    if scales is not None:  # quantized: dense runs the kernel per device
-        return dense(x, w, scales, n_in, out_shape, options, shard, scatter_tokens=scatter)
-    if not scatter:
-        y = dense(x, w, scales, n_in, out_shape, options, shard)
-        return shard.constrain(y, RESIDUAL_AXES)
-
-    def partial_sums(x, w):
-        return jax.lax.psum_scatter(jnp.tensordot(x, w, axes=n_in), MODEL,
-                                    scatter_dimension=0, tiled=True)
-
-    x_axes = Q_AXES if n_in == 2 else ("tokens", "mlp")
-    return jax.shard_map(
-        partial_sums, mesh=shard.mesh, check_vma=False,
-        in_specs=(shard.rules.spec(x_axes), shard.rules.spec(w.get_metadata()["logical_axes"])),
-        out_specs=shard.rules.spec(RESIDUAL_AXES))(x, w[...])
-
-
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None, options: ModelOptions):
         e, m, quant = cfg.hidden_size, cfg.intermediate_size, options.quantization
@@ -254,12 +163,12 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None,
-                 shard: ShardingContext | None = None, options: ModelOptions = ModelOptions()):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None, shard: ShardingContext,
+                 options: ModelOptions = ModelOptions()):
         self.cfg = cfg
         self.shard = shard
         self.embed = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
-        replicas = shard.rules.kv_head_replicas if shard is not None else 1
+        replicas = shard.rules.kv_head_replicas
         self.layers = nnx.List([Block(cfg, i, dtype, rngs, options, replicas)
                                 for i in range(cfg.num_layers)])
         self.norm = param(rngs, (cfg.hidden_size,), ("embed",), dtype, init="ones")

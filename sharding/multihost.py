@@ -1,14 +1,8 @@
-"""Multi-host serving: process 0 schedules and broadcasts each step; the others run it too.
+"""Multi-host start-up: every process of a job joins it before building its engine.
 
-Every process calls `jax.distributed.initialize` and builds the same Engine over the
-global mesh (every process's devices), loading its own shards of the weights. Process 0
-owns the scheduler and the gRPC port. Before it runs a step it broadcasts a small header
-(command, bucket) and then the step's batch arrays; the followers run the same compiled
-step on them, so every process joins the step's collectives. While idle, process 0
-broadcasts a ping every `PING_INTERVAL_S`: a follower that died makes that collective (or
-the next step's) fail at once ("connection closed by peer"), the engine loop stops, and
-the server turns NOT_SERVING with the error in its log instead of hanging. A follower
-whose leader is gone exits the same way. On CPU the collectives go through gloo.
+After `initialize`, `jax.devices()` lists every process's devices, so each process builds
+the same mesh over all of them (jaxserve/engine/broadcast.py runs the steps together).
+On CPU the collectives go through gloo.
 """
 
 from __future__ import annotations
@@ -18,15 +12,8 @@ import logging
 import os
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
-
-from jaxserve.engine.batch import BucketKey, StepBatch
 
 log = logging.getLogger(__name__)
-
-STOP, STEP, PING = 0, 1, 2
-PING_INTERVAL_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,35 +60,3 @@ def initialize(config: DistributedConfig) -> None:
     log.info("process %d of %d joined %s: %d devices, %d local", jax.process_index(),
              jax.process_count(), config.coordinator, jax.device_count(),
              jax.local_device_count())
-
-
-def _header(command: int, key: BucketKey = (0, 0, False)) -> np.ndarray:
-    return np.array([command, key[0], key[1], int(key[2])], np.int32)
-
-
-class StepBroadcaster:
-    """Process 0's side: tells the followers what to run (ModelRunner.dispatch calls send)."""
-
-    def send(self, batch: StepBatch, key: BucketKey) -> None:
-        multihost_utils.broadcast_one_to_all(_header(STEP, key))
-        multihost_utils.broadcast_one_to_all(batch)
-
-    def ping(self) -> None:
-        multihost_utils.broadcast_one_to_all(_header(PING))
-
-    def stop(self) -> None:
-        multihost_utils.broadcast_one_to_all(_header(STOP))
-
-
-def follow(engine) -> None:
-    """A follower's loop: run every step process 0 broadcasts, until it says stop."""
-    while True:
-        command, t, s, history = (int(x) for x in
-                                  multihost_utils.broadcast_one_to_all(_header(STOP)))
-        if command == STOP:
-            log.info("process 0 said stop")
-            return
-        if command == STEP:
-            key = (t, s, bool(history))
-            batch = multihost_utils.broadcast_one_to_all(engine.builder.empty(key))
-            engine.runner.dispatch(batch, key)

@@ -1,0 +1,158 @@
+"""Tensor, sequence and data parallelism: where the decoder's math meets the mesh.
+
+Float weights are plain dots that XLA partitions by the parameters' shardings. What XLA
+cannot partition on its own runs per device under `shard_map` here: the quantized-matmul
+and attention kernels (Pallas calls are opaque to XLA), the row-split matmuls whose
+partial sums are reduce-scattered over tokens under sequence parallelism, and the KV
+cache's writes and reads under data parallelism (each data shard has its own page pool).
+Model code (transformer.py) calls these three wrappers and never names a mesh axis.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from jaxserve.config import ModelOptions
+from jaxserve.models.layers import matmul
+from pallas_kernels.ragged_paged_attention import default_impl, ragged_paged_attention, write_kv
+from sharding.rules import DATA, MODEL, ShardingContext
+
+# Logical axes of the attention's activations and of one layer's K or V pages.
+Q_AXES = ("tokens", "q_heads", None)
+NEW_KV_AXES = ("tokens", "cache_heads", None)
+KV_CACHE_AXES = ("cache_heads", "pages", None, None)  # [heads, pages, page_size, head_dim]
+RESIDUAL_AXES = ("residual", "embed")
+SEQ_AXES = ("seqs",)
+
+
+def dense(x: jax.Array, w: nnx.Param, scales: nnx.Param | None, n_in: int,
+          out_shape: tuple[int, ...], options: ModelOptions, shard: ShardingContext,
+          scatter_tokens: bool = False) -> jax.Array:
+    """Contract the last `n_in` dims of x with a weight made by `layers.linear`.
+
+    A float weight is one dot, which XLA partitions on a mesh. A quantized weight runs the
+    quantized-matmul kernel; on a mesh it runs per device under shard_map: a column-split
+    weight (N over `model`) needs no collective, a row-split one (K over `model`) sums its
+    partial products over `model`, reduce-scattering them over tokens when
+    `scatter_tokens` (sequence parallelism). Where an int4 weight's groups do not divide
+    over the devices, the reference (dequantize and dot) runs instead and XLA partitions it.
+    """
+    if scales is None or shard.mesh.size == 1:
+        return matmul(x, w[...], None if scales is None else scales[...], n_in, out_shape,
+                      options)
+    w_spec = shard.rules.spec(w.get_metadata()["logical_axes"])
+    s_spec = shard.rules.spec(scales.get_metadata()["logical_axes"])
+    k_axis, n_axis = w_spec
+    groups = scales.shape[0]  # int4: groups along K, which must split whole; else 1
+    if k_axis is not None and groups > 1 and groups % shard.axis_size(k_axis):
+        return matmul(x, w[...], scales[...], n_in, out_shape, options, impl="reference")
+    lead = x.shape[: x.ndim - n_in]
+    scatter = scatter_tokens and k_axis is not None
+    tokens = shard.rules.spec(("tokens",))[0]
+    out_tokens = shard.rules.spec(("residual",))[0] if scatter else tokens
+
+    def local(x2, values, scales):  # x2 [tokens, K/devices]; values [K', N/devices]
+        y = matmul(x2, values, scales, 1, values.shape[1:], options)
+        if k_axis is None:
+            return y
+        if scatter:
+            return jax.lax.psum_scatter(y, k_axis, scatter_dimension=0, tiled=True)
+        return jax.lax.psum(y, k_axis)
+
+    y = jax.shard_map(local, mesh=shard.mesh, check_vma=False,
+                      in_specs=(PartitionSpec(tokens, k_axis), w_spec, s_spec),
+                      out_specs=PartitionSpec(out_tokens, n_axis)
+                      )(x.reshape(math.prod(lead), -1), w[...], scales[...])
+    return y.reshape(lead + out_shape)
+
+
+def row_parallel(x: jax.Array, w: nnx.Param, scales: nnx.Param | None, n_in: int,
+                 out_shape: tuple[int, ...], options: ModelOptions, shard: ShardingContext
+                 ) -> jax.Array:
+    """A row-split matmul (o_proj, down_proj) whose result joins the residual stream.
+
+    Under sequence parallelism each device's partial sums are reduce-scattered over
+    tokens (shard_map + psum_scatter over `model`): XLA left to itself all-reduces and
+    then slices. That needs the tokens to divide evenly over the residual's shards (not
+    the 1-token bucket); otherwise the plain matmul, whose result is all-reduced.
+    """
+    residual = shard.rules.spec(RESIDUAL_AXES)[0]
+    sp = MODEL in ((residual,) if isinstance(residual, str) else (residual or ()))
+    scatter = sp and x.shape[0] % shard.axis_size(residual) == 0
+    if scales is not None:  # quantized: dense runs the kernel per device
+        return dense(x, w, scales, n_in, out_shape, options, shard, scatter_tokens=scatter)
+    if not scatter:
+        y = dense(x, w, scales, n_in, out_shape, options, shard)
+        return shard.constrain(y, RESIDUAL_AXES)
+
+    def partial_sums(x, w):
+        return jax.lax.psum_scatter(jnp.tensordot(x, w, axes=n_in), MODEL,
+                                    scatter_dimension=0, tiled=True)
+
+    x_axes = Q_AXES if n_in == 2 else ("tokens", "mlp")
+    return jax.shard_map(
+        partial_sums, mesh=shard.mesh, check_vma=False,
+        in_specs=(shard.rules.spec(x_axes), shard.rules.spec(w.get_metadata()["logical_axes"])),
+        out_specs=shard.rules.spec(RESIDUAL_AXES))(x, w[...])
+
+
+def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple[jax.Array, ...],
+                    meta, shard: ShardingContext, options: ModelOptions, **kwargs
+                    ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """Write the new tokens' K/V into the paged cache, then ragged paged attention.
+
+    `meta` is the step's AttentionMetadata. Both run per shard under shard_map where XLA
+    cannot partition them on its own:
+    - over `data` (data parallelism): each shard's page ids and token offsets are local to
+      its own page pool and tokens;
+    - over `model` when a Pallas kernel runs (XLA cannot partition a kernel): each device
+      takes its query heads and the cache heads they read. Where the cache is replicated
+      whole (KV heads that neither divide nor are divided by the `model` size), the
+      pure-JAX reference runs instead and XLA partitions it.
+    """
+    impl = options.kernel_impl or default_impl()
+    q_spec, cache_spec = shard.rules.spec(Q_AXES), shard.rules.spec(KV_CACHE_AXES)
+    if shard.mesh.size > 1 and impl != "reference" and cache_spec[0] != q_spec[1]:
+        impl = "reference"
+    manual = set()
+    if shard.data_shards > 1:
+        manual.add(DATA)
+    if impl != "reference" and q_spec[1] is not None:
+        manual.add(q_spec[1])
+    if manual:  # a kernel must see no automatic axis, not even one of size 1
+        manual |= {a for a, n in shard.mesh.shape.items() if n == 1}
+
+    def local(q, k, v, kv, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs):
+        kv = write_kv(kv[0], kv[1], k, v, slot_mapping, *kv[2:])
+        scales = dict(k_scales=kv[2], v_scales=kv[3]) if len(kv) == 4 else {}
+        out = ragged_paged_attention(q, kv[0], kv[1], kv_lens, page_indices, cu_q_lens,
+                                     num_seqs[0], impl=impl, interpret=options.interpret,
+                                     **scales, **kwargs)
+        return out, kv
+
+    args = (q, k, v, kv, meta.slot_mapping, meta.kv_lens, meta.page_indices, meta.cu_q_lens,
+            meta.num_seqs)
+    if not manual:
+        return local(*args)
+    spec = lambda axes: _only(shard.rules.spec(axes), manual)  # noqa: E731
+    kv_specs = tuple(spec(KV_CACHE_AXES[:x.ndim]) for x in kv)
+    seq_spec = spec(SEQ_AXES)
+    return jax.shard_map(
+        local, mesh=shard.mesh, axis_names=manual, check_vma=False,
+        in_specs=(spec(Q_AXES), spec(NEW_KV_AXES), spec(NEW_KV_AXES), kv_specs,
+                  spec(("tokens",)), seq_spec, seq_spec, seq_spec, seq_spec),
+        out_specs=(spec(Q_AXES), kv_specs))(*args)
+
+
+def _only(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
+    """`spec` with every mesh axis outside `axes` dropped (a partial shard_map's view)."""
+    def keep(entry):
+        entry = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        kept = tuple(a for a in entry if a in axes)
+        return kept[0] if len(kept) == 1 else (kept or None)
+    return PartitionSpec(*(keep(e) for e in spec))
