@@ -8,8 +8,8 @@ import logging
 import sys
 import time
 
-from jaxserve.config import (
-    KERNEL_IMPLS, KV_CACHE_DTYPES, QUANTIZATIONS, SHARDING_STRATEGIES, EngineConfig)
+from jaxserve.config import DTYPES, KERNEL_IMPLS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from sharding.strategies import STRATEGIES
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -18,7 +18,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None,
                    help="Hugging Face checkpoint directory (default: the built-in demo model)")
     g.add_argument("--config", default=None, help="engine settings YAML (e.g. configs/engine/cpu.yaml)")
-    g.add_argument("--dtype", choices=["bfloat16", "float32"], default=None)
+    g.add_argument("--dtype", choices=DTYPES, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--page-size", type=int, default=None)
     g.add_argument("--num-pages", type=int, default=None)
@@ -37,7 +37,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--mesh", default=None, metavar="data=D,model=M",
                    help="device mesh, e.g. model=4 or data=2,model=4 (default: one device)")
-    g.add_argument("--sharding", default=None, choices=SHARDING_STRATEGIES,
+    g.add_argument("--sharding", default=None, choices=STRATEGIES,
                    help="sharding strategy over the mesh (default: tp)")
 
 
@@ -100,40 +100,41 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from jaxserve import distributed
     from jaxserve.demo import DEMO_NOTICE
+    from jaxserve.engine import broadcast
     from jaxserve.engine.engine import Engine
     from server.app import serve
+    from sharding import multihost
 
     config = engine_config_from_args(args)
-    dist = distributed.DistributedConfig.from_args(args.coordinator, args.num_processes,
-                                                   args.process_id)
+    dist = multihost.DistributedConfig.from_args(args.coordinator, args.num_processes,
+                                                 args.process_id)
     if dist is not None:
-        distributed.initialize(dist)
+        multihost.initialize(dist)
+    leader = dist is None or dist.process_id == 0
+    broadcaster = broadcast.StepBroadcaster() if dist is not None and leader else None
     if args.random_weights:
-        engine = Engine.from_config(config, args.random_weights)
+        engine = Engine.from_config(config, args.random_weights, broadcaster)
         name = f"{args.random_weights} (random weights)"
     else:
         if config.model is None:
             logging.warning(DEMO_NOTICE)
-        engine = Engine.from_config(config)
+        engine = Engine.from_config(config, broadcaster=broadcaster)
         name = config.model or "demo"
-    if dist is not None and dist.process_id > 0:
+    if not leader:
         engine.warmup()
         logging.info("process %d: following process 0's steps", dist.process_id)
         try:
-            distributed.follow(engine)
+            broadcast.follow(engine)
         except Exception as e:  # noqa: BLE001 - process 0 or a peer is gone
             logging.error("process %d: lost the other processes (%s); exiting",
                           dist.process_id, str(e).splitlines()[0])
-            distributed.exit_now(1)
+            multihost.exit_now(1)
         return 0
-    if dist is not None:
-        engine.runner.broadcaster = distributed.StepBroadcaster()
     code = asyncio.run(serve(engine, host=args.host, port=args.port,
                              max_waiting=args.max_waiting, grace_s=args.grace, model_name=name))
     if dist is not None and code != 0:
-        distributed.exit_now(code)
+        multihost.exit_now(code)
     return code
 
 
@@ -193,8 +194,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    import jax.numpy as jnp
-
     from jaxserve.config import ModelConfig
     from jaxserve.loading.converted import convert
     from sharding.mesh import make_mesh
@@ -202,8 +201,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     cfg = ModelConfig.from_file(args.model)
     shard = model_sharding(make_mesh(parse_mesh(args.mesh)), "tp", cfg)
-    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
-    out = convert(args.model, args.out, dtype, args.dtype, args.quantization, shard)
+    out = convert(args.model, args.out, args.dtype, args.quantization, shard)
     print(f"wrote {out} ({args.quantization or 'unquantized'} weights, {args.dtype}); serve it "
           f"with: jaxserve serve --model {out}")
     return 0
@@ -282,11 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--plot", default=None, metavar="PATH.png",
                     help="also draw per-chip memory (weights, KV, temporaries) against HBM "
                          "(needs matplotlib)")
-    pl.add_argument("--strategy", default="tp", choices=SHARDING_STRATEGIES)
+    pl.add_argument("--strategy", default="tp", choices=STRATEGIES)
     pl.add_argument("--data-parallel", type=int, default=2, metavar="D",
                     help="data-parallel groups for dp+tp and dp+tp+sp (mesh data=D, "
                          "model=chips/D); dp alone puts every chip on data")
-    pl.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    pl.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     pl.add_argument("--max-model-len", type=int, default=4096)
     pl.add_argument("--max-num-seqs", type=int, default=64)
     pl.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -301,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     conv.add_argument("--out", required=True, help="new directory for the converted checkpoint")
     conv.add_argument("--quantization", choices=list(QUANTIZATIONS), default=None)
-    conv.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+    conv.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                       help="dtype of the weights left unquantized (embeddings, norms)")
     conv.add_argument("--mesh", default=None, metavar="data=D,model=M",
                       help="devices to hold the weights while converting (default: one)")

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
-from jaxserve.distributed import PING_INTERVAL_S
+from jaxserve.engine.broadcast import PING_INTERVAL_S
 from jaxserve.engine.engine import Engine
 from jaxserve.outputs import StepOutput
 from jaxserve.sampling_params import SamplingParams
@@ -152,7 +152,7 @@ class AsyncEngine:
 
     def _ping_followers(self) -> None:
         """Multi-host: an idle leader still checks its followers are alive (see
-        jaxserve.distributed); a dead one raises here and stops the loop."""
+        jaxserve/engine/broadcast.py); a dead one raises here and stops the loop."""
         broadcaster = self.engine.runner.broadcaster
         now = time.monotonic()
         if broadcaster is not None and now - self._last_ping >= PING_INTERVAL_S:

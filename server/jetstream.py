@@ -21,13 +21,14 @@ Sample = js.DecodeResponse.StreamContent.Sample
 
 
 class OrchestratorServicer(js_grpc.OrchestratorServicer):
-    def __init__(self, engine: AsyncEngine, is_accepting):
-        self.engine = engine
+    def __init__(self, async_engine: AsyncEngine, is_accepting):
+        self.async_engine = async_engine
+        self.engine = async_engine.engine  # facts that do not change: tokenizer, model config
         self.is_accepting = is_accepting  # callable: False while draining
 
     def _prompt(self, request: js.DecodeRequest) -> tuple[list[int], bool]:
         """The prompt token ids and whether responses carry text."""
-        tokenizer = self.engine.engine.tokenizer
+        tokenizer = self.engine.tokenizer
         which = request.WhichOneof("content")
         if which == "text_content":
             if tokenizer is None:
@@ -39,7 +40,7 @@ class OrchestratorServicer(js_grpc.OrchestratorServicer):
             ids, with_text = list(request.token_content.token_ids), False
         else:
             raise ValueError("content: set text_content or token_content")
-        bos = self.engine.engine.model_config.bos_token_id
+        bos = self.engine.model_config.bos_token_id
         if tokenizer is not None and tokenizer.bos_token_id is not None:
             bos = tokenizer.bos_token_id
         if not request.has_bos and bos is not None:
@@ -63,7 +64,7 @@ class OrchestratorServicer(js_grpc.OrchestratorServicer):
         rid = f"jetstream-{uuid.uuid4().hex}"
         finished, pending_text = False, ""
         try:
-            async for out in self.engine.generate(rid, ids, params):
+            async for out in self.async_engine.generate(rid, ids, params):
                 finished = out.finished
                 text = out.new_text if with_text else ""
                 if not out.new_token_ids:  # JetStream never sends an empty message
@@ -81,10 +82,10 @@ class OrchestratorServicer(js_grpc.OrchestratorServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         finally:
             if not finished:
-                self.engine.abort(rid)
+                self.async_engine.abort(rid)
 
     async def HealthCheck(self, request, context) -> js.HealthCheckResponse:
-        return js.HealthCheckResponse(is_live=self.engine.is_alive and self.is_accepting())
+        return js.HealthCheckResponse(is_live=self.async_engine.is_alive and self.is_accepting())
 
 
 def _stream_message(text: str, token_ids: list[int]) -> js.DecodeResponse:

@@ -44,8 +44,12 @@ def chunk_from_output(out: StepOutput) -> pb.Chunk:
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
-    def __init__(self, engine: AsyncEngine, model_name: str, mesh_shape: dict[str, int]):
-        self.engine = engine
+    """Requests go through the AsyncEngine (its loop thread owns the engine); facts that
+    do not change (model, tokenizer) and counters are read from the Engine directly."""
+
+    def __init__(self, async_engine: AsyncEngine, model_name: str, mesh_shape: dict[str, int]):
+        self.async_engine = async_engine
+        self.engine = async_engine.engine
         self.model_name = model_name
         self.mesh_shape = mesh_shape
         self.accepting = True
@@ -66,7 +70,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         completion, finished = 0, False
         try:
-            async for out in self.engine.generate(rid, prompt, params):
+            async for out in self.async_engine.generate(rid, prompt, params):
                 completion += len(out.new_token_ids)
                 if out.new_token_ids or out.new_text:
                     yield pb.GenerateResponse(request_id=rid, chunk=chunk_from_output(out))
@@ -86,21 +90,21 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         finally:
             if not finished:  # client cancelled, disconnected or ran out of deadline
-                self.engine.abort(rid)
+                self.async_engine.abort(rid)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         for rid in request.request_ids:
-            self.engine.abort(rid)
+            self.async_engine.abort(rid)
         return pb.AbortResponse(num_aborted=len(request.request_ids))
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        tokenizer = self.engine.engine.tokenizer
+        tokenizer = self.engine.tokenizer
         if tokenizer is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer")
         return pb.TokenizeResponse(ids=tokenizer.encode(request.text, request.add_special_tokens))
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
-        e = self.engine.engine
+        e = self.engine
         cfg = e.model_config
         bos = cfg.bos_token_id if cfg.bos_token_id is not None else -1
         return pb.ModelInfo(
@@ -110,15 +114,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             num_kv_pages=e.num_pages, mesh_shape=self.mesh_shape)
 
     async def GetServerStatus(self, request, context) -> pb.ServerStatus:
-        e = self.engine.engine
+        e, a = self.engine, self.async_engine
         sched = e.scheduler
         return pb.ServerStatus(
             running_requests=sched.num_running, waiting_requests=sched.num_waiting,
             kv_pages_used=sched.num_used_pages, kv_pages_total=sched.num_pages,
             prefix_cache_hit_rate=sched.prefix_hit_rate,
-            tokens_per_second=self.engine.tokens_per_second(),
+            tokens_per_second=a.tokens_per_second(),
             uptime_seconds=time.monotonic() - self.started,
-            total_generated_tokens=self.engine.total_generated,
-            mean_step_ms=self.engine.mean_ms(self.engine.step_times),
-            mean_step_gap_ms=self.engine.mean_ms(self.engine.step_gaps),
+            total_generated_tokens=a.total_generated,
+            mean_step_ms=a.mean_ms(a.step_times),
+            mean_step_gap_ms=a.mean_ms(a.step_gaps),
             steps=e.num_steps, overlapped_steps=e.num_overlapped_steps)

@@ -1,7 +1,8 @@
 """Scheduler: token budget, chunked prefill, preemption, prefix hits, policies. No JAX.
 
-`Sim` stands in for the engine: schedule -> fake device step -> on_step_done -> append a
-token to the returned seqs -> finish at a target length. The fake device keeps a page pool
+`Sim` stands in for the engine: schedule (which advances the scheduled seqs) -> fake
+device step -> cache_pages -> append a token to the seqs whose sample is real -> finish at
+a target length. The fake device keeps a page pool
 of token ids and checks, every step, that each scheduled seq's pages hold exactly its
 tokens before `start` (so a wrong prefix hit, or a shared page being overwritten, fails),
 and that only pages owned by a single seq are ever written.
@@ -97,7 +98,8 @@ class Sim:
         self.check_output(out, running_before, waiting_before, computed_before)
         if self.device is not None:
             self.device.step(sched, out)
-        for seq in sched.on_step_done(out):
+        sched.cache_pages(out)
+        for seq in [s.seq for s in out.scheduled if s.samples]:
             assert seq.num_computed_tokens == seq.num_tokens
             seq.output_token_ids.append(fake_token(seq.token_ids))
             if len(seq.output_token_ids) >= self.targets[seq.request_id] or seq.num_tokens >= cfg.max_model_len:
@@ -129,7 +131,8 @@ class Sim:
             seq = s.seq
             assert s.num_new_tokens >= 1
             assert seq.status is SequenceStatus.RUNNING and seq in sched.running
-            assert s.start == seq.num_computed_tokens
+            assert s.start + s.num_new_tokens == seq.num_computed_tokens  # counted at once
+            assert s.samples == (seq.num_computed_tokens == seq.num_tokens)
             assert s.start + s.num_new_tokens <= seq.num_tokens <= cfg.max_model_len
             assert len(seq.page_ids) * cfg.page_size >= s.start + s.num_new_tokens
             if id(seq) in computed_before:  # a running seq continues where it was
@@ -240,7 +243,9 @@ def test_random_run_respects_budget_and_leaks_nothing(seed, policy, caching, num
     assert {s.data_shard for s in sim.seqs} == set(range(data_shards))
 
 
-def test_random_run_with_abort_between_schedule_and_step_done():
+def test_random_run_with_abort_between_schedule_and_cache_pages():
+    """A seq aborted while its step runs (after `schedule`, before `cache_pages`) keeps no
+    page: cache_pages skips it instead of registering pages it no longer holds."""
     rng = random.Random(7)
     sched = Scheduler(config(max_num_batched_tokens=12, num_pages=16, max_model_len=40))
     sim = Sim(sched, check_kv=False)
@@ -248,14 +253,16 @@ def test_random_run_with_abort_between_schedule_and_step_done():
         sim.add(f"r{i}", [rng.randrange(5) for _ in range(rng.randrange(1, 30))], max_tokens=8)
     while sched.has_unfinished:
         out = sched.schedule()
+        victim = None
         if out.scheduled and rng.random() < 0.3:
             victim = rng.choice(out.scheduled).seq
-            computed = victim.num_computed_tokens
             sched.abort(victim.request_id)
-            done = sched.on_step_done(out)
-            assert victim not in done and victim.num_computed_tokens == computed
-        else:
-            done = sched.on_step_done(out)
+            assert victim.page_ids == [] and victim.is_finished
+        cached = sched.allocator.num_cached_pages
+        sched.cache_pages(out)
+        if victim is not None and len(out.scheduled) == 1:
+            assert sched.allocator.num_cached_pages == cached  # nothing of the victim's
+        done = [s.seq for s in out.scheduled if s.samples and s.seq is not victim]
         for seq in done:
             seq.output_token_ids.append(0)
             if len(seq.output_token_ids) >= 8 or seq.num_tokens >= 40:
@@ -292,7 +299,8 @@ def test_long_prompt_is_split_into_budget_sized_chunks():
         assert out.num_batched_tokens <= 32
         (s,) = out.scheduled
         chunks.append((s.start, s.num_new_tokens))
-        done = sched.on_step_done(out)
+        sched.cache_pages(out)
+        done = [s.seq for s in out.scheduled if s.samples]
         if seq.num_computed_tokens < 100:
             assert done == []  # a partial chunk samples nothing real
         else:
@@ -531,7 +539,7 @@ def test_abort_and_finish():
     b = Sequence("b", [4, 5])
     sched.add(a)
     sched.add(b)
-    sched.on_step_done(sched.schedule())
+    sched.cache_pages(sched.schedule())
     assert a.page_ids and not b.page_ids
     assert sched.abort("nope") is None
     assert sched.abort("b") is b
@@ -572,7 +580,6 @@ def test_empty_schedule():
     sched = Scheduler(config())
     out = sched.schedule()
     assert out.is_empty and out.num_batched_tokens == 0 and out.preempted == []
-    assert sched.on_step_done(out) == []
 
 
 # ------------------------------------------------------------ data parallelism

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
-from jaxserve.engine.request import PLACEHOLDER
+from jaxserve.engine.request import PLACEHOLDER, Sequence
 from jaxserve.engine.sampler import SamplingArrays, TokenHistory
 from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.models.transformer import AttentionMetadata
@@ -39,7 +40,12 @@ class StepBatch:
     history: TokenHistory | None = None
 
 
-BucketKey = tuple[int, int, bool]  # (tokens, seqs, with token history), all shards together
+class BucketKey(NamedTuple):
+    """The shapes of one compiled step program, all data shards together."""
+
+    tokens: int  # T
+    seqs: int  # S
+    history: bool  # carries every sequence's token history (penalties)
 
 
 @dataclasses.dataclass
@@ -58,45 +64,46 @@ class BatchBuilder:
         d = self.data_shards
         shard_buckets = sorted({-(-t // d) for t in self.token_buckets})
         t = shard_buckets[bisect.bisect_left(shard_buckets, num_tokens)]
-        return d * t, d * min(t, self.max_num_seqs // d), history
+        return BucketKey(d * t, d * min(t, self.max_num_seqs // d), history)
 
     def all_buckets(self) -> list[BucketKey]:
         """Every bucket a schedule can produce."""
         return sorted({self.bucket(-(-t // self.data_shards), h)
                        for h in (False, True) for t in self.token_buckets})
 
-    def build(self, out: SchedulerOutput, prev_rows: dict[int, int] | None = None
-              ) -> tuple[StepBatch, BucketKey, dict[int, int]]:
-        """The batch of a schedule, and each scheduled seq's row (keyed by id(seq)) in
-        the step's sampled outputs. `prev_rows` are the rows of the step still in flight,
-        for seqs whose last token is a PLACEHOLDER (read from that step's outputs)."""
+    def build(self, out: SchedulerOutput, pending_rows: dict[Sequence, int] | None = None
+              ) -> tuple[StepBatch, BucketKey]:
+        """The batch of a schedule; sets each scheduled seq's `row` in the step's sampled
+        outputs. `pending_rows` are the rows, in the outputs of the step still in flight,
+        of the seqs whose newest token is a PLACEHOLDER (the step reads it from there)."""
         d = self.data_shards
-        tokens, counts = [0] * d, [0] * d
+        tokens = [0] * d
         for x in out.scheduled:
             tokens[x.seq.data_shard] += x.num_new_tokens
         history = any(x.seq.params.uses_penalties for x in out.scheduled)
         key = self.bucket(max(tokens), history)
         batch = self.empty(key)
-        shard_t, shard_s = key[0] // d, key[1] // d
-        cu, ends = batch.attn.cu_q_lens, [0] * d
-        rows = {}
+        shard_t, shard_s = key.tokens // d, key.seqs // d
+        cu = batch.attn.cu_q_lens
+        counts, ends = [0] * d, [0] * d  # per data shard: seqs placed, tokens placed
         for sched in out.scheduled:
-            seq, start, n = sched.seq, sched.start, sched.num_new_tokens
-            shard = seq.data_shard
-            i, local = shard * shard_s + counts[shard], ends[shard]
-            t = shard * shard_t + local
-            counts[shard] += 1
-            rows[id(seq)] = i
+            seq, start, n, data_shard = (sched.seq, sched.start, sched.num_new_tokens,
+                                         sched.seq.data_shard)
+            i, local = data_shard * shard_s + counts[data_shard], ends[data_shard]
+            t = data_shard * shard_t + local
+            counts[data_shard] += 1
+            sched.row = i
             pos = np.arange(start, start + n, dtype=np.int32)
             pages = np.asarray(seq.page_ids, dtype=np.int32)
             batch.input_ids[t:t + n] = seq.token_ids[start:start + n]
             if batch.input_ids[t + n - 1] == PLACEHOLDER:  # only the newest token can be
                 batch.input_ids[t + n - 1] = 0
-                batch.prev_index[t + n - 1] = prev_rows[id(seq)]
+                batch.prev_index[t + n - 1] = pending_rows[seq]
             batch.positions[t:t + n] = pos
-            batch.attn.slot_mapping[t:t + n] = pages[pos // self.page_size] * self.page_size + pos % self.page_size
-            ends[shard] = local + n
-            cu[shard * (shard_s + 1) + counts[shard]] = local + n
+            batch.attn.slot_mapping[t:t + n] = (pages[pos // self.page_size] * self.page_size
+                                                + pos % self.page_size)
+            ends[data_shard] = local + n
+            cu[data_shard * (shard_s + 1) + counts[data_shard]] = local + n
             batch.attn.kv_lens[i] = start + n
             batch.attn.page_indices[i, :len(pages)] = pages
             self._fill_sampling(batch.sampling, i, seq.params, seq)
@@ -104,11 +111,11 @@ class BatchBuilder:
                 tokens_so_far = seq.token_ids
                 batch.history.tokens[i, :len(tokens_so_far)] = tokens_so_far
                 batch.history.prompt_lens[i] = seq.num_prompt_tokens
-        for shard in range(d):
-            block = shard * (shard_s + 1)
-            cu[block + counts[shard] + 1:block + shard_s + 1] = ends[shard]
+        for data_shard in range(d):
+            block = data_shard * (shard_s + 1)
+            cu[block + counts[data_shard] + 1:block + shard_s + 1] = ends[data_shard]
         batch.attn.num_seqs[:] = counts
-        return batch, key, rows
+        return batch, key
 
     def _fill_sampling(self, a: SamplingArrays, i: int, p: SamplingParams, seq) -> None:
         a.temperature[i] = p.temperature

@@ -1,14 +1,13 @@
 """The engine: requests in, tokens out, one `step()` at a time.
 
 Each step: the scheduler picks tokens, the builder lays them out as a bucket-padded
-ragged batch, the runner runs the jitted step, and the host appends sampled tokens,
-detokenizes, and checks stop conditions.
+ragged batch, the runner dispatches the jitted step, and the host appends the sampled
+tokens, detokenizes, and checks stop conditions (see `Engine.step` for the order).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import random
 from pathlib import Path
@@ -16,16 +15,15 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxserve.config import KV_CACHE_DTYPES, EngineConfig, ModelConfig
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.batch import BatchBuilder
-from jaxserve.engine.request import PLACEHOLDER, Sequence
+from jaxserve.engine.request import PLACEHOLDER, Request, Sequence
 from jaxserve.engine.runner import ModelRunner, fetch, kv_page_bytes, pages_per_seq, pool_size
 from jaxserve.engine.sampler import SampleOutput
-from jaxserve.engine.scheduler import Scheduler, SchedulerConfig
+from jaxserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from jaxserve.loading import converted
 from jaxserve.loading.safetensors import load_checkpoint, random_params
 from jaxserve.loading.tokenizer import IncrementalDetokenizer, Tokenizer
-from jaxserve.models.transformer import ModelOptions
 from jaxserve.outputs import Logprob, StepOutput
 from jaxserve.sampling_params import SamplingParams
 from sharding.mesh import make_mesh
@@ -33,28 +31,22 @@ from sharding.rules import ShardingContext, model_sharding
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
-
-
-@dataclasses.dataclass(eq=False)
-class _Request:
-    seq: Sequence
-    max_tokens: int
-    detok: IncrementalDetokenizer | None
-    text: str = ""
-    emitted: int = 0  # characters of text already returned
-    pending: list = dataclasses.field(default_factory=list)  # token ids not yet returned
-    pending_logprobs: list = dataclasses.field(default_factory=list)
-
 
 @dataclasses.dataclass
-class _InFlight:
-    """A dispatched step: its device outputs, each scheduled seq's row in them, and the
-    seqs whose sampled token is real (they hold a PLACEHOLDER for it)."""
+class InFlightStep:
+    """A dispatched step: what it computes (each scheduled seq with its row in the
+    outputs) and its sampled outputs, still on the device."""
 
+    schedule: SchedulerOutput
     out: SampleOutput
-    rows: dict[int, int]
-    done: list[Sequence]
+
+    @property
+    def sampling(self) -> list[ScheduledSeq]:
+        """The scheduled seqs whose sample is real: each holds a PLACEHOLDER for it."""
+        return [s for s in self.schedule.scheduled if s.samples]
+
+    def pending_rows(self) -> dict[Sequence, int]:
+        return {s.seq: s.row for s in self.sampling}
 
 
 def _is_ready(out: SampleOutput) -> bool:
@@ -65,17 +57,15 @@ class Engine:
     """Continuous-batching engine over one model (see `Engine.from_config`)."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, graphdef, params,
-                 tokenizer: Tokenizer | None, shard: ShardingContext,
-                 extra_eos_ids: tuple[int, ...] = ()):
+                 tokenizer: Tokenizer | None, shard: ShardingContext, broadcaster=None):
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
-        eos = set(model_config.eos_token_ids) | set(extra_eos_ids)
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            eos.add(tokenizer.eos_token_id)
-        self.eos_token_ids = tuple(sorted(eos))
-        kv_dtype = kv_cache_dtype(config)
+        # The tokenizer's list gathers its own EOS, generation_config.json's and config.json's.
+        eos = tokenizer.eos_token_ids if tokenizer is not None else model_config.eos_token_ids
+        self.eos_token_ids = tuple(sorted(set(eos)))
+        kv_dtype = jnp.dtype(config.kv_storage_dtype)
         per_seq = pages_per_seq(self.max_model_len, config.page_size)
         shards = shard.data_shards
         # Pages per data shard: each device holds its shard's pages (of its cache heads).
@@ -104,32 +94,34 @@ class Engine:
             page_size=config.page_size, num_pages=num_pages, pages_per_seq=per_seq,
             max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
             data_shards=shards)
-        self.runner = ModelRunner(graphdef, params, shard, self.builder, model_config, kv_dtype)
-        self._requests: dict[str, _Request] = {}
+        # Multi-host, process 0: a broadcast.StepBroadcaster sends every step to the others.
+        self.runner = ModelRunner(graphdef, params, shard, self.builder, model_config, kv_dtype,
+                                  broadcaster)
+        self._requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
-        self._inflight: _InFlight | None = None
+        self._inflight: InFlightStep | None = None
         self.num_steps = 0  # steps dispatched
         self.num_overlapped_steps = 0  # dispatched while the step before was still running
 
     @classmethod
-    def from_config(cls, config: EngineConfig, random_weights_preset: str | None = None
-                    ) -> "Engine":
+    def from_config(cls, config: EngineConfig, random_weights_preset: str | None = None,
+                    broadcaster=None) -> "Engine":
         """Load the checkpoint directory `config.model` (the demo model when None).
 
         `config.mesh` ({"data": d, "model": m}) and `config.sharding` (a strategy of
         sharding/rules.py) place the model on devices. `random_weights_preset` (a YAML
         model preset) builds random weights instead, with no tokenizer: for benchmarks.
+        `broadcaster`: multi-host process 0's StepBroadcaster (broadcast.py).
         """
         mesh = make_mesh(config.mesh)
-        sharding = config.sharding
-        dtype = _DTYPES[config.dtype]
-        options = model_options(config)
+        dtype = jnp.dtype(config.dtype)
+        options = config.model_options
         if random_weights_preset is not None:
             model_config = ModelConfig.from_file(random_weights_preset)
-            shard = model_sharding(mesh, sharding, model_config)
+            shard = model_sharding(mesh, config.sharding, model_config)
             graphdef, params = random_params(model_config, dtype, shard, seed=config.seed,
                                              options=options)
-            return cls(config, model_config, graphdef, params, None, shard)
+            return cls(config, model_config, graphdef, params, None, shard, broadcaster)
         if config.model is None:
             from jaxserve.demo import demo_model_dir
             config = dataclasses.replace(config, model=str(demo_model_dir()))
@@ -138,7 +130,7 @@ class Engine:
             raise ValueError(f"model {config.model!r} is not a directory; give a Hugging Face "
                              "checkpoint directory (config.json, *.safetensors, tokenizer)")
         model_config = ModelConfig.from_file(model_dir)
-        shard = model_sharding(mesh, sharding, model_config)
+        shard = model_sharding(mesh, config.sharding, model_config)
         if converted.is_converted(model_dir):
             options = converted.served_options(model_dir, options)
             config = dataclasses.replace(config, quantization=options.quantization)
@@ -146,8 +138,7 @@ class Engine:
         else:
             graphdef, params = load_checkpoint(model_dir, model_config, dtype, shard, options)
         tokenizer = Tokenizer.from_pretrained(model_dir)
-        return cls(config, model_config, graphdef, params, tokenizer, shard,
-                   extra_eos_ids=_generation_eos_ids(model_dir))
+        return cls(config, model_config, graphdef, params, tokenizer, shard, broadcaster)
 
     # ----------------------------------------------------------------- requests
 
@@ -174,7 +165,7 @@ class Engine:
         seq = Sequence(request_id, token_ids, params=params, priority=priority)
         detok = (IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
                  if self.tokenizer is not None else None)
-        self._requests[request_id] = _Request(seq, min(params.max_tokens or room, room), detok)
+        self._requests[request_id] = Request(seq, min(params.max_tokens or room, room), detok)
         self.scheduler.add(seq)
         return token_ids
 
@@ -218,61 +209,80 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Run one batch; return the requests that produced tokens or finished.
 
-        With `async_scheduling` a step's tokens are returned by the next call: each call
-        schedules, builds and dispatches its batch first, then waits for the step before
-        it, so the device always has the next step queued while the host appends tokens,
-        detokenizes and checks stops. The new batch reads the pending tokens (placeholders
-        on the host) from the device. Requests using penalties need their full history, so
-        a call with such a pending token waits for it first.
+        With `async_scheduling` a step's tokens are returned by the next call, which runs
+        two phases in this order:
+          1. dispatch step N: schedule it, build its batch and start it on the device;
+          2. collect step N-1: wait for its samples, append them to their requests,
+             detokenize and check stops, while the device runs step N.
+        Step N cannot see step N-1's tokens on the host: its batch marks them to be read
+        from N-1's outputs on the device (PLACEHOLDER tokens, `StepBatch.prev_index`). So
+        the device always has the next step queued while the host works. A step whose
+        requests use penalties needs their whole history, so its previous step is
+        collected before it is scheduled. Without async scheduling each call dispatches a
+        step and collects it at once.
         """
-        pending, self._inflight = self._inflight, None
+        prev, self._inflight = self._inflight, None
         outputs = []
-        if pending is not None and (not self.config.async_scheduling
-                                    or any(s.params.uses_penalties for s in pending.done)):
-            outputs, pending = self._finish(pending), None
-        sched = self.scheduler.schedule()
-        if not sched.is_empty:
-            batch, key, rows = self.builder.build(sched, pending.rows if pending else None)
-            if pending is not None:
-                self.num_overlapped_steps += not _is_ready(pending.out)
-            out = self.runner.dispatch(batch, key)
-            self.num_steps += 1
-        if pending is not None:
-            outputs = self._finish(pending)
-        if sched.is_empty:
+        if prev is not None and (not self.config.async_scheduling
+                                 or any(s.seq.params.uses_penalties for s in prev.sampling)):
+            outputs, prev = self._collect(prev), None
+        step = self._dispatch(prev)
+        if prev is not None:
+            outputs = self._collect(prev)
+        if step is None:
             return outputs
-        done = self.scheduler.on_step_done(sched)
-        for seq in done:
-            seq.output_token_ids.append(PLACEHOLDER)
-        self._inflight = _InFlight(out, rows, done)
-        if not self.config.async_scheduling:
-            outputs, self._inflight = self._finish(self._inflight), None
+        # Step N's pages are full of known tokens now that N-1's samples are in.
+        self.scheduler.cache_pages(step.schedule)
+        if self.config.async_scheduling:
+            self._inflight = step
+        else:
+            outputs = self._collect(step)
         return outputs
 
-    def _finish(self, step: "_InFlight") -> list[StepOutput]:
-        """Wait for a dispatched step; append its tokens to the requests still running."""
+    def _dispatch(self, prev: InFlightStep | None) -> InFlightStep | None:
+        """Schedule the next step, build its batch and start it; None if nothing to run.
+
+        Its sampling seqs get a PLACEHOLDER for the token it will sample."""
+        schedule = self.scheduler.schedule()
+        if schedule.is_empty:
+            return None
+        batch, key = self.builder.build(schedule, prev.pending_rows() if prev else None)
+        if prev is not None:
+            self.num_overlapped_steps += not _is_ready(prev.out)
+        step = InFlightStep(schedule, self.runner.dispatch(batch, key))
+        self.num_steps += 1
+        for s in step.sampling:
+            s.seq.output_token_ids.append(PLACEHOLDER)
+        return step
+
+    def _collect(self, step: InFlightStep) -> list[StepOutput]:
+        """Wait for a dispatched step; hand its tokens to the requests still running."""
         sampled = fetch(step.out)
         outputs = []
-        for seq in step.done:
-            req = self._requests.get(seq.request_id)
-            if req is not None and req.seq is seq:  # not aborted or finished meanwhile
-                outputs.append(self._append(req, sampled, step.rows[id(seq)]))
+        for s in step.sampling:
+            req = self._requests.get(s.seq.request_id)
+            if req is not None and req.seq is s.seq:  # not aborted or finished meanwhile
+                outputs.append(self._append(req, sampled, s))
         return outputs
 
-    def _append(self, req: _Request, sampled: SampleOutput, i: int) -> StepOutput:
-        seq, params = req.seq, req.seq.params
+    def _append(self, req: Request, sampled: SampleOutput, s: ScheduledSeq) -> StepOutput:
+        seq, params, i = req.seq, req.seq.params, s.row
         token = int(sampled.token_ids[i])
-        assert seq.output_token_ids[-1] == PLACEHOLDER
-        seq.output_token_ids[-1] = token
+        # This step's PLACEHOLDER: the last one, or the one before if the step after it
+        # (dispatched already) added its own.
+        outputs = seq.output_token_ids
+        index = len(outputs) - (2 if len(outputs) > 1 and outputs[-2] == PLACEHOLDER else 1)
+        assert outputs[index] == PLACEHOLDER
+        outputs[index] = token
         req.pending.append(token)
         if params.logprobs is not None:
             req.pending_logprobs.append(self._logprobs(sampled, i, token, params.logprobs))
         if req.detok is not None:
             req.text += req.detok.add(token)
-        finish, stop_reason = self._check_stop(req, token)
+        finish, stop_reason = self._check_stop(req, token, num_outputs=index + 1)
         if finish is None:
             # Hold back what could be the start of a stop string, so no text is ever retracted.
-            upto = len(req.text) - (max((len(s) for s in params.stop), default=1) - 1)
+            upto = len(req.text) - (max(map(len, params.stop), default=1) - 1)
         else:
             if req.detok is not None and stop_reason not in params.stop:
                 req.text += req.detok.flush()
@@ -289,9 +299,10 @@ class Engine:
         req.pending, req.pending_logprobs = [], []
         return out
 
-    def _check_stop(self, req: _Request, token: int) -> tuple[str | None, str | int | None]:
-        seq, params = req.seq, req.seq.params
-        n = len(seq.output_token_ids)
+    def _check_stop(self, req: Request, token: int, num_outputs: int
+                    ) -> tuple[str | None, str | int | None]:
+        """Whether the request ends with `token`, its `num_outputs`-th output."""
+        params, n = req.seq.params, num_outputs
         if n >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 return "stop", None
@@ -303,7 +314,7 @@ class Engine:
                 if idx >= 0:
                     req.text = req.text[:idx]
                     return "stop", stop
-        if n >= req.max_tokens or seq.num_tokens >= self.max_model_len:
+        if n >= req.max_tokens or req.seq.num_prompt_tokens + n >= self.max_model_len:
             return "length", None
         return None, None
 
@@ -318,19 +329,3 @@ class Engine:
                 lp.decoded_token = self.tokenizer.decode([t], skip_special_tokens=False)
         return top
 
-
-def kv_cache_dtype(config: EngineConfig) -> jnp.dtype:
-    return jnp.dtype(KV_CACHE_DTYPES[config.kv_cache_dtype] or _DTYPES[config.dtype])
-
-
-def model_options(config: EngineConfig) -> ModelOptions:
-    return ModelOptions(kernel_impl=config.kernel_impl, quantization=config.quantization,
-                        interpret=config.interpret_kernels)
-
-
-def _generation_eos_ids(model_dir: Path) -> tuple[int, ...]:
-    path = model_dir / "generation_config.json"
-    if not path.exists():
-        return ()
-    eos = json.loads(path.read_text()).get("eos_token_id")
-    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))

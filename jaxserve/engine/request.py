@@ -1,10 +1,18 @@
-"""Host-side state of one request while the engine works on it."""
+"""Host-side state of one request while the engine works on it.
+
+A `Sequence` is what the scheduler and the page allocator see: tokens, pages, progress.
+A `Request` is that sequence plus what the engine has returned of its output so far
+(text, detokenizer, tokens not yet handed back).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
 from typing import Any
+
+from jaxserve.loading.tokenizer import IncrementalDetokenizer
+from jaxserve.outputs import Logprob
 
 
 # An output token sampled by a step still running on the device (async scheduling): the
@@ -57,3 +65,18 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """A sequence and its output as returned so far: `text` is what the detokenizer has
+    produced (`emitted` characters of it handed back); `pending` holds token ids (and
+    their logprobs) sampled but not yet handed back."""
+
+    seq: Sequence
+    max_tokens: int
+    detok: IncrementalDetokenizer | None
+    text: str = ""
+    emitted: int = 0
+    pending: list[int] = dataclasses.field(default_factory=list)
+    pending_logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)

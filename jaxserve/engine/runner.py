@@ -15,7 +15,8 @@ from tqdm import tqdm
 from jaxserve.config import ModelConfig
 from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.sampler import SampleOutput, sample
-from jaxserve.models.transformer import KV_CACHE_AXES, KVCache, kv_cache_layout
+from jaxserve.models.parallel import KV_CACHE_AXES
+from jaxserve.models.transformer import KVCache, kv_cache_layout
 from sharding.rules import ShardingContext
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class ModelRunner:
     """Owns params and KV cache on device; runs the step for one bucket-padded batch."""
 
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, shard: ShardingContext,
-                 builder: BatchBuilder, cfg: ModelConfig, kv_dtype):
+                 builder: BatchBuilder, cfg: ModelConfig, kv_dtype, broadcaster=None):
         self.params = params
         self.shard = shard
         self.builder = builder
@@ -115,8 +116,8 @@ class ModelRunner:
         self._compiled: dict[BucketKey, jax.stages.Compiled] = {}
         self.warmed_up = False
         self.compiles_after_warmup = 0
-        # Multi-host, process 0: sends each step to the other processes (jaxserve.distributed).
-        self.broadcaster = None
+        # Multi-host, process 0: sends each step to the other processes (broadcast.py).
+        self.broadcaster = broadcaster
         replicated = shard.sharding(())
         # The last step's sampled tokens, on the device (see `step`).
         self.sampled = jax.device_put(np.zeros(builder.max_num_seqs, np.int32), replicated)

@@ -67,6 +67,10 @@ class ScheduledSeq:
     seq: Sequence
     start: int  # = seq.num_computed_tokens when scheduled: first position of this chunk
     num_new_tokens: int  # tokens seq.token_ids[start:start + num_new_tokens] computed this step
+    # The chunk ends at the seq's last token, so the step's sample for it is its next token
+    # (a partial prompt chunk's sample is discarded).
+    samples: bool = False
+    row: int = -1  # its row in the step's sampled outputs (BatchBuilder.build sets it)
 
 
 @dataclasses.dataclass
@@ -170,7 +174,12 @@ class Scheduler:
     # --------------------------------------------------------------- scheduling
 
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's work within the token budget; see the module docstring."""
+        """Pick this step's work within the token budget (see the module docstring).
+
+        The picked tokens count as computed from here on (`num_computed_tokens` advances),
+        as the step computing them is dispatched next: the schedule after it already
+        builds on them, whether or not the host has seen this step's outputs yet.
+        """
         out = SchedulerOutput(scheduled=[], preempted=[], num_batched_tokens=0)
         shards = self.config.data_shards
         budgets = [self.config.max_num_batched_tokens // shards] * shards
@@ -182,25 +191,19 @@ class Scheduler:
             self._schedule_waiting(out, budgets)
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
         assert out.num_batched_tokens == self.config.max_num_batched_tokens - sum(budgets)
+        for s in out.scheduled:
+            s.seq.num_computed_tokens = s.start + s.num_new_tokens
+            s.samples = s.seq.num_computed_tokens == s.seq.num_tokens
         return out
 
-    def on_step_done(self, out: SchedulerOutput) -> list[Sequence]:
-        """Record the step's progress; return the seqs whose sampled token is real.
-
-        Those are the seqs now fully computed: the engine appends their sampled token and
-        checks stop conditions. Seqs still mid-prompt (a partial chunk) are not returned,
-        nor seqs finished or aborted since `schedule`.
-        """
-        done: list[Sequence] = []
+    def cache_pages(self, out: SchedulerOutput) -> None:
+        """Offer the prefix cache every page of the scheduled seqs now full of known
+        tokens: call it once the tokens before each chunk are known on the host (with
+        async scheduling, after the previous step's samples are in). Seqs finished or
+        aborted since `schedule` are skipped."""
         for s in out.scheduled:
-            seq = s.seq
-            if seq.status is not SequenceStatus.RUNNING:
-                continue
-            seq.num_computed_tokens = s.start + s.num_new_tokens
-            self.allocators[seq.data_shard].commit(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                done.append(seq)
-        return done
+            if s.seq.status is SequenceStatus.RUNNING:
+                self.allocators[s.seq.data_shard].commit(s.seq)
 
     # ---------------------------------------------------------------- internals
 
@@ -225,16 +228,17 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             seq = self.running[i]
-            shard = seq.data_shard
-            n = self._num_to_compute(seq, budgets[shard])
-            if n <= 0:  # shard's budget spent, or the engine has not appended its token yet
+            data_shard = seq.data_shard
+            n = self._num_to_compute(seq, budgets[data_shard])
+            if n <= 0:  # the data shard's budget is spent
                 i += 1
                 continue
             scheduled = True
-            while not self.allocators[shard].allocate_more(seq, seq.num_computed_tokens + n):
-                victim = self._pick_victim(shard)
+            allocator = self.allocators[data_shard]
+            while not allocator.allocate_more(seq, seq.num_computed_tokens + n):
+                victim = self._pick_victim(data_shard)
                 j = self.running.index(victim)
-                budgets[shard] += self._preempt(victim, out)
+                budgets[data_shard] += self._preempt(victim, out)
                 if victim is seq:  # now gone from running: i is the next seq
                     scheduled = False
                     break
@@ -243,7 +247,7 @@ class Scheduler:
             if not scheduled:
                 continue
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
-            budgets[shard] -= n
+            budgets[data_shard] -= n
             i += 1
 
     def _schedule_waiting(self, out: SchedulerOutput, budgets: list[int]) -> None:
@@ -253,16 +257,16 @@ class Scheduler:
             seats[seq.data_shard] -= 1
         while self.waiting:
             seq = self.waiting[0]
-            shard = self._place(seq, budgets, seats)
-            if shard is None:
+            data_shard = self._place(seq, budgets, seats)
+            if data_shard is None:
                 break  # head of line waits for pages; running seqs are not preempted for it
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budgets[shard])
+            n = min(seq.num_tokens - seq.num_computed_tokens, budgets[data_shard])
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
-            budgets[shard] -= n
-            seats[shard] -= 1
+            budgets[data_shard] -= n
+            seats[data_shard] -= 1
 
     def _place(self, seq: Sequence, budgets: list[int], seats: list[int]) -> int | None:
         """Give a waiting seq pages in the data shard with budget and a seat that caches
@@ -281,10 +285,10 @@ class Scheduler:
                 return d
         return None
 
-    def _pick_victim(self, shard: int) -> Sequence:
+    def _pick_victim(self, data_shard: int) -> Sequence:
         """fcfs: the latest admitted running seq of the data shard; priority: its worst
         (priority, arrival)."""
-        candidates = [s for s in self.running if s.data_shard == shard]
+        candidates = [s for s in self.running if s.data_shard == data_shard]
         if self.config.policy == "priority":
             return max(candidates, key=lambda s: (s.priority, s.arrival))
         return candidates[-1]

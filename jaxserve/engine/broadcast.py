@@ -1,0 +1,58 @@
+"""Multi-host serving: process 0 schedules and broadcasts each step; the others run it too.
+
+Every process joins the job (sharding/multihost.py) and builds the same Engine over the
+global mesh, loading its own shards of the weights. Process 0 owns the scheduler and the
+servers. Before it runs a step it broadcasts a small header (command, bucket) and then
+the step's batch arrays; the followers run the same compiled step on them, so every
+process joins the step's collectives. While idle, process 0 broadcasts a ping every
+`PING_INTERVAL_S`: a follower that died makes that collective (or the next step's) fail
+at once ("connection closed by peer"), the engine loop stops, and the server turns
+NOT_SERVING with the error in its log instead of hanging. A follower whose leader is
+gone exits the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jaxserve.engine.batch import BucketKey, StepBatch
+
+log = logging.getLogger(__name__)
+
+STOP, STEP, PING = 0, 1, 2
+PING_INTERVAL_S = 1.0
+
+
+def _header(command: int, key: BucketKey = BucketKey(0, 0, False)) -> np.ndarray:
+    return np.array([command, key.tokens, key.seqs, int(key.history)], np.int32)
+
+
+class StepBroadcaster:
+    """Process 0's side: tells the followers what to run (ModelRunner.dispatch calls send)."""
+
+    def send(self, batch: StepBatch, key: BucketKey) -> None:
+        multihost_utils.broadcast_one_to_all(_header(STEP, key))
+        multihost_utils.broadcast_one_to_all(batch)
+
+    def ping(self) -> None:
+        multihost_utils.broadcast_one_to_all(_header(PING))
+
+    def stop(self) -> None:
+        multihost_utils.broadcast_one_to_all(_header(STOP))
+
+
+def follow(engine) -> None:
+    """A follower's loop: run every step process 0 broadcasts, until it says stop."""
+    while True:
+        command, t, s, history = (int(x) for x in
+                                  multihost_utils.broadcast_one_to_all(_header(STOP)))
+        if command == STOP:
+            log.info("process 0 said stop")
+            return
+        if command == STEP:
+            key = BucketKey(t, s, bool(history))
+            batch = multihost_utils.broadcast_one_to_all(engine.builder.empty(key))
+            engine.runner.dispatch(batch, key)
