@@ -91,30 +91,30 @@ def write_demo_checkpoint(path: Path) -> None:
 
 
 def _write_char_tokenizer(path: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, processors
+    from tokenizers import decoders
 
-    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(SPECIALS)
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)])
-    tok.save(str(path / "tokenizer.json"))
-    _write_tokenizer_config(path)
+    _write_bpe_tokenizer(path, SPECIALS + CHARS, decoders.Fuse())
 
 
 def write_byte_tokenizer(path: Path) -> None:
     """A byte-level BPE with no merges: ids 0-2 special, then one token per byte (259 ids)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import decoders, pre_tokenizers
 
-    specials = SPECIALS
-    vocab = {t: i for i, t in enumerate(specials)}
-    for ch in pre_tokenizers.ByteLevel.alphabet():
-        vocab.setdefault(ch, len(vocab))
+    _write_bpe_tokenizer(path, SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet()),
+                         decoders.ByteLevel(), pre_tokenizers.ByteLevel(add_prefix_space=False))
+
+
+def _write_bpe_tokenizer(path: Path, tokens: list[str], decoder, pre_tokenizer=None) -> None:
+    """A BPE without merges over `tokens` (SPECIALS first), BOS prepended, as tokenizer.json
+    and tokenizer_config.json."""
+    from tokenizers import Tokenizer, models, processors
+
+    vocab = {t: i for i, t in enumerate(dict.fromkeys(tokens))}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(specials)
+    if pre_tokenizer is not None:
+        tok.pre_tokenizer = pre_tokenizer
+    tok.decoder = decoder
+    tok.add_special_tokens(SPECIALS)
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)])
     tok.save(str(path / "tokenizer.json"))

@@ -12,11 +12,32 @@ from jaxserve.cli import main
 from jaxserve.config import EngineConfig, ModelConfig
 
 
-def test_help(capsys):
+def help_text(capsys, *argv: str) -> str:
     with pytest.raises(SystemExit) as e:
-        main(["--help"])
+        main([*argv, "--help"])
     assert e.value.code == 0
-    assert "generate" in capsys.readouterr().out
+    return capsys.readouterr().out
+
+
+def test_help_lists_every_command_and_its_flags(capsys):
+    """`jaxserve --help` names every command, and each command's help its own flags, with
+    the choices taken from the one list of each (strategies, dtypes, quantizations)."""
+    assert "{generate,serve,client,plan,convert,bench}" in help_text(capsys)
+    flags = {
+        ("serve",): ["--port", "--mesh", "--sharding {tp,tp+sp,dp,dp+tp,dp+tp+sp}",
+                     "--dtype {bfloat16,float32}", "--quantization {int8,int4,fp8}",
+                     "--kv-cache-dtype {auto,int8,fp8}", "--random-weights", "--coordinator",
+                     "--grace"],
+        ("generate",): ["--prompt", "--max-tokens", "--temperature", "--stop", "--model"],
+        ("client",): ["{generate,status,info}", "--target"],
+        ("plan",): ["--topology", "--target", "--compare", "--strategy", "--plot"],
+        ("convert",): ["--out", "--quantization"],
+        ("bench", "serve"): ["--request-rate", "--max-concurrency"],
+    }
+    for argv, expected in flags.items():
+        text = " ".join(help_text(capsys, *argv).split())
+        missing = [f for f in expected if f not in text]
+        assert not missing, (argv, missing)
 
 
 def test_generate_on_demo_model(tmp_path, monkeypatch, capsys):

@@ -13,6 +13,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from server.client import AsyncClient
+from server.jetstream import OrchestratorServicer
 from server.protos.jetstream_proto import jetstream_pb2 as js
 from server.protos.jetstream_proto import jetstream_pb2_grpc as js_grpc
 from serverproc import ENGINE, running_server
@@ -48,7 +49,25 @@ def decode(stub, **fields) -> list[js.DecodeResponse]:
 
 
 def test_health_check(stub):
+    """Live while serving (the real server); not live while draining or once the engine
+    loop has died (a servicer over a stand-in engine, switched into each state)."""
     assert stub.HealthCheck(js.HealthCheckRequest()).is_live
+
+    class Engine:
+        engine = None
+        is_alive = True
+
+    accepting = True
+    servicer = OrchestratorServicer(Engine, lambda: accepting)
+
+    def is_live() -> bool:
+        return asyncio.run(servicer.HealthCheck(js.HealthCheckRequest(), None)).is_live
+
+    assert is_live()
+    accepting = False  # SIGTERM: draining
+    assert not is_live()
+    accepting, Engine.is_alive = True, False  # the engine thread failed
+    assert not is_live()
 
 
 def test_token_content(stub, llm, prompts):
