@@ -228,7 +228,7 @@ class Engine:
             outputs, prev = self._collect(prev), None
         step = self._dispatch(prev)
         if prev is not None:
-            outputs = self._collect(prev)
+            outputs += self._collect(prev)
         if step is None:
             return outputs
         # Step N's pages are full of known tokens now that N-1's samples are in.
@@ -236,7 +236,7 @@ class Engine:
         if self.config.async_scheduling:
             self._inflight = step
         else:
-            outputs = self._collect(step)
+            outputs += self._collect(step)
         return outputs
 
     def _dispatch(self, prev: InFlightStep | None) -> InFlightStep | None:
