@@ -8,6 +8,8 @@ test_reference_attention.py.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -187,9 +189,9 @@ def test_gpu_split_kv_under_jit_with_padded_page_table_entries():
 def test_gpu_block_and_split_rules():
     from pallas_kernels.ragged_paged_attention import gpu
 
-    assert gpu.default_gpu_queries_per_block(64, 64, 4) == 1  # decode
-    assert gpu.default_gpu_queries_per_block(2048, 8, 4) == 32  # the reference's cap
-    assert gpu.default_gpu_queries_per_block(2048, 8, 8) == 16  # at most 128 query rows
+    assert gpu.default_gpu_queries_per_block(8, 4) == 8  # never more than the batch has
+    assert gpu.default_gpu_queries_per_block(2048, 4) == 32  # the reference's cap
+    assert gpu.default_gpu_queries_per_block(2048, 8) == 16  # at most 128 query rows
     assert gpu.default_pages_per_block(16, 128) == 8  # 128-token key tiles
     assert gpu.default_pages_per_block(8, 5) == 8  # 5 pages round up to a 64-token tile
     assert gpu.default_pages_per_block(4, 2) == 4  # never below Triton's 16
@@ -216,8 +218,13 @@ LLAMA3_8B_BATCHES = {  # (tokens, sequence slots, pages per sequence, KV dtype)
 @pytest.mark.parametrize("name", LLAMA3_8B_BATCHES)
 def test_gpu_kernel_lowers_for_cuda(name):
     """Pallas's Triton lowering (jaxpr -> Triton IR, as for compute capability 9.0 when no
-    GPU is present) accepts the kernel at Llama-3-8B shapes; this checks the power-of-two
-    tile shapes, not Triton's own compile (that needs a GPU)."""
+    GPU is present) accepts the kernel at Llama-3-8B shapes: one call over the decode items
+    (one per sequence slot) and one over the prefill items, each split over the KV blocks
+    when its programs alone cannot fill the GPU. This checks the power-of-two tile shapes,
+    not Triton's own compile (that needs a GPU)."""
+    from pallas_kernels.ragged_paged_attention import gpu
+    from pallas_kernels.ragged_paged_attention.work_items import num_prefill_items
+
     num_tokens, max_seqs, pages_per_seq, kv_dtype = LLAMA3_8B_BATCHES[name]
     num_pages = 4096
     sds = jax.ShapeDtypeStruct
@@ -238,9 +245,13 @@ def test_gpu_kernel_lowers_for_cuda(name):
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
     )(*args)
     text = exported.mlir_module()
-    assert text.count("__gpu$xla.gpu.triton") == 1
-    splits = 5 if name.startswith("decode-") else 1  # ceil(132 / (8 heads x 4 items))
-    assert f"grid_z = {splits} : i32" in text
+    assert text.count("__gpu$xla.gpu.triton") == 2
+    grids = [tuple(int(n) for n in g) for g in re.findall(
+        r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, grid_z = (\d+) : i32", text)]
+    prefill = num_prefill_items(num_tokens, max_seqs, gpu.default_gpu_queries_per_block(
+        num_tokens, 4))
+    splits = lambda items: min(-(-132 // (8 * items)), pages_per_seq // 8)  # noqa: E731
+    assert sorted(grids) == sorted([(8, max_seqs, splits(max_seqs)), (8, prefill, splits(prefill))])
 
 
 # ---------------------------------------------------------------- TPU, ahead of time
@@ -255,7 +266,8 @@ SHAPES = {"decode": (64, 64), "prefill": (512, 1), "mixed": (256, 64)}  # (T, S)
 def test_tpu_kernel_compiles_for_real_tpus(topology, phase, kv_dtype):
     """Mosaic lowers and compiles the kernel for Llama-3-8B's per-layer shapes (2k context
     per sequence), on one chip of each generation; nothing spills to HBM temporaries
-    beyond the gathered queries, outputs and (int8) per-sequence scale rows."""
+    beyond each kind's gathered queries and outputs and the (int8) per-sequence scale rows:
+    no page is ever copied."""
     pytest.importorskip("libtpu", reason="libtpu is not installed: pip install 'jax[tpu]'")
     from sharding.planner import tpu_devices
 
@@ -281,5 +293,11 @@ def test_tpu_kernel_compiles_for_real_tpus(topology, phase, kv_dtype):
     with jax.default_device(chip):
         compiled = jax.jit(attend).lower(*args).compile()
     assert 'custom_call_target="tpu_custom_call"' in compiled.as_text()
-    kv_bytes = 2 * hkv * pages * page_size * d * jnp.dtype(kv_dtype).itemsize
-    assert compiled.memory_analysis().temp_size_in_bytes < kv_bytes / 16  # pages never copied
+    from pallas_kernels.ragged_paged_attention.work_items import num_prefill_items
+
+    group = LLAMA3_8B["num_q_heads"] // hkv
+    query_tiles = hkv * (s * 16 + num_prefill_items(t, s, min(32, t)) * 32 * group) * d * 2
+    scale_rows = 0 if kv_dtype == jnp.bfloat16 else 2 * hkv * s * per_seq * page_size * 4
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp <= 2 * query_tiles + scale_rows + t * LLAMA3_8B["num_q_heads"] * d * 2
+    assert temp < hkv * pages * page_size * d * jnp.dtype(kv_dtype).itemsize / 4

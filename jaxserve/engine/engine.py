@@ -26,6 +26,8 @@ from jaxserve.loading.safetensors import load_checkpoint, random_params
 from jaxserve.loading.tokenizer import IncrementalDetokenizer, Tokenizer
 from jaxserve.outputs import Logprob, StepOutput
 from jaxserve.sampling_params import SamplingParams
+from pallas_kernels.ragged_paged_attention import default_impl
+from pallas_kernels.ragged_paged_attention.kv_cache import pool_dtype
 from sharding.mesh import make_mesh
 from sharding.rules import ShardingContext, model_sharding
 
@@ -65,7 +67,7 @@ class Engine:
         # The tokenizer's list gathers its own EOS, generation_config.json's and config.json's.
         eos = tokenizer.eos_token_ids if tokenizer is not None else model_config.eos_token_ids
         self.eos_token_ids = tuple(sorted(set(eos)))
-        kv_dtype = jnp.dtype(config.kv_storage_dtype)
+        kv_dtype = pool_dtype(config.kv_storage_dtype, config.kernel_impl or default_impl())
         per_seq = pages_per_seq(self.max_model_len, config.page_size)
         shards = shard.data_shards
         # Pages per data shard: each device holds its shard's pages (of its cache heads).

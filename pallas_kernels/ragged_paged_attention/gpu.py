@@ -1,7 +1,9 @@
 """Ragged paged attention as a Pallas GPU kernel (Triton lowering).
 
-Same inputs, page layout and work items as reference.py (see work_items.py). The grid
-is (KV head, work item[, KV split]). A program holds one item's queries for one KV head,
+Same inputs, page layout and work items as reference.py (see work_items.py). One kernel
+call per kind of item (decode items, then prefill items; a kind with no real item is
+skipped), each with grid (KV head, work item[, KV split]); an empty item computes nothing.
+A program holds one item's queries for one KV head,
 the `group` query heads of that KV head packed as rows of one `[rows, head_dim]` tile
 (GQA), and walks the item's sequence one block of `pages_per_block` pages at a time with
 an online softmax in float32. Triton has no scalar prefetch and no DMA: the item metadata
@@ -9,19 +11,18 @@ and the page table are plain operands read with scalar loads, and each block's K
 `[pages_per_block * page_size, head_dim]` tiles are gathered token by token, each key's
 page number read from the page table, so pages smaller than a Triton tile (4 or 8
 tokens) still make one key tile. Blocks wholly before the sliding window or past the item's
-last query are skipped. Decode, prefill chunks and mixed batches are the same program with
-different item sizes. A quantized cache (int8 / fp8) is loaded as stored and converted to
+last query are skipped. A quantized cache (int8 / fp8) is loaded as stored and converted to
 q's dtype in registers: the per-token K scales multiply the scores, the V scales the
 probabilities. Dots take q's dtype with float32 accumulation (bf16 probabilities before
 P·V when q is bf16; IEEE float32, not Triton's TF32 default, when q is float32).
 
 Block-size rule (no device query, so it is the same when lowering ahead of time). Triton
 tensors are powers of two and its dot needs every dimension >= 16:
-- queries per item `bq`: T // S capped at 32 (1 for a pure decode batch), the reference's
-  rule, then capped so bq * group <= 128 (the flash-attention query tile: a 256-row float32
-  accumulator and score tile would spill Triton's registers); rows = bq * group rounded up
-  to a power of two >= 16 (a decode item of Llama-3-8B, group 4, fills 4 of 16 rows:
-  decode is memory-bound, the idle rows are free).
+- queries per item: 1 for decode items; for prefill items min(32, T), the reference's
+  rule, capped so queries * group <= 128 (the flash-attention query tile: a 256-row
+  float32 accumulator and score tile would spill Triton's registers); rows = queries *
+  group rounded up to a power of two >= 16 (a decode item of Llama-3-8B, group 4, fills 4
+  of 16 rows: decode is memory-bound, the idle rows are free).
 - KV tokens per block: 128 (the flash-attention key tile), i.e. `pages_per_block =
   128 // page_size`, capped at the page table's width rounded up to a power of two and
   raised to at least 16 tokens: 64-128 tokens for any table of 64 or more tokens.
@@ -35,9 +36,9 @@ per (KV head, item, split), each writing its unnormalised float32 partial (max s
 softmax sum l, accumulator) for a log-sum-exp combine in plain XLA afterwards. An empty
 split (an item with fewer blocks than splits) writes m = MASKED, l = 0, acc = 0, which the
 combine weighs by exp(MASKED - m_max) = 0, or, for a row no split sees, divides by 1.
-Default rule: splits = clamp(ceil(132 / (num_kv_heads * num_items)), 1, KV blocks of the
-page table), so a batch that already fills the SMs is not split; it is the same on CPU, so
-tests pass `num_kv_splits` explicitly to exercise the path.
+Default rule, per call: splits = clamp(ceil(132 / (num_kv_heads * items)), 1, KV blocks of
+the page table), so a call that already fills the SMs is not split; it is the same on CPU,
+so tests pass `num_kv_splits` explicitly to exercise the path.
 
 Launch defaults: num_warps 4 for tiles of up to 32 rows (decode), 8 for the larger prefill
 tiles (JAX's flash attention uses 8 for its 128-row tiles at head_dim 128); num_stages 2
@@ -56,9 +57,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.ragged_paged_attention.kv_cache import BITS
 from pallas_kernels.ragged_paged_attention.work_items import (
-    MASKED, AttentionInputs, default_queries_per_block, gather_queries, plan_blocks,
-    scatter_outputs, visible_blocks)
+    MASKED, AttentionInputs, BlockPlan, WorkItems, default_queries_per_block, gather_queries,
+    plan_blocks, scatter_outputs, visible_blocks)
 from pallas_kernels.tiling import is_power_of_2, next_power_of_2
 
 MIN_TILE = 16  # smallest dimension Triton's dot accepts
@@ -67,9 +69,10 @@ KV_TOKENS_PER_BLOCK = 128
 NUM_SMS = 132  # H100 / H200 SXM
 
 
-def default_gpu_queries_per_block(num_tokens: int, max_seqs: int, group: int) -> int:
-    """The reference's rule, capped at MAX_ROWS query rows (see module doc)."""
-    return max(1, min(default_queries_per_block(num_tokens, max_seqs), MAX_ROWS // group))
+def default_gpu_queries_per_block(num_tokens: int, group: int) -> int:
+    """The reference's rule for prefill items, capped at MAX_ROWS query rows (see module
+    doc)."""
+    return max(1, min(default_queries_per_block(num_tokens), MAX_ROWS // group))
 
 
 def default_pages_per_block(page_size: int, pages_per_seq: int) -> int:
@@ -192,19 +195,35 @@ def ragged_paged_attention(x: AttentionInputs, *, pages_per_block: int | None = 
                            num_stages: int | None = None) -> jax.Array:
     """See reference.ragged_paged_attention; `interpret=True` runs on CPU. `num_kv_splits`,
     `num_warps` and `num_stages` override the rules in the module docstring."""
-    num_kv_heads, page_size, head_dim, group = x.num_kv_heads, x.page_size, x.head_dim, x.group
-    num_pages = x.k_pages.shape[1]
-    block = pages_per_block or default_pages_per_block(page_size, x.pages_per_seq)
+    if x.k_pages.dtype == BITS:
+        raise ValueError("the GPU kernel reads bf16 pages, not their uint16 bits "
+                         "(kv_cache.pool_dtype keeps bits only for the reference and cpu)")
+    block = pages_per_block or default_pages_per_block(x.page_size, x.pages_per_seq)
     if not interpret:
-        _check_tiles(block * page_size, head_dim)
+        _check_tiles(block * x.page_size, x.head_dim)
     plan = plan_blocks(
-        x, queries_per_block or default_gpu_queries_per_block(x.num_tokens, x.max_seqs, group),
-        block)
-    items, num_items = plan.items, plan.num_items
-    rows = max(MIN_TILE, next_power_of_2(plan.queries_per_block * group))
-    splits = num_kv_splits or default_num_kv_splits(num_kv_heads * num_items, plan.num_blocks)
-    qi = gather_queries(x.q, items, num_kv_heads, rows)  # [Hkv, W, rows, D]
+        x, queries_per_block or default_gpu_queries_per_block(x.num_tokens, x.group), block)
+    out = jnp.zeros(x.q.shape, x.q.dtype)
+    for items in plan.kinds:
+        rows = max(MIN_TILE, next_power_of_2(items.queries_per_item * x.group))
+        splits = num_kv_splits or default_num_kv_splits(x.num_kv_heads * items.num_items,
+                                                        plan.num_blocks)
+        shape = (x.num_kv_heads, items.num_items, rows, x.head_dim)
+        result = jax.lax.cond(
+            items.num_real() > 0,
+            lambda items=items, rows=rows, splits=splits: _call(
+                x, plan, items, rows, splits, interpret, num_warps, num_stages),
+            lambda shape=shape: jnp.zeros(shape, x.q.dtype))
+        out = scatter_outputs(out, result, items, x.group)
+    return out
 
+
+def _call(x: AttentionInputs, plan: BlockPlan, items: WorkItems, rows: int, splits: int,
+          interpret: bool, num_warps: int | None, num_stages: int | None) -> jax.Array:
+    """One kernel call over one kind of item: `[Hkv, W, rows, head_dim]` in q's dtype."""
+    num_kv_heads, page_size, head_dim = x.num_kv_heads, x.page_size, x.head_dim
+    num_pages, num_items = x.k_pages.shape[1], items.num_items
+    qi = gather_queries(x.q, items, num_kv_heads, rows)  # [Hkv, W, rows, D]
     pages_spec = pl.BlockSpec((None, num_pages, page_size, head_dim),
                               lambda h, *_: (h, 0, 0, 0))
     in_specs = [_whole((num_items,))] * 4 + [
@@ -234,7 +253,8 @@ def ragged_paged_attention(x: AttentionInputs, *, pages_per_block: int | None = 
 
     kernel = functools.partial(
         _kernel, sm_scale=x.sm_scale, sliding_window=x.sliding_window, soft_cap=x.soft_cap,
-        group=group, pages_per_block=block, quantized=x.quantized, num_splits=splits)
+        group=x.group, pages_per_block=plan.pages_per_block, quantized=x.quantized,
+        num_splits=splits)
     out = pl.pallas_call(
         kernel,
         grid=grid,
@@ -246,6 +266,4 @@ def ragged_paged_attention(x: AttentionInputs, *, pages_per_block: int | None = 
         interpret=interpret,
         name="ragged_paged_attention",
     )(*operands)
-    if splits > 1:
-        out = combine_splits(*out)
-    return scatter_outputs(out, items, x.num_tokens, group, x.q.dtype)
+    return combine_splits(*out).astype(x.q.dtype) if splits > 1 else out

@@ -8,6 +8,11 @@ copies. Token `j` of a sequence lives in page `page_indices[s, j // page_size]` 
 `j % page_size` (flat slot `page * page_size + row`). A quantized cache (int8 or fp8
 values) has float32 scales `[num_kv_heads, num_pages, page_size]`, one per token and head:
 the stored value times its scale is the K or V element.
+
+On a CPU the reference and the CPU kernel keep a bfloat16 pool as its uint16 bits
+(`pool_dtype`): XLA:CPU has no bf16 scatter or gather and converts the whole operand to
+float32 around one, a pass over every page of the pool per layer and step; on integers it
+writes in place. Readers view the bits as bf16 (`logical_dtype`).
 """
 
 from __future__ import annotations
@@ -15,22 +20,34 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.platform import current_platform
+
 QUANTIZED_KV_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
+BITS = jnp.dtype(jnp.uint16)  # a bf16 pool stored as its bits
+
+
+def pool_dtype(kv_dtype, impl: str) -> jnp.dtype:
+    """The dtype a pool of `kv_dtype` K/V is stored in for attention backend `impl`: bf16 as
+    uint16 bits where XLA:CPU runs the reads and writes (see the module docstring)."""
+    kv_dtype = jnp.dtype(kv_dtype)
+    if kv_dtype == jnp.bfloat16 and impl in ("reference", "cpu") and current_platform() == "cpu":
+        return BITS
+    return kv_dtype
+
+
+def logical_dtype(pages: jax.Array) -> jnp.dtype:
+    """The dtype of the K/V values a pool holds (bf16 for a pool of bits)."""
+    return jnp.dtype(jnp.bfloat16) if pages.dtype == BITS else pages.dtype
 
 
 def as_bits(x: jax.Array) -> jax.Array:
-    """A 16-bit float array as uint16 (bit for bit); other dtypes unchanged.
-
-    XLA:CPU has no bf16 gather or scatter: it converts the operand to float32 first, and
-    for the KV pool that conversion (hoisted out of the loop, or around the scatter) reads
-    and writes every page of the pool per layer and step. Integers move natively.
-    """
-    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
+    """A bf16 array as uint16, bit for bit; other dtypes unchanged."""
+    return jax.lax.bitcast_convert_type(x, BITS) if x.dtype == jnp.bfloat16 else x
 
 
-def from_bits(x: jax.Array, dtype) -> jax.Array:
-    """Inverse of as_bits."""
-    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+def as_values(pages: jax.Array) -> jax.Array:
+    """The K/V values of a pool (or of pages gathered from it): bits viewed as bf16."""
+    return jax.lax.bitcast_convert_type(pages, jnp.bfloat16) if pages.dtype == BITS else pages
 
 
 def quantize_kv(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
@@ -60,9 +77,10 @@ def write_kv(
     flat = (shape[0], shape[1] * shape[2], shape[3])
 
     def put(pages, x):
-        x = as_bits(x.astype(pages.dtype).transpose(1, 0, 2))  # [Hkv, T, D]
-        new = as_bits(pages).reshape(flat).at[:, slot_mapping].set(x, mode="drop")
-        return from_bits(new, pages.dtype).reshape(shape)
+        x = x.astype(logical_dtype(pages)).transpose(1, 0, 2)  # [Hkv, T, D]
+        if pages.dtype == BITS:
+            x = as_bits(x)
+        return pages.reshape(flat).at[:, slot_mapping].set(x, mode="drop").reshape(shape)
 
     def put_scales(scales, s):
         flat_scales = scales.reshape(flat[:2])

@@ -1,10 +1,12 @@
-"""Ragged paged attention in plain JAX: the truth for the kernels and the CPU path.
+"""Ragged paged attention in plain JAX: the truth for the kernels and the CPU fallback.
 
-Work items and inputs are in work_items.py, the page layout in kv_cache.py. A loop over
-blocks of KV pages (up to the longest context in the batch) keeps an online softmax for
-every item at once. Shapes are static and there is no Python loop over sequences.
+Work items and inputs are in work_items.py, the page layout in kv_cache.py. For each kind
+of item a loop over blocks of KV pages (up to the longest context among the items) keeps
+an online softmax for several items at once: all decode items in one pass, prefill items
+in chunks of `PREFILL_ITEMS_PER_PASS`, only as many chunks as there are real items. Shapes
+are static and there is no Python loop over sequences.
 
-Block rule: queries per item T // S capped at 32 (work_items.default_queries_per_block);
+Block rule: queries per prefill item min(32, T) (work_items.default_queries_per_block);
 about 128 KV tokens per loop iteration. Both keyword-overridable.
 """
 
@@ -13,30 +15,54 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention.kv_cache import as_bits, from_bits
+from pallas_kernels.ragged_paged_attention.kv_cache import as_bits, as_values
 from pallas_kernels.ragged_paged_attention.work_items import (
-    MASKED, AttentionInputs, default_queries_per_block, gather_queries, plan_blocks,
-    scatter_outputs)
+    MASKED, AttentionInputs, BlockPlan, WorkItems, default_queries_per_block, gather_queries,
+    plan_blocks, scatter_outputs)
 
 KV_TOKENS_PER_BLOCK = 128
+PREFILL_ITEMS_PER_PASS = 4
 
 
 def ragged_paged_attention(x: AttentionInputs, *, pages_per_block: int | None = None,
                            queries_per_block: int | None = None) -> jax.Array:
     """Causal attention of ragged queries over paged K/V: `[T, num_q_heads, head_dim]` in
     q's dtype, zeros for padding queries."""
-    num_kv_heads, page_size, head_dim, group = x.num_kv_heads, x.page_size, x.head_dim, x.group
     plan = plan_blocks(
-        x, queries_per_block or default_queries_per_block(x.num_tokens, x.max_seqs),
-        pages_per_block or max(1, min(x.pages_per_seq, KV_TOKENS_PER_BLOCK // page_size)))
-    items, block, num_items = plan.items, plan.pages_per_block, plan.num_items
-    rows = plan.queries_per_block * group
+        x, queries_per_block or default_queries_per_block(x.num_tokens),
+        pages_per_block or max(1, min(x.pages_per_seq, KV_TOKENS_PER_BLOCK // x.page_size)))
+    out = jnp.zeros(x.q.shape, jnp.float32)
+    out = scatter_outputs(out, _attend(x, plan, plan.decode), plan.decode, x.group)
+
+    # Prefill items, a chunk at a time, only the chunks that hold real items.
+    chunk = min(PREFILL_ITEMS_PER_PASS, plan.prefill.num_items)
+    pad = -plan.prefill.num_items % chunk
+    items = jax.tree.map(lambda a: jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1),
+                                           constant_values=0), plan.prefill)
+    items = WorkItems(items.seq, items.q_pos, items.num_q, items.kv_len,
+                      items.token.at[plan.prefill.num_items:].set(x.num_tokens))
+
+    def one_chunk(i, out):
+        part = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk), items)
+        return scatter_outputs(out, _attend(x, plan, part), part, x.group)
+
+    num_chunks = (plan.prefill.num_real() + chunk - 1) // chunk
+    out = jax.lax.fori_loop(0, num_chunks, one_chunk, out)
+    return out.astype(x.q.dtype)
+
+
+def _attend(x: AttentionInputs, plan: BlockPlan, items: WorkItems) -> jax.Array:
+    """Attention of every item's queries: `[Hkv, W, rows, D]` float32 (zeros for empty
+    items), walking KV blocks up to the items' longest context."""
+    num_kv_heads, page_size, head_dim, group = x.num_kv_heads, x.page_size, x.head_dim, x.group
+    block, num_items = plan.pages_per_block, items.num_items
+    rows = items.queries_per_item * group
     qi = gather_queries(x.q.astype(jnp.float32) * x.sm_scale, items, num_kv_heads)
     qi = qi.transpose(1, 0, 2, 3)  # [W, Hkv, rows, D]: batch dims first for XLA
     row_pos = items.q_pos[:, None] + jnp.arange(rows, dtype=jnp.int32) // group
     row_pos = row_pos[:, None, :]  # [W, 1, rows]
     kv_len = items.kv_len[:, None, None]
-    num_blocks = (jnp.max(items.kv_len) + block * page_size - 1) // (block * page_size)
+    num_blocks = (items.max_kv_len() + block * page_size - 1) // (block * page_size)
     item_pages = plan.page_indices[items.seq]  # [W, pages]
 
     def load(pages_ref, scales_ref, pages):
@@ -72,9 +98,10 @@ def ragged_paged_attention(x: AttentionInputs, *, pages_per_block: int | None = 
     )
     _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    return scatter_outputs(out.transpose(1, 0, 2, 3), items, x.num_tokens, group, x.q.dtype)
+    return out.transpose(1, 0, 2, 3)
 
 
 def _gather_pages(pages_ref: jax.Array, pages: jax.Array) -> jax.Array:
-    """`pages_ref[:, pages]`, moved as integers (see kv_cache.as_bits)."""
-    return from_bits(as_bits(pages_ref)[:, pages], pages_ref.dtype)
+    """The values of `pages_ref[:, pages]`, moved as integers: XLA:CPU would convert a
+    whole bf16 pool to float32 to gather from it (kv_cache.py)."""
+    return as_values(as_bits(pages_ref)[:, pages])

@@ -1,18 +1,20 @@
 """Ragged paged attention as a Pallas Mosaic TPU kernel.
 
-Same inputs, page layout and work items as reference.py (see work_items.py). The grid
-is (KV head, work item). A program holds one item's queries for one KV head, the `group`
-query heads of that KV head packed as rows of one `[rows, head_dim]` tile (GQA), and walks
-the item's sequence one block of pages at a time: the page table and item metadata are
-scalar-prefetched into SMEM, each page of the next block is copied HBM → VMEM by an async
-DMA while the current block is being computed (two buffers), and an online softmax
-accumulates in float32. Decode, prefill chunks and mixed batches are the same program with
-different item sizes. A quantized cache (int8 / fp8) is copied as stored and dequantized
-in VMEM: the per-token K scales multiply the scores, the V scales the probabilities.
+Same inputs, page layout and work items as reference.py (see work_items.py). One kernel
+call per kind of item (decode items, then prefill items; a kind with no real item is
+skipped), each with grid (KV head, work item). A program holds one item's queries for one
+KV head, the `group` query heads of that KV head packed as rows of one `[rows, head_dim]`
+tile (GQA), and walks the item's sequence one block of pages at a time: the page table and
+item metadata are scalar-prefetched into SMEM, each page of the next block is copied HBM →
+VMEM by an async DMA while the current block is being computed (two buffers), and an
+online softmax accumulates in float32. An empty item fetches and computes nothing. A
+quantized cache (int8 / fp8) is copied as stored and dequantized in VMEM: the per-token K
+scales multiply the scores, the V scales the probabilities.
 
 Block-size rule (no device query, so it is the same when compiling ahead of time):
-- queries per item `bq`: T // S capped at 32 (1 for a pure decode batch), the reference's
-  rule; rows = bq * group rounded up to the sublane tile of q's dtype (8 f32, 16 bf16).
+- queries per item: 1 for decode items, min(32, T) for prefill items (the reference's
+  rule); rows = queries * group rounded up to the sublane tile of q's dtype (8 f32, 16
+  bf16).
 - KV tokens per block: 512 (4 MXU passes of 128 keys on v5e, 2 of 256 on v6e), i.e.
   `pages_per_block = 512 // page_size`, capped at the page table's width.
   VMEM: 2 buffers x (K + V) x 512 x head_dim plus a `[rows, 512]` f32 score tile, well
@@ -32,9 +34,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.ragged_paged_attention.kv_cache import BITS
 from pallas_kernels.ragged_paged_attention.work_items import (
-    MASKED, AttentionInputs, default_queries_per_block, gather_queries, plan_blocks,
-    scatter_outputs, visible_blocks)
+    MASKED, AttentionInputs, BlockPlan, WorkItems, default_queries_per_block, gather_queries,
+    plan_blocks, scatter_outputs, visible_blocks)
 from pallas_kernels.tiling import round_up, sublane_tile
 
 KV_TOKENS_PER_BLOCK = 512
@@ -132,37 +135,55 @@ def ragged_paged_attention(x: AttentionInputs, *, pages_per_block: int | None = 
                            queries_per_block: int | None = None, interpret: bool = False,
                            vmem_limit_bytes: int | None = None) -> jax.Array:
     """See reference.ragged_paged_attention; `interpret=True` runs on CPU."""
-    num_kv_heads, page_size, head_dim, group = x.num_kv_heads, x.page_size, x.head_dim, x.group
-    if not interpret and page_size % sublane_tile(x.k_pages.dtype):
-        raise ValueError(f"page_size {page_size} is not a multiple of "
+    if x.k_pages.dtype == BITS:
+        raise ValueError("the TPU kernel reads bf16 pages, not their uint16 bits "
+                         "(kv_cache.pool_dtype keeps bits only for the reference and cpu)")
+    if not interpret and x.page_size % sublane_tile(x.k_pages.dtype):
+        raise ValueError(f"page_size {x.page_size} is not a multiple of "
                          f"{sublane_tile(x.k_pages.dtype)}, the TPU tile height of "
                          f"{x.k_pages.dtype} KV pages")
     plan = plan_blocks(
-        x, queries_per_block or default_queries_per_block(x.num_tokens, x.max_seqs),
-        pages_per_block or default_pages_per_block(page_size, x.pages_per_seq))
-    block, items = plan.pages_per_block, plan.items
-    rows = round_up(plan.queries_per_block * group, sublane_tile(x.q.dtype))
-    qi = gather_queries(x.q, items, num_kv_heads, rows)  # [Hkv, W, rows, D]
-    q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda h, w, *_: (h, w, 0, 0))
-    in_specs = [q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
-    operands = [qi, x.k_pages, x.v_pages]
+        x, queries_per_block or default_queries_per_block(x.num_tokens),
+        pages_per_block or default_pages_per_block(x.page_size, x.pages_per_seq))
+    scale_rows = []
     if x.quantized:
         # Each sequence's scales, gathered once per layer by XLA into one lane-dense row
         # per (head, sequence): 4 bytes per token and head next to head_dim bytes of values.
-        width = plan.num_blocks * block * page_size
-        for scales in (x.k_scales, x.v_scales):
-            operands.append(scales[:, plan.page_indices].reshape(num_kv_heads, x.max_seqs, 1,
-                                                                 width))
-            in_specs.append(pl.BlockSpec((None, None, 1, width),
-                                         lambda h, w, seq, *_: (h, seq[w], 0, 0)))
+        width = plan.page_indices.shape[1] * x.page_size
+        scale_rows = [s[:, plan.page_indices].reshape(x.num_kv_heads, x.max_seqs, 1, width)
+                      for s in (x.k_scales, x.v_scales)]
+    out = jnp.zeros(x.q.shape, x.q.dtype)
+    for items in plan.kinds:
+        rows = round_up(items.queries_per_item * x.group, sublane_tile(x.q.dtype))
+        shape = (x.num_kv_heads, items.num_items, rows, x.head_dim)
+        result = jax.lax.cond(
+            items.num_real() > 0,
+            lambda items=items, rows=rows: _call(x, plan, items, rows, scale_rows, interpret,
+                                                 vmem_limit_bytes),
+            lambda shape=shape: jnp.zeros(shape, x.q.dtype))
+        out = scatter_outputs(out, result, items, x.group)
+    return out
+
+
+def _call(x: AttentionInputs, plan: BlockPlan, items: WorkItems, rows: int,
+          scale_rows: list[jax.Array], interpret: bool, vmem_limit_bytes: int | None
+          ) -> jax.Array:
+    """One kernel call over one kind of item: `[Hkv, W, rows, head_dim]`."""
+    num_kv_heads, page_size, head_dim = x.num_kv_heads, x.page_size, x.head_dim
+    block = plan.pages_per_block
+    qi = gather_queries(x.q, items, num_kv_heads, rows)  # [Hkv, W, rows, D]
+    q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda h, w, *_: (h, w, 0, 0))
+    in_specs = [q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
+    in_specs += [pl.BlockSpec((None, None, 1, r.shape[-1]),
+                              lambda h, w, seq, *_: (h, seq[w], 0, 0)) for r in scale_rows]
     kernel = functools.partial(
         _kernel, sm_scale=x.sm_scale, sliding_window=x.sliding_window, soft_cap=x.soft_cap,
-        group=group, pages_per_block=block, quantized=x.quantized)
-    out = pl.pallas_call(
+        group=x.group, pages_per_block=block, quantized=x.quantized)
+    return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
-            grid=(num_kv_heads, plan.num_items),
+            grid=(num_kv_heads, items.num_items),
             in_specs=in_specs,
             out_specs=q_spec,
             scratch_shapes=[
@@ -173,9 +194,9 @@ def ragged_paged_attention(x: AttentionInputs, *, pages_per_block: int | None = 
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel"), vmem_limit_bytes=vmem_limit_bytes),
-        out_shape=jax.ShapeDtypeStruct((num_kv_heads, plan.num_items, rows, head_dim),
+        out_shape=jax.ShapeDtypeStruct((num_kv_heads, items.num_items, rows, head_dim),
                                        x.q.dtype),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(items.seq, items.q_pos, items.num_q, items.kv_len, plan.page_indices, *operands)
-    return scatter_outputs(out, items, x.num_tokens, group, x.q.dtype)
+    )(items.seq, items.q_pos, items.num_q, items.kv_len, plan.page_indices, qi, x.k_pages,
+      x.v_pages, *scale_rows)

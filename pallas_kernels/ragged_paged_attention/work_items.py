@@ -6,11 +6,19 @@ queries `cu_q_lens[s]:cu_q_lens[s+1]` and has `kv_lens[s]` tokens of K/V in its 
 context. Only the first `num_seqs` sequences are real; queries past
 `cu_q_lens[num_seqs]` are padding.
 
-Queries are grouped into work items, each a block of up to `bq` consecutive queries of one
-sequence, so a prefill chunk reads its pages once per block rather than once per token,
-and a decode batch (bq = 1) reads each sequence's pages once. With the query heads of one
-KV head packed together, an item is a `[bq * group, head_dim]` tile of queries. Each
-backend walks an item's keys in blocks of `pages_per_block` pages with an online softmax.
+Queries are grouped into work items of two kinds, so the work follows the real tokens
+whatever the batch's bucket:
+- decode items: one per sequence slot, real for a sequence with exactly one new token,
+  one query (`group` rows: the query heads of one KV head packed together);
+- prefill items: blocks of up to `bq` consecutive queries of one sequence with more than
+  one new token (`bq * group` rows), so a prefill chunk reads its pages once per block
+  rather than once per token.
+A decode in a mixed batch is never padded to a prefill block's rows, and a batch of one
+prompt is one prefill item per `bq` tokens, however many sequence slots its bucket has.
+Real items come first in each kind; the rest are empty (no queries), and every backend
+skips them: the kernels by their item metadata, the reference by looping only over real
+prefill items. Each backend walks an item's keys in blocks of `pages_per_block` pages with
+an online softmax.
 """
 
 from __future__ import annotations
@@ -34,9 +42,11 @@ class AttentionInputs:
     head_dim]`; kv_lens `[S]` int32, each sequence's context length including its new
     tokens; page_indices `[S, pages_per_seq]` int32; cu_q_lens `[S + 1]` int32, query
     offsets; num_seqs a scalar int32, the real sequences; k_scales, v_scales
-    `[num_kv_heads, num_pages, page_size]` float32 for an int8 / fp8 cache, else None.
-    sm_scale multiplies q·k; a query at position p sees keys at positions
-    > p - sliding_window; soft_cap makes scores soft_cap * tanh(scores / soft_cap).
+    `[num_kv_heads, num_pages, page_size]` float32 for an int8 / fp8 cache, else None. A
+    bf16 cache may come as its uint16 bits (kv_cache.pool_dtype) to the reference and the
+    CPU kernel; the TPU and GPU kernels take real bf16 pages. sm_scale multiplies q·k; a
+    query at position p sees keys at positions > p - sliding_window; soft_cap makes scores
+    soft_cap * tanh(scores / soft_cap).
     """
 
     q: jax.Array
@@ -150,14 +160,31 @@ class WorkItems:
     token: jax.Array  # [W, bq] flat query index of each row; num_tokens for padding rows
 
 
+    @property
+    def num_items(self) -> int:
+        return self.seq.shape[0]
+
+    @property
+    def queries_per_item(self) -> int:
+        return self.token.shape[1]
+
+    def num_real(self) -> jax.Array:
+        """Items with queries (they come first)."""
+        return jnp.sum(self.num_q > 0).astype(jnp.int32)
+
+    def max_kv_len(self) -> jax.Array:
+        return jnp.max(self.kv_len)
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockPlan:
-    """How a backend walks the batch: its work items and the page table padded to whole
-    blocks of `pages_per_block` pages (padded entries are masked by kv_lens)."""
+    """How a backend walks the batch: its decode and prefill items and the page table
+    padded to whole blocks of `pages_per_block` pages (padded entries are masked by
+    kv_lens)."""
 
-    items: WorkItems
+    decode: WorkItems  # [S] items of one query
+    prefill: WorkItems  # [W] items of up to queries_per_block queries
     page_indices: jax.Array  # [S, num_blocks * pages_per_block]
-    queries_per_block: int
     pages_per_block: int
 
     @property
@@ -166,8 +193,8 @@ class BlockPlan:
         return self.page_indices.shape[1] // self.pages_per_block
 
     @property
-    def num_items(self) -> int:
-        return self.items.seq.shape[0]
+    def kinds(self) -> tuple[WorkItems, WorkItems]:
+        return self.decode, self.prefill
 
 
 def plan_blocks(x: AttentionInputs, queries_per_block: int, pages_per_block: int) -> BlockPlan:
@@ -175,28 +202,46 @@ def plan_blocks(x: AttentionInputs, queries_per_block: int, pages_per_block: int
     num_blocks = -(-x.pages_per_seq // pages_per_block)
     page_indices = jnp.pad(x.page_indices,
                            ((0, 0), (0, num_blocks * pages_per_block - x.pages_per_seq)))
-    items = work_items(x.cu_q_lens, x.kv_lens, x.num_seqs, x.num_tokens, queries_per_block)
-    return BlockPlan(items, page_indices, queries_per_block, pages_per_block)
+    decode, prefill = work_items(x.cu_q_lens, x.kv_lens, x.num_seqs, x.num_tokens,
+                                 queries_per_block)
+    return BlockPlan(decode, prefill, page_indices, pages_per_block)
 
 
-def default_queries_per_block(num_tokens: int, max_seqs: int, cap: int = 32) -> int:
-    """T // S, capped: a decode batch (T == S) uses 1, prefill chunks use many."""
-    return max(1, min(cap, num_tokens // max_seqs))
+MAX_QUERIES_PER_ITEM = 32
 
 
-def num_work_items(num_tokens: int, max_seqs: int, bq: int) -> int:
-    """Enough items for any ragged split of T tokens over S sequences into blocks of bq."""
-    return min(num_tokens, max_seqs + num_tokens // bq)
+def default_queries_per_block(num_tokens: int, cap: int = MAX_QUERIES_PER_ITEM) -> int:
+    """Queries per prefill item: up to 32, never more than the batch has."""
+    return max(1, min(cap, num_tokens))
+
+
+def num_prefill_items(num_tokens: int, max_seqs: int, bq: int) -> int:
+    """Enough prefill items for any ragged batch of T tokens over S sequences: each
+    sequence with q >= 2 new tokens takes ceil(q / bq) <= q / bq + 1 items, and at most
+    min(S, T // 2) sequences have two or more."""
+    return max(1, min(num_tokens, num_tokens // bq + min(max_seqs, num_tokens // 2)))
 
 
 def work_items(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array,
-               num_tokens: int, bq: int) -> WorkItems:
+               num_tokens: int, bq: int) -> tuple[WorkItems, WorkItems]:
+    """(decode items, prefill items) of a ragged batch; see the module docstring."""
     max_seqs = kv_lens.shape[0]
-    num_items = num_work_items(num_tokens, max_seqs, bq)
     seq_valid = jnp.arange(max_seqs) < num_seqs
     q_lens = jnp.where(seq_valid, cu_q_lens[1:] - cu_q_lens[:-1], 0)
     kv_lens = jnp.where(seq_valid, kv_lens, 0)
-    items_per_seq = (q_lens + bq - 1) // bq
+
+    # Decode items: slot s, real when s has one query. Compacted to the front.
+    is_decode = q_lens == 1
+    order = jnp.argsort(~is_decode, stable=True).astype(jnp.int32)  # decodes first
+    real = is_decode[order]
+    decode = WorkItems(
+        seq=order, q_pos=jnp.where(real, kv_lens[order] - 1, 0).astype(jnp.int32),
+        num_q=real.astype(jnp.int32), kv_len=jnp.where(real, kv_lens[order], 0),
+        token=jnp.where(real, cu_q_lens[order], num_tokens)[:, None].astype(jnp.int32))
+
+    # Prefill items: blocks of bq queries of every sequence with two or more.
+    num_items = num_prefill_items(num_tokens, max_seqs, bq)
+    items_per_seq = jnp.where(q_lens >= 2, (q_lens + bq - 1) // bq, 0)
     items_end = jnp.cumsum(items_per_seq)
     w = jnp.arange(num_items, dtype=jnp.int32)
     seq = jnp.minimum(jnp.searchsorted(items_end, w, side="right"), max_seqs - 1).astype(jnp.int32)
@@ -208,7 +253,14 @@ def work_items(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array,
     rows = jnp.arange(bq, dtype=jnp.int32)[None, :]
     token = jnp.where(rows < num_q[:, None], cu_q_lens[seq][:, None] + first_q[:, None] + rows,
                       num_tokens).astype(jnp.int32)
-    return WorkItems(seq, q_pos, num_q, kv_len, token)
+    return decode, WorkItems(seq, q_pos, num_q, kv_len, token)
+
+
+def issued_rows(plan: BlockPlan, group: int) -> tuple[jax.Array, jax.Array]:
+    """(query rows, items) the backends compute for this plan: every real item's rows
+    (`queries_per_item * group`), empty items none. What a step's attention costs."""
+    rows = sum(k.num_real() * k.queries_per_item * group for k in plan.kinds)
+    return rows, sum(k.num_real() for k in plan.kinds)
 
 
 def visible_blocks(q_pos, num_q, kv_len, block_tokens: int, sliding_window: int | None):
@@ -237,14 +289,13 @@ def gather_queries(q: jax.Array, items: WorkItems, num_kv_heads: int, rows: int 
     return qi
 
 
-def scatter_outputs(out: jax.Array, items: WorkItems, num_tokens: int, group: int, dtype
+def scatter_outputs(result: jax.Array, out: jax.Array, items: WorkItems, group: int
                     ) -> jax.Array:
-    """Inverse of gather_queries: `[Hkv, W, rows, D]` → `[T, Hq, D]`, zeros for padding."""
+    """Inverse of gather_queries: the items' outputs `[Hkv, W, rows, D]` written into
+    their tokens' rows of `result[T, Hq, D]`; padding rows are dropped."""
     num_kv_heads, num_items, _, head_dim = out.shape
     bq = items.token.shape[1]
     out = out[:, :, : bq * group].reshape(num_kv_heads, num_items, bq, group, head_dim)
     out = out.transpose(1, 2, 0, 3, 4).reshape(num_items * bq, num_kv_heads * group, head_dim)
-    result = jnp.zeros((num_tokens, num_kv_heads * group, head_dim), out.dtype)
     # Each real query belongs to exactly one item row; padding rows point past the end.
-    result = result.at[items.token.reshape(-1)].set(out, mode="drop")
-    return result.astype(dtype)
+    return result.at[items.token.reshape(-1)].set(out.astype(result.dtype), mode="drop")
