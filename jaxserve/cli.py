@@ -39,6 +39,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="device mesh, e.g. model=4 or data=2,model=4 (default: one device)")
     g.add_argument("--sharding", default=None, choices=STRATEGIES,
                    help="sharding strategy over the mesh (default: tp)")
+    g.add_argument("--compilation-cache-dir", default=None, metavar="DIR",
+                   help="keep compiled step programs here across restarts (default: under "
+                        "~/.cache/jaxserve, or $JAX_COMPILATION_CACHE_DIR; 'off' for none)")
 
 
 def parse_mesh(text: str | None) -> dict[str, int] | None:
@@ -63,7 +66,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "enable_prefix_caching": False if args.no_prefix_caching else None,
         "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
         "kernel_impl": args.kernel_impl, "mesh": parse_mesh(args.mesh),
-        "sharding": args.sharding,
+        "sharding": args.sharding, "compilation_cache_dir": args.compilation_cache_dir,
     }
     if args.config:
         return EngineConfig.from_yaml(args.config, **overrides)

@@ -207,7 +207,9 @@ class EngineConfig:
     `mesh` ({"data": d, "model": m}; default one device) and `sharding` (tp, tp+sp, dp,
     dp+tp, dp+tp+sp; sharding/rules.py) place the model on devices; under data
     parallelism `num_pages`, `max_num_seqs` and `max_num_batched_tokens` are totals over
-    the data shards.
+    the data shards. `compilation_cache_dir` keeps the compiled step programs across
+    restarts (None: a folder under ~/.cache/jaxserve, or JAX's own if one is set; "off":
+    no cache; engine/compile_cache.py).
     """
 
     model: str | None = None
@@ -230,6 +232,7 @@ class EngineConfig:
     async_scheduling: bool = True
     mesh: dict[str, int] | None = None
     sharding: str = "tp"
+    compilation_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

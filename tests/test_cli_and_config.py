@@ -125,3 +125,27 @@ def test_mesh_and_sharding_settings(tmp_path):
     with pytest.raises(ValueError, match="divide evenly over the 2 data-parallel shards"):
         SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64, max_model_len=32,
                         page_size=4, num_pages=16, data_shards=2)
+
+
+def test_a_second_start_reads_every_step_program_from_the_compilation_cache(tmp_path):
+    """`jaxserve generate` twice with the same settings: the first compiles the buckets
+    into the default cache folder (under JAXSERVE_CACHE, keyed by jaxserve and JAX version
+    and device), the second reads all of them back and generates the same text."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "JAXSERVE_CACHE": str(tmp_path)}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    cmd = [sys.executable, "-m", "jaxserve.cli", "generate", "--prompt", "Hi", "--max-tokens",
+           "3", "--max-num-batched-tokens", "16", "--max-num-seqs", "2", "--max-model-len",
+           "64", "--dtype", "float32", "--kernel-impl", "reference"]
+    runs = [subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+            for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:]
+    programs = 6  # tokens 1, 8, 16, each with and without penalties
+    assert f"{programs} compiled, 0 read from the compilation cache" in runs[0].stderr
+    assert f"0 compiled, {programs} read from the compilation cache" in runs[1].stderr
+    assert runs[0].stdout == runs[1].stdout
+    (folder,) = (tmp_path / "xla").iterdir()
+    assert folder.name.startswith("jaxserve-") and "_jax-" in folder.name

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine import compile_cache
 from jaxserve.engine.batch import BatchBuilder
 from jaxserve.engine.request import PLACEHOLDER, Request, Sequence
 from jaxserve.engine.runner import ModelRunner, fetch, kv_page_bytes, pages_per_seq, pool_size
@@ -115,6 +116,7 @@ class Engine:
         model preset) builds random weights instead, with no tokenizer: for benchmarks.
         `broadcaster`: multi-host process 0's StepBroadcaster (broadcast.py).
         """
+        compile_cache.enable(config.compilation_cache_dir)  # before anything compiles
         mesh = make_mesh(config.mesh)
         dtype = jnp.dtype(config.dtype)
         options = config.model_options

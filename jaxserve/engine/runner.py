@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
+from jaxserve.engine.compile_cache import counting_hits
 from jaxserve.engine.sampler import SampleOutput, sample
 from jaxserve.models.parallel import KV_CACHE_AXES
 from jaxserve.models.transformer import KVCache, kv_cache_layout
@@ -116,6 +117,7 @@ class ModelRunner:
         self._compiled: dict[BucketKey, jax.stages.Compiled] = {}
         self.warmed_up = False
         self.compiles_after_warmup = 0
+        self.programs_from_cache = 0
         # Multi-host, process 0: sends each step to the other processes (broadcast.py).
         self.broadcaster = broadcaster
         replicated = shard.sharding(())
@@ -129,11 +131,19 @@ class ModelRunner:
         return compiled
 
     def warmup(self, progress: bool = True) -> None:
-        """Compile every bucket now, so nothing compiles while serving."""
+        """Compile every bucket now, so nothing compiles while serving. The progress bar
+        counts the programs read from the persistent compilation cache."""
         keys = [k for k in self.builder.all_buckets() if k not in self._compiled]
-        for key in tqdm(keys, desc="compiling step buckets", disable=not progress or not keys,
-                        unit="bucket"):
-            self._compile(key)
+        bar = tqdm(keys, desc="compiling step buckets", disable=not progress or not keys,
+                   unit="bucket")
+        with counting_hits() as hits:
+            for key in bar:
+                self._compile(key)
+                bar.set_postfix_str(f"{hits[0]} from cache")
+        self.programs_from_cache = hits[0]
+        if keys:
+            log.info("step programs: %d compiled, %d read from the compilation cache",
+                     len(keys) - hits[0], hits[0])
         self.warmed_up = True
 
     def dispatch(self, batch: StepBatch, key: BucketKey) -> SampleOutput:
