@@ -1,4 +1,4 @@
-"""The Pallas kernels against their references and against this device's bandwidth floor.
+"""The kernels against their references and against this device's bandwidth floor.
 
 Ragged paged attention at Llama-3-8B per-layer shapes (32 query heads, 8 KV heads,
 head_dim 128, bf16 queries; bf16 or int8 KV pages):
@@ -11,25 +11,38 @@ Weight-only quantized matmul at Llama-3-8B MLP shapes: x[M, 4096] @ W[4096, 1433
 x[M, 14336] @ W[14336, 4096], M in {1, 16, 64} (M in {1, 16} and the first shape only
 on CPU unless --full), bf16 dot (the peer a user would otherwise run) beside int8, int4
 (group 128) and fp8 weights.
+Dense (float) matmul at smollm2-135m per-layer shapes, f32 and bf16: x[M, 576] @ W for W
+[576, 576] (q, o), [576, 192] (k, v), [576, 1536] (gate, up), [1536, 576] (down), and the
+tied LM head x[M, 576] @ embed[49152, 576]^T, for M in {1, 64, 512} (decode at batch 1,
+a decode batch, a prefill chunk). Each is timed as a chain of calls over copies of the
+weight (at least 128 MB of them at M = 1, so no call finds its weight in a cache), each
+call waiting on the one before as a model's layers do; the time is per call.
 
 Every row is timed for the reference (pure JAX) and for the platform's kernel ("tpu" on
-TPU, "gpu" on GPU; --impl forces one, "none" times the reference only). A CPU has no
-compiled kernel (Pallas interpret mode measures the interpreter, not the kernel), so
-there the kernel columns say "n/a (CPU)". Times are the median of --iters calls after a
-compile and a warm-up call, each ended by block_until_ready.
+TPU, "gpu" on GPU, "cpu" -- pallas_kernels/cpu, the native kernels -- on a CPU where they
+build; --impl forces one, "none" times the reference only). There are no quantized-matmul
+kernels for CPU, so on a CPU those rows' kernel columns say "n/a (CPU)", as every kernel
+column does when the native kernels are unavailable. Attention and quantized-matmul times
+are the median of --iters calls after a compile and three warm-up calls, each ended by
+block_until_ready; dense-matmul times are the median of --iters chains divided by the
+chain's length.
 
 Floor: the bytes a row must move once (K and V of every context token, int8 scales
-included; new K/V written; quantized weight values + scales) divided by the memory
+included; new K/V written; weight values, + scales when quantized) divided by the memory
 bandwidth measured in the same run (offline_throughput.measure_bandwidth: a jitted sum
 over 1 GiB). "% of floor" is floor / time, so 100% means running at the bandwidth
-ceiling. Attention rows also show a compute floor (causal attention FLOPs / a measured
-matmul rate) because prefill is bound by it, not by bandwidth. Rows small enough to stay
-in a cache (L2 on a GPU, L3 on a CPU) can exceed 100%. Inputs are random (fixed seeds),
-page tables shuffled over a pool with spare pages. On a GPU the script also says whether
-the issue's targets are met: decode attention at 64 x 2048 >= 70% of the bandwidth
-floor, and the int8 (W8A16) kernel faster than the bf16 dot for M <= 16.
+ceiling as XLA measures it (a hand-written read loop can beat XLA's sum, so a kernel can
+exceed 100%). Attention rows also show a compute floor (causal attention FLOPs / a
+measured matmul rate) because prefill is bound by it, not by bandwidth; dense matmul rows
+show % of floor at M = 1 (bandwidth-bound) and GFLOP/s above (compute-bound). Rows small
+enough to stay in a cache (L2 on a GPU, L3 on a CPU) can exceed 100%. Inputs are random
+(fixed seeds), page tables shuffled over a pool with spare pages. On a GPU the script
+also says whether the issue's targets are met: decode attention at 64 x 2048 >= 70% of
+the bandwidth floor, and the int8 (W8A16) kernel faster than the bf16 dot for M <= 16; on
+a CPU, the CPU kernels' targets: decode attention >= 40% of the floor, dense M = 1 >= 80%
+of it (f32 and bf16), bf16 M = 512 >= 600 GFLOP/s and faster than XLA at M = 64 and 512.
 
-    python benchmarks/kernels.py [--full] [--impl tpu|gpu|none] [--iters N]
+    python benchmarks/kernels.py [--full] [--impl tpu|gpu|cpu|none] [--iters N]
 """
 
 from __future__ import annotations
@@ -50,6 +63,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from offline_throughput import measure_bandwidth, measure_matmul
+from pallas_kernels import cpu as native
+from pallas_kernels.matmul import matmul
 from pallas_kernels.platform import GPU_PLATFORMS
 from pallas_kernels.quantized_matmul import choose_impl, quantize, quantized_matmul
 from pallas_kernels.ragged_paged_attention import quantize_kv, ragged_paged_attention, write_kv
@@ -61,6 +76,13 @@ SEED = 0
 DECODE_TARGET = 0.70  # GPU: decode attention at 64 x 2048, fraction of the bandwidth floor
 INT8_TARGET_MAX_M = 16  # GPU: int8 W8A16 must beat the bf16 dot up to this M
 NA_CPU = "n/a (CPU)"
+WARMUP_CALLS = 3
+SMOLLM2_HIDDEN, SMOLLM2_KV, SMOLLM2_MLP, SMOLLM2_VOCAB = 576, 192, 1536, 49152
+DENSE_MS = (1, 64, 512)
+DENSE_CHAIN_BYTES = 128e6  # M = 1: weights per chain, beyond the last-level cache
+CPU_DECODE_TARGET = 0.40  # CPU: decode attention, fraction of the bandwidth floor
+CPU_GEMV_TARGET = 0.80  # CPU: dense matmul at M = 1, fraction of the bandwidth floor
+CPU_BF16_GFLOPS_TARGET = 600.0  # CPU: bf16 dense matmul at M = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +133,7 @@ class Row:
     compute_floor_ms: float | None = None
     max_diff: float | None = None
     peer_ms: float | None = None  # matmul rows: the bf16 dot of the same shape
+    flops: int | None = None  # dense matmul rows
 
 
 def attention_cases(on_cpu: bool, full: bool) -> list[AttentionCase]:
@@ -184,9 +207,10 @@ def build_attention_batch(case: AttentionCase, page_size: int, seed: int) -> dic
 
 
 def median_ms(fn: Callable[[], object], iters: int) -> float:
-    """Median wall time of fn() after a compile call and a warm-up call."""
-    jax.block_until_ready(fn())
-    jax.block_until_ready(fn())
+    """Median wall time of fn() after a compile call and WARMUP_CALLS more (the first
+    calls after a compile run slower on a CPU: caches, page tables, idle threads)."""
+    for _ in range(1 + WARMUP_CALLS):
+        jax.block_until_ready(fn())
     times = []
     for _ in range(iters):
         start = time.perf_counter()
@@ -265,7 +289,7 @@ def weight_variants(k: int, n: int, seed: int) -> dict[str, tuple[jax.Array, ...
 
 def matmul_kernel_note(kind: str, impl: str | None) -> str:
     """Why a quantized row has no kernel timing, or "" when the kernel runs."""
-    if impl is None:
+    if impl is None or impl == "cpu":
         return NA_CPU
     if choose_impl(kind, INT4_GROUP) != impl:
         return "n/a (no kernel for this format here)"
@@ -307,6 +331,110 @@ def quantized_row(kind: str, x: jax.Array, weight: tuple[jax.Array, jax.Array], 
         diff = kernel(x, values, scales).astype(jnp.float32) - ref(x, values, scales).astype(jnp.float32)
         row.max_diff = float(jnp.max(jnp.abs(diff)))
     return row
+
+
+def dense_shapes() -> list[tuple[str, int, int, bool]]:
+    """(name, K, N, transpose_w) of smollm2-135m's matmuls, per layer, and its LM head."""
+    h, kv, mlp, vocab = SMOLLM2_HIDDEN, SMOLLM2_KV, SMOLLM2_MLP, SMOLLM2_VOCAB
+    return [("q/o", h, h, False), ("k/v", h, kv, False), ("gate/up", h, mlp, False),
+            ("down", mlp, h, False), ("LM head (tied)", h, vocab, True)]
+
+
+def dense_chain(impl: str, transpose_w: bool) -> Callable:
+    """All the weights in turn, each call waiting on the previous one's result (an
+    optimization barrier over both, no arithmetic), as a model's layers do."""
+    def chain(x, weights):
+        out = []
+        for w in weights:
+            y = matmul(x, w, transpose_w=transpose_w, impl=impl)
+            x, y = jax.lax.optimization_barrier((x, y))
+            out.append(y)
+        return out
+    return jax.jit(chain)
+
+
+def dense_rows(impl: str | None, bandwidth: float, iters: int) -> list[Row]:
+    rows = []
+    rng = np.random.default_rng(SEED)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for name, k, n, transpose_w in dense_shapes():
+            nbytes = k * n * jnp.dtype(dtype).itemsize
+            shape = (n, k) if transpose_w else (k, n)
+            copies = max(2, math.ceil(DENSE_CHAIN_BYTES / nbytes))
+            weights = [jnp.asarray(rng.standard_normal(shape, np.float32) / math.sqrt(k), dtype)
+                       for _ in range(copies)]
+            for m in DENSE_MS:
+                # Compute-bound rows need fewer copies: about 4 GFLOP per chain.
+                count = copies if m == 1 else max(2, min(copies, math.ceil(4e9 / (2 * m * k * n))))
+                x = jnp.asarray(rng.standard_normal((m, k), np.float32), dtype)
+                label = f"{jnp.dtype(dtype).name} {name} M={m} [{k}x{n}{'^T' if transpose_w else ''}]"
+                ref_ms, ref_out = time_dense("reference", x, weights[:count], transpose_w, iters)
+                row = Row(label, nbytes, 1e3 * nbytes / bandwidth, ref_ms, kernel_note=NA_CPU,
+                          flops=2 * m * k * n)
+                if impl == "cpu":
+                    row.kernel_ms, out = time_dense("cpu", x, weights[:count], transpose_w, iters)
+                    row.max_diff = float(jnp.max(jnp.abs(out.astype(jnp.float32)
+                                                         - ref_out.astype(jnp.float32))))
+                elif impl is not None:
+                    row.kernel_note = f"n/a (the {impl} path is XLA's dot)"
+                rows.append(row)
+            del weights
+    return rows
+
+
+def time_dense(impl: str, x: jax.Array, weights: list[jax.Array], transpose_w: bool,
+               iters: int) -> tuple[float, jax.Array]:
+    """(ms per call, the first call's result)."""
+    chain = dense_chain(impl, transpose_w)
+    ms = median_ms(lambda: chain(x, weights), iters) / len(weights)
+    return ms, chain(x, weights[:1])[0]
+
+
+def rate(row: Row, ms: float) -> str:
+    """% of the bandwidth floor at M = 1, GFLOP/s above."""
+    if " M=1 " in row.name:
+        return pct(row.floor_ms, ms) + " floor"
+    return f"{row.flops / ms / 1e6:.0f} GFLOP/s"
+
+
+def dense_table(rows: list[Row]) -> str:
+    header = ["row", "weight MB", "bw floor ms", "ref ms", "ref rate", "kernel ms", "kernel rate",
+              "kernel speedup", "max abs diff"]
+    body = []
+    for r in rows:
+        kernel = ([f"{r.kernel_ms:.3f}", rate(r, r.kernel_ms), f"{r.ref_ms / r.kernel_ms:.2f}x",
+                   f"{r.max_diff:.2g}"] if r.kernel_ms is not None else [r.kernel_note, "", "", ""])
+        body.append([r.name, f"{r.bytes_moved / 1e6:.2f}", f"{r.floor_ms:.4f}", f"{r.ref_ms:.4f}",
+                     rate(r, r.ref_ms), *kernel])
+    return markdown(header, body)
+
+
+def cpu_targets(attention: list[Row], dense: list[Row], cases: list[AttentionCase]) -> list[str]:
+    """The CPU kernels' targets, met or missed, for the rows that ran a kernel."""
+    lines = []
+    for case in cases:
+        row = next(r for r in attention if r.name == case.name)
+        if case.name.startswith("decode") and row.kernel_ms is not None:
+            frac = row.floor_ms / row.kernel_ms
+            verdict = "met" if frac >= CPU_DECODE_TARGET else "missed"
+            lines.append(f"- attention {case.name}: {100 * frac:.0f}% of the bandwidth floor "
+                         f"(target >= {100 * CPU_DECODE_TARGET:.0f}%): {verdict}")
+    for r in dense:
+        if r.kernel_ms is None:
+            continue
+        if " M=1 " in r.name:
+            frac = r.floor_ms / r.kernel_ms
+            verdict = "met" if frac >= CPU_GEMV_TARGET else "missed"
+            lines.append(f"- {r.name}: {100 * frac:.0f}% of the bandwidth floor "
+                         f"(target >= {100 * CPU_GEMV_TARGET:.0f}%): {verdict}")
+        elif r.name.startswith("bfloat16"):
+            gflops = r.flops / r.kernel_ms / 1e6
+            ok = r.kernel_ms < r.ref_ms and (" M=512 " not in r.name
+                                             or gflops >= CPU_BF16_GFLOPS_TARGET)
+            goal = (f">= {CPU_BF16_GFLOPS_TARGET:.0f} GFLOP/s and " if " M=512 " in r.name else "")
+            lines.append(f"- {r.name}: {gflops:.0f} GFLOP/s vs XLA {r.flops / r.ref_ms / 1e6:.0f} "
+                         f"(target: {goal}faster than XLA): {'met' if ok else 'missed'}")
+    return lines
 
 
 def pct(floor_ms: float, ms: float | None) -> str:
@@ -389,22 +517,28 @@ def machine() -> str:
 
 def kernel_impl(requested: str | None, platform_name: str) -> str | None:
     """The kernel to time, or None for the reference only. Forcing a kernel that cannot
-    compile here is a user error, reported before anything is timed."""
-    native = "tpu" if platform_name == "tpu" else "gpu" if platform_name in GPU_PLATFORMS else None
+    run here is a user error, reported before anything is timed."""
+    if platform_name == "tpu":
+        native_impl = "tpu"
+    elif platform_name in GPU_PLATFORMS:
+        native_impl = "gpu"
+    else:
+        native_impl = "cpu" if platform_name == "cpu" and native.available() else None
     if requested is None:
-        return native
+        return native_impl
     if requested == "none":
         return None
-    if requested != native:
-        raise SystemExit(f"--impl {requested} needs a {requested.upper()}, but JAX's device here is "
-                         f"{platform_name}: use --impl none (reference only) or run on a {requested.upper()}")
+    if requested != native_impl:
+        where = {"cpu": "a CPU where the native kernels build"}.get(requested, f"a {requested.upper()}")
+        raise SystemExit(f"--impl {requested} needs {where}, but JAX's device here is "
+                         f"{platform_name}: use --impl none (reference only) or run on {where}")
     return requested
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true", help="the full shape set on CPU too")
-    ap.add_argument("--impl", choices=["tpu", "gpu", "none"], default=None,
+    ap.add_argument("--impl", choices=["tpu", "gpu", "cpu", "none"], default=None,
                     help="kernel to time beside the reference (default: the platform's)")
     ap.add_argument("--iters", type=int, default=None, help="timed calls per row (default 10 on CPU, 20 else)")
     args = ap.parse_args()
@@ -415,18 +549,25 @@ def main() -> None:
     iters = args.iters or (10 if on_cpu else 20)
     start = time.perf_counter()
     bandwidth = measure_bandwidth()
-    # The reference computes attention in float32 (XLA:CPU's path); the kernels use bf16 dots.
+    # The reference computes attention in float32 (XLA:CPU's path, and the CPU kernel's); the
+    # accelerator kernels use bf16 dots.
     flops_dtype = jnp.float32 if on_cpu else jnp.bfloat16
     flops_rate = measure_matmul(flops_dtype, n=2048 if on_cpu else 8192)
 
     cases = attention_cases(on_cpu, args.full)
     attention = attention_rows(cases, impl, platform_name, bandwidth, flops_rate, iters)
     matmuls = matmul_rows(on_cpu, args.full, impl, bandwidth, iters)
+    dense = dense_rows(impl, bandwidth, iters)
 
     print(f"\n## kernels, {datetime.date.today().isoformat()}\n")
     print(f"- machine: {machine()}")
-    print(f"- jax {jax.__version__}, backend {platform_name}, kernel impl: {impl or 'none (reference only)'}"
-          f"{' — no compiled kernel on CPU' if on_cpu else ''}")
+    cpu_note = ""
+    if impl == "cpu":
+        cpu_note = f" (native CPU kernels, {native.isa()} path)"
+    elif on_cpu and native.unavailable_reason():
+        cpu_note = f" — native CPU kernels unavailable: {native.unavailable_reason()}"
+    print(f"- jax {jax.__version__}, backend {platform_name}, kernel impl: "
+          f"{impl or 'none (reference only)'}{cpu_note}")
     print(f"- measured memory bandwidth: {bandwidth / 1e9:.1f} GB/s; matmul rate: "
           f"{flops_rate / 1e9:.1f} GFLOP/s ({jnp.dtype(flops_dtype).name})")
     print(f"- shapes: {'full' if args.full or not on_cpu else 'CPU default (reduced; --full for all)'}; "
@@ -435,6 +576,11 @@ def main() -> None:
     print(attention_table(attention))
     print("\n### quantized matmul (bf16 activations)\n")
     print(matmul_table(matmuls))
+    print("\n### dense matmul (smollm2-135m shapes; time per call in a chain of dependent calls)\n")
+    print(dense_table(dense))
+    if impl == "cpu":
+        print("\n### CPU targets\n")
+        print("\n".join(cpu_targets(attention, dense, cases)) or "- no kernel rows ran")
     if platform_name in GPU_PLATFORMS:
         print("\n### GPU targets\n")
         print("\n".join(gpu_targets(attention, matmuls, cases)) or "- no kernel rows ran")

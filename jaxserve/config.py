@@ -20,7 +20,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DTYPES = ("bfloat16", "float32")
 # kv_cache_dtype names and the dtype each stores ("auto": the model's dtype).
 KV_CACHE_DTYPES = {"auto": None, "int8": "int8", "fp8": "float8_e4m3fn"}
-KERNEL_IMPLS = ("reference", "tpu", "gpu")
+KERNEL_IMPLS = ("reference", "tpu", "gpu", "cpu")
 QUANTIZATIONS = ("int8", "int4", "fp8")
 
 
@@ -200,9 +200,10 @@ class EngineConfig:
     `kv_cache_dtype` "auto" stores K/V in `dtype`; "int8" / "fp8" (e4m3) store them
     quantized with a float32 scale per token and head. `quantization` ("int8" | "int4" |
     "fp8") quantizes the linear layers' weights at load (embeddings, norms and the LM head
-    stay in `dtype`). `kernel_impl` picks the attention and matmul kernels ("reference" |
-    "tpu" | "gpu"; None: by platform); `interpret_kernels` runs the Pallas kernels in
-    interpret mode (for testing them on CPU). `async_scheduling` dispatches each step
+    stay in `dtype`). `kernel_impl` picks the attention and matmul kernels ("reference":
+    pure JAX / XLA dots | "tpu" | "gpu" | "cpu": the native CPU kernels; None: by
+    platform, the native ones on a CPU where they build); `interpret_kernels` runs the
+    Pallas kernels in interpret mode (for testing them on CPU). `async_scheduling` dispatches each step
     before the host has processed the previous one's tokens (see Engine.step).
     `mesh` ({"data": d, "model": m}; default one device) and `sharding` (tp, tp+sp, dp,
     dp+tp, dp+tp+sp; sharding/rules.py) place the model on devices; under data

@@ -1,22 +1,24 @@
 """Ragged paged attention: a Pallas kernel per accelerator beside the pure-JAX reference.
 
 `ragged_paged_attention(...)` validates its inputs once (work_items.AttentionInputs), then
-runs the Mosaic kernel (tpu.py) on TPU, the Pallas GPU kernel (gpu.py) on NVIDIA GPUs and
-the reference (reference.py) elsewhere; `impl` overrides the choice, and `interpret=True`
-runs a kernel on CPU (tests). Page layout and the K/V writer: kv_cache.py. Work items:
-work_items.py.
+runs the Mosaic kernel (tpu.py) on TPU, the Pallas GPU kernel (gpu.py) on NVIDIA GPUs, the
+native kernel (cpu.py, pallas_kernels/cpu) on CPUs where it builds, and the reference
+(reference.py) elsewhere, or for inputs the native kernel does not take; `impl` overrides
+the choice, and `interpret=True` runs a Pallas kernel on CPU (tests). Page layout and the
+K/V writer: kv_cache.py. Work items: work_items.py.
 """
 
 from __future__ import annotations
 
 import jax
 
+from pallas_kernels import cpu as native
 from pallas_kernels.platform import GPU_PLATFORMS, current_platform
 from pallas_kernels.ragged_paged_attention import reference
 from pallas_kernels.ragged_paged_attention.kv_cache import quantize_kv, write_kv
 from pallas_kernels.ragged_paged_attention.work_items import AttentionInputs
 
-IMPLS = ("reference", "tpu", "gpu")
+IMPLS = ("reference", "tpu", "gpu", "cpu")
 
 
 def default_impl(platform: str | None = None) -> str:
@@ -26,6 +28,8 @@ def default_impl(platform: str | None = None) -> str:
         return "tpu"
     if platform in GPU_PLATFORMS:
         return "gpu"
+    if platform == "cpu" and native.available():
+        return "cpu"
     return "reference"
 
 
@@ -44,7 +48,11 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     x = AttentionInputs.validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
                                  num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
                                  soft_cap=soft_cap, k_scales=k_scales, v_scales=v_scales)
-    impl = impl or default_impl()
+    if impl is None:
+        impl = default_impl()
+        if impl == "cpu":
+            from pallas_kernels.ragged_paged_attention import cpu
+            impl = "cpu" if cpu.supports(x) else "reference"
     if impl == "reference":
         return reference.ragged_paged_attention(x, **block_sizes)
     if impl == "tpu":
@@ -53,6 +61,9 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     if impl == "gpu":
         from pallas_kernels.ragged_paged_attention import gpu
         return gpu.ragged_paged_attention(x, interpret=interpret, **block_sizes)
+    if impl == "cpu":
+        from pallas_kernels.ragged_paged_attention import cpu
+        return cpu.ragged_paged_attention(x, **block_sizes)
     raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
 
 

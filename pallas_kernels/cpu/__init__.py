@@ -1,0 +1,148 @@
+"""Native CPU kernels: `kernels.cc`, built on first use and called through the XLA FFI.
+
+Two FFI targets for platform "cpu": `jaxserve_matmul` (float matmul, f32 or bf16) and
+`jaxserve_ragged_paged_attention`; their Python faces are `pallas_kernels/matmul/cpu.py`
+and `pallas_kernels/ragged_paged_attention/cpu.py`.
+
+The shared library is compiled with the system C++ compiler (`$CXX`, else g++, else c++)
+into `<cache root>/cpu_kernels/<key>/`, where the cache root is `$JAXSERVE_CACHE` (default
+~/.cache/jaxserve) and the key hashes the source, the flags, the jaxlib version and the
+compiler's version. The build writes a temporary file and renames it into place, so
+processes building at once never load a partial library. It compiles portable code: the
+AVX-512 / AVX2 paths are picked at run time, per call, from what the CPU reports.
+
+`available()` says whether the kernels can run here; it is False, with one logged warning
+saying why, when `JAXSERVE_CPU_KERNELS=0`, when there is no compiler, or when the build or
+the load fails. Nothing here raises into the caller. The kernels split their work over
+XLA's intra-op threads; `JAXSERVE_CPU_THREADS=N` caps how many they use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels.cc")
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
+TARGETS = {"jaxserve_matmul": "JaxserveMatmul",
+           "jaxserve_ragged_paged_attention": "JaxserveRaggedPagedAttention"}
+ISA_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}
+BUILD_TIMEOUT_S = 600
+
+_lock = threading.Lock()
+_state: dict = {}  # "lib": ctypes.CDLL, or "error": why not
+
+
+def cache_root() -> Path:
+    # The same default as jaxserve.demo.cache_root (the kernels may not import jaxserve).
+    return Path(os.environ.get("JAXSERVE_CACHE", Path.home() / ".cache" / "jaxserve"))
+
+
+def available() -> bool:
+    """Whether the native kernels are built, loaded and registered with XLA (builds them on
+    the first call)."""
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why `available()` is False (None when it is True or has not been asked yet)."""
+    return _state.get("error")
+
+
+def library_path() -> Path | None:
+    """Where the loaded library lives (None when not loaded)."""
+    return _state.get("path")
+
+
+def _load() -> ctypes.CDLL | None:
+    if "lib" in _state or "error" in _state:
+        return _state.get("lib")
+    with _lock:
+        if "lib" not in _state and "error" not in _state:
+            try:
+                _state["lib"], _state["path"] = _build_and_register()
+            except Exception as e:  # noqa: BLE001 -- building must never raise into the caller
+                _state["error"] = str(e) or type(e).__name__
+                log.warning("jaxserve native CPU kernels unavailable (the pure-JAX references "
+                            "run instead): %s", _state["error"])
+    return _state.get("lib")
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise RuntimeError("no C++ compiler ($CXX unset, no g++ or c++ on PATH)")
+    return cxx
+
+
+def _build_and_register() -> tuple[ctypes.CDLL, Path]:
+    if os.environ.get("JAXSERVE_CPU_KERNELS", "1") == "0":
+        raise RuntimeError("disabled by JAXSERVE_CPU_KERNELS=0")
+    cxx = _compiler()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
+    if version.returncode != 0:
+        raise RuntimeError(f"{cxx} --version failed: {version.stderr.strip()}")
+    import jaxlib
+
+    include = jax.ffi.include_dir()
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([
+        source, " ".join(FLAGS).encode(), jaxlib.__version__.encode(),
+        cxx.encode(), version.stdout.encode()])).hexdigest()[:20]
+    folder = cache_root() / "cpu_kernels" / key
+    path = folder / "jaxserve_cpu_kernels.so"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".build-", suffix=".so")
+        os.close(fd)
+        try:
+            cmd = [cxx, *FLAGS, f"-I{include}", str(SOURCE), "-o", tmp]
+            result = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            if result.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-4000:]}")
+            os.replace(tmp, path)  # atomic: other processes see the whole file or none
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(path))
+    lib.jaxserve_cpu_set_max_isa.argtypes = [ctypes.c_int]
+    lib.jaxserve_cpu_set_max_isa.restype = ctypes.c_int
+    lib.jaxserve_cpu_isa.restype = ctypes.c_int
+    for name, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    return lib, path
+
+
+def isa() -> str | None:
+    """The instruction-set level the kernels run at now ("scalar", "avx2", "avx512",
+    "avx512_bf16"), or None when they are unavailable."""
+    lib = _load()
+    if lib is None:
+        return None
+    level = lib.jaxserve_cpu_isa()
+    return next(name for name, value in ISA_LEVELS.items() if value == level)
+
+
+def set_max_isa(name: str) -> str:
+    """Cap the instruction-set level (tests run the AVX2 and scalar paths on an AVX-512
+    machine with this); returns the level now in force. Process-wide; takes effect on the
+    next kernel call, compiled or not."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"native CPU kernels unavailable: {unavailable_reason()}")
+    lib.jaxserve_cpu_set_max_isa(ISA_LEVELS[name])
+    return isa()
+
+
+__all__ = ["available", "cache_root", "isa", "library_path", "set_max_isa", "unavailable_reason"]

@@ -1,0 +1,2155 @@
+// Native CPU kernels for jaxserve, called from jitted JAX code through the XLA FFI.
+//
+//   jaxserve_matmul                  y_i[M, N_i] = x[M, K] @ W_i for one or more weights
+//                                    W_i [K, N_i] (or [N_i, K] with transpose_w), f32 x f32 or
+//                                    bf16 x bf16, f32 accumulation, rows >= num_rows written as
+//                                    zeros at no cost; few rows stream all weights at once.
+//   jaxserve_ragged_paged_attention  the semantics of
+//                                    pallas_kernels/ragged_paged_attention/reference.py.
+//
+// One portable .so: the code is compiled for baseline x86-64 (or whatever the compiler
+// targets), and the fast paths are functions compiled for AVX-512 (+ AVX512_BF16) or
+// AVX2+FMA with __attribute__((target)), picked at run time with __builtin_cpu_supports.
+// The generic path (plain C++ written so that the compiler vectorises it) is compiled
+// twice: once for AVX2+FMA and once for the baseline, which is also what runs on other
+// architectures.
+//
+// Threads: XLA's intra-op thread pool, reached through ffi::Ctx<ffi::ThreadPool> (a
+// persistent std::thread pool where XLA gives none; JAXSERVE_CPU_THREADS caps either). A call
+// splits its work into independent tasks handed out through an atomic counter and works on
+// them itself; helpers from the pool join in. A helper stays resident for a short while
+// after its last task (see ResidentHelper), because a parked pool thread wakes up too late
+// for the 10-100 us calls a decode step is made of.
+//
+// Matmul: M <= 6 rows is bandwidth-bound: [K, N] weights are split by rows of K over the
+// threads and streamed in memory order into per-part f32 partial sums; [N, K] weights are
+// dot products, one weight row after another. Larger M is compute-bound: each task copies a
+// 64-column strip of the weight into a panel in the micro-kernel's layout (bf16: pairs of K
+// rows interleaved for vdpbf16ps; [N, K]: transposed), then runs 6 x 64 register tiles over
+// a block of rows against it (f32 [K, N] strips are read in place).
+//
+// Attention: one task per (sequence, KV head, block of queries), largest first; keys in
+// chunks of 32, software-prefetched two chunks ahead; scores as 4 x 4 (1 x 16, 2 x 8) tiles
+// of dot products for few rows (decode; vdpbf16ps for bf16 q and pages) or from K^T for many
+// (prefill); online softmax and P.V in f32. See pallas_kernels/ragged_paged_attention/cpu.py.
+//
+// See pallas_kernels/cpu/__init__.py for how this file is built and loaded.
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define JS_X86 1
+#include <immintrin.h>
+#else
+#define JS_X86 0
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace jaxserve {
+namespace {
+
+#define JS_INLINE inline __attribute__((always_inline))
+// Fully unroll a loop of constant trip count, so that arrays of vector accumulators indexed
+// by it become registers (GCC keeps a partly unrolled array in memory, storing it every step).
+#define JS_UNROLL _Pragma("GCC unroll 32")
+#if JS_X86
+#define JS_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define JS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+#define JS_AVX512BF16 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")))
+#endif
+
+// ------------------------------------------------------------------------------------------
+// Instruction-set levels
+
+enum Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+
+int DetectIsa() {
+#if JS_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    return __builtin_cpu_supports("avx512bf16") ? kAvx512Bf16 : kAvx512;
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
+#endif
+  return kScalar;
+}
+
+std::atomic<int> g_max_isa{kAvx512Bf16};
+
+int DetectedIsa() {
+  static const int detected = DetectIsa();
+  return detected;
+}
+
+int CurrentIsa() { return std::min(DetectedIsa(), g_max_isa.load(std::memory_order_relaxed)); }
+
+// ------------------------------------------------------------------------------------------
+// Scalar conversions (exact bit manipulation; no dependence on the FPU's denormal modes)
+
+JS_INLINE float Bf16ToF32(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+JS_INLINE uint16_t F32ToBf16(float f) {  // round to nearest even, NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, S.1111.111 is
+// NaN. A table of all 256 values, built once from the definition.
+struct Fp8Table {
+  float v[256];
+  Fp8Table() {
+    for (int i = 0; i < 256; ++i) {
+      const int e = (i >> 3) & 15, m = i & 7;
+      float x;
+      if (e == 15 && m == 7) {
+        x = std::nanf("");
+      } else if (e == 0) {
+        x = std::ldexp(static_cast<float>(m), -9);
+      } else {
+        x = std::ldexp(1.0f + m / 8.0f, e - 7);
+      }
+      v[i] = (i & 0x80) ? -x : x;
+    }
+  }
+};
+
+const float* Fp8Values() {
+  static const Fp8Table table;
+  return table.v;
+}
+
+JS_INLINE int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+JS_INLINE int64_t RoundUp(int64_t a, int64_t b) { return CeilDiv(a, b) * b; }
+
+// ------------------------------------------------------------------------------------------
+// Parallel loop over XLA's intra-op pool
+
+struct ForState {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t n = 0;
+  const std::function<void(int64_t)>* fn = nullptr;  // valid while done < n
+  std::mutex mu;
+  std::condition_variable cv;
+};
+
+void RunTasks(ForState& st) {
+  int64_t finished = 0;
+  for (;;) {
+    const int64_t i = st.next.fetch_add(1, std::memory_order_relaxed);
+    if (i >= st.n) break;
+    (*st.fn)(i);
+    ++finished;
+  }
+  if (finished > 0 && st.done.fetch_add(finished, std::memory_order_acq_rel) + finished == st.n) {
+    std::lock_guard<std::mutex> lock(st.mu);
+    st.cv.notify_all();
+  }
+}
+
+// Used only where XLA hands no thread pool to the call (num_threads() == 0): a persistent
+// pool of std::threads, one per core beside the caller's, created on first use.
+class OwnPool {
+ public:
+  static OwnPool& Get() {
+    static OwnPool* pool = new OwnPool();  // never destroyed: its threads run until exit
+    return *pool;
+  }
+  int64_t threads() const { return workers_ + 1; }
+  void Schedule(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(std::move(task));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  OwnPool() {
+    workers_ = std::max<int64_t>(0, static_cast<int64_t>(std::thread::hardware_concurrency()) - 1);
+    for (int64_t i = 0; i < workers_; ++i) std::thread([this] { Loop(); }).detach();
+  }
+  void Loop() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [this] { return !queue_.empty(); });
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      task();
+    }
+  }
+  int64_t workers_ = 0;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+};
+
+// Threads a call may use: XLA's intra-op pool (or OwnPool), capped by JAXSERVE_CPU_THREADS.
+int64_t ThreadCap() {
+  static const int64_t cap = [] {
+    const char* env = std::getenv("JAXSERVE_CPU_THREADS");
+    const long v = env ? std::strtol(env, nullptr, 10) : 0;
+    return v > 0 ? static_cast<int64_t>(v) : int64_t{1} << 30;
+  }();
+  return cap;
+}
+
+// Resident helpers. A task scheduled on a parked pool thread starts tens of microseconds
+// later (a futex wake-up; measured: with one task per 20-60 us matmul, the caller ran 99% of
+// the work itself), while one step of a model is a chain of such calls. So a helper, once
+// running, stays: it works on whatever job was published last, then spins (pause) for up
+// to kResidentSpinUs waiting for the next, and only then returns its thread to the pool.
+// A call publishes its job and schedules a new helper only when fewer than threads - 1
+// are resident.
+constexpr int64_t kResidentSpinUs = 50;
+
+struct Resident {
+  std::mutex mu;
+  std::shared_ptr<ForState> job;  // the latest published job
+  std::atomic<uint64_t> generation{0};
+  std::atomic<int64_t> helpers{0};
+};
+
+Resident& Residents() {
+  static Resident* r = new Resident();  // never destroyed: helpers may outlive main()
+  return *r;
+}
+
+void ResidentHelper() {
+  Resident& r = Residents();
+  uint64_t seen = 0;
+  auto idle_since = std::chrono::steady_clock::now();
+  for (int64_t spin = 0;; ++spin) {
+    if (r.generation.load(std::memory_order_acquire) != seen) {
+      std::shared_ptr<ForState> job;
+      {
+        std::lock_guard<std::mutex> lock(r.mu);
+        job = r.job;
+        seen = r.generation.load(std::memory_order_acquire);
+      }
+      if (job) RunTasks(*job);
+      idle_since = std::chrono::steady_clock::now();
+      continue;
+    }
+    if (spin % 64 == 0 && std::chrono::steady_clock::now() - idle_since >
+                              std::chrono::microseconds(kResidentSpinUs)) {
+      r.helpers.fetch_sub(1);
+      // A job published just before the decrement may have counted on this helper.
+      if (r.generation.load() == seen) return;
+      r.helpers.fetch_add(1);
+      continue;
+    }
+#if JS_X86
+    _mm_pause();
+#endif
+  }
+}
+
+class Runner {
+ public:
+  explicit Runner(ffi::ThreadPool* pool) {
+    const int64_t n = pool ? pool->num_threads() : 0;
+    if (n > 0) {
+      pool_ = pool;
+      threads_ = n;
+    } else {
+      own_ = &OwnPool::Get();
+      threads_ = own_->threads();
+    }
+    threads_ = std::max<int64_t>(1, std::min(threads_, ThreadCap()));
+  }
+  int64_t threads() const { return threads_; }
+
+  // fn(i) for i in [0, n), each exactly once, spread over resident helpers and this thread.
+  void For(int64_t n, const std::function<void(int64_t)>& fn) const {
+    if (n <= 0) return;
+    if (n == 1 || threads_ <= 1) {
+      for (int64_t i = 0; i < n; ++i) fn(i);
+      return;
+    }
+    auto st = std::make_shared<ForState>();
+    st->n = n;
+    st->fn = &fn;
+    Resident& r = Residents();
+    {
+      std::lock_guard<std::mutex> lock(r.mu);
+      r.job = st;
+      r.generation.fetch_add(1);
+    }
+    const int64_t want = std::min<int64_t>(n - 1, threads_ - 1);
+    for (int64_t h = r.helpers.load(); h < want; h = r.helpers.load()) {
+      if (!r.helpers.compare_exchange_weak(h, h + 1)) continue;
+      if (pool_) {
+        pool_->Schedule([] { ResidentHelper(); });
+      } else {
+        own_->Schedule([] { ResidentHelper(); });
+      }
+    }
+    RunTasks(*st);
+    // Every task has been claimed; wait for those a helper is still running.
+    for (int spin = 0; spin < 20000; ++spin) {
+      if (st->done.load(std::memory_order_acquire) == n) return;
+#if JS_X86
+      _mm_pause();
+#endif
+    }
+    std::unique_lock<std::mutex> lock(st->mu);
+    st->cv.wait(lock, [&] { return st->done.load(std::memory_order_acquire) == n; });
+  }
+
+ private:
+  ffi::ThreadPool* pool_ = nullptr;
+  OwnPool* own_ = nullptr;
+  int64_t threads_ = 1;
+};
+
+// ==========================================================================================
+// Matmul
+// ==========================================================================================
+
+struct Mm {
+  const void* x;  // [M_all, K]
+  const void* w;  // [K, N] or, with trans, [N, K]
+  void* y;        // [M_all, N]
+  int64_t m;      // real rows (num_rows clamped to [0, M_all])
+  int64_t k, n;
+  bool trans;
+  bool bf16;
+};
+
+// ---------------------------------------------------------------- generic (AVX2 / scalar)
+
+template <typename T>
+JS_INLINE float ToF32(T v);
+template <>
+JS_INLINE float ToF32<float>(float v) { return v; }
+template <>
+JS_INLINE float ToF32<uint16_t>(uint16_t v) { return Bf16ToF32(v); }
+
+template <typename T>
+JS_INLINE T FromF32(float v);
+template <>
+JS_INLINE float FromF32<float>(float v) { return v; }
+template <>
+JS_INLINE uint16_t FromF32<uint16_t>(float v) { return F32ToBf16(v); }
+
+constexpr int64_t kGenericCols = 16;  // KN: columns per task
+constexpr int64_t kGenericRows = 4;   // NK: weight rows per task
+
+// KN: one task is a tile of 16 output columns for all rows, 4 rows at a time.
+template <typename T>
+JS_INLINE void GenericKnTask(const Mm& a, int64_t task) {
+  const T* x = static_cast<const T*>(a.x);
+  const T* w = static_cast<const T*>(a.w);
+  T* y = static_cast<T*>(a.y);
+  const int64_t n0 = task * kGenericCols, nc = std::min(kGenericCols, a.n - n0);
+  for (int64_t m0 = 0; m0 < a.m; m0 += 4) {
+    const int64_t mr = std::min<int64_t>(4, a.m - m0);
+    float acc[4][kGenericCols] = {};
+    for (int64_t k = 0; k < a.k; ++k) {
+      float wf[kGenericCols];
+      const T* wk = w + k * a.n + n0;
+      if (nc == kGenericCols) {
+        for (int c = 0; c < kGenericCols; ++c) wf[c] = ToF32<T>(wk[c]);
+      } else {
+        for (int c = 0; c < kGenericCols; ++c) wf[c] = c < nc ? ToF32<T>(wk[c]) : 0.0f;
+      }
+      float xr[4];
+      for (int r = 0; r < 4; ++r) xr[r] = r < mr ? ToF32<T>(x[(m0 + r) * a.k + k]) : 0.0f;
+      for (int r = 0; r < 4; ++r)
+        for (int c = 0; c < kGenericCols; ++c) acc[r][c] += xr[r] * wf[c];
+    }
+    for (int64_t r = 0; r < mr; ++r)
+      for (int64_t c = 0; c < nc; ++c) y[(m0 + r) * a.n + n0 + c] = FromF32<T>(acc[r][c]);
+  }
+}
+
+// NK: one task is 4 weight rows (output columns) for all rows; dot products in 16 lanes.
+template <typename T>
+JS_INLINE void GenericNkTask(const Mm& a, int64_t task) {
+  const T* x = static_cast<const T*>(a.x);
+  const T* w = static_cast<const T*>(a.w);
+  T* y = static_cast<T*>(a.y);
+  const int64_t n0 = task * kGenericRows, nt = std::min(kGenericRows, a.n - n0);
+  const int64_t k16 = a.k / 16 * 16;
+  for (int64_t m = 0; m < a.m; ++m) {
+    const T* xm = x + m * a.k;
+    for (int64_t t = 0; t < nt; ++t) {
+      const T* wn = w + (n0 + t) * a.k;
+      float part[16] = {};
+      for (int64_t k = 0; k < k16; k += 16)
+        for (int l = 0; l < 16; ++l) part[l] += ToF32<T>(xm[k + l]) * ToF32<T>(wn[k + l]);
+      for (int64_t k = k16; k < a.k; ++k) part[k - k16] += ToF32<T>(xm[k]) * ToF32<T>(wn[k]);
+      float s = 0.0f;
+      for (int l = 0; l < 16; ++l) s += part[l];
+      y[m * a.n + n0 + t] = FromF32<T>(s);
+    }
+  }
+}
+
+JS_INLINE int64_t GenericTasks(const Mm& a) {
+  return a.trans ? CeilDiv(a.n, kGenericRows) : CeilDiv(a.n, kGenericCols);
+}
+
+JS_INLINE void GenericMatmulTask(const Mm& a, int64_t task) {
+  if (a.bf16) {
+    a.trans ? GenericNkTask<uint16_t>(a, task) : GenericKnTask<uint16_t>(a, task);
+  } else {
+    a.trans ? GenericNkTask<float>(a, task) : GenericKnTask<float>(a, task);
+  }
+}
+
+void ScalarMatmulTask(const Mm& a, int64_t task) { GenericMatmulTask(a, task); }
+#if JS_X86
+JS_AVX2 void Avx2MatmulTask(const Mm& a, int64_t task) { GenericMatmulTask(a, task); }
+#endif
+
+void GenericMatmul(const Runner& run, const Mm& a, int isa) {
+#if JS_X86
+  if (isa >= kAvx2) {
+    run.For(GenericTasks(a), [&](int64_t i) { Avx2MatmulTask(a, i); });
+    return;
+  }
+#endif
+  (void)isa;
+  run.For(GenericTasks(a), [&](int64_t i) { ScalarMatmulTask(a, i); });
+}
+
+#if JS_X86
+// ---------------------------------------------------------------- AVX-512 helpers
+
+// 16 vectors -> one vector whose lane i is the sum of the lanes of v[i].
+JS_AVX512 JS_INLINE __m512 Reduce16(const __m512* v) {
+  __m512 s1[8];
+  JS_UNROLL for (int i = 0; i < 8; ++i)
+    s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                          _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  __m512 s2[4];
+  JS_UNROLL for (int i = 0; i < 4; ++i)
+    s2[i] = _mm512_add_ps(_mm512_shuffle_ps(s1[2 * i], s1[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                          _mm512_shuffle_ps(s1[2 * i], s1[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 s3[2];
+  JS_UNROLL for (int i = 0; i < 2; ++i)
+    s3[i] = _mm512_add_ps(
+        _mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+        _mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+JS_AVX512 JS_INLINE __mmask16 Mask16(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xffff)
+                 : n <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+JS_AVX512 JS_INLINE __mmask32 Mask32(int64_t n) {
+  return n >= 32 ? static_cast<__mmask32>(0xffffffffu)
+                 : n <= 0 ? static_cast<__mmask32>(0) : static_cast<__mmask32>((1u << n) - 1);
+}
+
+// bf16 <-> f32 without AVX512_BF16 (round to nearest even, NaN kept).
+JS_AVX512 JS_INLINE __m512 LoadBf16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+JS_AVX512 JS_INLINE __m256i F32ToBf16x16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// ---------------------------------------------------------------- AVX-512 f32 matmul
+
+constexpr int64_t kTileCols = 64;  // KN micro-tile width (4 vectors of 16 f32 / 2 of 32 bf16)
+constexpr int kMaxTileRows = 6;     // KN micro-tile height
+// Software prefetch distance of a stream of weight rows: about 4 KiB ahead, enough bytes in
+// flight to cover the memory latency at full bandwidth.
+constexpr int64_t kPrefetchBytes = 4096;
+
+// y[0:MR, 0:nc] = x[0:MR, :] @ w[:, 0:nc], nc <= 64; x row stride ldx, w row stride ldw.
+template <int MR>
+JS_AVX512 void F32KnTile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K,
+                         int64_t nc, float* y, int64_t ldy) {
+  __mmask16 mask[4];
+  JS_UNROLL for (int v = 0; v < 4; ++v) mask[v] = Mask16(nc - 16 * v);
+  __m512 acc[MR][4];
+  JS_UNROLL for (int r = 0; r < MR; ++r)
+    JS_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+  const int64_t ahead = kPrefetchBytes / 256 * ldw;  // 256 bytes of each row per step
+  int64_t k = 0;
+  do {  // K >= 1; a do-while keeps GCC from spilling acc every iteration
+    const float* wk = w + k * ldw;
+    const char* pf = reinterpret_cast<const char*>(wk + ahead);
+    _mm_prefetch(pf, _MM_HINT_T0);
+    _mm_prefetch(pf + 64, _MM_HINT_T0);
+    _mm_prefetch(pf + 128, _MM_HINT_T0);
+    _mm_prefetch(pf + 192, _MM_HINT_T0);
+    __m512 b[4];
+    JS_UNROLL for (int v = 0; v < 4; ++v) b[v] = _mm512_maskz_loadu_ps(mask[v], wk + 16 * v);
+    JS_UNROLL for (int r = 0; r < MR; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+      JS_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(xv, b[v], acc[r][v]);
+    }
+  } while (++k < K);
+  JS_UNROLL for (int r = 0; r < MR; ++r)
+    JS_UNROLL for (int v = 0; v < 4; ++v)
+      _mm512_mask_storeu_ps(y + r * ldy + 16 * v, mask[v], acc[r][v]);
+}
+
+// MR x NT dot products (MR * NT = 16): y[r, t] = x[r, :] . w[t, :] for MR rows of x and NT
+// rows of w (given as pointers; duplicates for rows past the end), stored where r < mr and
+// t < nt. Each step prefetches the lines the same step of the next tile will read (the
+// next NT rows of w, contiguous with these).
+template <int MR, int NT>
+JS_AVX512 void F32NkTile(const float* const* xr, const float* const* wr, int64_t K, int64_t mr,
+                         int64_t nt, float* y, int64_t ldy) {
+  static_assert(MR * NT == 16, "16 dot products per tile");
+  __m512 acc[16];
+  const int64_t next = NT * K;
+  if constexpr (MR == 1) {
+    // One row of x: walk the weight rows one after another (sequential reads).
+    JS_UNROLL for (int t = 0; t < NT; ++t) {
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+      int64_t k = 0;
+      for (; k + 32 <= K; k += 32) {
+        _mm_prefetch(reinterpret_cast<const char*>(wr[t] + k) + kPrefetchBytes, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wr[t] + k + 16) + kPrefetchBytes, _MM_HINT_T0);
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(xr[0] + k), _mm512_loadu_ps(wr[t] + k), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(xr[0] + k + 16), _mm512_loadu_ps(wr[t] + k + 16), a1);
+      }
+      for (; k < K; k += 16) {
+        const __mmask16 m = Mask16(K - k);
+        a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, xr[0] + k),
+                             _mm512_maskz_loadu_ps(m, wr[t] + k), a0);
+      }
+      acc[t] = _mm512_add_ps(a0, a1);
+    }
+  } else {
+    JS_UNROLL for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    int64_t k = 0;
+    do {  // K >= 1; the last step masked
+      const __mmask16 m = Mask16(K - k);
+      JS_UNROLL for (int t = 0; t < NT; ++t)
+        _mm_prefetch(reinterpret_cast<const char*>(wr[t] + next + k), _MM_HINT_T0);
+      JS_UNROLL for (int r = 0; r < MR; ++r) {
+        const __m512 xv = _mm512_maskz_loadu_ps(m, xr[r] + k);
+        JS_UNROLL for (int t = 0; t < NT; ++t)
+          acc[NT * r + t] =
+              _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(m, wr[t] + k), acc[NT * r + t]);
+      }
+      k += 16;
+    } while (k < K);
+  }
+  alignas(64) float out[16];
+  _mm512_store_ps(out, Reduce16(acc));
+  for (int64_t r = 0; r < mr; ++r)
+    for (int64_t t = 0; t < nt; ++t) y[r * ldy + t] = out[NT * r + t];
+}
+
+// ---------------------------------------------------------------- AVX-512 bf16 matmul
+
+JS_INLINE int32_t Load32(const uint16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+
+template <int MR, int NT>  // as F32NkTile, 32 bf16 per step
+JS_AVX512BF16 void Bf16NkTile(const uint16_t* const* xr, const uint16_t* const* wr, int64_t K,
+                              int64_t mr, int64_t nt, uint16_t* y, int64_t ldy) {
+  static_assert(MR * NT == 16, "16 dot products per tile");
+  __m512 acc[16];
+  const int64_t next = NT * K;
+  if constexpr (MR == 1) {
+    // One row of x: walk the weight rows one after another (sequential reads).
+    JS_UNROLL for (int t = 0; t < NT; ++t) {
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+      int64_t k = 0;
+      for (; k + 64 <= K; k += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(wr[t] + k) + kPrefetchBytes, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wr[t] + k + 32) + kPrefetchBytes, _MM_HINT_T0);
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(xr[0] + k),
+                              (__m512bh)_mm512_loadu_si512(wr[t] + k));
+        a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(xr[0] + k + 32),
+                              (__m512bh)_mm512_loadu_si512(wr[t] + k + 32));
+      }
+      for (; k < K; k += 32) {
+        const __mmask32 m = Mask32(K - k);
+        _mm_prefetch(reinterpret_cast<const char*>(wr[t] + k) + kPrefetchBytes, _MM_HINT_T0);
+        a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(m, xr[0] + k),
+                              (__m512bh)_mm512_maskz_loadu_epi16(m, wr[t] + k));
+      }
+      acc[t] = _mm512_add_ps(a0, a1);
+    }
+  } else {
+    JS_UNROLL for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    int64_t k = 0;
+    do {  // K >= 1; the last step masked
+      const __mmask32 m = Mask32(K - k);
+      JS_UNROLL for (int t = 0; t < NT; ++t)
+        _mm_prefetch(reinterpret_cast<const char*>(wr[t] + next + k), _MM_HINT_T0);
+      JS_UNROLL for (int r = 0; r < MR; ++r) {
+        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, xr[r] + k);
+        JS_UNROLL for (int t = 0; t < NT; ++t)
+          acc[NT * r + t] = _mm512_dpbf16_ps(acc[NT * r + t], xv,
+                                             (__m512bh)_mm512_maskz_loadu_epi16(m, wr[t] + k));
+      }
+      k += 32;
+    } while (k < K);
+  }
+  alignas(64) float out[16];
+  _mm512_store_ps(out, Reduce16(acc));
+  for (int64_t r = 0; r < mr; ++r)
+    for (int64_t t = 0; t < nt; ++t) y[r * ldy + t] = F32ToBf16(out[NT * r + t]);
+}
+
+// ---------------------------------------------------------------- AVX-512 few-row KN
+
+// Few rows of x (M <= 6) against w [K, N]: memory-bound, so w is read in its memory order.
+// A task takes a range of w's rows and walks them `kKnBlockRows` at a time across all N
+// columns, adding into its own float32 partial sums P [M, Np] (Np = N rounded up to 64),
+// kept in the tiles' register layout; KnFinish adds the tasks' partials and stores y.
+constexpr int64_t kKnBlockRows = 4;
+
+template <int MR>
+JS_AVX512 void F32KnRows(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t kb,
+                         int64_t N, float* P, int64_t ldp, bool first) {
+  // Rows ahead, same columns: the next block, or ~4 KiB on for narrow rows.
+  const int64_t ahead = std::max<int64_t>(kb, CeilDiv(kPrefetchBytes, ldw * 4)) * ldw;
+  for (int64_t n0 = 0; n0 < N; n0 += 64) {
+    __mmask16 mask[4];
+    JS_UNROLL for (int v = 0; v < 4; ++v) mask[v] = Mask16(N - n0 - 16 * v);
+    __m512 acc[MR][4];
+    JS_UNROLL for (int r = 0; r < MR; ++r)
+      JS_UNROLL for (int v = 0; v < 4; ++v)
+        acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(P + r * ldp + n0 + 16 * v);
+    for (int64_t k = 0; k < kb; ++k) {
+      const float* wk = w + k * ldw + n0;
+      const char* pf = reinterpret_cast<const char*>(wk + ahead);
+      JS_UNROLL for (int l = 0; l < 4; ++l) _mm_prefetch(pf + 64 * l, _MM_HINT_T0);
+      __m512 b[4];
+      JS_UNROLL for (int v = 0; v < 4; ++v) b[v] = _mm512_maskz_loadu_ps(mask[v], wk + 16 * v);
+      JS_UNROLL for (int r = 0; r < MR; ++r) {
+        const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+        JS_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(xv, b[v], acc[r][v]);
+      }
+    }
+    JS_UNROLL for (int r = 0; r < MR; ++r)
+      JS_UNROLL for (int v = 0; v < 4; ++v) _mm512_storeu_ps(P + r * ldp + n0 + 16 * v, acc[r][v]);
+  }
+}
+
+template <int MR>
+JS_AVX512BF16 void Bf16KnRows(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw,
+                              int64_t kb, int64_t N, float* P, int64_t ldp, bool first) {
+  // Rows ahead, same columns: the next block, or ~4 KiB on for narrow rows.
+  const int64_t ahead = std::max<int64_t>(kb, CeilDiv(kPrefetchBytes, ldw * 2)) * ldw;
+  for (int64_t n0 = 0; n0 < N; n0 += 64) {
+    const __mmask32 m0 = Mask32(N - n0), m1 = Mask32(N - n0 - 32);
+    __m512 acc[MR][4];
+    JS_UNROLL for (int r = 0; r < MR; ++r)
+      JS_UNROLL for (int v = 0; v < 4; ++v)
+        acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(P + r * ldp + n0 + 16 * v);
+    int64_t k = 0;
+    for (; k + 1 < kb; k += 2) {
+      const uint16_t* w0 = w + k * ldw + n0;
+      const uint16_t* w1 = w0 + ldw;
+      const char* pf = reinterpret_cast<const char*>(w0 + ahead);
+      _mm_prefetch(pf, _MM_HINT_T0);
+      _mm_prefetch(pf + 64, _MM_HINT_T0);
+      _mm_prefetch(pf + 2 * ldw, _MM_HINT_T0);
+      _mm_prefetch(pf + 2 * ldw + 64, _MM_HINT_T0);
+      const __m512i a0 = _mm512_maskz_loadu_epi16(m0, w0), a1 = _mm512_maskz_loadu_epi16(m0, w1);
+      const __m512i c0 = _mm512_maskz_loadu_epi16(m1, w0 + 32);
+      const __m512i c1 = _mm512_maskz_loadu_epi16(m1, w1 + 32);
+      const __m512bh b0 = (__m512bh)_mm512_unpacklo_epi16(a0, a1);
+      const __m512bh b1 = (__m512bh)_mm512_unpackhi_epi16(a0, a1);
+      const __m512bh b2 = (__m512bh)_mm512_unpacklo_epi16(c0, c1);
+      const __m512bh b3 = (__m512bh)_mm512_unpackhi_epi16(c0, c1);
+      JS_UNROLL for (int r = 0; r < MR; ++r) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(Load32(x + r * ldx + k));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, b0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, b1);
+        acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xv, b2);
+        acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xv, b3);
+      }
+    }
+    if (k < kb) {  // odd row count (only at the end of K): the last row pairs with zeros
+      const __m512i zero = _mm512_setzero_si512();
+      const uint16_t* w0 = w + k * ldw + n0;
+      const __m512i a0 = _mm512_maskz_loadu_epi16(m0, w0);
+      const __m512i c0 = _mm512_maskz_loadu_epi16(m1, w0 + 32);
+      const __m512bh b0 = (__m512bh)_mm512_unpacklo_epi16(a0, zero);
+      const __m512bh b1 = (__m512bh)_mm512_unpackhi_epi16(a0, zero);
+      const __m512bh b2 = (__m512bh)_mm512_unpacklo_epi16(c0, zero);
+      const __m512bh b3 = (__m512bh)_mm512_unpackhi_epi16(c0, zero);
+      JS_UNROLL for (int r = 0; r < MR; ++r) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(x[r * ldx + k]));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, b0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, b1);
+        acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xv, b2);
+        acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xv, b3);
+      }
+    }
+    JS_UNROLL for (int r = 0; r < MR; ++r)
+      JS_UNROLL for (int v = 0; v < 4; ++v) _mm512_storeu_ps(P + r * ldp + n0 + 16 * v, acc[r][v]);
+  }
+}
+
+// y[m, n0:n0+64] = sum over parts of P_part[m, n0:n0+64], un-permuting the bf16 layout.
+template <typename T>
+JS_AVX512 void KnFinish(const float* P, int64_t parts, int64_t part_stride, int64_t m,
+                        int64_t ldp, int64_t n0, int64_t N, T* y) {
+  const __m512i idx0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i idx1 =
+      _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t r = 0; r < m; ++r) {
+    __m512 v[4];
+    JS_UNROLL for (int i = 0; i < 4; ++i) v[i] = _mm512_loadu_ps(P + r * ldp + n0 + 16 * i);
+    for (int64_t p = 1; p < parts; ++p)
+      JS_UNROLL for (int i = 0; i < 4; ++i)
+        v[i] = _mm512_add_ps(v[i], _mm512_loadu_ps(P + p * part_stride + r * ldp + n0 + 16 * i));
+    T* dst = y + r * N + n0;
+    if constexpr (sizeof(T) == 4) {
+      JS_UNROLL for (int i = 0; i < 4; ++i)
+        _mm512_mask_storeu_ps(dst + 16 * i, Mask16(N - n0 - 16 * i), v[i]);
+    } else {
+      JS_UNROLL for (int g = 0; g < 2; ++g) {
+        const __m512 o0 = _mm512_permutex2var_ps(v[2 * g], idx0, v[2 * g + 1]);
+        const __m512 o1 = _mm512_permutex2var_ps(v[2 * g], idx1, v[2 * g + 1]);
+        _mm256_mask_storeu_epi16(dst + 32 * g, Mask16(N - n0 - 32 * g), F32ToBf16x16(o0));
+        _mm256_mask_storeu_epi16(dst + 32 * g + 16, Mask16(N - n0 - 32 * g - 16),
+                                 F32ToBf16x16(o1));
+      }
+    }
+  }
+}
+
+template <typename T>
+void KnRowsDispatch(const T* x, int64_t ldx, const T* w, int64_t ldw, int64_t kb, int64_t N,
+                    float* P, int64_t ldp, bool first, int64_t mr) {
+  if constexpr (sizeof(T) == 4) {
+    switch (mr) {
+      case 1: return F32KnRows<1>(x, ldx, w, ldw, kb, N, P, ldp, first);
+      case 2: return F32KnRows<2>(x, ldx, w, ldw, kb, N, P, ldp, first);
+      case 3: return F32KnRows<3>(x, ldx, w, ldw, kb, N, P, ldp, first);
+      case 4: return F32KnRows<4>(x, ldx, w, ldw, kb, N, P, ldp, first);
+      case 5: return F32KnRows<5>(x, ldx, w, ldw, kb, N, P, ldp, first);
+      default: return F32KnRows<6>(x, ldx, w, ldw, kb, N, P, ldp, first);
+    }
+  } else {
+    switch (mr) {
+      case 1: return Bf16KnRows<1>(x, ldx, w, ldw, kb, N, P, ldp, first);
+      case 2: return Bf16KnRows<2>(x, ldx, w, ldw, kb, N, P, ldp, first);
+      case 3: return Bf16KnRows<3>(x, ldx, w, ldw, kb, N, P, ldp, first);
+      case 4: return Bf16KnRows<4>(x, ldx, w, ldw, kb, N, P, ldp, first);
+      case 5: return Bf16KnRows<5>(x, ldx, w, ldw, kb, N, P, ldp, first);
+      default: return Bf16KnRows<6>(x, ldx, w, ldw, kb, N, P, ldp, first);
+    }
+  }
+}
+
+// Several [K, N_i] weights against the same few rows of x (q/k/v, gate/up): each weight is
+// split by rows of K into parts, and the parts of all of them are one parallel loop, so a
+// small weight (a k/v projection) shares the call's start-up instead of paying its own.
+template <typename T>
+void FewRowsKn(const Runner& run, const Mm* as, int64_t count) {
+  struct Part {
+    const Mm* a;
+    int64_t k0, k1;
+    float* P;  // this part's [m, ldp] partial sums
+  };
+  // Parts of K (an even number of rows each): two per thread (each part starts a cold
+  // stream, so fewer are faster; two still balance a helper that starts late), >= 32 rows.
+  // The calling thread's buffers, bound by reference: inside the lambda a thread_local
+  // name would mean the worker's own (empty) one.
+  thread_local std::vector<Part> caller_parts;
+  thread_local std::vector<float> caller_partials;  // every part writes its own slice
+  std::vector<Part>& parts = caller_parts;
+  std::vector<float>& partials = caller_partials;
+  parts.clear();
+  size_t need = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const Mm& a = as[i];
+    const int64_t n = std::clamp<int64_t>(a.k / 32, 1, 2 * run.threads());
+    const int64_t rows = RoundUp(CeilDiv(a.k, n), 2);
+    for (int64_t k0 = 0; k0 < a.k; k0 += rows) {
+      parts.push_back({&a, k0, std::min(a.k, k0 + rows), reinterpret_cast<float*>(need)});
+      need += static_cast<size_t>(a.m * RoundUp(a.n, 64));
+    }
+  }
+  if (partials.size() < need) partials.resize(need);
+  for (Part& part : parts) part.P = partials.data() + reinterpret_cast<size_t>(part.P);
+  run.For(static_cast<int64_t>(parts.size()), [&](int64_t p) {
+    const Part& part = parts[p];
+    const Mm& a = *part.a;
+    const T* x = static_cast<const T*>(a.x);
+    const T* w = static_cast<const T*>(a.w);
+    // The part's rows are contiguous: start its stream with a burst (the row blocks then
+    // prefetch one block ahead as they go).
+    const char* start = reinterpret_cast<const char*>(w + part.k0 * a.n);
+    const int64_t burst =
+        std::min<int64_t>(kPrefetchBytes, (part.k1 - part.k0) * a.n * sizeof(T));
+    for (int64_t b = 0; b < burst; b += 64) _mm_prefetch(start + b, _MM_HINT_T0);
+    for (int64_t k = part.k0; k < part.k1; k += kKnBlockRows) {
+      KnRowsDispatch<T>(x + k, a.k, w + k * a.n, a.n, std::min(kKnBlockRows, part.k1 - k), a.n,
+                        part.P, RoundUp(a.n, 64), k == part.k0, a.m);
+    }
+  });
+  // Each weight's sum over its parts: M x N x parts floats, small next to w; on this thread
+  // (no second wake-up). A weight's parts are consecutive, evenly spaced in `partials`.
+  for (size_t first = 0; first < parts.size();) {
+    const Mm& a = *parts[first].a;
+    size_t last = first;
+    while (last < parts.size() && parts[last].a == &a) ++last;
+    const int64_t ldp = RoundUp(a.n, 64);
+    for (int64_t n0 = 0; n0 < a.n; n0 += 64)
+      KnFinish<T>(parts[first].P, static_cast<int64_t>(last - first), a.m * ldp, a.m, ldp, n0,
+                  a.n, static_cast<T*>(a.y));
+    first = last;
+  }
+}
+
+// ---------------------------------------------------------------- AVX-512 packed panels
+
+// Many rows of x (compute-bound): a task copies a 64-column strip of w once into a panel
+// laid out for its micro-kernel, then runs every row of its block against it from L1/L2.
+//   bf16: panel[p][c] = (w[2p, c], w[2p+1, c]) as one 32-bit pair (0 past K), 64 columns:
+//         one 256-byte row of pairs per pair of k, loaded straight into vdpbf16ps.
+//   f32 ([N, K] layout only; [K, N] strips are read in place): panel[k][c] = w[c, k].
+constexpr int64_t kPanelCols = 64;
+
+// dst[j * ldd + i] = src[i * lds + j] for i < 16 (rows past nrows read as 0), j < ncols.
+JS_AVX512 JS_INLINE void Transpose16(const uint32_t* src, int64_t lds, int64_t nrows,
+                                     int64_t ncols, uint32_t* dst, int64_t ldd) {
+  const __mmask16 m = Mask16(ncols);
+  __m512i r[16];
+  JS_UNROLL for (int i = 0; i < 16; ++i)
+    r[i] = i < nrows ? _mm512_maskz_loadu_epi32(m, src + i * lds) : _mm512_setzero_si512();
+  __m512i t[16], u[16];
+  JS_UNROLL for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  JS_UNROLL for (int i = 0; i < 4; ++i) {
+    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // u[4i + j], 128-bit lane L: rows 4i..4i+3 of column 4L + j.
+  __m512i out[16];
+  JS_UNROLL for (int j = 0; j < 4; ++j) {
+    const __m512i s0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88);
+    const __m512i s1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xdd);
+    const __m512i s2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+    const __m512i s3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xdd);
+    out[j] = _mm512_shuffle_i32x4(s0, s2, 0x88);
+    out[j + 8] = _mm512_shuffle_i32x4(s0, s2, 0xdd);
+    out[j + 4] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+    out[j + 12] = _mm512_shuffle_i32x4(s1, s3, 0xdd);
+  }
+  JS_UNROLL for (int j = 0; j < 16; ++j)
+    if (j < ncols) _mm512_storeu_si512(dst + j * ldd, out[j]);
+}
+
+// Columns [n0, n0 + nc) of w as a panel (see above); units: 32-bit pairs for bf16, f32.
+JS_AVX512 void PackPanel(const Mm& a, int64_t n0, int64_t nc, void* panel) {
+  uint32_t* dst = static_cast<uint32_t*>(panel);
+  if (a.trans) {
+    // Rows n0.. of w [N, K] hold the panel's columns: a 32-bit transpose (bf16: of pairs).
+    const int64_t units = a.bf16 ? a.k / 2 : a.k;  // whole pairs / floats per row
+    const int64_t lds_bytes = a.k * (a.bf16 ? 2 : 4);
+    const char* base = static_cast<const char*>(a.w) + n0 * lds_bytes;
+    for (int64_t c0 = 0; c0 < kPanelCols; c0 += 16) {
+      for (int64_t k0 = 0; k0 < units; k0 += 16) {
+        // Rows of w start on 2-byte boundaries for odd K: index as 32-bit from each row.
+        const int64_t nrows = std::clamp<int64_t>(nc - c0, 0, 16);
+        uint32_t tmp_rows[16 * 16];
+        const uint32_t* src;
+        int64_t lds;
+        if (a.bf16 && (a.k & 1)) {  // odd K: copy the rows' pairs to an aligned scratch
+          for (int64_t i = 0; i < nrows; ++i)
+            std::memcpy(tmp_rows + i * 16, base + (c0 + i) * lds_bytes + k0 * 4,
+                        static_cast<size_t>(std::min<int64_t>(16, units - k0)) * 4);
+          src = tmp_rows;
+          lds = 16;
+        } else {
+          src = reinterpret_cast<const uint32_t*>(base + c0 * lds_bytes) + k0;
+          lds = lds_bytes / 4;
+        }
+        for (int64_t i = 0; i < nrows; ++i)  // the same rows 4 blocks on
+          _mm_prefetch(base + (c0 + i) * lds_bytes + (k0 + 64) * 4, _MM_HINT_T0);
+        Transpose16(src, lds, nrows, std::min<int64_t>(16, units - k0), dst + k0 * kPanelCols + c0,
+                    kPanelCols);
+      }
+    }
+    if (a.bf16 && (a.k & 1)) {  // the last k pairs with zero
+      const uint16_t* w = static_cast<const uint16_t*>(a.w);
+      for (int64_t c = 0; c < kPanelCols; ++c)
+        dst[units * kPanelCols + c] = c < nc ? w[(n0 + c) * a.k + a.k - 1] : 0;
+    }
+    return;
+  }
+  // bf16 [K, N]: interleave rows 2p and 2p + 1 (64 columns) in column order.
+  const uint16_t* w = static_cast<const uint16_t*>(a.w);
+  __m512i lo_idx, hi_idx;
+  {
+    alignas(64) uint16_t lo[32], hi[32];
+    for (int i = 0; i < 16; ++i) {
+      lo[2 * i] = i;
+      lo[2 * i + 1] = 32 + i;
+      hi[2 * i] = 16 + i;
+      hi[2 * i + 1] = 48 + i;
+    }
+    lo_idx = _mm512_load_si512(lo);
+    hi_idx = _mm512_load_si512(hi);
+  }
+  const __mmask32 m0 = Mask32(nc), m1 = Mask32(nc - 32);
+  for (int64_t k = 0; k < a.k; k += 2) {
+    const uint16_t* r0 = w + k * a.n + n0;
+    const bool pair = k + 1 < a.k;
+    const char* pf = reinterpret_cast<const char*>(r0 + (kPrefetchBytes / 128) * a.n);
+    _mm_prefetch(pf, _MM_HINT_T0);
+    _mm_prefetch(pf + 64, _MM_HINT_T0);
+    _mm_prefetch(pf + 2 * a.n, _MM_HINT_T0);
+    _mm_prefetch(pf + 2 * a.n + 64, _MM_HINT_T0);
+    const __m512i a0 = _mm512_maskz_loadu_epi16(m0, r0);
+    const __m512i a1 = _mm512_maskz_loadu_epi16(m1, r0 + 32);
+    const __m512i b0 = _mm512_maskz_loadu_epi16(pair ? m0 : 0, r0 + a.n);
+    const __m512i b1 = _mm512_maskz_loadu_epi16(pair ? m1 : 0, r0 + a.n + 32);
+    uint32_t* d = dst + (k / 2) * kPanelCols;
+    _mm512_storeu_si512(d, _mm512_permutex2var_epi16(a0, lo_idx, b0));
+    _mm512_storeu_si512(d + 16, _mm512_permutex2var_epi16(a0, hi_idx, b0));
+    _mm512_storeu_si512(d + 32, _mm512_permutex2var_epi16(a1, lo_idx, b1));
+    _mm512_storeu_si512(d + 48, _mm512_permutex2var_epi16(a1, hi_idx, b1));
+  }
+}
+
+// y[0:MR, 0:nc] = x[0:MR, :] @ (packed bf16 panel), nc <= 64.
+template <int MR>
+JS_AVX512BF16 void Bf16PanelTile(const uint16_t* x, int64_t ldx, const uint32_t* panel,
+                                 int64_t K, int64_t nc, uint16_t* y, int64_t ldy) {
+  __m512 acc[MR][4];
+  JS_UNROLL for (int r = 0; r < MR; ++r)
+    JS_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+  const int64_t pairs = K / 2;
+  int64_t p = 0;
+  if (pairs > 0) {
+    do {  // a do-while keeps acc in registers
+      const uint32_t* b = panel + p * kPanelCols;
+      __m512bh bv[4];
+      JS_UNROLL for (int v = 0; v < 4; ++v) bv[v] = (__m512bh)_mm512_loadu_si512(b + 16 * v);
+      JS_UNROLL for (int r = 0; r < MR; ++r) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(Load32(x + r * ldx + 2 * p));
+        JS_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, bv[v]);
+      }
+    } while (++p < pairs);
+  }
+  if (K & 1) {  // the panel's last pair is (w[K-1], 0)
+    const uint32_t* b = panel + pairs * kPanelCols;
+    JS_UNROLL for (int r = 0; r < MR; ++r) {
+      const __m512bh xv =
+          (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(x[r * ldx + K - 1]));
+      JS_UNROLL for (int v = 0; v < 4; ++v)
+        acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, (__m512bh)_mm512_loadu_si512(b + 16 * v));
+    }
+  }
+  JS_UNROLL for (int r = 0; r < MR; ++r)
+    JS_UNROLL for (int v = 0; v < 4; ++v)
+      _mm256_mask_storeu_epi16(y + r * ldy + 16 * v, Mask16(nc - 16 * v),
+                               (__m256i)_mm512_cvtneps_pbh(acc[r][v]));
+}
+
+template <typename T>
+void PanelRows(const Mm& a, const void* panel, int64_t m0, int64_t rows, int64_t n0,
+               int64_t nc) {
+  const T* x = static_cast<const T*>(a.x);
+  T* y = static_cast<T*>(a.y);
+  for (int64_t r = 0; r < rows; r += kMaxTileRows) {
+    const int64_t mr = std::min<int64_t>(kMaxTileRows, rows - r);
+    const T* xr = x + (m0 + r) * a.k;
+    T* yr = y + (m0 + r) * a.n + n0;
+    if constexpr (sizeof(T) == 4) {
+      const float* pw = static_cast<const float*>(panel);
+      switch (mr) {
+        case 1: F32KnTile<1>(xr, a.k, pw, kPanelCols, a.k, nc, yr, a.n); break;
+        case 2: F32KnTile<2>(xr, a.k, pw, kPanelCols, a.k, nc, yr, a.n); break;
+        case 3: F32KnTile<3>(xr, a.k, pw, kPanelCols, a.k, nc, yr, a.n); break;
+        case 4: F32KnTile<4>(xr, a.k, pw, kPanelCols, a.k, nc, yr, a.n); break;
+        case 5: F32KnTile<5>(xr, a.k, pw, kPanelCols, a.k, nc, yr, a.n); break;
+        default: F32KnTile<6>(xr, a.k, pw, kPanelCols, a.k, nc, yr, a.n); break;
+      }
+    } else {
+      const uint32_t* pw = static_cast<const uint32_t*>(panel);
+      switch (mr) {
+        case 1: Bf16PanelTile<1>(xr, a.k, pw, a.k, nc, yr, a.n); break;
+        case 2: Bf16PanelTile<2>(xr, a.k, pw, a.k, nc, yr, a.n); break;
+        case 3: Bf16PanelTile<3>(xr, a.k, pw, a.k, nc, yr, a.n); break;
+        case 4: Bf16PanelTile<4>(xr, a.k, pw, a.k, nc, yr, a.n); break;
+        case 5: Bf16PanelTile<5>(xr, a.k, pw, a.k, nc, yr, a.n); break;
+        default: Bf16PanelTile<6>(xr, a.k, pw, a.k, nc, yr, a.n); break;
+      }
+    }
+  }
+}
+
+// Tasks (64-column strip, block of rows): at least 4 per thread, blocks of 6..128 rows.
+template <typename T>
+void PanelMatmul(const Runner& run, const Mm& a) {
+  const int64_t strips = CeilDiv(a.n, kPanelCols);
+  const int64_t want = std::clamp(CeilDiv(4 * run.threads(), strips), CeilDiv(a.m, 256),
+                                  CeilDiv(a.m, kMaxTileRows));
+  const int64_t rb = RoundUp(CeilDiv(a.m, want), kMaxTileRows);
+  const int64_t blocks = CeilDiv(a.m, rb);
+  const size_t panel_bytes = static_cast<size_t>(RoundUp(a.k, 2)) * kPanelCols * 4;
+  run.For(strips * blocks, [&](int64_t i) {
+    const int64_t c = i / blocks, b = i % blocks;
+    const int64_t n0 = c * kPanelCols, nc = std::min(kPanelCols, a.n - n0);
+    thread_local std::vector<uint32_t> panel;
+    if (panel.size() * 4 < panel_bytes) panel.resize(panel_bytes / 4);
+    PackPanel(a, n0, nc, panel.data());
+    PanelRows<T>(a, panel.data(), b * rb, std::min(rb, a.m - b * rb), n0, nc);
+  });
+}
+
+// ---------------------------------------------------------------- AVX-512 task plans
+
+// f32 KN: rows [m0, m0 + rows) x columns [n0, n0 + nc), micro-tiles of 6 rows x 64 columns,
+// w read in place (its 64-column strip stays in L2 while the rows pass it).
+void F32KnBlock(const Mm& a, int64_t m0, int64_t rows, int64_t n0, int64_t nc) {
+  const float* x = static_cast<const float*>(a.x);
+  const float* w = static_cast<const float*>(a.w);
+  float* y = static_cast<float*>(a.y);
+  for (int64_t c = 0; c < nc; c += kTileCols) {
+    const int64_t tc = std::min(kTileCols, nc - c);
+    for (int64_t r = 0; r < rows; r += kMaxTileRows) {
+      const int64_t mr = std::min<int64_t>(kMaxTileRows, rows - r);
+      const float* xr = x + (m0 + r) * a.k;
+      const float* wc = w + n0 + c;
+      float* yr = y + (m0 + r) * a.n + n0 + c;
+      switch (mr) {
+        case 1: F32KnTile<1>(xr, a.k, wc, a.n, a.k, tc, yr, a.n); break;
+        case 2: F32KnTile<2>(xr, a.k, wc, a.n, a.k, tc, yr, a.n); break;
+        case 3: F32KnTile<3>(xr, a.k, wc, a.n, a.k, tc, yr, a.n); break;
+        case 4: F32KnTile<4>(xr, a.k, wc, a.n, a.k, tc, yr, a.n); break;
+        case 5: F32KnTile<5>(xr, a.k, wc, a.n, a.k, tc, yr, a.n); break;
+        default: F32KnTile<6>(xr, a.k, wc, a.n, a.k, tc, yr, a.n); break;
+      }
+    }
+  }
+}
+
+template <typename T, int MR, int NT>
+JS_INLINE void NkTile(const T* const* xr, const T* const* wr, int64_t K, int64_t mr, int64_t nt,
+                      T* y, int64_t ldy) {
+  if constexpr (sizeof(T) == 4) {
+    F32NkTile<MR, NT>(xr, wr, K, mr, nt, y, ldy);
+  } else {
+    Bf16NkTile<MR, NT>(xr, wr, K, mr, nt, y, ldy);
+  }
+}
+
+// NK, MR x NT tiles over rows [m0, m0 + rows) x weight rows [n0, n0 + nn): weight tiles
+// outer, so NT weight rows stay in L1 while every group of MR rows of x passes them.
+template <typename T, int MR, int NT>
+void NkTiles(const Mm& a, int64_t m0, int64_t rows, int64_t n0, int64_t nn) {
+  const T* x = static_cast<const T*>(a.x);
+  const T* w = static_cast<const T*>(a.w);
+  T* y = static_cast<T*>(a.y);
+  for (int64_t t0 = 0; t0 < nn; t0 += NT) {
+    const int64_t nt = std::min<int64_t>(NT, nn - t0);
+    const T* wr[NT];
+    JS_UNROLL for (int t = 0; t < NT; ++t)
+      wr[t] = w + (n0 + t0 + std::min<int64_t>(t, nt - 1)) * a.k;
+    for (int64_t r0 = 0; r0 < rows; r0 += MR) {
+      const int64_t mr = std::min<int64_t>(MR, rows - r0);
+      const T* xr[MR];
+      JS_UNROLL for (int r = 0; r < MR; ++r)
+        xr[r] = x + (m0 + r0 + std::min<int64_t>(r, mr - 1)) * a.k;
+      NkTile<T, MR, NT>(xr, wr, a.k, mr, nt, y + (m0 + r0) * a.n + n0 + t0, a.n);
+    }
+  }
+}
+
+// NK: one row -> 1 x 16 tiles, two -> 2 x 8, more -> 4 x 4 (the last group may repeat rows).
+template <typename T>
+void NkBlock(const Mm& a, int64_t m0, int64_t rows, int64_t n0, int64_t nn) {
+  if (rows == 1) return NkTiles<T, 1, 16>(a, m0, rows, n0, nn);
+  if (rows == 2) return NkTiles<T, 2, 8>(a, m0, rows, n0, nn);
+  NkTiles<T, 4, 4>(a, m0, rows, n0, nn);
+}
+
+template <typename T>
+void Avx512Matmul(const Runner& run, const Mm& a) {
+  if (a.m <= kMaxTileRows) {  // bandwidth-bound: stream w once in its own layout
+    if (!a.trans) return FewRowsKn<T>(run, &a, 1);
+    const int64_t nb = std::clamp<int64_t>(RoundUp(CeilDiv(a.n, 16), 16), 16, 256);
+    return run.For(CeilDiv(a.n, nb), [&](int64_t i) {
+      NkBlock<T>(a, 0, a.m, i * nb, std::min(nb, a.n - i * nb));
+    });
+  }
+  if constexpr (sizeof(T) == 4) {
+    if (!a.trans) {  // f32 [K, N]: 64-column strips read in place (rows of 256 bytes)
+      const int64_t blocks = CeilDiv(a.m, 48);
+      const int64_t rb = RoundUp(CeilDiv(a.m, blocks), kMaxTileRows);
+      const int64_t row_blocks = CeilDiv(a.m, rb), col_tiles = CeilDiv(a.n, kTileCols);
+      return run.For(row_blocks * col_tiles, [&](int64_t i) {
+        const int64_t r = i / col_tiles, c = i % col_tiles;
+        F32KnBlock(a, r * rb, std::min(rb, a.m - r * rb), c * kTileCols,
+                   std::min(kTileCols, a.n - c * kTileCols));
+      });
+    }
+  }
+  PanelMatmul<T>(run, a);
+}
+#endif  // JS_X86
+
+void Matmul(const Runner& run, const Mm& a);
+
+// Weights sharing x: few rows of x and [K, N] weights stream together (FewRowsKn); else one
+// matmul after another.
+void Matmuls(const Runner& run, const Mm* as, int64_t count) {
+#if JS_X86
+  const Mm& a = as[0];
+  const int isa = CurrentIsa();
+  const bool together = count > 1 && a.m > 0 && a.m <= kMaxTileRows && a.k > 0 &&
+                        std::all_of(as, as + count, [](const Mm& b) { return !b.trans && b.n > 0; });
+  if (together && a.bf16 && isa >= kAvx512Bf16) return FewRowsKn<uint16_t>(run, as, count);
+  if (together && !a.bf16 && isa >= kAvx512) return FewRowsKn<float>(run, as, count);
+#endif
+  for (int64_t i = 0; i < count; ++i) Matmul(run, as[i]);
+}
+
+void Matmul(const Runner& run, const Mm& a) {
+  if (a.m == 0 || a.n == 0) return;
+  const size_t esize = a.bf16 ? 2 : 4;
+  if (a.k == 0) {
+    std::memset(a.y, 0, static_cast<size_t>(a.m * a.n) * esize);
+    return;
+  }
+  const int isa = CurrentIsa();
+#if JS_X86
+  if (a.bf16 && isa >= kAvx512Bf16) return Avx512Matmul<uint16_t>(run, a);
+  if (!a.bf16 && isa >= kAvx512) return Avx512Matmul<float>(run, a);
+#endif
+  GenericMatmul(run, a, isa);
+}
+
+// ==========================================================================================
+// Ragged paged attention
+// ==========================================================================================
+
+enum KvType : int { kKvF32, kKvBf16, kKvS8, kKvF8 };
+
+struct Attn {
+  const void* q;  // [T, Hq, D], f32 or bf16
+  bool q_bf16;
+  const void* k;  // [Hkv, P, ps, D]
+  const void* v;
+  KvType kv;
+  int64_t kv_esize;
+  const float* ks;  // [Hkv, P, ps] for 8-bit caches, else null
+  const float* vs;
+  const int32_t* kv_lens;  // [S]
+  const int32_t* pages;    // [S, pps]
+  const int32_t* cu;       // [S + 1]
+  void* out;               // [T, Hq, D] in q's dtype
+  int64_t T, hq, hkv, group, d, num_pages, page_size, max_seqs, pps;
+  float sm_scale, soft_cap;  // soft_cap 0: none
+  int64_t window;            // 0: none
+  bool bf16_dot;             // bf16 q and pages on an AVX512_BF16 CPU: q.k by vdpbf16ps
+};
+
+struct AttnTask {
+  int32_t seq, head, q0, q1;  // queries [q0, q1) of the sequence's q_len
+  int64_t cost;
+};
+
+constexpr int64_t kKeysPerChunk = 32;
+constexpr int64_t kAttnPrefetchChunks = 2;  // prefetch distance, in chunks
+constexpr float kMasked = -1e30f;
+
+// Where a sequence's queries sit: token offset, q_len, kv_len.
+struct SeqInfo {
+  int64_t tok, q_len, kv_len;
+};
+
+JS_INLINE SeqInfo SequenceInfo(const Attn& a, int64_t s) {
+  int64_t start = std::clamp<int64_t>(a.cu[s], 0, a.T);
+  int64_t end = std::clamp<int64_t>(a.cu[s + 1], start, a.T);
+  const int64_t kv_len = std::clamp<int64_t>(a.kv_lens[s], 0, a.pps * a.page_size);
+  return {start, end - start, kv_len};
+}
+
+// Visible keys [lo, hi) of queries [q0, q1) of a sequence.
+JS_INLINE void KeyRange(const Attn& a, const SeqInfo& si, int64_t q0, int64_t q1, int64_t* lo,
+                        int64_t* hi) {
+  const int64_t first_pos = si.kv_len - si.q_len + q0, last_pos = si.kv_len - si.q_len + q1 - 1;
+  *hi = std::min(si.kv_len, last_pos + 1);
+  *lo = a.window > 0 ? std::max<int64_t>(0, first_pos - a.window + 1) : 0;
+}
+
+// Flat row index ((head * pages + page) * page_size + row) of keys [c0, c0 + nk) of
+// sequence s, head h: one division per chunk, then page by page. Page numbers are clamped
+// into the pool (entries of used pages are assumed valid; clamping only keeps a bad table
+// from reading outside the cache).
+JS_INLINE void ChunkSlots(const Attn& a, int64_t s, int64_t h, int64_t c0, int64_t nk,
+                          int64_t* slot) {
+  int64_t entry = c0 / a.page_size, row = c0 - entry * a.page_size;
+  const int32_t* table = a.pages + s * a.pps;
+  int64_t base = (h * a.num_pages + std::clamp<int64_t>(table[entry], 0, a.num_pages - 1)) *
+                 a.page_size;
+  for (int64_t j = 0; j < nk; ++j) {
+    slot[j] = base + row;
+    if (++row == a.page_size) {
+      row = 0;
+      ++entry;
+      if (j + 1 < nk)
+        base = (h * a.num_pages + std::clamp<int64_t>(table[entry], 0, a.num_pages - 1)) *
+               a.page_size;
+    }
+  }
+}
+
+JS_INLINE const char* KvRow(const Attn& a, const void* base, int64_t slot) {
+  return static_cast<const char*>(base) + slot * a.d * a.kv_esize;
+}
+
+// Per-thread scratch, grown on demand.
+struct Scratch {
+  std::vector<float> buf;
+  float* Get(size_t n) {
+    if (buf.size() < n) buf.resize(n);
+    return buf.data();
+  }
+};
+
+Scratch& ThreadScratch() {
+  thread_local Scratch scratch;
+  return scratch;
+}
+
+struct Work {  // views into the scratch for one task
+  float *q, *o, *s, *kf, *vf, *kt, *m, *l, *corr, *ksc, *vsc, *zero;
+  uint16_t* qb;  // the query rows as bf16 (unscaled), for bf16_dot
+  int64_t rows, rows_pad;
+};
+
+JS_INLINE Work MakeWork(int64_t rows, int64_t d) {
+  const int64_t rows_pad = RoundUp(rows, 4);
+  const int64_t kc = kKeysPerChunk;
+  const size_t n = rows_pad * d * 2 + rows_pad * kc + 3 * kc * d + 3 * rows_pad + 2 * kc + d +
+                   rows_pad * d / 2 + 96;
+  float* p = ThreadScratch().Get(n);
+  Work w;
+  w.rows = rows;
+  w.rows_pad = rows_pad;
+  w.q = p; p += rows_pad * d;
+  w.o = p; p += rows_pad * d;
+  w.s = p; p += rows_pad * kc;
+  w.kf = p; p += kc * d;
+  w.vf = p; p += kc * d;
+  w.kt = p; p += kc * d;
+  w.m = p; p += rows_pad;
+  w.l = p; p += rows_pad;
+  w.corr = p; p += rows_pad;
+  w.ksc = p; p += kc;
+  w.vsc = p; p += kc;
+  w.zero = p; p += d;
+  w.qb = reinterpret_cast<uint16_t*>(p);
+  return w;
+}
+
+// ---------------------------------------------------------------- generic attention
+
+JS_INLINE float ExpGeneric(float x) { return std::exp(x); }
+
+JS_INLINE void ConvertRowGeneric(const Attn& a, const char* src, float* dst) {
+  switch (a.kv) {
+    case kKvF32: std::memcpy(dst, src, a.d * 4); break;
+    case kKvBf16: {
+      const uint16_t* h = reinterpret_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < a.d; ++i) dst[i] = Bf16ToF32(h[i]);
+      break;
+    }
+    case kKvS8: {
+      const int8_t* b = reinterpret_cast<const int8_t*>(src);
+      for (int64_t i = 0; i < a.d; ++i) dst[i] = static_cast<float>(b[i]);
+      break;
+    }
+    case kKvF8: {
+      const uint8_t* b = reinterpret_cast<const uint8_t*>(src);
+      const float* table = Fp8Values();
+      for (int64_t i = 0; i < a.d; ++i) dst[i] = table[b[i]];
+      break;
+    }
+  }
+}
+
+JS_INLINE void LoadQueries(const Attn& a, const AttnTask& t, const SeqInfo& si, const Work& w) {
+  std::memset(w.q, 0, sizeof(float) * w.rows_pad * a.d);
+  if (a.bf16_dot) std::memset(w.qb, 0, sizeof(uint16_t) * w.rows_pad * a.d);
+  for (int64_t i = 0; i < t.q1 - t.q0; ++i) {
+    for (int64_t g = 0; g < a.group; ++g) {
+      const int64_t src = ((si.tok + t.q0 + i) * a.hq + t.head * a.group + g) * a.d;
+      float* dst = w.q + (i * a.group + g) * a.d;
+      if (a.q_bf16) {
+        const uint16_t* q = static_cast<const uint16_t*>(a.q) + src;
+        for (int64_t e = 0; e < a.d; ++e) dst[e] = Bf16ToF32(q[e]) * a.sm_scale;
+        if (a.bf16_dot) std::memcpy(w.qb + (i * a.group + g) * a.d, q, sizeof(uint16_t) * a.d);
+      } else {
+        const float* q = static_cast<const float*>(a.q) + src;
+        for (int64_t e = 0; e < a.d; ++e) dst[e] = q[e] * a.sm_scale;
+      }
+    }
+  }
+}
+
+JS_INLINE void StoreOutputs(const Attn& a, const AttnTask& t, const SeqInfo& si, const Work& w) {
+  for (int64_t r = 0; r < w.rows; ++r) {
+    const int64_t i = r / a.group, g = r % a.group;
+    const int64_t dst = ((si.tok + t.q0 + i) * a.hq + t.head * a.group + g) * a.d;
+    const float inv = w.l[r] > 0.0f ? 1.0f / w.l[r] : 0.0f;
+    const float* o = w.o + r * a.d;
+    if (a.q_bf16) {
+      uint16_t* out = static_cast<uint16_t*>(a.out) + dst;
+      for (int64_t e = 0; e < a.d; ++e) out[e] = F32ToBf16(o[e] * inv);
+    } else {
+      float* out = static_cast<float*>(a.out) + dst;
+      for (int64_t e = 0; e < a.d; ++e) out[e] = o[e] * inv;
+    }
+  }
+}
+
+// Visible key indices [ja, jb) within a chunk [c0, c0 + nk) for row r.
+JS_INLINE void RowRange(const Attn& a, int64_t qpos, int64_t c0, int64_t nk, int64_t hi,
+                        int64_t* ja, int64_t* jb) {
+  int64_t first = c0, last = std::min(c0 + nk, std::min(hi, qpos + 1));
+  if (a.window > 0) first = std::max(first, qpos - a.window + 1);
+  *ja = first - c0;
+  *jb = last - c0;
+}
+
+JS_INLINE void AttnTaskGeneric(const Attn& a, const AttnTask& t) {
+  const SeqInfo si = SequenceInfo(a, t.seq);
+  const int64_t nq = t.q1 - t.q0, D = a.d, KC = kKeysPerChunk;
+  Work w = MakeWork(nq * a.group, D);
+  LoadQueries(a, t, si, w);
+  int64_t lo, hi;
+  KeyRange(a, si, t.q0, t.q1, &lo, &hi);
+  const int64_t qpos0 = si.kv_len - si.q_len + t.q0;
+  for (int64_t r = 0; r < w.rows; ++r) {
+    w.m[r] = kMasked;
+    w.l[r] = 0.0f;
+  }
+  std::memset(w.o, 0, sizeof(float) * w.rows * D);
+  const bool quant = a.ks != nullptr;
+  for (int64_t c0 = lo; c0 < hi; c0 += KC) {
+    const int64_t nk = std::min(KC, hi - c0);
+    int64_t slot[kKeysPerChunk];
+    ChunkSlots(a, t.seq, t.head, c0, nk, slot);
+    for (int64_t j = 0; j < nk; ++j) {
+      ConvertRowGeneric(a, KvRow(a, a.k, slot[j]), w.kf + j * D);
+      ConvertRowGeneric(a, KvRow(a, a.v, slot[j]), w.vf + j * D);
+      w.ksc[j] = quant ? a.ks[slot[j]] : 1.0f;
+      w.vsc[j] = quant ? a.vs[slot[j]] : 1.0f;
+    }
+    for (int64_t r = 0; r < w.rows; ++r) {
+      int64_t ja, jb;
+      RowRange(a, qpos0 + r / a.group, c0, nk, hi, &ja, &jb);
+      float* s = w.s + r * KC;
+      if (ja >= jb) continue;
+      const float* q = w.q + r * D;
+      float mx = kMasked;
+      for (int64_t j = ja; j < jb; ++j) {
+        const float* k = w.kf + j * D;
+        float part[16] = {};
+        const int64_t d16 = D / 16 * 16;
+        for (int64_t e = 0; e < d16; e += 16)
+          for (int l = 0; l < 16; ++l) part[l] += q[e + l] * k[e + l];
+        for (int64_t e = d16; e < D; ++e) part[e - d16] += q[e] * k[e];
+        float dot = 0.0f;
+        for (int l = 0; l < 16; ++l) dot += part[l];
+        dot *= w.ksc[j];
+        if (a.soft_cap > 0.0f) dot = a.soft_cap * std::tanh(dot / a.soft_cap);
+        s[j] = dot;
+        mx = std::max(mx, dot);
+      }
+      const float m_new = std::max(w.m[r], mx);
+      const float corr = ExpGeneric(w.m[r] - m_new);
+      w.m[r] = m_new;
+      float sum = 0.0f;
+      for (int64_t j = ja; j < jb; ++j) {
+        const float p = ExpGeneric(s[j] - m_new);
+        sum += p;
+        s[j] = p * w.vsc[j];
+      }
+      w.l[r] = w.l[r] * corr + sum;
+      float* o = w.o + r * D;
+      for (int64_t e = 0; e < D; ++e) o[e] *= corr;
+      for (int64_t j = ja; j < jb; ++j) {
+        const float p = s[j];
+        const float* v = w.vf + j * D;
+        for (int64_t e = 0; e < D; ++e) o[e] += p * v[e];
+      }
+    }
+  }
+  StoreOutputs(a, t, si, w);
+}
+
+void ScalarAttnTask(const Attn& a, const AttnTask& t) { AttnTaskGeneric(a, t); }
+#if JS_X86
+JS_AVX2 void Avx2AttnTask(const Attn& a, const AttnTask& t) { AttnTaskGeneric(a, t); }
+
+// ---------------------------------------------------------------- AVX-512 attention
+
+// e^x for x <= 0 (the softmax's only use): 2^n * e^r, |r| <= ln2/2, degree-7 Taylor
+// polynomial (truncation < 6e-9 relative), vscalefps for 2^n. Inputs below -100 give ~0.
+JS_AVX512 JS_INLINE __m512 Exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-100.0f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// cap * tanh(s / cap) = cap * sign(s) * (1 - e) / (1 + e), e = exp(-2 |s| / cap).
+JS_AVX512 JS_INLINE __m512 SoftCap512(__m512 s, float cap) {
+  const __m512 c = _mm512_set1_ps(cap);
+  const __m512 x = _mm512_div_ps(s, c);
+  const __m512 ax = _mm512_abs_ps(x);
+  const __m512 e = Exp512(_mm512_mul_ps(ax, _mm512_set1_ps(-2.0f)));
+  const __m512 one = _mm512_set1_ps(1.0f);
+  __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  // copy the sign of x
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x80000000));
+  t = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign));
+  return _mm512_mul_ps(c, t);
+}
+
+// One K/V row -> f32 (D a multiple of 16).
+JS_AVX512 JS_INLINE void ConvertRow512(KvType kv, const char* src, float* dst, int64_t D) {
+  switch (kv) {
+    case kKvF32: std::memcpy(dst, src, sizeof(float) * D); break;
+    case kKvBf16:
+      for (int64_t e = 0; e < D; e += 16)
+        _mm512_storeu_ps(dst + e, LoadBf16(reinterpret_cast<const uint16_t*>(src) + e));
+      break;
+    case kKvS8:
+      for (int64_t e = 0; e < D; e += 16) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + e));
+        _mm512_storeu_ps(dst + e, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)));
+      }
+      break;
+    case kKvF8:
+      for (int64_t e = 0; e < D; e += 16) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + e));
+        const __m512i i = _mm512_cvtepu8_epi32(b);
+        const __m512i em = _mm512_and_si512(i, _mm512_set1_epi32(0x7f));
+        // normal: exponent and mantissa moved into an f32, rebiased by 2^(127 - 7)
+        const __m512 normal = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(em, 20)),
+                                            _mm512_set1_ps(1.329227995784916e+36f));
+        // subnormal (exponent 0): mantissa * 2^-9
+        const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(em), _mm512_set1_ps(1.0f / 512.0f));
+        const __mmask16 is_sub = _mm512_cmplt_epi32_mask(em, _mm512_set1_epi32(8));
+        const __mmask16 is_nan = _mm512_cmpeq_epi32_mask(em, _mm512_set1_epi32(0x7f));
+        __m512 val = _mm512_mask_blend_ps(is_sub, normal, sub);
+        val = _mm512_mask_blend_ps(is_nan, val, _mm512_set1_ps(std::nanf("")));
+        const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(i, _mm512_set1_epi32(0x80)), 24);
+        _mm512_storeu_ps(dst + e,
+                         _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(val), sign)));
+      }
+      break;
+  }
+}
+
+// A K or V row's 16 elements at e as f32: read in place (f32), or widened from bf16 or
+// int8 (the int8 scale is applied to the scores and probabilities, not here).
+template <typename KV>
+JS_AVX512 JS_INLINE __m512 LoadRow(const void* row, int64_t e) {
+  if constexpr (sizeof(KV) == 4) {
+    return _mm512_loadu_ps(static_cast<const float*>(row) + e);
+  } else if constexpr (sizeof(KV) == 2) {
+    return LoadBf16(static_cast<const uint16_t*>(row) + e);
+  } else {
+    const int8_t* b8 = static_cast<const int8_t*>(row) + e;
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b8));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+  }
+}
+
+// Scores of RB query rows against JB keys (RB * JB = 16): s[r * lds + j] = q[r] . k[j].
+template <int RB, int JB, typename KV>
+JS_AVX512 JS_INLINE void QkTile(const float* q, int64_t D, const void* const* krow, float* s,
+                                int64_t lds) {
+  static_assert(RB * JB == 16, "16 dot products per tile");
+  __m512 acc[16];
+  JS_UNROLL for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  int64_t e = 0;
+  do {  // D >= 16 (a multiple of 16); a do-while keeps acc in registers
+    if constexpr (JB <= 8) {
+      __m512 kv[JB];
+      JS_UNROLL for (int j = 0; j < JB; ++j) kv[j] = LoadRow<KV>(krow[j], e);
+      JS_UNROLL for (int r = 0; r < RB; ++r) {
+        const __m512 qv = _mm512_loadu_ps(q + r * D + e);
+        JS_UNROLL for (int j = 0; j < JB; ++j)
+          acc[r * JB + j] = _mm512_fmadd_ps(qv, kv[j], acc[r * JB + j]);
+      }
+    } else {
+      const __m512 qv = _mm512_loadu_ps(q + e);
+      JS_UNROLL for (int j = 0; j < JB; ++j)
+        acc[j] = _mm512_fmadd_ps(qv, LoadRow<KV>(krow[j], e), acc[j]);
+    }
+    e += 16;
+  } while (e < D);
+  const __m512 sum = Reduce16(acc);
+  if constexpr (JB == 16) {
+    _mm512_storeu_ps(s, sum);
+  } else if constexpr (JB == 8) {
+    _mm256_storeu_ps(s, _mm512_castps512_ps256(sum));
+    _mm256_storeu_ps(s + lds, _mm512_extractf32x8_ps(sum, 1));
+  } else {
+    _mm_storeu_ps(s, _mm512_castps512_ps128(sum));
+    _mm_storeu_ps(s + lds, _mm512_extractf32x4_ps(sum, 1));
+    _mm_storeu_ps(s + 2 * lds, _mm512_extractf32x4_ps(sum, 2));
+    _mm_storeu_ps(s + 3 * lds, _mm512_extractf32x4_ps(sum, 3));
+  }
+}
+
+// Scores of all rows (rows_pad, a multiple of 4) against nk_pad keys (a multiple of 16).
+template <typename KV>
+JS_AVX512 void Scores(const Work& w, const void* const* krow, int64_t nk_pad, int64_t D) {
+  const int64_t KC = kKeysPerChunk;
+  if (w.rows == 1) {
+    for (int64_t j = 0; j < nk_pad; j += 16) QkTile<1, 16, KV>(w.q, D, krow + j, w.s + j, KC);
+  } else if (w.rows == 2) {
+    for (int64_t j = 0; j < nk_pad; j += 8) QkTile<2, 8, KV>(w.q, D, krow + j, w.s + j, KC);
+  } else {
+    for (int64_t r = 0; r < w.rows_pad; r += 4)
+      for (int64_t j = 0; j < nk_pad; j += 4)
+        QkTile<4, 4, KV>(w.q + r * D, D, krow + j, w.s + r * KC + j, KC);
+  }
+}
+
+// bf16 q and bf16 pages: scores as vdpbf16ps dot products of the unscaled bf16 rows (each
+// product is exact in f32; the sums are f32), times sm_scale after. Half the instructions
+// of the f32 tile and no widening of K.
+template <int RB, int JB>
+JS_AVX512BF16 JS_INLINE void QkTileDp(const uint16_t* q, int64_t D, const void* const* krow,
+                                      float* s, int64_t lds, float scale) {
+  static_assert(RB * JB == 16, "16 dot products per tile");
+  __m512 acc[16];
+  JS_UNROLL for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  int64_t e = 0;
+  do {  // D >= 16; a last step of 16 elements is masked
+    const __mmask32 m = Mask32(D - e);
+    if constexpr (JB <= 8) {
+      __m512bh kv[JB];
+      JS_UNROLL for (int j = 0; j < JB; ++j)
+        kv[j] = (__m512bh)_mm512_maskz_loadu_epi16(m, static_cast<const uint16_t*>(krow[j]) + e);
+      JS_UNROLL for (int r = 0; r < RB; ++r) {
+        const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(m, q + r * D + e);
+        JS_UNROLL for (int j = 0; j < JB; ++j)
+          acc[r * JB + j] = _mm512_dpbf16_ps(acc[r * JB + j], qv, kv[j]);
+      }
+    } else {
+      const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(m, q + e);
+      JS_UNROLL for (int j = 0; j < JB; ++j)
+        acc[j] = _mm512_dpbf16_ps(
+            acc[j], qv,
+            (__m512bh)_mm512_maskz_loadu_epi16(m, static_cast<const uint16_t*>(krow[j]) + e));
+    }
+    e += 32;
+  } while (e < D);
+  const __m512 sum = _mm512_mul_ps(Reduce16(acc), _mm512_set1_ps(scale));
+  if constexpr (JB == 16) {
+    _mm512_storeu_ps(s, sum);
+  } else if constexpr (JB == 8) {
+    _mm256_storeu_ps(s, _mm512_castps512_ps256(sum));
+    _mm256_storeu_ps(s + lds, _mm512_extractf32x8_ps(sum, 1));
+  } else {
+    _mm_storeu_ps(s, _mm512_castps512_ps128(sum));
+    _mm_storeu_ps(s + lds, _mm512_extractf32x4_ps(sum, 1));
+    _mm_storeu_ps(s + 2 * lds, _mm512_extractf32x4_ps(sum, 2));
+    _mm_storeu_ps(s + 3 * lds, _mm512_extractf32x4_ps(sum, 3));
+  }
+}
+
+JS_AVX512BF16 void ScoresDp(const Work& w, const void* const* krow, int64_t nk_pad, int64_t D,
+                            float scale) {
+  const int64_t KC = kKeysPerChunk;
+  if (w.rows == 1) {
+    for (int64_t j = 0; j < nk_pad; j += 16)
+      QkTileDp<1, 16>(w.qb, D, krow + j, w.s + j, KC, scale);
+  } else if (w.rows == 2) {
+    for (int64_t j = 0; j < nk_pad; j += 8) QkTileDp<2, 8>(w.qb, D, krow + j, w.s + j, KC, scale);
+  } else {
+    for (int64_t r = 0; r < w.rows_pad; r += 4)
+      for (int64_t j = 0; j < nk_pad; j += 4)
+        QkTileDp<4, 4>(w.qb + r * D, D, krow + j, w.s + r * KC + j, KC, scale);
+  }
+}
+
+// Many rows (prefill): scores of RB rows against the chunk's 32 keys from K^T [D][32] --
+// broadcast q[r, d] times a row of K^T, no horizontal sums.
+template <int RB>
+JS_AVX512 JS_INLINE void QkRowsT(const float* q, int64_t D, const float* kt, float* s) {
+  __m512 acc[RB][2];
+  JS_UNROLL for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  int64_t d = 0;
+  do {  // D >= 16
+    const __m512 k0 = _mm512_loadu_ps(kt + d * kKeysPerChunk);
+    const __m512 k1 = _mm512_loadu_ps(kt + d * kKeysPerChunk + 16);
+    JS_UNROLL for (int r = 0; r < RB; ++r) {
+      const __m512 qb = _mm512_set1_ps(q[r * D + d]);
+      acc[r][0] = _mm512_fmadd_ps(qb, k0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(qb, k1, acc[r][1]);
+    }
+  } while (++d < D);
+  JS_UNROLL for (int r = 0; r < RB; ++r) {
+    _mm512_storeu_ps(s + r * kKeysPerChunk, acc[r][0]);
+    _mm512_storeu_ps(s + r * kKeysPerChunk + 16, acc[r][1]);
+  }
+}
+
+// K^T of the chunk (kf [32][D], rows past the chunk's keys zero) into w.kt, then the scores
+// of every row in blocks of 12 (24 accumulators).
+JS_AVX512 void ScoresTransposed(const Work& w, int64_t D) {
+  const int64_t KC = kKeysPerChunk;
+  for (int64_t j0 = 0; j0 < KC; j0 += 16)
+    for (int64_t d0 = 0; d0 < D; d0 += 16)
+      Transpose16(reinterpret_cast<const uint32_t*>(w.kf + j0 * D + d0), D, 16, 16,
+                  reinterpret_cast<uint32_t*>(w.kt + d0 * KC + j0), KC);
+  int64_t r = 0;
+  for (; r + 12 <= w.rows; r += 12) QkRowsT<12>(w.q + r * D, D, w.kt, w.s + r * KC);
+  const float* q = w.q + r * D;
+  float* s = w.s + r * KC;
+  switch (w.rows - r) {
+    case 1: QkRowsT<1>(q, D, w.kt, s); break;
+    case 2: QkRowsT<2>(q, D, w.kt, s); break;
+    case 3: QkRowsT<3>(q, D, w.kt, s); break;
+    case 4: QkRowsT<4>(q, D, w.kt, s); break;
+    case 5: QkRowsT<5>(q, D, w.kt, s); break;
+    case 6: QkRowsT<6>(q, D, w.kt, s); break;
+    case 7: QkRowsT<7>(q, D, w.kt, s); break;
+    case 8: QkRowsT<8>(q, D, w.kt, s); break;
+    case 9: QkRowsT<9>(q, D, w.kt, s); break;
+    case 10: QkRowsT<10>(q, D, w.kt, s); break;
+    case 11: QkRowsT<11>(q, D, w.kt, s); break;
+    default: break;
+  }
+}
+
+// o[r, cols] = o[r, cols] * corr[r] + sum_j p[r, j] v[j, cols] for RB rows and NV vectors of
+// columns starting at col.
+template <int RB, int NV, typename KV>
+JS_AVX512 JS_INLINE void PvTile(const float* p, int64_t ldp, const void* const* vrow,
+                                int64_t nk, float* o, int64_t D, const float* corr, int64_t col) {
+  __m512 acc[RB][NV];
+  JS_UNROLL for (int r = 0; r < RB; ++r) {
+    const __m512 c = _mm512_set1_ps(corr[r]);
+    JS_UNROLL for (int v = 0; v < NV; ++v)
+      acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + col + 16 * v), c);
+  }
+  int64_t j = 0;
+  do {  // nk >= 1
+    __m512 vv[NV];
+    JS_UNROLL for (int v = 0; v < NV; ++v) vv[v] = LoadRow<KV>(vrow[j], col + 16 * v);
+    JS_UNROLL for (int r = 0; r < RB; ++r) {
+      const __m512 pb = _mm512_set1_ps(p[r * ldp + j]);
+      JS_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(pb, vv[v], acc[r][v]);
+    }
+  } while (++j < nk);
+  JS_UNROLL for (int r = 0; r < RB; ++r)
+    JS_UNROLL for (int v = 0; v < NV; ++v) _mm512_storeu_ps(o + r * D + col + 16 * v, acc[r][v]);
+}
+
+// All columns of RB rows from r0: NV vectors at a time, at most 16 / RB (up to 16
+// accumulators beside the NV rows of V).
+template <int RB, typename KV>
+JS_AVX512 JS_INLINE void PvRowBlock(const Work& w, const void* const* vrow, int64_t nk,
+                                    int64_t D, int64_t r0) {
+  constexpr int kMaxNv = RB <= 2 ? 8 : RB <= 4 ? 4 : 2;
+  const int64_t ldp = kKeysPerChunk;
+  const float* p = w.s + r0 * ldp;
+  float* o = w.o + r0 * D;
+  const float* corr = w.corr + r0;
+  int64_t col = 0;
+  for (; col + 16 * kMaxNv <= D; col += 16 * kMaxNv)
+    PvTile<RB, kMaxNv, KV>(p, ldp, vrow, nk, o, D, corr, col);
+  if constexpr (kMaxNv > 4) {
+    if (col + 64 <= D) {
+      PvTile<RB, 4, KV>(p, ldp, vrow, nk, o, D, corr, col);
+      col += 64;
+    }
+  }
+  if constexpr (kMaxNv > 2) {
+    if (col + 32 <= D) {
+      PvTile<RB, 2, KV>(p, ldp, vrow, nk, o, D, corr, col);
+      col += 32;
+    }
+  }
+  if (col + 16 <= D) PvTile<RB, 1, KV>(p, ldp, vrow, nk, o, D, corr, col);
+}
+
+// P.V for all rows in blocks of 8, 4 or 2 (a block's rows past the real ones, within
+// rows_pad, have p = 0 and corr = 1), so each V element is loaded once per block.
+template <typename KV>
+JS_AVX512 void Accumulate(const Work& w, const void* const* vrow, int64_t nk, int64_t D) {
+  int64_t r = 0;
+  while (r < w.rows) {
+    const int64_t left = w.rows - r;
+    if (left >= 8) {
+      PvRowBlock<8, KV>(w, vrow, nk, D, r);
+      r += 8;
+    } else if (left >= 3) {
+      PvRowBlock<4, KV>(w, vrow, nk, D, r);
+      r += 4;
+    } else {
+      PvRowBlock<2, KV>(w, vrow, nk, D, r);
+      r += 2;
+    }
+  }
+}
+
+JS_AVX512 void PrefetchRows(const Attn& a, const int64_t* slot, int64_t nk) {
+  const int64_t row_bytes = a.d * a.kv_esize;
+  for (int64_t j = 0; j < nk; ++j) {
+    const char* kp = KvRow(a, a.k, slot[j]);
+    const char* vp = KvRow(a, a.v, slot[j]);
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      _mm_prefetch(kp + b, _MM_HINT_T0);
+      _mm_prefetch(vp + b, _MM_HINT_T0);
+    }
+  }
+}
+
+JS_AVX512 void Avx512AttnTask(const Attn& a, const AttnTask& t) {
+  const SeqInfo si = SequenceInfo(a, t.seq);
+  const int64_t nq = t.q1 - t.q0, D = a.d, KC = kKeysPerChunk;
+  Work w = MakeWork(nq * a.group, D);
+  LoadQueries(a, t, si, w);
+  int64_t lo, hi;
+  KeyRange(a, si, t.q0, t.q1, &lo, &hi);
+  const int64_t qpos0 = si.kv_len - si.q_len + t.q0;
+  for (int64_t r = 0; r < w.rows_pad; ++r) {
+    w.m[r] = kMasked;
+    w.l[r] = 0.0f;
+  }
+  std::memset(w.o, 0, sizeof(float) * w.rows_pad * D);
+  std::memset(w.zero, 0, sizeof(float) * D);
+  const bool quant = a.ks != nullptr;
+  // K/V rows are read in place when f32, bf16 or int8 with at most 8 rows (a row is widened
+  // where it is used, once per 4-8 rows); otherwise (fp8, or many rows) converted to f32
+  // once per chunk into the scratch.
+  // With more than 8 rows (prefill) the scores come from K^T (ScoresTransposed).
+  const bool transposed = w.rows_pad > 8;
+  const bool in_place = !transposed && a.kv != kKvF8;
+  const void* krow[kKeysPerChunk];
+  const void* vrow[kKeysPerChunk];
+  int64_t slot[kKeysPerChunk], ahead[kKeysPerChunk];
+  const int64_t row_bytes = D * a.kv_esize;
+  for (int64_t c = 0; c < kAttnPrefetchChunks; ++c) {  // the first chunks, in a burst
+    const int64_t c0 = lo + c * KC;
+    if (c0 >= hi) break;
+    ChunkSlots(a, t.seq, t.head, c0, std::min(KC, hi - c0), ahead);
+    PrefetchRows(a, ahead, std::min(KC, hi - c0));
+  }
+  for (int64_t c0 = lo; c0 < hi; c0 += KC) {
+    const int64_t nk = std::min(KC, hi - c0);
+    ChunkSlots(a, t.seq, t.head, c0, nk, slot);
+    // Keys kAttnPrefetchChunks chunks on are prefetched row by row alongside this chunk's
+    // conversion (spread out, not in a burst).
+    const int64_t c_ahead = c0 + kAttnPrefetchChunks * KC;
+    const int64_t na = c_ahead < hi ? std::min(KC, hi - c_ahead) : 0;
+    if (na > 0) ChunkSlots(a, t.seq, t.head, c_ahead, na, ahead);
+    // K and V rows of the chunk as f32: in place for an f32 cache, else converted.
+    for (int64_t j = 0; j < nk; ++j) {
+      if (j < na) {
+        const char* kn = KvRow(a, a.k, ahead[j]);
+        const char* vn = KvRow(a, a.v, ahead[j]);
+        for (int64_t b = 0; b < row_bytes; b += 64) {
+          _mm_prefetch(kn + b, _MM_HINT_T0);
+          _mm_prefetch(vn + b, _MM_HINT_T0);
+        }
+        if (quant && (j == 0 || ahead[j] % 16 == 0)) {
+          _mm_prefetch(reinterpret_cast<const char*>(a.ks + ahead[j]), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(a.vs + ahead[j]), _MM_HINT_T0);
+        }
+      }
+      const char* kp = KvRow(a, a.k, slot[j]);
+      const char* vp = KvRow(a, a.v, slot[j]);
+      if (in_place) {
+        krow[j] = kp;
+        vrow[j] = vp;
+      } else {
+        ConvertRow512(a.kv, kp, w.kf + j * D, D);
+        ConvertRow512(a.kv, vp, w.vf + j * D, D);
+        krow[j] = w.kf + j * D;
+        vrow[j] = w.vf + j * D;
+      }
+      if (quant) {
+        w.ksc[j] = a.ks[slot[j]];
+        w.vsc[j] = a.vs[slot[j]];
+      }
+    }
+    const int64_t nk_pad = RoundUp(nk, 16);
+    for (int64_t j = nk; j < nk_pad; ++j) krow[j] = w.zero;  // a row of zeros of either type
+    // The element type the tiles read: f32 (scratch or an f32 cache), bf16 or int8 in place.
+    const KvType rows_type = in_place ? a.kv : kKvF32;
+    if (transposed) {
+      if (nk < KC) std::memset(w.kf + nk * D, 0, sizeof(float) * (KC - nk) * D);
+      ScoresTransposed(w, D);
+    } else if (rows_type == kKvBf16 && a.bf16_dot) {
+      ScoresDp(w, krow, nk_pad, D, a.sm_scale);
+    } else if (rows_type == kKvBf16) {
+      Scores<uint16_t>(w, krow, nk_pad, D);
+    } else if (rows_type == kKvS8) {
+      Scores<int8_t>(w, krow, nk_pad, D);
+    } else {
+      Scores<float>(w, krow, nk_pad, D);
+    }
+    // Online softmax per row; probabilities replace the scores.
+    const __m512 ksc0 = quant ? _mm512_loadu_ps(w.ksc) : _mm512_set1_ps(1.0f);
+    const __m512 ksc1 = quant ? _mm512_loadu_ps(w.ksc + 16) : _mm512_set1_ps(1.0f);
+    for (int64_t r = 0; r < w.rows; ++r) {
+      int64_t ja, jb;
+      RowRange(a, qpos0 + r / a.group, c0, nk, hi, &ja, &jb);
+      float* s = w.s + r * KC;
+      if (ja >= jb) {
+        _mm512_storeu_ps(s, _mm512_setzero_ps());
+        _mm512_storeu_ps(s + 16, _mm512_setzero_ps());
+        w.corr[r] = 1.0f;
+        continue;
+      }
+      const uint32_t bits = static_cast<uint32_t>(
+          (jb - ja >= 32 ? 0xffffffffu : ((1u << (jb - ja)) - 1)) << ja);
+      const __mmask16 m0 = static_cast<__mmask16>(bits & 0xffff);
+      const __mmask16 m1 = static_cast<__mmask16>(bits >> 16);
+      __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
+      if (quant) {
+        s0 = _mm512_mul_ps(s0, ksc0);
+        s1 = _mm512_mul_ps(s1, ksc1);
+      }
+      if (a.soft_cap > 0.0f) {
+        s0 = SoftCap512(s0, a.soft_cap);
+        s1 = SoftCap512(s1, a.soft_cap);
+      }
+      const __m512 neg = _mm512_set1_ps(kMasked);
+      const float mx = _mm512_reduce_max_ps(
+          _mm512_max_ps(_mm512_mask_mov_ps(neg, m0, s0), _mm512_mask_mov_ps(neg, m1, s1)));
+      const float m_new = std::max(w.m[r], mx);
+      const float corr = std::exp(w.m[r] - m_new);
+      w.m[r] = m_new;
+      const __m512 mv = _mm512_set1_ps(m_new);
+      __m512 p0 = _mm512_maskz_mov_ps(m0, Exp512(_mm512_sub_ps(s0, mv)));
+      __m512 p1 = _mm512_maskz_mov_ps(m1, Exp512(_mm512_sub_ps(s1, mv)));
+      w.l[r] = w.l[r] * corr + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+      if (quant) {
+        p0 = _mm512_mul_ps(p0, _mm512_loadu_ps(w.vsc));
+        p1 = _mm512_mul_ps(p1, _mm512_loadu_ps(w.vsc + 16));
+      }
+      _mm512_storeu_ps(s, p0);
+      _mm512_storeu_ps(s + 16, p1);
+      w.corr[r] = corr;
+    }
+    for (int64_t r = w.rows; r < w.rows_pad; ++r) {  // padding rows of the last P.V block
+      _mm512_storeu_ps(w.s + r * KC, _mm512_setzero_ps());
+      _mm512_storeu_ps(w.s + r * KC + 16, _mm512_setzero_ps());
+      w.corr[r] = 1.0f;
+    }
+    // Accumulate P.V.
+    if (rows_type == kKvBf16) {
+      Accumulate<uint16_t>(w, vrow, nk, D);
+    } else if (rows_type == kKvS8) {
+      Accumulate<int8_t>(w, vrow, nk, D);
+    } else {
+      Accumulate<float>(w, vrow, nk, D);
+    }
+  }
+  // Normalise and store in q's dtype.
+  for (int64_t r = 0; r < w.rows; ++r) {
+    const int64_t i = r / a.group, g = r % a.group;
+    const int64_t dst = ((si.tok + t.q0 + i) * a.hq + t.head * a.group + g) * D;
+    const __m512 inv = _mm512_set1_ps(w.l[r] > 0.0f ? 1.0f / w.l[r] : 0.0f);
+    const float* o = w.o + r * D;
+    for (int64_t e = 0; e < D; e += 16) {
+      const __m512 val = _mm512_mul_ps(_mm512_loadu_ps(o + e), inv);
+      if (a.q_bf16) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(a.out) + dst + e),
+                            F32ToBf16x16(val));
+      } else {
+        _mm512_storeu_ps(static_cast<float*>(a.out) + dst + e, val);
+      }
+    }
+  }
+}
+#endif  // JS_X86
+
+// Tasks: (sequence, KV head, block of queries), largest first.
+std::vector<AttnTask> PlanAttention(const Attn& a, int64_t num_seqs, int64_t queries_per_block,
+                                    int64_t threads) {
+  std::vector<AttnTask> tasks;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const SeqInfo si = SequenceInfo(a, s);
+    if (si.q_len <= 0) continue;
+    int64_t bq = queries_per_block;
+    if (bq <= 0) {
+      bq = std::max<int64_t>(1, 64 / a.group);  // about 64 query rows per task
+      // Enough tasks for the threads when a single prompt is the whole batch.
+      while (bq > 1 && CeilDiv(si.q_len, bq) * a.hkv < 4 * threads) bq /= 2;
+    }
+    for (int64_t q0 = 0; q0 < si.q_len; q0 += bq) {
+      const int64_t q1 = std::min(si.q_len, q0 + bq);
+      int64_t lo, hi;
+      KeyRange(a, si, q0, q1, &lo, &hi);
+      const int64_t cost = (q1 - q0) * std::max<int64_t>(hi - lo, 0) + 64;
+      for (int64_t h = 0; h < a.hkv; ++h)
+        tasks.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h),
+                         static_cast<int32_t>(q0), static_cast<int32_t>(q1), cost});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const AttnTask& x, const AttnTask& y) { return x.cost > y.cost; });
+  return tasks;
+}
+
+void Attention(const Runner& run, const Attn& a, int64_t num_seqs, int64_t queries_per_block) {
+  const size_t osize = a.q_bf16 ? 2 : 4;
+  const int64_t token_bytes = a.hq * a.d * static_cast<int64_t>(osize);
+  num_seqs = std::clamp<int64_t>(num_seqs, 0, a.max_seqs);
+  // Padding tokens (past the last real sequence) are zeros.
+  const int64_t real_end = num_seqs > 0 ? std::clamp<int64_t>(a.cu[num_seqs], 0, a.T) : 0;
+  if (real_end < a.T)
+    std::memset(static_cast<char*>(a.out) + real_end * token_bytes, 0,
+                static_cast<size_t>((a.T - real_end) * token_bytes));
+  const std::vector<AttnTask> tasks = PlanAttention(a, num_seqs, queries_per_block, run.threads());
+  const int isa = CurrentIsa();
+#if JS_X86
+  if (isa >= kAvx512 && a.d % 16 == 0) {
+    Attn b = a;
+    b.bf16_dot = isa >= kAvx512Bf16 && a.q_bf16 && a.kv == kKvBf16;
+    run.For(static_cast<int64_t>(tasks.size()), [&](int64_t i) { Avx512AttnTask(b, tasks[i]); });
+    return;
+  }
+  if (isa >= kAvx2) {
+    run.For(static_cast<int64_t>(tasks.size()), [&](int64_t i) { Avx2AttnTask(a, tasks[i]); });
+    return;
+  }
+#endif
+  (void)isa;
+  run.For(static_cast<int64_t>(tasks.size()), [&](int64_t i) { ScalarAttnTask(a, tasks[i]); });
+}
+
+// ==========================================================================================
+// FFI handlers
+// ==========================================================================================
+
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> num_rows,
+                      ffi::RemainingArgs ws, ffi::RemainingRets ys, bool transpose_w) {
+  const auto xd = x.dimensions();
+  const ffi::DataType dt = x.element_type();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("jaxserve_matmul: x must be 2-D");
+  if (dt != ffi::DataType::F32 && dt != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("jaxserve_matmul: x must be float32 or bfloat16");
+  if (num_rows.element_count() != 1)
+    return ffi::Error::InvalidArgument("jaxserve_matmul: num_rows must be a scalar");
+  if (ws.size() == 0 || ws.size() != ys.size())
+    return ffi::Error::InvalidArgument("jaxserve_matmul: one result per weight, at least one");
+  const int64_t m_all = xd[0], k = xd[1];
+  const int64_t m = std::clamp<int64_t>(num_rows.typed_data()[0], 0, m_all);
+  const size_t esize = dt == ffi::DataType::BF16 ? 2 : 4;
+  std::vector<Mm> mms;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    auto w = ws.get<ffi::AnyBuffer>(i);
+    auto y = ys.get<ffi::AnyBuffer>(i);
+    if (!w.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument("jaxserve_matmul: bad weight or result");
+    const auto wd = w->dimensions(), yd = (*y)->dimensions();
+    if (wd.size() != 2 || yd.size() != 2)
+      return ffi::Error::InvalidArgument("jaxserve_matmul: w and y must be 2-D");
+    if (w->element_type() != dt || (*y)->element_type() != dt)
+      return ffi::Error::InvalidArgument(
+          "jaxserve_matmul: x, w and y must all be float32 or all bfloat16");
+    const int64_t n = transpose_w ? wd[0] : wd[1];
+    if ((transpose_w ? wd[1] : wd[0]) != k || yd[0] != m_all || yd[1] != n)
+      return ffi::Error::InvalidArgument("jaxserve_matmul: shapes do not match");
+    if (m < m_all)
+      std::memset(static_cast<char*>((*y)->untyped_data()) + m * n * esize, 0,
+                  static_cast<size_t>((m_all - m) * n) * esize);
+    mms.push_back(Mm{x.untyped_data(), w->untyped_data(), (*y)->untyped_data(), m, k, n,
+                     transpose_w, dt == ffi::DataType::BF16});
+  }
+  Runner run(&pool);
+  Matmuls(run, mms.data(), static_cast<int64_t>(mms.size()));
+  return ffi::Error::Success();
+}
+
+ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
+                         ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> kv_lens,
+                         ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
+                         ffi::Buffer<ffi::S32> num_seqs, ffi::AnyBuffer k_scales,
+                         ffi::AnyBuffer v_scales, ffi::Result<ffi::AnyBuffer> out,
+                         float sm_scale, int64_t sliding_window, float soft_cap,
+                         int64_t queries_per_block) {
+  auto bad = [](const std::string& what) {
+    return ffi::Error::InvalidArgument("jaxserve_ragged_paged_attention: " + what);
+  };
+  const auto qd = q.dimensions(), kd = k_pages.dimensions();
+  if (qd.size() != 3 || kd.size() != 4) return bad("q must be 3-D and the pages 4-D");
+  if (k_pages.dimensions().size() != v_pages.dimensions().size() ||
+      k_pages.element_type() != v_pages.element_type())
+    return bad("k_pages and v_pages differ");
+  for (size_t i = 0; i < 4; ++i)
+    if (k_pages.dimensions()[i] != v_pages.dimensions()[i])
+      return bad("k_pages and v_pages differ");
+  const ffi::DataType qt = q.element_type(), kt = k_pages.element_type();
+  if (qt != ffi::DataType::F32 && qt != ffi::DataType::BF16) return bad("q must be f32 or bf16");
+  if (out->element_type() != qt || out->element_count() != q.element_count())
+    return bad("out must match q");
+  Attn a{};
+  switch (kt) {
+    case ffi::DataType::F32: a.kv = kKvF32; a.kv_esize = 4; break;
+    case ffi::DataType::BF16:
+    case ffi::DataType::U16:  // a bf16 pool kept as its bits (kv_cache.pool_dtype)
+      a.kv = kKvBf16;
+      a.kv_esize = 2;
+      break;
+    case ffi::DataType::S8: a.kv = kKvS8; a.kv_esize = 1; break;
+    case ffi::DataType::F8E4M3FN: a.kv = kKvF8; a.kv_esize = 1; break;
+    default: return bad("pages must be f32, bf16 (or its uint16 bits), int8 or float8_e4m3fn");
+  }
+  a.T = qd[0];
+  a.hq = qd[1];
+  a.d = qd[2];
+  a.hkv = kd[0];
+  a.num_pages = kd[1];
+  a.page_size = kd[2];
+  if (kd[3] != a.d) return bad("head_dim of q and pages differ");
+  if (a.hkv <= 0 || a.hq % a.hkv != 0) return bad("q heads must be a multiple of kv heads");
+  a.group = a.hq / a.hkv;
+  const auto pd = page_indices.dimensions();
+  if (pd.size() != 2) return bad("page_indices must be 2-D");
+  a.max_seqs = pd[0];
+  a.pps = pd[1];
+  if (kv_lens.element_count() != static_cast<size_t>(a.max_seqs) ||
+      cu_q_lens.element_count() != static_cast<size_t>(a.max_seqs + 1) ||
+      num_seqs.element_count() != 1)
+    return bad("kv_lens, cu_q_lens or num_seqs has the wrong size");
+  const bool quant = a.kv == kKvS8 || a.kv == kKvF8;
+  if (quant) {
+    const size_t n = static_cast<size_t>(a.hkv * a.num_pages * a.page_size);
+    if (k_scales.element_type() != ffi::DataType::F32 ||
+        v_scales.element_type() != ffi::DataType::F32 || k_scales.element_count() != n ||
+        v_scales.element_count() != n)
+      return bad("an 8-bit cache needs f32 k_scales and v_scales [kv_heads, pages, page_size]");
+    a.ks = static_cast<const float*>(k_scales.untyped_data());
+    a.vs = static_cast<const float*>(v_scales.untyped_data());
+  }
+  a.q = q.untyped_data();
+  a.q_bf16 = qt == ffi::DataType::BF16;
+  a.k = k_pages.untyped_data();
+  a.v = v_pages.untyped_data();
+  a.kv_lens = kv_lens.typed_data();
+  a.pages = page_indices.typed_data();
+  a.cu = cu_q_lens.typed_data();
+  a.out = out->untyped_data();
+  a.sm_scale = sm_scale;
+  a.soft_cap = soft_cap > 0.0f ? soft_cap : 0.0f;
+  a.window = sliding_window > 0 ? sliding_window : 0;
+  if (a.T == 0 || a.hq == 0 || a.d == 0) return ffi::Error::Success();
+  if (a.num_pages == 0 || a.page_size == 0 || a.pps == 0) {
+    std::memset(a.out, 0, out->size_bytes());
+    return ffi::Error::Success();
+  }
+  Runner run(&pool);
+  Attention(run, a, num_seqs.typed_data()[0], queries_per_block);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jaxserve
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmul, jaxserve::MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<bool>("transpose_w"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, jaxserve::AttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("queries_per_block"));
+
+// Instruction-set control for tests: the level the kernels run at (0 scalar, 1 AVX2+FMA,
+// 2 AVX-512, 3 AVX-512 + BF16), capped at what the CPU has. Returns the level now in force.
+extern "C" int jaxserve_cpu_set_max_isa(int level) {
+  jaxserve::g_max_isa.store(level, std::memory_order_relaxed);
+  return jaxserve::CurrentIsa();
+}
+
+extern "C" int jaxserve_cpu_isa() { return jaxserve::CurrentIsa(); }

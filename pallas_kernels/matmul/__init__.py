@@ -1,0 +1,57 @@
+"""Float matmul (f32 or bf16 weights as stored): `y[M, N] = x[M, K] @ w`.
+
+w is `[K, N]` (the model's layout: `jnp.tensordot(x, w, n_in)` with w flattened to 2-D)
+or, with `transpose_w`, `[N, K]` (a tied embedding as LM head). `num_rows` (an int32
+scalar, traced) says how many leading rows of x are real; the rest of the result is
+zeros. Output in x's dtype, float32 accumulation.
+
+Implementations, one signature:
+- "reference" (reference.py): one XLA dot (HIGHEST precision). The truth, and the path
+  on TPU and GPU, where XLA's dot is already the fast one.
+- "cpu" (cpu.py): the native kernel of pallas_kernels/cpu (XLA:CPU runs bf16 matrix-vector
+  products at ~2 GB/s; the kernel streams weights at the memory bandwidth).
+
+`impl=None` picks "cpu" when the platform is CPU and the native kernels are available
+(`pallas_kernels.cpu.available()`) and the operands are ones it takes, else "reference".
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels import cpu as native
+from pallas_kernels.matmul import cpu, reference
+from pallas_kernels.platform import current_platform
+
+IMPLS = ("reference", "cpu")
+
+
+def default_impl(platform: str | None = None) -> str:
+    """The implementation for a platform name (default: where a jitted call lands now)."""
+    platform = platform or current_platform()
+    return "cpu" if platform == "cpu" and native.available() else "reference"
+
+
+def matmul(x: jax.Array, w: jax.Array, num_rows: jax.Array | int | None = None, *,
+           transpose_w: bool = False, impl: str | None = None) -> jax.Array:
+    """`x @ w` (`x @ w.T` with transpose_w) -> `[M, N]` in x's dtype; rows >= num_rows are
+    zeros. impl: one of IMPLS, or None to pick (see the module doc)."""
+    return matmuls(x, [w], num_rows, transpose_w=transpose_w, impl=impl)[0]
+
+
+def matmuls(x: jax.Array, ws: list[jax.Array], num_rows: jax.Array | int | None = None, *,
+            transpose_w: bool = False, impl: str | None = None) -> list[jax.Array]:
+    """`[matmul(x, w, ...) for w in ws]`; the CPU kernel takes them in one call, streaming
+    the weights together for few rows."""
+    if impl is None:
+        impl = default_impl()
+        if impl == "cpu" and not all(cpu.supports(x, w, transpose_w) for w in ws):
+            impl = "reference"
+    if impl == "reference":
+        return [reference.matmul(x, w, num_rows, transpose_w=transpose_w) for w in ws]
+    if impl == "cpu":
+        return cpu.matmuls(x, ws, num_rows, transpose_w=transpose_w)
+    raise ValueError(f"matmul impl must be one of {IMPLS} or None, got {impl!r}")
+
+
+__all__ = ["IMPLS", "default_impl", "matmul", "matmuls"]

@@ -1,0 +1,66 @@
+"""Float matmul as a native CPU kernel (pallas_kernels/cpu/kernels.cc, `jaxserve_matmul`).
+
+Same signature and result as reference.py; `matmuls` takes several weights sharing x in
+one call. The kernel takes w as stored, in either layout (no pre-packed copy), accumulates
+in float32 and rounds bf16 results to nearest even. Rows at or past `num_rows` (a traced
+int32 scalar) are written as zeros and cost nothing, so a batch padded to a bucket pays
+for its real tokens only.
+
+In the C++ (all of it picks its path per call from the CPU: AVX-512 + AVX512_BF16 here,
+else AVX2+FMA, else plain C++):
+- M <= 6 (decode) is bandwidth-bound, so the weight is read once, in memory order: a
+  [K, N] weight is split by rows of K over the threads (two parts each), every part
+  streaming its rows four at a time across all N columns into its own float32 partial
+  sums, added at the end; bf16 rows are paired in registers (vpunpck{l,h}wd) so one
+  vdpbf16ps multiplies two rows of w by a broadcast pair of x. An [N, K] weight (tied LM
+  head) is dot products, one weight row after the other (1 x 16, 2 x 8 or 4 x 4 tiles).
+- More rows are compute-bound: a task takes a 64-column strip of w and a block of up to
+  128 rows, copies the strip once into a panel laid out for the micro-kernel (bf16: each
+  pair of K rows interleaved into 32-bit pairs; an [N, K] weight transposed), and runs
+  6 x 64 register tiles (24 accumulators) of vdpbf16ps / FMAs over its rows. f32 [K, N]
+  strips are read in place.
+The weight is never required in a packed layout: any packing is per call, per strip.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import cpu as native
+
+TARGET = "jaxserve_matmul"
+DTYPES = ("float32", "bfloat16")
+
+
+def supports(x: jax.Array, w: jax.Array, transpose_w: bool = False) -> bool:
+    """Whether the kernel takes these operands: 2-D, one dtype (float32 or bfloat16),
+    matching inner dimensions."""
+    return (x.ndim == 2 and w.ndim == 2 and x.dtype == w.dtype and x.dtype.name in DTYPES
+            and x.shape[1] == w.shape[1 if transpose_w else 0])
+
+
+def matmul(x: jax.Array, w: jax.Array, num_rows: jax.Array | int | None = None, *,
+           transpose_w: bool = False) -> jax.Array:
+    """See reference.matmul; raises if the native kernels are unavailable or the operands
+    are not ones it takes (`supports`)."""
+    return matmuls(x, [w], num_rows, transpose_w=transpose_w)[0]
+
+
+def matmuls(x: jax.Array, ws: list[jax.Array], num_rows: jax.Array | int | None = None, *,
+            transpose_w: bool = False) -> list[jax.Array]:
+    """`[matmul(x, w) for w in ws]` in one kernel call: with few rows the weights are
+    streamed together, so the threads split their bytes once instead of once each."""
+    if not native.available():
+        raise RuntimeError(f"native CPU kernels unavailable: {native.unavailable_reason()}")
+    for w in ws:
+        if not supports(x, w, transpose_w):
+            raise ValueError(
+                f"cpu matmul: needs 2-D float32 or bfloat16 operands of one dtype and "
+                f"matching K, got x {x.dtype}{list(x.shape)}, w {w.dtype}{list(w.shape)} "
+                f"(transpose_w={transpose_w})")
+    rows = jnp.asarray(x.shape[0] if num_rows is None else num_rows, jnp.int32).reshape(())
+    shapes = [jax.ShapeDtypeStruct((x.shape[0], w.shape[0] if transpose_w else w.shape[1]),
+                                   x.dtype) for w in ws]
+    call = jax.ffi.ffi_call(TARGET, shapes)
+    return list(call(x, rows, *ws, transpose_w=bool(transpose_w)))

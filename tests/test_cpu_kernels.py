@@ -1,0 +1,419 @@
+"""The native CPU kernels (pallas_kernels/cpu) against their references and exact float64
+results, on random inputs, for every instruction-set path the machine can run.
+
+Tolerances come from the arithmetic, checked against the exact product (float64 of the
+stored values) so that the bound says what the kernel may do, not what one other
+implementation happens to do:
+
+- matmul, float32 accumulation of K products in any order: |error| <= g_K * sum_k |x w|
+  with g_K = K u / (1 - K u), u = 2^-24 (Higham's bound for summation in any order; each
+  product of two f32 values rounds once more, of two bf16 values not at all), then the
+  result's rounding to the output dtype: u |y| for float32, 2^-8 |y| for bfloat16 (8
+  significant bits, round to nearest even).
+- attention, per query and output element: each score's dot product carries the g_(D+2)
+  bound above (D products, the sm_scale and 8-bit scale products); softmax weights move
+  by a relative factor of at most exp(2 e_s) ~ 1 + 2 e_s when every score moves by e_s,
+  plus a few ulps for exp (and tanh times soft_cap with a soft cap); then P.V sums L
+  terms (g_L), so |error| <= (2 e_s + exp/tanh ulps + g_L) * sum_j p_j |v_j| + u |o|, and
+  the bf16 output rounding 2^-8 |o| on top when q is bfloat16. The reference must meet the
+  same bound (a check of the oracle and of the bound), and kernel and reference differ by
+  at most twice it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_kernels import cpu as native
+from pallas_kernels.matmul import matmul
+from pallas_kernels.ragged_paged_attention import quantize_kv, ragged_paged_attention
+from pallas_kernels.ragged_paged_attention.kv_cache import as_bits, as_values
+
+pytestmark = pytest.mark.skipif(not native.available(),
+                                reason=f"native CPU kernels unavailable: "
+                                       f"{native.unavailable_reason()}")
+
+U32 = 2.0**-24
+U_OUT = {jnp.float32: 2.0**-24, jnp.bfloat16: 2.0**-8}
+
+
+def gamma(n: int) -> float:
+    return n * U32 / (1 - n * U32)
+
+
+def machine_isas() -> list[str]:
+    """The instruction-set paths this machine can run, best first."""
+    if not native.available():
+        return []
+    best = native.isa()
+    order = list(native.ISA_LEVELS)
+    return order[: order.index(best) + 1][::-1]
+
+
+@pytest.fixture(params=machine_isas() or ["none"])
+def isa(request):
+    """Run the test at one instruction-set level, then restore the best."""
+    best = machine_isas()[0]
+    assert native.set_max_isa(request.param) == request.param
+    yield request.param
+    native.set_max_isa(best)
+
+
+# ------------------------------------------------------------------------------- matmul
+
+def exact_matmul(x, w, transpose_w):
+    xe, we = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    we = we.T if transpose_w else we
+    return xe @ we, np.abs(xe) @ np.abs(we)
+
+
+def matmul_bound(exact, magnitude, k, dtype):
+    acc = gamma(k) * magnitude
+    return acc + U_OUT[dtype] * (np.abs(exact) + acc)
+
+
+def random_operands(rng, m, k, n, dtype, transpose_w):
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((n, k) if transpose_w else (k, n)), dtype)
+    return x, w
+
+
+def check_matmul(m, k, n, dtype, transpose_w, num_rows, seed):
+    rng = np.random.default_rng(seed)
+    x, w = random_operands(rng, m, k, n, dtype, transpose_w)
+    f = jax.jit(lambda x, w, r, impl: matmul(x, w, r, transpose_w=transpose_w, impl=impl),
+                static_argnums=3)
+    got = np.asarray(f(x, w, jnp.int32(num_rows), "cpu"), np.float64)
+    ref = np.asarray(f(x, w, jnp.int32(num_rows), "reference"), np.float64)
+    assert got.shape == (m, n) and got.dtype == ref.dtype
+    exact, magnitude = exact_matmul(x, w, transpose_w)
+    real = min(num_rows, m)
+    bound = matmul_bound(exact, magnitude, k, dtype)[:real]
+    assert np.abs(exact[:real]).max() > 100 * bound.max()  # a signal far above the bound
+    assert np.all(np.abs(ref[:real] - exact[:real]) <= bound)  # the oracle and the bound
+    err = np.abs(got[:real] - exact[:real])
+    assert np.all(err <= bound), f"max error {err.max():.3g}, worst ratio {(err / bound).max():.3g}"
+    assert np.all(np.abs(got[:real] - ref[:real]) <= 2 * bound)
+    assert np.all(got[real:] == 0)  # padded rows
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("transpose_w", [False, True], ids=["KN", "NK"])
+@pytest.mark.parametrize("m", [1, 3, 8, 64, 200])
+def test_matmul_matches_reference(m, transpose_w, dtype):
+    # K odd and N past a multiple of the vector widths (16 f32 / 32 bf16 / 64-column tiles);
+    # num_rows < M, so the padded rows must come back as zeros.
+    k, n = (301, 197) if m <= 8 else (77, 133)
+    num_rows = m if m == 1 else m - 2
+    check_matmul(m, k, n, dtype, transpose_w, num_rows, seed=[m, k, n, transpose_w])
+
+
+@pytest.mark.parametrize("case", [(1, 1, 1), (5, 2, 3), (7, 64, 64), (9, 576, 40),
+                                  (13, 33, 1)], ids=str)
+def test_matmul_small_and_aligned_shapes(case, isa):
+    """Every path of every instruction-set level: tiny, vector-aligned and one-column."""
+    m, k, n = case
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for transpose_w in (False, True):
+            check_matmul(m, k, n, dtype, transpose_w, max(1, m - 1), seed=[m, k, n, 7])
+
+
+@pytest.mark.parametrize("m", [2, 64])
+def test_matmul_every_isa(m, isa):
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for transpose_w in (False, True):
+            check_matmul(m, 129, 70, dtype, transpose_w, m - 1, seed=[m, 3])
+
+
+@pytest.mark.parametrize("m", [1, 4, 6, 7, 64])
+def test_weights_sharing_x_in_one_call(m, isa):
+    """`matmuls` (q/k/v, gate/up in one call: few rows stream the weights together, more
+    run them one by one): every result within the bound of its own exact product."""
+    from pallas_kernels.matmul import matmuls
+
+    rng = np.random.default_rng([m, 11])
+    k, ns = 96, (70, 16, 33)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+        ws = [jnp.asarray(rng.standard_normal((k, n)), dtype) for n in ns]
+        real = max(1, m - 1)
+        ys = jax.jit(lambda x, ws, r: matmuls(x, ws, r, impl="cpu"))(x, ws, jnp.int32(real))
+        assert [y.shape for y in ys] == [(m, n) for n in ns]
+        for w, y in zip(ws, ys):
+            exact, magnitude = exact_matmul(x, w, False)
+            bound = matmul_bound(exact, magnitude, k, dtype)[:real]
+            got = np.asarray(y, np.float64)
+            assert np.abs(exact[:real]).max() > 100 * bound.max()
+            assert np.all(np.abs(got[:real] - exact[:real]) <= bound)
+            assert np.all(got[real:] == 0)
+
+
+def test_matmul_num_rows_edges():
+    rng = np.random.default_rng(0)
+    x, w = random_operands(rng, 6, 40, 24, jnp.bfloat16, False)
+    f = jax.jit(lambda x, w, r: matmul(x, w, r, impl="cpu"))
+    assert np.all(np.asarray(f(x, w, jnp.int32(0)), np.float32) == 0)
+    full = np.asarray(matmul(x, w, impl="reference"), np.float32)
+    many = np.asarray(f(x, w, jnp.int32(99)), np.float32)  # clamped to M
+    np.testing.assert_allclose(many, full, rtol=2**-7, atol=1e-6)
+    none = np.asarray(jax.jit(lambda x, w: matmul(x, w, impl="cpu"))(x, w), np.float32)
+    np.testing.assert_array_equal(none, many)
+
+
+def test_matmul_dispatch():
+    x = jnp.ones((2, 8), jnp.float32)
+    assert matmul.__module__ == "pallas_kernels.matmul"
+    from pallas_kernels.matmul import cpu, default_impl
+    assert default_impl("cpu") == "cpu" and default_impl("tpu") == "reference"
+    # impl=None falls back to the reference for operands the kernel does not take ...
+    y = matmul(x.astype(jnp.float16), jnp.ones((8, 3), jnp.float16))
+    assert y.dtype == jnp.float16 and np.all(np.asarray(y) == 8)
+    assert not cpu.supports(x, jnp.ones((8, 3), jnp.bfloat16))
+    # ... and an explicit impl="cpu" says why it cannot run them.
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        matmul(x, jnp.ones((8, 3), jnp.bfloat16), impl="cpu")
+    hlo = jax.jit(lambda x, w: matmul(x, w)).lower(x, jnp.ones((8, 3))).as_text()
+    assert "jaxserve_matmul" in hlo
+
+
+# ---------------------------------------------------------------------------- attention
+
+def ragged_batch(rng, *, kind="mixed", num_seqs=5, page_size=8, num_kv_heads=2, group=4,
+                 head_dim=64, max_pages=6, dtype=jnp.float32, kv_dtype=None, bits=False):
+    """A random ragged batch: decodes (1 new token), whole prompts and chunks continuing an
+    earlier context; shuffled pages over a pool with spare pages; page-table entries past
+    each sequence's pages set to garbage (negative, past the pool, stale pages); padding
+    sequence slots and padding tokens; `bits`: a bf16 pool as its uint16 bits, as the engine
+    keeps it on CPU (kv_cache.pool_dtype). Returns (kwargs, real tokens, clean page table)."""
+    kv_lens, q_lens = [], []
+    for s in range(num_seqs):
+        kv = int(rng.integers(1, max_pages * page_size + 1))
+        phase = kind if kind != "mixed" else ("decode", "prefill", "chunk")[s % 3]
+        q = {"decode": 1, "prefill": kv, "chunk": int(rng.integers(1, kv + 1))}[phase]
+        kv_lens.append(kv)
+        q_lens.append(q)
+    max_seqs, pad_tokens = num_seqs + 2, 3
+    num_pages = num_seqs * max_pages + 5
+    table = np.zeros((max_seqs, max_pages), np.int32)
+    table[:num_seqs] = rng.permutation(num_pages)[: num_seqs * max_pages].reshape(
+        num_seqs, max_pages)
+    garbage = table.copy()
+    for s, kv in enumerate(kv_lens):
+        used = -(-kv // page_size)
+        garbage[s, used:] = rng.choice([-7, num_pages + 3, 2**30, int(table[s, 0])],
+                                       max_pages - used)
+    shape = (num_kv_heads, num_pages, page_size, head_dim)
+    k = rng.standard_normal(shape).astype(np.float32)
+    v = rng.standard_normal(shape).astype(np.float32)
+    t = sum(q_lens) + pad_tokens
+    q = rng.standard_normal((t, num_kv_heads * group, head_dim)).astype(np.float32)
+    cu = np.concatenate([[0], np.cumsum(q_lens), np.full(max_seqs - num_seqs, sum(q_lens))])
+    batch = dict(q=jnp.asarray(q, dtype),
+                 kv_lens=jnp.asarray(np.pad(kv_lens, (0, max_seqs - num_seqs)), jnp.int32),
+                 page_indices=jnp.asarray(garbage), cu_q_lens=jnp.asarray(cu, jnp.int32),
+                 num_seqs=jnp.int32(num_seqs))
+    if kv_dtype is None:
+        pages = [jnp.asarray(x, dtype) for x in (k, v)]
+        if bits:
+            pages = [as_bits(x) for x in pages]
+        batch.update(k_pages=pages[0], v_pages=pages[1])
+    else:
+        (kq, ks), (vq, vs) = quantize_kv(jnp.asarray(k), kv_dtype), quantize_kv(jnp.asarray(v), kv_dtype)
+        batch.update(k_pages=kq, v_pages=vq, k_scales=ks, v_scales=vs)
+    return batch, sum(q_lens), table
+
+
+def stored(batch, name):
+    """K or V as float64 values: stored value times its scale for an 8-bit cache."""
+    pages = np.asarray(as_values(batch[f"{name}_pages"]).astype(jnp.float32), np.float64)
+    if f"{name}_scales" in batch:
+        pages = pages * np.asarray(batch[f"{name}_scales"], np.float64)[..., None]
+    return pages
+
+
+def exact_attention(batch, table, sm_scale, sliding_window, soft_cap):
+    """Dense float64 attention of every real query, and its error bound (module doc)."""
+    q = np.asarray(batch["q"].astype(jnp.float32), np.float64)
+    k, v = stored(batch, "k"), stored(batch, "v")
+    num_kv_heads, _, page_size, head_dim = k.shape
+    group = q.shape[1] // num_kv_heads
+    cu, kv_lens = np.asarray(batch["cu_q_lens"]), np.asarray(batch["kv_lens"])
+    out = np.zeros_like(q)
+    bound = np.zeros_like(q)
+    e_fn = 8 * U32 * (1 + (soft_cap or 0))  # exp, and tanh scaled by soft_cap
+    for s in range(int(batch["num_seqs"])):
+        kv_len, q_len = int(kv_lens[s]), int(cu[s + 1] - cu[s])
+        pos = np.arange(kv_len)
+        pages = table[s, pos // page_size]
+        for h in range(q.shape[1]):
+            kh, vh = k[h // group, pages, pos % page_size], v[h // group, pages, pos % page_size]
+            for i in range(q_len):
+                tok, p = cu[s] + i, kv_len - q_len + i
+                visible = pos <= p
+                if sliding_window:
+                    visible &= pos > p - sliding_window
+                qs = q[tok, h] * sm_scale
+                scores = kh[visible] @ qs
+                e_s = gamma(head_dim + 2) * (np.abs(kh[visible]) @ np.abs(qs))
+                if soft_cap:
+                    scores = soft_cap * np.tanh(scores / soft_cap)
+                w = np.exp(scores - scores.max())
+                w /= w.sum()
+                out[tok, h] = w @ vh[visible]
+                spread = w @ np.abs(vh[visible])
+                bound[tok, h] = ((2 * e_s.max() + e_fn + gamma(int(visible.sum()) + 1)) * spread
+                                 + U32 * np.abs(out[tok, h]))
+    return out, bound
+
+
+ATTENTION_CASES = [
+    dict(kind="decode", group=1, head_dim=64),
+    dict(kind="decode", group=4, head_dim=128, page_size=16),
+    dict(kind="decode", group=8, head_dim=64, dtype=jnp.bfloat16),
+    dict(kind="prefill", group=4, head_dim=128),
+    dict(kind="mixed", group=8, head_dim=64),
+    dict(kind="mixed", group=1, head_dim=128, num_kv_heads=3),
+    dict(kind="mixed", group=4, sliding_window=7),
+    dict(kind="prefill", group=2, sliding_window=11, page_size=4),
+    dict(kind="mixed", group=4, soft_cap=5.0),
+    dict(kind="mixed", group=4, dtype=jnp.bfloat16, head_dim=128),
+    dict(kind="mixed", group=4, dtype=jnp.bfloat16, sliding_window=9, soft_cap=3.0),
+    dict(kind="mixed", group=2, dtype=jnp.bfloat16, bits=True),  # the engine's CPU bf16 pool
+    dict(kind="mixed", group=4, kv_dtype=jnp.int8),
+    dict(kind="mixed", group=8, kv_dtype=jnp.int8, dtype=jnp.bfloat16, head_dim=128),
+    dict(kind="decode", group=4, kv_dtype=jnp.float8_e4m3fn, dtype=jnp.bfloat16),
+    dict(kind="mixed", group=4, kv_dtype=jnp.float8_e4m3fn),
+    dict(kind="mixed", group=3, head_dim=80, page_size=5),  # 5 vectors of 16 per row
+    dict(kind="decode", group=2, head_dim=72, dtype=jnp.bfloat16),  # not a multiple of 16
+    dict(kind="decode", group=4, head_dim=80, dtype=jnp.bfloat16),  # bf16 dots of 32 + 32 + 16
+    dict(kind="mixed", group=4, queries_per_block=3),
+]
+
+
+def case_id(case):
+    return "-".join(f"{k}={getattr(v, '__name__', v)}" for k, v in case.items())
+
+
+def split_case(index):
+    case = dict(ATTENTION_CASES[index])
+    options = {k: case.pop(k) for k in ("sliding_window", "soft_cap") if k in case}
+    qpb = case.pop("queries_per_block", None)
+    return case, options, qpb
+
+
+def attention_fn(sm_scale, options):
+    return jax.jit(lambda b, impl, **kw: ragged_paged_attention(**b, sm_scale=sm_scale, impl=impl,
+                                                                **options, **kw),
+                   static_argnums=1, static_argnames=("queries_per_block",))
+
+
+@functools.lru_cache(maxsize=None)
+def expected_attention(index):
+    """(batch, real tokens, reference output, exact output, bound) of one case, computed
+    once for every instruction-set level that runs it."""
+    case, options, _ = split_case(index)
+    batch, real, table = ragged_batch(np.random.default_rng([index, 41]), **case)
+    sm_scale = batch["q"].shape[-1] ** -0.5
+    clean = dict(batch, page_indices=jnp.asarray(table))  # the reference needs real pages
+    ref = np.asarray(attention_fn(sm_scale, options)(clean, "reference"), np.float64)
+    want, bound = exact_attention(batch, table, sm_scale, options.get("sliding_window"),
+                                  options.get("soft_cap"))
+    if case.get("dtype", jnp.float32) == jnp.bfloat16:
+        bound = bound + U_OUT[jnp.bfloat16] * (np.abs(want) + bound)
+    assert np.abs(want[:real]).max() > 100 * bound[:real].max()  # a signal far above the bound
+    assert np.all(np.abs(ref[:real] - want[:real]) <= bound[:real])  # the oracle and the bound
+    return batch, real, ref, want, bound
+
+
+def check_attention(index):
+    case, options, qpb = split_case(index)
+    batch, real, ref, want, bound = expected_attention(index)
+    sm_scale = batch["q"].shape[-1] ** -0.5
+    got = np.asarray(attention_fn(sm_scale, options)(
+        batch, "cpu", **({"queries_per_block": qpb} if qpb else {})), np.float64)
+    err = np.abs(got[:real] - want[:real])
+    assert np.all(err <= bound[:real]), (
+        f"max error {err.max():.3g}, worst ratio {(err / bound[:real]).max():.3g}")
+    assert np.all(np.abs(got[:real] - ref[:real]) <= 2 * bound[:real])
+    assert np.all(got[real:] == 0)  # padding tokens
+
+
+@pytest.mark.parametrize("index", range(len(ATTENTION_CASES)),
+                         ids=[case_id(c) for c in ATTENTION_CASES])
+def test_attention_matches_reference(index):
+    check_attention(index)
+
+
+@pytest.mark.parametrize("index", [0, 4, 8, 11, 12, 15, 16])
+def test_attention_every_isa(index, isa):
+    check_attention(index)
+
+
+def test_attention_dispatch_and_fallback():
+    from pallas_kernels.ragged_paged_attention import IMPLS, default_impl
+    assert "cpu" in IMPLS and default_impl("cpu") == "cpu" and default_impl("tpu") == "tpu"
+    batch, _, _ = ragged_batch(np.random.default_rng(1), kind="decode")
+    f = jax.jit(lambda b: ragged_paged_attention(**b, sm_scale=0.125))
+    assert "jaxserve_ragged_paged_attention" in f.lower(batch).as_text()
+    # float16 queries are not the kernel's: impl=None runs the reference, impl="cpu" refuses.
+    half = dict(batch, q=batch["q"].astype(jnp.float16), k_pages=batch["k_pages"].astype(jnp.float16),
+                v_pages=batch["v_pages"].astype(jnp.float16))
+    assert "jaxserve" not in jax.jit(lambda b: ragged_paged_attention(**b, sm_scale=0.125)
+                                     ).lower(half).as_text()
+    with pytest.raises(ValueError, match="cpu attention"):
+        ragged_paged_attention(**half, sm_scale=0.125, impl="cpu")
+
+
+def test_attention_no_real_sequences():
+    batch, _, _ = ragged_batch(np.random.default_rng(2), kind="mixed")
+    batch["num_seqs"] = jnp.int32(0)
+    out = ragged_paged_attention(**batch, sm_scale=0.125, impl="cpu")
+    assert np.all(np.asarray(out) == 0)
+
+
+# -------------------------------------------------------------------------------- build
+
+def run_python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, **env})
+
+
+def test_fresh_process_builds_into_empty_cache(tmp_path):
+    result = run_python("""
+        import jax.numpy as jnp
+        from pallas_kernels import cpu
+        from pallas_kernels.matmul import matmul
+        assert cpu.available(), cpu.unavailable_reason()
+        print(cpu.library_path())
+        print(float(matmul(jnp.ones((1, 3)), jnp.ones((3, 2)), impl="cpu")[0, 1]))
+        """, JAXSERVE_CACHE=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    path, value = result.stdout.split()[-2:]
+    assert path.startswith(str(tmp_path)) and os.path.exists(path) and float(value) == 3.0
+    assert not [p for p in os.listdir(os.path.dirname(path)) if p.startswith(".build-")]
+
+
+@pytest.mark.parametrize("env", [dict(JAXSERVE_CPU_KERNELS="0"), dict(CXX="/nonexistent/c++")],
+                         ids=["disabled", "no-compiler"])
+def test_unavailable_warns_and_falls_back(env, tmp_path):
+    result = run_python("""
+        import jax.numpy as jnp
+        from pallas_kernels import cpu
+        from pallas_kernels.matmul import default_impl, matmul
+        assert not cpu.available() and not cpu.available()
+        assert default_impl("cpu") == "reference"
+        print(float(matmul(jnp.ones((1, 3)), jnp.ones((3, 2)))[0, 0]))
+        """, JAXSERVE_CACHE=str(tmp_path), **env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-1] == "3.0"
+    assert result.stderr.count("native CPU kernels unavailable") == 1
