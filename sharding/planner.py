@@ -17,6 +17,7 @@ presents one plan or several (tables, chart).
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import os
 import pickle
@@ -24,11 +25,13 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.experimental.compilation_cache import compilation_cache
 
 from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, ModelConfig, ModelOptions
 from jaxserve.engine.batch import BatchBuilder, BucketKey
@@ -85,11 +88,25 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
     replicated = shard.sharding(())
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
                          builder.empty(key))
-    fn = jit_step(graphdef, jax.tree.map(lambda x: x.sharding, params),
-                  jax.tree.map(lambda x: x.sharding, caches), shard)
-    with jax.default_device(devices[0]):
-        sampled = jax.ShapeDtypeStruct((engine.max_num_seqs,), jnp.int32, sharding=replicated)
-        return fn.lower(params, caches, batch, sampled).compile()
+    fn = jit_step(graphdef, params, jax.tree.map(lambda x: x.sharding, caches), shard)
+    sampled = jax.ShapeDtypeStruct((engine.max_num_seqs,), jnp.int32, sharding=replicated)
+    with _no_persistent_cache(), jax.default_device(devices[0]):
+        return fn.lower(jax.tree.leaves(params), caches, batch, sampled).compile()
+
+
+@contextlib.contextmanager
+def _no_persistent_cache() -> Iterator[None]:
+    """JAX's persistent compilation cache off inside the block: a program compiled for a
+    topology this machine lacks cannot be loaded back from it (there is no client for it).
+    JAX decides once per process whether the cache is used, so the decision is reset."""
+    was_on = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was_on)
+        compilation_cache.reset_cache()
 
 
 def collectives(compiled: jax.stages.Compiled) -> dict[str, int]:

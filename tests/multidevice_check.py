@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import ModelConfig
+from jaxserve.engine.batch import BucketKey
 from jaxserve.loading.converted import convert
 from sharding.mesh import make_mesh
 from sharding.rules import model_sharding
@@ -69,7 +70,7 @@ def main(model_dir: str, out_path: str) -> None:
         llm = LLM(model_dir, mesh=mesh, sharding=strategy, **ENGINE, **extra)
         outs = llm.generate(prompts, params)
         runner = llm.engine.runner
-        hlo = runner._compiled[(64, 4, False)].as_text()
+        hlo = runner.compiled(BucketKey(64, 4, False)).as_text()
         results[json.dumps(mesh) + suffix] = {
             "tokens": [o.outputs[0].token_ids for o in outs],
             "logprobs": [[{str(t): e.logprob for t, e in lp.items()} for lp in o.outputs[0].logprobs]

@@ -37,7 +37,9 @@ def step(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch: S
     input_ids = jnp.where(batch.prev_index >= 0,
                           prev_tokens[jnp.maximum(batch.prev_index, 0)], batch.input_ids)
     hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attn)
-    logits = model.logits(last_tokens(hidden, batch.attn.cu_q_lens, batch.attn.num_seqs.shape[0]))
+    data_shards = batch.attn.num_seqs.shape[0]
+    logits = model.logits(last_tokens(hidden, batch.attn.cu_q_lens, data_shards),
+                          rows=batch.attn.num_seqs[0] if data_shards == 1 else None)
     out = sample(logits, batch.sampling, batch.history)
     return kv_caches, out, prev_tokens.at[: out.token_ids.shape[0]].set(out.token_ids)
 
@@ -51,12 +53,21 @@ def last_tokens(hidden: jax.Array, cu_q_lens: jax.Array, data_shards: int) -> ja
     return jnp.take_along_axis(blocks, last[:, :, None], axis=1).reshape(-1, hidden.shape[-1])
 
 
-def jit_step(graphdef: nnx.GraphDef, param_shardings, cache_shardings, shard: ShardingContext):
+def jit_step(graphdef: nnx.GraphDef, params, cache_shardings, shard: ShardingContext):
     """The step, jitted with fixed layouts in and out (params and KV cache as given, batch
-    and outputs replicated), so the donated cache and params never reshard."""
+    and outputs replicated), so the donated cache and params never reshard. It takes the
+    parameters as their flat list of leaves (`jax.tree.leaves(params)`; `params` may be
+    abstract): flattening an nnx.State on every call costs the host ~1 µs per parameter."""
+    treedef = jax.tree.structure(params)
     replicated = shard.sharding(())
-    return jax.jit(functools.partial(step, graphdef), donate_argnums=(1,),
-                   in_shardings=(param_shardings, cache_shardings, replicated, replicated),
+
+    def run(param_leaves, kv_caches, batch, prev_tokens):
+        return step(graphdef, jax.tree.unflatten(treedef, param_leaves), kv_caches, batch,
+                    prev_tokens)
+
+    return jax.jit(run, donate_argnums=(1,),
+                   in_shardings=([x.sharding for x in jax.tree.leaves(params)], cache_shardings,
+                                 replicated, replicated),
                    out_shardings=(cache_shardings, replicated, replicated))
 
 
@@ -105,6 +116,7 @@ class ModelRunner:
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, shard: ShardingContext,
                  builder: BatchBuilder, cfg: ModelConfig, kv_dtype, broadcaster=None):
         self.params = params
+        self._param_leaves = jax.tree.leaves(params)
         self.shard = shard
         self.builder = builder
         abstract = abstract_kv_cache(cfg, builder.num_pages * builder.data_shards,
@@ -112,9 +124,9 @@ class ModelRunner:
         zeros = lambda x: jax.jit(lambda: jnp.zeros(x.shape, x.dtype),  # noqa: E731
                                   out_shardings=x.sharding)()
         self.kv_caches: KVCache = [tuple(zeros(x) for x in layer) for layer in abstract]
-        self._jitted = jit_step(graphdef, jax.tree.map(lambda x: x.sharding, params),
-                                jax.tree.map(lambda x: x.sharding, abstract), shard)
-        self._compiled: dict[BucketKey, jax.stages.Compiled] = {}
+        self._jitted = jit_step(graphdef, params, jax.tree.map(lambda x: x.sharding, abstract),
+                                shard)
+        self._ready: set[BucketKey] = set()  # buckets compiled into the jitted step
         self.warmed_up = False
         self.compiles_after_warmup = 0
         self.programs_from_cache = 0
@@ -124,22 +136,20 @@ class ModelRunner:
         # The last step's sampled tokens, on the device (see `step`).
         self.sampled = jax.device_put(np.zeros(builder.max_num_seqs, np.int32), replicated)
 
-    def _compile(self, key: BucketKey) -> jax.stages.Compiled:
-        dummy = self.builder.empty(key)
-        compiled = self._jitted.lower(self.params, self.kv_caches, dummy, self.sampled).compile()
-        self._compiled[key] = compiled
-        return compiled
-
     def warmup(self, progress: bool = True) -> None:
-        """Compile every bucket now, so nothing compiles while serving. The progress bar
+        """Compile every bucket now, so nothing compiles while serving. Each is compiled by
+        running the step once on an all-padding batch (which writes and samples nothing a
+        request sees), so later calls take jit's fast dispatch path. The progress bar
         counts the programs read from the persistent compilation cache."""
-        keys = [k for k in self.builder.all_buckets() if k not in self._compiled]
+        keys = [k for k in self.builder.all_buckets() if k not in self._ready]
         bar = tqdm(keys, desc="compiling step buckets", disable=not progress or not keys,
                    unit="bucket")
         with counting_hits() as hits:
             for key in bar:
-                self._compile(key)
+                self._run(self.builder.empty(key))
+                self._ready.add(key)
                 bar.set_postfix_str(f"{hits[0]} from cache")
+        jax.block_until_ready(self.sampled)
         self.programs_from_cache = hits[0]
         if keys:
             log.info("step programs: %d compiled, %d read from the compilation cache",
@@ -150,21 +160,28 @@ class ModelRunner:
         """Start the step and return its outputs as device arrays, without waiting.
 
         Placeholder tokens of the batch read the previous dispatched step's samples."""
-        compiled = self._compiled.get(key)
-        if compiled is None:
+        if key not in self._ready:
             if self.warmed_up:
                 self.compiles_after_warmup += 1
                 log.warning("compiling bucket %s after warm-up: a bucket is missing", key)
-            compiled = self._compile(key)
+            self._ready.add(key)
         if self.broadcaster is not None:
             self.broadcaster.send(batch, key)
-        self.kv_caches, out, self.sampled = compiled(self.params, self.kv_caches, batch,
-                                                     self.sampled)
+        return self._run(batch)
+
+    def _run(self, batch: StepBatch) -> SampleOutput:
+        self.kv_caches, out, self.sampled = self._jitted(self._param_leaves, self.kv_caches,
+                                                         batch, self.sampled)
         return out
+
+    def compiled(self, key: BucketKey) -> jax.stages.Compiled:
+        """The compiled program of a bucket, for reading its HLO (compiles it again)."""
+        return self._jitted.lower(self._param_leaves, self.kv_caches, self.builder.empty(key),
+                                  self.sampled).compile()
 
     @property
     def num_compiled(self) -> int:
-        return len(self._compiled)
+        return len(self._ready)
 
 
 def fetch(out: SampleOutput) -> SampleOutput:

@@ -11,6 +11,9 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelOptions, RopeScaling
+from pallas_kernels.matmul import default_impl as default_dense_impl
+from pallas_kernels.matmul import matmul as dense_matmul
+from pallas_kernels.matmul import matmuls as dense_matmuls
 from pallas_kernels.quantized_matmul import quantized_matmul, quantized_shapes
 
 
@@ -50,20 +53,53 @@ def linear(rngs: nnx.Rngs | None, in_shape: tuple[int, ...], out_shape: tuple[in
 
 
 def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_in: int,
-           out_shape: tuple[int, ...], options: ModelOptions, impl: str | None = None
-           ) -> jax.Array:
+           out_shape: tuple[int, ...], options: ModelOptions, impl: str | None = None,
+           rows: jax.Array | None = None) -> jax.Array:
     """Contract the last `n_in` dims of x with a weight made by `linear` (its values).
 
-    A float weight is one dot. A quantized weight runs the quantized-matmul kernel of
-    `impl` (default: the options' choice) on x flattened to `[tokens, K]`.
+    A quantized weight runs the quantized-matmul kernel of `impl` (default: the options'
+    choice) on x flattened to `[tokens, K]`. A float weight is one XLA dot, or on a CPU
+    the native matmul (pallas_kernels/matmul), which computes only the first `rows` tokens
+    (the real ones of a bucket-padded batch) and zeros the rest.
     """
-    if scales is None:
-        return jnp.tensordot(x, w, axes=n_in)
     lead = x.shape[: x.ndim - n_in]
-    impl = impl or options.kernel_impl
-    y = quantized_matmul(x.reshape(math.prod(lead), -1), w, scales, kind=options.quantization,
-                         impl=impl, interpret=options.interpret and impl not in (None, "reference"))
+    x2 = x.reshape(math.prod(lead), -1)
+    if scales is None:
+        if dense_impl(options, impl) == "reference":
+            return jnp.tensordot(x, w, axes=n_in)
+        y = dense_matmul(x2, w.reshape(x2.shape[1], -1), rows)
+    else:
+        impl = impl or options.kernel_impl
+        y = quantized_matmul(x2, w, scales, kind=options.quantization, impl=impl,
+                             interpret=options.interpret and impl not in (None, "reference"))
     return y.reshape(lead + out_shape)
+
+
+def matmul_group(x: jax.Array, ws: list[jax.Array], out_shapes: list[tuple[int, ...]],
+                 rows: jax.Array | None = None) -> list[jax.Array]:
+    """Several float weights against the same x (last dim contracted) in one native CPU
+    matmul call (see `matmul`), which streams them together for a few tokens."""
+    x2 = x.reshape(-1, x.shape[-1])
+    ys = dense_matmuls(x2, [w.reshape(x2.shape[1], -1) for w in ws], rows)
+    return [y.reshape(x.shape[:-1] + shape) for y, shape in zip(ys, out_shapes)]
+
+
+def dense_impl(options: ModelOptions, impl: str | None = None) -> str:
+    """Who computes a float matmul: "cpu" (the native kernel) where the options and the
+    platform allow it and it is available, else "reference" (XLA's dot)."""
+    impl = impl or options.kernel_impl
+    if impl is None:
+        return default_dense_impl()
+    return "cpu" if impl == "cpu" else "reference"
+
+
+def lm_head(x: jax.Array, w: jax.Array, transpose_w: bool, options: ModelOptions,
+            impl: str | None = None, rows: jax.Array | None = None) -> jax.Array:
+    """float32 logits `x @ w` (`x @ w.T` for a tied embedding `[vocab, hidden]`); on the
+    native path only the first `rows` rows are computed."""
+    if dense_impl(options, impl) == "reference":
+        return (x @ (w.T if transpose_w else w)).astype(jnp.float32)
+    return dense_matmul(x, w, rows, transpose_w=transpose_w).astype(jnp.float32)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

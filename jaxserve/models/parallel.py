@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxserve.config import ModelOptions
-from jaxserve.models.layers import matmul
+from jaxserve.models.layers import dense_impl, matmul, matmul_group
 from pallas_kernels.ragged_paged_attention import default_impl, ragged_paged_attention, write_kv
 from sharding.rules import DATA, MODEL, ShardingContext
 
@@ -32,19 +32,23 @@ SEQ_AXES = ("seqs",)
 
 def dense(x: jax.Array, w: nnx.Param, scales: nnx.Param | None, n_in: int,
           out_shape: tuple[int, ...], options: ModelOptions, shard: ShardingContext,
-          scatter_tokens: bool = False) -> jax.Array:
+          scatter_tokens: bool = False, rows: jax.Array | None = None) -> jax.Array:
     """Contract the last `n_in` dims of x with a weight made by `layers.linear`.
 
-    A float weight is one dot, which XLA partitions on a mesh. A quantized weight runs the
+    A float weight is one dot, which XLA partitions on a mesh; on one CPU device the
+    native matmul computes only the first `rows` tokens. A quantized weight runs the
     quantized-matmul kernel; on a mesh it runs per device under shard_map: a column-split
     weight (N over `model`) needs no collective, a row-split one (K over `model`) sums its
     partial products over `model`, reduce-scattering them over tokens when
     `scatter_tokens` (sequence parallelism). Where an int4 weight's groups do not divide
     over the devices, the reference (dequantize and dot) runs instead and XLA partitions it.
     """
-    if scales is None or shard.mesh.size == 1:
-        return matmul(x, w[...], None if scales is None else scales[...], n_in, out_shape,
-                      options)
+    single = shard.mesh.size == 1
+    if scales is None:
+        return matmul(x, w[...], None, n_in, out_shape, options,
+                      impl=None if single else "reference", rows=rows)
+    if single:
+        return matmul(x, w[...], scales[...], n_in, out_shape, options)
     w_spec = shard.rules.spec(w.get_metadata()["logical_axes"])
     s_spec = shard.rules.spec(scales.get_metadata()["logical_axes"])
     k_axis, n_axis = w_spec
@@ -71,9 +75,21 @@ def dense(x: jax.Array, w: nnx.Param, scales: nnx.Param | None, n_in: int,
     return y.reshape(lead + out_shape)
 
 
+def dense_group(x: jax.Array, weights: list[tuple[nnx.Param, nnx.Param | None, tuple[int, ...]]],
+                options: ModelOptions, shard: ShardingContext, rows: jax.Array | None = None
+                ) -> list[jax.Array]:
+    """Several projections of the same x (q/k/v, gate/up), (weight, scales, out_shape) each,
+    as `dense` would compute them; float weights on one CPU device go to the native matmul
+    in one call."""
+    if (shard.mesh.size == 1 and all(s is None for _, s, _ in weights)
+            and dense_impl(options) == "cpu"):
+        return matmul_group(x, [w[...] for w, _, _ in weights], [o for _, _, o in weights], rows)
+    return [dense(x, w, s, 1, o, options, shard, rows=rows) for w, s, o in weights]
+
+
 def row_parallel(x: jax.Array, w: nnx.Param, scales: nnx.Param | None, n_in: int,
-                 out_shape: tuple[int, ...], options: ModelOptions, shard: ShardingContext
-                 ) -> jax.Array:
+                 out_shape: tuple[int, ...], options: ModelOptions, shard: ShardingContext,
+                 rows: jax.Array | None = None) -> jax.Array:
     """A row-split matmul (o_proj, down_proj) whose result joins the residual stream.
 
     Under sequence parallelism each device's partial sums are reduce-scattered over
@@ -87,7 +103,7 @@ def row_parallel(x: jax.Array, w: nnx.Param, scales: nnx.Param | None, n_in: int
     if scales is not None:  # quantized: dense runs the kernel per device
         return dense(x, w, scales, n_in, out_shape, options, shard, scatter_tokens=scatter)
     if not scatter:
-        y = dense(x, w, scales, n_in, out_shape, options, shard)
+        y = dense(x, w, scales, n_in, out_shape, options, shard, rows=rows)
         return shard.constrain(y, RESIDUAL_AXES)
 
     def partial_sums(x, w):
@@ -147,6 +163,12 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple[jax.Arra
         in_specs=(spec(Q_AXES), spec(NEW_KV_AXES), spec(NEW_KV_AXES), kv_specs,
                   spec(("tokens",)), seq_spec, seq_spec, seq_spec, seq_spec),
         out_specs=(spec(Q_AXES), kv_specs))(*args)
+
+
+def real_tokens(meta, shard: ShardingContext) -> jax.Array | None:
+    """The batch's real token count, for the native CPU matmul on one device (None on a
+    mesh, where XLA's dots run on every padded token anyway)."""
+    return meta.cu_q_lens[meta.num_seqs[0]] if shard.mesh.size == 1 else None
 
 
 def _only(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:

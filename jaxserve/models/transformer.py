@@ -10,16 +10,17 @@ the mesh.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig, ModelOptions
-from jaxserve.models.layers import apply_rope, linear, param, rms_norm, rope_inv_freq
+from jaxserve.models.layers import (
+    apply_rope, linear, lm_head, param, rms_norm, rope_inv_freq)
 from jaxserve.models.parallel import (
-    KV_CACHE_AXES, NEW_KV_AXES, Q_AXES, RESIDUAL_AXES, dense, paged_attention, row_parallel)
+    KV_CACHE_AXES, NEW_KV_AXES, Q_AXES, RESIDUAL_AXES, dense_group, paged_attention,
+    real_tokens, row_parallel)
 from sharding.rules import ShardingContext
 
 # Per layer: (k_pages, v_pages), plus (k_scales, v_scales) for a quantized cache.
@@ -94,14 +95,15 @@ class Attention(nnx.Module):
         self.window = cfg.layer_window(layer)
         self.kv_heads = hkv
 
-    def __call__(self, x, positions, kv, meta: AttentionMetadata, shard: ShardingContext):
+    def __call__(self, x, positions, kv, meta: AttentionMetadata, shard: ShardingContext,
+                 rows: jax.Array | None = None):
         cfg = self.cfg
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        lin = functools.partial(dense, options=self.options, shard=shard)
         hq, hkv, d = cfg.num_heads, self.kv_heads, cfg.head_dim
-        q = lin(x, self.q_proj, self.q_proj_scales, 1, (hq, d))
-        k = lin(x, self.k_proj, self.k_proj_scales, 1, (hkv, d))
-        v = lin(x, self.v_proj, self.v_proj_scales, 1, (hkv, d))
+        q, k, v = dense_group(x, [(self.q_proj, self.q_proj_scales, (hq, d)),
+                                  (self.k_proj, self.k_proj_scales, (hkv, d)),
+                                  (self.v_proj, self.v_proj_scales, (hkv, d))],
+                              self.options, shard, rows)
         if cfg.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if cfg.qk_norm:
@@ -113,7 +115,7 @@ class Attention(nnx.Module):
         out, kv = paged_attention(q, k, v, kv, meta, shard, self.options,
                                   sm_scale=cfg.head_dim**-0.5, sliding_window=self.window)
         out = row_parallel(out, self.o_proj, self.o_proj_scales, 2, (cfg.hidden_size,),
-                           self.options, shard)
+                           self.options, shard, rows)
         if cfg.o_bias:
             out = out + self.o_bias[...]
         return out, kv
@@ -130,13 +132,15 @@ class MLP(nnx.Module):
         self.options = options
         self.sizes = (e, m)
 
-    def __call__(self, x, shard: ShardingContext):
-        lin = functools.partial(dense, n_in=1, options=self.options, shard=shard)
+    def __call__(self, x, shard: ShardingContext, rows: jax.Array | None = None):
         e, m = self.sizes
-        gate = lin(x, self.gate_proj, self.gate_proj_scales, out_shape=(m,))
-        h = jax.nn.silu(gate) * lin(x, self.up_proj, self.up_proj_scales, out_shape=(m,))
+        gate, up = dense_group(x, [(self.gate_proj, self.gate_proj_scales, (m,)),
+                                   (self.up_proj, self.up_proj_scales, (m,))],
+                               self.options, shard, rows)
+        h = jax.nn.silu(gate) * up
         h = shard.constrain(h, ("tokens", "mlp"))
-        return row_parallel(h, self.down_proj, self.down_proj_scales, 1, (e,), self.options, shard)
+        return row_parallel(h, self.down_proj, self.down_proj_scales, 1, (e,), self.options,
+                            shard, rows)
 
 
 class Block(nnx.Module):
@@ -154,11 +158,12 @@ class Block(nnx.Module):
         # parallelism: the norms run on a shard, an all-gather rebuilds all tokens before
         # the column-split matmuls ("tokens" axis), and the row-split matmuls' partial sums
         # go straight back to token shards (a reduce-scatter instead of an all-reduce).
+        rows = real_tokens(meta, shard)
         h = shard.constrain(rms_norm(x, self.input_norm[...], self.eps), ("tokens", "embed"))
-        h, kv = self.attn(h, positions, kv, meta, shard)
+        h, kv = self.attn(h, positions, kv, meta, shard, rows)
         x = x + shard.constrain(h, RESIDUAL_AXES)
         h = shard.constrain(rms_norm(x, self.post_attn_norm[...], self.eps), ("tokens", "embed"))
-        x = x + shard.constrain(self.mlp(h, shard), RESIDUAL_AXES)
+        x = x + shard.constrain(self.mlp(h, shard, rows), RESIDUAL_AXES)
         return x, kv
 
 
@@ -167,6 +172,7 @@ class Transformer(nnx.Module):
                  options: ModelOptions = ModelOptions()):
         self.cfg = cfg
         self.shard = shard
+        self.options = options
         self.embed = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
         replicas = shard.rules.kv_head_replicas
         self.layers = nnx.List([Block(cfg, i, dtype, rngs, options, replicas)
@@ -186,9 +192,12 @@ class Transformer(nnx.Module):
             new_caches.append(kv)
         return x, new_caches
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """float32 logits `[N, vocab]` for a few rows of hidden states."""
+    def logits(self, hidden: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+        """float32 logits `[N, vocab]` for a few rows of hidden states (the native CPU
+        matmul computes the first `rows` only: the real sequences)."""
         x = rms_norm(hidden, self.norm[...], self.cfg.rms_norm_eps)
-        w = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
-        logits = (x @ w).astype(jnp.float32)
+        tied = self.cfg.tie_word_embeddings
+        impl = None if self.shard.mesh.size == 1 else "reference"  # XLA partitions the dot
+        logits = lm_head(x, self.embed[...] if tied else self.lm_head[...], tied, self.options,
+                         impl, rows)
         return self.shard.constrain(logits, ("seqs", "vocab"))
