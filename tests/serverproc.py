@@ -25,8 +25,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    """Poll grpc.health.v1 until SERVING; it must have said NOT_SERVING during warm-up."""
+def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 300,
+                 cold: bool = False) -> None:
+    """Poll grpc.health.v1 until SERVING. A `cold` server (compiling every program, which
+    takes seconds) must have said NOT_SERVING during its warm-up; one that reads them from
+    the compilation cache may be ready before the first poll."""
     channel = grpc.insecure_channel(target)
     stub = health_pb2_grpc.HealthStub(channel)
     deadline = time.monotonic() + timeout
@@ -37,20 +40,24 @@ def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 300) -> N
             try:
                 status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
                 if status == health_pb2.HealthCheckResponse.SERVING:
-                    assert seen_not_serving, "health was never NOT_SERVING during warm-up"
+                    assert seen_not_serving or not cold, \
+                        "health was never NOT_SERVING during warm-up"
                     return
                 seen_not_serving = True
             except grpc.RpcError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)
         raise TimeoutError("server did not become SERVING")
     finally:
         channel.close()
 
 
 @contextlib.contextmanager
-def running_server(model_dir, log_path, *extra_flags: str):
-    """Yield (target, process); kill the process if a test left it running."""
+def running_server(model_dir, log_path, *extra_flags: str, cold: bool = False):
+    """Yield (target, process); kill the process if a test left it running. `cold`: without
+    the compilation cache (see wait_serving)."""
+    if cold:
+        extra_flags += ("--compilation-cache-dir", "off")
     port = free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     with open(log_path, "w") as out:
@@ -60,7 +67,7 @@ def running_server(model_dir, log_path, *extra_flags: str):
             stdout=out, stderr=subprocess.STDOUT, env=env)
     target = f"127.0.0.1:{port}"
     try:
-        wait_serving(target, proc)
+        wait_serving(target, proc, cold=cold)
     except BaseException:
         proc.kill()
         print(open(log_path).read())

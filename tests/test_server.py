@@ -19,7 +19,8 @@ from server.protos.jaxserve.v1 import inference_pb2 as pb
 def server(checkpoints, tmp_path_factory):
     path, _ = checkpoints("llama")
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with running_server(path, log, "--max-waiting", "500", "--grace", "5") as (target, proc):
+    with running_server(path, log, "--max-waiting", "500", "--grace", "5",
+                        cold=True) as (target, proc):
         yield target, proc, path
 
 
@@ -92,9 +93,16 @@ def test_abort_and_cancel_free_every_page(server, client, prompts):
 
 
 def test_deadline_is_honoured_and_frees_pages(server, client, prompts):
+    long = dict(max_tokens=80, ignore_eos=True)
+    start = time.perf_counter()
+    assert len(client.complete(prompts[3], **long)[0]) == 80
+    deadline = (time.perf_counter() - start) / 4  # a quarter of what the request takes
+    received = []
     with pytest.raises(grpc.RpcError) as e:
-        list(client.generate(prompts[3], timeout=0.05, max_tokens=80, ignore_eos=True))
+        for msg in client.generate(prompts[3], timeout=deadline, **long):
+            received += msg.chunk.token_ids
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert len(received) < 80
     status = wait_idle(client)
     assert (status.running_requests, status.kv_pages_used) == (0, 0)
 

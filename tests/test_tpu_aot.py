@@ -141,14 +141,15 @@ def test_plan_says_when_it_does_not_fit(monkeypatch):
 ])
 def test_engine_step_compiles_with_pallas_kernels(topology, quant):
     """The whole step of Llama-3-8B's dimensions (2 layers) on one chip runs our Mosaic
-    kernels: one ragged paged attention per layer and, quantized, one matmul per linear
-    layer (q, k, v, o, gate, up, down); the weights stay quantized in HBM."""
+    kernels: two ragged paged attention calls per layer (one for decode work items, one for
+    prefill items, each under its own branch) and, quantized, one matmul per linear layer
+    (q, k, v, o, gate, up, down); the weights stay quantized in HBM."""
     cfg = dataclasses.replace(LLAMA3_8B_2L, vocab_size=1024)  # linear layers dominate
     chip = tpu_devices(topology)[:1]
     engine = dataclasses.replace(ENGINE, max_model_len=1024, **quant)
     compiled = compile_step(cfg, engine, {"model": 1}, "tp", chip, PAGES, KEY)
     kernels = compiled.as_text().count('custom_call_target="tpu_custom_call"')
-    assert kernels == cfg.num_layers * (1 + (7 if "quantization" in quant else 0))
+    assert kernels == cfg.num_layers * (2 + (7 if "quantization" in quant else 0))
     e, m, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     linear = 2 * e * (cfg.num_heads + cfg.num_kv_heads) * d + 3 * e * m  # weights per layer
     bits = {None: 16, "int8": 8, "int4": 4}[quant.get("quantization")]
@@ -163,14 +164,15 @@ def test_engine_step_compiles_with_pallas_kernels(topology, quant):
 @pytest.mark.parametrize("strategy,quantization", [("tp+sp", "int4"), ("tp", "int8")])
 def test_quantized_kernels_run_per_chip_on_a_mesh(devices, strategy, quantization):
     """On 4 v5e chips every linear layer runs our Mosaic matmul per chip under shard_map
-    (XLA cannot partition a kernel): 7 matmul kernels + 1 attention kernel per layer on
-    each chip. Row-split layers (o, down) sum their partial products: all-reduce under TP,
-    reduce-scatter to token shards under TP+SP, with int4 groups (128 rows) split whole."""
+    (XLA cannot partition a kernel): 7 matmul kernels + 2 attention kernels (decode and
+    prefill items) per layer on each chip. Row-split layers (o, down) sum their partial
+    products: all-reduce under TP, reduce-scatter to token shards under TP+SP, with int4
+    groups (128 rows) split whole."""
     cfg = dataclasses.replace(LLAMA3_8B_2L, vocab_size=1024)
     engine = dataclasses.replace(ENGINE, max_model_len=1024, quantization=quantization)
     compiled = compile_step(cfg, engine, {"model": 4}, strategy, devices, PAGES, KEY)
     text = compiled.as_text()
-    assert text.count('custom_call_target="tpu_custom_call"') == cfg.num_layers * 8
+    assert text.count('custom_call_target="tpu_custom_call"') == cfg.num_layers * 9
     hidden = rf"= bf16\[(\d+),{cfg.hidden_size}\]\S* (reduce-scatter|all-reduce)(?:-start)?\("
     found = [(int(t), op) for t, op in re.findall(hidden, text)]
     if strategy == "tp+sp":

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
-import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,6 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from jaxserve.demo import cache_root
 
-log = logging.getLogger(__name__)
 
 OFF = "off"
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
@@ -57,9 +55,11 @@ def default_dir() -> Path:
 def enable(directory: str | None) -> Path | None:
     """Use the persistent cache in `directory` (None: `default_dir()`, unless JAX already
     has a cache folder, set by the user's JAX_COMPILATION_CACHE_DIR or by tests; "off":
-    leave it off). Returns the folder in use, or None."""
+    turn it off, even where JAX_COMPILATION_CACHE_DIR set one). Returns the folder in use,
+    or None."""
     configured = jax.config.jax_compilation_cache_dir
     if directory == OFF:
+        jax.config.update("jax_enable_compilation_cache", False)
         return None
     if directory is None and configured:
         return Path(configured)
