@@ -417,3 +417,18 @@ def test_unavailable_warns_and_falls_back(env, tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[-1] == "3.0"
     assert result.stderr.count("native CPU kernels unavailable") == 1
+
+
+def test_isa_cap_from_the_environment():
+    """JAXSERVE_CPU_ISA caps the instruction set for the whole process; a name that is not
+    a level leaves the kernels off with the reason, and the references run."""
+    code = """
+        from pallas_kernels import cpu
+        print(cpu.available(), cpu.isa(), cpu.unavailable_reason())
+        """
+    capped = run_python(code, JAXSERVE_CPU_ISA="avx2")
+    assert capped.returncode == 0, capped.stderr
+    assert capped.stdout.split()[-3:] == ["True", "avx2", "None"]
+    bad = run_python(code, JAXSERVE_CPU_ISA="sse9")
+    assert bad.returncode == 0, bad.stderr
+    assert bad.stdout.split()[:2] == ["False", "None"] and "JAXSERVE_CPU_ISA" in bad.stdout

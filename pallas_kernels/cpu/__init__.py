@@ -15,6 +15,8 @@ AVX-512 / AVX2 paths are picked at run time, per call, from what the CPU reports
 saying why, when `JAXSERVE_CPU_KERNELS=0`, when there is no compiler, or when the build or
 the load fails. Nothing here raises into the caller. The kernels split their work over
 XLA's intra-op threads; `JAXSERVE_CPU_THREADS=N` caps how many they use.
+`JAXSERVE_CPU_ISA=avx512|avx2|scalar` caps the instruction set (to measure what a CPU
+without AVX512_BF16, or without AVX-512, would get).
 """
 
 from __future__ import annotations
@@ -119,6 +121,11 @@ def _build_and_register() -> tuple[ctypes.CDLL, Path]:
     lib.jaxserve_cpu_set_max_isa.argtypes = [ctypes.c_int]
     lib.jaxserve_cpu_set_max_isa.restype = ctypes.c_int
     lib.jaxserve_cpu_isa.restype = ctypes.c_int
+    cap = os.environ.get("JAXSERVE_CPU_ISA")
+    if cap:
+        if cap not in ISA_LEVELS:
+            raise RuntimeError(f"JAXSERVE_CPU_ISA must be one of {list(ISA_LEVELS)}, got {cap!r}")
+        lib.jaxserve_cpu_set_max_isa(ISA_LEVELS[cap])
     for name, symbol in TARGETS.items():
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     return lib, path
