@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, write_kv
+from ragged_lengths import draw_lengths
 
 KERNELS = ["tpu", "gpu"]
 
@@ -24,13 +25,7 @@ def ragged_batch(rng, kind, *, num_seqs=5, page_size=8, num_kv_heads=2, group=4,
                  max_pages=5, dtype=jnp.float32, kv_dtype=None):
     """decode: one new token per sequence; prefill: whole prompts; mixed: both, plus
     prefill chunks that continue an earlier context."""
-    kv_lens, q_lens = [], []
-    for s in range(num_seqs):
-        kv = int(rng.integers(1, max_pages * page_size + 1))
-        phase = kind if kind != "mixed" else ("decode", "prefill", "chunk")[s % 3]
-        q = {"decode": 1, "prefill": kv, "chunk": int(rng.integers(1, kv + 1))}[phase]
-        kv_lens.append(kv)
-        q_lens.append(q)
+    kv_lens, q_lens = draw_lengths(rng, kind, num_seqs, max_pages * page_size)
     max_seqs, pad_tokens = num_seqs + 3, 5  # padding sequence slots and padding tokens
     num_pages = num_seqs * max_pages + 7
     page_indices = np.zeros((max_seqs, max_pages), np.int32)

@@ -38,6 +38,7 @@ from pallas_kernels import cpu as native
 from pallas_kernels.matmul import matmul
 from pallas_kernels.ragged_paged_attention import quantize_kv, ragged_paged_attention
 from pallas_kernels.ragged_paged_attention.kv_cache import as_bits, as_values
+from ragged_lengths import draw_lengths
 
 pytestmark = pytest.mark.skipif(not native.available(),
                                 reason=f"native CPU kernels unavailable: "
@@ -195,13 +196,7 @@ def ragged_batch(rng, *, kind="mixed", num_seqs=5, page_size=8, num_kv_heads=2, 
     each sequence's pages set to garbage (negative, past the pool, stale pages); padding
     sequence slots and padding tokens; `bits`: a bf16 pool as its uint16 bits, as the engine
     keeps it on CPU (kv_cache.pool_dtype). Returns (kwargs, real tokens, clean page table)."""
-    kv_lens, q_lens = [], []
-    for s in range(num_seqs):
-        kv = int(rng.integers(1, max_pages * page_size + 1))
-        phase = kind if kind != "mixed" else ("decode", "prefill", "chunk")[s % 3]
-        q = {"decode": 1, "prefill": kv, "chunk": int(rng.integers(1, kv + 1))}[phase]
-        kv_lens.append(kv)
-        q_lens.append(q)
+    kv_lens, q_lens = draw_lengths(rng, kind, num_seqs, max_pages * page_size)
     max_seqs, pad_tokens = num_seqs + 2, 3
     num_pages = num_seqs * max_pages + 5
     table = np.zeros((max_seqs, max_pages), np.int32)

@@ -153,12 +153,11 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, dtype, rngs, options)
         self.eps = cfg.rms_norm_eps
 
-    def __call__(self, x, positions, kv, meta, shard):
+    def __call__(self, x, positions, kv, meta, shard, rows=None):
         # The residual stream ("residual" axis) is split over tokens under sequence
         # parallelism: the norms run on a shard, an all-gather rebuilds all tokens before
         # the column-split matmuls ("tokens" axis), and the row-split matmuls' partial sums
         # go straight back to token shards (a reduce-scatter instead of an all-reduce).
-        rows = real_tokens(meta, shard)
         h = shard.constrain(rms_norm(x, self.input_norm[...], self.eps), ("tokens", "embed"))
         h, kv = self.attn(h, positions, kv, meta, shard, rows)
         x = x + shard.constrain(h, RESIDUAL_AXES)
@@ -186,9 +185,10 @@ class Transformer(nnx.Module):
         """Hidden states `[T, hidden]` after the last block (before the final norm)."""
         shard = self.shard
         x = shard.constrain(self.embed[...][input_ids], RESIDUAL_AXES)
+        rows = real_tokens(meta, shard)
         new_caches = []
         for block, kv in zip(self.layers, kv_caches):
-            x, kv = block(x, positions, kv, meta, shard)
+            x, kv = block(x, positions, kv, meta, shard, rows)
             new_caches.append(kv)
         return x, new_caches
 

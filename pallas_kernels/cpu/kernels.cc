@@ -1368,19 +1368,29 @@ JS_INLINE void RowRange(const Attn& a, int64_t qpos, int64_t c0, int64_t nk, int
   *jb = last - c0;
 }
 
-JS_INLINE void AttnTaskGeneric(const Attn& a, const AttnTask& t) {
-  const SeqInfo si = SequenceInfo(a, t.seq);
-  const int64_t nq = t.q1 - t.q0, D = a.d, KC = kKeysPerChunk;
-  Work w = MakeWork(nq * a.group, D);
-  LoadQueries(a, t, si, w);
-  int64_t lo, hi;
-  KeyRange(a, si, t.q0, t.q1, &lo, &hi);
-  const int64_t qpos0 = si.kv_len - si.q_len + t.q0;
-  for (int64_t r = 0; r < w.rows; ++r) {
-    w.m[r] = kMasked;
-    w.l[r] = 0.0f;
+// The start every task path shares: its scratch, its queries loaded, its visible keys
+// [lo, hi), and the online softmax reset (running max, sum and output) for its rows, or
+// for its rows padded to the vector tiles.
+JS_INLINE void StartTask(const Attn& a, const AttnTask& t, const SeqInfo& si, Work* w,
+                         int64_t* lo, int64_t* hi, bool padded) {
+  *w = MakeWork((t.q1 - t.q0) * a.group, a.d);
+  LoadQueries(a, t, si, *w);
+  KeyRange(a, si, t.q0, t.q1, lo, hi);
+  const int64_t rows = padded ? w->rows_pad : w->rows;
+  for (int64_t r = 0; r < rows; ++r) {
+    w->m[r] = kMasked;
+    w->l[r] = 0.0f;
   }
-  std::memset(w.o, 0, sizeof(float) * w.rows * D);
+  std::memset(w->o, 0, sizeof(float) * rows * a.d);
+}
+
+JS_INLINE void AttnTaskGeneric(const Attn& a, const AttnTask& t) {
+  const int64_t D = a.d, KC = kKeysPerChunk;
+  const SeqInfo si = SequenceInfo(a, t.seq);
+  Work w;
+  int64_t lo, hi;
+  StartTask(a, t, si, &w, &lo, &hi, /*padded=*/false);
+  const int64_t qpos0 = si.kv_len - si.q_len + t.q0;
   const bool quant = a.ks != nullptr;
   for (int64_t c0 = lo; c0 < hi; c0 += KC) {
     const int64_t nk = std::min(KC, hi - c0);
@@ -1773,18 +1783,12 @@ JS_AVX512 void PrefetchRows(const Attn& a, const int64_t* slot, int64_t nk) {
 }
 
 JS_AVX512 void Avx512AttnTask(const Attn& a, const AttnTask& t) {
+  const int64_t D = a.d, KC = kKeysPerChunk;
   const SeqInfo si = SequenceInfo(a, t.seq);
-  const int64_t nq = t.q1 - t.q0, D = a.d, KC = kKeysPerChunk;
-  Work w = MakeWork(nq * a.group, D);
-  LoadQueries(a, t, si, w);
+  Work w;
   int64_t lo, hi;
-  KeyRange(a, si, t.q0, t.q1, &lo, &hi);
+  StartTask(a, t, si, &w, &lo, &hi, /*padded=*/true);
   const int64_t qpos0 = si.kv_len - si.q_len + t.q0;
-  for (int64_t r = 0; r < w.rows_pad; ++r) {
-    w.m[r] = kMasked;
-    w.l[r] = 0.0f;
-  }
-  std::memset(w.o, 0, sizeof(float) * w.rows_pad * D);
   std::memset(w.zero, 0, sizeof(float) * D);
   const bool quant = a.ks != nullptr;
   // K/V rows are read in place when f32, bf16 or int8 with at most 8 rows (a row is widened
