@@ -20,6 +20,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from jaxserve.loading.chat_template import ChatTemplate, ChatTemplateError
+
 TOKENIZER_JSON = "tokenizer.json"
 SENTENCEPIECE_MODEL = "tokenizer.model"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -280,6 +282,7 @@ class Tokenizer:
         eos_token_id: int | None,
         eos_token_ids: Sequence[int] = (),
         chat_template: str | None = None,
+        special_tokens: dict[str, str] | None = None,
     ):
         self._backend = backend
         self.bos_token_id = bos_token_id
@@ -290,6 +293,8 @@ class Tokenizer:
             dict.fromkeys([*([eos_token_id] if eos_token_id is not None else []), *eos_token_ids])
         )
         self.chat_template = chat_template
+        # {"bos_token": "<s>", ...}: the named special tokens a chat template may print.
+        self.special_tokens = dict(special_tokens or {})
         named = {i for i in (bos_token_id, eos_token_id) if i is not None}
         self._special_ids = frozenset(backend.special_ids | named)
 
@@ -322,6 +327,7 @@ class Tokenizer:
             eos_token_id=eos_id,
             eos_token_ids=[i for c in model_configs for i in _config_ids(c, "eos_token_id")],
             chat_template=_read_chat_template(directory, config),
+            special_tokens=_special_token_strings(token_sources),
         )
 
     @property
@@ -341,6 +347,30 @@ class Tokenizer:
         if skip_special_tokens:
             ids = [i for i in ids if i not in self._special_ids]
         return self._backend.decode(ids)
+
+    def get_chat_template(self, chat_template: str | None = None) -> ChatTemplate:
+        """The model's chat template, or `chat_template` (a Jinja string) in its place."""
+        source = chat_template if chat_template is not None else self.chat_template
+        if source is None:
+            raise ChatTemplateError(
+                "this model has no chat template (no chat_template.jinja, and none in "
+                "tokenizer_config.json or chat_template.json): pass one as chat_template, or "
+                "send a plain prompt")
+        return ChatTemplate(source, self.special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], *,
+                            chat_template: str | None = None, tokenize: bool = True,
+                            add_generation_prompt: bool = False,
+                            continue_final_message: bool = False,
+                            tools: Sequence[dict[str, Any]] | None = None,
+                            **template_kwargs) -> list[int] | str:
+        """A conversation as prompt token ids (or text with `tokenize=False`), rendered and
+        tokenized as transformers' `apply_chat_template` does; ChatTemplateError (a
+        ValueError) when it cannot be."""
+        text = self.get_chat_template(chat_template).render(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **template_kwargs)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def convert_ids_to_tokens(self, ids: int | Iterable[int]) -> list[str]:
         ids = [ids] if isinstance(ids, int) else list(ids)
@@ -411,6 +441,17 @@ def _named_special_tokens(sources: Sequence[dict[str, Any]]) -> list[str]:
             _token_content(v) for v in decoder.values() if isinstance(v, dict) and v.get("special")
         ]
     return [t for t in dict.fromkeys(tokens) if t is not None]
+
+
+def _special_token_strings(sources: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """{"bos_token": "<s>", ...}: each named special token from the first file naming it."""
+    found: dict[str, str] = {}
+    for source in sources:
+        for key in _NAMED_SPECIAL_KEYS:
+            content = _token_content(source.get(key))
+            if content is not None:
+                found.setdefault(key, content)
+    return found
 
 
 def _resolve_token_id(
