@@ -15,10 +15,14 @@ from pathlib import Path
 
 import numpy as np
 
-DEMO_VERSION = 2
+DEMO_VERSION = 3
 SPECIALS = ["<s>", "</s>", "<unk>"]
 # One token per printable ASCII character (and newline), so any output prints cleanly.
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
+# A plain-text chat template, so chat requests work on the demo model too.
+DEMO_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}")
 DEMO_NOTICE = ("note: no --model given, so this is jaxserve's built-in demo model "
                "(random weights): its text is meaningless")
 
@@ -124,4 +128,5 @@ def _write_bpe_tokenizer(path: Path, tokens: list[str], decoder, pre_tokenizer=N
 def _write_tokenizer_config(path: Path) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "unk_token": "<unk>", "model_max_length": _CONFIG["max_position_embeddings"]}))
+        "unk_token": "<unk>", "model_max_length": _CONFIG["max_position_embeddings"],
+        "chat_template": DEMO_CHAT_TEMPLATE}))

@@ -14,6 +14,7 @@ from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+Conversation = list[dict]
 
 
 class LLM:
@@ -37,6 +38,33 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False, *, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None
+             ) -> list[RequestOutput]:
+        """Answer one conversation (a list of {"role", "content"} messages) or several,
+        rendered with the model's chat template (or `chat_template`) as transformers'
+        `apply_chat_template` renders it; `tools` and `chat_template_kwargs` reach the
+        template. Raises ValueError (ChatTemplateError) when a conversation cannot be
+        rendered. Each RequestOutput's `prompt` is the rendered text."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this model has none")
+        single = not messages or isinstance(messages[0], dict)
+        conversations = [messages] if single else list(messages)
+        texts = [tokenizer.apply_chat_template(
+            c, chat_template=chat_template, tokenize=False,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message, tools=tools,
+            **(chat_template_kwargs or {})) for c in conversations]
+        prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        results = self.generate(prompts, sampling_params, use_tqdm)
+        for result, text in zip(results, texts):
+            result.prompt = text
+        return results
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -7,6 +7,7 @@ import dataclasses
 # Device-side limits: the step takes fixed-width arrays for these.
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 24  # stop_token_ids (<= 16) plus EOS ids
+MAX_LOGIT_BIAS = 32  # logit_bias entries per request
 
 
 @dataclasses.dataclass
@@ -35,12 +36,14 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         self.validate()
 
     def validate(self) -> None:
@@ -81,6 +84,14 @@ class SamplingParams:
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            bad("logit_bias", f"may hold at most {MAX_LOGIT_BIAS} tokens")
+        for token, bias in self.logit_bias.items():
+            if not _is_int(token) or token < 0:
+                bad("logit_bias", f"keys must be non-negative token ids ({token!r} is not)")
+            if not _is_number(bias) or not -100.0 <= bias <= 100.0:
+                bad("logit_bias", f"values must be in [-100, 100] ({bias!r} is not)")
 
     @property
     def greedy(self) -> bool:

@@ -138,6 +138,13 @@ def test_bad_arguments_raise_value_error(llm):
         (lambda: llm.generate([[5, 10**6]]), "vocabulary"),
         (lambda: llm.generate([too_long]), "max_model_len"),
         (lambda: llm.generate([[5, 6]], SamplingParams(max_tokens=127)), "max_tokens"),
+        (lambda: SamplingParams(logit_bias={5: 101}), "logit_bias"),
+        (lambda: SamplingParams(logit_bias={i: 1.0 for i in range(33)}), "logit_bias"),
+        (lambda: llm.generate([[5, 6]], SamplingParams(logit_bias={10**6: 1})), "logit_bias"),
+        (lambda: llm.generate([[5, 6]], SamplingParams(stop_token_ids=[10**6])),
+         "stop_token_ids"),
+        (lambda: llm.chat([{"role": "user"}], chat_template="{{ messages[0].content + 1 }}"),
+         "chat template"),
         (lambda: LLM("/nonexistent/dir", warmup=False), "not a directory"),
         (lambda: LLM(None, warmup=False, bogus=1), "unknown LLM arguments"),
     ]
@@ -145,6 +152,38 @@ def test_bad_arguments_raise_value_error(llm):
         with pytest.raises(ValueError, match=needle):
             make()
     assert not llm.engine.has_unfinished()  # a bad prompt left nothing queued
+
+
+def test_chat_renders_as_transformers_and_generates(llm, checkpoints):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(checkpoints("llama")[0])
+    first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    second = [{"role": "user", "content": "Count to three"}]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    results = llm.chat([first, second], params)
+    for conversation, result in zip((first, second), results):
+        want = hf.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+                                      return_dict=False)
+        assert result.prompt_token_ids == want
+        assert result.prompt == hf.apply_chat_template(conversation, add_generation_prompt=True,
+                                                       tokenize=False)
+        assert result.outputs[0].token_ids == llm.generate([want], params)[0].outputs[0].token_ids
+    cont = llm.chat(first + [{"role": "assistant", "content": "Hel"}], params,
+                    continue_final_message=True)[0]
+    assert cont.prompt.endswith("assistant: Hel")
+
+
+def test_logit_bias_forces_a_token(llm, prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    plain = llm.generate([prompts[1]], params)[0].outputs[0].token_ids
+    target = next(t for t in range(3, 300) if t not in plain)
+    biased = llm.generate([prompts[1]], SamplingParams(
+        temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias={target: 100.0}))
+    assert biased[0].outputs[0].token_ids == [target] * 6
+    banned = llm.generate([prompts[1]], SamplingParams(
+        temperature=0.0, max_tokens=6, ignore_eos=True, logit_bias={plain[0]: -100.0}))
+    assert banned[0].outputs[0].token_ids[0] != plain[0]
 
 
 def test_stop_strings_need_a_tokenizer(llm):

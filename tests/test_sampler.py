@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.engine.sampler import SamplingArrays, TokenHistory, apply_penalties, filter_logits, sample
-from jaxserve.sampling_params import MAX_STOP_TOKEN_IDS
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 
 
 def arrays(n, **kw) -> SamplingArrays:
@@ -17,7 +17,9 @@ def arrays(n, **kw) -> SamplingArrays:
                 repetition_penalty=np.ones(n, np.float32), seed=np.arange(n, dtype=np.uint32),
                 output_index=np.zeros(n, np.int32),
                 banned_ids=np.full((n, MAX_STOP_TOKEN_IDS), -1, np.int32),
-                logprobs=np.ones(n, np.bool_))
+                logprobs=np.ones(n, np.bool_),
+                bias_ids=np.full((n, MAX_LOGIT_BIAS), -1, np.int32),
+                bias_values=np.zeros((n, MAX_LOGIT_BIAS), np.float32))
     for k, v in kw.items():
         base[k] = np.asarray(v, base[k].dtype)
     return SamplingArrays(**base)
@@ -94,6 +96,25 @@ def test_greedy_bans_and_logprobs():
                                                       logprobs=[False, False]), None)
     assert np.asarray(none.token_ids).tolist() == [3, 0]
     assert not np.asarray(none.logprob).any() and not np.asarray(none.top_ids).any()
+
+
+def test_logit_bias_moves_the_pick_but_not_the_logprobs():
+    logits = np.array([[0.0, 3.0, 1.0, 2.0], [5.0, 1.0, 0.0, 0.0]], np.float32)
+    ids = np.full((2, MAX_LOGIT_BIAS), -1, np.int32)
+    values = np.zeros((2, MAX_LOGIT_BIAS), np.float32)
+    ids[0, :2], values[0, :2] = [2, 1], [2.5, -1.0]  # row 0: 1 -> 2.0, 2 -> 3.5: picks 2
+    ids[1, 0], values[1, 0] = 3, 100.0  # row 1: token 3 wins
+    out = jax.jit(sample)(jnp.asarray(logits), arrays(2, temperature=[0, 0], bias_ids=ids,
+                                                     bias_values=values), None)
+    assert np.asarray(out.token_ids).tolist() == [2, 3]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    np.testing.assert_allclose(out.logprob, [logp[0, 2], logp[1, 3]], rtol=1e-6)
+    # -100 on every likely token of a sampled row leaves the rest
+    values[1, 0] = -100.0
+    ids[1, 1:3], values[1, 1:3] = [0, 1], [-100.0, -100.0]
+    out = jax.jit(sample)(jnp.asarray(logits), arrays(2, temperature=[1, 1], bias_ids=ids,
+                                                     bias_values=values), None)
+    assert int(out.token_ids[1]) == 2
 
 
 def test_penalties_exact():

@@ -24,7 +24,7 @@ from jaxserve.engine.request import PLACEHOLDER, Sequence
 from jaxserve.engine.sampler import SamplingArrays, TokenHistory
 from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.models.transformer import AttentionMetadata
-from jaxserve.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 
 @jax.tree_util.register_dataclass
@@ -128,6 +128,9 @@ class BatchBuilder:
         a.seed[i] = p.seed
         a.output_index[i] = len(seq.output_token_ids)
         a.logprobs[i] = p.logprobs is not None
+        if p.logit_bias:
+            a.bias_ids[i, :len(p.logit_bias)] = list(p.logit_bias)
+            a.bias_values[i, :len(p.logit_bias)] = list(p.logit_bias.values())
         if len(seq.output_token_ids) < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
             a.banned_ids[i, :len(banned)] = banned[:MAX_STOP_TOKEN_IDS]
@@ -159,6 +162,8 @@ class BatchBuilder:
                 output_index=np.zeros(s, i32),
                 banned_ids=np.full((s, MAX_STOP_TOKEN_IDS), -1, i32),
                 logprobs=np.zeros(s, np.bool_),
+                bias_ids=np.full((s, MAX_LOGIT_BIAS), -1, i32),
+                bias_values=np.zeros((s, MAX_LOGIT_BIAS), np.float32),
             ),
             history=TokenHistory(
                 tokens=np.full((s, self.max_model_len), -1, i32),

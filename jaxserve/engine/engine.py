@@ -155,6 +155,13 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer and this model has none; "
                              "use stop_token_ids")
+        vocab = self.model_config.vocab_size
+        for field, ids in (("stop_token_ids", params.stop_token_ids),
+                           ("logit_bias", params.logit_bias)):
+            outside = [t for t in ids if t >= vocab]
+            if outside:
+                raise ValueError(f"{field}: token id {outside[0]} is outside the vocabulary "
+                                 f"[0, {vocab})")
         token_ids = self._prompt_ids(prompt)
         room = self.max_model_len - len(token_ids)
         if room < 1:

@@ -1,6 +1,6 @@
 """Sampling on device, batched, with per-request parameters as arrays.
 
-Order (as vLLM): penalties → (greedy argmax | temperature → top-k → top-p → min-p → draw).
+Order (as vLLM): logit bias → penalties → (greedy argmax | temperature → top-k → top-p → min-p → draw).
 Each sequence draws with its own key, `fold_in(key(seed), output index)`, so a seeded
 request gets the same tokens whatever else shares its batch. Logprobs are those of the
 model's raw distribution (before penalties and filters), computed only when a sequence of
@@ -22,7 +22,7 @@ _NEG_INF = -jnp.inf
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplingArrays:
-    """Per-sequence sampling parameters `[S]` (banned_ids: `[S, MAX_STOP_TOKEN_IDS]`)."""
+    """Per-sequence sampling parameters `[S]` (banned_ids and bias_*: `[S, N]`)."""
 
     temperature: jax.Array  # f32, 0 = greedy
     top_k: jax.Array  # i32, 0 = off
@@ -35,6 +35,8 @@ class SamplingArrays:
     output_index: jax.Array  # i32, how many tokens the sequence has generated
     banned_ids: jax.Array  # i32, -1 padded: stop tokens forbidden until min_tokens is reached
     logprobs: jax.Array  # bool, the request asked for logprobs
+    bias_ids: jax.Array  # i32 [S, MAX_LOGIT_BIAS], -1 padded: logit_bias's tokens
+    bias_values: jax.Array  # f32 [S, MAX_LOGIT_BIAS]: what is added to their logits
 
 
 @jax.tree_util.register_dataclass
@@ -66,6 +68,13 @@ def apply_penalties(logits: jax.Array, p: SamplingArrays, history: TokenHistory)
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - p.frequency_penalty[:, None] * counts
     return logits - p.presence_penalty[:, None] * (counts > 0)
+
+
+def add_logit_bias(logits: jax.Array, p: SamplingArrays) -> jax.Array:
+    v = logits.shape[1]
+    ids = jnp.where(p.bias_ids >= 0, p.bias_ids, v)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, ids].add(p.bias_values, mode="drop")
 
 
 def ban_tokens(logits: jax.Array, banned_ids: jax.Array) -> jax.Array:
@@ -102,7 +111,8 @@ def filter_logits(logits: jax.Array, p: SamplingArrays) -> jax.Array:
 
 def sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | None) -> SampleOutput:
     """Pick one token per row of `raw_logits[S, V]` (float32)."""
-    logits = raw_logits if history is None else apply_penalties(raw_logits, p, history)
+    logits = add_logit_bias(raw_logits, p)
+    logits = logits if history is None else apply_penalties(logits, p, history)
     logits = ban_tokens(logits, p.banned_ids)
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
