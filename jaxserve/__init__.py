@@ -1,7 +1,14 @@
 """jaxserve: a JAX/XLA inference server for large language models on TPU and GPU."""
 
+from importlib.metadata import PackageNotFoundError, version
+
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
+
+try:
+    __version__ = version("jaxserve")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
 
 
 def __getattr__(name):

@@ -135,7 +135,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             multihost.exit_now(1)
         return 0
     code = asyncio.run(serve(engine, host=args.host, port=args.port,
-                             max_waiting=args.max_waiting, grace_s=args.grace, model_name=name))
+                             max_waiting=args.max_waiting, grace_s=args.grace,
+                             model_name=args.served_model_name or name,
+                             http_port=None if args.no_http else args.http_port))
     if dist is not None and code != 0:
         multihost.exit_now(code)
     return code
@@ -229,10 +231,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    srv = sub.add_parser("serve", help="serve the model over gRPC",
+    srv = sub.add_parser("serve", help="serve the model over gRPC and OpenAI-compatible HTTP",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
-    srv.add_argument("--port", type=int, default=50051)
+    srv.add_argument("--port", type=int, default=50051, help="gRPC port")
+    srv.add_argument("--http-port", type=int, default=8000,
+                     help="OpenAI-compatible HTTP port (same host and engine as gRPC)")
+    srv.add_argument("--no-http", action="store_true", help="serve gRPC only")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model name clients send (default: the --model path, or "
+                          "'demo')")
     srv.add_argument("--max-waiting", type=int, default=1024,
                      help="waiting requests before new ones get RESOURCE_EXHAUSTED")
     srv.add_argument("--grace", type=float, default=30.0,

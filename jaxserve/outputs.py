@@ -25,6 +25,7 @@ class StepOutput:
     stop_reason: str | int | None = None  # the matched stop string or stop token id
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    first_scheduled_at: float | None = None  # time.monotonic() when it first ran (queue time)
 
 
 @dataclasses.dataclass

@@ -1,9 +1,11 @@
-"""The gRPC server: Inference service, health, reflection, warm-up, graceful drain.
+"""One process, one engine, two front doors: gRPC (Inference, JetStream's Orchestrator,
+health, reflection) and OpenAI-compatible HTTP (server/http_server.py), with warm-up and a
+graceful drain for both.
 
-Start-up: the port opens at once with health NOT_SERVING (so probes see a live process),
-the step buckets compile, then health turns SERVING. SIGTERM/SIGINT: health goes
-NOT_SERVING, new requests are refused with UNAVAILABLE, in-flight requests get
-`grace_s` seconds to finish, the rest are aborted, and the process exits 0.
+Start-up: both ports open at once, not ready (gRPC health NOT_SERVING, HTTP /health 503,
+so probes see a live process), the step buckets compile, then both turn ready.
+SIGTERM/SIGINT: both stop accepting (UNAVAILABLE / 503), in-flight requests get `grace_s`
+seconds to finish, the rest are aborted, and the process exits 0.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from grpc_reflection.v1alpha import reflection
 
 from jaxserve.engine.engine import Engine
 from server.async_engine import AsyncEngine
+from server.http_server import HTTPServer
 from server.jetstream import OrchestratorServicer
+from server.metrics import Metrics
 from server.protos.jaxserve.v1 import inference_pb2 as pb
 from server.protos.jaxserve.v1 import inference_pb2_grpc as pb_grpc
 from server.protos.jetstream_proto import jetstream_pb2 as js
@@ -44,9 +48,11 @@ SERVER_OPTIONS = [
 
 
 async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 50051,
-                max_waiting: int = 1024, grace_s: float = 30.0, model_name: str = "") -> int:
-    """Run until SIGTERM/SIGINT; returns the process exit code."""
-    async_engine = AsyncEngine(engine, max_waiting=max_waiting)
+                max_waiting: int = 1024, grace_s: float = 30.0, model_name: str = "",
+                http_port: int | None = 8000) -> int:
+    """Run until SIGTERM/SIGINT; returns the process exit code. `http_port` None: gRPC only."""
+    metrics = Metrics(engine, model_name)
+    async_engine = AsyncEngine(engine, max_waiting=max_waiting, metrics=metrics)
     mesh = engine.runner.shard.mesh
     servicer = InferenceServicer(async_engine, model_name,
                                  {k: int(v) for k, v in mesh.shape.items()})
@@ -70,10 +76,24 @@ async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 50051,
     await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
     log.info("listening on %s (NOT_SERVING until warm-up ends)", address)
+    http = http_task = None
+    if http_port is not None:
+        http = HTTPServer(async_engine, model_name, metrics)
+        bound = asyncio.Event()
+        http_task = asyncio.create_task(http.serve(host, http_port, bound))
+        await asyncio.wait([http_task, asyncio.create_task(bound.wait())],
+                           return_when=asyncio.FIRST_COMPLETED)
+        if http_task.done():
+            await server.stop(grace=None)
+            http_task.result()  # raises the bind error
+        log.info("HTTP (OpenAI API) on http://%s:%d (503 until warm-up ends)", host, http_port)
     await asyncio.to_thread(engine.warmup)
     async_engine.start()
     await set_health(health_pb2.HealthCheckResponse.SERVING)
-    log.info("ready: serving %s on %s", model_name or "model", address)
+    if http is not None:
+        http.ready = True
+    log.info("ready: serving %s on %s%s", model_name or "model", address,
+             f" and http://{host}:{http_port}" if http is not None else "")
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -92,6 +112,8 @@ async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 50051,
     log.info("draining: NOT_SERVING, %d requests in flight, %.0f s grace",
              async_engine.num_streams(), grace_s)
     servicer.accepting = False
+    if http is not None:
+        http.accepting = False
     await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
     deadline = loop.time() + grace_s
     while async_engine.num_streams() and loop.time() < deadline:
@@ -99,6 +121,9 @@ async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 50051,
     async_engine.abort_all()
     await asyncio.sleep(0.2)  # let the aborts reach their streams
     await server.stop(grace=2.0)
+    if http is not None:
+        http.shutdown()
+        await http_task
     async_engine.stop()
     broadcaster = engine.runner.broadcaster
     if broadcaster is not None and async_engine.error is None:

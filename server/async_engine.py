@@ -21,6 +21,7 @@ from jaxserve.engine.broadcast import PING_INTERVAL_S
 from jaxserve.engine.engine import Engine
 from jaxserve.outputs import StepOutput
 from jaxserve.sampling_params import SamplingParams
+from server.metrics import Metrics, RequestTimes
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class QueueFullError(Exception):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    times: RequestTimes
     num_prompt_tokens: int = 0
 
 
@@ -55,8 +57,10 @@ def _settle(fut: asyncio.Future, result=None, error: BaseException | None = None
 class AsyncEngine:
     """Runs `engine.step()` in a loop thread; `generate` streams StepOutputs to asyncio."""
 
-    def __init__(self, engine: Engine, max_waiting: int = 1024, rate_window_s: float = 10.0):
+    def __init__(self, engine: Engine, max_waiting: int = 1024, rate_window_s: float = 10.0,
+                 metrics: Metrics | None = None):
         self.engine = engine
+        self.metrics = metrics
         self.max_waiting = max_waiting
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
@@ -88,11 +92,22 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams
                        ) -> AsyncIterator[StepOutput]:
         """Stream the request's outputs; raises ValueError or QueueFullError before the first."""
+        async for out in await self.add(request_id, prompt, params):
+            yield out
+
+    async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams
+                  ) -> AsyncIterator[StepOutput]:
+        """Admit the request (ValueError or QueueFullError if it cannot be), then return the
+        stream of its outputs."""
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
+        stream = _Stream(loop, asyncio.Queue(), RequestTimes(arrival=time.monotonic()))
         admitted = loop.create_future()
         self._inbox.put(("add", request_id, prompt, params, stream, admitted))
         await admitted
+        return self._outputs(stream)
+
+    @staticmethod
+    async def _outputs(stream: _Stream) -> AsyncIterator[StepOutput]:
         while True:
             out = await stream.queue.get()
             yield out
@@ -137,6 +152,8 @@ class AsyncEngine:
                 outputs = self.engine.step()
                 last_step_end = time.monotonic()
                 self.step_times.append(last_step_end - start)
+                if self.metrics is not None:
+                    self.metrics.step.observe(last_step_end - start)
                 produced = sum(len(o.new_token_ids) for o in outputs)
                 self.total_generated += produced
                 self._recent.append((last_step_end, produced))
@@ -212,4 +229,6 @@ class AsyncEngine:
             return
         if out.finished:
             del self._streams[out.request_id]
+        if self.metrics is not None:
+            self.metrics.on_output(stream.times, out, time.monotonic())
         _deliver(stream.loop, stream.queue.put_nowait, out)

@@ -10,6 +10,7 @@ import sys
 import time
 
 import grpc
+import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "128", "--page-size", "4",
@@ -26,17 +27,24 @@ def free_port() -> int:
 
 
 def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 300,
-                 cold: bool = False) -> None:
+                 cold: bool = False, http_url: str | None = None) -> None:
     """Poll grpc.health.v1 until SERVING. A `cold` server (compiling every program, which
     takes seconds) must have said NOT_SERVING during its warm-up; one that reads them from
-    the compilation cache may be ready before the first poll."""
+    the compilation cache may be ready before the first poll. With `http_url`, GET /health
+    is polled too and its status codes kept in `proc.http_health` (None: no answer)."""
     channel = grpc.insecure_channel(target)
     stub = health_pb2_grpc.HealthStub(channel)
     deadline = time.monotonic() + timeout
     seen_not_serving = False
+    proc.http_health = []
     try:
         while time.monotonic() < deadline:
             assert proc.poll() is None, "server exited during start-up"
+            if http_url is not None:
+                try:
+                    proc.http_health.append(httpx.get(f"{http_url}/health", timeout=2).status_code)
+                except httpx.HTTPError:
+                    proc.http_health.append(None)
             try:
                 status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
                 if status == health_pb2.HealthCheckResponse.SERVING:
@@ -54,20 +62,22 @@ def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 300,
 
 @contextlib.contextmanager
 def running_server(model_dir, log_path, *extra_flags: str, cold: bool = False):
-    """Yield (target, process); kill the process if a test left it running. `cold`: without
-    the compilation cache (see wait_serving)."""
+    """Yield (gRPC target, process); the process's `http_url` is its OpenAI API's base URL.
+    Kill the process if a test left it running. `cold`: without the compilation cache (see
+    wait_serving)."""
     if cold:
         extra_flags += ("--compilation-cache-dir", "off")
-    port = free_port()
+    port, http_port = free_port(), free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     with open(log_path, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir),
-             "--port", str(port), *ENGINE_FLAGS, *extra_flags],
+             "--port", str(port), "--http-port", str(http_port), *ENGINE_FLAGS, *extra_flags],
             stdout=out, stderr=subprocess.STDOUT, env=env)
+    proc.http_url = f"http://127.0.0.1:{http_port}"
     target = f"127.0.0.1:{port}"
     try:
-        wait_serving(target, proc, cold=cold)
+        wait_serving(target, proc, cold=cold, http_url=proc.http_url)
     except BaseException:
         proc.kill()
         print(open(log_path).read())

@@ -27,7 +27,7 @@ def test_help_lists_every_command_and_its_flags(capsys):
         ("serve",): ["--port", "--mesh", "--sharding {tp,tp+sp,dp,dp+tp,dp+tp+sp}",
                      "--dtype {bfloat16,float32}", "--quantization {int8,int4,fp8}",
                      "--kv-cache-dtype {auto,int8,fp8}", "--random-weights", "--coordinator",
-                     "--grace"],
+                     "--grace", "--http-port", "--no-http", "--served-model-name"],
         ("generate",): ["--prompt", "--max-tokens", "--temperature", "--stop", "--model"],
         ("client",): ["{generate,status,info}", "--target"],
         ("plan",): ["--topology", "--target", "--compare", "--strategy", "--plot"],
@@ -49,7 +49,7 @@ def test_generate_on_demo_model(tmp_path, monkeypatch, capsys):
     assert code == 0
     assert "meaningless" in err
     assert "5 tokens, finish_reason=length" in out
-    assert (tmp_path / "demo-v2" / "model.safetensors").exists()
+    assert (tmp_path / "demo-v3" / "model.safetensors").exists()
 
 
 def test_generate_bad_flag_value_is_a_clean_error(capsys):

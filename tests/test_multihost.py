@@ -33,7 +33,7 @@ def start_job(model_dir, tmp_path, mesh=("--mesh", "model=4")):
     procs = []
     for pid in (1, 0):
         cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir),
-               "--port", str(port), *ENGINE_FLAGS, *mesh,
+               "--port", str(port), "--no-http", *ENGINE_FLAGS, *mesh,
                "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(pid)]
         with open(tmp_path / f"process{pid}.log", "w") as out:
             procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env))

@@ -306,7 +306,8 @@ class Engine:
             request_id=seq.request_id, new_token_ids=req.pending, new_text=new_text,
             new_logprobs=req.pending_logprobs if params.logprobs is not None else None,
             finished=finish is not None, finish_reason=finish, stop_reason=stop_reason,
-            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
+            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+            first_scheduled_at=seq.first_scheduled_at)
         req.pending, req.pending_logprobs = [], []
         return out
 

@@ -49,6 +49,7 @@ class Sequence:
     data_shard: int = 0  # whose page pool `page_ids` index (data parallelism)
     num_preemptions: int = 0
     finish_reason: str | None = None
+    first_scheduled_at: float | None = None  # time.monotonic() when first admitted to run
 
     @property
     def num_tokens(self) -> int:

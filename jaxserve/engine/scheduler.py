@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import time
 from typing import Any
 
 from jaxserve.engine.kv_cache import PageAllocator
@@ -262,6 +263,8 @@ class Scheduler:
                 break  # head of line waits for pages; running seqs are not preempted for it
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_at is None:
+                seq.first_scheduled_at = time.monotonic()
             self.running.append(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budgets[data_shard])
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))

@@ -1,0 +1,486 @@
+"""OpenAI-compatible HTTP API (FastAPI on uvicorn), beside gRPC on the same engine.
+
+Routes: POST /v1/chat/completions and /v1/completions (streaming as server-sent events with
+OpenAI's chunk shapes and `data: [DONE]`), GET /v1/models, POST /tokenize and /detokenize,
+GET /health (503 until warm and while draining), GET /version, GET /metrics (Prometheus).
+
+Each HTTP request becomes one engine request per choice (`n`, and per prompt for a list of
+prompts), admitted together: if one cannot be, the others are aborted and the client gets
+the error. Prompts are rendered and tokenized in a worker thread, never on the event loop
+or the engine thread. A client that disconnects has every request of its job aborted at
+the next engine step (a watcher reads the ASGI disconnect message), so its pages return.
+
+Errors are OpenAI's JSON shape: 400 for a bad field (named in `param`), 404 for an unknown
+model, 413 for a body over the limit, 429 when the waiting queue is full, 503 while
+warming up or draining.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import pydantic
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+import jaxserve
+from jaxserve.loading.chat_template import ChatTemplateError
+from jaxserve.outputs import StepOutput
+from jaxserve.sampling_params import SamplingParams
+from server import openai_protocol as oai
+from server.async_engine import AsyncEngine, QueueFullError
+from server.metrics import CONTENT_TYPE, Metrics
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 16 * 2**20
+
+
+@dataclasses.dataclass
+class Choice:
+    """What one choice has produced so far."""
+
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    started: bool = False
+    offset: int = 0  # completions' text_offset of the next token (token texts, echo included)
+
+
+class Job:
+    """The engine requests behind one HTTP request, one per choice."""
+
+    def __init__(self, async_engine: AsyncEngine, base_id: str,
+                 requests: list[tuple[list[int], SamplingParams]]):
+        self.async_engine = async_engine
+        self.requests = [(f"{base_id}-{i}", prompt, p) for i, (prompt, p) in enumerate(requests)]
+        self.streams: list[AsyncIterator[StepOutput]] = []
+        self.done: set[int] = set()
+
+    async def start(self) -> None:
+        """Admit every request, or none: ValueError / QueueFullError after aborting the
+        ones already admitted."""
+        try:
+            for rid, prompt, params in self.requests:
+                self.streams.append(await self.async_engine.add(rid, prompt, params))
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        for i, (rid, _, _) in enumerate(self.requests):
+            if i not in self.done:
+                self.async_engine.abort(rid)  # a no-op once the engine has finished it
+
+    async def outputs(self) -> AsyncIterator[tuple[int, StepOutput]]:
+        """(choice index, output) as they come, until every choice has finished."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: AsyncIterator[StepOutput]) -> None:
+            async for out in stream:
+                await queue.put((i, out))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
+        try:
+            while len(self.done) < len(self.streams):
+                i, out = await queue.get()
+                if out.finished:
+                    self.done.add(i)
+                yield i, out
+        finally:
+            for task in tasks:
+                task.cancel()
+            self.abort()
+
+
+async def _abort_on_disconnect(request: Request, job: Job) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            job.abort()
+            return
+
+
+@contextlib.asynccontextmanager
+async def _watching(request: Request, job: Job):
+    watcher = asyncio.create_task(_abort_on_disconnect(request, job))
+    try:
+        yield
+    finally:
+        watcher.cancel()
+
+
+class _BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is answered 413 before any route
+    reads it (declared or chunked)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._too_large(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._too_large(scope, receive, send)
+            if not message.get("more_body"):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope, receive, send):
+        error = oai.APIError(413, f"the request body is over {self.limit} bytes",
+                             code="request_too_large")
+        await JSONResponse(error.body(), status_code=413)(scope, receive, send)
+
+
+class HTTPServer:
+    """The FastAPI app and its uvicorn server. `ready` (warm) and `accepting` (not
+    draining) are set by server/app.py."""
+
+    def __init__(self, async_engine: AsyncEngine, model_name: str, metrics: Metrics,
+                 max_body_bytes: int = MAX_BODY_BYTES):
+        self.async_engine = async_engine
+        self.engine = async_engine.engine
+        self.model_name = model_name
+        self.metrics = metrics
+        self.ready = False
+        self.accepting = True
+        self.created = int(time.time())
+        app = FastAPI(title="jaxserve", version=jaxserve.__version__, docs_url=None,
+                      redoc_url=None)
+        app.add_exception_handler(oai.APIError, self._api_error)
+        app.add_exception_handler(pydantic.ValidationError, self._validation_error)
+        app.post("/v1/chat/completions")(self.chat_completions)
+        app.post("/v1/completions")(self.completions)
+        app.get("/v1/models")(self.models)
+        app.post("/tokenize")(self.tokenize)
+        app.post("/detokenize")(self.detokenize)
+        app.get("/health")(self.health)
+        app.get("/version")(self.version)
+        app.get("/metrics")(self.scrape)
+        self.app = _BodyLimit(app, max_body_bytes)
+
+    # ----------------------------------------------------------------- plumbing
+
+    async def _api_error(self, request: Request, e: oai.APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    async def _validation_error(self, request: Request, e: pydantic.ValidationError):
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        return await self._api_error(request, oai.APIError(
+            400, f"{where}: {first['msg']}" if where else first["msg"],
+            str(first["loc"][0]) if first["loc"] else None))
+
+    async def _body(self, request: Request, model: type[pydantic.BaseModel]):
+        try:
+            body = json.loads(await request.body())
+        except ValueError as e:
+            raise oai.APIError(400, f"the body is not valid JSON: {e}") from e
+        if not isinstance(body, dict):
+            raise oai.APIError(400, "the body must be a JSON object")
+        return model.model_validate(body)
+
+    def _check_serving(self, model: str | None) -> None:
+        if not self.ready:
+            raise oai.APIError(503, "the server is warming up; retry shortly",
+                               type_="service_unavailable")
+        if not self.accepting or not self.async_engine.is_alive:
+            raise oai.APIError(503, "the server is shutting down", type_="service_unavailable")
+        if model is not None and model != self.model_name:
+            raise oai.APIError(404, f"the model `{model}` does not exist; this server serves "
+                                    f"`{self.model_name}`", "model", code="model_not_found")
+
+    def _tokenizer(self):
+        if self.engine.tokenizer is None:
+            raise oai.APIError(400, "this model has no tokenizer: send token ids", "prompt")
+        return self.engine.tokenizer
+
+    def _token_text(self, token: int) -> str:
+        return self.engine.tokenizer.decode([token], skip_special_tokens=False)
+
+    async def _start(self, request: Request, job: Job) -> None:
+        try:
+            await job.start()
+        except QueueFullError as e:
+            raise oai.APIError(429, str(e), type_="rate_limit_exceeded") from e
+        except ValueError as e:
+            raise oai.bad_request(e, "messages") from e
+
+    @staticmethod
+    def _sse(payload: dict | str) -> str:
+        return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+    # ------------------------------------------------------------------- routes
+
+    async def chat_completions(self, request: Request):
+        req = await self._body(request, oai.ChatCompletionRequest)
+        self._check_serving(req.model)
+        tokenizer = self._tokenizer()
+        logprobs = req.logprob_count()
+        try:
+            ids = await asyncio.to_thread(
+                tokenizer.apply_chat_template, req.messages, chat_template=req.chat_template,
+                add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+                continue_final_message=req.continue_final_message, tools=req.tools,
+                **(req.chat_template_kwargs or {}))
+        except ChatTemplateError as e:
+            raise oai.APIError(400, str(e), "messages") from e
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        try:
+            params = [req.sampling_params(max_tokens, logprobs, i) for i in range(req.n)]
+        except ValueError as e:
+            raise oai.bad_request(e) from e
+        job = Job(self.async_engine, oai.new_id("chatcmpl"), [(ids, p) for p in params])
+        await self._start(request, job)
+        rid = job.requests[0][0].rsplit("-", 1)[0]
+        if req.stream:
+            return StreamingResponse(self._chat_stream(request, req, job, rid, len(ids)),
+                                     media_type="text/event-stream")
+        choices = [Choice() for _ in params]
+        async with _watching(request, job):
+            async for i, out in job.outputs():
+                self._accumulate(choices[i], out, None if logprobs is None else (
+                    lambda o: oai.chat_logprobs(o, logprobs, self._token_text)))
+        return oai.envelope(rid, "chat.completion", self.model_name, [
+            {"index": i, "message": {"role": "assistant", "content": c.text},
+             "logprobs": {"content": [x for part in c.logprobs for x in part]}
+             if logprobs is not None else None,
+             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            for i, c in enumerate(choices)],
+            usage=oai.usage(len(ids), sum(c.num_tokens for c in choices)))
+
+    async def _chat_stream(self, request: Request, req: oai.ChatCompletionRequest, job: Job,
+                           rid: str, num_prompt_tokens: int) -> AsyncIterator[str]:
+        created, logprobs = int(time.time()), req.logprob_count()
+        extra = {"usage": None} if req.include_usage else {}
+        choices = [Choice() for _ in job.requests]
+
+        def chunk(i: int, delta: dict, out: StepOutput | None = None, finish=None) -> str:
+            choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+            if out is not None and logprobs is not None and out.new_token_ids:
+                choice["logprobs"] = {"content": oai.chat_logprobs(out, logprobs,
+                                                                   self._token_text)}
+            if finish is not None:
+                choice["stop_reason"] = choices[i].stop_reason
+            return self._sse(oai.envelope(rid, "chat.completion.chunk", self.model_name,
+                                          [choice], created, **extra))
+
+        async with _watching(request, job):
+            async for i, out in job.outputs():
+                c = choices[i]
+                if not c.started:
+                    c.started = True
+                    yield chunk(i, {"role": "assistant", "content": ""})
+                self._accumulate(c, out)
+                delta = {"content": out.new_text} if out.new_text else {}
+                if out.finished or delta or (logprobs is not None and out.new_token_ids):
+                    yield chunk(i, delta, out, c.finish_reason)
+        if req.include_usage:
+            yield self._sse(oai.envelope(
+                rid, "chat.completion.chunk", self.model_name, [], created,
+                usage=oai.usage(num_prompt_tokens, sum(c.num_tokens for c in choices))))
+        yield self._sse("[DONE]")
+
+    async def completions(self, request: Request):
+        req = await self._body(request, oai.CompletionRequest)
+        self._check_serving(req.model)
+        prompts = req.prompts()
+        tokenizer = self.engine.tokenizer
+        if any(isinstance(p, str) for p in prompts):
+            tokenizer = self._tokenizer()
+        ids = [await asyncio.to_thread(tokenizer.encode, p) if isinstance(p, str) else p
+               for p in prompts]
+        try:
+            params = [req.sampling_params(req.max_tokens, req.logprobs, i)
+                      for i in range(req.n)]
+        except ValueError as e:
+            raise oai.bad_request(e) from e
+        job = Job(self.async_engine, oai.new_id("cmpl"),
+                  [(p, params[i]) for p in ids for i in range(req.n)])
+        await self._start(request, job)
+        rid = job.requests[0][0].rsplit("-", 1)[0]
+        echoes = [""] * len(job.requests)
+        if req.echo:
+            texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
+            echoes = [t for t in texts for _ in range(req.n)]
+        num_prompt_tokens = sum(len(p) for p in ids)
+        if req.stream:
+            return StreamingResponse(
+                self._completion_stream(request, req, job, rid, echoes, num_prompt_tokens),
+                media_type="text/event-stream")
+        choices = [Choice(text=e, offset=len(e)) for e in echoes]
+        async with _watching(request, job):
+            async for i, out in job.outputs():
+                self._accumulate(choices[i], out, None if req.logprobs is None else (
+                    lambda o: self._completion_logprobs(choices[i], o, req.logprobs)))
+        return oai.envelope(rid, "text_completion", self.model_name, [
+            {"index": i, "text": c.text, "logprobs": _merge(c.logprobs)
+             if req.logprobs is not None else None,
+             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            for i, c in enumerate(choices)],
+            usage=oai.usage(num_prompt_tokens, sum(c.num_tokens for c in choices)))
+
+    async def _completion_stream(self, request: Request, req: oai.CompletionRequest, job: Job,
+                                 rid: str, echoes: list[str], num_prompt_tokens: int
+                                 ) -> AsyncIterator[str]:
+        created = int(time.time())
+        extra = {"usage": None} if req.include_usage else {}
+        choices = [Choice(offset=len(e)) for e in echoes]
+        async with _watching(request, job):
+            async for i, out in job.outputs():
+                c = choices[i]
+                text = out.new_text
+                if not c.started:
+                    c.started = True
+                    text = echoes[i] + text
+                self._accumulate(c, out)
+                if not (text or out.finished or (req.logprobs is not None and out.new_token_ids)):
+                    continue
+                choice = {"index": i, "text": text, "logprobs": None,
+                          "finish_reason": c.finish_reason}
+                if req.logprobs is not None:
+                    choice["logprobs"] = self._completion_logprobs(c, out, req.logprobs)
+                if out.finished:
+                    choice["stop_reason"] = c.stop_reason
+                yield self._sse(oai.envelope(rid, "text_completion", self.model_name, [choice],
+                                             created, **extra))
+        if req.include_usage:
+            yield self._sse(oai.envelope(
+                rid, "text_completion", self.model_name, [], created,
+                usage=oai.usage(num_prompt_tokens, sum(c.num_tokens for c in choices))))
+        yield self._sse("[DONE]")
+
+    def _completion_logprobs(self, c: Choice, out: StepOutput, n: int) -> dict:
+        part = oai.completion_logprobs(out, n, self._token_text, c.offset)
+        c.offset += sum(len(t) for t in part["tokens"])
+        return part
+
+    @staticmethod
+    def _accumulate(c: Choice, out: StepOutput, logprobs: Callable | None = None) -> None:
+        c.text += out.new_text
+        c.num_tokens += len(out.new_token_ids)
+        if logprobs is not None and out.new_logprobs:
+            c.logprobs.append(logprobs(out))
+        if out.finished:
+            c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+
+    async def models(self):
+        return {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created,
+            "owned_by": "jaxserve", "root": self.model_name,
+            "max_model_len": self.engine.max_model_len}]}
+
+    async def tokenize(self, request: Request):
+        body = await self._body(request, _TokenizeRequest)
+        self._check_serving(body.model)
+        tokenizer = self._tokenizer()
+        try:
+            if body.messages is not None:
+                ids = await asyncio.to_thread(
+                    tokenizer.apply_chat_template, body.messages,
+                    add_generation_prompt=body.add_generation_prompt)
+            elif body.prompt is not None:
+                ids = await asyncio.to_thread(tokenizer.encode, body.prompt,
+                                              body.add_special_tokens)
+            else:
+                raise oai.APIError(400, "set prompt or messages", "prompt")
+        except ChatTemplateError as e:
+            raise oai.APIError(400, str(e), "messages") from e
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+
+    async def detokenize(self, request: Request):
+        body = await self._body(request, _DetokenizeRequest)
+        self._check_serving(body.model)
+        vocab = self.engine.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise oai.APIError(400, f"tokens: id {bad[0]} is outside the vocabulary "
+                                    f"[0, {vocab})", "tokens")
+        return {"prompt": self._tokenizer().decode(body.tokens)}
+
+    async def health(self):
+        try:
+            self._check_serving(None)
+        except oai.APIError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        return Response(status_code=200)
+
+    async def version(self):
+        return {"version": jaxserve.__version__}
+
+    async def scrape(self):
+        return Response(self.metrics.scrape(), media_type=CONTENT_TYPE)
+
+    # -------------------------------------------------------------------- serve
+
+    async def serve(self, host: str, port: int, started: asyncio.Event) -> None:
+        """Serve until `shutdown()`; sets `started` once the port is bound."""
+        config = uvicorn.Config(self.app, host=host, port=port, log_level="warning",
+                                lifespan="off", timeout_graceful_shutdown=2)
+        self._server = _Uvicorn(config)
+        task = asyncio.create_task(self._server.serve())
+        while not self._server.started and not task.done():
+            await asyncio.sleep(0.01)
+        if task.done():
+            task.result()  # re-raise the bind error
+            raise OSError(f"cannot bind {host}:{port}")
+        started.set()
+        await task
+
+    def shutdown(self) -> None:
+        self._server.should_exit = True
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: server/app.py drains both servers."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def _merge(parts: list[dict]) -> dict:
+    """Completion logprobs objects of consecutive outputs as one."""
+    keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    return {k: [x for p in parts for x in p[k]] for k in keys}
+
+
+class _TokenizeRequest(pydantic.BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class _DetokenizeRequest(pydantic.BaseModel):
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,135 @@
+"""Prometheus metrics for both front doors (gRPC and HTTP), named as vLLM names them.
+
+Every request goes through the AsyncEngine, which reports to `Metrics`: admission, each
+output, the end. Gauges (running / waiting requests, KV cache use) and the prefix-cache
+counters are read from the engine at scrape time. Names take vLLM's with a `jaxserve:`
+prefix and a `model_name` label, so vLLM dashboards work after a rename; docs/serving.md
+lists them and docs/grafana.json plots them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_created_metrics,
+                               generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from jaxserve.engine.engine import Engine
+from jaxserve.outputs import StepOutput
+
+PREFIX = "jaxserve:"
+# Buckets as vLLM's (seconds).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+STEP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+disable_created_metrics()  # no `_created` series beside every counter (as vLLM)
+
+
+@dataclasses.dataclass
+class RequestTimes:
+    """One request's clock readings (time.monotonic())."""
+
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+    num_generated: int = 0
+
+
+class Metrics:
+    """The registry one server exposes at GET /metrics."""
+
+    def __init__(self, engine: Engine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        label = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(PREFIX + name, doc, label, buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str):
+            return Counter(PREFIX + name, doc, label, registry=self.registry).labels(model_name)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self._success = Counter(PREFIX + "request_success", "Finished requests by reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(model_name, reason)  # present at 0 from the start
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.",
+                              TTFT_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds",
+                              "Time between output tokens (per step that produced tokens).",
+                              TPOT_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to end.",
+                             LATENCY_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds",
+                               "Time a request waited before it first ran.", LATENCY_BUCKETS)
+        self.step = histogram("step_time_seconds", "Engine step time.", STEP_BUCKETS)
+        self.request_prompt = histogram("request_prompt_tokens", "Prompt tokens per request.",
+                                        TOKEN_BUCKETS)
+        self.request_generation = histogram("request_generation_tokens",
+                                            "Generated tokens per request.", TOKEN_BUCKETS)
+        self.registry.register(_EngineCollector(engine, model_name))
+
+    def on_output(self, times: RequestTimes, out: StepOutput, now: float) -> None:
+        """Called (engine thread) for every output of a request admitted at times.arrival."""
+        n = len(out.new_token_ids)
+        if n:
+            if times.first_token is None:
+                times.first_token = now
+                self.ttft.observe(now - times.arrival)
+            else:
+                self.tpot.observe((now - times.last_token) / n)
+            times.last_token = now
+            times.num_generated += n
+            self.generation_tokens.inc(n)
+        if out.finished:
+            self._success.labels(self.model_name, out.finish_reason or "abort").inc()
+            self.prompt_tokens.inc(out.num_prompt_tokens)
+            self.request_prompt.observe(out.num_prompt_tokens)
+            self.request_generation.observe(times.num_generated)
+            self.e2e.observe(now - times.arrival)
+            if out.first_scheduled_at is not None:
+                self.queue.observe(max(out.first_scheduled_at - times.arrival, 0.0))
+
+    def scrape(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Gauges and counters the engine keeps, read when scraped."""
+
+    def __init__(self, engine: Engine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self):
+        sched = self.engine.scheduler
+        labels = [self.model_name]
+        for name, doc, value in (
+                ("num_requests_running", "Requests in the running batch.", sched.num_running),
+                ("num_requests_waiting", "Requests waiting to run.", sched.num_waiting),
+                ("kv_cache_usage_perc", "Fraction of KV cache pages in use (0-1).",
+                 sched.num_used_pages / max(sched.num_pages, 1))):
+            gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            gauge.add_metric(labels, value)
+            yield gauge
+        queries = sum(a.prefix_queries for a in sched.allocators)
+        hits = sum(a.prefix_hits for a in sched.allocators)
+        for name, doc, value in (
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries),
+                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits),
+                ("num_preemptions", "Requests preempted (their KV recomputed later).",
+                 sched.num_preemptions)):
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            counter.add_metric(labels, value)
+            yield counter

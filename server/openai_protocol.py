@@ -1,0 +1,194 @@
+"""OpenAI's request bodies (with vLLM's extra fields) and the response shapes built from
+engine outputs. Pure data: the routes live in server/http_server.py.
+
+Validation happens in two places and both name the field: pydantic checks types here
+(`ValidationError` -> 400), SamplingParams and the engine check values (`ValueError`
+-> 400). Unknown fields are ignored, as OpenAI and vLLM do.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jaxserve.outputs import Logprob, StepOutput
+from jaxserve.sampling_params import SamplingParams
+
+MAX_N = 128
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's JSON shape with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = (
+            status, message, param, type_, code)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(e: Exception, default_param: str | None = None) -> APIError:
+    """A ValueError from SamplingParams / the engine / the chat template as a 400 naming the
+    field it is about."""
+    message = str(e)
+    match = re.match(r"SamplingParams\.(\w+)", message)
+    if match is None and "max_tokens" in message:
+        return APIError(400, message, "max_tokens")
+    match = match or re.match(r"(\w+)[:\s]", message)
+    fields = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
+    param = match.group(1) if match and match.group(1) in fields else default_param
+    return APIError(400, message, param)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """Fields shared by chat and text completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        index: int) -> SamplingParams:
+        """The params of choice `index` (a seeded request's choices use seed + index, so
+        they differ and each is reproducible)."""
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise APIError(400, f"logit_bias: keys must be token ids, got {key!r}",
+                               "logit_bias")
+            bias[int(key)] = value
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            seed=None if self.seed is None else (self.seed + index) % 2**32,
+            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens, logit_bias=bias)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    # vLLM's chat extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def logprob_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        if not prompts or any(len(x) == 0 for x in prompts):
+            raise APIError(400, "prompt: must not be empty", "prompt")
+        if self.suffix:
+            raise APIError(400, "suffix: this server does not do fill-in-the-middle", "suffix")
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs needs prompt logprobs, which this server "
+                                "does not compute: ask for one of them", "echo")
+        return prompts
+
+
+# ----------------------------------------------------------------------- responses
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def envelope(id_: str, object_: str, model: str, choices: list, created: int | None = None,
+             **extra) -> dict:
+    return {"id": id_, "object": object_, "created": created or int(time.time()),
+            "model": model, "choices": choices, **extra}
+
+
+def _top(entries: dict[int, Logprob], n: int) -> list[tuple[int, float]]:
+    ranked = sorted((e.rank, t, e.logprob) for t, e in entries.items() if e.rank is not None)
+    return [(t, lp) for _, t, lp in ranked[:n]]
+
+
+def chat_logprobs(out: StepOutput, n: int, token_text) -> list[dict]:
+    """OpenAI's `logprobs.content` entries for the new tokens of `out`."""
+    def entry(token: int, logprob: float) -> dict:
+        text = token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return [{**entry(t, e[t].logprob),
+             "top_logprobs": [entry(i, lp) for i, lp in _top(e, n)]}
+            for t, e in zip(out.new_token_ids, out.new_logprobs or [])]
+
+
+def completion_logprobs(out: StepOutput, n: int, token_text, offset: int) -> dict:
+    """The legacy completions `logprobs` object for the new tokens of `out`; `offset` is
+    where their text starts in the choice's text."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for t, e in zip(out.new_token_ids, out.new_logprobs or []):
+        text = token_text(t)
+        tokens.append(text)
+        token_logprobs.append(e[t].logprob)
+        top.append({token_text(i): lp for i, lp in _top(e, n)})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+            "text_offset": offsets}
+

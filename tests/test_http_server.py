@@ -1,0 +1,334 @@
+"""End-to-end: the OpenAI-compatible HTTP API of a real `jaxserve serve` process, driven by
+the official `openai` package and by raw HTTP (httpx) for the wire format and errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from serverproc import ENGINE, running_server
+from server.client import Client
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints, tmp_path_factory):
+    path, _ = checkpoints("llama")
+    log = tmp_path_factory.mktemp("http") / "server.log"
+    with running_server(path, log, "--max-waiting", "500", cold=True) as (target, proc):
+        yield target, proc, path
+
+
+@pytest.fixture(scope="module")
+def llm(server):
+    return LLM(str(server[2]), **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server[1].http_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def grpc_client(server):
+    c = Client(server[0])
+    yield c
+    c.close()
+
+
+def wait_idle(grpc_client: Client, timeout: float = 10):
+    deadline = time.monotonic() + timeout
+    while True:
+        status = grpc_client.status()
+        if (status.running_requests == 0 and status.waiting_requests == 0) or \
+                time.monotonic() > deadline:
+            return status
+        time.sleep(0.05)
+
+
+def test_health_is_503_until_warm_then_200(server):
+    statuses = [s for s in server[1].http_health if s is not None]
+    assert statuses and statuses[0] == 503, statuses
+    assert httpx.get(f"{server[1].http_url}/health").status_code == 200
+    assert httpx.get(f"{server[1].http_url}/version").json()["version"]
+
+
+def test_models_lists_the_served_model(server, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [str(server[2])]
+
+
+def test_chat_equals_offline_chat(server, client, llm):
+    params = dict(temperature=0.8, top_p=0.95, seed=11, max_tokens=12)
+    want = llm.chat(CHAT, SamplingParams(**params, ignore_eos=True))[0]
+    got = client.chat.completions.create(model=str(server[2]), messages=CHAT,
+                                         extra_body={"ignore_eos": True}, **params)
+    assert got.choices[0].message.content == want.outputs[0].text
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].finish_reason == "length"
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (
+        len(want.prompt_token_ids), 12)
+    again = client.chat.completions.create(model=str(server[2]), messages=CHAT,
+                                           extra_body={"ignore_eos": True}, **params)
+    assert again.choices[0].message.content == got.choices[0].message.content
+
+    stream = client.chat.completions.create(
+        messages=CHAT, stream=True, stream_options={"include_usage": True},
+        model=str(server[2]), extra_body={"ignore_eos": True}, **params)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        want.outputs[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_n_prompts_seeds_and_token_ids(server, client, llm, prompts):
+    got = client.completions.create(model=str(server[2]), prompt=["Hello", "Hi there"], n=2,
+                                    max_tokens=6, temperature=1.0, seed=5,
+                                    extra_body={"ignore_eos": True})
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    texts = [c.text for c in got.choices]
+    # choice i of a seeded request samples with seed + i
+    for i, prompt in enumerate(["Hello", "Hello", "Hi there", "Hi there"]):
+        want = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=1.0, seed=5 + i % 2,
+                                                     ignore_eos=True))[0]
+        assert texts[i] == want.outputs[0].text
+    tok = llm.get_tokenizer()
+    assert got.usage.prompt_tokens == len(tok.encode("Hello")) + len(tok.encode("Hi there"))
+    assert got.usage.completion_tokens == 24
+    ids = client.completions.create(model=str(server[2]), prompt=[prompts[1], prompts[2]],
+                                    max_tokens=3, temperature=0.0)
+    for choice, prompt in zip(ids.choices, prompts[1:3]):
+        want = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0))[0]
+        assert choice.text == want.outputs[0].text
+    echoed = client.completions.create(model=str(server[2]), prompt="Hello", max_tokens=3,
+                                       echo=True, temperature=0.0)
+    assert echoed.choices[0].text.startswith("Hello")
+
+
+def test_logprobs_match_the_engine(server, client, llm):
+    want = llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=5, logprobs=3))[0].outputs[0]
+    got = client.chat.completions.create(model=str(server[2]), messages=CHAT, max_tokens=5,
+                                         temperature=0.0, logprobs=True, top_logprobs=3)
+    content = got.choices[0].logprobs.content
+    tok = llm.get_tokenizer()
+    assert [c.token for c in content] == [tok.decode([t], skip_special_tokens=False)
+                                          for t in want.token_ids]
+    for c, t, entries in zip(content, want.token_ids, want.logprobs):
+        assert c.logprob == pytest.approx(entries[t].logprob, abs=1e-5)
+        assert len(c.top_logprobs) == 3
+        assert c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob >= c.top_logprobs[2].logprob
+    completion = client.completions.create(model=str(server[2]), prompt="Hello", max_tokens=4,
+                                           temperature=0.0, logprobs=2)
+    lp = completion.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == completion.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+
+
+def test_stop_strings_and_logit_bias(server, client, llm):
+    plain = client.completions.create(model=str(server[2]), prompt="Hello", max_tokens=10,
+                                      temperature=0.0, extra_body={"ignore_eos": True})
+    text = plain.choices[0].text
+    stop = text[3:5]
+    stopped = client.completions.create(model=str(server[2]), prompt="Hello", max_tokens=10,
+                                        temperature=0.0, stop=[stop],
+                                        extra_body={"ignore_eos": True})
+    assert stopped.choices[0].text == text[:text.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+    token = llm.get_tokenizer().encode("Q", add_special_tokens=False)[0]
+    biased = client.completions.create(model=str(server[2]), prompt="Hello", max_tokens=4,
+                                       temperature=0.0, logit_bias={str(token): 100})
+    assert biased.choices[0].text == "QQQQ"
+
+
+def test_sse_wire_format(server):
+    body = {"prompt": "Hello", "max_tokens": 4, "stream": True, "temperature": 0.0}
+    with httpx.stream("POST", f"{server[1].http_url}/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    for event in events[:-2]:
+        assert event.startswith("data: ")
+        chunk = json.loads(event[len("data: "):])
+        assert chunk["object"] == "text_completion" and chunk["id"].startswith("cmpl-")
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "top_p": "wide"}, 400, "top_p"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [10**7]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 1000}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 300}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**7]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"messages": CHAT, "model": "gpt-4"}, 404, "model"),
+])
+def test_bad_requests_fail_alone_with_openai_errors(server, client, path, body, status, param):
+    r = httpx.post(f"{server[1].http_url}{path}", json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+    ok = client.completions.create(model=str(server[2]), prompt="Hello", max_tokens=2)
+    assert ok.choices[0].text
+
+
+def test_malformed_and_oversized_bodies(server):
+    url = f"{server[1].http_url}/v1/completions"
+    r = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"prompt": "x" * (17 * 2**20)})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no content-length: counted as it arrives
+        for _ in range(20):
+            yield b" " * 2**20
+    r = httpx.post(url, content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert httpx.get(f"{server[1].http_url}/health").status_code == 200
+
+
+def test_tokenize_and_detokenize(server, llm):
+    url = server[1].http_url
+    tok = llm.get_tokenizer()
+    r = httpx.post(f"{url}/tokenize", json={"prompt": "Hello"}).json()
+    assert r["tokens"] == tok.encode("Hello") and r["count"] == len(r["tokens"])
+    r = httpx.post(f"{url}/tokenize", json={"messages": CHAT}).json()
+    assert r["tokens"] == tok.apply_chat_template(CHAT, add_generation_prompt=True)
+    assert httpx.post(f"{url}/detokenize", json={"tokens": tok.encode("Hello", False)}
+                      ).json()["prompt"] == "Hello"
+    assert httpx.post(f"{url}/detokenize", json={"tokens": [10**7]}).status_code == 400
+
+
+def _scrape(url: str) -> dict[str, float]:
+    values = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            name = re.sub(r',?model_name="[^"]*"', "", name).replace("{,", "{")
+            values[name.replace("{}", "")] = float(value)
+    return values
+
+
+def test_metrics_count_a_known_workload(server, client, grpc_client):
+    url = server[1].http_url
+    wait_idle(grpc_client)
+    before = _scrape(url)
+    for n in (3, 5):
+        client.completions.create(model=str(server[2]), prompt=[5] * n, max_tokens=4,
+                                  extra_body={"ignore_eos": True})
+    list(grpc_client.generate([7, 8, 9], max_tokens=2, ignore_eos=True))
+    after = _scrape(url)
+
+    def delta(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta('jaxserve:request_success_total{finished_reason="length"}') == 3
+    assert delta("jaxserve:prompt_tokens_total") == 3 + 5 + 3
+    assert delta("jaxserve:generation_tokens_total") == 4 + 4 + 2
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
+                      "request_queue_time_seconds", "request_prompt_tokens"):
+        assert delta(f"jaxserve:{histogram}_count") == 3, histogram
+    assert delta("jaxserve:time_per_output_token_seconds_count") >= 3
+    assert delta("jaxserve:step_time_seconds_count") >= 4
+    assert after["jaxserve:num_requests_running"] == 0
+    assert 0 <= after["jaxserve:kv_cache_usage_perc"] <= 1
+    assert after["jaxserve:prefix_cache_queries_total"] >= after["jaxserve:prefix_cache_hits_total"]
+
+
+def test_50_clients_dropping_mid_stream_return_every_page(server, grpc_client):
+    url = f"{server[1].http_url}/v1/chat/completions"
+    idle = wait_idle(grpc_client)
+    rng = random.Random(0)
+
+    async def drop_after(k: int, i: int):
+        body = {"messages": [{"role": "user", "content": f"story {i}"}], "max_tokens": 60,
+                "stream": True, "ignore_eos": True}
+        async with httpx.AsyncClient(timeout=60) as c:
+            async with c.stream("POST", url, json=body) as r:
+                assert r.status_code == 200
+                seen = 0
+                async for line in r.aiter_lines():
+                    seen += line.startswith("data: ")
+                    if seen >= k:
+                        return  # leaving the block closes the connection mid-stream
+
+    async def main():
+        await asyncio.gather(*(drop_after(rng.randint(1, 20), i) for i in range(50)))
+
+    asyncio.run(main())
+    status = wait_idle(grpc_client)
+    assert status.running_requests == 0 and status.waiting_requests == 0
+    assert status.kv_pages_used == idle.kv_pages_used
+    assert _scrape(server[1].http_url)["jaxserve:num_requests_running"] == 0
+
+
+@pytest.mark.slow
+def test_queue_full_429_and_draining_503(checkpoints, tmp_path):
+    path, _ = checkpoints("llama")
+    with running_server(path, tmp_path / "server.log", "--max-waiting", "1",
+                        "--grace", "30") as (target, proc):
+        url = f"{proc.http_url}/v1/completions"
+
+        async def burst():
+            body = {"prompt": "Hello", "max_tokens": 100, "ignore_eos": True}
+            async with httpx.AsyncClient(timeout=120) as c:
+                return await asyncio.gather(*(c.post(url, json=body) for _ in range(12)))
+
+        responses = asyncio.run(burst())
+        codes = sorted(r.status_code for r in responses)
+        assert 200 in codes and 429 in codes, codes
+        limited = next(r for r in responses if r.status_code == 429)
+        assert limited.json()["error"]["type"] == "rate_limit_exceeded"
+
+        async def drain():
+            body = {"prompt": "Hello", "max_tokens": 120, "ignore_eos": True, "stream": True}
+            async with httpx.AsyncClient(timeout=120) as c:
+                async def stream(first: asyncio.Event):
+                    async with c.stream("POST", url, json=body) as r:
+                        lines = []
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: "):
+                                lines.append(line)
+                                first.set()
+                        return lines
+
+                streams = []
+                for _ in range(4):  # one at a time: the waiting queue holds one
+                    first = asyncio.Event()
+                    streams.append(asyncio.create_task(stream(first)))
+                    await first.wait()
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.02)
+                health = await c.get(f"{proc.http_url}/health")
+                refused = await c.post(url, json=body)
+                return await asyncio.gather(*streams), health, refused
+
+        finished, health, refused = asyncio.run(drain())
+        assert health.status_code == 503 and refused.status_code == 503
+        assert refused.json()["error"]["message"] == "the server is shutting down"
+        for lines in finished:  # in-flight streams ran to the end
+            assert lines[-1] == "data: [DONE]"
+            assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=60) == 0
