@@ -1,4 +1,5 @@
-"""`jaxserve` command line: serve (gRPC), generate (offline), client."""
+"""`jaxserve` command line: serve (gRPC + HTTP), generate (offline), client, bench, plan,
+convert."""
 
 from __future__ import annotations
 
@@ -268,6 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
     cgen.add_argument("--temperature", type=float, default=0.0)
     cgen.add_argument("--seed", type=int, default=None)
     cgen.add_argument("--stream", action="store_true", help="print text as it arrives")
+    cchat = csub.add_parser("chat", help="chat interactively (the model's chat template), "
+                                         "streaming each reply; an empty line or EOF ends")
+    cchat.add_argument("--system", default=None, help="a system message to start with")
+    cchat.add_argument("--max-tokens", type=int, default=256)
+    cchat.add_argument("--temperature", type=float, default=0.7)
+    cchat.add_argument("--seed", type=int, default=None)
     csub.add_parser("status", help="running/waiting requests, KV pages, tokens/s")
     csub.add_parser("info", help="model and engine facts")
     cli.set_defaults(func=cmd_client)

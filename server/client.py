@@ -19,11 +19,18 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def make_request(prompt: str | list[int], request_id: str = "", **sampling) -> pb.GenerateRequest:
-    """A GenerateRequest from a text or token-id prompt and SamplingParams fields."""
+Prompt = str | list[int] | list[dict]
+
+
+def make_request(prompt: Prompt, request_id: str = "", **sampling) -> pb.GenerateRequest:
+    """A GenerateRequest from a prompt (text, token ids, or a conversation: a list of
+    {"role", "content"} messages for the model's chat template) and SamplingParams fields."""
     req = pb.GenerateRequest(request_id=request_id, sampling=pb.SamplingParams(**sampling))
     if isinstance(prompt, str):
         req.text = prompt
+    elif prompt and isinstance(prompt[0], dict):
+        req.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"])
+                                     for m in prompt)
     else:
         req.token_ids.ids.extend(prompt)
     return req
@@ -36,11 +43,11 @@ class Client:
         self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.InferenceStub(self.channel)
 
-    def generate(self, prompt: str | list[int], request_id: str = "", timeout: float | None = None,
+    def generate(self, prompt: Prompt, request_id: str = "", timeout: float | None = None,
                  **sampling) -> Iterator[pb.GenerateResponse]:
         yield from self.stub.Generate(make_request(prompt, request_id, **sampling), timeout=timeout)
 
-    def complete(self, prompt: str | list[int], **sampling) -> tuple[list[int], str, pb.Complete]:
+    def complete(self, prompt: Prompt, **sampling) -> tuple[list[int], str, pb.Complete]:
         """Run to the end: (token ids, text, the Complete message)."""
         ids, text, done = [], "", None
         for msg in self.generate(prompt, **sampling):
@@ -75,7 +82,7 @@ class AsyncClient:
         self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.InferenceStub(self.channel)
 
-    async def generate(self, prompt: str | list[int], request_id: str = "",
+    async def generate(self, prompt: Prompt, request_id: str = "",
                        timeout: float | None = None, **sampling
                        ) -> AsyncIterator[pb.GenerateResponse]:
         call = self.stub.Generate(make_request(prompt, request_id, **sampling), timeout=timeout)
@@ -87,6 +94,30 @@ class AsyncClient:
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+def chat(client: Client, args: argparse.Namespace, lines, out) -> list[dict]:
+    """Read user turns from `lines`, stream each reply to `out`; returns the conversation."""
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature)
+    if args.seed is not None:
+        sampling["seed"] = args.seed
+    while True:
+        out.write("> ")
+        out.flush()
+        line = lines.readline()
+        if not line.strip():
+            out.write("\n")
+            return messages
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        reply = ""
+        for msg in client.generate(messages, **sampling):
+            if msg.HasField("chunk"):
+                reply += msg.chunk.text
+                out.write(msg.chunk.text)
+                out.flush()
+        out.write("\n")
+        messages.append({"role": "assistant", "content": reply})
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -105,6 +136,8 @@ def run_cli(args: argparse.Namespace) -> int:
                 else:
                     print("" if args.stream else text)
                     print(json_format.MessageToJson(msg.complete))
+        elif args.client_command == "chat":
+            chat(client, args, sys.stdin, sys.stdout)
         elif args.client_command == "status":
             print(json_format.MessageToJson(client.status()))
         else:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 import uuid
 
@@ -31,7 +33,43 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
         ignore_eos=s.ignore_eos,
         seed=s.seed if s.HasField("seed") else None,
         logprobs=s.logprobs or None,
+        logit_bias=dict(s.logit_bias),
     )
+
+
+def _json_field(value: str, field: str, kind: type):
+    """An optional JSON-encoded field of a Chat message (ValueError naming it)."""
+    if not value:
+        return None
+    try:
+        decoded = json.loads(value)
+    except ValueError as e:
+        raise ValueError(f"messages.{field}: not valid JSON ({e})") from e
+    if not isinstance(decoded, kind):
+        raise ValueError(f"messages.{field}: must be a JSON {kind.__name__}")
+    return decoded
+
+
+def render_chat(tokenizer, chat: pb.Chat) -> list[int]:
+    """A Chat prompt as token ids (ValueError when it cannot be rendered)."""
+    if tokenizer is None:
+        raise ValueError("messages: this model has no tokenizer, so no chat template")
+    messages = []
+    for m in chat.messages:
+        message = {"role": m.role, "content": m.content}
+        if m.name:
+            message["name"] = m.name
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        if m.tool_calls_json:
+            message["tool_calls"] = _json_field(m.tool_calls_json, "tool_calls_json", list)
+        messages.append(message)
+    return tokenizer.apply_chat_template(
+        messages, chat_template=chat.chat_template or None,
+        add_generation_prompt=not chat.continue_final_message,
+        continue_final_message=chat.continue_final_message,
+        tools=_json_field(chat.tools_json, "tools_json", list),
+        **(_json_field(chat.chat_template_kwargs_json, "chat_template_kwargs_json", dict) or {}))
 
 
 def chunk_from_output(out: StepOutput) -> pb.Chunk:
@@ -62,10 +100,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         which = request.WhichOneof("prompt")
         if which is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "prompt: set either text or token_ids")
-        prompt = request.text if which == "text" else list(request.token_ids.ids)
+                                "prompt: set one of text, token_ids or messages")
         try:
             params = sampling_from_proto(request.sampling)
+            if which == "messages":  # rendered and tokenized off the event loop
+                prompt = await asyncio.to_thread(render_chat, self.engine.tokenizer,
+                                                 request.messages)
+            else:
+                prompt = request.text if which == "text" else list(request.token_ids.ids)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         completion, finished = 0, False

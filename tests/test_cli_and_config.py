@@ -29,7 +29,7 @@ def test_help_lists_every_command_and_its_flags(capsys):
                      "--kv-cache-dtype {auto,int8,fp8}", "--random-weights", "--coordinator",
                      "--grace", "--http-port", "--no-http", "--served-model-name"],
         ("generate",): ["--prompt", "--max-tokens", "--temperature", "--stop", "--model"],
-        ("client",): ["{generate,status,info}", "--target"],
+        ("client",): ["{generate,chat,status,info}", "--target"],
         ("plan",): ["--topology", "--target", "--compare", "--strategy", "--plot"],
         ("convert",): ["--out", "--quantization"],
         ("bench", "serve"): ["--request-rate", "--max-concurrency"],

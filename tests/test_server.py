@@ -126,6 +126,13 @@ def test_bad_inputs_fail_alone(server, client, prompts):
         (pb.GenerateRequest(text=""), "empty"),
         (pb.GenerateRequest(), "prompt"),
         (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 99999])), "vocabulary"),
+        (pb.GenerateRequest(messages=pb.Chat()), "at least one message"),
+        (pb.GenerateRequest(messages=pb.Chat(messages=[pb.ChatMessage(
+            role="assistant", content="x", tool_calls_json="[{")])), "tool_calls_json"),
+        (pb.GenerateRequest(messages=pb.Chat(messages=[pb.ChatMessage(role="user")],
+                                             chat_template="{% for %}")), "does not parse"),
+        (pb.GenerateRequest(sampling=pb.SamplingParams(logit_bias={5: 500.0}), text="x"),
+         "logit_bias"),
     ]:
         with pytest.raises(grpc.RpcError) as e:
             list(client.stub.Generate(request))
@@ -133,6 +140,32 @@ def test_bad_inputs_fail_alone(server, client, prompts):
         assert needle in e.value.details()
     ids, _, done = client.complete(prompts[0], max_tokens=3, ignore_eos=True)
     assert len(ids) == 3 and done.finish_reason == "length"
+
+
+def test_chat_messages_equal_offline_chat(server, client):
+    import argparse
+    import io
+
+    llm = LLM(str(server[2]), **ENGINE)
+    conversation = [{"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Hello there"}]
+    sampling = dict(temperature=0.7, seed=3, max_tokens=10, ignore_eos=True)
+    want = llm.chat(conversation, SamplingParams(**sampling))[0]
+    ids, text, done = client.complete(conversation, **sampling)
+    assert ids == want.outputs[0].token_ids and text == want.outputs[0].text
+    assert done.usage.prompt_tokens == len(want.prompt_token_ids)
+
+    # `jaxserve client chat`: each turn sends the whole conversation so far.
+    args = argparse.Namespace(system="Be brief.", max_tokens=10, temperature=0.7, seed=3)
+    out = io.StringIO()
+    from server.client import chat
+    messages = chat(client, args, io.StringIO("Hello there\nAnd then?\n\n"), out)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant"]
+    first = llm.chat(messages[:2], SamplingParams(temperature=0.7, seed=3, max_tokens=10))[0]
+    assert messages[2]["content"] == first.outputs[0].text
+    second = llm.chat(messages[:4], SamplingParams(temperature=0.7, seed=3, max_tokens=10))[0]
+    assert messages[4]["content"] == second.outputs[0].text
+    assert first.outputs[0].text in out.getvalue()
 
 
 def test_200_concurrent_streams(server, client, prompts):
