@@ -1,9 +1,11 @@
-"""Serving benchmark: random token prompts against a running server, jaxserve or JetStream API.
+"""Serving benchmark: random token prompts against a running jaxserve, over its gRPC API,
+JetStream's API, or the OpenAI-compatible HTTP API (streaming /v1/completions).
 
 Requests arrive all at once (`--request-rate inf`) or as a Poisson process at the given
 rate, with at most `--max-concurrency` in flight. Reports request throughput, output
 tokens/s, TTFT and TPOT (mean, median, p99), and, from the jaxserve API's status, the
-engine's mean step time and the host gap between steps. Writes JSON with `--json`.
+engine's mean step time and the host gap between steps. Writes JSON with `--json`. The
+model facts and the engine status come from the gRPC port (`--target`) whatever `--api`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import random
 import time
 
 import grpc
+import httpx
 import numpy as np
 
 from server.protos.jaxserve.v1 import inference_pb2 as pb
@@ -39,6 +42,27 @@ class Result:
         if self.output_tokens < 2:
             return math.nan
         return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+async def _one_http(http: httpx.AsyncClient, prompt: list[int], output_len: int) -> Result:
+    """One streaming /v1/completions request; tokens counted from the usage chunk."""
+    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first, n = None, 0
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return Result(False, error=f"HTTP {r.status_code}: {(await r.aread()).decode()}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"]:
+                first = first or time.perf_counter()
+            if chunk.get("usage"):
+                n = chunk["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    return Result(True, n, (first or end) - start, end - start)
 
 
 async def _one(channel, api: str, prompt: list[int], output_len: int) -> Result:
@@ -68,8 +92,11 @@ async def _one(channel, api: str, prompt: list[int], output_len: int) -> Result:
 
 
 async def run(target: str, api: str, num_prompts: int, input_len: int, output_len: int,
-              request_rate: float, max_concurrency: int | None, seed: int) -> dict:
+              request_rate: float, max_concurrency: int | None, seed: int,
+              http_url: str = "http://127.0.0.1:8000") -> dict:
     channel = grpc.aio.insecure_channel(target)
+    http = httpx.AsyncClient(base_url=http_url, timeout=None, limits=httpx.Limits(
+        max_connections=max_concurrency or num_prompts)) if api == "openai" else None
     info_stub = pb_grpc.InferenceStub(channel)
     info = await info_stub.GetModelInfo(pb.GetModelInfoRequest())
     rng = random.Random(seed)
@@ -79,6 +106,8 @@ async def run(target: str, api: str, num_prompts: int, input_len: int, output_le
 
     async def limited(prompt):
         async with gate:
+            if http is not None:
+                return await _one_http(http, prompt, output_len)
             return await _one(channel, api, prompt, output_len)
 
     start = time.perf_counter()
@@ -91,6 +120,8 @@ async def run(target: str, api: str, num_prompts: int, input_len: int, output_le
     duration = time.perf_counter() - start
     status = await info_stub.GetServerStatus(pb.GetServerStatusRequest())
     await channel.close()
+    if http is not None:
+        await http.aclose()
 
     ok = [r for r in results if r.ok]
     ttft = np.array([r.ttft for r in ok]) * 1e3
@@ -142,7 +173,10 @@ def print_table(r: dict) -> None:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="127.0.0.1:50051")
-    p.add_argument("--api", choices=["jaxserve", "jetstream"], default="jaxserve")
+    p.add_argument("--api", choices=["jaxserve", "jetstream", "openai"], default="jaxserve",
+                   help="jaxserve / jetstream: gRPC at --target; openai: HTTP at --http-url")
+    p.add_argument("--http-url", default="http://127.0.0.1:8000",
+                   help="the OpenAI API's base URL (--api openai)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -155,7 +189,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     result = asyncio.run(run(args.target, args.api, args.num_prompts, args.input_len,
-                             args.output_len, args.request_rate, args.max_concurrency, args.seed))
+                             args.output_len, args.request_rate, args.max_concurrency, args.seed,
+                             args.http_url))
     print_table(result)
     if args.json:
         with open(args.json, "w") as f:

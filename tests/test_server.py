@@ -204,14 +204,16 @@ def test_model_info(server, client):
     assert dict(info.mesh_shape) == {"data": 1, "model": 1}
 
 
-@pytest.mark.parametrize("api,rate", [("jaxserve", float("inf")), ("jetstream", 50.0)])
+@pytest.mark.parametrize("api,rate", [("jaxserve", float("inf")), ("jetstream", 50.0),
+                                      ("openai", float("inf"))])
 def test_serving_benchmark_counts(server, api, rate):
     from server.bench import run
 
     r = asyncio.run(run(server[0], api, num_prompts=8, input_len=8, output_len=4,
-                        request_rate=rate, max_concurrency=None, seed=0))
+                        request_rate=rate, max_concurrency=None, seed=0,
+                        http_url=server[1].http_url))
     assert (r["completed"], r["failed"]) == (8, 0)
-    if api == "jaxserve":  # ignore_eos: exact; JetStream may stop at EOS
+    if api != "jetstream":  # ignore_eos: exact; JetStream may stop at EOS
         assert r["output_tokens"] == 32
     assert 8 <= r["output_tokens"] <= 32
     assert 0 < r["ttft_ms"]["median"] <= r["ttft_ms"]["p99"]
