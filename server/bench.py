@@ -18,9 +18,9 @@ import json
 import math
 import random
 import time
+import urllib.parse
 
 import grpc
-import httpx
 import numpy as np
 
 from server.protos.jaxserve.v1 import inference_pb2 as pb
@@ -44,24 +44,32 @@ class Result:
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
-async def _one_http(http: httpx.AsyncClient, prompt: list[int], output_len: int) -> Result:
-    """One streaming /v1/completions request; tokens counted from the usage chunk."""
-    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+async def _one_http(host: str, port: int, prompt: list[int], output_len: int) -> Result:
+    """One streaming /v1/completions request over a plain asyncio connection (httpx's
+    async client delivered SSE events late under 64 streams, which hid the server's real
+    TTFT). The count comes from the usage event at the end."""
+    body = json.dumps({"prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+                       "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
     start = time.perf_counter()
-    first, n = None, 0
-    async with http.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            return Result(False, error=f"HTTP {r.status_code}: {(await r.aread()).decode()}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk["choices"]:
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+                     % (host.encode(), len(body)) + body)
+        status = (await reader.readline()).split(b" ", 2)
+        if len(status) < 2 or status[1] != b"200":
+            return Result(False, error=f"HTTP {b' '.join(status[1:]).decode().strip()}: "
+                                       f"{(await reader.read()).decode(errors='replace')}")
+        first, last = None, b""
+        while line := await reader.readline():  # chunk-size lines never start with "data"
+            if line.startswith(b"data: {"):
                 first = first or time.perf_counter()
-            if chunk.get("usage"):
-                n = chunk["usage"]["completion_tokens"]
+                last = line
+    finally:
+        writer.close()
     end = time.perf_counter()
+    n = json.loads(last[6:])["usage"]["completion_tokens"] if last else 0
     return Result(True, n, (first or end) - start, end - start)
 
 
@@ -95,8 +103,7 @@ async def run(target: str, api: str, num_prompts: int, input_len: int, output_le
               request_rate: float, max_concurrency: int | None, seed: int,
               http_url: str = "http://127.0.0.1:8000") -> dict:
     channel = grpc.aio.insecure_channel(target)
-    http = httpx.AsyncClient(base_url=http_url, timeout=None, limits=httpx.Limits(
-        max_connections=max_concurrency or num_prompts)) if api == "openai" else None
+    http = urllib.parse.urlsplit(http_url) if api == "openai" else None
     info_stub = pb_grpc.InferenceStub(channel)
     info = await info_stub.GetModelInfo(pb.GetModelInfoRequest())
     rng = random.Random(seed)
@@ -107,7 +114,7 @@ async def run(target: str, api: str, num_prompts: int, input_len: int, output_le
     async def limited(prompt):
         async with gate:
             if http is not None:
-                return await _one_http(http, prompt, output_len)
+                return await _one_http(http.hostname, http.port or 80, prompt, output_len)
             return await _one(channel, api, prompt, output_len)
 
     start = time.perf_counter()
@@ -120,8 +127,6 @@ async def run(target: str, api: str, num_prompts: int, input_len: int, output_le
     duration = time.perf_counter() - start
     status = await info_stub.GetServerStatus(pb.GetServerStatusRequest())
     await channel.close()
-    if http is not None:
-        await http.aclose()
 
     ok = [r for r in results if r.ok]
     ttft = np.array([r.ttft for r in ok]) * 1e3

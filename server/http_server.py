@@ -68,13 +68,20 @@ class Job:
 
     async def start(self) -> None:
         """Admit every request, or none: ValueError / QueueFullError after aborting the
-        ones already admitted."""
+        ones that were admitted. All are queued at once, so the engine thread admits them
+        between the same two steps."""
         try:
-            for rid, prompt, params in self.requests:
-                self.streams.append(await self.async_engine.add(rid, prompt, params))
-        except BaseException:
+            results = await asyncio.gather(
+                *(self.async_engine.add(rid, prompt, params)
+                  for rid, prompt, params in self.requests), return_exceptions=True)
+        except BaseException:  # cancelled (the client left) while waiting for admission
             self.abort()
             raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            self.abort()
+            raise errors[0]
+        self.streams = list(results)
 
     def abort(self) -> None:
         for i, (rid, _, _) in enumerate(self.requests):
@@ -300,8 +307,10 @@ class HTTPServer:
                     c.started = True
                     yield chunk(i, {"role": "assistant", "content": ""})
                 self._accumulate(c, out)
-                delta = {"content": out.new_text} if out.new_text else {}
-                if out.finished or delta or (logprobs is not None and out.new_token_ids):
+                # A chunk per step that made tokens, even when their text is held back
+                # (an unfinished UTF-8 character): clients see progress, as vLLM's do.
+                delta = {"content": out.new_text} if out.new_text or out.new_token_ids else {}
+                if out.finished or delta:
                     yield chunk(i, delta, out, c.finish_reason)
         if req.include_usage:
             yield self._sse(oai.envelope(
@@ -362,7 +371,7 @@ class HTTPServer:
                     c.started = True
                     text = echoes[i] + text
                 self._accumulate(c, out)
-                if not (text or out.finished or (req.logprobs is not None and out.new_token_ids)):
+                if not (text or out.finished or out.new_token_ids):
                     continue
                 choice = {"index": i, "text": text, "logprobs": None,
                           "finish_reason": c.finish_reason}

@@ -257,6 +257,20 @@ def test_metrics_count_a_known_workload(server, client, grpc_client):
     assert after["jaxserve:prefix_cache_queries_total"] >= after["jaxserve:prefix_cache_hits_total"]
 
 
+def test_the_dashboard_plots_only_exported_metrics(server):
+    from pathlib import Path
+
+    exported = {re.sub(r"\{.*", "", name) for name in _scrape(server[1].http_url)}
+    dashboard = json.loads((Path(__file__).parent.parent / "docs/grafana.json").read_text())
+    used = {name for panel in dashboard["panels"] for target in panel["targets"]
+            for name in re.findall(r"jaxserve:[a-z0-9_]+", target["expr"])}
+    assert len(used) >= 14
+    assert used <= exported, used - exported
+    documented = (Path(__file__).parent.parent / "docs/http.md").read_text()
+    base = {re.sub(r"_(bucket|sum|count)$", "", n) for n in exported}
+    assert all(f"`{n}`" in documented for n in base), [n for n in base if f"`{n}`" not in documented]
+
+
 def test_50_clients_dropping_mid_stream_return_every_page(server, grpc_client):
     url = f"{server[1].http_url}/v1/chat/completions"
     idle = wait_idle(grpc_client)

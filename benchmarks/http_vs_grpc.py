@@ -1,0 +1,136 @@
+"""What the OpenAI-compatible HTTP layer costs: one `jaxserve serve` process, the same
+serving workload over its gRPC API and over HTTP (streaming /v1/completions), in turns.
+
+    python benchmarks/http_vs_grpc.py [--concurrency 64] [--rounds 2]
+
+The server runs smollm2-135m's shape with random weights (bf16 where the CPU has
+AVX512_BF16, else f32); every request is a random `--input-len` token prompt with
+`--output-len` tokens out (ignore_eos), `--concurrency` in flight at once. Each round
+runs gRPC then HTTP; the table reports each run and the HTTP/gRPC ratio of output
+tokens/s over all rounds. The client runs on the same machine as the server, so both
+front doors pay for their client too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from server.bench import run  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def has_avx512_bf16() -> bool:
+    try:
+        return "avx512_bf16" in open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+
+
+def start_server(args, grpc_port: int, http_port: int, log) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--random-weights",
+           str(ROOT / "configs/models/smollm2-135m.yaml"), "--dtype", args.dtype,
+           "--max-num-seqs", str(args.concurrency), "--max-model-len", "512",
+           "--max-num-batched-tokens", "512", "--page-size", "16",
+           "--port", str(grpc_port), "--http-port", str(http_port)]
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("the server exited during start-up")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError("the server did not become ready")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16" if has_avx512_bf16() else "float32")
+    args = ap.parse_args()
+
+    grpc_port, http_port = free_port(), free_port()
+    target, url = f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}"
+    with tempfile.NamedTemporaryFile("w", suffix=".log", delete=False) as log:
+        proc = start_server(args, grpc_port, http_port, log)
+    try:
+        wait_ready(url, proc)
+
+        def bench(api: str) -> dict:
+            return asyncio.run(run(target, api, args.num_prompts, args.input_len,
+                                   args.output_len, float("inf"), args.concurrency, seed=0,
+                                   http_url=url))
+
+        bench("jaxserve")  # warm both paths once before timing
+        bench("openai")
+        runs = []
+        for r in range(args.rounds):
+            for api in ("jaxserve", "openai"):
+                result = bench(api)
+                assert result["failed"] == 0, result["errors"]
+                runs.append((r + 1, api, result))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+    print(f"{datetime.date.today().isoformat()}, {cpu_name()}, {os.cpu_count()} cores, "
+          f"{args.dtype}, {args.concurrency} concurrent streams, {args.num_prompts} requests "
+          f"of {args.input_len} in / {args.output_len} out\n")
+    print("| round | API | output tok/s | TTFT median ms | TPOT median ms |")
+    print("|---|---|---|---|---|")
+    for r, api, res in runs:
+        name = "gRPC (jaxserve.v1)" if api == "jaxserve" else "HTTP (OpenAI, SSE)"
+        print(f"| {r} | {name} | {res['output_tokens_per_s']:.1f} | "
+              f"{res['ttft_ms']['median']:.1f} | {res['tpot_ms']['median']:.1f} |")
+    total = {api: sum(res["output_tokens"] for _, a, res in runs if a == api)
+             / sum(res["duration_s"] for _, a, res in runs if a == api)
+             for api in ("jaxserve", "openai")}
+    ratio = total["openai"] / total["jaxserve"]
+    print(f"\nHTTP / gRPC output tokens/s over all rounds: {ratio:.3f} "
+          f"(the HTTP layer costs {100 * (1 - ratio):.1f}%; target: under 5%)")
+
+
+if __name__ == "__main__":
+    main()
