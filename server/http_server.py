@@ -68,20 +68,38 @@ class Job:
 
     async def start(self) -> None:
         """Admit every request, or none: ValueError / QueueFullError after aborting the
-        ones that were admitted. All are queued at once, so the engine thread admits them
-        between the same two steps."""
+        ones that were admitted.
+
+        Requests repeating a prompt (`n` > 1) share its KV pages: the first of each prompt
+        is admitted alone, and the others once it has produced its first token, when its
+        full prompt pages are in the prefix cache (a request admitted in the same step
+        would compute them again)."""
+        first_of: dict[tuple, int] = {}
+        for i, (_, prompt, _) in enumerate(self.requests):
+            first_of.setdefault(tuple(prompt), i)
+        leaders = sorted(first_of.values())
+        followers = [i for i in range(len(self.requests)) if i not in first_of.values()]
+        streams: dict[int, AsyncIterator[StepOutput]] = {}
         try:
-            results = await asyncio.gather(
-                *(self.async_engine.add(rid, prompt, params)
-                  for rid, prompt, params in self.requests), return_exceptions=True)
-        except BaseException:  # cancelled (the client left) while waiting for admission
+            streams.update(await self._admit(leaders))
+            if followers:
+                for i in {first_of[tuple(self.requests[j][1])] for j in followers}:
+                    streams[i] = _prepend(await anext(streams[i]), streams[i])
+                streams.update(await self._admit(followers))
+        except BaseException:  # refused, or cancelled (the client left) meanwhile
             self.abort()
             raise
+        self.streams = [streams[i] for i in range(len(self.requests))]
+
+    async def _admit(self, indices: list[int]) -> dict[int, AsyncIterator[StepOutput]]:
+        """Queue these requests at once (the engine thread admits them between the same
+        two steps); the first error is raised after all have answered."""
+        results = await asyncio.gather(
+            *(self.async_engine.add(*self.requests[i]) for i in indices), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
-            self.abort()
             raise errors[0]
-        self.streams = list(results)
+        return dict(zip(indices, results))
 
     def abort(self) -> None:
         for i, (rid, _, _) in enumerate(self.requests):
@@ -107,6 +125,14 @@ class Job:
             for task in tasks:
                 task.cancel()
             self.abort()
+
+
+async def _prepend(first: StepOutput, rest: AsyncIterator[StepOutput]
+                   ) -> AsyncIterator[StepOutput]:
+    yield first
+    if not first.finished:
+        async for out in rest:
+            yield out
 
 
 async def _abort_on_disconnect(request: Request, job: Job) -> None:

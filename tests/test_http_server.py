@@ -118,6 +118,21 @@ def test_completions_n_prompts_seeds_and_token_ids(server, client, llm, prompts)
     assert echoed.choices[0].text.startswith("Hello")
 
 
+def test_n_choices_share_the_prompt_pages(server, client, grpc_client, llm):
+    prompt = list(range(40, 70))  # 30 tokens: 7 full pages of 4, used by no other test
+    wait_idle(grpc_client)
+    before = _scrape(server[1].http_url)
+    got = client.completions.create(model=str(server[2]), prompt=prompt, n=3, max_tokens=4,
+                                    temperature=1.0, seed=9, extra_body={"ignore_eos": True})
+    after = _scrape(server[1].http_url)
+    hits = after["jaxserve:prefix_cache_hits_total"] - before["jaxserve:prefix_cache_hits_total"]
+    assert hits == 2 * 28  # choices 1 and 2 reuse choice 0's full pages
+    for i, choice in enumerate(got.choices):
+        want = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=1.0, seed=9 + i,
+                                                     ignore_eos=True))[0]
+        assert choice.text == want.outputs[0].text
+
+
 def test_logprobs_match_the_engine(server, client, llm):
     want = llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=5, logprobs=3))[0].outputs[0]
     got = client.chat.completions.create(model=str(server[2]), messages=CHAT, max_tokens=5,
