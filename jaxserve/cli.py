@@ -138,7 +138,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     code = asyncio.run(serve(engine, host=args.host, port=args.port,
                              max_waiting=args.max_waiting, grace_s=args.grace,
                              model_name=args.served_model_name or name,
-                             http_port=None if args.no_http else args.http_port))
+                             http_port=None if args.no_http else args.http_port,
+                             max_prompt_bytes=args.max_prompt_bytes))
     if dist is not None and code != 0:
         multihost.exit_now(code)
     return code
@@ -239,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--http-port", type=int, default=8000,
                      help="OpenAI-compatible HTTP port (same host and engine as gRPC)")
     srv.add_argument("--no-http", action="store_true", help="serve gRPC only")
+    srv.add_argument("--max-prompt-bytes", type=int, default=None,
+                     help="longest prompt text taken, checked before tokenizing (default: 32 "
+                          "bytes per token of max_model_len); gRPC messages and HTTP bodies are "
+                          "limited to twice this plus 1 MiB")
     srv.add_argument("--served-model-name", default=None,
                      help="the model name clients send (default: the --model path, or "
                           "'demo')")

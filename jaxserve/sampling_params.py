@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 # Device-side limits: the step takes fixed-width arrays for these.
 MAX_LOGPROBS = 20
@@ -53,7 +54,7 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.{field} {why} (got {getattr(self, field)!r})")
 
         if not _is_number(self.temperature) or self.temperature < 0:
-            bad("temperature", "must be a number >= 0 (0 means greedy)")
+            bad("temperature", "must be a finite number >= 0 (0 means greedy)")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             bad("top_p", "must be in (0, 1]")
         if not _is_int(self.top_k) or (self.top_k < 0 and self.top_k != -1):
@@ -65,7 +66,7 @@ class SamplingParams:
             if not _is_number(value) or not -2.0 <= value <= 2.0:
                 bad(field, "must be in [-2, 2]")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            bad("repetition_penalty", "must be > 0 (1.0 means off)")
+            bad("repetition_penalty", "must be a finite number > 0 (1.0 means off)")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             bad("max_tokens", "must be a positive integer or None")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
@@ -111,4 +112,5 @@ def _is_int(x: object) -> bool:
 
 
 def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+    """A finite int or float (NaN and ±inf are not numbers a request may set)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

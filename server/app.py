@@ -33,10 +33,9 @@ log = logging.getLogger(__name__)
 
 INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 JETSTREAM_SERVICE = js.DESCRIPTOR.services_by_name["Orchestrator"].full_name
-MAX_MESSAGE_BYTES = 64 * 2**20
+MAX_SEND_BYTES = 64 * 2**20
 SERVER_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_SEND_BYTES),
     # Keep idle streams (a long prefill sends nothing for a while) alive, and let clients
     # ping as often as every 10 s without being cut off.
     ("grpc.keepalive_time_ms", 30_000),
@@ -47,16 +46,27 @@ SERVER_OPTIONS = [
 ]
 
 
+def request_bytes_limit(max_prompt_bytes: int) -> int:
+    """The largest gRPC message / HTTP body taken: a prompt at the limit, twice over (JSON
+    escapes, chat message framing, tools), plus 1 MiB for the rest of the request."""
+    return 2 * max_prompt_bytes + 2**20
+
+
 async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 50051,
                 max_waiting: int = 1024, grace_s: float = 30.0, model_name: str = "",
-                http_port: int | None = 8000) -> int:
-    """Run until SIGTERM/SIGINT; returns the process exit code. `http_port` None: gRPC only."""
+                http_port: int | None = 8000, max_prompt_bytes: int | None = None) -> int:
+    """Run until SIGTERM/SIGINT; returns the process exit code. `http_port` None: gRPC only.
+    `max_prompt_bytes` (default from max_model_len) bounds prompt text before tokenizing,
+    and gRPC messages and HTTP bodies to what such a prompt needs."""
     metrics = Metrics(engine, model_name)
-    async_engine = AsyncEngine(engine, max_waiting=max_waiting, metrics=metrics)
+    async_engine = AsyncEngine(engine, max_waiting=max_waiting, metrics=metrics,
+                               max_prompt_bytes=max_prompt_bytes)
+    request_limit = request_bytes_limit(async_engine.max_prompt_bytes)
     mesh = engine.runner.shard.mesh
     servicer = InferenceServicer(async_engine, model_name,
                                  {k: int(v) for k, v in mesh.shape.items()})
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(
+        options=SERVER_OPTIONS + [("grpc.max_receive_message_length", request_limit)])
     pb_grpc.add_InferenceServicer_to_server(servicer, server)
     js_grpc.add_OrchestratorServicer_to_server(
         OrchestratorServicer(async_engine, lambda: servicer.accepting), server)
@@ -78,7 +88,7 @@ async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 50051,
     log.info("listening on %s (NOT_SERVING until warm-up ends)", address)
     http = http_task = None
     if http_port is not None:
-        http = HTTPServer(async_engine, model_name, metrics)
+        http = HTTPServer(async_engine, model_name, metrics, max_body_bytes=request_limit)
         bound = asyncio.Event()
         http_task = asyncio.create_task(http.serve(host, http_port, bound))
         await asyncio.wait([http_task, asyncio.create_task(bound.wait())],

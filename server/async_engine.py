@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import queue
@@ -26,8 +27,39 @@ from server.metrics import Metrics, RequestTimes
 log = logging.getLogger(__name__)
 
 
+# Bytes of prompt text per token of context allowed before tokenizing: generous (English
+# averages ~4 bytes per token), and it bounds the tokenizer's work whatever a client sends.
+PROMPT_BYTES_PER_TOKEN = 32
+
+
 class QueueFullError(Exception):
     """The waiting queue is at its configured limit."""
+
+
+def default_max_prompt_bytes(max_model_len: int) -> int:
+    return PROMPT_BYTES_PER_TOKEN * max_model_len
+
+
+def _too_big(limit: int) -> str:
+    return (f"prompt: the text is over {limit} bytes (--max-prompt-bytes; longer text cannot "
+            f"fit the context)")
+
+
+def _encode(tokenizer, text: str, add_special_tokens: bool, limit: int) -> list[int]:
+    if tokenizer is None:
+        raise ValueError("prompt: this model has no tokenizer; send token ids")
+    if len(text.encode()) > limit:
+        raise ValueError(_too_big(limit))
+    if not text:
+        raise ValueError("prompt is empty")
+    return tokenizer.encode(text, add_special_tokens)
+
+
+def _encode_chat(tokenizer, messages: list[dict], limit: int, template_args: dict) -> list[int]:
+    if tokenizer is None:
+        raise ValueError("messages: this model has no tokenizer, so no chat template")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **template_args)
+    return _encode(tokenizer, text, False, limit)
 
 
 @dataclasses.dataclass
@@ -58,9 +90,13 @@ class AsyncEngine:
     """Runs `engine.step()` in a loop thread; `generate` streams StepOutputs to asyncio."""
 
     def __init__(self, engine: Engine, max_waiting: int = 1024, rate_window_s: float = 10.0,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, max_prompt_bytes: int | None = None,
+                 tokenizer_threads: int = 2):
         self.engine = engine
         self.metrics = metrics
+        self.max_prompt_bytes = max_prompt_bytes or default_max_prompt_bytes(engine.max_model_len)
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
+            tokenizer_threads, thread_name_prefix="tokenizer")
         self.max_waiting = max_waiting
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
@@ -84,6 +120,7 @@ class AsyncEngine:
         self._stop.set()
         self._inbox.put(("wake",))
         self._thread.join(timeout)
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def is_alive(self) -> bool:
@@ -92,30 +129,73 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams
                        ) -> AsyncIterator[StepOutput]:
         """Stream the request's outputs; raises ValueError or QueueFullError before the first."""
-        async for out in await self.add(request_id, prompt, params):
-            yield out
+        outputs = await self.add(request_id, prompt, params)
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            await outputs.aclose()
 
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams
                   ) -> AsyncIterator[StepOutput]:
         """Admit the request (ValueError or QueueFullError if it cannot be), then return the
-        stream of its outputs."""
+        stream of its outputs. A text prompt is tokenized in the worker pool first.
+
+        Leaving the stream before its last output (closing it, or being cancelled while
+        reading or while waiting for admission) aborts this call's request, and only it:
+        a request that another call started under the same id is left alone."""
+        if isinstance(prompt, str):
+            prompt = await self.encode(prompt)
+        elif len(prompt) > self.engine.max_model_len:  # before any per-id work
+            raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len is "
+                             f"{self.engine.max_model_len}")
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), RequestTimes(arrival=time.monotonic()))
         admitted = loop.create_future()
         self._inbox.put(("add", request_id, prompt, params, stream, admitted))
-        await admitted
-        return self._outputs(stream)
+        try:
+            await admitted
+        except asyncio.CancelledError:
+            self._inbox.put(("abort_stream", request_id, stream))
+            raise
+        return self._outputs(request_id, stream)
 
-    @staticmethod
-    async def _outputs(stream: _Stream) -> AsyncIterator[StepOutput]:
-        while True:
-            out = await stream.queue.get()
-            yield out
-            if out.finished:
-                return
+    async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[StepOutput]:
+        finished = False
+        try:
+            while not finished:
+                out = await stream.queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self._inbox.put(("abort_stream", request_id, stream))
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, computed in the tokenizer pool (never on the event loop or
+        the engine thread); ValueError over `max_prompt_bytes`, before any work."""
+        if len(text) > self.max_prompt_bytes:  # characters <= bytes: checked for free
+            raise ValueError(_too_big(self.max_prompt_bytes))
+        return await self._in_pool(_encode, self.engine.tokenizer, text, add_special_tokens,
+                                   self.max_prompt_bytes)
+
+    async def encode_chat(self, messages: list[dict], **template_args) -> list[int]:
+        """A conversation rendered with the chat template and tokenized, in the tokenizer
+        pool (ChatTemplateError, a ValueError, when it cannot be rendered)."""
+        return await self._in_pool(_encode_chat, self.engine.tokenizer, messages,
+                                   self.max_prompt_bytes, template_args)
+
+    async def _in_pool(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
+
+    async def abort_requests(self, request_ids: list[str]) -> int:
+        """Abort by id; returns how many were running or waiting (and are now aborted)."""
+        done = asyncio.get_running_loop().create_future()
+        self._inbox.put(("abort_many", list(request_ids), done))
+        return await done
 
     def num_streams(self) -> int:
         return len(self._streams)
@@ -210,13 +290,23 @@ class AsyncEngine:
             _deliver(stream.loop, _settle, admitted, ids)
         elif kind == "abort":
             self._abort(cmd[1])
+        elif kind == "abort_stream":  # only if the request under this id is that call's
+            _, rid, stream = cmd
+            if self._streams.get(rid) is stream:
+                self._abort(rid)
+        elif kind == "abort_many":
+            _, rids, done = cmd
+            count = sum(self._abort(rid) for rid in rids)
+            _deliver(done.get_loop(), _settle, done, count)
         elif kind == "abort_all":
             for rid in list(self._streams):
                 self._abort(rid)
 
-    def _abort(self, rid: str) -> None:
+    def _abort(self, rid: str) -> bool:
         if self.engine.abort_request(rid):
             self._send(self._aborted(rid))
+            return True
+        return False
 
     def _aborted(self, rid: str) -> StepOutput:
         stream = self._streams.get(rid)

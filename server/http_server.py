@@ -31,7 +31,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import jaxserve
-from jaxserve.loading.chat_template import ChatTemplateError
 from jaxserve.outputs import StepOutput
 from jaxserve.sampling_params import SamplingParams
 from server import openai_protocol as oai
@@ -39,9 +38,6 @@ from server.async_engine import AsyncEngine, QueueFullError
 from server.metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger(__name__)
-
-MAX_BODY_BYTES = 16 * 2**20
-
 
 @dataclasses.dataclass
 class Choice:
@@ -62,6 +58,7 @@ class Job:
     def __init__(self, async_engine: AsyncEngine, base_id: str,
                  requests: list[tuple[list[int], SamplingParams]]):
         self.async_engine = async_engine
+        self.id = base_id
         self.requests = [(f"{base_id}-{i}", prompt, p) for i, (prompt, p) in enumerate(requests)]
         self.streams: list[AsyncIterator[StepOutput]] = []
         self.done: set[int] = set()
@@ -198,7 +195,7 @@ class HTTPServer:
     draining) are set by server/app.py."""
 
     def __init__(self, async_engine: AsyncEngine, model_name: str, metrics: Metrics,
-                 max_body_bytes: int = MAX_BODY_BYTES):
+                 max_body_bytes: int):
         self.async_engine = async_engine
         self.engine = async_engine.engine
         self.model_name = model_name
@@ -279,12 +276,12 @@ class HTTPServer:
         tokenizer = self._tokenizer()
         logprobs = req.logprob_count()
         try:
-            ids = await asyncio.to_thread(
-                tokenizer.apply_chat_template, req.messages, chat_template=req.chat_template,
+            ids = await self.async_engine.encode_chat(
+                req.messages, chat_template=req.chat_template,
                 add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
                 continue_final_message=req.continue_final_message, tools=req.tools,
                 **(req.chat_template_kwargs or {}))
-        except ChatTemplateError as e:
+        except ValueError as e:  # ChatTemplateError, or over --max-prompt-bytes
             raise oai.APIError(400, str(e), "messages") from e
         max_tokens = req.max_completion_tokens or req.max_tokens
         try:
@@ -293,7 +290,7 @@ class HTTPServer:
             raise oai.bad_request(e) from e
         job = Job(self.async_engine, oai.new_id("chatcmpl"), [(ids, p) for p in params])
         await self._start(request, job)
-        rid = job.requests[0][0].rsplit("-", 1)[0]
+        rid = job.id
         if req.stream:
             return StreamingResponse(self._chat_stream(request, req, job, rid, len(ids)),
                                      media_type="text/event-stream")
@@ -351,8 +348,11 @@ class HTTPServer:
         tokenizer = self.engine.tokenizer
         if any(isinstance(p, str) for p in prompts):
             tokenizer = self._tokenizer()
-        ids = [await asyncio.to_thread(tokenizer.encode, p) if isinstance(p, str) else p
-               for p in prompts]
+        try:
+            ids = [await self.async_engine.encode(p) if isinstance(p, str) else p
+                   for p in prompts]
+        except ValueError as e:
+            raise oai.APIError(400, str(e), "prompt") from e
         try:
             params = [req.sampling_params(req.max_tokens, req.logprobs, i)
                       for i in range(req.n)]
@@ -361,7 +361,7 @@ class HTTPServer:
         job = Job(self.async_engine, oai.new_id("cmpl"),
                   [(p, params[i]) for p in ids for i in range(req.n)])
         await self._start(request, job)
-        rid = job.requests[0][0].rsplit("-", 1)[0]
+        rid = job.id
         echoes = [""] * len(job.requests)
         if req.echo:
             texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
@@ -436,19 +436,18 @@ class HTTPServer:
     async def tokenize(self, request: Request):
         body = await self._body(request, _TokenizeRequest)
         self._check_serving(body.model)
-        tokenizer = self._tokenizer()
+        self._tokenizer()
         try:
             if body.messages is not None:
-                ids = await asyncio.to_thread(
-                    tokenizer.apply_chat_template, body.messages,
-                    add_generation_prompt=body.add_generation_prompt)
+                ids = await self.async_engine.encode_chat(
+                    body.messages, add_generation_prompt=body.add_generation_prompt)
             elif body.prompt is not None:
-                ids = await asyncio.to_thread(tokenizer.encode, body.prompt,
-                                              body.add_special_tokens)
+                ids = await self.async_engine.encode(body.prompt, body.add_special_tokens)
             else:
                 raise oai.APIError(400, "set prompt or messages", "prompt")
-        except ChatTemplateError as e:
-            raise oai.APIError(400, str(e), "messages") from e
+        except ValueError as e:
+            raise oai.APIError(400, str(e), "messages" if body.messages is not None
+                               else "prompt") from e
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
 
     async def detokenize(self, request: Request):

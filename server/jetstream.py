@@ -26,7 +26,7 @@ class OrchestratorServicer(js_grpc.OrchestratorServicer):
         self.engine = async_engine.engine  # facts that do not change: tokenizer, model config
         self.is_accepting = is_accepting  # callable: False while draining
 
-    def _prompt(self, request: js.DecodeRequest) -> tuple[list[int], bool]:
+    async def _prompt(self, request: js.DecodeRequest) -> tuple[list[int], bool]:
         """The prompt token ids and whether responses carry text."""
         tokenizer = self.engine.tokenizer
         which = request.WhichOneof("content")
@@ -35,7 +35,8 @@ class OrchestratorServicer(js_grpc.OrchestratorServicer):
                 raise ValueError("text_content: this model has no tokenizer; send token_content")
             if not request.text_content.text:
                 raise ValueError("text_content.text is empty")
-            ids, with_text = tokenizer.encode(request.text_content.text, add_special_tokens=False), True
+            ids = await self.async_engine.encode(request.text_content.text, False)
+            with_text = True
         elif which == "token_content":
             ids, with_text = list(request.token_content.token_ids), False
         else:
@@ -57,15 +58,16 @@ class OrchestratorServicer(js_grpc.OrchestratorServicer):
                 raise ValueError("lora_adapter_id: LoRA adapters are not supported")
             if request.max_tokens < 0:
                 raise ValueError(f"max_tokens must be >= 0, got {request.max_tokens}")
-            ids, with_text = self._prompt(request)
+            ids, with_text = await self._prompt(request)
             params = SamplingParams(temperature=0.0, max_tokens=request.max_tokens or None)
+            outputs = await self.async_engine.add(f"jetstream-{uuid.uuid4().hex}", ids, params)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        rid = f"jetstream-{uuid.uuid4().hex}"
-        finished, pending_text = False, ""
+        except QueueFullError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        pending_text = ""
         try:
-            async for out in self.async_engine.generate(rid, ids, params):
-                finished = out.finished
+            async for out in outputs:
                 text = out.new_text if with_text else ""
                 if not out.new_token_ids:  # JetStream never sends an empty message
                     pending_text += text
@@ -74,15 +76,8 @@ class OrchestratorServicer(js_grpc.OrchestratorServicer):
                     continue
                 yield _stream_message(pending_text + text, out.new_token_ids)
                 pending_text = ""
-        except ValueError as e:
-            finished = True
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except QueueFullError as e:
-            finished = True
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        finally:
-            if not finished:
-                self.async_engine.abort(rid)
+        finally:  # the client left: abort this call's request
+            await outputs.aclose()
 
     async def HealthCheck(self, request, context) -> js.HealthCheckResponse:
         return js.HealthCheckResponse(is_live=self.async_engine.is_alive and self.is_accepting())

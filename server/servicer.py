@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -50,10 +49,8 @@ def _json_field(value: str, field: str, kind: type):
     return decoded
 
 
-def render_chat(tokenizer, chat: pb.Chat) -> list[int]:
-    """A Chat prompt as token ids (ValueError when it cannot be rendered)."""
-    if tokenizer is None:
-        raise ValueError("messages: this model has no tokenizer, so no chat template")
+def chat_from_proto(chat: pb.Chat) -> tuple[list[dict], dict]:
+    """A Chat prompt as (messages, chat template arguments); ValueError names a bad field."""
     messages = []
     for m in chat.messages:
         message = {"role": m.role, "content": m.content}
@@ -64,12 +61,11 @@ def render_chat(tokenizer, chat: pb.Chat) -> list[int]:
         if m.tool_calls_json:
             message["tool_calls"] = _json_field(m.tool_calls_json, "tool_calls_json", list)
         messages.append(message)
-    return tokenizer.apply_chat_template(
-        messages, chat_template=chat.chat_template or None,
-        add_generation_prompt=not chat.continue_final_message,
-        continue_final_message=chat.continue_final_message,
-        tools=_json_field(chat.tools_json, "tools_json", list),
-        **(_json_field(chat.chat_template_kwargs_json, "chat_template_kwargs_json", dict) or {}))
+    kwargs = _json_field(chat.chat_template_kwargs_json, "chat_template_kwargs_json", dict) or {}
+    return messages, dict(kwargs, chat_template=chat.chat_template or None,
+                          add_generation_prompt=not chat.continue_final_message,
+                          continue_final_message=chat.continue_final_message,
+                          tools=_json_field(chat.tools_json, "tools_json", list))
 
 
 def chunk_from_output(out: StepOutput) -> pb.Chunk:
@@ -103,47 +99,47 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                 "prompt: set one of text, token_ids or messages")
         try:
             params = sampling_from_proto(request.sampling)
-            if which == "messages":  # rendered and tokenized off the event loop
-                prompt = await asyncio.to_thread(render_chat, self.engine.tokenizer,
-                                                 request.messages)
+            if which == "messages":
+                messages, template_args = chat_from_proto(request.messages)
+                prompt = await self.async_engine.encode_chat(messages, **template_args)
+            elif which == "text":
+                prompt = await self.async_engine.encode(request.text)
             else:
-                prompt = request.text if which == "text" else list(request.token_ids.ids)
-        except ValueError as e:
+                prompt = list(request.token_ids.ids)
+            outputs = await self.async_engine.add(rid, prompt, params)
+        except ValueError as e:  # never admitted
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        completion, finished = 0, False
+        except QueueFullError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        completion = 0
         try:
-            async for out in self.async_engine.generate(rid, prompt, params):
+            async for out in outputs:
                 completion += len(out.new_token_ids)
                 if out.new_token_ids or out.new_text:
                     yield pb.GenerateResponse(request_id=rid, chunk=chunk_from_output(out))
                 if out.finished:
-                    finished = True
                     stop = out.stop_reason if isinstance(out.stop_reason, str) else ""
                     yield pb.GenerateResponse(request_id=rid, complete=pb.Complete(
                         finish_reason=out.finish_reason, matched_stop=stop,
                         usage=pb.Usage(prompt_tokens=out.num_prompt_tokens,
                                        completion_tokens=completion,
                                        cached_tokens=out.num_cached_tokens)))
-        except ValueError as e:
-            finished = True  # never admitted
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except QueueFullError as e:
-            finished = True
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        finally:
-            if not finished:  # client cancelled, disconnected or ran out of deadline
-                self.async_engine.abort(rid)
+        finally:  # the client cancelled, left or ran out of deadline: abort this call's request
+            await outputs.aclose()
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        for rid in request.request_ids:
-            self.async_engine.abort(rid)
-        return pb.AbortResponse(num_aborted=len(request.request_ids))
+        aborted = await self.async_engine.abort_requests(list(request.request_ids))
+        return pb.AbortResponse(num_aborted=aborted)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer")
-        return pb.TokenizeResponse(ids=tokenizer.encode(request.text, request.add_special_tokens))
+        try:
+            ids = await self.async_engine.encode(request.text, request.add_special_tokens)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.TokenizeResponse(ids=ids)
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
         e = self.engine

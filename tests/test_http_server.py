@@ -194,14 +194,20 @@ def test_sse_wire_format(server):
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**7]}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x" * 5000}, 400, "prompt"),  # over --max-prompt-bytes
+    ("/v1/completions", {"prompt": [5] * 100_000}, 400, "prompt"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": 1e400}', 400, "temperature"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, 400, "tool_choice"),
     ("/v1/chat/completions", {"messages": CHAT, "model": "gpt-4"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 5000}]}, 400,
+     "messages"),
 ])
 def test_bad_requests_fail_alone_with_openai_errors(server, client, path, body, status, param):
-    r = httpx.post(f"{server[1].http_url}{path}", json=body)
+    r = httpx.post(f"{server[1].http_url}{path}", **(
+        {"content": body} if isinstance(body, bytes) else {"json": body}))
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["message"] and error["type"]

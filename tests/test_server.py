@@ -78,7 +78,7 @@ def test_abort_and_cancel_free_every_page(server, client, prompts):
     stream = client.generate(prompts[3], request_id="to-abort", **long)
     assert next(stream).HasField("chunk")
     assert client.status().kv_pages_used > 0
-    client.abort("to-abort", "no-such-request")
+    assert client.abort("to-abort", "no-such-request") == 1  # requests aborted, not ids sent
     rest = list(stream)
     assert rest[-1].complete.finish_reason == "abort"
     assert sum(len(m.chunk.token_ids) for m in rest) < 79
@@ -113,7 +113,59 @@ BAD = [
     (dict(max_tokens=0), "max_tokens"),
     (dict(max_tokens=1000), "max_model_len"),
     (dict(logprobs=99), "logprobs"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(top_p=float("nan")), "top_p"),
 ]
+
+
+def test_a_cancelled_duplicate_leaves_the_original_running(server, client, prompts):
+    """Retries under the running request's id that give up before admission (short
+    deadlines) are refused or time out; the original runs to its end."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    stream = client.generate(prompts[3], request_id="original", max_tokens=80,
+                             ignore_eos=True, temperature=0.0)
+    assert next(stream).HasField("chunk")
+
+    def duplicate(timeout: float):
+        try:
+            list(client.generate(prompts[0], request_id="original", timeout=timeout,
+                                 max_tokens=2))
+        except grpc.RpcError as e:
+            return e.code()
+        return grpc.StatusCode.OK
+
+    with ThreadPoolExecutor(8) as pool:
+        codes = list(pool.map(duplicate, [0.0005 * (1 + i % 20) for i in range(40)]))
+    assert set(codes) <= {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INVALID_ARGUMENT}
+    rest = list(stream)
+    assert rest[-1].complete.finish_reason == "length"
+    assert rest[-1].complete.usage.completion_tokens == 80
+
+
+def test_big_prompts_are_refused_before_tokenizing(server, client, prompts):
+    """Over --max-prompt-bytes (default 32 x max_model_len = 4 KiB here): refused at once,
+    without tokenizing, while another stream goes on; over the message limit (twice that
+    plus 1 MiB): refused by gRPC itself."""
+    stream = client.generate(prompts[3], max_tokens=80, ignore_eos=True, temperature=0.0)
+    assert next(stream).HasField("chunk")
+    start = time.perf_counter()
+    for prompt, code, needle in [
+        ("x" * 500_000, grpc.StatusCode.INVALID_ARGUMENT, "--max-prompt-bytes"),
+        ("é" * 3000, grpc.StatusCode.INVALID_ARGUMENT, "--max-prompt-bytes"),  # 6000 bytes
+        ([5] * 200_000, grpc.StatusCode.INVALID_ARGUMENT, "max_model_len"),
+        ("x" * 3_000_000, grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"),
+    ]:
+        with pytest.raises(grpc.RpcError) as e:
+            client.complete(prompt, max_tokens=2)
+        assert e.value.code() == code and needle in e.value.details(), e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        client.tokenize("x" * 500_000)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert time.perf_counter() - start < 2.0
+    assert list(stream)[-1].complete.usage.completion_tokens == 80
+    assert len(client.tokenize("x" * 4000)) > 0  # at the limit: taken
 
 
 def test_bad_inputs_fail_alone(server, client, prompts):
