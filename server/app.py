@@ -28,6 +28,7 @@ from server.protos.jaxserve.v1 import inference_pb2_grpc as pb_grpc
 from server.protos.jetstream_proto import jetstream_pb2 as js
 from server.protos.jetstream_proto import jetstream_pb2_grpc as js_grpc
 from server.servicer import InferenceServicer
+from server.undecodable import add_servicer
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +68,9 @@ async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 50051,
                                  {k: int(v) for k, v in mesh.shape.items()})
     server = grpc.aio.server(
         options=SERVER_OPTIONS + [("grpc.max_receive_message_length", request_limit)])
-    pb_grpc.add_InferenceServicer_to_server(servicer, server)
-    js_grpc.add_OrchestratorServicer_to_server(
-        OrchestratorServicer(async_engine, lambda: servicer.accepting), server)
+    add_servicer(pb_grpc.add_InferenceServicer_to_server, servicer, server)
+    add_servicer(js_grpc.add_OrchestratorServicer_to_server,
+                 OrchestratorServicer(async_engine, lambda: servicer.accepting), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -119,6 +119,33 @@ BAD = [
 ]
 
 
+def test_invalid_utf8_on_the_wire_is_invalid_argument(server, client):
+    from server.protos.jetstream_proto import jetstream_pb2 as js
+
+    def corrupt(message) -> bytes:  # the 2-byte text "QQ" replaced by invalid UTF-8
+        data = message.SerializeToString()
+        assert data.count(b"QQ") == 1
+        return data.replace(b"QQ", b"\xff\xfe")
+
+    calls = [
+        ("/jaxserve.v1.Inference/Tokenize", client.channel.unary_unary,
+         pb.TokenizeRequest(text="QQ")),
+        ("/jaxserve.v1.Inference/Generate", client.channel.unary_stream,
+         pb.GenerateRequest(text="QQ")),
+        ("/jetstream_proto.Orchestrator/Decode", client.channel.unary_stream,
+         js.DecodeRequest(text_content=js.DecodeRequest.TextContent(text="QQ"))),
+    ]
+    for method, kind, message in calls:
+        call = kind(method)  # no serializers: raw bytes out, raw bytes back
+        with pytest.raises(grpc.RpcError) as e:
+            result = call(corrupt(message), timeout=10)
+            if kind == client.channel.unary_stream:
+                list(result)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e.value)
+        assert "UTF-8" in e.value.details()
+    assert client.tokenize("QQ")  # and the same requests, well formed, still work
+
+
 def test_a_cancelled_duplicate_leaves_the_original_running(server, client, prompts):
     """Retries under the running request's id that give up before admission (short
     deadlines) are refused or time out; the original runs to its end."""
