@@ -108,9 +108,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from jaxserve.engine import broadcast
     from jaxserve.engine.engine import Engine
     from server.app import serve
+    from server.security import Security
     from sharding import multihost
 
     config = engine_config_from_args(args)
+    security = Security.from_args(args)  # bad files or an open address fail before loading
+    security.check_bind(args.host)
     dist = multihost.DistributedConfig.from_args(args.coordinator, args.num_processes,
                                                  args.process_id)
     if dist is not None:
@@ -139,7 +142,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              max_waiting=args.max_waiting, grace_s=args.grace,
                              model_name=args.served_model_name or name,
                              http_port=None if args.no_http else args.http_port,
-                             max_prompt_bytes=args.max_prompt_bytes))
+                             max_prompt_bytes=args.max_prompt_bytes, security=security))
     if dist is not None and code != 0:
         multihost.exit_now(code)
     return code
@@ -240,6 +243,22 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--http-port", type=int, default=8000,
                      help="OpenAI-compatible HTTP port (same host and engine as gRPC)")
     srv.add_argument("--no-http", action="store_true", help="serve gRPC only")
+    srv.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC and HTTP "
+                                                      "over TLS (with --tls-key)")
+    srv.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    srv.add_argument("--tls-client-ca", default=None,
+                     help="PEM CA: also require client certificates it signed (mutual TLS)")
+    srv.add_argument("--api-key", action="append", default=None,
+                     help="require 'authorization: Bearer KEY' on every RPC and HTTP route "
+                          "but health (repeatable: several clients, several keys)")
+    srv.add_argument("--api-key-file", default=None, help="API keys, one per line")
+    srv.add_argument("--admin-key", action="append", default=None,
+                     help="a key that may also read server status and abort anyone's "
+                          "requests (repeatable)")
+    srv.add_argument("--reflection", action="store_true",
+                     help="keep gRPC reflection on when API keys are required")
+    srv.add_argument("--insecure", action="store_true",
+                     help="serve a non-loopback --host without TLS or API keys")
     srv.add_argument("--max-prompt-bytes", type=int, default=None,
                      help="longest prompt text taken, checked before tokenizing (default: 32 "
                           "bytes per token of max_model_len); gRPC messages and HTTP bodies are "
@@ -267,6 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli = sub.add_parser("client", help="call a running server")
     cli.add_argument("--target", default="127.0.0.1:50051")
+    cli.add_argument("--api-key", default=None, help="for a server started with --api-key")
+    cli.add_argument("--tls-ca", default=None,
+                     help="PEM CA to trust for a server started with --tls-cert ('' for the "
+                          "system's roots)")
     csub = cli.add_subparsers(dest="client_command", required=True)
     cgen = csub.add_parser("generate", help="generate from a prompt")
     cgen.add_argument("--prompt", required=True)

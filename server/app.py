@@ -27,6 +27,7 @@ from server.protos.jaxserve.v1 import inference_pb2 as pb
 from server.protos.jaxserve.v1 import inference_pb2_grpc as pb_grpc
 from server.protos.jetstream_proto import jetstream_pb2 as js
 from server.protos.jetstream_proto import jetstream_pb2_grpc as js_grpc
+from server.security import Security
 from server.servicer import InferenceServicer
 from server.undecodable import add_servicer
 
@@ -55,29 +56,38 @@ def request_bytes_limit(max_prompt_bytes: int) -> int:
 
 async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 50051,
                 max_waiting: int = 1024, grace_s: float = 30.0, model_name: str = "",
-                http_port: int | None = 8000, max_prompt_bytes: int | None = None) -> int:
+                http_port: int | None = 8000, max_prompt_bytes: int | None = None,
+                security: Security | None = None) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code. `http_port` None: gRPC only.
     `max_prompt_bytes` (default from max_model_len) bounds prompt text before tokenizing,
-    and gRPC messages and HTTP bodies to what such a prompt needs."""
+    and gRPC messages and HTTP bodies to what such a prompt needs. `security`: TLS and API
+    keys for both servers (server/security.py)."""
+    security = security or Security()
+    security.check_bind(host)
     metrics = Metrics(engine, model_name)
     async_engine = AsyncEngine(engine, max_waiting=max_waiting, metrics=metrics,
                                max_prompt_bytes=max_prompt_bytes)
     request_limit = request_bytes_limit(async_engine.max_prompt_bytes)
     mesh = engine.runner.shard.mesh
     servicer = InferenceServicer(async_engine, model_name,
-                                 {k: int(v) for k, v in mesh.shape.items()})
+                                 {k: int(v) for k, v in mesh.shape.items()}, security)
     server = grpc.aio.server(
+        interceptors=security.grpc_interceptors(),
         options=SERVER_OPTIONS + [("grpc.max_receive_message_length", request_limit)])
     add_servicer(pb_grpc.add_InferenceServicer_to_server, servicer, server)
     add_servicer(js_grpc.add_OrchestratorServicer_to_server,
                  OrchestratorServicer(async_engine, lambda: servicer.accepting), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (INFERENCE_SERVICE, JETSTREAM_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
-        server)
+    if security.serve_reflection:
+        reflection.enable_server_reflection(
+            (INFERENCE_SERVICE, JETSTREAM_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
+            server)
     address = f"{host}:{port}"
-    if server.add_insecure_port(address) == 0:
+    credentials = security.grpc_credentials()
+    bound_port = (server.add_secure_port(address, credentials) if credentials is not None
+                  else server.add_insecure_port(address))
+    if bound_port == 0:
         raise ValueError(f"cannot bind {address}")
 
     async def set_health(status) -> None:
@@ -86,10 +96,12 @@ async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 50051,
 
     await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
-    log.info("listening on %s (NOT_SERVING until warm-up ends)", address)
+    log.info("listening on %s%s%s (NOT_SERVING until warm-up ends)", address,
+             " with TLS" if security.tls else "", ", API keys required" if security.auth else "")
     http = http_task = None
     if http_port is not None:
-        http = HTTPServer(async_engine, model_name, metrics, max_body_bytes=request_limit)
+        http = HTTPServer(async_engine, model_name, metrics, max_body_bytes=request_limit,
+                          security=security)
         bound = asyncio.Event()
         http_task = asyncio.create_task(http.serve(host, http_port, bound))
         await asyncio.wait([http_task, asyncio.create_task(bound.wait())],
@@ -97,7 +109,8 @@ async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 50051,
         if http_task.done():
             await server.stop(grace=None)
             http_task.result()  # raises the bind error
-        log.info("HTTP (OpenAI API) on http://%s:%d (503 until warm-up ends)", host, http_port)
+        log.info("HTTP (OpenAI API) on %s://%s:%d (503 until warm-up ends)",
+                 "https" if security.tls else "http", host, http_port)
     await asyncio.to_thread(engine.warmup)
     async_engine.start()
     await set_health(health_pb2.HealthCheckResponse.SERVING)

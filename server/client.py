@@ -36,11 +36,49 @@ def make_request(prompt: Prompt, request_id: str = "", **sampling) -> pb.Generat
     return req
 
 
-class Client:
-    """Blocking client. `generate` yields GenerateResponse messages (chunks, then complete)."""
+class _BearerKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds `authorization: Bearer <key>` to every call (TLS or not)."""
 
-    def __init__(self, target: str = "127.0.0.1:50051"):
-        self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    def __init__(self, api_key: str):
+        self.header = ("authorization", f"Bearer {api_key}")
+
+    def _with_key(self, details):
+        return details._replace(metadata=[*(details.metadata or ()), self.header])
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_key(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_key(details), request)
+
+
+def _read(path: str | None) -> bytes | None:
+    return open(path, "rb").read() if path else None
+
+
+def _channel(target: str, api_key: str | None, tls_ca: str | None,
+             tls_cert: tuple[str, str] | None = None) -> grpc.Channel:
+    """Plaintext, or TLS trusting `tls_ca` (a PEM file; "" for the system's roots) and
+    showing `tls_cert` (client certificate and key files, for mutual TLS); with `api_key`,
+    every call carries it."""
+    if tls_ca is None:
+        channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    else:
+        cert, key = tls_cert or (None, None)
+        channel = grpc.secure_channel(
+            target, grpc.ssl_channel_credentials(_read(tls_ca), _read(key), _read(cert)),
+            options=CHANNEL_OPTIONS)
+    return grpc.intercept_channel(channel, _BearerKey(api_key)) if api_key else channel
+
+
+class Client:
+    """Blocking client. `generate` yields GenerateResponse messages (chunks, then complete).
+    `api_key`, `tls_ca` and `tls_cert` (certificate, key) for a server started with
+    --api-key / --tls-cert / --tls-client-ca."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", api_key: str | None = None,
+                 tls_ca: str | None = None, tls_cert: tuple[str, str] | None = None):
+        self.channel = _channel(target, api_key, tls_ca, tls_cert)
         self.stub = pb_grpc.InferenceStub(self.channel)
 
     def generate(self, prompt: Prompt, request_id: str = "", timeout: float | None = None,
@@ -121,7 +159,7 @@ def chat(client: Client, args: argparse.Namespace, lines, out) -> list[dict]:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    client = Client(args.target)
+    client = Client(args.target, args.api_key, args.tls_ca)
     try:
         if args.client_command == "generate":
             sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature)

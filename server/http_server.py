@@ -36,6 +36,7 @@ from jaxserve.sampling_params import SamplingParams
 from server import openai_protocol as oai
 from server.async_engine import AsyncEngine, QueueFullError
 from server.metrics import CONTENT_TYPE, Metrics
+from server.security import Security
 
 log = logging.getLogger(__name__)
 
@@ -190,12 +191,29 @@ class _BodyLimit:
         await JSONResponse(error.body(), status_code=413)(scope, receive, send)
 
 
+class _ApiKeys:
+    """ASGI middleware: every route but /health needs `Authorization: Bearer <key>`."""
+
+    def __init__(self, app, security: Security):
+        self.app, self.security = app, security
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            headers = dict(scope["headers"])
+            authorization = headers.get(b"authorization", b"").decode("latin-1")
+            if self.security.key_of(authorization) is None:
+                error = oai.APIError(401, "missing or unknown API key: send 'Authorization: "
+                                          "Bearer <key>'", code="invalid_api_key")
+                return await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 class HTTPServer:
     """The FastAPI app and its uvicorn server. `ready` (warm) and `accepting` (not
     draining) are set by server/app.py."""
 
     def __init__(self, async_engine: AsyncEngine, model_name: str, metrics: Metrics,
-                 max_body_bytes: int):
+                 max_body_bytes: int, security: Security | None = None):
         self.async_engine = async_engine
         self.engine = async_engine.engine
         self.model_name = model_name
@@ -215,7 +233,10 @@ class HTTPServer:
         app.get("/health")(self.health)
         app.get("/version")(self.version)
         app.get("/metrics")(self.scrape)
+        self.security = security or Security()
         self.app = _BodyLimit(app, max_body_bytes)
+        if self.security.auth:
+            self.app = _ApiKeys(self.app, self.security)
 
     # ----------------------------------------------------------------- plumbing
 
@@ -478,7 +499,8 @@ class HTTPServer:
     async def serve(self, host: str, port: int, started: asyncio.Event) -> None:
         """Serve until `shutdown()`; sets `started` once the port is bound."""
         config = uvicorn.Config(self.app, host=host, port=port, log_level="warning",
-                                lifespan="off", timeout_graceful_shutdown=2)
+                                lifespan="off", timeout_graceful_shutdown=2,
+                                **self.security.uvicorn_ssl())
         self._server = _Uvicorn(config)
         task = asyncio.create_task(self._server.serve())
         while not self._server.started and not task.done():

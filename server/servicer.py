@@ -11,6 +11,7 @@ import grpc
 from jaxserve.outputs import StepOutput
 from jaxserve.sampling_params import SamplingParams
 from server.async_engine import AsyncEngine, QueueFullError
+from server.security import Security, caller_key
 from server.protos.jaxserve.v1 import inference_pb2 as pb
 from server.protos.jaxserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -81,8 +82,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     """Requests go through the AsyncEngine (its loop thread owns the engine); facts that
     do not change (model, tokenizer) and counters are read from the Engine directly."""
 
-    def __init__(self, async_engine: AsyncEngine, model_name: str, mesh_shape: dict[str, int]):
+    def __init__(self, async_engine: AsyncEngine, model_name: str, mesh_shape: dict[str, int],
+                 security: Security | None = None):
         self.async_engine = async_engine
+        self.security = security or Security()
+        self.owners: dict[str, str | None] = {}  # running request id -> the key that sent it
         self.engine = async_engine.engine
         self.model_name = model_name
         self.mesh_shape = mesh_shape
@@ -112,6 +116,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except QueueFullError as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         completion = 0
+        self.owners[rid] = caller_key.get()
         try:
             async for out in outputs:
                 completion += len(out.new_token_ids)
@@ -125,10 +130,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                        completion_tokens=completion,
                                        cached_tokens=out.num_cached_tokens)))
         finally:  # the client cancelled, left or ran out of deadline: abort this call's request
+            self.owners.pop(rid, None)
             await outputs.aclose()
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        aborted = await self.async_engine.abort_requests(list(request.request_ids))
+        ids = list(request.request_ids)
+        if self.security.auth:  # only the caller's own requests, unless it holds an admin key
+            key = caller_key.get()
+            if not self.security.is_admin(key):
+                ids = [rid for rid in ids if rid in self.owners and self.owners[rid] == key]
+        aborted = await self.async_engine.abort_requests(ids)
         return pb.AbortResponse(num_aborted=aborted)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -26,13 +27,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def ssl_context(tls: tuple[str, str, str] | None) -> ssl.SSLContext | bool:
+    """For httpx: trust the CA and show the client certificate of `tls` (CA, cert, key)."""
+    if tls is None:
+        return True
+    context = ssl.create_default_context(cafile=tls[0])
+    context.load_cert_chain(tls[1], tls[2])
+    return context
+
+
 def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 300,
-                 cold: bool = False, http_url: str | None = None) -> None:
+                 cold: bool = False, http_url: str | None = None,
+                 tls: tuple[str, str, str] | None = None) -> None:
     """Poll grpc.health.v1 until SERVING. A `cold` server (compiling every program, which
     takes seconds) must have said NOT_SERVING during its warm-up; one that reads them from
     the compilation cache may be ready before the first poll. With `http_url`, GET /health
-    is polled too and its status codes kept in `proc.http_health` (None: no answer)."""
-    channel = grpc.insecure_channel(target)
+    is polled too and its status codes kept in `proc.http_health` (None: no answer).
+    `tls`: (CA, client certificate, client key) files to reach a TLS server with."""
+    if tls is None:
+        channel = grpc.insecure_channel(target)
+    else:
+        ca, cert, key = (open(p, "rb").read() for p in tls)
+        channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(ca, key, cert))
     stub = health_pb2_grpc.HealthStub(channel)
     deadline = time.monotonic() + timeout
     seen_not_serving = False
@@ -42,7 +58,8 @@ def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 300,
             assert proc.poll() is None, "server exited during start-up"
             if http_url is not None:
                 try:
-                    proc.http_health.append(httpx.get(f"{http_url}/health", timeout=2).status_code)
+                    proc.http_health.append(httpx.get(
+                        f"{http_url}/health", timeout=2, verify=ssl_context(tls)).status_code)
                 except httpx.HTTPError:
                     proc.http_health.append(None)
             try:
@@ -61,10 +78,11 @@ def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 300,
 
 
 @contextlib.contextmanager
-def running_server(model_dir, log_path, *extra_flags: str, cold: bool = False):
+def running_server(model_dir, log_path, *extra_flags: str, cold: bool = False,
+                   tls: tuple[str, str, str] | None = None):
     """Yield (gRPC target, process); the process's `http_url` is its OpenAI API's base URL.
     Kill the process if a test left it running. `cold`: without the compilation cache (see
-    wait_serving)."""
+    wait_serving). `tls`: (CA, client cert, client key) for a server started with TLS."""
     if cold:
         extra_flags += ("--compilation-cache-dir", "off")
     port, http_port = free_port(), free_port()
@@ -74,10 +92,10 @@ def running_server(model_dir, log_path, *extra_flags: str, cold: bool = False):
             [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir),
              "--port", str(port), "--http-port", str(http_port), *ENGINE_FLAGS, *extra_flags],
             stdout=out, stderr=subprocess.STDOUT, env=env)
-    proc.http_url = f"http://127.0.0.1:{http_port}"
+    proc.http_url = f"{'http' if tls is None else 'https'}://127.0.0.1:{http_port}"
     target = f"127.0.0.1:{port}"
     try:
-        wait_serving(target, proc, cold=cold, http_url=proc.http_url)
+        wait_serving(target, proc, cold=cold, http_url=proc.http_url, tls=tls)
     except BaseException:
         proc.kill()
         print(open(log_path).read())
