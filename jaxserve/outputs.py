@@ -21,11 +21,12 @@ class StepOutput:
     new_text: str
     new_logprobs: list[dict[int, Logprob]] | None
     finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the matched stop string or stop token id
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     first_scheduled_at: float | None = None  # time.monotonic() when it first ran (queue time)
+    error: str | None = None  # finish_reason "error": what failed
 
 
 @dataclasses.dataclass

@@ -27,6 +27,9 @@ from server.metrics import Metrics, RequestTimes
 log = logging.getLogger(__name__)
 
 
+# Steps that may fail in a row (each failing its own requests) before the engine loop
+# stops and health turns NOT_SERVING.
+MAX_STEP_FAILURES = 3
 # Bytes of prompt text per token of context allowed before tokenizing: generous (English
 # averages ~4 bytes per token), and it bounds the tokenizer's work whatever a client sends.
 PROMPT_BYTES_PER_TOKEN = 32
@@ -218,7 +221,7 @@ class AsyncEngine:
     # ------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
-        last_step_end = None
+        last_step_end, failures = None, 0
         try:
             while not self._stop.is_set():
                 self._drain(block=not self.engine.has_unfinished())
@@ -229,7 +232,16 @@ class AsyncEngine:
                 start = time.monotonic()
                 if last_step_end is not None:
                     self.step_gaps.append(start - last_step_end)
-                outputs = self.engine.step()
+                try:
+                    outputs = self.engine.step()
+                    failures = 0
+                except Exception as e:  # noqa: BLE001 - one step's fault, not the server's
+                    failures += 1
+                    log.exception("engine step failed (%d in a row); failing its requests",
+                                  failures)
+                    if failures >= MAX_STEP_FAILURES:
+                        raise
+                    outputs = self.engine.fail_step(e)
                 last_step_end = time.monotonic()
                 self.step_times.append(last_step_end - start)
                 if self.metrics is not None:

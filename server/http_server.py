@@ -118,6 +118,9 @@ class Job:
                 i, out = await queue.get()
                 if out.finished:
                     self.done.add(i)
+                if out.finish_reason == "error":  # the engine step failed; the server goes on
+                    raise oai.APIError(500, f"the step failed: {out.error}",
+                                       type_="internal_error")
                 yield i, out
         finally:
             for task in tasks:
@@ -148,6 +151,17 @@ async def _watching(request: Request, job: Job):
         yield
     finally:
         watcher.cancel()
+
+
+@contextlib.asynccontextmanager
+async def _errors_as_events():
+    """In a stream already answered 200: an APIError becomes an `{"error": ...}` event
+    (sent before `[DONE]`, as vLLM does) instead of a dropped connection."""
+    errors: list[dict] = []
+    try:
+        yield errors
+    except oai.APIError as e:
+        errors.append(e.body())
 
 
 class _BodyLimit:
@@ -344,7 +358,7 @@ class HTTPServer:
             return self._sse(oai.envelope(rid, "chat.completion.chunk", self.model_name,
                                           [choice], created, **extra))
 
-        async with _watching(request, job):
+        async with _watching(request, job), _errors_as_events() as errors:
             async for i, out in job.outputs():
                 c = choices[i]
                 if not c.started:
@@ -356,7 +370,9 @@ class HTTPServer:
                 delta = {"content": out.new_text} if out.new_text or out.new_token_ids else {}
                 if out.finished or delta:
                     yield chunk(i, delta, out, c.finish_reason)
-        if req.include_usage:
+        for error in errors:
+            yield self._sse(error)
+        if req.include_usage and not errors:
             yield self._sse(oai.envelope(
                 rid, "chat.completion.chunk", self.model_name, [], created,
                 usage=oai.usage(num_prompt_tokens, sum(c.num_tokens for c in choices))))
@@ -410,7 +426,7 @@ class HTTPServer:
         created = int(time.time())
         extra = {"usage": None} if req.include_usage else {}
         choices = [Choice(offset=len(e)) for e in echoes]
-        async with _watching(request, job):
+        async with _watching(request, job), _errors_as_events() as errors:
             async for i, out in job.outputs():
                 c = choices[i]
                 text = out.new_text
@@ -428,7 +444,9 @@ class HTTPServer:
                     choice["stop_reason"] = c.stop_reason
                 yield self._sse(oai.envelope(rid, "text_completion", self.model_name, [choice],
                                              created, **extra))
-        if req.include_usage:
+        for error in errors:
+            yield self._sse(error)
+        if req.include_usage and not errors:
             yield self._sse(oai.envelope(
                 rid, "text_completion", self.model_name, [], created,
                 usage=oai.usage(num_prompt_tokens, sum(c.num_tokens for c in choices))))

@@ -68,6 +68,8 @@ class OrchestratorServicer(js_grpc.OrchestratorServicer):
         pending_text = ""
         try:
             async for out in outputs:
+                if out.finish_reason == "error":
+                    await context.abort(grpc.StatusCode.INTERNAL, f"the step failed: {out.error}")
                 text = out.new_text if with_text else ""
                 if not out.new_token_ids:  # JetStream never sends an empty message
                     pending_text += text

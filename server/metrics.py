@@ -62,7 +62,7 @@ class Metrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self._success = Counter(PREFIX + "request_success", "Finished requests by reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             self._success.labels(model_name, reason)  # present at 0 from the start
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.",
                               TTFT_BUCKETS)

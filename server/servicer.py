@@ -119,6 +119,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.owners[rid] = caller_key.get()
         try:
             async for out in outputs:
+                if out.finish_reason == "error":  # the engine step failed; the server goes on
+                    await context.abort(grpc.StatusCode.INTERNAL, f"the step failed: {out.error}")
                 completion += len(out.new_token_ids)
                 if out.new_token_ids or out.new_text:
                     yield pb.GenerateResponse(request_id=rid, chunk=chunk_from_output(out))

@@ -250,6 +250,27 @@ class Engine:
             outputs += self._collect(step)
         return outputs
 
+    def fail_step(self, error: BaseException) -> list[StepOutput]:
+        """After `step()` raised: end every running request (they were in the failed step,
+        or in the one in flight with it) with finish_reason "error" and free their pages;
+        waiting requests stay queued. If the step consumed the KV cache, it is made anew
+        and the prefix cache forgotten. The engine can step again afterwards."""
+        self._inflight = None
+        message = f"{type(error).__name__}: {error}"
+        outputs = []
+        for seq in list(self.scheduler.running):
+            req = self._requests.pop(seq.request_id, None)
+            self.scheduler.abort(seq.request_id)
+            if req is not None:
+                outputs.append(StepOutput(
+                    seq.request_id, [], "", None, True, "error",
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                    num_cached_tokens=seq.num_cached_tokens, error=message))
+        if self.runner.recover():
+            for allocator in self.scheduler.allocators:
+                allocator.reset_prefix_cache()
+        return outputs
+
     def _dispatch(self, prev: InFlightStep | None) -> InFlightStep | None:
         """Schedule the next step, build its batch and start it; None if nothing to run.
 

@@ -121,9 +121,8 @@ class ModelRunner:
         self.builder = builder
         abstract = abstract_kv_cache(cfg, builder.num_pages * builder.data_shards,
                                      builder.page_size, kv_dtype, shard)
-        zeros = lambda x: jax.jit(lambda: jnp.zeros(x.shape, x.dtype),  # noqa: E731
-                                  out_shardings=x.sharding)()
-        self.kv_caches: KVCache = [tuple(zeros(x) for x in layer) for layer in abstract]
+        self._abstract_kv = abstract
+        self.kv_caches: KVCache = self._zero_kv_caches()
         self._jitted = jit_step(graphdef, params, jax.tree.map(lambda x: x.sharding, abstract),
                                 shard)
         self._ready: set[BucketKey] = set()  # buckets compiled into the jitted step
@@ -135,6 +134,22 @@ class ModelRunner:
         replicated = shard.sharding(())
         # The last step's sampled tokens, on the device (see `step`).
         self.sampled = jax.device_put(np.zeros(builder.max_num_seqs, np.int32), replicated)
+
+    def _zero_kv_caches(self) -> KVCache:
+        zeros = lambda x: jax.jit(lambda: jnp.zeros(x.shape, x.dtype),  # noqa: E731
+                                  out_shardings=x.sharding)()
+        return [tuple(zeros(x) for x in layer) for layer in self._abstract_kv]
+
+    def recover(self) -> bool:
+        """After a failed step: if it consumed the donated KV cache (or the last samples),
+        make new ones. Returns whether the KV cache was lost (every page's content)."""
+        lost = any(x.is_deleted() for layer in self.kv_caches for x in layer)
+        if lost:
+            self.kv_caches = self._zero_kv_caches()
+        if self.sampled.is_deleted():
+            self.sampled = jax.device_put(np.zeros(self.builder.max_num_seqs, np.int32),
+                                          self.shard.sharding(()))
+        return lost
 
     def warmup(self, progress: bool = True) -> None:
         """Compile every bucket now, so nothing compiles while serving. Each is compiled by

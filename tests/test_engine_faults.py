@@ -1,0 +1,102 @@
+"""A step that fails (injected into a real engine behind the AsyncEngine) fails its own
+requests with finish_reason "error", returns their pages, and the engine serves on with
+correct tokens; failures in a row stop the loop."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from server.async_engine import MAX_STEP_FAILURES, AsyncEngine
+
+ENGINE = dict(dtype="float32", max_model_len=128, page_size=4, max_num_seqs=4,
+              max_num_batched_tokens=64, token_buckets=(16, 64))
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints):
+    return LLM(str(checkpoints("llama")[0]), **ENGINE)
+
+
+def inject(engine, times: int, consume_kv_cache: bool):
+    """The next `times` device steps raise (after deleting the KV cache, as a step that
+    had taken its donated buffers would leave it)."""
+    real, left = engine.runner._run, [times]
+
+    def failing(batch):
+        left[0] -= 1
+        if left[0] == 0:
+            engine.runner._run = real
+        if consume_kv_cache:
+            for layer in engine.runner.kv_caches:
+                for x in layer:
+                    x.delete()
+        raise RuntimeError("injected device fault")
+
+    engine.runner._run = failing
+
+
+async def collect(outputs):
+    return [out async for out in outputs]
+
+
+@pytest.mark.parametrize("consume_kv_cache", [True, False])
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(llm, prompts,
+                                                                 consume_kv_cache):
+    engine = llm.engine
+    want = llm.generate([prompts[1]], GREEDY)[0].outputs[0].token_ids
+    # A cached prefix, which must not be reused if the KV cache is lost.
+    assert llm.generate([prompts[3]], GREEDY)[0].outputs[0].token_ids
+
+    async def main():
+        async_engine = AsyncEngine(engine)
+        async_engine.start()
+        try:
+            running = await async_engine.add("victim", prompts[2], SamplingParams(
+                temperature=0.0, max_tokens=60, ignore_eos=True))
+            first = await anext(running)
+            inject(engine, 1, consume_kv_cache)
+            rest = await collect(running)
+            after = await collect(await async_engine.add("after", prompts[1], GREEDY))
+            again = await collect(await async_engine.add("again", prompts[3], GREEDY))
+            return first, rest, after, again, async_engine.is_alive
+        finally:
+            async_engine.stop()
+
+    first, rest, after, again, alive = asyncio.run(main())
+    assert not first.finished
+    assert rest[-1].finish_reason == "error" and "injected device fault" in rest[-1].error
+    assert sum(len(o.new_token_ids) for o in [first, *rest]) < 60
+    assert alive
+    assert [t for o in after for t in o.new_token_ids] == want  # the KV cache works again
+    assert again[-1].finish_reason == "length"
+    assert (again[-1].num_cached_tokens == 0) == consume_kv_cache  # lost cache forgotten
+    assert not engine.has_unfinished() and engine.scheduler.num_used_pages == 0
+
+
+def test_failures_in_a_row_stop_the_loop(llm, prompts):
+    engine = llm.engine
+
+    async def main():
+        async_engine = AsyncEngine(engine)
+        async_engine.start()
+        try:
+            inject(engine, MAX_STEP_FAILURES, consume_kv_cache=False)
+            ends = []
+            for i in range(MAX_STEP_FAILURES):
+                outputs = await collect(await async_engine.add(f"r{i}", prompts[0], GREEDY))
+                ends.append(outputs[-1].finish_reason)
+            await asyncio.sleep(0.2)
+            return ends, async_engine.is_alive, async_engine.error
+        finally:
+            async_engine.stop()
+
+    ends, alive, error = asyncio.run(main())
+    assert ends == ["error"] * (MAX_STEP_FAILURES - 1) + ["abort"]
+    assert not alive and "injected device fault" in str(error)
+    # The engine itself is intact: the offline API still runs it.
+    engine.fail_step(error)
+    assert llm.generate([prompts[0]], GREEDY)[0].outputs[0].finish_reason == "length"
