@@ -308,7 +308,7 @@ class HTTPServer:
     async def chat_completions(self, request: Request):
         req = await self._body(request, oai.ChatCompletionRequest)
         self._check_serving(req.model)
-        tokenizer = self._tokenizer()
+        self._tokenizer()  # 400 when the model has none
         logprobs = req.logprob_count()
         try:
             ids = await self.async_engine.encode_chat(
