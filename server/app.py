@@ -36,8 +36,15 @@ log = logging.getLogger(__name__)
 INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 JETSTREAM_SERVICE = js.DESCRIPTOR.services_by_name["Orchestrator"].full_name
 MAX_SEND_BYTES = 64 * 2**20
+MAX_PENDING_CALLS = 65536
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_SEND_BYTES),
+    # Calls gRPC holds before a handler takes them: past a soft limit (default 1,000) gRPC
+    # cancels some at random (CANCELLED, indistinguishable from the client's own), past the
+    # hard one it refuses. One limit, set high, so a burst reaches our admission, which
+    # answers RESOURCE_EXHAUSTED past --max-waiting.
+    ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+    ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
     # Keep idle streams (a long prefill sends nothing for a while) alive, and let clients
     # ping as often as every 10 s without being cut off.
     ("grpc.keepalive_time_ms", 30_000),

@@ -247,6 +247,32 @@ def test_chat_messages_equal_offline_chat(server, client):
     assert first.outputs[0].text in out.getvalue()
 
 
+def test_a_burst_gets_ok_or_resource_exhausted_never_cancelled(server, client):
+    """2,000 streams at once (gRPC itself used to cancel ~10% of such a burst before any
+    handler saw them): each is served or told to retry (--max-waiting 500 here)."""
+    async def one(c):
+        try:
+            async for _ in c.generate([5, 6, 7, 8], max_tokens=2, ignore_eos=True):
+                pass
+            return grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as e:
+            return e.code()
+
+    async def main():
+        c = AsyncClient(server[0])
+        try:
+            return await asyncio.gather(*(one(c) for _ in range(2000)))
+        finally:
+            await c.close()
+
+    codes = asyncio.run(main())
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, \
+        {code: codes.count(code) for code in set(codes)}
+    assert codes.count(grpc.StatusCode.OK) >= 500
+    status = wait_idle(client)
+    assert (status.running_requests, status.waiting_requests) == (0, 0)
+
+
 def test_200_concurrent_streams(server, client, prompts):
     import random
 
