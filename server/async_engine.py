@@ -129,16 +129,6 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
-    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams
-                       ) -> AsyncIterator[StepOutput]:
-        """Stream the request's outputs; raises ValueError or QueueFullError before the first."""
-        outputs = await self.add(request_id, prompt, params)
-        try:
-            async for out in outputs:
-                yield out
-        finally:
-            await outputs.aclose()
-
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams
                   ) -> AsyncIterator[StepOutput]:
         """Admit the request (ValueError or QueueFullError if it cannot be), then return the

@@ -370,13 +370,9 @@ class HTTPServer:
                 delta = {"content": out.new_text} if out.new_text or out.new_token_ids else {}
                 if out.finished or delta:
                     yield chunk(i, delta, out, c.finish_reason)
-        for error in errors:
-            yield self._sse(error)
-        if req.include_usage and not errors:
-            yield self._sse(oai.envelope(
-                rid, "chat.completion.chunk", self.model_name, [], created,
-                usage=oai.usage(num_prompt_tokens, sum(c.num_tokens for c in choices))))
-        yield self._sse("[DONE]")
+        for event in self._stream_end(rid, "chat.completion.chunk", created, errors,
+                                      req.include_usage, num_prompt_tokens, choices):
+            yield event
 
     async def completions(self, request: Request):
         req = await self._body(request, oai.CompletionRequest)
@@ -444,11 +440,18 @@ class HTTPServer:
                     choice["stop_reason"] = c.stop_reason
                 yield self._sse(oai.envelope(rid, "text_completion", self.model_name, [choice],
                                              created, **extra))
+        for event in self._stream_end(rid, "text_completion", created, errors,
+                                      req.include_usage, num_prompt_tokens, choices):
+            yield event
+
+    def _stream_end(self, rid: str, object_: str, created: int, errors: list[dict],
+                    include_usage: bool, num_prompt_tokens: int, choices: list[Choice]):
+        """A stream's last events: its errors, or the usage chunk if asked; then [DONE]."""
         for error in errors:
             yield self._sse(error)
-        if req.include_usage and not errors:
+        if include_usage and not errors:
             yield self._sse(oai.envelope(
-                rid, "text_completion", self.model_name, [], created,
+                rid, object_, self.model_name, [], created,
                 usage=oai.usage(num_prompt_tokens, sum(c.num_tokens for c in choices))))
         yield self._sse("[DONE]")
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import grpc
 
+from server.rpc_checks import checked
+
 log = logging.getLogger(__name__)
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
@@ -158,33 +160,12 @@ class _AuthInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _denied(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str):
-    if handler.response_streaming:
-        async def stream(request, context):
-            await context.abort(code, message)
-            yield  # pragma: no cover - an async generator that never yields
-        return handler._replace(unary_stream=stream)
-
-    async def unary(request, context):
+    async def deny(request, context):
         await context.abort(code, message)
-    return handler._replace(unary_unary=unary)
+    return checked(handler, deny)
 
 
 def _with_key(handler: grpc.RpcMethodHandler, key: str):
-    if handler.response_streaming:
-        inner = handler.unary_stream
-
-        async def stream(request, context):
-            caller_key.set(key)
-            responses = inner(request, context)
-            try:
-                async for response in responses:
-                    yield response
-            finally:
-                await responses.aclose()
-        return handler._replace(unary_stream=stream)
-    inner_unary = handler.unary_unary
-
-    async def unary(request, context):
+    async def remember(request, context):  # awaited in the call's task: the method sees it
         caller_key.set(key)
-        return await inner_unary(request, context)
-    return handler._replace(unary_unary=unary)
+    return checked(handler, remember)

@@ -14,6 +14,8 @@ import dataclasses
 import grpc
 from google.protobuf.message import DecodeError
 
+from server.rpc_checks import checked
+
 
 @dataclasses.dataclass
 class Undecodable:
@@ -29,41 +31,18 @@ def _lenient(deserialize):
     return decode
 
 
-async def _refuse(request: Undecodable, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"the request does not decode ({request.reason}); strings must be "
-                        f"valid UTF-8")
-
-
-def _guard_unary(method):
-    async def call(request, context):
-        if isinstance(request, Undecodable):
-            await _refuse(request, context)
-        return await method(request, context)
-    return call
-
-
-def _guard_stream(method):
-    async def call(request, context):
-        if isinstance(request, Undecodable):
-            await _refuse(request, context)
-        responses = method(request, context)
-        try:
-            async for response in responses:
-                yield response
-        finally:
-            await responses.aclose()
-    return call
+async def _refuse_undecodable(request, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(request, Undecodable):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"the request does not decode ({request.reason}); strings must be "
+                            f"valid UTF-8")
 
 
 def _guarded(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     if handler.request_streaming:  # none of ours: leave as generated
         return handler
-    if handler.response_streaming:
-        return handler._replace(request_deserializer=_lenient(handler.request_deserializer),
-                                unary_stream=_guard_stream(handler.unary_stream))
-    return handler._replace(request_deserializer=_lenient(handler.request_deserializer),
-                            unary_unary=_guard_unary(handler.unary_unary))
+    lenient = handler._replace(request_deserializer=_lenient(handler.request_deserializer))
+    return checked(lenient, _refuse_undecodable)
 
 
 class _Registrar:

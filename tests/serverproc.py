@@ -105,3 +105,14 @@ def running_server(model_dir, log_path, *extra_flags: str, cold: bool = False,
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def wait_idle(client, timeout: float = 10):
+    """Poll the gRPC status until nothing runs or waits (or `timeout`); the last status."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = client.status()
+        if (status.running_requests == 0 and status.waiting_requests == 0) or \
+                time.monotonic() > deadline:
+            return status
+        time.sleep(0.05)

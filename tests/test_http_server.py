@@ -8,14 +8,13 @@ import json
 import random
 import re
 import signal
-import time
 
 import httpx
 import openai
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from serverproc import ENGINE, running_server
+from serverproc import ENGINE, running_server, wait_idle
 from server.client import Client
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
@@ -44,16 +43,6 @@ def grpc_client(server):
     c = Client(server[0])
     yield c
     c.close()
-
-
-def wait_idle(grpc_client: Client, timeout: float = 10):
-    deadline = time.monotonic() + timeout
-    while True:
-        status = grpc_client.status()
-        if (status.running_requests == 0 and status.waiting_requests == 0) or \
-                time.monotonic() > deadline:
-            return status
-        time.sleep(0.05)
 
 
 def test_health_is_503_until_warm_then_200(server):

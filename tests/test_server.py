@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from serverproc import ENGINE, running_server
+from serverproc import ENGINE, running_server, wait_idle
 from server.client import AsyncClient, Client
 from server.protos.jaxserve.v1 import inference_pb2 as pb
 
@@ -29,16 +29,6 @@ def client(server):
     c = Client(server[0])
     yield c
     c.close()
-
-
-def wait_idle(client: Client, timeout: float = 10) -> pb.ServerStatus:
-    deadline = time.monotonic() + timeout
-    while True:
-        status = client.status()
-        if (status.running_requests == 0 and status.waiting_requests == 0) or \
-                time.monotonic() > deadline:
-            return status
-        time.sleep(0.05)
 
 
 def test_reflection_lists_services(server):
