@@ -1,9 +1,11 @@
 """The engine loop in its own thread, fed and read from asyncio.
 
 The engine is not thread-safe, so only the loop thread touches it: callers put commands
-in an inbox, and the thread hands each request's outputs back to the caller's event loop
-with `call_soon_threadsafe`. Between steps the thread drains the inbox, so requests and
-aborts take effect at the next step.
+in an inbox, and between steps the thread drains it, so requests and aborts take effect
+at the next step. Text never touches that thread: prompts are tokenized in a worker pool
+before they are sent, and outputs go, in order, through a detokenizer thread that turns
+their tokens into text, checks stop strings (a match ends the request: the engine is told
+to stop it) and hands them to the caller's event loop with `call_soon_threadsafe`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import AsyncIterator
 
 from jaxserve.engine.broadcast import PING_INTERVAL_S
 from jaxserve.engine.engine import Engine
+from jaxserve.engine.output_text import OutputText
 from jaxserve.outputs import StepOutput
 from jaxserve.sampling_params import SamplingParams
 from server.metrics import Metrics, RequestTimes
@@ -65,12 +68,16 @@ def _encode_chat(tokenizer, messages: list[dict], limit: int, template_args: dic
     return _encode(tokenizer, text, False, limit)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     times: RequestTimes
-    num_prompt_tokens: int = 0
+    params: SamplingParams
+    prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # Detokenizer thread only: the request's text, and whether its last output was sent.
+    text: OutputText | None = None
+    done: bool = False
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
@@ -96,6 +103,7 @@ class AsyncEngine:
                  metrics: Metrics | None = None, max_prompt_bytes: int | None = None,
                  tokenizer_threads: int = 2):
         self.engine = engine
+        engine.detokenize = False  # the detokenizer thread does it
         self.metrics = metrics
         self.max_prompt_bytes = max_prompt_bytes or default_max_prompt_bytes(engine.max_model_len)
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
@@ -104,6 +112,9 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._detokenizer = threading.Thread(target=self._run_detokenizer,
+                                             name="detokenizer", daemon=True)
         self._stop = threading.Event()
         self.started_at = time.monotonic()
         self.total_generated = 0
@@ -117,12 +128,15 @@ class AsyncEngine:
     # ------------------------------------------------------------ asyncio side
 
     def start(self) -> None:
+        self._detokenizer.start()
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._inbox.put(("wake",))
         self._thread.join(timeout)
+        self._outbox.put(None)
+        self._detokenizer.join(timeout)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
@@ -143,7 +157,7 @@ class AsyncEngine:
             raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len is "
                              f"{self.engine.max_model_len}")
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue(), RequestTimes(arrival=time.monotonic()))
+        stream = _Stream(loop, asyncio.Queue(), RequestTimes(arrival=time.monotonic()), params)
         admitted = loop.create_future()
         self._inbox.put(("add", request_id, prompt, params, stream, admitted))
         try:
@@ -287,7 +301,7 @@ class AsyncEngine:
             except ValueError as e:
                 _deliver(stream.loop, _settle, admitted, None, e)
                 return
-            stream.num_prompt_tokens = len(ids)
+            stream.prompt_token_ids = ids
             self._streams[rid] = stream
             _deliver(stream.loop, _settle, admitted, ids)
         elif kind == "abort":
@@ -296,6 +310,11 @@ class AsyncEngine:
             _, rid, stream = cmd
             if self._streams.get(rid) is stream:
                 self._abort(rid)
+        elif kind == "stopped":  # the detokenizer found a stop string: end the request
+            _, rid, stream = cmd
+            if self._streams.get(rid) is stream:
+                del self._streams[rid]
+                self.engine.abort_request(rid)
         elif kind == "abort_many":
             _, rids, done = cmd
             count = sum(self._abort(rid) for rid in rids)
@@ -313,7 +332,7 @@ class AsyncEngine:
     def _aborted(self, rid: str) -> StepOutput:
         stream = self._streams.get(rid)
         return StepOutput(rid, [], "", None, True, "abort",
-                          num_prompt_tokens=stream.num_prompt_tokens if stream else 0)
+                          num_prompt_tokens=len(stream.prompt_token_ids) if stream else 0)
 
     def _send(self, out: StepOutput) -> None:
         stream = self._streams.get(out.request_id)
@@ -321,6 +340,42 @@ class AsyncEngine:
             return
         if out.finished:
             del self._streams[out.request_id]
-        if self.metrics is not None:
-            self.metrics.on_output(stream.times, out, time.monotonic())
-        _deliver(stream.loop, stream.queue.put_nowait, out)
+        self._outbox.put((stream, out))
+
+    # ------------------------------------------------------------ detokenizer thread
+
+    def _run_detokenizer(self) -> None:
+        while (item := self._outbox.get()) is not None:
+            stream, out = item
+            if stream.done:  # ended by a stop string; the engine had sampled on meanwhile
+                continue
+            try:
+                out = self._detokenize(stream, out)
+            except Exception as e:  # noqa: BLE001 - this request's fault, not the server's
+                log.exception("detokenizing %s failed", out.request_id)
+                if not out.finished:
+                    self._inbox.put(("stopped", out.request_id, stream))
+                out = StepOutput(out.request_id, [], "", None, True, "error",
+                                 num_prompt_tokens=out.num_prompt_tokens,
+                                 error=f"{type(e).__name__}: {e}")
+            stream.done = out.finished
+            if self.metrics is not None:
+                self.metrics.on_output(stream.times, out, time.monotonic())
+            _deliver(stream.loop, stream.queue.put_nowait, out)
+
+    def _detokenize(self, stream: _Stream, out: StepOutput) -> StepOutput:
+        """The output with its text; finished with its stop string if one matched."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or not out.new_token_ids:
+            return out
+        if stream.text is None:
+            stream.text = OutputText(tokenizer, stream.prompt_token_ids, stream.params)
+        new_text, stop = stream.text.add(out.new_token_ids,
+                                         out.finish_reason if out.finished else None)
+        if out.new_logprobs:
+            stream.text.decode_logprobs(out.new_logprobs)
+        if stop is None:
+            return dataclasses.replace(out, new_text=new_text)
+        self._inbox.put(("stopped", out.request_id, stream))
+        return dataclasses.replace(out, new_text=new_text, finished=True, finish_reason="stop",
+                                   stop_reason=stop)

@@ -2,7 +2,9 @@
 
 Each step: the scheduler picks tokens, the builder lays them out as a bucket-padded
 ragged batch, the runner dispatches the jitted step, and the host appends the sampled
-tokens, detokenizes, and checks stop conditions (see `Engine.step` for the order).
+tokens and checks stop conditions (see `Engine.step` for the order). With `detokenize`
+(the default) it also turns them into text and checks stop strings; the servers turn
+that off and do it on a thread of their own (jaxserve/engine/output_text.py).
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ import jax.numpy as jnp
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import compile_cache
 from jaxserve.engine.batch import BatchBuilder
+from jaxserve.engine.output_text import OutputText
 from jaxserve.engine.request import PLACEHOLDER, Request, Sequence
 from jaxserve.engine.runner import ModelRunner, fetch, kv_page_bytes, pages_per_seq, pool_size
 from jaxserve.engine.sampler import SampleOutput
 from jaxserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from jaxserve.loading import converted
 from jaxserve.loading.safetensors import load_checkpoint, random_params
-from jaxserve.loading.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.outputs import Logprob, StepOutput
 from jaxserve.sampling_params import SamplingParams
 from pallas_kernels.ragged_paged_attention import default_impl
@@ -64,6 +67,9 @@ class Engine:
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
+        # Turn tokens into text and check stop strings in step() (OutputText); whoever
+        # turns this off does both itself, before adding requests.
+        self.detokenize = True
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         # The tokenizer's list gathers its own EOS, generation_config.json's and config.json's.
         eos = tokenizer.eos_token_ids if tokenizer is not None else model_config.eos_token_ids
@@ -174,9 +180,9 @@ class Engine:
         if params.seed is None:  # every request samples from its own reproducible stream
             params = dataclasses.replace(params, seed=self._rng.randrange(2**32))
         seq = Sequence(request_id, token_ids, params=params, priority=priority)
-        detok = (IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
-                 if self.tokenizer is not None else None)
-        self._requests[request_id] = Request(seq, min(params.max_tokens or room, room), detok)
+        text = (OutputText(self.tokenizer, token_ids, params)
+                if self.detokenize and self.tokenizer is not None else None)
+        self._requests[request_id] = Request(seq, min(params.max_tokens or room, room), text)
         self.scheduler.add(seq)
         return token_ids
 
@@ -309,20 +315,17 @@ class Engine:
         req.pending.append(token)
         if params.logprobs is not None:
             req.pending_logprobs.append(self._logprobs(sampled, i, token, params.logprobs))
-        if req.detok is not None:
-            req.text += req.detok.add(token)
         finish, stop_reason = self._check_stop(req, token, num_outputs=index + 1)
-        if finish is None:
-            # Hold back what could be the start of a stop string, so no text is ever retracted.
-            upto = len(req.text) - (max(map(len, params.stop), default=1) - 1)
-        else:
-            if req.detok is not None and stop_reason not in params.stop:
-                req.text += req.detok.flush()
-            upto = len(req.text)
+        new_text = ""
+        if req.text is not None:
+            new_text, stop = req.text.add([token], finish)
+            if stop is not None:
+                finish, stop_reason = "stop", stop
+            if params.logprobs is not None:
+                req.text.decode_logprobs(req.pending_logprobs[-1:])
+        if finish is not None:
             self.scheduler.finish(seq, finish)
             del self._requests[seq.request_id]
-        new_text = req.text[req.emitted:upto] if upto > req.emitted else ""
-        req.emitted = max(req.emitted, upto)
         out = StepOutput(
             request_id=seq.request_id, new_token_ids=req.pending, new_text=new_text,
             new_logprobs=req.pending_logprobs if params.logprobs is not None else None,
@@ -334,19 +337,14 @@ class Engine:
 
     def _check_stop(self, req: Request, token: int, num_outputs: int
                     ) -> tuple[str | None, str | int | None]:
-        """Whether the request ends with `token`, its `num_outputs`-th output."""
+        """Whether the request ends with `token`, its `num_outputs`-th output (stop strings
+        are OutputText's to find)."""
         params, n = req.seq.params, num_outputs
         if n >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 return "stop", None
             if token in params.stop_token_ids:
                 return "stop", token
-            for stop in params.stop:
-                start = max(0, req.emitted - len(stop))
-                idx = req.text.find(stop, start)
-                if idx >= 0:
-                    req.text = req.text[:idx]
-                    return "stop", stop
         if n >= req.max_tokens or req.seq.num_prompt_tokens + n >= self.max_model_len:
             return "length", None
         return None, None
@@ -357,8 +355,5 @@ class Engine:
         if token not in top:
             rank = next((r + 1 for r, t in enumerate(s.top_ids[i]) if t == token), None)
             top = {token: Logprob(float(s.logprob[i]), rank=rank), **top}
-        if self.tokenizer is not None:
-            for t, lp in top.items():
-                lp.decoded_token = self.tokenizer.decode([t], skip_special_tokens=False)
         return top
 

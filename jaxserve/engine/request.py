@@ -2,17 +2,19 @@
 
 A `Sequence` is what the scheduler and the page allocator see: tokens, pages, progress.
 A `Request` is that sequence plus what the engine has returned of its output so far
-(text, detokenizer, tokens not yet handed back).
+(its text, tokens not yet handed back).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from jaxserve.loading.tokenizer import IncrementalDetokenizer
 from jaxserve.outputs import Logprob
+
+if TYPE_CHECKING:
+    from jaxserve.engine.output_text import OutputText
 
 
 # An output token sampled by a step still running on the device (async scheduling): the
@@ -70,14 +72,12 @@ class Sequence:
 
 @dataclasses.dataclass(eq=False)
 class Request:
-    """A sequence and its output as returned so far: `text` is what the detokenizer has
-    produced (`emitted` characters of it handed back); `pending` holds token ids (and
-    their logprobs) sampled but not yet handed back."""
+    """A sequence and its output as returned so far: `text` streams its text (None when
+    the engine does not detokenize); `pending` holds token ids (and their logprobs)
+    sampled but not yet handed back."""
 
     seq: Sequence
     max_tokens: int
-    detok: IncrementalDetokenizer | None
-    text: str = ""
-    emitted: int = 0
+    text: OutputText | None
     pending: list[int] = dataclasses.field(default_factory=list)
     pending_logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)

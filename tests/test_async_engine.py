@@ -1,10 +1,14 @@
-"""A step that fails (injected into a real engine behind the AsyncEngine) fails its own
-requests with finish_reason "error", returns their pages, and the engine serves on with
-correct tokens; failures in a row stop the loop."""
+"""The AsyncEngine around a real engine.
+
+Text is made off the engine thread, and comes out as the offline engine makes it inline.
+A step that fails (injected) fails its own requests with finish_reason "error", returns
+their pages, and the engine serves on with correct tokens; failures in a row stop the loop.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -41,6 +45,59 @@ def inject(engine, times: int, consume_kv_cache: bool):
 
 async def collect(outputs):
     return [out async for out in outputs]
+
+
+def test_text_and_stop_strings_are_made_off_the_engine_thread(llm, prompts):
+    """Stop strings, held-back text, logprobs' decoded tokens and a stop string that ends a
+    request while the engine samples on: the detokenizer thread gives the offline engine's
+    text and token ids, the engine thread never decodes, and the pages all come back."""
+    engine, tokenizer = llm.engine, llm.get_tokenizer()
+    free = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, seed=7)]
+    texts = [o.outputs[0].text for o in llm.generate(prompts, free[0])]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2,
+                             stop=[text[5:7], text[12:16]], min_tokens=2) for text in texts]
+    params.append(SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=3,
+                                 stop=["\n", texts[0][9:11]]))
+    batch = [*prompts, prompts[0]]
+    want = llm.generate(batch, params)
+    assert sum(o.outputs[0].finish_reason == "stop" for o in want) >= 4
+    decoders = set()
+    decode = tokenizer.decode
+
+    def recording_decode(*args, **kwargs):
+        decoders.add(threading.current_thread().name)
+        return decode(*args, **kwargs)
+
+    async def main():
+        async_engine = AsyncEngine(engine)
+        async_engine.start()
+        try:
+            streams = [await async_engine.add(f"s{i}", p, sp)
+                       for i, (p, sp) in enumerate(zip(batch, params))]
+            return await asyncio.gather(*map(collect, streams))
+        finally:
+            for _ in range(100):  # the stop-string requests' aborts reach the engine
+                if not engine.has_unfinished():
+                    break
+                await asyncio.sleep(0.05)
+            async_engine.stop()
+
+    tokenizer.decode = recording_decode
+    try:
+        got = asyncio.run(main())
+    finally:
+        del tokenizer.decode
+    assert "engine-loop" not in decoders and "detokenizer" in decoders
+    for outs, w in zip(got, want):
+        w = w.outputs[0]
+        assert "".join(o.new_text for o in outs) == w.text
+        assert [t for o in outs for t in o.new_token_ids] == w.token_ids
+        assert (outs[-1].finish_reason, outs[-1].stop_reason) == (w.finish_reason, w.stop_reason)
+        lps = [lp for o in outs for lp in o.new_logprobs or []]
+        assert [{t: e.decoded_token for t, e in d.items()} for d in lps] == (
+            [{t: e.decoded_token for t, e in d.items()} for d in w.logprobs or []])
+    assert not engine.has_unfinished() and engine.scheduler.num_used_pages == 0
+    engine.detokenize = True  # as the offline LLM (the next tests) has it
 
 
 @pytest.mark.parametrize("consume_kv_cache", [True, False])

@@ -1,0 +1,75 @@
+"""The text of one request's output: detokenized token by token, checked for stop strings.
+
+The engine only decides what ends a request at the token level (EOS, stop token ids,
+length). Turning tokens into text is host work with no part in the next step, so it can
+run anywhere: `Engine` runs it inline for the offline `LLM`, and the servers run it on a
+thread of their own (server/async_engine.py), so the engine thread only schedules and
+samples. Both use this class, so text and stop strings come out the same either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from jaxserve.loading.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxserve.outputs import Logprob
+from jaxserve.sampling_params import SamplingParams
+
+
+class OutputText:
+    """Streams a request's text; `add` says when a stop string ends it.
+
+    Text that could be the start of a stop string is held back until it cannot be, so no
+    text is ever retracted. `text` is everything decoded so far (cut at the stop string
+    once one matched); `emitted` characters of it have been handed back.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
+                 params: SamplingParams):
+        self._tokenizer = tokenizer
+        self._params = params
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids,
+                                             params.skip_special_tokens)
+        self._hold = max(map(len, params.stop), default=1) - 1
+        self.text = ""
+        self.emitted = 0
+        self.num_tokens = 0
+
+    def add(self, token_ids: Sequence[int], finish_reason: str | None) -> tuple[str, str | None]:
+        """Append one output's tokens; `finish_reason` is the engine's if they end the
+        request. Returns the text to hand back now and the stop string that ends the
+        request with them (None if none). A token that ends the request as EOS or a stop
+        token id is not checked against the stop strings (the engine's reason comes first)."""
+        stop = None
+        last = len(token_ids) - 1
+        for i, token in enumerate(token_ids):
+            self.text += self._detok.add(token)
+            self.num_tokens += 1
+            if i == last and finish_reason == "stop":
+                break
+            stop = self._find_stop()
+            if stop is not None:
+                break
+        if stop is None and finish_reason is not None:
+            self.text += self._detok.flush()
+        ended = stop is not None or finish_reason is not None
+        upto = len(self.text) if ended else len(self.text) - self._hold
+        new_text = self.text[self.emitted:upto] if upto > self.emitted else ""
+        self.emitted = max(self.emitted, upto)
+        return new_text, stop
+
+    def _find_stop(self) -> str | None:
+        if self.num_tokens < self._params.min_tokens:
+            return None
+        for stop in self._params.stop:
+            idx = self.text.find(stop, max(0, self.emitted - len(stop)))
+            if idx >= 0:
+                self.text = self.text[:idx]
+                return stop
+        return None
+
+    def decode_logprobs(self, logprobs: list[dict[int, Logprob]]) -> None:
+        """Fill in each candidate's `decoded_token`."""
+        for top in logprobs:
+            for token, lp in top.items():
+                lp.decoded_token = self._tokenizer.decode([token], skip_special_tokens=False)
