@@ -1,8 +1,9 @@
 """Soak test: one `jaxserve serve` (the demo model) under `--concurrency` clients for
 `--duration` seconds, each doing one thing after another, drawn at random: a normal gRPC
-stream, a gRPC stream cancelled midway, one with a short deadline, a bad gRPC request from
-the catalogue (docs/serving.md), a normal HTTP stream, an HTTP client that drops midway,
-a bad HTTP request. Every answer must be right or a documented status.
+stream (some with stop strings), a gRPC stream cancelled midway, one with a short deadline,
+a bad gRPC request from the catalogue (docs/serving.md, invalid UTF-8 on the wire among
+them), a normal HTTP stream, an HTTP client that drops midway, a bad HTTP request. Every
+answer must be right or a documented status.
 
     python benchmarks/soak.py [--duration 600] [--concurrency 1000]
 
@@ -32,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from http_vs_grpc import cpu_name, free_port, wait_ready  # noqa: E402
 
-from server.client import AsyncClient, Client  # noqa: E402
+from server.client import AsyncClient, Client, make_request  # noqa: E402
 from server.protos.jaxserve.v1 import inference_pb2 as pb  # noqa: E402
 
 Code = grpc.StatusCode
@@ -40,9 +41,10 @@ BAD_GRPC = [  # (sampling, prompt) -> INVALID_ARGUMENT
     (dict(temperature=-1.0), [5, 6, 7]), (dict(temperature=float("inf")), [5, 6, 7]),
     (dict(top_p=1.5), [5, 6, 7]), (dict(max_tokens=10**6), [5, 6, 7]),
     (dict(), [5, 10**7]), (dict(), []), (dict(), "x" * 200_000),
+    (dict(), "QQ"),  # sent with "QQ" replaced by bytes that are not UTF-8
 ]
 BAD_HTTP = [b'{"prompt": "x", "temperature": -1}', b'{"prompt": []}', b"{not json",
-            b'{"prompt": "x", "n": 0}', b'{"messages": "hi"}']
+            b'{"prompt": "x", "n": 0}', b'{"messages": "hi"}', b'{"prompt": "\xff\xfe"}']
 
 
 def rss_mib(pid: int) -> float:
@@ -74,12 +76,14 @@ class Soak:
         n = self.rng.randint(1, 32)
         cancel_after = self.rng.randint(1, n) if kind == "grpc cancel" else None
         timeout = self.rng.uniform(0.01, 0.5) if kind == "grpc deadline" else None
-        got, done = 0, None
+        stop = ["e", " t"] if kind == "grpc stop" else []
+        got, text, done = 0, "", None
         try:
             async for msg in c.generate(self.prompt(), max_tokens=n, ignore_eos=True,
-                                        timeout=timeout):
+                                        timeout=timeout, stop=stop):
                 if msg.HasField("chunk"):
                     got += len(msg.chunk.token_ids)
+                    text += msg.chunk.text
                 else:
                     done = msg.complete
                 if cancel_after is not None and got >= cancel_after:
@@ -90,14 +94,25 @@ class Soak:
                 kind == "grpc deadline" and e.code() == Code.DEADLINE_EXCEEDED)
             self.record(kind, e.code().name, ok)
             return
-        right = done is not None and done.finish_reason == "length" and got == n
-        self.record(kind, "OK" if right else f"wrong ({got}/{n}, {done})", right)
+        if done is None or any(s in text for s in stop):
+            right, outcome = False, f"wrong ({text!r}, {done})"
+        elif done.finish_reason == "stop":  # a stop string ended it: no more tokens than n
+            right, outcome = done.matched_stop in stop and got <= n, "stop"
+        else:
+            right, outcome = done.finish_reason == "length" and got == n, "OK"
+        self.record(kind, outcome if right else f"wrong ({got}/{n}, {done})", right)
 
     async def grpc_bad(self, c: AsyncClient) -> None:
         sampling, prompt = self.rng.choice(BAD_GRPC)
         try:
-            async for _ in c.generate(prompt, **sampling):
-                pass
+            if prompt == "QQ":  # raw bytes out, raw bytes back
+                data = make_request(prompt, **sampling).SerializeToString()
+                call = c.channel.unary_stream("/jaxserve.v1.Inference/Generate")
+                async for _ in call(data.replace(b"QQ", b"\xff\xfe")):
+                    pass
+            else:
+                async for _ in c.generate(prompt, **sampling):
+                    pass
         except grpc.aio.AioRpcError as e:
             self.record("grpc bad input", e.code().name, e.code() == Code.INVALID_ARGUMENT)
             return
@@ -138,7 +153,7 @@ class Soak:
             writer.close()
 
     async def client(self, c: AsyncClient, deadline: float) -> None:
-        kinds = ["grpc ok"] * 4 + ["grpc cancel", "grpc deadline", "grpc bad input",
+        kinds = ["grpc ok"] * 3 + ["grpc stop", "grpc cancel", "grpc deadline", "grpc bad input",
                                    "http ok", "http ok", "http disconnect", "http bad input"]
         while time.monotonic() < deadline:
             kind = self.rng.choice(kinds)
