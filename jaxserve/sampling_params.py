@@ -3,12 +3,72 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from typing import Any
 
 # Device-side limits: the step takes fixed-width arrays for these.
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 24  # stop_token_ids (<= 16) plus EOS ids
 MAX_LOGIT_BIAS = 32  # logit_bias entries per request
+
+
+@dataclasses.dataclass
+class StructuredOutputsParams:
+    """A constraint every output token must keep to (vLLM's fields; set exactly one):
+
+    - `json`: a JSON Schema (a dict, or its JSON text) the output must validate against;
+    - `json_object`: True for any JSON object;
+    - `regex`: a regular expression the whole output must match;
+    - `choice`: the output is one of these strings;
+    - `grammar`: a context-free grammar, in Lark syntax (llguidance's dialect) or GBNF
+      (recognised by its `::=` rules).
+
+    JSON comes out compact (`", "` and `": "` separators, no other whitespace) unless
+    `disable_any_whitespace` is False: free whitespace lets a model pad the output until
+    max_tokens runs out.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs: set exactly one of json, json_object, "
+                             f"regex, choice, grammar (got {kinds or 'none'})")
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError("structured_outputs.json must be a JSON Schema (an object)")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError("structured_outputs.regex must be a string")
+        if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar):
+            raise ValueError("structured_outputs.grammar must be a non-empty string")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(
+                    isinstance(c, str) and c for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a non-empty list of "
+                                 "non-empty strings")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar")
+                    if getattr(self, k) is not None) if not self.json_object else "json_object"
+
+    def key(self) -> str:
+        """What identifies the compiled constraint (for caching)."""
+        value = getattr(self, self.kind)
+        return json.dumps([self.kind, value, self.disable_any_whitespace], sort_keys=True)
 
 
 @dataclasses.dataclass
@@ -38,6 +98,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -93,10 +154,19 @@ class SamplingParams:
                 bad("logit_bias", f"keys must be non-negative token ids ({token!r} is not)")
             if not _is_number(bias) or not -100.0 <= bias <= 100.0:
                 bad("logit_bias", f"values must be in [-100, 100] ({bias!r} is not)")
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def needs_history(self) -> bool:
+        """Its next step needs every token it has so far on the host: with async
+        scheduling, its previous step is collected before the next is scheduled."""
+        return self.uses_penalties or self.structured_outputs is not None
 
     @property
     def uses_penalties(self) -> bool:

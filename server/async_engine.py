@@ -146,7 +146,8 @@ class AsyncEngine:
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams
                   ) -> AsyncIterator[StepOutput]:
         """Admit the request (ValueError or QueueFullError if it cannot be), then return the
-        stream of its outputs. A text prompt is tokenized in the worker pool first.
+        stream of its outputs. A text prompt is tokenized, and a structured-output
+        constraint compiled, in the worker pool first.
 
         Leaving the stream before its last output (closing it, or being cancelled while
         reading or while waiting for admission) aborts this call's request, and only it:
@@ -156,6 +157,9 @@ class AsyncEngine:
         elif len(prompt) > self.engine.max_model_len:  # before any per-id work
             raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len is "
                              f"{self.engine.max_model_len}")
+        if params.structured_outputs is not None and self.engine.grammars is not None:
+            # Compiled (and checked) here; the engine thread only copies the matcher.
+            await self._in_pool(self.engine.grammars.compile, params.structured_outputs)
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), RequestTimes(arrival=time.monotonic()), params)
         admitted = loop.create_future()

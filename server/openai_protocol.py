@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.outputs import Logprob, StepOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 128
 
@@ -42,7 +42,7 @@ def bad_request(e: Exception, default_param: str | None = None) -> APIError:
     match = re.match(r"SamplingParams\.(\w+)", message)
     if match is None and "max_tokens" in message:
         return APIError(400, message, "max_tokens")
-    match = match or re.match(r"(\w+)[:\s]", message)
+    match = match or re.match(r"(\w+)[.:\s]", message)
     fields = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
     param = match.group(1) if match and match.group(1) in fields else default_param
     return APIError(400, message, param)
@@ -50,6 +50,33 @@ def bad_request(e: Exception, default_param: str | None = None) -> APIError:
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(BaseModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, any JSON object, or a JSON Schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` field (StructuredOutputsParams)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = True
 
 
 class _Request(BaseModel):
@@ -78,6 +105,45 @@ class _Request(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The one output constraint asked for, from whichever field gave it."""
+        given = {}
+        if self.response_format is not None and self.response_format.type != "text":
+            rf = self.response_format
+            if rf.type == "json_object":
+                given["response_format"] = dict(json_object=True)
+            elif rf.json_schema is None:
+                raise APIError(400, "response_format: type json_schema needs a json_schema "
+                               "object with a schema", "response_format")
+            else:
+                given["response_format"] = dict(json=rf.json_schema.schema_)
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            given["structured_outputs"] = dict(
+                json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                json_object=bool(so.json_object),
+                disable_any_whitespace=so.disable_any_whitespace)
+        for field, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                           ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+            if getattr(self, field) is not None:
+                given[field] = {key: getattr(self, field)}
+        if len(given) > 1:
+            raise APIError(400, f"{', '.join(given)}: give one output constraint, not "
+                           f"{len(given)}", next(iter(given)))
+        if not given:
+            return None
+        field, args = given.popitem()
+        try:
+            return StructuredOutputsParams(**args)
+        except ValueError as e:
+            raise APIError(400, f"{field}: {e}", field) from None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         index: int) -> SamplingParams:
@@ -99,7 +165,8 @@ class _Request(BaseModel):
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             seed=None if self.seed is None else (self.seed + index) % 2**32,
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens, logit_bias=bias)
+            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens, logit_bias=bias,
+            structured_outputs=self.structured())
 
     @property
     def include_usage(self) -> bool:

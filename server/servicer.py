@@ -9,7 +9,7 @@ import uuid
 import grpc
 
 from jaxserve.outputs import StepOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from server.async_engine import AsyncEngine, QueueFullError
 from server.security import Security, caller_key
 from server.protos.jaxserve.v1 import inference_pb2 as pb
@@ -34,7 +34,19 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
         seed=s.seed if s.HasField("seed") else None,
         logprobs=s.logprobs or None,
         logit_bias=dict(s.logit_bias),
+        structured_outputs=(structured_from_proto(s.structured_outputs)
+                            if s.HasField("structured_outputs") else None),
     )
+
+
+def structured_from_proto(so: pb.StructuredOutputs) -> StructuredOutputsParams:
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured_outputs: set one of json_schema, json_object, regex, "
+                         "choice, grammar")
+    value = list(so.choice.choices) if kind == "choice" else getattr(so, kind)
+    return StructuredOutputsParams(**{"json" if kind == "json_schema" else kind: value},
+                                   disable_any_whitespace=not so.allow_any_whitespace)
 
 
 def _json_field(value: str, field: str, kind: type):

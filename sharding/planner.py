@@ -82,7 +82,7 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
     max_len = engine.max_model_len or cfg.max_position_embeddings
     builder = BatchBuilder(engine.token_buckets, engine.max_num_seqs, engine.page_size,
                            num_pages, pages_per_seq(max_len, engine.page_size), max_len,
-                           cfg.eos_token_ids, shard.data_shards)
+                           cfg.eos_token_ids, cfg.vocab_size, shard.data_shards)
     caches = abstract_kv_cache(cfg, num_pages * shard.data_shards, engine.page_size,
                                jnp.dtype(engine.kv_storage_dtype), shard)
     replicated = shard.sharding(())

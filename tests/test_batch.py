@@ -24,7 +24,7 @@ PAD_SLOT = NUM_PAGES * PAGE  # past the pool: the writer drops it
 def builder(data_shards: int = 1, buckets=(1, 8, 16, 32)) -> BatchBuilder:
     return BatchBuilder(token_buckets=buckets, max_num_seqs=8, page_size=PAGE,
                         num_pages=NUM_PAGES, pages_per_seq=PAGES_PER_SEQ, max_model_len=32,
-                        eos_token_ids=(1,), data_shards=data_shards)
+                        eos_token_ids=(1,), vocab_size=64, data_shards=data_shards)
 
 
 def seq(rid: str, prompt: list[int], pages: list[int], data_shard: int = 0,

@@ -6,7 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.engine.sampler import SamplingArrays, TokenHistory, apply_penalties, filter_logits, sample
+from llguidance.numpy import apply_token_bitmask_inplace
+
+from jaxserve.engine.sampler import (SamplingArrays, TokenHistory, apply_grammar_mask,
+                                     apply_penalties, filter_logits, sample)
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 
 
@@ -19,7 +22,8 @@ def arrays(n, **kw) -> SamplingArrays:
                 banned_ids=np.full((n, MAX_STOP_TOKEN_IDS), -1, np.int32),
                 logprobs=np.ones(n, np.bool_),
                 bias_ids=np.full((n, MAX_LOGIT_BIAS), -1, np.int32),
-                bias_values=np.zeros((n, MAX_LOGIT_BIAS), np.float32))
+                bias_values=np.zeros((n, MAX_LOGIT_BIAS), np.float32),
+                grammar_mask=np.full((n, 32), -1, np.int32))  # vocabularies up to 1024
     for k, v in kw.items():
         base[k] = np.asarray(v, base[k].dtype)
     return SamplingArrays(**base)
@@ -125,3 +129,49 @@ def test_penalties_exact():
     got = np.asarray(apply_penalties(logits, p, hist))[0]
     want = [2.0 / 2, -2.0 * 2, 1.0 / 2 - 0.5 * 2 - 0.25, 0.5 / 2 - 0.5 - 0.25, 3.0]
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_grammar_mask_against_numpy():
+    """The packed [S, ceil(V/32)] bitmask, unpacked on device, rules out exactly the tokens
+    llguidance's own numpy reference does; greedy picks the best allowed token, sampling
+    draws only allowed ones, and logprobs are the masked distribution's."""
+    rng = np.random.default_rng(0)
+    s, v = 6, 100  # 100 tokens: the last word of each row is partly past the vocabulary
+    logits = rng.normal(size=(s, v)).astype(np.float32) * 3
+    words = (v + 31) // 32
+    bits = rng.random((s, words * 32)) < 0.3
+    bits[0] = True  # a row without a grammar
+    bits[1] = False
+    bits[1, 57] = True  # one allowed token, not the row's best
+    bits[2, :v] = False
+    bits[2, [3, 99]] = True  # the last token of the vocabulary
+    mask = np.packbits(bits.reshape(s, words, 32)[:, :, ::-1], axis=-1).view(">u4")
+    mask = mask.reshape(s, words).astype(np.uint32).view(np.int32)
+    want = logits.copy()
+    apply_token_bitmask_inplace(want, mask)
+    got = np.asarray(jax.jit(apply_grammar_mask)(jnp.asarray(logits), jnp.asarray(mask)))
+    np.testing.assert_array_equal(got, want)
+    assert np.isfinite(want[0]).all() and np.flatnonzero(np.isfinite(want[1])).tolist() == [57]
+    # No row masked: the logits pass through untouched.
+    open_mask = np.full((s, words), -1, np.int32)
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(apply_grammar_mask)(jnp.asarray(logits), jnp.asarray(open_mask))),
+        logits)
+
+    allowed = np.isfinite(want)
+    mask = np.pad(mask, ((0, 0), (0, 32 - words)), constant_values=-1)  # arrays()' width
+    greedy = jax.jit(sample)(jnp.asarray(logits), arrays(s, temperature=np.zeros(s),
+                                                        grammar_mask=mask), None)
+    np.testing.assert_array_equal(np.asarray(greedy.token_ids), want.argmax(-1))
+    ref_logprobs = want - np.log(np.exp(want - want.max(-1, keepdims=True)).sum(-1,
+                                 keepdims=True)) - want.max(-1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(greedy.logprob),
+                               ref_logprobs[np.arange(s), want.argmax(-1)], atol=1e-5)
+    top = np.asarray(greedy.top_ids)
+    for row in range(s):
+        k = min(allowed[row].sum(), top.shape[1])
+        assert allowed[row, top[row, :k]].all()
+    for seed in range(20):
+        drawn = jax.jit(sample)(jnp.asarray(logits), arrays(s, seed=np.full(s, seed),
+                                                            grammar_mask=mask), None)
+        assert allowed[np.arange(s), np.asarray(drawn.token_ids)].all()

@@ -21,7 +21,7 @@ def batch_of(q_lens: list[int], token_bucket: int, max_num_seqs: int = 64):
     context of 100 + q tokens), as BatchBuilder lays it out in `token_bucket`."""
     builder = BatchBuilder(token_buckets=(1, token_bucket), max_num_seqs=max_num_seqs,
                            page_size=PAGE, num_pages=4096, pages_per_seq=64,
-                           max_model_len=1024, eos_token_ids=(1,))
+                           max_model_len=1024, eos_token_ids=(1,), vocab_size=64)
     scheduled, next_page = [], 0
     for i, q in enumerate(q_lens):
         context = 100 + q

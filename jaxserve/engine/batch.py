@@ -57,7 +57,9 @@ class BatchBuilder:
     pages_per_seq: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    vocab_size: int  # of the logits, for the grammar mask's width
     data_shards: int = 1
+    _open_masks: dict[int, np.ndarray] = dataclasses.field(default_factory=dict, repr=False)
 
     def bucket(self, num_tokens: int, history: bool) -> BucketKey:
         """The bucket for `num_tokens` tokens in the busiest shard."""
@@ -135,6 +137,16 @@ class BatchBuilder:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
             a.banned_ids[i, :len(banned)] = banned[:MAX_STOP_TOKEN_IDS]
 
+    def open_mask(self, num_seqs: int) -> np.ndarray:
+        """The grammar mask of a batch without grammars: one shared, read-only array per
+        size, which the runner swaps for a copy it keeps on the device (no transfer). A
+        batch with grammars gets its own (Engine fills it)."""
+        if num_seqs not in self._open_masks:
+            mask = np.full((num_seqs, (self.vocab_size + 31) // 32), -1, np.int32)
+            mask.flags.writeable = False
+            self._open_masks[num_seqs] = mask
+        return self._open_masks[num_seqs]
+
     def empty(self, key: BucketKey) -> StepBatch:
         """An all-padding batch of the bucket's shapes (also used to compile it)."""
         t, s, history = key
@@ -164,6 +176,7 @@ class BatchBuilder:
                 logprobs=np.zeros(s, np.bool_),
                 bias_ids=np.full((s, MAX_LOGIT_BIAS), -1, i32),
                 bias_values=np.zeros((s, MAX_LOGIT_BIAS), np.float32),
+                grammar_mask=self.open_mask(s),
             ),
             history=TokenHistory(
                 tokens=np.full((s, self.max_model_len), -1, i32),

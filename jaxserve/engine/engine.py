@@ -25,6 +25,7 @@ from jaxserve.engine.request import PLACEHOLDER, Request, Sequence
 from jaxserve.engine.runner import ModelRunner, fetch, kv_page_bytes, pages_per_seq, pool_size
 from jaxserve.engine.sampler import SampleOutput
 from jaxserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
+from jaxserve.engine.structured_output import GrammarCompiler, MaskFiller
 from jaxserve.loading import converted
 from jaxserve.loading.safetensors import load_checkpoint, random_params
 from jaxserve.loading.tokenizer import Tokenizer
@@ -36,6 +37,8 @@ from sharding.mesh import make_mesh
 from sharding.rules import ShardingContext, model_sharding
 
 log = logging.getLogger(__name__)
+
+MIN_LOGPROB = -9999.0
 
 
 @dataclasses.dataclass
@@ -102,11 +105,14 @@ class Engine:
             token_buckets=config.token_buckets, max_num_seqs=config.max_num_seqs,
             page_size=config.page_size, num_pages=num_pages, pages_per_seq=per_seq,
             max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
-            data_shards=shards)
+            vocab_size=model_config.vocab_size, data_shards=shards)
         # Multi-host, process 0: a broadcast.StepBroadcaster sends every step to the others.
         self.runner = ModelRunner(graphdef, params, shard, self.builder, model_config, kv_dtype,
                                   broadcaster)
         self._requests: dict[str, Request] = {}
+        self.grammars = (GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_token_ids)
+                         if tokenizer is not None else None)
+        self._masks = MaskFiller()
         self._rng = random.Random(config.seed)
         self._inflight: InFlightStep | None = None
         self.num_steps = 0  # steps dispatched
@@ -161,6 +167,9 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer and this model has none; "
                              "use stop_token_ids")
+        if params.structured_outputs is not None and self.grammars is None:
+            raise ValueError("structured_outputs: grammars need a tokenizer and this model "
+                             "has none")
         vocab = self.model_config.vocab_size
         for field, ids in (("stop_token_ids", params.stop_token_ids),
                            ("logit_bias", params.logit_bias)):
@@ -179,10 +188,13 @@ class Engine:
                 f"max_model_len ({self.max_model_len}); lower max_tokens to at most {room}")
         if params.seed is None:  # every request samples from its own reproducible stream
             params = dataclasses.replace(params, seed=self._rng.randrange(2**32))
+        grammar = (self.grammars.matcher(params.structured_outputs)
+                   if params.structured_outputs is not None else None)
         seq = Sequence(request_id, token_ids, params=params, priority=priority)
         text = (OutputText(self.tokenizer, token_ids, params)
                 if self.detokenize and self.tokenizer is not None else None)
-        self._requests[request_id] = Request(seq, min(params.max_tokens or room, room), text)
+        self._requests[request_id] = Request(seq, min(params.max_tokens or room, room), text,
+                                             grammar)
         self.scheduler.add(seq)
         return token_ids
 
@@ -235,13 +247,14 @@ class Engine:
         from N-1's outputs on the device (PLACEHOLDER tokens, `StepBatch.prev_index`). So
         the device always has the next step queued while the host works. A step whose
         requests use penalties needs their whole history, so its previous step is
-        collected before it is scheduled. Without async scheduling each call dispatches a
+        collected before it is scheduled; so is one whose requests have a grammar (their
+        masks follow from every token). Without async scheduling each call dispatches a
         step and collects it at once.
         """
         prev, self._inflight = self._inflight, None
         outputs = []
         if prev is not None and (not self.config.async_scheduling
-                                 or any(s.seq.params.uses_penalties for s in prev.sampling)):
+                                 or any(s.seq.params.needs_history for s in prev.sampling)):
             outputs, prev = self._collect(prev), None
         step = self._dispatch(prev)
         if prev is not None:
@@ -285,6 +298,12 @@ class Engine:
         if schedule.is_empty:
             return None
         batch, key = self.builder.build(schedule, prev.pending_rows() if prev else None)
+        constrained = [(req.grammar, s.row) for s in schedule.scheduled if s.samples
+                       and (req := self._requests.get(s.seq.request_id)) is not None
+                       and req.grammar is not None]
+        if constrained:
+            batch.sampling.grammar_mask = self._masks.fill(constrained, key.seqs,
+                                                           self.model_config.vocab_size)
         if prev is not None:
             self.num_overlapped_steps += not _is_ready(prev.out)
         step = InFlightStep(schedule, self.runner.dispatch(batch, key))
@@ -315,7 +334,17 @@ class Engine:
         req.pending.append(token)
         if params.logprobs is not None:
             req.pending_logprobs.append(self._logprobs(sampled, i, token, params.logprobs))
-        finish, stop_reason = self._check_stop(req, token, num_outputs=index + 1)
+        error = None
+        if req.grammar is not None and not req.grammar.consume_token(token):
+            finish, stop_reason = "error", None
+            error = f"structured output: token {token} breaks the grammar: {req.grammar.get_error()}"
+        else:
+            finish, stop_reason = self._check_stop(req, token, num_outputs=index + 1)
+        if req.grammar is not None and finish is None and req.grammar.is_stopped():
+            finish = "stop"  # the grammar is complete and allows nothing more
+        elif req.grammar is not None and finish == "length" and not req.grammar.is_accepting():
+            log.info("request %s: max_tokens reached before its grammar could end; the output "
+                     "is incomplete", seq.request_id)
         new_text = ""
         if req.text is not None:
             new_text, stop = req.text.add([token], finish)
@@ -331,7 +360,7 @@ class Engine:
             new_logprobs=req.pending_logprobs if params.logprobs is not None else None,
             finished=finish is not None, finish_reason=finish, stop_reason=stop_reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
-            first_scheduled_at=seq.first_scheduled_at)
+            first_scheduled_at=seq.first_scheduled_at, error=error)
         req.pending, req.pending_logprobs = [], []
         return out
 
@@ -350,10 +379,12 @@ class Engine:
         return None, None
 
     def _logprobs(self, s: SampleOutput, i: int, token: int, n: int) -> dict[int, Logprob]:
-        top = {int(t): Logprob(float(lp), rank=r + 1)
+        # A token the grammar mask rules out has logprob -inf: given as -9999 (as vLLM
+        # does), so it stays a JSON number.
+        top = {int(t): Logprob(max(float(lp), MIN_LOGPROB), rank=r + 1)
                for r, (t, lp) in enumerate(zip(s.top_ids[i][:n], s.top_logprobs[i][:n]))}
         if token not in top:
             rank = next((r + 1 for r, t in enumerate(s.top_ids[i]) if t == token), None)
-            top = {token: Logprob(float(s.logprob[i]), rank=rank), **top}
+            top = {token: Logprob(max(float(s.logprob[i]), MIN_LOGPROB), rank=rank), **top}
         return top
 

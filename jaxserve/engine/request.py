@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 from jaxserve.outputs import Logprob
 
 if TYPE_CHECKING:
+    import llguidance
+
     from jaxserve.engine.output_text import OutputText
 
 
@@ -73,11 +75,13 @@ class Sequence:
 @dataclasses.dataclass(eq=False)
 class Request:
     """A sequence and its output as returned so far: `text` streams its text (None when
-    the engine does not detokenize); `pending` holds token ids (and their logprobs)
-    sampled but not yet handed back."""
+    the engine does not detokenize); `grammar` matches its output when it has
+    structured_outputs; `pending` holds token ids (and their logprobs) sampled but not
+    yet handed back."""
 
     seq: Sequence
     max_tokens: int
     text: OutputText | None
+    grammar: llguidance.LLMatcher | None = None
     pending: list[int] = dataclasses.field(default_factory=list)
     pending_logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)

@@ -131,6 +131,7 @@ class ModelRunner:
         # Multi-host, process 0: sends each step to the other processes (broadcast.py).
         self.broadcaster = broadcaster
         replicated = shard.sharding(())
+        self._open_masks: dict[int, jax.Array] = {}  # BatchBuilder.open_mask, on the device
         # The last step's sampled tokens, on the device (see `step`).
         self.sampled = jax.device_put(np.zeros(builder.max_num_seqs, np.int32), replicated)
 
@@ -184,6 +185,11 @@ class ModelRunner:
         return self._run(batch)
 
     def _run(self, batch: StepBatch) -> SampleOutput:
+        mask = batch.sampling.grammar_mask
+        if mask is self.builder.open_mask(mask.shape[0]):  # no grammar: no transfer
+            if mask.shape[0] not in self._open_masks:
+                self._open_masks[mask.shape[0]] = jax.device_put(mask, self.shard.sharding(()))
+            batch.sampling.grammar_mask = self._open_masks[mask.shape[0]]
         self.kv_caches, out, self.sampled = self._jitted(self._param_leaves, self.kv_caches,
                                                          batch, self.sampled)
         return out

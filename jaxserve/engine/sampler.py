@@ -1,10 +1,11 @@
 """Sampling on device, batched, with per-request parameters as arrays.
 
-Order (as vLLM): logit bias → penalties → (greedy argmax | temperature → top-k → top-p → min-p → draw).
-Each sequence draws with its own key, `fold_in(key(seed), output index)`, so a seeded
-request gets the same tokens whatever else shares its batch. Logprobs are those of the
-model's raw distribution (before penalties and filters), computed only when a sequence of
-the batch asks for them (zeros otherwise).
+Order (as vLLM): grammar mask → logit bias → penalties → (greedy argmax | temperature →
+top-k → top-p → min-p → draw). Each sequence draws with its own key,
+`fold_in(key(seed), output index)`, so a seeded request gets the same tokens whatever else
+shares its batch. Logprobs are those of the model's distribution as the grammar mask leaves
+it (before bias, penalties and filters), computed only when a sequence of the batch asks
+for them (zeros otherwise).
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class SamplingArrays:
     logprobs: jax.Array  # bool, the request asked for logprobs
     bias_ids: jax.Array  # i32 [S, MAX_LOGIT_BIAS], -1 padded: logit_bias's tokens
     bias_values: jax.Array  # f32 [S, MAX_LOGIT_BIAS]: what is added to their logits
+    # i32 [S, ceil(V/32)]: bit t % 32 of word t // 32 set = token t allowed (structured
+    # output); all ones (-1) for a row without a grammar.
+    grammar_mask: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -68,6 +72,19 @@ def apply_penalties(logits: jax.Array, p: SamplingArrays, history: TokenHistory)
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - p.frequency_penalty[:, None] * counts
     return logits - p.presence_penalty[:, None] * (counts > 0)
+
+
+def apply_grammar_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """Tokens whose bit is clear get -inf. Skipped (one check of the mask) when no row
+    of the batch has a grammar."""
+    s, v = logits.shape
+
+    def masked(logits):
+        bits = (mask[:, :, None] >> jnp.arange(32, dtype=mask.dtype)) & 1
+        allowed = bits.reshape(s, -1)[:, :v].astype(jnp.bool_)
+        return jnp.where(allowed, logits, _NEG_INF)
+
+    return jax.lax.cond(jnp.any(mask != -1), masked, lambda x: x, logits)
 
 
 def add_logit_bias(logits: jax.Array, p: SamplingArrays) -> jax.Array:
@@ -111,6 +128,7 @@ def filter_logits(logits: jax.Array, p: SamplingArrays) -> jax.Array:
 
 def sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | None) -> SampleOutput:
     """Pick one token per row of `raw_logits[S, V]` (float32)."""
+    raw_logits = apply_grammar_mask(raw_logits, p.grammar_mask)
     logits = add_logit_bias(raw_logits, p)
     logits = logits if history is None else apply_penalties(logits, p, history)
     logits = ban_tokens(logits, p.banned_ids)

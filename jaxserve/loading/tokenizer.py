@@ -67,6 +67,7 @@ class _Backend(Protocol):
     def id_to_token(self, token_id: int) -> str | None: ...
     def token_to_id(self, token: str) -> int | None: ...
     def mark_special(self, tokens: Iterable[str]) -> None: ...
+    def grammar_vocabulary(self) -> str | list[bytes]: ...
     def set_bos_eos(self, bos_id: int | None, eos_id: int | None,
                     add_bos: bool | None, add_eos: bool | None) -> None: ...
 
@@ -110,6 +111,10 @@ class _HFBackend:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def grammar_vocabulary(self) -> str:
+        """tokenizer.json itself (as loaded): grammar engines read it whole."""
+        return self._tok.to_str()
 
     def mark_special(self, tokens: Iterable[str]) -> None:
         """Flags named special tokens (from tokenizer_config.json) that the file did not.
@@ -187,6 +192,20 @@ class _SentencePieceBackend:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._sp.id_to_piece(token_id) if 0 <= token_id < self._size else None
+
+    def grammar_vocabulary(self) -> list[bytes]:
+        """Each token's bytes: "▁" is a space, <0xNN> pieces are that byte, control and
+        unknown pieces stand for nothing."""
+        out = []
+        for i in range(self._size):
+            piece = self._sp.id_to_piece(i)
+            if self._sp.is_byte(i):
+                out.append(bytes([int(piece[3:5], 16)]))
+            elif self._sp.is_control(i) or self._sp.is_unknown(i):
+                out.append(b"")
+            else:
+                out.append(piece.replace("\u2581", " ").encode())
+        return out
 
     def mark_special(self, tokens: Iterable[str]) -> None:
         ids = {self.token_to_id(t) for t in tokens} - {None}
@@ -342,6 +361,11 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._backend.encode(text, add_special_tokens)
+
+    def grammar_vocabulary(self) -> str | list[bytes]:
+        """What a grammar engine needs to know each token's bytes: tokenizer.json's text,
+        or (sentencepiece) the bytes of every token."""
+        return self._backend.grammar_vocabulary()
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if skip_special_tokens:

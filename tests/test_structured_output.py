@@ -1,0 +1,168 @@
+"""Structured output on a random-weight model (which, unconstrained, emits garbage): every
+constrained output parses and validates by an oracle of its own (jsonschema, re.fullmatch,
+lark's parser), mixed with free requests in one batch, greedy and sampled, through
+chunked prefill, prefix-cache hits and preemption; the masked sampler against numpy."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import jsonschema
+import lark
+import numpy as np
+import pytest
+from llguidance.numpy import apply_token_bitmask_inplace
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.engine.sampler import SamplingArrays, apply_grammar_mask, sample
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, StructuredOutputsParams
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "ok", "tags"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-z]{3,8}@[a-z]{2,5}\.(com|org)"
+CHOICES = ["red", "green", "blue", "yellow"]
+# Nested, so beyond a regular expression; finite, so a random model's walk ends.
+LARK = """
+start: sum
+sum: term | term OP term | term OP term OP term
+term: NUMBER | "(" inner ")"
+inner: NUMBER OP NUMBER
+OP: "+" | "-"
+NUMBER: /[0-9]{1,3}/
+"""
+GBNF = 'root ::= year "-" month\nyear ::= [12] [0-9] [0-9] [0-9]\nmonth ::= "0" [1-9] | "1" [0-2]'
+GBNF_AS_REGEX = r"[12][0-9]{3}-(0[1-9]|1[0-2])"
+
+ENGINE = dict(dtype="float32", max_model_len=256, page_size=4, max_num_seqs=8,
+              max_num_batched_tokens=64, token_buckets=(16, 64), enable_prefix_caching=True,
+              num_pages=80)  # 8 sequences of up to ~200 tokens do not fit: some are preempted
+
+
+def check(kind: str, text: str) -> None:
+    """Raises unless `text` is what the constraint allows (by an oracle of its own)."""
+    if kind == "json":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif kind == "json_object":
+        assert isinstance(json.loads(text), dict), text
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    elif kind == "choice":
+        assert text in CHOICES, text
+    elif kind == "lark":
+        lark.Lark(LARK, parser="lalr").parse(text)
+    elif kind == "gbnf":
+        assert re.fullmatch(GBNF_AS_REGEX, text), text
+    else:
+        raise AssertionError(kind)
+
+
+CONSTRAINTS = {
+    "json": StructuredOutputsParams(json=SCHEMA),
+    "json_object": StructuredOutputsParams(json_object=True),
+    "regex": StructuredOutputsParams(regex=REGEX),
+    "choice": StructuredOutputsParams(choice=CHOICES),
+    "lark": StructuredOutputsParams(grammar=LARK),
+    "gbnf": StructuredOutputsParams(grammar=GBNF),
+}
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints):
+    return LLM(str(checkpoints("llama")[0]), **ENGINE)
+
+
+def run_batch(llm, prompts, seeds):
+    """Every constraint greedy and with each seed, and free requests, in one batch."""
+    kinds, params = [], []
+    for seed in [None, *seeds]:
+        for kind, constraint in [*CONSTRAINTS.items(), (None, None)]:
+            if kind == "json_object" and seed is not None:
+                # Any object allows strings of any length, and a random model sampling at
+                # temperature 1 closes one with a chance of ~1/250 a token: greedy only.
+                continue
+            kinds.append(kind)
+            params.append(SamplingParams(
+                temperature=0.0 if seed is None else 1.0, seed=seed, max_tokens=120,
+                structured_outputs=constraint, logprobs=1))
+    batch = [prompts[i % len(prompts)] for i in range(len(params))]
+    return kinds, params, llm.generate(batch, params)
+
+
+def test_every_constrained_output_parses(llm, prompts):
+    engine = llm.engine
+    # A long prompt is prefilled in chunks (64-token budget); repeated prompts hit the
+    # prefix cache; the small pool preempts running requests.
+    long_prompt = (prompts[3] * 3)[:100]
+    kinds, params, outs = run_batch(llm, [long_prompt, *prompts], seeds=[1, 2])
+    finished = {}
+    for kind, p, out in zip(kinds, params, outs):
+        o = out.outputs[0]
+        if kind is None:
+            continue
+        assert o.finish_reason == "stop", (kind, p.seed, o.finish_reason, o.text)
+        check(kind, o.text)
+        finished[kind] = finished.get(kind, 0) + 1
+        # Logprobs are the masked distribution's: the sampled token is never ruled out.
+        assert all(lp[t].logprob > -9999.0 for t, lp in zip(o.token_ids, o.logprobs))
+    assert finished == {kind: 1 if kind == "json_object" else 3 for kind in CONSTRAINTS}
+    free = [o.outputs[0].text for k, o in zip(kinds, outs) if k is None]
+    assert not any(_parses_as_anything(t) for t in free)  # the model alone emits garbage
+    assert engine.scheduler.num_preemptions > 0
+    assert max(o.num_cached_tokens for o in outs) > 0
+    assert engine.scheduler.num_used_pages == 0
+
+
+def _parses_as_anything(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return bool(re.fullmatch(REGEX, text))
+
+
+def test_masks_need_no_new_program(llm):
+    assert llm.engine.runner.compiles_after_warmup == 0
+
+
+@pytest.mark.parametrize("constraint, problem", [
+    (dict(regex="[a-"), "unclosed character class"),
+    (dict(json={"type": "nonsense"}), "nonsense"),
+    (dict(grammar="start: undefined_rule"), "undefined_rule"),
+    (dict(grammar='root ::= missing'), "missing"),
+])
+def test_bad_constraints_fail_at_add_naming_the_problem(llm, constraint, problem):
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(**constraint))
+    with pytest.raises(ValueError, match="structured_outputs") as e:
+        llm.engine.add_request("bad", [5, 6, 7], params)
+    assert problem in str(e.value)
+    assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("fields, problem", [
+    (dict(), "exactly one"),
+    (dict(regex="a", choice=["a"]), "exactly one"),
+    (dict(choice=[]), "non-empty list"),
+    (dict(json="{not json"), "not valid JSON"),
+])
+def test_constraint_fields_are_checked(fields, problem):
+    with pytest.raises(ValueError, match=problem):
+        StructuredOutputsParams(**fields)
+
+
+def test_a_grammar_that_cannot_finish_ends_with_length(llm, prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=5,
+                            structured_outputs=StructuredOutputsParams(regex=r"[a-z]{10}"))
+    out = llm.generate([prompts[0]], params)[0].outputs[0]
+    assert out.finish_reason == "length" and re.fullmatch(r"[a-z]{5}", out.text)
