@@ -24,7 +24,7 @@ from jaxserve.engine.broadcast import PING_INTERVAL_S
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.output_text import OutputText
 from jaxserve.outputs import StepOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from server.metrics import Metrics, RequestTimes
 
 log = logging.getLogger(__name__)
@@ -157,9 +157,8 @@ class AsyncEngine:
         elif len(prompt) > self.engine.max_model_len:  # before any per-id work
             raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len is "
                              f"{self.engine.max_model_len}")
-        if params.structured_outputs is not None and self.engine.grammars is not None:
-            # Compiled (and checked) here; the engine thread only copies the matcher.
-            await self._in_pool(self.engine.grammars.compile, params.structured_outputs)
+        if params.structured_outputs is not None:  # the engine thread only copies it
+            await self.compile_constraint(params.structured_outputs)
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), RequestTimes(arrival=time.monotonic()), params)
         admitted = loop.create_future()
@@ -195,6 +194,14 @@ class AsyncEngine:
         pool (ChatTemplateError, a ValueError, when it cannot be rendered)."""
         return await self._in_pool(_encode_chat, self.engine.tokenizer, messages,
                                    self.max_prompt_bytes, template_args)
+
+    async def compile_constraint(self, constraint: StructuredOutputsParams) -> None:
+        """Compile (and check: ValueError) a structured-output constraint in the tokenizer
+        pool; compiled constraints are cached, so the engine thread only copies them."""
+        if self.engine.grammars is None:
+            raise ValueError("structured_outputs: grammars need a tokenizer and this model "
+                             "has none")
+        await self._in_pool(self.engine.grammars.compile, constraint)
 
     async def _in_pool(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)

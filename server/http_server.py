@@ -291,6 +291,22 @@ class HTTPServer:
     def _token_text(self, token: int) -> str:
         return self.engine.tokenizer.decode([token], skip_special_tokens=False)
 
+    async def _sampling_params(self, req: oai._Request, max_tokens: int | None,
+                               logprobs: int | None) -> list[SamplingParams]:
+        """Each choice's params, with the output constraint compiled (in the tokenizer
+        pool) so a bad one is a 400 naming the field it came in."""
+        try:
+            params = [req.sampling_params(max_tokens, logprobs, i) for i in range(req.n)]
+        except ValueError as e:
+            raise oai.bad_request(e) from e
+        constraint = params[0].structured_outputs
+        if constraint is not None:
+            try:
+                await self.async_engine.compile_constraint(constraint)
+            except ValueError as e:
+                raise oai.APIError(400, str(e), req.constraint_field()) from e
+        return params
+
     async def _start(self, request: Request, job: Job) -> None:
         try:
             await job.start()
@@ -318,11 +334,8 @@ class HTTPServer:
                 **(req.chat_template_kwargs or {}))
         except ValueError as e:  # ChatTemplateError, or over --max-prompt-bytes
             raise oai.APIError(400, str(e), "messages") from e
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        try:
-            params = [req.sampling_params(max_tokens, logprobs, i) for i in range(req.n)]
-        except ValueError as e:
-            raise oai.bad_request(e) from e
+        params = await self._sampling_params(req, req.max_completion_tokens or req.max_tokens,
+                                             logprobs)
         job = Job(self.async_engine, oai.new_id("chatcmpl"), [(ids, p) for p in params])
         await self._start(request, job)
         rid = job.id
@@ -386,11 +399,7 @@ class HTTPServer:
                    for p in prompts]
         except ValueError as e:
             raise oai.APIError(400, str(e), "prompt") from e
-        try:
-            params = [req.sampling_params(req.max_tokens, req.logprobs, i)
-                      for i in range(req.n)]
-        except ValueError as e:
-            raise oai.bad_request(e) from e
+        params = await self._sampling_params(req, req.max_tokens, req.logprobs)
         job = Job(self.async_engine, oai.new_id("cmpl"),
                   [(p, params[i]) for p in ids for i in range(req.n)])
         await self._start(request, job)

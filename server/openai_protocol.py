@@ -112,6 +112,12 @@ class _Request(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    def constraint_field(self) -> str | None:
+        """The field the output constraint came in."""
+        return next((f for f in ("response_format", "structured_outputs", "guided_json",
+                                 "guided_regex", "guided_choice", "guided_grammar")
+                     if getattr(self, f) is not None), None)
+
     def structured(self) -> StructuredOutputsParams | None:
         """The one output constraint asked for, from whichever field gave it."""
         given = {}

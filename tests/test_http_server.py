@@ -10,6 +10,7 @@ import re
 import signal
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -356,3 +357,60 @@ def test_queue_full_429_and_draining_503(checkpoints, tmp_path):
             assert lines[-1] == "data: [DONE]"
             assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
         assert proc.wait(timeout=60) == 0
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["ok", "n"],
+          "properties": {"ok": {"type": "boolean"},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+
+
+def test_structured_output_through_openai(server, client):
+    """response_format (json_schema, json_object) and vLLM's extra fields, through the
+    openai package, streamed and not, n > 1: every output parses and validates."""
+    model = str(server[2])
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                  "strict": True}}
+    done = client.completions.create(model=model, prompt="Hi", max_tokens=60, n=3, seed=9,
+                                     temperature=1.0, extra_body={"response_format": fmt})
+    assert len(done.choices) == 3
+    for choice in done.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.text), PERSON)
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user",
+                                                                    "content": "Hi"}],
+                                            max_tokens=60, temperature=0.0, stream=True,
+                                            response_format=fmt)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    jsonschema.validate(json.loads(text), PERSON)
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user",
+                                                                  "content": "Hi"}],
+                                          max_tokens=60, temperature=0.0,
+                                          response_format={"type": "json_object"})
+    assert isinstance(json.loads(chat.choices[0].message.content), dict)
+    for extra, ok in [({"guided_choice": ["cat", "dog"]}, lambda t: t in ("cat", "dog")),
+                      ({"guided_regex": r"[0-9]{3}"}, lambda t: re.fullmatch(r"[0-9]{3}", t)),
+                      ({"structured_outputs": {"regex": r"(ab)+c"}},
+                       lambda t: re.fullmatch(r"(ab)+c", t)),
+                      ({"guided_grammar": 'root ::= "yes" | "no"'}, lambda t: t in ("yes", "no"))]:
+        out = client.completions.create(model=model, prompt="Hi", max_tokens=30, n=2, seed=3,
+                                        extra_body=extra)
+        assert all(c.finish_reason == "stop" and ok(c.text) for c in out.choices), (extra, out)
+
+
+@pytest.mark.parametrize("body, param, needle", [
+    ({"guided_regex": "[a-"}, "guided_regex", "unclosed character class"),
+    ({"guided_json": {"type": "nonsense"}}, "guided_json", "nonsense"),
+    ({"structured_outputs": {"grammar": "start: nowhere"}}, "structured_outputs", "nowhere"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 3}}}},
+     "response_format", "structured_outputs.json"),
+    ({"guided_choice": []}, "guided_choice", "non-empty list"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex", "one output constraint"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
+    ({"response_format": {"type": "xml"}}, "response_format", ""),
+])
+def test_bad_constraints_are_400(server, body, param, needle):
+    r = httpx.post(f"{server[1].http_url}/v1/completions",
+                   json={"prompt": "Hi", "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert needle in error["message"] and error["param"] == param, error

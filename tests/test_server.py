@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import re
 import signal
 import time
 
@@ -202,6 +204,14 @@ def test_bad_inputs_fail_alone(server, client, prompts):
                                              chat_template="{% for %}")), "does not parse"),
         (pb.GenerateRequest(sampling=pb.SamplingParams(logit_bias={5: 500.0}), text="x"),
          "logit_bias"),
+        (pb.GenerateRequest(sampling=pb.SamplingParams(
+            structured_outputs=pb.StructuredOutputs(regex="[a-")), text="x"),
+         "unclosed character class"),
+        (pb.GenerateRequest(sampling=pb.SamplingParams(
+            structured_outputs=pb.StructuredOutputs(json_schema='{"type": 5}')), text="x"),
+         "structured_outputs.json"),
+        (pb.GenerateRequest(sampling=pb.SamplingParams(
+            structured_outputs=pb.StructuredOutputs()), text="x"), "structured_outputs"),
     ]:
         with pytest.raises(grpc.RpcError) as e:
             list(client.stub.Generate(request))
@@ -209,6 +219,23 @@ def test_bad_inputs_fail_alone(server, client, prompts):
         assert needle in e.value.details()
     ids, _, done = client.complete(prompts[0], max_tokens=3, ignore_eos=True)
     assert len(ids) == 3 and done.finish_reason == "length"
+
+
+def test_structured_output_over_grpc(server, client, prompts):
+    """A regex and a choice, greedy and sampled, beside a free request: each constrained
+    output is what the constraint allows (re.fullmatch), on a random-weight model."""
+    regex = r"[a-z]{3,6}-[0-9]{2}"
+    calls = [dict(structured_outputs=pb.StructuredOutputs(regex=regex), temperature=0.0),
+             dict(structured_outputs=pb.StructuredOutputs(regex=regex), seed=4),
+             dict(structured_outputs=pb.StructuredOutputs(
+                 choice=pb.Choices(choices=["left", "right"])), seed=5),
+             dict(ignore_eos=True)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda c: client.complete(prompts[1], max_tokens=20, **c),
+                                calls))
+    for (ids, text, done), pattern in zip(results, [regex, regex, "left|right"]):
+        assert done.finish_reason == "stop" and re.fullmatch(pattern, text), (text, done)
+    assert results[3][2].finish_reason == "length"
 
 
 def test_chat_messages_equal_offline_chat(server, client):
