@@ -104,7 +104,8 @@ def grammar_engines(model_dir: Path, vocab_size: int, eos: int) -> list[dict]:
         batch.append(dt)
         for m in matchers:
             m.consume_token(t)
-    rows.append(dict(engine=f"llguidance {importlib.metadata.version('llguidance')}", tokenizer_s=t_tok,
+    rows.append(dict(engine=f"llguidance {importlib.metadata.version('llguidance')}",
+                     tokenizer_s=t_tok,
                      compile_ms=1e3 * t_compile, mask_us=1e6 * np.mean(per_token),
                      p99_us=1e6 * np.percentile(per_token, 99), rows64_ms=1e3 * np.mean(batch),
                      tokens=len(ids)))

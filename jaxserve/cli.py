@@ -142,7 +142,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              max_waiting=args.max_waiting, grace_s=args.grace,
                              model_name=args.served_model_name or name,
                              http_port=None if args.no_http else args.http_port,
-                             max_prompt_bytes=args.max_prompt_bytes, security=security))
+                             max_prompt_bytes=args.max_prompt_bytes, security=security,
+                             tool_call_parser=args.tool_call_parser))
     if dist is not None and code != 0:
         multihost.exit_now(code)
     return code
@@ -266,6 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None,
                      help="the model name clients send (default: the --model path, or "
                           "'demo')")
+    srv.add_argument("--tool-call-parser", default=None,
+                     choices=["hermes", "llama3_json", "mistral"],
+                     help="read tool calls in this format out of model output, for "
+                          "tool_choice \"auto\" on /v1/chat/completions (docs/http.md)")
     srv.add_argument("--max-waiting", type=int, default=1024,
                      help="waiting requests before new ones get RESOURCE_EXHAUSTED")
     srv.add_argument("--grace", type=float, default=30.0,

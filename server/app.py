@@ -29,6 +29,7 @@ from server.protos.jetstream_proto import jetstream_pb2 as js
 from server.protos.jetstream_proto import jetstream_pb2_grpc as js_grpc
 from server.security import Security
 from server.servicer import InferenceServicer
+from server.tool_parsers import get_parser
 from server.undecodable import add_servicer
 
 log = logging.getLogger(__name__)
@@ -64,11 +65,12 @@ def request_bytes_limit(max_prompt_bytes: int) -> int:
 async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 50051,
                 max_waiting: int = 1024, grace_s: float = 30.0, model_name: str = "",
                 http_port: int | None = 8000, max_prompt_bytes: int | None = None,
-                security: Security | None = None) -> int:
+                security: Security | None = None, tool_call_parser: str | None = None) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code. `http_port` None: gRPC only.
     `max_prompt_bytes` (default from max_model_len) bounds prompt text before tokenizing,
     and gRPC messages and HTTP bodies to what such a prompt needs. `security`: TLS and API
-    keys for both servers (server/security.py)."""
+    keys for both servers (server/security.py). `tool_call_parser`: the format tool calls
+    are read in for tool_choice "auto" (server/tool_parsers.py)."""
     security = security or Security()
     security.check_bind(host)
     metrics = Metrics(engine, model_name)
@@ -108,7 +110,8 @@ async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 50051,
     http = http_task = None
     if http_port is not None:
         http = HTTPServer(async_engine, model_name, metrics, max_body_bytes=request_limit,
-                          security=security)
+                          security=security,
+                          tool_parser=get_parser(tool_call_parser) if tool_call_parser else None)
         bound = asyncio.Event()
         http_task = asyncio.create_task(http.serve(host, http_port, bound))
         await asyncio.wait([http_task, asyncio.create_task(bound.wait())],

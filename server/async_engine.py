@@ -381,8 +381,11 @@ class AsyncEngine:
             return out
         if stream.text is None:
             stream.text = OutputText(tokenizer, stream.prompt_token_ids, stream.params)
+        last = out.new_token_ids[-1]
+        stop_token = out.finish_reason == "stop" and (
+            last == out.stop_reason or last in self.engine.eos_token_ids)
         new_text, stop = stream.text.add(out.new_token_ids,
-                                         out.finish_reason if out.finished else None)
+                                         out.finish_reason if out.finished else None, stop_token)
         if out.new_logprobs:
             stream.text.decode_logprobs(out.new_logprobs)
         if stop is None:

@@ -34,9 +34,11 @@ import jaxserve
 from jaxserve.outputs import StepOutput
 from jaxserve.sampling_params import SamplingParams
 from server import openai_protocol as oai
+from server import tool_calling
 from server.async_engine import AsyncEngine, QueueFullError
 from server.metrics import CONTENT_TYPE, Metrics
 from server.security import Security
+from server.tool_parsers import ToolParser
 
 log = logging.getLogger(__name__)
 
@@ -227,8 +229,10 @@ class HTTPServer:
     draining) are set by server/app.py."""
 
     def __init__(self, async_engine: AsyncEngine, model_name: str, metrics: Metrics,
-                 max_body_bytes: int, security: Security | None = None):
+                 max_body_bytes: int, security: Security | None = None,
+                 tool_parser: ToolParser | None = None):
         self.async_engine = async_engine
+        self.tool_parser = tool_parser
         self.engine = async_engine.engine
         self.model_name = model_name
         self.metrics = metrics
@@ -292,11 +296,16 @@ class HTTPServer:
         return self.engine.tokenizer.decode([token], skip_special_tokens=False)
 
     async def _sampling_params(self, req: oai._Request, max_tokens: int | None,
-                               logprobs: int | None) -> list[SamplingParams]:
+                               logprobs: int | None, tools: tool_calling.ToolPlan | None = None
+                               ) -> list[SamplingParams]:
         """Each choice's params, with the output constraint compiled (in the tokenizer
-        pool) so a bad one is a 400 naming the field it came in."""
+        pool) so a bad one is a 400 naming the field it came in. A parsed tool call's
+        markers may be special tokens: they are kept in the text."""
         try:
-            params = [req.sampling_params(max_tokens, logprobs, i) for i in range(req.n)]
+            params = [req.sampling_params(
+                max_tokens, logprobs, i, tools.constraint() if tools else None,
+                skip_special_tokens=False if tools and tools.mode == "auto" else None)
+                for i in range(req.n)]
         except ValueError as e:
             raise oai.bad_request(e) from e
         constraint = params[0].structured_outputs
@@ -326,21 +335,27 @@ class HTTPServer:
         self._check_serving(req.model)
         self._tokenizer()  # 400 when the model has none
         logprobs = req.logprob_count()
+        tools = req.tool_dicts()
+        try:
+            plan = tool_calling.plan(tools, req.tool_choice_value(), req.parallel_tool_calls,
+                                     self.tool_parser)
+        except tool_calling.ToolChoiceError as e:
+            raise oai.APIError(400, str(e), e.param) from e
         try:
             ids = await self.async_engine.encode_chat(
                 req.messages, chat_template=req.chat_template,
                 add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-                continue_final_message=req.continue_final_message, tools=req.tools,
+                continue_final_message=req.continue_final_message, tools=tools,
                 **(req.chat_template_kwargs or {}))
         except ValueError as e:  # ChatTemplateError, or over --max-prompt-bytes
             raise oai.APIError(400, str(e), "messages") from e
         params = await self._sampling_params(req, req.max_completion_tokens or req.max_tokens,
-                                             logprobs)
+                                             logprobs, plan)
         job = Job(self.async_engine, oai.new_id("chatcmpl"), [(ids, p) for p in params])
         await self._start(request, job)
         rid = job.id
         if req.stream:
-            return StreamingResponse(self._chat_stream(request, req, job, rid, len(ids)),
+            return StreamingResponse(self._chat_stream(request, req, job, rid, len(ids), plan),
                                      media_type="text/event-stream")
         choices = [Choice() for _ in params]
         async with _watching(request, job):
@@ -348,18 +363,32 @@ class HTTPServer:
                 self._accumulate(choices[i], out, None if logprobs is None else (
                     lambda o: oai.chat_logprobs(o, logprobs, self._token_text)))
         return oai.envelope(rid, "chat.completion", self.model_name, [
-            {"index": i, "message": {"role": "assistant", "content": c.text},
+            {"index": i, **self._chat_message(c, plan),
              "logprobs": {"content": [x for part in c.logprobs for x in part]}
-             if logprobs is not None else None,
-             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+             if logprobs is not None else None, "stop_reason": c.stop_reason}
             for i, c in enumerate(choices)],
             usage=oai.usage(len(ids), sum(c.num_tokens for c in choices)))
 
+    @staticmethod
+    def _chat_message(c: Choice, plan: tool_calling.ToolPlan | None) -> dict:
+        """A finished choice's message and finish_reason (tool calls read out of it)."""
+        if plan is None:
+            return {"message": {"role": "assistant", "content": c.text},
+                    "finish_reason": c.finish_reason}
+        content, calls = tool_calling.message(plan, c.text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        return {"message": message,
+                "finish_reason": tool_calling.finish_reason(plan, c.finish_reason, calls)}
+
     async def _chat_stream(self, request: Request, req: oai.ChatCompletionRequest, job: Job,
-                           rid: str, num_prompt_tokens: int) -> AsyncIterator[str]:
+                           rid: str, num_prompt_tokens: int,
+                           plan: tool_calling.ToolPlan | None) -> AsyncIterator[str]:
         created, logprobs = int(time.time()), req.logprob_count()
         extra = {"usage": None} if req.include_usage else {}
         choices = [Choice() for _ in job.requests]
+        tool_streams = [tool_calling.ToolStream(plan) if plan else None for _ in choices]
 
         def chunk(i: int, delta: dict, out: StepOutput | None = None, finish=None) -> str:
             choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -373,16 +402,29 @@ class HTTPServer:
 
         async with _watching(request, job), _errors_as_events() as errors:
             async for i, out in job.outputs():
-                c = choices[i]
+                c, tools = choices[i], tool_streams[i]
                 if not c.started:
                     c.started = True
-                    yield chunk(i, {"role": "assistant", "content": ""})
+                    yield chunk(i, {"role": "assistant", "content": "" if tools is None
+                                    or tools.plan.mode == "auto" else None})
                 self._accumulate(c, out)
-                # A chunk per step that made tokens, even when their text is held back
-                # (an unfinished UTF-8 character): clients see progress, as vLLM's do.
-                delta = {"content": out.new_text} if out.new_text or out.new_token_ids else {}
-                if out.finished or delta:
-                    yield chunk(i, delta, out, c.finish_reason)
+                if tools is None:
+                    # A chunk per step that made tokens, even when their text is held back
+                    # (an unfinished UTF-8 character): clients see progress, as vLLM's do.
+                    delta = ({"content": out.new_text} if out.new_text or out.new_token_ids
+                             else {})
+                    if out.finished or delta:
+                        yield chunk(i, delta, out, c.finish_reason)
+                    continue
+                deltas = tools.feed(out.new_text) + (tools.finish() if out.finished else [])
+                for j, delta in enumerate(deltas):
+                    yield chunk(i, delta, out if j == 0 else None)
+                if not deltas and not out.finished and logprobs is not None:
+                    yield chunk(i, {}, out)  # text held back; its tokens' logprobs go now
+                if out.finished:
+                    reason = tool_calling.finish_reason(plan, c.finish_reason,
+                                                        [None] * tools.num_calls)
+                    yield chunk(i, {}, None if deltas else out, reason)
         for event in self._stream_end(rid, "chat.completion.chunk", created, errors,
                                       req.include_usage, num_prompt_tokens, choices):
             yield event

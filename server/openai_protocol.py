@@ -115,12 +115,15 @@ class _Request(BaseModel):
     def constraint_field(self) -> str | None:
         """The field the output constraint came in."""
         return next((f for f in ("response_format", "structured_outputs", "guided_json",
-                                 "guided_regex", "guided_choice", "guided_grammar")
-                     if getattr(self, f) is not None), None)
+                                 "guided_regex", "guided_choice", "guided_grammar",
+                                 "tool_choice") if getattr(self, f, None) is not None), None)
 
-    def structured(self) -> StructuredOutputsParams | None:
+    def structured(self, tool_constraint: StructuredOutputsParams | None = None
+                   ) -> StructuredOutputsParams | None:
         """The one output constraint asked for, from whichever field gave it."""
-        given = {}
+        given: dict[str, Any] = {}
+        if tool_constraint is not None:
+            given["tool_choice"] = tool_constraint
         if self.response_format is not None and self.response_format.type != "text":
             rf = self.response_format
             if rf.type == "json_object":
@@ -146,15 +149,19 @@ class _Request(BaseModel):
         if not given:
             return None
         field, args = given.popitem()
+        if isinstance(args, StructuredOutputsParams):
+            return args
         try:
             return StructuredOutputsParams(**args)
         except ValueError as e:
             raise APIError(400, f"{field}: {e}", field) from None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        index: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, index: int,
+                        tool_constraint: StructuredOutputsParams | None = None,
+                        skip_special_tokens: bool | None = None) -> SamplingParams:
         """The params of choice `index` (a seeded request's choices use seed + index, so
-        they differ and each is reproducible)."""
+        they differ and each is reproducible). `tool_constraint`: what tool_choice asks
+        the output to be; `skip_special_tokens` overrides the request's."""
         bias = {}
         for key, value in (self.logit_bias or {}).items():
             if not key.lstrip("-").isdigit():
@@ -171,12 +178,35 @@ class _Request(BaseModel):
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             seed=None if self.seed is None else (self.seed + index) % 2**32,
-            logprobs=logprobs, skip_special_tokens=self.skip_special_tokens, logit_bias=bias,
-            structured_outputs=self.structured())
+            logprobs=logprobs, logit_bias=bias,
+            skip_special_tokens=(self.skip_special_tokens if skip_special_tokens is None
+                                 else skip_special_tokens),
+            structured_outputs=self.structured(tool_constraint))
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Request):
@@ -184,13 +214,23 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM's chat extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template and the tool plan read them."""
+        return None if self.tools is None else [t.model_dump(exclude_none=True)
+                                                for t in self.tools]
+
+    def tool_choice_value(self) -> str | dict | None:
+        choice = self.tool_choice
+        return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
 
     def logprob_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -58,8 +58,15 @@ def test_text_and_stop_strings_are_made_off_the_engine_thread(llm, prompts):
                              stop=[text[5:7], text[12:16]], min_tokens=2) for text in texts]
     params.append(SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True, seed=3,
                                  stop=["\n", texts[0][9:11]]))
-    batch = [*prompts, prompts[0]]
+    # A stop token id adds no text (vLLM's rule), even with special tokens kept.
+    stop_id = llm.generate([prompts[1]], free[0])[0].outputs[0].token_ids[6]
+    params.append(SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_id],
+                                 skip_special_tokens=False))
+    batch = [*prompts, prompts[0], prompts[1]]
     want = llm.generate(batch, params)
+    stopped = want[-1].outputs[0]
+    assert stopped.stop_reason == stop_id and stopped.token_ids[-1] == stop_id
+    assert stopped.text == tokenizer.decode(stopped.token_ids[:-1], skip_special_tokens=False)
     assert sum(o.outputs[0].finish_reason == "stop" for o in want) >= 4
     decoders = set()
     decode = tokenizer.decode

@@ -25,7 +25,8 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 def server(checkpoints, tmp_path_factory):
     path, _ = checkpoints("llama")
     log = tmp_path_factory.mktemp("http") / "server.log"
-    with running_server(path, log, "--max-waiting", "500", cold=True) as (target, proc):
+    with running_server(path, log, "--max-waiting", "500", "--tool-call-parser", "hermes",
+                        cold=True) as (target, proc):
         yield target, proc, path
 
 
@@ -414,3 +415,109 @@ def test_bad_constraints_are_400(server, body, param, needle):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert needle in error["message"] and error["param"] == param, error
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 8},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "additionalProperties": False,
+                                       "required": ["tz"],
+                                       "properties": {"tz": {"enum": ["UTC", "CET"]}}}}}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER_TOOL, TIME_TOOL)}
+ASK = [{"role": "user", "content": "Weather?"}]
+
+
+def _accumulate_tool_calls(chunks) -> tuple[str, dict[int, dict], str]:
+    """What a streaming client assembles: content, tool calls by index, finish_reason."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for d in choice.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = d.id or call["id"]
+                call["name"] += (d.function.name or "") if d.function else ""
+                call["arguments"] += (d.function.arguments or "") if d.function else ""
+            finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+def test_required_and_named_tool_calls_through_openai(server, client):
+    """On a random-weight model: `required` returns calls whose arguments validate against
+    their tool's schema; a named function returns its arguments; both streamed too. (One
+    call at a time: a random model would add calls until max_tokens.)"""
+    model, tools = str(server[2]), [WEATHER_TOOL, TIME_TOOL]
+    for seed in (1, 2, 3):
+        r = client.chat.completions.create(model=model, messages=ASK, tools=tools, seed=seed,
+                                           tool_choice="required", max_tokens=100,
+                                           parallel_tool_calls=False)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            assert call.type == "function" and call.id.startswith("call_")
+            jsonschema.validate(json.loads(call.function.arguments),
+                                SCHEMAS[call.function.name])
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=model, messages=ASK, tools=tools,
+                                       tool_choice=named, max_tokens=60, temperature=0.0)
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].message.content is None and r.choices[0].finish_reason == "stop"
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_weather"])
+    for choice in ("required", named):
+        stream = client.chat.completions.create(model=model, messages=ASK, tools=tools,
+                                                tool_choice=choice, max_tokens=100, seed=5,
+                                                parallel_tool_calls=False, stream=True)
+        content, calls, finish = _accumulate_tool_calls(stream)
+        assert content == "" and calls and finish == ("tool_calls" if choice == "required"
+                                                      else "stop")
+        for call in calls.values():
+            assert call["id"].startswith("call_")
+            jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+
+
+def test_auto_tool_calls_are_parsed_by_the_servers_parser(server, client):
+    """tool_choice auto with --tool-call-parser hermes: output in Hermes' format (forced
+    here by a regex, as a random model would not write it) comes back as tool_calls, the
+    text before them as content; streamed, the same."""
+    model = str(server[2])
+    forced = (r'Checking\. <tool_call>\{"name": "get_weather", "arguments": \{"city": '
+              r'"[a-z]{3,6}"\}\}</tool_call>')
+    r = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER_TOOL],
+                                       max_tokens=100, seed=4,
+                                       extra_body={"guided_regex": forced})
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking. "
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert re.fullmatch(r"[a-z]{3,6}", json.loads(call.function.arguments)["city"])
+    stream = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER_TOOL],
+                                            max_tokens=100, seed=4, stream=True,
+                                            extra_body={"guided_regex": forced})
+    content, calls, finish = _accumulate_tool_calls(stream)
+    assert (content, finish) == ("Checking. ", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        ("get_weather", call.function.arguments)]
+    plain = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER_TOOL],
+                                           max_tokens=8, seed=4, tool_choice="none",
+                                           extra_body={"ignore_eos": True})
+    assert plain.choices[0].message.tool_calls is None
+    assert plain.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"tool_choice": "required"}, "needs tools"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function",
+                                               "function": {"name": "nope"}}}, "not in tools"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "one output constraint"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+])
+def test_bad_tool_requests_are_400(server, body, needle):
+    r = httpx.post(f"{server[1].http_url}/v1/chat/completions",
+                   json={"messages": ASK, "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"], r.json()

@@ -1,24 +1,20 @@
 """Structured output on a random-weight model (which, unconstrained, emits garbage): every
 constrained output parses and validates by an oracle of its own (jsonschema, re.fullmatch,
 lark's parser), mixed with free requests in one batch, greedy and sampled, through
-chunked prefill, prefix-cache hits and preemption; the masked sampler against numpy."""
+chunked prefill, prefix-cache hits and preemption. (The masked sampler against numpy is in
+test_sampler.py.)"""
 
 from __future__ import annotations
 
 import json
 import re
 
-import jax
-import jax.numpy as jnp
 import jsonschema
 import lark
-import numpy as np
 import pytest
-from llguidance.numpy import apply_token_bitmask_inplace
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine.sampler import SamplingArrays, apply_grammar_mask, sample
-from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, StructuredOutputsParams
+from jaxserve.sampling_params import StructuredOutputsParams
 
 SCHEMA = {
     "type": "object",

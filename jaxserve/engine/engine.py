@@ -337,9 +337,11 @@ class Engine:
         error = None
         if req.grammar is not None and not req.grammar.consume_token(token):
             finish, stop_reason = "error", None
-            error = f"structured output: token {token} breaks the grammar: {req.grammar.get_error()}"
+            error = (f"structured output: token {token} breaks the grammar: "
+                     f"{req.grammar.get_error()}")
         else:
             finish, stop_reason = self._check_stop(req, token, num_outputs=index + 1)
+        stop_token = finish == "stop"  # EOS or a stop token id
         if req.grammar is not None and finish is None and req.grammar.is_stopped():
             finish = "stop"  # the grammar is complete and allows nothing more
         elif req.grammar is not None and finish == "length" and not req.grammar.is_accepting():
@@ -347,7 +349,7 @@ class Engine:
                      "is incomplete", seq.request_id)
         new_text = ""
         if req.text is not None:
-            new_text, stop = req.text.add([token], finish)
+            new_text, stop = req.text.add([token], finish, stop_token)
             if stop is not None:
                 finish, stop_reason = "stop", stop
             if params.logprobs is not None:

@@ -35,18 +35,21 @@ class OutputText:
         self.emitted = 0
         self.num_tokens = 0
 
-    def add(self, token_ids: Sequence[int], finish_reason: str | None) -> tuple[str, str | None]:
+    def add(self, token_ids: Sequence[int], finish_reason: str | None,
+            stop_token: bool = False) -> tuple[str, str | None]:
         """Append one output's tokens; `finish_reason` is the engine's if they end the
-        request. Returns the text to hand back now and the stop string that ends the
-        request with them (None if none). A token that ends the request as EOS or a stop
-        token id is not checked against the stop strings (the engine's reason comes first)."""
+        request, `stop_token` whether the last one ended it as EOS or a stop token id.
+        Returns the text to hand back now and the stop string that ends the request with
+        them (None if none). A stop token adds no text (vLLM's rule, so special-token text
+        kept with skip_special_tokens=False does not end in EOS) and is not matched
+        against the stop strings."""
         stop = None
         last = len(token_ids) - 1
         for i, token in enumerate(token_ids):
-            self.text += self._detok.add(token)
             self.num_tokens += 1
-            if i == last and finish_reason == "stop":
+            if i == last and stop_token:
                 break
+            self.text += self._detok.add(token)
             stop = self._find_stop()
             if stop is not None:
                 break

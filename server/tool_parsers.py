@@ -1,0 +1,156 @@
+"""Tool-call parsers: a model's own tool-call format, read out of its output text.
+
+`--tool-call-parser NAME` picks one; with it, `tool_choice: "auto"` turns what the model
+writes in that format into OpenAI `tool_calls` (and the text before it into `content`).
+Formats (as the models' chat templates ask for them):
+
+- `hermes` (Hermes 2 Pro, Qwen 2.5 / 3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+  one block per call;
+- `llama3_json` (Llama 3.1 / 3.2 / 3.3): the whole output is `{"name": ..., "parameters": {...}}`
+  (optionally after `<|python_tag|>`), several separated by `;`;
+- `mistral`: `[TOOL_CALLS]` then a JSON array of `{"name", "arguments"}` (v0.3 tokenizers),
+  or `name[ARGS]{...}` per call (v11+ tokenizers; `[CALL_ID]id` may sit between).
+
+Output that does not parse as the format is content, as vLLM returns it.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import json
+import re
+
+_DECODER = json.JSONDecoder()
+
+
+@dataclasses.dataclass
+class ParsedCall:
+    name: str
+    arguments: str  # JSON text of an object
+
+
+@dataclasses.dataclass
+class Parsed:
+    content: str | None  # text before the calls (None when there is none)
+    calls: list[ParsedCall]
+
+
+def _call(obj, args_keys=("arguments", "parameters")) -> ParsedCall:
+    """A {"name", "arguments"} object as a call; ValueError when it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        raise ValueError("a tool call needs a name")
+    args = next((obj[k] for k in args_keys if k in obj), {})
+    if isinstance(args, str):  # some models write the arguments as JSON text
+        args = json.loads(args)
+    if not isinstance(args, dict):
+        raise ValueError("tool call arguments must be an object")
+    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _content(text: str) -> str | None:
+    return text if text.strip() else None
+
+
+class ToolParser(abc.ABC):
+    """Finds where a model's tool calls start in its output, and parses them."""
+
+    name: str
+    markers: tuple[str, ...]  # text that starts the tool calls
+
+    def start(self, text: str) -> int | None:
+        """Where tool calls begin in `text` (None if not in it yet)."""
+        found = [i for m in self.markers if (i := text.find(m)) >= 0]
+        return min(found) if found else None
+
+    def may_start_at(self, text: str) -> int:
+        """Where text that could still become a marker begins (len(text) if nowhere):
+        text from there is held back while streaming content."""
+        for i in range(max(0, len(text) - max(map(len, self.markers)) + 1), len(text)):
+            if any(m.startswith(text[i:]) for m in self.markers):
+                return i
+        return len(text)
+
+    def parse(self, text: str) -> Parsed:
+        start = self.start(text)
+        if start is None:
+            return Parsed(_content(text), [])
+        try:
+            calls = self._calls(text[start:])
+        except (ValueError, KeyError, TypeError):
+            return Parsed(_content(text), [])
+        return Parsed(_content(text[:start]), calls) if calls else Parsed(_content(text), [])
+
+    @abc.abstractmethod
+    def _calls(self, text: str) -> list[ParsedCall]:
+        """The calls in `text`, which starts where `start` said; ValueError if malformed."""
+
+
+class HermesParser(ToolParser):
+    name = "hermes"
+    markers = ("<tool_call>",)
+    _block = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+    def _calls(self, text: str) -> list[ParsedCall]:
+        return [_call(json.loads(body)) for body in self._block.findall(text) if body.strip()]
+
+
+class Llama3JsonParser(ToolParser):
+    name = "llama3_json"
+    markers = ("<|python_tag|>", "{")
+
+    def start(self, text: str) -> int | None:
+        stripped = text.lstrip()
+        if stripped.startswith(self.markers):  # the whole output is the calls
+            return len(text) - len(stripped)
+        return None
+
+    def may_start_at(self, text: str) -> int:
+        stripped = text.lstrip()
+        if not stripped or any(m.startswith(stripped) for m in self.markers):
+            return 0  # nothing but whitespace yet, or the start of a marker
+        return len(text)
+
+    def _calls(self, text: str) -> list[ParsedCall]:
+        text = text.removeprefix("<|python_tag|>")
+        calls, i = [], 0
+        while i < len(text):
+            while i < len(text) and text[i] in " \t\r\n;":
+                i += 1
+            if i == len(text):
+                break
+            obj, i = _DECODER.raw_decode(text, i)
+            calls.append(_call(obj))
+        return calls
+
+
+class MistralParser(ToolParser):
+    name = "mistral"
+    markers = ("[TOOL_CALLS]",)
+    _name = re.compile(r"([^\[{\s]+)\s*(?:\[CALL_ID\]\s*\S+?\s*)?(?:\[ARGS\])?\s*(?=\{)")
+
+    def _calls(self, text: str) -> list[ParsedCall]:
+        calls = []
+        for part in text.split("[TOOL_CALLS]")[1:]:
+            part = part.strip()
+            if part.startswith("["):  # v0.3: a JSON array of calls
+                array, _ = _DECODER.raw_decode(part)
+                calls += [_call(obj) for obj in array]
+                continue
+            # v11+: name[ARGS]{...}, maybe name[CALL_ID]id[ARGS]{...}
+            match = self._name.match(part)
+            if match is None:
+                raise ValueError("no tool name")
+            args, _ = _DECODER.raw_decode(part, match.end())
+            calls.append(_call({"name": match.group(1), "arguments": args}))
+        return calls
+
+
+PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser,
+                                                            MistralParser)}
+
+
+def get_parser(name: str) -> ToolParser:
+    if name not in PARSERS:
+        raise ValueError(f"--tool-call-parser {name!r}: choose one of {', '.join(PARSERS)}")
+    return PARSERS[name]()

@@ -1,0 +1,109 @@
+"""Tool-call parsers on outputs written the way each model family writes its calls (the
+formats their chat templates ask for), and the streaming of calls: the deltas of a choice
+fed piece by piece add up to the message parsed from its whole text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from server import tool_calling
+from server.tool_parsers import get_parser
+
+WEATHER = '{"city": "Paris", "unit": "celsius"}'
+
+CASES = [
+    # (parser, output, content, [(name, arguments)])
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": ' + WEATHER + '}\n</tool_call>',
+     None, [("get_weather", WEATHER)]),
+    ("hermes", 'Let me check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+     '"Paris"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n'
+     '</tool_call>',
+     "Let me check both.\n", [("get_weather", '{"city": "Paris"}'),
+                              ("get_time", '{"tz": "CET"}')]),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',  # cut short
+     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', []),
+    ("hermes", "The weather is fine.", "The weather is fine.", []),
+    ("llama3_json", '{"name": "get_weather", "parameters": ' + WEATHER + '}',
+     None, [("get_weather", WEATHER)]),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+     '{"name": "get_time", "parameters": {"tz": "CET"}}',
+     None, [("get_weather", '{"city": "Oslo"}'), ("get_time", '{"tz": "CET"}')]),
+    ("llama3_json", 'It is sunny in {"city": "Paris"}', 'It is sunny in {"city": "Paris"}', []),
+    ("llama3_json", '{"name": "get_weather", "parameters": "{\\"city\\": \\"Rome\\"}"}',
+     None, [("get_weather", '{"city": "Rome"}')]),  # arguments as JSON text
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": ' + WEATHER + '}]',
+     None, [("get_weather", WEATHER)]),
+    ("mistral", 'Sure. [TOOL_CALLS]get_weather[ARGS]{"city": "Lyon"}[TOOL_CALLS]get_time'
+     '[ARGS]{"tz": "CET"}', "Sure. ", [("get_weather", '{"city": "Lyon"}'),
+                                       ("get_time", '{"tz": "CET"}')]),
+    ("mistral", '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Nice"}',
+     None, [("get_weather", '{"city": "Nice"}')]),
+    ("mistral", '[TOOL_CALLS]get_weather{"city": "Metz"}',  # [ARGS] decoded away
+     None, [("get_weather", '{"city": "Metz"}')]),
+]
+
+
+@pytest.mark.parametrize("name, text, content, calls", CASES)
+def test_parsers_read_recorded_outputs(name, text, content, calls):
+    parsed = get_parser(name).parse(text)
+    assert parsed.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
+        (n, json.loads(a)) for n, a in calls]
+
+
+@pytest.mark.parametrize("name, text, content, calls", CASES)
+@pytest.mark.parametrize("piece", [1, 3, 7])
+def test_streamed_calls_add_up_to_the_message(name, text, content, calls, piece):
+    plan = tool_calling.ToolPlan("auto", parser=get_parser(name))
+    stream = tool_calling.ToolStream(plan)
+    deltas = []
+    for i in range(0, len(text), piece):
+        deltas += stream.feed(text[i:i + piece])
+    deltas += stream.finish()
+    streamed = "".join(d.get("content", "") for d in deltas)
+    got = [c["function"] for d in deltas for c in d.get("tool_calls", [])]
+    want_content, want_calls = tool_calling.message(plan, text)
+    assert streamed == (want_content or "")
+    assert [(f["name"], json.loads(f["arguments"])) for f in got] == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in want_calls]
+    assert stream.num_calls == len(calls)
+    assert [d["tool_calls"][0]["index"] for d in deltas if "tool_calls" in d] == list(
+        range(len(calls)))
+
+
+def test_content_that_might_open_a_call_is_held_back():
+    stream = tool_calling.ToolStream(tool_calling.ToolPlan("auto", parser=get_parser("hermes")))
+    assert stream.feed("Hello <tool") == [{"content": "Hello "}]
+    assert stream.feed("box> there") == [{"content": "<toolbox> there"}]
+    assert stream.finish() == []
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+         {"type": "function", "function": {"name": "get_time"}}]
+
+
+@pytest.mark.parametrize("tools, choice, parser, problem", [
+    (None, "required", None, "needs tools"),
+    (TOOLS, "auto", None, "--tool-call-parser"),
+    (None, {"type": "function", "function": {"name": "x"}}, None, "needs tools"),
+    (TOOLS, {"type": "function", "function": {"name": "nope"}}, None, "not in tools"),
+])
+def test_bad_tool_choices(tools, choice, parser, problem):
+    with pytest.raises(tool_calling.ToolChoiceError, match=problem):
+        tool_calling.plan(tools, choice, None, parser)
+
+
+def test_plans():
+    assert tool_calling.plan(TOOLS, "none", None, None) is None
+    assert tool_calling.plan(None, None, None, None) is None
+    assert tool_calling.plan(TOOLS, None, None, get_parser("hermes")).mode == "auto"
+    required = tool_calling.plan(TOOLS, "required", False, None)
+    assert required.schema["maxItems"] == 1
+    assert [b["properties"]["name"]["const"] for b in required.schema["items"]["anyOf"]] == [
+        "get_weather", "get_time"]
+    named = tool_calling.plan(TOOLS, {"type": "function", "function": {"name": "get_time"}},
+                              None, None)
+    assert named.schema == {"type": "object", "properties": {}}
