@@ -302,6 +302,13 @@ def build_parser() -> argparse.ArgumentParser:
     cgen.add_argument("--temperature", type=float, default=0.0)
     cgen.add_argument("--seed", type=int, default=None)
     cgen.add_argument("--stream", action="store_true", help="print text as it arrives")
+    shape = cgen.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="JSON_OR_FILE",
+                       help="hold the output to this JSON Schema (docs/structured_output.md)")
+    shape.add_argument("--json-object", action="store_true", help="any JSON object")
+    shape.add_argument("--regex", help="the whole output matches this regular expression")
+    shape.add_argument("--choice", action="append", help="one of these (repeat for several)")
+    shape.add_argument("--grammar", metavar="TEXT_OR_FILE", help="a Lark or GBNF grammar")
     cchat = csub.add_parser("chat", help="chat interactively (the model's chat template), "
                                          "streaming each reply; an empty line or EOF ends")
     cchat.add_argument("--system", default=None, help="a system message to start with")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import grpc
 from google.protobuf import json_format
@@ -158,6 +160,25 @@ def chat(client: Client, args: argparse.Namespace, lines, out) -> list[dict]:
         messages.append({"role": "assistant", "content": reply})
 
 
+def _text_or_file(value: str) -> str:
+    return Path(value).read_text() if os.path.isfile(value) else value
+
+
+def structured_outputs(args: argparse.Namespace) -> pb.StructuredOutputs | None:
+    """The output constraint `jaxserve client generate` was given, if any."""
+    if args.json_schema:
+        return pb.StructuredOutputs(json_schema=_text_or_file(args.json_schema))
+    if args.json_object:
+        return pb.StructuredOutputs(json_object=True)
+    if args.regex:
+        return pb.StructuredOutputs(regex=args.regex)
+    if args.choice:
+        return pb.StructuredOutputs(choice=pb.Choices(choices=args.choice))
+    if args.grammar:
+        return pb.StructuredOutputs(grammar=_text_or_file(args.grammar))
+    return None
+
+
 def run_cli(args: argparse.Namespace) -> int:
     client = Client(args.target, args.api_key, args.tls_ca)
     try:
@@ -165,6 +186,9 @@ def run_cli(args: argparse.Namespace) -> int:
             sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature)
             if args.seed is not None:
                 sampling["seed"] = args.seed
+            constraint = structured_outputs(args)
+            if constraint is not None:
+                sampling["structured_outputs"] = constraint
             text = ""
             for msg in client.generate(args.prompt, **sampling):
                 if msg.HasField("chunk"):

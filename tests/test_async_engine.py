@@ -164,3 +164,76 @@ def test_failures_in_a_row_stop_the_loop(llm, prompts):
     # The engine itself is intact: the offline API still runs it.
     engine.fail_step(error)
     assert llm.generate([prompts[0]], GREEDY)[0].outputs[0].finish_reason == "length"
+
+
+def test_a_failed_step_is_internal_over_grpc_and_500_over_http(llm, prompts):
+    """The servers' mapping of a failed step, on the real server stack in this process:
+    gRPC INTERNAL with the exception, HTTP 500 (and an error event mid-stream), and both
+    serve the next request."""
+    import grpc
+    import httpx
+
+    from server.app import SERVER_OPTIONS
+    from server.http_server import HTTPServer
+    from server.metrics import Metrics
+    from server.client import AsyncClient
+    from server.protos.jaxserve.v1 import inference_pb2_grpc as pb_grpc
+    from server.servicer import InferenceServicer
+    from server.undecodable import add_servicer
+
+    engine = llm.engine
+
+    async def main():
+        async_engine = AsyncEngine(engine, metrics=Metrics(engine, "m"))
+        http = HTTPServer(async_engine, "m", async_engine.metrics, max_body_bytes=2**20)
+        http.ready = True
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        add_servicer(pb_grpc.add_InferenceServicer_to_server,
+                     InferenceServicer(async_engine, "m", {}), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        async_engine.start()
+        grpc_client = AsyncClient(f"127.0.0.1:{port}")
+        web = httpx.AsyncClient(transport=httpx.ASGITransport(app=http.app),
+                                base_url="http://test")
+        results = {}
+        try:
+            body = {"prompt": prompts[1], "max_tokens": 8, "ignore_eos": True}
+
+            async def ok():  # a good step between faults (3 failed steps in a row stop all)
+                after = await web.post("/v1/completions", json=body)
+                results.setdefault("after", []).append(
+                    after.status_code == 200 and after.json()["usage"]["completion_tokens"])
+
+            inject(engine, 1, consume_kv_cache=False)
+            results["http"] = await web.post("/v1/completions", json=body)
+            await ok()
+            inject(engine, 1, consume_kv_cache=False)
+            results["sse"] = (await web.post("/v1/completions",
+                                             json={**body, "stream": True})).text
+            await ok()
+            inject(engine, 1, consume_kv_cache=False)
+            try:
+                async for _ in grpc_client.generate(prompts[1], max_tokens=8, timeout=60):
+                    pass
+            except grpc.aio.AioRpcError as e:
+                results["grpc"] = (e.code(), e.details())
+            results["grpc_after"] = [m async for m in grpc_client.generate(
+                prompts[1], max_tokens=8, ignore_eos=True, timeout=60)][-1].complete.finish_reason
+        finally:
+            await web.aclose()
+            await grpc_client.close()
+            await server.stop(None)
+            async_engine.stop()
+        return results
+
+    r = asyncio.run(main())
+    assert r["http"].status_code == 500 and "injected device fault" in r["http"].text
+    assert r["http"].json()["error"]["type"] == "internal_error"
+    assert '"error"' in r["sse"] and "injected device fault" in r["sse"]
+    assert r["sse"].rstrip().endswith("data: [DONE]")
+    assert r["grpc"][0] == grpc.StatusCode.INTERNAL and "injected device fault" in r["grpc"][1]
+    assert r["after"] == [8, 8]
+    assert r["grpc_after"] == "length"
+    assert not engine.has_unfinished() and engine.scheduler.num_used_pages == 0
+    engine.detokenize = True

@@ -8,6 +8,7 @@ server NOT_SERVING with a clear log (not hang), and a clean SIGTERM stops both.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from jaxserve import LLM, SamplingParams
 from serverproc import ENGINE, ENGINE_FLAGS, free_port, wait_serving
 from server.client import Client
+from server.protos.jaxserve.v1 import inference_pb2 as pb
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[5, 9, 200, 31, 17, 8, 99], [44, 45, 46, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
@@ -70,6 +72,11 @@ def test_two_processes_serve_one_model(checkpoints, tmp_path, mesh):
     leader, follower, target = start_job(path, tmp_path, mesh)
     try:
         client = Client(target)
+        assert greedy(client) == want
+        # A grammar mask goes to every process's devices (a collective both join).
+        _, text, done = client.complete(PROMPTS[0], max_tokens=16, structured_outputs=(
+            pb.StructuredOutputs(regex="[a-z]{2,4}-[0-9]")))
+        assert done.finish_reason == "stop" and re.fullmatch("[a-z]{2,4}-[0-9]", text)
         assert greedy(client) == want
         status = client.status()
         assert status.kv_pages_used == 0 and status.steps > 0

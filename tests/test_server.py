@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import re
 import signal
 import time
@@ -236,6 +237,22 @@ def test_structured_output_over_grpc(server, client, prompts):
     for (ids, text, done), pattern in zip(results, [regex, regex, "left|right"]):
         assert done.finish_reason == "stop" and re.fullmatch(pattern, text), (text, done)
     assert results[3][2].finish_reason == "length"
+
+
+def test_client_cli_generates_under_a_constraint(server, capsys, tmp_path):
+    from jaxserve.cli import main
+
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, '
+                      '"maximum": 9}}, "required": ["n"], "additionalProperties": false}')
+    regex = "[a-z]{3}-[0-9]"
+    for flags, check in [(["--regex", regex], lambda t: re.fullmatch(regex, t)),
+                         (["--choice", "yes", "--choice", "no"], lambda t: t in ("yes", "no")),
+                         (["--json-schema", str(schema)], lambda t: 0 <= json.loads(t)["n"] <= 9)]:
+        assert main(["client", "generate", "--target", server[0], "--prompt", "Hi",
+                     "--max-tokens", "30", *flags]) == 0
+        text = capsys.readouterr().out.split("\n")[0]
+        assert check(text), (flags, text)
 
 
 def test_chat_messages_equal_offline_chat(server, client):

@@ -162,3 +162,21 @@ def test_a_grammar_that_cannot_finish_ends_with_length(llm, prompts):
                             structured_outputs=StructuredOutputsParams(regex=r"[a-z]{10}"))
     out = llm.generate([prompts[0]], params)[0].outputs[0]
     assert out.finish_reason == "length" and re.fullmatch(r"[a-z]{5}", out.text)
+
+
+def test_eos_is_allowed_exactly_where_the_grammar_may_end(llm):
+    engine, tokenizer = llm.engine, llm.get_tokenizer()
+    (eos,) = engine.eos_token_ids
+    matcher = engine.grammars.matcher(StructuredOutputsParams(regex="ab(cd)?"))
+
+    def allowed() -> set[str]:
+        mask = engine._masks.fill([(matcher, 0)], 1, engine.model_config.vocab_size)[0]
+        ids = [t for t in range(engine.model_config.vocab_size) if mask[t // 32] >> (t % 32) & 1]
+        return {"EOS" if t == eos else tokenizer.decode([t]) for t in ids}
+
+    steps = []
+    for text in ["", "a", "b", "c", "d"]:
+        for t in tokenizer.encode(text, add_special_tokens=False):
+            assert matcher.consume_token(t)
+        steps.append(allowed() if not matcher.is_stopped() else "done")
+    assert steps == [{"a"}, {"b"}, {"c", "EOS"}, {"d"}, "done"]

@@ -55,4 +55,9 @@ def follow(engine) -> None:
         if command == STEP:
             key = BucketKey(t, s, bool(history))
             batch = multihost_utils.broadcast_one_to_all(engine.builder.empty(key))
+            if (batch.sampling.grammar_mask == -1).all():
+                # No grammar: use the mask kept on the device, as process 0 does. Putting
+                # a host array on the global devices is itself a collective (jax checks
+                # every process passes the same), which process 0 would not join.
+                batch.sampling.grammar_mask = engine.builder.open_mask(key.seqs)
             engine.runner.dispatch(batch, key)
