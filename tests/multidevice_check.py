@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.sampling_params import StructuredOutputsParams
 from jaxserve.config import ModelConfig
 from jaxserve.engine.batch import BucketKey
 from jaxserve.loading.converted import convert
@@ -65,14 +66,24 @@ def main(model_dir: str, out_path: str) -> None:
     rng = np.random.default_rng(1234)
     prompts = [rng.integers(3, 320, size=n).tolist() for n in (5, 17, 30, 43)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
+    # Grammar masks on a sharded step: a regex, a JSON Schema, and a free request beside.
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    constrained = [SamplingParams(temperature=t, seed=3, max_tokens=24,
+                                  structured_outputs=StructuredOutputsParams(**c))
+                   for t, c in [(0.0, {"regex": "[a-z]{3,9}-[0-9]{2}"}), (0.0, {"json": schema}),
+                                (0.8, {"regex": "[a-z]{3,9}-[0-9]{2}"})]]
+    constrained.append(SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     results = {}
     for mesh, strategy, extra, suffix in RUNS:
         llm = LLM(model_dir, mesh=mesh, sharding=strategy, **ENGINE, **extra)
         outs = llm.generate(prompts, params)
+        shaped = llm.generate(prompts, constrained)
         runner = llm.engine.runner
         hlo = runner.compiled(BucketKey(64, 4, False)).as_text()
         results[json.dumps(mesh) + suffix] = {
             "tokens": [o.outputs[0].token_ids for o in outs],
+            "constrained": [o.outputs[0].text for o in shaped],
             "logprobs": [[{str(t): e.logprob for t, e in lp.items()} for lp in o.outputs[0].logprobs]
                          for o in outs],
             "all_gather_shapes": all_gather_shapes(hlo),

@@ -249,7 +249,7 @@ def test_client_cli_generates_under_a_constraint(server, capsys, tmp_path):
     for flags, check in [(["--regex", regex], lambda t: re.fullmatch(regex, t)),
                          (["--choice", "yes", "--choice", "no"], lambda t: t in ("yes", "no")),
                          (["--json-schema", str(schema)], lambda t: 0 <= json.loads(t)["n"] <= 9)]:
-        assert main(["client", "generate", "--target", server[0], "--prompt", "Hi",
+        assert main(["client", "--target", server[0], "generate", "--prompt", "Hi",
                      "--max-tokens", "30", *flags]) == 0
         text = capsys.readouterr().out.split("\n")[0]
         assert check(text), (flags, text)

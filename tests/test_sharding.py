@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -56,8 +57,18 @@ def test_converted_checkpoint_keeps_one_copy_per_kv_head(runs):
     assert runs['converted {"model": 8}']["tokens"] == want
 
 
+def test_constrained_outputs_hold_on_one_device(runs):
+    """The reference the sharded runs must equal keeps to its constraints."""
+    regex, as_json, sampled, free = runs["null"]["constrained"]
+    assert re.fullmatch("[a-z]{3,9}-[0-9]{2}", regex) and re.fullmatch("[a-z]{3,9}-[0-9]{2}",
+                                                                       sampled)
+    assert set(json.loads(as_json)) == {"n"} and json.loads(as_json)["n"] <= 99
+    assert not re.fullmatch("[a-z]{3,9}-[0-9]{2}", free)
+
+
 def compare_runs(one, tp):
     assert tp["tokens"] == one["tokens"]
+    assert tp["constrained"] == one["constrained"]  # grammar masks on the sharded step
     # float32 logprobs: sharded matmuls sum in a different order; 1e-4 as in test_parity.
     for seq_one, seq_tp in zip(one["logprobs"], tp["logprobs"]):
         for step_one, step_tp in zip(seq_one, seq_tp):
