@@ -35,11 +35,6 @@ from jaxserve.sampling_params import StructuredOutputsParams
 GRAMMAR_CACHE_SIZE = 256
 
 
-def mask_width(vocab_size: int) -> int:
-    """int32 words per row of a token bitmask."""
-    return (vocab_size + 31) // 32
-
-
 def grammar_source(c: StructuredOutputsParams) -> str:
     """llguidance's grammar for a constraint (not yet checked)."""
     if c.json is not None or c.json_object:
@@ -99,7 +94,6 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
         self._args = (tokenizer, vocab_size, tuple(eos_token_ids))
-        self.vocab_size = vocab_size
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
 
