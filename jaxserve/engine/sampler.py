@@ -1,7 +1,7 @@
 """Sampling on device, batched, with per-request parameters as arrays.
 
 Order (as vLLM): grammar mask → logit bias → penalties → (greedy argmax | temperature →
-top-k → top-p → min-p → draw). Each sequence draws with its own key,
+top-k → top-p → min-p → draw by inverse CDF). Each sequence draws with its own key,
 `fold_in(key(seed), output index)`, so a seeded request gets the same tokens whatever else
 shares its batch. Logprobs are those of the model's distribution as the grammar mask leaves
 it (before bias, penalties and filters), computed only when a sequence of the batch asks
@@ -121,9 +121,13 @@ def filter_logits(logits: jax.Array, p: SamplingArrays) -> jax.Array:
 
     needs_sort = jnp.any((p.top_k > 0) & (p.top_k < v)) | jnp.any(p.top_p < 1.0)
     logits = jax.lax.cond(needs_sort, top_k_top_p, lambda x: x, logits)
-    probs = jax.nn.softmax(logits, axis=-1)
-    floor = p.min_p[:, None] * probs.max(axis=-1, keepdims=True)
-    return jnp.where(probs >= floor, logits, _NEG_INF)
+
+    def min_p(logits):
+        probs = jax.nn.softmax(logits, axis=-1)
+        floor = p.min_p[:, None] * probs.max(axis=-1, keepdims=True)
+        return jnp.where(probs >= floor, logits, _NEG_INF)
+
+    return jax.lax.cond(jnp.any(p.min_p > 0), min_p, lambda x: x, logits)
 
 
 def sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | None) -> SampleOutput:
@@ -138,8 +142,13 @@ def sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | Non
         temp = jnp.where(p.temperature > 0, p.temperature, 1.0)
         scaled = filter_logits(logits / temp[:, None], p)
         keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(p.seed, p.output_index)
-        gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[1],)))(keys)
-        drawn = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+        # Inverse CDF: the first token whose cumulative probability passes the row's one
+        # uniform draw. Gumbel noise per token (argmax of logits + noise) picks from the same
+        # distribution but costs 64 x 49k random numbers a step: ~6x the time on a CPU.
+        u = jnp.maximum(jax.vmap(jax.random.uniform)(keys), jnp.finfo(jnp.float32).tiny)
+        cdf = jnp.cumsum(jnp.exp(scaled - scaled.max(axis=-1, keepdims=True)), axis=-1)
+        drawn = jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1).astype(jnp.int32)
+        drawn = jnp.minimum(drawn, logits.shape[1] - 1)
         return jnp.where(p.temperature > 0, drawn, greedy_ids)
 
     token_ids = jax.lax.cond(jnp.any(p.temperature > 0), draw, lambda _: greedy_ids, logits)
