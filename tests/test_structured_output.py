@@ -180,3 +180,49 @@ def test_eos_is_allowed_exactly_where_the_grammar_may_end(llm):
             assert matcher.consume_token(t)
         steps.append(allowed() if not matcher.is_stopped() else "done")
     assert steps == [{"a"}, {"b"}, {"c", "EOS"}, {"d"}, "done"]
+
+
+def _allowed(compiler, constraint, text: str, tokenizer, vocab: int) -> list[list[int]]:
+    """The allowed ids before each token of `text`, walking its tokens."""
+    from jaxserve.engine.structured_output import MaskFiller
+
+    matcher, masks = compiler.matcher(constraint), []
+    for t in tokenizer.encode(text, add_special_tokens=False) + [None]:
+        row = MaskFiller().fill([(matcher, 0)], 1, vocab)[0]
+        masks.append([i for i in range(vocab) if row[i // 32] >> (i % 32) & 1])
+        if t is not None:
+            assert matcher.consume_token(t), (text, t)
+    return masks
+
+
+def test_token_bytes_give_llguidance_what_tokenizer_json_does(llm, tmp_path):
+    """Where llguidance cannot read tokenizer.json (the demo model's Fuse decoder) it gets
+    each token's bytes instead. On the byte-level test tokenizer, which it reads, the bytes
+    path gives the same masks at every token of a schema's document (non-ASCII included);
+    on the demo model's, a choice allows exactly its first letters."""
+    from jaxserve.demo import _write_char_tokenizer
+    from jaxserve.engine.structured_output import GrammarCompiler
+    from jaxserve.loading.tokenizer import Tokenizer
+
+    tokenizer, vocab = llm.get_tokenizer(), llm.engine.model_config.vocab_size
+    eos = llm.engine.eos_token_ids
+    from_json = GrammarCompiler(tokenizer, vocab, eos)
+    from_bytes = GrammarCompiler(tokenizer, vocab, eos)
+    from_bytes._tokenizer  # built before the JSON is hidden from it
+    tokenizer.tokenizer_json, real = (lambda: None), tokenizer.tokenizer_json
+    try:
+        from_bytes.__dict__.pop("_tokenizer")
+        from_bytes._tokenizer
+    finally:
+        tokenizer.tokenizer_json = real
+    document = '{"name": "Zoë ☃", "age": 7, "ok": true, "tags": ["a"]}'
+    constraint = StructuredOutputsParams(json=SCHEMA)
+    assert (_allowed(from_bytes, constraint, document, tokenizer, vocab)
+            == _allowed(from_json, constraint, document, tokenizer, vocab))
+
+    _write_char_tokenizer(tmp_path)
+    demo = Tokenizer.from_pretrained(tmp_path)
+    compiler = GrammarCompiler(demo, demo.vocab_size, [1])
+    first = _allowed(compiler, StructuredOutputsParams(choice=["yes", "no"]), "", demo,
+                     demo.vocab_size)[0]
+    assert sorted(demo.decode([t]) for t in first) == ["n", "y"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -30,6 +31,8 @@ import numpy as np
 
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.sampling_params import StructuredOutputsParams
+
+log = logging.getLogger(__name__)
 
 # Compiled constraints kept (least recently used dropped first).
 GRAMMAR_CACHE_SIZE = 256
@@ -62,23 +65,31 @@ def grammar_source(c: StructuredOutputsParams) -> str:
 def _llg_tokenizer(tokenizer: Tokenizer, vocab_size: int,
                    eos_token_ids: Sequence[int]) -> llguidance.LLTokenizer:
     """The vocabulary as llguidance sees it, padded to the model's logits width (ids past
-    the tokenizer are never allowed)."""
+    the tokenizer are never allowed): tokenizer.json read by llguidance itself, or, where
+    it cannot read one (a decoder it does not know, e.g. the demo model's Fuse) or there
+    is none (sentencepiece), every token's bytes."""
     eos = list(eos_token_ids)
-    vocabulary = tokenizer.grammar_vocabulary()
-    if isinstance(vocabulary, str):  # tokenizer.json: llguidance reads it itself
-        return llguidance.LLTokenizer(vocabulary, n_vocab=vocab_size, eos_token=eos)
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenBytes(tokenizer, vocabulary)),
-                                  n_vocab=vocab_size, eos_token=eos)
+    hf_json = tokenizer.tokenizer_json()
+    if hf_json is not None:
+        try:
+            return llguidance.LLTokenizer(hf_json, n_vocab=vocab_size, eos_token=eos)
+        except Exception as e:  # noqa: BLE001 - the Rust side raises what it likes
+            log.info("llguidance cannot read tokenizer.json (%s); giving it token bytes", e)
+    wrapper = _TokenBytes(tokenizer, tokenizer.token_bytes(), vocab_size)
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(wrapper), eos_token=eos)
 
 
 class _TokenBytes:
-    """What llguidance.TokenizerWrapper reads from a tokenizer it cannot load itself."""
+    """What llguidance.TokenizerWrapper reads from a tokenizer it cannot load itself: the
+    tokens' bytes, padded to the model's logits width with empty special tokens (never
+    allowed)."""
 
-    def __init__(self, tokenizer: Tokenizer, tokens: list[bytes]):
+    def __init__(self, tokenizer: Tokenizer, tokens: list[bytes], vocab_size: int):
         self.eos_token_id = tokenizer.eos_token_id
         self.bos_token_id = tokenizer.bos_token_id
-        self.tokens = tokens
-        self.special_token_ids = sorted(tokenizer.all_special_ids)
+        self.tokens = tokens + [b""] * (vocab_size - len(tokens))
+        self.special_token_ids = sorted(tokenizer.all_special_ids
+                                        | set(range(len(tokens), vocab_size)))
         self._tokenizer = tokenizer
 
     def __call__(self, text: str) -> list[int]:

@@ -67,9 +67,22 @@ class _Backend(Protocol):
     def id_to_token(self, token_id: int) -> str | None: ...
     def token_to_id(self, token: str) -> int | None: ...
     def mark_special(self, tokens: Iterable[str]) -> None: ...
-    def grammar_vocabulary(self) -> str | list[bytes]: ...
+    def tokenizer_json(self) -> str | None: ...
+    def token_bytes(self) -> list[bytes]: ...
     def set_bos_eos(self, bos_id: int | None, eos_id: int | None,
                     add_bos: bool | None, add_eos: bool | None) -> None: ...
+
+
+def _gpt2_byte_table() -> dict[int, str]:
+    """Byte-level BPE's byte -> printable character table (GPT-2's bytes_to_unicode)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
 
 
 class _HFBackend:
@@ -112,9 +125,26 @@ class _HFBackend:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def grammar_vocabulary(self) -> str:
+    def tokenizer_json(self) -> str:
         """tokenizer.json itself (as loaded): grammar engines read it whole."""
         return self._tok.to_str()
+
+    def token_bytes(self) -> list[bytes]:
+        """Each token's bytes: <0xNN> is that byte, a token that decodes to whole
+        characters is their UTF-8, and a byte-level token that does not (part of a
+        character) maps back through GPT-2's byte table."""
+        byte_of = {c: b for b, c in _gpt2_byte_table().items()}
+        out = []
+        for i in range(self.vocab_size):
+            token = self._tok.id_to_token(i) or ""
+            text = self._tok.decode([i], skip_special_tokens=False)
+            if match := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", token):
+                out.append(bytes([int(match.group(1), 16)]))
+            elif "\ufffd" in text and token and all(c in byte_of for c in token):
+                out.append(bytes(byte_of[c] for c in token))
+            else:
+                out.append(text.encode())
+        return out
 
     def mark_special(self, tokens: Iterable[str]) -> None:
         """Flags named special tokens (from tokenizer_config.json) that the file did not.
@@ -193,7 +223,10 @@ class _SentencePieceBackend:
     def id_to_token(self, token_id: int) -> str | None:
         return self._sp.id_to_piece(token_id) if 0 <= token_id < self._size else None
 
-    def grammar_vocabulary(self) -> list[bytes]:
+    def tokenizer_json(self) -> None:
+        return None
+
+    def token_bytes(self) -> list[bytes]:
         """Each token's bytes: "▁" is a space, <0xNN> pieces are that byte, control and
         unknown pieces stand for nothing."""
         out = []
@@ -362,10 +395,13 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._backend.encode(text, add_special_tokens)
 
-    def grammar_vocabulary(self) -> str | list[bytes]:
-        """What a grammar engine needs to know each token's bytes: tokenizer.json's text,
-        or (sentencepiece) the bytes of every token."""
-        return self._backend.grammar_vocabulary()
+    def tokenizer_json(self) -> str | None:
+        """tokenizer.json's text (None for a sentencepiece model), for grammar engines."""
+        return self._backend.tokenizer_json()
+
+    def token_bytes(self) -> list[bytes]:
+        """The bytes each token id stands for (special tokens: their text)."""
+        return self._backend.token_bytes()
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if skip_special_tokens:
