@@ -20,6 +20,7 @@ sentencepiece BPE vocabulary trained on local text, so tokens are real text piec
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.metadata
 import json
@@ -153,11 +154,11 @@ def device_mask_cost(llm: LLM, num_seqs: int) -> tuple[float, float]:
     logits = jax.random.normal(jax.random.key(0), (s, vocab), jnp.float32)
     arrays = jax.tree.map(jnp.asarray, batch.sampling)
     arrays.temperature = jnp.full(s, 0.8, jnp.float32)
-    masked = jax.tree.map(lambda x: x, arrays)
+    masked = dataclasses.replace(arrays)
     masked.grammar_mask = jnp.asarray(
         np.random.default_rng(0).integers(-2**31, 2**31, arrays.grammar_mask.shape,
                                           dtype=np.int64).astype(np.int32))
-    fn = jax.jit(sample, static_argnums=())
+    fn = jax.jit(sample)
     times = {}
     for name, a in (("open", arrays), ("masked", masked)):
         jax.block_until_ready(fn(logits, a, None))

@@ -380,12 +380,11 @@ class AsyncEngine:
         if tokenizer is None or not out.new_token_ids:
             return out
         if stream.text is None:
-            stream.text = OutputText(tokenizer, stream.prompt_token_ids, stream.params)
-        last = out.new_token_ids[-1]
-        stop_token = out.finish_reason == "stop" and (
-            last == out.stop_reason or last in self.engine.eos_token_ids)
+            stream.text = OutputText(tokenizer, stream.prompt_token_ids, stream.params,
+                                     self.engine.eos_token_ids)
         new_text, stop = stream.text.add(out.new_token_ids,
-                                         out.finish_reason if out.finished else None, stop_token)
+                                         out.finish_reason if out.finished else None,
+                                         out.stop_reason)
         if out.new_logprobs:
             stream.text.decode_logprobs(out.new_logprobs)
         if stop is None:

@@ -191,7 +191,7 @@ class Engine:
         grammar = (self.grammars.matcher(params.structured_outputs)
                    if params.structured_outputs is not None else None)
         seq = Sequence(request_id, token_ids, params=params, priority=priority)
-        text = (OutputText(self.tokenizer, token_ids, params)
+        text = (OutputText(self.tokenizer, token_ids, params, self.eos_token_ids)
                 if self.detokenize and self.tokenizer is not None else None)
         self._requests[request_id] = Request(seq, min(params.max_tokens or room, room), text,
                                              grammar)
@@ -341,7 +341,6 @@ class Engine:
                      f"{req.grammar.get_error()}")
         else:
             finish, stop_reason = self._check_stop(req, token, num_outputs=index + 1)
-        stop_token = finish == "stop"  # EOS or a stop token id
         if req.grammar is not None and finish is None and req.grammar.is_stopped():
             finish = "stop"  # the grammar is complete and allows nothing more
         elif req.grammar is not None and finish == "length" and not req.grammar.is_accepting():
@@ -349,7 +348,7 @@ class Engine:
                      "is incomplete", seq.request_id)
         new_text = ""
         if req.text is not None:
-            new_text, stop = req.text.add([token], finish, stop_token)
+            new_text, stop = req.text.add([token], finish, stop_reason)
             if stop is not None:
                 finish, stop_reason = "stop", stop
             if params.logprobs is not None:

@@ -25,9 +25,10 @@ class OutputText:
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
-                 params: SamplingParams):
+                 params: SamplingParams, eos_token_ids: Sequence[int]):
         self._tokenizer = tokenizer
         self._params = params
+        self._eos = frozenset(eos_token_ids)
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids,
                                              params.skip_special_tokens)
         self._hold = max(map(len, params.stop), default=1) - 1
@@ -36,13 +37,15 @@ class OutputText:
         self.num_tokens = 0
 
     def add(self, token_ids: Sequence[int], finish_reason: str | None,
-            stop_token: bool = False) -> tuple[str, str | None]:
-        """Append one output's tokens; `finish_reason` is the engine's if they end the
-        request, `stop_token` whether the last one ended it as EOS or a stop token id.
-        Returns the text to hand back now and the stop string that ends the request with
-        them (None if none). A stop token adds no text (vLLM's rule, so special-token text
-        kept with skip_special_tokens=False does not end in EOS) and is not matched
-        against the stop strings."""
+            stop_reason: str | int | None = None) -> tuple[str, str | None]:
+        """Append one output's tokens; `finish_reason` and `stop_reason` are the engine's
+        if they end the request. Returns the text to hand back now and the stop string
+        that ends the request with them (None if none). A last token that ended it as EOS
+        or a stop token id adds no text (vLLM's rule, so special-token text kept with
+        skip_special_tokens=False does not end in EOS) and is not matched against the
+        stop strings."""
+        stop_token = finish_reason == "stop" and bool(token_ids) and (
+            token_ids[-1] == stop_reason or token_ids[-1] in self._eos)
         stop = None
         last = len(token_ids) - 1
         for i, token in enumerate(token_ids):
