@@ -164,8 +164,8 @@ class SamplingParams:
 
     @property
     def needs_history(self) -> bool:
-        """Its next step needs every token it has so far on the host: with async
-        scheduling, its previous step is collected before the next is scheduled."""
+        """Its sampling needs every token it has so far on the host (penalties, a grammar
+        mask): its steps are sampled apart, after the step before is collected."""
         return self.uses_penalties or self.structured_outputs is not None
 
     @property

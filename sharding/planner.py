@@ -35,7 +35,7 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, ModelConfig, ModelOptions
 from jaxserve.engine.batch import BatchBuilder, BucketKey
-from jaxserve.engine.runner import abstract_kv_cache, jit_step, kv_page_bytes, pages_per_seq
+from jaxserve.engine.runner import abstract_kv_cache, jit_programs, kv_page_bytes, pages_per_seq
 from jaxserve.loading.safetensors import abstract_model
 from sharding.mesh import make_mesh
 from sharding.rules import ShardingContext, model_sharding
@@ -88,7 +88,7 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
     replicated = shard.sharding(())
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
                          builder.empty(key))
-    fn = jit_step(graphdef, params, jax.tree.map(lambda x: x.sharding, caches), shard)
+    fn = jit_programs(graphdef, params, jax.tree.map(lambda x: x.sharding, caches), shard).step
     sampled = jax.ShapeDtypeStruct((engine.max_num_seqs,), jnp.int32, sharding=replicated)
     with _no_persistent_cache(), jax.default_device(devices[0]):
         return fn.lower(jax.tree.leaves(params), caches, batch, sampled).compile()

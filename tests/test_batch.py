@@ -98,8 +98,11 @@ def test_placeholder_reads_the_in_flight_steps_row():
 
 def test_penalties_carry_the_history():
     a = seq("a", [5, 6, 7], pages=[1], outputs=[8], repetition_penalty=1.2)
-    batch, key = builder().build(scheduled((a, 3, 1)))
+    out = scheduled((a, 3, 1))
+    batch, key = builder().build(out)
     assert key == BucketKey(1, 1, True)
+    a.output_token_ids.append(PLACEHOLDER)  # as the engine does once the step is dispatched
+    BatchBuilder.fill_history(batch, out)
     assert batch.history.tokens[0, :4].tolist() == [5, 6, 7, 8]
     assert batch.history.prompt_lens[0] == 3
 

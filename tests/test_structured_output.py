@@ -6,6 +6,7 @@ test_sampler.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -14,6 +15,7 @@ import lark
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.engine import engine as engine_module
 from jaxserve.sampling_params import StructuredOutputsParams
 
 SCHEMA = {
@@ -126,6 +128,38 @@ def _parses_as_anything(text: str) -> bool:
         return True
     except ValueError:
         return bool(re.fullmatch(REGEX, text))
+
+
+def test_masks_are_filled_while_the_forward_pass_runs(llm, prompts, monkeypatch):
+    """With async scheduling a constrained step starts its forward pass before the step
+    before it is collected; the host then collects, fills the masks and starts the
+    sampling (issue: the mask is made while the device runs). Greedy outputs are those
+    of the engine without async scheduling, where each step is collected first."""
+    engine, events = llm.engine, []
+    for name in ("dispatch", "dispatch_forward", "dispatch_sample"):
+        method = getattr(engine.runner, name)
+        monkeypatch.setattr(engine.runner, name, lambda *a, _m=method, _n=name:
+                            events.append(_n) or _m(*a))
+    fill = engine._masks.fill
+    monkeypatch.setattr(engine._masks, "fill", lambda *a: events.append("mask") or fill(*a))
+    fetch = engine_module.fetch
+    monkeypatch.setattr(engine_module, "fetch", lambda out: events.append("collect") or fetch(out))
+    params = [SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=c)
+              for c in (CONSTRAINTS["regex"], CONSTRAINTS["json"])]
+    params.append(SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    overlapped = llm.generate(prompts[:3], params)
+    # Each constrained step after the first: forward N, collect N-1, masks, sample N.
+    steps = [c.split() for c in " ".join(events).split("dispatch_forward")[1:]]
+    masked = [c for c in steps[1:] if "mask" in c]
+    assert len(masked) >= 10 and all(c[:3] == ["collect", "mask", "dispatch_sample"]
+                                     for c in masked), events
+    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config,
+                                                              async_scheduling=False))
+    serial = llm.generate(prompts[:3], params)
+    assert [o.outputs[0].token_ids for o in overlapped] == [o.outputs[0].token_ids
+                                                            for o in serial]
+    check("regex", overlapped[0].outputs[0].text)
+    check("json", overlapped[1].outputs[0].text)
 
 
 def test_masks_need_no_new_program(llm):

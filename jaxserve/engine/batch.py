@@ -3,7 +3,7 @@
 Only T (tokens) varies, over a few buckets; a batch of T tokens has room for
 S = min(T, max_num_seqs) sequences, so the number of compiled programs is finite.
 Penalties need every sequence's token history, so batches that use them carry a
-`TokenHistory` and compile as a separate variant.
+`TokenHistory` (filled by `fill_history`) and sample with a separate program.
 
 With D data-parallel shards every array is D equal blocks (T/D tokens, S/D sequences
 each), block d holding the sequences placed in shard d, with token offsets, slots and
@@ -109,15 +109,21 @@ class BatchBuilder:
             batch.attn.kv_lens[i] = start + n
             batch.attn.page_indices[i, :len(pages)] = pages
             self._fill_sampling(batch.sampling, i, seq.params, seq)
-            if history:
-                tokens_so_far = seq.token_ids
-                batch.history.tokens[i, :len(tokens_so_far)] = tokens_so_far
-                batch.history.prompt_lens[i] = seq.num_prompt_tokens
         for data_shard in range(d):
             block = data_shard * (shard_s + 1)
             cu[block + counts[data_shard] + 1:block + shard_s + 1] = ends[data_shard]
         batch.attn.num_seqs[:] = counts
         return batch, key
+
+    @staticmethod
+    def fill_history(batch: StepBatch, out: SchedulerOutput) -> None:
+        """Each sequence's tokens up to the last one it feeds the step, for penalties: call
+        it once they are all on the host (the newest may have been a PLACEHOLDER at
+        `build`: the engine samples such a step apart, after the step before is in)."""
+        for sched in out.scheduled:
+            tokens = sched.seq.token_ids[:sched.start + sched.num_new_tokens]
+            batch.history.tokens[sched.row, :len(tokens)] = tokens
+            batch.history.prompt_lens[sched.row] = sched.seq.num_prompt_tokens
 
     def _fill_sampling(self, a: SamplingArrays, i: int, p: SamplingParams, seq) -> None:
         a.temperature[i] = p.temperature

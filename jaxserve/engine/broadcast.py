@@ -22,7 +22,9 @@ from jaxserve.engine.batch import BucketKey, StepBatch
 
 log = logging.getLogger(__name__)
 
-STOP, STEP, PING = 0, 1, 2
+# STEP runs a whole step; a step sampled apart is FORWARD, then SAMPLE with the same batch
+# (its sampling arrays filled in between: ModelRunner.dispatch_forward / dispatch_sample).
+STOP, STEP, PING, FORWARD, SAMPLE = range(5)
 PING_INTERVAL_S = 1.0
 
 
@@ -33,8 +35,8 @@ def _header(command: int, key: BucketKey = BucketKey(0, 0, False)) -> np.ndarray
 class StepBroadcaster:
     """Process 0's side: tells the followers what to run (ModelRunner.dispatch calls send)."""
 
-    def send(self, batch: StepBatch, key: BucketKey) -> None:
-        multihost_utils.broadcast_one_to_all(_header(STEP, key))
+    def send(self, command: int, batch: StepBatch, key: BucketKey) -> None:
+        multihost_utils.broadcast_one_to_all(_header(command, key))
         multihost_utils.broadcast_one_to_all(batch)
 
     def ping(self) -> None:
@@ -52,12 +54,9 @@ def follow(engine) -> None:
         if command == STOP:
             log.info("process 0 said stop")
             return
-        if command == STEP:
+        if command in (STEP, FORWARD, SAMPLE):
             key = BucketKey(t, s, bool(history))
             batch = multihost_utils.broadcast_one_to_all(engine.builder.empty(key))
-            if (batch.sampling.grammar_mask == -1).all():
-                # No grammar: use the mask kept on the device, as process 0 does. Putting
-                # a host array on the global devices is itself a collective (jax checks
-                # every process passes the same), which process 0 would not join.
-                batch.sampling.grammar_mask = engine.builder.open_mask(key.seqs)
-            engine.runner.dispatch(batch, key)
+            run = {STEP: engine.runner.dispatch, FORWARD: engine.runner.dispatch_forward,
+                   SAMPLE: engine.runner.dispatch_sample}[command]
+            run(batch, key)

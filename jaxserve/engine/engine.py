@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import compile_cache
-from jaxserve.engine.batch import BatchBuilder
+from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.output_text import OutputText
 from jaxserve.engine.request import PLACEHOLDER, Request, Sequence
 from jaxserve.engine.runner import ModelRunner, fetch, kv_page_bytes, pages_per_seq, pool_size
@@ -44,10 +44,13 @@ MIN_LOGPROB = -9999.0
 @dataclasses.dataclass
 class InFlightStep:
     """A dispatched step: what it computes (each scheduled seq with its row in the
-    outputs) and its sampled outputs, still on the device."""
+    outputs) and its sampled outputs, still on the device. A step sampled apart has
+    `out` None between its forward pass and its sampling (`batch` and `key` wait for it)."""
 
     schedule: SchedulerOutput
-    out: SampleOutput
+    out: SampleOutput | None
+    batch: StepBatch | None = None
+    key: BucketKey | None = None
 
     @property
     def sampling(self) -> list[ScheduledSeq]:
@@ -245,22 +248,24 @@ class Engine:
              detokenize and check stops, while the device runs step N.
         Step N cannot see step N-1's tokens on the host: its batch marks them to be read
         from N-1's outputs on the device (PLACEHOLDER tokens, `StepBatch.prev_index`). So
-        the device always has the next step queued while the host works. A step whose
-        requests use penalties needs their whole history, so its previous step is
-        collected before it is scheduled; so is one whose requests have a grammar (their
-        masks follow from every token). Without async scheduling each call dispatches a
-        step and collects it at once.
+        the device always has the next step queued while the host works.
+        A step whose requests use penalties or a grammar needs every token so far on the
+        host to sample (the history; the grammar mask): it is sampled apart. Phase 1
+        starts only its forward pass; after phase 2 the host fills the histories and masks
+        and starts the sampling, so that work overlaps the forward pass on the device.
+        Without async scheduling each call collects the step before it first.
         """
         prev, self._inflight = self._inflight, None
         outputs = []
-        if prev is not None and (not self.config.async_scheduling
-                                 or any(s.seq.params.needs_history for s in prev.sampling)):
+        if prev is not None and not self.config.async_scheduling:
             outputs, prev = self._collect(prev), None
         step = self._dispatch(prev)
         if prev is not None:
             outputs += self._collect(prev)
         if step is None:
             return outputs
+        if step.out is None:
+            self._dispatch_sample(step)
         # Step N's pages are full of known tokens now that N-1's samples are in.
         self.scheduler.cache_pages(step.schedule)
         if self.config.async_scheduling:
@@ -291,26 +296,40 @@ class Engine:
         return outputs
 
     def _dispatch(self, prev: InFlightStep | None) -> InFlightStep | None:
-        """Schedule the next step, build its batch and start it; None if nothing to run.
+        """Schedule the next step, build its batch and start it (only its forward pass
+        when it is sampled apart); None if nothing to run.
 
         Its sampling seqs get a PLACEHOLDER for the token it will sample."""
         schedule = self.scheduler.schedule()
         if schedule.is_empty:
             return None
         batch, key = self.builder.build(schedule, prev.pending_rows() if prev else None)
-        constrained = [(req.grammar, s.row) for s in schedule.scheduled if s.samples
-                       and (req := self._requests.get(s.seq.request_id)) is not None
-                       and req.grammar is not None]
-        if constrained:
-            batch.sampling.grammar_mask = self._masks.fill(constrained, key.seqs,
-                                                           self.model_config.vocab_size)
         if prev is not None:
             self.num_overlapped_steps += not _is_ready(prev.out)
-        step = InFlightStep(schedule, self.runner.dispatch(batch, key))
+        if any(s.seq.params.needs_history for s in schedule.scheduled if s.samples):
+            self.runner.dispatch_forward(batch, key)
+            step = InFlightStep(schedule, None, batch, key)
+        else:
+            step = InFlightStep(schedule, self.runner.dispatch(batch, key))
         self.num_steps += 1
         for s in step.sampling:
             s.seq.output_token_ids.append(PLACEHOLDER)
         return step
+
+    def _dispatch_sample(self, step: InFlightStep) -> None:
+        """Sample a step sampled apart, now that every token before it is on the host:
+        fill its histories (penalties) and its grammar masks, then start the sampling."""
+        batch, key = step.batch, step.key
+        if key.history:
+            self.builder.fill_history(batch, step.schedule)
+        constrained = [(req.grammar, s.row) for s in step.sampling
+                       if (req := self._requests.get(s.seq.request_id)) is not None
+                       and req.seq is s.seq and req.grammar is not None]
+        if constrained:
+            batch.sampling.grammar_mask = self._masks.fill(constrained, key.seqs,
+                                                           self.model_config.vocab_size)
+        step.out = self.runner.dispatch_sample(batch, key)
+        step.batch = None
 
     def _collect(self, step: InFlightStep) -> list[StepOutput]:
         """Wait for a dispatched step; hand its tokens to the requests still running."""

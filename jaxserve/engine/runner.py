@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +15,9 @@ from tqdm import tqdm
 
 from jaxserve.config import ModelConfig
 from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
+from jaxserve.engine.broadcast import FORWARD, SAMPLE, STEP
 from jaxserve.engine.compile_cache import counting_hits
-from jaxserve.engine.sampler import SampleOutput, sample
+from jaxserve.engine.sampler import SampleOutput, SamplingArrays, TokenHistory, sample
 from jaxserve.models.parallel import KV_CACHE_AXES
 from jaxserve.models.transformer import KVCache, kv_cache_layout
 from sharding.rules import ShardingContext
@@ -24,13 +27,14 @@ log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_GIB = 1.0
 
 
-def step(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch: StepBatch,
-         prev_tokens: jax.Array) -> tuple[KVCache, SampleOutput, jax.Array]:
-    """One forward pass over a ragged batch, then sampling at each sequence's last token.
+def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch: StepBatch,
+            prev_tokens: jax.Array) -> tuple[KVCache, jax.Array]:
+    """One forward pass over a ragged batch: float32 logits `[S, vocab]` at each sequence's
+    last token.
 
     `prev_tokens[max_num_seqs]` are the previous step's sampled tokens, still on the
     device: tokens with `batch.prev_index >= 0` take their id from there, so the host can
-    schedule this step before it has seen them. Returns this step's, padded the same way.
+    schedule this step before it has seen them.
     """
     model = nnx.merge(graphdef, params)
     input_ids = jnp.where(batch.prev_index >= 0,
@@ -39,8 +43,23 @@ def step(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch: S
     data_shards = batch.attn.num_seqs.shape[0]
     logits = model.logits(last_tokens(hidden, batch.attn.cu_q_lens, data_shards),
                           rows=batch.attn.num_seqs[0] if data_shards == 1 else None)
-    out = sample(logits, batch.sampling, batch.history)
-    return kv_caches, out, prev_tokens.at[: out.token_ids.shape[0]].set(out.token_ids)
+    return kv_caches, logits
+
+
+def sample_step(logits: jax.Array, sampling: SamplingArrays, history: TokenHistory | None,
+                prev_tokens: jax.Array) -> tuple[SampleOutput, jax.Array]:
+    """Sample one token per row; returns them also written into `prev_tokens` (padded to
+    max_num_seqs), where the next step reads its PLACEHOLDER tokens."""
+    out = sample(logits, sampling, history)
+    return out, prev_tokens.at[: out.token_ids.shape[0]].set(out.token_ids)
+
+
+def step(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch: StepBatch,
+         prev_tokens: jax.Array) -> tuple[KVCache, SampleOutput, jax.Array]:
+    """`forward` then `sample_step`, as one program (the step of every batch whose sampling
+    needs nothing the host learns from the step before: see `Engine.step`)."""
+    kv_caches, logits = forward(graphdef, params, kv_caches, batch, prev_tokens)
+    return kv_caches, *sample_step(logits, batch.sampling, batch.history, prev_tokens)
 
 
 def last_tokens(hidden: jax.Array, cu_q_lens: jax.Array, data_shards: int) -> jax.Array:
@@ -52,22 +71,39 @@ def last_tokens(hidden: jax.Array, cu_q_lens: jax.Array, data_shards: int) -> ja
     return jnp.take_along_axis(blocks, last[:, :, None], axis=1).reshape(-1, hidden.shape[-1])
 
 
-def jit_step(graphdef: nnx.GraphDef, params, cache_shardings, shard: ShardingContext):
-    """The step, jitted with fixed layouts in and out (params and KV cache as given, batch
-    and outputs replicated), so the donated cache and params never reshard. It takes the
-    parameters as their flat list of leaves (`jax.tree.leaves(params)`; `params` may be
-    abstract): flattening an nnx.State on every call costs the host ~1 µs per parameter."""
+class StepPrograms(NamedTuple):
+    """The jitted programs: the whole `step`, and its two halves for a step whose sampling
+    waits for the host (`forward`, then `sample_step`)."""
+
+    step: Callable
+    forward: Callable
+    sample: Callable
+
+
+def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings,
+                 shard: ShardingContext) -> StepPrograms:
+    """The programs, jitted with fixed layouts in and out (params and KV cache as given,
+    logits as the model leaves them, batch and samples replicated), so the donated cache
+    and params never reshard. They take the parameters as their flat list of leaves
+    (`jax.tree.leaves(params)`; `params` may be abstract): flattening an nnx.State on every
+    call costs the host ~1 µs per parameter."""
     treedef = jax.tree.structure(params)
+    param_shardings = [x.sharding for x in jax.tree.leaves(params)]
     replicated = shard.sharding(())
+    logits_sharding = shard.sharding(("seqs", "vocab"))
 
-    def run(param_leaves, kv_caches, batch, prev_tokens):
-        return step(graphdef, jax.tree.unflatten(treedef, param_leaves), kv_caches, batch,
-                    prev_tokens)
+    def run(fn):
+        return lambda leaves, *args: fn(graphdef, jax.tree.unflatten(treedef, leaves), *args)
 
-    return jax.jit(run, donate_argnums=(1,),
-                   in_shardings=([x.sharding for x in jax.tree.leaves(params)], cache_shardings,
-                                 replicated, replicated),
-                   out_shardings=(cache_shardings, replicated, replicated))
+    inputs = (param_shardings, cache_shardings, replicated, replicated)
+    return StepPrograms(
+        step=jax.jit(run(step), donate_argnums=(1,), in_shardings=inputs,
+                     out_shardings=(cache_shardings, replicated, replicated)),
+        forward=jax.jit(run(forward), donate_argnums=(1,), in_shardings=inputs,
+                        out_shardings=(cache_shardings, logits_sharding)),
+        sample=jax.jit(sample_step, in_shardings=(logits_sharding, replicated, replicated,
+                                                  replicated),
+                       out_shardings=(replicated, replicated)))
 
 
 def kv_page_bytes(cfg: ModelConfig, page_size: int, kv_dtype,
@@ -110,7 +146,8 @@ def pool_size(page_bytes: int, pages_needed: int, memory_gib: float | None,
 
 
 class ModelRunner:
-    """Owns params and KV cache on device; runs the step for one bucket-padded batch."""
+    """Owns params and KV cache on device; runs the step for one bucket-padded batch,
+    whole (`dispatch`) or in two halves (`dispatch_forward`, then `dispatch_sample`)."""
 
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, shard: ShardingContext,
                  builder: BatchBuilder, cfg: ModelConfig, kv_dtype, broadcaster=None):
@@ -122,9 +159,11 @@ class ModelRunner:
                                      builder.page_size, kv_dtype, shard)
         self._abstract_kv = abstract
         self.kv_caches: KVCache = self._zero_kv_caches()
-        self._jitted = jit_step(graphdef, params, jax.tree.map(lambda x: x.sharding, abstract),
-                                shard)
-        self._ready: set[BucketKey] = set()  # buckets compiled into the jitted step
+        self._programs = jit_programs(graphdef, params,
+                                      jax.tree.map(lambda x: x.sharding, abstract), shard)
+        # Programs compiled, by (program, shape): ("step", T, S), ("forward", T, S),
+        # ("sample", S, history).
+        self._ready: set[tuple] = set()
         self.warmed_up = False
         self.compiles_after_warmup = 0
         self.programs_from_cache = 0
@@ -132,8 +171,9 @@ class ModelRunner:
         self.broadcaster = broadcaster
         replicated = shard.sharding(())
         self._open_masks: dict[int, jax.Array] = {}  # BatchBuilder.open_mask, on the device
-        # The last step's sampled tokens, on the device (see `step`).
+        # The last step's sampled tokens, on the device (see `forward`).
         self.sampled = jax.device_put(np.zeros(builder.max_num_seqs, np.int32), replicated)
+        self._logits: jax.Array | None = None  # from dispatch_forward, for dispatch_sample
 
     def _zero_kv_caches(self) -> KVCache:
         zeros = lambda x: jax.jit(lambda: jnp.zeros(x.shape, x.dtype),  # noqa: E731
@@ -143,6 +183,7 @@ class ModelRunner:
     def recover(self) -> bool:
         """After a failed step: if it consumed the donated KV cache (or the last samples),
         make new ones. Returns whether the KV cache was lost (every page's content)."""
+        self._logits = None
         lost = any(x.is_deleted() for layer in self.kv_caches for x in layer)
         if lost:
             self.kv_caches = self._zero_kv_caches()
@@ -151,59 +192,115 @@ class ModelRunner:
                                           self.shard.sharding(()))
         return lost
 
+    @staticmethod
+    def programs(key: BucketKey) -> list[tuple]:
+        """The programs a bucket's steps run: a batch with penalties (`key.history`) is
+        always sampled apart; one without may be either way (grammars)."""
+        split = [("forward", key.tokens, key.seqs), ("sample", key.seqs, key.history)]
+        return split if key.history else [("step", key.tokens, key.seqs), *split]
+
     def warmup(self, progress: bool = True) -> None:
-        """Compile every bucket now, so nothing compiles while serving. Each is compiled by
-        running the step once on an all-padding batch (which writes and samples nothing a
-        request sees), so later calls take jit's fast dispatch path. The progress bar
-        counts the programs read from the persistent compilation cache."""
-        keys = [k for k in self.builder.all_buckets() if k not in self._ready]
-        bar = tqdm(keys, desc="compiling step buckets", disable=not progress or not keys,
-                   unit="bucket")
+        """Compile every program of every bucket now, so nothing compiles while serving.
+        Each is compiled by running it once on an all-padding batch (which writes and
+        samples nothing a request sees), so later calls take jit's fast dispatch path. The
+        progress bar counts the programs read from the persistent compilation cache."""
+        todo, seen = [], set(self._ready)
+        for key in self.builder.all_buckets():
+            for program in self.programs(key):
+                if program not in seen:
+                    seen.add(program)
+                    todo.append((key, program))
+        bar = tqdm(todo, desc="compiling step programs", unit="program",
+                   disable=not progress or not todo)
         with counting_hits() as hits:
-            for key in bar:
-                self._run(self.builder.empty(key))
-                self._ready.add(key)
+            for key, program in bar:
+                batch = self.builder.empty(key)
+                if program[0] == "step":
+                    self._run(batch)
+                elif program[0] == "forward":
+                    self._forward(batch)
+                else:
+                    self._logits = jax.device_put(
+                        np.zeros((key.seqs, self.builder.vocab_size), np.float32),
+                        self.shard.sharding(("seqs", "vocab")))
+                    self._sample(batch)
+                self._ready.add(program)
                 bar.set_postfix_str(f"{hits[0]} from cache")
         jax.block_until_ready(self.sampled)
         self.programs_from_cache = hits[0]
-        if keys:
+        if todo:
             log.info("step programs: %d compiled, %d read from the compilation cache",
-                     len(keys) - hits[0], hits[0])
+                     len(todo) - hits[0], hits[0])
         self.warmed_up = True
 
-    def dispatch(self, batch: StepBatch, key: BucketKey) -> SampleOutput:
-        """Start the step and return its outputs as device arrays, without waiting.
-
-        Placeholder tokens of the batch read the previous dispatched step's samples."""
-        if key not in self._ready:
+    def _check_compiled(self, program: tuple) -> None:
+        if program not in self._ready:
             if self.warmed_up:
                 self.compiles_after_warmup += 1
-                log.warning("compiling bucket %s after warm-up: a bucket is missing", key)
-            self._ready.add(key)
+                log.warning("compiling %s after warm-up: a bucket is missing", program)
+            self._ready.add(program)
+
+    def dispatch(self, batch: StepBatch, key: BucketKey) -> SampleOutput:
+        """Start the whole step and return its outputs as device arrays, without waiting.
+
+        Placeholder tokens of the batch read the previous dispatched step's samples."""
+        self._check_compiled(("step", key.tokens, key.seqs))
         if self.broadcaster is not None:
-            self.broadcaster.send(batch, key)
+            self.broadcaster.send(STEP, batch, key)
         return self._run(batch)
+
+    def dispatch_forward(self, batch: StepBatch, key: BucketKey) -> None:
+        """Start the step's forward pass; its logits wait on the device for
+        `dispatch_sample`, which must come next (after any host work)."""
+        self._check_compiled(("forward", key.tokens, key.seqs))
+        if self.broadcaster is not None:
+            self.broadcaster.send(FORWARD, batch, key)
+        self._forward(batch)
+
+    def dispatch_sample(self, batch: StepBatch, key: BucketKey) -> SampleOutput:
+        """Sample from the last `dispatch_forward`'s logits with the batch's sampling
+        arrays and history (filled since)."""
+        self._check_compiled(("sample", key.seqs, key.history))
+        if self.broadcaster is not None:
+            self.broadcaster.send(SAMPLE, batch, key)
+        return self._sample(batch)
 
     def _run(self, batch: StepBatch) -> SampleOutput:
         batch.sampling.grammar_mask = self._grammar_mask(batch.sampling.grammar_mask)
-        self.kv_caches, out, self.sampled = self._jitted(self._param_leaves, self.kv_caches,
-                                                         batch, self.sampled)
+        self.kv_caches, out, self.sampled = self._programs.step(
+            self._param_leaves, self.kv_caches, batch, self.sampled)
+        return out
+
+    def _forward(self, batch: StepBatch) -> None:
+        inputs = dataclasses.replace(batch, sampling=None, history=None)
+        self.kv_caches, self._logits = self._programs.forward(
+            self._param_leaves, self.kv_caches, inputs, self.sampled)
+
+    def _sample(self, batch: StepBatch) -> SampleOutput:
+        logits, self._logits = self._logits, None
+        batch.sampling.grammar_mask = self._grammar_mask(batch.sampling.grammar_mask)
+        out, self.sampled = self._programs.sample(logits, batch.sampling, batch.history,
+                                                  self.sampled)
         return out
 
     def _grammar_mask(self, mask: np.ndarray) -> jax.Array:
-        """The batch's grammar mask on the device; without grammars, one kept there (no
-        transfer). Always a device array, as at warm-up: a numpy array in its place
-        would miss jit's fast dispatch path (~30 ms a step for this model on a CPU)."""
-        if mask is not self.builder.open_mask(mask.shape[0]):
+        """The batch's grammar mask on the device; one that allows everything is the copy
+        kept there (no transfer). Always a device array, as at warm-up: a numpy array in
+        its place would miss jit's fast dispatch path (~30 ms a step for this model on a
+        CPU). On several hosts every process decides alike (they see the same mask):
+        putting a host array on the global devices is itself a collective."""
+        if mask is not self.builder.open_mask(mask.shape[0]) and not (mask == -1).all():
             return jax.device_put(mask, self.shard.sharding(()))
         if mask.shape[0] not in self._open_masks:
-            self._open_masks[mask.shape[0]] = jax.device_put(mask, self.shard.sharding(()))
+            self._open_masks[mask.shape[0]] = jax.device_put(
+                self.builder.open_mask(mask.shape[0]), self.shard.sharding(()))
         return self._open_masks[mask.shape[0]]
 
     def compiled(self, key: BucketKey) -> jax.stages.Compiled:
-        """The compiled program of a bucket, for reading its HLO (compiles it again)."""
-        return self._jitted.lower(self._param_leaves, self.kv_caches, self.builder.empty(key),
-                                  self.sampled).compile()
+        """The compiled whole-step program of a bucket, for reading its HLO (compiles it
+        again)."""
+        return self._programs.step.lower(self._param_leaves, self.kv_caches,
+                                         self.builder.empty(key), self.sampled).compile()
 
     @property
     def num_compiled(self) -> int:
