@@ -9,7 +9,8 @@ import numpy as np
 from llguidance.numpy import apply_token_bitmask_inplace
 
 from jaxserve.engine.sampler import (SamplingArrays, TokenHistory, apply_grammar_mask,
-                                     apply_penalties, filter_logits, sample)
+                                     apply_penalties, filter_logits, first_argmax, inverse_cdf,
+                                     sample)
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 
 
@@ -63,6 +64,45 @@ def test_temperature_sampling_follows_softmax():
     # The same draws against the untempered softmax must be rejected (the test has power).
     wrong = n * np.exp(logits) / np.exp(logits).sum()
     assert ((counts - wrong) ** 2 / wrong).sum() > 100
+
+
+def test_two_level_argmax_is_numpys_first_index_of_the_maximum():
+    """Across block edges (128 tokens), a vocabulary that is not a multiple of the block,
+    ties (the first wins, as np.argmax), -inf everywhere but one token."""
+    rng = np.random.default_rng(7)
+    v = 300
+    logits = rng.integers(-3, 3, size=(8, v)).astype(np.float32)  # many ties
+    logits[1, :] = -np.inf
+    logits[1, 299] = 0.0  # in the padded last block
+    logits[2, [127, 128]] = 9.0  # a tie across a block edge
+    logits[3, :] = -np.inf
+    logits[3, [5, 256]] = [-1.0, 2.0]
+    got = np.asarray(jax.jit(first_argmax)(jnp.asarray(logits)))
+    np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
+    assert got[2] == 127
+
+
+def test_inverse_cdf_draws_by_weight_and_never_a_zero_weight_token():
+    """Chi-square of 6000 draws over 300 tokens (3 blocks, the last padded) whose weight
+    sits on 8 tokens at block edges (0, 127, 128, 255, 256, 299 ...): df=7, 0.1% level
+    24.32; every draw has positive weight; uniform weights over the 8 are rejected."""
+    n, v = 6000, 300
+    support = np.array([0, 1, 127, 128, 200, 255, 256, 299])
+    w = np.zeros(v, np.float32)
+    w[support] = [8.0, 1.0, 4.0, 2.0, 0.5, 6.0, 3.0, 5.5]
+    u = np.random.default_rng(3).uniform(size=n).astype(np.float32)
+    u = np.maximum(u, np.finfo(np.float32).tiny)
+    got = np.asarray(jax.jit(inverse_cdf)(jnp.tile(jnp.asarray(w), (n, 1)), jnp.asarray(u)))
+    assert set(got.tolist()) <= set(support.tolist())
+    counts = np.array([(got == t).sum() for t in support])
+    expected = n * w[support] / w.sum()
+    assert ((counts - expected) ** 2 / expected).sum() < 24.32, (counts, expected.round())
+    uniform = np.full(8, n / 8)
+    assert ((counts - uniform) ** 2 / uniform).sum() > 100
+    # u at the extremes picks the first and the last token of positive weight.
+    ends = jax.jit(inverse_cdf)(jnp.tile(jnp.asarray(w), (2, 1)),
+                                jnp.asarray([np.finfo(np.float32).tiny, 1.0], np.float32))
+    assert np.asarray(ends).tolist() == [0, 299]
 
 
 def test_seeded_draw_independent_of_batch():
