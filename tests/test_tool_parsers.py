@@ -5,6 +5,7 @@ fed piece by piece add up to the message parsed from its whole text."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -107,3 +108,43 @@ def test_plans():
     named = tool_calling.plan(TOOLS, {"type": "function", "function": {"name": "get_time"}},
                               None, None)
     assert named.schema == {"type": "object", "properties": {}}
+
+
+TEMPLATES = Path(__file__).parent / "chat_templates"
+
+
+@pytest.mark.parametrize("template, parser, bos, end, calls", [
+    ("qwen2.5", "hermes", "", "<|im_end|>", 2),
+    ("qwen3", "hermes", "", "<|im_end|>", 2),
+    ("llama3.1", "llama3_json", "<|begin_of_text|>", "<|eot_id|>", 1),  # one call a turn
+    ("mistral-v0.3", "mistral", "<s>", "</s>", 2),
+])
+def test_parsers_read_what_each_family_template_writes(template, parser, bos, end, calls):
+    """The model families' own chat templates (tests/chat_templates, rendered by
+    transformers) write an assistant turn with tool calls: the text between the generation
+    prompt and the end of the turn is what the model was trained to emit, and the parser
+    gives back the calls that went in."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    wanted = [("get_weather", {"location": "Paris", "unit": "celsius"}),
+              ("get_time", {"tz": "Europe/Paris"})][:calls]
+    turn = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": f"call{i}abcd", "type": "function",
+         "function": {"name": name, "arguments": arguments}}
+        for i, (name, arguments) in enumerate(wanted)]}
+    user = {"role": "user", "content": "What is the weather and the time in Paris?"}
+    source = (TEMPLATES / f"{template}.jinja").read_text()
+
+    def render(messages, **kw):
+        return render_jinja_template([messages], chat_template=source, bos_token=bos,
+                                     eos_token=end, **kw)[0][0]
+
+    prompt = render([user], add_generation_prompt=True)
+    whole = render([user, turn])
+    assert whole.startswith(prompt.rstrip())
+    output = whole[len(prompt):] if whole.startswith(prompt) else whole[len(prompt.rstrip()):]
+    output = output[:output.rindex(end)]
+    parsed = get_parser(parser).parse(output)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == wanted, output
+    # Qwen3 writes an (empty) reasoning block first: content, as there is no reasoning parser.
+    assert (parsed.content or "").strip() in ("", "<think>\n\n</think>"), output
