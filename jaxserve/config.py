@@ -16,7 +16,8 @@ import yaml
 
 from sharding.strategies import MESH_AXES, STRATEGIES
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
+                         "qwen3_moe")
 DTYPES = ("bfloat16", "float32")
 # kv_cache_dtype names and the dtype each stores ("auto": the model's dtype).
 KV_CACHE_DTYPES = {"auto": None, "int8": "int8", "fp8": "float8_e4m3fn"}
@@ -61,11 +62,27 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (jaxserve/models/moe.py); num_experts 0 = dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert; 0 = none
+    norm_topk_prob: bool = False
+    # Per layer: whether its feed-forward is the experts (else the dense MLP).
+    sparse_layers: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.layer_types:
             kind = "sliding_attention" if self.sliding_window else "full_attention"
             object.__setattr__(self, "layer_types", (kind,) * self.num_layers)
+        if not self.sparse_layers:
+            object.__setattr__(self, "sparse_layers", (self.num_experts > 0,) * self.num_layers)
+        if len(self.sparse_layers) != self.num_layers:
+            raise ValueError(f"sparse_layers has {len(self.sparse_layers)} entries for "
+                             f"{self.num_layers} layers")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
+                             f"[1, num_experts ({self.num_experts})]")
         if len(self.layer_types) != self.num_layers:
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
@@ -88,9 +105,21 @@ class ModelConfig:
             attn += e
         if self.qk_norm:
             attn += 2 * d
-        layer = attn + 3 * e * m + 2 * e
+        dense = 3 * e * m
+        shared = self.shared_expert_intermediate_size
+        # router, experts, and the shared expert with its [hidden, 1] gate
+        sparse = (self.num_experts * e * (1 + 3 * self.moe_intermediate_size)
+                  + (3 * shared + 1) * e * bool(shared))
+        layers = sum(attn + 2 * e + (sparse if s else dense) for s in self.sparse_layers)
         embed = self.vocab_size * e * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + embed + e
+        return layers + embed + e
+
+    def num_active_params(self) -> int:
+        """Parameters one token reads: the router, `num_experts_per_tok` experts and the
+        shared expert of each sparse layer (all of a dense model)."""
+        unused = (self.num_experts - self.num_experts_per_tok) * 3 * self.hidden_size * \
+            self.moe_intermediate_size
+        return self.num_params() - unused * sum(self.sparse_layers)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
@@ -108,11 +137,11 @@ class ModelConfig:
         num_layers = hf["num_hidden_layers"]
         attention_bias = bool(hf.get("attention_bias", False))
         qkv_bias, o_bias = attention_bias, attention_bias
-        if model_type == "qwen2":  # Qwen2 always has q/k/v bias and never an o_proj bias.
+        if model_type in ("qwen2", "qwen2_moe"):  # always q/k/v bias, never an o_proj bias
             qkv_bias, o_bias = True, False
         sliding_window = hf.get("sliding_window")
         layer_types = tuple(hf.get("layer_types") or ())
-        if model_type in ("qwen2", "qwen3") and not layer_types:
+        if model_type.startswith("qwen") and not layer_types:
             if hf.get("use_sliding_window"):
                 first = hf.get("max_window_layers", num_layers)
                 layer_types = tuple(
@@ -126,6 +155,7 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         rope_theta, rope_scaling = _rope_from_hf(hf)
+        moe = _moe_from_hf(hf, model_type, num_layers)
         return cls(
             model_type=model_type,
             architecture=(hf.get("architectures") or [f"{model_type.title()}ForCausalLM"])[0],
@@ -143,11 +173,12 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_window=sliding_window or None,
             layer_types=layer_types,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **moe,
         )
 
     @classmethod
@@ -161,6 +192,29 @@ class ModelConfig:
         text = path.read_text()
         data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
         return cls.from_hf(data)
+
+
+def _moe_from_hf(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json (none
+    for a dense model). Mixtral's experts are all layers' MLPs of intermediate_size, their
+    top-k weights always renormalised; the Qwen models' layer i is sparse unless it is in
+    mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step."""
+    if model_type == "mixtral":
+        return dict(num_experts=hf["num_local_experts"],
+                    num_experts_per_tok=hf["num_experts_per_tok"],
+                    moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=True)
+    if model_type not in ("qwen2_moe", "qwen3_moe"):
+        return {}
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    step = hf.get("decoder_sparse_step", 1) or 1
+    only_dense = set(hf.get("mlp_only_layers") or ())
+    sparse = tuple(experts > 0 and i not in only_dense and (i + 1) % step == 0
+                   for i in range(num_layers))
+    shared = hf.get("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
+    return dict(num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"],
+                moe_intermediate_size=hf["moe_intermediate_size"],
+                shared_expert_intermediate_size=shared or 0,
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)), sparse_layers=sparse)
 
 
 def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling]:

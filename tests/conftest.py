@@ -52,6 +52,18 @@ def _hf_config(arch: str):
     if arch == "qwen3":  # q/k RMSNorm, head_dim != hidden / heads
         return tf.Qwen3ForCausalLM, tf.Qwen3Config(
             **common, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
+    if arch == "mixtral":  # 4 experts of intermediate_size, top-2, weights renormalised
+        return tf.MixtralForCausalLM, tf.MixtralConfig(
+            **common, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    if arch == "qwen2_moe":  # shared expert with its sigmoid gate; layer 1 dense
+        return tf.Qwen2MoeForCausalLM, tf.Qwen2MoeConfig(
+            **common, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            norm_topk_prob=False, mlp_only_layers=[1], use_sliding_window=False)
+    if arch == "qwen3_moe":  # q/k norm, 8 experts, top-3 renormalised
+        return tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig(
+            **common, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=3,
+            moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=False)
     raise ValueError(arch)
 
 

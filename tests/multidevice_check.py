@@ -3,7 +3,7 @@ parallelism (alone, with TP, with TP+SP) and with our Pallas kernels (interpret 
 over 8 CPU devices.
 
 Started by tests/test_sharding.py in its own process (the device count is fixed when JAX
-starts): `python tests/multidevice_check.py MODEL_DIR OUT.json`. Writes, per mesh, the
+starts): `python tests/multidevice_check.py MODEL_DIR OUT.json [MOE_MODEL_DIR]`. Writes, per mesh, the
 greedy tokens and top-5 logprobs of a batch of prompts, the collectives of the compiled
 step (all-gathered shapes next to the parameters' full shapes, all-reduce and
 reduce-scatter counts), and the shardings of q_proj and the KV cache.
@@ -61,7 +61,7 @@ def shapes_of(hlo: str, op: str) -> list[list[int]]:
             for m in re.finditer(rf"= \w+\[([\d,]*)\][^ ]* {op}(-start)?\(", hlo)]
 
 
-def main(model_dir: str, out_path: str) -> None:
+def main(model_dir: str, out_path: str, moe_dir: str | None = None) -> None:
     assert len(jax.devices()) == 8, jax.devices()
     rng = np.random.default_rng(1234)
     prompts = [rng.integers(3, 320, size=n).tolist() for n in (5, 17, 30, 43)]
@@ -112,9 +112,21 @@ def main(model_dir: str, out_path: str) -> None:
         llm = LLM(str(out), mesh=mesh, **ENGINE)
         results[f"converted {json.dumps(mesh)}"] = {
             "tokens": [o.outputs[0].token_ids for o in llm.generate(prompts, params)]}
+    if moe_dir:
+        # A mixture of experts (Qwen2-MoE: experts, a shared expert, a dense layer): its
+        # expert weights are replicated on every mesh (no expert parallelism yet).
+        for mesh, strategy in MOE_RUNS:
+            llm = LLM(moe_dir, mesh=mesh, sharding=strategy, **ENGINE)
+            results[f"moe {json.dumps(mesh)}"] = {
+                "tokens": [o.outputs[0].token_ids for o in llm.generate(prompts, params)],
+                "leaked_pages": llm.engine.scheduler.num_used_pages,
+                "compiles_after_warmup": llm.engine.runner.compiles_after_warmup}
     with open(out_path, "w") as f:
         json.dump(results, f)
 
 
+MOE_RUNS = [(None, "tp"), ({"model": 2}, "tp"), ({"model": 4}, "tp+sp"), ({"data": 2}, "dp"),
+            ({"data": 2, "model": 4}, "dp+tp")]
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)

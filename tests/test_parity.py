@@ -23,7 +23,7 @@ from jaxserve.models.transformer import AttentionMetadata, kv_cache_layout
 from sharding.mesh import make_mesh
 from sharding.rules import ShardingContext
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
 NEW_TOKENS = 32
 # Small buckets keep the number of compiled programs per engine low.
 ENGINE = dict(dtype="float32", max_model_len=128, page_size=4, max_num_seqs=4,
@@ -128,3 +128,30 @@ def test_greedy_with_prefix_cache_hits(arch, checkpoints, prompts):
     assert [o.outputs[0].token_ids for o in first + rest] == want
     assert all(o.num_cached_tokens == 24 for o in rest)
     assert llm.engine.scheduler.allocator.num_used_pages == 0
+
+
+def test_router_ties_match_transformers(tmp_path, prompts):
+    """Mixtral with expert 2 a copy of expert 1 (router row and weights): the two tie on
+    every token, so top-2 picks among tied experts and renormalises over them. Which of
+    the tied indices is picked is the implementation's (jaxserve: the lower, as
+    lax.top_k; torch.topk on a CPU: whatever std::nth_element leaves, e.g. [1, 3] of
+    [.2, .3, .3, .3, .1]), but copies give the same output either way, so logits and
+    greedy tokens must match transformers."""
+    from conftest import make_checkpoint
+
+    model = make_checkpoint("mixtral", tmp_path)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            moe = layer.mlp
+            moe.gate.weight[2] = moe.gate.weight[1]
+            moe.experts.gate_up_proj[2] = moe.experts.gate_up_proj[1]
+            moe.experts.down_proj[2] = moe.experts.down_proj[1]
+    model.save_pretrained(tmp_path)
+    ours = ragged_prompt_logits(tmp_path, prompts)
+    for prompt, got in zip(prompts, ours):
+        with torch.no_grad():
+            want = model(torch.tensor([prompt])).logits[0].numpy()
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    _, outs = _generate(tmp_path, prompts[:2])
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, NEW_TOKENS)
+                                                      for p in prompts[:2]]

@@ -109,16 +109,17 @@ def unrepeat_kv_heads(x, path: tuple, replicas: int, head_dim: int):
 
 
 def _hf_to_ours(name: str, x: np.ndarray, cfg: ModelConfig, kv_replicas: int = 1
-                ) -> tuple[tuple, np.ndarray] | None:
-    """Map a Hugging Face tensor to (our parameter path, array in our layout), k/v heads
-    repeated `kv_replicas` times."""
+                ) -> tuple[tuple, np.ndarray, int | None] | None:
+    """Map a Hugging Face tensor to (our parameter path, array in our layout, expert),
+    k/v heads repeated `kv_replicas` times. `expert` is the index of an expert's weight
+    in a stacked parameter (moe.MoE), else None."""
     e, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     if name == "model.embed_tokens.weight":
-        return ("embed",), x
+        return ("embed",), x, None
     if name == "model.norm.weight":
-        return ("norm",), x
+        return ("norm",), x, None
     if name == "lm_head.weight":
-        return (None if cfg.tie_word_embeddings else (("lm_head",), x.T))
+        return (None if cfg.tie_word_embeddings else (("lm_head",), x.T, None))
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
     if not m:
         raise ValueError(f"unexpected tensor {name!r} in checkpoint")
@@ -138,6 +139,16 @@ def _hf_to_ours(name: str, x: np.ndarray, cfg: ModelConfig, kv_replicas: int = 1
     for p, h in heads.items():
         table[f"self_attn.{p}_proj.weight"] = (("attn", f"{p}_proj"), lambda h=h: x.T.reshape(e, h, d))
         table[f"self_attn.{p}_proj.bias"] = (("attn", f"{p}_bias"), lambda h=h: x.reshape(h, d))
+    for hf_name, ours in (("block_sparse_moe.gate", "router"), ("mlp.gate", "router"),
+                          ("mlp.shared_expert.gate_proj", "shared_gate_proj"),
+                          ("mlp.shared_expert.up_proj", "shared_up_proj"),
+                          ("mlp.shared_expert.down_proj", "shared_down_proj"),
+                          ("mlp.shared_expert_gate", "shared_expert_gate")):
+        table[f"{hf_name}.weight"] = (("mlp", ours), lambda: x.T)
+    expert = re.fullmatch(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight", rest)
+    if expert and expert.group(2) in _EXPERT_WEIGHTS:
+        # One expert's [out, in] weight: row `j` of our stacked [E, in, out] parameter.
+        return ("layers", i, "mlp", _EXPERT_WEIGHTS[expert.group(2)]), x.T, int(expert.group(1))
     if rest not in table:
         raise ValueError(f"unexpected tensor {name!r} in checkpoint")
     path, convert = table[rest]
@@ -145,7 +156,27 @@ def _hf_to_ours(name: str, x: np.ndarray, cfg: ModelConfig, kv_replicas: int = 1
     array = convert()
     if is_kv_param(path):
         array = repeat_kv_heads(array, path, kv_replicas, d, xp=np)
-    return path, array
+    return path, array, None
+
+
+# Expert weight names (Mixtral's w1/w3/w2, the Qwen MoE models' own) -> moe.MoE's.
+_EXPERT_WEIGHTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj",
+                   "gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
+
+
+class _Stacked:
+    """Per-expert arrays (memory-mapped views) seen as one `[E, ...]` array, sliced per
+    device shard without stacking the whole."""
+
+    def __init__(self, parts: list[np.ndarray]):
+        self.parts = parts
+        self.shape = (len(parts), *parts[0].shape)
+        self.size = int(np.prod(self.shape))
+
+    def __getitem__(self, index: tuple) -> np.ndarray:
+        index = index if isinstance(index, tuple) else (index,)
+        first, rest = index[0], index[1:]
+        return np.stack([part[rest] for part in self.parts[first]])
 
 
 def abstract_model(cfg: ModelConfig, dtype, shard: ShardingContext,
@@ -163,6 +194,7 @@ def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype, shard: Shard
     graphdef, abstract = abstract_model(cfg, dtype, shard, options)
     expected = dict(nnx.to_flat_state(abstract))
     loaded: dict[tuple, jax.Array] = {}
+    experts: dict[tuple, dict[int, np.ndarray]] = {}  # stacked parameters being gathered
     for file in checkpoint_files(model_dir):
         for name, tensor in read_tensors(file):
             if _IGNORED.match(name):
@@ -170,10 +202,21 @@ def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype, shard: Shard
             mapped = _hf_to_ours(name, tensor, cfg, shard.rules.kv_head_replicas)
             if mapped is None:
                 continue
-            path, array = mapped
+            path, array, expert = mapped
             if path not in expected:
                 raise ValueError(f"tensor {name!r} does not fit this model config ({path})")
             var = expected[path]
+            if expert is not None:
+                parts = experts.setdefault(path, {})
+                if not 0 <= expert < var.shape[0] or array.shape != var.shape[1:]:
+                    raise ValueError(f"tensor {name!r} (shape {tuple(tensor.shape)}) does not "
+                                     f"fit this model config: {var.shape[0]} experts of "
+                                     f"{tuple(var.shape[1:])} after conversion")
+                parts[expert] = array
+                if len(parts) < var.shape[0]:
+                    continue
+                array = _Stacked([parts[j] for j in range(var.shape[0])])
+                del experts[path]
             quantized = _scales_path(path) in expected
             size = int(np.prod(var.shape)) * (2 if var.dtype == jnp.uint8 else 1)  # int4: 2/byte
             if array.size != size if quantized else tuple(array.shape) != tuple(var.shape):

@@ -1,7 +1,9 @@
-"""The decoder-only transformer of the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3).
+"""The decoder-only transformer of the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, and
+the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE).
 
 One model, driven by ModelConfig: GQA/MQA, optional q/k/v bias (Qwen2), q/k RMSNorm
-(Qwen3), sliding-window layers (Mistral), tied or untied embeddings. It runs over a flat
+(Qwen3), sliding-window layers (Mistral), tied or untied embeddings, a dense MLP or the
+experts (moe.py) per layer. It runs over a flat
 ragged batch of T tokens and a paged KV cache (layout in pallas_kernels/). The math is in
 layers.py; the matmuls and the attention go through parallel.py, which splits them over
 the mesh.
@@ -18,6 +20,7 @@ from flax import nnx
 from jaxserve.config import ModelConfig, ModelOptions
 from jaxserve.models.layers import (
     apply_rope, linear, lm_head, param, rms_norm, rope_inv_freq)
+from jaxserve.models.moe import MoE
 from jaxserve.models.parallel import (
     KV_CACHE_AXES, NEW_KV_AXES, Q_AXES, RESIDUAL_AXES, dense_group, paged_attention,
     real_tokens, row_parallel)
@@ -150,7 +153,8 @@ class Block(nnx.Module):
         self.input_norm = param(rngs, (e,), ("embed",), dtype, init="ones")
         self.attn = Attention(cfg, layer, dtype, rngs, options, kv_replicas)
         self.post_attn_norm = param(rngs, (e,), ("embed",), dtype, init="ones")
-        self.mlp = MLP(cfg, dtype, rngs, options)
+        self.mlp = (MoE(cfg, dtype, rngs, options) if cfg.sparse_layers[layer]
+                    else MLP(cfg, dtype, rngs, options))
         self.eps = cfg.rms_norm_eps
 
     def __call__(self, x, positions, kv, meta, shard, rows=None):

@@ -1,0 +1,87 @@
+"""The mixture-of-experts block against numpy: routing (softmax, top-k with ties to the
+lower index, renormalisation) and the grouped expert matmuls, with empty experts, one
+expert taking every token, and group sizes of every kind. (Parity of whole MoE models
+with transformers is in test_parity.py.)"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.models.moe import grouped_swiglu, route
+
+
+def numpy_route(x, router, k, normalize):
+    logits = x @ router
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    experts = np.argsort(-probs, axis=-1, kind="stable")[:, :k]  # ties: lower index first
+    weights = np.take_along_axis(probs, experts, -1)
+    if normalize:
+        weights /= weights.sum(-1, keepdims=True)
+    return weights, experts
+
+
+def numpy_experts(x, weights, experts, gate, up, down):
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t], experts[t]):
+            g, u = x[t] @ gate[e], x[t] @ up[e]
+            out[t] += w * ((g / (1 + np.exp(-g)) * u) @ down[e])
+    return out
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_route_ties_go_to_the_lower_expert_and_weights_renormalise(normalize):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 8)).astype(np.float32)
+    router = rng.standard_normal((8, 5)).astype(np.float32)
+    router[:, 3] = router[:, 1]  # experts 1 and 3 tie on every token
+    router[:, 4] = router[:, 1]  # and 4
+    weights, experts = jax.jit(route, static_argnums=(2, 3, 4))(
+        jnp.asarray(x), jnp.asarray(router), 2, normalize, jnp.float32)
+    want_w, want_e = numpy_route(x, router, 2, normalize)
+    np.testing.assert_array_equal(np.asarray(experts), want_e)
+    np.testing.assert_allclose(np.asarray(weights), want_w, rtol=1e-6)
+    tied = want_e[:, 0] == 1  # expert 1 on top: 3 and 4 equal it, so the second is 3
+    assert tied.any() and (want_e[tied, 1] == 3).all()
+
+
+@pytest.mark.parametrize("case", ["random", "one expert takes all", "empty experts",
+                                  "one token"])
+def test_grouped_experts_against_numpy(case):
+    rng = np.random.default_rng(1)
+    num_experts, hidden, inter, k = 6, 16, 24, 2
+    t = 1 if case == "one token" else 13
+    x = rng.standard_normal((t, hidden)).astype(np.float32)
+    gate, up = (rng.standard_normal((num_experts, hidden, inter)).astype(np.float32) * 0.3
+                for _ in range(2))
+    down = rng.standard_normal((num_experts, inter, hidden)).astype(np.float32) * 0.3
+    experts = rng.integers(0, num_experts, size=(t, k))
+    if case == "one expert takes all":
+        experts[:, 0] = 4
+        experts[:, 1] = 4  # both slots of every token on one expert
+    elif case == "empty experts":
+        experts = rng.choice([0, 5], size=(t, k))  # experts 1-4 get no token
+    weights = rng.uniform(0.1, 1.0, size=(t, k)).astype(np.float32)
+    got = jax.jit(grouped_swiglu)(*(jnp.asarray(a) for a in (x, weights, experts, gate, up, down)))
+    np.testing.assert_allclose(np.asarray(got), numpy_experts(x, weights, experts, gate, up, down),
+                               rtol=2e-5, atol=2e-5)
+
+
+def test_bf16_moe_serves_and_quantized_experts_are_refused(checkpoints, prompts):
+    """A Mixtral checkpoint in bfloat16 (router weights kept in float32, as transformers
+    does) generates; int8 weights are refused at load with what to do instead."""
+    from jaxserve import LLM, SamplingParams
+
+    path, _ = checkpoints("mixtral")
+    llm = LLM(str(path), dtype="bfloat16", max_model_len=64, page_size=4, max_num_seqs=2,
+              max_num_batched_tokens=16, token_buckets=(16,))
+    out = llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=6,
+                                                   ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in out] == [6, 6]
+    assert llm.engine.scheduler.num_used_pages == 0
+    with pytest.raises(ValueError, match="mixture-of-experts weights is not supported yet"):
+        LLM(str(path), quantization="int8", max_model_len=64, warmup=False)
