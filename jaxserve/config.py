@@ -17,7 +17,8 @@ import yaml
 from sharding.strategies import MESH_AXES, STRATEGIES
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
-                         "qwen3_moe")
+                         "qwen3_moe", "gemma2", "gemma3_text")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 DTYPES = ("bfloat16", "float32")
 # kv_cache_dtype names and the dtype each stores ("auto": the model's dtype).
 KV_CACHE_DTYPES = {"auto": None, "int8": "int8", "fp8": "float8_e4m3fn"}
@@ -62,6 +63,19 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Gemma 2 / 3: RMSNorm scaling by (1 + w), embeddings times sqrt(hidden), norms after
+    # attention and around the MLP as well ("sandwich"), softmax scale
+    # query_pre_attn_scalar ** -0.5, tanh soft-caps of attention scores and final logits,
+    # and sliding-window layers with a rope of their own.
+    hidden_act: str = "silu"
+    norm_offset: bool = False
+    scale_embeddings: bool = False
+    sandwich_norms: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    sliding_rope_theta: float | None = None  # None: the same rope as full layers
+    sliding_rope_scaling: RopeScaling = RopeScaling()
     # Mixture of experts (jaxserve/models/moe.py); num_experts 0 = dense.
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -96,6 +110,16 @@ class ModelConfig:
     def layer_window(self, layer: int) -> int | None:
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
+    def layer_rope(self, layer: int) -> tuple[float, RopeScaling]:
+        """(rope theta, scaling) of a layer: Gemma 3's sliding layers have their own."""
+        if self.sliding_rope_theta is not None and self.layer_window(layer):
+            return self.sliding_rope_theta, self.sliding_rope_scaling
+        return self.rope_theta, self.rope_scaling
+
+    @property
+    def sm_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
     def num_params(self) -> int:
         e, m, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = e * d * (self.num_heads * 2 + self.num_kv_heads * 2)
@@ -110,7 +134,8 @@ class ModelConfig:
         # router, experts, and the shared expert with its [hidden, 1] gate
         sparse = (self.num_experts * e * (1 + 3 * self.moe_intermediate_size)
                   + (3 * shared + 1) * e * bool(shared))
-        layers = sum(attn + 2 * e + (sparse if s else dense) for s in self.sparse_layers)
+        norms = (4 if self.sandwich_norms else 2) * e
+        layers = sum(attn + norms + (sparse if s else dense) for s in self.sparse_layers)
         embed = self.vocab_size * e * (1 if self.tie_word_embeddings else 2)
         return layers + embed + e
 
@@ -131,8 +156,9 @@ class ModelConfig:
             )
         if hf.get("mlp_bias"):
             raise ValueError("mlp_bias=true is not supported")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+        if act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {act!r} is not supported (only {ACTIVATIONS})")
         num_heads = hf["num_attention_heads"]
         num_layers = hf["num_hidden_layers"]
         attention_bias = bool(hf.get("attention_bias", False))
@@ -150,12 +176,19 @@ class ModelConfig:
                 )
             else:
                 sliding_window = None
+        if model_type.startswith("gemma") and not layer_types and sliding_window:
+            # Older config.json files: Gemma 2 alternates, sliding first; Gemma 3 has one
+            # full layer in every sliding_window_pattern (6).
+            pattern = 2 if model_type == "gemma2" else hf.get("sliding_window_pattern", 6)
+            layer_types = tuple("full_attention" if (i + 1) % pattern == 0
+                                else "sliding_attention" for i in range(num_layers))
         if layer_types and "sliding_attention" not in layer_types:
             sliding_window = None
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        rope_theta, rope_scaling = _rope_from_hf(hf)
+        rope_theta, rope_scaling, sliding_rope = _rope_from_hf(hf)
         moe = _moe_from_hf(hf, model_type, num_layers)
+        gemma = model_type.startswith("gemma")
         return cls(
             model_type=model_type,
             architecture=(hf.get("architectures") or [f"{model_type.title()}ForCausalLM"])[0],
@@ -173,11 +206,20 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             sliding_window=sliding_window or None,
             layer_types=layer_types,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            hidden_act=act,
+            norm_offset=gemma,
+            scale_embeddings=gemma,
+            sandwich_norms=gemma,
+            query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
+            attn_logit_softcap=hf.get("attn_logit_softcapping"),
+            final_logit_softcap=hf.get("final_logit_softcapping"),
+            sliding_rope_theta=sliding_rope[0] if sliding_rope else None,
+            sliding_rope_scaling=sliding_rope[1] if sliding_rope else RopeScaling(),
             **moe,
         )
 
@@ -217,11 +259,27 @@ def _moe_from_hf(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[s
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)), sparse_layers=sparse)
 
 
-def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling]:
-    # transformers >= 5 writes `rope_parameters`; older files have rope_theta + rope_scaling.
+def _rope_from_hf(hf: dict[str, Any]
+                  ) -> tuple[float, RopeScaling, tuple[float, RopeScaling] | None]:
+    """(theta, scaling) of the full-attention layers, and of the sliding-window layers
+    where they have a rope of their own (Gemma 3), else None."""
+    # transformers >= 5 writes `rope_parameters` (per layer type for Gemma 3); older files
+    # have rope_theta + rope_scaling (+ Gemma 3's rope_local_base_freq).
     params = dict(hf.get("rope_parameters") or {})
-    scaling = dict(hf.get("rope_scaling") or {})
-    theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    if "full_attention" in params:
+        sliding = params.get("sliding_attention")
+        full = _rope(params["full_attention"], {}, 10000.0)
+        return (*full, _rope(sliding, {}, 10000.0) if sliding else None)
+    theta, scaling = _rope(params, dict(hf.get("rope_scaling") or {}),
+                           hf.get("rope_theta", 10000.0))
+    local = hf.get("rope_local_base_freq")
+    return theta, scaling, ((float(local), RopeScaling()) if local is not None else None)
+
+
+def _rope(params: dict[str, Any], scaling: dict[str, Any], theta: float
+          ) -> tuple[float, RopeScaling]:
+    params = dict(params)
+    theta = params.pop("rope_theta", theta)
     merged = {**scaling, **params}
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     if rope_type not in ("default", "linear", "llama3"):

@@ -64,6 +64,17 @@ def _hf_config(arch: str):
         return tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig(
             **common, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=3,
             moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=False)
+    if arch == "gemma2":  # soft-caps set low enough to bite; sliding layers first
+        return tf.Gemma2ForCausalLM, tf.Gemma2Config(
+            **common, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+            sliding_window=8, attn_logit_softcapping=1.5, final_logit_softcapping=3.0)
+    if arch == "gemma3":  # q/k norms; the sliding layer's rope differs from the full one's
+        return tf.Gemma3ForCausalLM, tf.Gemma3TextConfig(
+            **common, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
+            sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                "rope_theta": 1000000.0}})
     raise ValueError(arch)
 
 

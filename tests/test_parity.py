@@ -23,7 +23,8 @@ from jaxserve.models.transformer import AttentionMetadata, kv_cache_layout
 from sharding.mesh import make_mesh
 from sharding.rules import ShardingContext
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen2_moe",
+         "qwen3_moe"]
 NEW_TOKENS = 32
 # Small buckets keep the number of compiled programs per engine low.
 ENGINE = dict(dtype="float32", max_model_len=128, page_size=4, max_num_seqs=4,

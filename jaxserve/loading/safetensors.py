@@ -128,6 +128,8 @@ def _hf_to_ours(name: str, x: np.ndarray, cfg: ModelConfig, kv_replicas: int = 1
     table = {
         "input_layernorm.weight": (("input_norm",), lambda: x),
         "post_attention_layernorm.weight": (("post_attn_norm",), lambda: x),
+        "pre_feedforward_layernorm.weight": (("pre_mlp_norm",), lambda: x),
+        "post_feedforward_layernorm.weight": (("post_mlp_norm",), lambda: x),
         "self_attn.o_proj.weight": (("attn", "o_proj"), lambda: x.T.reshape(hq, d, e)),
         "self_attn.o_proj.bias": (("attn", "o_bias"), lambda: x),
         "self_attn.q_norm.weight": (("attn", "q_norm"), lambda: x),

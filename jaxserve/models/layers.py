@@ -102,11 +102,20 @@ def lm_head(x: jax.Array, w: jax.Array, transpose_w: bool, options: ModelOptions
     return dense_matmul(x, w, rows, transpose_w=transpose_w).astype(jnp.float32)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in float32, scaled in the input dtype (as Hugging Face Llama does)."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: bool = False) -> jax.Array:
+    """RMSNorm computed in float32, scaled in the input dtype (as Hugging Face Llama does);
+    with `offset` (Gemma), scaled by `1 + weight` in float32 and then cast."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * x32.astype(x.dtype)
+
+
+def activation(name: str):
+    """The MLP's gate activation by its config name: SwiGLU's silu, GeGLU's tanh gelu."""
+    return {"silu": jax.nn.silu,
+            "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}[name]
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:

@@ -1,9 +1,10 @@
-"""The decoder-only transformer of the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, and
-the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE).
+"""The decoder-only transformer: Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text),
+and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE.
 
 One model, driven by ModelConfig: GQA/MQA, optional q/k/v bias (Qwen2), q/k RMSNorm
-(Qwen3), sliding-window layers (Mistral), tied or untied embeddings, a dense MLP or the
-experts (moe.py) per layer. It runs over a flat
+(Qwen3, Gemma 3), sliding-window layers (Mistral, Gemma) with their own rope (Gemma 3),
+tied or untied embeddings, Gemma's (1 + w) norms, scaled embeddings, sandwich norms and
+soft-caps, a dense SwiGLU / GeGLU MLP or the experts (moe.py) per layer. It runs over a flat
 ragged batch of T tokens and a paged KV cache (layout in pallas_kernels/). The math is in
 layers.py; the matmuls and the attention go through parallel.py, which splits them over
 the mesh.
@@ -19,7 +20,7 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig, ModelOptions
 from jaxserve.models.layers import (
-    apply_rope, linear, lm_head, param, rms_norm, rope_inv_freq)
+    activation, apply_rope, linear, lm_head, param, rms_norm, rope_inv_freq)
 from jaxserve.models.moe import MoE
 from jaxserve.models.parallel import (
     KV_CACHE_AXES, NEW_KV_AXES, Q_AXES, RESIDUAL_AXES, dense_group, paged_attention,
@@ -96,12 +97,13 @@ class Attention(nnx.Module):
         self.cfg = cfg
         self.options = options
         self.window = cfg.layer_window(layer)
+        self.rope = cfg.layer_rope(layer)
         self.kv_heads = hkv
 
     def __call__(self, x, positions, kv, meta: AttentionMetadata, shard: ShardingContext,
                  rows: jax.Array | None = None):
         cfg = self.cfg
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        inv_freq = rope_inv_freq(cfg.head_dim, *self.rope)
         hq, hkv, d = cfg.num_heads, self.kv_heads, cfg.head_dim
         q, k, v = dense_group(x, [(self.q_proj, self.q_proj_scales, (hq, d)),
                                   (self.k_proj, self.k_proj_scales, (hkv, d)),
@@ -110,13 +112,14 @@ class Attention(nnx.Module):
         if cfg.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if cfg.qk_norm:
-            q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps)
-            k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps)
+            q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps, cfg.norm_offset)
+            k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps, cfg.norm_offset)
         q = shard.constrain(apply_rope(q, positions, inv_freq), Q_AXES)
         k = apply_rope(k, positions, inv_freq)
         k, v = shard.constrain(k, NEW_KV_AXES), shard.constrain(v, NEW_KV_AXES)
         out, kv = paged_attention(q, k, v, kv, meta, shard, self.options,
-                                  sm_scale=cfg.head_dim**-0.5, sliding_window=self.window)
+                                  sm_scale=cfg.sm_scale, sliding_window=self.window,
+                                  soft_cap=cfg.attn_logit_softcap)
         out = row_parallel(out, self.o_proj, self.o_proj_scales, 2, (cfg.hidden_size,),
                            self.options, shard, rows)
         if cfg.o_bias:
@@ -134,13 +137,14 @@ class MLP(nnx.Module):
             rngs, (m,), (e,), ("mlp",), ("embed",), dtype, quant)
         self.options = options
         self.sizes = (e, m)
+        self.act = cfg.hidden_act
 
     def __call__(self, x, shard: ShardingContext, rows: jax.Array | None = None):
         e, m = self.sizes
         gate, up = dense_group(x, [(self.gate_proj, self.gate_proj_scales, (m,)),
                                    (self.up_proj, self.up_proj_scales, (m,))],
                                self.options, shard, rows)
-        h = jax.nn.silu(gate) * up
+        h = activation(self.act)(gate) * up
         h = shard.constrain(h, ("tokens", "mlp"))
         return row_parallel(h, self.down_proj, self.down_proj_scales, 1, (e,), self.options,
                             shard, rows)
@@ -152,21 +156,38 @@ class Block(nnx.Module):
         e = cfg.hidden_size
         self.input_norm = param(rngs, (e,), ("embed",), dtype, init="ones")
         self.attn = Attention(cfg, layer, dtype, rngs, options, kv_replicas)
+        # Llama: the norm before the MLP. Gemma ("sandwich"): the norm of the attention's
+        # output, and pre_mlp_norm / post_mlp_norm around the MLP.
         self.post_attn_norm = param(rngs, (e,), ("embed",), dtype, init="ones")
+        if cfg.sandwich_norms:
+            self.pre_mlp_norm = param(rngs, (e,), ("embed",), dtype, init="ones")
+            self.post_mlp_norm = param(rngs, (e,), ("embed",), dtype, init="ones")
         self.mlp = (MoE(cfg, dtype, rngs, options) if cfg.sparse_layers[layer]
                     else MLP(cfg, dtype, rngs, options))
         self.eps = cfg.rms_norm_eps
+        self.offset = cfg.norm_offset
+        self.sandwich = cfg.sandwich_norms
+
+    def _norm(self, x, weight):
+        return rms_norm(x, weight[...], self.eps, self.offset)
 
     def __call__(self, x, positions, kv, meta, shard, rows=None):
         # The residual stream ("residual" axis) is split over tokens under sequence
         # parallelism: the norms run on a shard, an all-gather rebuilds all tokens before
         # the column-split matmuls ("tokens" axis), and the row-split matmuls' partial sums
         # go straight back to token shards (a reduce-scatter instead of an all-reduce).
-        h = shard.constrain(rms_norm(x, self.input_norm[...], self.eps), ("tokens", "embed"))
+        h = shard.constrain(self._norm(x, self.input_norm), ("tokens", "embed"))
         h, kv = self.attn(h, positions, kv, meta, shard, rows)
-        x = x + shard.constrain(h, RESIDUAL_AXES)
-        h = shard.constrain(rms_norm(x, self.post_attn_norm[...], self.eps), ("tokens", "embed"))
-        x = x + shard.constrain(self.mlp(h, shard, rows), RESIDUAL_AXES)
+        h = shard.constrain(h, RESIDUAL_AXES)
+        if self.sandwich:
+            x = x + self._norm(h, self.post_attn_norm)
+            h = self._norm(x, self.pre_mlp_norm)
+        else:
+            x = x + h
+            h = self._norm(x, self.post_attn_norm)
+        h = shard.constrain(self.mlp(shard.constrain(h, ("tokens", "embed")), shard, rows),
+                            RESIDUAL_AXES)
+        x = x + (self._norm(h, self.post_mlp_norm) if self.sandwich else h)
         return x, kv
 
 
@@ -188,7 +209,10 @@ class Transformer(nnx.Module):
                  meta: AttentionMetadata) -> tuple[jax.Array, KVCache]:
         """Hidden states `[T, hidden]` after the last block (before the final norm)."""
         shard = self.shard
-        x = shard.constrain(self.embed[...][input_ids], RESIDUAL_AXES)
+        x = self.embed[...][input_ids]
+        if self.cfg.scale_embeddings:  # sqrt(hidden), rounded to the weights' dtype (as HF)
+            x = x * jnp.asarray(self.cfg.hidden_size**0.5, x.dtype)
+        x = shard.constrain(x, RESIDUAL_AXES)
         rows = real_tokens(meta, shard)
         new_caches = []
         for block, kv in zip(self.layers, kv_caches):
@@ -199,9 +223,12 @@ class Transformer(nnx.Module):
     def logits(self, hidden: jax.Array, rows: jax.Array | None = None) -> jax.Array:
         """float32 logits `[N, vocab]` for a few rows of hidden states (the native CPU
         matmul computes the first `rows` only: the real sequences)."""
-        x = rms_norm(hidden, self.norm[...], self.cfg.rms_norm_eps)
-        tied = self.cfg.tie_word_embeddings
+        cfg = self.cfg
+        x = rms_norm(hidden, self.norm[...], cfg.rms_norm_eps, cfg.norm_offset)
+        tied = cfg.tie_word_embeddings
         impl = None if self.shard.mesh.size == 1 else "reference"  # XLA partitions the dot
         logits = lm_head(x, self.embed[...] if tied else self.lm_head[...], tied, self.options,
                          impl, rows)
+        if cfg.final_logit_softcap:  # Gemma 2
+            logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
         return self.shard.constrain(logits, ("seqs", "vocab"))
