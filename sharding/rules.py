@@ -1,7 +1,8 @@
 """Logical axis names → mesh axes. A strategy is a table; model code never names mesh axes.
 
 Logical names used by the model: vocab, embed, q_heads, cache_heads (KV heads, times
-`kv_head_replicas`), head_dim, mlp for parameters; residual (the residual stream's token
+`kv_head_replicas`), head_dim, mlp, experts and expert_mlp (a mixture of experts' stacked
+expert weights) for parameters; residual (the residual stream's token
 axis), tokens and seqs for activations; cache_heads and pages for the KV cache.
 """
 
@@ -40,7 +41,8 @@ REPLICATED = ShardingRules()
 
 
 def strategy_rules(name: str, mesh: Mesh, num_heads: int, num_kv_heads: int, vocab_size: int,
-                   intermediate_size: int) -> ShardingRules:
+                   intermediate_size: int, num_experts: int = 0,
+                   expert_intermediate_size: int = 0) -> ShardingRules:
     """The table of a named strategy for a model on a mesh.
 
     tp (Megatron): q/k/v and gate/up split by heads / mlp columns, o and down by rows (so
@@ -52,6 +54,11 @@ def strategy_rules(name: str, mesh: Mesh, num_heads: int, num_kv_heads: int, voc
     on the `model` axis (and `data`, under dp).
     dp: weights replicated over `data`; tokens, sequences and KV pages split over `data`
     (each data shard has its own page pool and its own requests).
+    Mixtures of experts: under tp each expert's MLP splits by its intermediate columns /
+    rows like the dense MLP; ep instead gives each `model` device whole experts
+    (num_experts / model of them), and alone (ep, dp+ep) leaves the rest of the model
+    replicated over `model`. Either way a layer's experts end in one all-reduce over
+    `model` of their partial sums (models/parallel.py: expert_parallel).
     """
     if name not in STRATEGIES:
         raise ValueError(f"sharding strategy {name!r} is unknown; choose one of {STRATEGIES}")
@@ -60,14 +67,25 @@ def strategy_rules(name: str, mesh: Mesh, num_heads: int, num_kv_heads: int, voc
     if dp > 1 and "dp" not in parts:
         raise ValueError(f"the mesh has data={dp} but strategy {name!r} has no data "
                          "parallelism; use dp, dp+tp or dp+tp+sp")
-    if tp > 1 and "tp" not in parts:
-        raise ValueError(f"the mesh has model={tp} but strategy {name!r} has no tensor "
-                         "parallelism; use tp, tp+sp, dp+tp or dp+tp+sp")
+    if tp > 1 and not parts & {"tp", "ep"}:
+        raise ValueError(f"the mesh has model={tp} but strategy {name!r} has no tensor or "
+                         "expert parallelism; use tp, tp+sp, dp+tp, dp+tp+sp, or for a "
+                         "mixture of experts ep, tp+ep, dp+ep, dp+tp+ep")
+    if "ep" in parts and not num_experts:
+        raise ValueError(f"strategy {name!r} splits experts, and this model has none; use "
+                         "tp, tp+sp, dp+tp or dp+tp+sp")
+    if "ep" in parts and tp > 1 and num_experts % tp:
+        raise ValueError(f"expert parallelism over {tp} devices needs num_experts "
+                         f"({num_experts}) divisible by {tp}")
     table: list[tuple[str, MeshAxes]] = []
     replicas = 1
     if dp > 1:
         table += [("tokens", DATA), ("seqs", DATA), ("pages", DATA), ("residual", DATA)]
-    if tp > 1:
+    if tp > 1 and "ep" in parts:
+        table.append(("experts", MODEL))
+    elif tp > 1 and num_experts and expert_intermediate_size % tp == 0:
+        table.append(("expert_mlp", MODEL))
+    if tp > 1 and "tp" in parts:
         for what, size in (("num_attention_heads", num_heads),
                            ("intermediate_size", intermediate_size)):
             if size % tp:
@@ -90,7 +108,8 @@ def strategy_rules(name: str, mesh: Mesh, num_heads: int, num_kv_heads: int, voc
 def model_sharding(mesh: Mesh, strategy: str, cfg) -> "ShardingContext":
     """The sharding context of a model (a ModelConfig) on a mesh under a named strategy."""
     return ShardingContext(mesh, strategy_rules(strategy, mesh, cfg.num_heads, cfg.num_kv_heads,
-                                                cfg.vocab_size, cfg.intermediate_size))
+                                                cfg.vocab_size, cfg.intermediate_size,
+                                                cfg.num_experts, cfg.moe_intermediate_size))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,4 +6,4 @@ sharding/rules.py says what each strategy splits.
 
 MESH_AXES = ("data", "model")
 DATA, MODEL = MESH_AXES
-STRATEGIES = ("tp", "tp+sp", "dp", "dp+tp", "dp+tp+sp")
+STRATEGIES = ("tp", "tp+sp", "dp", "dp+tp", "dp+tp+sp", "ep", "tp+ep", "dp+ep", "dp+tp+ep")

@@ -1,11 +1,11 @@
 """Run the engine on 1 device, with tensor parallelism 2, 4, 8, with TP+SP, with data
 parallelism (alone, with TP, with TP+SP) and with our Pallas kernels (interpret mode)
-over 8 CPU devices.
+over 8 CPU devices; and a mixture of experts under tensor, data and expert parallelism.
 
 Started by tests/test_sharding.py in its own process (the device count is fixed when JAX
-starts): `python tests/multidevice_check.py MODEL_DIR OUT.json [MOE_MODEL_DIR]`. Writes, per mesh, the
-greedy tokens and top-5 logprobs of a batch of prompts, the collectives of the compiled
-step (all-gathered shapes next to the parameters' full shapes, all-reduce and
+starts): `python tests/multidevice_check.py MODEL_DIR OUT.json [MOE_MODEL_DIR]`. Writes,
+per mesh, the greedy tokens and top-5 logprobs of a batch of prompts, the collectives of
+the compiled step (all-gathered shapes next to the parameters' full shapes, all-reduce and
 reduce-scatter counts), and the shardings of q_proj and the KV cache.
 """
 
@@ -113,20 +113,27 @@ def main(model_dir: str, out_path: str, moe_dir: str | None = None) -> None:
         results[f"converted {json.dumps(mesh)}"] = {
             "tokens": [o.outputs[0].token_ids for o in llm.generate(prompts, params)]}
     if moe_dir:
-        # A mixture of experts (Qwen2-MoE: experts, a shared expert, a dense layer): its
-        # expert weights are replicated on every mesh (no expert parallelism yet).
+        # A mixture of experts (Qwen2-MoE: 4 experts, a shared expert, a dense layer): its
+        # experts split by MLP columns under tp, by whole experts under ep.
         for mesh, strategy in MOE_RUNS:
             llm = LLM(moe_dir, mesh=mesh, sharding=strategy, **ENGINE)
-            results[f"moe {json.dumps(mesh)}"] = {
+            runner = llm.engine.runner
+            hlo = runner.compiled(BucketKey(64, 4, False)).as_text()
+            moe = runner.params["layers"][0]["mlp"]
+            results[f"moe {json.dumps(mesh)} {strategy}"] = {
                 "tokens": [o.outputs[0].token_ids for o in llm.generate(prompts, params)],
                 "leaked_pages": llm.engine.scheduler.num_used_pages,
-                "compiles_after_warmup": llm.engine.runner.compiles_after_warmup}
+                "compiles_after_warmup": runner.compiles_after_warmup,
+                "all_gather_shapes": all_gather_shapes(hlo),
+                "expert_shard_shapes": [list(moe[name].value.addressable_shards[0].data.shape)
+                                        for name in ("gate_proj", "down_proj")]}
     with open(out_path, "w") as f:
         json.dump(results, f)
 
 
 MOE_RUNS = [(None, "tp"), ({"model": 2}, "tp"), ({"model": 4}, "tp+sp"), ({"data": 2}, "dp"),
-            ({"data": 2, "model": 4}, "dp+tp")]
+            ({"data": 2, "model": 4}, "dp+tp"), ({"model": 4}, "ep"), ({"model": 2}, "tp+ep"),
+            ({"data": 2, "model": 4}, "dp+ep"), ({"data": 2, "model": 2}, "dp+tp+ep")]
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)

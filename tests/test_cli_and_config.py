@@ -24,7 +24,8 @@ def test_help_lists_every_command_and_its_flags(capsys):
     the choices taken from the one list of each (strategies, dtypes, quantizations)."""
     assert "{generate,serve,client,plan,convert,bench}" in help_text(capsys)
     flags = {
-        ("serve",): ["--port", "--mesh", "--sharding {tp,tp+sp,dp,dp+tp,dp+tp+sp}",
+        ("serve",): ["--port", "--mesh",
+                     "--sharding {tp,tp+sp,dp,dp+tp,dp+tp+sp,ep,tp+ep,dp+ep,dp+tp+ep}",
                      "--dtype {bfloat16,float32}", "--quantization {int8,int4,fp8}",
                      "--kv-cache-dtype {auto,int8,fp8}", "--random-weights", "--coordinator",
                      "--grace", "--http-port", "--no-http", "--served-model-name"],
@@ -115,8 +116,18 @@ def test_mesh_and_sharding_settings(tmp_path):
     two_by_four = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
     with pytest.raises(ValueError, match="no data parallelism; use dp"):
         strategy_rules("tp", two_by_four, 8, 2, 100, 64)
-    with pytest.raises(ValueError, match="no tensor parallelism"):
+    with pytest.raises(ValueError, match="no tensor or expert parallelism"):
         strategy_rules("dp", two_by_four, 8, 2, 100, 64)
+    with pytest.raises(ValueError, match="splits experts, and this model has none"):
+        strategy_rules("dp+tp+ep", two_by_four, 8, 2, 100, 64)
+    with pytest.raises(ValueError, match=r"needs num_experts \(6\) divisible by 4"):
+        strategy_rules("tp+ep", jax.sharding.AbstractMesh((1, 4), ("data", "model")), 8, 2,
+                       100, 64, num_experts=6)
+    ep = strategy_rules("dp+ep", two_by_four, 8, 2, 100, 64, num_experts=8,
+                        expert_intermediate_size=32)
+    assert ep.spec(("experts", "embed", "expert_mlp")) == jax.sharding.PartitionSpec(
+        "model", None, None)
+    assert ep.spec(("q_heads",)) == jax.sharding.PartitionSpec(None)  # attention replicated
     rules = strategy_rules("dp+tp+sp", two_by_four, 8, 2, 100, 64)
     assert rules.kv_head_replicas == 2  # 2 KV heads on 4 model devices: each stored twice
     assert rules.spec(("residual", "embed")) == jax.sharding.PartitionSpec(("data", "model"), None)

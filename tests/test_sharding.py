@@ -67,14 +67,24 @@ def test_constrained_outputs_hold_on_one_device(runs):
     assert not re.fullmatch("[a-z]{3,9}-[0-9]{2}", free)
 
 
-@pytest.mark.parametrize("mesh", ['{"model": 2}', '{"model": 4}', '{"data": 2}',
-                                  '{"data": 2, "model": 4}'])
-def test_mixture_of_experts_on_a_mesh_matches_one_device(runs, mesh):
-    """Qwen2-MoE (experts replicated; attention and dense layers split as usual) under
-    TP, TP+SP, DP and DP+TP gives the single-device greedy tokens."""
-    one, run = runs["moe null"], runs[f"moe {mesh}"]
+@pytest.mark.parametrize("mesh, strategy, expert_shards", [
+    ('{"model": 2}', "tp", [[4, 64, 16], [4, 16, 64]]),  # every expert's MLP split
+    ('{"model": 4}', "tp+sp", [[4, 64, 8], [4, 8, 64]]),
+    ('{"data": 2}', "dp", [[4, 64, 32], [4, 32, 64]]),
+    ('{"data": 2, "model": 4}', "dp+tp", [[4, 64, 8], [4, 8, 64]]),
+    ('{"model": 4}', "ep", [[1, 64, 32], [1, 32, 64]]),  # whole experts per device
+    ('{"model": 2}', "tp+ep", [[2, 64, 32], [2, 32, 64]]),
+    ('{"data": 2, "model": 4}', "dp+ep", [[1, 64, 32], [1, 32, 64]]),
+    ('{"data": 2, "model": 2}', "dp+tp+ep", [[2, 64, 32], [2, 32, 64]])])
+def test_mixture_of_experts_on_a_mesh_matches_one_device(runs, mesh, strategy, expert_shards):
+    """Qwen2-MoE (4 experts, a shared expert, a dense layer) under tensor, sequence, data
+    and expert parallelism gives the single-device greedy tokens; each device holds its
+    share of the expert weights, and the compiled step never all-gathers them."""
+    one, run = runs["moe null tp"], runs[f"moe {mesh} {strategy}"]
     assert run["tokens"] == one["tokens"]
     assert run["leaked_pages"] == 0 and run["compiles_after_warmup"] == 0
+    assert run["expert_shard_shapes"] == expert_shards
+    assert all(len(shape) < 3 for shape in run["all_gather_shapes"]), run["all_gather_shapes"]
 
 
 def compare_runs(one, tp):

@@ -11,7 +11,9 @@ the model's dtype.
 The experts run as grouped matmuls, not a loop over experts: the token-expert pairs
 (T x top_k of them) are sorted by expert, and each projection is one `jax.lax.ragged_dot`
 over the sorted rows with the experts' stacked weights `[E, in, out]`; the results go
-back to their tokens weighted and summed.
+back to their tokens weighted and summed. On a mesh each device does this for the experts
+(or the slices of every expert's MLP) it holds, and the partial sums are all-reduced
+(parallel.expert_parallel; strategies in sharding/rules.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig, ModelOptions
 from jaxserve.models.layers import param
+from jaxserve.models.parallel import expert_parallel
+from sharding.rules import ShardingContext
 
 # Logical axes of the stacked expert weights (sharding/rules.py).
 EXPERT_IN_AXES = ("experts", "embed", "expert_mlp")  # gate_proj, up_proj: [E, hidden, I]
@@ -43,18 +47,21 @@ def grouped_swiglu(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_pr
                    up_proj: jax.Array, down_proj: jax.Array) -> jax.Array:
     """`sum_j weights[t, j] * expert_{experts[t, j]}(x[t])` for every token, each expert
     `down(silu(x @ gate) * (x @ up))`, as grouped matmuls over the pairs sorted by expert
-    (an expert no token chose is an empty group)."""
+    (an expert no token chose is an empty group). Pairs whose expert is outside
+    `[0, num_experts)` add nothing: another device holds that expert (expert parallelism),
+    and sorted last they fall outside every group (ragged_dot gives them zeros)."""
     t, k = experts.shape
     num_experts = gate_proj.shape[0]
     flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
+    ids = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    order = jnp.argsort(ids, stable=True)
     tokens = order // k
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    group_sizes = jnp.bincount(ids, length=num_experts + 1)[:num_experts].astype(jnp.int32)
     rows = x[tokens]
     gate = jax.lax.ragged_dot(rows, gate_proj, group_sizes)
     up = jax.lax.ragged_dot(rows, up_proj, group_sizes)
     out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down_proj, group_sizes)
-    out = out * weights.reshape(-1)[order][:, None]
+    out = out * jnp.where(ids < num_experts, weights.reshape(-1), 0)[order][:, None]
     return jnp.zeros((t, x.shape[-1]), out.dtype).at[tokens].add(out).astype(x.dtype)
 
 
@@ -78,15 +85,20 @@ class MoE(nnx.Module):
             self.shared_expert_gate = param(rngs, (e, 1), ("embed", None), dtype)
         self.cfg = cfg
 
-    def __call__(self, x: jax.Array, shard=None, rows=None) -> jax.Array:
-        """`x[T, hidden]` -> `[T, hidden]` (`shard`, `rows`: as MLP's, unused: the expert
-        weights are replicated on a mesh)."""
+    def __call__(self, x: jax.Array, shard: ShardingContext, rows=None) -> jax.Array:
+        """`x[T, hidden]` -> `[T, hidden]`; on a mesh the experts run per device
+        (parallel.expert_parallel). `rows` (the native matmul's real tokens) is unused."""
         cfg = self.cfg
         weights_dtype = jnp.float32 if cfg.model_type == "mixtral" else x.dtype
-        weights, experts = route(x, self.router[...], cfg.num_experts_per_tok,
-                                 cfg.norm_topk_prob, weights_dtype)
-        out = grouped_swiglu(x, weights, experts, self.gate_proj[...], self.up_proj[...],
-                             self.down_proj[...])
+
+        def experts(x, router, gate_proj, up_proj, down_proj, first_expert=0):
+            weights, chosen = route(x, router, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                                    weights_dtype)
+            return grouped_swiglu(x, weights, chosen - first_expert, gate_proj, up_proj,
+                                  down_proj)
+
+        out = expert_parallel(experts, x, self.router, self.gate_proj, self.up_proj,
+                              self.down_proj, shard)
         if cfg.shared_expert_intermediate_size:
             h = jax.nn.silu(x @ self.shared_gate_proj[...]) * (x @ self.shared_up_proj[...])
             gate = jax.nn.sigmoid(x @ self.shared_expert_gate[...])

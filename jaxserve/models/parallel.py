@@ -178,3 +178,37 @@ def _only(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
         kept = tuple(a for a in entry if a in axes)
         return kept[0] if len(kept) == 1 else (kept or None)
     return PartitionSpec(*(keep(e) for e in spec))
+
+
+def expert_parallel(experts, x: jax.Array, router: nnx.Param, gate_proj: nnx.Param,
+                    up_proj: nnx.Param, down_proj: nnx.Param, shard: ShardingContext) -> jax.Array:
+    """A mixture-of-experts layer's experts on the mesh: `experts(x, router, gate, up, down,
+    first_expert)` (moe.MoE) runs on each device with the expert weights it holds.
+
+    Expert parallelism (`experts` over `model`): a device holds num_experts / model whole
+    experts, numbered from `first_expert`; tensor parallelism of the experts
+    (`expert_mlp` over `model`): every expert's gate/up columns and down rows are split.
+    Either way every device sees all of its data shard's tokens (the attention's layout
+    already gathers them over `model`: no dispatch collective) and routes them itself,
+    each token's chosen experts add their weighted outputs where they live, and one
+    all-reduce over `model` combines the partial sums, the same collective a dense MLP
+    ends in. Nothing is dropped: every token-expert pair is computed by its expert's
+    device, whatever the load (no capacity factor). Expert weights are never gathered.
+    """
+    in_spec = shard.rules.spec(gate_proj.get_metadata()["logical_axes"])
+    experts_axis, _, mlp_axis = in_spec
+    if shard.mesh.size == 1 or (experts_axis is None and mlp_axis is None):
+        return experts(x, router[...], gate_proj[...], up_proj[...], down_proj[...])
+    split = experts_axis or mlp_axis
+    tokens = shard.rules.spec(("tokens",))[0]
+
+    def local(x, router, gate, up, down):
+        first = jax.lax.axis_index(split) * gate.shape[0] if experts_axis else 0
+        return jax.lax.psum(experts(x, router, gate, up, down, first), split)
+
+    return jax.shard_map(
+        local, mesh=shard.mesh, check_vma=False,
+        in_specs=(PartitionSpec(tokens, None), PartitionSpec(None, None), in_spec, in_spec,
+                  shard.rules.spec(down_proj.get_metadata()["logical_axes"])),
+        out_specs=PartitionSpec(tokens, None),
+    )(x, router[...], gate_proj[...], up_proj[...], down_proj[...])
