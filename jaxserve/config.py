@@ -107,6 +107,11 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
 
+    def first_layers(self, n: int) -> "ModelConfig":
+        """The same model cut to its first `n` layers (for compile tests and planning)."""
+        return dataclasses.replace(self, num_layers=n, layer_types=self.layer_types[:n],
+                                   sparse_layers=self.sparse_layers[:n])
+
     def layer_window(self, layer: int) -> int | None:
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 

@@ -57,7 +57,7 @@ def _hf_config(arch: str):
             **common, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
     if arch == "qwen2_moe":  # shared expert with its sigmoid gate; layer 1 dense
         return tf.Qwen2MoeForCausalLM, tf.Qwen2MoeConfig(
-            **common, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+            **common, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
             moe_intermediate_size=32, shared_expert_intermediate_size=48,
             norm_topk_prob=False, mlp_only_layers=[1], use_sliding_window=False)
     if arch == "qwen3_moe":  # q/k norm, 8 experts, top-3 renormalised

@@ -113,7 +113,7 @@ def main(model_dir: str, out_path: str, moe_dir: str | None = None) -> None:
         results[f"converted {json.dumps(mesh)}"] = {
             "tokens": [o.outputs[0].token_ids for o in llm.generate(prompts, params)]}
     if moe_dir:
-        # A mixture of experts (Qwen2-MoE: 4 experts, a shared expert, a dense layer): its
+        # A mixture of experts (Qwen2-MoE: 8 experts, a shared expert, a dense layer): its
         # experts split by MLP columns under tp, by whole experts under ep.
         for mesh, strategy in MOE_RUNS:
             llm = LLM(moe_dir, mesh=mesh, sharding=strategy, **ENGINE)
@@ -133,7 +133,8 @@ def main(model_dir: str, out_path: str, moe_dir: str | None = None) -> None:
 
 MOE_RUNS = [(None, "tp"), ({"model": 2}, "tp"), ({"model": 4}, "tp+sp"), ({"data": 2}, "dp"),
             ({"data": 2, "model": 4}, "dp+tp"), ({"model": 4}, "ep"), ({"model": 2}, "tp+ep"),
-            ({"data": 2, "model": 4}, "dp+ep"), ({"data": 2, "model": 2}, "dp+tp+ep")]
+            ({"data": 2, "model": 4}, "dp+ep"), ({"data": 2, "model": 2}, "dp+tp+ep"),
+            ({"model": 8}, "ep")]
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)

@@ -6,7 +6,6 @@ Llama-3-8B's dimensions with 2 layers and small buckets keep each compile to sec
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import pytest
@@ -15,8 +14,7 @@ from jaxserve.cli import main
 from jaxserve.config import ModelConfig
 
 SMALL = ["--max-model-len", "1024", "--max-num-seqs", "16", "--max-num-batched-tokens", "128"]
-LLAMA3_8B_2L = dataclasses.replace(ModelConfig.from_file("configs/models/llama3-8b.yaml"),
-                                   num_layers=2, layer_types=())
+LLAMA3_8B_2L = ModelConfig.from_file("configs/models/llama3-8b.yaml").first_layers(2)
 BF16_WEIGHTS = LLAMA3_8B_2L.num_params() * 2  # bytes on one device
 
 

@@ -68,18 +68,19 @@ def test_constrained_outputs_hold_on_one_device(runs):
 
 
 @pytest.mark.parametrize("mesh, strategy, expert_shards", [
-    ('{"model": 2}', "tp", [[4, 64, 16], [4, 16, 64]]),  # every expert's MLP split
-    ('{"model": 4}', "tp+sp", [[4, 64, 8], [4, 8, 64]]),
-    ('{"data": 2}', "dp", [[4, 64, 32], [4, 32, 64]]),
-    ('{"data": 2, "model": 4}', "dp+tp", [[4, 64, 8], [4, 8, 64]]),
-    ('{"model": 4}', "ep", [[1, 64, 32], [1, 32, 64]]),  # whole experts per device
-    ('{"model": 2}', "tp+ep", [[2, 64, 32], [2, 32, 64]]),
-    ('{"data": 2, "model": 4}', "dp+ep", [[1, 64, 32], [1, 32, 64]]),
-    ('{"data": 2, "model": 2}', "dp+tp+ep", [[2, 64, 32], [2, 32, 64]])])
+    ('{"model": 2}', "tp", [[8, 64, 16], [8, 16, 64]]),  # every expert's MLP split
+    ('{"model": 4}', "tp+sp", [[8, 64, 8], [8, 8, 64]]),
+    ('{"data": 2}', "dp", [[8, 64, 32], [8, 32, 64]]),
+    ('{"data": 2, "model": 4}', "dp+tp", [[8, 64, 8], [8, 8, 64]]),
+    ('{"model": 4}', "ep", [[2, 64, 32], [2, 32, 64]]),  # whole experts per device
+    ('{"model": 8}', "ep", [[1, 64, 32], [1, 32, 64]]),
+    ('{"model": 2}', "tp+ep", [[4, 64, 32], [4, 32, 64]]),
+    ('{"data": 2, "model": 4}', "dp+ep", [[2, 64, 32], [2, 32, 64]]),
+    ('{"data": 2, "model": 2}', "dp+tp+ep", [[4, 64, 32], [4, 32, 64]])])
 def test_mixture_of_experts_on_a_mesh_matches_one_device(runs, mesh, strategy, expert_shards):
-    """Qwen2-MoE (4 experts, a shared expert, a dense layer) under tensor, sequence, data
-    and expert parallelism gives the single-device greedy tokens; each device holds its
-    share of the expert weights, and the compiled step never all-gathers them."""
+    """Qwen2-MoE (8 experts, a shared expert, a dense layer) under tensor, sequence, data
+    and expert parallelism (EP 2, 4, 8) gives the single-device greedy tokens; each device
+    holds its share of the expert weights, and the compiled step never all-gathers them."""
     one, run = runs["moe null tp"], runs[f"moe {mesh} {strategy}"]
     assert run["tokens"] == one["tokens"]
     assert run["leaked_pages"] == 0 and run["compiles_after_warmup"] == 0

@@ -33,8 +33,7 @@ PAGES = 64
 KEY = BucketKey(tokens=64, seqs=8, history=False)
 # Llama-3-8B's dimensions with 2 layers: real tile-friendly shapes (TPU pads tiny minor
 # dimensions to 8x128 tiles), compiled in seconds.
-LLAMA3_8B_2L = dataclasses.replace(ModelConfig.from_file("configs/models/llama3-8b.yaml"),
-                                   num_layers=2, layer_types=())
+LLAMA3_8B_2L = ModelConfig.from_file("configs/models/llama3-8b.yaml").first_layers(2)
 
 
 @pytest.fixture(scope="module")
@@ -179,3 +178,45 @@ def test_quantized_kernels_run_per_chip_on_a_mesh(devices, strategy, quantizatio
         assert found.count((16, "reduce-scatter")) == 2 * cfg.num_layers
     else:
         assert found.count((64, "all-reduce")) >= 2 * cfg.num_layers
+
+
+@pytest.mark.parametrize("strategy", ["ep", "tp+ep", "tp"])
+def test_mixture_of_experts_step_compiles_for_v5e(devices, strategy):
+    """Qwen3-30B-A3B's dimensions (2 layers, 128 experts of 768) on 4 v5e chips with our
+    attention kernels and XLA's grouped-matmul kernels for the experts: under ep / tp+ep a chip holds 32 whole experts, under tp a quarter
+    of every expert's MLP; either way each MoE layer ends in one all-reduce of the hidden
+    state over the chips and no expert weight is all-gathered."""
+    cfg = dataclasses.replace(
+        ModelConfig.from_file("configs/models/qwen3-30b-a3b.yaml").first_layers(2),
+        vocab_size=1024)
+    engine = dataclasses.replace(ENGINE, max_model_len=1024)
+    compiled = compile_step(cfg, engine, {"model": 4}, strategy, devices, PAGES, KEY)
+    text = compiled.as_text()
+    kernels = re.findall(r"%([a-z_-]+)[.\d]* = .*custom_call_target=\"tpu_custom_call\"", text)
+    # Ours: attention (decode and prefill items); XLA's own: its TPU lowering of
+    # ragged_dot, a grouped-matmul kernel per projection (gate, up, down), not a dense loop.
+    assert kernels.count("ragged_paged_attention") == cfg.num_layers * 2, kernels
+    assert kernels.count("ragged-dot-none") == cfg.num_layers * 3, kernels
+    gathers = [[int(d) for d in g.split(",") if d] for g in
+               re.findall(r"= \w+\[([\d,]*)\]\S* all-gather(?:-start)?\(", text)]
+    e, m = cfg.hidden_size, cfg.moe_intermediate_size
+    weight_like = [g for g in gathers if e in g and ({m, m // 4} & set(g))]
+    assert not weight_like, gathers  # no expert weight, whole or split
+    reduces = re.findall(rf"= bf16\[64,{cfg.hidden_size}\]\S* all-reduce(?:-start)?\(", text)
+    attention = 0 if strategy == "ep" else 1  # o_proj's all-reduce under tp
+    assert len(reduces) >= cfg.num_layers * (1 + attention)
+    experts = 128 // 4 if "ep" in strategy else 128
+    per_chip = 3 * experts * e * m * 2 // (1 if "ep" in strategy else 4)
+    assert compiled.memory_analysis().argument_size_in_bytes > cfg.num_layers * per_chip
+
+
+def test_gemma2_soft_caps_compile_with_the_attention_kernel():
+    """Gemma 2's attention soft-cap and sliding window go to our Mosaic kernel (2 calls a
+    layer), its final soft-cap into the logits."""
+    cfg = dataclasses.replace(
+        ModelConfig.from_file("configs/models/gemma2-9b.yaml").first_layers(2), vocab_size=1024)
+    engine = dataclasses.replace(ENGINE, max_model_len=1024)
+    compiled = compile_step(cfg, engine, {"model": 1}, "tp", tpu_devices("v5e:2x2")[:1],
+                            PAGES, KEY)
+    assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 4
+    assert "tanh" in compiled.as_text()

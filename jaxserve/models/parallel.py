@@ -140,6 +140,10 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple[jax.Arra
         manual.add(DATA)
     if impl != "reference" and q_spec[1] is not None:
         manual.add(q_spec[1])
+    if impl != "reference" and shard.mesh.size > 1 and not manual:
+        # Heads and cache replicated over `model` (ep, dp+ep): each device runs the kernel
+        # on its own copy (Mosaic calls cannot be partitioned automatically).
+        manual = set(shard.mesh.axis_names)
     if manual:  # a kernel must see no automatic axis, not even one of size 1
         manual |= {a for a, n in shard.mesh.shape.items() if n == 1}
 
