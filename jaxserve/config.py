@@ -39,7 +39,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a decoder-only transformer of the Llama family."""
+    """The shape of a decoder-only transformer (the families of models/transformer.py)."""
 
     model_type: str
     architecture: str
@@ -313,7 +313,7 @@ class EngineConfig:
     (or, on accelerators, from `memory_utilization` of the device's free memory).
     Token buckets default to 1 (single-sequence decode) and powers of two from 8 to
     `max_num_batched_tokens`; a batch of T tokens holds up to min(T, max_num_seqs)
-    sequences, so each token bucket is one compiled program (two with penalties).
+    sequences, so each token bucket is a fixed set of compiled programs (runner.py).
     `kv_cache_dtype` "auto" stores K/V in `dtype`; "int8" / "fp8" (e4m3) store them
     quantized with a float32 scale per token and head. `quantization` ("int8" | "int4" |
     "fp8") quantizes the linear layers' weights at load (embeddings, norms and the LM head
