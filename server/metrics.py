@@ -123,6 +123,15 @@ class _EngineCollector:
             gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
             gauge.add_metric(labels, value)
             yield gauge
+        routers = self.engine.router_statistics()
+        if routers:  # a mixture of experts
+            imbalance = GaugeMetricFamily(
+                PREFIX + "expert_imbalance", "Mixture-of-experts layers: the busiest "
+                "expert's routed tokens over the mean (1 = even), since start.",
+                labels=["model_name", "layer"])
+            for layer, _, value in routers:
+                imbalance.add_metric([self.model_name, str(layer)], value)
+            yield imbalance
         queries = sum(a.prefix_queries for a in sched.allocators)
         hits = sum(a.prefix_hits for a in sched.allocators)
         for name, doc, value in (

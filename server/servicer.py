@@ -188,4 +188,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             total_generated_tokens=a.total_generated,
             mean_step_ms=a.mean_ms(a.step_times),
             mean_step_gap_ms=a.mean_ms(a.step_gaps),
-            steps=e.num_steps, overlapped_steps=e.num_overlapped_steps)
+            steps=e.num_steps, overlapped_steps=e.num_overlapped_steps,
+            expert_load=[pb.ExpertLoad(layer=layer, tokens=tokens.tolist(),
+                                       imbalance=imbalance)
+                         for layer, tokens, imbalance in e.router_statistics()])

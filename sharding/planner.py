@@ -91,7 +91,10 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
     fn = jit_programs(graphdef, params, jax.tree.map(lambda x: x.sharding, caches), shard).step
     sampled = jax.ShapeDtypeStruct((engine.max_num_seqs,), jnp.int32, sharding=replicated)
     with _no_persistent_cache(), jax.default_device(devices[0]):
-        return fn.lower(jax.tree.leaves(params), caches, batch, sampled).compile()
+        layers = sum(cfg.sparse_layers)
+        load = (jax.ShapeDtypeStruct((layers, cfg.num_experts), jnp.int32, sharding=replicated)
+                if layers else None)
+        return fn.lower(jax.tree.leaves(params), caches, batch, sampled, load).compile()
 
 
 @contextlib.contextmanager

@@ -85,3 +85,34 @@ def test_bf16_moe_serves_and_quantized_experts_are_refused(checkpoints, prompts)
     assert llm.engine.scheduler.num_used_pages == 0
     with pytest.raises(ValueError, match="mixture-of-experts weights is not supported yet"):
         LLM(str(path), quantization="int8", max_model_len=64, warmup=False)
+
+
+def test_router_statistics_count_every_real_token_once_per_chosen_expert(checkpoints, prompts):
+    """The engine's expert load (GetServerStatus, metrics) after a batch: each MoE layer
+    has counted top_k experts for every real token the model ran (prompt tokens and all
+    generated tokens but the last, which is sampled and never fed back; without async
+    scheduling no step runs past a request's end), none for padding; the dense layer of
+    Qwen2-MoE has no row."""
+    from jaxserve import LLM, SamplingParams
+
+    path, _ = checkpoints("qwen2_moe")
+    llm = LLM(str(path), dtype="float32", max_model_len=64, page_size=4, max_num_seqs=4,
+              max_num_batched_tokens=16, token_buckets=(16,), enable_prefix_caching=False,
+              async_scheduling=False)
+    assert (llm.engine.expert_load() == 0).all()  # warm-up ran padding only
+    outs = llm.generate(prompts[:3], SamplingParams(temperature=0.0, max_tokens=5,
+                                                    ignore_eos=True))
+    load = llm.engine.expert_load()
+    cfg = llm.engine.model_config
+    assert load.shape == (1, cfg.num_experts)  # layer 0 sparse, layer 1 dense
+    fed = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outs)
+    assert load.sum() == fed * cfg.num_experts_per_tok
+    assert (load > 0).sum() > 1  # routing spreads over experts
+    ((layer, tokens, imbalance),) = llm.engine.router_statistics()  # status and metrics
+    assert layer == 0 and tokens.tolist() == load[0].tolist()
+    assert imbalance == pytest.approx(load.max() / load.mean())
+
+    from server.metrics import Metrics
+    text = Metrics(llm.engine, "moe").scrape().decode()
+    (line,) = [x for x in text.splitlines() if x.startswith("jaxserve:expert_imbalance{")]
+    assert 'layer="0"' in line and float(line.split()[-1]) == pytest.approx(imbalance)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import compile_cache
@@ -51,6 +52,7 @@ class InFlightStep:
     out: SampleOutput | None
     batch: StepBatch | None = None
     key: BucketKey | None = None
+    expert_load: jax.Array | None = None  # ModelRunner.expert_load as this step leaves it
 
     @property
     def sampling(self) -> list[ScheduledSeq]:
@@ -118,6 +120,7 @@ class Engine:
         self._masks = MaskFiller()
         self._rng = random.Random(config.seed)
         self._inflight: InFlightStep | None = None
+        self._expert_load = self.runner.expert_load  # as of the last collected step
         self.num_steps = 0  # steps dispatched
         self.num_overlapped_steps = 0  # dispatched while the step before was still running
 
@@ -233,6 +236,23 @@ class Engine:
     def num_requests(self) -> int:
         return len(self._requests)
 
+    def expert_load(self) -> np.ndarray | None:
+        """`[MoE layers, num_experts]`: how many tokens (prompt and generated) each expert
+        has taken, up to the last collected step; None for a dense model. Never waits for
+        the device, so the servers may call it from their own threads."""
+        load = self._expert_load
+        return None if load is None else np.asarray(load.addressable_data(0))
+
+    def router_statistics(self) -> list[tuple[int, np.ndarray, float]]:
+        """Per MoE layer: (decoder layer index, tokens per expert, imbalance = the busiest
+        expert's tokens / the mean, 1.0 before any token); [] for a dense model."""
+        load = self.expert_load()
+        if load is None:
+            return []
+        layers = [i for i, sparse in enumerate(self.model_config.sparse_layers) if sparse]
+        return [(i, row, float(row.max() / row.mean()) if row.any() else 1.0)
+                for i, row in zip(layers, load)]
+
     # ----------------------------------------------------------------- stepping
 
     def warmup(self, progress: bool = True) -> None:
@@ -311,6 +331,7 @@ class Engine:
             step = InFlightStep(schedule, None, batch, key)
         else:
             step = InFlightStep(schedule, self.runner.dispatch(batch, key))
+        step.expert_load = self.runner.expert_load
         self.num_steps += 1
         for s in step.sampling:
             s.seq.output_token_ids.append(PLACEHOLDER)
@@ -334,6 +355,8 @@ class Engine:
     def _collect(self, step: InFlightStep) -> list[StepOutput]:
         """Wait for a dispatched step; hand its tokens to the requests still running."""
         sampled = fetch(step.out)
+        if step.expert_load is not None:
+            self._expert_load = step.expert_load  # computed: reading it will not wait
         outputs = []
         for s in step.sampling:
             req = self._requests.get(s.seq.request_id)

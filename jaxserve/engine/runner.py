@@ -28,22 +28,30 @@ DEFAULT_CPU_KV_GIB = 1.0
 
 
 def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch: StepBatch,
-            prev_tokens: jax.Array) -> tuple[KVCache, jax.Array]:
+            prev_tokens: jax.Array, expert_load: jax.Array | None
+            ) -> tuple[KVCache, jax.Array, jax.Array | None]:
     """One forward pass over a ragged batch: float32 logits `[S, vocab]` at each sequence's
     last token.
 
     `prev_tokens[max_num_seqs]` are the previous step's sampled tokens, still on the
     device: tokens with `batch.prev_index >= 0` take their id from there, so the host can
-    schedule this step before it has seen them.
+    schedule this step before it has seen them. `expert_load` (`[sparse layers,
+    num_experts]`, None for a dense model) counts the real tokens each expert has taken
+    since start; returned with this step's added.
     """
     model = nnx.merge(graphdef, params)
     input_ids = jnp.where(batch.prev_index >= 0,
                           prev_tokens[jnp.maximum(batch.prev_index, 0)], batch.input_ids)
-    hidden, kv_caches = model(input_ids, batch.positions, kv_caches, batch.attn)
+    (hidden, kv_caches), sown = nnx.capture(model, nnx.Intermediate)(
+        input_ids, batch.positions, kv_caches, batch.attn, expert_load is not None)
+    if expert_load is not None:  # MoE layers' counts, in layer order
+        sown = sorted(nnx.to_flat_state(sown), key=lambda kv: kv[0])
+        counts = [v.get_value()[0] for _, v in sown]
+        expert_load = expert_load + jnp.stack(counts)
     data_shards = batch.attn.num_seqs.shape[0]
     logits = model.logits(last_tokens(hidden, batch.attn.cu_q_lens, data_shards),
                           rows=batch.attn.num_seqs[0] if data_shards == 1 else None)
-    return kv_caches, logits
+    return kv_caches, logits, expert_load
 
 
 def sample_step(logits: jax.Array, sampling: SamplingArrays, history: TokenHistory | None,
@@ -55,11 +63,14 @@ def sample_step(logits: jax.Array, sampling: SamplingArrays, history: TokenHisto
 
 
 def step(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch: StepBatch,
-         prev_tokens: jax.Array) -> tuple[KVCache, SampleOutput, jax.Array]:
+         prev_tokens: jax.Array, expert_load: jax.Array | None
+         ) -> tuple[KVCache, SampleOutput, jax.Array, jax.Array | None]:
     """`forward` then `sample_step`, as one program (the step of every batch whose sampling
     needs nothing the host learns from the step before: see `Engine.step`)."""
-    kv_caches, logits = forward(graphdef, params, kv_caches, batch, prev_tokens)
-    return kv_caches, *sample_step(logits, batch.sampling, batch.history, prev_tokens)
+    kv_caches, logits, expert_load = forward(graphdef, params, kv_caches, batch, prev_tokens,
+                                             expert_load)
+    return (kv_caches, *sample_step(logits, batch.sampling, batch.history, prev_tokens),
+            expert_load)
 
 
 def last_tokens(hidden: jax.Array, cu_q_lens: jax.Array, data_shards: int) -> jax.Array:
@@ -95,12 +106,12 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings,
     def run(fn):
         return lambda leaves, *args: fn(graphdef, jax.tree.unflatten(treedef, leaves), *args)
 
-    inputs = (param_shardings, cache_shardings, replicated, replicated)
+    inputs = (param_shardings, cache_shardings, replicated, replicated, replicated)
     return StepPrograms(
         step=jax.jit(run(step), donate_argnums=(1,), in_shardings=inputs,
-                     out_shardings=(cache_shardings, replicated, replicated)),
+                     out_shardings=(cache_shardings, replicated, replicated, replicated)),
         forward=jax.jit(run(forward), donate_argnums=(1,), in_shardings=inputs,
-                        out_shardings=(cache_shardings, logits_sharding)),
+                        out_shardings=(cache_shardings, logits_sharding, replicated)),
         sample=jax.jit(sample_step, in_shardings=(logits_sharding, replicated, replicated,
                                                   replicated),
                        out_shardings=(replicated, replicated)))
@@ -174,6 +185,11 @@ class ModelRunner:
         # The last step's sampled tokens, on the device (see `forward`).
         self.sampled = jax.device_put(np.zeros(builder.max_num_seqs, np.int32), replicated)
         self._logits: jax.Array | None = None  # from dispatch_forward, for dispatch_sample
+        # Real tokens each expert of each MoE layer has taken since start (None: dense).
+        # Replaced, not donated, each step, so another thread may read any copy.
+        layers = sum(cfg.sparse_layers)
+        self.expert_load = (jax.device_put(np.zeros((layers, cfg.num_experts), np.int32),
+                                           replicated) if layers else None)
 
     def _zero_kv_caches(self) -> KVCache:
         zeros = lambda x: jax.jit(lambda: jnp.zeros(x.shape, x.dtype),  # noqa: E731
@@ -267,14 +283,14 @@ class ModelRunner:
 
     def _run(self, batch: StepBatch) -> SampleOutput:
         batch.sampling.grammar_mask = self._grammar_mask(batch.sampling.grammar_mask)
-        self.kv_caches, out, self.sampled = self._programs.step(
-            self._param_leaves, self.kv_caches, batch, self.sampled)
+        self.kv_caches, out, self.sampled, self.expert_load = self._programs.step(
+            self._param_leaves, self.kv_caches, batch, self.sampled, self.expert_load)
         return out
 
     def _forward(self, batch: StepBatch) -> None:
         inputs = dataclasses.replace(batch, sampling=None, history=None)
-        self.kv_caches, self._logits = self._programs.forward(
-            self._param_leaves, self.kv_caches, inputs, self.sampled)
+        self.kv_caches, self._logits, self.expert_load = self._programs.forward(
+            self._param_leaves, self.kv_caches, inputs, self.sampled, self.expert_load)
 
     def _sample(self, batch: StepBatch) -> SampleOutput:
         logits, self._logits = self._logits, None
@@ -300,7 +316,8 @@ class ModelRunner:
         """The compiled whole-step program of a bucket, for reading its HLO (compiles it
         again)."""
         return self._programs.step.lower(self._param_leaves, self.kv_caches,
-                                         self.builder.empty(key), self.sampled).compile()
+                                         self.builder.empty(key), self.sampled,
+                                         self.expert_load).compile()
 
     @property
     def num_compiled(self) -> int:

@@ -85,19 +85,26 @@ class MoE(nnx.Module):
             self.shared_expert_gate = param(rngs, (e, 1), ("embed", None), dtype)
         self.cfg = cfg
 
-    def __call__(self, x: jax.Array, shard: ShardingContext, rows=None) -> jax.Array:
+    def __call__(self, x: jax.Array, shard: ShardingContext, rows=None,
+                 real: jax.Array | None = None) -> jax.Array:
         """`x[T, hidden]` -> `[T, hidden]`; on a mesh the experts run per device
-        (parallel.expert_parallel). `rows` (the native matmul's real tokens) is unused."""
+        (parallel.expert_parallel). With `real` (`[T]` bool, the batch's real tokens) it
+        sows how many real tokens chose each expert (`expert_tokens`, `[num_experts]`), for
+        the engine's router statistics. `rows` (the native matmul's) is unused."""
         cfg = self.cfg
         weights_dtype = jnp.float32 if cfg.model_type == "mixtral" else x.dtype
+        weights, chosen = route(x, self.router[...], cfg.num_experts_per_tok,
+                                cfg.norm_topk_prob, weights_dtype)
+        if real is not None:
+            counts = jnp.zeros(cfg.num_experts, jnp.int32).at[chosen].add(
+                real[:, None].astype(jnp.int32))
+            self.sow(nnx.Intermediate, "expert_tokens", counts)
 
-        def experts(x, router, gate_proj, up_proj, down_proj, first_expert=0):
-            weights, chosen = route(x, router, cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                                    weights_dtype)
+        def experts(x, weights, chosen, gate_proj, up_proj, down_proj, first_expert=0):
             return grouped_swiglu(x, weights, chosen - first_expert, gate_proj, up_proj,
                                   down_proj)
 
-        out = expert_parallel(experts, x, self.router, self.gate_proj, self.up_proj,
+        out = expert_parallel(experts, x, weights, chosen, self.gate_proj, self.up_proj,
                               self.down_proj, shard)
         if cfg.shared_expert_intermediate_size:
             h = jax.nn.silu(x @ self.shared_gate_proj[...]) * (x @ self.shared_up_proj[...])

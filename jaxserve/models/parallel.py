@@ -184,35 +184,46 @@ def _only(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
     return PartitionSpec(*(keep(e) for e in spec))
 
 
-def expert_parallel(experts, x: jax.Array, router: nnx.Param, gate_proj: nnx.Param,
-                    up_proj: nnx.Param, down_proj: nnx.Param, shard: ShardingContext) -> jax.Array:
-    """A mixture-of-experts layer's experts on the mesh: `experts(x, router, gate, up, down,
-    first_expert)` (moe.MoE) runs on each device with the expert weights it holds.
+def expert_parallel(experts, x: jax.Array, weights: jax.Array, chosen: jax.Array,
+                    gate_proj: nnx.Param, up_proj: nnx.Param, down_proj: nnx.Param,
+                    shard: ShardingContext) -> jax.Array:
+    """A mixture-of-experts layer's experts on the mesh: `experts(x, weights, chosen, gate,
+    up, down, first_expert)` (moe.MoE) runs on each device with the expert weights it
+    holds, for the tokens' routing (`weights`, `chosen`: `[T, top_k]`, computed once).
 
     Expert parallelism (`experts` over `model`): a device holds num_experts / model whole
     experts, numbered from `first_expert`; tensor parallelism of the experts
     (`expert_mlp` over `model`): every expert's gate/up columns and down rows are split.
     Either way every device sees all of its data shard's tokens (the attention's layout
-    already gathers them over `model`: no dispatch collective) and routes them itself,
-    each token's chosen experts add their weighted outputs where they live, and one
-    all-reduce over `model` combines the partial sums, the same collective a dense MLP
-    ends in. Nothing is dropped: every token-expert pair is computed by its expert's
-    device, whatever the load (no capacity factor). Expert weights are never gathered.
+    already gathers them over `model`: no dispatch collective), each token's chosen
+    experts add their weighted outputs where they live, and one all-reduce over `model`
+    combines the partial sums, the same collective a dense MLP ends in. Nothing is
+    dropped: every token-expert pair is computed by its expert's device, whatever the
+    load (no capacity factor). Expert weights are never gathered.
     """
     in_spec = shard.rules.spec(gate_proj.get_metadata()["logical_axes"])
     experts_axis, _, mlp_axis = in_spec
     if shard.mesh.size == 1 or (experts_axis is None and mlp_axis is None):
-        return experts(x, router[...], gate_proj[...], up_proj[...], down_proj[...])
+        return experts(x, weights, chosen, gate_proj[...], up_proj[...], down_proj[...])
     split = experts_axis or mlp_axis
-    tokens = shard.rules.spec(("tokens",))[0]
+    tokens = PartitionSpec(shard.rules.spec(("tokens",))[0], None)
 
-    def local(x, router, gate, up, down):
+    def local(x, weights, chosen, gate, up, down):
         first = jax.lax.axis_index(split) * gate.shape[0] if experts_axis else 0
-        return jax.lax.psum(experts(x, router, gate, up, down, first), split)
+        return jax.lax.psum(experts(x, weights, chosen, gate, up, down, first), split)
 
     return jax.shard_map(
         local, mesh=shard.mesh, check_vma=False,
-        in_specs=(PartitionSpec(tokens, None), PartitionSpec(None, None), in_spec, in_spec,
+        in_specs=(tokens, tokens, tokens, in_spec, in_spec,
                   shard.rules.spec(down_proj.get_metadata()["logical_axes"])),
-        out_specs=PartitionSpec(tokens, None),
-    )(x, router[...], gate_proj[...], up_proj[...], down_proj[...])
+        out_specs=tokens,
+    )(x, weights, chosen, gate_proj[...], up_proj[...], down_proj[...])
+
+
+def real_token_mask(meta, num_tokens: int) -> jax.Array:
+    """`[T]` bool: the batch's real tokens (not bucket padding), in every data shard's
+    block of T/D tokens (shard d's real tokens are the first cu_q_lens of its block at
+    its num_seqs)."""
+    d = meta.num_seqs.shape[0]
+    ends = jnp.take_along_axis(meta.cu_q_lens.reshape(d, -1), meta.num_seqs[:, None], 1)
+    return (jnp.arange(num_tokens // d)[None, :] < ends).reshape(-1)

@@ -24,7 +24,7 @@ from jaxserve.models.layers import (
 from jaxserve.models.moe import MoE
 from jaxserve.models.parallel import (
     KV_CACHE_AXES, NEW_KV_AXES, Q_AXES, RESIDUAL_AXES, dense_group, paged_attention,
-    real_tokens, row_parallel)
+    real_token_mask, real_tokens, row_parallel)
 from sharding.rules import ShardingContext
 
 # Per layer: (k_pages, v_pages), plus (k_scales, v_scales) for a quantized cache.
@@ -171,7 +171,7 @@ class Block(nnx.Module):
     def _norm(self, x, weight):
         return rms_norm(x, weight[...], self.eps, self.offset)
 
-    def __call__(self, x, positions, kv, meta, shard, rows=None):
+    def __call__(self, x, positions, kv, meta, shard, rows=None, router_stats=False):
         # The residual stream ("residual" axis) is split over tokens under sequence
         # parallelism: the norms run on a shard, an all-gather rebuilds all tokens before
         # the column-split matmuls ("tokens" axis), and the row-split matmuls' partial sums
@@ -185,8 +185,10 @@ class Block(nnx.Module):
         else:
             x = x + h
             h = self._norm(x, self.post_attn_norm)
-        h = shard.constrain(self.mlp(shard.constrain(h, ("tokens", "embed")), shard, rows),
-                            RESIDUAL_AXES)
+        h = shard.constrain(h, ("tokens", "embed"))
+        moe = (real_token_mask(meta, h.shape[0]),) if router_stats and isinstance(
+            self.mlp, MoE) else ()
+        h = shard.constrain(self.mlp(h, shard, rows, *moe), RESIDUAL_AXES)
         x = x + (self._norm(h, self.post_mlp_norm) if self.sandwich else h)
         return x, kv
 
@@ -206,8 +208,11 @@ class Transformer(nnx.Module):
             self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: KVCache,
-                 meta: AttentionMetadata) -> tuple[jax.Array, KVCache]:
-        """Hidden states `[T, hidden]` after the last block (before the final norm)."""
+                 meta: AttentionMetadata, router_stats: bool = False
+                 ) -> tuple[jax.Array, KVCache]:
+        """Hidden states `[T, hidden]` after the last block (before the final norm). With
+        `router_stats` each MoE layer sows its `expert_tokens` (call it under
+        `nnx.capture(model, nnx.Intermediate)`, as runner.forward does)."""
         shard = self.shard
         x = self.embed[...][input_ids]
         if self.cfg.scale_embeddings:  # sqrt(hidden), rounded to the weights' dtype (as HF)
@@ -216,7 +221,7 @@ class Transformer(nnx.Module):
         rows = real_tokens(meta, shard)
         new_caches = []
         for block, kv in zip(self.layers, kv_caches):
-            x, kv = block(x, positions, kv, meta, shard, rows)
+            x, kv = block(x, positions, kv, meta, shard, rows, router_stats)
             new_caches.append(kv)
         return x, new_caches
 
