@@ -98,12 +98,14 @@ def bias_and_ban(logits: jax.Array, p: SamplingArrays) -> jax.Array:
     return logits.at[rows, ids].add(values, mode="drop")
 
 
-def filter_logits(logits: jax.Array, p: SamplingArrays) -> jax.Array:
+def filter_logits(logits: jax.Array, p: SamplingArrays, top: jax.Array | None = None
+                  ) -> jax.Array:
     """Mask (to -inf) tokens outside top-k, outside the top-p nucleus, or below min-p.
 
     Each is a per-row threshold on the logits; one `where` applies them all. Only top-k /
     top-p need a sort, under a `lax.cond` that returns the `[S]` thresholds (a cond that
-    returned the `[S, V]` logits would copy them even when it does nothing)."""
+    returned the `[S, V]` logits would copy them even when it does nothing). `top`: each
+    row's maximum, if the caller has it (no filter removes it)."""
     s, v = logits.shape
 
     def top_k_top_p(logits):
@@ -123,7 +125,8 @@ def filter_logits(logits: jax.Array, p: SamplingArrays) -> jax.Array:
     cut = jax.lax.cond(needs_sort, top_k_top_p, lambda _: jnp.full(s, _NEG_INF), logits)
     # min-p: p_t >= min_p * p_max  <=>  logit_t >= logit_max + log(min_p) (the softmax's
     # normaliser cancels); log(0) = -inf keeps everything.
-    cut = jnp.maximum(cut, row_max(logits) + jnp.log(p.min_p))
+    top = row_max(logits) if top is None else top
+    cut = jnp.maximum(cut, top + jnp.log(p.min_p))
     return jnp.where(logits >= cut[:, None], logits, _NEG_INF)
 
 
@@ -198,13 +201,15 @@ def sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | Non
 
     def draw(logits):
         temp = jnp.where(p.temperature > 0, p.temperature, 1.0)
-        scaled = filter_logits(logits / temp[:, None], p)
+        scaled = logits / temp[:, None]
+        top = row_max(scaled)  # also the filtered rows' maximum: one pass for both
+        scaled = filter_logits(scaled, p, top)
         keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(p.seed, p.output_index)
         # Inverse CDF: the first token whose cumulative probability passes the row's one
         # uniform draw. Gumbel noise per token (argmax of logits + noise) picks from the same
         # distribution but costs 64 x 49k random numbers a step: ~6x the time on a CPU.
         u = jnp.maximum(jax.vmap(jax.random.uniform)(keys), jnp.finfo(jnp.float32).tiny)
-        drawn = inverse_cdf(jnp.exp(scaled - row_max(scaled)[:, None]), u)
+        drawn = inverse_cdf(jnp.exp(scaled - top[:, None]), u)
         return jnp.where(p.temperature > 0, drawn, greedy_ids)
 
     token_ids = jax.lax.cond(jnp.any(p.temperature > 0), draw, lambda _: greedy_ids, logits)
