@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import tempfile
 
@@ -127,3 +128,29 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
             out.append(int(torch.argmax(res.logits[0, -1])))
             ids = torch.tensor([[out[-1]]])
     return out
+
+
+# --- a TPU chip to compile for ahead of time (libtpu, no TPU) ----------------------------
+
+TOPOLOGIES = ["v5e:2x2", "v6e:2x2"]
+
+
+def tpu_chip(topology: str):
+    """Chip 0 of a TPU topology, waiting while another process holds libtpu's lockfile."""
+    pytest.importorskip("libtpu", reason="libtpu is not installed: pip install 'jax[tpu]'")
+    from sharding.planner import tpu_devices
+
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            return tpu_devices(topology)[0]
+        except Exception as e:  # noqa: BLE001 - libtpu raises a bare runtime error
+            if "lockfile" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(5)
+
+
+@pytest.fixture(scope="session", params=TOPOLOGIES)
+def chip(request):
+    """Chip 0 of each TPU generation we compile for (v5e, v6e), one after the other."""
+    return tpu_chip(request.param)

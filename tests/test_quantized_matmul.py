@@ -17,7 +17,6 @@ absolute products each output element adds up):
 
 from __future__ import annotations
 
-import time
 import zlib
 
 import jax
@@ -271,29 +270,6 @@ def test_gpu_kernel_lowers_to_triton_for_llama3_8b(kind):
 
 
 # --- the TPU kernel compiled ahead of time for real TPU generations -----------------------
-
-TOPOLOGIES = ["v5e:2x2", "v6e:2x2"]
-
-
-def tpu_chip(topology: str):
-    """Chip 0 of a TPU topology, waiting while another process holds libtpu's lockfile."""
-    pytest.importorskip("libtpu", reason="libtpu is not installed: pip install 'jax[tpu]'")
-    from sharding.planner import tpu_devices
-
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            return tpu_devices(topology)[0]
-        except Exception as e:  # noqa: BLE001 - libtpu raises a bare runtime error
-            if "lockfile" not in str(e) or time.monotonic() > deadline:
-                raise
-            time.sleep(5)
-
-
-@pytest.fixture(scope="module", params=TOPOLOGIES)
-def chip(request):
-    return tpu_chip(request.param)
-
 
 def compile_on_chip(fn, args, dev):
     with jax.default_device(dev):

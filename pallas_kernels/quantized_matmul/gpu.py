@@ -59,6 +59,13 @@ def block_sizes(m: int, k: int, n: int, kind: str, group: int,
     return bm, bn, bk
 
 
+def int4_halves(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A loaded int4 tile's low and high nibbles as signed int32: uint8 -> int32
+    zero-extends; shifting the nibble to the top and back arithmetically sign-extends it."""
+    packed = packed.astype(jnp.int32)
+    return (packed << 28) >> 28, (packed << 24) >> 28
+
+
 def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
@@ -81,10 +88,7 @@ def _kernel(x_ref,  # [bm, K]: this program's rows of x, all of K (the loop slic
         half = group // 2
         for g in range(block_k // group):
             start = step * block_k + g * group
-            # uint8 -> int32 zero-extends; shifting the nibble to the top and back
-            # arithmetically sign-extends it.
-            packed = w_ref[pl.ds(start // 2, half), :].astype(jnp.int32)
-            low, high = (packed << 28) >> 28, (packed << 24) >> 28
+            low, high = int4_halves(w_ref[pl.ds(start // 2, half), :])
             part = (_dot(x_ref[:, pl.ds(start, half)], low.astype(jnp.float32))
                     + _dot(x_ref[:, pl.ds(start + half, half)], high.astype(jnp.float32)))
             acc = acc + part * s_ref[pl.ds(start // group, 1), :]

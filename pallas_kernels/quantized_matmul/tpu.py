@@ -61,20 +61,20 @@ def block_sizes(m: int, k: int, n: int, kind: str, group: int, dtype: jnp.dtype,
     return bm, bn, bk
 
 
-def _mxu_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+def mxu_dot(x: jax.Array, w: jax.Array) -> jax.Array:
     # float32 x asks for full f32 passes: Mosaic's default contraction precision is its
     # own choice, and the reference computes float32 at HIGHEST.
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     return jnp.dot(x, w, preferred_element_type=jnp.float32, precision=precision)
 
 
-def _dequantize_8bit_tile(w: jax.Array, dtype: jnp.dtype) -> jax.Array:
+def dequantize_8bit_tile(w: jax.Array, dtype: jnp.dtype) -> jax.Array:
     # Through float32: every int8 and every float8_e4m3fn value is exact there and in
     # bf16, and f32 is the conversion every TPU generation's VPU has.
     return w.astype(jnp.float32).astype(dtype)
 
 
-def _int4_block_dot(x_ref, w_ref, s_ref, group: int) -> jax.Array:
+def int4_block_dot(x_ref, w_ref, s_ref, group: int) -> jax.Array:
     """Sum over the block's groups of (x_group @ w_group) * scale_group, in float32."""
     half = group // 2
     packed = w_ref[...].astype(jnp.int32)
@@ -88,7 +88,7 @@ def _int4_block_dot(x_ref, w_ref, s_ref, group: int) -> jax.Array:
         # The format puts a group's first half in the low nibbles and its second half in
         # the high ones, so the group is two contiguous pieces: no interleave needed.
         w = jnp.concatenate([low[rows], high[rows]], axis=0).astype(x_ref.dtype)
-        part = _mxu_dot(x_ref[:, g * group:(g + 1) * group], w)
+        part = mxu_dot(x_ref[:, g * group:(g + 1) * group], w)
         part = part * s_ref[g:g + 1, :]
         total = part if total is None else total + part
     return total
@@ -107,10 +107,10 @@ def _kernel(x_ref,  # [bm, bk] VMEM: x's tile at (M block, K step)
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
     if kind == "int4":
-        acc_ref[...] += _int4_block_dot(x_ref, w_ref, s_ref, group)
+        acc_ref[...] += int4_block_dot(x_ref, w_ref, s_ref, group)
     else:
-        w = _dequantize_8bit_tile(w_ref[...], x_ref.dtype)
-        acc_ref[...] += _mxu_dot(x_ref[...], w)
+        w = dequantize_8bit_tile(w_ref[...], x_ref.dtype)
+        acc_ref[...] += mxu_dot(x_ref[...], w)
 
     @pl.when(step == pl.num_programs(2) - 1)
     def _store():

@@ -1,0 +1,150 @@
+"""The grouped matmul as a Pallas Mosaic (TPU) kernel with group offsets.
+
+Grid (N blocks, visits, K blocks), K innermost. The visit plan (visits.py) is prefetched
+into SMEM and drives the index maps: visit v reads x's row tile `tile[v]` and group
+`group[v]`'s weight block, accumulates over K in an f32 VMEM scratch, and at the last K
+step stores the rows of the tile that are the group's (a select against what earlier
+visits of the same tile stored: visits sharing a tile are consecutive, so the output
+block stays in VMEM between them). Visits past the active ones do nothing; they repeat
+the last active visit's block indices, so no DMA is issued for them either.
+
+Weights are float (x's dtype) or quantized per group (formats.py); a quantized block is
+dequantized in VMEM, as in quantized_matmul/tpu.py (whose tile helpers this shares), so
+the stack stays quantized in HBM.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.grouped_matmul import formats
+from pallas_kernels.grouped_matmul.visits import plan_visits, zero_rows_outside_groups
+from pallas_kernels.quantized_matmul.tpu import (
+    LANES, MAX_BLOCK_K, dequantize_8bit_tile, int4_block_dot, k_unit, mxu_dot)
+from pallas_kernels.tiling import round_up, sublane_tile
+
+MAX_BLOCK_M = 128
+MAX_BLOCK_N = 512
+MAX_BLOCK_K_FLOAT = 512
+
+
+def dividing_block(size: int, unit: int, most: int) -> int:
+    """The largest multiple of `unit`, at most `most` (but at least `unit`), dividing
+    `size` rounded up to `unit`: no padding beyond the unit where the shape allows."""
+    padded = round_up(size, unit)
+    for block in range(max(unit, most // unit * unit), unit - 1, -unit):
+        if padded % block == 0:
+            return block
+    return unit
+
+
+def block_sizes(m: int, k: int, n: int, kind: str | None, group: int, dtype,
+                block_m: int | None = None, block_n: int | None = None,
+                block_k: int | None = None) -> tuple[int, int, int]:
+    """(bm, bn, bk) from the shapes: bm = min(round_up(M, sublane tile), 128); bn and bk
+    the largest multiples of 128 (K: of lcm(128, G) for int4) up to 512 (int4's K: 1024)
+    that divide N and K. Explicit sizes override, checked for the same alignment."""
+    sub = sublane_tile(dtype)
+    unit = k_unit(kind, group) if kind else LANES
+    bm = block_m or min(round_up(m, sub), MAX_BLOCK_M)
+    bn = block_n or dividing_block(n, LANES, MAX_BLOCK_N)
+    bk = block_k or dividing_block(k, unit, MAX_BLOCK_K[kind] if kind else MAX_BLOCK_K_FLOAT)
+    if bm % sub or bn % LANES or bk % unit:
+        raise ValueError(f"TPU block sizes (block_m={bm}, block_n={bn}, block_k={bk}) must be "
+                         f"multiples of ({sub}, {LANES}, {unit})")
+    return bm, bn, bk
+
+
+def _kernel(offsets_ref, group_ref, tile_ref, active_ref,  # the visit plan, in SMEM
+            x_ref,  # [bm, bk]: the visit's row tile at this K step
+            w_ref,  # [bk, bn] (float, int8, fp8) or [bk / 2, bn] (int4): its group's block
+            *refs,  # (s_ref: [1, bn] or [bk / G, bn] scales, if quantized), o_ref, acc_ref
+            kind: str | None, group: int):
+    s_ref, o_ref, acc_ref = refs if kind else (None, *refs)
+    v, step = pl.program_id(1), pl.program_id(2)
+    live = v < active_ref[0]
+
+    @pl.when(step == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(live)
+    def _accumulate():
+        if kind == "int4":
+            acc_ref[...] += int4_block_dot(x_ref, w_ref, s_ref, group)
+        elif kind:
+            acc_ref[...] += mxu_dot(x_ref[...], dequantize_8bit_tile(w_ref[...], x_ref.dtype))
+        else:
+            acc_ref[...] += mxu_dot(x_ref[...], w_ref[...].astype(x_ref.dtype))
+
+    @pl.when(live & (step == pl.num_programs(2) - 1))
+    def _store():
+        acc = acc_ref[...]
+        if kind in ("int8", "fp8"):
+            acc = acc * s_ref[...]
+        g = group_ref[v]
+        rows = tile_ref[v] * acc.shape[0] + jax.lax.broadcasted_iota(jnp.int32, acc.shape, 0)
+        mine = (rows >= offsets_ref[g]) & (rows < offsets_ref[g + 1])
+        o_ref[...] = jnp.where(mine, acc.astype(o_ref.dtype), o_ref[...])
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "block_m", "block_n", "block_k",
+                                             "interpret"))
+def grouped_matmul(x: jax.Array, values: jax.Array, group_sizes: jax.Array,
+                   scales: jax.Array | None = None, *, kind: str | None = None,
+                   block_m: int | None = None, block_n: int | None = None,
+                   block_k: int | None = None, interpret: bool = False) -> jax.Array:
+    """`y[i] = x[i] @ w[g(i)]` for the rows of each group; rows past the groups: zeros."""
+    k = formats.check_operands(x, values, scales, group_sizes, kind)
+    m, n = x.shape[0], values.shape[2]
+    group = k // scales.shape[1] if kind == "int4" else 1
+    bm, bn, bk = block_sizes(m, k, n, kind, group, x.dtype, block_m, block_n, block_k)
+    mp, kp, np_ = round_up(m, bm), round_up(k, bk), round_up(n, bn)
+    x, values, scales = formats.pad_operands(x, values, scales, kind, mp, kp, np_)
+    plan = plan_visits(group_sizes, m, bm)
+
+    def w_index(n, v, s, offsets, groups, tiles, active):
+        return groups[v], s, n
+
+    in_specs = [pl.BlockSpec((bm, bk), lambda n, v, s, o, g, t, a: (t[v], s)),
+                pl.BlockSpec((pl.squeezed, bk // 2 if kind == "int4" else bk, bn), w_index)]
+    operands = [x, values]
+    if kind == "int4":
+        # One K step's group scales as the whole middle axis of a block (see
+        # quantized_matmul/tpu.py: a [bk // G, bn] block of [K // G, N] breaks the 8-row rule).
+        scales = scales.reshape(scales.shape[0], kp // bk, bk // group, np_)
+        in_specs.append(pl.BlockSpec((pl.squeezed, pl.squeezed, bk // group, bn),
+                                     lambda n, v, s, o, g, t, a: (g[v], s, 0, n)))
+        operands.append(scales)
+    elif kind:
+        in_specs.append(pl.BlockSpec((pl.squeezed, 1, bn),
+                                     lambda n, v, s, o, g, t, a: (g[v], 0, n)))
+        operands.append(scales)
+
+    visits = plan.group.shape[0]
+    itemsize = jnp.dtype(x.dtype).itemsize
+    cost = pl.CostEstimate(
+        flops=2 * visits * bm * kp * np_, transcendentals=0,
+        bytes_accessed=(values.size * values.dtype.itemsize
+                        + visits * bm * kp * itemsize * (np_ // bn) + mp * np_ * itemsize))
+    out = pl.pallas_call(
+        functools.partial(_kernel, kind=kind, group=group),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(np_ // bn, visits, kp // bk),
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((bm, bn), lambda n, v, s, o, g, t, a: (t[v], n)),
+            scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)]),
+        compiler_params=pltpu.CompilerParams(
+            # Visits that share a row tile accumulate into one output block in turn.
+            dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        cost_estimate=cost,
+        interpret=interpret,
+    )(*plan, *operands)
+    return zero_rows_outside_groups(out[:m, :n], plan.offsets)

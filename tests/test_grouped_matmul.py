@@ -1,0 +1,193 @@
+"""Grouped matmul (the experts' projections): the reference and the CPU loop against a
+numpy loop over the groups in float64, the Pallas TPU and GPU kernels (interpret mode)
+against the reference, for float and quantized stacks, with empty groups, one group
+taking every row, group sizes that are not multiples of the blocks, and rows past the
+last group; the TPU kernel compiled ahead of time for v5e and v6e at Mixtral's shapes,
+the GPU kernel lowered to Triton.
+
+Tolerances: float32 everywhere. All paths compute exact f32 products of the same f32
+(dequantized) weights and differ only in summation order: 1e-5 of max |y| (the quantized
+matmul's tests derive the same bound).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import grouped_matmul as gm
+from pallas_kernels.grouped_matmul import cpu, formats, tpu
+from pallas_kernels.grouped_matmul.visits import num_visits, plan_visits
+
+# Group sizes over 4 groups: random-ish, empty groups, one group takes every row, a row
+# tile shared by three groups, all empty; each with 3 rows past the last group.
+SIZES = {"mixed": [5, 0, 19, 9], "one group takes all": [0, 0, 37, 0],
+         "small groups": [1, 2, 3, 1], "all empty": [0, 0, 0, 0]}
+KINDS = [None, "int8", "int4", "fp8"]
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def draw(rng, sizes, k: int, n: int, kind, group_size: int = 64):
+    m = sum(sizes) + 3
+    x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal((len(sizes), k, n), dtype=np.float32))
+    values, scales = formats.quantize(w, kind, group_size) if kind else (w, None)
+    return x, values, scales, jnp.asarray(sizes, jnp.int32)
+
+
+def numpy_grouped(x, values, scales, sizes, kind) -> np.ndarray:
+    """A loop over the groups in float64: each group's rows times its dequantized weight."""
+    w = np.asarray(formats.dequantize(values, scales, kind), np.float64)
+    x = np.asarray(x, np.float64)
+    out, start = np.zeros((x.shape[0], w.shape[2])), 0
+    for g, size in enumerate(np.asarray(sizes)):
+        out[start:start + size] = x[start:start + size] @ w[g]
+        start += size
+    return out
+
+
+def assert_close(y, want):
+    y = np.asarray(y, np.float64)
+    np.testing.assert_allclose(y, want, rtol=0, atol=1e-5 * max(np.abs(want).max(), 1.0))
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+@pytest.mark.parametrize("kind", KINDS, ids=str)
+def test_plain_jax_paths_against_a_numpy_loop(rng, impl, kind):
+    for name, sizes in SIZES.items():
+        x, values, scales, gs = draw(rng, sizes, 128, 96, kind)
+        y = gm.grouped_matmul(x, values, gs, scales, kind=kind, impl=impl, block_m=8)
+        assert y.shape == (x.shape[0], 96) and y.dtype == jnp.float32
+        assert_close(y, numpy_grouped(x, values, scales, gs, kind))
+        assert not np.asarray(y[sum(sizes):]).any(), f"{name}: rows past the groups"
+
+
+# Small explicit blocks: several row tiles, N and K blocks, int4 groups of 64 (two per K
+# block); K = 384 and N = 200 are not multiples of the blocks (padded).
+BLOCKS = {"tpu": dict(block_m=16, block_n=128, block_k=256),
+          "gpu": dict(block_m=16, block_n=64, block_k=128)}
+
+
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+@pytest.mark.parametrize("kind", KINDS, ids=str)
+def test_kernels_match_the_reference_in_interpret_mode(rng, impl, kind):
+    for name, sizes in SIZES.items():
+        x, values, scales, gs = draw(rng, sizes, 384, 200, kind)
+        y = gm.grouped_matmul(x, values, gs, scales, kind=kind, impl=impl, interpret=True,
+                              **BLOCKS[impl])
+        ref = gm.grouped_matmul(x, values, gs, scales, kind=kind, impl="reference")
+        assert y.shape == ref.shape, name
+        assert_close(y, np.asarray(ref, np.float64))
+
+
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+def test_kernels_with_default_blocks_and_bf16(rng, impl):
+    """The blocks the kernels pick themselves, bfloat16 rows and weights, one group past
+    the end of a tile: within bf16's rounding of the output (2^-8 |y|) plus f32 sums."""
+    sizes = [3, 0, 30, 1]
+    x, w, _, gs = draw(rng, sizes, 256, 128, None)
+    x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    y = gm.grouped_matmul(x, w, gs, impl=impl, interpret=True)
+    want = numpy_grouped(x.astype(jnp.float32), w, None, gs, None)
+    sigma = numpy_grouped(jnp.abs(x.astype(jnp.float32)), jnp.abs(w), None, gs, None)
+    err = np.abs(np.asarray(y.astype(jnp.float32), np.float64) - want)
+    assert y.dtype == jnp.bfloat16
+    assert np.all(err <= 2.0**-8 * np.abs(want) + 2.0**-14 * sigma), err.max()
+
+
+def test_visit_plan():
+    """Every (group, tile) pair with rows is visited once, in order; the rest repeat."""
+    sizes = np.array([5, 0, 19, 9, 0, 1])
+    m, bm = 40, 8
+    plan = jax.tree.map(np.asarray, plan_visits(jnp.asarray(sizes), m, bm))
+    ends = np.cumsum(sizes)
+    want = [(g, t) for g, (s, e) in enumerate(zip(ends - sizes, ends)) if e > s
+            for t in range(s // bm, (e - 1) // bm + 1)]
+    active = int(plan.active[0])
+    assert list(zip(plan.group[:active], plan.tile[:active])) == want
+    assert len(plan.group) == num_visits(m, len(sizes), bm) == 5 + 5
+    assert (plan.group[active:] == want[-1][0]).all() and (plan.tile[active:] == want[-1][1]).all()
+    np.testing.assert_array_equal(plan.offsets, np.concatenate([[0], ends]))
+
+
+def test_dispatch_and_bad_operands(rng):
+    x, values, scales, gs = draw(rng, [2, 2], 128, 128, "int8")
+    assert gm.choose_impl("int8") == "cpu" and gm.choose_impl(None) == "cpu"
+    with pytest.raises(ValueError, match="explicit impl"):
+        gm.grouped_matmul(x, values, gs, scales, kind="int8", interpret=True)
+    with pytest.raises(ValueError, match="unknown impl"):
+        gm.grouped_matmul(x, values, gs, scales, kind="int8", impl="cuda")
+    with pytest.raises(ValueError, match="scales"):
+        gm.grouped_matmul(x, values, gs, kind="int8")
+    with pytest.raises(ValueError, match="group_sizes"):
+        gm.grouped_matmul(x, values.astype(jnp.float32), gs[:1])
+
+
+def test_block_rules():
+    # Blocks divide the real shapes where a multiple of 128 does: Qwen3-30B-A3B's 768
+    # intermediate gets 384-wide blocks, not 512 padded to 1024.
+    assert tpu.block_sizes(16, 2048, 768, None, 1, jnp.bfloat16) == (16, 384, 512)
+    assert tpu.block_sizes(300, 4096, 14336, "int8", 1, jnp.bfloat16) == (128, 512, 512)
+    assert tpu.block_sizes(8, 768, 2048, "int4", 128, jnp.bfloat16) == (16, 512, 768)
+    assert cpu.block_m_for(2) == 8 and cpu.block_m_for(1000) == 128
+
+
+# --- the GPU kernel lowers to Triton, the TPU kernel compiles (no accelerator needed) ------
+
+MIXTRAL_UP = (2, 8, 4096, 14336)  # 1 decode token x top-2 rows, 8 experts, [4096, 14336]
+
+
+def abstract(m, g, k, n, kind, sharding=None):
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16, sharding=sharding)
+    sizes = jax.ShapeDtypeStruct((g,), jnp.int32, sharding=sharding)
+    if kind is None:
+        return x, jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16, sharding=sharding), sizes, None
+    (vs, vd), (ss, sd) = formats.quantized_shapes(g, k, n, kind)
+    return (x, jax.ShapeDtypeStruct(vs, vd, sharding=sharding), sizes,
+            jax.ShapeDtypeStruct(ss, sd, sharding=sharding))
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", None], ids=str)
+def test_gpu_kernel_lowers_to_triton_for_mixtral(kind):
+    from pallas_kernels.grouped_matmul import gpu
+
+    fn = jax.jit(lambda x, v, s, sc: gpu.grouped_matmul(x, v, s, sc, kind=kind))
+    exported = jax.export.export(
+        fn, platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(*abstract(*MIXTRAL_UP, kind))
+    text = exported.mlir_module()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    # One program per (visit, 128 columns): 1 row tile + 7 group boundaries.
+    assert f"grid_x = {num_visits(2, 8, 16)} : i32" in text
+    assert f"grid_y = {14336 // 128} : i32" in text
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8", None], ids=str)
+def test_tpu_kernel_compiles_with_the_stack_quantized_in_hbm(chip, kind):
+    """Mosaic accepts the kernel on v5e and v6e at Mixtral's shapes, and the program's
+    arguments are x, the stack as stored and its scales: no dequantized copy of an
+    expert, not even as a temporary."""
+    from jax.sharding import SingleDeviceSharding
+
+    m, g, k, n = MIXTRAL_UP
+    args = abstract(m, g, k, n, kind, SingleDeviceSharding(chip))
+    with jax.default_device(chip):
+        assert gm.choose_impl(kind, 128) == "tpu"
+        compiled = jax.jit(lambda x, v, s, sc: gm.grouped_matmul(x, v, s, sc, kind=kind)
+                           ).lower(*args).compile()
+    mem = compiled.memory_analysis()
+    stack = g * k * n * {None: 2, "int8": 1, "fp8": 1, "int4": 0.5}[kind]
+    scales = 0 if kind is None else args[3].size * 4
+    # group_sizes (int32[8]) takes one 512-byte tile on the chip.
+    assert mem.argument_size_in_bytes == m * k * 2 + stack + scales + 512
+    assert mem.temp_size_in_bytes < k * n // 16  # less than a 16th of ONE expert
+    assert "tpu_custom_call" in compiled.as_text()
