@@ -18,6 +18,16 @@ a decode batch, a prefill chunk). Each is timed as a chain of calls over copies 
 weight (at least 128 MB of them at M = 1, so no call finds its weight in a cache), each
 call waiting on the one before as a model's layers do; the time is per call.
 
+Mixture-of-experts layer (the experts of one layer: route given, gate/up/down SwiGLU, the
+weighted sum) at Qwen3-30B-A3B's shapes (128 experts of [2048, 768], top-8; on an
+accelerator or with --full also Mixtral-8x7B's, 8 experts of [4096, 14336], top-2), for
+M in {1, 16, 64} tokens (M in {1, 16} on CPU unless --full), bf16 (and f32 on CPU),
+routed by a fixed random router: the dense-loop formulation (every expert computes every
+token, weighted by zeros where not chosen; reads every expert once), XLA's ragged_dot
+(the grouped matmul's reference) and the grouped matmul of pallas_kernels/grouped_matmul
+(the platform's kernel; on a CPU its loop over the experts with tokens). Floor: the
+weights of the distinct experts the batch chose, divided by the bandwidth.
+
 Every row is timed for the reference (pure JAX) and for the platform's kernel ("tpu" on
 TPU, "gpu" on GPU, "cpu" -- pallas_kernels/cpu, the native kernels -- on a CPU where they
 build; --impl forces one, "none" times the reference only). There are no quantized-matmul
@@ -43,6 +53,7 @@ a CPU, the CPU kernels' targets: decode attention >= 40% of the floor, dense M =
 of it (f32 and bf16), bf16 M = 512 >= 600 GFLOP/s and faster than XLA at M = 64 and 512.
 
     python benchmarks/kernels.py [--full] [--impl tpu|gpu|cpu|none] [--iters N]
+                                 [--only attention,quantized,dense,moe]
 """
 
 from __future__ import annotations
@@ -63,6 +74,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from offline_throughput import measure_bandwidth, measure_matmul
+from jaxserve.models.moe import grouped_glu
 from pallas_kernels import cpu as native
 from pallas_kernels.matmul import matmul
 from pallas_kernels.platform import GPU_PLATFORMS
@@ -83,6 +95,9 @@ DENSE_CHAIN_BYTES = 128e6  # M = 1: weights per chain, beyond the last-level cac
 CPU_DECODE_TARGET = 0.40  # CPU: decode attention, fraction of the bandwidth floor
 CPU_GEMV_TARGET = 0.80  # CPU: dense matmul at M = 1, fraction of the bandwidth floor
 CPU_BF16_GFLOPS_TARGET = 600.0  # CPU: bf16 dense matmul at M = 512
+# (name, experts, hidden, expert intermediate, top-k) of one MoE layer.
+MOE_LAYERS = [("Qwen3-30B-A3B", 128, 2048, 768, 8), ("Mixtral-8x7B", 8, 4096, 14336, 2)]
+SECTIONS = ("attention", "quantized", "dense", "moe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,6 +348,73 @@ def quantized_row(kind: str, x: jax.Array, weight: tuple[jax.Array, jax.Array], 
     return row
 
 
+def moe_cases(on_cpu: bool, full: bool) -> list[tuple[tuple, int, str]]:
+    """(layer, tokens, dtype) of the MoE rows."""
+    layers = MOE_LAYERS[:1] if on_cpu and not full else MOE_LAYERS
+    tokens = (1, 16) if on_cpu and not full else (1, 16, 64)
+    dtypes = ("float32", "bfloat16") if on_cpu else ("bfloat16",)
+    return [(layer, m, dtype) for layer in layers for dtype in dtypes for m in tokens]
+
+
+def dense_loop_experts(x, weights, chosen, gate, up, down):
+    """Every expert on every token, weighted by the router (zero where not chosen): the
+    formulation a grouped matmul replaces. Reads each expert's weights once."""
+    num_experts = gate.shape[0]
+    dense_weights = jnp.zeros((x.shape[0], num_experts), jnp.float32).at[
+        jnp.arange(x.shape[0])[:, None], chosen].add(weights.astype(jnp.float32))
+
+    def one(e, acc):
+        h = jax.nn.silu(x @ gate[e]) * (x @ up[e])
+        return acc + dense_weights[:, e:e + 1] * (h @ down[e]).astype(jnp.float32)
+
+    out = jax.lax.fori_loop(0, num_experts, one, jnp.zeros(x.shape, jnp.float32))
+    return out.astype(x.dtype)
+
+
+def moe_rows(on_cpu: bool, full: bool, impl: str | None, bandwidth: float, iters: int) -> list[Row]:
+    """Dense loop (ref_ms), ragged_dot (peer_ms) and the grouped matmul (kernel_ms)."""
+    grouped = impl if impl in ("tpu", "gpu") else "cpu"
+    rows = []
+    for (name, num_experts, hidden, inter, top_k), m, dtype in moe_cases(on_cpu, full):
+        keys = jax.random.split(jax.random.PRNGKey(SEED + m), 5)
+        scale = 1 / math.sqrt(hidden)
+        gate, up = (jax.random.normal(k, (num_experts, hidden, inter), dtype) * scale
+                    for k in keys[:2])
+        down = jax.random.normal(keys[2], (num_experts, inter, hidden), dtype) / math.sqrt(inter)
+        x = jax.random.normal(keys[3], (m, hidden), dtype)
+        probs = jax.nn.softmax(jax.random.normal(keys[4], (m, num_experts)), axis=-1)
+        weights, chosen = jax.lax.top_k(probs, top_k)
+        weights = (weights / weights.sum(-1, keepdims=True)).astype(dtype)
+        stacks = (gate, None, up, None, down, None)
+        loop = jax.jit(dense_loop_experts)
+        variants = {i: jax.jit(functools.partial(grouped_glu, impl=i))
+                    for i in ("reference", grouped)}
+        active = len(np.unique(np.asarray(chosen)))
+        nbytes = active * 3 * hidden * inter * jnp.dtype(dtype).itemsize
+        row = Row(f"{name} M={m} {dtype}", nbytes, 1e3 * nbytes / bandwidth,
+                  median_ms(lambda: loop(x, weights, chosen, gate, up, down), iters),  # noqa: B023
+                  peer_ms=median_ms(lambda: variants["reference"](x, weights, chosen, stacks),  # noqa: B023
+                                    iters),
+                  kernel_note=f"{grouped}: {active} experts active")
+        row.kernel_ms = median_ms(lambda: variants[grouped](x, weights, chosen, stacks), iters)  # noqa: B023
+        diff = (variants[grouped](x, weights, chosen, stacks).astype(jnp.float32)
+                - loop(x, weights, chosen, gate, up, down).astype(jnp.float32))
+        row.max_diff = float(jnp.max(jnp.abs(diff)))
+        rows.append(row)
+    return rows
+
+
+def moe_table(rows: list[Row]) -> str:
+    header = ["row", "grouped impl, active experts", "active MB", "bw floor ms", "dense loop ms",
+              "ragged_dot ms", "grouped ms", "grouped % floor", "grouped vs dense loop",
+              "grouped vs ragged_dot", "max abs diff vs loop"]
+    body = [[r.name, r.kernel_note, f"{r.bytes_moved / 1e6:.1f}", f"{r.floor_ms:.3f}",
+             f"{r.ref_ms:.3f}", f"{r.peer_ms:.3f}", f"{r.kernel_ms:.3f}",
+             pct(r.floor_ms, r.kernel_ms), f"{r.ref_ms / r.kernel_ms:.2f}x",
+             f"{r.peer_ms / r.kernel_ms:.2f}x", f"{r.max_diff:.2g}"] for r in rows]
+    return markdown(header, body)
+
+
 def dense_shapes() -> list[tuple[str, int, int, bool]]:
     """(name, K, N, transpose_w) of smollm2-135m's matmuls, per layer, and its LM head."""
     h, kv, mlp, vocab = SMOLLM2_HIDDEN, SMOLLM2_KV, SMOLLM2_MLP, SMOLLM2_VOCAB
@@ -541,7 +623,12 @@ def main() -> None:
     ap.add_argument("--impl", choices=["tpu", "gpu", "cpu", "none"], default=None,
                     help="kernel to time beside the reference (default: the platform's)")
     ap.add_argument("--iters", type=int, default=None, help="timed calls per row (default 10 on CPU, 20 else)")
+    ap.add_argument("--only", default=",".join(SECTIONS),
+                    help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (default: all)")
     args = ap.parse_args()
+    sections = set(args.only.split(","))
+    if not sections <= set(SECTIONS):
+        raise SystemExit(f"--only takes {', '.join(SECTIONS)}; got {args.only!r}")
 
     platform_name = jax.devices()[0].platform
     on_cpu = platform_name == "cpu"
@@ -555,9 +642,11 @@ def main() -> None:
     flops_rate = measure_matmul(flops_dtype, n=2048 if on_cpu else 8192)
 
     cases = attention_cases(on_cpu, args.full)
-    attention = attention_rows(cases, impl, platform_name, bandwidth, flops_rate, iters)
-    matmuls = matmul_rows(on_cpu, args.full, impl, bandwidth, iters)
-    dense = dense_rows(impl, bandwidth, iters)
+    attention = (attention_rows(cases, impl, platform_name, bandwidth, flops_rate, iters)
+                 if "attention" in sections else [])
+    matmuls = matmul_rows(on_cpu, args.full, impl, bandwidth, iters) if "quantized" in sections else []
+    dense = dense_rows(impl, bandwidth, iters) if "dense" in sections else []
+    moe = moe_rows(on_cpu, args.full, impl, bandwidth, iters) if "moe" in sections else []
 
     print(f"\n## kernels, {datetime.date.today().isoformat()}\n")
     print(f"- machine: {machine()}")
@@ -572,12 +661,18 @@ def main() -> None:
           f"{flops_rate / 1e9:.1f} GFLOP/s ({jnp.dtype(flops_dtype).name})")
     print(f"- shapes: {'full' if args.full or not on_cpu else 'CPU default (reduced; --full for all)'}; "
           f"median of {iters} calls; total {time.perf_counter() - start:.0f} s\n")
-    print("### ragged paged attention (Llama-3-8B layer: 32 q / 8 kv heads, head_dim 128, bf16)\n")
-    print(attention_table(attention))
-    print("\n### quantized matmul (bf16 activations)\n")
-    print(matmul_table(matmuls))
-    print("\n### dense matmul (smollm2-135m shapes; time per call in a chain of dependent calls)\n")
-    print(dense_table(dense))
+    if attention:
+        print("### ragged paged attention (Llama-3-8B layer: 32 q / 8 kv heads, head_dim 128, bf16)\n")
+        print(attention_table(attention))
+    if matmuls:
+        print("\n### quantized matmul (bf16 activations)\n")
+        print(matmul_table(matmuls))
+    if dense:
+        print("\n### dense matmul (smollm2-135m shapes; time per call in a chain of dependent calls)\n")
+        print(dense_table(dense))
+    if moe:
+        print("\n### mixture-of-experts layer (the experts of one layer, routing given)\n")
+        print(moe_table(moe))
     if impl == "cpu":
         print("\n### CPU targets\n")
         print("\n".join(cpu_targets(attention, dense, cases)) or "- no kernel rows ran")

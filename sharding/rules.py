@@ -42,7 +42,8 @@ REPLICATED = ShardingRules()
 
 def strategy_rules(name: str, mesh: Mesh, num_heads: int, num_kv_heads: int, vocab_size: int,
                    intermediate_size: int, num_experts: int = 0,
-                   expert_intermediate_size: int = 0) -> ShardingRules:
+                   expert_intermediate_size: int = 0,
+                   shared_expert_intermediate_size: int = 0) -> ShardingRules:
     """The table of a named strategy for a model on a mesh.
 
     tp (Megatron): q/k/v and gate/up split by heads / mlp columns, o and down by rows (so
@@ -87,7 +88,8 @@ def strategy_rules(name: str, mesh: Mesh, num_heads: int, num_kv_heads: int, voc
         table.append(("expert_mlp", MODEL))
     if tp > 1 and "tp" in parts:
         for what, size in (("num_attention_heads", num_heads),
-                           ("intermediate_size", intermediate_size)):
+                           ("intermediate_size", intermediate_size),
+                           ("shared_expert_intermediate_size", shared_expert_intermediate_size)):
             if size % tp:
                 raise ValueError(f"tensor parallelism over {tp} devices needs {what} ({size}) "
                                  f"divisible by {tp}")
@@ -109,7 +111,8 @@ def model_sharding(mesh: Mesh, strategy: str, cfg) -> "ShardingContext":
     """The sharding context of a model (a ModelConfig) on a mesh under a named strategy."""
     return ShardingContext(mesh, strategy_rules(strategy, mesh, cfg.num_heads, cfg.num_kv_heads,
                                                 cfg.vocab_size, cfg.intermediate_size,
-                                                cfg.num_experts, cfg.moe_intermediate_size))
+                                                cfg.num_experts, cfg.moe_intermediate_size,
+                                                cfg.shared_expert_intermediate_size))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import os
-import time
-
 import tempfile
+import time
 
 # Tests run on the CPU (Pallas kernels in interpret mode). XLA:CPU spends 0.1-0.4 s of
 # LLVM time per fusion on these 2-core machines; optimisation level 0 halves compile time

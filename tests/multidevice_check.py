@@ -115,12 +115,12 @@ def main(model_dir: str, out_path: str, moe_dir: str | None = None) -> None:
     if moe_dir:
         # A mixture of experts (Qwen2-MoE: 8 experts, a shared expert, a dense layer): its
         # experts split by MLP columns under tp, by whole experts under ep.
-        for mesh, strategy in MOE_RUNS:
-            llm = LLM(moe_dir, mesh=mesh, sharding=strategy, **ENGINE)
+        for mesh, strategy, extra, suffix in MOE_RUNS:
+            llm = LLM(moe_dir, mesh=mesh, sharding=strategy, **ENGINE, **extra)
             runner = llm.engine.runner
             hlo = runner.compiled(BucketKey(64, 4, False)).as_text()
             moe = runner.params["layers"][0]["mlp"]
-            results[f"moe {json.dumps(mesh)} {strategy}"] = {
+            results[f"moe {json.dumps(mesh)} {strategy}{suffix}"] = {
                 "tokens": [o.outputs[0].token_ids for o in llm.generate(prompts, params)],
                 "leaked_pages": llm.engine.scheduler.num_used_pages,
                 "compiles_after_warmup": runner.compiles_after_warmup,
@@ -131,10 +131,14 @@ def main(model_dir: str, out_path: str, moe_dir: str | None = None) -> None:
         json.dump(results, f)
 
 
-MOE_RUNS = [(None, "tp"), ({"model": 2}, "tp"), ({"model": 4}, "tp+sp"), ({"data": 2}, "dp"),
-            ({"data": 2, "model": 4}, "dp+tp"), ({"model": 4}, "ep"), ({"model": 2}, "tp+ep"),
-            ({"data": 2, "model": 4}, "dp+ep"), ({"data": 2, "model": 2}, "dp+tp+ep"),
-            ({"model": 8}, "ep")]
+# (mesh, strategy, extra engine settings, name suffix); int4 experts (and attention, and the
+# dense layer) quantized, on one device and with the TPU kernels per device under tp+ep.
+MOE_RUNS = [(None, "tp", {}, ""), ({"model": 2}, "tp", {}, ""), ({"model": 4}, "tp+sp", {}, ""),
+            ({"data": 2}, "dp", {}, ""), ({"data": 2, "model": 4}, "dp+tp", {}, ""),
+            ({"model": 4}, "ep", {}, ""), ({"model": 2}, "tp+ep", {}, ""),
+            ({"data": 2, "model": 4}, "dp+ep", {}, ""), ({"data": 2, "model": 2}, "dp+tp+ep", {}, ""),
+            ({"model": 8}, "ep", {}, ""), (None, "tp", {"quantization": "int4"}, " int4"),
+            ({"model": 4}, "tp+ep", {**KERNELS, "quantization": "int4"}, " int4 tpu-kernels")]
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)

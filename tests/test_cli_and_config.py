@@ -123,6 +123,9 @@ def test_mesh_and_sharding_settings(tmp_path):
     with pytest.raises(ValueError, match=r"needs num_experts \(6\) divisible by 4"):
         strategy_rules("tp+ep", jax.sharding.AbstractMesh((1, 4), ("data", "model")), 8, 2,
                        100, 64, num_experts=6)
+    with pytest.raises(ValueError, match=r"shared_expert_intermediate_size \(18\) divisible"):
+        strategy_rules("dp+tp", two_by_four, 8, 2, 100, 64, num_experts=8,
+                       expert_intermediate_size=32, shared_expert_intermediate_size=18)
     ep = strategy_rules("dp+ep", two_by_four, 8, 2, 100, 64, num_experts=8,
                         expert_intermediate_size=32)
     assert ep.spec(("experts", "embed", "expert_mlp")) == jax.sharding.PartitionSpec(

@@ -5,12 +5,15 @@ with transformers is in test_parity.py.)"""
 
 from __future__ import annotations
 
+import re
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.models.moe import grouped_swiglu, route
+from jaxserve.models.moe import grouped_glu, route
 
 
 def numpy_route(x, router, k, normalize):
@@ -66,14 +69,51 @@ def test_grouped_experts_against_numpy(case):
     elif case == "empty experts":
         experts = rng.choice([0, 5], size=(t, k))  # experts 1-4 get no token
     weights = rng.uniform(0.1, 1.0, size=(t, k)).astype(np.float32)
-    got = jax.jit(grouped_swiglu)(*(jnp.asarray(a) for a in (x, weights, experts, gate, up, down)))
+    stacks = (jnp.asarray(gate), None, jnp.asarray(up), None, jnp.asarray(down), None)
+    got = jax.jit(grouped_glu)(jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts), stacks)
     np.testing.assert_allclose(np.asarray(got), numpy_experts(x, weights, experts, gate, up, down),
                                rtol=2e-5, atol=2e-5)
 
 
-def test_bf16_moe_serves_and_quantized_experts_are_refused(checkpoints, prompts):
+def test_padding_tokens_reach_no_expert(monkeypatch):
+    """A bucket's padding tokens are routed to no expert: the grouped matmuls see only the
+    real tokens' pairs (their group sizes sum to real tokens x top_k), padding rows come
+    out zero (plus nothing else) and real rows are those of a batch without padding."""
+    from flax import nnx
+
+    from jaxserve.config import ModelConfig, ModelOptions
+    from jaxserve.models import moe as moe_module
+    from sharding.mesh import make_mesh
+    from sharding.rules import ShardingContext
+
+    cfg = ModelConfig(model_type="qwen3_moe", architecture="Qwen3MoeForCausalLM",
+                      vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=2, num_kv_heads=2, head_dim=16, max_position_embeddings=64,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                      norm_topk_prob=True)
+    layer = moe_module.MoE(cfg, jnp.float32, nnx.Rngs(0), ModelOptions())
+    shard = ShardingContext(make_mesh())
+    x = jax.random.normal(jax.random.key(1), (8, 32))
+    real = jnp.arange(8) < 3
+    sizes = []
+    real_glu = moe_module.grouped_glu
+
+    def counting_glu(x, weights, experts, *args, **kwargs):
+        flat = experts.reshape(-1)
+        sizes.append(int(((flat >= 0) & (flat < cfg.num_experts)).sum()))
+        return real_glu(x, weights, experts, *args, **kwargs)
+
+    monkeypatch.setattr(moe_module, "grouped_glu", counting_glu)
+    padded = layer(x, shard, real=real)
+    alone = layer(x[:3], shard)
+    assert sizes == [3 * 2, 3 * 2]
+    np.testing.assert_array_equal(np.asarray(padded[3:]), 0)
+    np.testing.assert_allclose(np.asarray(padded[:3]), np.asarray(alone), rtol=1e-6, atol=1e-7)
+
+
+def test_bf16_moe_serves(checkpoints, prompts):
     """A Mixtral checkpoint in bfloat16 (router weights kept in float32, as transformers
-    does) generates; int8 weights are refused at load with what to do instead."""
+    does) generates and returns its pages."""
     from jaxserve import LLM, SamplingParams
 
     path, _ = checkpoints("mixtral")
@@ -83,8 +123,67 @@ def test_bf16_moe_serves_and_quantized_experts_are_refused(checkpoints, prompts)
                                                    ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in out] == [6, 6]
     assert llm.engine.scheduler.num_used_pages == 0
-    with pytest.raises(ValueError, match="mixture-of-experts weights is not supported yet"):
-        LLM(str(path), quantization="int8", max_model_len=64, warmup=False)
+
+
+# The linear layers we quantize, by their Hugging Face names: attention projections, dense
+# MLPs, every expert's projections and Qwen2-MoE's shared expert (not the router, nor the
+# shared expert's gate, embeddings or norms).
+QUANTIZED = re.compile(r".*\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|"
+                       r"(block_sparse_moe|mlp)\.experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)|"
+                       r"mlp\.shared_expert\.(gate|up|down)_proj)\.weight")
+
+
+def fake_quantized_checkpoint(src, dst, kind: str) -> int:
+    """A copy of an HF checkpoint whose quantized layers hold their dequantized weights
+    (each `[out, in]` weight quantized as we store it: `[in, out]`, per output channel or
+    in groups along `in`). Returns how many tensors were replaced."""
+    from safetensors.numpy import load_file, save_file
+
+    from pallas_kernels.quantized_matmul import dequantize, quantize
+
+    shutil.copytree(src, dst)
+    replaced = 0
+    for file in dst.glob("*.safetensors"):
+        tensors = load_file(file)
+        for name, w in tensors.items():
+            if QUANTIZED.fullmatch(name):
+                values, scales = quantize(jnp.asarray(w.T, jnp.float32), kind)
+                tensors[name] = np.ascontiguousarray(
+                    np.asarray(dequantize(values, scales, kind)).T).astype(w.dtype)
+                replaced += 1
+        save_file(tensors, file, metadata={"format": "pt"})
+    return replaced
+
+
+@pytest.mark.parametrize("arch,kind", [("qwen2_moe", "int8"), ("mixtral", "int4"),
+                                       ("qwen3_moe", "fp8")])
+def test_quantized_experts_compute_with_their_dequantized_weights(arch, kind, checkpoints,
+                                                                  prompts, tmp_path):
+    """With every linear layer quantized (each expert on its own, in the stacked formats
+    of the grouped matmul), our prompt logits equal transformers' on the same checkpoint
+    with those weights replaced by their dequantized values (float32; tolerance of the
+    parity tests): the quantized expert matmuls compute exactly x @ dequantize(w), under
+    the same routing."""
+    import torch
+    import transformers
+
+    from jaxserve.config import ModelOptions
+    from test_parity import ragged_prompt_logits
+
+    path, _ = checkpoints(arch)
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    replaced = fake_quantized_checkpoint(path, tmp_path / "fake", kind)
+    assert replaced >= cfg.num_hidden_layers * 4 + experts * 3  # the experts are among them
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "fake", attn_implementation="eager", dtype=torch.float32).eval()
+    ours = ragged_prompt_logits(path, prompts, options=ModelOptions(quantization=kind))
+    floats = ragged_prompt_logits(path, prompts[:1])
+    assert np.abs(ours[0] - floats[0]).max() > 1e-3  # quantizing moved the logits...
+    for prompt, got in zip(prompts, ours):
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt])).logits[0].numpy()
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)  # ...exactly as this
 
 
 def test_router_statistics_count_every_real_token_once_per_chosen_expert(checkpoints, prompts):

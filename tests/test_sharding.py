@@ -88,6 +88,18 @@ def test_mixture_of_experts_on_a_mesh_matches_one_device(runs, mesh, strategy, e
     assert all(len(shape) < 3 for shape in run["all_gather_shapes"]), run["all_gather_shapes"]
 
 
+def test_int4_experts_with_kernels_on_a_mesh_match_one_device(runs):
+    """int4 Qwen2-MoE (experts, shared expert, attention and the dense layer quantized)
+    under tp+ep on 4 devices, the TPU kernels (interpret mode) per device, gives the
+    int4 single-device greedy tokens; each device holds 2 whole experts, still packed
+    (int4: half the rows in bytes). Its attention and dense layers have K <= 128, one int4
+    group that a K split would cut: those run the partitioned reference instead."""
+    one, run = runs["moe null tp int4"], runs['moe {"model": 4} tp+ep int4 tpu-kernels']
+    assert run["tokens"] == one["tokens"]
+    assert run["leaked_pages"] == 0 and run["compiles_after_warmup"] == 0
+    assert run["expert_shard_shapes"] == [[2, 32, 32], [2, 16, 64]]
+
+
 def compare_runs(one, tp):
     assert tp["tokens"] == one["tokens"]
     assert tp["constrained"] == one["constrained"]  # grammar masks on the sharded step

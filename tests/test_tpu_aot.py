@@ -180,23 +180,27 @@ def test_quantized_kernels_run_per_chip_on_a_mesh(devices, strategy, quantizatio
         assert found.count((64, "all-reduce")) >= 2 * cfg.num_layers
 
 
-@pytest.mark.parametrize("strategy", ["ep", "tp+ep", "tp"])
-def test_mixture_of_experts_step_compiles_for_v5e(devices, strategy):
+@pytest.mark.parametrize("strategy,quantization", [("ep", None), ("tp+ep", None), ("tp", None),
+                                                  ("tp+ep", "int8")])
+def test_mixture_of_experts_step_compiles_for_v5e(devices, strategy, quantization):
     """Qwen3-30B-A3B's dimensions (2 layers, 128 experts of 768) on 4 v5e chips with our
-    attention kernels and XLA's grouped-matmul kernels for the experts: under ep / tp+ep a chip holds 32 whole experts, under tp a quarter
-    of every expert's MLP; either way each MoE layer ends in one all-reduce of the hidden
-    state over the chips and no expert weight is all-gathered."""
+    attention and grouped-matmul kernels: under ep / tp+ep a chip holds 32 whole experts,
+    under tp a quarter of every expert's MLP; either way each MoE layer ends in one
+    all-reduce of the hidden state over the chips and no expert weight is all-gathered.
+    int8 experts stay int8 in HBM (the kernel dequantizes blocks in VMEM)."""
     cfg = dataclasses.replace(
         ModelConfig.from_file("configs/models/qwen3-30b-a3b.yaml").first_layers(2),
         vocab_size=1024)
-    engine = dataclasses.replace(ENGINE, max_model_len=1024)
+    engine = dataclasses.replace(ENGINE, max_model_len=1024, quantization=quantization)
     compiled = compile_step(cfg, engine, {"model": 4}, strategy, devices, PAGES, KEY)
     text = compiled.as_text()
     kernels = re.findall(r"%([a-z_-]+)[.\d]* = .*custom_call_target=\"tpu_custom_call\"", text)
-    # Ours: attention (decode and prefill items); XLA's own: its TPU lowering of
-    # ragged_dot, a grouped-matmul kernel per projection (gate, up, down), not a dense loop.
+    # Ours: attention (decode and prefill items), one grouped matmul per expert projection
+    # (gate, up, down) and, quantized, one matmul per attention projection (q, k, v, o).
     assert kernels.count("ragged_paged_attention") == cfg.num_layers * 2, kernels
-    assert kernels.count("ragged-dot-none") == cfg.num_layers * 3, kernels
+    assert kernels.count("grouped_matmul") == cfg.num_layers * 3, kernels
+    assert not [k for k in kernels if "ragged-dot" in k], kernels  # not XLA's lowering
+    assert kernels.count("quantized_matmul") == cfg.num_layers * 4 * bool(quantization)
     gathers = [[int(d) for d in g.split(",") if d] for g in
                re.findall(r"= \w+\[([\d,]*)\]\S* all-gather(?:-start)?\(", text)]
     e, m = cfg.hidden_size, cfg.moe_intermediate_size
@@ -206,8 +210,12 @@ def test_mixture_of_experts_step_compiles_for_v5e(devices, strategy):
     attention = 0 if strategy == "ep" else 1  # o_proj's all-reduce under tp
     assert len(reduces) >= cfg.num_layers * (1 + attention)
     experts = 128 // 4 if "ep" in strategy else 128
-    per_chip = 3 * experts * e * m * 2 // (1 if "ep" in strategy else 4)
-    assert compiled.memory_analysis().argument_size_in_bytes > cfg.num_layers * per_chip
+    weight_bytes = 1 if quantization else 2
+    per_chip = 3 * experts * e * m * weight_bytes // (1 if "ep" in strategy else 4)
+    args = compiled.memory_analysis().argument_size_in_bytes
+    assert args > cfg.num_layers * per_chip
+    if quantization:  # int8 experts, not bf16 ones, are what the chip holds
+        assert args < cfg.num_layers * 2 * per_chip
 
 
 def test_gemma2_soft_caps_compile_with_the_attention_kernel():

@@ -5,7 +5,8 @@ header and raw little-endian data), so bf16 needs no torch. Each tensor goes str
 its device shards (`jax.make_array_from_callback`: every shard is sliced from the mapped
 file and converted on its own) before the next is read, so the host never holds a second
 full copy of the weights, nor of any one tensor. Weights quantized at load are the
-exception: one tensor at a time is quantized on a device from float32.
+exception: one tensor (of an expert stack, one expert) at a time is quantized on a device
+from float32.
 """
 
 from __future__ import annotations
@@ -141,12 +142,11 @@ def _hf_to_ours(name: str, x: np.ndarray, cfg: ModelConfig, kv_replicas: int = 1
     for p, h in heads.items():
         table[f"self_attn.{p}_proj.weight"] = (("attn", f"{p}_proj"), lambda h=h: x.T.reshape(e, h, d))
         table[f"self_attn.{p}_proj.bias"] = (("attn", f"{p}_bias"), lambda h=h: x.reshape(h, d))
-    for hf_name, ours in (("block_sparse_moe.gate", "router"), ("mlp.gate", "router"),
-                          ("mlp.shared_expert.gate_proj", "shared_gate_proj"),
-                          ("mlp.shared_expert.up_proj", "shared_up_proj"),
-                          ("mlp.shared_expert.down_proj", "shared_down_proj"),
-                          ("mlp.shared_expert_gate", "shared_expert_gate")):
-        table[f"{hf_name}.weight"] = (("mlp", ours), lambda: x.T)
+    for hf_name, ours in (("block_sparse_moe.gate", ("router",)), ("mlp.gate", ("router",)),
+                          ("mlp.shared_expert_gate", ("shared_expert_gate",))) + tuple(
+            (f"mlp.shared_expert.{proj}", ("shared_expert", proj))
+            for proj in ("gate_proj", "up_proj", "down_proj")):
+        table[f"{hf_name}.weight"] = (("mlp", *ours), lambda: x.T)
     expert = re.fullmatch(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight", rest)
     if expert and expert.group(2) in _EXPERT_WEIGHTS:
         # One expert's [out, in] weight: row `j` of our stacked [E, in, out] parameter.
@@ -210,10 +210,11 @@ def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype, shard: Shard
             var = expected[path]
             if expert is not None:
                 parts = experts.setdefault(path, {})
-                if not 0 <= expert < var.shape[0] or array.shape != var.shape[1:]:
+                one = (var.shape[1] * (2 if var.dtype == jnp.uint8 else 1), var.shape[2])
+                if not 0 <= expert < var.shape[0] or array.shape != one:  # int4: 2 per byte
                     raise ValueError(f"tensor {name!r} (shape {tuple(tensor.shape)}) does not "
                                      f"fit this model config: {var.shape[0]} experts of "
-                                     f"{tuple(var.shape[1:])} after conversion")
+                                     f"{one} after conversion")
                 parts[expert] = array
                 if len(parts) < var.shape[0]:
                     continue
@@ -278,8 +279,16 @@ def _place(path: tuple, array, expected: dict, shard: ShardingContext,
         # view) and converted on its own: no full converted copy on the host.
         return {path: jax.make_array_from_callback(
             tuple(var.shape), sharding, lambda index: np.asarray(array[index], dtype=var.dtype))}
-    scales_sharding = shard.sharding(expected[scales_path].get_metadata()["logical_axes"])
-    n = expected[scales_path].shape[1]
+    scales_var = expected[scales_path]
+    scales_sharding = shard.sharding(scales_var.get_metadata()["logical_axes"])
+    if var.ndim == 3:  # a stack of experts' weights: each expert quantized on its own
+        quantize_one = jax.jit(lambda w: quantize(w, quantization))
+        parts = [jax.device_get(quantize_one(jnp.asarray(array[j:j + 1][0], jnp.float32)))
+                 for j in range(var.shape[0])]
+        stacked = [np.stack(p) for p in zip(*parts)]  # values, scales: quantized, on the host
+        return {p: jax.make_array_from_callback(tuple(a.shape), sh, lambda i, a=a: a[i])
+                for p, a, sh in zip((path, scales_path), stacked, (sharding, scales_sharding))}
+    n = scales_var.shape[1]
     quantize_2d = jax.jit(lambda w: quantize(w.reshape(-1, n), quantization),
                           out_shardings=(sharding, scales_sharding))
     values, scales = quantize_2d(jnp.asarray(array, jnp.float32))

@@ -9,11 +9,14 @@ and lax.top_k both do), renormalised over the chosen experts when `norm_topk_pro
 the model's dtype.
 
 The experts run as grouped matmuls, not a loop over experts: the token-expert pairs
-(T x top_k of them) are sorted by expert, and each projection is one `jax.lax.ragged_dot`
-over the sorted rows with the experts' stacked weights `[E, in, out]`; the results go
+(T x top_k of them) are sorted by expert, and each projection is one grouped matmul
+(pallas_kernels/grouped_matmul: our TPU and GPU kernels, a loop over the experts with
+tokens on a CPU) over the sorted rows with the experts' stacked weights `[E, in, out]`,
+float or quantized per expert (int8 / int4 / fp8, like the dense layers); the results go
 back to their tokens weighted and summed. On a mesh each device does this for the experts
 (or the slices of every expert's MLP) it holds, and the partial sums are all-reduced
-(parallel.expert_parallel; strategies in sharding/rules.py).
+(parallel.expert_parallel; strategies in sharding/rules.py). Qwen2-MoE's shared expert is
+a dense MLP (mlp.py) of its own size.
 """
 
 from __future__ import annotations
@@ -23,13 +26,29 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig, ModelOptions
-from jaxserve.models.layers import param
+from jaxserve.models.layers import activation, param
+from jaxserve.models.mlp import MLP
 from jaxserve.models.parallel import expert_parallel
+from pallas_kernels.grouped_matmul import grouped_matmul, quantized_shapes
 from sharding.rules import ShardingContext
 
 # Logical axes of the stacked expert weights (sharding/rules.py).
 EXPERT_IN_AXES = ("experts", "embed", "expert_mlp")  # gate_proj, up_proj: [E, hidden, I]
 EXPERT_OUT_AXES = ("experts", "expert_mlp", "embed")  # down_proj: [E, I, hidden]
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def expert_stack(rngs: nnx.Rngs | None, shape: tuple[int, int, int], axes: tuple[str, ...],
+                 dtype, quantization: str | None) -> tuple[nnx.Param, nnx.Param | None]:
+    """(weights, scales) of one projection of every expert, `[E, in, out]`: float, or the
+    stacked quantized format of pallas_kernels/grouped_matmul (each expert quantized on
+    its own; checkpoints overwrite the zeros at load)."""
+    if quantization is None:
+        return param(rngs, shape, axes, dtype), None
+    (vshape, vdtype), (sshape, sdtype) = quantized_shapes(*shape, quantization)
+    return (nnx.Param(jnp.zeros(vshape, vdtype), logical_axes=axes),
+            nnx.Param(jnp.ones(sshape, sdtype),
+                      logical_axes=(axes[0], axes[1] if sshape[1] > 1 else None, axes[2])))
 
 
 def route(x: jax.Array, router: jax.Array, top_k: int, normalize: bool,
@@ -43,24 +62,31 @@ def route(x: jax.Array, router: jax.Array, top_k: int, normalize: bool,
     return weights.astype(weights_dtype), experts
 
 
-def grouped_swiglu(x: jax.Array, weights: jax.Array, experts: jax.Array, gate_proj: jax.Array,
-                   up_proj: jax.Array, down_proj: jax.Array) -> jax.Array:
+def grouped_glu(x: jax.Array, weights: jax.Array, experts: jax.Array, stacks: tuple,
+                act=jax.nn.silu, kind: str | None = None, impl: str | None = None,
+                interpret: bool = False) -> jax.Array:
     """`sum_j weights[t, j] * expert_{experts[t, j]}(x[t])` for every token, each expert
-    `down(silu(x @ gate) * (x @ up))`, as grouped matmuls over the pairs sorted by expert
-    (an expert no token chose is an empty group). Pairs whose expert is outside
-    `[0, num_experts)` add nothing: another device holds that expert (expert parallelism),
-    and sorted last they fall outside every group (ragged_dot gives them zeros)."""
+    `down(act(x @ gate) * (x @ up))`, as grouped matmuls over the pairs sorted by expert
+    (an expert no token chose is an empty group). `stacks` is (gate, gate scales, up, up
+    scales, down, down scales), the scales None for float stacks (`kind` None). Pairs
+    whose expert is outside `[0, num_experts)` add nothing: another device holds that
+    expert (expert parallelism), and sorted last they fall outside every group."""
+    gate_w, gate_s, up_w, up_s, down_w, down_s = stacks
     t, k = experts.shape
-    num_experts = gate_proj.shape[0]
+    num_experts = gate_w.shape[0]
     flat = experts.reshape(-1)
     ids = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
     order = jnp.argsort(ids, stable=True)
     tokens = order // k
     group_sizes = jnp.bincount(ids, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+
+    def project(rows, w, scales):
+        return grouped_matmul(rows, w, group_sizes, scales, kind=kind, impl=impl,
+                              interpret=interpret)
+
     rows = x[tokens]
-    gate = jax.lax.ragged_dot(rows, gate_proj, group_sizes)
-    up = jax.lax.ragged_dot(rows, up_proj, group_sizes)
-    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down_proj, group_sizes)
+    h = act(project(rows, gate_w, gate_s)) * project(rows, up_w, up_s)
+    out = project(h, down_w, down_s)
     out = out * jnp.where(ids < num_experts, weights.reshape(-1), 0)[order][:, None]
     return jnp.zeros((t, x.shape[-1]), out.dtype).at[tokens].add(out).astype(x.dtype)
 
@@ -69,45 +95,52 @@ class MoE(nnx.Module):
     """The sparse feed-forward block of one layer (see the module doc)."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None, options: ModelOptions):
-        if options.quantization is not None:
-            raise ValueError(f"quantization {options.quantization!r} of mixture-of-experts "
-                             "weights is not supported yet; serve this model unquantized")
-        e, m, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+        e, m, n, quant = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
+                          options.quantization)
         self.router = param(rngs, (e, n), ("embed", None), dtype)
-        self.gate_proj = param(rngs, (n, e, m), EXPERT_IN_AXES, dtype)
-        self.up_proj = param(rngs, (n, e, m), EXPERT_IN_AXES, dtype)
-        self.down_proj = param(rngs, (n, m, e), EXPERT_OUT_AXES, dtype)
-        s = cfg.shared_expert_intermediate_size
-        if s:
-            self.shared_gate_proj = param(rngs, (e, s), ("embed", "expert_mlp"), dtype)
-            self.shared_up_proj = param(rngs, (e, s), ("embed", "expert_mlp"), dtype)
-            self.shared_down_proj = param(rngs, (s, e), ("expert_mlp", "embed"), dtype)
+        self.gate_proj, self.gate_proj_scales = expert_stack(
+            rngs, (n, e, m), EXPERT_IN_AXES, dtype, quant)
+        self.up_proj, self.up_proj_scales = expert_stack(
+            rngs, (n, e, m), EXPERT_IN_AXES, dtype, quant)
+        self.down_proj, self.down_proj_scales = expert_stack(
+            rngs, (n, m, e), EXPERT_OUT_AXES, dtype, quant)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, dtype, rngs, options,
+                                     cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = param(rngs, (e, 1), ("embed", None), dtype)
         self.cfg = cfg
+        self.options = options
 
     def __call__(self, x: jax.Array, shard: ShardingContext, rows=None,
-                 real: jax.Array | None = None) -> jax.Array:
+                 real: jax.Array | None = None, sow_stats: bool = False) -> jax.Array:
         """`x[T, hidden]` -> `[T, hidden]`; on a mesh the experts run per device
-        (parallel.expert_parallel). With `real` (`[T]` bool, the batch's real tokens) it
-        sows how many real tokens chose each expert (`expert_tokens`, `[num_experts]`), for
-        the engine's router statistics. `rows` (the native matmul's) is unused."""
-        cfg = self.cfg
+        (parallel.expert_parallel). `real` (`[T]` bool, the batch's real tokens) keeps the
+        bucket's padding tokens away from every expert (their rows cost no expert work and
+        come out zero); with `sow_stats` it sows how many real tokens chose each expert
+        (`expert_tokens`, `[num_experts]`), for the engine's router statistics. `rows` (the
+        real tokens' count) reaches the shared expert's dense matmuls."""
+        cfg, options = self.cfg, self.options
         weights_dtype = jnp.float32 if cfg.model_type == "mixtral" else x.dtype
         weights, chosen = route(x, self.router[...], cfg.num_experts_per_tok,
                                 cfg.norm_topk_prob, weights_dtype)
         if real is not None:
-            counts = jnp.zeros(cfg.num_experts, jnp.int32).at[chosen].add(
-                real[:, None].astype(jnp.int32))
-            self.sow(nnx.Intermediate, "expert_tokens", counts)
+            if sow_stats:
+                counts = jnp.zeros(cfg.num_experts, jnp.int32).at[chosen].add(
+                    real[:, None].astype(jnp.int32))
+                self.sow(nnx.Intermediate, "expert_tokens", counts)
+            chosen = jnp.where(real[:, None], chosen, -1)
+        impl = options.kernel_impl
+        impl = impl if impl in ("reference", "cpu", "tpu", "gpu") else None
 
-        def experts(x, weights, chosen, gate_proj, up_proj, down_proj, first_expert=0):
-            return grouped_swiglu(x, weights, chosen - first_expert, gate_proj, up_proj,
-                                  down_proj)
+        def experts(x, weights, chosen, *stacks, first_expert=0):
+            return grouped_glu(x, weights, chosen - first_expert, stacks,
+                               activation(cfg.hidden_act), options.quantization, impl,
+                               options.interpret and impl in ("tpu", "gpu"))
 
-        out = expert_parallel(experts, x, weights, chosen, self.gate_proj, self.up_proj,
-                              self.down_proj, shard)
+        stacks = [getattr(self, name + suffix) for name in PROJECTIONS
+                  for suffix in ("", "_scales")]
+        out = expert_parallel(experts, x, weights, chosen, stacks, shard)
         if cfg.shared_expert_intermediate_size:
-            h = jax.nn.silu(x @ self.shared_gate_proj[...]) * (x @ self.shared_up_proj[...])
             gate = jax.nn.sigmoid(x @ self.shared_expert_gate[...])
-            out = out + gate * (h @ self.shared_down_proj[...])
+            out = out + gate * self.shared_expert(x, shard, rows)
         return out

@@ -11,6 +11,7 @@ Model code (transformer.py) calls these three wrappers and never names a mesh ax
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -52,8 +53,10 @@ def dense(x: jax.Array, w: nnx.Param, scales: nnx.Param | None, n_in: int,
     w_spec = shard.rules.spec(w.get_metadata()["logical_axes"])
     s_spec = shard.rules.spec(scales.get_metadata()["logical_axes"])
     k_axis, n_axis = w_spec
-    groups = scales.shape[0]  # int4: groups along K, which must split whole; else 1
-    if k_axis is not None and groups > 1 and groups % shard.axis_size(k_axis):
+    # int4 packs each group's two halves into one byte row, so a K split must keep whole
+    # groups on each device (even a single group must not be cut).
+    int4 = w.dtype == jnp.uint8
+    if k_axis is not None and int4 and scales.shape[0] % shard.axis_size(k_axis):
         return matmul(x, w[...], scales[...], n_in, out_shape, options, impl="reference")
     lead = x.shape[: x.ndim - n_in]
     scatter = scatter_tokens and k_axis is not None
@@ -185,11 +188,12 @@ def _only(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
 
 
 def expert_parallel(experts, x: jax.Array, weights: jax.Array, chosen: jax.Array,
-                    gate_proj: nnx.Param, up_proj: nnx.Param, down_proj: nnx.Param,
-                    shard: ShardingContext) -> jax.Array:
-    """A mixture-of-experts layer's experts on the mesh: `experts(x, weights, chosen, gate,
-    up, down, first_expert)` (moe.MoE) runs on each device with the expert weights it
-    holds, for the tokens' routing (`weights`, `chosen`: `[T, top_k]`, computed once).
+                    stacks: Sequence[nnx.Param | None], shard: ShardingContext) -> jax.Array:
+    """A mixture-of-experts layer's experts on the mesh: `experts(x, weights, chosen,
+    *stacks, first_expert=...)` (moe.MoE) runs on each device with the pieces of the
+    stacked expert weights (`stacks`: gate, its scales, up, ..., a scale None when the
+    stack is float; the first one's axes decide the split) it holds, for the tokens'
+    routing (`weights`, `chosen`: `[T, top_k]`, computed once).
 
     Expert parallelism (`experts` over `model`): a device holds num_experts / model whole
     experts, numbered from `first_expert`; tensor parallelism of the experts
@@ -201,23 +205,40 @@ def expert_parallel(experts, x: jax.Array, weights: jax.Array, chosen: jax.Array
     dropped: every token-expert pair is computed by its expert's device, whatever the
     load (no capacity factor). Expert weights are never gathered.
     """
-    in_spec = shard.rules.spec(gate_proj.get_metadata()["logical_axes"])
-    experts_axis, _, mlp_axis = in_spec
+    present = [p for p in stacks if p is not None]
+    specs = [shard.rules.spec(p.get_metadata()["logical_axes"]) for p in present]
+    experts_axis, _, mlp_axis = specs[0]
+
+    def full(arrays):  # the stacks with their Nones back in place
+        it = iter(arrays)
+        return [None if p is None else next(it) for p in stacks]
+
+    for values, scales in zip(stacks[::2], stacks[1::2]):
+        split = shard.rules.spec(values.get_metadata()["logical_axes"])[1]
+        # int4 (uint8 values, scales [E, K / group, N]): a K split must keep whole groups
+        # on each device, as in `dense`.
+        if values.dtype == jnp.uint8 and split is not None \
+                and scales.shape[1] % shard.axis_size(split):
+            raise ValueError(
+                f"int4 expert weights split over {shard.axis_size(split)} devices by their "
+                f"intermediate rows need whole groups of rows on each device ({scales.shape[1]}"
+                " groups do not divide): use an ep strategy (whole experts per device), int8 "
+                "or fp8, or fewer model devices")
+    arrays = [p[...] for p in present]
     if shard.mesh.size == 1 or (experts_axis is None and mlp_axis is None):
-        return experts(x, weights, chosen, gate_proj[...], up_proj[...], down_proj[...])
+        return experts(x, weights, chosen, *full(arrays))
     split = experts_axis or mlp_axis
     tokens = PartitionSpec(shard.rules.spec(("tokens",))[0], None)
 
-    def local(x, weights, chosen, gate, up, down):
-        first = jax.lax.axis_index(split) * gate.shape[0] if experts_axis else 0
-        return jax.lax.psum(experts(x, weights, chosen, gate, up, down, first), split)
+    def local(x, weights, chosen, *arrays):
+        first = jax.lax.axis_index(split) * arrays[0].shape[0] if experts_axis else 0
+        return jax.lax.psum(experts(x, weights, chosen, *full(arrays), first_expert=first),
+                            split)
 
     return jax.shard_map(
         local, mesh=shard.mesh, check_vma=False,
-        in_specs=(tokens, tokens, tokens, in_spec, in_spec,
-                  shard.rules.spec(down_proj.get_metadata()["logical_axes"])),
-        out_specs=tokens,
-    )(x, weights, chosen, gate_proj[...], up_proj[...], down_proj[...])
+        in_specs=(tokens, tokens, tokens, *specs), out_specs=tokens,
+    )(x, weights, chosen, *arrays)
 
 
 def real_token_mask(meta, num_tokens: int) -> jax.Array:

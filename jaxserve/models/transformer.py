@@ -20,7 +20,8 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig, ModelOptions
 from jaxserve.models.layers import (
-    activation, apply_rope, linear, lm_head, param, rms_norm, rope_inv_freq)
+    apply_rope, linear, lm_head, param, rms_norm, rope_inv_freq)
+from jaxserve.models.mlp import MLP
 from jaxserve.models.moe import MoE
 from jaxserve.models.parallel import (
     KV_CACHE_AXES, NEW_KV_AXES, Q_AXES, RESIDUAL_AXES, dense_group, paged_attention,
@@ -127,29 +128,6 @@ class Attention(nnx.Module):
         return out, kv
 
 
-class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None, options: ModelOptions):
-        e, m, quant = cfg.hidden_size, cfg.intermediate_size, options.quantization
-        self.gate_proj, self.gate_proj_scales = linear(
-            rngs, (e,), (m,), ("embed",), ("mlp",), dtype, quant)
-        self.up_proj, self.up_proj_scales = linear(rngs, (e,), (m,), ("embed",), ("mlp",), dtype, quant)
-        self.down_proj, self.down_proj_scales = linear(
-            rngs, (m,), (e,), ("mlp",), ("embed",), dtype, quant)
-        self.options = options
-        self.sizes = (e, m)
-        self.act = cfg.hidden_act
-
-    def __call__(self, x, shard: ShardingContext, rows: jax.Array | None = None):
-        e, m = self.sizes
-        gate, up = dense_group(x, [(self.gate_proj, self.gate_proj_scales, (m,)),
-                                   (self.up_proj, self.up_proj_scales, (m,))],
-                               self.options, shard, rows)
-        h = activation(self.act)(gate) * up
-        h = shard.constrain(h, ("tokens", "mlp"))
-        return row_parallel(h, self.down_proj, self.down_proj_scales, 1, (e,), self.options,
-                            shard, rows)
-
-
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs | None,
                  options: ModelOptions, kv_replicas: int = 1):
@@ -186,9 +164,11 @@ class Block(nnx.Module):
             x = x + h
             h = self._norm(x, self.post_attn_norm)
         h = shard.constrain(h, ("tokens", "embed"))
-        moe = (real_token_mask(meta, h.shape[0]),) if router_stats and isinstance(
-            self.mlp, MoE) else ()
-        h = shard.constrain(self.mlp(h, shard, rows, *moe), RESIDUAL_AXES)
+        if isinstance(self.mlp, MoE):  # padding tokens are routed to no expert
+            h = self.mlp(h, shard, rows, real_token_mask(meta, h.shape[0]), router_stats)
+        else:
+            h = self.mlp(h, shard, rows)
+        h = shard.constrain(h, RESIDUAL_AXES)
         x = x + (self._norm(h, self.post_mlp_norm) if self.sandwich else h)
         return x, kv
 

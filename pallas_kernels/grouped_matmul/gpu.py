@@ -92,5 +92,6 @@ def grouped_matmul(x: jax.Array, values: jax.Array, group_sizes: jax.Array,
         grid=(plan.group.shape[0], np_ // bn),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
+        name="grouped_matmul",
     )(*plan, x, values, *([scales] if kind else []))
     return zero_rows_outside_groups(out[:m, :n], plan.offsets)

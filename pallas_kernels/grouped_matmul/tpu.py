@@ -146,5 +146,6 @@ def grouped_matmul(x: jax.Array, values: jax.Array, group_sizes: jax.Array,
             dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         cost_estimate=cost,
         interpret=interpret,
+        name="grouped_matmul",
     )(*plan, *operands)
     return zero_rows_outside_groups(out[:m, :n], plan.offsets)

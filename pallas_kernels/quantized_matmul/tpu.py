@@ -163,5 +163,6 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
             dimension_semantics=("parallel", "parallel", "arbitrary")),
         cost_estimate=cost,
         interpret=interpret,
+        name="quantized_matmul",
     )(x, values, scales)
     return out[:m, :n]

@@ -1,0 +1,39 @@
+"""The dense feed-forward block: SwiGLU (Llama, Qwen, Mistral) or GeGLU (Gemma),
+`down(act(x @ gate) * (x @ up))`, its weights float or quantized (layers.linear), split
+Megatron-style over the mesh (gate/up by columns, down by rows: one all-reduce). Also
+Qwen2-MoE's shared expert, with its own intermediate size."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from jaxserve.config import ModelConfig, ModelOptions
+from jaxserve.models.layers import activation, linear
+from jaxserve.models.parallel import dense_group, row_parallel
+from sharding.rules import ShardingContext
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None, options: ModelOptions,
+                 intermediate_size: int | None = None):
+        e, m, quant = cfg.hidden_size, intermediate_size or cfg.intermediate_size, options.quantization
+        self.gate_proj, self.gate_proj_scales = linear(
+            rngs, (e,), (m,), ("embed",), ("mlp",), dtype, quant)
+        self.up_proj, self.up_proj_scales = linear(rngs, (e,), (m,), ("embed",), ("mlp",), dtype, quant)
+        self.down_proj, self.down_proj_scales = linear(
+            rngs, (m,), (e,), ("mlp",), ("embed",), dtype, quant)
+        self.options = options
+        self.sizes = (e, m)
+        self.act = cfg.hidden_act
+
+    def __call__(self, x: jax.Array, shard: ShardingContext, rows: jax.Array | None = None
+                 ) -> jax.Array:
+        e, m = self.sizes
+        gate, up = dense_group(x, [(self.gate_proj, self.gate_proj_scales, (m,)),
+                                   (self.up_proj, self.up_proj_scales, (m,))],
+                               self.options, shard, rows)
+        h = activation(self.act)(gate) * up
+        h = shard.constrain(h, ("tokens", "mlp"))
+        return row_parallel(h, self.down_proj, self.down_proj_scales, 1, (e,), self.options,
+                            shard, rows)
