@@ -365,7 +365,7 @@ def dense_loop_experts(x, weights, chosen, gate, up, down):
 
     def one(e, acc):
         h = jax.nn.silu(x @ gate[e]) * (x @ up[e])
-        return acc + dense_weights[:, e:e + 1] * (h @ down[e]).astype(jnp.float32)
+        return acc + dense_weights[:, e, None] * (h @ down[e]).astype(jnp.float32)
 
     out = jax.lax.fori_loop(0, num_experts, one, jnp.zeros(x.shape, jnp.float32))
     return out.astype(x.dtype)
@@ -673,10 +673,10 @@ def main() -> None:
     if moe:
         print("\n### mixture-of-experts layer (the experts of one layer, routing given)\n")
         print(moe_table(moe))
-    if impl == "cpu":
+    if impl == "cpu" and attention and dense:
         print("\n### CPU targets\n")
         print("\n".join(cpu_targets(attention, dense, cases)) or "- no kernel rows ran")
-    if platform_name in GPU_PLATFORMS:
+    if platform_name in GPU_PLATFORMS and attention and matmuls:
         print("\n### GPU targets\n")
         print("\n".join(gpu_targets(attention, matmuls, cases)) or "- no kernel rows ran")
 

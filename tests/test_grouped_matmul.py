@@ -137,7 +137,9 @@ def test_block_rules():
     assert tpu.block_sizes(16, 2048, 768, None, 1, jnp.bfloat16) == (16, 384, 512)
     assert tpu.block_sizes(300, 4096, 14336, "int8", 1, jnp.bfloat16) == (128, 512, 512)
     assert tpu.block_sizes(8, 768, 2048, "int4", 128, jnp.bfloat16) == (16, 512, 768)
-    assert cpu.block_m_for(2) == 8 and cpu.block_m_for(1000) == 128
+    # CPU: tiles of about the mean group's rows.
+    assert cpu.block_m_for(2, 8) == 8 and cpu.block_m_for(128, 128) == 8
+    assert cpu.block_m_for(4096, 128) == 32 and cpu.block_m_for(4096, 8) == 128
 
 
 # --- the GPU kernel lowers to Triton, the TPU kernel compiles (no accelerator needed) ------

@@ -18,8 +18,12 @@ from pallas_kernels.tiling import round_up
 MAX_BLOCK_M = 128  # measured: 1024 rows x 8 groups of [1024, 2816] in 32 ms at 128, 44 at 256
 
 
-def block_m_for(m: int) -> int:
-    return min(round_up(m, 8), MAX_BLOCK_M)
+def block_m_for(m: int, num_groups: int) -> int:
+    """Rows per tile: about the mean group's rows (a multiple of 8, from 8 to 128). Every
+    visit computes a whole tile, so tiles much larger than the groups waste the work:
+    measured with 128 groups of [2048, 768] f32 and 128 rows (16 tokens x top-8), 20 ms a
+    projection with 8-row tiles and 102 ms with 128-row ones; the weights read are the same."""
+    return min(max(round_up(-(-m // num_groups), 8), 8), MAX_BLOCK_M)
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "block_m"))
@@ -29,7 +33,7 @@ def grouped_matmul(x: jax.Array, values: jax.Array, group_sizes: jax.Array,
     """`y[i] = x[i] @ w[g(i)]` for the rows of each group; rows past the groups: zeros."""
     formats.check_operands(x, values, scales, group_sizes, kind)
     m = x.shape[0]
-    bm = block_m or block_m_for(m)
+    bm = block_m or block_m_for(m, values.shape[0])
     mp = round_up(m, bm)
     tiles = jnp.pad(x, ((0, mp - m), (0, 0))).reshape(mp // bm, bm, x.shape[1])
     plan = plan_visits(group_sizes, m, bm)
