@@ -93,7 +93,7 @@ def test_kernels_with_default_blocks_and_bf16(rng, impl):
     """The blocks the kernels pick themselves, bfloat16 rows and weights, one group past
     the end of a tile: within bf16's rounding of the output (2^-8 |y|) plus f32 sums."""
     sizes = [3, 0, 30, 1]
-    x, w, _, gs = draw(rng, sizes, 256, 128, None)
+    x, w, _, gs = draw(rng, sizes, 256, 200, None)  # TPU: N = 200 as one whole block
     x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
     y = gm.grouped_matmul(x, w, gs, impl=impl, interpret=True)
     want = numpy_grouped(x.astype(jnp.float32), w, None, gs, None)
@@ -132,9 +132,11 @@ def test_dispatch_and_bad_operands(rng):
 
 
 def test_block_rules():
-    # Blocks divide the real shapes where a multiple of 128 does: Qwen3-30B-A3B's 768
-    # intermediate gets 384-wide blocks, not 512 padded to 1024.
+    # TPU blocks take a whole dimension up to 512 (a quarter of Qwen3-30B-A3B's 768-wide
+    # experts: 192, not padded to 256), else divide it: 768 -> 384, not 512 padded to 1024.
     assert tpu.block_sizes(16, 2048, 768, None, 1, jnp.bfloat16) == (16, 384, 512)
+    assert tpu.block_sizes(16, 2048, 192, None, 1, jnp.bfloat16) == (16, 192, 512)
+    assert tpu.block_sizes(16, 192, 2048, "int8", 1, jnp.bfloat16) == (16, 512, 192)
     assert tpu.block_sizes(300, 4096, 14336, "int8", 1, jnp.bfloat16) == (128, 512, 512)
     assert tpu.block_sizes(8, 768, 2048, "int4", 128, jnp.bfloat16) == (16, 512, 768)
     # CPU: tiles of about the mean group's rows.

@@ -34,8 +34,13 @@ MAX_BLOCK_K_FLOAT = 512
 
 
 def dividing_block(size: int, unit: int, most: int) -> int:
-    """The largest multiple of `unit`, at most `most` (but at least `unit`), dividing
-    `size` rounded up to `unit`: no padding beyond the unit where the shape allows."""
+    """A block for a dimension of `size`: the whole dimension when it is no larger than
+    `most` (Mosaic takes a block equal to the array's dimension whatever its tiling), else
+    the largest multiple of `unit` up to `most` dividing `size` rounded up to `unit`. So
+    the stack is padded (copied, every call) only for a large size no such block divides,
+    never for, say, the 192 rows each of 4 chips holds of a 768-wide expert."""
+    if size <= most:
+        return size
     padded = round_up(size, unit)
     for block in range(max(unit, most // unit * unit), unit - 1, -unit):
         if padded % block == 0:
@@ -47,14 +52,15 @@ def block_sizes(m: int, k: int, n: int, kind: str | None, group: int, dtype,
                 block_m: int | None = None, block_n: int | None = None,
                 block_k: int | None = None) -> tuple[int, int, int]:
     """(bm, bn, bk) from the shapes: bm = min(round_up(M, sublane tile), 128); bn and bk
-    the largest multiples of 128 (K: of lcm(128, G) for int4) up to 512 (int4's K: 1024)
-    that divide N and K. Explicit sizes override, checked for the same alignment."""
+    the whole of N and K up to 512 (int4's K: 1024), else the largest multiples of 128
+    (K: of lcm(128, G) for int4) up to that which divide them. Explicit sizes override,
+    checked for the same alignment (a whole dimension is always allowed)."""
     sub = sublane_tile(dtype)
     unit = k_unit(kind, group) if kind else LANES
     bm = block_m or min(round_up(m, sub), MAX_BLOCK_M)
     bn = block_n or dividing_block(n, LANES, MAX_BLOCK_N)
     bk = block_k or dividing_block(k, unit, MAX_BLOCK_K[kind] if kind else MAX_BLOCK_K_FLOAT)
-    if bm % sub or bn % LANES or bk % unit:
+    if bm % sub or (bn % LANES and bn != n) or (bk % unit and bk != k):
         raise ValueError(f"TPU block sizes (block_m={bm}, block_n={bn}, block_k={bk}) must be "
                          f"multiples of ({sub}, {LANES}, {unit})")
     return bm, bn, bk
