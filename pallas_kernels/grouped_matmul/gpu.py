@@ -21,7 +21,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.grouped_matmul import formats
 from pallas_kernels.grouped_matmul.visits import plan_visits, zero_rows_outside_groups
-from pallas_kernels.quantized_matmul.gpu import MIN_BLOCK, block_sizes, int4_halves, supports
+from pallas_kernels.quantized_matmul.gpu import block_sizes, int4_halves, require_support
 from pallas_kernels.tiling import round_up
 
 
@@ -78,9 +78,7 @@ def grouped_matmul(x: jax.Array, values: jax.Array, group_sizes: jax.Array,
     k = formats.check_operands(x, values, scales, group_sizes, kind)
     m, n = x.shape[0], values.shape[2]
     group = k // scales.shape[1] if kind == "int4" else 1
-    if not supports(kind, group):
-        raise ValueError(f"the GPU kernel needs an int4 group size that is a power of two "
-                         f">= {2 * MIN_BLOCK}, got {group}: use impl='reference'")
+    require_support(kind, group)
     bm, bn, bk = block_sizes(m, k, n, kind, group, block_m, block_n, block_k)
     mp, kp, np_ = round_up(m, bm), round_up(k, bk), round_up(n, bn)
     x, values, scales = formats.pad_operands(x, values, scales, kind, mp, kp, np_)

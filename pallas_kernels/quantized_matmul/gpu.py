@@ -37,6 +37,12 @@ def supports(kind: str, group: int) -> bool:
     return kind != "int4" or (is_power_of_2(group) and group // 2 >= MIN_BLOCK)
 
 
+def require_support(kind: str | None, group: int) -> None:
+    if not supports(kind, group):
+        raise ValueError(f"the GPU kernel needs an int4 group size that is a power of two "
+                         f">= {2 * MIN_BLOCK}, got {group}: use impl='reference'")
+
+
 def block_sizes(m: int, k: int, n: int, kind: str, group: int,
                 block_m: int | None = None, block_n: int | None = None,
                 block_k: int | None = None) -> tuple[int, int, int]:
@@ -115,9 +121,7 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
     k = check_operands(x, values, scales, kind)
     m, n = x.shape[0], values.shape[1]
     group = k // scales.shape[0] if kind == "int4" else 1
-    if not supports(kind, group):
-        raise ValueError(f"the GPU kernel needs an int4 group size that is a power of two "
-                         f">= {2 * MIN_BLOCK}, got {group}: use impl='reference'")
+    require_support(kind, group)
     bm, bn, bk = block_sizes(m, k, n, kind, group, block_m, block_n, block_k)
     mp, kp, np_ = round_up(m, bm), round_up(k, bk), round_up(n, bn)
     x, values, scales = pad_operands(x, values, scales, kind, mp, kp, np_)
