@@ -37,9 +37,14 @@ def test_kernels_give_the_reference_engines_tokens(checkpoints, prompts, impl, q
     assert got == want
 
 
-def test_convert_then_serve_without_requantizing(checkpoints, prompts, tmp_path, monkeypatch):
-    path, _ = checkpoints("llama")
-    out = tmp_path / "llama-int8"
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])
+def test_convert_then_serve_without_requantizing(arch, checkpoints, prompts, tmp_path,
+                                                 monkeypatch):
+    """A converted int8 checkpoint (for Qwen2-MoE: the expert stacks, each expert with its
+    own scales, and the shared expert) restores the arrays a fresh load quantizes, without
+    quantizing again, and gives the same tokens."""
+    path, _ = checkpoints(arch)
+    out = tmp_path / f"{arch}-int8"
     assert main(["convert", "--model", str(path), "--out", str(out), "--quantization", "int8",
                  "--dtype", "float32"]) == 0
     assert {"config.json", "jaxserve.json", "params"} <= {p.name for p in out.iterdir()}
@@ -54,9 +59,11 @@ def test_convert_then_serve_without_requantizing(checkpoints, prompts, tmp_path,
     fresh_state = dict(nnx.to_flat_state(fresh.engine.runner.params))
     for key, var in nnx.to_flat_state(restored.engine.runner.params):
         np.testing.assert_array_equal(np.asarray(var[...]), np.asarray(fresh_state[key][...]))
-    q_proj = dict(nnx.to_flat_state(restored.engine.runner.params))[
-        ("layers", 0, "attn", "q_proj")][...]
-    assert q_proj.dtype == jnp.int8
+    state = dict(nnx.to_flat_state(restored.engine.runner.params))
+    assert state[("layers", 0, "attn", "q_proj")][...].dtype == jnp.int8
+    if arch == "qwen2_moe":
+        assert state[("layers", 0, "mlp", "gate_proj")][...].dtype == jnp.int8
+        assert state[("layers", 0, "mlp", "gate_proj_scales")][...].shape == (8, 1, 32)
     assert greedy(restored, prompts) == greedy(fresh, prompts)
     with pytest.raises(ValueError, match="holds int8 weights"):
         LLM(str(out), quantization="int4", **ENGINE)
