@@ -42,12 +42,10 @@ def format_plan(p: dict) -> str:
         compiled = p["compiled_weight_bytes"]
         upcast = max((b.get("cpu_weight_upcast_bytes", 0) for b in p["buckets"].values()),
                      default=0)
-        cumsum = max((b.get("cpu_cumsum_flops", 0) for b in p["buckets"].values()), default=0)
         rows += [
             ("estimates", "weights and KV per GPU are exact (shapes and shardings); "
                           f"temporaries, collectives and cost are {CPU_ESTIMATE[1:-1]}s, less "
-                          f"XLA:CPU's f32 copies of 16-bit weights ({_gib(upcast)}) and its "
-                          f"O(V^2) count of the top-p cumsum ({cumsum / 1e12:.3f} TFLOP)"),
+                          f"XLA:CPU's f32 copies of 16-bit weights ({_gib(upcast)})"),
             ("weights per GPU (exact)", _gib(p["weight_bytes"]) + (
                 "" if compiled is None else f" (XLA:CPU arguments: {_gib(compiled)}, "
                                             f"ratio {compiled / p['weight_bytes']:.3f})")),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import math
 import os
 import pickle
@@ -86,9 +87,13 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
     caches = abstract_kv_cache(cfg, num_pages * shard.data_shards, engine.page_size,
                                jnp.dtype(engine.kv_storage_dtype), shard)
     replicated = shard.sharding(())
+    inputs = dataclasses.replace(builder.empty(key), sampling=None, history=None)
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
-                         builder.empty(key))
-    fn = jit_programs(graphdef, params, jax.tree.map(lambda x: x.sharding, caches), shard).step
+                         inputs)
+    # The forward pass: every weight, cache page, kernel and collective of the step (its
+    # sampling is a small replicated program of its own).
+    fn = jit_programs(graphdef, params, jax.tree.map(lambda x: x.sharding, caches),
+                      shard).forward
     sampled = jax.ShapeDtypeStruct((engine.max_num_seqs,), jnp.int32, sharding=replicated)
     with _no_persistent_cache(), jax.default_device(devices[0]):
         layers = sum(cfg.sparse_layers)
@@ -206,30 +211,17 @@ def cpu_weight_upcast_bytes(hlo_text: str) -> int:
                if params.get(operand) == size(dims))
 
 
-_CUMSUM_WINDOW = re.compile(r"= [a-z]+\d*\[([\d,]*)\]\S* reduce-window\(.*window=\{size=([\dx]+)"
-                            r"[^\n]*cumsum", re.M)
-
-
-def cpu_cumsum_flops(hlo_text: str) -> float:
-    """FLOPs that XLA's cost analysis gives `jnp.cumsum` lowered for CPU: a reduce-window
-    as wide as the axis, counted as N adds per element (O(N^2); the sampler's top-p does
-    one over the vocabulary). A GPU lowers cumsum to one linear scan (CUB)."""
-    size = lambda dims, sep: math.prod(int(d) for d in dims.split(sep) if d)  # noqa: E731
-    return float(sum(size(out, ",") * (size(window, "x") - 1)
-                     for out, window in _CUMSUM_WINDOW.findall(hlo_text)))
-
-
 def _remove_cpu_artefacts(bucket: dict, hlo_text: str) -> None:
     """Take out of an XLA:CPU bucket what a GPU would not do: the f32 weight copies (their
     bytes from the temporaries; each is written once, its bf16 source read once more and
-    the dot reads 4 bytes an element instead of 2: twice its bytes from bytes accessed)
-    and the O(N^2) count of cumsum. The raw numbers stay, prefixed cpu_."""
-    upcast, cumsum = cpu_weight_upcast_bytes(hlo_text), cpu_cumsum_flops(hlo_text)
-    bucket.update(cpu_weight_upcast_bytes=upcast, cpu_cumsum_flops=cumsum,
+    the dot reads 4 bytes an element instead of 2: twice its bytes from bytes accessed).
+    The raw numbers stay, prefixed cpu_. (The sampler, whose top-p cumsum XLA:CPU's cost
+    analysis counted as N^2 adds over the vocabulary, is not in the planned program.)"""
+    upcast = cpu_weight_upcast_bytes(hlo_text)
+    bucket.update(cpu_weight_upcast_bytes=upcast,
                   cpu_temp_bytes=bucket["temp_bytes"], cpu_flops=bucket["flops"],
                   cpu_bytes_accessed=bucket["bytes_accessed"],
                   temp_bytes=max(0, bucket["temp_bytes"] - upcast),
-                  flops=max(0.0, bucket["flops"] - cumsum),
                   bytes_accessed=max(0.0, bucket["bytes_accessed"] - 2 * upcast))
 
 

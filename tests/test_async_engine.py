@@ -28,19 +28,19 @@ def llm(checkpoints):
 def inject(engine, times: int, consume_kv_cache: bool):
     """The next `times` device steps raise (after deleting the KV cache, as a step that
     had taken its donated buffers would leave it)."""
-    real, left = engine.runner._run, [times]
+    real, left = engine.runner._forward, [times]
 
     def failing(batch):
         left[0] -= 1
         if left[0] == 0:
-            engine.runner._run = real
+            engine.runner._forward = real
         if consume_kv_cache:
             for layer in engine.runner.kv_caches:
                 for x in layer:
                     x.delete()
         raise RuntimeError("injected device fault")
 
-    engine.runner._run = failing
+    engine.runner._forward = failing
 
 
 async def collect(outputs):

@@ -100,9 +100,10 @@ def test_gpu_target_in_child_process_splits_weights_and_marks_estimates(preset, 
 
 
 def test_gpu_plan_takes_out_xla_cpu_artefacts():
-    """XLA:CPU converts bf16 weights to f32 before its matmuls (all at once) and counts the
-    sampler's cumsum over the vocabulary as N^2 adds; the GPU plan removes both, so a
-    decode step's temporaries are small and its FLOPs are ~2 x tokens x matmul params."""
+    """XLA:CPU converts bf16 weights to f32 before its matmuls (all at once); the GPU plan
+    removes those copies, so a decode step's temporaries are small. Its FLOPs are ~2 x
+    tokens x matmul params (the planned program is the forward pass, without the
+    sampler)."""
     from sharding.planner import plan_target
 
     p = plan_target(LLAMA3_8B_2L, "h100x2", max_model_len=1024, max_num_seqs=16,
@@ -113,7 +114,6 @@ def test_gpu_plan_takes_out_xla_cpu_artefacts():
     assert p["temp_bytes"] < 0.05 * p["weight_bytes"]
     matmul_params = LLAMA3_8B_2L.num_params() - LLAMA3_8B_2L.vocab_size * LLAMA3_8B_2L.hidden_size
     expected = 2 * 16 * matmul_params / 2
-    assert decode["cpu_flops"] > 3 * expected
     assert abs(decode["flops"] - expected) / expected < 0.15, (decode["flops"], expected)
     assert decode["bytes_accessed"] < 2 * p["weight_bytes"]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from llguidance.numpy import apply_token_bitmask_inplace
 
@@ -119,6 +120,30 @@ def test_seeded_draw_independent_of_batch():
     draws = {int(jax.jit(sample)(jnp.asarray(logits[:1]), arrays(
         1, temperature=[1.0], seed=[11], output_index=[k]), None).token_ids[0]) for k in range(20)}
     assert len(draws) > 3
+
+
+@pytest.mark.parametrize("num_rows", [1, 5, 20])
+def test_only_the_real_rows_are_sampled(num_rows):
+    """A 32-row batch with `num_rows` real sequences samples them in a tier of 1 or 8 rows
+    (all 32 past 8): the real rows' tokens and logprobs are those of sampling every row
+    (logprobs to float32 rounding);
+    padding rows are not sampled when a tier holds the real ones (zeros, where sampling
+    them gives other tokens)."""
+    rng = np.random.default_rng(num_rows)
+    logits = jnp.asarray(rng.standard_normal((32, 300)).astype(np.float32) * 3)
+    p = arrays(32, temperature=rng.choice([0.0, 0.7, 1.3], 32), seed=rng.integers(0, 99, 32),
+               top_p=rng.choice([1.0, 0.9], 32))
+    every = jax.jit(sample)(logits, p, None)
+    tiered = jax.jit(sample)(logits, p, None, jnp.int32(num_rows))
+    for name in ("token_ids", "top_ids"):
+        np.testing.assert_array_equal(np.asarray(getattr(tiered, name))[:num_rows],
+                                      np.asarray(getattr(every, name))[:num_rows])
+    for name in ("logprob", "top_logprobs"):  # log_softmax vectorised over fewer rows: 1 ulp
+        np.testing.assert_allclose(np.asarray(getattr(tiered, name))[:num_rows],
+                                   np.asarray(getattr(every, name))[:num_rows], rtol=1e-6)
+    padding = np.asarray(tiered.token_ids)[8 if num_rows > 1 else 1:]
+    assert (padding == 0).all() == (num_rows <= 8)
+    assert np.asarray(every.token_ids)[8:].any()
 
 
 def test_greedy_bans_and_logprobs():

@@ -139,7 +139,7 @@ def test_plan_says_when_it_does_not_fit(monkeypatch):
     ("v6e:2x2", dict(quantization="int4", kv_cache_dtype="fp8", page_size=32)),
 ])
 def test_engine_step_compiles_with_pallas_kernels(topology, quant):
-    """The whole step of Llama-3-8B's dimensions (2 layers) on one chip runs our Mosaic
+    """The forward pass of Llama-3-8B's dimensions (2 layers) on one chip runs our Mosaic
     kernels: two ragged paged attention calls per layer (one for decode work items, one for
     prefill items, each under its own branch) and, quantized, one matmul per linear layer
     (q, k, v, o, gate, up, down); the weights stay quantized in HBM."""

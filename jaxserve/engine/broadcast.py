@@ -22,8 +22,9 @@ from jaxserve.engine.batch import BucketKey, StepBatch
 
 log = logging.getLogger(__name__)
 
-# STEP runs a whole step; a step sampled apart is FORWARD, then SAMPLE with the same batch
-# (its sampling arrays filled in between: ModelRunner.dispatch_forward / dispatch_sample).
+# STEP runs a whole step (forward, then sample); a step sampled apart is FORWARD, then
+# SAMPLE with the same batch (its sampling arrays filled in between:
+# ModelRunner.dispatch_forward / dispatch_sample).
 STOP, STEP, PING, FORWARD, SAMPLE = range(5)
 PING_INTERVAL_S = 1.0
 

@@ -55,22 +55,13 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
 
 
 def sample_step(logits: jax.Array, sampling: SamplingArrays, history: TokenHistory | None,
-                prev_tokens: jax.Array) -> tuple[SampleOutput, jax.Array]:
+                prev_tokens: jax.Array, num_seqs: jax.Array) -> tuple[SampleOutput, jax.Array]:
     """Sample one token per row; returns them also written into `prev_tokens` (padded to
-    max_num_seqs), where the next step reads its PLACEHOLDER tokens."""
-    out = sample(logits, sampling, history)
+    max_num_seqs), where the next step reads its PLACEHOLDER tokens. `num_seqs` (the
+    batch's real sequences per data shard) lets one shard's batch sample its real rows
+    only (under data parallelism each shard's rows are a block of their own: all rows)."""
+    out = sample(logits, sampling, history, num_seqs[0] if num_seqs.shape[0] == 1 else None)
     return out, prev_tokens.at[: out.token_ids.shape[0]].set(out.token_ids)
-
-
-def step(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch: StepBatch,
-         prev_tokens: jax.Array, expert_load: jax.Array | None
-         ) -> tuple[KVCache, SampleOutput, jax.Array, jax.Array | None]:
-    """`forward` then `sample_step`, as one program (the step of every batch whose sampling
-    needs nothing the host learns from the step before: see `Engine.step`)."""
-    kv_caches, logits, expert_load = forward(graphdef, params, kv_caches, batch, prev_tokens,
-                                             expert_load)
-    return (kv_caches, *sample_step(logits, batch.sampling, batch.history, prev_tokens),
-            expert_load)
 
 
 def last_tokens(hidden: jax.Array, cu_q_lens: jax.Array, data_shards: int) -> jax.Array:
@@ -83,10 +74,13 @@ def last_tokens(hidden: jax.Array, cu_q_lens: jax.Array, data_shards: int) -> ja
 
 
 class StepPrograms(NamedTuple):
-    """The jitted programs: the whole `step`, and its two halves for a step whose sampling
-    waits for the host (`forward`, then `sample_step`)."""
+    """The jitted programs of a step: its `forward` pass (KV cache and logits, which stay
+    on the device), then `sample_step`. Every step runs both; a step whose sampling waits
+    for the host (penalties, grammars: see `Engine.step`) dispatches the second later.
+    (One program for both measured slower on a CPU: a 64-sequence bucket's prefill step
+    27-34 ms against 23 ms for the two, one decode step alike, and workload (b) of
+    benchmarks/offline_throughput.py 747-799 against 800-834 tokens/s, bf16.)"""
 
-    step: Callable
     forward: Callable
     sample: Callable
 
@@ -108,12 +102,10 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings,
 
     inputs = (param_shardings, cache_shardings, replicated, replicated, replicated)
     return StepPrograms(
-        step=jax.jit(run(step), donate_argnums=(1,), in_shardings=inputs,
-                     out_shardings=(cache_shardings, replicated, replicated, replicated)),
         forward=jax.jit(run(forward), donate_argnums=(1,), in_shardings=inputs,
                         out_shardings=(cache_shardings, logits_sharding, replicated)),
         sample=jax.jit(sample_step, in_shardings=(logits_sharding, replicated, replicated,
-                                                  replicated),
+                                                  replicated, replicated),
                        out_shardings=(replicated, replicated)))
 
 
@@ -172,8 +164,7 @@ class ModelRunner:
         self.kv_caches: KVCache = self._zero_kv_caches()
         self._programs = jit_programs(graphdef, params,
                                       jax.tree.map(lambda x: x.sharding, abstract), shard)
-        # Programs compiled, by (program, shape): ("step", T, S), ("forward", T, S),
-        # ("sample", S, history).
+        # Programs compiled, by (program, shape): ("forward", T, S), ("sample", S, history).
         self._ready: set[tuple] = set()
         self.warmed_up = False
         self.compiles_after_warmup = 0
@@ -210,10 +201,8 @@ class ModelRunner:
 
     @staticmethod
     def programs(key: BucketKey) -> list[tuple]:
-        """The programs a bucket's steps run: a batch with penalties (`key.history`) is
-        always sampled apart; one without may be either way (grammars)."""
-        split = [("forward", key.tokens, key.seqs), ("sample", key.seqs, key.history)]
-        return split if key.history else [("step", key.tokens, key.seqs), *split]
+        """The programs a bucket's steps run: its forward pass and its sampling."""
+        return [("forward", key.tokens, key.seqs), ("sample", key.seqs, key.history)]
 
     def warmup(self, progress: bool = True) -> None:
         """Compile every program of every bucket now, so nothing compiles while serving.
@@ -231,9 +220,7 @@ class ModelRunner:
         with counting_hits() as hits:
             for key, program in bar:
                 batch = self.builder.empty(key)
-                if program[0] == "step":
-                    self._run(batch)
-                elif program[0] == "forward":
+                if program[0] == "forward":
                     self._forward(batch)
                 else:
                     self._logits = jax.device_put(
@@ -257,13 +244,16 @@ class ModelRunner:
             self._ready.add(program)
 
     def dispatch(self, batch: StepBatch, key: BucketKey) -> SampleOutput:
-        """Start the whole step and return its outputs as device arrays, without waiting.
+        """Start the whole step (forward pass, then sampling) and return its outputs as
+        device arrays, without waiting.
 
         Placeholder tokens of the batch read the previous dispatched step's samples."""
-        self._check_compiled(("step", key.tokens, key.seqs))
+        for program in self.programs(key):
+            self._check_compiled(program)
         if self.broadcaster is not None:
             self.broadcaster.send(STEP, batch, key)
-        return self._run(batch)
+        self._forward(batch)
+        return self._sample(batch)
 
     def dispatch_forward(self, batch: StepBatch, key: BucketKey) -> None:
         """Start the step's forward pass; its logits wait on the device for
@@ -281,12 +271,6 @@ class ModelRunner:
             self.broadcaster.send(SAMPLE, batch, key)
         return self._sample(batch)
 
-    def _run(self, batch: StepBatch) -> SampleOutput:
-        batch.sampling.grammar_mask = self._grammar_mask(batch.sampling.grammar_mask)
-        self.kv_caches, out, self.sampled, self.expert_load = self._programs.step(
-            self._param_leaves, self.kv_caches, batch, self.sampled, self.expert_load)
-        return out
-
     def _forward(self, batch: StepBatch) -> None:
         inputs = dataclasses.replace(batch, sampling=None, history=None)
         self.kv_caches, self._logits, self.expert_load = self._programs.forward(
@@ -296,7 +280,7 @@ class ModelRunner:
         logits, self._logits = self._logits, None
         batch.sampling.grammar_mask = self._grammar_mask(batch.sampling.grammar_mask)
         out, self.sampled = self._programs.sample(logits, batch.sampling, batch.history,
-                                                  self.sampled)
+                                                  self.sampled, batch.attn.num_seqs)
         return out
 
     def _grammar_mask(self, mask: np.ndarray) -> jax.Array:
@@ -313,11 +297,11 @@ class ModelRunner:
         return self._open_masks[mask.shape[0]]
 
     def compiled(self, key: BucketKey) -> jax.stages.Compiled:
-        """The compiled whole-step program of a bucket, for reading its HLO (compiles it
-        again)."""
-        return self._programs.step.lower(self._param_leaves, self.kv_caches,
-                                         self.builder.empty(key), self.sampled,
-                                         self.expert_load).compile()
+        """The compiled forward pass of a bucket (every collective and kernel of its step
+        is there), for reading its HLO (compiles it again)."""
+        batch = dataclasses.replace(self.builder.empty(key), sampling=None, history=None)
+        return self._programs.forward.lower(self._param_leaves, self.kv_caches, batch,
+                                            self.sampled, self.expert_load).compile()
 
     @property
     def num_compiled(self) -> int:

@@ -17,6 +17,9 @@ import jax.numpy as jnp
 
 from jaxserve.sampling_params import MAX_LOGPROBS
 
+# Row counts a batch's real sequences are sampled in when fewer than the bucket's (sample).
+ROW_TIERS = (1, 8)
+
 _NEG_INF = -jnp.inf
 
 
@@ -190,8 +193,35 @@ def inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
     return (block * BLOCK + jnp.minimum(within, last)).astype(jnp.int32)
 
 
-def sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | None) -> SampleOutput:
-    """Pick one token per row of `raw_logits[S, V]` (float32)."""
+def sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | None,
+           num_rows: jax.Array | None = None) -> SampleOutput:
+    """Pick one token per row of `raw_logits[S, V]` (float32).
+
+    `num_rows` (int32 scalar, traced; None: all rows) says how many leading rows are real
+    sequences, the rest padding of the bucket. When they fit in one of ROW_TIERS smaller
+    than S, only that many rows are sampled (the rest come out zero): a bucket of 64
+    sequences holding one prefill samples 1 row, not 64 (9 ms of a 33 ms step on a CPU at
+    a 49k vocabulary). Every row is sampled on its own (its seed and output index), so
+    the real rows' tokens do not depend on the tier."""
+    s = raw_logits.shape[0]
+    tiers = [t for t in ROW_TIERS if t < s]
+    if num_rows is None or not tiers:
+        return _sample(raw_logits, p, history)
+
+    def first(rows: int):
+        def run(operands):
+            out = _sample(*jax.tree.map(lambda a: a[:rows], operands))
+            return jax.tree.map(
+                lambda a: jnp.pad(a, [(0, s - rows)] + [(0, 0)] * (a.ndim - 1)), out)
+        return run
+
+    tier = jnp.searchsorted(jnp.asarray(tiers), num_rows)  # the first that holds them
+    return jax.lax.switch(tier, [*map(first, tiers), lambda operands: _sample(*operands)],
+                          (raw_logits, p, history))
+
+
+def _sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | None
+            ) -> SampleOutput:
     # The mask goes last of the adjustments (it rules tokens out whatever the bias adds):
     # the same as first, and the scatter then works on the logits as they came.
     logits = apply_grammar_mask(bias_and_ban(raw_logits, p), p.grammar_mask)
