@@ -661,18 +661,16 @@ def main() -> None:
           f"{flops_rate / 1e9:.1f} GFLOP/s ({jnp.dtype(flops_dtype).name})")
     print(f"- shapes: {'full' if args.full or not on_cpu else 'CPU default (reduced; --full for all)'}; "
           f"median of {iters} calls; total {time.perf_counter() - start:.0f} s\n")
-    if attention:
-        print("### ragged paged attention (Llama-3-8B layer: 32 q / 8 kv heads, head_dim 128, bf16)\n")
-        print(attention_table(attention))
-    if matmuls:
-        print("\n### quantized matmul (bf16 activations)\n")
-        print(matmul_table(matmuls))
-    if dense:
-        print("\n### dense matmul (smollm2-135m shapes; time per call in a chain of dependent calls)\n")
-        print(dense_table(dense))
-    if moe:
-        print("\n### mixture-of-experts layer (the experts of one layer, routing given)\n")
-        print(moe_table(moe))
+    for rows, title, table in (
+            (attention, "ragged paged attention (Llama-3-8B layer: 32 q / 8 kv heads, "
+                        "head_dim 128, bf16)", attention_table),
+            (matmuls, "quantized matmul (bf16 activations)", matmul_table),
+            (dense, "dense matmul (smollm2-135m shapes; time per call in a chain of dependent "
+                    "calls)", dense_table),
+            (moe, "mixture-of-experts layer (the experts of one layer, routing given)",
+             moe_table)):
+        if rows:
+            print(f"### {title}\n\n{table(rows)}\n")
     if impl == "cpu" and attention and dense:
         print("\n### CPU targets\n")
         print("\n".join(cpu_targets(attention, dense, cases)) or "- no kernel rows ran")

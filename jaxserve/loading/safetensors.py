@@ -142,11 +142,12 @@ def _hf_to_ours(name: str, x: np.ndarray, cfg: ModelConfig, kv_replicas: int = 1
     for p, h in heads.items():
         table[f"self_attn.{p}_proj.weight"] = (("attn", f"{p}_proj"), lambda h=h: x.T.reshape(e, h, d))
         table[f"self_attn.{p}_proj.bias"] = (("attn", f"{p}_bias"), lambda h=h: x.reshape(h, d))
-    for hf_name, ours in (("block_sparse_moe.gate", ("router",)), ("mlp.gate", ("router",)),
-                          ("mlp.shared_expert_gate", ("shared_expert_gate",))) + tuple(
-            (f"mlp.shared_expert.{proj}", ("shared_expert", proj))
-            for proj in ("gate_proj", "up_proj", "down_proj")):
-        table[f"{hf_name}.weight"] = (("mlp", *ours), lambda: x.T)
+    for hf_name, ours in (("block_sparse_moe.gate", "router"), ("mlp.gate", "router"),
+                          ("mlp.shared_expert_gate", "shared_expert_gate"),
+                          ("mlp.shared_expert.gate_proj", "shared_expert.gate_proj"),
+                          ("mlp.shared_expert.up_proj", "shared_expert.up_proj"),
+                          ("mlp.shared_expert.down_proj", "shared_expert.down_proj")):
+        table[f"{hf_name}.weight"] = (("mlp", *ours.split(".")), lambda: x.T)
     expert = re.fullmatch(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight", rest)
     if expert and expert.group(2) in _EXPERT_WEIGHTS:
         # One expert's [out, in] weight: row `j` of our stacked [E, in, out] parameter.

@@ -129,8 +129,7 @@ class MoE(nnx.Module):
                     real[:, None].astype(jnp.int32))
                 self.sow(nnx.Intermediate, "expert_tokens", counts)
             chosen = jnp.where(real[:, None], chosen, -1)
-        impl = options.kernel_impl
-        impl = impl if impl in ("reference", "cpu", "tpu", "gpu") else None
+        impl = options.kernel_impl  # None, "reference", "cpu", "tpu" or "gpu", as here
 
         def experts(x, weights, chosen, *stacks, first_expert=0):
             return grouped_glu(x, weights, chosen - first_expert, stacks,

@@ -21,12 +21,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.grouped_matmul import formats
 from pallas_kernels.grouped_matmul.visits import plan_visits, zero_rows_outside_groups
-from pallas_kernels.quantized_matmul.gpu import block_sizes, int4_halves, require_support
+from pallas_kernels.quantized_matmul.gpu import (
+    block_sizes, int4_halves, require_support, tile_dot)
 from pallas_kernels.tiling import round_up
-
-
-def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
 def _kernel(offsets_ref, group_ref, tile_ref, active_ref,  # the visit plan
@@ -44,15 +41,15 @@ def _kernel(offsets_ref, group_ref, tile_ref, active_ref,  # the visit plan
 
         def dense_step(step, acc):
             ks = pl.ds(step * block_k, block_k)
-            return acc + _dot(x_ref[rows, ks], w_ref[g, ks, cols])
+            return acc + tile_dot(x_ref[rows, ks], w_ref[g, ks, cols])
 
         def int4_step(step, acc):
             half = group // 2
             for q in range(block_k // group):
                 start = step * block_k + q * group
                 low, high = int4_halves(w_ref[g, pl.ds(start // 2, half), cols])
-                part = (_dot(x_ref[rows, pl.ds(start, half)], low.astype(jnp.float32))
-                        + _dot(x_ref[rows, pl.ds(start + half, half)],
+                part = (tile_dot(x_ref[rows, pl.ds(start, half)], low.astype(jnp.float32))
+                        + tile_dot(x_ref[rows, pl.ds(start + half, half)],
                                high.astype(jnp.float32)))
                 acc = acc + part * s_ref[g, pl.ds(start // group, 1), cols]
             return acc

@@ -72,7 +72,8 @@ def int4_halves(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
     return (packed << 28) >> 28, (packed << 24) >> 28
 
 
-def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
+def tile_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x's tile times a (dequantized) weight tile in x's dtype, accumulated in float32."""
     return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
@@ -88,15 +89,15 @@ def _kernel(x_ref,  # [bm, K]: this program's rows of x, all of K (the loop slic
         rows = pl.ds(step * block_k, block_k)
         # int8 -> float via the dtype conversion; fp8 -> x's dtype is a native convert
         # on sm89+ (Ada, Hopper), which the dispatcher checks.
-        return acc + _dot(x_ref[:, rows], w_ref[rows, :])
+        return acc + tile_dot(x_ref[:, rows], w_ref[rows, :])
 
     def int4_step(step, acc):
         half = group // 2
         for g in range(block_k // group):
             start = step * block_k + g * group
             low, high = int4_halves(w_ref[pl.ds(start // 2, half), :])
-            part = (_dot(x_ref[:, pl.ds(start, half)], low.astype(jnp.float32))
-                    + _dot(x_ref[:, pl.ds(start + half, half)], high.astype(jnp.float32)))
+            part = (tile_dot(x_ref[:, pl.ds(start, half)], low.astype(jnp.float32))
+                    + tile_dot(x_ref[:, pl.ds(start + half, half)], high.astype(jnp.float32)))
             acc = acc + part * s_ref[pl.ds(start // group, 1), :]
         return acc
 
