@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import sys
 import time
@@ -43,6 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compilation-cache-dir", default=None, metavar="DIR",
                    help="keep compiled step programs here across restarts (default: under "
                         "~/.cache/jaxserve, or $JAX_COMPILATION_CACHE_DIR; 'off' for none)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM\'s: e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\' (docs/speculative.md)')
 
 
 def parse_mesh(text: str | None) -> dict[str, int] | None:
@@ -58,6 +62,18 @@ def parse_mesh(text: str | None) -> dict[str, int] | None:
     return mesh
 
 
+def parse_json_object(flag: str, text: str | None) -> dict | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag}: not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag}: give a JSON object, e.g. '{{\"method\": \"ngram\"}}'")
+    return value
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     overrides = {
         "model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
@@ -68,6 +84,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
         "kernel_impl": args.kernel_impl, "mesh": parse_mesh(args.mesh),
         "sharding": args.sharding, "compilation_cache_dir": args.compilation_cache_dir,
+        "speculative_config": parse_json_object("--speculative-config",
+                                                args.speculative_config),
     }
     if args.config:
         return EngineConfig.from_yaml(args.config, **overrides)

@@ -24,6 +24,54 @@ DTYPES = ("bfloat16", "float32")
 KV_CACHE_DTYPES = {"auto": None, "int8": "int8", "fp8": "float8_e4m3fn"}
 KERNEL_IMPLS = ("reference", "tpu", "gpu", "cpu")
 QUANTIZATIONS = ("int8", "int4", "fp8")
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, shaped like vLLM's `speculative_config`.
+
+    `method` "ngram" (prompt lookup): the proposer matches the last `prompt_lookup_max`
+    down to `prompt_lookup_min` tokens of a sequence against its earlier tokens (prompt and
+    output) and proposes the `num_speculative_tokens` that followed the latest match. The
+    step verifies them as extra query tokens (engine/speculation.py). Speculation stops
+    while more than `disable_by_batch_size` sequences run (None: never): a batch that
+    large is compute-bound, and guessed tokens only add work.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int | None = 8
+    model: str | None = None  # the draft model's checkpoint (no method takes one yet)
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method must be one of "
+                             f"{SPECULATIVE_METHODS}, got {self.method!r}")
+        if self.model is not None:
+            raise ValueError(f"speculative_config: method {self.method!r} takes no model")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be a positive integer, "
+                                 f"got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) "
+                             f"exceeds prompt_lookup_max ({self.prompt_lookup_max})")
+        limit = self.disable_by_batch_size
+        if limit is not None and (not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"speculative_config: disable_by_batch_size must be a positive "
+                             f"integer or null, got {limit!r}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "SpeculativeConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**data)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,7 +375,8 @@ class EngineConfig:
     parallelism `num_pages`, `max_num_seqs` and `max_num_batched_tokens` are totals over
     the data shards. `compilation_cache_dir` keeps the compiled step programs across
     restarts (None: a folder under ~/.cache/jaxserve, or JAX's own if one is set; "off":
-    no cache; engine/compile_cache.py).
+    no cache; engine/compile_cache.py). `speculative_config` (a SpeculativeConfig or its
+    dict) turns on speculative decoding.
     """
 
     model: str | None = None
@@ -351,8 +400,12 @@ class EngineConfig:
     mesh: dict[str, int] | None = None
     sharding: str = "tp"
     compilation_cache_dir: str | None = None
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, dict):
+            object.__setattr__(self, "speculative_config",
+                               SpeculativeConfig.from_dict(self.speculative_config))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -91,10 +91,11 @@ def write_demo_checkpoint(path: Path) -> None:
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
-    _write_char_tokenizer(path)
+    write_char_tokenizer(path)
 
 
-def _write_char_tokenizer(path: Path) -> None:
+def write_char_tokenizer(path: Path) -> None:
+    """The demo's tokenizer: one token per printable ASCII character and newline."""
     from tokenizers import decoders
 
     _write_bpe_tokenizer(path, SPECIALS + CHARS, decoders.Fuse())

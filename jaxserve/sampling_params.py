@@ -80,6 +80,8 @@ class SamplingParams:
     repetition to prompt and generated tokens (1.0 = off). `seed` makes the request's
     tokens reproducible whatever else shares its batch. `logprobs=N` returns the sampled
     token's log-probability and the N most likely tokens of the model's distribution.
+    `speculative` False keeps this request from speculative decoding when the engine
+    has it on (its tokens are the same either way; docs/speculative.md).
     """
 
     temperature: float = 1.0
@@ -99,6 +101,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -157,6 +160,8 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(
                 self.structured_outputs, StructuredOutputsParams):
             bad("structured_outputs", "must be a StructuredOutputsParams")
+        if not isinstance(self.speculative, bool):
+            bad("speculative", "must be true or false")
 
     @property
     def greedy(self) -> bool:

@@ -142,3 +142,30 @@ class _EngineCollector:
             counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             counter.add_metric(labels, value)
             yield counter
+        if self.engine.speculator is not None:
+            yield from self._speculation(labels)
+
+    def _speculation(self, labels: list[str]):
+        """Speculative decoding's counters (vLLM's spec_decode_* names)."""
+        stats = self.engine.speculator.stats
+        for name, doc, value in (
+                ("spec_decode_num_drafts", "Sequence-steps that verified drafts.",
+                 stats.proposed[0]),
+                ("spec_decode_num_draft_tokens", "Draft tokens verified.", stats.num_proposed),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                 stats.num_accepted)):
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            counter.add_metric(labels, value)
+            yield counter
+        per_position = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position (0 = the first draft).",
+            labels=["model_name", "position"])
+        for position, value in enumerate(stats.accepted):
+            per_position.add_metric([*labels, str(position)], value)
+        yield per_position
+        active = GaugeMetricFamily(PREFIX + "spec_decode_active", "1 while the batch is small "
+                                   "enough to speculate (disable_by_batch_size), else 0.",
+                                   labels=["model_name"])
+        active.add_metric(labels, float(stats.active))
+        yield active

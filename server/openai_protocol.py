@@ -111,6 +111,7 @@ class _Request(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    speculative: bool = True  # ours: false keeps the request from speculative decoding
 
     def constraint_field(self) -> str | None:
         """The field the output constraint came in."""
@@ -181,7 +182,7 @@ class _Request(BaseModel):
             logprobs=logprobs, logit_bias=bias,
             skip_special_tokens=(self.skip_special_tokens if skip_special_tokens is None
                                  else skip_special_tokens),
-            structured_outputs=self.structured(tool_constraint))
+            structured_outputs=self.structured(tool_constraint), speculative=self.speculative)
 
     @property
     def include_usage(self) -> bool:

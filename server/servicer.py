@@ -36,6 +36,7 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
         logit_bias=dict(s.logit_bias),
         structured_outputs=(structured_from_proto(s.structured_outputs)
                             if s.HasField("structured_outputs") else None),
+        speculative=s.speculative if s.HasField("speculative") else True,
     )
 
 
@@ -191,4 +192,18 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             steps=e.num_steps, overlapped_steps=e.num_overlapped_steps,
             expert_load=[pb.ExpertLoad(layer=layer, tokens=tokens.tolist(),
                                        imbalance=imbalance)
-                         for layer, tokens, imbalance in e.router_statistics()])
+                         for layer, tokens, imbalance in e.router_statistics()],
+            speculation=speculation_status(e))
+
+
+def speculation_status(engine) -> pb.Speculation | None:
+    """GetServerStatus's speculative decoding counters (None when it is off)."""
+    speculator = engine.speculator
+    if speculator is None:
+        return None
+    stats = speculator.stats
+    return pb.Speculation(
+        method=speculator.config.method, num_speculative_tokens=speculator.num_speculative_tokens,
+        active=stats.active, verify_steps=stats.steps, proposed_tokens=stats.num_proposed,
+        accepted_tokens=stats.num_accepted, acceptance_rate=stats.acceptance_rate,
+        acceptance_by_position=stats.acceptance_by_position)

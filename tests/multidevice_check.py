@@ -1,6 +1,7 @@
 """Run the engine on 1 device, with tensor parallelism 2, 4, 8, with TP+SP, with data
 parallelism (alone, with TP, with TP+SP) and with our Pallas kernels (interpret mode)
-over 8 CPU devices; and a mixture of experts under tensor, data and expert parallelism.
+over 8 CPU devices; speculative decoding under TP and DP+TP; and a mixture of experts
+under tensor, data and expert parallelism.
 
 Started by tests/test_sharding.py in its own process (the device count is fixed when JAX
 starts): `python tests/multidevice_check.py MODEL_DIR OUT.json [MOE_MODEL_DIR]`. Writes,
@@ -24,6 +25,7 @@ from jaxserve.sampling_params import StructuredOutputsParams
 from jaxserve.config import ModelConfig
 from jaxserve.engine.batch import BucketKey
 from jaxserve.loading.converted import convert
+from oracle_proposer import OracleProposer
 from sharding.mesh import make_mesh
 from sharding.rules import model_sharding
 
@@ -102,6 +104,20 @@ def main(model_dir: str, out_path: str, moe_dir: str | None = None) -> None:
             "leaked_pages": llm.engine.scheduler.num_used_pages,
             "compiles_after_warmup": runner.compiles_after_warmup,
         }
+    # Speculative decoding: drafts of the one-device tokens (every third proposal spoiled)
+    # verified in the sharded step, under TP, DP+TP and TP with int8 weights.
+    for mesh, strategy, extra, suffix in SPEC_RUNS:
+        llm = LLM(model_dir, mesh=mesh, sharding=strategy, **ENGINE, **extra,
+                  speculative_config={"num_speculative_tokens": 3, "disable_by_batch_size": None})
+        one_device = results["null" + (" int8" if extra else "")]["tokens"]
+        llm.engine.speculator.proposer = OracleProposer(list(zip(prompts, one_device)), 320,
+                                                        spoil=3)
+        stats = llm.engine.speculator.stats
+        results[f"speculative {json.dumps(mesh)} {strategy}{suffix}"] = {
+            "tokens": [o.outputs[0].token_ids for o in llm.generate(prompts, params)],
+            "proposed": stats.num_proposed, "accepted": stats.num_accepted,
+            "leaked_pages": llm.engine.scheduler.num_used_pages,
+            "compiles_after_warmup": llm.engine.runner.compiles_after_warmup}
     # A checkpoint converted on 4 devices (each KV head stored twice) holds one copy of each
     # head: served on 1 device and on 8 (4 copies) it gives the int8 tokens.
     cfg = ModelConfig.from_file(model_dir)
@@ -130,6 +146,9 @@ def main(model_dir: str, out_path: str, moe_dir: str | None = None) -> None:
     with open(out_path, "w") as f:
         json.dump(results, f)
 
+
+SPEC_RUNS = [({"model": 2}, "tp", {}, ""), ({"data": 2, "model": 2}, "dp+tp", {}, ""),
+             ({"model": 2}, "tp", {"quantization": "int8"}, " int8")]
 
 # (mesh, strategy, extra engine settings, name suffix); int4 experts (and attention, and the
 # dense layer) quantized, on one device and with the TPU kernels per device under tp+ep.

@@ -50,6 +50,17 @@ def test_quantized_matmul_kernels_per_device_match_one_device(runs, mesh):
         assert runs[mesh]["reduce_scatter_shapes"] == [[32, 64]] * 4
 
 
+@pytest.mark.parametrize("run", ['{"model": 2} tp', '{"data": 2, "model": 2} dp+tp',
+                                 '{"model": 2} tp int8'])
+def test_speculative_decoding_matches_one_device(runs, run):
+    """Drafts (the one-device tokens, every third proposal spoiled) verified in the
+    sharded step: the one-device tokens, some drafts accepted and some rejected."""
+    result = runs["speculative " + run]
+    assert result["tokens"] == runs["null int8" if "int8" in run else "null"]["tokens"]
+    assert 0 < result["accepted"] < result["proposed"]
+    assert result["leaked_pages"] == 0 and result["compiles_after_warmup"] == 0
+
+
 def test_converted_checkpoint_keeps_one_copy_per_kv_head(runs):
     """Converted on 4 devices (2 KV heads stored twice), restored on 1 and on 8 devices
     (4 copies): the tokens of int8 weights quantized at load."""

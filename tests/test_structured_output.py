@@ -234,7 +234,7 @@ def test_token_bytes_give_llguidance_what_tokenizer_json_does(llm, tmp_path):
     each token's bytes instead. On the byte-level test tokenizer, which it reads, the bytes
     path gives the same masks at every token of a schema's document (non-ASCII included);
     on the demo model's, a choice allows exactly its first letters."""
-    from jaxserve.demo import _write_char_tokenizer
+    from jaxserve.demo import write_char_tokenizer
     from jaxserve.engine.structured_output import GrammarCompiler
     from jaxserve.loading.tokenizer import Tokenizer
 
@@ -254,7 +254,7 @@ def test_token_bytes_give_llguidance_what_tokenizer_json_does(llm, tmp_path):
     assert (_allowed(from_bytes, constraint, document, tokenizer, vocab)
             == _allowed(from_json, constraint, document, tokenizer, vocab))
 
-    _write_char_tokenizer(tmp_path)
+    write_char_tokenizer(tmp_path)
     demo = Tokenizer.from_pretrained(tmp_path)
     compiler = GrammarCompiler(demo, demo.vocab_size, [1])
     first = _allowed(compiler, StructuredOutputsParams(choice=["yes", "no"]), "", demo,

@@ -5,6 +5,11 @@ S = min(T, max_num_seqs) sequences, so the number of compiled programs is finite
 Penalties need every sequence's token history, so batches that use them carry a
 `TokenHistory` (filled by `fill_history`) and sample with a separate program.
 
+The step samples R rows: one per sequence (R = S), or, in a step verifying speculative
+drafts (`BucketKey.drafts` k > 0), one per draft and one more for each sequence (R =
+min(T, S * (k + 1)), the most a batch can need). `sample_index` says which token's logits
+each row samples; the sampling arrays are per row.
+
 With D data-parallel shards every array is D equal blocks (T/D tokens, S/D sequences
 each), block d holding the sequences placed in shard d, with token offsets, slots and
 page ids local to that shard (AttentionMetadata). The bucket is chosen by the busiest
@@ -37,6 +42,10 @@ class StepBatch:
     # [T]: for a token whose id is still on the device (a PLACEHOLDER, sampled by the step
     # before), the row of that step's sampled tokens to read it from; else -1.
     prev_index: np.ndarray
+    # [R]: the token (index within its data shard's block) each sampled row reads the
+    # logits of; [D]: the real rows per data shard (they come first in each shard's block).
+    sample_index: np.ndarray
+    num_rows: np.ndarray
     history: TokenHistory | None = None
 
 
@@ -46,6 +55,12 @@ class BucketKey(NamedTuple):
     tokens: int  # T
     seqs: int  # S
     history: bool  # carries every sequence's token history (penalties)
+    drafts: int = 0  # k: most drafts a sequence verifies (0: no speculation)
+
+    @property
+    def rows(self) -> int:
+        """R, the sampled rows (all data shards: T and S divide by their count)."""
+        return min(self.tokens, self.seqs * (self.drafts + 1)) if self.drafts else self.seqs
 
 
 @dataclasses.dataclass
@@ -59,19 +74,23 @@ class BatchBuilder:
     eos_token_ids: tuple[int, ...]
     vocab_size: int  # of the logits, for the grammar mask's width
     data_shards: int = 1
+    num_speculative_tokens: int = 0  # k of the speculating buckets (0: none)
     _open_masks: dict[int, np.ndarray] = dataclasses.field(default_factory=dict, repr=False)
 
-    def bucket(self, num_tokens: int, history: bool) -> BucketKey:
-        """The bucket for `num_tokens` tokens in the busiest shard."""
+    def bucket(self, num_tokens: int, history: bool, drafts: bool = False) -> BucketKey:
+        """The bucket for `num_tokens` tokens in the busiest shard (`drafts`: a step that
+        verifies drafts)."""
         d = self.data_shards
         shard_buckets = sorted({-(-t // d) for t in self.token_buckets})
         t = shard_buckets[bisect.bisect_left(shard_buckets, num_tokens)]
-        return BucketKey(d * t, d * min(t, self.max_num_seqs // d), history)
+        return BucketKey(d * t, d * min(t, self.max_num_seqs // d), history,
+                         self.num_speculative_tokens if drafts else 0)
 
     def all_buckets(self) -> list[BucketKey]:
         """Every bucket a schedule can produce."""
-        return sorted({self.bucket(-(-t // self.data_shards), h)
-                       for h in (False, True) for t in self.token_buckets})
+        return sorted({self.bucket(-(-t // self.data_shards), h, k)
+                       for h in (False, True) for t in self.token_buckets
+                       for k in {False, self.num_speculative_tokens > 0}})
 
     def build(self, out: SchedulerOutput, pending_rows: dict[Sequence, int] | None = None
               ) -> tuple[StepBatch, BucketKey]:
@@ -83,24 +102,32 @@ class BatchBuilder:
         for x in out.scheduled:
             tokens[x.seq.data_shard] += x.num_new_tokens
         history = any(x.seq.params.uses_penalties for x in out.scheduled)
-        key = self.bucket(max(tokens), history)
+        key = self.bucket(max(tokens), history, any(x.drafts for x in out.scheduled))
         batch = self.empty(key)
-        shard_t, shard_s = key.tokens // d, key.seqs // d
+        shard_t, shard_s, shard_r = key.tokens // d, key.seqs // d, key.rows // d
         cu = batch.attn.cu_q_lens
-        counts, ends = [0] * d, [0] * d  # per data shard: seqs placed, tokens placed
+        # Per data shard: seqs placed, tokens placed, rows placed.
+        counts, ends, rows = [0] * d, [0] * d, [0] * d
         for sched in out.scheduled:
             seq, start, n, data_shard = (sched.seq, sched.start, sched.num_new_tokens,
                                          sched.seq.data_shard)
             i, local = data_shard * shard_s + counts[data_shard], ends[data_shard]
             t = data_shard * shard_t + local
             counts[data_shard] += 1
-            sched.row = i
+            sched.row = data_shard * shard_r + rows[data_shard]
+            num_rows = 1 + len(sched.drafts)
+            rows[data_shard] += num_rows
+            # Row j samples the logits of the chunk's (len(drafts) - j + 1)-th last token.
+            batch.sample_index[sched.row:sched.row + num_rows] = np.arange(
+                local + n - num_rows, local + n)
             pos = np.arange(start, start + n, dtype=np.int32)
             pages = np.asarray(seq.page_ids, dtype=np.int32)
-            batch.input_ids[t:t + n] = seq.token_ids[start:start + n]
-            if batch.input_ids[t + n - 1] == PLACEHOLDER:  # only the newest token can be
-                batch.input_ids[t + n - 1] = 0
-                batch.prev_index[t + n - 1] = pending_rows[seq]
+            own = n - len(sched.drafts)  # the chunk's tokens that are the seq's own
+            batch.input_ids[t:t + own] = seq.token_ids[start:start + own]
+            batch.input_ids[t + own:t + n] = sched.drafts
+            if batch.input_ids[t + own - 1] == PLACEHOLDER:  # only the newest token can be
+                batch.input_ids[t + own - 1] = 0
+                batch.prev_index[t + own - 1] = pending_rows[seq]
             batch.positions[t:t + n] = pos
             batch.attn.slot_mapping[t:t + n] = (pages[pos // self.page_size] * self.page_size
                                                 + pos % self.page_size)
@@ -108,24 +135,31 @@ class BatchBuilder:
             cu[data_shard * (shard_s + 1) + counts[data_shard]] = local + n
             batch.attn.kv_lens[i] = start + n
             batch.attn.page_indices[i, :len(pages)] = pages
-            self._fill_sampling(batch.sampling, i, seq.params, seq)
+            for j in range(num_rows):
+                self._fill_sampling(batch.sampling, sched.row + j, seq.params, seq, j)
         for data_shard in range(d):
             block = data_shard * (shard_s + 1)
             cu[block + counts[data_shard] + 1:block + shard_s + 1] = ends[data_shard]
         batch.attn.num_seqs[:] = counts
+        batch.num_rows[:] = rows
         return batch, key
 
     @staticmethod
     def fill_history(batch: StepBatch, out: SchedulerOutput) -> None:
-        """Each sequence's tokens up to the last one it feeds the step, for penalties: call
-        it once they are all on the host (the newest may have been a PLACEHOLDER at
-        `build`: the engine samples such a step apart, after the step before is in)."""
+        """Each row's tokens up to the one whose logits it samples, for penalties: the
+        sequence's own tokens, then the drafts before the row's. Call it once they are all
+        on the host (the newest may have been a PLACEHOLDER at `build`: the engine samples
+        such a step apart, after the step before is in)."""
         for sched in out.scheduled:
-            tokens = sched.seq.token_ids[:sched.start + sched.num_new_tokens]
-            batch.history.tokens[sched.row, :len(tokens)] = tokens
-            batch.history.prompt_lens[sched.row] = sched.seq.num_prompt_tokens
+            own = sched.start + sched.num_new_tokens - len(sched.drafts)
+            for j in range(1 + len(sched.drafts)):
+                tokens = sched.seq.token_ids[:own] + sched.drafts[:j]
+                batch.history.tokens[sched.row + j, :len(tokens)] = tokens
+                batch.history.prompt_lens[sched.row + j] = sched.seq.num_prompt_tokens
 
-    def _fill_sampling(self, a: SamplingArrays, i: int, p: SamplingParams, seq) -> None:
+    def _fill_sampling(self, a: SamplingArrays, i: int, p: SamplingParams, seq,
+                       ahead: int = 0) -> None:
+        """Row `i` samples the sequence's output number len(outputs) + `ahead`."""
         a.temperature[i] = p.temperature
         a.top_k[i] = max(p.top_k, 0)
         a.top_p[i] = p.top_p
@@ -134,33 +168,36 @@ class BatchBuilder:
         a.frequency_penalty[i] = p.frequency_penalty
         a.repetition_penalty[i] = p.repetition_penalty
         a.seed[i] = p.seed
-        a.output_index[i] = len(seq.output_token_ids)
+        a.output_index[i] = len(seq.output_token_ids) + ahead
         a.logprobs[i] = p.logprobs is not None
         if p.logit_bias:
             a.bias_ids[i, :len(p.logit_bias)] = list(p.logit_bias)
             a.bias_values[i, :len(p.logit_bias)] = list(p.logit_bias.values())
-        if len(seq.output_token_ids) < p.min_tokens:
+        if len(seq.output_token_ids) + ahead < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
             a.banned_ids[i, :len(banned)] = banned[:MAX_STOP_TOKEN_IDS]
 
-    def open_mask(self, num_seqs: int) -> np.ndarray:
+    def open_mask(self, num_rows: int) -> np.ndarray:
         """The grammar mask of a batch without grammars: one shared, read-only array per
         size, which the runner swaps for a copy it keeps on the device (no transfer). A
         batch with grammars gets its own (Engine fills it)."""
-        if num_seqs not in self._open_masks:
-            mask = np.full((num_seqs, (self.vocab_size + 31) // 32), -1, np.int32)
+        if num_rows not in self._open_masks:
+            mask = np.full((num_rows, (self.vocab_size + 31) // 32), -1, np.int32)
             mask.flags.writeable = False
-            self._open_masks[num_seqs] = mask
-        return self._open_masks[num_seqs]
+            self._open_masks[num_rows] = mask
+        return self._open_masks[num_rows]
 
     def empty(self, key: BucketKey) -> StepBatch:
         """An all-padding batch of the bucket's shapes (also used to compile it)."""
-        t, s, history = key
+        t, s, history, _ = key
+        r = key.rows
         i32 = np.int32
         return StepBatch(
             input_ids=np.zeros(t, i32),
             positions=np.zeros(t, i32),
             prev_index=np.full(t, -1, i32),
+            sample_index=np.zeros(r, i32),
+            num_rows=np.zeros(self.data_shards, i32),
             attn=AttentionMetadata(
                 slot_mapping=np.full(t, self.num_pages * self.page_size, i32),
                 cu_q_lens=np.zeros(s + self.data_shards, i32),
@@ -169,23 +206,23 @@ class BatchBuilder:
                 num_seqs=np.zeros(self.data_shards, i32),
             ),
             sampling=SamplingArrays(
-                temperature=np.zeros(s, np.float32),
-                top_k=np.zeros(s, i32),
-                top_p=np.ones(s, np.float32),
-                min_p=np.zeros(s, np.float32),
-                presence_penalty=np.zeros(s, np.float32),
-                frequency_penalty=np.zeros(s, np.float32),
-                repetition_penalty=np.ones(s, np.float32),
-                seed=np.zeros(s, np.uint32),
-                output_index=np.zeros(s, i32),
-                banned_ids=np.full((s, MAX_STOP_TOKEN_IDS), -1, i32),
-                logprobs=np.zeros(s, np.bool_),
-                bias_ids=np.full((s, MAX_LOGIT_BIAS), -1, i32),
-                bias_values=np.zeros((s, MAX_LOGIT_BIAS), np.float32),
-                grammar_mask=self.open_mask(s),
+                temperature=np.zeros(r, np.float32),
+                top_k=np.zeros(r, i32),
+                top_p=np.ones(r, np.float32),
+                min_p=np.zeros(r, np.float32),
+                presence_penalty=np.zeros(r, np.float32),
+                frequency_penalty=np.zeros(r, np.float32),
+                repetition_penalty=np.ones(r, np.float32),
+                seed=np.zeros(r, np.uint32),
+                output_index=np.zeros(r, i32),
+                banned_ids=np.full((r, MAX_STOP_TOKEN_IDS), -1, i32),
+                logprobs=np.zeros(r, np.bool_),
+                bias_ids=np.full((r, MAX_LOGIT_BIAS), -1, i32),
+                bias_values=np.zeros((r, MAX_LOGIT_BIAS), np.float32),
+                grammar_mask=self.open_mask(r),
             ),
             history=TokenHistory(
-                tokens=np.full((s, self.max_model_len), -1, i32),
-                prompt_lens=np.zeros(s, i32),
+                tokens=np.full((r, self.max_model_len), -1, i32),
+                prompt_lens=np.zeros(r, i32),
             ) if history else None,
         )

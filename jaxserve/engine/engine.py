@@ -26,6 +26,7 @@ from jaxserve.engine.request import PLACEHOLDER, Request, Sequence
 from jaxserve.engine.runner import ModelRunner, fetch, kv_page_bytes, pages_per_seq, pool_size
 from jaxserve.engine.sampler import SampleOutput
 from jaxserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
+from jaxserve.engine.speculation import Speculator, accepted_length
 from jaxserve.engine.structured_output import GrammarCompiler, MaskFiller
 from jaxserve.loading import converted
 from jaxserve.loading.safetensors import load_checkpoint, random_params
@@ -61,6 +62,10 @@ class InFlightStep:
 
     def pending_rows(self) -> dict[Sequence, int]:
         return {s.seq: s.row for s in self.sampling}
+
+    @property
+    def verifies_drafts(self) -> bool:
+        return any(s.drafts for s in self.schedule.scheduled)
 
 
 def _is_ready(out: SampleOutput) -> bool:
@@ -110,7 +115,11 @@ class Engine:
             token_buckets=config.token_buckets, max_num_seqs=config.max_num_seqs,
             page_size=config.page_size, num_pages=num_pages, pages_per_seq=per_seq,
             max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
-            vocab_size=model_config.vocab_size, data_shards=shards)
+            vocab_size=model_config.vocab_size, data_shards=shards,
+            num_speculative_tokens=(config.speculative_config.num_speculative_tokens
+                                    if config.speculative_config else 0))
+        self.speculator = (Speculator(config.speculative_config)
+                           if config.speculative_config else None)
         # Multi-host, process 0: a broadcast.StepBroadcaster sends every step to the others.
         self.runner = ModelRunner(graphdef, params, shard, self.builder, model_config, kv_dtype,
                                   broadcaster)
@@ -274,11 +283,20 @@ class Engine:
         starts only its forward pass; after phase 2 the host fills the histories and masks
         and starts the sampling, so that work overlaps the forward pass on the device.
         Without async scheduling each call collects the step before it first.
+        With speculative decoding a step may verify drafts (speculation.py), which need
+        every token before them on the host and leave a number of tokens the next step
+        cannot know: such a step collects the step before it first, and is collected
+        itself before returning (its pages are offered to the prefix cache once its
+        accepted tokens are known).
         """
         prev, self._inflight = self._inflight, None
         outputs = []
-        if prev is not None and not self.config.async_scheduling:
+        speculate = (self.speculator is not None
+                     and self.speculator.allowed(self.scheduler.num_running))
+        if prev is not None and (not self.config.async_scheduling or speculate):
             outputs, prev = self._collect(prev), None
+        if speculate:
+            self._propose()
         step = self._dispatch(prev)
         if prev is not None:
             outputs += self._collect(prev)
@@ -286,6 +304,11 @@ class Engine:
             return outputs
         if step.out is None:
             self._dispatch_sample(step)
+        if step.verifies_drafts:
+            self.speculator.stats.steps += 1
+            outputs += self._collect(step)
+            self.scheduler.cache_pages(step.schedule)
+            return outputs
         # Step N's pages are full of known tokens now that N-1's samples are in.
         self.scheduler.cache_pages(step.schedule)
         if self.config.async_scheduling:
@@ -314,6 +337,19 @@ class Engine:
             for allocator in self.scheduler.allocators:
                 allocator.reset_prefix_cache()
         return outputs
+
+    def _propose(self) -> None:
+        """Give each decoding sequence drafts for the coming step (every token of theirs
+        is on the host). Sequences with a grammar do not speculate (their drafts would
+        need the grammar advanced through them), nor those whose request says not to."""
+        for seq in self.scheduler.running:
+            req = self._requests.get(seq.request_id)
+            if (req is None or req.grammar is not None or not seq.params.speculative
+                    or seq.num_computed_tokens != seq.num_tokens - 1):
+                continue
+            room = min(req.max_tokens - len(seq.output_token_ids),
+                       self.max_model_len - seq.num_tokens)
+            seq.draft_token_ids = self.speculator.propose(seq.token_ids, room)
 
     def _dispatch(self, prev: InFlightStep | None) -> InFlightStep | None:
         """Schedule the next step, build its batch and start it (only its forward pass
@@ -347,7 +383,7 @@ class Engine:
                        if (req := self._requests.get(s.seq.request_id)) is not None
                        and req.seq is s.seq and req.grammar is not None]
         if constrained:
-            batch.sampling.grammar_mask = self._masks.fill(constrained, key.seqs,
+            batch.sampling.grammar_mask = self._masks.fill(constrained, key.rows,
                                                            self.model_config.vocab_size)
         step.out = self.runner.dispatch_sample(batch, key)
         step.batch = None
@@ -365,39 +401,57 @@ class Engine:
         return outputs
 
     def _append(self, req: Request, sampled: SampleOutput, s: ScheduledSeq) -> StepOutput:
-        seq, params, i = req.seq, req.seq.params, s.row
-        token = int(sampled.token_ids[i])
-        # This step's PLACEHOLDER: the last one, or the one before if the step after it
-        # (dispatched already) added its own.
-        outputs = seq.output_token_ids
-        index = len(outputs) - (2 if len(outputs) > 1 and outputs[-2] == PLACEHOLDER else 1)
-        assert outputs[index] == PLACEHOLDER
-        outputs[index] = token
-        req.pending.append(token)
-        if params.logprobs is not None:
-            req.pending_logprobs.append(self._logprobs(sampled, i, token, params.logprobs))
-        error = None
-        if req.grammar is not None and not req.grammar.consume_token(token):
-            finish, stop_reason = "error", None
-            error = (f"structured output: token {token} breaks the grammar: "
-                     f"{req.grammar.get_error()}")
-        else:
-            finish, stop_reason = self._check_stop(req, token, num_outputs=index + 1)
-        if req.grammar is not None and finish is None and req.grammar.is_stopped():
-            finish = "stop"  # the grammar is complete and allows nothing more
-        elif req.grammar is not None and finish == "length" and not req.grammar.is_accepting():
-            log.info("request %s: max_tokens reached before its grammar could end; the output "
-                     "is incomplete", seq.request_id)
+        """Append the step's tokens for `s` (its sample; with drafts, the accepted ones
+        and the one after them) to its request, up to the first that ends it."""
+        seq, params = req.seq, req.seq.params
+        num_accepted = 0
+        if s.drafts:
+            num_accepted = accepted_length(s.drafts, sampled.token_ids[s.row:])
+            self.speculator.stats.record(len(s.drafts), num_accepted)
+        finish = stop_reason = error = None
         new_text = ""
-        if req.text is not None:
-            new_text, stop = req.text.add([token], finish, stop_reason)
-            if stop is not None:
-                finish, stop_reason = "stop", stop
+        outputs = seq.output_token_ids
+        for i in range(s.row, s.row + num_accepted + 1):
+            token = int(sampled.token_ids[i])
+            if i == s.row:
+                # This step's PLACEHOLDER: the last one, or the one before if the step
+                # after it (dispatched already) added its own.
+                index = len(outputs) - (2 if len(outputs) > 1 and outputs[-2] == PLACEHOLDER
+                                        else 1)
+                assert outputs[index] == PLACEHOLDER
+                outputs[index] = token
+            else:  # an accepted draft's successor (never behind another step's PLACEHOLDER)
+                index = len(outputs)
+                outputs.append(token)
+            req.pending.append(token)
             if params.logprobs is not None:
-                req.text.decode_logprobs(req.pending_logprobs[-1:])
+                req.pending_logprobs.append(self._logprobs(sampled, i, token, params.logprobs))
+            if req.grammar is not None and not req.grammar.consume_token(token):
+                finish, stop_reason = "error", None
+                error = (f"structured output: token {token} breaks the grammar: "
+                         f"{req.grammar.get_error()}")
+            else:
+                finish, stop_reason = self._check_stop(req, token, num_outputs=index + 1)
+            if req.grammar is not None and finish is None and req.grammar.is_stopped():
+                finish = "stop"  # the grammar is complete and allows nothing more
+            elif (req.grammar is not None and finish == "length"
+                  and not req.grammar.is_accepting()):
+                log.info("request %s: max_tokens reached before its grammar could end; the "
+                         "output is incomplete", seq.request_id)
+            if req.text is not None:
+                text, stop = req.text.add([token], finish, stop_reason)
+                new_text += text
+                if stop is not None:
+                    finish, stop_reason = "stop", stop
+                if params.logprobs is not None:
+                    req.text.decode_logprobs(req.pending_logprobs[-1:])
+            if finish is not None:
+                break
         if finish is not None:
             self.scheduler.finish(seq, finish)
             del self._requests[seq.request_id]
+        elif s.drafts:
+            self.scheduler.rollback(seq)
         out = StepOutput(
             request_id=seq.request_id, new_token_ids=req.pending, new_text=new_text,
             new_logprobs=req.pending_logprobs if params.logprobs is not None else None,

@@ -168,6 +168,15 @@ class PageAllocator:
         seq.page_ids.extend(self._take_page() for _ in range(num_new_pages))
         return True
 
+    def truncate(self, seq: Sequence, total_tokens: int) -> None:
+        """Give back `seq`'s pages past the first `total_tokens` tokens (after speculative
+        decoding's rejected drafts: pages never full of computed tokens, so uncached)."""
+        keep = self.pages_for(total_tokens)
+        for page in reversed(seq.page_ids[keep:]):
+            assert page not in self._page_to_hash, "truncating a cached page"
+            self._unref(page)
+        del seq.page_ids[keep:]
+
     def commit(self, seq: Sequence) -> None:
         """Register in the prefix cache every page of `seq` newly full of computed tokens.
 

@@ -54,6 +54,8 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: str | None = None
     first_scheduled_at: float | None = None  # time.monotonic() when first admitted to run
+    # Guessed next tokens for the coming step (speculative decoding; see scheduler.py).
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -30,8 +30,9 @@ DEFAULT_CPU_KV_GIB = 1.0
 def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch: StepBatch,
             prev_tokens: jax.Array, expert_load: jax.Array | None
             ) -> tuple[KVCache, jax.Array, jax.Array | None]:
-    """One forward pass over a ragged batch: float32 logits `[S, vocab]` at each sequence's
-    last token.
+    """One forward pass over a ragged batch: float32 logits `[R, vocab]` at the tokens the
+    batch samples (`batch.sample_index`: each sequence's last token, and the tokens
+    before it that verify drafts).
 
     `prev_tokens[max_num_seqs]` are the previous step's sampled tokens, still on the
     device: tokens with `batch.prev_index >= 0` take their id from there, so the host can
@@ -49,28 +50,30 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
         counts = [v.get_value()[0] for _, v in sown]
         expert_load = expert_load + jnp.stack(counts)
     data_shards = batch.attn.num_seqs.shape[0]
-    logits = model.logits(last_tokens(hidden, batch.attn.cu_q_lens, data_shards),
-                          rows=batch.attn.num_seqs[0] if data_shards == 1 else None)
+    logits = model.logits(sampled_rows(hidden, batch.sample_index, data_shards),
+                          rows=batch.num_rows[0] if data_shards == 1 else None)
     return kv_caches, logits, expert_load
 
 
 def sample_step(logits: jax.Array, sampling: SamplingArrays, history: TokenHistory | None,
-                prev_tokens: jax.Array, num_seqs: jax.Array) -> tuple[SampleOutput, jax.Array]:
+                prev_tokens: jax.Array, num_rows: jax.Array) -> tuple[SampleOutput, jax.Array]:
     """Sample one token per row; returns them also written into `prev_tokens` (padded to
-    max_num_seqs), where the next step reads its PLACEHOLDER tokens. `num_seqs` (the
-    batch's real sequences per data shard) lets one shard's batch sample its real rows
-    only (under data parallelism each shard's rows are a block of their own: all rows)."""
-    out = sample(logits, sampling, history, num_seqs[0] if num_seqs.shape[0] == 1 else None)
-    return out, prev_tokens.at[: out.token_ids.shape[0]].set(out.token_ids)
+    max_num_seqs), where the next step reads its PLACEHOLDER tokens (a step verifying
+    drafts, whose rows may outnumber them, is never followed by one reading them).
+    `num_rows` (the batch's real rows per data shard) lets one shard's batch sample its
+    real rows only (under data parallelism each shard's rows are a block of their own:
+    all rows)."""
+    out = sample(logits, sampling, history, num_rows[0] if num_rows.shape[0] == 1 else None)
+    n = min(out.token_ids.shape[0], prev_tokens.shape[0])
+    return out, prev_tokens.at[:n].set(out.token_ids[:n])
 
 
-def last_tokens(hidden: jax.Array, cu_q_lens: jax.Array, data_shards: int) -> jax.Array:
-    """Each sequence's last scheduled token's hidden state, `[S, hidden]`, taken within
-    each data shard's block of tokens (so no shard reads another's)."""
+def sampled_rows(hidden: jax.Array, sample_index: jax.Array, data_shards: int) -> jax.Array:
+    """The hidden states of the tokens the batch samples, `[R, hidden]`, taken within each
+    data shard's block of tokens (so no shard reads another's)."""
     blocks = hidden.reshape(data_shards, -1, hidden.shape[-1])
-    cu = cu_q_lens.reshape(data_shards, -1)
-    last = jnp.maximum(cu[:, 1:] - 1, 0)
-    return jnp.take_along_axis(blocks, last[:, :, None], axis=1).reshape(-1, hidden.shape[-1])
+    index = sample_index.reshape(data_shards, -1)
+    return jnp.take_along_axis(blocks, index[:, :, None], axis=1).reshape(-1, hidden.shape[-1])
 
 
 class StepPrograms(NamedTuple):
@@ -164,7 +167,7 @@ class ModelRunner:
         self.kv_caches: KVCache = self._zero_kv_caches()
         self._programs = jit_programs(graphdef, params,
                                       jax.tree.map(lambda x: x.sharding, abstract), shard)
-        # Programs compiled, by (program, shape): ("forward", T, S), ("sample", S, history).
+        # Programs compiled, by (program, shape): ("forward", T, S, R), ("sample", R, history).
         self._ready: set[tuple] = set()
         self.warmed_up = False
         self.compiles_after_warmup = 0
@@ -202,7 +205,7 @@ class ModelRunner:
     @staticmethod
     def programs(key: BucketKey) -> list[tuple]:
         """The programs a bucket's steps run: its forward pass and its sampling."""
-        return [("forward", key.tokens, key.seqs), ("sample", key.seqs, key.history)]
+        return [("forward", key.tokens, key.seqs, key.rows), ("sample", key.rows, key.history)]
 
     def warmup(self, progress: bool = True) -> None:
         """Compile every program of every bucket now, so nothing compiles while serving.
@@ -224,7 +227,7 @@ class ModelRunner:
                     self._forward(batch)
                 else:
                     self._logits = jax.device_put(
-                        np.zeros((key.seqs, self.builder.vocab_size), np.float32),
+                        np.zeros((key.rows, self.builder.vocab_size), np.float32),
                         self.shard.sharding(("seqs", "vocab")))
                     self._sample(batch)
                 self._ready.add(program)
@@ -258,7 +261,7 @@ class ModelRunner:
     def dispatch_forward(self, batch: StepBatch, key: BucketKey) -> None:
         """Start the step's forward pass; its logits wait on the device for
         `dispatch_sample`, which must come next (after any host work)."""
-        self._check_compiled(("forward", key.tokens, key.seqs))
+        self._check_compiled(self.programs(key)[0])
         if self.broadcaster is not None:
             self.broadcaster.send(FORWARD, batch, key)
         self._forward(batch)
@@ -266,7 +269,7 @@ class ModelRunner:
     def dispatch_sample(self, batch: StepBatch, key: BucketKey) -> SampleOutput:
         """Sample from the last `dispatch_forward`'s logits with the batch's sampling
         arrays and history (filled since)."""
-        self._check_compiled(("sample", key.seqs, key.history))
+        self._check_compiled(self.programs(key)[1])
         if self.broadcaster is not None:
             self.broadcaster.send(SAMPLE, batch, key)
         return self._sample(batch)
@@ -280,7 +283,7 @@ class ModelRunner:
         logits, self._logits = self._logits, None
         batch.sampling.grammar_mask = self._grammar_mask(batch.sampling.grammar_mask)
         out, self.sampled = self._programs.sample(logits, batch.sampling, batch.history,
-                                                  self.sampled, batch.attn.num_seqs)
+                                                  self.sampled, batch.num_rows)
         return out
 
     def _grammar_mask(self, mask: np.ndarray) -> jax.Array:

@@ -9,6 +9,12 @@ what is left of the budget (chunked prefill). When KV pages run out, a running s
 preempted by recompute: its pages are freed and it goes back to the waiting queue with all
 its tokens (prompt and outputs so far) to compute again, prefix cache permitting.
 
+Speculative decoding: a decoding sequence may carry guessed next tokens
+(`Sequence.draft_token_ids`, set before `schedule`). They are scheduled after its last
+token as extra query tokens, within the budget (cut to what fits), and move into the
+`ScheduledSeq`; the step verifies them, and `rollback` then puts the sequence back to its
+accepted tokens. Drafts not scheduled in the step they were proposed for are dropped.
+
 Under data parallelism the devices form `data_shards` groups, each with its own KV page
 pool, its share of the sequence seats and of the token budget. A sequence is placed in one
 shard when admitted (the one with the longest cached prefix, then the most free pages)
@@ -71,7 +77,10 @@ class ScheduledSeq:
     # The chunk ends at the seq's last token, so the step's sample for it is its next token
     # (a partial prompt chunk's sample is discarded).
     samples: bool = False
-    row: int = -1  # its row in the step's sampled outputs (BatchBuilder.build sets it)
+    row: int = -1  # its (first) row in the step's sampled outputs (BatchBuilder.build sets it)
+    # Guessed tokens scheduled after the seq's last token (the chunk's last len(drafts)
+    # tokens): the step samples a row for each and one more, rows `row...row + len(drafts)`.
+    drafts: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -193,9 +202,22 @@ class Scheduler:
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
         assert out.num_batched_tokens == self.config.max_num_batched_tokens - sum(budgets)
         for s in out.scheduled:
-            s.seq.num_computed_tokens = s.start + s.num_new_tokens
-            s.samples = s.seq.num_computed_tokens == s.seq.num_tokens
+            seq = s.seq
+            if seq.draft_token_ids:  # those that fit after the seq's own tokens
+                s.drafts = seq.draft_token_ids[:max(0, s.start + s.num_new_tokens
+                                                    - seq.num_tokens)]
+            seq.num_computed_tokens = s.start + s.num_new_tokens
+            s.samples = seq.num_computed_tokens == seq.num_tokens + len(s.drafts)
+        for seq in self.running:
+            seq.draft_token_ids = []
         return out
+
+    def rollback(self, seq: Sequence) -> None:
+        """After a step verified `seq`'s drafts and its accepted tokens were appended: only
+        the tokens before its last one have K/V (the rejected drafts' slots are stale, to
+        be overwritten), and the pages past its tokens go back to the pool."""
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self.allocators[seq.data_shard].truncate(seq, seq.num_tokens)
 
     def cache_pages(self, out: SchedulerOutput) -> None:
         """Offer the prefix cache every page of the scheduled seqs now full of known
@@ -221,7 +243,7 @@ class Scheduler:
         assert seq.num_tokens <= self.config.max_model_len, (
             f"{seq.request_id}: {seq.num_tokens} tokens > max_model_len; the engine must stop it"
         )
-        return min(seq.num_tokens - seq.num_computed_tokens, budget)
+        return min(seq.num_tokens + len(seq.draft_token_ids) - seq.num_computed_tokens, budget)
 
     def _schedule_running(self, out: SchedulerOutput, budgets: list[int]) -> None:
         """Schedule running seqs in order, preempting (in the same data shard) when pages
@@ -317,6 +339,7 @@ class Scheduler:
                 refund = out.scheduled.pop(k).num_new_tokens
                 break
         self._release(seq)
+        seq.draft_token_ids = []
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING

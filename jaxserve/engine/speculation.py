@@ -1,0 +1,92 @@
+"""Speculative decoding: who guesses ahead, how the step's samples accept the guesses,
+and the counters.
+
+A speculating sequence feeds the step its last token and k drafts (guessed next tokens)
+as k + 1 query tokens; the step samples a row at each, row j with the sequence's own
+sampling parameters, seed and output index (its output number len(outputs) + j), from
+the target model's logits given the tokens before it. While the drafts equal the samples
+the context each row saw is the true one, so the tokens emitted are the samples up to and
+including the first that differs from its draft (all k + 1 when none does: the last is the
+bonus token).
+
+For proposers that guess one token for sure (n-gram here), this is exactly rejection
+sampling: a draft d is kept with probability p(d), and when it is not, the token comes
+from p without d, renormalised, which is the residual max(0, p - q) / (1 - p(d)) of a
+point-mass draft distribution q. So the output follows the target's distribution (its
+temperature, top-k/top-p/min-p, bias and penalties included: the rows apply them as an
+ordinary step does), and a seeded request gets the very tokens it gets without
+speculation: output j is drawn with the same key from the same distribution.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.config import SpeculativeConfig
+from jaxserve.engine.proposers import NgramProposer
+
+
+def accepted_length(drafts: list[int], samples) -> int:
+    """How many leading drafts the step's samples (row j verifies draft j) accepted."""
+    n = 0
+    while n < len(drafts) and int(samples[n]) == drafts[n]:
+        n += 1
+    return n
+
+
+@dataclasses.dataclass
+class SpeculationStats:
+    """Counters since start: per draft position j (0-based), the sequences-steps that
+    proposed a j-th draft and those that accepted it."""
+
+    proposed: list[int]
+    accepted: list[int]
+    steps: int = 0  # steps that verified drafts
+    active: bool = True  # whether the last step was allowed to speculate (the policy)
+
+    @property
+    def num_proposed(self) -> int:
+        return sum(self.proposed)
+
+    @property
+    def num_accepted(self) -> int:
+        return sum(self.accepted)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_proposed if self.num_proposed else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed)]
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        for j in range(num_drafts):
+            self.proposed[j] += 1
+            self.accepted[j] += j < num_accepted
+
+
+class Speculator:
+    """The engine's speculative decoding: the proposer, the policy and the counters."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        k = config.num_speculative_tokens
+        self.stats = SpeculationStats(proposed=[0] * k, accepted=[0] * k)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.config.num_speculative_tokens
+
+    def allowed(self, num_running: int) -> bool:
+        """Whether a step with `num_running` sequences running speculates: not when the
+        batch is large enough to be compute-bound (`disable_by_batch_size`)."""
+        limit = self.config.disable_by_batch_size
+        self.stats.active = limit is None or num_running <= limit
+        return self.stats.active
+
+    def propose(self, tokens: list[int], room: int) -> list[int]:
+        """Drafts for a sequence of `tokens` that may take `room` more tokens (its own
+        limit: drafts beyond room - 1 could never be emitted)."""
+        return self.proposer.propose(tokens, min(self.num_speculative_tokens, room - 1))

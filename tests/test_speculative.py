@@ -1,0 +1,343 @@
+"""Speculative decoding: drafts verified inside the ragged step give the tokens of no
+speculation (greedy, and seeded sampling), and sampled outputs follow the target
+model's distribution (transformers' probabilities, a chi-square test)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import EngineConfig, SpeculativeConfig
+from jaxserve.engine.proposers import NgramProposer
+from jaxserve.engine.speculation import SpeculationStats, Speculator
+from oracle_proposer import OracleProposer
+
+from conftest import VOCAB
+
+ENGINE = dict(dtype="float32", max_model_len=128, page_size=4, max_num_seqs=4,
+              max_num_batched_tokens=64, token_buckets=(16, 64))
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def base(checkpoints):
+    return LLM(str(checkpoints("llama")[0]), **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def spec(checkpoints):
+    return LLM(str(checkpoints("llama")[0]), **ENGINE, speculative_config=SPEC)
+
+
+@pytest.fixture(scope="module")
+def want(base, prompts):
+    return tokens(base.generate(prompts, GREEDY))
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def speculating(llm: LLM, proposer=None, **config) -> SpeculationStats:
+    """Give `llm` a fresh speculator (its counters at zero), with `proposer` in place of
+    its n-gram one and `config` changed from SPEC."""
+    engine = llm.engine
+    engine.speculator = Speculator(SpeculativeConfig(**{**SPEC, **config}))
+    if proposer is not None:
+        engine.speculator.proposer = proposer
+    return engine.speculator.stats
+
+
+def check_clean(llm: LLM) -> None:
+    """No program compiled while serving; every page back in the pool."""
+    engine = llm.engine
+    assert engine.runner.compiles_after_warmup == 0
+    assert engine.scheduler.num_used_pages == 0
+    for allocator in engine.scheduler.allocators:
+        allocator.check_invariants()
+
+
+def test_ngram_proposer_takes_the_longest_latest_match():
+    propose = NgramProposer(2, 3).propose
+    # [9, 5, 6] never came before; [5, 6] did, twice: the latest is followed by 8, 9, 9.
+    assert propose([5, 6, 7, 5, 6, 8, 9, 9, 5, 6], 3) == [8, 9, 9]
+    # [7, 5, 6] came before (followed by 8): preferred to the later [5, 6].
+    assert propose([7, 5, 6, 8, 1, 5, 6, 2, 7, 5, 6], 2) == [8, 1]
+    assert propose([1, 2, 1, 2], 4) == [1, 2]  # as many as follow the match
+    assert propose([1, 2, 3, 4], 4) == []  # nothing recurs
+    assert NgramProposer(3, 3).propose([5, 6, 7, 5, 6], 2) == []  # too short a match
+    assert propose([5, 6, 5, 6], 0) == []
+
+
+def test_greedy_ngram_speculation_gives_the_tokens_without_it(spec, want, prompts):
+    stats = speculating(spec)
+    assert tokens(spec.generate(prompts, GREEDY)) == want
+    # The tiny model's greedy output repeats itself here and there: some drafts are
+    # accepted, some not, so both paths ran.
+    assert 0 < stats.num_accepted < stats.num_proposed
+    check_clean(spec)
+
+
+def test_drafts_equal_to_the_target_are_all_accepted(spec, want, prompts):
+    """An off-by-one in the rows, the positions or the KV rollback would reject some."""
+    stats = speculating(spec, OracleProposer(list(zip(prompts, want)), VOCAB))
+    assert tokens(spec.generate(prompts, GREEDY)) == want
+    assert stats.accepted == stats.proposed
+    # Per sequence: 1 token from the prompt's step, then 9 steps of 3 drafts + 1, then 2
+    # drafts (no more fit the 40 tokens); 4 sequences.
+    assert stats.proposed == [40, 40, 36]
+    check_clean(spec)
+
+
+def test_rejected_drafts_leave_the_tokens_unchanged(spec, want, prompts):
+    stats = speculating(spec, OracleProposer(list(zip(prompts, want)), VOCAB, spoil=2))
+    assert tokens(spec.generate(prompts, GREEDY)) == want
+    assert 0 < stats.num_accepted < stats.num_proposed
+    assert stats.accepted[0] > stats.accepted[-1]  # spoiled drafts are last ones
+    check_clean(spec)
+
+
+def test_preemption_chunked_prefill_and_prefix_hits(checkpoints, want, prompts):
+    """A pool too small for the four sequences (preemption and recompute), prompts cut
+    into chunks, and a second run that finds the prompts cached."""
+    llm = LLM(str(checkpoints("llama")[0]), **{**ENGINE, "max_num_batched_tokens": 16,
+                                               "token_buckets": (16,)},
+              num_pages=40, speculative_config=SPEC)
+    stats = speculating(llm, OracleProposer(list(zip(prompts, want)), VOCAB, spoil=3))
+    assert tokens(llm.generate(prompts, GREEDY)) == want
+    assert llm.engine.scheduler.num_preemptions > 0
+    outs = llm.generate(prompts, GREEDY)
+    assert tokens(outs) == want
+    assert sum(o.num_cached_tokens for o in outs) > 0
+    assert 0 < stats.num_accepted < stats.num_proposed
+    check_clean(llm)
+
+
+def test_seeded_sampling_gives_the_tokens_without_speculation(base, spec, prompts):
+    """Output j is drawn with the same key from the same distribution with or without
+    drafts: seeded requests give the very same tokens (penalties, min_tokens and
+    logprobs included)."""
+    params = [SamplingParams(temperature=0.9, top_k=50, top_p=0.9, seed=1, max_tokens=30,
+                             ignore_eos=True, logprobs=3),
+              SamplingParams(temperature=1.2, min_p=0.05, seed=2, max_tokens=25, min_tokens=20,
+                             stop_token_ids=[7, 8]),
+              SamplingParams(temperature=0.7, repetition_penalty=1.3, presence_penalty=0.5,
+                             frequency_penalty=0.2, seed=3, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)]
+    runs = base.generate(prompts, params)
+    stats = speculating(spec, OracleProposer(list(zip(prompts, tokens(runs))), VOCAB, spoil=3))
+    got = spec.generate(prompts, params)
+    assert tokens(got) == tokens(runs)
+    for a, b in zip(got, runs):
+        for x, y in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or []):
+            assert x.keys() == y.keys()
+            np.testing.assert_allclose([v.logprob for v in x.values()],
+                                       [v.logprob for v in y.values()], rtol=1e-5, atol=1e-5)
+    assert 0 < stats.num_accepted < stats.num_proposed
+    check_clean(spec)
+
+
+def test_status_and_metrics_report_the_counters(base, spec, want, prompts):
+    """GetServerStatus's Speculation and the /metrics counters after a run whose
+    counts are known: every second proposal has its last draft spoiled."""
+    from server.metrics import Metrics
+    from server.servicer import speculation_status
+
+    stats = speculating(spec, OracleProposer(list(zip(prompts, want)), VOCAB, spoil=2))
+    spec.generate(prompts, GREEDY)
+    status = speculation_status(spec.engine)
+    assert (status.method, status.num_speculative_tokens, status.active) == ("ngram", 3, True)
+    assert status.proposed_tokens == stats.num_proposed > status.accepted_tokens > 0
+    assert status.accepted_tokens == stats.num_accepted
+    assert status.acceptance_rate == pytest.approx(stats.num_accepted / stats.num_proposed)
+    rates = [a / p for a, p in zip(stats.accepted, stats.proposed)]
+    assert list(status.acceptance_by_position) == pytest.approx(rates)
+    assert rates[0] == 1.0 and rates[2] < 0.75  # only last drafts are spoiled
+    metrics = {}
+    for line in Metrics(spec.engine, "m").scrape().decode().splitlines():
+        if line.startswith("jaxserve:spec_decode"):
+            name, value = line.rsplit(" ", 1)
+            metrics[name] = float(value)
+    assert metrics['jaxserve:spec_decode_num_draft_tokens_total{model_name="m"}'] == \
+        stats.num_proposed
+    assert metrics['jaxserve:spec_decode_num_accepted_tokens_total{model_name="m"}'] == \
+        stats.num_accepted
+    assert metrics['jaxserve:spec_decode_num_drafts_total{model_name="m"}'] == stats.proposed[0]
+    for position, accepted in enumerate(stats.accepted):
+        key = ('jaxserve:spec_decode_num_accepted_tokens_per_pos_total'
+               f'{{model_name="m",position="{position}"}}')
+        assert metrics[key] == accepted
+    assert metrics['jaxserve:spec_decode_active{model_name="m"}'] == 1.0
+    assert speculation_status(base.engine) is None  # speculation off: no message
+
+
+def test_a_request_can_turn_speculation_off(spec, want, prompts):
+    stats = speculating(spec, OracleProposer(list(zip(prompts, want)), VOCAB))
+    off = dataclasses.replace(GREEDY, speculative=False)
+    assert tokens(spec.generate(prompts, [GREEDY, off, GREEDY, off])) == want
+    assert stats.proposed == [20, 20, 18]  # two sequences' drafts (see above)
+    check_clean(spec)
+
+
+def test_the_speculative_field_over_grpc_and_http():
+    from server.openai_protocol import CompletionRequest
+    from server.protos.jaxserve.v1 import inference_pb2 as pb
+    from server.servicer import sampling_from_proto
+
+    assert sampling_from_proto(pb.SamplingParams()).speculative is True
+    assert sampling_from_proto(pb.SamplingParams(speculative=False)).speculative is False
+    request = CompletionRequest(prompt="x", speculative=False)
+    assert request.sampling_params(4, None, 0).speculative is False
+    assert CompletionRequest(prompt="x").sampling_params(4, None, 0).speculative is True
+    with pytest.raises(ValueError, match="speculative must be true or false"):
+        SamplingParams(speculative="no")
+
+
+def test_large_batches_do_not_speculate(spec, want, prompts):
+    stats = speculating(spec, OracleProposer(list(zip(prompts, want)), VOCAB),
+                        disable_by_batch_size=3)
+    assert tokens(spec.generate(prompts, GREEDY)) == want
+    # Four sequences run together until the last step (the longest prompt is cut in
+    # two, so it runs one step behind and alone at the end).
+    assert stats.num_proposed <= 3
+    assert tokens(spec.generate(prompts[:3], GREEDY)) == want[:3]
+    assert stats.num_proposed > 3 * 20 and stats.active
+    check_clean(spec)
+
+
+def test_abort_while_speculating_frees_every_page(spec, want, prompts):
+    engine = spec.engine
+    speculating(spec, OracleProposer(list(zip(prompts, want)), VOCAB))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"abort-{i}", prompt, GREEDY)
+    for _ in range(4):
+        engine.step()
+    assert engine.speculator.stats.num_proposed > 0
+    for i in range(len(prompts)):
+        engine.abort_request(f"abort-{i}")
+    assert not engine.has_unfinished()
+    check_clean(spec)
+
+
+# ------------------------------------------------------------- the distribution
+
+class TopDraft:
+    """Proposes the target's most likely next token (known from transformers)."""
+
+    def __init__(self, prompt_len: int, argmax: dict[tuple[int, ...], int]):
+        self.prompt_len, self.argmax = prompt_len, argmax
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        return [self.argmax[tuple(tokens[self.prompt_len:])]][:k]
+
+
+def _target_distribution(model, prompt: list[int], top_k: int, steps: int):
+    """Every sequence of `steps` tokens the target can sample at temperature 1 with
+    top-k, with its probability, from transformers' logits; and each prefix's argmax."""
+    dist, argmax = {(): 1.0}, {}
+    for _ in range(steps):
+        grown = {}
+        for prefix, p in dist.items():
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1].double()
+            top = torch.topk(logits, top_k)
+            probs = torch.softmax(top.values, 0)
+            argmax[prefix] = int(top.indices[0])
+            for t, q in zip(top.indices.tolist(), probs.tolist()):
+                grown[prefix + (t,)] = p * q
+        dist = grown
+    return dist, argmax
+
+
+def _chi_square_p(counts: dict, dist: dict, n: int) -> float:
+    """p-value of the observed sequences against `dist`; sequences expected fewer than 5
+    times (and any outside it) are pooled into one category."""
+    common = [s for s in dist if dist[s] * n >= 5]
+    observed = [counts.get(s, 0) for s in common]
+    expected = [dist[s] * n for s in common]
+    rest_observed, rest_expected = n - sum(observed), n - sum(expected)
+    if rest_expected > 1e-9:
+        observed.append(rest_observed)
+        expected.append(rest_expected)
+    elif rest_observed:  # sequences the target never samples
+        return 0.0
+    return scipy.stats.chisquare(observed, expected).pvalue
+
+
+def _sample_sequences(llm: LLM, prompt: list[int], n: int, top_k: int, steps: int) -> dict:
+    params = [SamplingParams(temperature=1.0, top_k=top_k, seed=i, max_tokens=steps,
+                             ignore_eos=True) for i in range(n)]
+    counts: dict = {}
+    for out in llm.generate([prompt] * n, params):
+        seq = tuple(out.outputs[0].token_ids)
+        counts[seq] = counts.get(seq, 0) + 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def target(checkpoints, prompts):
+    return (prompts[0], *_target_distribution(checkpoints("llama")[1], prompts[0], 3, 3))
+
+
+def test_sampled_tokens_follow_the_target_distribution(spec, target):
+    """Three tokens at temperature 1, top-k 3 (27 possible sequences): the second is a
+    verified draft (the target's argmax), the third the row after it. Their frequencies
+    over 2000 seeds fit transformers' probabilities."""
+    prompt, dist, argmax = target
+    stats = speculating(spec, TopDraft(len(prompt), argmax))
+    counts = _sample_sequences(spec, prompt, 2000, 3, 3)
+    assert stats.num_proposed == 2000
+    assert 300 < stats.num_accepted < 1700  # both outcomes, often
+    assert set(counts) <= set(dist)  # no token outside the top 3
+    assert _chi_square_p(counts, dist, 2000) > 1e-3
+    check_clean(spec)
+
+
+def test_a_wrong_acceptance_rule_fails_the_distribution_test(spec, target, monkeypatch):
+    """Keeping every row's sample (no verification): the third token is then drawn after
+    the draft even where the second is not the draft. The same test rejects it."""
+    import jaxserve.engine.engine as engine_module
+
+    prompt, dist, argmax = target
+    monkeypatch.setattr(engine_module, "accepted_length", lambda drafts, samples: len(drafts))
+    speculating(spec, TopDraft(len(prompt), argmax))
+    counts = _sample_sequences(spec, prompt, 500, 3, 3)
+    assert _chi_square_p(counts, dist, 500) < 1e-6
+
+
+# ---------------------------------------------------------------- configuration
+
+@pytest.mark.parametrize("bad, message", [
+    ({"method": "medusa"}, "method must be one of"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer"),
+    ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "exceeds prompt_lookup_max"),
+    ({"disable_by_batch_size": 0}, "disable_by_batch_size must be"),
+    ({"model": "/some/draft"}, "takes no model"),
+    ({"num_speculative_tokens": 2, "typo": 1}, "unknown keys ['typo']"),
+])
+def test_bad_speculative_config_says_what_to_fix(bad, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        EngineConfig(speculative_config=bad)
+
+
+def test_speculative_config_from_yaml_and_cli(tmp_path):
+    from jaxserve.cli import build_parser, engine_config_from_args
+
+    path = tmp_path / "engine.yaml"
+    path.write_text("speculative_config:\n  method: ngram\n  num_speculative_tokens: 5\n")
+    assert EngineConfig.from_yaml(path).speculative_config == SpeculativeConfig(
+        num_speculative_tokens=5)
+    args = build_parser().parse_args(
+        ["generate", "--prompt", "x", "--speculative-config",
+         '{"method": "ngram", "prompt_lookup_max": 6, "disable_by_batch_size": null}'])
+    config = engine_config_from_args(args).speculative_config
+    assert config == SpeculativeConfig(prompt_lookup_max=6, disable_by_batch_size=None)
+    bad = build_parser().parse_args(["generate", "--speculative-config", "[1]"])
+    with pytest.raises(ValueError, match="give a JSON object"):
+        engine_config_from_args(bad)
