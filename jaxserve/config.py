@@ -24,7 +24,7 @@ DTYPES = ("bfloat16", "float32")
 KV_CACHE_DTYPES = {"auto": None, "int8": "int8", "fp8": "float8_e4m3fn"}
 KERNEL_IMPLS = ("reference", "tpu", "gpu", "cpu")
 QUANTIZATIONS = ("int8", "int4", "fp8")
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,24 +33,31 @@ class SpeculativeConfig:
 
     `method` "ngram" (prompt lookup): the proposer matches the last `prompt_lookup_max`
     down to `prompt_lookup_min` tokens of a sequence against its earlier tokens (prompt and
-    output) and proposes the `num_speculative_tokens` that followed the latest match. The
-    step verifies them as extra query tokens (engine/speculation.py). Speculation stops
-    while more than `disable_by_batch_size` sequences run (None: never): a batch that
-    large is compute-bound, and guessed tokens only add work.
+    output) and proposes `num_speculative_tokens` tokens that followed a match.
+    "draft_model": `model`, a smaller checkpoint with the target's vocabulary, proposes its
+    greedy next `num_speculative_tokens` tokens (the method when only `model` is given).
+    The step verifies the drafts as extra query tokens (engine/speculation.py).
+    Speculation stops while more than `disable_by_batch_size` sequences run (None: never):
+    a batch that large is compute-bound, and guessed tokens only add work.
     """
 
-    method: str = "ngram"
+    method: str | None = None  # None: "draft_model" with a model, else "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     disable_by_batch_size: int | None = 8
-    model: str | None = None  # the draft model's checkpoint (no method takes one yet)
+    model: str | None = None  # the draft model's checkpoint directory
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            object.__setattr__(self, "method", "draft_model" if self.model else "ngram")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config: method must be one of "
                              f"{SPECULATIVE_METHODS}, got {self.method!r}")
-        if self.model is not None:
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config: method 'draft_model' needs model, the draft "
+                             "checkpoint's directory")
+        if self.method != "draft_model" and self.model is not None:
             raise ValueError(f"speculative_config: method {self.method!r} takes no model")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)

@@ -105,13 +105,17 @@ def main(model_dir: str, out_path: str, moe_dir: str | None = None) -> None:
             "compiles_after_warmup": runner.compiles_after_warmup,
         }
     # Speculative decoding: drafts of the one-device tokens (every third proposal spoiled)
-    # verified in the sharded step, under TP, DP+TP and TP with int8 weights.
+    # verified in the sharded step, under TP, DP+TP and TP with int8 weights; and the
+    # target drafting for itself (a draft model sharded as the target).
     for mesh, strategy, extra, suffix in SPEC_RUNS:
+        draft = suffix.endswith("draft")
         llm = LLM(model_dir, mesh=mesh, sharding=strategy, **ENGINE, **extra,
-                  speculative_config={"num_speculative_tokens": 3, "disable_by_batch_size": None})
+                  speculative_config={"num_speculative_tokens": 3, "disable_by_batch_size": None,
+                                      "model": model_dir if draft else None})
         one_device = results["null" + (" int8" if extra else "")]["tokens"]
-        llm.engine.speculator.proposer = OracleProposer(list(zip(prompts, one_device)), 320,
-                                                        spoil=3)
+        if not draft:
+            llm.engine.speculator.proposer = OracleProposer(list(zip(prompts, one_device)),
+                                                            320, spoil=3)
         stats = llm.engine.speculator.stats
         results[f"speculative {json.dumps(mesh)} {strategy}{suffix}"] = {
             "tokens": [o.outputs[0].token_ids for o in llm.generate(prompts, params)],
@@ -148,7 +152,8 @@ def main(model_dir: str, out_path: str, moe_dir: str | None = None) -> None:
 
 
 SPEC_RUNS = [({"model": 2}, "tp", {}, ""), ({"data": 2, "model": 2}, "dp+tp", {}, ""),
-             ({"model": 2}, "tp", {"quantization": "int8"}, " int8")]
+             ({"model": 2}, "tp", {"quantization": "int8"}, " int8"),
+             ({"model": 2}, "tp", {}, " draft"), ({"data": 2, "model": 2}, "dp+tp", {}, " draft")]
 
 # (mesh, strategy, extra engine settings, name suffix); int4 experts (and attention, and the
 # dense layer) quantized, on one device and with the TPU kernels per device under tp+ep.

@@ -4,8 +4,10 @@ so drafts are accepted unless it is told to spoil some."""
 
 from __future__ import annotations
 
+from jaxserve.engine.proposers import TokenProposer
 
-class OracleProposer:
+
+class OracleProposer(TokenProposer):
     """Proposes the next tokens of `runs` ([(prompt, continuation)]); every `spoil`-th
     proposal (0: none) has its last draft changed, so the step rejects it."""
 

@@ -61,6 +61,14 @@ def test_speculative_decoding_matches_one_device(runs, run):
     assert result["leaked_pages"] == 0 and result["compiles_after_warmup"] == 0
 
 
+@pytest.mark.parametrize("run", ['{"model": 2} tp draft', '{"data": 2, "model": 2} dp+tp draft'])
+def test_a_sharded_draft_model_equal_to_the_target_accepts_every_token(runs, run):
+    result = runs["speculative " + run]
+    assert result["tokens"] == runs["null"]["tokens"]
+    assert 0 < result["accepted"] == result["proposed"]
+    assert result["leaked_pages"] == 0 and result["compiles_after_warmup"] == 0
+
+
 def test_converted_checkpoint_keeps_one_copy_per_kv_head(runs):
     """Converted on 4 devices (2 KV heads stored twice), restored on 1 and on 8 devices
     (4 copies): the tokens of int8 weights quantized at load."""

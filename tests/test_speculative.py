@@ -13,7 +13,7 @@ import torch
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig, SpeculativeConfig
-from jaxserve.engine.proposers import NgramProposer
+from jaxserve.engine.proposers import NgramProposer, TokenProposer
 from jaxserve.engine.speculation import SpeculationStats, Speculator
 from oracle_proposer import OracleProposer
 
@@ -70,6 +70,9 @@ def test_ngram_proposer_takes_the_longest_latest_match():
     # [7, 5, 6] came before (followed by 8): preferred to the later [5, 6].
     assert propose([7, 5, 6, 8, 1, 5, 6, 2, 7, 5, 6], 2) == [8, 1]
     assert propose([1, 2, 1, 2], 4) == [1, 2]  # as many as follow the match
+    # The latest [1, 2] has two tokens after it; the one before has three.
+    assert propose([1, 2, 3, 4, 5, 1, 2, 1, 2], 3) == [3, 4, 5]
+    assert propose([1, 2, 1, 2, 1, 2, 1, 2], 3) == [1, 2, 1]
     assert propose([1, 2, 3, 4], 4) == []  # nothing recurs
     assert NgramProposer(3, 3).propose([5, 6, 7, 5, 6], 2) == []  # too short a match
     assert propose([5, 6, 5, 6], 0) == []
@@ -225,9 +228,75 @@ def test_abort_while_speculating_frees_every_page(spec, want, prompts):
     check_clean(spec)
 
 
+# ---------------------------------------------------------------- draft models
+
+def draft_llm(checkpoints, draft_arch: str, **engine) -> LLM:
+    return LLM(str(checkpoints("llama")[0]), **{**ENGINE, **engine}, speculative_config={
+        "model": str(checkpoints(draft_arch)[0]), "num_speculative_tokens": 3,
+        "disable_by_batch_size": None})
+
+
+@pytest.fixture(scope="module")
+def self_drafted(checkpoints):
+    """The target drafting for itself."""
+    return draft_llm(checkpoints, "llama")
+
+
+def fresh_counters(llm: LLM) -> SpeculationStats:
+    return speculating(llm, llm.engine.speculator.proposer)
+
+
+def test_a_draft_equal_to_the_target_accepts_every_token(self_drafted, want, prompts):
+    """An off-by-one in the draft's positions, its K/V bookkeeping or the rollback would
+    make it guess wrong somewhere."""
+    stats = fresh_counters(self_drafted)
+    assert tokens(self_drafted.generate(prompts, GREEDY)) == want
+    assert stats.accepted == stats.proposed == [40, 40, 36]
+    check_clean(self_drafted)
+
+
+def test_a_draft_of_another_architecture_gives_the_target_tokens(checkpoints, base, want,
+                                                                  prompts):
+    """A Qwen3 draft for the Llama target (same vocabulary): most guesses are wrong; the
+    tokens, greedy and seeded sampled, are the target's."""
+    llm = draft_llm(checkpoints, "qwen3")
+    stats = fresh_counters(llm)
+    assert tokens(llm.generate(prompts, GREEDY)) == want
+    assert stats.num_proposed > 100 and stats.num_accepted < stats.num_proposed
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=30,
+                             ignore_eos=True)
+    assert tokens(llm.generate(prompts, sampled)) == tokens(base.generate(prompts, sampled))
+    check_clean(llm)
+
+
+def test_draft_model_with_preemption_chunks_and_prefix_hits(checkpoints, want, prompts):
+    llm = draft_llm(checkpoints, "llama", max_num_batched_tokens=16, token_buckets=(16,),
+                    num_pages=40)
+    stats = fresh_counters(llm)
+    assert tokens(llm.generate(prompts, GREEDY)) == want
+    assert llm.engine.scheduler.num_preemptions > 0
+    outs = llm.generate(prompts, GREEDY)
+    assert tokens(outs) == want and sum(o.num_cached_tokens for o in outs) > 0
+    assert stats.num_proposed > 100 and stats.accepted == stats.proposed
+    check_clean(llm)
+
+
+def test_draft_model_must_share_the_vocabulary(checkpoints, tmp_path):
+    import json
+    import shutil
+
+    draft = tmp_path / "draft"
+    shutil.copytree(checkpoints("llama")[0], draft)
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**config, "vocab_size": 300}))
+    with pytest.raises(ValueError, match="the draft model's vocabulary has 300 tokens"):
+        LLM(str(checkpoints("llama")[0]), **ENGINE, warmup=False,
+            speculative_config={"model": str(draft)})
+
+
 # ------------------------------------------------------------- the distribution
 
-class TopDraft:
+class TopDraft(TokenProposer):
     """Proposes the target's most likely next token (known from transformers)."""
 
     def __init__(self, prompt_len: int, argmax: dict[tuple[int, ...], int]):
@@ -318,7 +387,8 @@ def test_a_wrong_acceptance_rule_fails_the_distribution_test(spec, target, monke
     ({"num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer"),
     ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "exceeds prompt_lookup_max"),
     ({"disable_by_batch_size": 0}, "disable_by_batch_size must be"),
-    ({"model": "/some/draft"}, "takes no model"),
+    ({"method": "ngram", "model": "/some/draft"}, "takes no model"),
+    ({"method": "draft_model"}, "needs model"),
     ({"num_speculative_tokens": 2, "typo": 1}, "unknown keys ['typo']"),
 ])
 def test_bad_speculative_config_says_what_to_fix(bad, message):

@@ -75,6 +75,9 @@ class BatchBuilder:
     vocab_size: int  # of the logits, for the grammar mask's width
     data_shards: int = 1
     num_speculative_tokens: int = 0  # k of the speculating buckets (0: none)
+    # The draft model's batches (draft_model.py): drafts are only input tokens (the
+    # sequence's last one sampled), every row greedy on the raw logits, no history.
+    draft_model: bool = False
     _open_masks: dict[int, np.ndarray] = dataclasses.field(default_factory=dict, repr=False)
 
     def bucket(self, num_tokens: int, history: bool, drafts: bool = False) -> BucketKey:
@@ -101,7 +104,8 @@ class BatchBuilder:
         tokens = [0] * d
         for x in out.scheduled:
             tokens[x.seq.data_shard] += x.num_new_tokens
-        history = any(x.seq.params.uses_penalties for x in out.scheduled)
+        history = not self.draft_model and any(x.seq.params.uses_penalties
+                                               for x in out.scheduled)
         key = self.bucket(max(tokens), history, any(x.drafts for x in out.scheduled))
         batch = self.empty(key)
         shard_t, shard_s, shard_r = key.tokens // d, key.seqs // d, key.rows // d
@@ -115,7 +119,7 @@ class BatchBuilder:
             t = data_shard * shard_t + local
             counts[data_shard] += 1
             sched.row = data_shard * shard_r + rows[data_shard]
-            num_rows = 1 + len(sched.drafts)
+            num_rows = 1 if self.draft_model else 1 + len(sched.drafts)
             rows[data_shard] += num_rows
             # Row j samples the logits of the chunk's (len(drafts) - j + 1)-th last token.
             batch.sample_index[sched.row:sched.row + num_rows] = np.arange(
@@ -125,7 +129,7 @@ class BatchBuilder:
             own = n - len(sched.drafts)  # the chunk's tokens that are the seq's own
             batch.input_ids[t:t + own] = seq.token_ids[start:start + own]
             batch.input_ids[t + own:t + n] = sched.drafts
-            if batch.input_ids[t + own - 1] == PLACEHOLDER:  # only the newest token can be
+            if own and batch.input_ids[t + own - 1] == PLACEHOLDER:  # only the newest can be
                 batch.input_ids[t + own - 1] = 0
                 batch.prev_index[t + own - 1] = pending_rows[seq]
             batch.positions[t:t + n] = pos
@@ -135,7 +139,7 @@ class BatchBuilder:
             cu[data_shard * (shard_s + 1) + counts[data_shard]] = local + n
             batch.attn.kv_lens[i] = start + n
             batch.attn.page_indices[i, :len(pages)] = pages
-            for j in range(num_rows):
+            for j in range(0 if self.draft_model else num_rows):
                 self._fill_sampling(batch.sampling, sched.row + j, seq.params, seq, j)
         for data_shard in range(d):
             block = data_shard * (shard_s + 1)

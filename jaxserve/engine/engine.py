@@ -21,6 +21,7 @@ import numpy as np
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import compile_cache
 from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
+from jaxserve.engine.draft_model import DraftModel
 from jaxserve.engine.output_text import OutputText
 from jaxserve.engine.request import PLACEHOLDER, Request, Sequence
 from jaxserve.engine.runner import ModelRunner, fetch, kv_page_bytes, pages_per_seq, pool_size
@@ -76,7 +77,8 @@ class Engine:
     """Continuous-batching engine over one model (see `Engine.from_config`)."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, graphdef, params,
-                 tokenizer: Tokenizer | None, shard: ShardingContext, broadcaster=None):
+                 tokenizer: Tokenizer | None, shard: ShardingContext, broadcaster=None,
+                 draft: tuple[ModelConfig, ShardingContext, object, object] | None = None):
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -90,10 +92,13 @@ class Engine:
         kv_dtype = pool_dtype(config.kv_storage_dtype, config.kernel_impl or default_impl())
         per_seq = pages_per_seq(self.max_model_len, config.page_size)
         shards = shard.data_shards
-        # Pages per data shard: each device holds its shard's pages (of its cache heads).
+        # Pages per data shard: each device holds its shard's pages (of its cache heads),
+        # and the draft model's pages of the same ids.
+        page_bytes = kv_page_bytes(model_config, config.page_size, kv_dtype, shard)
+        if draft is not None:
+            page_bytes += kv_page_bytes(draft[0], config.page_size, kv_dtype, draft[1])
         num_pages = config.num_pages // shards if config.num_pages else pool_size(
-            kv_page_bytes(model_config, config.page_size, kv_dtype, shard),
-            per_seq * config.max_num_seqs // shards, config.kv_cache_memory_gib,
+            page_bytes, per_seq * config.max_num_seqs // shards, config.kv_cache_memory_gib,
             config.memory_utilization, shard.mesh.local_devices[0])
         if num_pages < per_seq:
             raise ValueError(
@@ -118,8 +123,18 @@ class Engine:
             vocab_size=model_config.vocab_size, data_shards=shards,
             num_speculative_tokens=(config.speculative_config.num_speculative_tokens
                                     if config.speculative_config else 0))
-        self.speculator = (Speculator(config.speculative_config)
-                           if config.speculative_config else None)
+        self.speculator = None
+        if config.speculative_config is not None:
+            proposer = None
+            if draft is not None:  # the draft model: a runner of its own, same pages
+                draft_cfg, draft_shard, draft_graphdef, draft_params = draft
+                draft_builder = dataclasses.replace(
+                    self.builder, num_speculative_tokens=0, draft_model=True,
+                    _open_masks={})
+                proposer = DraftModel(ModelRunner(
+                    draft_graphdef, draft_params, draft_shard, draft_builder, draft_cfg,
+                    kv_dtype), config.max_num_batched_tokens)
+            self.speculator = Speculator(config.speculative_config, proposer)
         # Multi-host, process 0: a broadcast.StepBroadcaster sends every step to the others.
         self.runner = ModelRunner(graphdef, params, shard, self.builder, model_config, kv_dtype,
                                   broadcaster)
@@ -169,7 +184,31 @@ class Engine:
         else:
             graphdef, params = load_checkpoint(model_dir, model_config, dtype, shard, options)
         tokenizer = Tokenizer.from_pretrained(model_dir)
-        return cls(config, model_config, graphdef, params, tokenizer, shard, broadcaster)
+        draft = None
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            draft = cls._load_draft(spec.model, model_config, mesh, config, dtype, options,
+                                    broadcaster)
+        return cls(config, model_config, graphdef, params, tokenizer, shard, broadcaster, draft)
+
+    @staticmethod
+    def _load_draft(path: str, target: ModelConfig, mesh, config: EngineConfig, dtype, options,
+                    broadcaster) -> tuple:
+        """The draft model's config, sharding (the target's strategy) and weights."""
+        if broadcaster is not None:
+            raise ValueError("speculative_config: a draft model on several hosts is not "
+                             "supported; use method 'ngram' there")
+        draft_dir = Path(path)
+        if not draft_dir.is_dir():
+            raise ValueError(f"speculative_config: model {path!r} is not a checkpoint directory")
+        draft_cfg = ModelConfig.from_file(draft_dir)
+        if draft_cfg.vocab_size != target.vocab_size:
+            raise ValueError(f"speculative_config: the draft model's vocabulary has "
+                             f"{draft_cfg.vocab_size} tokens, the target's {target.vocab_size}; "
+                             "a draft must share the target's tokenizer")
+        shard = model_sharding(mesh, config.sharding, draft_cfg)
+        graphdef, params = load_checkpoint(draft_dir, draft_cfg, dtype, shard, options)
+        return draft_cfg, shard, graphdef, params
 
     # ----------------------------------------------------------------- requests
 
@@ -266,6 +305,8 @@ class Engine:
 
     def warmup(self, progress: bool = True) -> None:
         self.runner.warmup(progress)
+        if self.speculator is not None and isinstance(self.speculator.proposer, DraftModel):
+            self.speculator.proposer.runner.warmup(progress)
 
     def step(self) -> list[StepOutput]:
         """Run one batch; return the requests that produced tokens or finished.
@@ -333,6 +374,8 @@ class Engine:
                     seq.request_id, [], "", None, True, "error",
                     num_prompt_tokens=seq.num_prompt_tokens,
                     num_cached_tokens=seq.num_cached_tokens, error=message))
+        if self.speculator is not None and isinstance(self.speculator.proposer, DraftModel):
+            self.speculator.proposer.runner.recover()
         if self.runner.recover():
             for allocator in self.scheduler.allocators:
                 allocator.reset_prefix_cache()
@@ -342,14 +385,15 @@ class Engine:
         """Give each decoding sequence drafts for the coming step (every token of theirs
         is on the host). Sequences with a grammar do not speculate (their drafts would
         need the grammar advanced through them), nor those whose request says not to."""
+        entries = []
         for seq in self.scheduler.running:
             req = self._requests.get(seq.request_id)
             if (req is None or req.grammar is not None or not seq.params.speculative
                     or seq.num_computed_tokens != seq.num_tokens - 1):
                 continue
-            room = min(req.max_tokens - len(seq.output_token_ids),
-                       self.max_model_len - seq.num_tokens)
-            seq.draft_token_ids = self.speculator.propose(seq.token_ids, room)
+            entries.append((seq, min(req.max_tokens - len(seq.output_token_ids),
+                                     self.max_model_len - seq.num_tokens)))
+        self.speculator.propose(entries, self.scheduler)
 
     def _dispatch(self, prev: InFlightStep | None) -> InFlightStep | None:
         """Schedule the next step, build its batch and start it (only its forward pass
@@ -420,6 +464,9 @@ class Engine:
                                         else 1)
                 assert outputs[index] == PLACEHOLDER
                 outputs[index] = token
+                # A draft model's K/V from here on may be of other tokens (its guesses).
+                seq.draft_computed_tokens = min(seq.draft_computed_tokens,
+                                                seq.num_prompt_tokens + index)
             else:  # an accepted draft's successor (never behind another step's PLACEHOLDER)
                 index = len(outputs)
                 outputs.append(token)

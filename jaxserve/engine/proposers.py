@@ -3,14 +3,33 @@ to verify (engine/speculation.py)."""
 
 from __future__ import annotations
 
+import abc
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from jaxserve.engine.request import Sequence
+from jaxserve.engine.scheduler import Scheduler
 
-class NgramProposer:
+
+class TokenProposer(abc.ABC):
+    """A proposer that guesses each sequence on its own, from its tokens alone."""
+
+    @abc.abstractmethod
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to `k` guessed next tokens of `tokens`."""
+
+    def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler
+                      ) -> list[list[int]]:
+        """Drafts for each (sequence, at most k) of the coming step."""
+        return [self.propose(seq.token_ids, k) for seq, k in entries]
+
+
+class NgramProposer(TokenProposer):
     """Prompt lookup (vLLM's "ngram" method): find the sequence's last n tokens earlier in
     its tokens (prompt and output), for n from `max_n` down to `min_n`, and propose the
-    tokens that followed their latest earlier occurrence. No model: it pays off where the
+    tokens that followed their latest earlier occurrence with k tokens after it (else the
+    latest: a match just behind the end has only a few). No model: it pays off where the
     output repeats its context (editing code, quoting, extraction)."""
 
     def __init__(self, min_n: int, max_n: int):
@@ -27,6 +46,7 @@ class NgramProposer:
             windows = sliding_window_view(ids[:-1], n)
             hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
             if hits.size:
-                start = int(hits[-1]) + n
+                full = hits[hits + n + k <= n_tokens]
+                start = int(full[-1] if full.size else hits[-1]) + n
                 return ids[start:start + k].tolist()
         return []

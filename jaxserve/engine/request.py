@@ -56,6 +56,8 @@ class Sequence:
     first_scheduled_at: float | None = None  # time.monotonic() when first admitted to run
     # Guessed next tokens for the coming step (speculative decoding; see scheduler.py).
     draft_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # Leading tokens whose K/V the draft model holds (engine/draft_model.py).
+    draft_computed_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

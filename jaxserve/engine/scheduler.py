@@ -340,7 +340,7 @@ class Scheduler:
                 break
         self._release(seq)
         seq.draft_token_ids = []
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.draft_computed_tokens = 0
         seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

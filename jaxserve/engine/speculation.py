@@ -24,6 +24,8 @@ import dataclasses
 
 from jaxserve.config import SpeculativeConfig
 from jaxserve.engine.proposers import NgramProposer
+from jaxserve.engine.request import Sequence
+from jaxserve.engine.scheduler import Scheduler
 
 
 def accepted_length(drafts: list[int], samples) -> int:
@@ -67,11 +69,13 @@ class SpeculationStats:
 
 
 class Speculator:
-    """The engine's speculative decoding: the proposer, the policy and the counters."""
+    """The engine's speculative decoding: the proposer, the policy and the counters.
+    `proposer`: the draft model's (draft_model.py) for that method; n-gram's by default."""
 
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, proposer=None):
         self.config = config
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer = proposer or NgramProposer(config.prompt_lookup_min,
+                                                  config.prompt_lookup_max)
         k = config.num_speculative_tokens
         self.stats = SpeculationStats(proposed=[0] * k, accepted=[0] * k)
 
@@ -86,7 +90,10 @@ class Speculator:
         self.stats.active = limit is None or num_running <= limit
         return self.stats.active
 
-    def propose(self, tokens: list[int], room: int) -> list[int]:
-        """Drafts for a sequence of `tokens` that may take `room` more tokens (its own
-        limit: drafts beyond room - 1 could never be emitted)."""
-        return self.proposer.propose(tokens, min(self.num_speculative_tokens, room - 1))
+    def propose(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler) -> None:
+        """Set the drafts of each (sequence, `room`: how many more tokens it may take; drafts
+        beyond room - 1 could never be emitted)."""
+        entries = [(seq, min(self.num_speculative_tokens, room - 1)) for seq, room in entries]
+        entries = [(seq, k) for seq, k in entries if k > 0]
+        for (seq, _), drafts in zip(entries, self.proposer.propose_batch(entries, scheduler)):
+            seq.draft_token_ids = drafts
