@@ -129,9 +129,9 @@ class BatchBuilder:
             own = n - len(sched.drafts)  # the chunk's tokens that are the seq's own
             batch.input_ids[t:t + own] = seq.token_ids[start:start + own]
             batch.input_ids[t + own:t + n] = sched.drafts
-            if own and batch.input_ids[t + own - 1] == PLACEHOLDER:  # only the newest can be
-                batch.input_ids[t + own - 1] = 0
-                batch.prev_index[t + own - 1] = pending_rows[seq]
+            if batch.input_ids[t + n - 1] == PLACEHOLDER:  # only the newest token can be
+                batch.input_ids[t + n - 1] = 0
+                batch.prev_index[t + n - 1] = pending_rows[seq]
             batch.positions[t:t + n] = pos
             batch.attn.slot_mapping[t:t + n] = (pages[pos // self.page_size] * self.page_size
                                                 + pos % self.page_size)

@@ -8,7 +8,9 @@ both and no second table is kept. `Sequence.draft_computed_tokens` counts the le
 tokens whose draft K/V are valid. Round 1 feeds the draft every token from there to the
 sequence's last (its whole prompt the first time, chunked by the token budget; then the
 tokens the last step accepted) and samples its first guess; rounds 2..k feed each guess
-back. A sequence catching up over a long prompt gets no drafts until it has caught up.
+back, read on the device from the round before (a PLACEHOLDER input, as async scheduling
+feeds a step), so the host dispatches all k rounds and waits once. A sequence catching up
+over a long prompt gets no drafts until it has caught up.
 
 Pages: rounds write K/V up to position num_tokens + k - 2, so each drafting sequence first
 gets pages for num_tokens + k - 1 tokens (no pages, no drafts; none even for its newest
@@ -18,9 +20,12 @@ and Scheduler.rollback gives back what is unused.
 
 from __future__ import annotations
 
+import jax
+import numpy as np
+
 from jaxserve.engine.batch import BatchBuilder
-from jaxserve.engine.request import Sequence
-from jaxserve.engine.runner import ModelRunner, fetch
+from jaxserve.engine.request import PLACEHOLDER, Sequence
+from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 
 
@@ -56,22 +61,26 @@ class DraftModel:
             seq.draft_computed_tokens = start + n
         if not first:
             return drafts
-        sampled = self._run([s for _, s in first])
-        for (i, sched), token in zip(first, sampled):
-            if want[i]:
-                drafts[i].append(token)
+        rounds = [(first, self._dispatch([s for _, s in first], {}))]
         for j in range(1, max(want)):  # rounds 2..k: each feeds the guess before
+            before = {s.seq: s.row for _, s in rounds[-1][0]}
             more = [(i, ScheduledSeq(entries[i][0], entries[i][0].num_tokens + j - 1, 1,
-                                     drafts=drafts[i][-1:]))
+                                     drafts=[PLACEHOLDER]))
                     for i in range(len(entries)) if want[i] > j]
-            for (i, sched), token in zip(more, self._run([s for _, s in more])):
-                drafts[i].append(token)
+            rounds.append((more, self._dispatch([s for _, s in more], before)))
+            for _, sched in more:
                 sched.seq.draft_computed_tokens = sched.start + 1
+        for scheduled, tokens in rounds:
+            tokens = np.asarray(tokens.addressable_data(0))
+            for i, sched in scheduled:
+                if want[i]:
+                    drafts[i].append(int(tokens[sched.row]))
         return drafts
 
-    def _run(self, scheduled: list[ScheduledSeq]) -> list[int]:
-        """One step of the draft over `scheduled`: the greedy token after each chunk."""
+    def _dispatch(self, scheduled: list[ScheduledSeq], pending_rows: dict[Sequence, int]
+                  ) -> jax.Array:
+        """Start one step of the draft over `scheduled`; its greedy tokens (on the device)
+        are the guesses after each chunk (at each one's row)."""
         out = SchedulerOutput(scheduled, [], sum(s.num_new_tokens for s in scheduled))
-        batch, key = self.builder.build(out)
-        sampled = fetch(self.runner.dispatch(batch, key))
-        return [int(sampled.token_ids[s.row]) for s in scheduled]
+        batch, key = self.builder.build(out, pending_rows)
+        return self.runner.dispatch(batch, key).token_ids

@@ -123,18 +123,16 @@ class Engine:
             vocab_size=model_config.vocab_size, data_shards=shards,
             num_speculative_tokens=(config.speculative_config.num_speculative_tokens
                                     if config.speculative_config else 0))
-        self.speculator = None
+        self.speculator = self.draft = None
+        if draft is not None:  # the draft model: a runner of its own, the same pages
+            draft_cfg, draft_shard, draft_graphdef, draft_params = draft
+            draft_builder = dataclasses.replace(self.builder, num_speculative_tokens=0,
+                                                draft_model=True)
+            self.draft = DraftModel(ModelRunner(draft_graphdef, draft_params, draft_shard,
+                                                draft_builder, draft_cfg, kv_dtype),
+                                    config.max_num_batched_tokens)
         if config.speculative_config is not None:
-            proposer = None
-            if draft is not None:  # the draft model: a runner of its own, same pages
-                draft_cfg, draft_shard, draft_graphdef, draft_params = draft
-                draft_builder = dataclasses.replace(
-                    self.builder, num_speculative_tokens=0, draft_model=True,
-                    _open_masks={})
-                proposer = DraftModel(ModelRunner(
-                    draft_graphdef, draft_params, draft_shard, draft_builder, draft_cfg,
-                    kv_dtype), config.max_num_batched_tokens)
-            self.speculator = Speculator(config.speculative_config, proposer)
+            self.speculator = Speculator(config.speculative_config, self.draft)
         # Multi-host, process 0: a broadcast.StepBroadcaster sends every step to the others.
         self.runner = ModelRunner(graphdef, params, shard, self.builder, model_config, kv_dtype,
                                   broadcaster)
@@ -305,8 +303,8 @@ class Engine:
 
     def warmup(self, progress: bool = True) -> None:
         self.runner.warmup(progress)
-        if self.speculator is not None and isinstance(self.speculator.proposer, DraftModel):
-            self.speculator.proposer.runner.warmup(progress)
+        if self.draft is not None:
+            self.draft.runner.warmup(progress)
 
     def step(self) -> list[StepOutput]:
         """Run one batch; return the requests that produced tokens or finished.
@@ -374,8 +372,8 @@ class Engine:
                     seq.request_id, [], "", None, True, "error",
                     num_prompt_tokens=seq.num_prompt_tokens,
                     num_cached_tokens=seq.num_cached_tokens, error=message))
-        if self.speculator is not None and isinstance(self.speculator.proposer, DraftModel):
-            self.speculator.proposer.runner.recover()
+        if self.draft is not None:
+            self.draft.runner.recover()
         if self.runner.recover():
             for allocator in self.scheduler.allocators:
                 allocator.reset_prefix_cache()

@@ -1,0 +1,233 @@
+"""Speculative decoding: acceptance and output tokens/s with and without it, in one run.
+
+Random weights predict nothing, so drafts would be rejected for no reason of ours. This
+benchmark first trains a small Llama target and a one-layer draft (character tokens, the
+demo model's tokenizer) on Python's own standard library source, with transformers and
+torch on the CPU (a few minutes, once; cached under ~/.cache/jaxserve). Half the training
+samples are a piece of code followed by "# edited:" and the same code again, so the models
+learn to copy, as a real model copies code it is asked to edit.
+
+Workloads, each request `--tokens` greedy output tokens:
+  edit:  held-out code (files not trained on) then "# edited:": the output repeats its
+         prompt, where n-gram lookup should pay.
+  write: held-out code cut mid-file: the output continues it, little to look up.
+Each at batch 1 (one request at a time, --requests of them) and batch 16 (4 x 16 at
+once), speculation off, n-gram (k = --k, prompt_lookup 2..4) and the draft model (k =
+--k); at batch 16 each with the default disable_by_batch_size (8: no speculation at 16)
+and with it off (speculating anyway).
+Every speculative run's tokens are checked equal to speculation off.
+
+    python benchmarks/speculative.py [--tokens 128] [--k 4] [--train-steps 500] [--train-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+
+from jaxserve import LLM, SamplingParams  # noqa: E402
+from jaxserve.demo import CHARS, SPECIALS, cache_root, write_char_tokenizer  # noqa: E402
+
+MODEL_VERSION = 2
+CONTEXT = 384
+EDIT_MARK = "\n# edited:\n"
+# A target whose step reads enough weights (45 MB in float32) to cost more than a step's
+# fixed host and dispatch time on a CPU, which a draft model's steps pay too.
+TARGET = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
+              num_attention_heads=6, num_key_value_heads=2)
+DRAFT = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=1,
+             num_attention_heads=4, num_key_value_heads=2)
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+# ------------------------------------------------------------------- the text
+
+def stdlib_files() -> tuple[list[str], list[str]]:
+    """The standard library's Python sources as text in the model's characters: (train,
+    held out), split by file so held-out prompts are code the model never saw."""
+    allowed = set(CHARS)
+    texts = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        text = path.read_text(errors="ignore").replace("\t", "    ")
+        text = "".join(c for c in text if c in allowed)
+        if len(text) > 2000:
+            texts.append(text)
+    held_out = texts[::20]
+    return [t for i, t in enumerate(texts) if i % 20], held_out
+
+
+def training_sample(texts: list[str], rng: random.Random) -> str:
+    """CONTEXT characters: plain code, or (half the time) code, EDIT_MARK, the same code."""
+    text = rng.choice(texts)
+    if rng.random() < 0.5:
+        start = rng.randrange(len(text) - CONTEXT)
+        return text[start:start + CONTEXT]
+    n = rng.randrange(60, (CONTEXT - len(EDIT_MARK)) // 2)
+    start = rng.randrange(len(text) - CONTEXT - n)  # room for the tail after it
+    piece = text[start:start + n]
+    sample = piece + EDIT_MARK + piece
+    rest = CONTEXT - len(sample)
+    tail_start = start + n
+    return sample + text[tail_start:tail_start + rest]
+
+
+# --------------------------------------------------------------- the training
+
+def trained_model(name: str, shape: dict, steps: int) -> Path:
+    """The trained checkpoint directory (trained and written on first use)."""
+    target = cache_root() / f"bench-speculative-v{MODEL_VERSION}-{name}-{steps}"
+    if (target / "model.safetensors").exists():
+        return target
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    train, _ = stdlib_files()
+    vocab = {c: i for i, c in enumerate(SPECIALS + CHARS)}
+    config = transformers.LlamaConfig(
+        vocab_size=len(vocab), max_position_embeddings=1024, rms_norm_eps=1e-5,
+        bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, **shape)
+    model = transformers.LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01,
+                                  betas=(0.9, 0.95))
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=2e-3, total_steps=steps,
+                                                   pct_start=0.05)
+    batch = 16
+    started = time.perf_counter()
+    for step in range(steps):
+        ids = torch.tensor([[0] + [vocab[c] for c in training_sample(train, rng)]
+                            for _ in range(batch)])
+        loss = model(ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if step % 50 == 0 or step == steps - 1:
+            print(f"  training the {name}, step {step}: loss {loss.item():.3f} "
+                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": 0,
+                                                            "eos_token_id": 1}))
+    write_char_tokenizer(tmp)
+    tmp.rename(target)
+    return target
+
+
+# ------------------------------------------------------------------ the runs
+
+def workloads(num: int, rng: random.Random) -> dict[str, list[str]]:
+    _, held_out = stdlib_files()
+    edit, write = [], []
+    for i in range(num):
+        text = held_out[i % len(held_out)]
+        start = rng.randrange(len(text) - 400)
+        edit.append(text[start:start + 160] + EDIT_MARK)
+        write.append(text[start:start + 200])
+    return {"edit": edit, "write": write}
+
+
+def run(llm: LLM, prompts: list[str], batch: int, tokens: int) -> dict:
+    """Output tokens/s of `prompts`, `batch` at a time; the tokens; speculation counters."""
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    speculator = llm.engine.speculator
+    counters = (lambda s: (s.num_proposed, s.num_accepted, s.proposed[0]))  # noqa: E731
+    before = counters(speculator.stats) if speculator else (0, 0, 0)
+    steps_before = llm.engine.num_steps
+    out, started = [], time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        out += llm.generate(prompts[i:i + batch], params)
+    wall = time.perf_counter() - started
+    generated = sum(len(o.outputs[0].token_ids) for o in out)
+    after = counters(speculator.stats) if speculator else (0, 0, 0)
+    proposed, accepted, drafting = (a - b for a, b in zip(after, before))
+    return {"tok_s": generated / wall, "tokens": [o.outputs[0].token_ids for o in out],
+            "proposed": proposed, "accepted": accepted, "drafting": drafting,
+            "steps": llm.engine.num_steps - steps_before}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--train-steps", type=int, default=500)
+    ap.add_argument("--train-only", action="store_true")
+    ap.add_argument("--requests", type=int, default=32, help="requests per batch-1 run "
+                    "(batch-16 runs take 4 batches)")
+    args = ap.parse_args()
+
+    model_dir = trained_model("target", TARGET, args.train_steps)
+    draft_dir = trained_model("draft", DRAFT, args.train_steps)
+    if args.train_only:
+        return
+    print(f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {cpu_name()}, "
+          f"{os.cpu_count()} cores, jax {jax.__version__}, trained target {TARGET}, draft "
+          f"{DRAFT} ({args.train_steps} steps each), float32, greedy, {args.tokens} output "
+          f"tokens per request, k = {args.k}\n")
+    engine = dict(dtype="float32", max_model_len=1024, page_size=16, max_num_seqs=16,
+                  max_num_batched_tokens=512, kv_cache_memory_gib=0.5)
+    ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
+             "prompt_lookup_max": 4}
+    llms = {"off": LLM(str(model_dir), **engine),
+            "n-gram": LLM(str(model_dir), **engine, speculative_config=ngram),
+            "n-gram, never disabled": LLM(str(model_dir), **engine, speculative_config={
+                **ngram, "disable_by_batch_size": None}),
+            "draft model": LLM(str(model_dir), **engine, speculative_config={
+                "model": str(draft_dir), "num_speculative_tokens": args.k}),
+            "draft model, never disabled": LLM(str(model_dir), **engine, speculative_config={
+                "model": str(draft_dir), "num_speculative_tokens": args.k,
+                "disable_by_batch_size": None})}
+    rng = random.Random(1)
+    loads = workloads(max(args.requests, 64), rng)
+    for llm in llms.values():  # warm the host paths
+        run(llm, loads["write"][:2], 2, 8)
+
+    print("| workload | batch | speculation | output tok/s | vs off | acceptance | "
+          "accepted per drafting seq-step | steps | same tokens as off |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, prompts in loads.items():
+        for batch, count in ((1, args.requests), (16, 64)):
+            base = run(llms["off"], prompts[:count], batch, args.tokens)
+            rows = [("off", base)]
+            names = (["n-gram", "draft model"] if batch == 1 else
+                     ["n-gram", "n-gram, never disabled", "draft model",
+                      "draft model, never disabled"])
+            rows += [(n, run(llms[n], prompts[:count], batch, args.tokens)) for n in names]
+            for label, r in rows:
+                rate = r["accepted"] / r["proposed"] if r["proposed"] else 0.0
+                per_step = r["accepted"] / r["drafting"] if r["drafting"] else 0.0
+                print(f"| {name} | {batch} | {label} | {r['tok_s']:.1f} | "
+                      f"{r['tok_s'] / base['tok_s']:.2f}x | "
+                      f"{rate:.0%} ({r['accepted']}/{r['proposed']}) | "
+                      f"{per_step:.2f} | {r['steps']} | "
+                      f"{'yes' if r['tokens'] == base['tokens'] else 'NO'} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
