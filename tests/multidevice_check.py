@@ -107,13 +107,16 @@ def main(model_dir: str, out_path: str, moe_dir: str | None = None) -> None:
     # Speculative decoding: drafts of the one-device tokens (every third proposal spoiled)
     # verified in the sharded step, under TP, DP+TP and TP with int8 weights; and the
     # target drafting for itself (a draft model sharded as the target).
+    medusa_dir = repeat_token_medusa_heads(model_dir)
     for mesh, strategy, extra, suffix in SPEC_RUNS:
-        draft = suffix.endswith("draft")
+        method = suffix.split()[-1] if suffix.endswith(("draft", "medusa")) else "ngram"
+        model = {"draft": model_dir, "medusa": medusa_dir}.get(method)
         llm = LLM(model_dir, mesh=mesh, sharding=strategy, **ENGINE, **extra,
                   speculative_config={"num_speculative_tokens": 3, "disable_by_batch_size": None,
-                                      "model": model_dir if draft else None})
+                                      "model": model, "method": method.replace("draft",
+                                                                               "draft_model")})
         one_device = results["null" + (" int8" if extra else "")]["tokens"]
-        if not draft:
+        if method == "ngram":
             llm.engine.speculator.proposer = OracleProposer(list(zip(prompts, one_device)),
                                                             320, spoil=3)
         stats = llm.engine.speculator.stats
@@ -153,7 +156,26 @@ def main(model_dir: str, out_path: str, moe_dir: str | None = None) -> None:
 
 SPEC_RUNS = [({"model": 2}, "tp", {}, ""), ({"data": 2, "model": 2}, "dp+tp", {}, ""),
              ({"model": 2}, "tp", {"quantization": "int8"}, " int8"),
-             ({"model": 2}, "tp", {}, " draft"), ({"data": 2, "model": 2}, "dp+tp", {}, " draft")]
+             ({"model": 2}, "tp", {}, " draft"), ({"data": 2, "model": 2}, "dp+tp", {}, " draft"),
+             ({"model": 2}, "tp", {}, " medusa")]
+
+
+def repeat_token_medusa_heads(model_dir: str) -> str:
+    """Three Medusa heads (published layout) that guess the token just sampled again:
+    identity blocks, the target's LM head."""
+    from safetensors.numpy import load_file, save_file
+
+    lm_head = load_file(str(Path(model_dir) / "model.safetensors"))["lm_head.weight"]
+    d = lm_head.shape[1]
+    out = Path(tempfile.mkdtemp()) / "medusa"
+    out.mkdir()
+    tensors = {}
+    for h in range(3):
+        tensors |= {f"{h}.0.linear.weight": np.zeros((d, d), np.float32),
+                    f"{h}.0.linear.bias": np.zeros(d, np.float32), f"{h}.1.weight": lm_head}
+    save_file(tensors, str(out / "medusa_lm_head.safetensors"))
+    (out / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "medusa_num_layers": 1}))
+    return str(out)
 
 # (mesh, strategy, extra engine settings, name suffix); int4 experts (and attention, and the
 # dense layer) quantized, on one device and with the TPU kernels per device under tp+ep.

@@ -61,6 +61,14 @@ def test_speculative_decoding_matches_one_device(runs, run):
     assert result["leaked_pages"] == 0 and result["compiles_after_warmup"] == 0
 
 
+def test_medusa_heads_under_tensor_parallelism(runs):
+    """Heads that guess the last token again, on a TP=2 target: the one-device tokens."""
+    result = runs['speculative {"model": 2} tp medusa']
+    assert result["tokens"] == runs["null"]["tokens"]
+    assert result["proposed"] > 0
+    assert result["leaked_pages"] == 0 and result["compiles_after_warmup"] == 0
+
+
 @pytest.mark.parametrize("run", ['{"model": 2} tp draft', '{"data": 2, "model": 2} dp+tp draft'])
 def test_a_sharded_draft_model_equal_to_the_target_accepts_every_token(runs, run):
     result = runs["speculative " + run]

@@ -294,6 +294,107 @@ def test_draft_model_must_share_the_vocabulary(checkpoints, tmp_path):
             speculative_config={"model": str(draft)})
 
 
+# ---------------------------------------------------------------------- Medusa
+
+class ResBlock(torch.nn.Module):
+    """Medusa's residual block as published (FasterDecoding/Medusa): x + silu(linear(x))."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        return x + torch.nn.functional.silu(self.linear(x))
+
+
+def medusa_heads(hf_model, heads: int, layers: int, seed: int, copy_lm_head: bool = False):
+    """Medusa heads in the published module layout: random blocks, and LM heads random or
+    the target's own (as Medusa initialises them)."""
+    torch.manual_seed(seed)
+    d, v = hf_model.config.hidden_size, hf_model.config.vocab_size
+    module = torch.nn.ModuleList([
+        torch.nn.Sequential(*[ResBlock(d) for _ in range(layers)],
+                            torch.nn.Linear(d, v, bias=False)) for _ in range(heads)])
+    with torch.no_grad():
+        for head in module:
+            if copy_lm_head:
+                head[-1].weight.copy_(hf_model.lm_head.weight)
+                for block in head[:-1]:
+                    torch.nn.init.zeros_(block.linear.weight)  # identity blocks
+    return module
+
+
+def write_medusa(path, module, layers: int, torch_file: bool = False):
+    import json
+
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({
+        "medusa_num_heads": len(module), "medusa_num_layers": layers,
+        "base_model_name_or_path": "tiny-llama"}))
+    state = {k: v.contiguous() for k, v in module.state_dict().items()}
+    if torch_file:
+        torch.save(state, path / "medusa_lm_head.pt")
+    else:
+        save_file(state, str(path / "medusa_lm_head.safetensors"))
+    return path
+
+
+@pytest.mark.parametrize("torch_file", [False, True])
+def test_medusa_heads_compute_as_the_published_modules(checkpoints, tmp_path, torch_file):
+    """Both published files (safetensors; torch's, read with weights_only): each head's
+    guess equals the argmax of the torch module on the same hidden states."""
+    import jax.numpy as jnp
+
+    from jaxserve.loading.medusa import load_medusa
+    from jaxserve.models.medusa import MedusaHeads, medusa_tokens
+
+    hf = checkpoints("llama")[1]
+    module = medusa_heads(hf, heads=3, layers=2, seed=0)
+    path = write_medusa(tmp_path / "medusa", module, layers=2, torch_file=torch_file)
+    loaded = load_medusa(path, hf.config.hidden_size, hf.config.vocab_size)
+    x = torch.randn(7, hf.config.hidden_size)
+    ours = medusa_tokens(jnp.asarray(x.numpy()), MedusaHeads(
+        *(jnp.asarray(a) for a in (loaded.block_weights, loaded.block_biases,
+                                   loaded.lm_heads))))
+    with torch.no_grad():
+        want = torch.stack([head(x).argmax(-1) for head in module], dim=1)
+    assert np.asarray(ours).tolist() == want.tolist()
+
+
+@pytest.fixture(scope="module")
+def medusa_llm(checkpoints, tmp_path_factory):
+    """Heads whose blocks are the identity and whose LM heads are the target's: each
+    guesses the token just sampled again, right wherever the output repeats a token."""
+    hf = checkpoints("llama")[1]
+    path = write_medusa(tmp_path_factory.mktemp("medusa"),
+                        medusa_heads(hf, heads=3, layers=1, seed=1, copy_lm_head=True), 1)
+    return LLM(str(checkpoints("llama")[0]), **ENGINE, speculative_config={
+        "method": "medusa", "model": str(path), "num_speculative_tokens": 3,
+        "disable_by_batch_size": None})
+
+
+def test_medusa_gives_the_target_tokens(medusa_llm, base, want, prompts):
+    stats = fresh_counters(medusa_llm)
+    assert tokens(medusa_llm.generate(prompts, GREEDY)) == want
+    # Prompt 2's output opens with five 17s: after the first, all three guesses hit.
+    assert 0 < stats.num_accepted < stats.num_proposed and stats.accepted[2] > 0
+    sampled = [SamplingParams(temperature=0.8, top_k=20, seed=s, max_tokens=30,
+                              ignore_eos=True) for s in range(4)]
+    assert tokens(medusa_llm.generate(prompts, sampled)) == tokens(base.generate(prompts,
+                                                                                 sampled))
+    check_clean(medusa_llm)
+
+
+def test_medusa_needs_enough_heads(checkpoints, tmp_path):
+    hf = checkpoints("llama")[1]
+    path = write_medusa(tmp_path / "m", medusa_heads(hf, heads=2, layers=1, seed=2), 1)
+    with pytest.raises(ValueError, match="has 2 Medusa heads"):
+        LLM(str(checkpoints("llama")[0]), **ENGINE, warmup=False, speculative_config={
+            "method": "medusa", "model": str(path), "num_speculative_tokens": 3})
+
+
 # ------------------------------------------------------------- the distribution
 
 class TopDraft(TokenProposer):
@@ -383,12 +484,13 @@ def test_a_wrong_acceptance_rule_fails_the_distribution_test(spec, target, monke
 # ---------------------------------------------------------------- configuration
 
 @pytest.mark.parametrize("bad, message", [
-    ({"method": "medusa"}, "method must be one of"),
+    ({"method": "eagle"}, "method must be one of"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer"),
     ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "exceeds prompt_lookup_max"),
     ({"disable_by_batch_size": 0}, "disable_by_batch_size must be"),
     ({"method": "ngram", "model": "/some/draft"}, "takes no model"),
     ({"method": "draft_model"}, "needs model"),
+    ({"method": "medusa"}, "needs model"),
     ({"num_speculative_tokens": 2, "typo": 1}, "unknown keys ['typo']"),
 ])
 def test_bad_speculative_config_says_what_to_fix(bad, message):

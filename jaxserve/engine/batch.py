@@ -46,6 +46,8 @@ class StepBatch:
     # logits of; [D]: the real rows per data shard (they come first in each shard's block).
     sample_index: np.ndarray
     num_rows: np.ndarray
+    # bool []: compute Medusa heads' guesses at the sampled rows (when the model has them)
+    propose: np.ndarray
     history: TokenHistory | None = None
 
 
@@ -202,6 +204,7 @@ class BatchBuilder:
             prev_index=np.full(t, -1, i32),
             sample_index=np.zeros(r, i32),
             num_rows=np.zeros(self.data_shards, i32),
+            propose=np.zeros((), np.bool_),
             attn=AttentionMetadata(
                 slot_mapping=np.full(t, self.num_pages * self.page_size, i32),
                 cu_q_lens=np.zeros(s + self.data_shards, i32),

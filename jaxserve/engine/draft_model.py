@@ -24,12 +24,13 @@ import jax
 import numpy as np
 
 from jaxserve.engine.batch import BatchBuilder
+from jaxserve.engine.proposers import Proposer
 from jaxserve.engine.request import PLACEHOLDER, Sequence
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 
 
-class DraftModel:
+class DraftModel(Proposer):
     """A proposer that runs a model of its own (engine/speculation.py uses it)."""
 
     def __init__(self, runner: ModelRunner, max_num_batched_tokens: int):

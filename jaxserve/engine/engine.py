@@ -23,6 +23,7 @@ from jaxserve.engine import compile_cache
 from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.draft_model import DraftModel
 from jaxserve.engine.output_text import OutputText
+from jaxserve.engine.proposers import MedusaProposer
 from jaxserve.engine.request import PLACEHOLDER, Request, Sequence
 from jaxserve.engine.runner import ModelRunner, fetch, kv_page_bytes, pages_per_seq, pool_size
 from jaxserve.engine.sampler import SampleOutput
@@ -30,8 +31,10 @@ from jaxserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, 
 from jaxserve.engine.speculation import Speculator, accepted_length
 from jaxserve.engine.structured_output import GrammarCompiler, MaskFiller
 from jaxserve.loading import converted
+from jaxserve.loading.medusa import load_medusa
 from jaxserve.loading.safetensors import load_checkpoint, random_params
 from jaxserve.loading.tokenizer import Tokenizer
+from jaxserve.models.medusa import MedusaHeads
 from jaxserve.outputs import Logprob, StepOutput
 from jaxserve.sampling_params import SamplingParams
 from pallas_kernels.ragged_paged_attention import default_impl
@@ -55,6 +58,7 @@ class InFlightStep:
     batch: StepBatch | None = None
     key: BucketKey | None = None
     expert_load: jax.Array | None = None  # ModelRunner.expert_load as this step leaves it
+    guesses: jax.Array | None = None  # Medusa heads' guesses [R, heads], when it made them
 
     @property
     def sampling(self) -> list[ScheduledSeq]:
@@ -78,7 +82,8 @@ class Engine:
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, graphdef, params,
                  tokenizer: Tokenizer | None, shard: ShardingContext, broadcaster=None,
-                 draft: tuple[ModelConfig, ShardingContext, object, object] | None = None):
+                 draft: tuple[ModelConfig, ShardingContext, object, object] | None = None,
+                 medusa: MedusaHeads | None = None):
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -132,10 +137,11 @@ class Engine:
                                                 draft_builder, draft_cfg, kv_dtype),
                                     config.max_num_batched_tokens)
         if config.speculative_config is not None:
-            self.speculator = Speculator(config.speculative_config, self.draft)
+            self.speculator = Speculator(config.speculative_config,
+                                         MedusaProposer() if medusa is not None else self.draft)
         # Multi-host, process 0: a broadcast.StepBroadcaster sends every step to the others.
         self.runner = ModelRunner(graphdef, params, shard, self.builder, model_config, kv_dtype,
-                                  broadcaster)
+                                  broadcaster, medusa)
         self._requests: dict[str, Request] = {}
         self.grammars = (GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_token_ids)
                          if tokenizer is not None else None)
@@ -182,12 +188,27 @@ class Engine:
         else:
             graphdef, params = load_checkpoint(model_dir, model_config, dtype, shard, options)
         tokenizer = Tokenizer.from_pretrained(model_dir)
-        draft = None
+        draft = medusa = None
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model":
             draft = cls._load_draft(spec.model, model_config, mesh, config, dtype, options,
                                     broadcaster)
-        return cls(config, model_config, graphdef, params, tokenizer, shard, broadcaster, draft)
+        if spec is not None and spec.method == "medusa":
+            medusa = cls._load_medusa(spec, model_config, dtype, shard)
+        return cls(config, model_config, graphdef, params, tokenizer, shard, broadcaster, draft,
+                   medusa)
+
+    @staticmethod
+    def _load_medusa(spec, target: ModelConfig, dtype, shard: ShardingContext) -> MedusaHeads:
+        """Medusa heads on the devices (replicated), the first num_speculative_tokens."""
+        heads = load_medusa(spec.model, target.hidden_size, target.vocab_size)
+        if spec.num_speculative_tokens > heads.lm_heads.shape[0]:
+            raise ValueError(f"speculative_config: num_speculative_tokens is "
+                             f"{spec.num_speculative_tokens}, but {spec.model} has "
+                             f"{heads.lm_heads.shape[0]} Medusa heads")
+        k = spec.num_speculative_tokens
+        return MedusaHeads(*(jax.device_put(jnp.asarray(a[:k], dtype), shard.sharding(()))
+                             for a in (heads.block_weights, heads.block_biases, heads.lm_heads)))
 
     @staticmethod
     def _load_draft(path: str, target: ModelConfig, mesh, config: EngineConfig, dtype, options,
@@ -336,7 +357,7 @@ class Engine:
             outputs, prev = self._collect(prev), None
         if speculate:
             self._propose()
-        step = self._dispatch(prev)
+        step = self._dispatch(prev, speculate)
         if prev is not None:
             outputs += self._collect(prev)
         if step is None:
@@ -393,15 +414,17 @@ class Engine:
                                      self.max_model_len - seq.num_tokens)))
         self.speculator.propose(entries, self.scheduler)
 
-    def _dispatch(self, prev: InFlightStep | None) -> InFlightStep | None:
+    def _dispatch(self, prev: InFlightStep | None, speculate: bool) -> InFlightStep | None:
         """Schedule the next step, build its batch and start it (only its forward pass
-        when it is sampled apart); None if nothing to run.
+        when it is sampled apart); None if nothing to run. While `speculate`, a model
+        with Medusa heads also makes their guesses for the step after.
 
         Its sampling seqs get a PLACEHOLDER for the token it will sample."""
         schedule = self.scheduler.schedule()
         if schedule.is_empty:
             return None
         batch, key = self.builder.build(schedule, prev.pending_rows() if prev else None)
+        batch.propose = np.asarray(speculate and self.runner.medusa is not None)
         if prev is not None:
             self.num_overlapped_steps += not _is_ready(prev.out)
         if any(s.seq.params.needs_history for s in schedule.scheduled if s.samples):
@@ -410,6 +433,8 @@ class Engine:
         else:
             step = InFlightStep(schedule, self.runner.dispatch(batch, key))
         step.expert_load = self.runner.expert_load
+        if batch.propose:
+            step.guesses = self.runner.guesses
         self.num_steps += 1
         for s in step.sampling:
             s.seq.output_token_ids.append(PLACEHOLDER)
@@ -435,16 +460,20 @@ class Engine:
         sampled = fetch(step.out)
         if step.expert_load is not None:
             self._expert_load = step.expert_load  # computed: reading it will not wait
+        guesses = (np.asarray(step.guesses.addressable_data(0))
+                   if step.guesses is not None else None)
         outputs = []
         for s in step.sampling:
             req = self._requests.get(s.seq.request_id)
             if req is not None and req.seq is s.seq:  # not aborted or finished meanwhile
-                outputs.append(self._append(req, sampled, s))
+                outputs.append(self._append(req, sampled, s, guesses))
         return outputs
 
-    def _append(self, req: Request, sampled: SampleOutput, s: ScheduledSeq) -> StepOutput:
+    def _append(self, req: Request, sampled: SampleOutput, s: ScheduledSeq,
+                guesses: np.ndarray | None = None) -> StepOutput:
         """Append the step's tokens for `s` (its sample; with drafts, the accepted ones
-        and the one after them) to its request, up to the first that ends it."""
+        and the one after them) to its request, up to the first that ends it. `guesses`:
+        Medusa heads' at each row, kept for the next step from the row of the last token."""
         seq, params = req.seq, req.seq.params
         num_accepted = 0
         if s.drafts:
@@ -495,8 +524,12 @@ class Engine:
         if finish is not None:
             self.scheduler.finish(seq, finish)
             del self._requests[seq.request_id]
-        elif s.drafts:
-            self.scheduler.rollback(seq)
+        else:
+            if s.drafts:
+                self.scheduler.rollback(seq)
+            if guesses is not None:  # they follow the last token: (tokens up to it, guesses)
+                seq.medusa_guesses = (seq.num_prompt_tokens + index + 1,
+                                      guesses[s.row + num_accepted].tolist())
         out = StepOutput(
             request_id=seq.request_id, new_token_ids=req.pending, new_text=new_text,
             new_logprobs=req.pending_logprobs if params.logprobs is not None else None,

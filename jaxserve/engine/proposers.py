@@ -1,5 +1,5 @@
 """Speculative decoding's proposers: each guesses a sequence's next tokens, for the step
-to verify (engine/speculation.py)."""
+to verify (engine/speculation.py). The draft model's is in draft_model.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,16 @@ from jaxserve.engine.request import Sequence
 from jaxserve.engine.scheduler import Scheduler
 
 
-class TokenProposer(abc.ABC):
+class Proposer(abc.ABC):
+    """Guesses the next tokens of the sequences about to step."""
+
+    @abc.abstractmethod
+    def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler
+                      ) -> list[list[int]]:
+        """Drafts for each (sequence, at most k) of the coming step."""
+
+
+class TokenProposer(Proposer):
     """A proposer that guesses each sequence on its own, from its tokens alone."""
 
     @abc.abstractmethod
@@ -21,8 +30,18 @@ class TokenProposer(abc.ABC):
 
     def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler
                       ) -> list[list[int]]:
-        """Drafts for each (sequence, at most k) of the coming step."""
         return [self.propose(seq.token_ids, k) for seq, k in entries]
+
+
+class MedusaProposer(Proposer):
+    """Medusa: the heads' guesses, computed by the target's last step at the row of the
+    sequence's newest token (engine.py keeps them in `Sequence.medusa_guesses`)."""
+
+    def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler
+                      ) -> list[list[int]]:
+        return [seq.medusa_guesses[1][:k]
+                if seq.medusa_guesses and seq.medusa_guesses[0] == seq.num_tokens else []
+                for seq, k in entries]
 
 
 class NgramProposer(TokenProposer):

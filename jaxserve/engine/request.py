@@ -58,6 +58,8 @@ class Sequence:
     draft_token_ids: list[int] = dataclasses.field(default_factory=list)
     # Leading tokens whose K/V the draft model holds (engine/draft_model.py).
     draft_computed_tokens: int = 0
+    # Medusa heads' guesses after the sequence's token number `[0]`: (num_tokens, tokens).
+    medusa_guesses: tuple[int, list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,7 @@ from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.broadcast import FORWARD, SAMPLE, STEP
 from jaxserve.engine.compile_cache import counting_hits
 from jaxserve.engine.sampler import SampleOutput, SamplingArrays, TokenHistory, sample
+from jaxserve.models.medusa import MedusaHeads, medusa_tokens
 from jaxserve.models.parallel import KV_CACHE_AXES
 from jaxserve.models.transformer import KVCache, kv_cache_layout
 from sharding.rules import ShardingContext
@@ -28,8 +29,9 @@ DEFAULT_CPU_KV_GIB = 1.0
 
 
 def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch: StepBatch,
-            prev_tokens: jax.Array, expert_load: jax.Array | None
-            ) -> tuple[KVCache, jax.Array, jax.Array | None]:
+            prev_tokens: jax.Array, expert_load: jax.Array | None,
+            medusa: MedusaHeads | None = None
+            ) -> tuple[KVCache, jax.Array, jax.Array | None, jax.Array | None]:
     """One forward pass over a ragged batch: float32 logits `[R, vocab]` at the tokens the
     batch samples (`batch.sample_index`: each sequence's last token, and the tokens
     before it that verify drafts).
@@ -38,7 +40,9 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
     device: tokens with `batch.prev_index >= 0` take their id from there, so the host can
     schedule this step before it has seen them. `expert_load` (`[sparse layers,
     num_experts]`, None for a dense model) counts the real tokens each expert has taken
-    since start; returned with this step's added.
+    since start; returned with this step's added. `medusa`: Medusa heads, whose guesses
+    `[R, heads]` at the sampled rows come back last when `batch.propose` (zeros when not;
+    None without heads).
     """
     model = nnx.merge(graphdef, params)
     input_ids = jnp.where(batch.prev_index >= 0,
@@ -50,9 +54,14 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
         counts = [v.get_value()[0] for _, v in sown]
         expert_load = expert_load + jnp.stack(counts)
     data_shards = batch.attn.num_seqs.shape[0]
-    logits = model.logits(sampled_rows(hidden, batch.sample_index, data_shards),
-                          rows=batch.num_rows[0] if data_shards == 1 else None)
-    return kv_caches, logits, expert_load
+    rows = sampled_rows(hidden, batch.sample_index, data_shards)
+    logits = model.logits(rows, rows=batch.num_rows[0] if data_shards == 1 else None)
+    guesses = None
+    if medusa is not None:
+        guesses = jax.lax.cond(
+            batch.propose, lambda: medusa_tokens(model.final_norm(rows), medusa),
+            lambda: jnp.zeros((rows.shape[0], medusa.lm_heads.shape[0]), jnp.int32))
+    return kv_caches, logits, expert_load, guesses
 
 
 def sample_step(logits: jax.Array, sampling: SamplingArrays, history: TokenHistory | None,
@@ -103,10 +112,11 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings,
     def run(fn):
         return lambda leaves, *args: fn(graphdef, jax.tree.unflatten(treedef, leaves), *args)
 
-    inputs = (param_shardings, cache_shardings, replicated, replicated, replicated)
+    inputs = (param_shardings, cache_shardings, replicated, replicated, replicated, replicated)
     return StepPrograms(
         forward=jax.jit(run(forward), donate_argnums=(1,), in_shardings=inputs,
-                        out_shardings=(cache_shardings, logits_sharding, replicated)),
+                        out_shardings=(cache_shardings, logits_sharding, replicated,
+                                       replicated)),
         sample=jax.jit(sample_step, in_shardings=(logits_sharding, replicated, replicated,
                                                   replicated, replicated),
                        out_shardings=(replicated, replicated)))
@@ -156,7 +166,8 @@ class ModelRunner:
     whole (`dispatch`) or in two halves (`dispatch_forward`, then `dispatch_sample`)."""
 
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, shard: ShardingContext,
-                 builder: BatchBuilder, cfg: ModelConfig, kv_dtype, broadcaster=None):
+                 builder: BatchBuilder, cfg: ModelConfig, kv_dtype, broadcaster=None,
+                 medusa: MedusaHeads | None = None):
         self.params = params
         self._param_leaves = jax.tree.leaves(params)
         self.shard = shard
@@ -179,6 +190,8 @@ class ModelRunner:
         # The last step's sampled tokens, on the device (see `forward`).
         self.sampled = jax.device_put(np.zeros(builder.max_num_seqs, np.int32), replicated)
         self._logits: jax.Array | None = None  # from dispatch_forward, for dispatch_sample
+        self.medusa = medusa  # Medusa heads (device arrays), or None
+        self.guesses: jax.Array | None = None  # the last forward pass's Medusa guesses
         # Real tokens each expert of each MoE layer has taken since start (None: dense).
         # Replaced, not donated, each step, so another thread may read any copy.
         layers = sum(cfg.sparse_layers)
@@ -276,8 +289,9 @@ class ModelRunner:
 
     def _forward(self, batch: StepBatch) -> None:
         inputs = dataclasses.replace(batch, sampling=None, history=None)
-        self.kv_caches, self._logits, self.expert_load = self._programs.forward(
-            self._param_leaves, self.kv_caches, inputs, self.sampled, self.expert_load)
+        self.kv_caches, self._logits, self.expert_load, self.guesses = self._programs.forward(
+            self._param_leaves, self.kv_caches, inputs, self.sampled, self.expert_load,
+            self.medusa)
 
     def _sample(self, batch: StepBatch) -> SampleOutput:
         logits, self._logits = self._logits, None
@@ -304,7 +318,8 @@ class ModelRunner:
         is there), for reading its HLO (compiles it again)."""
         batch = dataclasses.replace(self.builder.empty(key), sampling=None, history=None)
         return self._programs.forward.lower(self._param_leaves, self.kv_caches, batch,
-                                            self.sampled, self.expert_load).compile()
+                                            self.sampled, self.expert_load,
+                                            self.medusa).compile()
 
     @property
     def num_compiled(self) -> int:

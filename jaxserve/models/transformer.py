@@ -205,11 +205,15 @@ class Transformer(nnx.Module):
             new_caches.append(kv)
         return x, new_caches
 
+    def final_norm(self, hidden: jax.Array) -> jax.Array:
+        """The last norm, which the LM head (and Medusa heads) read after."""
+        return rms_norm(hidden, self.norm[...], self.cfg.rms_norm_eps, self.cfg.norm_offset)
+
     def logits(self, hidden: jax.Array, rows: jax.Array | None = None) -> jax.Array:
         """float32 logits `[N, vocab]` for a few rows of hidden states (the native CPU
         matmul computes the first `rows` only: the real sequences)."""
         cfg = self.cfg
-        x = rms_norm(hidden, self.norm[...], cfg.rms_norm_eps, cfg.norm_offset)
+        x = self.final_norm(hidden)
         tied = cfg.tie_word_embeddings
         impl = None if self.shard.mesh.size == 1 else "reference"  # XLA partitions the dot
         logits = lm_head(x, self.embed[...] if tied else self.lm_head[...], tied, self.options,
