@@ -7,10 +7,12 @@ so the target's page allocator (and its rules: prefix sharing, preemption, freei
 both and no second table is kept. `Sequence.draft_computed_tokens` counts the leading
 tokens whose draft K/V are valid. Round 1 feeds the draft every token from there to the
 sequence's last (its whole prompt the first time, chunked by the token budget; then the
-tokens the last step accepted) and samples its first guess; rounds 2..k feed each guess
-back, read on the device from the round before (a PLACEHOLDER input, as async scheduling
-feeds a step), so the host dispatches all k rounds and waits once. A sequence catching up
-over a long prompt gets no drafts until it has caught up.
+tokens the last step accepted) and samples its first guess; rounds 2..k run in one
+program of their own (`chain`, a loop on the device that feeds each round's greedy tokens
+to the next, advancing positions, slots and context lengths), its first input read from
+round 1's samples on the device (a PLACEHOLDER, as async scheduling feeds a step): two
+dispatches and one wait for the host per step, whatever k. A sequence catching up over a
+long prompt gets no drafts until it has caught up.
 
 Pages: rounds write K/V up to position num_tokens + k - 2, so each drafting sequence first
 gets pages for num_tokens + k - 1 tokens (no pages, no drafts; none even for its newest
@@ -20,24 +22,96 @@ and Scheduler.rollback gives back what is unused.
 
 from __future__ import annotations
 
-import jax
-import numpy as np
+import dataclasses
+import functools
 
-from jaxserve.engine.batch import BatchBuilder
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.proposers import Proposer
 from jaxserve.engine.request import PLACEHOLDER, Sequence
-from jaxserve.engine.runner import ModelRunner
+from jaxserve.engine.runner import ModelRunner, sampled_rows
+from jaxserve.engine.sampler import first_argmax
 from jaxserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from jaxserve.models.parallel import real_token_mask
+
+
+def chain(graphdef: nnx.GraphDef, params: nnx.State, kv_caches, batch: StepBatch,
+          prev_tokens: jax.Array, limits: jax.Array, *, rounds: int, page_size: int,
+          drop_slot: int) -> tuple[list, jax.Array]:
+    """`rounds` greedy steps of the draft model over one token per sequence: round j feeds
+    each sequence's token at `batch.positions + j` (round 0's from `prev_tokens` where
+    `batch.prev_index` says, as a step's PLACEHOLDER; later ones the round before's
+    guesses) and returns its guesses, `[rounds, S]`. Sequence i writes K/V only in its
+    first `limits[i]` rounds (the pages it holds); its later guesses are not used."""
+    model = nnx.merge(graphdef, params)
+    meta = batch.attn
+    d, t, s = meta.num_seqs.shape[0], batch.input_ids.shape[0], meta.kv_lens.shape[0]
+    local = jnp.minimum(jnp.arange(t // d), s // d - 1)
+    seq = (jnp.arange(d)[:, None] * (s // d) + local[None, :]).reshape(-1)  # each token's
+    real = real_token_mask(meta, t)
+    ids = jnp.where(batch.prev_index >= 0, prev_tokens[jnp.maximum(batch.prev_index, 0)],
+                    batch.input_ids)
+    last_page = meta.page_indices.shape[1] - 1
+
+    def round_(j, carry):
+        kv, ids, out = carry
+        pos = batch.positions + j
+        page = jnp.take_along_axis(meta.page_indices[seq],
+                                   jnp.minimum(pos // page_size, last_page)[:, None], 1)[:, 0]
+        writes = real & (j < limits[seq])
+        attn = dataclasses.replace(
+            meta, slot_mapping=jnp.where(writes, page * page_size + pos % page_size, drop_slot),
+            kv_lens=jnp.where(meta.kv_lens > 0, meta.kv_lens + j, 0))
+        hidden, kv = model(ids, pos, kv, attn)
+        logits = model.logits(sampled_rows(hidden, batch.sample_index, d),
+                              rows=batch.num_rows[0] if d == 1 else None)
+        guesses = first_argmax(logits)
+        return kv, guesses[seq], out.at[j].set(guesses)
+
+    kv, _, out = jax.lax.fori_loop(0, rounds, round_,
+                                   (kv_caches, ids, jnp.zeros((rounds, s), jnp.int32)))
+    return kv, out
 
 
 class DraftModel(Proposer):
     """A proposer that runs a model of its own (engine/speculation.py uses it)."""
 
-    def __init__(self, runner: ModelRunner, max_num_batched_tokens: int):
+    def __init__(self, runner: ModelRunner, max_num_batched_tokens: int, k: int):
         assert runner.builder.draft_model
         self.runner = runner
         self.builder: BatchBuilder = runner.builder
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.k = k
+        builder = self.builder
+        treedef = jax.tree.structure(runner.params)
+        replicated = runner.shard.sharding(())
+        caches = jax.tree.map(lambda x: x.sharding, runner.kv_caches)
+        self._chain = jax.jit(
+            lambda leaves, *args: functools.partial(
+                chain, rounds=max(k - 1, 1), page_size=builder.page_size,
+                drop_slot=builder.num_pages * builder.page_size)(
+                    runner.graphdef, jax.tree.unflatten(treedef, leaves), *args),
+            donate_argnums=(1,),
+            in_shardings=([x.sharding for x in jax.tree.leaves(runner.params)], caches,
+                          replicated, replicated, replicated),
+            out_shardings=(caches, replicated))
+        self._chains: set[BucketKey] = set()  # compiled
+
+    def chain_buckets(self) -> list[BucketKey]:
+        """The buckets rounds 2..k can use: one token per drafting sequence."""
+        seqs = self.builder.max_num_seqs
+        return [b for b in self.builder.all_buckets()
+                if not b.history and b.tokens <= self.builder.bucket(seqs, False).tokens]
+
+    def warmup(self) -> None:
+        """Compile the chain for every bucket it can use (its rounds write nothing)."""
+        for key in self.chain_buckets():
+            self._run_chain(self.builder.empty(key), key, np.zeros(key.seqs, np.int32))
+        self._chains.update(self.chain_buckets())
 
     def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler
                       ) -> list[list[int]]:
@@ -62,26 +136,37 @@ class DraftModel(Proposer):
             seq.draft_computed_tokens = start + n
         if not first:
             return drafts
-        rounds = [(first, self._dispatch([s for _, s in first], {}))]
-        for j in range(1, max(want)):  # rounds 2..k: each feeds the guess before
-            before = {s.seq: s.row for _, s in rounds[-1][0]}
-            more = [(i, ScheduledSeq(entries[i][0], entries[i][0].num_tokens + j - 1, 1,
-                                     drafts=[PLACEHOLDER]))
-                    for i in range(len(entries)) if want[i] > j]
-            rounds.append((more, self._dispatch([s for _, s in more], before)))
-            for _, sched in more:
-                sched.seq.draft_computed_tokens = sched.start + 1
-        for scheduled, tokens in rounds:
-            tokens = np.asarray(tokens.addressable_data(0))
-            for i, sched in scheduled:
-                if want[i]:
-                    drafts[i].append(int(tokens[sched.row]))
+        out = SchedulerOutput([s for _, s in first], [], sum(s.num_new_tokens for _, s in first))
+        batch, key = self.builder.build(out)
+        guesses = self.runner.dispatch(batch, key).token_ids
+        rows = {s.seq: s.row for _, s in first}
+        more = [(i, ScheduledSeq(entries[i][0], entries[i][0].num_tokens, 1,
+                                 drafts=[PLACEHOLDER])) for i in range(len(entries)) if want[i] > 1]
+        chained = None
+        if more:  # rounds 2..k, each sequence writing only as many as it takes drafts
+            out = SchedulerOutput([s for _, s in more], [], len(more))
+            batch, key = self.builder.build(out, rows)
+            limits = np.zeros(key.seqs, np.int32)
+            for i, sched in more:
+                limits[sched.row] = want[i] - 1
+                sched.seq.draft_computed_tokens = sched.start + want[i] - 1
+            chained = self._run_chain(batch, key, limits)
+        guesses = np.asarray(guesses.addressable_data(0))
+        for i, sched in first:
+            if want[i]:
+                drafts[i].append(int(guesses[sched.row]))
+        if chained is not None:
+            chained = np.asarray(chained.addressable_data(0))
+            for i, sched in more:
+                drafts[i] += chained[:want[i] - 1, sched.row].tolist()
         return drafts
 
-    def _dispatch(self, scheduled: list[ScheduledSeq], pending_rows: dict[Sequence, int]
-                  ) -> jax.Array:
-        """Start one step of the draft over `scheduled`; its greedy tokens (on the device)
-        are the guesses after each chunk (at each one's row)."""
-        out = SchedulerOutput(scheduled, [], sum(s.num_new_tokens for s in scheduled))
-        batch, key = self.builder.build(out, pending_rows)
-        return self.runner.dispatch(batch, key).token_ids
+    def _run_chain(self, batch: StepBatch, key: BucketKey, limits: np.ndarray) -> jax.Array:
+        runner = self.runner
+        if self._chains and key not in self._chains:  # warmed up, yet a new shape
+            runner.compiles_after_warmup += 1
+            self._chains.add(key)
+        inputs = dataclasses.replace(batch, sampling=None, history=None)
+        runner.kv_caches, out = self._chain(runner._param_leaves, runner.kv_caches, inputs,
+                                            runner.sampled, limits)
+        return out

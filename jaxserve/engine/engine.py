@@ -135,7 +135,8 @@ class Engine:
                                                 draft_model=True)
             self.draft = DraftModel(ModelRunner(draft_graphdef, draft_params, draft_shard,
                                                 draft_builder, draft_cfg, kv_dtype),
-                                    config.max_num_batched_tokens)
+                                    config.max_num_batched_tokens,
+                                    config.speculative_config.num_speculative_tokens)
         if config.speculative_config is not None:
             self.speculator = Speculator(config.speculative_config,
                                          MedusaProposer() if medusa is not None else self.draft)
@@ -326,6 +327,7 @@ class Engine:
         self.runner.warmup(progress)
         if self.draft is not None:
             self.draft.runner.warmup(progress)
+            self.draft.warmup()
 
     def step(self) -> list[StepOutput]:
         """Run one batch; return the requests that produced tokens or finished.

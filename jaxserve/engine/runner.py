@@ -168,6 +168,7 @@ class ModelRunner:
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, shard: ShardingContext,
                  builder: BatchBuilder, cfg: ModelConfig, kv_dtype, broadcaster=None,
                  medusa: MedusaHeads | None = None):
+        self.graphdef = graphdef
         self.params = params
         self._param_leaves = jax.tree.leaves(params)
         self.shard = shard
