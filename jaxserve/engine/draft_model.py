@@ -85,16 +85,14 @@ class DraftModel(Proposer):
         self.runner = runner
         self.builder: BatchBuilder = runner.builder
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.k = k
-        builder = self.builder
+        rounds = functools.partial(chain, rounds=max(k - 1, 1), page_size=self.builder.page_size,
+                                   drop_slot=self.builder.num_pages * self.builder.page_size)
         treedef = jax.tree.structure(runner.params)
         replicated = runner.shard.sharding(())
         caches = jax.tree.map(lambda x: x.sharding, runner.kv_caches)
         self._chain = jax.jit(
-            lambda leaves, *args: functools.partial(
-                chain, rounds=max(k - 1, 1), page_size=builder.page_size,
-                drop_slot=builder.num_pages * builder.page_size)(
-                    runner.graphdef, jax.tree.unflatten(treedef, leaves), *args),
+            lambda leaves, *args: rounds(runner.graphdef, jax.tree.unflatten(treedef, leaves),
+                                         *args),
             donate_argnums=(1,),
             in_shardings=([x.sharding for x in jax.tree.leaves(runner.params)], caches,
                           replicated, replicated, replicated),
