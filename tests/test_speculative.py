@@ -5,6 +5,7 @@ model's distribution (transformers' probabilities, a chi-square test)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -142,6 +143,25 @@ def test_seeded_sampling_gives_the_tokens_without_speculation(base, spec, prompt
             assert x.keys() == y.keys()
             np.testing.assert_allclose([v.logprob for v in x.values()],
                                        [v.logprob for v in y.values()], rtol=1e-5, atol=1e-5)
+    assert 0 < stats.num_accepted < stats.num_proposed
+    check_clean(spec)
+
+
+def test_a_grammar_request_beside_speculating_ones(base, spec, want, prompts):
+    """A regex-constrained request in the batch (sampled apart, its mask on its row of a
+    verifying step's rows) gets the text it gets without speculation; the others speculate
+    and keep their tokens."""
+    from jaxserve.sampling_params import StructuredOutputsParams
+
+    shaped = SamplingParams(temperature=0.0, max_tokens=12,
+                            structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3}-[0-9]{2}"))
+    params = [shaped, GREEDY, GREEDY, GREEDY]
+    expected = base.generate(prompts, params)
+    stats = speculating(spec, OracleProposer(list(zip(prompts, want)), VOCAB, spoil=3))
+    got = spec.generate(prompts, params)
+    assert got[0].outputs[0].text == expected[0].outputs[0].text
+    assert re.fullmatch(r"[a-z]{3}-[0-9]{2}", got[0].outputs[0].text)
+    assert tokens(got)[1:] == want[1:]
     assert 0 < stats.num_accepted < stats.num_proposed
     check_clean(spec)
 
