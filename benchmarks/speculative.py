@@ -26,7 +26,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import random
 import sys
 import sysconfig
@@ -38,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 import jax  # noqa: E402
 
+from http_vs_grpc import cpu_name  # noqa: E402
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.demo import CHARS, SPECIALS, cache_root, write_char_tokenizer  # noqa: E402
 
@@ -50,16 +50,6 @@ TARGET = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
               num_attention_heads=6, num_key_value_heads=2)
 DRAFT = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=1,
              num_attention_heads=4, num_key_value_heads=2)
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 # ------------------------------------------------------------------- the text

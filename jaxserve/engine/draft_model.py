@@ -33,7 +33,7 @@ from flax import nnx
 from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.proposers import Proposer
 from jaxserve.engine.request import PLACEHOLDER, Sequence
-from jaxserve.engine.runner import ModelRunner, sampled_rows
+from jaxserve.engine.runner import ModelRunner, on_param_leaves, sampled_rows
 from jaxserve.engine.sampler import first_argmax
 from jaxserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxserve.models.parallel import real_token_mask
@@ -87,13 +87,10 @@ class DraftModel(Proposer):
         self.max_num_batched_tokens = max_num_batched_tokens
         rounds = functools.partial(chain, rounds=max(k - 1, 1), page_size=self.builder.page_size,
                                    drop_slot=self.builder.num_pages * self.builder.page_size)
-        treedef = jax.tree.structure(runner.params)
         replicated = runner.shard.sharding(())
         caches = jax.tree.map(lambda x: x.sharding, runner.kv_caches)
         self._chain = jax.jit(
-            lambda leaves, *args: rounds(runner.graphdef, jax.tree.unflatten(treedef, leaves),
-                                         *args),
-            donate_argnums=(1,),
+            on_param_leaves(runner.graphdef, runner.params, rounds), donate_argnums=(1,),
             in_shardings=([x.sharding for x in jax.tree.leaves(runner.params)], caches,
                           replicated, replicated, replicated),
             out_shardings=(caches, replicated))

@@ -97,26 +97,28 @@ class StepPrograms(NamedTuple):
     sample: Callable
 
 
+def on_param_leaves(graphdef: nnx.GraphDef, params, fn: Callable) -> Callable:
+    """`fn(graphdef, params, *args)` as a function of the parameters' flat list of leaves
+    (`jax.tree.leaves(params)`; `params` may be abstract): flattening an nnx.State on every
+    call costs the host ~1 µs per parameter."""
+    treedef = jax.tree.structure(params)
+    return lambda leaves, *args: fn(graphdef, jax.tree.unflatten(treedef, leaves), *args)
+
+
 def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings,
                  shard: ShardingContext) -> StepPrograms:
     """The programs, jitted with fixed layouts in and out (params and KV cache as given,
     logits as the model leaves them, batch and samples replicated), so the donated cache
     and params never reshard. They take the parameters as their flat list of leaves
-    (`jax.tree.leaves(params)`; `params` may be abstract): flattening an nnx.State on every
-    call costs the host ~1 µs per parameter."""
-    treedef = jax.tree.structure(params)
+    (`on_param_leaves`)."""
     param_shardings = [x.sharding for x in jax.tree.leaves(params)]
     replicated = shard.sharding(())
     logits_sharding = shard.sharding(("seqs", "vocab"))
-
-    def run(fn):
-        return lambda leaves, *args: fn(graphdef, jax.tree.unflatten(treedef, leaves), *args)
-
     inputs = (param_shardings, cache_shardings, replicated, replicated, replicated, replicated)
     return StepPrograms(
-        forward=jax.jit(run(forward), donate_argnums=(1,), in_shardings=inputs,
-                        out_shardings=(cache_shardings, logits_sharding, replicated,
-                                       replicated)),
+        forward=jax.jit(on_param_leaves(graphdef, params, forward), donate_argnums=(1,),
+                        in_shardings=inputs,
+                        out_shardings=(cache_shardings, logits_sharding, replicated, replicated)),
         sample=jax.jit(sample_step, in_shardings=(logits_sharding, replicated, replicated,
                                                   replicated, replicated),
                        out_shardings=(replicated, replicated)))
