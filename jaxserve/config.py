@@ -24,7 +24,7 @@ DTYPES = ("bfloat16", "float32")
 KV_CACHE_DTYPES = {"auto": None, "int8": "int8", "fp8": "float8_e4m3fn"}
 KERNEL_IMPLS = ("reference", "tpu", "gpu", "cpu")
 QUANTIZATIONS = ("int8", "int4", "fp8")
-SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +38,8 @@ class SpeculativeConfig:
     greedy next `num_speculative_tokens` tokens (the method when only `model` is given).
     "medusa": `model`, a directory of Medusa heads (config.json and medusa_lm_head.*),
     guesses with its first `num_speculative_tokens` heads from the target's hidden state.
+    "eagle" / "eagle3": `model`, an EAGLE-1 / EAGLE-3 head (config.json and weights),
+    guesses `num_speculative_tokens` tokens greedily from the target's features.
     The step verifies the drafts as extra query tokens (engine/speculation.py).
     Speculation stops while more than `disable_by_batch_size` sequences run (None: never):
     a batch that large is compute-bound, and guessed tokens only add work.
@@ -56,9 +58,10 @@ class SpeculativeConfig:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config: method must be one of "
                              f"{SPECULATIVE_METHODS}, got {self.method!r}")
-        if self.method in ("draft_model", "medusa") and not self.model:
+        if self.method != "ngram" and not self.model:
             raise ValueError(f"speculative_config: method {self.method!r} needs model, the "
-                             "directory of the draft checkpoint or the Medusa heads")
+                             "directory of the draft checkpoint, the Medusa heads or the "
+                             "EAGLE head")
         if self.method == "ngram" and self.model is not None:
             raise ValueError(f"speculative_config: method {self.method!r} takes no model")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):

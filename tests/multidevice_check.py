@@ -108,9 +108,10 @@ def main(model_dir: str, out_path: str, moe_dir: str | None = None) -> None:
     # verified in the sharded step, under TP, DP+TP and TP with int8 weights; and the
     # target drafting for itself (a draft model sharded as the target).
     medusa_dir = repeat_token_medusa_heads(model_dir)
+    eagle_dir = repeat_token_eagle_head(model_dir)
     for mesh, strategy, extra, suffix in SPEC_RUNS:
-        method = suffix.split()[-1] if suffix.endswith(("draft", "medusa")) else "ngram"
-        model = {"draft": model_dir, "medusa": medusa_dir}.get(method)
+        method = suffix.split()[-1] if suffix.endswith(("draft", "medusa", "eagle")) else "ngram"
+        model = {"draft": model_dir, "medusa": medusa_dir, "eagle": eagle_dir}.get(method)
         llm = LLM(model_dir, mesh=mesh, sharding=strategy, **ENGINE, **extra,
                   speculative_config={"num_speculative_tokens": 3, "disable_by_batch_size": None,
                                       "model": model, "method": method.replace("draft",
@@ -157,7 +158,8 @@ def main(model_dir: str, out_path: str, moe_dir: str | None = None) -> None:
 SPEC_RUNS = [({"model": 2}, "tp", {}, ""), ({"data": 2, "model": 2}, "dp+tp", {}, ""),
              ({"model": 2}, "tp", {"quantization": "int8"}, " int8"),
              ({"model": 2}, "tp", {}, " draft"), ({"data": 2, "model": 2}, "dp+tp", {}, " draft"),
-             ({"model": 2}, "tp", {}, " medusa")]
+             ({"model": 2}, "tp", {}, " medusa"), ({"model": 2}, "tp", {}, " eagle"),
+             ({"data": 2, "model": 2}, "dp+tp", {}, " eagle")]
 
 
 def repeat_token_medusa_heads(model_dir: str) -> str:
@@ -175,6 +177,33 @@ def repeat_token_medusa_heads(model_dir: str) -> str:
                     f"{h}.0.linear.bias": np.zeros(d, np.float32), f"{h}.1.weight": lm_head}
     save_file(tensors, str(out / "medusa_lm_head.safetensors"))
     (out / "config.json").write_text(json.dumps({"medusa_num_heads": 3, "medusa_num_layers": 1}))
+    return str(out)
+
+
+def repeat_token_eagle_head(model_dir: str) -> str:
+    """An EAGLE-1 head (published layout) that guesses the token just sampled again: fc
+    passes the target's final hidden state through, the layer adds zeros (its o_proj and
+    down_proj), and the target's LM head reads it."""
+    from safetensors.numpy import save_file
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    h, d = config["hidden_size"], config["hidden_size"] // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * d
+    rng = np.random.default_rng(0)
+    tensors = {"fc.weight": np.concatenate([np.zeros((h, h)), np.eye(h)], 1).astype(np.float32),
+               "layers.0.post_attention_layernorm.weight": np.ones(h, np.float32),
+               "layers.0.self_attn.o_proj.weight": np.zeros((h, h), np.float32),
+               "layers.0.mlp.down_proj.weight": np.zeros((h, config["intermediate_size"]),
+                                                         np.float32)}
+    for name, shape in (("self_attn.q_proj", (h, h)), ("self_attn.k_proj", (kv, h)),
+                        ("self_attn.v_proj", (kv, h)),
+                        ("mlp.gate_proj", (config["intermediate_size"], h)),
+                        ("mlp.up_proj", (config["intermediate_size"], h))):
+        tensors[f"layers.0.{name}.weight"] = rng.normal(0, 0.1, shape).astype(np.float32)
+    out = Path(tempfile.mkdtemp()) / "eagle"
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
     return str(out)
 
 # (mesh, strategy, extra engine settings, name suffix); int4 experts (and attention, and the

@@ -69,6 +69,17 @@ def test_medusa_heads_under_tensor_parallelism(runs):
     assert result["leaked_pages"] == 0 and result["compiles_after_warmup"] == 0
 
 
+@pytest.mark.parametrize("run", ['{"model": 2} tp eagle', '{"data": 2, "model": 2} dp+tp eagle'])
+def test_an_eagle_head_under_tensor_and_data_parallelism(runs, run):
+    """An EAGLE-1 head that reads the target's features straight through (it guesses the
+    token just sampled again) on a sharded target, the features split over data shards:
+    the one-device tokens, with drafts accepted where the output repeats."""
+    result = runs["speculative " + run]
+    assert result["tokens"] == runs["null"]["tokens"]
+    assert 0 < result["accepted"] < result["proposed"]
+    assert result["leaked_pages"] == 0 and result["compiles_after_warmup"] == 0
+
+
 @pytest.mark.parametrize("run", ['{"model": 2} tp draft', '{"data": 2, "model": 2} dp+tp draft'])
 def test_a_sharded_draft_model_equal_to_the_target_accepts_every_token(runs, run):
     result = runs["speculative " + run]

@@ -504,13 +504,14 @@ def test_a_wrong_acceptance_rule_fails_the_distribution_test(spec, target, monke
 # ---------------------------------------------------------------- configuration
 
 @pytest.mark.parametrize("bad, message", [
-    ({"method": "eagle"}, "method must be one of"),
+    ({"method": "eagle2"}, "method must be one of"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer"),
     ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "exceeds prompt_lookup_max"),
     ({"disable_by_batch_size": 0}, "disable_by_batch_size must be"),
     ({"method": "ngram", "model": "/some/draft"}, "takes no model"),
     ({"method": "draft_model"}, "needs model"),
     ({"method": "medusa"}, "needs model"),
+    ({"method": "eagle3"}, "needs model"),
     ({"num_speculative_tokens": 2, "typo": 1}, "unknown keys ['typo']"),
 ])
 def test_bad_speculative_config_says_what_to_fix(bad, message):

@@ -66,7 +66,7 @@ def chain(graphdef: nnx.GraphDef, params: nnx.State, kv_caches, batch: StepBatch
         attn = dataclasses.replace(
             meta, slot_mapping=jnp.where(writes, page * page_size + pos % page_size, drop_slot),
             kv_lens=jnp.where(meta.kv_lens > 0, meta.kv_lens + j, 0))
-        hidden, kv = model(ids, pos, kv, attn)
+        hidden, kv, _ = model(ids, pos, kv, attn)
         logits = model.logits(sampled_rows(hidden, batch.sample_index, d),
                               rows=batch.num_rows[0] if d == 1 else None)
         guesses = first_argmax(logits)
@@ -102,11 +102,16 @@ class DraftModel(Proposer):
         return [b for b in self.builder.all_buckets()
                 if not b.history and b.tokens <= self.builder.bucket(seqs, False).tokens]
 
-    def warmup(self) -> None:
-        """Compile the chain for every bucket it can use (its rounds write nothing)."""
+    def warmup(self, progress: bool = True) -> None:
+        """Compile the draft's step programs, and the chain for every bucket it can use
+        (its rounds write nothing)."""
+        self.runner.warmup(progress)
         for key in self.chain_buckets():
             self._run_chain(self.builder.empty(key), key, np.zeros(key.seqs, np.int32))
         self._chains.update(self.chain_buckets())
+
+    def recover(self) -> None:
+        self.runner.recover()
 
     def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler
                       ) -> list[list[int]]:

@@ -22,15 +22,18 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import compile_cache
 from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.draft_model import DraftModel
+from jaxserve.engine.eagle import EagleProposer
 from jaxserve.engine.output_text import OutputText
 from jaxserve.engine.proposers import MedusaProposer
 from jaxserve.engine.request import PLACEHOLDER, Request, Sequence
-from jaxserve.engine.runner import ModelRunner, fetch, kv_page_bytes, pages_per_seq, pool_size
+from jaxserve.engine.runner import (
+    ModelRunner, abstract_kv_cache, fetch, kv_page_bytes, pages_per_seq, pool_size)
 from jaxserve.engine.sampler import SampleOutput
 from jaxserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from jaxserve.engine.speculation import Speculator, accepted_length
 from jaxserve.engine.structured_output import GrammarCompiler, MaskFiller
 from jaxserve.loading import converted
+from jaxserve.loading.eagle import EagleCheckpoint, load_eagle, read_eagle
 from jaxserve.loading.medusa import load_medusa
 from jaxserve.loading.safetensors import load_checkpoint, random_params
 from jaxserve.loading.tokenizer import Tokenizer
@@ -83,7 +86,8 @@ class Engine:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, graphdef, params,
                  tokenizer: Tokenizer | None, shard: ShardingContext, broadcaster=None,
                  draft: tuple[ModelConfig, ShardingContext, object, object] | None = None,
-                 medusa: MedusaHeads | None = None):
+                 medusa: MedusaHeads | None = None,
+                 eagle: tuple[EagleCheckpoint, ShardingContext, object, object] | None = None):
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -102,6 +106,10 @@ class Engine:
         page_bytes = kv_page_bytes(model_config, config.page_size, kv_dtype, shard)
         if draft is not None:
             page_bytes += kv_page_bytes(draft[0], config.page_size, kv_dtype, draft[1])
+        if eagle is not None:  # its layer's K/V, and the target's features it reads
+            page_bytes += kv_page_bytes(eagle[0].cfg, config.page_size, kv_dtype, eagle[1])
+            page_bytes += (config.page_size * len(eagle[0].features_from)
+                           * model_config.hidden_size * jnp.dtype(config.dtype).itemsize)
         num_pages = config.num_pages // shards if config.num_pages else pool_size(
             page_bytes, per_seq * config.max_num_seqs // shards, config.kv_cache_memory_gib,
             config.memory_utilization, shard.mesh.local_devices[0])
@@ -128,21 +136,31 @@ class Engine:
             vocab_size=model_config.vocab_size, data_shards=shards,
             num_speculative_tokens=(config.speculative_config.num_speculative_tokens
                                     if config.speculative_config else 0))
-        self.speculator = self.draft = None
-        if draft is not None:  # the draft model: a runner of its own, the same pages
-            draft_cfg, draft_shard, draft_graphdef, draft_params = draft
-            draft_builder = dataclasses.replace(self.builder, num_speculative_tokens=0,
-                                                draft_model=True)
-            self.draft = DraftModel(ModelRunner(draft_graphdef, draft_params, draft_shard,
-                                                draft_builder, draft_cfg, kv_dtype),
-                                    config.max_num_batched_tokens,
-                                    config.speculative_config.num_speculative_tokens)
-        if config.speculative_config is not None:
-            self.speculator = Speculator(config.speculative_config,
-                                         MedusaProposer() if medusa is not None else self.draft)
         # Multi-host, process 0: a broadcast.StepBroadcaster sends every step to the others.
         self.runner = ModelRunner(graphdef, params, shard, self.builder, model_config, kv_dtype,
-                                  broadcaster, medusa)
+                                  broadcaster, medusa,
+                                  eagle[0].features_from if eagle is not None else ())
+        self.speculator = None
+        spec = config.speculative_config
+        if spec is not None:
+            proposer = None  # n-gram's
+            if draft is not None:  # the draft model: a runner of its own, the same pages
+                draft_cfg, draft_shard, draft_graphdef, draft_params = draft
+                draft_builder = dataclasses.replace(self.builder, num_speculative_tokens=0,
+                                                    draft_model=True)
+                proposer = DraftModel(ModelRunner(draft_graphdef, draft_params, draft_shard,
+                                                  draft_builder, draft_cfg, kv_dtype),
+                                      config.max_num_batched_tokens, spec.num_speculative_tokens)
+            elif medusa is not None:
+                proposer = MedusaProposer()
+            elif eagle is not None:  # its layer's cache: the target's pages, as a draft's
+                ckpt, eagle_shard, eagle_graphdef, eagle_params = eagle
+                layer = abstract_kv_cache(ckpt.cfg, self.num_pages, config.page_size, kv_dtype,
+                                          eagle_shard)[0]
+                proposer = EagleProposer(eagle_graphdef, eagle_params, eagle_shard, layer,
+                                         self.runner, config.max_num_batched_tokens,
+                                         spec.num_speculative_tokens)
+            self.speculator = Speculator(spec, proposer)
         self._requests: dict[str, Request] = {}
         self.grammars = (GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_token_ids)
                          if tokenizer is not None else None)
@@ -189,15 +207,23 @@ class Engine:
         else:
             graphdef, params = load_checkpoint(model_dir, model_config, dtype, shard, options)
         tokenizer = Tokenizer.from_pretrained(model_dir)
-        draft = medusa = None
+        draft = medusa = eagle = None
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model":
             draft = cls._load_draft(spec.model, model_config, mesh, config, dtype, options,
                                     broadcaster)
         if spec is not None and spec.method == "medusa":
             medusa = cls._load_medusa(spec, model_config, dtype, shard)
+        if spec is not None and spec.method in ("eagle", "eagle3"):
+            if broadcaster is not None:
+                raise ValueError("speculative_config: EAGLE on several hosts is not "
+                                 "supported; use method 'ngram' there")
+            ckpt = read_eagle(spec.model, 3 if spec.method == "eagle3" else 1, model_config)
+            eagle_shard = model_sharding(mesh, config.sharding, ckpt.cfg)
+            eagle = (ckpt, eagle_shard,
+                     *load_eagle(ckpt, model_config, dtype, eagle_shard, options))
         return cls(config, model_config, graphdef, params, tokenizer, shard, broadcaster, draft,
-                   medusa)
+                   medusa, eagle)
 
     @staticmethod
     def _load_medusa(spec, target: ModelConfig, dtype, shard: ShardingContext) -> MedusaHeads:
@@ -325,9 +351,8 @@ class Engine:
 
     def warmup(self, progress: bool = True) -> None:
         self.runner.warmup(progress)
-        if self.draft is not None:
-            self.draft.runner.warmup(progress)
-            self.draft.warmup()
+        if self.speculator is not None:
+            self.speculator.proposer.warmup(progress)
 
     def step(self) -> list[StepOutput]:
         """Run one batch; return the requests that produced tokens or finished.
@@ -395,8 +420,8 @@ class Engine:
                     seq.request_id, [], "", None, True, "error",
                     num_prompt_tokens=seq.num_prompt_tokens,
                     num_cached_tokens=seq.num_cached_tokens, error=message))
-        if self.draft is not None:
-            self.draft.runner.recover()
+        if self.speculator is not None:
+            self.speculator.proposer.recover()
         if self.runner.recover():
             for allocator in self.scheduler.allocators:
                 allocator.reset_prefix_cache()

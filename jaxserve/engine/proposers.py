@@ -15,6 +15,12 @@ from jaxserve.engine.scheduler import Scheduler
 class Proposer(abc.ABC):
     """Guesses the next tokens of the sequences about to step."""
 
+    def warmup(self, progress: bool = True) -> None:
+        """Compile whatever programs it runs (a proposer with a model of its own)."""
+
+    def recover(self) -> None:
+        """After a failed step: remake any device state of its own the step consumed."""
+
     @abc.abstractmethod
     def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler
                       ) -> list[list[int]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from typing import Callable, NamedTuple
@@ -26,12 +27,15 @@ from sharding.rules import ShardingContext
 log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_GIB = 1.0
+FEATURE_AXES = ("pages", None)  # an EAGLE feature cache [slots, F]: split as the pages are
 
 
 def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch: StepBatch,
             prev_tokens: jax.Array, expert_load: jax.Array | None,
-            medusa: MedusaHeads | None = None
-            ) -> tuple[KVCache, jax.Array, jax.Array | None, jax.Array | None]:
+            medusa: MedusaHeads | None = None, features: jax.Array | None = None, *,
+            features_from: tuple[int, ...] = ()
+            ) -> tuple[KVCache, jax.Array, jax.Array | None, jax.Array | None,
+                       jax.Array | None]:
     """One forward pass over a ragged batch: float32 logits `[R, vocab]` at the tokens the
     batch samples (`batch.sample_index`: each sequence's last token, and the tokens
     before it that verify drafts).
@@ -41,14 +45,17 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
     schedule this step before it has seen them. `expert_load` (`[sparse layers,
     num_experts]`, None for a dense model) counts the real tokens each expert has taken
     since start; returned with this step's added. `medusa`: Medusa heads, whose guesses
-    `[R, heads]` at the sampled rows come back last when `batch.propose` (zeros when not;
-    None without heads).
+    `[R, heads]` at the sampled rows come back fourth when `batch.propose` (zeros when
+    not; None without heads). `features`: an EAGLE head's feature cache (`[slots, F]`, see
+    `write_features`), returned with every real token's features (the layers
+    `features_from`, Transformer.__call__) written at its KV slot; None without a head.
     """
     model = nnx.merge(graphdef, params)
     input_ids = jnp.where(batch.prev_index >= 0,
                           prev_tokens[jnp.maximum(batch.prev_index, 0)], batch.input_ids)
-    (hidden, kv_caches), sown = nnx.capture(model, nnx.Intermediate)(
-        input_ids, batch.positions, kv_caches, batch.attn, expert_load is not None)
+    (hidden, kv_caches, new_features), sown = nnx.capture(model, nnx.Intermediate)(
+        input_ids, batch.positions, kv_caches, batch.attn, expert_load is not None,
+        features_from)
     if expert_load is not None:  # MoE layers' counts, in layer order
         sown = sorted(nnx.to_flat_state(sown), key=lambda kv: kv[0])
         counts = [v.get_value()[0] for _, v in sown]
@@ -61,7 +68,25 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
         guesses = jax.lax.cond(
             batch.propose, lambda: medusa_tokens(model.final_norm(rows), medusa),
             lambda: jnp.zeros((rows.shape[0], medusa.lm_heads.shape[0]), jnp.int32))
-    return kv_caches, logits, expert_load, guesses
+    if features is not None:
+        features = write_features(features, new_features, batch.attn.slot_mapping, data_shards)
+    return kv_caches, logits, expert_load, guesses, features
+
+
+def global_slots(slots: jax.Array, num_slots: int, data_shards: int) -> jax.Array:
+    """Each token's KV slot (within its data shard's pool of `num_slots`) as an index into
+    all shards' slots together; padding tokens' (out of their pool) are out of range."""
+    shard = jnp.arange(slots.shape[0]) // (slots.shape[0] // data_shards)
+    return jnp.where(slots < num_slots, shard * num_slots + slots, data_shards * num_slots)
+
+
+def write_features(cache: jax.Array, features: jax.Array, slots: jax.Array,
+                   data_shards: int) -> jax.Array:
+    """The feature cache `[D x slots, F]` (one row per KV slot of every data shard's pool,
+    sharded as the pages are) with `features` `[T, F]` written at the tokens' slots;
+    padding tokens write nothing."""
+    index = global_slots(slots, cache.shape[0] // data_shards, data_shards)
+    return cache.at[index].set(features.astype(cache.dtype), mode="drop")
 
 
 def sample_step(logits: jax.Array, sampling: SamplingArrays, history: TokenHistory | None,
@@ -105,20 +130,24 @@ def on_param_leaves(graphdef: nnx.GraphDef, params, fn: Callable) -> Callable:
     return lambda leaves, *args: fn(graphdef, jax.tree.unflatten(treedef, leaves), *args)
 
 
-def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings,
-                 shard: ShardingContext) -> StepPrograms:
+def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: ShardingContext,
+                 features_from: tuple[int, ...] = ()) -> StepPrograms:
     """The programs, jitted with fixed layouts in and out (params and KV cache as given,
-    logits as the model leaves them, batch and samples replicated), so the donated cache
-    and params never reshard. They take the parameters as their flat list of leaves
-    (`on_param_leaves`)."""
+    logits as the model leaves them, batch and samples replicated, an EAGLE feature cache
+    split as the pages are), so the donated caches and params never reshard. They take
+    the parameters as their flat list of leaves (`on_param_leaves`)."""
     param_shardings = [x.sharding for x in jax.tree.leaves(params)]
     replicated = shard.sharding(())
     logits_sharding = shard.sharding(("seqs", "vocab"))
-    inputs = (param_shardings, cache_shardings, replicated, replicated, replicated, replicated)
+    features = shard.sharding(FEATURE_AXES)
+    inputs = (param_shardings, cache_shardings, replicated, replicated, replicated, replicated,
+              features)
+    step = functools.partial(forward, features_from=features_from)
     return StepPrograms(
-        forward=jax.jit(on_param_leaves(graphdef, params, forward), donate_argnums=(1,),
+        forward=jax.jit(on_param_leaves(graphdef, params, step), donate_argnums=(1, 6),
                         in_shardings=inputs,
-                        out_shardings=(cache_shardings, logits_sharding, replicated, replicated)),
+                        out_shardings=(cache_shardings, logits_sharding, replicated, replicated,
+                                       features)),
         sample=jax.jit(sample_step, in_shardings=(logits_sharding, replicated, replicated,
                                                   replicated, replicated),
                        out_shardings=(replicated, replicated)))
@@ -169,7 +198,7 @@ class ModelRunner:
 
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, shard: ShardingContext,
                  builder: BatchBuilder, cfg: ModelConfig, kv_dtype, broadcaster=None,
-                 medusa: MedusaHeads | None = None):
+                 medusa: MedusaHeads | None = None, features_from: tuple[int, ...] = ()):
         self.graphdef = graphdef
         self.params = params
         self._param_leaves = jax.tree.leaves(params)
@@ -179,8 +208,20 @@ class ModelRunner:
                                      builder.page_size, kv_dtype, shard)
         self._abstract_kv = abstract
         self.kv_caches: KVCache = self._zero_kv_caches()
+        # An EAGLE head's inputs: the layers `features_from` (Transformer.__call__) of every
+        # token computed, at its KV slot (`write_features`); None without a head.
+        self.features_from = features_from
+        self.features: jax.Array | None = None
+        if features_from:
+            dtype = jax.tree.leaves(params)[0].dtype
+            self._abstract_features = jax.ShapeDtypeStruct(
+                (abstract[0][0].shape[1] * builder.page_size,
+                 len(features_from) * cfg.hidden_size), dtype,
+                sharding=shard.sharding(FEATURE_AXES))
+            self.features = self._zero(self._abstract_features)
         self._programs = jit_programs(graphdef, params,
-                                      jax.tree.map(lambda x: x.sharding, abstract), shard)
+                                      jax.tree.map(lambda x: x.sharding, abstract), shard,
+                                      features_from)
         # Programs compiled, by (program, shape): ("forward", T, S, R), ("sample", R, history).
         self._ready: set[tuple] = set()
         self.warmed_up = False
@@ -201,16 +242,20 @@ class ModelRunner:
         self.expert_load = (jax.device_put(np.zeros((layers, cfg.num_experts), np.int32),
                                            replicated) if layers else None)
 
+    @staticmethod
+    def _zero(x: jax.ShapeDtypeStruct) -> jax.Array:
+        return jax.jit(lambda: jnp.zeros(x.shape, x.dtype), out_shardings=x.sharding)()
+
     def _zero_kv_caches(self) -> KVCache:
-        zeros = lambda x: jax.jit(lambda: jnp.zeros(x.shape, x.dtype),  # noqa: E731
-                                  out_shardings=x.sharding)()
-        return [tuple(zeros(x) for x in layer) for layer in self._abstract_kv]
+        return [tuple(self._zero(x) for x in layer) for layer in self._abstract_kv]
 
     def recover(self) -> bool:
         """After a failed step: if it consumed the donated KV cache (or the last samples),
         make new ones. Returns whether the KV cache was lost (every page's content)."""
         self._logits = None
         lost = any(x.is_deleted() for layer in self.kv_caches for x in layer)
+        if self.features is not None and self.features.is_deleted():
+            self.features, lost = self._zero(self._abstract_features), True
         if lost:
             self.kv_caches = self._zero_kv_caches()
         if self.sampled.is_deleted():
@@ -292,9 +337,10 @@ class ModelRunner:
 
     def _forward(self, batch: StepBatch) -> None:
         inputs = dataclasses.replace(batch, sampling=None, history=None)
-        self.kv_caches, self._logits, self.expert_load, self.guesses = self._programs.forward(
+        (self.kv_caches, self._logits, self.expert_load, self.guesses,
+         self.features) = self._programs.forward(
             self._param_leaves, self.kv_caches, inputs, self.sampled, self.expert_load,
-            self.medusa)
+            self.medusa, self.features)
 
     def _sample(self, batch: StepBatch) -> SampleOutput:
         logits, self._logits = self._logits, None
@@ -321,8 +367,8 @@ class ModelRunner:
         is there), for reading its HLO (compiles it again)."""
         batch = dataclasses.replace(self.builder.empty(key), sampling=None, history=None)
         return self._programs.forward.lower(self._param_leaves, self.kv_caches, batch,
-                                            self.sampled, self.expert_load,
-                                            self.medusa).compile()
+                                            self.sampled, self.expert_load, self.medusa,
+                                            self.features).compile()
 
     @property
     def num_compiled(self) -> int:

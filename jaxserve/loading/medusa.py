@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxserve.loading.safetensors import read_tensors
+from jaxserve.loading.safetensors import read_tensors, read_torch_file
 
 
 @dataclasses.dataclass
@@ -69,10 +69,4 @@ def _read(path: Path) -> dict[str, np.ndarray]:
     if not file.exists():
         raise ValueError(f"speculative_config: {path} has neither medusa_lm_head.safetensors "
                          "nor medusa_lm_head.pt")
-    try:
-        import torch
-    except ImportError:
-        raise ValueError(f"speculative_config: {file} is a torch file and torch is not "
-                         "installed; convert it to medusa_lm_head.safetensors") from None
-    state = torch.load(file, map_location="cpu", weights_only=True)
-    return {name: t.float().numpy() for name, t in state.items()}
+    return read_torch_file(file, "speculative_config")

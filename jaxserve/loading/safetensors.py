@@ -65,6 +65,20 @@ def read_tensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
         yield name, data[begin:end].view(_SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
+def read_torch_file(path: Path, what: str) -> dict[str, np.ndarray]:
+    """The tensors of a torch file (`.bin`, `.pt`) as float32 or integer arrays, read only
+    through torch's `weights_only` loader (never plain pickle). `what` names the file's
+    role in the error when torch is missing."""
+    try:
+        import torch
+    except ImportError:
+        raise ValueError(f"{what}: {path} is a torch file and torch is not installed; "
+                         "convert it to safetensors") from None
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    return {name: (t.float() if t.is_floating_point() else t).numpy()
+            for name, t in state.items()}
+
+
 _KV_PARAMS = ("k_proj", "v_proj", "k_bias", "v_bias", "k_proj_scales", "v_proj_scales")
 
 
@@ -228,12 +242,12 @@ def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype, shard: Shard
                     f"tensor {name!r} has shape {tuple(tensor.shape)}; the config expects "
                     f"{tuple(var.shape)} after conversion"
                 )
-            loaded.update(_place(path, array, expected, shard, options.quantization))
+            loaded.update(place_weight(path, array, expected, shard, options.quantization))
     missing = sorted(".".join(map(str, p)) for p in expected if p not in loaded)
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks tensors for: {missing[:8]}"
                          + (" ..." if len(missing) > 8 else ""))
-    return graphdef, _fill(abstract, loaded)
+    return graphdef, fill_state(abstract, loaded)
 
 
 def random_params(cfg: ModelConfig, dtype, shard: ShardingContext, seed: int = 0,
@@ -256,19 +270,19 @@ def random_params(cfg: ModelConfig, dtype, shard: ShardingContext, seed: int = 0
         else:
             init = lambda k, s=var.shape, t=var.dtype: (0.02 * jax.random.normal(k, s)).astype(t)
         if _scales_path(path) in expected:
-            values.update(_place(path, init(jax.random.fold_in(key, i)), expected, shard,
+            values.update(place_weight(path, init(jax.random.fold_in(key, i)), expected, shard,
                                  options.quantization))
         else:
             sharding = shard.sharding(var.get_metadata()["logical_axes"])
             values[path] = jax.jit(init, out_shardings=sharding)(jax.random.fold_in(key, i))
-    return graphdef, _fill(abstract, values)
+    return graphdef, fill_state(abstract, values)
 
 
 def _scales_path(path: tuple) -> tuple:
     return path[:-1] + (f"{path[-1]}_scales",)
 
 
-def _place(path: tuple, array, expected: dict, shard: ShardingContext,
+def place_weight(path: tuple, array, expected: dict, shard: ShardingContext,
            quantization: str | None) -> dict[tuple, jax.Array]:
     """One weight onto its devices: as is, or quantized (from float32) into values and
     scales where the model holds that layer quantized."""
@@ -296,7 +310,7 @@ def _place(path: tuple, array, expected: dict, shard: ShardingContext,
     return {path: values, scales_path: scales}
 
 
-def _fill(abstract: nnx.State, values: dict[tuple, jax.Array]) -> nnx.State:
+def fill_state(abstract: nnx.State, values: dict[tuple, jax.Array]) -> nnx.State:
     flat = nnx.to_flat_state(abstract)
     for path, var in flat:
         var.set_value(values[path]) if hasattr(var, "set_value") else setattr(var, "value", values[path])

@@ -74,16 +74,17 @@ class Attention(nnx.Module):
     caches just its own head."""
 
     def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs | None,
-                 options: ModelOptions, kv_replicas: int = 1):
+                 options: ModelOptions, kv_replicas: int = 1, in_features: int | None = None):
         e, d, hq = cfg.hidden_size, cfg.head_dim, cfg.num_heads
         hkv = cfg.num_kv_heads * kv_replicas
         quant = options.quantization
+        x = in_features or e  # the input's width (an EAGLE-3 layer reads 2 x hidden)
         self.q_proj, self.q_proj_scales = linear(
-            rngs, (e,), (hq, d), ("embed",), ("q_heads", "head_dim"), dtype, quant)
+            rngs, (x,), (hq, d), ("embed",), ("q_heads", "head_dim"), dtype, quant)
         self.k_proj, self.k_proj_scales = linear(
-            rngs, (e,), (hkv, d), ("embed",), ("cache_heads", "head_dim"), dtype, quant)
+            rngs, (x,), (hkv, d), ("embed",), ("cache_heads", "head_dim"), dtype, quant)
         self.v_proj, self.v_proj_scales = linear(
-            rngs, (e,), (hkv, d), ("embed",), ("cache_heads", "head_dim"), dtype, quant)
+            rngs, (x,), (hkv, d), ("embed",), ("cache_heads", "head_dim"), dtype, quant)
         self.o_proj, self.o_proj_scales = linear(
             rngs, (hq, d), (e,), ("q_heads", "head_dim"), ("embed",), dtype, quant)
         if cfg.qkv_bias:
@@ -188,9 +189,13 @@ class Transformer(nnx.Module):
             self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: KVCache,
-                 meta: AttentionMetadata, router_stats: bool = False
-                 ) -> tuple[jax.Array, KVCache]:
-        """Hidden states `[T, hidden]` after the last block (before the final norm). With
+                 meta: AttentionMetadata, router_stats: bool = False,
+                 features_from: tuple[int, ...] = ()
+                 ) -> tuple[jax.Array, KVCache, jax.Array | None]:
+        """Hidden states `[T, hidden]` after the last block (before the final norm), the
+        new caches, and the features an EAGLE head reads (None when `features_from` is
+        empty): the residual stream entering each layer of `features_from`, side by side,
+        where index num_layers stands for the final hidden state after the last norm. With
         `router_stats` each MoE layer sows its `expert_tokens` (call it under
         `nnx.capture(model, nnx.Intermediate)`, as runner.forward does)."""
         shard = self.shard
@@ -199,11 +204,17 @@ class Transformer(nnx.Module):
             x = x * jnp.asarray(self.cfg.hidden_size**0.5, x.dtype)
         x = shard.constrain(x, RESIDUAL_AXES)
         rows = real_tokens(meta, shard)
-        new_caches = []
-        for block, kv in zip(self.layers, kv_caches):
+        new_caches, captured = [], {}
+        for i, (block, kv) in enumerate(zip(self.layers, kv_caches)):
+            if i in features_from:
+                captured[i] = x
             x, kv = block(x, positions, kv, meta, shard, rows, router_stats)
             new_caches.append(kv)
-        return x, new_caches
+        if self.cfg.num_layers in features_from:
+            captured[self.cfg.num_layers] = self.final_norm(x)
+        features = (jnp.concatenate([captured[i] for i in features_from], axis=-1)
+                    if features_from else None)
+        return x, new_caches, features
 
     def final_norm(self, hidden: jax.Array) -> jax.Array:
         """The last norm, which the LM head (and Medusa heads) read after."""
@@ -212,8 +223,12 @@ class Transformer(nnx.Module):
     def logits(self, hidden: jax.Array, rows: jax.Array | None = None) -> jax.Array:
         """float32 logits `[N, vocab]` for a few rows of hidden states (the native CPU
         matmul computes the first `rows` only: the real sequences)."""
+        return self.head_logits(self.final_norm(hidden), rows)
+
+    def head_logits(self, x: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+        """The LM head alone (no norm before it) on `[N, hidden]`: `logits` after the
+        final norm; an EAGLE-1 head's guesses straight from its output."""
         cfg = self.cfg
-        x = self.final_norm(hidden)
         tied = cfg.tie_word_embeddings
         impl = None if self.shard.mesh.size == 1 else "reference"  # XLA partitions the dot
         logits = lm_head(x, self.embed[...] if tied else self.lm_head[...], tied, self.options,

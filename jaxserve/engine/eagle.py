@@ -1,0 +1,185 @@
+"""The EAGLE proposer (EAGLE-1 and EAGLE-3 heads, models/eagle.py): a one-layer head over
+the target model's own features guesses each sequence's next k tokens, greedily.
+
+The target's step writes each token's features (the layers the head reads) into a cache
+of one row per KV slot (runner.write_features), so the features of every computed token
+sit where its K/V do: prefix-cache hits, chunked prefill and preemption need nothing of
+their own, and a rejected draft's row is overwritten as its K/V are. The head has its own
+one-layer KV cache of the target's page count, addressed by the target's page tables (as
+the draft model's, draft_model.py). Its position p holds the pair (token p + 1, the
+target's features at p); `Sequence.draft_computed_tokens` counts the pairs whose K/V are
+valid: those whose token and features are final, so at most num_tokens - 1 (the newest
+token has no features yet).
+
+One program per step (`draft`): round 1 feeds each sequence's new pairs (its whole prompt
+the first time, chunked by the token budget; then those of the tokens the last step
+accepted) and guesses from the last; rounds 2..k, a loop on the device, feed each
+sequence the round before's guess with the head's own output as its features, at the
+next position. Those rounds' K/V hold guessed features, so the next step's round 1
+recomputes those positions with the target's. One dispatch and one wait per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
+from jaxserve.engine.proposers import Proposer
+from jaxserve.engine.request import Sequence
+from jaxserve.engine.runner import ModelRunner, global_slots, sampled_rows
+from jaxserve.engine.sampler import first_argmax
+from jaxserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from jaxserve.models.eagle import EagleHead, embed
+from jaxserve.models.transformer import AttentionMetadata
+from sharding.rules import ShardingContext
+
+
+def draft(graphdef: nnx.GraphDef, params: nnx.State, target_graphdef: nnx.GraphDef,
+          target_params: nnx.State, kv: tuple, features: jax.Array, batch: StepBatch,
+          limits: jax.Array, *, rounds: int, page_size: int, drop_slot: int
+          ) -> tuple[tuple, jax.Array]:
+    """Round 1 over `batch` (each sequence's new pairs: its input ids are the tokens after
+    their positions, the features are read from the target's `features` at their slots),
+    then `rounds` more rounds of one token per sequence. Returns the cache and the guesses
+    `[rounds + 1, S]`; sequence i writes K/V in its first `limits[i]` extra rounds only
+    (the pages it holds)."""
+    head: EagleHead = nnx.merge(graphdef, params)
+    target = nnx.merge(target_graphdef, target_params)
+    meta = batch.attn
+    d, s = meta.num_seqs.shape[0], meta.kv_lens.shape[0]
+    single = d == 1
+    index = global_slots(meta.slot_mapping, features.shape[0] // d, d)
+    feats = features.at[index].get(mode="fill", fill_value=0)
+    hidden, kv = head(embed(target, batch.input_ids), feats, batch.positions, kv, meta,
+                      from_target=True)
+    hidden = sampled_rows(hidden, batch.sample_index, d)  # [S, H]: each sequence's last pair
+    rows = batch.num_rows[0] if single else None
+    ids = head.to_target(first_argmax(head.logits(hidden, target, rows)))
+    # Rounds 2..: token i is sequence i's, at the position after its last pair.
+    local = jnp.arange(s // d + 1)
+    cu = jnp.minimum(local[None, :], meta.num_seqs[:, None]).reshape(-1)
+    seq_real = (jnp.arange(s) % (s // d)) < jnp.repeat(meta.num_seqs, s // d)
+    last_page = meta.page_indices.shape[1] - 1
+
+    def round_(j, carry):
+        kv, ids, hidden, out = carry
+        pos = meta.kv_lens - 1 + j
+        page = jnp.take_along_axis(meta.page_indices,
+                                   jnp.minimum(pos // page_size, last_page)[:, None], 1)[:, 0]
+        writes = seq_real & (j <= limits)
+        attn = AttentionMetadata(
+            slot_mapping=jnp.where(writes, page * page_size + pos % page_size, drop_slot),
+            cu_q_lens=cu, kv_lens=jnp.where(seq_real, meta.kv_lens + j, 0),
+            page_indices=meta.page_indices, num_seqs=meta.num_seqs)
+        hidden, kv = head(embed(target, ids), hidden, pos, kv, attn, from_target=False)
+        ids = head.to_target(first_argmax(head.logits(hidden, target, rows)))
+        return kv, ids, hidden, out.at[j].set(ids)
+
+    out = jnp.zeros((rounds + 1, s), jnp.int32).at[0].set(ids)
+    kv, _, _, out = jax.lax.fori_loop(1, rounds + 1, round_, (kv, ids, hidden, out))
+    return kv, out
+
+
+class EagleProposer(Proposer):
+    """EAGLE's proposer (engine/speculation.py uses it); `target` is the engine's runner,
+    whose step writes the features (`ModelRunner.features_from`)."""
+
+    def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, shard: ShardingContext,
+                 kv_abstract: tuple[jax.ShapeDtypeStruct, ...], target: ModelRunner,
+                 max_num_batched_tokens: int, k: int):
+        assert target.features is not None
+        self.target = target
+        self.builder: BatchBuilder = dataclasses.replace(
+            target.builder, num_speculative_tokens=0, draft_model=True)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.params = params
+        self._param_leaves = jax.tree.leaves(params)
+        self._kv_abstract = kv_abstract
+        self.kv = self._zero_kv()
+        num_slots = self.builder.num_pages * self.builder.page_size
+        program = functools.partial(draft, rounds=k - 1, page_size=self.builder.page_size,
+                                    drop_slot=num_slots)
+        target_tree, tree = jax.tree.structure(target.params), jax.tree.structure(params)
+
+        def on_leaves(target_leaves, leaves, *args):  # as runner.on_param_leaves, for both
+            return program(graphdef, jax.tree.unflatten(tree, leaves), target.graphdef,
+                           jax.tree.unflatten(target_tree, target_leaves), *args)
+
+        replicated = shard.sharding(())
+        kv_shardings = tuple(x.sharding for x in kv_abstract)
+        self._draft = jax.jit(
+            on_leaves, donate_argnums=(2,),
+            in_shardings=([x.sharding for x in target._param_leaves],
+                          [x.sharding for x in self._param_leaves], kv_shardings,
+                          target.features.sharding, replicated, replicated),
+            out_shardings=(kv_shardings, replicated))
+        self._ready: set[BucketKey] = set()
+        self.warmed_up = False
+
+    def _zero_kv(self) -> tuple:
+        return tuple(ModelRunner._zero(x) for x in self._kv_abstract)
+
+    def buckets(self) -> list[BucketKey]:
+        return [b for b in self.builder.all_buckets() if not b.history]
+
+    def warmup(self, progress: bool = True) -> None:
+        """Compile the program for every bucket (an all-padding batch writes nothing)."""
+        for key in self.buckets():
+            self._run(self.builder.empty(key), key, np.zeros(key.seqs, np.int32))
+        self.warmed_up = True
+
+    def recover(self) -> None:
+        if any(x.is_deleted() for x in self.kv):
+            self.kv = self._zero_kv()
+
+    def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler
+                      ) -> list[list[int]]:
+        """Drafts for each (sequence, at most k) of the coming step."""
+        shards = self.builder.data_shards
+        budgets = [self.max_num_batched_tokens // shards] * shards
+        drafts: list[list[int]] = [[] for _ in entries]
+        want = {}  # entry index -> drafts it gets
+        first = []  # (entry index, its new pairs)
+        for i, (seq, k) in enumerate(entries):
+            start, end = seq.draft_computed_tokens, seq.num_tokens - 1
+            n = min(end - start, budgets[seq.data_shard])
+            if n <= 0:
+                continue
+            budgets[seq.data_shard] -= n
+            allocator = scheduler.allocators[seq.data_shard]
+            if start + n == end and allocator.allocate_more(seq, seq.num_tokens + k - 1):
+                want[i] = k
+            first.append((i, ScheduledSeq(seq, start, n)))
+            seq.draft_computed_tokens = start + n  # the extra rounds' pairs are not kept
+        if not first:
+            return drafts
+        out = SchedulerOutput([s for _, s in first], [], sum(s.num_new_tokens for _, s in first))
+        batch, key = self.builder.build(out)
+        shard_t, shard_r = key.tokens // shards, key.rows // shards
+        limits = np.zeros(key.seqs, np.int32)
+        for i, sched in first:
+            # Pair p's input is token p + 1 (all on the host: speculating steps are synced).
+            last = (sched.row // shard_r) * shard_t + batch.sample_index[sched.row]
+            seq, start, n = sched.seq, sched.start, sched.num_new_tokens
+            batch.input_ids[last - n + 1:last + 1] = seq.token_ids[start + 1:start + n + 1]
+            limits[sched.row] = want.get(i, 1) - 1
+        guesses = np.asarray(self._run(batch, key, limits).addressable_data(0))
+        for i, sched in first:
+            drafts[i] = guesses[:want.get(i, 0), sched.row].tolist()
+        return drafts
+
+    def _run(self, batch: StepBatch, key: BucketKey, limits: np.ndarray) -> jax.Array:
+        if key not in self._ready:
+            if self.warmed_up:
+                self.target.compiles_after_warmup += 1
+            self._ready.add(key)
+        inputs = dataclasses.replace(batch, sampling=None, history=None)
+        self.kv, out = self._draft(self.target._param_leaves, self._param_leaves, self.kv,
+                                   self.target.features, inputs, limits)
+        return out

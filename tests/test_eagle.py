@@ -1,0 +1,190 @@
+"""EAGLE-1 and EAGLE-3 heads: the drafts jaxserve's proposer makes at every step are the
+ones the published torch heads (eagle_reference.py) make from transformers' own features
+of the same tokens, and the output is the target's whatever they guess."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+
+from eagle_reference import Eagle1, Eagle3, drafts, write_head
+from jaxserve import LLM
+from test_speculative import (  # noqa: F401 - base and want are fixtures
+    ENGINE, GREEDY, base, check_clean, fresh_counters, tokens, want)
+
+AUX = [0, 1, 1]  # the 2-layer target's layers an EAGLE-3 head reads here
+K = 3
+
+
+def head_config(target) -> tf.LlamaConfig:
+    """A head's config: the target's, one layer."""
+    return tf.LlamaConfig(**{**target.config.to_dict(), "num_hidden_layers": 1})
+
+
+def make_head(target, version: int, seed: int):
+    """A random head whose attention is sharp enough that a position or a K/V entry out
+    of place changes its guesses."""
+    torch.manual_seed(seed)
+    cfg = head_config(target)
+    if version == 1:
+        head = Eagle1(cfg).eval()
+        attn = head.layers[0].self_attn
+    else:
+        kept = torch.sort(torch.randperm(cfg.vocab_size)[:200]).values  # the draft vocabulary
+        head = Eagle3(cfg, 200, kept - torch.arange(200)).eval()
+        attn = head.midlayer.self_attn
+    with torch.no_grad():
+        attn.q_proj.weight.mul_(8)
+        attn.k_proj.weight.mul_(8)
+    return head
+
+
+def write(head, target, path, torch_file: bool):
+    extra = ({"draft_vocab_size": 200, "eagle_aux_hidden_state_layer_ids": AUX}
+             if head.version == 3 else {})
+    return write_head(head, head_config(target), path, torch_file, **extra)
+
+
+def eagle_llm(checkpoints, path, version: int, **engine) -> LLM:
+    return LLM(str(checkpoints("llama")[0]), **{**ENGINE, **engine}, speculative_config={
+        "method": "eagle3" if version == 3 else "eagle", "model": str(path),
+        "num_speculative_tokens": K, "disable_by_batch_size": None})
+
+
+def record(llm: LLM) -> list[tuple[list[int], list[int]]]:
+    """Every (sequence's tokens, drafts proposed after them) from here on."""
+    proposer, seen = llm.engine.speculator.proposer, []
+    propose = proposer.propose_batch
+
+    def recording(entries, scheduler):
+        out = propose(entries, scheduler)
+        seen.extend((list(seq.token_ids), d) for (seq, _), d in zip(entries, out) if d)
+        return out
+
+    proposer.propose_batch = recording
+    return seen
+
+
+def check_against_reference(seen, head, target, aux) -> None:
+    """Each step's drafts equal the torch head's on the same tokens, up to a near tie of
+    its logits (after which the drafts may part)."""
+    compared = total = 0
+    for tokens_so_far, ours in seen:
+        want, margins = drafts(head, target, tokens_so_far, len(ours), aux)
+        for j, (a, b) in enumerate(zip(ours, want)):
+            total += 1
+            if margins[j] < 1e-3:
+                break
+            assert a == b, (len(tokens_so_far), j, ours, want)
+            compared += 1
+    assert total > 100 and compared > 0.9 * total
+
+
+@pytest.fixture(scope="module", params=[1, 3], ids=["eagle1", "eagle3"])
+def version(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def head(checkpoints, version, tmp_path_factory):
+    target = checkpoints("llama")[1]
+    head = make_head(target, version, seed=version)
+    # EAGLE-1 as the first checkpoints ship it (torch's file, fc with a bias); EAGLE-3's
+    # in safetensors.
+    path = write(head, target, tmp_path_factory.mktemp(f"eagle{version}"),
+                 torch_file=version == 1)
+    return head, path
+
+
+def test_drafts_are_the_published_heads_and_tokens_the_targets(checkpoints, head, version,
+                                                               want, prompts):
+    module, path = head
+    llm = eagle_llm(checkpoints, path, version)
+    seen = record(llm)
+    assert tokens(llm.generate(prompts, GREEDY)) == want
+    check_against_reference(seen, module, checkpoints("llama")[1],
+                            (2,) if version == 1 else tuple(AUX))
+    check_clean(llm)
+
+
+def test_preemption_chunks_and_prefix_hits(checkpoints, head, version, want, prompts):
+    """A pool too small for the four (preemption and recompute), prompts cut in chunks,
+    then a second run on cached prompts: the features of cached pages are the ones
+    their first computation wrote."""
+    module, path = head
+    llm = eagle_llm(checkpoints, path, version, max_num_batched_tokens=16,
+                    token_buckets=(16,), num_pages=40)
+    seen = record(llm)
+    assert tokens(llm.generate(prompts, GREEDY)) == want
+    assert llm.engine.scheduler.num_preemptions > 0
+    outs = llm.generate(prompts, GREEDY)
+    assert tokens(outs) == want and sum(o.num_cached_tokens for o in outs) > 0
+    check_against_reference(seen, module, checkpoints("llama")[1],
+                            (2,) if version == 1 else tuple(AUX))
+    check_clean(llm)
+
+
+def repeat_head(target) -> Eagle1:
+    """An EAGLE-1 head that passes the target's final hidden state through (fc picks the
+    features, the layer adds zeros): the target's LM head on it guesses the token the
+    target just chose, again. Right only if the features of the right position are read."""
+    head = make_head(target, 1, seed=0)
+    h = target.config.hidden_size
+    with torch.no_grad():
+        head.fc.weight.copy_(torch.cat([torch.zeros(h, h), torch.eye(h)], dim=1))
+        head.fc.bias.zero_()
+        head.layers[0].self_attn.o_proj.weight.zero_()
+        head.layers[0].mlp.down_proj.weight.zero_()
+    return head
+
+
+def test_a_head_reading_the_features_guesses_the_last_token_again(checkpoints, want, prompts,
+                                                                   tmp_path):
+    target = checkpoints("llama")[1]
+    path = write(repeat_head(target), target, tmp_path / "repeat", torch_file=False)
+    llm = eagle_llm(checkpoints, path, 1, max_num_batched_tokens=16, token_buckets=(16,),
+                    num_pages=40)
+    stats = fresh_counters(llm)
+    seen = record(llm)
+    for _ in range(2):  # the second run on cached prompts
+        assert tokens(llm.generate(prompts, GREEDY)) == want
+    assert all(d == [t[-1]] * len(d) for t, d in seen)
+    # Accepted exactly where the output repeats its last token.
+    assert 0 < stats.num_accepted < stats.num_proposed
+    check_clean(llm)
+
+
+def test_feature_layers():
+    from jaxserve.models.eagle import feature_layers
+
+    assert feature_layers(1, 32) == (32,)
+    assert feature_layers(3, 32) == (2, 16, 29)
+    assert feature_layers(3, 4, (0, 1, 3)) == (0, 1, 3)
+    with pytest.raises(ValueError, match="the target has 2 layers"):
+        feature_layers(3, 2)
+
+
+def test_bad_heads_say_what_is_wrong(checkpoints, head, version, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    module, path = head
+    target = checkpoints("llama")[1]
+    bad = write(module, target, tmp_path / "bad", torch_file=False)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "hidden_size": 32}))
+    with pytest.raises(ValueError, match="is for hidden size 32"):
+        eagle_llm(checkpoints, bad, version, warmup=False)
+    (bad / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(bad / "model.safetensors"))
+    del tensors["fc.weight"]
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match="lacks tensors for \\['fc'\\]"):
+        eagle_llm(checkpoints, bad, version, warmup=False)
+    tensors["fc.weight"] = np.zeros((64, 64), np.float32)
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match="EAGLE tensor 'fc.weight' has shape"):
+        eagle_llm(checkpoints, bad, version, warmup=False)
