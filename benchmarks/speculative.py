@@ -2,8 +2,9 @@
 
 Random weights predict nothing, so drafts would be rejected for no reason of ours. This
 benchmark first trains a small Llama target and a one-layer draft (character tokens, the
-demo model's tokenizer) on Python's own standard library source, with transformers and
-torch on the CPU (a few minutes, once; cached under ~/.cache/jaxserve). Half the training
+demo model's tokenizer) on Python's own standard library source, then an EAGLE-1 and an
+EAGLE-3 head on the target's features of the same text (`trained_eagle`), with
+transformers and torch on the CPU (minutes, once; cached under ~/.cache/jaxserve). Half the training
 samples are a piece of code followed by "# edited:" and the same code again, so the models
 learn to copy, as a real model copies code it is asked to edit.
 
@@ -12,9 +13,10 @@ Workloads, each request `--tokens` greedy output tokens:
          prompt, where n-gram lookup should pay.
   write: held-out code cut mid-file: the output continues it, little to look up.
 Each at batch 1 (one request at a time, --requests of them) and batch 16 (4 x 16 at
-once), speculation off, n-gram (k = --k, prompt_lookup 2..4) and the draft model (k =
---k); at batch 16 each with the default disable_by_batch_size (8: no speculation at 16)
-and with it off (speculating anyway).
+once), speculation off, n-gram (k = --k, prompt_lookup 2..4), the draft model and the
+EAGLE heads (k = --k); at batch 16 n-gram and the draft model with the default
+disable_by_batch_size (8: no speculation at 16) and with it off (speculating anyway), and
+EAGLE-1 with the default (what the target's feature writes cost when nobody speculates).
 Every speculative run's tokens are checked equal to speculation off.
 
     python benchmarks/speculative.py [--tokens 128] [--k 4] [--train-steps 500] [--train-only]
@@ -129,6 +131,82 @@ def trained_model(name: str, shape: dict, steps: int) -> Path:
     return target
 
 
+def trained_eagle(version: int, target_dir: Path, steps: int) -> Path:
+    """An EAGLE-1 or EAGLE-3 head for the trained target, trained on its features of the
+    same text (and written in the published layout) on first use.
+
+    EAGLE-1 as published: the head's output regresses the target's next feature (smooth
+    L1) and its token loss (weight 0.1) goes through the target's LM head. EAGLE-3: token
+    loss only, over its own LM head (full vocabulary: d2t all zero) and, as a short form of
+    its "training-time test", a second pass whose every pair reads the first pass's output
+    at the position before in place of the target's features (the chain's inputs)."""
+    out = cache_root() / f"bench-speculative-v{MODEL_VERSION}-eagle{version}-{steps}"
+    if (out / "model.safetensors").exists():
+        return out
+    import torch
+    import torch.nn.functional as F
+    import transformers
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from eagle_reference import Eagle1, Eagle3, write_head
+
+    torch.manual_seed(0)
+    rng = random.Random(version)
+    train, _ = stdlib_files()
+    vocab = {c: i for i, c in enumerate(SPECIALS + CHARS)}
+    target = transformers.LlamaForCausalLM.from_pretrained(target_dir).eval()
+    target.requires_grad_(False)
+    cfg = transformers.LlamaConfig(**{**target.config.to_dict(), "num_hidden_layers": 1})
+    layers = target.config.num_hidden_layers
+    aux = (layers,) if version == 1 else (2, layers // 2, layers - 3)
+    if version == 1:
+        head = Eagle1(cfg)
+    else:
+        head = Eagle3(cfg, len(vocab), torch.zeros(len(vocab), dtype=torch.long))
+        with torch.no_grad():  # start from the target's output layer
+            head.lm_head.weight.copy_(target.lm_head.weight)
+            head.norm.weight.copy_(target.model.norm.weight)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=2e-3, weight_decay=0.01,
+                                  betas=(0.9, 0.95))
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=2e-3, total_steps=steps,
+                                                   pct_start=0.05)
+    started = time.perf_counter()
+    for step in range(steps):
+        ids = torch.tensor([[0] + [vocab[c] for c in training_sample(train, rng)]
+                            for _ in range(16)])
+        with torch.no_grad():
+            states = target(ids, output_hidden_states=True).hidden_states
+            feats = torch.cat([states[i] for i in aux], dim=-1)
+            embeds = target.get_input_embeddings()(ids[:, 1:])
+        # Pair p: token p + 1 and the features at p; it predicts token p + 2.
+        x, labels = feats[:, :-1], ids[:, 2:]
+        x = x + (torch.rand_like(x) - 0.5) * 0.2  # EAGLE's noise on the features
+        if version == 1:
+            h = head(embeds, x)
+            loss = F.smooth_l1_loss(h[:, :-1], states[layers][:, 1:-1]) + 0.1 * F.cross_entropy(
+                target.lm_head(h[:, :-1]).flatten(0, 1), labels.flatten())
+        else:
+            h = head(embeds, head.fc(x))
+            loss = F.cross_entropy(head.logits(h[:, :-1], target).flatten(0, 1),
+                                   labels.flatten())
+            h2 = head(embeds[:, 1:], h[:, :-1])  # pair p + 1 reads pair p's output
+            loss = loss + F.cross_entropy(head.logits(h2[:, :-1], target).flatten(0, 1),
+                                          labels[:, 1:].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if step % 50 == 0 or step == steps - 1:
+            print(f"  training the EAGLE-{version} head, step {step}: loss {loss.item():.3f} "
+                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+    tmp = out.with_name(out.name + ".tmp")
+    write_head(head, cfg, tmp, torch_file=False,
+               **({"eagle_aux_hidden_state_layer_ids": list(aux)} if version == 3 else {}))
+    tmp.rename(out)
+    return out
+
+
 # ------------------------------------------------------------------ the runs
 
 def workloads(num: int, rng: random.Random) -> dict[str, list[str]]:
@@ -174,6 +252,7 @@ def main() -> None:
 
     model_dir = trained_model("target", TARGET, args.train_steps)
     draft_dir = trained_model("draft", DRAFT, args.train_steps)
+    eagle_dirs = {v: trained_eagle(v, model_dir, args.train_steps) for v in (1, 3)}
     if args.train_only:
         return
     print(f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {cpu_name()}, "
@@ -193,6 +272,10 @@ def main() -> None:
             "draft model, never disabled": LLM(str(model_dir), **engine, speculative_config={
                 "model": str(draft_dir), "num_speculative_tokens": args.k,
                 "disable_by_batch_size": None})}
+    for v, path in eagle_dirs.items():
+        llms[f"EAGLE-{v}"] = LLM(str(model_dir), **engine, speculative_config={
+            "method": "eagle" if v == 1 else "eagle3", "model": str(path),
+            "num_speculative_tokens": args.k})
     rng = random.Random(1)
     loads = workloads(max(args.requests, 64), rng)
     for llm in llms.values():  # warm the host paths
@@ -205,9 +288,9 @@ def main() -> None:
         for batch, count in ((1, args.requests), (16, 64)):
             base = run(llms["off"], prompts[:count], batch, args.tokens)
             rows = [("off", base)]
-            names = (["n-gram", "draft model"] if batch == 1 else
+            names = (["n-gram", "draft model", "EAGLE-1", "EAGLE-3"] if batch == 1 else
                      ["n-gram", "n-gram, never disabled", "draft model",
-                      "draft model, never disabled"])
+                      "draft model, never disabled", "EAGLE-1"])
             rows += [(n, run(llms[n], prompts[:count], batch, args.tokens)) for n in names]
             for label, r in rows:
                 rate = r["accepted"] / r["proposed"] if r["proposed"] else 0.0

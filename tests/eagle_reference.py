@@ -28,14 +28,15 @@ class Eagle1(torch.nn.Module):
         self.rotary = llama.LlamaRotaryEmbedding(cfg)
 
     def forward(self, embeds, hidden):
-        """Output hidden states `[n, H]` for n pairs at positions 0..n-1 (causal)."""
-        x = self.fc(torch.cat([embeds, hidden], dim=-1))[None]
-        n = x.shape[1]
-        positions = torch.arange(n)[None]
-        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        """Output hidden states `[(B,) n, H]` for n pairs at positions 0..n-1 (causal)."""
+        x = self.fc(torch.cat([embeds, hidden], dim=-1))
+        one = x.dim() == 2
+        x = x[None] if one else x
+        positions, mask = _causal(x.shape[1])
         out = self.layers[0](x, attention_mask=mask, position_ids=positions,
                              position_embeddings=self.rotary(x, positions))
-        return (out[0] if isinstance(out, tuple) else out)[0]
+        out = out[0] if isinstance(out, tuple) else out
+        return out[0] if one else out
 
     def logits(self, hidden, target):
         return target.lm_head(hidden)
@@ -80,16 +81,16 @@ class Eagle3(torch.nn.Module):
         self.rotary = llama.LlamaRotaryEmbedding(cfg)
 
     def forward(self, embeds, hidden):
-        """Output hidden states `[n, H]` for n pairs at positions 0..n-1 (causal); `hidden`
-        is fc of the target's features, or the head's own outputs."""
+        """Output hidden states `[(B,) n, H]` for n pairs at positions 0..n-1 (causal);
+        `hidden` is fc of the target's features, or the head's own outputs."""
         layer = self.midlayer
-        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)[None]
-        n = x.shape[1]
-        positions = torch.arange(n)[None]
-        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+        one = x.dim() == 2
+        x = x[None] if one else x
+        positions, mask = _causal(x.shape[1])
         a = layer.self_attn(x, position_embeddings=self.rotary(x, positions),
-                            attention_mask=mask)[0][0]
-        h = hidden + a
+                            attention_mask=mask)[0]
+        h = hidden + (a[0] if one else a)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def logits(self, hidden, target):
@@ -97,6 +98,11 @@ class Eagle3(torch.nn.Module):
 
     def to_target(self, ids):
         return ids + self.d2t[ids]
+
+
+def _causal(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions 0..n-1 and the additive causal mask of n tokens."""
+    return torch.arange(n)[None], torch.full((n, n), float("-inf")).triu(1)[None, None]
 
 
 def write_head(head: torch.nn.Module, cfg: tf.LlamaConfig, path: Path, torch_file: bool,
