@@ -5,6 +5,7 @@ layout."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -21,6 +22,7 @@ class Eagle1(torch.nn.Module):
 
     def __init__(self, cfg: tf.LlamaConfig, fc_bias: bool = True):
         super().__init__()
+        cfg = eager(cfg)
         h = cfg.hidden_size
         self.fc = torch.nn.Linear(2 * h, h, bias=fc_bias)
         self.layers = torch.nn.ModuleList([llama.LlamaDecoderLayer(cfg, 0)])
@@ -71,6 +73,7 @@ class Eagle3(torch.nn.Module):
 
     def __init__(self, cfg: tf.LlamaConfig, draft_vocab: int, d2t: torch.Tensor):
         super().__init__()
+        cfg = eager(cfg)
         h = cfg.hidden_size
         self.fc = torch.nn.Linear(3 * h, h, bias=False)
         self.midlayer = Eagle3Layer(cfg)
@@ -98,6 +101,13 @@ class Eagle3(torch.nn.Module):
 
     def to_target(self, ids):
         return ids + self.d2t[ids]
+
+
+def eager(cfg: tf.LlamaConfig) -> tf.LlamaConfig:
+    """A copy of `cfg` naming transformers' plain attention (the modules stand alone)."""
+    cfg = copy.deepcopy(cfg)
+    cfg._attn_implementation = "eager"
+    return cfg
 
 
 def _causal(n: int) -> tuple[torch.Tensor, torch.Tensor]:

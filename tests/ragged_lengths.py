@@ -14,3 +14,27 @@ def draw_lengths(rng, kind: str, num_seqs: int, max_tokens: int) -> tuple[list[i
         kv_lens.append(kv)
         q_lens.append(q)
     return kv_lens, q_lens
+
+
+def draw_trees(rng, kv_lens: list[int], q_lens: list[int], max_nodes: int = 32
+               ) -> tuple[list[int], list[int], list[list[int]]]:
+    """Speculative trees over a batch's new tokens: (tree_start per sequence, tree_mask
+    per token, each tree's parent list). Most sequences with two or more new tokens make
+    their last n of them (2..min(q, max_nodes)) a random tree, each node's parent drawn
+    from the nodes before it (node 0, the root, has none); the others have no tree
+    (tree_start = kv_len). A node's mask has the bits of itself and its ancestors."""
+    starts, masks, parents = [], [], []
+    for kv, q in zip(kv_lens, q_lens):
+        mask, parent = [0] * q, []
+        if q >= 2 and rng.random() < 0.8:
+            n = int(rng.integers(2, min(q, max_nodes) + 1))
+            parent = [-1] + [int(rng.integers(0, j)) for j in range(1, n)]
+            for j in range(n):
+                bits, node = 0, j
+                while node >= 0:
+                    bits, node = bits | 1 << node, parent[node]
+                mask[q - n + j] = bits - (1 << 32 if bits >= 1 << 31 else 0)  # as int32
+        starts.append(kv - len(parent) if parent else kv)
+        masks += mask
+        parents.append(parent)
+    return starts, masks, parents

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, write_kv
-from ragged_lengths import draw_lengths
+from ragged_lengths import draw_lengths, draw_trees
 
 KERNELS = ["tpu", "gpu"]
 
@@ -74,6 +74,11 @@ CASES = [
     dict(kind="mixed", group=4, pages_per_block=1, queries_per_block=3),
     dict(kind="mixed", group=1, page_size=4, pages_per_block=3, queries_per_block=2,
          sliding_window=6),
+    # Speculative trees (tests/ragged_lengths.draw_trees): masks of up to 32 nodes.
+    dict(kind="prefill", group=4, tree=True, max_pages=8),
+    dict(kind="mixed", group=2, tree=True, pages_per_block=1, queries_per_block=3),
+    dict(kind="mixed", group=4, tree=True, dtype=jnp.bfloat16, head_dim=128,
+         kv_dtype=jnp.int8, max_pages=8),
 ]
 
 
@@ -87,9 +92,11 @@ def test_kernel_matches_reference(impl, index):
     case = dict(CASES[index])
     options = {k: case.pop(k) for k in ("sliding_window", "soft_cap", "pages_per_block",
                                         "queries_per_block") if k in case}
-    kind = case.pop("kind")
+    kind, tree = case.pop("kind"), case.pop("tree", False)
     rng = np.random.default_rng([index, 17])
     batch, real = ragged_batch(rng, kind, **case)
+    if tree:
+        options.update(trees(rng, batch))
     dtype = case.get("dtype", jnp.float32)
     sm_scale = batch["q"].shape[-1] ** -0.5
     run = lambda impl, **kw: np.asarray(  # noqa: E731
@@ -99,6 +106,17 @@ def test_kernel_matches_reference(impl, index):
     assert np.abs(want[:real]).max() > 0.1  # a real signal, not zeros
     np.testing.assert_allclose(got[:real], want[:real], atol=TOL[dtype], rtol=TOL[dtype])
     assert np.all(got[real:] == 0)  # padding tokens
+
+
+def trees(rng, batch) -> dict:
+    """tree_start and tree_mask for a batch of ragged_batch's (padding: no tree)."""
+    n = int(batch["num_seqs"])
+    cu, kv_lens = np.asarray(batch["cu_q_lens"]), np.asarray(batch["kv_lens"])
+    starts, masks, parents = draw_trees(rng, kv_lens[:n].tolist(), np.diff(cu)[:n].tolist())
+    assert sum(len(p) > 2 for p in parents) >= 1
+    pad_seqs, pad_tokens = len(kv_lens) - n, batch["q"].shape[0] - len(masks)
+    return dict(tree_start=jnp.asarray(starts + [0] * pad_seqs, jnp.int32),
+                tree_mask=jnp.asarray(masks + [0] * pad_tokens, jnp.int32))
 
 
 def test_kernel_under_jit_with_padded_page_table_entries():
@@ -296,3 +314,54 @@ def test_tpu_kernel_compiles_for_real_tpus(topology, phase, kv_dtype):
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp <= 2 * query_tiles + scale_rows + t * LLAMA3_8B["num_q_heads"] * d * 2
     assert temp < hkv * pages * page_size * d * jnp.dtype(kv_dtype).itemsize / 4
+
+
+def tree_args(spec, t: int, s: int, kv_dtype, page_size: int = 16, pages: int = 4096,
+              per_seq: int = 128) -> list:
+    """Llama-3-8B attention operands of `spec(shape, dtype)`, with a tree start per
+    sequence and a tree mask per token."""
+    return [spec((t, 32, 128), jnp.bfloat16), spec((8, pages, page_size, 128), kv_dtype),
+            spec((8, pages, page_size, 128), kv_dtype), spec((s,), jnp.int32),
+            spec((s, per_seq), jnp.int32), spec((s + 1,), jnp.int32), spec((), jnp.int32),
+            spec((s,), jnp.int32), spec((t,), jnp.int32)]
+
+
+def test_gpu_kernel_with_trees_lowers_for_cuda():
+    """Speculative trees (64 sequences of 4 tree tokens at Llama-3-8B shapes): the tree
+    masks lower to Triton with the rest."""
+    sds = jax.ShapeDtypeStruct
+
+    def attention(*a):
+        return ragged_paged_attention(*a[:7], sm_scale=128 ** -0.5, impl="gpu",
+                                      tree_start=a[7], tree_mask=a[8])
+
+    exported = jax.export.export(
+        jax.jit(attention), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(*tree_args(sds, 256, 64, jnp.bfloat16))
+    assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 2
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.int8])
+def test_tpu_kernel_with_trees_compiles_for_real_tpus(kv_dtype):
+    """Mosaic lowers and compiles the kernel with tree masks (the item's tree start in
+    SMEM, a [rows, 1] block of row masks) for a v5e chip, at Llama-3-8B shapes."""
+    pytest.importorskip("libtpu", reason="libtpu is not installed: pip install 'jax[tpu]'")
+    from sharding.planner import tpu_devices
+
+    chip = tpu_devices("v5e:2x2")[0]
+    sharding = jax.sharding.SingleDeviceSharding(chip)
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
+    page_size = 16 if kv_dtype == jnp.bfloat16 else 32
+    args = tree_args(spec, 256, 64, kv_dtype, page_size, per_seq=2048 // page_size)
+    if kv_dtype != jnp.bfloat16:
+        args += [spec((8, 4096, page_size), jnp.float32)] * 2
+
+    def attend(*a):
+        kw = dict(k_scales=a[9], v_scales=a[10]) if len(a) > 9 else {}
+        return ragged_paged_attention(*a[:7], sm_scale=128 ** -0.5, impl="tpu",
+                                      tree_start=a[7], tree_mask=a[8], **kw)
+
+    with jax.default_device(chip):
+        compiled = jax.jit(attend).lower(*args).compile()
+    assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 2

@@ -32,8 +32,17 @@ def random_batch(rng, *, num_seqs, page_size, num_kv_heads, group, head_dim, dty
                 cu_q_lens=cu.astype(np.int32))
 
 
+def ancestors_or_self(parents: list[int], node: int) -> set[int]:
+    out = set()
+    while node >= 0:
+        out.add(node)
+        node = parents[node]
+    return out
+
+
 def dense_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sm_scale,
-                    sliding_window=None, soft_cap=None):
+                    sliding_window=None, soft_cap=None, trees=None):
+    """`trees`: per sequence, (the position where its tree starts, its parent list)."""
     q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
     hkv, page_size = k_pages.shape[0], k_pages.shape[2]
     group = q.shape[1] // hkv
@@ -53,6 +62,10 @@ def dense_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sm_sc
             mask = keys <= pos
             if sliding_window is not None:
                 mask &= keys > pos - sliding_window
+            if trees is not None and trees[s][1]:  # a node sees the nodes on its path
+                root, parents = trees[s]
+                path = ancestors_or_self(parents, pos - root) if pos >= root else set()
+                mask &= (keys < root) | np.isin(keys - root, list(path))
             scores = np.where(mask[None], scores, -np.inf)
             p = np.exp(scores - scores.max(-1, keepdims=True))
             out[t] = np.einsum("hk,khd->hd", p / p.sum(-1, keepdims=True), v)
@@ -93,6 +106,34 @@ def test_reference_matches_dense(case, seed):
     want = dense_attention(b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["page_indices"],
                            b["cu_q_lens"], scale, window, cap)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("case", [dict(), dict(pages_per_block=1, queries_per_block=3),
+                                  dict(queries_per_block=32), dict(sliding_window=9)],
+                         ids=["default", "small-blocks", "one-item", "window"])
+def test_tree_masks_match_dense_attention_over_each_path(case):
+    """Speculative trees (up to 32 nodes, random shapes): each node attends to the context
+    before its tree and to the nodes on its own path from the root, as dense attention
+    over exactly those keys does."""
+    from ragged_lengths import draw_trees
+
+    rng = np.random.default_rng(9)
+    b = random_batch(rng, num_seqs=8, num_kv_heads=2, group=4, head_dim=64, page_size=4,
+                     dtype=np.float32, max_pages=12)
+    q_lens = np.diff(b["cu_q_lens"]).tolist()
+    starts, masks, parents = draw_trees(rng, b["kv_lens"].tolist(), q_lens)
+    assert sorted(map(len, parents))[-3:] == [4, 31, 32]  # 32 nodes: the mask's sign bit
+    window = case.pop("sliding_window", None)
+    got = ragged_paged_attention(
+        b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["page_indices"], b["cu_q_lens"],
+        jnp.int32(8), sm_scale=0.125, sliding_window=window,
+        tree_start=np.asarray(starts, np.int32), tree_mask=np.asarray(masks, np.int32), **case)
+    want = dense_attention(b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["page_indices"],
+                           b["cu_q_lens"], 0.125, window, trees=list(zip(starts, parents)))
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
+    causal = dense_attention(b["q"], b["k_pages"], b["v_pages"], b["kv_lens"],
+                             b["page_indices"], b["cu_q_lens"], 0.125, window)
+    assert np.abs(np.asarray(got) - causal).max() > 0.1  # the trees changed something
 
 
 def test_padding_tokens_give_zeros_and_bf16_close():

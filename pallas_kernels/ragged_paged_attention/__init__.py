@@ -36,10 +36,12 @@ def default_impl(platform: str | None = None) -> str:
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            sm_scale: float, sliding_window: int | None = None,
                            soft_cap: float | None = None, k_scales=None, v_scales=None,
+                           tree_start=None, tree_mask=None,
                            impl: str | None = None, interpret: bool = False,
                            **block_sizes) -> jax.Array:
-    """Causal attention of ragged queries over paged K/V: `[T, num_q_heads, head_dim]` in
-    q's dtype, zeros for padding queries.
+    """Causal attention of ragged queries over paged K/V (and, with `tree_start` and
+    `tree_mask`, trees of speculative tokens whose nodes see their ancestors only):
+    `[T, num_q_heads, head_dim]` in q's dtype, zeros for padding queries.
 
     The arguments are described in work_items.AttentionInputs; `impl` is one of IMPLS (None:
     by platform). `block_sizes` are the backend's overrides (pages_per_block,
@@ -47,7 +49,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     """
     x = AttentionInputs.validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
                                  num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
-                                 soft_cap=soft_cap, k_scales=k_scales, v_scales=v_scales)
+                                 soft_cap=soft_cap, k_scales=k_scales, v_scales=v_scales,
+                                 tree_start=tree_start, tree_mask=tree_mask)
     if impl is None:
         impl = default_impl()
         if impl == "cpu":

@@ -48,8 +48,9 @@ KV_DTYPES = ("float32", "bfloat16", "uint16", "int8", "float8_e4m3fn")  # uint16
 
 
 def supports(x: AttentionInputs) -> bool:
-    """Whether the kernel takes these inputs (dtypes; shapes were checked by validate)."""
-    return x.q.dtype.name in Q_DTYPES and x.k_pages.dtype.name in KV_DTYPES
+    """Whether the kernel takes these inputs (dtypes; shapes were checked by validate; no
+    speculative trees: the reference runs those)."""
+    return x.q.dtype.name in Q_DTYPES and x.k_pages.dtype.name in KV_DTYPES and not x.tree
 
 
 def ragged_paged_attention(x: AttentionInputs, *, queries_per_block: int | None = None,

@@ -13,7 +13,8 @@ page number read from the page table, so pages smaller than a Triton tile (4 or 
 tokens) still make one key tile. Blocks wholly before the sliding window or past the item's
 last query are skipped. A quantized cache (int8 / fp8) is loaded as stored and converted to
 q's dtype in registers: the per-token K scales multiply the scores, the V scales the
-probabilities. Dots take q's dtype with float32 accumulation (bf16 probabilities before
+probabilities. Speculative trees: each item's tree start and its rows' tree masks are
+operands too, masking the scores beside causality. Dots take q's dtype with float32 accumulation (bf16 probabilities before
 P·V when q is bf16; IEEE float32, not Triton's TF32 default, when q is float32).
 
 Block-size rule (no device query, so it is the same when lowering ahead of time). Triton
@@ -60,7 +61,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.ragged_paged_attention.kv_cache import BITS
 from pallas_kernels.ragged_paged_attention.work_items import (
     MASKED, AttentionInputs, BlockPlan, WorkItems, default_queries_per_block, gather_queries,
-    plan_blocks, scatter_outputs, visible_blocks)
+    plan_blocks, scatter_outputs, tree_visible, visible_blocks)
 from pallas_kernels.tiling import is_power_of_2, next_power_of_2
 
 MIN_TILE = 16  # smallest dimension Triton's dot accepts
@@ -105,10 +106,13 @@ def _kernel(seq_ref, q_pos_ref, num_q_ref, kv_len_ref,  # [W] each: item metadat
             q_ref,  # [rows, head_dim]: this item's queries of this KV head
             k_ref, v_ref,  # [num_pages, page_size, head_dim]: this KV head's pages
             *rest, sm_scale, sliding_window, soft_cap, group, pages_per_block, quantized,
-            num_splits):
-    # rest: ks_ref, vs_ref [num_pages, page_size] (this head's scales, quantized caches
-    # only), then the outputs: o_ref [rows, head_dim], or with KV splits acc_ref [rows,
-    # head_dim] and m_ref, l_ref [rows] (this split's unnormalised partials, float32).
+            num_splits, tree):
+    # rest: ts_ref [W] and tm_ref [rows] (each item's tree start and its rows' tree masks,
+    # trees only), ks_ref, vs_ref [num_pages, page_size] (this head's scales, quantized
+    # caches only), then the outputs: o_ref [rows, head_dim], or with KV splits acc_ref
+    # [rows, head_dim] and m_ref, l_ref [rows] (this split's unnormalised partials, f32).
+    if tree:
+        ts_ref, tm_ref, *rest = rest
     if quantized:
         ks_ref, vs_ref, *out_refs = rest
     else:
@@ -150,6 +154,8 @@ def _kernel(seq_ref, q_pos_ref, num_q_ref, kv_len_ref,  # [W] each: item metadat
         visible = (k_pos[None, :] <= row_pos[:, None]) & (k_pos[None, :] < kv_len)
         if sliding_window is not None:
             visible &= k_pos[None, :] > row_pos[:, None] - sliding_window
+        if tree:
+            visible &= tree_visible(k_pos[None, :], ts_ref[w], tm_ref[...][:, None])
         s = jnp.where(visible, s, MASKED)
         m_new = jnp.maximum(m, s.max(axis=1))
         # A row with nothing visible yet keeps m = MASKED, where exp(s - m) would be 1: a
@@ -232,6 +238,11 @@ def _call(x: AttentionInputs, plan: BlockPlan, items: WorkItems, rows: int, spli
         pages_spec, pages_spec]
     operands = [items.seq, items.q_pos, items.num_q, items.kv_len, plan.page_indices,
                 qi, x.k_pages, x.v_pages]
+    if x.tree:  # each item's tree start, each row's tree mask
+        mask = jnp.repeat(x.tree_mask[jnp.minimum(items.token, x.num_tokens - 1)], x.group,
+                          axis=1)
+        in_specs += [_whole((num_items,)), pl.BlockSpec((None, rows), lambda h, w, *_: (w, 0))]
+        operands += [x.tree_start[items.seq], jnp.pad(mask, ((0, 0), (0, rows - mask.shape[1])))]
     if x.quantized:
         scales_spec = pl.BlockSpec((None, num_pages, page_size), lambda h, *_: (h, 0, 0))
         in_specs += [scales_spec, scales_spec]
@@ -254,7 +265,7 @@ def _call(x: AttentionInputs, plan: BlockPlan, items: WorkItems, rows: int, spli
     kernel = functools.partial(
         _kernel, sm_scale=x.sm_scale, sliding_window=x.sliding_window, soft_cap=x.soft_cap,
         group=x.group, pages_per_block=plan.pages_per_block, quantized=x.quantized,
-        num_splits=splits)
+        num_splits=splits, tree=x.tree)
     out = pl.pallas_call(
         kernel,
         grid=grid,

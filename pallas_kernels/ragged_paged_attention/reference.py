@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from pallas_kernels.ragged_paged_attention.kv_cache import as_bits, as_values
 from pallas_kernels.ragged_paged_attention.work_items import (
     MASKED, AttentionInputs, BlockPlan, WorkItems, default_queries_per_block, gather_queries,
-    plan_blocks, scatter_outputs)
+    plan_blocks, scatter_outputs, tree_visible)
 
 KV_TOKENS_PER_BLOCK = 128
 PREFILL_ITEMS_PER_PASS = 4
@@ -62,6 +62,10 @@ def _attend(x: AttentionInputs, plan: BlockPlan, items: WorkItems) -> jax.Array:
     row_pos = items.q_pos[:, None] + jnp.arange(rows, dtype=jnp.int32) // group
     row_pos = row_pos[:, None, :]  # [W, 1, rows]
     kv_len = items.kv_len[:, None, None]
+    if x.tree:  # each row's tree mask, its item's tree start: [W, 1, rows, 1], [W, 1, 1, 1]
+        row_mask = jnp.repeat(x.tree_mask[jnp.minimum(items.token, x.num_tokens - 1)], group,
+                              axis=1)[:, None, :, None]
+        tree_start = x.tree_start[items.seq][:, None, None, None]
     num_blocks = (items.max_kv_len() + block * page_size - 1) // (block * page_size)
     item_pages = plan.page_indices[items.seq]  # [W, pages]
 
@@ -83,6 +87,8 @@ def _attend(x: AttentionInputs, plan: BlockPlan, items: WorkItems) -> jax.Array:
         visible = (k_pos <= row_pos[..., None]) & (k_pos < kv_len[..., None])
         if x.sliding_window is not None:
             visible &= k_pos > row_pos[..., None] - x.sliding_window
+        if x.tree:
+            visible &= tree_visible(k_pos, tree_start, row_mask)
         s = jnp.where(visible, s, MASKED)
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp(s - m_new[..., None]) * visible

@@ -9,7 +9,9 @@ item metadata are scalar-prefetched into SMEM, each page of the next block is co
 VMEM by an async DMA while the current block is being computed (two buffers), and an
 online softmax accumulates in float32. An empty item fetches and computes nothing. A
 quantized cache (int8 / fp8) is copied as stored and dequantized in VMEM: the per-token K
-scales multiply the scores, the V scales the probabilities.
+scales multiply the scores, the V scales the probabilities. Speculative trees: each item's
+tree start is scalar-prefetched too, and its rows' tree masks come as a `[rows, 1]` VMEM
+block that masks the scores beside causality.
 
 Block-size rule (no device query, so it is the same when compiling ahead of time):
 - queries per item: 1 for decode items, min(32, T) for prefill items (the reference's
@@ -37,7 +39,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.ragged_paged_attention.kv_cache import BITS
 from pallas_kernels.ragged_paged_attention.work_items import (
     MASKED, AttentionInputs, BlockPlan, WorkItems, default_queries_per_block, gather_queries,
-    plan_blocks, scatter_outputs, visible_blocks)
+    plan_blocks, scatter_outputs, tree_visible, visible_blocks)
 from pallas_kernels.tiling import round_up, sublane_tile
 
 KV_TOKENS_PER_BLOCK = 512
@@ -52,12 +54,20 @@ def _kernel(seq_ref,  # [W] SMEM (scalar prefetch): each item's sequence
             num_q_ref,  # [W] SMEM: real queries of the item (0: empty)
             kv_len_ref,  # [W] SMEM: the item's sequence's context length
             pages_ref,  # [S, num_blocks * pages_per_block] SMEM: the padded page table
-            q_ref,  # [rows, head_dim] VMEM: this item's queries of this KV head
-            k_hbm, v_hbm,  # [Hkv, num_pages, page_size, head_dim] HBM (memory_space=ANY)
-            *rest, sm_scale, sliding_window, soft_cap, group, pages_per_block, quantized):
-    # rest: ks_ref, vs_ref [1, num_blocks * block_tokens] VMEM (this head's and sequence's
-    # per-token scales, quantized caches only); o_ref [rows, head_dim] VMEM; k_buf, v_buf
-    # [2, block_tokens, head_dim] VMEM double buffers; sems [2 (K/V), 2 (buffer)] DMA.
+            *rest, sm_scale, sliding_window, soft_cap, group, pages_per_block, quantized,
+            tree):
+    # rest: tree_start_ref [W] SMEM (scalar prefetch: the item's sequence's tree start,
+    # trees only); q_ref [rows, head_dim] VMEM: this item's queries of this KV head;
+    # k_hbm, v_hbm [Hkv, num_pages, page_size, head_dim] HBM (memory_space=ANY); tm_ref
+    # [rows, 1] VMEM (each row's tree mask, trees only); ks_ref, vs_ref [1, num_blocks *
+    # block_tokens] VMEM (this head's and sequence's per-token scales, quantized caches
+    # only); o_ref [rows, head_dim] VMEM; k_buf, v_buf [2, block_tokens, head_dim] VMEM
+    # double buffers; sems [2 (K/V), 2 (buffer)] DMA.
+    rest = list(rest)
+    tree_start_ref = rest.pop(0) if tree else None
+    q_ref, k_hbm, v_hbm = rest[:3]
+    rest = rest[3:]
+    tm_ref = rest.pop(0) if tree else None
     if quantized:
         ks_ref, vs_ref, o_ref, k_buf, v_buf, sems = rest
     else:
@@ -114,6 +124,8 @@ def _kernel(seq_ref,  # [W] SMEM (scalar prefetch): each item's sequence
         visible = (k_pos <= row_pos) & (k_pos < kv_len)
         if sliding_window is not None:
             visible &= k_pos > row_pos - sliding_window
+        if tree:
+            visible &= tree_visible(k_pos, tree_start_ref[w], tm_ref[...])
         s = jnp.where(visible, s, MASKED)
         m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
         p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
@@ -174,15 +186,22 @@ def _call(x: AttentionInputs, plan: BlockPlan, items: WorkItems, rows: int,
     qi = gather_queries(x.q, items, num_kv_heads, rows)  # [Hkv, W, rows, D]
     q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda h, w, *_: (h, w, 0, 0))
     in_specs = [q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
+    prefetch, tree_rows = [], []
+    if x.tree:  # the item's tree start (SMEM), each row's mask (a [rows, 1] VMEM block)
+        prefetch = [x.tree_start[items.seq]]
+        mask = jnp.repeat(x.tree_mask[jnp.minimum(items.token, x.num_tokens - 1)], x.group,
+                          axis=1)
+        tree_rows = [jnp.pad(mask, ((0, 0), (0, rows - mask.shape[1])))[:, :, None]]
+        in_specs.append(pl.BlockSpec((None, rows, 1), lambda h, w, *_: (w, 0, 0)))
     in_specs += [pl.BlockSpec((None, None, 1, r.shape[-1]),
                               lambda h, w, seq, *_: (h, seq[w], 0, 0)) for r in scale_rows]
     kernel = functools.partial(
         _kernel, sm_scale=x.sm_scale, sliding_window=x.sliding_window, soft_cap=x.soft_cap,
-        group=x.group, pages_per_block=block, quantized=x.quantized)
+        group=x.group, pages_per_block=block, quantized=x.quantized, tree=x.tree)
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
+            num_scalar_prefetch=5 + len(prefetch),
             grid=(num_kv_heads, items.num_items),
             in_specs=in_specs,
             out_specs=q_spec,
@@ -198,5 +217,5 @@ def _call(x: AttentionInputs, plan: BlockPlan, items: WorkItems, rows: int,
                                        x.q.dtype),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(items.seq, items.q_pos, items.num_q, items.kv_len, plan.page_indices, qi, x.k_pages,
-      x.v_pages, *scale_rows)
+    )(items.seq, items.q_pos, items.num_q, items.kv_len, plan.page_indices, *prefetch, qi,
+      x.k_pages, x.v_pages, *tree_rows, *scale_rows)

@@ -47,6 +47,12 @@ class AttentionInputs:
     CPU kernel; the TPU and GPU kernels take real bf16 pages. sm_scale multiplies q·k; a
     query at position p sees keys at positions > p - sliding_window; soft_cap makes scores
     soft_cap * tanh(scores / soft_cap).
+
+    Trees of speculative tokens (both None without): tree_start `[S]` int32, where sequence
+    s's tree begins (its node j at position tree_start[s] + j, at most MAX_TREE_NODES,
+    every parent before its children; tree_start >= kv_len: no tree), and tree_mask `[T]`
+    int32, each query's nodes it may see (bit j: node j; its ancestors and itself). Keys
+    before a tree stay visible as usual; a query sees a node only if its bit is set.
     """
 
     q: jax.Array
@@ -58,6 +64,8 @@ class AttentionInputs:
     num_seqs: jax.Array
     k_scales: jax.Array | None
     v_scales: jax.Array | None
+    tree_start: jax.Array | None
+    tree_mask: jax.Array | None
     sm_scale: float = dataclasses.field(metadata=dict(static=True))
     sliding_window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     soft_cap: float | None = dataclasses.field(default=None, metadata=dict(static=True))
@@ -95,16 +103,21 @@ class AttentionInputs:
     def quantized(self) -> bool:
         return self.k_scales is not None
 
+    @property
+    def tree(self) -> bool:
+        return self.tree_mask is not None
+
     @classmethod
     def validate(cls, q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                  sm_scale: float, sliding_window: int | None = None,
-                 soft_cap: float | None = None, k_scales=None, v_scales=None
-                 ) -> "AttentionInputs":
+                 soft_cap: float | None = None, k_scales=None, v_scales=None,
+                 tree_start=None, tree_mask=None) -> "AttentionInputs":
         """The inputs as arrays, or a ValueError saying which shape or dtype is wrong."""
         args = [jnp.asarray(a) for a in (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
                                          num_seqs)]
-        scales = [None if s is None else jnp.asarray(s) for s in (k_scales, v_scales)]
-        x = cls(*args, *scales, sm_scale=sm_scale, sliding_window=sliding_window,
+        optional = [None if a is None else jnp.asarray(a)
+                    for a in (k_scales, v_scales, tree_start, tree_mask)]
+        x = cls(*args, *optional, sm_scale=sm_scale, sliding_window=sliding_window,
                 soft_cap=soft_cap)
         _check(x)
         return x
@@ -145,6 +158,25 @@ def _check(x: AttentionInputs) -> None:
                  f"{list(a.shape)}")
     need(x.sliding_window is None or x.sliding_window > 0,
          f"sliding_window must be positive, got {x.sliding_window}")
+    need((x.tree_start is None) == (x.tree_mask is None),
+         "a tree needs both tree_start and tree_mask")
+    if x.tree:
+        for name, a, shape in (("tree_start", x.tree_start, (s,)),
+                               ("tree_mask", x.tree_mask, (x.num_tokens,))):
+            need(a.shape == shape and a.dtype == jnp.int32,
+                 f"{name} must be int32 {list(shape)}, got {a.dtype} {list(a.shape)}")
+
+
+MAX_TREE_NODES = 32  # bits of an int32 tree_mask
+
+
+def tree_visible(k_pos: jax.Array, tree_start: jax.Array, tree_mask: jax.Array) -> jax.Array:
+    """Whether keys at `k_pos` are visible to queries of `tree_mask` in a sequence whose
+    tree starts at `tree_start` (broadcasting): before the tree, always; node j, when bit
+    j of the mask is set. Causality and windows are the caller's."""
+    node = k_pos - tree_start
+    bit = jnp.right_shift(tree_mask, jnp.clip(node, 0, MAX_TREE_NODES - 1)) & 1  # bit 31 too
+    return (node < 0) | ((bit == 1) & (node < MAX_TREE_NODES))
 
 
 @jax.tree_util.register_dataclass
