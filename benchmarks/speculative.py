@@ -17,9 +17,11 @@ once), speculation off, n-gram (k = --k, prompt_lookup 2..4), the draft model an
 EAGLE heads (k = --k); at batch 16 n-gram and the draft model with the default
 disable_by_batch_size (8: no speculation at 16) and with it off (speculating anyway), and
 EAGLE-1 with the default (what the target's feature writes cost when nobody speculates).
-Every speculative run's tokens are checked equal to speculation off.
+Every speculative run's tokens are checked equal to speculation off. Then (--repeats)
+the batch-16 runs with the default policy again, alternating, against this VM's drift.
 
     python benchmarks/speculative.py [--tokens 128] [--k 4] [--train-steps 500] [--train-only]
+                                     [--repeats 3] [--only-repeats]
 """
 
 from __future__ import annotations
@@ -248,6 +250,9 @@ def main() -> None:
     ap.add_argument("--train-only", action="store_true")
     ap.add_argument("--requests", type=int, default=32, help="requests per batch-1 run "
                     "(batch-16 runs take 4 batches)")
+    ap.add_argument("--repeats", type=int, default=3, help="alternating repeats of the "
+                    "batch-16 runs with the default policy, after the table (0: none)")
+    ap.add_argument("--only-repeats", action="store_true", help="skip the table")
     args = ap.parse_args()
 
     model_dir = trained_model("target", TARGET, args.train_steps)
@@ -281,6 +286,32 @@ def main() -> None:
     for llm in llms.values():  # warm the host paths
         run(llm, loads["write"][:2], 2, 8)
 
+    if not args.only_repeats:
+        table(llms, loads, args)
+    if args.repeats:
+        alternate(llms, loads, args)
+
+
+def alternate(llms: dict, loads: dict, args) -> None:
+    """Batch 16 with the default policy, each configuration in turn `--repeats` times, so
+    the machine's drift reaches them all alike: summed tok/s against off's."""
+    names = ["off", "n-gram", "draft model", "EAGLE-1"]
+    got = {}
+    for _ in range(args.repeats):
+        for workload, prompts in loads.items():
+            for name in names:
+                got.setdefault((workload, name), []).append(
+                    run(llms[name], prompts[:64], 16, args.tokens)["tok_s"])
+    print(f"\nbatch 16, default policy, {args.repeats} alternating repeats\n")
+    print("| workload | speculation | output tok/s, each repeat | vs off (sums) |")
+    print("|---|---|---|---|")
+    for (workload, name), values in got.items():
+        ratio = sum(values) / sum(got[(workload, "off")])
+        print(f"| {workload} | {name} | {', '.join(f'{v:.0f}' for v in values)} | "
+              f"{ratio:.2f}x |")
+
+
+def table(llms: dict, loads: dict, args) -> None:
     print("| workload | batch | speculation | output tok/s | vs off | acceptance | "
           "accepted per drafting seq-step | steps | same tokens as off |")
     print("|---|---|---|---|---|---|---|---|---|")
