@@ -66,7 +66,7 @@ def chain(graphdef: nnx.GraphDef, params: nnx.State, kv_caches, batch: StepBatch
         attn = dataclasses.replace(
             meta, slot_mapping=jnp.where(writes, page * page_size + pos % page_size, drop_slot),
             kv_lens=jnp.where(meta.kv_lens > 0, meta.kv_lens + j, 0))
-        hidden, kv, _ = model(ids, pos, kv, attn)
+        hidden, kv = model(ids, pos, kv, attn)
         logits = model.logits(sampled_rows(hidden, batch.sample_index, d),
                               rows=batch.num_rows[0] if d == 1 else None)
         guesses = first_argmax(logits)

@@ -53,7 +53,7 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
     model = nnx.merge(graphdef, params)
     input_ids = jnp.where(batch.prev_index >= 0,
                           prev_tokens[jnp.maximum(batch.prev_index, 0)], batch.input_ids)
-    (hidden, kv_caches, new_features), sown = nnx.capture(model, nnx.Intermediate)(
+    (hidden, kv_caches, new_features), sown = nnx.capture(model.run, nnx.Intermediate)(
         input_ids, batch.positions, kv_caches, batch.attn, expert_load is not None,
         features_from)
     if expert_load is not None:  # MoE layers' counts, in layer order

@@ -189,15 +189,21 @@ class Transformer(nnx.Module):
             self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: KVCache,
-                 meta: AttentionMetadata, router_stats: bool = False,
-                 features_from: tuple[int, ...] = ()
-                 ) -> tuple[jax.Array, KVCache, jax.Array | None]:
-        """Hidden states `[T, hidden]` after the last block (before the final norm), the
-        new caches, and the features an EAGLE head reads (None when `features_from` is
+                 meta: AttentionMetadata, router_stats: bool = False
+                 ) -> tuple[jax.Array, KVCache]:
+        """Hidden states `[T, hidden]` after the last block (before the final norm) and the
+        new caches. With `router_stats` each MoE layer sows its `expert_tokens` (call it
+        under `nnx.capture(model, nnx.Intermediate)`, as runner.forward does)."""
+        hidden, kv_caches, _ = self.run(input_ids, positions, kv_caches, meta, router_stats)
+        return hidden, kv_caches
+
+    def run(self, input_ids: jax.Array, positions: jax.Array, kv_caches: KVCache,
+            meta: AttentionMetadata, router_stats: bool = False,
+            features_from: tuple[int, ...] = ()
+            ) -> tuple[jax.Array, KVCache, jax.Array | None]:
+        """`__call__`, and the features an EAGLE head reads (None when `features_from` is
         empty): the residual stream entering each layer of `features_from`, side by side,
-        where index num_layers stands for the final hidden state after the last norm. With
-        `router_stats` each MoE layer sows its `expert_tokens` (call it under
-        `nnx.capture(model, nnx.Intermediate)`, as runner.forward does)."""
+        where index num_layers stands for the final hidden state after the last norm."""
         shard = self.shard
         x = self.embed[...][input_ids]
         if self.cfg.scale_embeddings:  # sqrt(hidden), rounded to the weights' dtype (as HF)
