@@ -89,6 +89,32 @@ def training_sample(texts: list[str], rng: random.Random) -> str:
 
 # --------------------------------------------------------------- the training
 
+def train_steps(what: str, module, loss_of, steps: int, rng: random.Random) -> None:
+    """`steps` AdamW steps (one-cycle schedule) of `module` on batches of 16 training
+    samples, `loss_of(token ids)` each."""
+    import torch
+
+    vocab = {c: i for i, c in enumerate(SPECIALS + CHARS)}
+    train, _ = stdlib_files()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=2e-3, weight_decay=0.01,
+                                  betas=(0.9, 0.95))
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=2e-3, total_steps=steps,
+                                                   pct_start=0.05)
+    started = time.perf_counter()
+    for step in range(steps):
+        ids = torch.tensor([[0] + [vocab[c] for c in training_sample(train, rng)]
+                            for _ in range(16)])
+        loss = loss_of(ids)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if step % 50 == 0 or step == steps - 1:
+            print(f"  training {what}, step {step}: loss {loss.item():.3f} "
+                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+
+
 def trained_model(name: str, shape: dict, steps: int) -> Path:
     """The trained checkpoint directory (trained and written on first use)."""
     target = cache_root() / f"bench-speculative-v{MODEL_VERSION}-{name}-{steps}"
@@ -99,30 +125,12 @@ def trained_model(name: str, shape: dict, steps: int) -> Path:
 
     torch.manual_seed(0)
     rng = random.Random(0)
-    train, _ = stdlib_files()
     vocab = {c: i for i, c in enumerate(SPECIALS + CHARS)}
     config = transformers.LlamaConfig(
         vocab_size=len(vocab), max_position_embeddings=1024, rms_norm_eps=1e-5,
         bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, **shape)
     model = transformers.LlamaForCausalLM(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01,
-                                  betas=(0.9, 0.95))
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=2e-3, total_steps=steps,
-                                                   pct_start=0.05)
-    batch = 16
-    started = time.perf_counter()
-    for step in range(steps):
-        ids = torch.tensor([[0] + [vocab[c] for c in training_sample(train, rng)]
-                            for _ in range(batch)])
-        loss = model(ids, labels=ids).loss
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        if step % 50 == 0 or step == steps - 1:
-            print(f"  training the {name}, step {step}: loss {loss.item():.3f} "
-                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+    train_steps(f"the {name}", model, lambda ids: model(ids, labels=ids).loss, steps, rng)
     tmp = target.with_name(target.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(tmp, safe_serialization=True)
@@ -154,7 +162,6 @@ def trained_eagle(version: int, target_dir: Path, steps: int) -> Path:
 
     torch.manual_seed(0)
     rng = random.Random(version)
-    train, _ = stdlib_files()
     vocab = {c: i for i, c in enumerate(SPECIALS + CHARS)}
     target = transformers.LlamaForCausalLM.from_pretrained(target_dir).eval()
     target.requires_grad_(False)
@@ -168,14 +175,8 @@ def trained_eagle(version: int, target_dir: Path, steps: int) -> Path:
         with torch.no_grad():  # start from the target's output layer
             head.lm_head.weight.copy_(target.lm_head.weight)
             head.norm.weight.copy_(target.model.norm.weight)
-    optimizer = torch.optim.AdamW(head.parameters(), lr=2e-3, weight_decay=0.01,
-                                  betas=(0.9, 0.95))
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=2e-3, total_steps=steps,
-                                                   pct_start=0.05)
-    started = time.perf_counter()
-    for step in range(steps):
-        ids = torch.tensor([[0] + [vocab[c] for c in training_sample(train, rng)]
-                            for _ in range(16)])
+
+    def loss_of(ids):
         with torch.no_grad():
             states = target(ids, output_hidden_states=True).hidden_states
             feats = torch.cat([states[i] for i in aux], dim=-1)
@@ -185,23 +186,15 @@ def trained_eagle(version: int, target_dir: Path, steps: int) -> Path:
         x = x + (torch.rand_like(x) - 0.5) * 0.2  # EAGLE's noise on the features
         if version == 1:
             h = head(embeds, x)
-            loss = F.smooth_l1_loss(h[:, :-1], states[layers][:, 1:-1]) + 0.1 * F.cross_entropy(
+            return F.smooth_l1_loss(h[:, :-1], states[layers][:, 1:-1]) + 0.1 * F.cross_entropy(
                 target.lm_head(h[:, :-1]).flatten(0, 1), labels.flatten())
-        else:
-            h = head(embeds, head.fc(x))
-            loss = F.cross_entropy(head.logits(h[:, :-1], target).flatten(0, 1),
-                                   labels.flatten())
-            h2 = head(embeds[:, 1:], h[:, :-1])  # pair p + 1 reads pair p's output
-            loss = loss + F.cross_entropy(head.logits(h2[:, :-1], target).flatten(0, 1),
-                                          labels[:, 1:].flatten())
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        if step % 50 == 0 or step == steps - 1:
-            print(f"  training the EAGLE-{version} head, step {step}: loss {loss.item():.3f} "
-                  f"({time.perf_counter() - started:.0f} s)", flush=True)
+        h = head(embeds, head.fc(x))
+        h2 = head(embeds[:, 1:], h[:, :-1])  # pair p + 1 reads pair p's output
+        return (F.cross_entropy(head.logits(h[:, :-1], target).flatten(0, 1), labels.flatten())
+                + F.cross_entropy(head.logits(h2[:, :-1], target).flatten(0, 1),
+                                  labels[:, 1:].flatten()))
+
+    train_steps(f"the EAGLE-{version} head", head, loss_of, steps, rng)
     tmp = out.with_name(out.name + ".tmp")
     write_head(head, cfg, tmp, torch_file=False,
                **({"eagle_aux_hidden_state_layer_ids": list(aux)} if version == 3 else {}))

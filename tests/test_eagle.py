@@ -74,12 +74,12 @@ def check_against_reference(seen, head, target, aux) -> None:
     its logits (after which the drafts may part)."""
     compared = total = 0
     for tokens_so_far, ours in seen:
-        want, margins = drafts(head, target, tokens_so_far, len(ours), aux)
-        for j, (a, b) in enumerate(zip(ours, want)):
+        theirs, margins = drafts(head, target, tokens_so_far, len(ours), aux)
+        for j, (a, b) in enumerate(zip(ours, theirs)):
             total += 1
             if margins[j] < 1e-3:
                 break
-            assert a == b, (len(tokens_so_far), j, ours, want)
+            assert a == b, (len(tokens_so_far), j, ours, theirs)
             compared += 1
     assert total > 100 and compared > 0.9 * total
 

@@ -14,8 +14,9 @@ tokens) still make one key tile. Blocks wholly before the sliding window or past
 last query are skipped. A quantized cache (int8 / fp8) is loaded as stored and converted to
 q's dtype in registers: the per-token K scales multiply the scores, the V scales the
 probabilities. Speculative trees: each item's tree start and its rows' tree masks are
-operands too, masking the scores beside causality. Dots take q's dtype with float32 accumulation (bf16 probabilities before
-P·V when q is bf16; IEEE float32, not Triton's TF32 default, when q is float32).
+operands too, masking the scores beside causality. Dots take q's dtype with float32
+accumulation (bf16 probabilities before P·V when q is bf16; IEEE float32, not Triton's
+TF32 default, when q is float32).
 
 Block-size rule (no device query, so it is the same when lowering ahead of time). Triton
 tensors are powers of two and its dot needs every dimension >= 16:
