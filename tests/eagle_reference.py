@@ -13,6 +13,8 @@ import torch
 import transformers as tf
 from transformers.models.llama import modeling_llama as llama
 
+from published_heads import save_module
+
 
 class Eagle1(torch.nn.Module):
     """EAGLE-1: fc over [embedding, target feature], a Llama layer without its input norm;
@@ -118,15 +120,9 @@ def _causal(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 def write_head(head: torch.nn.Module, cfg: tf.LlamaConfig, path: Path, torch_file: bool,
                **extra) -> Path:
     """The published layout: config.json and model.safetensors (or pytorch_model.bin)."""
-    from safetensors.torch import save_file
-
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps({**cfg.to_dict(), **extra}))
-    state = {k: v.contiguous() for k, v in head.state_dict().items()}
-    if torch_file:
-        torch.save(state, path / "pytorch_model.bin")
-    else:
-        save_file(state, str(path / "model.safetensors"))
+    save_module(head, path, "model.safetensors", "pytorch_model.bin", torch_file)
     return path
 
 

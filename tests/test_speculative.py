@@ -17,6 +17,7 @@ from jaxserve.config import EngineConfig, SpeculativeConfig
 from jaxserve.engine.proposers import NgramProposer, TokenProposer
 from jaxserve.engine.speculation import SpeculationStats, Speculator
 from oracle_proposer import OracleProposer
+from published_heads import save_module
 
 from conftest import VOCAB
 
@@ -347,17 +348,11 @@ def medusa_heads(hf_model, heads: int, layers: int, seed: int, copy_lm_head: boo
 def write_medusa(path, module, layers: int, torch_file: bool = False):
     import json
 
-    from safetensors.torch import save_file
-
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps({
         "medusa_num_heads": len(module), "medusa_num_layers": layers,
         "base_model_name_or_path": "tiny-llama"}))
-    state = {k: v.contiguous() for k, v in module.state_dict().items()}
-    if torch_file:
-        torch.save(state, path / "medusa_lm_head.pt")
-    else:
-        save_file(state, str(path / "medusa_lm_head.safetensors"))
+    save_module(module, path, "medusa_lm_head.safetensors", "medusa_lm_head.pt", torch_file)
     return path
 
 

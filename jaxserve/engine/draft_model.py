@@ -31,9 +31,9 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
-from jaxserve.engine.proposers import Proposer
+from jaxserve.engine.proposers import Proposer, first_round
 from jaxserve.engine.request import PLACEHOLDER, Sequence
-from jaxserve.engine.runner import ModelRunner, on_param_leaves, sampled_rows
+from jaxserve.engine.runner import ModelRunner, on_param_leaves, position_slots, sampled_rows
 from jaxserve.engine.sampler import first_argmax
 from jaxserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxserve.models.parallel import real_token_mask
@@ -55,16 +55,14 @@ def chain(graphdef: nnx.GraphDef, params: nnx.State, kv_caches, batch: StepBatch
     real = real_token_mask(meta, t)
     ids = jnp.where(batch.prev_index >= 0, prev_tokens[jnp.maximum(batch.prev_index, 0)],
                     batch.input_ids)
-    last_page = meta.page_indices.shape[1] - 1
 
     def round_(j, carry):
         kv, ids, out = carry
         pos = batch.positions + j
-        page = jnp.take_along_axis(meta.page_indices[seq],
-                                   jnp.minimum(pos // page_size, last_page)[:, None], 1)[:, 0]
+        slots = position_slots(meta.page_indices[seq], pos, page_size)
         writes = real & (j < limits[seq])
         attn = dataclasses.replace(
-            meta, slot_mapping=jnp.where(writes, page * page_size + pos % page_size, drop_slot),
+            meta, slot_mapping=jnp.where(writes, slots, drop_slot),
             kv_lens=jnp.where(meta.kv_lens > 0, meta.kv_lens + j, 0))
         hidden, kv = model(ids, pos, kv, attn)
         logits = model.logits(sampled_rows(hidden, batch.sample_index, d),
@@ -116,24 +114,8 @@ class DraftModel(Proposer):
     def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler
                       ) -> list[list[int]]:
         """Drafts for each (sequence, at most k) of the coming step."""
-        shards = self.builder.data_shards
-        budgets = [self.max_num_batched_tokens // shards] * shards
         drafts: list[list[int]] = [[] for _ in entries]
-        want = [0] * len(entries)  # drafts each sequence will get
-        first = []  # round 1: (entry index, its chunk)
-        for i, (seq, k) in enumerate(entries):
-            start = min(seq.draft_computed_tokens, seq.num_tokens - 1)
-            n = min(seq.num_tokens - start, budgets[seq.data_shard])
-            allocator = scheduler.allocators[seq.data_shard]
-            # The newest token may have no page yet (the target's next step takes it).
-            if n <= 0 or not allocator.allocate_more(seq, start + n):
-                continue
-            budgets[seq.data_shard] -= n
-            caught_up = start + n == seq.num_tokens
-            if caught_up and allocator.allocate_more(seq, seq.num_tokens + k - 1):
-                want[i] = k
-            first.append((i, ScheduledSeq(seq, start, n)))
-            seq.draft_computed_tokens = start + n
+        first, want = first_round(entries, scheduler, self.max_num_batched_tokens, lag=0)
         if not first:
             return drafts
         out = SchedulerOutput([s for _, s in first], [], sum(s.num_new_tokens for _, s in first))
@@ -141,7 +123,7 @@ class DraftModel(Proposer):
         guesses = self.runner.dispatch(batch, key).token_ids
         rows = {s.seq: s.row for _, s in first}
         more = [(i, ScheduledSeq(entries[i][0], entries[i][0].num_tokens, 1,
-                                 drafts=[PLACEHOLDER])) for i in range(len(entries)) if want[i] > 1]
+                                 drafts=[PLACEHOLDER])) for i, k in want.items() if k > 1]
         chained = None
         if more:  # rounds 2..k, each sequence writing only as many as it takes drafts
             out = SchedulerOutput([s for _, s in more], [], len(more))
@@ -153,7 +135,7 @@ class DraftModel(Proposer):
             chained = self._run_chain(batch, key, limits)
         guesses = np.asarray(guesses.addressable_data(0))
         for i, sched in first:
-            if want[i]:
+            if i in want:
                 drafts[i].append(int(guesses[sched.row]))
         if chained is not None:
             chained = np.asarray(chained.addressable_data(0))

@@ -30,11 +30,11 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
-from jaxserve.engine.proposers import Proposer
+from jaxserve.engine.proposers import Proposer, first_round
 from jaxserve.engine.request import Sequence
-from jaxserve.engine.runner import ModelRunner, global_slots, sampled_rows
+from jaxserve.engine.runner import ModelRunner, global_slots, position_slots, sampled_rows
 from jaxserve.engine.sampler import first_argmax
-from jaxserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.models.eagle import EagleHead, embed
 from jaxserve.models.transformer import AttentionMetadata
 from sharding.rules import ShardingContext
@@ -65,16 +65,14 @@ def draft(graphdef: nnx.GraphDef, params: nnx.State, target_graphdef: nnx.GraphD
     local = jnp.arange(s // d + 1)
     cu = jnp.minimum(local[None, :], meta.num_seqs[:, None]).reshape(-1)
     seq_real = (jnp.arange(s) % (s // d)) < jnp.repeat(meta.num_seqs, s // d)
-    last_page = meta.page_indices.shape[1] - 1
 
     def round_(j, carry):
         kv, ids, hidden, out = carry
         pos = meta.kv_lens - 1 + j
-        page = jnp.take_along_axis(meta.page_indices,
-                                   jnp.minimum(pos // page_size, last_page)[:, None], 1)[:, 0]
         writes = seq_real & (j <= limits)
         attn = AttentionMetadata(
-            slot_mapping=jnp.where(writes, page * page_size + pos % page_size, drop_slot),
+            slot_mapping=jnp.where(writes, position_slots(meta.page_indices, pos, page_size),
+                                   drop_slot),
             cu_q_lens=cu, kv_lens=jnp.where(seq_real, meta.kv_lens + j, 0),
             page_indices=meta.page_indices, num_seqs=meta.num_seqs)
         hidden, kv = head(embed(target, ids), hidden, pos, kv, attn, from_target=False)
@@ -142,21 +140,9 @@ class EagleProposer(Proposer):
                       ) -> list[list[int]]:
         """Drafts for each (sequence, at most k) of the coming step."""
         shards = self.builder.data_shards
-        budgets = [self.max_num_batched_tokens // shards] * shards
         drafts: list[list[int]] = [[] for _ in entries]
-        want = {}  # entry index -> drafts it gets
-        first = []  # (entry index, its new pairs)
-        for i, (seq, k) in enumerate(entries):
-            start, end = seq.draft_computed_tokens, seq.num_tokens - 1
-            n = min(end - start, budgets[seq.data_shard])
-            if n <= 0:
-                continue
-            budgets[seq.data_shard] -= n
-            allocator = scheduler.allocators[seq.data_shard]
-            if start + n == end and allocator.allocate_more(seq, seq.num_tokens + k - 1):
-                want[i] = k
-            first.append((i, ScheduledSeq(seq, start, n)))
-            seq.draft_computed_tokens = start + n  # the extra rounds' pairs are not kept
+        # Pairs up to the newest token's predecessor (the newest has no features yet).
+        first, want = first_round(entries, scheduler, self.max_num_batched_tokens, lag=1)
         if not first:
             return drafts
         out = SchedulerOutput([s for _, s in first], [], sum(s.num_new_tokens for _, s in first))

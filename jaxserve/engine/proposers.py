@@ -9,7 +9,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from jaxserve.engine.request import Sequence
-from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.scheduler import ScheduledSeq, Scheduler
 
 
 class Proposer(abc.ABC):
@@ -25,6 +25,34 @@ class Proposer(abc.ABC):
     def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler
                       ) -> list[list[int]]:
         """Drafts for each (sequence, at most k) of the coming step."""
+
+
+def first_round(entries: list[tuple[Sequence, int]], scheduler: Scheduler, budget: int,
+                lag: int) -> tuple[list[tuple[int, ScheduledSeq]], dict[int, int]]:
+    """Round 1 of a proposer with a model of its own (draft_model.py, eagle.py): for each
+    (sequence, k), its inputs from `draft_computed_tokens` (at most its newest token) up
+    to `num_tokens - lag`, within its data shard's share of the token `budget` and the
+    pages it holds. Returns (entry index, its chunk) for those with inputs, and the drafts
+    each caught-up sequence gets: k where it also holds pages for its newest token and
+    the k - 1 rounds after (no pages, no drafts). Moves `draft_computed_tokens` past the
+    chunks."""
+    shards = len(scheduler.allocators)
+    budgets = [budget // shards] * shards
+    first, want = [], {}
+    for i, (seq, k) in enumerate(entries):
+        start = min(seq.draft_computed_tokens, seq.num_tokens - 1)
+        end = seq.num_tokens - lag
+        n = min(end - start, budgets[seq.data_shard])
+        allocator = scheduler.allocators[seq.data_shard]
+        # The newest token may have no page yet (the target's next step takes it).
+        if n <= 0 or not allocator.allocate_more(seq, start + n):
+            continue
+        budgets[seq.data_shard] -= n
+        if start + n == end and allocator.allocate_more(seq, seq.num_tokens + k - 1):
+            want[i] = k
+        first.append((i, ScheduledSeq(seq, start, n)))
+        seq.draft_computed_tokens = start + n
+    return first, want
 
 
 class TokenProposer(Proposer):

@@ -73,6 +73,15 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
     return kv_caches, logits, expert_load, guesses, features
 
 
+def position_slots(page_indices: jax.Array, positions: jax.Array, page_size: int
+                   ) -> jax.Array:
+    """The KV slot of each row's position in its page table (`[N, pages]`, `[N]`), on the
+    device; positions past the table read its last page (callers mask those writes)."""
+    page = jnp.minimum(positions // page_size, page_indices.shape[1] - 1)
+    return (jnp.take_along_axis(page_indices, page[:, None], 1)[:, 0] * page_size
+            + positions % page_size)
+
+
 def global_slots(slots: jax.Array, num_slots: int, data_shards: int) -> jax.Array:
     """Each token's KV slot (within its data shard's pool of `num_slots`) as an index into
     all shards' slots together; padding tokens' (out of their pool) are out of range."""

@@ -70,7 +70,7 @@ class SpeculationStats:
 
 class Speculator:
     """The engine's speculative decoding: the proposer, the policy and the counters.
-    `proposer`: the draft model's (draft_model.py) for that method; n-gram's by default."""
+    `proposer`: the method's (a draft model's, Medusa's, EAGLE's); n-gram's by default."""
 
     def __init__(self, config: SpeculativeConfig, proposer=None):
         self.config = config
