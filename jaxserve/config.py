@@ -6,6 +6,7 @@ mapping (`ModelConfig.from_hf`) serves checkpoints and presets alike.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import os
@@ -14,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from pallas_kernels.ragged_paged_attention.work_items import MAX_TREE_NODES
 from sharding.strategies import MESH_AXES, STRATEGIES
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
@@ -41,6 +43,11 @@ class SpeculativeConfig:
     "eagle" / "eagle3": `model`, an EAGLE-1 / EAGLE-3 head (config.json and weights),
     guesses `num_speculative_tokens` tokens greedily from the target's features.
     The step verifies the drafts as extra query tokens (engine/speculation.py).
+    `speculative_token_tree` (Medusa only; vLLM's, as a list or its string): the tree of
+    candidates to verify instead of a chain, as paths of ranks, e.g. [[0], [1], [0, 0]]
+    (the first head's top two guesses, and the second head's top guess after the first
+    head's top one), every path's parent in it, at most 32 paths, none deeper than
+    `num_speculative_tokens` (engine/token_tree.py).
     Speculation stops while more than `disable_by_batch_size` sequences run (None: never):
     a batch that large is compute-bound, and guessed tokens only add work.
     """
@@ -51,6 +58,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     disable_by_batch_size: int | None = 8
     model: str | None = None  # the draft model's checkpoint directory
+    speculative_token_tree: Any = None  # kept as a tuple of paths in depth-first order
 
     def __post_init__(self) -> None:
         if self.method is None:
@@ -76,6 +84,45 @@ class SpeculativeConfig:
         if limit is not None and (not isinstance(limit, int) or limit < 1):
             raise ValueError(f"speculative_config: disable_by_batch_size must be a positive "
                              f"integer or null, got {limit!r}")
+        if self.speculative_token_tree is not None:
+            object.__setattr__(self, "speculative_token_tree", self._tree())
+
+    def _tree(self) -> tuple[tuple[int, ...], ...]:
+        """The tree's paths, checked, in depth-first order with ranks ascending."""
+        def bad(why: str) -> ValueError:
+            return ValueError(f"speculative_config: speculative_token_tree {why}")
+
+        if self.method != "medusa":
+            raise bad(f"needs method 'medusa' (got {self.method!r}): only Medusa's heads "
+                      "propose trees")
+        tree = self.speculative_token_tree
+        if isinstance(tree, str):
+            try:
+                tree = ast.literal_eval(tree)
+            except (ValueError, SyntaxError):
+                raise bad(f"must be a list of paths such as [[0], [1], [0, 0]], got "
+                          f"{tree!r}") from None
+        if not isinstance(tree, (list, tuple)) or not tree:
+            raise bad(f"must be a non-empty list of paths, got {tree!r}")
+        paths = []
+        for path in tree:
+            if (not isinstance(path, (list, tuple)) or not path or
+                    not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0
+                            for r in path)):
+                raise bad(f"paths are non-empty lists of ranks >= 0, got {path!r}")
+            paths.append(tuple(path))
+        if len(set(paths)) != len(paths):
+            raise bad("lists a path twice")
+        if len(paths) > MAX_TREE_NODES:
+            raise bad(f"has {len(paths)} paths; at most {MAX_TREE_NODES} (the attention "
+                      "kernels' tree masks are 32 bits)")
+        for path in paths:
+            if len(path) > 1 and path[:-1] not in paths:
+                raise bad(f"has {list(path)} without its parent {list(path[:-1])}")
+            if len(path) > self.num_speculative_tokens:
+                raise bad(f"path {list(path)} is deeper than num_speculative_tokens "
+                          f"({self.num_speculative_tokens}), the heads it may use")
+        return tuple(sorted(paths))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SpeculativeConfig":

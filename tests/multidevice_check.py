@@ -17,7 +17,6 @@ import tempfile
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxserve import LLM, SamplingParams
@@ -110,12 +109,15 @@ def main(model_dir: str, out_path: str, moe_dir: str | None = None) -> None:
     medusa_dir = repeat_token_medusa_heads(model_dir)
     eagle_dir = repeat_token_eagle_head(model_dir)
     for mesh, strategy, extra, suffix in SPEC_RUNS:
-        method = suffix.split()[-1] if suffix.endswith(("draft", "medusa", "eagle")) else "ngram"
+        words = suffix.split()
+        method = next((m for m in ("draft", "medusa", "eagle") if m in words), "ngram")
         model = {"draft": model_dir, "medusa": medusa_dir, "eagle": eagle_dir}.get(method)
+        tree = {"speculative_token_tree": [[0], [0, 0], [1], [1, 0], [1, 1], [0, 0, 0]]
+                } if "tree" in words else {}
         llm = LLM(model_dir, mesh=mesh, sharding=strategy, **ENGINE, **extra,
                   speculative_config={"num_speculative_tokens": 3, "disable_by_batch_size": None,
-                                      "model": model, "method": method.replace("draft",
-                                                                               "draft_model")})
+                                      "model": model, **tree,
+                                      "method": method.replace("draft", "draft_model")})
         one_device = results["null" + (" int8" if extra else "")]["tokens"]
         if method == "ngram":
             llm.engine.speculator.proposer = OracleProposer(list(zip(prompts, one_device)),
@@ -158,8 +160,9 @@ def main(model_dir: str, out_path: str, moe_dir: str | None = None) -> None:
 SPEC_RUNS = [({"model": 2}, "tp", {}, ""), ({"data": 2, "model": 2}, "dp+tp", {}, ""),
              ({"model": 2}, "tp", {"quantization": "int8"}, " int8"),
              ({"model": 2}, "tp", {}, " draft"), ({"data": 2, "model": 2}, "dp+tp", {}, " draft"),
-             ({"model": 2}, "tp", {}, " medusa"), ({"model": 2}, "tp", {}, " eagle"),
-             ({"data": 2, "model": 2}, "dp+tp", {}, " eagle")]
+             ({"model": 2}, "tp", {}, " medusa"),
+             ({"data": 2, "model": 2}, "dp+tp", {}, " medusa tree"),
+             ({"model": 2}, "tp", {}, " eagle"), ({"data": 2, "model": 2}, "dp+tp", {}, " eagle")]
 
 
 def repeat_token_medusa_heads(model_dir: str) -> str:

@@ -14,9 +14,9 @@ import torch
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig, SpeculativeConfig
-from jaxserve.engine.proposers import NgramProposer, TokenProposer
+from jaxserve.engine.proposers import MedusaProposer, NgramProposer, TokenProposer
 from jaxserve.engine.speculation import SpeculationStats, Speculator
-from oracle_proposer import OracleProposer
+from oracle_proposer import OracleProposer, OracleTreeProposer
 from published_heads import save_module
 
 from conftest import VOCAB
@@ -359,7 +359,7 @@ def write_medusa(path, module, layers: int, torch_file: bool = False):
 @pytest.mark.parametrize("torch_file", [False, True])
 def test_medusa_heads_compute_as_the_published_modules(checkpoints, tmp_path, torch_file):
     """Both published files (safetensors; torch's, read with weights_only): each head's
-    guess equals the argmax of the torch module on the same hidden states."""
+    top 3 guesses, in order, are those of the torch module on the same hidden states."""
     import jax.numpy as jnp
 
     from jaxserve.loading.medusa import load_medusa
@@ -372,9 +372,9 @@ def test_medusa_heads_compute_as_the_published_modules(checkpoints, tmp_path, to
     x = torch.randn(7, hf.config.hidden_size)
     ours = medusa_tokens(jnp.asarray(x.numpy()), MedusaHeads(
         *(jnp.asarray(a) for a in (loaded.block_weights, loaded.block_biases,
-                                   loaded.lm_heads))))
+                                   loaded.lm_heads)), top=3))
     with torch.no_grad():
-        want = torch.stack([head(x).argmax(-1) for head in module], dim=1)
+        want = torch.stack([torch.topk(head(x), 3).indices for head in module], dim=1)
     assert np.asarray(ours).tolist() == want.tolist()
 
 
@@ -390,16 +390,19 @@ def medusa_llm(checkpoints, tmp_path_factory):
         "disable_by_batch_size": None})
 
 
-def test_medusa_gives_the_target_tokens(medusa_llm, base, want, prompts):
-    stats = fresh_counters(medusa_llm)
-    assert tokens(medusa_llm.generate(prompts, GREEDY)) == want
+@pytest.mark.parametrize("heads", ["medusa_llm", "tree_llm"])
+def test_medusa_gives_the_target_tokens(request, heads, base, want, prompts):
+    """The heads' own guesses, a chain of each head's top one or a tree of each head's top
+    two: greedy and seeded sampling give the tokens of no speculation."""
+    llm = request.getfixturevalue(heads)
+    stats = medusa_speculating(llm)
+    assert tokens(llm.generate(prompts, GREEDY)) == want
     # Prompt 2's output opens with five 17s: after the first, all three guesses hit.
     assert 0 < stats.num_accepted < stats.num_proposed and stats.accepted[2] > 0
     sampled = [SamplingParams(temperature=0.8, top_k=20, seed=s, max_tokens=30,
                               ignore_eos=True) for s in range(4)]
-    assert tokens(medusa_llm.generate(prompts, sampled)) == tokens(base.generate(prompts,
-                                                                                 sampled))
-    check_clean(medusa_llm)
+    assert tokens(llm.generate(prompts, sampled)) == tokens(base.generate(prompts, sampled))
+    check_clean(llm)
 
 
 def test_medusa_needs_enough_heads(checkpoints, tmp_path):
@@ -408,6 +411,123 @@ def test_medusa_needs_enough_heads(checkpoints, tmp_path):
     with pytest.raises(ValueError, match="has 2 Medusa heads"):
         LLM(str(checkpoints("llama")[0]), **ENGINE, warmup=False, speculative_config={
             "method": "medusa", "model": str(path), "num_speculative_tokens": 3})
+
+
+# ------------------------------------------------------------------- trees
+
+# Ranks 0 and 1 of each of three heads: 14 nodes, in depth-first order.
+TREE = [[a] for a in (0, 1)] + [[a, b] for a in (0, 1) for b in (0, 1)] + [
+    [a, b, c] for a in (0, 1) for b in (0, 1) for c in (0, 1)]
+
+
+def test_tree_masks_paths_and_acceptance():
+    """Masks against each node's ancestors found by walking up its parents' path ranks;
+    the accepted path follows the samples down the tree."""
+    from jaxserve.engine import token_tree
+
+    paths = SpeculativeConfig(method="medusa", model="m", num_speculative_tokens=3,
+                              speculative_token_tree=str(TREE)).speculative_token_tree
+    assert paths[:3] == ((0,), (0, 0), (0, 0, 0)) and len(paths) == 14
+    parents = token_tree.paths_parents(paths)
+    masks = token_tree.masks(parents).view(np.uint32)
+    for j, p in enumerate(paths):
+        seen = {i for i in range(len(paths)) if masks[j] >> i & 1}
+        assert seen == {paths.index(p[:n]) for n in range(1, len(p) + 1)}
+    assert token_tree.depths(parents) == list(map(len, paths))
+    tokens = [10 + j for j in range(14)]
+    # The root samples node 7's token ((1,)), node 7 samples node 8's ((1, 0)), node 8's
+    # sample matches no child of it: accepted [7, 8], the third token is node 8's sample.
+    samples = [0] * 15
+    samples[0], samples[1 + 7], samples[1 + 8] = 17, 18, 99
+    assert token_tree.accepted_path(tokens, parents, samples) == [7, 8]
+    assert token_tree.in_place([7, 8]) == 0 and token_tree.in_place([0, 1, 5]) == 2
+    assert token_tree.accepted_path(tokens, parents, [10, 11, 12] + [0] * 12) == [0, 1, 2]
+
+
+@pytest.fixture(scope="module")
+def tree_llm(checkpoints, tmp_path_factory):
+    """Medusa heads like medusa_llm's (identity blocks, the target's LM head) verifying a
+    tree of each head's top two guesses. The token budget holds four sequences' trees
+    after the most tokens a tree's step can leave to compute again (3 + 1 + 14 each), so
+    no tree is cut."""
+    hf = checkpoints("llama")[1]
+    path = write_medusa(tmp_path_factory.mktemp("medusa"),
+                        medusa_heads(hf, heads=3, layers=1, seed=1, copy_lm_head=True), 1)
+    engine = {**ENGINE, "max_num_batched_tokens": 80, "token_buckets": (16, 80)}
+    return LLM(str(checkpoints("llama")[0]), **engine, speculative_config={
+        "method": "medusa", "model": str(path), "num_speculative_tokens": 3,
+        "disable_by_batch_size": None, "speculative_token_tree": TREE})
+
+
+def medusa_speculating(llm: LLM, oracle: dict | None = None) -> SpeculationStats:
+    """Fresh counters for `llm`'s Medusa config (chain or tree), with the heads proposing,
+    or with `oracle` an OracleTreeProposer of those arguments (`llm.oracle` afterwards)."""
+    config = llm.engine.speculator.config
+    paths = config.speculative_token_tree
+    llm.oracle = (OracleTreeProposer(paths=paths, **oracle) if oracle is not None
+                  else MedusaProposer(paths))
+    return speculating(llm, llm.oracle, **dataclasses.asdict(config))
+
+
+def test_a_tree_accepts_the_right_branch_wherever_it_lies(tree_llm, want, prompts):
+    """Each tree holds the known tokens along a random branch, the rest wrong: a node that
+    saw a sibling or a cousin (mask), sat at a wrong rope position, or a path accepted out
+    of its slots and kept (K/V fix-up) would change the greedy tokens or reject some."""
+    stats = medusa_speculating(tree_llm, dict(runs=list(zip(prompts, want)), vocab=VOCAB))
+    assert tokens(tree_llm.generate(prompts, GREEDY)) == want
+    assert stats.accepted == stats.proposed and stats.proposed[2] > 20
+    oracle = tree_llm.oracle
+    assert oracle.out_of_place > oracle.calls // 2  # most branches lie outside the slots
+    check_clean(tree_llm)
+
+
+def test_trees_with_preemption_chunked_prefill_and_prefix_hits(checkpoints, want, prompts,
+                                                               tree_llm):
+    """Trees of 14 nodes in a budget of 32 tokens (cut to fit) with a pool too small for
+    the four sequences, prompts cut into chunks, then the prompts cached."""
+    llm = LLM(str(checkpoints("llama")[0]), **{**ENGINE, "max_num_batched_tokens": 32,
+                                               "token_buckets": (32,)}, num_pages=32,
+              speculative_config=tree_llm.engine.speculator.config)
+    stats = medusa_speculating(llm, dict(runs=list(zip(prompts, want)), vocab=VOCAB, seed=1,
+                                       spoil=3))
+    assert tokens(llm.generate(prompts, GREEDY)) == want
+    assert llm.engine.scheduler.num_preemptions > 0
+    outs = llm.generate(prompts, GREEDY)
+    assert tokens(outs) == want and sum(o.num_cached_tokens for o in outs) > 0
+    assert 0 < stats.num_accepted < stats.num_proposed
+    check_clean(llm)
+
+
+def test_seeded_sampling_through_tree_branches(tree_llm, base, prompts):
+    """Trees holding the seeded samples of no speculation along random branches: every
+    node's row samples its own output number (its depth, not its place in the tree) with
+    its path as the history of its penalties, so every branch is accepted whole and the
+    tokens and logprobs are those of no speculation."""
+    sampled = [SamplingParams(temperature=0.8, top_k=20, seed=s, max_tokens=30,
+                              presence_penalty=0.5, repetition_penalty=1.2, logprobs=2,
+                              ignore_eos=True) for s in range(4)]
+    theirs = base.generate(prompts, sampled)
+    stats = medusa_speculating(tree_llm, dict(runs=list(zip(prompts, tokens(theirs))),
+                                            vocab=VOCAB, seed=2))
+    ours = tree_llm.generate(prompts, sampled)
+    assert tokens(ours) == tokens(theirs)
+    assert stats.accepted == stats.proposed and stats.proposed[2] > 10
+    for a, b in zip(ours, theirs):
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys()
+            assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+    check_clean(tree_llm)
+
+
+def test_trees_need_medusa_and_no_sliding_window(checkpoints, tmp_path):
+    with pytest.raises(ValueError, match="needs method 'medusa'"):
+        EngineConfig(speculative_config={"speculative_token_tree": [[0]]})
+    hf = checkpoints("mistral")[1]
+    path = write_medusa(tmp_path / "m", medusa_heads(hf, heads=2, layers=1, seed=2), 1)
+    with pytest.raises(ValueError, match="without sliding-window attention"):
+        LLM(str(checkpoints("mistral")[0]), **ENGINE, warmup=False, speculative_config={
+            "method": "medusa", "model": str(path), "num_speculative_tokens": 2,
+            "speculative_token_tree": [[0], [0, 0]]})
 
 
 # ------------------------------------------------------------- the distribution
@@ -490,7 +610,8 @@ def test_a_wrong_acceptance_rule_fails_the_distribution_test(spec, target, monke
     import jaxserve.engine.engine as engine_module
 
     prompt, dist, argmax = target
-    monkeypatch.setattr(engine_module, "accepted_length", lambda drafts, samples: len(drafts))
+    monkeypatch.setattr(engine_module, "accepted_path",
+                        lambda drafts, parents, samples: list(range(len(drafts))))
     speculating(spec, TopDraft(len(prompt), argmax))
     counts = _sample_sequences(spec, prompt, 500, 3, 3)
     assert _chi_square_p(counts, dist, 500) < 1e-6

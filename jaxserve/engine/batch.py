@@ -8,7 +8,9 @@ Penalties need every sequence's token history, so batches that use them carry a
 The step samples R rows: one per sequence (R = S), or, in a step verifying speculative
 drafts (`BucketKey.drafts` k > 0), one per draft and one more for each sequence (R =
 min(T, S * (k + 1)), the most a batch can need). `sample_index` says which token's logits
-each row samples; the sampling arrays are per row.
+each row samples; the sampling arrays are per row. A step verifying trees of drafts
+(`BucketKey.tree`: Medusa's candidate trees, engine/token_tree.py) also carries the tree
+masks in its AttentionMetadata, and k counts a tree's nodes.
 
 With D data-parallel shards every array is D equal blocks (T/D tokens, S/D sequences
 each), block d holding the sequences placed in shard d, with token offsets, slots and
@@ -25,6 +27,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from jaxserve.engine import token_tree
 from jaxserve.engine.request import PLACEHOLDER, Sequence
 from jaxserve.engine.sampler import SamplingArrays, TokenHistory
 from jaxserve.engine.scheduler import SchedulerOutput
@@ -58,6 +61,7 @@ class BucketKey(NamedTuple):
     seqs: int  # S
     history: bool  # carries every sequence's token history (penalties)
     drafts: int = 0  # k: most drafts a sequence verifies (0: no speculation)
+    tree: bool = False  # the drafts may be trees (the attention takes tree masks)
 
     @property
     def rows(self) -> int:
@@ -77,6 +81,7 @@ class BatchBuilder:
     vocab_size: int  # of the logits, for the grammar mask's width
     data_shards: int = 1
     num_speculative_tokens: int = 0  # k of the speculating buckets (0: none)
+    tree: bool = False  # the speculating buckets verify trees (k nodes at most)
     # The draft model's batches (draft_model.py): drafts are only input tokens (the
     # sequence's last one sampled), every row greedy on the raw logits, no history.
     draft_model: bool = False
@@ -89,7 +94,7 @@ class BatchBuilder:
         shard_buckets = sorted({-(-t // d) for t in self.token_buckets})
         t = shard_buckets[bisect.bisect_left(shard_buckets, num_tokens)]
         return BucketKey(d * t, d * min(t, self.max_num_seqs // d), history,
-                         self.num_speculative_tokens if drafts else 0)
+                         self.num_speculative_tokens if drafts else 0, self.tree and drafts)
 
     def all_buckets(self) -> list[BucketKey]:
         """Every bucket a schedule can produce."""
@@ -137,12 +142,19 @@ class BatchBuilder:
             batch.positions[t:t + n] = pos
             batch.attn.slot_mapping[t:t + n] = (pages[pos // self.page_size] * self.page_size
                                                 + pos % self.page_size)
+            depth = list(range(1, len(sched.drafts) + 1))  # each draft's, and its row's ahead
+            if sched.parents is not None:  # a tree: its nodes' own positions and masks
+                depth = token_tree.depths(sched.parents)
+                batch.positions[t + own:t + n] = start + own - 1 + np.asarray(depth)
+                batch.attn.tree_start[i] = start + own
+                batch.attn.tree_mask[t + own:t + n] = token_tree.masks(sched.parents)
             ends[data_shard] = local + n
             cu[data_shard * (shard_s + 1) + counts[data_shard]] = local + n
             batch.attn.kv_lens[i] = start + n
             batch.attn.page_indices[i, :len(pages)] = pages
             for j in range(0 if self.draft_model else num_rows):
-                self._fill_sampling(batch.sampling, sched.row + j, seq.params, seq, j)
+                self._fill_sampling(batch.sampling, sched.row + j, seq.params, seq,
+                                    depth[j - 1] if j else 0)
         for data_shard in range(d):
             block = data_shard * (shard_s + 1)
             cu[block + counts[data_shard] + 1:block + shard_s + 1] = ends[data_shard]
@@ -155,11 +167,15 @@ class BatchBuilder:
         """Each row's tokens up to the one whose logits it samples, for penalties: the
         sequence's own tokens, then the drafts before the row's. Call it once they are all
         on the host (the newest may have been a PLACEHOLDER at `build`: the engine samples
-        such a step apart, after the step before is in)."""
+        such a step apart, after the step before is in). In a tree, the drafts before a
+        row are its node's path."""
         for sched in out.scheduled:
             own = sched.start + sched.num_new_tokens - len(sched.drafts)
+            parents = (sched.parents if sched.parents is not None
+                       else token_tree.chain(len(sched.drafts)))
             for j in range(1 + len(sched.drafts)):
-                tokens = sched.seq.token_ids[:own] + sched.drafts[:j]
+                tokens = sched.seq.token_ids[:own] + [
+                    sched.drafts[i] for i in token_tree.path(parents, j - 1)]
                 batch.history.tokens[sched.row + j, :len(tokens)] = tokens
                 batch.history.prompt_lens[sched.row + j] = sched.seq.num_prompt_tokens
 
@@ -195,7 +211,7 @@ class BatchBuilder:
 
     def empty(self, key: BucketKey) -> StepBatch:
         """An all-padding batch of the bucket's shapes (also used to compile it)."""
-        t, s, history, _ = key
+        t, s, history = key.tokens, key.seqs, key.history
         r = key.rows
         i32 = np.int32
         return StepBatch(
@@ -211,6 +227,9 @@ class BatchBuilder:
                 kv_lens=np.zeros(s, i32),
                 page_indices=np.zeros((s, self.pages_per_seq), i32),
                 num_seqs=np.zeros(self.data_shards, i32),
+                # No tree unless one is laid out: every sequence's tree starts past its end.
+                tree_start=np.full(s, np.iinfo(i32).max, i32) if key.tree else None,
+                tree_mask=np.zeros(t, i32) if key.tree else None,
             ),
             sampling=SamplingArrays(
                 temperature=np.zeros(r, np.float32),

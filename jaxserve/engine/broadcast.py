@@ -30,7 +30,8 @@ PING_INTERVAL_S = 1.0
 
 
 def _header(command: int, key: BucketKey = BucketKey(0, 0, False)) -> np.ndarray:
-    return np.array([command, key.tokens, key.seqs, int(key.history), key.drafts], np.int32)
+    return np.array([command, key.tokens, key.seqs, int(key.history), key.drafts,
+                     int(key.tree)], np.int32)
 
 
 class StepBroadcaster:
@@ -50,13 +51,13 @@ class StepBroadcaster:
 def follow(engine) -> None:
     """A follower's loop: run every step process 0 broadcasts, until it says stop."""
     while True:
-        command, t, s, history, drafts = (int(x) for x in
-                                  multihost_utils.broadcast_one_to_all(_header(STOP)))
+        command, t, s, history, drafts, tree = (
+            int(x) for x in multihost_utils.broadcast_one_to_all(_header(STOP)))
         if command == STOP:
             log.info("process 0 said stop")
             return
         if command in (STEP, FORWARD, SAMPLE):
-            key = BucketKey(t, s, bool(history), drafts)
+            key = BucketKey(t, s, bool(history), drafts, bool(tree))
             batch = multihost_utils.broadcast_one_to_all(engine.builder.empty(key))
             run = {STEP: engine.runner.dispatch, FORWARD: engine.runner.dispatch_forward,
                    SAMPLE: engine.runner.dispatch_sample}[command]

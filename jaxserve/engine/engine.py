@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.engine import compile_cache
+from jaxserve.engine import compile_cache, token_tree
 from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.draft_model import DraftModel
 from jaxserve.engine.eagle import EagleProposer
@@ -30,7 +30,8 @@ from jaxserve.engine.runner import (
     ModelRunner, abstract_kv_cache, fetch, kv_page_bytes, pages_per_seq, pool_size)
 from jaxserve.engine.sampler import SampleOutput
 from jaxserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
-from jaxserve.engine.speculation import Speculator, accepted_length
+from jaxserve.engine.speculation import Speculator
+from jaxserve.engine.token_tree import accepted_path
 from jaxserve.engine.structured_output import GrammarCompiler, MaskFiller
 from jaxserve.loading import converted
 from jaxserve.loading.eagle import EagleCheckpoint, load_eagle, read_eagle
@@ -61,7 +62,7 @@ class InFlightStep:
     batch: StepBatch | None = None
     key: BucketKey | None = None
     expert_load: jax.Array | None = None  # ModelRunner.expert_load as this step leaves it
-    guesses: jax.Array | None = None  # Medusa heads' guesses [R, heads], when it made them
+    guesses: jax.Array | None = None  # Medusa heads' guesses [R, heads, top], if it made them
 
     @property
     def sampling(self) -> list[ScheduledSeq]:
@@ -129,19 +130,25 @@ class Engine:
             policy=config.scheduling_policy,
             data_shards=shards,
         ))
+        spec = config.speculative_config
+        tree = spec.speculative_token_tree if spec is not None else None
+        if tree and any(model_config.layer_window(i) for i in range(model_config.num_layers)):
+            raise ValueError("speculative_config: speculative_token_tree needs a model without "
+                             "sliding-window attention (a tree node's window would be "
+                             "counted from its slot, not its position); use a chain")
         self.builder = BatchBuilder(
             token_buckets=config.token_buckets, max_num_seqs=config.max_num_seqs,
             page_size=config.page_size, num_pages=num_pages, pages_per_seq=per_seq,
             max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
             vocab_size=model_config.vocab_size, data_shards=shards,
-            num_speculative_tokens=(config.speculative_config.num_speculative_tokens
-                                    if config.speculative_config else 0))
+            num_speculative_tokens=(len(tree) if tree else spec.num_speculative_tokens
+                                    if spec is not None else 0),
+            tree=bool(tree))
         # Multi-host, process 0: a broadcast.StepBroadcaster sends every step to the others.
         self.runner = ModelRunner(graphdef, params, shard, self.builder, model_config, kv_dtype,
                                   broadcaster, medusa,
                                   eagle[0].features_from if eagle is not None else ())
         self.speculator = None
-        spec = config.speculative_config
         if spec is not None:
             proposer = None  # n-gram's
             if draft is not None:  # the draft model: a runner of its own, the same pages
@@ -152,7 +159,7 @@ class Engine:
                                                   draft_builder, draft_cfg, kv_dtype),
                                       config.max_num_batched_tokens, spec.num_speculative_tokens)
             elif medusa is not None:
-                proposer = MedusaProposer()
+                proposer = MedusaProposer(tree)
             elif eagle is not None:  # its layer's cache: the target's pages, as a draft's
                 ckpt, eagle_shard, eagle_graphdef, eagle_params = eagle
                 layer = abstract_kv_cache(ckpt.cfg, self.num_pages, config.page_size, kv_dtype,
@@ -227,15 +234,18 @@ class Engine:
 
     @staticmethod
     def _load_medusa(spec, target: ModelConfig, dtype, shard: ShardingContext) -> MedusaHeads:
-        """Medusa heads on the devices (replicated), the first num_speculative_tokens."""
+        """Medusa heads on the devices (replicated), the first num_speculative_tokens, each
+        guessing as many tokens as the tree's highest rank needs."""
         heads = load_medusa(spec.model, target.hidden_size, target.vocab_size)
         if spec.num_speculative_tokens > heads.lm_heads.shape[0]:
             raise ValueError(f"speculative_config: num_speculative_tokens is "
                              f"{spec.num_speculative_tokens}, but {spec.model} has "
                              f"{heads.lm_heads.shape[0]} Medusa heads")
         k = spec.num_speculative_tokens
+        top = 1 + max(max(p) for p in spec.speculative_token_tree or [(0,)])
         return MedusaHeads(*(jax.device_put(jnp.asarray(a[:k], dtype), shard.sharding(()))
-                             for a in (heads.block_weights, heads.block_biases, heads.lm_heads)))
+                             for a in (heads.block_weights, heads.block_biases, heads.lm_heads)),
+                           top=top)
 
     @staticmethod
     def _load_draft(path: str, target: ModelConfig, mesh, config: EngineConfig, dtype, options,
@@ -434,8 +444,9 @@ class Engine:
         entries = []
         for seq in self.scheduler.running:
             req = self._requests.get(seq.request_id)
+            behind = seq.num_tokens - seq.num_computed_tokens
             if (req is None or req.grammar is not None or not seq.params.speculative
-                    or seq.num_computed_tokens != seq.num_tokens - 1):
+                    or not 1 <= behind <= 1 + self.speculator.proposer.catch_up):
                 continue
             entries.append((seq, min(req.max_tokens - len(seq.output_token_ids),
                                      self.max_model_len - seq.num_tokens)))
@@ -502,14 +513,16 @@ class Engine:
         and the one after them) to its request, up to the first that ends it. `guesses`:
         Medusa heads' at each row, kept for the next step from the row of the last token."""
         seq, params = req.seq, req.seq.params
-        num_accepted = 0
+        accepted: list[int] = []  # the drafts accepted (their nodes, in a tree)
         if s.drafts:
-            num_accepted = accepted_length(s.drafts, sampled.token_ids[s.row:])
-            self.speculator.stats.record(len(s.drafts), num_accepted)
+            parents = s.parents if s.parents is not None else token_tree.chain(len(s.drafts))
+            accepted = accepted_path(s.drafts, parents, sampled.token_ids[s.row:])
+            self.speculator.stats.record(max(token_tree.depths(parents)), len(accepted))
         finish = stop_reason = error = None
         new_text = ""
         outputs = seq.output_token_ids
-        for i in range(s.row, s.row + num_accepted + 1):
+        rows = [s.row] + [s.row + 1 + j for j in accepted]  # each token's sample
+        for i in rows:
             token = int(sampled.token_ids[i])
             if i == s.row:
                 # This step's PLACEHOLDER: the last one, or the one before if the step
@@ -553,10 +566,10 @@ class Engine:
             del self._requests[seq.request_id]
         else:
             if s.drafts:
-                self.scheduler.rollback(seq)
+                self.scheduler.rollback(seq, len(accepted) - token_tree.in_place(accepted))
             if guesses is not None:  # they follow the last token: (tokens up to it, guesses)
                 seq.medusa_guesses = (seq.num_prompt_tokens + index + 1,
-                                      guesses[s.row + num_accepted].tolist())
+                                      guesses[rows[-1]].tolist())
         out = StepOutput(
             request_id=seq.request_id, new_token_ids=req.pending, new_text=new_text,
             new_logprobs=req.pending_logprobs if params.logprobs is not None else None,

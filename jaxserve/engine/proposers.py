@@ -8,12 +8,19 @@ import abc
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from jaxserve.engine import token_tree
 from jaxserve.engine.request import Sequence
 from jaxserve.engine.scheduler import ScheduledSeq, Scheduler
+from jaxserve.engine.token_tree import DraftTree
 
 
 class Proposer(abc.ABC):
     """Guesses the next tokens of the sequences about to step."""
+
+    # How many tokens besides its newest a sequence may have left to compute and still
+    # get drafts: after a tree's step, those of the path it accepted that sit outside
+    # their positions' slots (token_tree.in_place), which the next step computes again.
+    catch_up = 0
 
     def warmup(self, progress: bool = True) -> None:
         """Compile whatever programs it runs (a proposer with a model of its own)."""
@@ -23,8 +30,8 @@ class Proposer(abc.ABC):
 
     @abc.abstractmethod
     def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler
-                      ) -> list[list[int]]:
-        """Drafts for each (sequence, at most k) of the coming step."""
+                      ) -> list[list[int] | DraftTree]:
+        """Drafts for each (sequence, at most k: a tree's depth) of the coming step."""
 
 
 def first_round(entries: list[tuple[Sequence, int]], scheduler: Scheduler, budget: int,
@@ -69,13 +76,29 @@ class TokenProposer(Proposer):
 
 class MedusaProposer(Proposer):
     """Medusa: the heads' guesses, computed by the target's last step at the row of the
-    sequence's newest token (engine.py keeps them in `Sequence.medusa_guesses`)."""
+    sequence's newest token (engine.py keeps them in `Sequence.medusa_guesses`): each
+    head's top guess as a chain, or with `tree` (SpeculativeConfig.speculative_token_tree,
+    paths of ranks) the tree of those guesses, cut to depth k."""
+
+    def __init__(self, tree: tuple[tuple[int, ...], ...] | None = None):
+        self.tree = tree
+        self.catch_up = max(map(len, tree)) if tree else 0
 
     def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler
-                      ) -> list[list[int]]:
-        return [seq.medusa_guesses[1][:k]
-                if seq.medusa_guesses and seq.medusa_guesses[0] == seq.num_tokens else []
-                for seq, k in entries]
+                      ) -> list[list[int] | DraftTree]:
+        out: list[list[int] | DraftTree] = []
+        for seq, k in entries:
+            if not seq.medusa_guesses or seq.medusa_guesses[0] != seq.num_tokens:
+                out.append([])
+                continue
+            guesses = seq.medusa_guesses[1]  # [head][rank]
+            if self.tree is None:
+                out.append([g[0] for g in guesses[:k]])
+                continue
+            paths = [p for p in self.tree if len(p) <= k]  # parents stay before children
+            out.append(DraftTree([guesses[len(p) - 1][p[-1]] for p in paths],
+                                 token_tree.paths_parents(paths)))
+        return out
 
 
 class NgramProposer(TokenProposer):

@@ -56,10 +56,14 @@ class Sequence:
     first_scheduled_at: float | None = None  # time.monotonic() when first admitted to run
     # Guessed next tokens for the coming step (speculative decoding; see scheduler.py).
     draft_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # A tree of them: each one's parent (-1: the last token; engine/token_tree.py); None:
+    # a chain.
+    draft_parents: list[int] | None = None
     # Leading tokens whose K/V the draft model holds (engine/draft_model.py).
     draft_computed_tokens: int = 0
-    # Medusa heads' guesses after the sequence's token number `[0]`: (num_tokens, tokens).
-    medusa_guesses: tuple[int, list[int]] | None = None
+    # Medusa heads' guesses after the sequence's token number `[0]`: (num_tokens, each
+    # head's top tokens).
+    medusa_guesses: tuple[int, list[list[int]]] | None = None
 
     @property
     def num_tokens(self) -> int:

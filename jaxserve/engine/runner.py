@@ -45,7 +45,7 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
     schedule this step before it has seen them. `expert_load` (`[sparse layers,
     num_experts]`, None for a dense model) counts the real tokens each expert has taken
     since start; returned with this step's added. `medusa`: Medusa heads, whose guesses
-    `[R, heads]` at the sampled rows come back fourth when `batch.propose` (zeros when
+    `[R, heads, top]` at the sampled rows come back fourth when `batch.propose` (zeros when
     not; None without heads). `features`: an EAGLE head's feature cache (`[slots, F]`, see
     `write_features`), returned with every real token's features (the layers
     `features_from`, Transformer.__call__) written at its KV slot; None without a head.
@@ -67,7 +67,8 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
     if medusa is not None:
         guesses = jax.lax.cond(
             batch.propose, lambda: medusa_tokens(model.final_norm(rows), medusa),
-            lambda: jnp.zeros((rows.shape[0], medusa.lm_heads.shape[0]), jnp.int32))
+            lambda: jnp.zeros((rows.shape[0], medusa.lm_heads.shape[0], medusa.top),
+                              jnp.int32))
     if features is not None:
         features = write_features(features, new_features, batch.attn.slot_mapping, data_shards)
     return kv_caches, logits, expert_load, guesses, features
@@ -231,7 +232,8 @@ class ModelRunner:
         self._programs = jit_programs(graphdef, params,
                                       jax.tree.map(lambda x: x.sharding, abstract), shard,
                                       features_from)
-        # Programs compiled, by (program, shape): ("forward", T, S, R), ("sample", R, history).
+        # Programs compiled, by (program, shape): ("forward", T, S, R, tree),
+        # ("sample", R, history).
         self._ready: set[tuple] = set()
         self.warmed_up = False
         self.compiles_after_warmup = 0
@@ -275,7 +277,8 @@ class ModelRunner:
     @staticmethod
     def programs(key: BucketKey) -> list[tuple]:
         """The programs a bucket's steps run: its forward pass and its sampling."""
-        return [("forward", key.tokens, key.seqs, key.rows), ("sample", key.rows, key.history)]
+        return [("forward", key.tokens, key.seqs, key.rows, key.tree),
+                ("sample", key.rows, key.history)]
 
     def warmup(self, progress: bool = True) -> None:
         """Compile every program of every bucket now, so nothing compiles while serving.

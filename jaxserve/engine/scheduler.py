@@ -81,6 +81,7 @@ class ScheduledSeq:
     # Guessed tokens scheduled after the seq's last token (the chunk's last len(drafts)
     # tokens): the step samples a row for each and one more, rows `row...row + len(drafts)`.
     drafts: list[int] = dataclasses.field(default_factory=list)
+    parents: list[int] | None = None  # a tree of drafts: each one's parent; None: a chain
 
 
 @dataclasses.dataclass
@@ -203,20 +204,24 @@ class Scheduler:
         assert out.num_batched_tokens == self.config.max_num_batched_tokens - sum(budgets)
         for s in out.scheduled:
             seq = s.seq
-            if seq.draft_token_ids:  # those that fit after the seq's own tokens
-                s.drafts = seq.draft_token_ids[:max(0, s.start + s.num_new_tokens
-                                                    - seq.num_tokens)]
+            if seq.draft_token_ids:  # those that fit after the seq's own tokens (a tree's
+                # nodes come parents first: the first n of them are a tree too)
+                fit = max(0, s.start + s.num_new_tokens - seq.num_tokens)
+                s.drafts = seq.draft_token_ids[:fit]
+                if seq.draft_parents is not None and s.drafts:
+                    s.parents = seq.draft_parents[:fit]
             seq.num_computed_tokens = s.start + s.num_new_tokens
             s.samples = seq.num_computed_tokens == seq.num_tokens + len(s.drafts)
         for seq in self.running:
-            seq.draft_token_ids = []
+            seq.draft_token_ids, seq.draft_parents = [], None
         return out
 
-    def rollback(self, seq: Sequence) -> None:
+    def rollback(self, seq: Sequence, recompute: int = 0) -> None:
         """After a step verified `seq`'s drafts and its accepted tokens were appended: only
         the tokens before its last one have K/V (the rejected drafts' slots are stale, to
-        be overwritten), and the pages past its tokens go back to the pool."""
-        seq.num_computed_tokens = seq.num_tokens - 1
+        be overwritten), less the `recompute` before it whose K/V sit in other slots (a
+        tree's), and the pages past its tokens go back to the pool."""
+        seq.num_computed_tokens = seq.num_tokens - 1 - recompute
         self.allocators[seq.data_shard].truncate(seq, seq.num_tokens)
 
     def cache_pages(self, out: SchedulerOutput) -> None:
@@ -339,7 +344,7 @@ class Scheduler:
                 refund = out.scheduled.pop(k).num_new_tokens
                 break
         self._release(seq)
-        seq.draft_token_ids = []
+        seq.draft_token_ids, seq.draft_parents = [], None
         seq.num_computed_tokens = seq.draft_computed_tokens = 0
         seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING

@@ -7,7 +7,9 @@ sampling parameters, seed and output index (its output number len(outputs) + j),
 the target model's logits given the tokens before it. While the drafts equal the samples
 the context each row saw is the true one, so the tokens emitted are the samples up to and
 including the first that differs from its draft (all k + 1 when none does: the last is the
-bonus token).
+bonus token). A tree of drafts (Medusa's, engine/token_tree.py) has a row per node, the
+node's own output index len(outputs) + its depth: the tokens emitted follow the path of
+samples down the tree (token_tree.accepted_path), the same rule along one branch.
 
 For proposers that guess one token for sure (n-gram here), this is exactly rejection
 sampling: a draft d is kept with probability p(d), and when it is not, the token comes
@@ -26,14 +28,7 @@ from jaxserve.config import SpeculativeConfig
 from jaxserve.engine.proposers import NgramProposer
 from jaxserve.engine.request import Sequence
 from jaxserve.engine.scheduler import Scheduler
-
-
-def accepted_length(drafts: list[int], samples) -> int:
-    """How many leading drafts the step's samples (row j verifies draft j) accepted."""
-    n = 0
-    while n < len(drafts) and int(samples[n]) == drafts[n]:
-        n += 1
-    return n
+from jaxserve.engine.token_tree import DraftTree
 
 
 @dataclasses.dataclass
@@ -92,8 +87,15 @@ class Speculator:
 
     def propose(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler) -> None:
         """Set the drafts of each (sequence, `room`: how many more tokens it may take; drafts
-        beyond room - 1 could never be emitted)."""
-        entries = [(seq, min(self.num_speculative_tokens, room - 1)) for seq, room in entries]
-        entries = [(seq, k) for seq, k in entries if k > 0]
-        for (seq, _), drafts in zip(entries, self.proposer.propose_batch(entries, scheduler)):
-            seq.draft_token_ids = drafts
+        beyond room - 1 could never be emitted, nor a tree's nodes past room - 1 have a
+        slot within max_model_len: its first room - 1 nodes are a tree too)."""
+        entries = [(seq, min(self.num_speculative_tokens, room - 1), room)
+                   for seq, room in entries]
+        entries = [entry for entry in entries if entry[1] > 0]
+        proposals = self.proposer.propose_batch([(seq, k) for seq, k, _ in entries], scheduler)
+        for (seq, _, room), drafts in zip(entries, proposals):
+            if isinstance(drafts, DraftTree):
+                seq.draft_token_ids = drafts.tokens[:room - 1]
+                seq.draft_parents = drafts.parents[:room - 1]
+            else:
+                seq.draft_token_ids = drafts

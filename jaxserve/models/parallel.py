@@ -135,6 +135,8 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple[jax.Arra
       pure-JAX reference runs instead and XLA partitions it.
     """
     impl = options.kernel_impl or default_impl()
+    if impl == "cpu" and meta.tree_mask is not None:
+        impl = "reference"  # the native CPU kernel takes no speculative trees
     q_spec, cache_spec = shard.rules.spec(Q_AXES), shard.rules.spec(KV_CACHE_AXES)
     if shard.mesh.size > 1 and impl != "reference" and cache_spec[0] != q_spec[1]:
         impl = "reference"
@@ -150,25 +152,26 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple[jax.Arra
     if manual:  # a kernel must see no automatic axis, not even one of size 1
         manual |= {a for a, n in shard.mesh.shape.items() if n == 1}
 
-    def local(q, k, v, kv, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs):
+    def local(q, k, v, kv, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, tree):
         kv = write_kv(kv[0], kv[1], k, v, slot_mapping, *kv[2:])
         scales = dict(k_scales=kv[2], v_scales=kv[3]) if len(kv) == 4 else {}
         out = ragged_paged_attention(q, kv[0], kv[1], kv_lens, page_indices, cu_q_lens,
                                      num_seqs[0], impl=impl, interpret=options.interpret,
-                                     **scales, **kwargs)
+                                     tree_start=tree[0], tree_mask=tree[1], **scales,
+                                     **kwargs)
         return out, kv
 
     args = (q, k, v, kv, meta.slot_mapping, meta.kv_lens, meta.page_indices, meta.cu_q_lens,
-            meta.num_seqs)
+            meta.num_seqs, (meta.tree_start, meta.tree_mask))
     if not manual:
         return local(*args)
     spec = lambda axes: _only(shard.rules.spec(axes), manual)  # noqa: E731
     kv_specs = tuple(spec(KV_CACHE_AXES[:x.ndim]) for x in kv)
-    seq_spec = spec(SEQ_AXES)
+    seq_spec, token_spec = spec(SEQ_AXES), spec(("tokens",))
     return jax.shard_map(
         local, mesh=shard.mesh, axis_names=manual, check_vma=False,
-        in_specs=(spec(Q_AXES), spec(NEW_KV_AXES), spec(NEW_KV_AXES), kv_specs,
-                  spec(("tokens",)), seq_spec, seq_spec, seq_spec, seq_spec),
+        in_specs=(spec(Q_AXES), spec(NEW_KV_AXES), spec(NEW_KV_AXES), kv_specs, token_spec,
+                  seq_spec, seq_spec, seq_spec, seq_spec, (seq_spec, token_spec)),
         out_specs=(spec(Q_AXES), kv_specs))(*args)
 
 

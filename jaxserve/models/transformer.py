@@ -60,6 +60,10 @@ class AttentionMetadata:
     kv_lens: jax.Array  # [S]
     page_indices: jax.Array  # [S, pages_per_seq]
     num_seqs: jax.Array  # [D]
+    # Trees of speculative tokens (a step verifying Medusa's candidate trees; else None):
+    # where each sequence's tree starts and each token's tree mask (the kernels' args).
+    tree_start: jax.Array | None = None  # [S]
+    tree_mask: jax.Array | None = None  # [T]
 
     # With D data shards (1 without data parallelism), every array is D equal blocks, one
     # per shard, in the shard's own terms: token offsets within its T/D tokens, slots and

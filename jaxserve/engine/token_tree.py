@@ -1,0 +1,91 @@
+"""Trees of speculative tokens (Medusa's candidate trees), host side.
+
+A tree's nodes are listed parents first; `parents[j]` is node j's parent (-1: the root,
+the sequence's last token). The step lays them out after the root in that order, each in
+a KV slot of its own (node j at position `num_tokens + j`), with rope position
+`num_tokens - 1 + depth(j)` and an attention mask that shows it only its ancestors and
+itself (`masks`); a chain is the tree whose node j has parent j - 1.
+
+The configured trees list paths of ranks (vLLM's `speculative_token_tree`: `(0, 1)` is
+the second most likely token of the second head after the first head's most likely).
+They are kept in depth-first order with the ranks ascending, so that the path of every
+head's top guess comes first: when it is the path accepted, its nodes already sit in
+the slots of their positions. Any other accepted path keeps its K/V only up to where it
+leaves the slots of its positions (`in_place`); the next step computes the rest again.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+
+class DraftTree(NamedTuple):
+    """A proposer's tree of drafts for one sequence (a plain list of drafts is a chain)."""
+
+    tokens: list[int]
+    parents: list[int]
+
+
+def chain(n: int) -> list[int]:
+    """The parents of a chain of `n` drafts."""
+    return list(range(-1, n - 1))
+
+
+def depths(parents: list[int]) -> list[int]:
+    """Each node's depth (1: a child of the root)."""
+    out: list[int] = []
+    for p in parents:
+        out.append(1 if p < 0 else out[p] + 1)
+    return out
+
+
+def masks(parents: list[int]) -> np.ndarray:
+    """int32 `[n]`: node j's bit mask of the nodes it sees (its ancestors and itself; bit
+    i is node i), the kernels' `tree_mask`."""
+    bits: list[int] = []
+    for j, p in enumerate(parents):
+        bits.append((bits[p] if p >= 0 else 0) | 1 << j)
+    return np.asarray(bits, np.uint32).view(np.int32)
+
+
+def path(parents: list[int], node: int) -> list[int]:
+    """The nodes from the root's child down to `node` (none for the root, -1)."""
+    out = []
+    while node >= 0:
+        out.append(node)
+        node = parents[node]
+    return out[::-1]
+
+
+def accepted_path(tokens: list[int], parents: list[int], samples) -> list[int]:
+    """The nodes the step's samples accept, from the root down: while the sample at the
+    deepest accepted node (`samples[0]` the root's, `samples[1 + j]` node j's) is one of
+    its children's token, that child. The tokens emitted are the accepted nodes' and
+    the sample after the last."""
+    accepted, node = [], -1
+    while True:
+        sample = int(samples[node + 1])
+        child = next((j for j, p in enumerate(parents) if p == node and tokens[j] == sample),
+                     None)
+        if child is None:
+            return accepted
+        accepted.append(child)
+        node = child
+
+
+def in_place(accepted: list[int]) -> int:
+    """How many leading accepted nodes sit in the slots of their positions (node j at
+    depth j + 1): their K/V stay; the rest are computed again."""
+    n = 0
+    while n < len(accepted) and accepted[n] == n:
+        n += 1
+    return n
+
+
+def paths_parents(paths: tuple[tuple[int, ...], ...]) -> list[int]:
+    """The parents of a configured tree's nodes (`paths` in depth-first order, each
+    path's parent before it)."""
+    index = {p: j for j, p in enumerate(paths)}
+    return [index.get(p[:-1], -1) for p in paths]
