@@ -228,3 +228,24 @@ def test_gemma2_soft_caps_compile_with_the_attention_kernel():
                             PAGES, KEY)
     assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 4
     assert "tanh" in compiled.as_text()
+
+
+@pytest.mark.parametrize("mesh, strategy", [({"model": 4}, "tp"),
+                                            ({"data": 2, "model": 2}, "dp+tp")])
+def test_a_step_verifying_draft_trees_compiles_with_the_attention_kernel(devices, mesh,
+                                                                         strategy):
+    """A bucket verifying Medusa trees (tree starts and masks in its attention metadata,
+    split over data shards) on 4 v5e chips: our Mosaic attention kernel (2 calls a layer)
+    takes two operands more than in a bucket of chains, the trees."""
+    cfg = dataclasses.replace(LLAMA3_8B_2L, vocab_size=1024)
+    engine = dataclasses.replace(ENGINE, max_model_len=1024)
+    tree = KEY._replace(drafts=7, tree=True)
+
+    def kernel_operands(key: BucketKey) -> list[int]:
+        text = compile_step(cfg, engine, mesh, strategy, devices, PAGES, key).as_text()
+        return [len(call.split(", ")) for call in re.findall(
+            r"custom-call\((.*?)\), custom_call_target=\"tpu_custom_call\"", text)]
+
+    trees, chains = kernel_operands(tree), kernel_operands(tree._replace(tree=False))
+    assert len(trees) == len(chains) == cfg.num_layers * 2
+    assert [n - 2 for n in trees] == chains
