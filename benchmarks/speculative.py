@@ -3,8 +3,9 @@
 Random weights predict nothing, so drafts would be rejected for no reason of ours. This
 benchmark first trains a small Llama target and a one-layer draft (character tokens, the
 demo model's tokenizer) on Python's own standard library source, then an EAGLE-1 and an
-EAGLE-3 head on the target's features of the same text (`trained_eagle`), with
-transformers and torch on the CPU (minutes, once; cached under ~/.cache/jaxserve). Half the training
+EAGLE-3 head on the target's features of the same text (`trained_eagle`) and Medusa heads
+on its final hidden states (`trained_medusa`), with transformers and torch on the CPU
+(minutes, once; cached under ~/.cache/jaxserve). Half the training
 samples are a piece of code followed by "# edited:" and the same code again, so the models
 learn to copy, as a real model copies code it is asked to edit.
 
@@ -13,8 +14,9 @@ Workloads, each request `--tokens` greedy output tokens:
          prompt, where n-gram lookup should pay.
   write: held-out code cut mid-file: the output continues it, little to look up.
 Each at batch 1 (one request at a time, --requests of them) and batch 16 (4 x 16 at
-once), speculation off, n-gram (k = --k, prompt_lookup 2..4), the draft model and the
-EAGLE heads (k = --k); at batch 16 n-gram and the draft model with the default
+once), speculation off, n-gram (k = --k, prompt_lookup 2..4), the draft model, the
+EAGLE heads and the Medusa heads (k = --k; Medusa also with MEDUSA_TREE, a tree of
+candidates); at batch 16 n-gram and the draft model with the default
 disable_by_batch_size (8: no speculation at 16) and with it off (speculating anyway), and
 EAGLE-1 with the default (what the target's feature writes cost when nobody speculates).
 Every speculative run's tokens are checked equal to speculation off. Then (--repeats)
@@ -54,6 +56,9 @@ TARGET = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
               num_attention_heads=6, num_key_value_heads=2)
 DRAFT = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=1,
              num_attention_heads=4, num_key_value_heads=2)
+# Medusa's tree: the heads' top guesses, and the top two of the first two heads (10 nodes).
+MEDUSA_TREE = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 1], [0, 1], [0, 1, 0], [1], [1, 0],
+               [1, 0, 0]]
 
 
 # ------------------------------------------------------------------- the text
@@ -202,6 +207,40 @@ def trained_eagle(version: int, target_dir: Path, steps: int) -> Path:
     return out
 
 
+def trained_medusa(target_dir: Path, heads: int, steps: int) -> Path:
+    """Medusa heads (one residual block each) for the trained target, trained on its
+    final hidden states of the same text as Medusa-1 trains them (the target frozen,
+    each head from the target's LM head, head h's loss weighted 0.8^h), written in the
+    published layout on first use."""
+    out = cache_root() / f"bench-speculative-v{MODEL_VERSION}-medusa{heads}-{steps}"
+    if (out / "medusa_lm_head.safetensors").exists():
+        return out
+    import torch
+    import torch.nn.functional as F
+    import transformers
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from published_heads import medusa_heads, write_medusa
+
+    target = transformers.LlamaForCausalLM.from_pretrained(target_dir).eval()
+    target.requires_grad_(False)
+    module = medusa_heads(target, heads, layers=1, seed=0, copy_lm_head=True)
+
+    def loss_of(ids):
+        with torch.no_grad():
+            hidden = target.model(ids).last_hidden_state  # after the final norm
+        # Head h at position p guesses token p + h + 2.
+        return sum(0.8 ** h * F.cross_entropy(head(hidden[:, :-(h + 2)]).flatten(0, 1),
+                                              ids[:, h + 2:].flatten())
+                   for h, head in enumerate(module))
+
+    train_steps(f"{heads} Medusa heads", module, loss_of, steps, random.Random(5))
+    tmp = out.with_name(out.name + ".tmp")
+    write_medusa(tmp, module, layers=1)
+    tmp.rename(out)
+    return out
+
+
 # ------------------------------------------------------------------ the runs
 
 def workloads(num: int, rng: random.Random) -> dict[str, list[str]]:
@@ -251,6 +290,7 @@ def main() -> None:
     model_dir = trained_model("target", TARGET, args.train_steps)
     draft_dir = trained_model("draft", DRAFT, args.train_steps)
     eagle_dirs = {v: trained_eagle(v, model_dir, args.train_steps) for v in (1, 3)}
+    medusa_dir = trained_medusa(model_dir, args.k, args.train_steps)
     if args.train_only:
         return
     print(f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {cpu_name()}, "
@@ -274,6 +314,10 @@ def main() -> None:
         llms[f"EAGLE-{v}"] = LLM(str(model_dir), **engine, speculative_config={
             "method": "eagle" if v == 1 else "eagle3", "model": str(path),
             "num_speculative_tokens": args.k})
+    medusa = {"method": "medusa", "model": str(medusa_dir), "num_speculative_tokens": args.k}
+    llms["Medusa"] = LLM(str(model_dir), **engine, speculative_config=medusa)
+    llms["Medusa tree"] = LLM(str(model_dir), **engine, speculative_config={
+        **medusa, "speculative_token_tree": [p for p in MEDUSA_TREE if len(p) <= args.k]})
     rng = random.Random(1)
     loads = workloads(max(args.requests, 64), rng)
     for llm in llms.values():  # warm the host paths
@@ -312,7 +356,8 @@ def table(llms: dict, loads: dict, args) -> None:
         for batch, count in ((1, args.requests), (16, 64)):
             base = run(llms["off"], prompts[:count], batch, args.tokens)
             rows = [("off", base)]
-            names = (["n-gram", "draft model", "EAGLE-1", "EAGLE-3"] if batch == 1 else
+            names = (["n-gram", "draft model", "EAGLE-1", "EAGLE-3", "Medusa", "Medusa tree"]
+                     if batch == 1 else
                      ["n-gram", "n-gram, never disabled", "draft model",
                       "draft model, never disabled", "EAGLE-1"])
             rows += [(n, run(llms[n], prompts[:count], batch, args.tokens)) for n in names]

@@ -39,6 +39,11 @@ from pallas_kernels.matmul import matmul
 from pallas_kernels.ragged_paged_attention import quantize_kv, ragged_paged_attention
 from pallas_kernels.ragged_paged_attention.kv_cache import as_bits, as_values
 from ragged_lengths import draw_lengths
+from test_attention_kernels import CASES as KERNEL_CASES
+from test_attention_kernels import TOL as KERNEL_TOL
+from test_attention_kernels import case_id as kernel_case_id
+from test_attention_kernels import ragged_batch as kernel_batch
+from test_attention_kernels import trees as kernel_trees
 
 pytestmark = pytest.mark.skipif(not native.available(),
                                 reason=f"native CPU kernels unavailable: "
@@ -352,6 +357,31 @@ def test_attention_matches_reference(index):
 @pytest.mark.parametrize("index", [0, 4, 8, 11, 12, 15, 16])
 def test_attention_every_isa(index, isa):
     check_attention(index)
+
+
+TREE_CASES = [c for c in KERNEL_CASES if c.get("tree")]
+
+
+@pytest.mark.parametrize("index", range(len(TREE_CASES)),
+                         ids=[kernel_case_id(c) for c in TREE_CASES])
+def test_attention_with_trees_matches_reference(index, isa):
+    """Speculative trees (test_attention_kernels' tree cases: up to 32 nodes, f32, bf16 and
+    int8 K/V, prefill and decode rows): the reference's output, at every instruction-set
+    level; a kernel that ignored the masks would differ."""
+    case = dict(TREE_CASES[index])
+    options = {k: case.pop(k) for k in ("pages_per_block", "queries_per_block") if k in case}
+    rng = np.random.default_rng([index, 29])
+    batch, real = kernel_batch(rng, case.pop("kind"), **{k: v for k, v in case.items()
+                                                         if k != "tree"})
+    tree = kernel_trees(rng, batch)
+    sm_scale = batch["q"].shape[-1] ** -0.5
+    run = lambda impl, **kw: np.asarray(ragged_paged_attention(  # noqa: E731
+        **batch, sm_scale=sm_scale, impl=impl, **kw), np.float32)
+    want, got = run("reference", **tree), run("cpu", **tree, **options)
+    tol = KERNEL_TOL[case.get("dtype", jnp.float32)]
+    np.testing.assert_allclose(got[:real], want[:real], atol=tol, rtol=tol)
+    assert np.all(got[real:] == 0)
+    assert np.abs(run("cpu") - got)[:real].max() > 10 * tol  # the trees changed it
 
 
 def test_attention_dispatch_and_fallback():

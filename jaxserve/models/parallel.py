@@ -135,8 +135,6 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple[jax.Arra
       pure-JAX reference runs instead and XLA partitions it.
     """
     impl = options.kernel_impl or default_impl()
-    if impl == "cpu" and meta.tree_mask is not None:
-        impl = "reference"  # the native CPU kernel takes no speculative trees
     q_spec, cache_spec = shard.rules.spec(Q_AXES), shard.rules.spec(KV_CACHE_AXES)
     if shard.mesh.size > 1 and impl != "reference" and cache_spec[0] != q_spec[1]:
         impl = "reference"

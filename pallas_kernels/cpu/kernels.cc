@@ -1196,6 +1196,8 @@ struct Attn {
   float sm_scale, soft_cap;  // soft_cap 0: none
   int64_t window;            // 0: none
   bool bf16_dot;             // bf16 q and pages on an AVX512_BF16 CPU: q.k by vdpbf16ps
+  const int32_t* tree_start;  // [S]: speculative trees (work_items.py), else null
+  const int32_t* tree_mask;   // [T]
 };
 
 struct AttnTask {
@@ -1368,6 +1370,21 @@ JS_INLINE void RowRange(const Attn& a, int64_t qpos, int64_t c0, int64_t nk, int
   *jb = last - c0;
 }
 
+// The keys of a chunk [c0, c0 + 32) that the tree mask of query token `tok` of sequence s
+// leaves visible, bit j for key c0 + j: keys before the sequence's tree, and its nodes
+// whose bits the token's mask sets (all of them without trees).
+JS_INLINE uint32_t TreeBits(const Attn& a, int64_t s, int64_t tok, int64_t c0) {
+  if (a.tree_start == nullptr) return 0xffffffffu;
+  const int64_t start = a.tree_start[s];
+  const uint32_t mask = static_cast<uint32_t>(a.tree_mask[tok]);
+  uint32_t bits = 0;
+  for (int64_t j = 0; j < kKeysPerChunk; ++j) {
+    const int64_t node = c0 + j - start;
+    if (node < 0 || (node < 32 && (mask >> node & 1u))) bits |= 1u << j;
+  }
+  return bits;
+}
+
 // The start every task path shares: its scratch, its queries loaded, its visible keys
 // [lo, hi), and the online softmax reset (running max, sum and output) for its rows, or
 // for its rows padded to the vector tiles.
@@ -1407,9 +1424,11 @@ JS_INLINE void AttnTaskGeneric(const Attn& a, const AttnTask& t) {
       RowRange(a, qpos0 + r / a.group, c0, nk, hi, &ja, &jb);
       float* s = w.s + r * KC;
       if (ja >= jb) continue;
+      const uint32_t vis = TreeBits(a, t.seq, si.tok + t.q0 + r / a.group, c0);
       const float* q = w.q + r * D;
       float mx = kMasked;
       for (int64_t j = ja; j < jb; ++j) {
+        if (!(vis >> j & 1u)) continue;
         const float* k = w.kf + j * D;
         float part[16] = {};
         const int64_t d16 = D / 16 * 16;
@@ -1428,7 +1447,7 @@ JS_INLINE void AttnTaskGeneric(const Attn& a, const AttnTask& t) {
       w.m[r] = m_new;
       float sum = 0.0f;
       for (int64_t j = ja; j < jb; ++j) {
-        const float p = ExpGeneric(s[j] - m_new);
+        const float p = vis >> j & 1u ? ExpGeneric(s[j] - m_new) : 0.0f;
         sum += p;
         s[j] = p * w.vsc[j];
       }
@@ -1874,8 +1893,9 @@ JS_AVX512 void Avx512AttnTask(const Attn& a, const AttnTask& t) {
         w.corr[r] = 1.0f;
         continue;
       }
-      const uint32_t bits = static_cast<uint32_t>(
-          (jb - ja >= 32 ? 0xffffffffu : ((1u << (jb - ja)) - 1)) << ja);
+      const uint32_t bits =
+          static_cast<uint32_t>((jb - ja >= 32 ? 0xffffffffu : ((1u << (jb - ja)) - 1)) << ja) &
+          TreeBits(a, t.seq, si.tok + t.q0 + r / a.group, c0);
       const __mmask16 m0 = static_cast<__mmask16>(bits & 0xffff);
       const __mmask16 m1 = static_cast<__mmask16>(bits >> 16);
       __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
@@ -2041,7 +2061,8 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer 
                          ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> kv_lens,
                          ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
                          ffi::Buffer<ffi::S32> num_seqs, ffi::AnyBuffer k_scales,
-                         ffi::AnyBuffer v_scales, ffi::Result<ffi::AnyBuffer> out,
+                         ffi::AnyBuffer v_scales, ffi::Buffer<ffi::S32> tree_start,
+                         ffi::Buffer<ffi::S32> tree_mask, ffi::Result<ffi::AnyBuffer> out,
                          float sm_scale, int64_t sliding_window, float soft_cap,
                          int64_t queries_per_block) {
   auto bad = [](const std::string& what) {
@@ -2109,6 +2130,13 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer 
   a.sm_scale = sm_scale;
   a.soft_cap = soft_cap > 0.0f ? soft_cap : 0.0f;
   a.window = sliding_window > 0 ? sliding_window : 0;
+  if (tree_start.element_count() > 0 || tree_mask.element_count() > 0) {
+    if (tree_start.element_count() != static_cast<size_t>(a.max_seqs) ||
+        tree_mask.element_count() != static_cast<size_t>(a.T))
+      return bad("tree_start must be [S] and tree_mask [T] (both empty: no trees)");
+    a.tree_start = tree_start.typed_data();
+    a.tree_mask = tree_mask.typed_data();
+  }
   if (a.T == 0 || a.hq == 0 || a.d == 0) return ffi::Error::Success();
   if (a.num_pages == 0 || a.page_size == 0 || a.pps == 0) {
     std::memset(a.out, 0, out->size_bytes());
@@ -2143,6 +2171,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, jaxserve::AttentionI
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")

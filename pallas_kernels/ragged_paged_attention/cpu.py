@@ -9,7 +9,8 @@ largest first over XLA's intra-op threads; only real sequences and tokens cost a
 and padding tokens are written as zeros.
 
 A task walks its visible keys (up to its last query, from its first query's window
-start) in chunks of 32 with an online softmax in float32, software-prefetching the rows
+start) in chunks of 32 (a query token of a speculative tree masks the chunk's nodes that
+are not its ancestors or itself, work_items.py) with an online softmax in float32, software-prefetching the rows
 two chunks ahead (a page-table lookup per page, not per key):
 - few rows (decode: up to 8 query rows): scores are 4 x 4 (1 x 16, 2 x 8) tiles of
   AVX-512 dot products; f32, bf16 and int8 rows are read in place and widened in
@@ -48,9 +49,8 @@ KV_DTYPES = ("float32", "bfloat16", "uint16", "int8", "float8_e4m3fn")  # uint16
 
 
 def supports(x: AttentionInputs) -> bool:
-    """Whether the kernel takes these inputs (dtypes; shapes were checked by validate; no
-    speculative trees: the reference runs those)."""
-    return x.q.dtype.name in Q_DTYPES and x.k_pages.dtype.name in KV_DTYPES and not x.tree
+    """Whether the kernel takes these inputs (dtypes; shapes were checked by validate)."""
+    return x.q.dtype.name in Q_DTYPES and x.k_pages.dtype.name in KV_DTYPES
 
 
 def ragged_paged_attention(x: AttentionInputs, *, queries_per_block: int | None = None,
@@ -62,12 +62,13 @@ def ragged_paged_attention(x: AttentionInputs, *, queries_per_block: int | None 
     if not supports(x):
         raise ValueError(f"cpu attention: q must be one of {Q_DTYPES} and the pages one of "
                          f"{KV_DTYPES}, got {x.q.dtype} and {x.k_pages.dtype}")
-    no_scales = jnp.zeros((0,), jnp.float32)
+    no_scales, no_tree = jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.int32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.q.shape, x.q.dtype))
     return call(x.q, x.k_pages, x.v_pages, x.kv_lens, x.page_indices, x.cu_q_lens,
                 x.num_seqs.reshape(()),
                 x.k_scales if x.quantized else no_scales,
                 x.v_scales if x.quantized else no_scales,
+                x.tree_start if x.tree else no_tree, x.tree_mask if x.tree else no_tree,
                 sm_scale=np.float32(x.sm_scale),
                 sliding_window=np.int64(x.sliding_window or 0),
                 soft_cap=np.float32(x.soft_cap or 0.0),
