@@ -20,7 +20,8 @@ candidates); at batch 16 n-gram and the draft model with the default
 disable_by_batch_size (8: no speculation at 16) and with it off (speculating anyway), and
 EAGLE-1 with the default (what the target's feature writes cost when nobody speculates).
 Every speculative run's tokens are checked equal to speculation off. Then (--repeats)
-the batch-16 runs with the default policy again, alternating, against this VM's drift.
+the batch-1 runs and the batch-16 runs with the default policy again, alternating,
+against this VM's drift.
 
     python benchmarks/speculative.py [--tokens 128] [--k 4] [--train-steps 500] [--train-only]
                                      [--repeats 3] [--only-repeats]
@@ -56,6 +57,8 @@ TARGET = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
               num_attention_heads=6, num_key_value_heads=2)
 DRAFT = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=1,
              num_attention_heads=4, num_key_value_heads=2)
+# The speculation timed at batch 1.
+BATCH_1 = ["n-gram", "draft model", "EAGLE-1", "EAGLE-3", "Medusa", "Medusa tree"]
 # Medusa's tree: the heads' top guesses, and the top two of the first two heads (10 nodes).
 MEDUSA_TREE = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 1], [0, 1], [0, 1, 0], [1], [1, 0],
                [1, 0, 0]]
@@ -283,7 +286,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32, help="requests per batch-1 run "
                     "(batch-16 runs take 4 batches)")
     ap.add_argument("--repeats", type=int, default=3, help="alternating repeats of the "
-                    "batch-16 runs with the default policy, after the table (0: none)")
+                    "batch-1 runs and the batch-16 runs with the default policy, after the "
+                    "table (0: none)")
     ap.add_argument("--only-repeats", action="store_true", help="skip the table")
     args = ap.parse_args()
 
@@ -330,21 +334,23 @@ def main() -> None:
 
 
 def alternate(llms: dict, loads: dict, args) -> None:
-    """Batch 16 with the default policy, each configuration in turn `--repeats` times, so
-    the machine's drift reaches them all alike: summed tok/s against off's."""
-    names = ["off", "n-gram", "draft model", "EAGLE-1"]
+    """Batch 1, and batch 16 with the default policy: each configuration in turn
+    `--repeats` times, so the machine's drift reaches them all alike; summed tok/s against
+    off's."""
     got = {}
     for _ in range(args.repeats):
-        for workload, prompts in loads.items():
-            for name in names:
-                got.setdefault((workload, name), []).append(
-                    run(llms[name], prompts[:64], 16, args.tokens)["tok_s"])
-    print(f"\nbatch 16, default policy, {args.repeats} alternating repeats\n")
-    print("| workload | speculation | output tok/s, each repeat | vs off (sums) |")
-    print("|---|---|---|---|")
-    for (workload, name), values in got.items():
-        ratio = sum(values) / sum(got[(workload, "off")])
-        print(f"| {workload} | {name} | {', '.join(f'{v:.0f}' for v in values)} | "
+        for batch, count, names in ((1, args.requests, ["off"] + BATCH_1),
+                                    (16, 64, ["off", "n-gram", "draft model", "EAGLE-1"])):
+            for workload, prompts in loads.items():
+                for name in names:
+                    got.setdefault((batch, workload, name), []).append(
+                        run(llms[name], prompts[:count], batch, args.tokens)["tok_s"])
+    print(f"\n{args.repeats} alternating repeats (batch 16: default policy)\n")
+    print("| batch | workload | speculation | output tok/s, each repeat | vs off (sums) |")
+    print("|---|---|---|---|---|")
+    for (batch, workload, name), values in got.items():
+        ratio = sum(values) / sum(got[(batch, workload, "off")])
+        print(f"| {batch} | {workload} | {name} | {', '.join(f'{v:.0f}' for v in values)} | "
               f"{ratio:.2f}x |")
 
 
@@ -356,8 +362,7 @@ def table(llms: dict, loads: dict, args) -> None:
         for batch, count in ((1, args.requests), (16, 64)):
             base = run(llms["off"], prompts[:count], batch, args.tokens)
             rows = [("off", base)]
-            names = (["n-gram", "draft model", "EAGLE-1", "EAGLE-3", "Medusa", "Medusa tree"]
-                     if batch == 1 else
+            names = (BATCH_1 if batch == 1 else
                      ["n-gram", "n-gram, never disabled", "draft model",
                       "draft model, never disabled", "EAGLE-1"])
             rows += [(n, run(llms[n], prompts[:count], batch, args.tokens)) for n in names]
