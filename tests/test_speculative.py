@@ -480,9 +480,7 @@ def test_seeded_sampling_through_tree_branches(tree_llm, base, prompts):
     check_clean(tree_llm)
 
 
-def test_trees_need_medusa_and_no_sliding_window(checkpoints, tmp_path):
-    with pytest.raises(ValueError, match="needs method 'medusa'"):
-        EngineConfig(speculative_config={"speculative_token_tree": [[0]]})
+def test_trees_refuse_sliding_window_models(checkpoints, tmp_path):
     hf = checkpoints("mistral")[1]
     path = write_medusa(tmp_path / "m", medusa_heads(hf, heads=2, layers=1, seed=2), 1)
     with pytest.raises(ValueError, match="without sliding-window attention"):
@@ -580,6 +578,9 @@ def test_a_wrong_acceptance_rule_fails_the_distribution_test(spec, target, monke
 
 # ---------------------------------------------------------------- configuration
 
+MEDUSA = {"method": "medusa", "model": "heads"}
+
+
 @pytest.mark.parametrize("bad, message", [
     ({"method": "eagle2"}, "method must be one of"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer"),
@@ -589,6 +590,14 @@ def test_a_wrong_acceptance_rule_fails_the_distribution_test(spec, target, monke
     ({"method": "draft_model"}, "needs model"),
     ({"method": "medusa"}, "needs model"),
     ({"method": "eagle3"}, "needs model"),
+    ({"speculative_token_tree": [[0]]}, "needs method 'medusa'"),
+    (dict(MEDUSA, speculative_token_tree=[[0, 0]]), "has [0, 0] without its parent [0]"),
+    (dict(MEDUSA, speculative_token_tree=[[0], [0]]), "lists a path twice"),
+    (dict(MEDUSA, speculative_token_tree=[[0], [0, 0]], num_speculative_tokens=1),
+     "deeper than num_speculative_tokens"),
+    (dict(MEDUSA, speculative_token_tree=[[j] for j in range(33)]), "at most 32"),
+    (dict(MEDUSA, speculative_token_tree=[[-1]]), "ranks >= 0"),
+    (dict(MEDUSA, speculative_token_tree="[[0]"), "must be a list of paths"),
     ({"num_speculative_tokens": 2, "typo": 1}, "unknown keys ['typo']"),
 ])
 def test_bad_speculative_config_says_what_to_fix(bad, message):
@@ -611,3 +620,13 @@ def test_speculative_config_from_yaml_and_cli(tmp_path):
     bad = build_parser().parse_args(["generate", "--speculative-config", "[1]"])
     with pytest.raises(ValueError, match="give a JSON object"):
         engine_config_from_args(bad)
+    # A tree: YAML lists, a JSON list and vLLM's string give the same depth-first paths.
+    want = ((0,), (0, 0), (1,))
+    path.write_text("speculative_config:\n  method: medusa\n  model: heads\n"
+                    "  speculative_token_tree: [[1], [0], [0, 0]]\n")
+    assert EngineConfig.from_yaml(path).speculative_config.speculative_token_tree == want
+    for tree in ('[[0], [1], [0, 0]]', '"[(1,), (0, 0), (0,)]"'):
+        args = build_parser().parse_args(
+            ["generate", "--speculative-config",
+             f'{{"method": "medusa", "model": "heads", "speculative_token_tree": {tree}}}'])
+        assert engine_config_from_args(args).speculative_config.speculative_token_tree == want
