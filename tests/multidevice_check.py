@@ -126,6 +126,9 @@ def main(model_dir: str, out_path: str, moe_dir: str | None = None) -> None:
         results[f"speculative {json.dumps(mesh)} {strategy}{suffix}"] = {
             "tokens": [o.outputs[0].token_ids for o in llm.generate(prompts, params)],
             "proposed": stats.num_proposed, "accepted": stats.num_accepted,
+            "medusa_lm_head_shard_shape": list(
+                llm.engine.runner.medusa.lm_heads.addressable_shards[0].data.shape)
+            if method == "medusa" else None,
             "leaked_pages": llm.engine.scheduler.num_used_pages,
             "compiles_after_warmup": llm.engine.runner.compiles_after_warmup}
     # A checkpoint converted on 4 devices (each KV head stored twice) holds one copy of each

@@ -65,10 +65,13 @@ def test_speculative_decoding_matches_one_device(runs, run):
                                  '{"data": 2, "model": 2} dp+tp medusa tree'])
 def test_medusa_heads_under_tensor_and_data_parallelism(runs, run):
     """Heads that guess the last token again (and, in a tree, their second guesses), on
-    a sharded target, the trees' masks split over data shards: the one-device tokens."""
+    a sharded target, the trees' masks split over data shards: the one-device tokens.
+    The heads' LM heads are split over the vocabulary as the target's is (3 heads x
+    hidden 64 x 320 tokens, half per device)."""
     result = runs["speculative " + run]
     assert result["tokens"] == runs["null"]["tokens"]
     assert 0 < result["accepted"] < result["proposed"]
+    assert result["medusa_lm_head_shard_shape"] == [3, 64, 160]
     assert result["leaked_pages"] == 0 and result["compiles_after_warmup"] == 0
 
 

@@ -234,8 +234,10 @@ class Engine:
 
     @staticmethod
     def _load_medusa(spec, target: ModelConfig, dtype, shard: ShardingContext) -> MedusaHeads:
-        """Medusa heads on the devices (replicated), the first num_speculative_tokens, each
-        guessing as many tokens as the tree's highest rank needs."""
+        """Medusa heads on the devices, the first num_speculative_tokens, each guessing as
+        many tokens as the tree's highest rank needs: their LM heads split over the
+        vocabulary as the target's is (the strategy's `vocab` axis), the blocks
+        replicated."""
         heads = load_medusa(spec.model, target.hidden_size, target.vocab_size)
         if spec.num_speculative_tokens > heads.lm_heads.shape[0]:
             raise ValueError(f"speculative_config: num_speculative_tokens is "
@@ -243,9 +245,10 @@ class Engine:
                              f"{heads.lm_heads.shape[0]} Medusa heads")
         k = spec.num_speculative_tokens
         top = 1 + max(max(p) for p in spec.speculative_token_tree or [(0,)])
-        return MedusaHeads(*(jax.device_put(jnp.asarray(a[:k], dtype), shard.sharding(()))
-                             for a in (heads.block_weights, heads.block_biases, heads.lm_heads)),
-                           top=top)
+        axes = ((), (), (None, "embed", "vocab"))
+        return MedusaHeads(*(jax.device_put(jnp.asarray(a[:k], dtype), shard.sharding(x))
+                             for a, x in zip((heads.block_weights, heads.block_biases,
+                                              heads.lm_heads), axes)), top=top)
 
     @staticmethod
     def _load_draft(path: str, target: ModelConfig, mesh, config: EngineConfig, dtype, options,

@@ -141,16 +141,18 @@ def on_param_leaves(graphdef: nnx.GraphDef, params, fn: Callable) -> Callable:
 
 
 def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: ShardingContext,
-                 features_from: tuple[int, ...] = ()) -> StepPrograms:
-    """The programs, jitted with fixed layouts in and out (params and KV cache as given,
-    logits as the model leaves them, batch and samples replicated, an EAGLE feature cache
-    split as the pages are), so the donated caches and params never reshard. They take
-    the parameters as their flat list of leaves (`on_param_leaves`)."""
+                 features_from: tuple[int, ...] = (), medusa: MedusaHeads | None = None
+                 ) -> StepPrograms:
+    """The programs, jitted with fixed layouts in and out (params, KV cache and Medusa
+    heads as given, logits as the model leaves them, batch and samples replicated, an
+    EAGLE feature cache split as the pages are), so the donated caches and params never
+    reshard. They take the parameters as their flat list of leaves (`on_param_leaves`)."""
     param_shardings = [x.sharding for x in jax.tree.leaves(params)]
     replicated = shard.sharding(())
     logits_sharding = shard.sharding(("seqs", "vocab"))
     features = shard.sharding(FEATURE_AXES)
-    inputs = (param_shardings, cache_shardings, replicated, replicated, replicated, replicated,
+    heads = jax.tree.map(lambda x: x.sharding, medusa) if medusa is not None else replicated
+    inputs = (param_shardings, cache_shardings, replicated, replicated, replicated, heads,
               features)
     step = functools.partial(forward, features_from=features_from)
     return StepPrograms(
@@ -231,7 +233,7 @@ class ModelRunner:
             self.features = self._zero(self._abstract_features)
         self._programs = jit_programs(graphdef, params,
                                       jax.tree.map(lambda x: x.sharding, abstract), shard,
-                                      features_from)
+                                      features_from, medusa)
         # Programs compiled, by (program, shape): ("forward", T, S, R, tree),
         # ("sample", R, history).
         self._ready: set[tuple] = set()
