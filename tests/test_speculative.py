@@ -366,12 +366,19 @@ def test_medusa_gives_the_target_tokens(request, heads, base, want, prompts):
     check_clean(llm)
 
 
-def test_medusa_needs_enough_heads(checkpoints, tmp_path):
-    hf = checkpoints("llama")[1]
+@pytest.mark.parametrize("arch, config, message", [
+    ("llama", {"num_speculative_tokens": 3}, "has 2 Medusa heads"),
+    ("mistral", {"num_speculative_tokens": 2, "speculative_token_tree": [[0], [0, 0]]},
+     "without sliding-window attention"),
+])
+def test_medusa_heads_that_cannot_serve_the_target(checkpoints, tmp_path, arch, config,
+                                                   message):
+    """Two heads asked for three tokens; a tree on a sliding-window model (Mistral)."""
+    hf = checkpoints(arch)[1]
     path = write_medusa(tmp_path / "m", medusa_heads(hf, heads=2, layers=1, seed=2), 1)
-    with pytest.raises(ValueError, match="has 2 Medusa heads"):
-        LLM(str(checkpoints("llama")[0]), **ENGINE, warmup=False, speculative_config={
-            "method": "medusa", "model": str(path), "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match=message):
+        LLM(str(checkpoints(arch)[0]), **ENGINE, warmup=False, speculative_config={
+            "method": "medusa", "model": str(path), **config})
 
 
 # ------------------------------------------------------------------- trees
@@ -422,12 +429,12 @@ def tree_llm(checkpoints, tmp_path_factory):
 
 def medusa_speculating(llm: LLM, oracle: dict | None = None) -> SpeculationStats:
     """Fresh counters for `llm`'s Medusa config (chain or tree), with the heads proposing,
-    or with `oracle` an OracleTreeProposer of those arguments (`llm.oracle` afterwards)."""
+    or with `oracle` an OracleTreeProposer of those arguments."""
     config = llm.engine.speculator.config
     paths = config.speculative_token_tree
-    llm.oracle = (OracleTreeProposer(paths=paths, **oracle) if oracle is not None
-                  else MedusaProposer(paths))
-    return speculating(llm, llm.oracle, **dataclasses.asdict(config))
+    proposer = (OracleTreeProposer(paths=paths, **oracle) if oracle is not None
+                else MedusaProposer(paths))
+    return speculating(llm, proposer, **dataclasses.asdict(config))
 
 
 def test_a_tree_accepts_the_right_branch_wherever_it_lies(tree_llm, want, prompts):
@@ -437,7 +444,7 @@ def test_a_tree_accepts_the_right_branch_wherever_it_lies(tree_llm, want, prompt
     stats = medusa_speculating(tree_llm, dict(runs=list(zip(prompts, want)), vocab=VOCAB))
     assert tokens(tree_llm.generate(prompts, GREEDY)) == want
     assert stats.accepted == stats.proposed and stats.proposed[2] > 20
-    oracle = tree_llm.oracle
+    oracle = tree_llm.engine.speculator.proposer
     assert oracle.out_of_place > oracle.calls // 2  # most branches lie outside the slots
     check_clean(tree_llm)
 
@@ -478,15 +485,6 @@ def test_seeded_sampling_through_tree_branches(tree_llm, base, prompts):
             assert x.keys() == y.keys()
             assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
     check_clean(tree_llm)
-
-
-def test_trees_refuse_sliding_window_models(checkpoints, tmp_path):
-    hf = checkpoints("mistral")[1]
-    path = write_medusa(tmp_path / "m", medusa_heads(hf, heads=2, layers=1, seed=2), 1)
-    with pytest.raises(ValueError, match="without sliding-window attention"):
-        LLM(str(checkpoints("mistral")[0]), **ENGINE, warmup=False, speculative_config={
-            "method": "medusa", "model": str(path), "num_speculative_tokens": 2,
-            "speculative_token_tree": [[0], [0, 0]]})
 
 
 # ------------------------------------------------------------- the distribution
