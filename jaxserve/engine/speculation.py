@@ -34,7 +34,8 @@ from jaxserve.engine.token_tree import DraftTree
 @dataclasses.dataclass
 class SpeculationStats:
     """Counters since start: per draft position j (0-based), the sequences-steps that
-    proposed a j-th draft and those that accepted it."""
+    proposed a j-th draft and those that accepted it (for a tree, depth j + 1: its tree
+    reached it, its accepted path did)."""
 
     proposed: list[int]
     accepted: list[int]
