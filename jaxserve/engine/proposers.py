@@ -83,6 +83,11 @@ class MedusaProposer(Proposer):
     def __init__(self, tree: tuple[tuple[int, ...], ...] | None = None):
         self.tree = tree
         self.catch_up = max(map(len, tree)) if tree else 0
+        # The tree cut to each depth k: its paths (parents stay before children), parents.
+        self._cuts: dict[int, tuple[list, list[int]]] = {}
+        for k in range(1, self.catch_up + 1):
+            paths = [p for p in tree if len(p) <= k]
+            self._cuts[k] = (paths, token_tree.paths_parents(paths))
 
     def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler
                       ) -> list[list[int] | DraftTree]:
@@ -95,9 +100,8 @@ class MedusaProposer(Proposer):
             if self.tree is None:
                 out.append([g[0] for g in guesses[:k]])
                 continue
-            paths = [p for p in self.tree if len(p) <= k]  # parents stay before children
-            out.append(DraftTree([guesses[len(p) - 1][p[-1]] for p in paths],
-                                 token_tree.paths_parents(paths)))
+            paths, parents = self._cuts[min(k, self.catch_up)]
+            out.append(DraftTree([guesses[len(p) - 1][p[-1]] for p in paths], parents))
         return out
 
 

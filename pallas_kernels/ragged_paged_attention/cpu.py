@@ -9,9 +9,10 @@ largest first over XLA's intra-op threads; only real sequences and tokens cost a
 and padding tokens are written as zeros.
 
 A task walks its visible keys (up to its last query, from its first query's window
-start) in chunks of 32 (a query token of a speculative tree masks the chunk's nodes that
-are not its ancestors or itself, work_items.py) with an online softmax in float32, software-prefetching the rows
-two chunks ahead (a page-table lookup per page, not per key):
+start) in chunks of 32 with an online softmax in float32 (a query of a speculative tree
+also masks the chunk's tree nodes that are not its ancestors or itself, work_items.py),
+software-prefetching the rows two chunks ahead (a page-table lookup per page, not per
+key):
 - few rows (decode: up to 8 query rows): scores are 4 x 4 (1 x 16, 2 x 8) tiles of
   AVX-512 dot products; f32, bf16 and int8 rows are read in place and widened in
   registers, except that bf16 queries against bf16 pages on an AVX512_BF16 CPU use

@@ -62,7 +62,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.ragged_paged_attention.kv_cache import BITS
 from pallas_kernels.ragged_paged_attention.work_items import (
     MASKED, AttentionInputs, BlockPlan, WorkItems, default_queries_per_block, gather_queries,
-    plan_blocks, scatter_outputs, tree_visible, visible_blocks)
+    gather_tree_masks, plan_blocks, scatter_outputs, tree_visible, visible_blocks)
 from pallas_kernels.tiling import is_power_of_2, next_power_of_2
 
 MIN_TILE = 16  # smallest dimension Triton's dot accepts
@@ -240,10 +240,8 @@ def _call(x: AttentionInputs, plan: BlockPlan, items: WorkItems, rows: int, spli
     operands = [items.seq, items.q_pos, items.num_q, items.kv_len, plan.page_indices,
                 qi, x.k_pages, x.v_pages]
     if x.tree:  # each item's tree start, each row's tree mask
-        mask = jnp.repeat(x.tree_mask[jnp.minimum(items.token, x.num_tokens - 1)], x.group,
-                          axis=1)
         in_specs += [_whole((num_items,)), pl.BlockSpec((None, rows), lambda h, w, *_: (w, 0))]
-        operands += [x.tree_start[items.seq], jnp.pad(mask, ((0, 0), (0, rows - mask.shape[1])))]
+        operands += [x.tree_start[items.seq], gather_tree_masks(x, items, rows)]
     if x.quantized:
         scales_spec = pl.BlockSpec((None, num_pages, page_size), lambda h, *_: (h, 0, 0))
         in_specs += [scales_spec, scales_spec]

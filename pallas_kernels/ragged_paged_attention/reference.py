@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from pallas_kernels.ragged_paged_attention.kv_cache import as_bits, as_values
 from pallas_kernels.ragged_paged_attention.work_items import (
     MASKED, AttentionInputs, BlockPlan, WorkItems, default_queries_per_block, gather_queries,
-    plan_blocks, scatter_outputs, tree_visible)
+    gather_tree_masks, plan_blocks, scatter_outputs, tree_visible)
 
 KV_TOKENS_PER_BLOCK = 128
 PREFILL_ITEMS_PER_PASS = 4
@@ -63,8 +63,7 @@ def _attend(x: AttentionInputs, plan: BlockPlan, items: WorkItems) -> jax.Array:
     row_pos = row_pos[:, None, :]  # [W, 1, rows]
     kv_len = items.kv_len[:, None, None]
     if x.tree:  # each row's tree mask, its item's tree start: [W, 1, rows, 1], [W, 1, 1, 1]
-        row_mask = jnp.repeat(x.tree_mask[jnp.minimum(items.token, x.num_tokens - 1)], group,
-                              axis=1)[:, None, :, None]
+        row_mask = gather_tree_masks(x, items)[:, None, :, None]
         tree_start = x.tree_start[items.seq][:, None, None, None]
     num_blocks = (items.max_kv_len() + block * page_size - 1) // (block * page_size)
     item_pages = plan.page_indices[items.seq]  # [W, pages]

@@ -39,7 +39,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.ragged_paged_attention.kv_cache import BITS
 from pallas_kernels.ragged_paged_attention.work_items import (
     MASKED, AttentionInputs, BlockPlan, WorkItems, default_queries_per_block, gather_queries,
-    plan_blocks, scatter_outputs, tree_visible, visible_blocks)
+    gather_tree_masks, plan_blocks, scatter_outputs, tree_visible, visible_blocks)
 from pallas_kernels.tiling import round_up, sublane_tile
 
 KV_TOKENS_PER_BLOCK = 512
@@ -189,9 +189,7 @@ def _call(x: AttentionInputs, plan: BlockPlan, items: WorkItems, rows: int,
     prefetch, tree_rows = [], []
     if x.tree:  # the item's tree start (SMEM), each row's mask (a [rows, 1] VMEM block)
         prefetch = [x.tree_start[items.seq]]
-        mask = jnp.repeat(x.tree_mask[jnp.minimum(items.token, x.num_tokens - 1)], x.group,
-                          axis=1)
-        tree_rows = [jnp.pad(mask, ((0, 0), (0, rows - mask.shape[1])))[:, :, None]]
+        tree_rows = [gather_tree_masks(x, items, rows)[:, :, None]]
         in_specs.append(pl.BlockSpec((None, rows, 1), lambda h, w, *_: (w, 0, 0)))
     in_specs += [pl.BlockSpec((None, None, 1, r.shape[-1]),
                               lambda h, w, seq, *_: (h, seq[w], 0, 0)) for r in scale_rows]

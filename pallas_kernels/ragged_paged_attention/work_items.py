@@ -321,6 +321,16 @@ def gather_queries(q: jax.Array, items: WorkItems, num_kv_heads: int, rows: int 
     return qi
 
 
+def gather_tree_masks(x: AttentionInputs, items: WorkItems, rows: int | None = None
+                      ) -> jax.Array:
+    """Each item's rows' tree masks, `[W, rows]` laid out as gather_queries lays out the
+    rows (row `i * group + g`: query i's); padding rows and rows past `bq * group` get 0."""
+    mask = jnp.repeat(x.tree_mask[jnp.minimum(items.token, x.num_tokens - 1)], x.group, axis=1)
+    if rows is not None and rows > mask.shape[1]:
+        mask = jnp.pad(mask, ((0, 0), (0, rows - mask.shape[1])))
+    return mask
+
+
 def scatter_outputs(result: jax.Array, out: jax.Array, items: WorkItems, group: int
                     ) -> jax.Array:
     """Inverse of gather_queries: the items' outputs `[Hkv, W, rows, D]` written into
