@@ -43,10 +43,10 @@ class SpeculativeConfig:
     "eagle" / "eagle3": `model`, an EAGLE-1 / EAGLE-3 head (config.json and weights),
     guesses `num_speculative_tokens` tokens greedily from the target's features.
     The step verifies the drafts as extra query tokens (engine/speculation.py).
-    `speculative_token_tree` (Medusa only; vLLM's, as a list or its string): the tree of
-    candidates to verify instead of a chain, as paths of ranks, e.g. [[0], [1], [0, 0]]
-    (the first head's top two guesses, and the second head's top guess after the first
-    head's top one), every path's parent in it, at most 32 paths, none deeper than
+    `speculative_token_tree` (Medusa and EAGLE; vLLM's, as a list or its string): the tree
+    of candidates to verify instead of a chain, as paths of ranks, e.g. [[0], [1], [0, 0]]
+    (the two most likely first tokens, and the most likely second token after the most
+    likely first), every path's parent in it, at most 32 paths, none deeper than
     `num_speculative_tokens` (engine/token_tree.py).
     Speculation stops while more than `disable_by_batch_size` sequences run (None: never):
     a batch that large is compute-bound, and guessed tokens only add work.
@@ -92,9 +92,9 @@ class SpeculativeConfig:
         def bad(why: str) -> ValueError:
             return ValueError(f"speculative_config: speculative_token_tree {why}")
 
-        if self.method != "medusa":
-            raise bad(f"needs method 'medusa' (got {self.method!r}): only Medusa's heads "
-                      "propose trees")
+        if self.method not in ("medusa", "eagle", "eagle3"):
+            raise bad(f"needs method 'medusa', 'eagle' or 'eagle3' (got {self.method!r}): "
+                      "only their heads propose trees")
         tree = self.speculative_token_tree
         if isinstance(tree, str):
             try:

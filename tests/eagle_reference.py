@@ -134,28 +134,56 @@ def features(target, tokens: list[int], aux_layers: tuple[int, ...]) -> torch.Te
     return torch.cat([states[i][0] for i in aux_layers], dim=-1)
 
 
+def _logits_after(head, target, feats: torch.Tensor, tokens: list[int], guessed: list[int]
+                  ) -> torch.Tensor:
+    """The head's logits for the token after `tokens` (the target's `feats` of them) and
+    then `guessed`, recomputing every pair: a guessed token's pair reads the head's own
+    output at the pair before as its features."""
+    embed = target.get_input_embeddings()
+    ids = list(tokens[1:])  # pair p: token p + 1, the target's features at p
+    hidden = list(feats[:len(tokens) - 1])
+    own = [False] * len(hidden)
+    for guess in [*guessed, None]:
+        # EAGLE-3: the target's features through fc, the head's own outputs as they are.
+        x = torch.stack(hidden if head.version == 1 else
+                        [v if o else head.fc(v) for v, o in zip(hidden, own)])
+        h = head(embed(torch.tensor(ids)), x)
+        if guess is None:
+            return head.logits(h[-1], target)
+        ids.append(guess)
+        hidden.append(h[-1])
+        own.append(True)
+
+
 @torch.no_grad()
 def drafts(head, target, tokens: list[int], k: int, aux_layers: tuple[int, ...]
            ) -> tuple[list[int], list[float]]:
     """The head's k greedy drafts after `tokens`, recomputing every pair each round, and
     each draft's margin (top logit minus the next) to tell a near tie."""
     feats = features(target, tokens, aux_layers)
-    embed = target.get_input_embeddings()
-    ids = list(tokens[1:])  # pair p: token p + 1, the target's features at p
-    hidden = list(feats[:len(tokens) - 1])
-    own = [False] * len(hidden)
     out, margins = [], []
     for _ in range(k):
-        # EAGLE-3: the target's features through fc, the head's own outputs as they are.
-        x = torch.stack(hidden if head.version == 1 else
-                        [v if o else head.fc(v) for v, o in zip(hidden, own)])
-        h = head(embed(torch.tensor(ids)), x)
-        logits = head.logits(h[-1], target)
+        logits = _logits_after(head, target, feats, tokens, out)
         top = torch.topk(logits, 2).values
-        guess = int(head.to_target(torch.argmax(logits)))
-        out.append(guess)
+        out.append(int(head.to_target(torch.argmax(logits))))
         margins.append(float(top[0] - top[1]))
-        ids.append(guess)
-        hidden.append(h[-1])
-        own.append(True)
+    return out, margins
+
+
+@torch.no_grad()
+def tree_drafts(head, target, tokens: list[int], paths: list[tuple[int, ...]],
+                aux_layers: tuple[int, ...]) -> tuple[list[int], list[float]]:
+    """The tokens of a tree of drafts after `tokens` (`paths` of ranks, parents first):
+    node p is the head's p[-1]-th most likely token after `tokens` and p's ancestors'
+    tokens, with its margin to the ranks beside it (to tell a near tie)."""
+    feats = features(target, tokens, aux_layers)
+    out, margins = [], []
+    for p in paths:
+        ancestors = [out[paths.index(p[:i])] for i in range(1, len(p))]
+        values, ids = torch.topk(_logits_after(head, target, feats, tokens, ancestors),
+                                 p[-1] + 2)
+        r = p[-1]
+        out.append(int(head.to_target(ids[r])))
+        margins.append(min(float(values[r] - values[r + 1]),
+                           float(values[r - 1] - values[r]) if r else float("inf")))
     return out, margins

@@ -24,7 +24,7 @@ from jaxserve.sampling_params import StructuredOutputsParams
 from jaxserve.config import ModelConfig
 from jaxserve.engine.batch import BucketKey
 from jaxserve.loading.converted import convert
-from oracle_proposer import OracleProposer
+from oracle_proposer import OracleProposer, OracleTreeProposer
 from sharding.mesh import make_mesh
 from sharding.rules import model_sharding
 
@@ -112,7 +112,7 @@ def main(model_dir: str, out_path: str, moe_dir: str | None = None) -> None:
         words = suffix.split()
         method = next((m for m in ("draft", "medusa", "eagle") if m in words), "ngram")
         model = {"draft": model_dir, "medusa": medusa_dir, "eagle": eagle_dir}.get(method)
-        tree = {"speculative_token_tree": [[0], [0, 0], [1], [1, 0], [1, 1], [0, 0, 0]]
+        tree = {"speculative_token_tree": [[0], [1], [0, 0], [1, 0], [0, 0, 0], [1, 0, 0]]
                 } if "tree" in words else {}
         llm = LLM(model_dir, mesh=mesh, sharding=strategy, **ENGINE, **extra,
                   speculative_config={"num_speculative_tokens": 3, "disable_by_batch_size": None,
@@ -122,6 +122,11 @@ def main(model_dir: str, out_path: str, moe_dir: str | None = None) -> None:
         if method == "ngram":
             llm.engine.speculator.proposer = OracleProposer(list(zip(prompts, one_device)),
                                                             320, spoil=3)
+        if method == "medusa" and tree:  # known branches, mostly outside their slots
+            llm.engine.speculator.proposer = OracleTreeProposer(
+                list(zip(prompts, one_device)), 320,
+                llm.engine.speculator.config.speculative_token_tree, spoil=3)
+        moved = count_moves(llm.engine.runner)
         stats = llm.engine.speculator.stats
         results[f"speculative {json.dumps(mesh)} {strategy}{suffix}"] = {
             "tokens": [o.outputs[0].token_ids for o in llm.generate(prompts, params)],
@@ -129,7 +134,7 @@ def main(model_dir: str, out_path: str, moe_dir: str | None = None) -> None:
             "medusa_lm_head_shard_shape": list(
                 llm.engine.runner.medusa.lm_heads.addressable_shards[0].data.shape)
             if method == "medusa" else None,
-            "leaked_pages": llm.engine.scheduler.num_used_pages,
+            "moved": moved[0], "leaked_pages": llm.engine.scheduler.num_used_pages,
             "compiles_after_warmup": llm.engine.runner.compiles_after_warmup}
     # A checkpoint converted on 4 devices (each KV head stored twice) holds one copy of each
     # head: served on 1 device and on 8 (4 copies) it gives the int8 tokens.
@@ -165,7 +170,19 @@ SPEC_RUNS = [({"model": 2}, "tp", {}, ""), ({"data": 2, "model": 2}, "dp+tp", {}
              ({"model": 2}, "tp", {}, " draft"), ({"data": 2, "model": 2}, "dp+tp", {}, " draft"),
              ({"model": 2}, "tp", {}, " medusa"),
              ({"data": 2, "model": 2}, "dp+tp", {}, " medusa tree"),
-             ({"model": 2}, "tp", {}, " eagle"), ({"data": 2, "model": 2}, "dp+tp", {}, " eagle")]
+             ({"model": 2}, "tp", {}, " eagle"), ({"data": 2, "model": 2}, "dp+tp", {}, " eagle tree")]
+
+
+def count_moves(runner) -> list[int]:
+    """A counter of the K/V slots `runner` is asked to move (after trees' steps)."""
+    moved, moves = [0], runner.moves
+
+    def counting(todo):
+        moved[0] += len(todo)
+        return moves(todo)
+
+    runner.moves = counting
+    return moved
 
 
 def repeat_token_medusa_heads(model_dir: str) -> str:

@@ -43,7 +43,6 @@ class OracleTreeProposer(Proposer):
     def __init__(self, runs: list[tuple[list[int], list[int]]], vocab: int,
                  paths: tuple[tuple[int, ...], ...], seed: int = 0, spoil: int = 0):
         self.runs, self.vocab, self.paths, self.spoil = runs, vocab, paths, spoil
-        self.catch_up = max(map(len, paths))
         self.rng = random.Random(seed)
         self.calls = self.out_of_place = 0
 

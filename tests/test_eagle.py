@@ -11,13 +11,14 @@ import pytest
 import torch
 import transformers as tf
 
-from eagle_reference import Eagle1, Eagle3, drafts, write_head
+from eagle_reference import Eagle1, Eagle3, drafts, tree_drafts, write_head
 from jaxserve import LLM
 from test_speculative import (  # noqa: F401 - base and want are fixtures
     ENGINE, GREEDY, base, check_clean, fresh_counters, tokens, want)
 
 AUX = [0, 1, 1]  # the 2-layer target's layers an EAGLE-3 head reads here
 K = 3
+TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
 
 def head_config(target) -> tf.LlamaConfig:
@@ -49,10 +50,11 @@ def write(head, target, path, torch_file: bool):
     return write_head(head, head_config(target), path, torch_file, **extra)
 
 
-def eagle_llm(checkpoints, path, version: int, **engine) -> LLM:
+def eagle_llm(checkpoints, path, version: int, tree=None, **engine) -> LLM:
     return LLM(str(checkpoints("llama")[0]), **{**ENGINE, **engine}, speculative_config={
         "method": "eagle3" if version == 3 else "eagle", "model": str(path),
-        "num_speculative_tokens": K, "disable_by_batch_size": None})
+        "num_speculative_tokens": K, "disable_by_batch_size": None,
+        "speculative_token_tree": tree})
 
 
 def record(llm: LLM) -> list[tuple[list[int], list[int]]]:
@@ -108,6 +110,34 @@ def test_drafts_are_the_published_heads_and_tokens_the_targets(checkpoints, head
     assert tokens(llm.generate(prompts, GREEDY)) == want
     check_against_reference(seen, module, checkpoints("llama")[1],
                             (2,) if version == 1 else tuple(AUX))
+    check_clean(llm)
+
+
+def test_trees_are_the_published_heads_top_guesses(checkpoints, head, version, want,
+                                                  prompts):
+    """Every node of every whole tree is the torch head's guess of its rank after its
+    ancestors (each of a depth's nodes in a slot of its own, seeing its ancestors only),
+    up to near ties; the output is the target's."""
+    module, path = head
+    llm = eagle_llm(checkpoints, path, version, tree=TREE)
+    seen, stats = record(llm), llm.engine.speculator.stats
+    assert tokens(llm.generate(prompts, GREEDY)) == want
+    paths = list(llm.engine.speculator.config.speculative_token_tree)
+    aux = (2,) if version == 1 else tuple(AUX)
+    compared = total = 0
+    for tokens_so_far, tree in seen:
+        if len(tree.tokens) < len(paths):
+            continue  # cut near the end
+        theirs, margins = tree_drafts(module, checkpoints("llama")[1], tokens_so_far, paths,
+                                      aux)
+        for j, p in enumerate(paths):
+            total += 1
+            if min(margins[paths.index(p[:i])] for i in range(1, len(p) + 1)) < 1e-3:
+                continue  # a near tie on its path
+            assert tree.tokens[j] == theirs[j], (len(tokens_so_far), p, tree, theirs)
+            compared += 1
+    assert total > 300 and compared > 0.9 * total
+    assert stats.proposed[2] > 0
     check_clean(llm)
 
 

@@ -638,3 +638,25 @@ def test_preemption_stays_in_the_data_shard():
     sim.run()
     assert r1.num_preemptions == 0 and r0.num_preemptions == 0
     sim.assert_drained()
+
+
+def test_rollback_after_a_tree_moves_the_accepted_nodes_into_their_positions():
+    """A tree of 6 nodes after 7 tokens sat at positions 7..12 (node j at 7 + j); nodes 1
+    and 3 accepted (then a bonus token) belong at positions 7 and 8."""
+    sched = Scheduler(config(max_num_batched_tokens=16))
+    seq = Sequence("a", [1, 2, 3, 4, 5, 6])
+    sched.add(seq)
+    sched.schedule()
+    seq.output_token_ids.append(7)
+    assert sched.allocator.allocate_more(seq, 7 + 6)
+    pages = list(seq.page_ids)
+    assert len(pages) == 4
+    seq.output_token_ids += [8, 9, 10]  # nodes 1 and 3, and the bonus token
+    slot = lambda p: pages[p // 4] * 4 + p % 4  # noqa: E731
+    assert sched.rollback(seq, [1, 3]) == [(slot(8), slot(7)), (slot(10), slot(8))]
+    assert seq.num_computed_tokens == 9 and seq.page_ids == pages[:3]
+    assert sched.allocator.num_used_pages == 3
+    # The top guesses' path sits in place already; a chain moves nothing.
+    seq.output_token_ids.append(11)
+    assert sched.rollback(seq, [0]) == [] and seq.num_computed_tokens == 10
+    assert sched.rollback(seq) == []

@@ -64,22 +64,26 @@ def test_speculative_decoding_matches_one_device(runs, run):
 @pytest.mark.parametrize("run", ['{"model": 2} tp medusa',
                                  '{"data": 2, "model": 2} dp+tp medusa tree'])
 def test_medusa_heads_under_tensor_and_data_parallelism(runs, run):
-    """Heads that guess the last token again (and, in a tree, their second guesses), on
-    a sharded target, the trees' masks split over data shards: the one-device tokens.
-    The heads' LM heads are split over the vocabulary as the target's is (3 heads x
-    hidden 64 x 320 tokens, half per device)."""
+    """Heads that guess the last token again on a sharded target; trees (an oracle's, of
+    the one-device tokens along random branches, every third spoiled) with their masks
+    split over data shards, and their accepted nodes' K/V moved into place on each
+    shard: the one-device tokens. The heads' LM heads are split over the vocabulary as
+    the target's is (3 heads x hidden 64 x 320 tokens, half per device)."""
     result = runs["speculative " + run]
     assert result["tokens"] == runs["null"]["tokens"]
     assert 0 < result["accepted"] < result["proposed"]
+    assert (result["moved"] > 10) == ("tree" in run)
     assert result["medusa_lm_head_shard_shape"] == [3, 64, 160]
     assert result["leaked_pages"] == 0 and result["compiles_after_warmup"] == 0
 
 
-@pytest.mark.parametrize("run", ['{"model": 2} tp eagle', '{"data": 2, "model": 2} dp+tp eagle'])
+@pytest.mark.parametrize("run", ['{"model": 2} tp eagle',
+                                 '{"data": 2, "model": 2} dp+tp eagle tree'])
 def test_an_eagle_head_under_tensor_and_data_parallelism(runs, run):
     """An EAGLE-1 head that reads the target's features straight through (it guesses the
-    token just sampled again) on a sharded target, the features split over data shards:
-    the one-device tokens, with drafts accepted where the output repeats."""
+    token just sampled again) on a sharded target, the features split over data shards,
+    as a chain and as a tree (its rounds' masks split over data shards too): the
+    one-device tokens, with drafts accepted where the output repeats."""
     result = runs["speculative " + run]
     assert result["tokens"] == runs["null"]["tokens"]
     assert 0 < result["accepted"] < result["proposed"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import jax
 import numpy as np
 import pytest
 import scipy.stats
@@ -14,7 +15,9 @@ import torch
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig, SpeculativeConfig
+from jaxserve.engine import broadcast
 from jaxserve.engine.proposers import MedusaProposer, NgramProposer, TokenProposer
+from jaxserve.engine.runner import move_slots
 from jaxserve.engine.speculation import SpeculationStats, Speculator
 from oracle_proposer import OracleProposer, OracleTreeProposer
 from published_heads import medusa_heads, write_medusa
@@ -408,16 +411,66 @@ def test_tree_masks_paths_and_acceptance():
     samples = [0] * 15
     samples[0], samples[1 + 7], samples[1 + 8] = 17, 18, 99
     assert token_tree.accepted_path(tokens, parents, samples) == [7, 8]
-    assert token_tree.in_place([7, 8]) == 0 and token_tree.in_place([0, 1, 5]) == 2
     assert token_tree.accepted_path(tokens, parents, [10, 11, 12] + [0] * 12) == [0, 1, 2]
+
+
+def test_moving_slots_reads_every_source_before_writing_any():
+    """Every layer's K/V (int8 pages and their scales too) and the EAGLE feature rows move
+    from `src` to `dst` slots, a chain of moves (6 -> 5 -> 4) read before written; a dst
+    past the pool moves nothing."""
+    rng = np.random.default_rng(0)
+    heads, pages, size, dim = 2, 3, 4, 8
+
+    def layer():
+        return (rng.normal(size=(heads, pages, size, dim)).astype(np.float32),
+                rng.integers(-127, 127, (heads, pages, size, dim)).astype(np.int8),
+                rng.random((heads, pages, size)).astype(np.float32))
+
+    kv = [layer(), layer()]
+    features = rng.normal(size=(pages * size, 5)).astype(np.float32)
+    src, dst = np.array([5, 6, 0], np.int32), np.array([4, 5, pages * size], np.int32)
+    moved, moved_features = jax.jit(move_slots)(kv, features, src, dst)
+
+    def want(x):  # slots are the flattened (page, row) axes
+        flat = x.reshape(heads, pages * size, *x.shape[3:]).copy()
+        flat[:, 4], flat[:, 5] = flat[:, 5].copy(), flat[:, 6].copy()
+        return flat.reshape(x.shape)
+
+    for ours, theirs in zip(moved, kv):
+        for a, b in zip(ours, theirs):
+            np.testing.assert_array_equal(np.asarray(a), want(b))
+    rows = features.copy()
+    rows[4], rows[5] = features[5], features[6]
+    np.testing.assert_array_equal(np.asarray(moved_features), rows)
+
+
+def test_a_follower_moves_the_slots_process_0_moves(monkeypatch):
+    """Multi-host: process 0's moves go to the followers (broadcast.py), which run them on
+    their own devices."""
+    sent = []
+    monkeypatch.setattr(broadcast.multihost_utils, "broadcast_one_to_all",
+                        lambda x: sent.append(x) or x)
+    src, dst = np.array([5, 9], np.int32), np.array([4, 5], np.int32)
+    broadcast.StepBroadcaster().send_moves(src, dst)
+    broadcast.StepBroadcaster().stop()
+    moved = []
+
+    class Runner:  # a follower's
+        moves = staticmethod(lambda todo: (np.zeros(2, np.int32), np.zeros(2, np.int32)))
+        move = staticmethod(lambda *arrays: moved.append(arrays))
+
+    received = iter(sent)
+    monkeypatch.setattr(broadcast.multihost_utils, "broadcast_one_to_all",
+                        lambda x: next(received))
+    broadcast.follow(dataclasses.make_dataclass("Engine", ["runner"])(Runner()))
+    assert len(moved) == 1 and [a.tolist() for a in moved[0]] == [[5, 9], [4, 5]]
 
 
 @pytest.fixture(scope="module")
 def tree_llm(checkpoints, tmp_path_factory):
     """Medusa heads like medusa_llm's (identity blocks, the target's LM head) verifying a
     tree of each head's top two guesses. The token budget holds four sequences' trees
-    after the most tokens a tree's step can leave to compute again (3 + 1 + 14 each), so
-    no tree is cut."""
+    (1 + 14 each), so no tree is cut."""
     hf = checkpoints("llama")[1]
     path = write_medusa(tmp_path_factory.mktemp("medusa"),
                         medusa_heads(hf, heads=3, layers=1, seed=1, copy_lm_head=True), 1)

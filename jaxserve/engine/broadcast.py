@@ -24,8 +24,9 @@ log = logging.getLogger(__name__)
 
 # STEP runs a whole step (forward, then sample); a step sampled apart is FORWARD, then
 # SAMPLE with the same batch (its sampling arrays filled in between:
-# ModelRunner.dispatch_forward / dispatch_sample).
-STOP, STEP, PING, FORWARD, SAMPLE = range(5)
+# ModelRunner.dispatch_forward / dispatch_sample). MOVE copies K/V between slots after a
+# tree step (ModelRunner.move).
+STOP, STEP, PING, FORWARD, SAMPLE, MOVE = range(6)
 PING_INTERVAL_S = 1.0
 
 
@@ -40,6 +41,10 @@ class StepBroadcaster:
     def send(self, command: int, batch: StepBatch, key: BucketKey) -> None:
         multihost_utils.broadcast_one_to_all(_header(command, key))
         multihost_utils.broadcast_one_to_all(batch)
+
+    def send_moves(self, src: np.ndarray, dst: np.ndarray) -> None:
+        multihost_utils.broadcast_one_to_all(_header(MOVE))
+        multihost_utils.broadcast_one_to_all((src, dst))
 
     def ping(self) -> None:
         multihost_utils.broadcast_one_to_all(_header(PING))
@@ -62,3 +67,5 @@ def follow(engine) -> None:
             run = {STEP: engine.runner.dispatch, FORWARD: engine.runner.dispatch_forward,
                    SAMPLE: engine.runner.dispatch_sample}[command]
             run(batch, key)
+        elif command == MOVE:
+            engine.runner.move(*multihost_utils.broadcast_one_to_all(engine.runner.moves([])))

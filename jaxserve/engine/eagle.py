@@ -17,6 +17,13 @@ accepted) and guesses from the last; rounds 2..k, a loop on the device, feed eac
 sequence the round before's guess with the head's own output as its features, at the
 next position. Those rounds' K/V hold guessed features, so the next step's round 1
 recomputes those positions with the target's. One dispatch and one wait per step.
+
+With a tree (SpeculativeConfig.speculative_token_tree, engine/token_tree.py: EAGLE's
+top-k trees) round 1's top guesses are the first depth's nodes, and each later round
+feeds every node of a depth that has children at once (its token, its parent's output
+as features), each in a slot of its own after the sequence's pairs (node j at kv_lens + j)
+with its depth's position, seeing its ancestors only (the tree masks the target's
+verification uses); a node's children are its top guesses by rank.
 """
 
 from __future__ import annotations
@@ -29,12 +36,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxserve.engine import token_tree
 from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.proposers import Proposer, first_round
 from jaxserve.engine.request import Sequence
 from jaxserve.engine.runner import ModelRunner, global_slots, position_slots, sampled_rows
 from jaxserve.engine.sampler import first_argmax
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
+from jaxserve.engine.token_tree import DraftTree
 from jaxserve.models.eagle import EagleHead, embed
 from jaxserve.models.transformer import AttentionMetadata
 from sharding.rules import ShardingContext
@@ -42,13 +51,14 @@ from sharding.rules import ShardingContext
 
 def draft(graphdef: nnx.GraphDef, params: nnx.State, target_graphdef: nnx.GraphDef,
           target_params: nnx.State, kv: tuple, features: jax.Array, batch: StepBatch,
-          limits: jax.Array, *, rounds: int, page_size: int, drop_slot: int
-          ) -> tuple[tuple, jax.Array]:
+          limits: jax.Array, *, rounds: int, page_size: int, drop_slot: int,
+          tree: tuple[tuple[int, ...], ...] | None = None) -> tuple[tuple, jax.Array]:
     """Round 1 over `batch` (each sequence's new pairs: its input ids are the tokens after
     their positions, the features are read from the target's `features` at their slots),
     then `rounds` more rounds of one token per sequence. Returns the cache and the guesses
     `[rounds + 1, S]`; sequence i writes K/V in its first `limits[i]` extra rounds only
-    (the pages it holds)."""
+    (the pages it holds). With a `tree` (paths of ranks, parents first), the tree's
+    rounds instead (`tree_rounds`), and its nodes' tokens `[nodes, S]`."""
     head: EagleHead = nnx.merge(graphdef, params)
     target = nnx.merge(target_graphdef, target_params)
     meta = batch.attn
@@ -60,11 +70,15 @@ def draft(graphdef: nnx.GraphDef, params: nnx.State, target_graphdef: nnx.GraphD
                       from_target=True)
     hidden = sampled_rows(hidden, batch.sample_index, d)  # [S, H]: each sequence's last pair
     rows = batch.num_rows[0] if single else None
-    ids = head.to_target(first_argmax(head.logits(hidden, target, rows)))
+    logits = head.logits(hidden, target, rows)
     # Rounds 2..: token i is sequence i's, at the position after its last pair.
     local = jnp.arange(s // d + 1)
     cu = jnp.minimum(local[None, :], meta.num_seqs[:, None]).reshape(-1)
     seq_real = (jnp.arange(s) % (s // d)) < jnp.repeat(meta.num_seqs, s // d)
+    if tree is not None:
+        return tree_rounds(head, target, kv, meta, hidden, logits, seq_real & (limits > 0),
+                           cu, seq_real, tree, page_size, drop_slot)
+    ids = head.to_target(first_argmax(logits))
 
     def round_(j, carry):
         kv, ids, hidden, out = carry
@@ -84,15 +98,67 @@ def draft(graphdef: nnx.GraphDef, params: nnx.State, target_graphdef: nnx.GraphD
     return kv, out
 
 
+def tree_rounds(head: EagleHead, target, kv: tuple, meta: AttentionMetadata,
+                hidden: jax.Array, logits: jax.Array, writes: jax.Array, cu: jax.Array,
+                seq_real: jax.Array, tree: tuple[tuple[int, ...], ...], page_size: int,
+                drop_slot: int) -> tuple[tuple, jax.Array]:
+    """A tree's rounds after round 1 (whose last pair's output `hidden` and `logits` are
+    each sequence's, `[S, ...]`), depth by depth: the nodes of a depth that have children
+    are fed together, node j of each sequence at KV position kv_lens + j (written where
+    `writes`), rope position kv_lens - 1 + its depth, its parent's output as features,
+    and its tree mask; its children take its top guesses by their ranks. Returns the
+    cache and the nodes' tokens `[nodes, S]`."""
+    s = meta.kv_lens.shape[0]
+    single = meta.num_seqs.shape[0] == 1
+    parents, depths = token_tree.paths_parents(tree), [len(p) for p in tree]
+    masks = token_tree.masks(parents)
+    children = {j: [c for c, p in enumerate(parents) if p == j] for j in (-1, *range(len(tree)))}
+
+    def tops(logits: jax.Array, kids: list[int]) -> jax.Array:  # [rows, top] target ids
+        return head.to_target(jax.lax.top_k(logits, 1 + max(tree[c][-1] for c in kids))[1])
+
+    tokens: list[jax.Array | None] = [None] * len(tree)
+    outputs, guesses = {-1: hidden}, {-1: tops(logits, children[-1])}  # by node (-1: root)
+    for depth in range(1, max(depths) + 1):
+        for j in (j for j in range(len(tree)) if depths[j] == depth):
+            tokens[j] = guesses[parents[j]][:, tree[j][-1]]
+        fed = [j for j in range(len(tree)) if depths[j] == depth and children[j]]
+        if not fed:
+            break
+        n = len(fed)
+        slots = jnp.stack([position_slots(meta.page_indices, meta.kv_lens + j, page_size)
+                           for j in fed], axis=1).reshape(-1)
+        attn = AttentionMetadata(
+            slot_mapping=jnp.where(jnp.repeat(writes, n), slots, drop_slot),
+            cu_q_lens=cu * n, kv_lens=jnp.where(seq_real, meta.kv_lens + max(fed) + 1, 0),
+            page_indices=meta.page_indices, num_seqs=meta.num_seqs,
+            tree_start=jnp.where(seq_real, meta.kv_lens, jnp.iinfo(jnp.int32).max),
+            tree_mask=jnp.tile(jnp.asarray(masks[fed]), s))
+        ids = jnp.stack([tokens[j] for j in fed], axis=1).reshape(-1)
+        feats = jnp.stack([outputs[parents[j]] for j in fed], axis=1).reshape(s * n, -1)
+        out, kv = head(embed(target, ids), feats, jnp.repeat(meta.kv_lens - 1 + depth, n),
+                       kv, attn, from_target=False)
+        kids = [c for j in fed for c in children[j]]
+        top = tops(head.logits(out, target, meta.num_seqs[0] * n if single else None), kids)
+        top, out = top.reshape(s, n, -1), out.reshape(s, n, -1)
+        for i, j in enumerate(fed):
+            outputs[j], guesses[j] = out[:, i], top[:, i]
+    return kv, jnp.stack(tokens)
+
+
 class EagleProposer(Proposer):
     """EAGLE's proposer (engine/speculation.py uses it); `target` is the engine's runner,
-    whose step writes the features (`ModelRunner.features_from`)."""
+    whose step writes the features (`ModelRunner.features_from`). With a `tree` (paths of
+    ranks) it proposes trees of that shape, cut to the depth each sequence may take."""
 
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, shard: ShardingContext,
                  kv_abstract: tuple[jax.ShapeDtypeStruct, ...], target: ModelRunner,
-                 max_num_batched_tokens: int, k: int):
+                 max_num_batched_tokens: int, k: int,
+                 tree: tuple[tuple[int, ...], ...] | None = None):
         assert target.features is not None
         self.target = target
+        self.tree = tree
+        self._cuts = token_tree.cuts(tree) if tree else {}
         self.builder: BatchBuilder = dataclasses.replace(
             target.builder, num_speculative_tokens=0, draft_model=True)
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -102,7 +168,7 @@ class EagleProposer(Proposer):
         self.kv = self._zero_kv()
         num_slots = self.builder.num_pages * self.builder.page_size
         program = functools.partial(draft, rounds=k - 1, page_size=self.builder.page_size,
-                                    drop_slot=num_slots)
+                                    drop_slot=num_slots, tree=tree)
         target_tree, tree = jax.tree.structure(target.params), jax.tree.structure(params)
 
         def on_leaves(target_leaves, leaves, *args):  # as runner.on_param_leaves, for both
@@ -137,12 +203,13 @@ class EagleProposer(Proposer):
             self.kv = self._zero_kv()
 
     def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler
-                      ) -> list[list[int]]:
-        """Drafts for each (sequence, at most k) of the coming step."""
+                      ) -> list[list[int] | DraftTree]:
+        """Drafts for each (sequence, at most k: a tree's depth) of the coming step."""
         shards = self.builder.data_shards
-        drafts: list[list[int]] = [[] for _ in entries]
+        drafts: list[list[int] | DraftTree] = [[] for _ in entries]
         # Pairs up to the newest token's predecessor (the newest has no features yet).
-        first, want = first_round(entries, scheduler, self.max_num_batched_tokens, lag=1)
+        first, want = first_round(entries, scheduler, self.max_num_batched_tokens, lag=1,
+                                  ahead=len(self.tree) if self.tree else None)
         if not first:
             return drafts
         out = SchedulerOutput([s for _, s in first], [], sum(s.num_new_tokens for _, s in first))
@@ -157,7 +224,11 @@ class EagleProposer(Proposer):
             limits[sched.row] = want.get(i, 1) - 1
         guesses = np.asarray(self._run(batch, key, limits).addressable_data(0))
         for i, sched in first:
-            drafts[i] = guesses[:want.get(i, 0), sched.row].tolist()
+            if self.tree and i in want:
+                nodes, parents = self._cuts[min(want[i], len(self._cuts))]
+                drafts[i] = DraftTree(guesses[nodes, sched.row].tolist(), parents)
+            elif not self.tree:
+                drafts[i] = guesses[:want.get(i, 0), sched.row].tolist()
         return drafts
 
     def _run(self, batch: StepBatch, key: BucketKey, limits: np.ndarray) -> jax.Array:

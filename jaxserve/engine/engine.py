@@ -166,7 +166,7 @@ class Engine:
                                           eagle_shard)[0]
                 proposer = EagleProposer(eagle_graphdef, eagle_params, eagle_shard, layer,
                                          self.runner, config.max_num_batched_tokens,
-                                         spec.num_speculative_tokens)
+                                         spec.num_speculative_tokens, tree)
             self.speculator = Speculator(spec, proposer)
         self._requests: dict[str, Request] = {}
         self.grammars = (GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_token_ids)
@@ -174,6 +174,7 @@ class Engine:
         self._masks = MaskFiller()
         self._rng = random.Random(config.seed)
         self._inflight: InFlightStep | None = None
+        self._moves: list[tuple[int, int, int]] = []  # K/V to move: (data shard, src, dst)
         self._expert_load = self.runner.expert_load  # as of the last collected step
         self.num_steps = 0  # steps dispatched
         self.num_overlapped_steps = 0  # dispatched while the step before was still running
@@ -422,7 +423,7 @@ class Engine:
         or in the one in flight with it) with finish_reason "error" and free their pages;
         waiting requests stay queued. If the step consumed the KV cache, it is made anew
         and the prefix cache forgotten. The engine can step again afterwards."""
-        self._inflight = None
+        self._inflight, self._moves = None, []
         message = f"{type(error).__name__}: {error}"
         outputs = []
         for seq in list(self.scheduler.running):
@@ -447,9 +448,8 @@ class Engine:
         entries = []
         for seq in self.scheduler.running:
             req = self._requests.get(seq.request_id)
-            behind = seq.num_tokens - seq.num_computed_tokens
             if (req is None or req.grammar is not None or not seq.params.speculative
-                    or not 1 <= behind <= 1 + self.speculator.proposer.catch_up):
+                    or seq.num_tokens - seq.num_computed_tokens != 1):
                 continue
             entries.append((seq, min(req.max_tokens - len(seq.output_token_ids),
                                      self.max_model_len - seq.num_tokens)))
@@ -508,6 +508,9 @@ class Engine:
             req = self._requests.get(s.seq.request_id)
             if req is not None and req.seq is s.seq:  # not aborted or finished meanwhile
                 outputs.append(self._append(req, sampled, s, guesses))
+        if self._moves:  # a tree's accepted nodes into their positions' slots
+            self.runner.move(*self.runner.moves(self._moves))
+            self._moves = []
         return outputs
 
     def _append(self, req: Request, sampled: SampleOutput, s: ScheduledSeq,
@@ -569,7 +572,8 @@ class Engine:
             del self._requests[seq.request_id]
         else:
             if s.drafts:
-                self.scheduler.rollback(seq, len(accepted) - token_tree.in_place(accepted))
+                self._moves += [(seq.data_shard, *m)
+                                for m in self.scheduler.rollback(seq, accepted)]
             if guesses is not None:  # they follow the last token: (tokens up to it, guesses)
                 seq.medusa_guesses = (seq.num_prompt_tokens + index + 1,
                                       guesses[rows[-1]].tolist())

@@ -17,11 +17,6 @@ from jaxserve.engine.token_tree import DraftTree
 class Proposer(abc.ABC):
     """Guesses the next tokens of the sequences about to step."""
 
-    # How many tokens besides its newest a sequence may have left to compute and still
-    # get drafts: after a tree's step, those of the path it accepted that sit outside
-    # their positions' slots (token_tree.in_place), which the next step computes again.
-    catch_up = 0
-
     def warmup(self, progress: bool = True) -> None:
         """Compile whatever programs it runs (a proposer with a model of its own)."""
 
@@ -35,14 +30,16 @@ class Proposer(abc.ABC):
 
 
 def first_round(entries: list[tuple[Sequence, int]], scheduler: Scheduler, budget: int,
-                lag: int) -> tuple[list[tuple[int, ScheduledSeq]], dict[int, int]]:
+                lag: int, ahead: int | None = None
+                ) -> tuple[list[tuple[int, ScheduledSeq]], dict[int, int]]:
     """Round 1 of a proposer with a model of its own (draft_model.py, eagle.py): for each
     (sequence, k), its inputs from `draft_computed_tokens` (at most its newest token) up
     to `num_tokens - lag`, within its data shard's share of the token `budget` and the
     pages it holds. Returns (entry index, its chunk) for those with inputs, and the drafts
     each caught-up sequence gets: k where it also holds pages for its newest token and
-    the k - 1 rounds after (no pages, no drafts). Moves `draft_computed_tokens` past the
-    chunks."""
+    the k - 1 rounds after, or with `ahead` (a tree's node count) the `ahead` - 1 slots
+    after, within max_model_len (no pages, no drafts). Moves `draft_computed_tokens` past
+    the chunks."""
     shards = len(scheduler.allocators)
     budgets = [budget // shards] * shards
     first, want = [], {}
@@ -55,7 +52,9 @@ def first_round(entries: list[tuple[Sequence, int]], scheduler: Scheduler, budge
         if n <= 0 or not allocator.allocate_more(seq, start + n):
             continue
         budgets[seq.data_shard] -= n
-        if start + n == end and allocator.allocate_more(seq, seq.num_tokens + k - 1):
+        total = seq.num_tokens + (ahead or k) - 1
+        if (start + n == end and total <= scheduler.config.max_model_len
+                and allocator.allocate_more(seq, total)):
             want[i] = k
         first.append((i, ScheduledSeq(seq, start, n)))
         seq.draft_computed_tokens = start + n
@@ -82,12 +81,8 @@ class MedusaProposer(Proposer):
 
     def __init__(self, tree: tuple[tuple[int, ...], ...] | None = None):
         self.tree = tree
-        self.catch_up = max(map(len, tree)) if tree else 0
-        # The tree cut to each depth k: its paths (parents stay before children), parents.
-        self._cuts: dict[int, tuple[list, list[int]]] = {}
-        for k in range(1, self.catch_up + 1):
-            paths = [p for p in tree if len(p) <= k]
-            self._cuts[k] = (paths, token_tree.paths_parents(paths))
+        self.depth = max(map(len, tree)) if tree else 0
+        self._cuts = token_tree.cuts(tree) if tree else {}
 
     def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler
                       ) -> list[list[int] | DraftTree]:
@@ -100,7 +95,8 @@ class MedusaProposer(Proposer):
             if self.tree is None:
                 out.append([g[0] for g in guesses[:k]])
                 continue
-            paths, parents = self._cuts[min(k, self.catch_up)]
+            nodes, parents = self._cuts[min(k, self.depth)]
+            paths = [self.tree[j] for j in nodes]
             out.append(DraftTree([guesses[len(p) - 1][p[-1]] for p in paths], parents))
         return out
 

@@ -120,16 +120,35 @@ def sampled_rows(hidden: jax.Array, sample_index: jax.Array, data_shards: int) -
     return jnp.take_along_axis(blocks, index[:, :, None], axis=1).reshape(-1, hidden.shape[-1])
 
 
+def move_slots(kv_caches: KVCache, features: jax.Array | None, src: jax.Array,
+               dst: jax.Array) -> tuple[KVCache, jax.Array | None]:
+    """Every layer's K/V (and an EAGLE feature cache's rows) copied from slots `src` to
+    slots `dst` of one data shard's pool, all read before any is written; a `dst` out of
+    the pool copies nothing. After a tree step (engine/token_tree.py): the accepted nodes'
+    into the slots of their positions."""
+    def move(x):  # [heads, pages, page_size, ...]
+        flat = x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+        return flat.at[:, dst].set(flat[:, src], mode="drop").reshape(x.shape)
+
+    kv_caches = [tuple(move(x) for x in layer) for layer in kv_caches]
+    if features is not None:
+        features = features.at[dst].set(features[src], mode="drop")
+    return kv_caches, features
+
+
 class StepPrograms(NamedTuple):
     """The jitted programs of a step: its `forward` pass (KV cache and logits, which stay
     on the device), then `sample_step`. Every step runs both; a step whose sampling waits
     for the host (penalties, grammars: see `Engine.step`) dispatches the second later.
+    `move` (`move_slots` per device) runs after a step whose trees accepted nodes outside
+    the slots of their positions.
     (One program for both measured slower on a CPU: a 64-sequence bucket's prefill step
     27-34 ms against 23 ms for the two, one decode step alike, and workload (b) of
     benchmarks/offline_throughput.py 747-799 against 800-834 tokens/s, bf16.)"""
 
     forward: Callable
     sample: Callable
+    move: Callable
 
 
 def on_param_leaves(graphdef: nnx.GraphDef, params, fn: Callable) -> Callable:
@@ -155,6 +174,13 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
     inputs = (param_shardings, cache_shardings, replicated, replicated, replicated, heads,
               features)
     step = functools.partial(forward, features_from=features_from)
+    slots = shard.rules.spec(("pages",))  # each data shard's moves, a block of its own
+    move = move_slots
+    if shard.mesh.size > 1:  # every device moves its own pages' slots of its own heads
+        specs = lambda tree: jax.tree.map(lambda x: x.spec, tree)  # noqa: E731
+        io = (specs(cache_shardings), features.spec if features_from else None)
+        move = jax.shard_map(move_slots, mesh=shard.mesh, check_vma=False,
+                             in_specs=(*io, slots, slots), out_specs=io)
     return StepPrograms(
         forward=jax.jit(on_param_leaves(graphdef, params, step), donate_argnums=(1, 6),
                         in_shardings=inputs,
@@ -162,7 +188,10 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
                                        features)),
         sample=jax.jit(sample_step, in_shardings=(logits_sharding, replicated, replicated,
                                                   replicated, replicated),
-                       out_shardings=(replicated, replicated)))
+                       out_shardings=(replicated, replicated)),
+        move=jax.jit(move, donate_argnums=(0, 1),
+                     in_shardings=(cache_shardings, features, replicated, replicated),
+                     out_shardings=(cache_shardings, features)))
 
 
 def kv_page_bytes(cfg: ModelConfig, page_size: int, kv_dtype,
@@ -307,6 +336,10 @@ class ModelRunner:
                     self._sample(batch)
                 self._ready.add(program)
                 bar.set_postfix_str(f"{hits[0]} from cache")
+            if self.builder.tree and ("move",) not in self._ready:  # copies nothing
+                self.kv_caches, self.features = self._programs.move(
+                    self.kv_caches, self.features, *self.moves([]))
+                self._ready.add(("move",))
         jax.block_until_ready(self.sampled)
         self.programs_from_cache = hits[0]
         if todo:
@@ -348,6 +381,28 @@ class ModelRunner:
         if self.broadcaster is not None:
             self.broadcaster.send(SAMPLE, batch, key)
         return self._sample(batch)
+
+    def moves(self, moves: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(src, dst) of `move`: (data shard, src slot, dst slot) laid out as one block per
+        shard of `max_num_seqs x num_speculative_tokens` (the most a step accepts), the
+        rest copying nothing."""
+        b = self.builder
+        block = b.max_num_seqs * b.num_speculative_tokens
+        src = np.zeros((b.data_shards, block), np.int32)
+        dst = np.full((b.data_shards, block), b.num_pages * b.page_size, np.int32)
+        used = [0] * b.data_shards
+        for shard, s, d in moves:
+            src[shard, used[shard]], dst[shard, used[shard]] = s, d
+            used[shard] += 1
+        return src.reshape(-1), dst.reshape(-1)
+
+    def move(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Start copying K/V (and EAGLE features) between slots (`moves`' arrays)."""
+        self._check_compiled(("move",))
+        if self.broadcaster is not None:
+            self.broadcaster.send_moves(src, dst)
+        self.kv_caches, self.features = self._programs.move(self.kv_caches, self.features,
+                                                            src, dst)
 
     def _forward(self, batch: StepBatch) -> None:
         inputs = dataclasses.replace(batch, sampling=None, history=None)

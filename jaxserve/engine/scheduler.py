@@ -216,13 +216,21 @@ class Scheduler:
             seq.draft_token_ids, seq.draft_parents = [], None
         return out
 
-    def rollback(self, seq: Sequence, recompute: int = 0) -> None:
-        """After a step verified `seq`'s drafts and its accepted tokens were appended: only
-        the tokens before its last one have K/V (the rejected drafts' slots are stale, to
-        be overwritten), less the `recompute` before it whose K/V sit in other slots (a
-        tree's), and the pages past its tokens go back to the pool."""
-        seq.num_computed_tokens = seq.num_tokens - 1 - recompute
+    def rollback(self, seq: Sequence, accepted: list[int] | None = None
+                 ) -> list[tuple[int, int]]:
+        """After a step verified `seq`'s drafts and its accepted tokens were appended: the
+        tokens before its last one have K/V (the rejected drafts' slots are stale, to be
+        overwritten), and the pages past its tokens go back to the pool. A tree's
+        `accepted` nodes (engine/token_tree.py) have theirs in their nodes' slots: returns
+        the (src, dst) slots of those outside the slots of their positions, for the caller
+        to move there (ModelRunner.move) before any step reads them."""
+        seq.num_computed_tokens = seq.num_tokens - 1
+        accepted = accepted or []
+        base, size = seq.num_tokens - 1 - len(accepted), self.config.page_size
+        slot = lambda p: seq.page_ids[p // size] * size + p % size  # noqa: E731
+        moves = [(slot(base + j), slot(base + i)) for i, j in enumerate(accepted) if i != j]
         self.allocators[seq.data_shard].truncate(seq, seq.num_tokens)
+        return moves
 
     def cache_pages(self, out: SchedulerOutput) -> None:
         """Offer the prefix cache every page of the scheduled seqs now full of known

@@ -1,4 +1,4 @@
-"""Trees of speculative tokens (Medusa's candidate trees), host side.
+"""Trees of speculative tokens (Medusa's and EAGLE's candidate trees), host side.
 
 A tree's nodes are listed parents first; `parents[j]` is node j's parent (-1: the root,
 the sequence's last token). The step lays them out after the root in that order, each in
@@ -10,8 +10,8 @@ The configured trees list paths of ranks (vLLM's `speculative_token_tree`: `(0, 
 the second most likely token of the second head after the first head's most likely).
 They are kept in depth-first order with the ranks ascending, so that the path of every
 head's top guess comes first: when it is the path accepted, its nodes already sit in
-the slots of their positions. Any other accepted path keeps its K/V only up to where it
-leaves the slots of its positions (`in_place`); the next step computes the rest again.
+the slots of their positions. Any other accepted path's nodes outside them have their
+K/V moved there after the step (Scheduler.rollback, ModelRunner.move).
 """
 
 from __future__ import annotations
@@ -75,17 +75,19 @@ def accepted_path(tokens: list[int], parents: list[int], samples) -> list[int]:
         node = child
 
 
-def in_place(accepted: list[int]) -> int:
-    """How many leading accepted nodes sit in the slots of their positions (node j at
-    depth j + 1): their K/V stay; the rest are computed again."""
-    n = 0
-    while n < len(accepted) and accepted[n] == n:
-        n += 1
-    return n
-
-
 def paths_parents(paths: tuple[tuple[int, ...], ...]) -> list[int]:
     """The parents of a configured tree's nodes (`paths` in depth-first order, each
     path's parent before it)."""
     index = {p: j for j, p in enumerate(paths)}
     return [index.get(p[:-1], -1) for p in paths]
+
+
+def cuts(paths: tuple[tuple[int, ...], ...]) -> dict[int, tuple[list[int], list[int]]]:
+    """A configured tree cut to each depth k (1 to its depth): its nodes of depth <= k
+    (their indices, in order: parents stay before children) and their parents among
+    them."""
+    out = {}
+    for k in range(1, max(map(len, paths)) + 1):
+        nodes = [j for j, p in enumerate(paths) if len(p) <= k]
+        out[k] = (nodes, paths_parents(tuple(paths[j] for j in nodes)))
+    return out
