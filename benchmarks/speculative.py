@@ -15,7 +15,7 @@ Workloads, each request `--tokens` greedy output tokens:
   write: held-out code cut mid-file: the output continues it, little to look up.
 Each at batch 1 (one request at a time, --requests of them) and batch 16 (4 x 16 at
 once), speculation off, n-gram (k = --k, prompt_lookup 2..4), the draft model, the
-EAGLE heads and the Medusa heads (k = --k; Medusa also with MEDUSA_TREE, a tree of
+EAGLE heads and the Medusa heads (k = --k; Medusa and EAGLE-1 also with TREE, a tree of
 candidates); at batch 16 n-gram and the draft model with the default
 disable_by_batch_size (8: no speculation at 16) and with it off (speculating anyway), and
 EAGLE-1 with the default (what the target's feature writes cost when nobody speculates).
@@ -58,9 +58,10 @@ TARGET = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
 DRAFT = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=1,
              num_attention_heads=4, num_key_value_heads=2)
 # The speculation timed at batch 1.
-BATCH_1 = ["n-gram", "draft model", "EAGLE-1", "EAGLE-3", "Medusa", "Medusa tree"]
-# Medusa's tree: the heads' top guesses, and the top two of the first two heads (10 nodes).
-MEDUSA_TREE = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 1], [0, 1], [0, 1, 0], [1], [1, 0],
+BATCH_1 = ["n-gram", "draft model", "EAGLE-1", "EAGLE-1 tree", "EAGLE-3", "Medusa",
+           "Medusa tree"]
+# The trees: the top guesses, and the top two of the first two tokens (10 nodes).
+TREE = [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 1], [0, 1], [0, 1, 0], [1], [1, 0],
                [1, 0, 0]]
 
 
@@ -314,14 +315,17 @@ def main() -> None:
             "draft model, never disabled": LLM(str(model_dir), **engine, speculative_config={
                 "model": str(draft_dir), "num_speculative_tokens": args.k,
                 "disable_by_batch_size": None})}
+    tree = {"speculative_token_tree": [p for p in TREE if len(p) <= args.k]}
     for v, path in eagle_dirs.items():
         llms[f"EAGLE-{v}"] = LLM(str(model_dir), **engine, speculative_config={
             "method": "eagle" if v == 1 else "eagle3", "model": str(path),
             "num_speculative_tokens": args.k})
+    llms["EAGLE-1 tree"] = LLM(str(model_dir), **engine, speculative_config={
+        "method": "eagle", "model": str(eagle_dirs[1]), "num_speculative_tokens": args.k,
+        **tree})
     medusa = {"method": "medusa", "model": str(medusa_dir), "num_speculative_tokens": args.k}
     llms["Medusa"] = LLM(str(model_dir), **engine, speculative_config=medusa)
-    llms["Medusa tree"] = LLM(str(model_dir), **engine, speculative_config={
-        **medusa, "speculative_token_tree": [p for p in MEDUSA_TREE if len(p) <= args.k]})
+    llms["Medusa tree"] = LLM(str(model_dir), **engine, speculative_config={**medusa, **tree})
     rng = random.Random(1)
     loads = workloads(max(args.requests, 64), rng)
     for llm in llms.values():  # warm the host paths
