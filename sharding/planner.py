@@ -75,11 +75,7 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
     shard = model_sharding(make_mesh(mesh_shape, devices=devices), strategy, cfg)
     graphdef, abstract = abstract_model(cfg, jnp.dtype(engine.dtype), shard,
                                         engine.model_options)
-    flat = nnx.to_flat_state(abstract)
-    for _, var in flat:
-        sharding = shard.sharding(var.get_metadata()["logical_axes"])
-        var.set_value(jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=sharding))
-    params = nnx.from_flat_state(flat)
+    params = placed(abstract, shard)
     max_len = engine.max_model_len or cfg.max_position_embeddings
     builder = BatchBuilder(engine.token_buckets, engine.max_num_seqs, engine.page_size,
                            num_pages, pages_per_seq(max_len, engine.page_size), max_len,
@@ -95,7 +91,7 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
     fn = jit_programs(graphdef, params, jax.tree.map(lambda x: x.sharding, caches),
                       shard).forward
     sampled = jax.ShapeDtypeStruct((engine.max_num_seqs,), jnp.int32, sharding=replicated)
-    with _no_persistent_cache(), jax.default_device(devices[0]):
+    with no_persistent_cache(), jax.default_device(devices[0]):
         layers = sum(cfg.sparse_layers)
         load = (jax.ShapeDtypeStruct((layers, cfg.num_experts), jnp.int32, sharding=replicated)
                 if layers else None)
@@ -103,8 +99,17 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
                         None).compile()
 
 
+def placed(abstract: nnx.State, shard: ShardingContext) -> nnx.State:
+    """Abstract parameters with the shardings their logical axes get under `shard`."""
+    flat = nnx.to_flat_state(abstract)
+    for _, var in flat:
+        sharding = shard.sharding(var.get_metadata()["logical_axes"])
+        var.set_value(jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=sharding))
+    return nnx.from_flat_state(flat)
+
+
 @contextlib.contextmanager
-def _no_persistent_cache() -> Iterator[None]:
+def no_persistent_cache() -> Iterator[None]:
     """JAX's persistent compilation cache off inside the block: a program compiled for a
     topology this machine lacks cannot be loaded back from it (there is no client for it).
     JAX decides once per process whether the cache is used, so the decision is reset."""

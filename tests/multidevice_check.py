@@ -170,7 +170,8 @@ SPEC_RUNS = [({"model": 2}, "tp", {}, ""), ({"data": 2, "model": 2}, "dp+tp", {}
              ({"model": 2}, "tp", {}, " draft"), ({"data": 2, "model": 2}, "dp+tp", {}, " draft"),
              ({"model": 2}, "tp", {}, " medusa"),
              ({"data": 2, "model": 2}, "dp+tp", {}, " medusa tree"),
-             ({"model": 2}, "tp", {}, " eagle"), ({"data": 2, "model": 2}, "dp+tp", {}, " eagle tree")]
+             ({"model": 2}, "tp", {}, " eagle"),
+             ({"data": 2, "model": 2}, "dp+tp", {}, " eagle tree")]
 
 
 def count_moves(runner) -> list[int]:

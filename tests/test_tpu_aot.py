@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,11 +20,15 @@ pytest.importorskip("libtpu", reason="libtpu is not installed: pip install 'jax[
 from flax import nnx  # noqa: E402
 
 from jaxserve.config import EngineConfig, ModelConfig  # noqa: E402
-from jaxserve.engine.batch import BucketKey  # noqa: E402
+from jaxserve.engine.batch import BatchBuilder, BucketKey  # noqa: E402
+from jaxserve.engine.eagle import draft  # noqa: E402
+from jaxserve.engine.runner import FEATURE_AXES, abstract_kv_cache  # noqa: E402
+from jaxserve.models.eagle import EagleHead  # noqa: E402
 from jaxserve.loading.safetensors import abstract_model  # noqa: E402
 from sharding.mesh import make_mesh  # noqa: E402
-from sharding.planner import collectives, compile_step, tpu_devices  # noqa: E402
-from sharding.rules import ShardingContext, strategy_rules  # noqa: E402
+from sharding.planner import (  # noqa: E402
+    collectives, compile_step, no_persistent_cache, placed, tpu_devices)
+from sharding.rules import ShardingContext, model_sharding, strategy_rules  # noqa: E402
 
 CFG = ModelConfig(model_type="llama", architecture="LlamaForCausalLM", vocab_size=1024,
                   hidden_size=256, intermediate_size=512, num_layers=2, num_heads=8,
@@ -249,3 +255,39 @@ def test_a_step_verifying_draft_trees_compiles_with_the_attention_kernel(devices
     trees, chains = kernel_operands(tree), kernel_operands(tree._replace(tree=False))
     assert len(trees) == len(chains) == cfg.num_layers * 2
     assert [n - 2 for n in trees] == chains
+
+
+@pytest.mark.parametrize("mesh, strategy", [({"model": 4}, "tp"),
+                                            ({"data": 2, "model": 2}, "dp+tp")])
+def test_an_eagle_head_drafting_trees_compiles_with_the_attention_kernel(devices, mesh,
+                                                                         strategy):
+    """EAGLE-1's drafting program with a tree of 3 depths on 4 v5e chips: our Mosaic
+    attention kernel (2 calls) in round 1 and in each of the 2 rounds that feed a depth's
+    nodes, those with the two tree operands more."""
+    cfg = dataclasses.replace(LLAMA3_8B_2L, vocab_size=1024)
+    head_cfg = cfg.first_layers(1)
+    shard = model_sharding(make_mesh(mesh, devices=devices), strategy, cfg)
+    target_graphdef, target = abstract_model(cfg, jnp.bfloat16, shard)
+    graphdef, head = nnx.split(nnx.eval_shape(lambda: EagleHead(
+        head_cfg, 1, cfg.hidden_size, True, cfg.vocab_size, jnp.bfloat16, nnx.Rngs(0), shard)))
+    builder = BatchBuilder((64,), 8, 16, PAGES, 64, 1024, (), cfg.vocab_size,
+                           shard.data_shards, draft_model=True)
+    replicated = shard.sharding(())
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+                         dataclasses.replace(builder.empty(KEY), sampling=None, history=None))
+    pages = PAGES * shard.data_shards
+    kv = abstract_kv_cache(head_cfg, pages, 16, jnp.bfloat16, shard)[0]
+    features = jax.ShapeDtypeStruct((pages * 16, cfg.hidden_size), jnp.bfloat16,
+                                     sharding=shard.sharding(FEATURE_AXES))
+    limits = jax.ShapeDtypeStruct((KEY.seqs,), jnp.int32, sharding=replicated)
+    tree = ((0,), (0, 0), (0, 0, 0), (0, 1), (1,), (1, 0))
+    program = jax.jit(functools.partial(draft, rounds=0, page_size=16, drop_slot=PAGES * 16,
+                                        tree=tree), static_argnums=(0, 2))
+    with no_persistent_cache(), jax.default_device(devices[0]):
+        text = program.lower(graphdef, placed(head, shard), target_graphdef,
+                             placed(target, shard), kv, features, batch,
+                             limits).compile().as_text()
+    operands = [len(call.split(", ")) for call in re.findall(
+        r"custom-call\((.*?)\), custom_call_target=\"tpu_custom_call\"", text)]
+    chain = min(operands)  # round 1's calls
+    assert sorted(operands) == [chain] * 2 + [chain + 2] * 4

@@ -9,8 +9,8 @@ The step samples R rows: one per sequence (R = S), or, in a step verifying specu
 drafts (`BucketKey.drafts` k > 0), one per draft and one more for each sequence (R =
 min(T, S * (k + 1)), the most a batch can need). `sample_index` says which token's logits
 each row samples; the sampling arrays are per row. A step verifying trees of drafts
-(`BucketKey.tree`: Medusa's or EAGLE's candidate trees, engine/token_tree.py) also carries the tree
-masks in its AttentionMetadata, and k counts a tree's nodes.
+(`BucketKey.tree`: Medusa's or EAGLE's candidate trees, engine/token_tree.py) also
+carries the tree masks in its AttentionMetadata, and k counts a tree's nodes.
 
 With D data-parallel shards every array is D equal blocks (T/D tokens, S/D sequences
 each), block d holding the sequences placed in shard d, with token offsets, slots and

@@ -112,7 +112,8 @@ def tree_rounds(head: EagleHead, target, kv: tuple, meta: AttentionMetadata,
     single = meta.num_seqs.shape[0] == 1
     parents, depths = token_tree.paths_parents(tree), [len(p) for p in tree]
     masks = token_tree.masks(parents)
-    children = {j: [c for c, p in enumerate(parents) if p == j] for j in (-1, *range(len(tree)))}
+    children = {j: [c for c, p in enumerate(parents) if p == j]
+                for j in (-1, *range(len(tree)))}
 
     def tops(logits: jax.Array, kids: list[int]) -> jax.Array:  # [rows, top] target ids
         return head.to_target(jax.lax.top_k(logits, 1 + max(tree[c][-1] for c in kids))[1])

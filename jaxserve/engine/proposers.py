@@ -81,7 +81,6 @@ class MedusaProposer(Proposer):
 
     def __init__(self, tree: tuple[tuple[int, ...], ...] | None = None):
         self.tree = tree
-        self.depth = max(map(len, tree)) if tree else 0
         self._cuts = token_tree.cuts(tree) if tree else {}
 
     def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler
@@ -95,7 +94,7 @@ class MedusaProposer(Proposer):
             if self.tree is None:
                 out.append([g[0] for g in guesses[:k]])
                 continue
-            nodes, parents = self._cuts[min(k, self.depth)]
+            nodes, parents = self._cuts[min(k, len(self._cuts))]
             paths = [self.tree[j] for j in nodes]
             out.append(DraftTree([guesses[len(p) - 1][p[-1]] for p in paths], parents))
         return out

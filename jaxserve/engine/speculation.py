@@ -7,9 +7,9 @@ sampling parameters, seed and output index (its output number len(outputs) + j),
 the target model's logits given the tokens before it. While the drafts equal the samples
 the context each row saw is the true one, so the tokens emitted are the samples up to and
 including the first that differs from its draft (all k + 1 when none does: the last is the
-bonus token). A tree of drafts (Medusa's or EAGLE's, engine/token_tree.py) has a row per node, the
-node's own output index len(outputs) + its depth: the tokens emitted follow the path of
-samples down the tree (token_tree.accepted_path), the same rule along one branch.
+bonus token). A tree of drafts (Medusa's or EAGLE's, engine/token_tree.py) has a row per
+node, the node's own output index len(outputs) + its depth: the tokens emitted follow the
+path of samples down the tree (token_tree.accepted_path), the same rule along one branch.
 
 For proposers that guess one token for sure (n-gram here), this is exactly rejection
 sampling: a draft d is kept with probability p(d), and when it is not, the token comes
