@@ -24,7 +24,9 @@ the batch-1 runs and the batch-16 runs with the default policy again, alternatin
 against this VM's drift.
 
     python benchmarks/speculative.py [--tokens 128] [--k 4] [--train-steps 500] [--train-only]
-                                     [--repeats 3] [--only-repeats]
+                                     [--repeats 3] [--only-repeats] [--only NAME ...]
+
+`--only` times those speculation rows (and off) and trains only the models they need.
 """
 
 from __future__ import annotations
@@ -290,12 +292,17 @@ def main() -> None:
                     "batch-1 runs and the batch-16 runs with the default policy, after the "
                     "table (0: none)")
     ap.add_argument("--only-repeats", action="store_true", help="skip the table")
+    ap.add_argument("--only", nargs="+", choices=BATCH_1, default=BATCH_1,
+                    help="the speculation to time (default: all)")
     args = ap.parse_args()
 
+    wanted = lambda *names: any(n in args.only for n in names)  # noqa: E731
     model_dir = trained_model("target", TARGET, args.train_steps)
-    draft_dir = trained_model("draft", DRAFT, args.train_steps)
-    eagle_dirs = {v: trained_eagle(v, model_dir, args.train_steps) for v in (1, 3)}
-    medusa_dir = trained_medusa(model_dir, args.k, args.train_steps)
+    draft_dir = trained_model("draft", DRAFT, args.train_steps) if wanted("draft model") else None
+    eagle_dirs = {v: trained_eagle(v, model_dir, args.train_steps) for v in (1, 3)
+                  if wanted(f"EAGLE-{v}", f"EAGLE-{v} tree")}
+    medusa_dir = (trained_medusa(model_dir, args.k, args.train_steps)
+                  if wanted("Medusa", "Medusa tree") else None)
     if args.train_only:
         return
     print(f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {cpu_name()}, "
@@ -306,26 +313,20 @@ def main() -> None:
                   max_num_batched_tokens=512, kv_cache_memory_gib=0.5)
     ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
              "prompt_lookup_max": 4}
-    llms = {"off": LLM(str(model_dir), **engine),
-            "n-gram": LLM(str(model_dir), **engine, speculative_config=ngram),
-            "n-gram, never disabled": LLM(str(model_dir), **engine, speculative_config={
-                **ngram, "disable_by_batch_size": None}),
-            "draft model": LLM(str(model_dir), **engine, speculative_config={
-                "model": str(draft_dir), "num_speculative_tokens": args.k}),
-            "draft model, never disabled": LLM(str(model_dir), **engine, speculative_config={
-                "model": str(draft_dir), "num_speculative_tokens": args.k,
-                "disable_by_batch_size": None})}
     tree = {"speculative_token_tree": [p for p in TREE if len(p) <= args.k]}
-    for v, path in eagle_dirs.items():
-        llms[f"EAGLE-{v}"] = LLM(str(model_dir), **engine, speculative_config={
-            "method": "eagle" if v == 1 else "eagle3", "model": str(path),
-            "num_speculative_tokens": args.k})
-    llms["EAGLE-1 tree"] = LLM(str(model_dir), **engine, speculative_config={
-        "method": "eagle", "model": str(eagle_dirs[1]), "num_speculative_tokens": args.k,
-        **tree})
+    draft = {"model": str(draft_dir), "num_speculative_tokens": args.k}
+    eagle = {v: {"method": "eagle" if v == 1 else "eagle3", "model": str(path),
+                 "num_speculative_tokens": args.k} for v, path in eagle_dirs.items()}
     medusa = {"method": "medusa", "model": str(medusa_dir), "num_speculative_tokens": args.k}
-    llms["Medusa"] = LLM(str(model_dir), **engine, speculative_config=medusa)
-    llms["Medusa tree"] = LLM(str(model_dir), **engine, speculative_config={**medusa, **tree})
+    configs = {"n-gram": ngram, "n-gram, never disabled": {**ngram, "disable_by_batch_size": None},
+               "draft model": draft,
+               "draft model, never disabled": {**draft, "disable_by_batch_size": None},
+               "EAGLE-1": eagle.get(1), "EAGLE-1 tree": {**eagle.get(1, {}), **tree},
+               "EAGLE-3": eagle.get(3), "Medusa": medusa, "Medusa tree": {**medusa, **tree}}
+    llms = {"off": LLM(str(model_dir), **engine)}
+    for name, config in configs.items():
+        if wanted(name.split(",")[0]):
+            llms[name] = LLM(str(model_dir), **engine, speculative_config=config)
     rng = random.Random(1)
     loads = workloads(max(args.requests, 64), rng)
     for llm in llms.values():  # warm the host paths
@@ -346,7 +347,7 @@ def alternate(llms: dict, loads: dict, args) -> None:
         for batch, count, names in ((1, args.requests, ["off"] + BATCH_1),
                                     (16, 64, ["off", "n-gram", "draft model", "EAGLE-1"])):
             for workload, prompts in loads.items():
-                for name in names:
+                for name in (n for n in names if n in llms):
                     got.setdefault((batch, workload, name), []).append(
                         run(llms[name], prompts[:count], batch, args.tokens)["tok_s"])
     print(f"\n{args.repeats} alternating repeats (batch 16: default policy)\n")
@@ -369,7 +370,8 @@ def table(llms: dict, loads: dict, args) -> None:
             names = (BATCH_1 if batch == 1 else
                      ["n-gram", "n-gram, never disabled", "draft model",
                       "draft model, never disabled", "EAGLE-1"])
-            rows += [(n, run(llms[n], prompts[:count], batch, args.tokens)) for n in names]
+            rows += [(n, run(llms[n], prompts[:count], batch, args.tokens))
+                     for n in names if n in llms]
             for label, r in rows:
                 rate = r["accepted"] / r["proposed"] if r["proposed"] else 0.0
                 per_step = r["accepted"] / r["drafting"] if r["drafting"] else 0.0
