@@ -58,16 +58,17 @@ def eagle_llm(checkpoints, path, version: int, tree=None, **engine) -> LLM:
 
 
 def record(llm: LLM) -> list[tuple[list[int], list[int]]]:
-    """Every (sequence's tokens, drafts proposed after them) from here on."""
-    proposer, seen = llm.engine.speculator.proposer, []
-    propose = proposer.propose_batch
+    """Every (sequence's tokens, drafts the step after them verified) from here on, as
+    the engine reads the drafts back from the device."""
+    engine, seen = llm.engine, []
+    append = engine._append
 
-    def recording(entries, scheduler):
-        out = propose(entries, scheduler)
-        seen.extend((list(seq.token_ids), d) for (seq, _), d in zip(entries, out) if d)
-        return out
+    def recording(req, sampled, s, guesses=None):
+        if s.drafts:  # the tokens before the step's own sample (its PLACEHOLDER)
+            seen.append((list(s.seq.token_ids[:-1]), list(s.drafts)))
+        return append(req, sampled, s, guesses)
 
-    proposer.propose_batch = recording
+    engine._append = recording
     return seen
 
 
@@ -126,7 +127,7 @@ def test_trees_are_the_published_heads_top_guesses(checkpoints, head, version, w
     aux = (2,) if version == 1 else tuple(AUX)
     compared = total = 0
     for tokens_so_far, tree in seen:
-        if len(tree.tokens) < len(paths):
+        if len(tree) < len(paths):
             continue  # cut near the end
         theirs, margins = tree_drafts(module, checkpoints("llama")[1], tokens_so_far, paths,
                                       aux)
@@ -134,7 +135,7 @@ def test_trees_are_the_published_heads_top_guesses(checkpoints, head, version, w
             total += 1
             if min(margins[paths.index(p[:i])] for i in range(1, len(p) + 1)) < 1e-3:
                 continue  # a near tie on its path
-            assert tree.tokens[j] == theirs[j], (len(tokens_so_far), p, tree, theirs)
+            assert tree[j] == theirs[j], (len(tokens_so_far), p, tree, theirs)
             compared += 1
     assert total > 300 and compared > 0.9 * total
     assert stats.proposed[2] > 0

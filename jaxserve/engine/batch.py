@@ -43,7 +43,8 @@ class StepBatch:
     attn: AttentionMetadata
     sampling: SamplingArrays
     # [T]: for a token whose id is still on the device (a PLACEHOLDER, sampled by the step
-    # before), the row of that step's sampled tokens to read it from; else -1.
+    # before, or a draft a proposer left there), where in `prev_tokens` to read it
+    # (BatchBuilder.prev_tokens_size); else -1.
     prev_index: np.ndarray
     # [R]: the token (index within its data shard's block) each sampled row reads the
     # logits of; [D]: the real rows per data shard (they come first in each shard's block).
@@ -86,6 +87,14 @@ class BatchBuilder:
     # sequence's last one sampled), every row greedy on the raw logits, no history.
     draft_model: bool = False
     _open_masks: dict[int, np.ndarray] = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def prev_tokens_size(self) -> int:
+        """The length of the device array a step reads PLACEHOLDER tokens from
+        (`StepBatch.prev_index`): the step before's samples (row r at r), then room for
+        guesses a proposer leaves on the device (draft j of its row r at
+        max_num_seqs x (1 + j) + r)."""
+        return self.max_num_seqs * (1 + self.num_speculative_tokens)
 
     def bucket(self, num_tokens: int, history: bool, drafts: bool = False) -> BucketKey:
         """The bucket for `num_tokens` tokens in the busiest shard (`drafts`: a step that
@@ -135,7 +144,10 @@ class BatchBuilder:
             pages = np.asarray(seq.page_ids, dtype=np.int32)
             own = n - len(sched.drafts)  # the chunk's tokens that are the seq's own
             batch.input_ids[t:t + own] = seq.token_ids[start:start + own]
-            batch.input_ids[t + own:t + n] = sched.drafts
+            if not self.draft_model and sched.drafts[:1] == [PLACEHOLDER]:  # on the device
+                batch.prev_index[t + own:t + n] = seq.draft_prev_index[:n - own]
+            else:
+                batch.input_ids[t + own:t + n] = sched.drafts
             if batch.input_ids[t + n - 1] == PLACEHOLDER:  # only the newest token can be
                 batch.input_ids[t + n - 1] = 0
                 batch.prev_index[t + n - 1] = pending_rows[seq]

@@ -16,7 +16,10 @@ the first time, chunked by the token budget; then those of the tokens the last s
 accepted) and guesses from the last; rounds 2..k, a loop on the device, feed each
 sequence the round before's guess with the head's own output as its features, at the
 next position. Those rounds' K/V hold guessed features, so the next step's round 1
-recomputes those positions with the target's. One dispatch and one wait per step.
+recomputes those positions with the target's. The guesses stay on the device, laid out
+where the target's step reads its PLACEHOLDER tokens (`prev_tokens`): the host schedules
+and dispatches the verification behind the program without waiting for it, and reads
+the guesses with the verification's samples (Engine._resolve_drafts). One wait per step.
 
 With a tree (SpeculativeConfig.speculative_token_tree, engine/token_tree.py: EAGLE's
 top-k trees) round 1's top guesses are the first depth's nodes, and each later round
@@ -39,7 +42,7 @@ from flax import nnx
 from jaxserve.engine import token_tree
 from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.proposers import Proposer, first_round
-from jaxserve.engine.request import Sequence
+from jaxserve.engine.request import PLACEHOLDER, Sequence
 from jaxserve.engine.runner import ModelRunner, global_slots, position_slots, sampled_rows
 from jaxserve.engine.sampler import first_argmax
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -147,6 +150,14 @@ def tree_rounds(head: EagleHead, target, kv: tuple, meta: AttentionMetadata,
     return kv, jnp.stack(tokens)
 
 
+def prev_tokens(guesses: jax.Array, max_num_seqs: int) -> jax.Array:
+    """Guesses `[R, S]` laid out as the target step's `prev_tokens`
+    (BatchBuilder.prev_tokens_size): no samples, then guess j of row r at
+    max_num_seqs x (1 + j) + r."""
+    r, s = guesses.shape
+    return jnp.zeros((1 + r, max_num_seqs), jnp.int32).at[1:, :s].set(guesses).reshape(-1)
+
+
 class EagleProposer(Proposer):
     """EAGLE's proposer (engine/speculation.py uses it); `target` is the engine's runner,
     whose step writes the features (`ModelRunner.features_from`). With a `tree` (paths of
@@ -173,8 +184,9 @@ class EagleProposer(Proposer):
         target_tree, tree = jax.tree.structure(target.params), jax.tree.structure(params)
 
         def on_leaves(target_leaves, leaves, *args):  # as runner.on_param_leaves, for both
-            return program(graphdef, jax.tree.unflatten(tree, leaves), target.graphdef,
-                           jax.tree.unflatten(target_tree, target_leaves), *args)
+            kv, guesses = program(graphdef, jax.tree.unflatten(tree, leaves), target.graphdef,
+                                  jax.tree.unflatten(target_tree, target_leaves), *args)
+            return kv, prev_tokens(guesses, self.builder.max_num_seqs)
 
         replicated = shard.sharding(())
         kv_shardings = tuple(x.sharding for x in kv_abstract)
@@ -205,7 +217,9 @@ class EagleProposer(Proposer):
 
     def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler
                       ) -> list[list[int] | DraftTree]:
-        """Drafts for each (sequence, at most k: a tree's depth) of the coming step."""
+        """Drafts for each (sequence, at most k: a tree's depth) of the coming step: as
+        PLACEHOLDERs, the guesses left on the device where the target's next step reads
+        them (`Sequence.draft_prev_index`, the runner's `sampled`)."""
         shards = self.builder.data_shards
         drafts: list[list[int] | DraftTree] = [[] for _ in entries]
         # Pairs up to the newest token's predecessor (the newest has no features yet).
@@ -223,16 +237,20 @@ class EagleProposer(Proposer):
             seq, start, n = sched.seq, sched.start, sched.num_new_tokens
             batch.input_ids[last - n + 1:last + 1] = seq.token_ids[start + 1:start + n + 1]
             limits[sched.row] = want.get(i, 1) - 1
-        guesses = np.asarray(self._run(batch, key, limits).addressable_data(0))
+        self.target.sampled = self._run(batch, key, limits)
+        rows = self.builder.max_num_seqs
         for i, sched in first:
-            if self.tree and i in want:
-                nodes, parents = self._cuts[min(want[i], len(self._cuts))]
-                drafts[i] = DraftTree(guesses[nodes, sched.row].tolist(), parents)
-            elif not self.tree:
-                drafts[i] = guesses[:want.get(i, 0), sched.row].tolist()
+            if i not in want:
+                continue
+            nodes, parents = (self._cuts[min(want[i], len(self._cuts))] if self.tree
+                              else (range(want[i]), None))
+            sched.seq.draft_prev_index = [rows * (1 + j) + sched.row for j in nodes]
+            placeholders = [PLACEHOLDER] * len(nodes)
+            drafts[i] = DraftTree(placeholders, parents) if self.tree else placeholders
         return drafts
 
     def _run(self, batch: StepBatch, key: BucketKey, limits: np.ndarray) -> jax.Array:
+        """Start the program; returns its guesses laid out as `prev_tokens`."""
         if key not in self._ready:
             if self.warmed_up:
                 self.target.compiles_after_warmup += 1

@@ -63,6 +63,9 @@ class InFlightStep:
     key: BucketKey | None = None
     expert_load: jax.Array | None = None  # ModelRunner.expert_load as this step leaves it
     guesses: jax.Array | None = None  # Medusa heads' guesses [R, heads, top], if it made them
+    # The `prev_tokens` it read drafts still on the device from (an EAGLE head's), until
+    # they are read back (Engine._resolve_drafts).
+    device_drafts: jax.Array | None = None
 
     @property
     def sampling(self) -> list[ScheduledSeq]:
@@ -466,6 +469,7 @@ class Engine:
             return None
         batch, key = self.builder.build(schedule, prev.pending_rows() if prev else None)
         batch.propose = np.asarray(speculate and self.runner.medusa is not None)
+        prev_tokens = self.runner.sampled
         if prev is not None:
             self.num_overlapped_steps += not _is_ready(prev.out)
         if any(s.seq.params.needs_history for s in schedule.scheduled if s.samples):
@@ -476,6 +480,8 @@ class Engine:
         step.expert_load = self.runner.expert_load
         if batch.propose:
             step.guesses = self.runner.guesses
+        if any(s.drafts and s.drafts[0] == PLACEHOLDER for s in schedule.scheduled):
+            step.device_drafts = prev_tokens
         self.num_steps += 1
         for s in step.sampling:
             s.seq.output_token_ids.append(PLACEHOLDER)
@@ -486,6 +492,7 @@ class Engine:
         fill its histories (penalties) and its grammar masks, then start the sampling."""
         batch, key = step.batch, step.key
         if key.history:
+            self._resolve_drafts(step)
             self.builder.fill_history(batch, step.schedule)
         constrained = [(req.grammar, s.row) for s in step.sampling
                        if (req := self._requests.get(s.seq.request_id)) is not None
@@ -496,9 +503,22 @@ class Engine:
         step.out = self.runner.dispatch_sample(batch, key)
         step.batch = None
 
+    @staticmethod
+    def _resolve_drafts(step: InFlightStep) -> None:
+        """Give the step's drafts that were still on the device (PLACEHOLDERs) their ids,
+        from the array the step read them from."""
+        if step.device_drafts is None:
+            return
+        ids = np.asarray(step.device_drafts.addressable_data(0))
+        for s in step.schedule.scheduled:
+            if s.drafts and s.drafts[0] == PLACEHOLDER:
+                s.drafts = ids[s.seq.draft_prev_index[:len(s.drafts)]].tolist()
+        step.device_drafts = None
+
     def _collect(self, step: InFlightStep) -> list[StepOutput]:
         """Wait for a dispatched step; hand its tokens to the requests still running."""
         sampled = fetch(step.out)
+        self._resolve_drafts(step)
         if step.expert_load is not None:
             self._expert_load = step.expert_load  # computed: reading it will not wait
         guesses = (np.asarray(step.guesses.addressable_data(0))

@@ -59,6 +59,9 @@ class Sequence:
     # A tree of them: each one's parent (-1: the last token; engine/token_tree.py); None:
     # a chain.
     draft_parents: list[int] | None = None
+    # Drafts still on the device (PLACEHOLDERs in draft_token_ids, an EAGLE head's): where
+    # each is in the step's `prev_tokens` (BatchBuilder.prev_tokens_size).
+    draft_prev_index: list[int] | None = None
     # Leading tokens whose K/V the draft model holds (engine/draft_model.py).
     draft_computed_tokens: int = 0
     # Medusa heads' guesses after the sequence's token number `[0]`: (num_tokens, each

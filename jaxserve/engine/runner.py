@@ -40,9 +40,10 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
     batch samples (`batch.sample_index`: each sequence's last token, and the tokens
     before it that verify drafts).
 
-    `prev_tokens[max_num_seqs]` are the previous step's sampled tokens, still on the
-    device: tokens with `batch.prev_index >= 0` take their id from there, so the host can
-    schedule this step before it has seen them. `expert_load` (`[sparse layers,
+    `prev_tokens` (BatchBuilder.prev_tokens_size) are the previous step's sampled tokens,
+    then a proposer's guesses, still on the device: tokens with `batch.prev_index >= 0`
+    take their id from there, so the host can schedule this step before it has seen
+    them. `expert_load` (`[sparse layers,
     num_experts]`, None for a dense model) counts the real tokens each expert has taken
     since start; returned with this step's added. `medusa`: Medusa heads, whose guesses
     `[R, heads, top]` at the sampled rows come back fourth when `batch.propose` (zeros when
@@ -101,9 +102,8 @@ def write_features(cache: jax.Array, features: jax.Array, slots: jax.Array,
 
 def sample_step(logits: jax.Array, sampling: SamplingArrays, history: TokenHistory | None,
                 prev_tokens: jax.Array, num_rows: jax.Array) -> tuple[SampleOutput, jax.Array]:
-    """Sample one token per row; returns them also written into `prev_tokens` (padded to
-    max_num_seqs), where the next step reads its PLACEHOLDER tokens (a step verifying
-    drafts, whose rows may outnumber them, is never followed by one reading them).
+    """Sample one token per row; returns them also written into `prev_tokens` (its first
+    rows), where the next step reads its PLACEHOLDER tokens.
     `num_rows` (the batch's real rows per data shard) lets one shard's batch sample its
     real rows only (under data parallelism each shard's rows are a block of their own:
     all rows)."""
@@ -273,8 +273,9 @@ class ModelRunner:
         self.broadcaster = broadcaster
         replicated = shard.sharding(())
         self._open_masks: dict[int, jax.Array] = {}  # BatchBuilder.open_mask, on the device
-        # The last step's sampled tokens, on the device (see `forward`).
-        self.sampled = jax.device_put(np.zeros(builder.max_num_seqs, np.int32), replicated)
+        # The last step's sampled tokens, on the device (see `forward`), then room for a
+        # proposer's guesses (BatchBuilder.prev_tokens_size).
+        self.sampled = jax.device_put(np.zeros(builder.prev_tokens_size, np.int32), replicated)
         self._logits: jax.Array | None = None  # from dispatch_forward, for dispatch_sample
         self.medusa = medusa  # Medusa heads (device arrays), or None
         self.guesses: jax.Array | None = None  # the last forward pass's Medusa guesses
@@ -301,7 +302,7 @@ class ModelRunner:
         if lost:
             self.kv_caches = self._zero_kv_caches()
         if self.sampled.is_deleted():
-            self.sampled = jax.device_put(np.zeros(self.builder.max_num_seqs, np.int32),
+            self.sampled = jax.device_put(np.zeros(self.builder.prev_tokens_size, np.int32),
                                           self.shard.sharding(()))
         return lost
 
