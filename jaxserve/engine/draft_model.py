@@ -10,14 +10,16 @@ sequence's last (its whole prompt the first time, chunked by the token budget; t
 tokens the last step accepted) and samples its first guess; rounds 2..k run in one
 program of their own (`chain`, a loop on the device that feeds each round's greedy tokens
 to the next, advancing positions, slots and context lengths), its first input read from
-round 1's samples on the device (a PLACEHOLDER, as async scheduling feeds a step): two
-dispatches and one wait for the host per step, whatever k. A sequence catching up over a
-long prompt gets no drafts until it has caught up.
+round 1's samples on the device (a PLACEHOLDER, as async scheduling feeds a step). The
+guesses stay on the device, laid out where the target's step reads its PLACEHOLDER tokens
+(runner.guesses_as_prev_tokens): the host dispatches the verification behind the two
+programs and reads the guesses back with its samples, one wait per step whatever k. A
+sequence catching up over a long prompt gets no drafts until it has caught up.
 
 Pages: rounds write K/V up to position num_tokens + k - 2, so each drafting sequence first
-gets pages for num_tokens + k - 1 tokens (no pages, no drafts; none even for its newest
-token, no round 1 either); the target's step that verifies the drafts needs them anyway,
-and Scheduler.rollback gives back what is unused.
+gets pages for num_tokens + max(k - 1, 1) tokens (no pages, no drafts; none even for its
+newest token, no round 1 either); the target's step that verifies the drafts needs them
+anyway, and Scheduler.rollback gives back what is unused.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from flax import nnx
 from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.proposers import Proposer, first_round
 from jaxserve.engine.request import PLACEHOLDER, Sequence
-from jaxserve.engine.runner import ModelRunner, on_param_leaves, position_slots, sampled_rows
+from jaxserve.engine.runner import (
+    ModelRunner, guesses_as_prev_tokens, on_param_leaves, position_slots, sampled_rows)
 from jaxserve.engine.sampler import first_argmax
 from jaxserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from jaxserve.models.parallel import real_token_mask
@@ -44,9 +47,10 @@ def chain(graphdef: nnx.GraphDef, params: nnx.State, kv_caches, batch: StepBatch
           drop_slot: int) -> tuple[list, jax.Array]:
     """`rounds` greedy steps of the draft model over one token per sequence: round j feeds
     each sequence's token at `batch.positions + j` (round 0's from `prev_tokens` where
-    `batch.prev_index` says, as a step's PLACEHOLDER; later ones the round before's
-    guesses) and returns its guesses, `[rounds, S]`. Sequence i writes K/V only in its
-    first `limits[i]` rounds (the pages it holds); its later guesses are not used."""
+    `batch.prev_index` says, as a step's PLACEHOLDER: round 1's guess; later ones the
+    round before's guesses) and returns the guesses, round 1's first, `[rounds + 1, S]`.
+    Sequence i writes K/V only in its first `limits[i]` rounds (the pages it holds); its
+    later guesses are not used."""
     model = nnx.merge(graphdef, params)
     meta = batch.attn
     d, t, s = meta.num_seqs.shape[0], batch.input_ids.shape[0], meta.kv_lens.shape[0]
@@ -68,27 +72,37 @@ def chain(graphdef: nnx.GraphDef, params: nnx.State, kv_caches, batch: StepBatch
         logits = model.logits(sampled_rows(hidden, batch.sample_index, d),
                               rows=batch.num_rows[0] if d == 1 else None)
         guesses = first_argmax(logits)
-        return kv, guesses[seq], out.at[j].set(guesses)
+        return kv, guesses[seq], out.at[j + 1].set(guesses)
 
-    kv, _, out = jax.lax.fori_loop(0, rounds, round_,
-                                   (kv_caches, ids, jnp.zeros((rounds, s), jnp.int32)))
+    first = jnp.take_along_axis(ids.reshape(d, -1), batch.sample_index.reshape(d, -1), 1)
+    out = jnp.zeros((rounds + 1, s), jnp.int32).at[0].set(first.reshape(-1))
+    kv, _, out = jax.lax.fori_loop(1, rounds + 1, lambda j, carry: round_(j - 1, carry),
+                                   (kv_caches, ids, out))
     return kv, out
 
 
 class DraftModel(Proposer):
-    """A proposer that runs a model of its own (engine/speculation.py uses it)."""
+    """A proposer that runs a model of its own (engine/speculation.py uses it): `runner`
+    the draft's, `target` the engine's (whose next step reads the guesses)."""
 
-    def __init__(self, runner: ModelRunner, max_num_batched_tokens: int, k: int):
+    def __init__(self, runner: ModelRunner, target: ModelRunner, max_num_batched_tokens: int,
+                 k: int):
         assert runner.builder.draft_model
-        self.runner = runner
+        self.runner, self.target = runner, target
         self.builder: BatchBuilder = runner.builder
         self.max_num_batched_tokens = max_num_batched_tokens
-        rounds = functools.partial(chain, rounds=max(k - 1, 1), page_size=self.builder.page_size,
+        self.k = k
+        rounds = functools.partial(chain, rounds=k - 1, page_size=self.builder.page_size,
                                    drop_slot=self.builder.num_pages * self.builder.page_size)
+
+        def laid_out(*args):  # the guesses as the target's prev_tokens
+            kv, guesses = rounds(*args)
+            return kv, guesses_as_prev_tokens(guesses, self.builder.max_num_seqs)
+
         replicated = runner.shard.sharding(())
         caches = jax.tree.map(lambda x: x.sharding, runner.kv_caches)
         self._chain = jax.jit(
-            on_param_leaves(runner.graphdef, runner.params, rounds), donate_argnums=(1,),
+            on_param_leaves(runner.graphdef, runner.params, laid_out), donate_argnums=(1,),
             in_shardings=([x.sharding for x in jax.tree.leaves(runner.params)], caches,
                           replicated, replicated, replicated),
             out_shardings=(caches, replicated))
@@ -113,37 +127,42 @@ class DraftModel(Proposer):
 
     def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler
                       ) -> list[list[int]]:
-        """Drafts for each (sequence, at most k) of the coming step."""
+        """Drafts for each (sequence, at most k) of the coming step: as PLACEHOLDERs, the
+        guesses left on the device where the target's next step reads them
+        (`Sequence.draft_prev_index`, the target runner's `sampled`)."""
         drafts: list[list[int]] = [[] for _ in entries]
-        first, want = first_round(entries, scheduler, self.max_num_batched_tokens, lag=0)
+        # Rounds 2..k feed positions num_tokens.. (one at least: round 1's guess is read
+        # there, and the verification takes that page anyway).
+        first, want = first_round(entries, scheduler, self.max_num_batched_tokens, lag=0,
+                                  ahead=lambda k: max(k - 1, 1))
         if not first:
             return drafts
         out = SchedulerOutput([s for _, s in first], [], sum(s.num_new_tokens for _, s in first))
         batch, key = self.builder.build(out)
-        guesses = self.runner.dispatch(batch, key).token_ids
+        self.runner.dispatch(batch, key)
+        if not want:
+            return drafts
         rows = {s.seq: s.row for _, s in first}
-        more = [(i, ScheduledSeq(entries[i][0], entries[i][0].num_tokens, 1,
-                                 drafts=[PLACEHOLDER])) for i, k in want.items() if k > 1]
-        chained = None
-        if more:  # rounds 2..k, each sequence writing only as many as it takes drafts
-            out = SchedulerOutput([s for _, s in more], [], len(more))
-            batch, key = self.builder.build(out, rows)
-            limits = np.zeros(key.seqs, np.int32)
-            for i, sched in more:
-                limits[sched.row] = want[i] - 1
-                sched.seq.draft_computed_tokens = sched.start + want[i] - 1
-            chained = self._run_chain(batch, key, limits)
-        guesses = np.asarray(guesses.addressable_data(0))
-        for i, sched in first:
-            if i in want:
-                drafts[i].append(int(guesses[sched.row]))
-        if chained is not None:
-            chained = np.asarray(chained.addressable_data(0))
-            for i, sched in more:
-                drafts[i] += chained[:want[i] - 1, sched.row].tolist()
+        # Rounds 2..k, after round 1's guess; each sequence writes only as many as it
+        # takes drafts.
+        chained = [(i, ScheduledSeq(entries[i][0], entries[i][0].num_tokens, 1,
+                                    drafts=[PLACEHOLDER])) for i in want]
+        out = SchedulerOutput([s for _, s in chained], [], len(chained))
+        batch, key = self.builder.build(out, rows)
+        limits = np.zeros(key.seqs, np.int32)
+        for i, sched in chained:
+            limits[sched.row] = want[i] - 1
+            sched.seq.draft_computed_tokens = sched.start + want[i] - 1
+        self.target.sampled = self._run_chain(batch, key, limits)
+        for i, sched in chained:
+            sched.seq.draft_prev_index = [self.builder.max_num_seqs * (1 + j) + sched.row
+                                          for j in range(want[i])]
+            drafts[i] = [PLACEHOLDER] * want[i]
         return drafts
 
     def _run_chain(self, batch: StepBatch, key: BucketKey, limits: np.ndarray) -> jax.Array:
+        """Start rounds 2..k; returns all the guesses laid out as the target's
+        `prev_tokens`."""
         runner = self.runner
         if self._chains and key not in self._chains:  # warmed up, yet a new shape
             runner.compiles_after_warmup += 1

@@ -43,7 +43,8 @@ from jaxserve.engine import token_tree
 from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.proposers import Proposer, first_round
 from jaxserve.engine.request import PLACEHOLDER, Sequence
-from jaxserve.engine.runner import ModelRunner, global_slots, position_slots, sampled_rows
+from jaxserve.engine.runner import (
+    ModelRunner, global_slots, guesses_as_prev_tokens, position_slots, sampled_rows)
 from jaxserve.engine.sampler import first_argmax
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.token_tree import DraftTree
@@ -150,14 +151,6 @@ def tree_rounds(head: EagleHead, target, kv: tuple, meta: AttentionMetadata,
     return kv, jnp.stack(tokens)
 
 
-def prev_tokens(guesses: jax.Array, max_num_seqs: int) -> jax.Array:
-    """Guesses `[R, S]` laid out as the target step's `prev_tokens`
-    (BatchBuilder.prev_tokens_size): no samples, then guess j of row r at
-    max_num_seqs x (1 + j) + r."""
-    r, s = guesses.shape
-    return jnp.zeros((1 + r, max_num_seqs), jnp.int32).at[1:, :s].set(guesses).reshape(-1)
-
-
 class EagleProposer(Proposer):
     """EAGLE's proposer (engine/speculation.py uses it); `target` is the engine's runner,
     whose step writes the features (`ModelRunner.features_from`). With a `tree` (paths of
@@ -186,7 +179,7 @@ class EagleProposer(Proposer):
         def on_leaves(target_leaves, leaves, *args):  # as runner.on_param_leaves, for both
             kv, guesses = program(graphdef, jax.tree.unflatten(tree, leaves), target.graphdef,
                                   jax.tree.unflatten(target_tree, target_leaves), *args)
-            return kv, prev_tokens(guesses, self.builder.max_num_seqs)
+            return kv, guesses_as_prev_tokens(guesses, self.builder.max_num_seqs)
 
         replicated = shard.sharding(())
         kv_shardings = tuple(x.sharding for x in kv_abstract)
@@ -222,9 +215,11 @@ class EagleProposer(Proposer):
         them (`Sequence.draft_prev_index`, the runner's `sampled`)."""
         shards = self.builder.data_shards
         drafts: list[list[int] | DraftTree] = [[] for _ in entries]
-        # Pairs up to the newest token's predecessor (the newest has no features yet).
+        # Pairs up to the newest token's predecessor (the newest has no features yet); a
+        # tree's nodes take the slots after it, a chain's rounds k - 1 of them.
+        ahead = (lambda k: len(self.tree) - 1) if self.tree else (lambda k: k - 1)
         first, want = first_round(entries, scheduler, self.max_num_batched_tokens, lag=1,
-                                  ahead=len(self.tree) if self.tree else None)
+                                  ahead=ahead)
         if not first:
             return drafts
         out = SchedulerOutput([s for _, s in first], [], sum(s.num_new_tokens for _, s in first))

@@ -160,7 +160,8 @@ class Engine:
                                                     draft_model=True)
                 proposer = DraftModel(ModelRunner(draft_graphdef, draft_params, draft_shard,
                                                   draft_builder, draft_cfg, kv_dtype),
-                                      config.max_num_batched_tokens, spec.num_speculative_tokens)
+                                      self.runner, config.max_num_batched_tokens,
+                                      spec.num_speculative_tokens)
             elif medusa is not None:
                 proposer = MedusaProposer(tree)
             elif eagle is not None:  # its layer's cache: the target's pages, as a draft's

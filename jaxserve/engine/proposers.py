@@ -4,6 +4,7 @@ to verify (engine/speculation.py). The draft model's is in draft_model.py."""
 from __future__ import annotations
 
 import abc
+from typing import Callable
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -30,16 +31,15 @@ class Proposer(abc.ABC):
 
 
 def first_round(entries: list[tuple[Sequence, int]], scheduler: Scheduler, budget: int,
-                lag: int, ahead: int | None = None
+                lag: int, ahead: Callable[[int], int] = lambda k: k - 1
                 ) -> tuple[list[tuple[int, ScheduledSeq]], dict[int, int]]:
     """Round 1 of a proposer with a model of its own (draft_model.py, eagle.py): for each
     (sequence, k), its inputs from `draft_computed_tokens` (at most its newest token) up
     to `num_tokens - lag`, within its data shard's share of the token `budget` and the
     pages it holds. Returns (entry index, its chunk) for those with inputs, and the drafts
     each caught-up sequence gets: k where it also holds pages for its newest token and
-    the k - 1 rounds after, or with `ahead` (a tree's node count) the `ahead` - 1 slots
-    after, within max_model_len (no pages, no drafts). Moves `draft_computed_tokens` past
-    the chunks."""
+    the `ahead(k)` positions after (its later rounds' slots), within max_model_len (no
+    pages, no drafts). Moves `draft_computed_tokens` past the chunks."""
     shards = len(scheduler.allocators)
     budgets = [budget // shards] * shards
     first, want = [], {}
@@ -52,7 +52,7 @@ def first_round(entries: list[tuple[Sequence, int]], scheduler: Scheduler, budge
         if n <= 0 or not allocator.allocate_more(seq, start + n):
             continue
         budgets[seq.data_shard] -= n
-        total = seq.num_tokens + (ahead or k) - 1
+        total = seq.num_tokens + ahead(k)
         if (start + n == end and total <= scheduler.config.max_model_len
                 and allocator.allocate_more(seq, total)):
             want[i] = k

@@ -112,6 +112,14 @@ def sample_step(logits: jax.Array, sampling: SamplingArrays, history: TokenHisto
     return out, prev_tokens.at[:n].set(out.token_ids[:n])
 
 
+def guesses_as_prev_tokens(guesses: jax.Array, max_num_seqs: int) -> jax.Array:
+    """A proposer's guesses `[R, S]` laid out as the target step's `prev_tokens`
+    (BatchBuilder.prev_tokens_size): no samples, then guess j of row r at
+    max_num_seqs x (1 + j) + r (`Sequence.draft_prev_index`)."""
+    r, s = guesses.shape
+    return jnp.zeros((1 + r, max_num_seqs), jnp.int32).at[1:, :s].set(guesses).reshape(-1)
+
+
 def sampled_rows(hidden: jax.Array, sample_index: jax.Array, data_shards: int) -> jax.Array:
     """The hidden states of the tokens the batch samples, `[R, hidden]`, taken within each
     data shard's block of tokens (so no shard reads another's)."""
