@@ -144,7 +144,8 @@ class BatchBuilder:
             pages = np.asarray(seq.page_ids, dtype=np.int32)
             own = n - len(sched.drafts)  # the chunk's tokens that are the seq's own
             batch.input_ids[t:t + own] = seq.token_ids[start:start + own]
-            if not self.draft_model and sched.drafts[:1] == [PLACEHOLDER]:  # on the device
+            # (A draft model's own batches schedule its newest token as a PLACEHOLDER draft.)
+            if sched.drafts_on_device and not self.draft_model:
                 batch.prev_index[t + own:t + n] = seq.draft_prev_index[:n - own]
             else:
                 batch.input_ids[t + own:t + n] = sched.drafts

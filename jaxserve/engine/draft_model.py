@@ -72,12 +72,11 @@ def chain(graphdef: nnx.GraphDef, params: nnx.State, kv_caches, batch: StepBatch
         logits = model.logits(sampled_rows(hidden, batch.sample_index, d),
                               rows=batch.num_rows[0] if d == 1 else None)
         guesses = first_argmax(logits)
-        return kv, guesses[seq], out.at[j + 1].set(guesses)
+        return kv, guesses[seq], out.at[j + 1].set(guesses)  # after round 1's
 
     first = jnp.take_along_axis(ids.reshape(d, -1), batch.sample_index.reshape(d, -1), 1)
     out = jnp.zeros((rounds + 1, s), jnp.int32).at[0].set(first.reshape(-1))
-    kv, _, out = jax.lax.fori_loop(1, rounds + 1, lambda j, carry: round_(j - 1, carry),
-                                   (kv_caches, ids, out))
+    kv, _, out = jax.lax.fori_loop(0, rounds, round_, (kv_caches, ids, out))
     return kv, out
 
 
@@ -91,7 +90,6 @@ class DraftModel(Proposer):
         self.runner, self.target = runner, target
         self.builder: BatchBuilder = runner.builder
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.k = k
         rounds = functools.partial(chain, rounds=k - 1, page_size=self.builder.page_size,
                                    drop_slot=self.builder.num_pages * self.builder.page_size)
 

@@ -481,7 +481,7 @@ class Engine:
         step.expert_load = self.runner.expert_load
         if batch.propose:
             step.guesses = self.runner.guesses
-        if any(s.drafts and s.drafts[0] == PLACEHOLDER for s in schedule.scheduled):
+        if any(s.drafts_on_device for s in schedule.scheduled):
             step.device_drafts = prev_tokens
         self.num_steps += 1
         for s in step.sampling:
@@ -512,7 +512,7 @@ class Engine:
             return
         ids = np.asarray(step.device_drafts.addressable_data(0))
         for s in step.schedule.scheduled:
-            if s.drafts and s.drafts[0] == PLACEHOLDER:
+            if s.drafts_on_device:
                 s.drafts = ids[s.seq.draft_prev_index[:len(s.drafts)]].tolist()
         step.device_drafts = None
 

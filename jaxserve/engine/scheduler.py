@@ -33,7 +33,7 @@ import time
 from typing import Any
 
 from jaxserve.engine.kv_cache import PageAllocator
-from jaxserve.engine.request import Sequence, SequenceStatus
+from jaxserve.engine.request import PLACEHOLDER, Sequence, SequenceStatus
 
 POLICIES = ("fcfs", "priority")
 
@@ -82,6 +82,12 @@ class ScheduledSeq:
     # tokens): the step samples a row for each and one more, rows `row...row + len(drafts)`.
     drafts: list[int] = dataclasses.field(default_factory=list)
     parents: list[int] | None = None  # a tree of drafts: each one's parent; None: a chain
+
+    @property
+    def drafts_on_device(self) -> bool:
+        """Whether its drafts are a proposer's guesses still on the device (PLACEHOLDERs
+        read through `Sequence.draft_prev_index`; the engine reads them back)."""
+        return self.drafts[:1] == [PLACEHOLDER]
 
 
 @dataclasses.dataclass
