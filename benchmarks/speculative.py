@@ -19,7 +19,9 @@ EAGLE heads and the Medusa heads (k = --k; Medusa and EAGLE-1 also with TREE, a 
 candidates); at batch 16 n-gram and the draft model with the default
 disable_by_batch_size (8: no speculation at 16) and with it off (speculating anyway), and
 EAGLE-1 with the default (what the target's feature writes cost when nobody speculates).
-Every speculative run's tokens are checked equal to speculation off. Then (--repeats)
+Every speculative run's tokens are checked equal to speculation off. Then sampled
+requests (temperature 0.7 and 1, batch 1): EAGLE-1 with its guesses drawn from its own
+distribution (rejection sampling, the default) and with greedy guesses. Then (--repeats)
 the batch-1 runs and the batch-16 runs with the default policy again, alternating,
 against this VM's drift.
 
@@ -260,16 +262,19 @@ def workloads(num: int, rng: random.Random) -> dict[str, list[str]]:
     return {"edit": edit, "write": write}
 
 
-def run(llm: LLM, prompts: list[str], batch: int, tokens: int) -> dict:
-    """Output tokens/s of `prompts`, `batch` at a time; the tokens; speculation counters."""
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+def run(llm: LLM, prompts: list[str], batch: int, tokens: int, temperature: float = 0.0
+        ) -> dict:
+    """Output tokens/s of `prompts`, `batch` at a time (request i seeded i); the tokens;
+    speculation counters."""
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=tokens,
+                             ignore_eos=True) for i in range(len(prompts))]
     speculator = llm.engine.speculator
     counters = (lambda s: (s.num_proposed, s.num_accepted, s.proposed[0]))  # noqa: E731
     before = counters(speculator.stats) if speculator else (0, 0, 0)
     steps_before = llm.engine.num_steps
     out, started = [], time.perf_counter()
     for i in range(0, len(prompts), batch):
-        out += llm.generate(prompts[i:i + batch], params)
+        out += llm.generate(prompts[i:i + batch], params[i:i + batch])
     wall = time.perf_counter() - started
     generated = sum(len(o.outputs[0].token_ids) for o in out)
     after = counters(speculator.stats) if speculator else (0, 0, 0)
@@ -322,6 +327,7 @@ def main() -> None:
                "draft model": draft,
                "draft model, never disabled": {**draft, "disable_by_batch_size": None},
                "EAGLE-1": eagle.get(1), "EAGLE-1 tree": {**eagle.get(1, {}), **tree},
+               "EAGLE-1, greedy drafts": {**eagle.get(1, {}), "sampled_drafts": False},
                "EAGLE-3": eagle.get(3), "Medusa": medusa, "Medusa tree": {**medusa, **tree}}
     llms = {"off": LLM(str(model_dir), **engine)}
     for name, config in configs.items():
@@ -334,6 +340,8 @@ def main() -> None:
 
     if not args.only_repeats:
         table(llms, loads, args)
+        if "EAGLE-1" in llms:
+            sampled(llms, loads, args)
     if args.repeats:
         alternate(llms, loads, args)
 
@@ -357,6 +365,29 @@ def alternate(llms: dict, loads: dict, args) -> None:
         ratio = sum(values) / sum(got[(batch, workload, "off")])
         print(f"| {batch} | {workload} | {name} | {', '.join(f'{v:.0f}' for v in values)} | "
               f"{ratio:.2f}x |")
+
+
+def sampled(llms: dict, loads: dict, args) -> None:
+    """Sampled requests at batch 1: EAGLE-1's guesses drawn from its own distribution and
+    kept by rejection sampling (the default), against greedy guesses (kept when the
+    target's draw equals them)."""
+    count = args.requests // 2
+    print(f"\nSampled requests (seeded), batch 1, {count} requests\n")
+    print("| workload | temperature | speculation | output tok/s | vs off | acceptance | "
+          "accepted per drafting seq-step |")
+    print("|---|---|---|---|---|---|---|")
+    for name, prompts in loads.items():
+        for temperature in (0.7, 1.0):
+            base = run(llms["off"], prompts[:count], 1, args.tokens, temperature)
+            for label in ("off", "EAGLE-1", "EAGLE-1, greedy drafts"):
+                r = base if label == "off" else run(llms[label], prompts[:count], 1,
+                                                    args.tokens, temperature)
+                rate = r["accepted"] / r["proposed"] if r["proposed"] else 0.0
+                per_step = r["accepted"] / r["drafting"] if r["drafting"] else 0.0
+                print(f"| {name} | {temperature} | {label} | {r['tok_s']:.1f} | "
+                      f"{r['tok_s'] / base['tok_s']:.2f}x | "
+                      f"{rate:.0%} ({r['accepted']}/{r['proposed']}) | {per_step:.2f} |",
+                      flush=True)
 
 
 def table(llms: dict, loads: dict, args) -> None:

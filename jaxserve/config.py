@@ -50,6 +50,12 @@ class SpeculativeConfig:
     `num_speculative_tokens` (engine/token_tree.py).
     Speculation stops while more than `disable_by_batch_size` sequences run (None: never):
     a batch that large is compute-bound, and guessed tokens only add work.
+    `sampled_drafts` (EAGLE chains): a request that samples (temperature > 0) gets guesses
+    drawn from the head's own distribution (with the request's temperature, top-k, top-p
+    and min-p), which the step keeps with probability min(1, p / q) (rejection sampling:
+    the output follows the target's distribution either way, and more guesses are kept
+    than greedy ones where the distributions are wide); false: greedy guesses, for which
+    a seeded request gets the very tokens it gets without speculation.
     """
 
     method: str | None = None  # None: "draft_model" with a model, else "ngram"
@@ -59,6 +65,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = 8
     model: str | None = None  # the draft model's checkpoint directory
     speculative_token_tree: Any = None  # kept as a tuple of paths in depth-first order
+    sampled_drafts: bool = True
 
     def __post_init__(self) -> None:
         if self.method is None:
@@ -84,6 +91,9 @@ class SpeculativeConfig:
         if limit is not None and (not isinstance(limit, int) or limit < 1):
             raise ValueError(f"speculative_config: disable_by_batch_size must be a positive "
                              f"integer or null, got {limit!r}")
+        if not isinstance(self.sampled_drafts, bool):
+            raise ValueError(f"speculative_config: sampled_drafts must be true or false, got "
+                             f"{self.sampled_drafts!r}")
         if self.speculative_token_tree is not None:
             object.__setattr__(self, "speculative_token_tree", self._tree())
 

@@ -163,6 +163,7 @@ def test_pool_size_from_budget_capped_at_what_the_seqs_can_use():
     gpu = _Device({"bytes_limit": 1_000_000, "bytes_in_use": 100_000})
     assert pool_size(page, 10_000, None, 0.5, gpu) == 400
     assert pool_size(page, 300, None, 0.5, gpu) == 300  # max_num_seqs full contexts
+    assert pool_size(page, 10_000, None, 0.5, gpu, reserved=100 * page) == 300
     # An explicit budget wins over the device's.
     assert pool_size(page, 10**9, 0.5, 0.5, gpu) == 2**29 // page
     # A CPU reports no limit: the default budget.

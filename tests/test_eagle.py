@@ -4,6 +4,7 @@ of the same tokens, and the output is the target's whatever they guess."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -13,8 +14,9 @@ import transformers as tf
 
 from eagle_reference import Eagle1, Eagle3, drafts, tree_drafts, write_head
 from jaxserve import LLM
-from test_speculative import (  # noqa: F401 - base and want are fixtures
-    ENGINE, GREEDY, base, check_clean, fresh_counters, tokens, want)
+from test_speculative import (  # noqa: F401 - base, target and want are fixtures
+    ENGINE, GREEDY, _chi_square_p, _sample_sequences, _target_distribution, base,
+    check_clean, fresh_counters, tokens, want)
 
 AUX = [0, 1, 1]  # the 2-layer target's layers an EAGLE-3 head reads here
 K = 3
@@ -50,11 +52,13 @@ def write(head, target, path, torch_file: bool):
     return write_head(head, head_config(target), path, torch_file, **extra)
 
 
-def eagle_llm(checkpoints, path, version: int, tree=None, **engine) -> LLM:
-    return LLM(str(checkpoints("llama")[0]), **{**ENGINE, **engine}, speculative_config={
-        "method": "eagle3" if version == 3 else "eagle", "model": str(path),
-        "num_speculative_tokens": K, "disable_by_batch_size": None,
-        "speculative_token_tree": tree})
+def eagle_llm(checkpoints, path, version: int, tree=None, target=None, sampled_drafts=True,
+              **engine) -> LLM:
+    return LLM(str(target or checkpoints("llama")[0]), **{**ENGINE, **engine},
+               speculative_config={
+                   "method": "eagle3" if version == 3 else "eagle", "model": str(path),
+                   "num_speculative_tokens": K, "disable_by_batch_size": None,
+                   "speculative_token_tree": tree, "sampled_drafts": sampled_drafts})
 
 
 def record(llm: LLM) -> list[tuple[list[int], list[int]]]:
@@ -187,6 +191,63 @@ def test_a_head_reading_the_features_guesses_the_last_token_again(checkpoints, w
     # Accepted exactly where the output repeats its last token.
     assert 0 < stats.num_accepted < stats.num_proposed
     check_clean(llm)
+
+
+def last_token_target(model, path):
+    """A copy of the tiny Llama `model` whose layers add nothing (attention and MLP
+    outputs zero), saved at `path`: its next token's distribution depends on the last
+    token only. Its embeddings have RMS 1 and its final norm weights 1, so the norm
+    leaves them as they are (an EAGLE-1 head's output goes to the LM head unnormed)."""
+    from jaxserve.demo import write_byte_tokenizer
+
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        embed = model.model.embed_tokens.weight
+        embed /= embed.pow(2).mean(-1, keepdim=True).sqrt()
+        model.model.norm.weight.fill_(1.0)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    model.save_pretrained(path)
+    write_byte_tokenizer(path)
+    return model
+
+
+def embedding_head(target) -> Eagle1:
+    """An EAGLE-1 head whose output is its input token's embedding (fc picks it, the
+    layer adds zeros): over `last_token_target`'s LM head, the target's own
+    distribution after that token, in every round."""
+    head = repeat_head(target)
+    h = target.config.hidden_size
+    with torch.no_grad():
+        head.fc.weight.copy_(torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1))
+    return head
+
+
+def test_sampled_drafts_follow_the_target_distribution(checkpoints, prompts, tmp_path):
+    """Sampled requests' drafts are drawn from the head's distribution (temperature 1 and
+    top-k 3 applied to it) and verified by rejection sampling. A head whose distribution
+    is the target's in every round has all its drafts kept (a round's guess verified
+    against another round's distribution would not be), where greedy drafts are kept at
+    the rate of the target's top tokens; four tokens over 2000 seeds fit transformers'
+    probabilities (chi-square); the same seeds give the same tokens again."""
+    model = last_token_target(checkpoints("llama")[1], tmp_path / "target")
+    head = write(embedding_head(model), model, tmp_path / "head", torch_file=False)
+    dist, _ = _target_distribution(model, prompts[0], 3, 4)
+    runs = {}
+    for sampled in (True, False):
+        llm = eagle_llm(checkpoints, head, 1, target=tmp_path / "target",
+                        sampled_drafts=sampled)
+        runs[sampled] = fresh_counters(llm)
+        counts = _sample_sequences(llm, prompts[0], 2000, 3, 4)
+        assert _chi_square_p(counts, dist, 2000) > 1e-3
+        if sampled:
+            again = _sample_sequences(llm, prompts[0], 50, 3, 4)
+            assert again == _sample_sequences(llm, prompts[0], 50, 3, 4)
+        check_clean(llm)
+    # Two drafts for each request's last three tokens: all kept, one step each.
+    assert runs[True].accepted[:2] == runs[True].proposed[:2] == [2000 + 50 * 2] * 2
+    assert runs[False].acceptance_rate < 0.5  # about the top token's probability
 
 
 def test_feature_layers():

@@ -9,9 +9,10 @@ import pytest
 
 from llguidance.numpy import apply_token_bitmask_inplace
 
-from jaxserve.engine.sampler import (SamplingArrays, TokenHistory, apply_grammar_mask,
-                                     apply_penalties, filter_logits, first_argmax, inverse_cdf,
-                                     sample)
+import jaxserve.engine.sampler as sampler
+from jaxserve.engine.sampler import (SampledDrafts, SamplingArrays, TokenHistory,
+                                     apply_grammar_mask, apply_penalties, draw_drafts,
+                                     filter_logits, first_argmax, inverse_cdf, sample)
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 
 
@@ -25,7 +26,8 @@ def arrays(n, **kw) -> SamplingArrays:
                 logprobs=np.ones(n, np.bool_),
                 bias_ids=np.full((n, MAX_LOGIT_BIAS), -1, np.int32),
                 bias_values=np.zeros((n, MAX_LOGIT_BIAS), np.float32),
-                grammar_mask=np.full((n, 32), -1, np.int32))  # vocabularies up to 1024
+                grammar_mask=np.full((n, 32), -1, np.int32),  # vocabularies up to 1024
+                draft_index=np.full(n, -1, np.int32))
     for k, v in kw.items():
         base[k] = np.asarray(v, base[k].dtype)
     return SamplingArrays(**base)
@@ -240,3 +242,80 @@ def test_grammar_mask_against_numpy():
         drawn = jax.jit(sample)(jnp.asarray(logits), arrays(s, seed=np.full(s, seed),
                                                             grammar_mask=mask), None)
         assert allowed[np.arange(s), np.asarray(drawn.token_ids)].all()
+
+
+def _chi_square(tokens: np.ndarray, probs: np.ndarray) -> float:
+    """p-value of the tokens' counts against `probs` (each token of positive probability
+    expected >= 5 times); 0 if a token of probability 0 comes up."""
+    import scipy.stats
+
+    counts = np.bincount(tokens, minlength=len(probs))
+    some = np.asarray(probs) > 0
+    if counts[~some].any():
+        return 0.0
+    expected = np.asarray(probs, np.float64)[some]
+    return scipy.stats.chisquare(counts[some], expected / expected.sum() * len(tokens)).pvalue
+
+
+# A target distribution p and a draft distribution q far from it (q's favourite is p's
+# least likely; a token only q has, one only p has).
+P = np.array([0.30, 0.25, 0.20, 0.10, 0.10, 0.05, 0.0, 0.0])
+Q_LOGITS = np.log(np.array([0.05, 0.10, 0.10, 0.15, 0.02, 0.40, 0.18, 1e-12]))
+
+
+def _verify(n: int, temperature: float = 1.0):
+    """n rows of p (at `temperature`, top-k 6: p's tokens 6, 7 out, q's 4, 7), each
+    verifying a draft drawn from q for the same output number (the same parameters and
+    seed, its own key): (drafts, q rows, tokens)."""
+    params = dict(temperature=np.full(n, temperature), top_k=np.full(n, 6),
+                  output_index=np.full(n, 3))
+    q_logits = jnp.tile(jnp.asarray(Q_LOGITS, jnp.float32), (n, 1))
+    drafts, q = draw_drafts(q_logits, arrays(n, **{**params, "output_index": np.full(n, 1)}),
+                            2)
+    logits = jnp.tile(jnp.asarray(np.log(P + 1e-30) * temperature, jnp.float32), (n, 1))
+    out = sample(logits, arrays(n, **params, draft_index=np.arange(n)), None,
+                 drafts=SampledDrafts(drafts, q))
+    return np.asarray(drafts), np.asarray(q), np.asarray(out.token_ids)
+
+
+def test_drafts_drawn_from_q_and_verified_by_rejection_sampling_follow_p():
+    """Drafts follow q (with the request's temperature and top-k applied to it, as its
+    returned rows say); the verified tokens follow p whatever q is, a draft kept exactly
+    when the token equals it, at the rate sum(min(p, q)) the rule promises."""
+    n = 20000
+    drafts, q, tokens = _verify(n, temperature=0.5)
+    want_q = np.exp(Q_LOGITS / 0.5) * [1, 1, 1, 1, 0, 1, 1, 0]  # q's top 6
+    want_q /= want_q.sum()
+    np.testing.assert_allclose(q[0], want_q, rtol=1e-5, atol=1e-7)
+    assert _chi_square(drafts, q[0]) > 1e-3
+    assert _chi_square(tokens, P) > 1e-3
+    assert not np.isin(tokens, [6, 7]).any()
+    kept = (tokens == drafts).mean()
+    assert abs(kept - np.minimum(P, q[0]).sum()) < 0.015, kept
+
+
+def test_a_wrong_residual_fails_the_rejection_sampling_test(monkeypatch):
+    """Drawing a rejected draft's replacement from p instead of max(0, p - q): the tokens
+    no longer follow p, and the same test says so."""
+    def wrong(weights, q, drafts, u, u_residual):
+        p = weights / weights.sum(axis=-1, keepdims=True)
+        p_d = jnp.take_along_axis(p, drafts[:, None], axis=-1)[:, 0]
+        q_d = jnp.take_along_axis(q, drafts[:, None], axis=-1)[:, 0]
+        return jnp.where(u * q_d < p_d, drafts, inverse_cdf(p, u_residual))
+
+    monkeypatch.setattr(sampler, "verify_drafts", wrong)
+    _, _, tokens = _verify(20000, temperature=0.5)
+    assert _chi_square(tokens, P) < 1e-6
+
+
+def test_greedy_rows_ignore_their_drafts_distributions():
+    """A greedy row takes the argmax, whatever draft it verifies; draw_drafts' greedy
+    guesses are argmaxes too."""
+    n = 4
+    logits = jnp.tile(jnp.asarray(np.log(P + 1e-30), jnp.float32), (n, 1))
+    drafts, q = draw_drafts(jnp.tile(jnp.asarray(Q_LOGITS, jnp.float32), (n, 1)),
+                            arrays(n, temperature=np.zeros(n)), 0)
+    assert np.asarray(drafts).tolist() == [5] * n
+    out = sample(logits, arrays(n, temperature=np.zeros(n), draft_index=np.arange(n)), None,
+                 drafts=SampledDrafts(drafts, q))
+    assert np.asarray(out.token_ids).tolist() == [0] * n

@@ -286,7 +286,7 @@ def test_an_eagle_head_drafting_trees_compiles_with_the_attention_kernel(devices
     with no_persistent_cache(), jax.default_device(devices[0]):
         text = program.lower(graphdef, placed(head, shard), target_graphdef,
                              placed(target, shard), kv, features, batch,
-                             limits).compile().as_text()
+                             limits, None).compile().as_text()
     operands = [len(call.split(", ")) for call in re.findall(
         r"custom-call\((.*?)\), custom_call_target=\"tpu_custom_call\"", text)]
     chain = min(operands)  # round 1's calls

@@ -83,9 +83,13 @@ class BatchBuilder:
     data_shards: int = 1
     num_speculative_tokens: int = 0  # k of the speculating buckets (0: none)
     tree: bool = False  # the speculating buckets verify trees (k nodes at most)
-    # The draft model's batches (draft_model.py): drafts are only input tokens (the
-    # sequence's last one sampled), every row greedy on the raw logits, no history.
+    # A proposer's batches (draft_model.py, eagle.py): drafts are only input tokens (the
+    # sequence's last one sampled), no history; every row greedy on the raw logits unless
+    # `sampled_drafts` (then a row holds its sequence's parameters for `draw_drafts`).
     draft_model: bool = False
+    # Sampled requests' chain drafts are drawn from the proposer's distributions: the
+    # target's rows verify them by rejection sampling (SamplingArrays.draft_index).
+    sampled_drafts: bool = False
     _open_masks: dict[int, np.ndarray] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
@@ -165,9 +169,14 @@ class BatchBuilder:
             cu[data_shard * (shard_s + 1) + counts[data_shard]] = local + n
             batch.attn.kv_lens[i] = start + n
             batch.attn.page_indices[i, :len(pages)] = pages
-            for j in range(0 if self.draft_model else num_rows):
+            for j in range(0 if self.draft_model and not self.sampled_drafts else num_rows):
                 self._fill_sampling(batch.sampling, sched.row + j, seq.params, seq,
                                     depth[j - 1] if j else 0)
+            if (self.sampled_drafts and not self.draft_model and sched.drafts_on_device
+                    and sched.parents is None and seq.params.temperature > 0):
+                # Draft j's distribution: SampledDrafts row max_num_seqs x j + r.
+                batch.sampling.draft_index[sched.row:sched.row + len(sched.drafts)] = (
+                    np.asarray(seq.draft_prev_index) - self.max_num_seqs)
         for data_shard in range(d):
             block = data_shard * (shard_s + 1)
             cu[block + counts[data_shard] + 1:block + shard_s + 1] = ends[data_shard]
@@ -259,6 +268,7 @@ class BatchBuilder:
                 bias_ids=np.full((r, MAX_LOGIT_BIAS), -1, i32),
                 bias_values=np.zeros((r, MAX_LOGIT_BIAS), np.float32),
                 grammar_mask=self.open_mask(r),
+                draft_index=np.full(r, -1, i32),
             ),
             history=TokenHistory(
                 tokens=np.full((r, self.max_model_len), -1, i32),

@@ -1,5 +1,8 @@
 """The EAGLE proposer (EAGLE-1 and EAGLE-3 heads, models/eagle.py): a one-layer head over
-the target model's own features guesses each sequence's next k tokens, greedily.
+the target model's own features guesses each sequence's next k tokens: greedily, or for
+a request that samples (SpeculativeConfig.sampled_drafts, chains) drawn from the head's
+own distribution, which the program leaves on the device for the target's step to keep
+or reject each guess by (sampler.draw_drafts, sampler.verify_drafts).
 
 The target's step writes each token's features (the layers the head reads) into a cache
 of one row per KV slot (runner.write_features), so the features of every computed token
@@ -45,7 +48,7 @@ from jaxserve.engine.proposers import Proposer, first_round
 from jaxserve.engine.request import PLACEHOLDER, Sequence
 from jaxserve.engine.runner import (
     ModelRunner, global_slots, guesses_as_prev_tokens, position_slots, sampled_rows)
-from jaxserve.engine.sampler import first_argmax
+from jaxserve.engine.sampler import draw_drafts, first_argmax
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.token_tree import DraftTree
 from jaxserve.models.eagle import EagleHead, embed
@@ -55,14 +58,18 @@ from sharding.rules import ShardingContext
 
 def draft(graphdef: nnx.GraphDef, params: nnx.State, target_graphdef: nnx.GraphDef,
           target_params: nnx.State, kv: tuple, features: jax.Array, batch: StepBatch,
-          limits: jax.Array, *, rounds: int, page_size: int, drop_slot: int,
-          tree: tuple[tuple[int, ...], ...] | None = None) -> tuple[tuple, jax.Array]:
+          limits: jax.Array, probs: jax.Array | None, *, rounds: int, page_size: int,
+          drop_slot: int, tree: tuple[tuple[int, ...], ...] | None = None
+          ) -> tuple[tuple, jax.Array, jax.Array | None]:
     """Round 1 over `batch` (each sequence's new pairs: its input ids are the tokens after
     their positions, the features are read from the target's `features` at their slots),
-    then `rounds` more rounds of one token per sequence. Returns the cache and the guesses
-    `[rounds + 1, S]`; sequence i writes K/V in its first `limits[i]` extra rounds only
-    (the pages it holds). With a `tree` (paths of ranks, parents first), the tree's
-    rounds instead (`tree_rounds`), and its nodes' tokens `[nodes, S]`."""
+    then `rounds` more rounds of one token per sequence. Returns the cache, the guesses
+    `[rounds + 1, S]` and `probs`; sequence i writes K/V in its first `limits[i]` extra
+    rounds only (the pages it holds). With `probs` (the target's `draft_probs`), the
+    sampled rows of `batch.sampling` draw their guesses (sampler.draw_drafts), guess j of
+    row r's distribution written at `probs[S_max x j + r]`; else every guess is greedy.
+    With a `tree` (paths of ranks, parents first), the tree's rounds instead
+    (`tree_rounds`), and its nodes' tokens `[nodes, S]`."""
     head: EagleHead = nnx.merge(graphdef, params)
     target = nnx.merge(target_graphdef, target_params)
     meta = batch.attn
@@ -80,12 +87,23 @@ def draft(graphdef: nnx.GraphDef, params: nnx.State, target_graphdef: nnx.GraphD
     cu = jnp.minimum(local[None, :], meta.num_seqs[:, None]).reshape(-1)
     seq_real = (jnp.arange(s) % (s // d)) < jnp.repeat(meta.num_seqs, s // d)
     if tree is not None:
-        return tree_rounds(head, target, kv, meta, hidden, logits, seq_real & (limits > 0),
-                           cu, seq_real, tree, page_size, drop_slot)
-    ids = head.to_target(first_argmax(logits))
+        return (*tree_rounds(head, target, kv, meta, hidden, logits, seq_real & (limits > 0),
+                             cu, seq_real, tree, page_size, drop_slot), probs)
+
+    def guess(logits, j, probs):  # round j + 1's guesses as target ids; `probs` updated
+        if probs is None:
+            return head.to_target(first_argmax(logits)), None
+        ids, q = draw_drafts(logits, batch.sampling, j)
+        if head.version == 3:  # a draft vocabulary's distribution over the target's
+            q = jnp.zeros((s, probs.shape[1]), q.dtype).at[
+                :, head.to_target(jnp.arange(q.shape[1]))].set(q)
+        return head.to_target(ids), jax.lax.dynamic_update_slice(
+            probs, q, (probs.shape[0] // (rounds + 1) * j, 0))
+
+    ids, probs = guess(logits, 0, probs)
 
     def round_(j, carry):
-        kv, ids, hidden, out = carry
+        kv, ids, hidden, out, probs = carry
         pos = meta.kv_lens - 1 + j
         writes = seq_real & (j <= limits)
         attn = AttentionMetadata(
@@ -94,12 +112,13 @@ def draft(graphdef: nnx.GraphDef, params: nnx.State, target_graphdef: nnx.GraphD
             cu_q_lens=cu, kv_lens=jnp.where(seq_real, meta.kv_lens + j, 0),
             page_indices=meta.page_indices, num_seqs=meta.num_seqs)
         hidden, kv = head(embed(target, ids), hidden, pos, kv, attn, from_target=False)
-        ids = head.to_target(first_argmax(head.logits(hidden, target, rows)))
-        return kv, ids, hidden, out.at[j].set(ids)
+        ids, probs = guess(head.logits(hidden, target, rows), j, probs)
+        return kv, ids, hidden, out.at[j].set(ids), probs
 
     out = jnp.zeros((rounds + 1, s), jnp.int32).at[0].set(ids)
-    kv, _, _, out = jax.lax.fori_loop(1, rounds + 1, round_, (kv, ids, hidden, out))
-    return kv, out
+    kv, _, _, out, probs = jax.lax.fori_loop(1, rounds + 1, round_,
+                                             (kv, ids, hidden, out, probs))
+    return kv, out, probs
 
 
 def tree_rounds(head: EagleHead, target, kv: tuple, meta: AttentionMetadata,
@@ -177,18 +196,19 @@ class EagleProposer(Proposer):
         target_tree, tree = jax.tree.structure(target.params), jax.tree.structure(params)
 
         def on_leaves(target_leaves, leaves, *args):  # as runner.on_param_leaves, for both
-            kv, guesses = program(graphdef, jax.tree.unflatten(tree, leaves), target.graphdef,
-                                  jax.tree.unflatten(target_tree, target_leaves), *args)
-            return kv, guesses_as_prev_tokens(guesses, self.builder.max_num_seqs)
+            kv, guesses, probs = program(
+                graphdef, jax.tree.unflatten(tree, leaves), target.graphdef,
+                jax.tree.unflatten(target_tree, target_leaves), *args)
+            return kv, guesses_as_prev_tokens(guesses, self.builder.max_num_seqs), probs
 
         replicated = shard.sharding(())
         kv_shardings = tuple(x.sharding for x in kv_abstract)
         self._draft = jax.jit(
-            on_leaves, donate_argnums=(2,),
+            on_leaves, donate_argnums=(2, 6),
             in_shardings=([x.sharding for x in target._param_leaves],
                           [x.sharding for x in self._param_leaves], kv_shardings,
-                          target.features.sharding, replicated, replicated),
-            out_shardings=(kv_shardings, replicated))
+                          target.features.sharding, replicated, replicated, replicated),
+            out_shardings=(kv_shardings, replicated, replicated))
         self._ready: set[BucketKey] = set()
         self.warmed_up = False
 
@@ -250,7 +270,11 @@ class EagleProposer(Proposer):
             if self.warmed_up:
                 self.target.compiles_after_warmup += 1
             self._ready.add(key)
-        inputs = dataclasses.replace(batch, sampling=None, history=None)
-        self.kv, out = self._draft(self.target._param_leaves, self._param_leaves, self.kv,
-                                   self.target.features, inputs, limits)
+        sampling = None  # what sampled drafts are drawn with (not the grammar's mask)
+        if self.target.draft_probs is not None:
+            sampling = dataclasses.replace(batch.sampling, grammar_mask=None)
+        inputs = dataclasses.replace(batch, sampling=sampling, history=None)
+        self.kv, out, self.target.draft_probs = self._draft(
+            self.target._param_leaves, self._param_leaves, self.kv, self.target.features,
+            inputs, limits, self.target.draft_probs)
         return out

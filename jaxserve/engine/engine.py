@@ -114,9 +114,16 @@ class Engine:
             page_bytes += kv_page_bytes(eagle[0].cfg, config.page_size, kv_dtype, eagle[1])
             page_bytes += (config.page_size * len(eagle[0].features_from)
                            * model_config.hidden_size * jnp.dtype(config.dtype).itemsize)
+        spec = config.speculative_config
+        tree = spec.speculative_token_tree if spec is not None else None
+        # EAGLE chains' sampled guesses' distributions (ModelRunner.draft_probs), on every
+        # device: max_num_seqs x k x vocabulary floats.
+        sampled_drafts = eagle is not None and not tree and spec.sampled_drafts
+        reserved = (config.max_num_seqs * spec.num_speculative_tokens * model_config.vocab_size
+                    * 4 if sampled_drafts else 0)
         num_pages = config.num_pages // shards if config.num_pages else pool_size(
             page_bytes, per_seq * config.max_num_seqs // shards, config.kv_cache_memory_gib,
-            config.memory_utilization, shard.mesh.local_devices[0])
+            config.memory_utilization, shard.mesh.local_devices[0], reserved)
         if num_pages < per_seq:
             raise ValueError(
                 f"the KV cache holds {num_pages} pages of {config.page_size} tokens per data "
@@ -133,8 +140,6 @@ class Engine:
             policy=config.scheduling_policy,
             data_shards=shards,
         ))
-        spec = config.speculative_config
-        tree = spec.speculative_token_tree if spec is not None else None
         if tree and any(model_config.layer_window(i) for i in range(model_config.num_layers)):
             raise ValueError("speculative_config: speculative_token_tree needs a model without "
                              "sliding-window attention (a tree node's window would be "
@@ -146,7 +151,8 @@ class Engine:
             vocab_size=model_config.vocab_size, data_shards=shards,
             num_speculative_tokens=(len(tree) if tree else spec.num_speculative_tokens
                                     if spec is not None else 0),
-            tree=bool(tree))
+            tree=bool(tree),
+            sampled_drafts=sampled_drafts)
         # Multi-host, process 0: a broadcast.StepBroadcaster sends every step to the others.
         self.runner = ModelRunner(graphdef, params, shard, self.builder, model_config, kv_dtype,
                                   broadcaster, medusa,
@@ -157,7 +163,7 @@ class Engine:
             if draft is not None:  # the draft model: a runner of its own, the same pages
                 draft_cfg, draft_shard, draft_graphdef, draft_params = draft
                 draft_builder = dataclasses.replace(self.builder, num_speculative_tokens=0,
-                                                    draft_model=True)
+                                                    draft_model=True, sampled_drafts=False)
                 proposer = DraftModel(ModelRunner(draft_graphdef, draft_params, draft_shard,
                                                   draft_builder, draft_cfg, kv_dtype),
                                       self.runner, config.max_num_batched_tokens,

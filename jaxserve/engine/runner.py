@@ -18,7 +18,8 @@ from jaxserve.config import ModelConfig
 from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.broadcast import FORWARD, SAMPLE, STEP
 from jaxserve.engine.compile_cache import counting_hits
-from jaxserve.engine.sampler import SampleOutput, SamplingArrays, TokenHistory, sample
+from jaxserve.engine.sampler import (
+    SampledDrafts, SampleOutput, SamplingArrays, TokenHistory, sample)
 from jaxserve.models.medusa import MedusaHeads, medusa_tokens
 from jaxserve.models.parallel import KV_CACHE_AXES
 from jaxserve.models.transformer import KVCache, kv_cache_layout
@@ -101,13 +102,20 @@ def write_features(cache: jax.Array, features: jax.Array, slots: jax.Array,
 
 
 def sample_step(logits: jax.Array, sampling: SamplingArrays, history: TokenHistory | None,
-                prev_tokens: jax.Array, num_rows: jax.Array) -> tuple[SampleOutput, jax.Array]:
+                prev_tokens: jax.Array, num_rows: jax.Array, draft_probs: jax.Array | None
+                ) -> tuple[SampleOutput, jax.Array]:
     """Sample one token per row; returns them also written into `prev_tokens` (its first
     rows), where the next step reads its PLACEHOLDER tokens.
     `num_rows` (the batch's real rows per data shard) lets one shard's batch sample its
     real rows only (under data parallelism each shard's rows are a block of their own:
-    all rows)."""
-    out = sample(logits, sampling, history, num_rows[0] if num_rows.shape[0] == 1 else None)
+    all rows). `draft_probs` (BatchBuilder.sampled_drafts; else None): the distributions
+    the drafts after the samples in `prev_tokens` were drawn from, in their order."""
+    drafts = None
+    if draft_probs is not None:
+        drafts = SampledDrafts(prev_tokens[prev_tokens.shape[0] - draft_probs.shape[0]:],
+                               draft_probs)
+    out = sample(logits, sampling, history, num_rows[0] if num_rows.shape[0] == 1 else None,
+                 drafts)
     n = min(out.token_ids.shape[0], prev_tokens.shape[0])
     return out, prev_tokens.at[:n].set(out.token_ids[:n])
 
@@ -195,7 +203,7 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
                         out_shardings=(cache_shardings, logits_sharding, replicated, replicated,
                                        features)),
         sample=jax.jit(sample_step, in_shardings=(logits_sharding, replicated, replicated,
-                                                  replicated, replicated),
+                                                  replicated, replicated, replicated),
                        out_shardings=(replicated, replicated)),
         move=jax.jit(move, donate_argnums=(0, 1),
                      in_shardings=(cache_shardings, features, replicated, replicated),
@@ -224,18 +232,20 @@ def abstract_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, kv_dtype
 
 
 def pool_size(page_bytes: int, pages_needed: int, memory_gib: float | None,
-              utilization: float, device) -> int:
+              utilization: float, device, reserved: int = 0) -> int:
     """Pages that fit the memory budget, at most what max_num_seqs full contexts can use.
 
     The budget is `memory_gib` if given, else `utilization` of the device's free memory
-    (accelerators), else DEFAULT_CPU_KV_GIB (CPU reports no memory limit).
+    (accelerators) less `reserved` bytes (arrays allocated beside the pool), else
+    DEFAULT_CPU_KV_GIB (CPU reports no memory limit).
     """
     if memory_gib is not None:
         budget = memory_gib * 2**30
     else:
         stats = device.memory_stats() if hasattr(device, "memory_stats") else None
         if stats and "bytes_limit" in stats:
-            budget = stats["bytes_limit"] * utilization - stats.get("bytes_in_use", 0)
+            budget = (stats["bytes_limit"] * utilization - stats.get("bytes_in_use", 0)
+                      - reserved)
         else:
             budget = DEFAULT_CPU_KV_GIB * 2**30
     return max(0, min(int(budget // page_bytes), pages_needed))
@@ -284,6 +294,14 @@ class ModelRunner:
         # The last step's sampled tokens, on the device (see `forward`), then room for a
         # proposer's guesses (BatchBuilder.prev_tokens_size).
         self.sampled = jax.device_put(np.zeros(builder.prev_tokens_size, np.int32), replicated)
+        # With sampled drafts (BatchBuilder.sampled_drafts), the distributions a proposer
+        # drew those in `sampled` from, draft j of row r at max_num_seqs x j + r; written
+        # by the proposer's program, read by the step's sampling.
+        self._abstract_draft_probs = jax.ShapeDtypeStruct(
+            (builder.max_num_seqs * builder.num_speculative_tokens, builder.vocab_size),
+            jnp.float32, sharding=replicated)
+        self.draft_probs = (self._zero(self._abstract_draft_probs) if builder.sampled_drafts
+                            else None)
         self._logits: jax.Array | None = None  # from dispatch_forward, for dispatch_sample
         self.medusa = medusa  # Medusa heads (device arrays), or None
         self.guesses: jax.Array | None = None  # the last forward pass's Medusa guesses
@@ -312,6 +330,8 @@ class ModelRunner:
         if self.sampled.is_deleted():
             self.sampled = jax.device_put(np.zeros(self.builder.prev_tokens_size, np.int32),
                                           self.shard.sharding(()))
+        if self.draft_probs is not None and self.draft_probs.is_deleted():
+            self.draft_probs = self._zero(self._abstract_draft_probs)
         return lost
 
     @staticmethod
@@ -424,7 +444,8 @@ class ModelRunner:
         logits, self._logits = self._logits, None
         batch.sampling.grammar_mask = self._grammar_mask(batch.sampling.grammar_mask)
         out, self.sampled = self._programs.sample(logits, batch.sampling, batch.history,
-                                                  self.sampled, batch.num_rows)
+                                                  self.sampled, batch.num_rows,
+                                                  self.draft_probs)
         return out
 
     def _grammar_mask(self, mask: np.ndarray) -> jax.Array:

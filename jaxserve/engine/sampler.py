@@ -44,6 +44,20 @@ class SamplingArrays:
     # i32 [S, ceil(V/32)]: bit t % 32 of word t // 32 set = token t allowed (structured
     # output); all ones (-1) for a row without a grammar.
     grammar_mask: jax.Array
+    # i32 [S]: the row verifies a draft a proposer drew from its own distribution (see
+    # `verify_drafts`): its index in the step's `SampledDrafts`; -1: none (no draft, or a
+    # guess made for sure, which the row's own draw verifies).
+    draft_index: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SampledDrafts:
+    """Drafts drawn from a proposer's distributions (`draw_drafts`), on the device: draft
+    i is `ids[i]`, drawn from `probs[i]` `[V]` (the target's vocabulary)."""
+
+    ids: jax.Array  # [N] i32
+    probs: jax.Array  # [N, V] f32
 
 
 @jax.tree_util.register_dataclass
@@ -194,7 +208,8 @@ def inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
 
 
 def sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | None,
-           num_rows: jax.Array | None = None) -> SampleOutput:
+           num_rows: jax.Array | None = None, drafts: SampledDrafts | None = None
+           ) -> SampleOutput:
     """Pick one token per row of `raw_logits[S, V]` (float32).
 
     `num_rows` (int32 scalar, traced; None: all rows) says how many leading rows are real
@@ -202,26 +217,92 @@ def sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | Non
     than S, only that many rows are sampled (the rest come out zero): a bucket of 64
     sequences holding one prefill samples 1 row, not 64 (9 ms of a 33 ms step on a CPU at
     a 49k vocabulary). Every row is sampled on its own (its seed and output index), so
-    the real rows' tokens do not depend on the tier."""
+    the real rows' tokens do not depend on the tier. `drafts`: those the rows with a
+    `draft_index` verify (`verify_drafts`)."""
     s = raw_logits.shape[0]
     tiers = [t for t in ROW_TIERS if t < s]
     if num_rows is None or not tiers:
-        return _sample(raw_logits, p, history)
+        return _sample(raw_logits, p, history, drafts)
 
     def first(rows: int):
         def run(operands):
-            out = _sample(*jax.tree.map(lambda a: a[:rows], operands))
+            out = _sample(*jax.tree.map(lambda a: a[:rows], operands), drafts)
             return jax.tree.map(
                 lambda a: jnp.pad(a, [(0, s - rows)] + [(0, 0)] * (a.ndim - 1)), out)
         return run
 
     tier = jnp.searchsorted(jnp.asarray(tiers), num_rows)  # the first that holds them
-    return jax.lax.switch(tier, [*map(first, tiers), lambda operands: _sample(*operands)],
+    return jax.lax.switch(tier, [*map(first, tiers),
+                                 lambda operands: _sample(*operands, drafts)],
                           (raw_logits, p, history))
 
 
-def _sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | None
-            ) -> SampleOutput:
+def _keys(p: SamplingArrays, ahead: int | jax.Array = 0, stream: int = 0) -> jax.Array:
+    """Each row's key for its output number output_index + `ahead`; `stream` > 0 for
+    randomness of its own that draw (the target's row) must not share."""
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(
+        p.seed, p.output_index + ahead)
+    return keys if stream == 0 else jax.vmap(jax.random.fold_in, (0, None))(keys, stream)
+
+
+def _uniform(keys: jax.Array) -> jax.Array:
+    """One draw in (0, 1) per key."""
+    return jnp.maximum(jax.vmap(jax.random.uniform)(keys), jnp.finfo(jnp.float32).tiny)
+
+
+def _weights(logits: jax.Array, p: SamplingArrays) -> jax.Array:
+    """Each row's sampling distribution, unnormalised (the maximum's weight 1):
+    temperature (a greedy row's taken as 1), then top-k, top-p and min-p."""
+    temp = jnp.where(p.temperature > 0, p.temperature, 1.0)
+    scaled = logits / temp[:, None]
+    top = row_max(scaled)  # also the filtered rows' maximum: one pass for both
+    return jnp.exp(filter_logits(scaled, p, top) - top[:, None])
+
+
+def verify_drafts(weights: jax.Array, q: jax.Array, drafts: jax.Array, u: jax.Array,
+                  u_residual: jax.Array) -> jax.Array:
+    """Rejection sampling of drafts drawn from distributions `q` `[S, V]` by the rows'
+    target distributions (`weights`, unnormalised): draft d is kept with probability
+    min(1, p(d) / q(d)) (when `u` q(d) < p(d)); else the token is drawn (by `u_residual`)
+    from the residual max(0, p - q), renormalised. Each token is then distributed as p
+    whatever q is: P(x) = min(p, q)(x) + max(0, p - q)(x). A residual that is all zero
+    (p = q up to rounding) keeps every draft but for rounding: p is drawn then. The
+    residual never holds a rejected draft (p(d) > q(d) keeps it surely), so the token
+    equals the draft exactly when it is kept."""
+    p = weights / weights.sum(axis=-1, keepdims=True)
+    p_d = jnp.take_along_axis(p, drafts[:, None], axis=-1)[:, 0]
+    q_d = jnp.take_along_axis(q, drafts[:, None], axis=-1)[:, 0]
+    residual = jnp.maximum(p - q, 0.0)
+    residual = jnp.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p)
+    return jnp.where(u * q_d < p_d, drafts, inverse_cdf(residual, u_residual))
+
+
+DRAFT_STREAM = 2  # a proposer's draws' keys (`_keys`); 1 is the residual's
+
+
+def draw_drafts(logits: jax.Array, p: SamplingArrays, ahead: int | jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+    """A proposer's guess per row of its `logits` `[S, V]` for the row's output number
+    output_index + `ahead`, and the distribution it is drawn from `[S, V]`: the argmax
+    for a greedy row (its distribution unused: zeros when no row samples); for a sampled
+    row a draw from the row's temperature, top-k, top-p and min-p applied to the logits
+    (not its bias, bans or penalties: they change how often the target keeps a guess,
+    never what it outputs), with keys of their own (DRAFT_STREAM), so `verify_drafts`
+    sees a draft independent of its own draws."""
+    greedy = first_argmax(logits)
+
+    def sampled(logits):
+        weights = _weights(logits, p)
+        drawn = inverse_cdf(weights, _uniform(_keys(p, ahead, DRAFT_STREAM)))
+        probs = weights / weights.sum(axis=-1, keepdims=True)
+        return jnp.where(p.temperature > 0, drawn, greedy), probs
+
+    return jax.lax.cond(jnp.any(p.temperature > 0), sampled,
+                        lambda logits: (greedy, jnp.zeros_like(logits)), logits)
+
+
+def _sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | None,
+            drafts: SampledDrafts | None = None) -> SampleOutput:
     # The mask goes last of the adjustments (it rules tokens out whatever the bias adds):
     # the same as first, and the scatter then works on the logits as they came.
     logits = apply_grammar_mask(bias_and_ban(raw_logits, p), p.grammar_mask)
@@ -230,16 +311,20 @@ def _sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | No
     greedy_ids = first_argmax(logits)
 
     def draw(logits):
-        temp = jnp.where(p.temperature > 0, p.temperature, 1.0)
-        scaled = logits / temp[:, None]
-        top = row_max(scaled)  # also the filtered rows' maximum: one pass for both
-        scaled = filter_logits(scaled, p, top)
-        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(p.seed, p.output_index)
+        weights = _weights(logits, p)
         # Inverse CDF: the first token whose cumulative probability passes the row's one
         # uniform draw. Gumbel noise per token (argmax of logits + noise) picks from the same
         # distribution but costs 64 x 49k random numbers a step: ~6x the time on a CPU.
-        u = jnp.maximum(jax.vmap(jax.random.uniform)(keys), jnp.finfo(jnp.float32).tiny)
-        drawn = inverse_cdf(jnp.exp(scaled - top[:, None]), u)
+        u = _uniform(_keys(p))
+        drawn = inverse_cdf(weights, u)
+        if drafts is not None:  # rows verifying drawn drafts
+            def verify(drawn):
+                index = jnp.maximum(p.draft_index, 0)
+                kept = verify_drafts(weights, drafts.probs[index], drafts.ids[index], u,
+                                     _uniform(_keys(p, stream=1)))
+                return jnp.where(p.draft_index >= 0, kept, drawn)
+
+            drawn = jax.lax.cond(jnp.any(p.draft_index >= 0), verify, lambda x: x, drawn)
         return jnp.where(p.temperature > 0, drawn, greedy_ids)
 
     token_ids = jax.lax.cond(jnp.any(p.temperature > 0), draw, lambda _: greedy_ids, logits)
