@@ -20,8 +20,9 @@ candidates); at batch 16 n-gram and the draft model with the default
 disable_by_batch_size (8: no speculation at 16) and with it off (speculating anyway), and
 EAGLE-1 with the default (what the target's feature writes cost when nobody speculates).
 Every speculative run's tokens are checked equal to speculation off. Then sampled
-requests (temperature 0.7 and 1, batch 1): EAGLE-1 with its guesses drawn from its own
-distribution (rejection sampling, the default) and with greedy guesses. Then (--repeats)
+requests (temperature 0.7 and 1, batch 1): the draft model and EAGLE-1 with their guesses
+drawn from their own distributions (rejection sampling, the default) and greedy guesses.
+Then (--repeats)
 the batch-1 runs and the batch-16 runs with the default policy again, alternating,
 against this VM's drift.
 
@@ -326,6 +327,7 @@ def main() -> None:
     configs = {"n-gram": ngram, "n-gram, never disabled": {**ngram, "disable_by_batch_size": None},
                "draft model": draft,
                "draft model, never disabled": {**draft, "disable_by_batch_size": None},
+               "draft model, greedy drafts": {**draft, "sampled_drafts": False},
                "EAGLE-1": eagle.get(1), "EAGLE-1 tree": {**eagle.get(1, {}), **tree},
                "EAGLE-1, greedy drafts": {**eagle.get(1, {}), "sampled_drafts": False},
                "EAGLE-3": eagle.get(3), "Medusa": medusa, "Medusa tree": {**medusa, **tree}}
@@ -340,8 +342,7 @@ def main() -> None:
 
     if not args.only_repeats:
         table(llms, loads, args)
-        if "EAGLE-1" in llms:
-            sampled(llms, loads, args)
+        sampled(llms, loads, args)
     if args.repeats:
         alternate(llms, loads, args)
 
@@ -368,9 +369,13 @@ def alternate(llms: dict, loads: dict, args) -> None:
 
 
 def sampled(llms: dict, loads: dict, args) -> None:
-    """Sampled requests at batch 1: EAGLE-1's guesses drawn from its own distribution and
-    kept by rejection sampling (the default), against greedy guesses (kept when the
-    target's draw equals them)."""
+    """Sampled requests at batch 1: the draft model's and EAGLE-1's guesses drawn from
+    their own distributions and kept by rejection sampling (the default), against greedy
+    guesses (kept when the target's draw equals them)."""
+    names = [n for n in ("draft model", "draft model, greedy drafts", "EAGLE-1",
+                         "EAGLE-1, greedy drafts") if n in llms]
+    if not names:
+        return
     count = args.requests // 2
     print(f"\nSampled requests (seeded), batch 1, {count} requests\n")
     print("| workload | temperature | speculation | output tok/s | vs off | acceptance | "
@@ -379,7 +384,7 @@ def sampled(llms: dict, loads: dict, args) -> None:
     for name, prompts in loads.items():
         for temperature in (0.7, 1.0):
             base = run(llms["off"], prompts[:count], 1, args.tokens, temperature)
-            for label in ("off", "EAGLE-1", "EAGLE-1, greedy drafts"):
+            for label in ["off"] + names:
                 r = base if label == "off" else run(llms[label], prompts[:count], 1,
                                                     args.tokens, temperature)
                 rate = r["accepted"] / r["proposed"] if r["proposed"] else 0.0

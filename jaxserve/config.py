@@ -37,11 +37,11 @@ class SpeculativeConfig:
     down to `prompt_lookup_min` tokens of a sequence against its earlier tokens (prompt and
     output) and proposes `num_speculative_tokens` tokens that followed a match.
     "draft_model": `model`, a smaller checkpoint with the target's vocabulary, proposes its
-    greedy next `num_speculative_tokens` tokens (the method when only `model` is given).
+    next `num_speculative_tokens` tokens (the method when only `model` is given).
     "medusa": `model`, a directory of Medusa heads (config.json and medusa_lm_head.*),
     guesses with its first `num_speculative_tokens` heads from the target's hidden state.
     "eagle" / "eagle3": `model`, an EAGLE-1 / EAGLE-3 head (config.json and weights),
-    guesses `num_speculative_tokens` tokens greedily from the target's features.
+    guesses `num_speculative_tokens` tokens from the target's features.
     The step verifies the drafts as extra query tokens (engine/speculation.py).
     `speculative_token_tree` (Medusa and EAGLE; vLLM's, as a list or its string): the tree
     of candidates to verify instead of a chain, as paths of ranks, e.g. [[0], [1], [0, 0]]
@@ -50,12 +50,13 @@ class SpeculativeConfig:
     `num_speculative_tokens` (engine/token_tree.py).
     Speculation stops while more than `disable_by_batch_size` sequences run (None: never):
     a batch that large is compute-bound, and guessed tokens only add work.
-    `sampled_drafts` (EAGLE chains): a request that samples (temperature > 0) gets guesses
-    drawn from the head's own distribution (with the request's temperature, top-k, top-p
-    and min-p), which the step keeps with probability min(1, p / q) (rejection sampling:
-    the output follows the target's distribution either way, and more guesses are kept
-    than greedy ones where the distributions are wide); false: greedy guesses, for which
-    a seeded request gets the very tokens it gets without speculation.
+    `sampled_drafts` (the draft model, EAGLE chains): a request that samples (temperature
+    > 0) gets guesses drawn from the proposer's own distribution (with the request's
+    temperature, top-k, top-p and min-p), which the step keeps with probability
+    min(1, p / q) (rejection sampling: the output follows the target's distribution
+    either way, and more guesses are kept than greedy ones where the distributions are
+    wide); false: greedy guesses, for which a seeded request gets the very tokens it gets
+    without speculation.
     """
 
     method: str | None = None  # None: "draft_model" with a model, else "ngram"

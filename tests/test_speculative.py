@@ -254,10 +254,10 @@ def test_abort_while_speculating_frees_every_page(spec, want, prompts):
 
 # ---------------------------------------------------------------- draft models
 
-def draft_llm(checkpoints, draft_arch: str, **engine) -> LLM:
+def draft_llm(checkpoints, draft_arch: str, sampled_drafts: bool = True, **engine) -> LLM:
     return LLM(str(checkpoints("llama")[0]), **{**ENGINE, **engine}, speculative_config={
         "model": str(checkpoints(draft_arch)[0]), "num_speculative_tokens": 3,
-        "disable_by_batch_size": None})
+        "disable_by_batch_size": None, "sampled_drafts": sampled_drafts})
 
 
 @pytest.fixture(scope="module")
@@ -282,8 +282,8 @@ def test_a_draft_equal_to_the_target_accepts_every_token(self_drafted, want, pro
 def test_a_draft_of_another_architecture_gives_the_target_tokens(checkpoints, base, want,
                                                                   prompts):
     """A Qwen3 draft for the Llama target (same vocabulary): most guesses are wrong; the
-    tokens, greedy and seeded sampled, are the target's."""
-    llm = draft_llm(checkpoints, "qwen3")
+    tokens, greedy and seeded sampled (greedy guesses), are the target's."""
+    llm = draft_llm(checkpoints, "qwen3", sampled_drafts=False)
     stats = fresh_counters(llm)
     assert tokens(llm.generate(prompts, GREEDY)) == want
     assert stats.num_proposed > 100 and stats.num_accepted < stats.num_proposed
@@ -291,6 +291,20 @@ def test_a_draft_of_another_architecture_gives_the_target_tokens(checkpoints, ba
                              ignore_eos=True)
     assert tokens(llm.generate(prompts, sampled)) == tokens(base.generate(prompts, sampled))
     check_clean(llm)
+
+
+def test_sampled_drafts_of_a_draft_equal_to_the_target(self_drafted, checkpoints, prompts):
+    """The target drafting for itself draws its guesses from the target's own
+    distribution (temperature 1, top-k 3): every guess is kept (a guess verified against
+    another position's distribution would not always be), and four tokens over 2000
+    seeds fit transformers' probabilities."""
+    dist, _ = _target_distribution(checkpoints("llama")[1], prompts[0], 3, 4)
+    stats = fresh_counters(self_drafted)
+    counts = _sample_sequences(self_drafted, prompts[0], 2000, 3, 4)
+    # Two guesses for each request's last three tokens, both kept: one step.
+    assert stats.accepted[:2] == stats.proposed[:2] == [2000, 2000]
+    assert _chi_square_p(counts, dist, 2000) > 1e-3
+    check_clean(self_drafted)
 
 
 def test_draft_model_with_preemption_chunks_and_prefix_hits(checkpoints, want, prompts):

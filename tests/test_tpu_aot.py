@@ -281,8 +281,9 @@ def test_an_eagle_head_drafting_trees_compiles_with_the_attention_kernel(devices
                                      sharding=shard.sharding(FEATURE_AXES))
     limits = jax.ShapeDtypeStruct((KEY.seqs,), jnp.int32, sharding=replicated)
     tree = ((0,), (0, 0), (0, 0, 0), (0, 1), (1,), (1, 0))
-    program = jax.jit(functools.partial(draft, rounds=0, page_size=16, drop_slot=PAGES * 16,
-                                        tree=tree), static_argnums=(0, 2))
+    program = jax.jit(functools.partial(draft, rounds=0, max_num_seqs=8, page_size=16,
+                                        drop_slot=PAGES * 16, tree=tree),
+                      static_argnums=(0, 2))
     with no_persistent_cache(), jax.default_device(devices[0]):
         text = program.lower(graphdef, placed(head, shard), target_graphdef,
                              placed(target, shard), kv, features, batch,

@@ -1,20 +1,23 @@
 """The draft-model proposer: a smaller checkpoint with the target's vocabulary guesses each
-sequence's next k tokens, greedily, one round of its own step at a time.
+sequence's next k tokens, one round of its own forward pass at a time: greedily, or for
+a request that samples (SpeculativeConfig.sampled_drafts) drawn from the draft's own
+distribution, which the program leaves on the device for the target's step to keep or
+reject each guess by (sampler.draw_drafts, sampler.verify_drafts).
 
 The draft has its own KV cache, of the target's page count and page size, indexed by the
 target's page tables: a sequence's draft K/V live in the same page ids as its target K/V,
 so the target's page allocator (and its rules: prefix sharing, preemption, freeing) serves
 both and no second table is kept. `Sequence.draft_computed_tokens` counts the leading
-tokens whose draft K/V are valid. Round 1 feeds the draft every token from there to the
-sequence's last (its whole prompt the first time, chunked by the token budget; then the
-tokens the last step accepted) and samples its first guess; rounds 2..k run in one
-program of their own (`chain`, a loop on the device that feeds each round's greedy tokens
-to the next, advancing positions, slots and context lengths), its first input read from
-round 1's samples on the device (a PLACEHOLDER, as async scheduling feeds a step). The
-guesses stay on the device, laid out where the target's step reads its PLACEHOLDER tokens
-(runner.guesses_as_prev_tokens): the host dispatches the verification behind the two
-programs and reads the guesses back with its samples, one wait per step whatever k. A
-sequence catching up over a long prompt gets no drafts until it has caught up.
+tokens whose draft K/V are valid.
+
+One program per step (`rounds`): round 1 feeds the draft every token from there to the
+sequence's newest (its whole prompt the first time, chunked by the token budget; then
+the tokens the last step accepted) and guesses from the last; rounds 2..k, a loop on the
+device, feed each sequence the round before's guess at the next position. The guesses
+stay on the device, laid out where the target's step reads its PLACEHOLDER tokens
+(runner.guesses_as_prev_tokens): the host dispatches the verification behind the program
+and reads the guesses back with its samples, one wait per step whatever k. A sequence
+catching up over a long prompt gets no drafts until it has caught up.
 
 Pages: rounds write K/V up to position num_tokens + k - 2, so each drafting sequence first
 gets pages for num_tokens + max(k - 1, 1) tokens (no pages, no drafts; none even for its
@@ -36,53 +39,54 @@ from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.proposers import Proposer, first_round
 from jaxserve.engine.request import PLACEHOLDER, Sequence
 from jaxserve.engine.runner import (
-    ModelRunner, guesses_as_prev_tokens, on_param_leaves, position_slots, sampled_rows)
-from jaxserve.engine.sampler import first_argmax
-from jaxserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from jaxserve.models.parallel import real_token_mask
+    ModelRunner, guesses_as_prev_tokens, on_param_leaves, position_slots, round_guesses,
+    sampled_rows)
+from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
+from jaxserve.models.transformer import AttentionMetadata
 
 
-def chain(graphdef: nnx.GraphDef, params: nnx.State, kv_caches, batch: StepBatch,
-          prev_tokens: jax.Array, limits: jax.Array, *, rounds: int, page_size: int,
-          drop_slot: int) -> tuple[list, jax.Array]:
-    """`rounds` greedy steps of the draft model over one token per sequence: round j feeds
-    each sequence's token at `batch.positions + j` (round 0's from `prev_tokens` where
-    `batch.prev_index` says, as a step's PLACEHOLDER: round 1's guess; later ones the
-    round before's guesses) and returns the guesses, round 1's first, `[rounds + 1, S]`.
-    Sequence i writes K/V only in its first `limits[i]` rounds (the pages it holds); its
-    later guesses are not used."""
+def rounds(graphdef: nnx.GraphDef, params: nnx.State, kv_caches, batch: StepBatch,
+           limits: jax.Array, probs: jax.Array | None, *, k: int, max_num_seqs: int,
+           page_size: int, drop_slot: int) -> tuple[list, jax.Array, jax.Array | None]:
+    """Round 1 of the draft model over `batch` (each sequence's new tokens), then k - 1
+    rounds of one token per sequence, each its guess of the round before at the next
+    position. Returns the cache, the guesses `[k, S]` and `probs` (`round_guesses`);
+    sequence i writes K/V in its first `limits[i]` later rounds only (the pages it
+    holds)."""
     model = nnx.merge(graphdef, params)
     meta = batch.attn
-    d, t, s = meta.num_seqs.shape[0], batch.input_ids.shape[0], meta.kv_lens.shape[0]
-    local = jnp.minimum(jnp.arange(t // d), s // d - 1)
-    seq = (jnp.arange(d)[:, None] * (s // d) + local[None, :]).reshape(-1)  # each token's
-    real = real_token_mask(meta, t)
-    ids = jnp.where(batch.prev_index >= 0, prev_tokens[jnp.maximum(batch.prev_index, 0)],
-                    batch.input_ids)
+    d, s = meta.num_seqs.shape[0], meta.kv_lens.shape[0]
+    rows = batch.num_rows[0] if d == 1 else None
+    hidden, kv_caches = model(batch.input_ids, batch.positions, kv_caches, meta)
+    logits = model.logits(sampled_rows(hidden, batch.sample_index, d), rows=rows)
+    ids, probs = round_guesses(logits, batch.sampling, 0, probs, max_num_seqs)
+    # Rounds 2..: token i is sequence i's, at the position after its last.
+    cu = jnp.minimum(jnp.arange(s // d + 1)[None, :], meta.num_seqs[:, None]).reshape(-1)
+    seq_real = (jnp.arange(s) % (s // d)) < jnp.repeat(meta.num_seqs, s // d)
 
     def round_(j, carry):
-        kv, ids, out = carry
-        pos = batch.positions + j
-        slots = position_slots(meta.page_indices[seq], pos, page_size)
-        writes = real & (j < limits[seq])
-        attn = dataclasses.replace(
-            meta, slot_mapping=jnp.where(writes, slots, drop_slot),
-            kv_lens=jnp.where(meta.kv_lens > 0, meta.kv_lens + j, 0))
-        hidden, kv = model(ids, pos, kv, attn)
-        logits = model.logits(sampled_rows(hidden, batch.sample_index, d),
-                              rows=batch.num_rows[0] if d == 1 else None)
-        guesses = first_argmax(logits)
-        return kv, guesses[seq], out.at[j + 1].set(guesses)  # after round 1's
+        kv_caches, ids, out, probs = carry
+        pos = meta.kv_lens - 1 + j
+        writes = seq_real & (j <= limits)
+        attn = AttentionMetadata(
+            slot_mapping=jnp.where(writes, position_slots(meta.page_indices, pos, page_size),
+                                   drop_slot),
+            cu_q_lens=cu, kv_lens=jnp.where(seq_real, meta.kv_lens + j, 0),
+            page_indices=meta.page_indices, num_seqs=meta.num_seqs)
+        hidden, kv_caches = model(ids, pos, kv_caches, attn)
+        ids, probs = round_guesses(model.logits(hidden, rows=rows), batch.sampling, j, probs,
+                                   max_num_seqs)
+        return kv_caches, ids, out.at[j].set(ids), probs
 
-    first = jnp.take_along_axis(ids.reshape(d, -1), batch.sample_index.reshape(d, -1), 1)
-    out = jnp.zeros((rounds + 1, s), jnp.int32).at[0].set(first.reshape(-1))
-    kv, _, out = jax.lax.fori_loop(0, rounds, round_, (kv_caches, ids, out))
-    return kv, out
+    out = jnp.zeros((k, s), jnp.int32).at[0].set(ids)
+    kv_caches, _, out, probs = jax.lax.fori_loop(1, k, round_, (kv_caches, ids, out, probs))
+    return kv_caches, out, probs
 
 
 class DraftModel(Proposer):
     """A proposer that runs a model of its own (engine/speculation.py uses it): `runner`
-    the draft's, `target` the engine's (whose next step reads the guesses)."""
+    the draft's (its parameters and KV cache; its step programs are not used), `target`
+    the engine's (whose next step reads the guesses)."""
 
     def __init__(self, runner: ModelRunner, target: ModelRunner, max_num_batched_tokens: int,
                  k: int):
@@ -90,35 +94,33 @@ class DraftModel(Proposer):
         self.runner, self.target = runner, target
         self.builder: BatchBuilder = runner.builder
         self.max_num_batched_tokens = max_num_batched_tokens
-        rounds = functools.partial(chain, rounds=k - 1, page_size=self.builder.page_size,
-                                   drop_slot=self.builder.num_pages * self.builder.page_size)
+        program = functools.partial(
+            rounds, k=k, max_num_seqs=self.builder.max_num_seqs,
+            page_size=self.builder.page_size,
+            drop_slot=self.builder.num_pages * self.builder.page_size)
 
         def laid_out(*args):  # the guesses as the target's prev_tokens
-            kv, guesses = rounds(*args)
-            return kv, guesses_as_prev_tokens(guesses, self.builder.max_num_seqs)
+            kv, out, probs = program(*args)
+            return kv, guesses_as_prev_tokens(out, self.builder.max_num_seqs), probs
 
         replicated = runner.shard.sharding(())
         caches = jax.tree.map(lambda x: x.sharding, runner.kv_caches)
-        self._chain = jax.jit(
-            on_param_leaves(runner.graphdef, runner.params, laid_out), donate_argnums=(1,),
+        self._rounds = jax.jit(
+            on_param_leaves(runner.graphdef, runner.params, laid_out), donate_argnums=(1, 4),
             in_shardings=([x.sharding for x in jax.tree.leaves(runner.params)], caches,
                           replicated, replicated, replicated),
-            out_shardings=(caches, replicated))
-        self._chains: set[BucketKey] = set()  # compiled
+            out_shardings=(caches, replicated, replicated))
+        self._ready: set[BucketKey] = set()
+        self.warmed_up = False
 
-    def chain_buckets(self) -> list[BucketKey]:
-        """The buckets rounds 2..k can use: one token per drafting sequence."""
-        seqs = self.builder.max_num_seqs
-        return [b for b in self.builder.all_buckets()
-                if not b.history and b.tokens <= self.builder.bucket(seqs, False).tokens]
+    def buckets(self) -> list[BucketKey]:
+        return [b for b in self.builder.all_buckets() if not b.history]
 
     def warmup(self, progress: bool = True) -> None:
-        """Compile the draft's step programs, and the chain for every bucket it can use
-        (its rounds write nothing)."""
-        self.runner.warmup(progress)
-        for key in self.chain_buckets():
-            self._run_chain(self.builder.empty(key), key, np.zeros(key.seqs, np.int32))
-        self._chains.update(self.chain_buckets())
+        """Compile the program for every bucket (an all-padding batch writes nothing)."""
+        for key in self.buckets():
+            self._run(self.builder.empty(key), key, np.zeros(key.seqs, np.int32))
+        self.warmed_up = True
 
     def recover(self) -> None:
         self.runner.recover()
@@ -129,43 +131,39 @@ class DraftModel(Proposer):
         guesses left on the device where the target's next step reads them
         (`Sequence.draft_prev_index`, the target runner's `sampled`)."""
         drafts: list[list[int]] = [[] for _ in entries]
-        # Rounds 2..k feed positions num_tokens.. (one at least: round 1's guess is read
-        # there, and the verification takes that page anyway).
+        # Rounds 2..k feed positions num_tokens.. (one at least: the verification takes
+        # that page anyway).
         first, want = first_round(entries, scheduler, self.max_num_batched_tokens, lag=0,
                                   ahead=lambda k: max(k - 1, 1))
         if not first:
             return drafts
         out = SchedulerOutput([s for _, s in first], [], sum(s.num_new_tokens for _, s in first))
         batch, key = self.builder.build(out)
-        self.runner.dispatch(batch, key)
-        if not want:
-            return drafts
-        rows = {s.seq: s.row for _, s in first}
-        # Rounds 2..k, after round 1's guess; each sequence writes only as many as it
-        # takes drafts.
-        chained = [(i, ScheduledSeq(entries[i][0], entries[i][0].num_tokens, 1,
-                                    drafts=[PLACEHOLDER])) for i in want]
-        out = SchedulerOutput([s for _, s in chained], [], len(chained))
-        batch, key = self.builder.build(out, rows)
         limits = np.zeros(key.seqs, np.int32)
-        for i, sched in chained:
-            limits[sched.row] = want[i] - 1
-            sched.seq.draft_computed_tokens = sched.start + want[i] - 1
-        self.target.sampled = self._run_chain(batch, key, limits)
-        for i, sched in chained:
-            sched.seq.draft_prev_index = [self.builder.max_num_seqs * (1 + j) + sched.row
-                                          for j in range(want[i])]
-            drafts[i] = [PLACEHOLDER] * want[i]
+        for i, sched in first:
+            if i in want:  # its later rounds' K/V, of its guesses
+                limits[sched.row] = want[i] - 1
+                sched.seq.draft_computed_tokens += want[i] - 1
+        self.target.sampled = self._run(batch, key, limits)
+        rows = self.builder.max_num_seqs
+        for i, sched in first:
+            if i in want:
+                sched.seq.draft_prev_index = [rows * (1 + j) + sched.row
+                                              for j in range(want[i])]
+                drafts[i] = [PLACEHOLDER] * want[i]
         return drafts
 
-    def _run_chain(self, batch: StepBatch, key: BucketKey, limits: np.ndarray) -> jax.Array:
-        """Start rounds 2..k; returns all the guesses laid out as the target's
-        `prev_tokens`."""
+    def _run(self, batch: StepBatch, key: BucketKey, limits: np.ndarray) -> jax.Array:
+        """Start the program; returns its guesses laid out as `prev_tokens`."""
         runner = self.runner
-        if self._chains and key not in self._chains:  # warmed up, yet a new shape
-            runner.compiles_after_warmup += 1
-            self._chains.add(key)
-        inputs = dataclasses.replace(batch, sampling=None, history=None)
-        runner.kv_caches, out = self._chain(runner._param_leaves, runner.kv_caches, inputs,
-                                            runner.sampled, limits)
+        if key not in self._ready:
+            if self.warmed_up:
+                self.target.compiles_after_warmup += 1
+            self._ready.add(key)
+        sampling = None  # what sampled drafts are drawn with (not the grammar's mask)
+        if self.target.draft_probs is not None:
+            sampling = dataclasses.replace(batch.sampling, grammar_mask=None)
+        inputs = dataclasses.replace(batch, sampling=sampling, history=None)
+        runner.kv_caches, out, self.target.draft_probs = self._rounds(
+            runner._param_leaves, runner.kv_caches, inputs, limits, self.target.draft_probs)
         return out

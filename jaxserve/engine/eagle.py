@@ -47,8 +47,8 @@ from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.proposers import Proposer, first_round
 from jaxserve.engine.request import PLACEHOLDER, Sequence
 from jaxserve.engine.runner import (
-    ModelRunner, global_slots, guesses_as_prev_tokens, position_slots, sampled_rows)
-from jaxserve.engine.sampler import draw_drafts, first_argmax
+    ModelRunner, global_slots, guesses_as_prev_tokens, position_slots, round_guesses,
+    sampled_rows)
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.token_tree import DraftTree
 from jaxserve.models.eagle import EagleHead, embed
@@ -58,16 +58,16 @@ from sharding.rules import ShardingContext
 
 def draft(graphdef: nnx.GraphDef, params: nnx.State, target_graphdef: nnx.GraphDef,
           target_params: nnx.State, kv: tuple, features: jax.Array, batch: StepBatch,
-          limits: jax.Array, probs: jax.Array | None, *, rounds: int, page_size: int,
-          drop_slot: int, tree: tuple[tuple[int, ...], ...] | None = None
+          limits: jax.Array, probs: jax.Array | None, *, rounds: int, max_num_seqs: int,
+          page_size: int, drop_slot: int, tree: tuple[tuple[int, ...], ...] | None = None
           ) -> tuple[tuple, jax.Array, jax.Array | None]:
     """Round 1 over `batch` (each sequence's new pairs: its input ids are the tokens after
     their positions, the features are read from the target's `features` at their slots),
     then `rounds` more rounds of one token per sequence. Returns the cache, the guesses
     `[rounds + 1, S]` and `probs`; sequence i writes K/V in its first `limits[i]` extra
     rounds only (the pages it holds). With `probs` (the target's `draft_probs`), the
-    sampled rows of `batch.sampling` draw their guesses (sampler.draw_drafts), guess j of
-    row r's distribution written at `probs[S_max x j + r]`; else every guess is greedy.
+    sampled rows of `batch.sampling` draw their guesses (runner.round_guesses); else every
+    guess is greedy.
     With a `tree` (paths of ranks, parents first), the tree's rounds instead
     (`tree_rounds`), and its nodes' tokens `[nodes, S]`."""
     head: EagleHead = nnx.merge(graphdef, params)
@@ -91,14 +91,7 @@ def draft(graphdef: nnx.GraphDef, params: nnx.State, target_graphdef: nnx.GraphD
                              cu, seq_real, tree, page_size, drop_slot), probs)
 
     def guess(logits, j, probs):  # round j + 1's guesses as target ids; `probs` updated
-        if probs is None:
-            return head.to_target(first_argmax(logits)), None
-        ids, q = draw_drafts(logits, batch.sampling, j)
-        if head.version == 3:  # a draft vocabulary's distribution over the target's
-            q = jnp.zeros((s, probs.shape[1]), q.dtype).at[
-                :, head.to_target(jnp.arange(q.shape[1]))].set(q)
-        return head.to_target(ids), jax.lax.dynamic_update_slice(
-            probs, q, (probs.shape[0] // (rounds + 1) * j, 0))
+        return round_guesses(logits, batch.sampling, j, probs, max_num_seqs, head.to_target)
 
     ids, probs = guess(logits, 0, probs)
 
@@ -191,8 +184,9 @@ class EagleProposer(Proposer):
         self._kv_abstract = kv_abstract
         self.kv = self._zero_kv()
         num_slots = self.builder.num_pages * self.builder.page_size
-        program = functools.partial(draft, rounds=k - 1, page_size=self.builder.page_size,
-                                    drop_slot=num_slots, tree=tree)
+        program = functools.partial(draft, rounds=k - 1, max_num_seqs=self.builder.max_num_seqs,
+                                    page_size=self.builder.page_size, drop_slot=num_slots,
+                                    tree=tree)
         target_tree, tree = jax.tree.structure(target.params), jax.tree.structure(params)
 
         def on_leaves(target_leaves, leaves, *args):  # as runner.on_param_leaves, for both

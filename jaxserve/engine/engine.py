@@ -116,9 +116,10 @@ class Engine:
                            * model_config.hidden_size * jnp.dtype(config.dtype).itemsize)
         spec = config.speculative_config
         tree = spec.speculative_token_tree if spec is not None else None
-        # EAGLE chains' sampled guesses' distributions (ModelRunner.draft_probs), on every
-        # device: max_num_seqs x k x vocabulary floats.
-        sampled_drafts = eagle is not None and not tree and spec.sampled_drafts
+        # The draft model's and EAGLE chains' sampled guesses' distributions
+        # (ModelRunner.draft_probs), on every device: max_num_seqs x k x vocabulary floats.
+        sampled_drafts = (draft is not None or eagle is not None) and not tree and (
+            spec.sampled_drafts)
         reserved = (config.max_num_seqs * spec.num_speculative_tokens * model_config.vocab_size
                     * 4 if sampled_drafts else 0)
         num_pages = config.num_pages // shards if config.num_pages else pool_size(
@@ -163,7 +164,7 @@ class Engine:
             if draft is not None:  # the draft model: a runner of its own, the same pages
                 draft_cfg, draft_shard, draft_graphdef, draft_params = draft
                 draft_builder = dataclasses.replace(self.builder, num_speculative_tokens=0,
-                                                    draft_model=True, sampled_drafts=False)
+                                                    draft_model=True)
                 proposer = DraftModel(ModelRunner(draft_graphdef, draft_params, draft_shard,
                                                   draft_builder, draft_cfg, kv_dtype),
                                       self.runner, config.max_num_batched_tokens,

@@ -19,7 +19,8 @@ from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.broadcast import FORWARD, SAMPLE, STEP
 from jaxserve.engine.compile_cache import counting_hits
 from jaxserve.engine.sampler import (
-    SampledDrafts, SampleOutput, SamplingArrays, TokenHistory, sample)
+    SampledDrafts, SampleOutput, SamplingArrays, TokenHistory, draw_drafts, first_argmax,
+    sample)
 from jaxserve.models.medusa import MedusaHeads, medusa_tokens
 from jaxserve.models.parallel import KV_CACHE_AXES
 from jaxserve.models.transformer import KVCache, kv_cache_layout
@@ -126,6 +127,23 @@ def guesses_as_prev_tokens(guesses: jax.Array, max_num_seqs: int) -> jax.Array:
     max_num_seqs x (1 + j) + r (`Sequence.draft_prev_index`)."""
     r, s = guesses.shape
     return jnp.zeros((1 + r, max_num_seqs), jnp.int32).at[1:, :s].set(guesses).reshape(-1)
+
+
+def round_guesses(logits: jax.Array, sampling: SamplingArrays | None, j: int | jax.Array,
+                  probs: jax.Array | None, max_num_seqs: int, to_target=lambda ids: ids
+                  ) -> tuple[jax.Array, jax.Array | None]:
+    """A proposer's round j + 1 (`j` 0-based) over its `logits` `[S, V']`: each row's
+    guess as a target token id (`to_target` maps a draft vocabulary's), and `probs` (the
+    target's `draft_probs`; None: every guess greedy) with the guesses' distributions
+    (sampler.draw_drafts, spread over the target's vocabulary) at rows
+    max_num_seqs x j + r."""
+    if probs is None:
+        return to_target(first_argmax(logits)), None
+    ids, q = draw_drafts(logits, sampling, j)
+    if q.shape[1] != probs.shape[1]:  # a draft vocabulary's
+        q = jnp.zeros((q.shape[0], probs.shape[1]), q.dtype).at[
+            :, to_target(jnp.arange(q.shape[1]))].set(q)
+    return to_target(ids), jax.lax.dynamic_update_slice(probs, q, (max_num_seqs * j, 0))
 
 
 def sampled_rows(hidden: jax.Array, sample_index: jax.Array, data_shards: int) -> jax.Array:
