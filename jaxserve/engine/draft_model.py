@@ -27,7 +27,6 @@ anyway, and Scheduler.rollback gives back what is unused.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -35,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
-from jaxserve.engine.proposers import Proposer, first_round
+from jaxserve.engine.batch import BucketKey, StepBatch
+from jaxserve.engine.proposers import DeviceProposer, first_round
 from jaxserve.engine.request import PLACEHOLDER, Sequence
 from jaxserve.engine.runner import (
     ModelRunner, guesses_as_prev_tokens, on_param_leaves, position_slots, round_guesses,
@@ -83,7 +82,7 @@ def rounds(graphdef: nnx.GraphDef, params: nnx.State, kv_caches, batch: StepBatc
     return kv_caches, out, probs
 
 
-class DraftModel(Proposer):
+class DraftModel(DeviceProposer):
     """A proposer that runs a model of its own (engine/speculation.py uses it): `runner`
     the draft's (its parameters and KV cache; its step programs are not used), `target`
     the engine's (whose next step reads the guesses)."""
@@ -91,8 +90,8 @@ class DraftModel(Proposer):
     def __init__(self, runner: ModelRunner, target: ModelRunner, max_num_batched_tokens: int,
                  k: int):
         assert runner.builder.draft_model
-        self.runner, self.target = runner, target
-        self.builder: BatchBuilder = runner.builder
+        super().__init__(runner.builder, target)
+        self.runner = runner
         self.max_num_batched_tokens = max_num_batched_tokens
         program = functools.partial(
             rounds, k=k, max_num_seqs=self.builder.max_num_seqs,
@@ -110,17 +109,6 @@ class DraftModel(Proposer):
             in_shardings=([x.sharding for x in jax.tree.leaves(runner.params)], caches,
                           replicated, replicated, replicated),
             out_shardings=(caches, replicated, replicated))
-        self._ready: set[BucketKey] = set()
-        self.warmed_up = False
-
-    def buckets(self) -> list[BucketKey]:
-        return [b for b in self.builder.all_buckets() if not b.history]
-
-    def warmup(self, progress: bool = True) -> None:
-        """Compile the program for every bucket (an all-padding batch writes nothing)."""
-        for key in self.buckets():
-            self._run(self.builder.empty(key), key, np.zeros(key.seqs, np.int32))
-        self.warmed_up = True
 
     def recover(self) -> None:
         self.runner.recover()
@@ -156,14 +144,7 @@ class DraftModel(Proposer):
     def _run(self, batch: StepBatch, key: BucketKey, limits: np.ndarray) -> jax.Array:
         """Start the program; returns its guesses laid out as `prev_tokens`."""
         runner = self.runner
-        if key not in self._ready:
-            if self.warmed_up:
-                self.target.compiles_after_warmup += 1
-            self._ready.add(key)
-        sampling = None  # what sampled drafts are drawn with (not the grammar's mask)
-        if self.target.draft_probs is not None:
-            sampling = dataclasses.replace(batch.sampling, grammar_mask=None)
-        inputs = dataclasses.replace(batch, sampling=sampling, history=None)
+        inputs = self._inputs(batch, key)
         runner.kv_caches, out, self.target.draft_probs = self._rounds(
             runner._param_leaves, runner.kv_caches, inputs, limits, self.target.draft_probs)
         return out

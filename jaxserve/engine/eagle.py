@@ -43,8 +43,8 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.engine import token_tree
-from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
-from jaxserve.engine.proposers import Proposer, first_round
+from jaxserve.engine.batch import BucketKey, StepBatch
+from jaxserve.engine.proposers import DeviceProposer, first_round
 from jaxserve.engine.request import PLACEHOLDER, Sequence
 from jaxserve.engine.runner import (
     ModelRunner, global_slots, guesses_as_prev_tokens, position_slots, round_guesses,
@@ -163,7 +163,7 @@ def tree_rounds(head: EagleHead, target, kv: tuple, meta: AttentionMetadata,
     return kv, jnp.stack(tokens)
 
 
-class EagleProposer(Proposer):
+class EagleProposer(DeviceProposer):
     """EAGLE's proposer (engine/speculation.py uses it); `target` is the engine's runner,
     whose step writes the features (`ModelRunner.features_from`). With a `tree` (paths of
     ranks) it proposes trees of that shape, cut to the depth each sequence may take."""
@@ -173,11 +173,10 @@ class EagleProposer(Proposer):
                  max_num_batched_tokens: int, k: int,
                  tree: tuple[tuple[int, ...], ...] | None = None):
         assert target.features is not None
-        self.target = target
+        super().__init__(dataclasses.replace(target.builder, num_speculative_tokens=0,
+                                             draft_model=True), target)
         self.tree = tree
         self._cuts = token_tree.cuts(tree) if tree else {}
-        self.builder: BatchBuilder = dataclasses.replace(
-            target.builder, num_speculative_tokens=0, draft_model=True)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.params = params
         self._param_leaves = jax.tree.leaves(params)
@@ -203,20 +202,9 @@ class EagleProposer(Proposer):
                           [x.sharding for x in self._param_leaves], kv_shardings,
                           target.features.sharding, replicated, replicated, replicated),
             out_shardings=(kv_shardings, replicated, replicated))
-        self._ready: set[BucketKey] = set()
-        self.warmed_up = False
 
     def _zero_kv(self) -> tuple:
         return tuple(ModelRunner._zero(x) for x in self._kv_abstract)
-
-    def buckets(self) -> list[BucketKey]:
-        return [b for b in self.builder.all_buckets() if not b.history]
-
-    def warmup(self, progress: bool = True) -> None:
-        """Compile the program for every bucket (an all-padding batch writes nothing)."""
-        for key in self.buckets():
-            self._run(self.builder.empty(key), key, np.zeros(key.seqs, np.int32))
-        self.warmed_up = True
 
     def recover(self) -> None:
         if any(x.is_deleted() for x in self.kv):
@@ -260,14 +248,7 @@ class EagleProposer(Proposer):
 
     def _run(self, batch: StepBatch, key: BucketKey, limits: np.ndarray) -> jax.Array:
         """Start the program; returns its guesses laid out as `prev_tokens`."""
-        if key not in self._ready:
-            if self.warmed_up:
-                self.target.compiles_after_warmup += 1
-            self._ready.add(key)
-        sampling = None  # what sampled drafts are drawn with (not the grammar's mask)
-        if self.target.draft_probs is not None:
-            sampling = dataclasses.replace(batch.sampling, grammar_mask=None)
-        inputs = dataclasses.replace(batch, sampling=sampling, history=None)
+        inputs = self._inputs(batch, key)
         self.kv, out, self.target.draft_probs = self._draft(
             self.target._param_leaves, self._param_leaves, self.kv, self.target.features,
             inputs, limits, self.target.draft_probs)

@@ -4,15 +4,22 @@ to verify (engine/speculation.py). The draft model's is in draft_model.py."""
 from __future__ import annotations
 
 import abc
-from typing import Callable
+import dataclasses
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from jaxserve.engine import token_tree
+from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.request import Sequence
 from jaxserve.engine.scheduler import ScheduledSeq, Scheduler
 from jaxserve.engine.token_tree import DraftTree
+
+if TYPE_CHECKING:
+    import jax
+
+    from jaxserve.engine.runner import ModelRunner
 
 
 class Proposer(abc.ABC):
@@ -28,6 +35,43 @@ class Proposer(abc.ABC):
     def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler
                       ) -> list[list[int] | DraftTree]:
         """Drafts for each (sequence, at most k: a tree's depth) of the coming step."""
+
+
+class DeviceProposer(Proposer):
+    """A proposer with a program of its own (draft_model.py, eagle.py), compiled for each
+    bucket of its `builder` without history, whose guesses the `target` runner's next
+    step reads on the device."""
+
+    def __init__(self, builder: BatchBuilder, target: ModelRunner):
+        self.builder, self.target = builder, target
+        self._ready: set[BucketKey] = set()  # buckets compiled
+        self.warmed_up = False
+
+    def buckets(self) -> list[BucketKey]:
+        return [b for b in self.builder.all_buckets() if not b.history]
+
+    def warmup(self, progress: bool = True) -> None:
+        """Compile the program for every bucket (an all-padding batch writes nothing)."""
+        for key in self.buckets():
+            self._run(self.builder.empty(key), key, np.zeros(key.seqs, np.int32))
+        self.warmed_up = True
+
+    @abc.abstractmethod
+    def _run(self, batch: StepBatch, key: BucketKey, limits: np.ndarray) -> jax.Array:
+        """Start the program; returns its guesses laid out as the target's `prev_tokens`."""
+
+    def _inputs(self, batch: StepBatch, key: BucketKey) -> StepBatch:
+        """The batch as the program takes it: no history, and the sampling arrays (not
+        the grammar's mask) when it may draw guesses (the target has `draft_probs`).
+        Counts a bucket compiled after warm-up."""
+        if key not in self._ready:
+            if self.warmed_up:
+                self.target.compiles_after_warmup += 1
+            self._ready.add(key)
+        sampling = None
+        if self.target.draft_probs is not None:
+            sampling = dataclasses.replace(batch.sampling, grammar_mask=None)
+        return dataclasses.replace(batch, sampling=sampling, history=None)
 
 
 def first_round(entries: list[tuple[Sequence, int]], scheduler: Scheduler, budget: int,
