@@ -38,10 +38,9 @@ from jaxserve.engine.batch import BucketKey, StepBatch
 from jaxserve.engine.proposers import DeviceProposer, first_round
 from jaxserve.engine.request import PLACEHOLDER, Sequence
 from jaxserve.engine.runner import (
-    ModelRunner, guesses_as_prev_tokens, on_param_leaves, position_slots, round_guesses,
+    ModelRunner, guesses_as_prev_tokens, on_param_leaves, round_guesses, round_metadata,
     sampled_rows)
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
-from jaxserve.models.transformer import AttentionMetadata
 
 
 def rounds(graphdef: nnx.GraphDef, params: nnx.State, kv_caches, batch: StepBatch,
@@ -59,19 +58,10 @@ def rounds(graphdef: nnx.GraphDef, params: nnx.State, kv_caches, batch: StepBatc
     hidden, kv_caches = model(batch.input_ids, batch.positions, kv_caches, meta)
     logits = model.logits(sampled_rows(hidden, batch.sample_index, d), rows=rows)
     ids, probs = round_guesses(logits, batch.sampling, 0, probs, max_num_seqs)
-    # Rounds 2..: token i is sequence i's, at the position after its last.
-    cu = jnp.minimum(jnp.arange(s // d + 1)[None, :], meta.num_seqs[:, None]).reshape(-1)
-    seq_real = (jnp.arange(s) % (s // d)) < jnp.repeat(meta.num_seqs, s // d)
 
-    def round_(j, carry):
+    def round_(j, carry):  # one token per sequence, the guess of the round before
         kv_caches, ids, out, probs = carry
-        pos = meta.kv_lens - 1 + j
-        writes = seq_real & (j <= limits)
-        attn = AttentionMetadata(
-            slot_mapping=jnp.where(writes, position_slots(meta.page_indices, pos, page_size),
-                                   drop_slot),
-            cu_q_lens=cu, kv_lens=jnp.where(seq_real, meta.kv_lens + j, 0),
-            page_indices=meta.page_indices, num_seqs=meta.num_seqs)
+        pos, attn = round_metadata(meta, j, limits, page_size, drop_slot)
         hidden, kv_caches = model(ids, pos, kv_caches, attn)
         ids, probs = round_guesses(model.logits(hidden, rows=rows), batch.sampling, j, probs,
                                    max_num_seqs)

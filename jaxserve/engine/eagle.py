@@ -48,7 +48,7 @@ from jaxserve.engine.proposers import DeviceProposer, first_round
 from jaxserve.engine.request import PLACEHOLDER, Sequence
 from jaxserve.engine.runner import (
     ModelRunner, global_slots, guesses_as_prev_tokens, position_slots, round_guesses,
-    sampled_rows)
+    round_metadata, sampled_rows, seqs_as_tokens)
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.token_tree import DraftTree
 from jaxserve.models.eagle import EagleHead, embed
@@ -82,11 +82,8 @@ def draft(graphdef: nnx.GraphDef, params: nnx.State, target_graphdef: nnx.GraphD
     hidden = sampled_rows(hidden, batch.sample_index, d)  # [S, H]: each sequence's last pair
     rows = batch.num_rows[0] if single else None
     logits = head.logits(hidden, target, rows)
-    # Rounds 2..: token i is sequence i's, at the position after its last pair.
-    local = jnp.arange(s // d + 1)
-    cu = jnp.minimum(local[None, :], meta.num_seqs[:, None]).reshape(-1)
-    seq_real = (jnp.arange(s) % (s // d)) < jnp.repeat(meta.num_seqs, s // d)
     if tree is not None:
+        cu, seq_real = seqs_as_tokens(meta)
         return (*tree_rounds(head, target, kv, meta, hidden, logits, seq_real & (limits > 0),
                              cu, seq_real, tree, page_size, drop_slot), probs)
 
@@ -95,15 +92,9 @@ def draft(graphdef: nnx.GraphDef, params: nnx.State, target_graphdef: nnx.GraphD
 
     ids, probs = guess(logits, 0, probs)
 
-    def round_(j, carry):
+    def round_(j, carry):  # one token per sequence, the guess of the round before
         kv, ids, hidden, out, probs = carry
-        pos = meta.kv_lens - 1 + j
-        writes = seq_real & (j <= limits)
-        attn = AttentionMetadata(
-            slot_mapping=jnp.where(writes, position_slots(meta.page_indices, pos, page_size),
-                                   drop_slot),
-            cu_q_lens=cu, kv_lens=jnp.where(seq_real, meta.kv_lens + j, 0),
-            page_indices=meta.page_indices, num_seqs=meta.num_seqs)
+        pos, attn = round_metadata(meta, j, limits, page_size, drop_slot)
         hidden, kv = head(embed(target, ids), hidden, pos, kv, attn, from_target=False)
         ids, probs = guess(head.logits(hidden, target, rows), j, probs)
         return kv, ids, hidden, out.at[j].set(ids), probs

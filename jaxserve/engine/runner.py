@@ -23,7 +23,7 @@ from jaxserve.engine.sampler import (
     sample)
 from jaxserve.models.medusa import MedusaHeads, medusa_tokens
 from jaxserve.models.parallel import KV_CACHE_AXES
-from jaxserve.models.transformer import KVCache, kv_cache_layout
+from jaxserve.models.transformer import AttentionMetadata, KVCache, kv_cache_layout
 from sharding.rules import ShardingContext
 
 log = logging.getLogger(__name__)
@@ -144,6 +144,29 @@ def round_guesses(logits: jax.Array, sampling: SamplingArrays | None, j: int | j
         q = jnp.zeros((q.shape[0], probs.shape[1]), q.dtype).at[
             :, to_target(jnp.arange(q.shape[1]))].set(q)
     return to_target(ids), jax.lax.dynamic_update_slice(probs, q, (max_num_seqs * j, 0))
+
+
+def seqs_as_tokens(meta: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
+    """For a proposer's later rounds, one token per sequence (token i is sequence i's,
+    each data shard's a block): their `cu_q_lens`, and which sequences are real."""
+    d, s = meta.num_seqs.shape[0], meta.kv_lens.shape[0]
+    cu = jnp.minimum(jnp.arange(s // d + 1)[None, :], meta.num_seqs[:, None]).reshape(-1)
+    return cu, (jnp.arange(s) % (s // d)) < jnp.repeat(meta.num_seqs, s // d)
+
+
+def round_metadata(meta: AttentionMetadata, j: int | jax.Array, limits: jax.Array,
+                   page_size: int, drop_slot: int) -> tuple[jax.Array, AttentionMetadata]:
+    """Round j + 1 of a proposer whose round 1 attended `meta` (each sequence's last token
+    at kv_lens - 1): each sequence's token at position kv_lens - 1 + j, seeing those
+    before it, its K/V written where `j <= limits[i]` (the pages it holds). Returns the
+    positions and the metadata."""
+    cu, real = seqs_as_tokens(meta)
+    pos = meta.kv_lens - 1 + j
+    slots = position_slots(meta.page_indices, pos, page_size)
+    return pos, AttentionMetadata(
+        slot_mapping=jnp.where(real & (j <= limits), slots, drop_slot), cu_q_lens=cu,
+        kv_lens=jnp.where(real, meta.kv_lens + j, 0), page_indices=meta.page_indices,
+        num_seqs=meta.num_seqs)
 
 
 def sampled_rows(hidden: jax.Array, sample_index: jax.Array, data_shards: int) -> jax.Array:
