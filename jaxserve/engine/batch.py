@@ -83,9 +83,8 @@ class BatchBuilder:
     data_shards: int = 1
     num_speculative_tokens: int = 0  # k of the speculating buckets (0: none)
     tree: bool = False  # the speculating buckets verify trees (k nodes at most)
-    # A proposer's batches (draft_model.py, eagle.py): drafts are only input tokens (the
-    # sequence's last one sampled), no history; every row greedy on the raw logits unless
-    # `sampled_drafts` (then a row holds its sequence's parameters for `draw_drafts`).
+    # A proposer's batches (draft_model.py, eagle.py): no drafts and no history (its
+    # program draws its guesses with the rows' sampling parameters: `draw_drafts`).
     draft_model: bool = False
     # Sampled requests' chain drafts are drawn from the proposer's distributions: the
     # target's rows verify them by rejection sampling (SamplingArrays.draft_index).
@@ -139,7 +138,7 @@ class BatchBuilder:
             t = data_shard * shard_t + local
             counts[data_shard] += 1
             sched.row = data_shard * shard_r + rows[data_shard]
-            num_rows = 1 if self.draft_model else 1 + len(sched.drafts)
+            num_rows = 1 + len(sched.drafts)
             rows[data_shard] += num_rows
             # Row j samples the logits of the chunk's (len(drafts) - j + 1)-th last token.
             batch.sample_index[sched.row:sched.row + num_rows] = np.arange(
@@ -148,8 +147,7 @@ class BatchBuilder:
             pages = np.asarray(seq.page_ids, dtype=np.int32)
             own = n - len(sched.drafts)  # the chunk's tokens that are the seq's own
             batch.input_ids[t:t + own] = seq.token_ids[start:start + own]
-            # (A draft model's own batches schedule its newest token as a PLACEHOLDER draft.)
-            if sched.drafts_on_device and not self.draft_model:
+            if sched.drafts_on_device:
                 batch.prev_index[t + own:t + n] = seq.draft_prev_index[:n - own]
             else:
                 batch.input_ids[t + own:t + n] = sched.drafts
@@ -169,11 +167,11 @@ class BatchBuilder:
             cu[data_shard * (shard_s + 1) + counts[data_shard]] = local + n
             batch.attn.kv_lens[i] = start + n
             batch.attn.page_indices[i, :len(pages)] = pages
-            for j in range(0 if self.draft_model and not self.sampled_drafts else num_rows):
+            for j in range(num_rows):
                 self._fill_sampling(batch.sampling, sched.row + j, seq.params, seq,
                                     depth[j - 1] if j else 0)
-            if (self.sampled_drafts and not self.draft_model and sched.drafts_on_device
-                    and sched.parents is None and seq.params.temperature > 0):
+            if (self.sampled_drafts and sched.drafts_on_device and sched.parents is None
+                    and seq.params.temperature > 0):
                 # Draft j's distribution: SampledDrafts row max_num_seqs x j + r.
                 batch.sampling.draft_index[sched.row:sched.row + len(sched.drafts)] = (
                     np.asarray(seq.draft_prev_index) - self.max_num_seqs)
