@@ -1,13 +1,15 @@
 """Multi-host serving with two processes on this machine (2 CPU devices each, one mesh of 4).
 
 Process 0 serves gRPC and broadcasts every step; process 1 runs the same steps. The
-greedy tokens must equal one process's offline API; killing the follower must turn the
-server NOT_SERVING with a clear log (not hang), and a clean SIGTERM stops both.
+greedy tokens must equal one process's offline API, also while a draft model or an EAGLE
+head speculates; killing the follower must turn the server NOT_SERVING with a clear log
+(not hang), and a clean SIGTERM stops both.
 """
 
 from __future__ import annotations
 
 import os
+import json
 import re
 import signal
 import subprocess
@@ -19,6 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxserve import LLM, SamplingParams
+from test_eagle import make_head, write
 from serverproc import ENGINE, ENGINE_FLAGS, free_port, wait_serving
 from server.client import Client
 from server.protos.jaxserve.v1 import inference_pb2 as pb
@@ -27,7 +30,7 @@ pytestmark = pytest.mark.slow
 PROMPTS = [[5, 9, 200, 31, 17, 8, 99], [44, 45, 46, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
 
 
-def start_job(model_dir, tmp_path, mesh=("--mesh", "model=4")):
+def start_job(model_dir, tmp_path, mesh=("--mesh", "model=4"), extra=()):
     """(leader, follower, target): `jaxserve serve` twice, as processes 0 and 1."""
     coordinator, port = f"127.0.0.1:{free_port()}", free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
@@ -35,7 +38,7 @@ def start_job(model_dir, tmp_path, mesh=("--mesh", "model=4")):
     procs = []
     for pid in (1, 0):
         cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir),
-               "--port", str(port), "--no-http", *ENGINE_FLAGS, *mesh,
+               "--port", str(port), "--no-http", *ENGINE_FLAGS, *mesh, *extra,
                "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(pid)]
         with open(tmp_path / f"process{pid}.log", "w") as out:
             procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env))
@@ -51,9 +54,9 @@ def start_job(model_dir, tmp_path, mesh=("--mesh", "model=4")):
     return leader, follower, target
 
 
-def greedy(client):
-    return [client.complete(p, max_tokens=16, temperature=0.0, ignore_eos=True)[0]
-            for p in PROMPTS]
+def greedy(client, timeout=None):
+    return [client.complete(p, max_tokens=16, temperature=0.0, ignore_eos=True,
+                            timeout=timeout)[0] for p in PROMPTS]
 
 
 def health(target) -> int:
@@ -84,6 +87,43 @@ def test_two_processes_serve_one_model(checkpoints, tmp_path, mesh):
         assert leader.wait(timeout=60) == 0
         assert follower.wait(timeout=60) == 0  # told to stop by process 0
         assert "process 0 said stop" in (tmp_path / "process1.log").read_text()
+    finally:
+        for p in (leader, follower):
+            if p.poll() is None:
+                p.kill()
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_two_processes_speculate(checkpoints, tmp_path, method):
+    """4-way TP over both processes with speculation: the proposer's program runs on every
+    process (one that skipped it would leave the leader waiting in its collectives). The
+    target drafting for itself keeps every draft, greedy or sampled (positions, K/V and
+    the guesses' distributions right across hosts); a random EAGLE head's drafts are
+    verified, the tokens the target's whatever they are."""
+    path, model = checkpoints("llama8")
+    want = [o.outputs[0].token_ids for o in LLM(str(path), **ENGINE).generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))]
+    spec = {"model": str(path), "num_speculative_tokens": 3, "disable_by_batch_size": None}
+    if method == "eagle":
+        head = write(make_head(model, 1, seed=0), model, tmp_path / "head", torch_file=False)
+        spec = {**spec, "method": "eagle", "model": str(head)}
+    leader, follower, target = start_job(path, tmp_path,
+                                         extra=("--speculative-config", json.dumps(spec)))
+    try:
+        client = Client(target)
+        assert greedy(client, timeout=120) == want  # a process left out would hang
+        # Sampled guesses: drawn from the draft's distribution, kept by rejection sampling.
+        sampled = [client.complete(PROMPTS[1], max_tokens=16, temperature=1.0, seed=7,
+                                   ignore_eos=True, timeout=120)[0] for _ in range(2)]
+        assert sampled[0] == sampled[1] and len(sampled[0]) == 16
+        status = client.status()
+        assert status.kv_pages_used == 0
+        assert status.speculation.proposed_tokens > 0
+        if method == "draft_model":
+            assert status.speculation.accepted_tokens == status.speculation.proposed_tokens
+        leader.send_signal(signal.SIGTERM)
+        assert leader.wait(timeout=60) == 0
+        assert follower.wait(timeout=60) == 0
     finally:
         for p in (leader, follower):
             if p.poll() is None:

@@ -25,8 +25,9 @@ log = logging.getLogger(__name__)
 # STEP runs a whole step (forward, then sample); a step sampled apart is FORWARD, then
 # SAMPLE with the same batch (its sampling arrays filled in between:
 # ModelRunner.dispatch_forward / dispatch_sample). MOVE copies K/V between slots after a
-# tree step (ModelRunner.move).
-STOP, STEP, PING, FORWARD, SAMPLE, MOVE = range(6)
+# tree step (ModelRunner.move). PROPOSE runs a draft model's or EAGLE's program on the
+# proposer's batch (proposers.DeviceProposer.run).
+STOP, STEP, PING, FORWARD, SAMPLE, MOVE, PROPOSE = range(7)
 PING_INTERVAL_S = 1.0
 
 
@@ -45,6 +46,10 @@ class StepBroadcaster:
     def send_moves(self, src: np.ndarray, dst: np.ndarray) -> None:
         multihost_utils.broadcast_one_to_all(_header(MOVE))
         multihost_utils.broadcast_one_to_all((src, dst))
+
+    def send_proposal(self, batch: StepBatch, key: BucketKey, limits: np.ndarray) -> None:
+        multihost_utils.broadcast_one_to_all(_header(PROPOSE, key))
+        multihost_utils.broadcast_one_to_all((batch, limits))
 
     def ping(self) -> None:
         multihost_utils.broadcast_one_to_all(_header(PING))
@@ -69,3 +74,10 @@ def follow(engine) -> None:
             run(batch, key)
         elif command == MOVE:
             engine.runner.move(*multihost_utils.broadcast_one_to_all(engine.runner.moves([])))
+        elif command == PROPOSE:
+            proposer = engine.speculator.proposer
+            key = BucketKey(t, s, bool(history), drafts, bool(tree))
+            template = (proposer.program_inputs(proposer.builder.empty(key)),
+                        np.zeros(key.seqs, np.int32))
+            batch, limits = multihost_utils.broadcast_one_to_all(template)
+            proposer.run(batch, key, limits)

@@ -122,7 +122,7 @@ class DraftModel(DeviceProposer):
             if i in want:  # its later rounds' K/V, of its guesses
                 limits[sched.row] = want[i] - 1
                 sched.seq.draft_computed_tokens += want[i] - 1
-        self.target.sampled = self._run(batch, key, limits)
+        self.run(batch, key, limits)
         rows = self.builder.max_num_seqs
         for i, sched in first:
             if i in want:

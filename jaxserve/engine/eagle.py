@@ -225,7 +225,7 @@ class EagleProposer(DeviceProposer):
             seq, start, n = sched.seq, sched.start, sched.num_new_tokens
             batch.input_ids[last - n + 1:last + 1] = seq.token_ids[start + 1:start + n + 1]
             limits[sched.row] = want.get(i, 1) - 1
-        self.target.sampled = self._run(batch, key, limits)
+        self.run(batch, key, limits)
         rows = self.builder.max_num_seqs
         for i, sched in first:
             if i not in want:

@@ -229,14 +229,10 @@ class Engine:
         draft = medusa = eagle = None
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model":
-            draft = cls._load_draft(spec.model, model_config, mesh, config, dtype, options,
-                                    broadcaster)
+            draft = cls._load_draft(spec.model, model_config, mesh, config, dtype, options)
         if spec is not None and spec.method == "medusa":
             medusa = cls._load_medusa(spec, model_config, dtype, shard)
         if spec is not None and spec.method in ("eagle", "eagle3"):
-            if broadcaster is not None:
-                raise ValueError("speculative_config: EAGLE on several hosts is not "
-                                 "supported; use method 'ngram' there")
             ckpt = read_eagle(spec.model, 3 if spec.method == "eagle3" else 1, model_config)
             eagle_shard = model_sharding(mesh, config.sharding, ckpt.cfg)
             eagle = (ckpt, eagle_shard,
@@ -263,12 +259,9 @@ class Engine:
                                               heads.lm_heads), axes)), top=top)
 
     @staticmethod
-    def _load_draft(path: str, target: ModelConfig, mesh, config: EngineConfig, dtype, options,
-                    broadcaster) -> tuple:
+    def _load_draft(path: str, target: ModelConfig, mesh, config: EngineConfig, dtype, options
+                    ) -> tuple:
         """The draft model's config, sharding (the target's strategy) and weights."""
-        if broadcaster is not None:
-            raise ValueError("speculative_config: a draft model on several hosts is not "
-                             "supported; use method 'ngram' there")
         draft_dir = Path(path)
         if not draft_dir.is_dir():
             raise ValueError(f"speculative_config: model {path!r} is not a checkpoint directory")

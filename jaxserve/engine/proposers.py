@@ -56,22 +56,34 @@ class DeviceProposer(Proposer):
             self._run(self.builder.empty(key), key, np.zeros(key.seqs, np.int32))
         self.warmed_up = True
 
+    def run(self, batch: StepBatch, key: BucketKey, limits: np.ndarray) -> None:
+        """Start the program on a batch of `builder`; its guesses are left where the
+        target's next step reads them (the target runner's `sampled`). On several hosts
+        process 0 first has the others run it too (broadcast.py: every process joins the
+        program's collectives)."""
+        if self.target.broadcaster is not None:
+            self.target.broadcaster.send_proposal(self.program_inputs(batch), key, limits)
+        self.target.sampled = self._run(batch, key, limits)
+
     @abc.abstractmethod
     def _run(self, batch: StepBatch, key: BucketKey, limits: np.ndarray) -> jax.Array:
         """Start the program; returns its guesses laid out as the target's `prev_tokens`."""
 
-    def _inputs(self, batch: StepBatch, key: BucketKey) -> StepBatch:
+    def program_inputs(self, batch: StepBatch) -> StepBatch:
         """The batch as the program takes it: no history, and the sampling arrays (not
-        the grammar's mask) when it may draw guesses (the target has `draft_probs`).
-        Counts a bucket compiled after warm-up."""
+        the grammar's mask) when it may draw guesses (the target has `draft_probs`)."""
+        sampling = None
+        if self.target.draft_probs is not None and batch.sampling is not None:
+            sampling = dataclasses.replace(batch.sampling, grammar_mask=None)
+        return dataclasses.replace(batch, sampling=sampling, history=None)
+
+    def _inputs(self, batch: StepBatch, key: BucketKey) -> StepBatch:
+        """`program_inputs`, counting a bucket compiled after warm-up."""
         if key not in self._ready:
             if self.warmed_up:
                 self.target.compiles_after_warmup += 1
             self._ready.add(key)
-        sampling = None
-        if self.target.draft_probs is not None:
-            sampling = dataclasses.replace(batch.sampling, grammar_mask=None)
-        return dataclasses.replace(batch, sampling=sampling, history=None)
+        return self.program_inputs(batch)
 
 
 def first_round(entries: list[tuple[Sequence, int]], scheduler: Scheduler, budget: int,
