@@ -294,6 +294,32 @@ def test_drafts_drawn_from_q_and_verified_by_rejection_sampling_follow_p():
     assert abs(kept - np.minimum(P, q[0]).sum()) < 0.015, kept
 
 
+def test_drafts_distribution_takes_the_rows_bias_and_bans():
+    """q applies the row's logit bias and banned tokens as the target's row does, also for
+    a proposer with a vocabulary of its own (its columns, target tokens 1, 3, 5, 6)."""
+    n = 2
+    bias_ids = np.full((n, MAX_LOGIT_BIAS), -1)
+    bias_values = np.zeros((n, MAX_LOGIT_BIAS))
+    bias_ids[:, :2], bias_values[:, :2] = [3, 6], [1.5, -2.0]
+    banned = np.full((n, MAX_STOP_TOKEN_IDS), -1)
+    banned[:, 0] = 5
+    params = arrays(n, bias_ids=bias_ids, bias_values=bias_values, banned_ids=banned)
+    adjusted = Q_LOGITS + np.array([0, 0, 0, 1.5, 0, -np.inf, -2.0, 0])
+
+    def softmax(x):
+        e = np.exp(x - x.max())
+        return e / e.sum()
+
+    q_logits = jnp.tile(jnp.asarray(Q_LOGITS, jnp.float32), (n, 1))
+    _, q = draw_drafts(q_logits, params, 0)
+    np.testing.assert_allclose(np.asarray(q[0]), softmax(adjusted), rtol=1e-5, atol=1e-7)
+    columns = np.array([1, 3, 5, 6])
+    _, q = draw_drafts(q_logits[:, :4], params, 0, jnp.asarray(columns), len(Q_LOGITS))
+    np.testing.assert_allclose(np.asarray(q[0]), softmax(Q_LOGITS[:4] + adjusted[columns]
+                                                         - Q_LOGITS[columns]),
+                               rtol=1e-5, atol=1e-7)
+
+
 def test_a_wrong_residual_fails_the_rejection_sampling_test(monkeypatch):
     """Drawing a rejected draft's replacement from p instead of max(0, p - q): the tokens
     no longer follow p, and the same test says so."""

@@ -307,6 +307,21 @@ def test_sampled_drafts_of_a_draft_equal_to_the_target(self_drafted, checkpoints
     check_clean(self_drafted)
 
 
+def test_sampled_drafts_take_the_requests_logit_bias(self_drafted, prompts):
+    """With a logit bias the target's distribution is the biased one, and so is the
+    draft's, which is the target: every sampled guess is still kept (drawn without the
+    bias, a good share of them would not be)."""
+    stats = fresh_counters(self_drafted)
+    bias = {7: 4.0, 11: 4.0, 23: -5.0}
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=4, ignore_eos=True,
+                             logit_bias=bias) for i in range(200)]
+    outs = self_drafted.generate([prompts[0]] * 200, params)
+    biased = sum(t in (7, 11) for o in outs for t in o.outputs[0].token_ids)
+    assert biased > 200  # the bias holds sway
+    assert stats.num_proposed >= 400 and stats.accepted == stats.proposed
+    check_clean(self_drafted)
+
+
 def test_draft_model_with_preemption_chunks_and_prefix_hits(checkpoints, want, prompts):
     llm = draft_llm(checkpoints, "llama", max_num_batched_tokens=16, token_buckets=(16,),
                     num_pages=40)

@@ -139,10 +139,11 @@ def round_guesses(logits: jax.Array, sampling: SamplingArrays | None, j: int | j
     max_num_seqs x j + r."""
     if probs is None:
         return to_target(first_argmax(logits)), None
-    ids, q = draw_drafts(logits, sampling, j)
-    if q.shape[1] != probs.shape[1]:  # a draft vocabulary's
-        q = jnp.zeros((q.shape[0], probs.shape[1]), q.dtype).at[
-            :, to_target(jnp.arange(q.shape[1]))].set(q)
+    vocab = probs.shape[1]
+    columns = None if logits.shape[1] == vocab else to_target(jnp.arange(logits.shape[1]))
+    ids, q = draw_drafts(logits, sampling, j, columns, vocab)
+    if columns is not None:  # a draft vocabulary's
+        q = jnp.zeros((q.shape[0], vocab), q.dtype).at[:, columns].set(q)
     return to_target(ids), jax.lax.dynamic_update_slice(probs, q, (max_num_seqs * j, 0))
 
 

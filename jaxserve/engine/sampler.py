@@ -280,25 +280,40 @@ def verify_drafts(weights: jax.Array, q: jax.Array, drafts: jax.Array, u: jax.Ar
 DRAFT_STREAM = 2  # a proposer's draws' keys (`_keys`); 1 is the residual's
 
 
-def draw_drafts(logits: jax.Array, p: SamplingArrays, ahead: int | jax.Array
+def draw_drafts(logits: jax.Array, p: SamplingArrays, ahead: int | jax.Array,
+                columns: jax.Array | None = None, vocab: int | None = None
                 ) -> tuple[jax.Array, jax.Array]:
     """A proposer's guess per row of its `logits` `[S, V]` for the row's output number
     output_index + `ahead`, and the distribution it is drawn from `[S, V]`: the argmax
     for a greedy row (its distribution unused: zeros when no row samples); for a sampled
-    row a draw from the row's temperature, top-k, top-p and min-p applied to the logits
-    (not its bias, bans or penalties: they change how often the target keeps a guess,
-    never what it outputs), with keys of their own (DRAFT_STREAM), so `verify_drafts`
-    sees a draft independent of its own draws."""
+    row a draw from the row's logit bias and banned tokens, temperature, top-k, top-p and
+    min-p applied to the logits, as the target's row applies them (not its penalties,
+    which need the history; and the bans are those of output_index, not of the later
+    outputs a proposer's later rounds guess: a q that differs from p there changes how
+    often the target keeps a guess, never what it outputs), with keys of their own
+    (DRAFT_STREAM), so `verify_drafts` sees a draft independent of its own draws.
+    `columns` `[V]`: the target's token id of each column, for a proposer with a
+    vocabulary of its own (EAGLE-3's) within the target's `vocab`; None: the target's."""
     greedy = first_argmax(logits)
 
     def sampled(logits):
-        weights = _weights(logits, p)
+        weights = _weights(bias_and_ban_columns(logits, p, columns, vocab), p)
         drawn = inverse_cdf(weights, _uniform(_keys(p, ahead, DRAFT_STREAM)))
         probs = weights / weights.sum(axis=-1, keepdims=True)
         return jnp.where(p.temperature > 0, drawn, greedy), probs
 
     return jax.lax.cond(jnp.any(p.temperature > 0), sampled,
                         lambda logits: (greedy, jnp.zeros_like(logits)), logits)
+
+
+def bias_and_ban_columns(logits: jax.Array, p: SamplingArrays, columns: jax.Array | None,
+                         vocab: int | None) -> jax.Array:
+    """`bias_and_ban` of logits whose column c is the target's token `columns[c]` (None:
+    column c is token c)."""
+    if columns is None:
+        return bias_and_ban(logits, p)
+    dense = bias_and_ban(jnp.zeros((logits.shape[0], vocab), logits.dtype), p)
+    return logits + dense[:, columns]
 
 
 def _sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | None,
