@@ -48,15 +48,16 @@ class SpeculativeConfig:
     (the two most likely first tokens, and the most likely second token after the most
     likely first), every path's parent in it, at most 32 paths, none deeper than
     `num_speculative_tokens` (engine/token_tree.py).
-    Speculation stops while more than `disable_by_batch_size` sequences run (None: never):
-    a batch that large is compute-bound, and guessed tokens only add work.
+    Speculation stops while more than `disable_by_batch_size` sequences run, and in steps
+    that compute prompt tokens (None: never): such steps are compute-bound, and guessed
+    tokens only add work.
     `sampled_drafts` (the draft model, EAGLE chains): a request that samples (temperature
     > 0) gets guesses drawn from the proposer's own distribution (with the request's
-    temperature, top-k, top-p and min-p), which the step keeps with probability
-    min(1, p / q) (rejection sampling: the output follows the target's distribution
-    either way, and more guesses are kept than greedy ones where the distributions are
-    wide); false: greedy guesses, for which a seeded request gets the very tokens it gets
-    without speculation.
+    logit bias, banned tokens, temperature, top-k, top-p and min-p), which the step keeps
+    with probability min(1, p / q) (rejection sampling: the output follows the target's
+    distribution either way, and more guesses are kept than greedy ones where the
+    distributions are wide); false: greedy guesses, for which a seeded request gets the
+    very tokens it gets without speculation.
     """
 
     method: str | None = None  # None: "draft_model" with a model, else "ngram"

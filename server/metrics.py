@@ -164,8 +164,9 @@ class _EngineCollector:
         for position, value in enumerate(stats.accepted):
             per_position.add_metric([*labels, str(position)], value)
         yield per_position
-        active = GaugeMetricFamily(PREFIX + "spec_decode_active", "1 while the batch is small "
-                                   "enough to speculate (disable_by_batch_size), else 0.",
+        active = GaugeMetricFamily(PREFIX + "spec_decode_active", "1 while steps may speculate "
+                                   "(the batch within disable_by_batch_size, no prompt "
+                                   "computed), else 0.",
                                    labels=["model_name"])
         active.add_metric(labels, float(stats.active))
         yield active

@@ -238,6 +238,39 @@ def test_large_batches_do_not_speculate(spec, want, prompts):
     check_clean(spec)
 
 
+def test_steps_that_compute_prompts_do_not_speculate(spec, base, want, prompts):
+    """Under a batch limit, a step that computes prompt tokens (a request admitted, or a
+    prompt's next chunk) is compute-bound: it verifies no drafts and the status says so;
+    the decode-only steps around it speculate."""
+    # Over a step's budget of 64 (and in no prefix cache): prefilled in two chunks.
+    long = np.random.default_rng(7).integers(3, VOCAB, 80).tolist()
+    long_want = tokens(base.generate([long], GREEDY))[0]
+    stats = speculating(spec, OracleProposer([(prompts[0], want[0]), (long, long_want)],
+                                             VOCAB), disable_by_batch_size=8)
+    engine, outs = spec.engine, {"a": [], "b": []}
+
+    def step():
+        for out in engine.step():
+            outs[out.request_id] += out.new_token_ids
+
+    engine.add_request("a", prompts[0], GREEDY)
+    for _ in range(3):
+        step()
+    assert stats.num_proposed > 0 and stats.active  # "a" alone, decoding
+    engine.add_request("b", long, GREEDY)
+    prefilling_steps = 0
+    while engine.has_unfinished():
+        prefills, before = engine.scheduler.prefills_next, stats.num_proposed
+        step()
+        if prefills:
+            prefilling_steps += 1
+            assert stats.num_proposed == before and not stats.active
+    assert prefilling_steps == 2 and stats.active
+    assert stats.num_proposed > 30  # both decode speculating once "b" is in
+    assert [outs["a"], outs["b"]] == [want[0], long_want]
+    check_clean(spec)
+
+
 def test_abort_while_speculating_frees_every_page(spec, want, prompts):
     engine = spec.engine
     speculating(spec, OracleProposer(list(zip(prompts, want)), VOCAB))

@@ -397,7 +397,8 @@ class Engine:
         prev, self._inflight = self._inflight, None
         outputs = []
         speculate = (self.speculator is not None
-                     and self.speculator.allowed(self.scheduler.num_running))
+                     and self.speculator.allowed(self.scheduler.num_running,
+                                                 self.scheduler.prefills_next))
         if prev is not None and (not self.config.async_scheduling or speculate):
             outputs, prev = self._collect(prev), None
         if speculate:

@@ -128,6 +128,14 @@ class Scheduler:
         return len(self.running)
 
     @property
+    def prefills_next(self) -> bool:
+        """Whether the next schedule is likely to compute prompt tokens: a running
+        sequence has prompt left to compute (chunked prefill), or a request waits while a
+        seat is free (pages may still keep it out)."""
+        return (any(seq.num_computed_tokens < seq.num_tokens - 1 for seq in self.running)
+                or bool(self.waiting) and len(self.running) < self.config.max_num_seqs)
+
+    @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

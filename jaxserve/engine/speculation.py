@@ -79,11 +79,14 @@ class Speculator:
     def num_speculative_tokens(self) -> int:
         return self.config.num_speculative_tokens
 
-    def allowed(self, num_running: int) -> bool:
-        """Whether a step with `num_running` sequences running speculates: not when the
-        batch is large enough to be compute-bound (`disable_by_batch_size`)."""
+    def allowed(self, num_running: int, prefills: bool = False) -> bool:
+        """Whether a step with `num_running` sequences running speculates: not when it is
+        compute-bound, that is when more than `disable_by_batch_size` sequences run, or
+        when it computes prompt tokens (`prefills`): a prompt's chunk makes a step
+        compute-bound whatever the batch, and guessed tokens (and a proposer's catch-up
+        over the new sequences) only add to it. With no limit (None) every step may."""
         limit = self.config.disable_by_batch_size
-        self.stats.active = limit is None or num_running <= limit
+        self.stats.active = limit is None or (num_running <= limit and not prefills)
         return self.stats.active
 
     def propose(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler) -> None:
