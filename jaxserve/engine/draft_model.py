@@ -131,10 +131,8 @@ class DraftModel(DeviceProposer):
                 drafts[i] = [PLACEHOLDER] * want[i]
         return drafts
 
-    def _run(self, batch: StepBatch, key: BucketKey, limits: np.ndarray) -> jax.Array:
-        """Start the program; returns its guesses laid out as `prev_tokens`."""
+    def _run(self, inputs: StepBatch, key: BucketKey, limits: np.ndarray) -> jax.Array:
         runner = self.runner
-        inputs = self._inputs(batch, key)
         runner.kv_caches, out, self.target.draft_probs = self._rounds(
             runner._param_leaves, runner.kv_caches, inputs, limits, self.target.draft_probs)
         return out

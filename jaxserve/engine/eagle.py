@@ -237,9 +237,7 @@ class EagleProposer(DeviceProposer):
             drafts[i] = DraftTree(placeholders, parents) if self.tree else placeholders
         return drafts
 
-    def _run(self, batch: StepBatch, key: BucketKey, limits: np.ndarray) -> jax.Array:
-        """Start the program; returns its guesses laid out as `prev_tokens`."""
-        inputs = self._inputs(batch, key)
+    def _run(self, inputs: StepBatch, key: BucketKey, limits: np.ndarray) -> jax.Array:
         self.kv, out, self.target.draft_probs = self._draft(
             self.target._param_leaves, self._param_leaves, self.kv, self.target.features,
             inputs, limits, self.target.draft_probs)

@@ -53,21 +53,29 @@ class DeviceProposer(Proposer):
     def warmup(self, progress: bool = True) -> None:
         """Compile the program for every bucket (an all-padding batch writes nothing)."""
         for key in self.buckets():
-            self._run(self.builder.empty(key), key, np.zeros(key.seqs, np.int32))
+            self._run(self.program_inputs(self.builder.empty(key)), key,
+                      np.zeros(key.seqs, np.int32))
+            self._ready.add(key)
         self.warmed_up = True
 
     def run(self, batch: StepBatch, key: BucketKey, limits: np.ndarray) -> None:
         """Start the program on a batch of `builder`; its guesses are left where the
         target's next step reads them (the target runner's `sampled`). On several hosts
         process 0 first has the others run it too (broadcast.py: every process joins the
-        program's collectives)."""
+        program's collectives). Counts a bucket compiled after warm-up."""
+        if key not in self._ready:
+            if self.warmed_up:
+                self.target.compiles_after_warmup += 1
+            self._ready.add(key)
+        inputs = self.program_inputs(batch)
         if self.target.broadcaster is not None:
-            self.target.broadcaster.send_proposal(self.program_inputs(batch), key, limits)
-        self.target.sampled = self._run(batch, key, limits)
+            self.target.broadcaster.send_proposal(inputs, key, limits)
+        self.target.sampled = self._run(inputs, key, limits)
 
     @abc.abstractmethod
-    def _run(self, batch: StepBatch, key: BucketKey, limits: np.ndarray) -> jax.Array:
-        """Start the program; returns its guesses laid out as the target's `prev_tokens`."""
+    def _run(self, inputs: StepBatch, key: BucketKey, limits: np.ndarray) -> jax.Array:
+        """Start the program on `program_inputs`; returns its guesses laid out as the
+        target's `prev_tokens`."""
 
     def program_inputs(self, batch: StepBatch) -> StepBatch:
         """The batch as the program takes it: no history, and the sampling arrays (not
@@ -76,14 +84,6 @@ class DeviceProposer(Proposer):
         if self.target.draft_probs is not None and batch.sampling is not None:
             sampling = dataclasses.replace(batch.sampling, grammar_mask=None)
         return dataclasses.replace(batch, sampling=sampling, history=None)
-
-    def _inputs(self, batch: StepBatch, key: BucketKey) -> StepBatch:
-        """`program_inputs`, counting a bucket compiled after warm-up."""
-        if key not in self._ready:
-            if self.warmed_up:
-                self.target.compiles_after_warmup += 1
-            self._ready.add(key)
-        return self.program_inputs(batch)
 
 
 def first_round(entries: list[tuple[Sequence, int]], scheduler: Scheduler, budget: int,
