@@ -19,6 +19,7 @@ from conftest import hf_greedy
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import ModelConfig, ModelOptions
 from jaxserve.loading.safetensors import load_checkpoint
+from jaxserve.models.layers import weights_for_native_matmul
 from jaxserve.models.transformer import AttentionMetadata, kv_cache_layout
 from sharding.mesh import make_mesh
 from sharding.rules import ShardingContext
@@ -32,11 +33,15 @@ ENGINE = dict(dtype="float32", max_model_len=128, page_size=4, max_num_seqs=4,
 
 
 def ragged_prompt_logits(model_dir, prompts, page_size=4, seed=0, options=ModelOptions(),
-                         kv_dtype=jnp.float32):
-    """Our logits at every prompt position, all prompts in one ragged batch, pages shuffled."""
+                         kv_dtype=jnp.float32, laid_out=False):
+    """Our logits at every prompt position, all prompts in one ragged batch, pages shuffled;
+    with `laid_out`, from the float weights laid out [N, K] as the engine holds them on one
+    CPU device."""
     cfg = ModelConfig.from_file(model_dir)
     graphdef, params = load_checkpoint(model_dir, cfg, jnp.float32, ShardingContext(make_mesh()),
                                        options)
+    if laid_out:
+        params = weights_for_native_matmul(params)
     model = nnx.merge(graphdef, params)
     rng = np.random.default_rng(seed)
     per_seq = max(-(-len(p) // page_size) for p in prompts)
@@ -60,14 +65,39 @@ def ragged_prompt_logits(model_dir, prompts, page_size=4, seed=0, options=ModelO
     return [logits[cu[s]:cu[s + 1]] for s in range(len(prompts))]
 
 
+def assert_matmul_weights_transposed(params, cfg: ModelConfig):
+    """Every float weight of a matmul (and an untied LM head) is laid out [N, K], nothing
+    else is."""
+    flat = list(nnx.to_flat_state(params))
+    for path, var in flat:
+        name, axes = path[-1], var.get_metadata()["logical_axes"]
+        matmul_weight = (name.endswith("_proj") or name == "lm_head") and "experts" not in axes
+        assert var.get_metadata().get("transposed", False) == matmul_weight, path
+    q = next(var for path, var in flat if path[-1] == "q_proj")
+    assert q.shape == (cfg.num_heads, cfg.head_dim, cfg.hidden_size)
+
+
+@pytest.mark.parametrize("laid_out", [False, True], ids=["kn", "nk"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_prompt_logits_match_transformers(arch, checkpoints, prompts):
+def test_prompt_logits_match_transformers(arch, laid_out, checkpoints, prompts):
     path, hf_model = checkpoints(arch)
-    ours = ragged_prompt_logits(path, prompts)
+    ours = ragged_prompt_logits(path, prompts, laid_out=laid_out)
     for prompt, got in zip(prompts, ours):
         with torch.no_grad():
             want = hf_model(torch.tensor([prompt])).logits[0].numpy()
         assert want.std() > 0.3, "random logits too flat to compare"
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_laid_out_weights_through_xla_dots(checkpoints, prompts):
+    """[N, K] weights are read right by XLA's dots too (the reference matmul and LM head),
+    where the engine never sends them today."""
+    path, hf_model = checkpoints("qwen3")  # untied LM head, q/k norms
+    ours = ragged_prompt_logits(path, prompts, options=ModelOptions(kernel_impl="reference"),
+                                laid_out=True)
+    for prompt, got in zip(prompts, ours):
+        with torch.no_grad():
+            want = hf_model(torch.tensor([prompt])).logits[0].numpy()
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
@@ -91,7 +121,9 @@ def _generate(path, prompts, **overrides):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_batch_matches_transformers(arch, checkpoints, prompts, hf_continuations):
     path, _ = checkpoints(arch)
-    _, outs = _generate(path, prompts, enable_prefix_caching=False)
+    llm, outs = _generate(path, prompts, enable_prefix_caching=False)
+    # One CPU device with the native matmul: the engine holds the weights [N, K].
+    assert_matmul_weights_transposed(llm.engine.runner.params, ModelConfig.from_file(path))
     for out, prompt, want in zip(outs, prompts, hf_continuations[arch]):
         assert out.prompt_token_ids == prompt
         assert out.outputs[0].token_ids == want

@@ -38,6 +38,7 @@ from jaxserve.loading.eagle import EagleCheckpoint, load_eagle, read_eagle
 from jaxserve.loading.medusa import load_medusa
 from jaxserve.loading.safetensors import load_checkpoint, random_params
 from jaxserve.loading.tokenizer import Tokenizer
+from jaxserve.models.layers import dense_impl, weights_for_native_matmul
 from jaxserve.models.medusa import MedusaHeads
 from jaxserve.outputs import Logprob, StepOutput
 from jaxserve.sampling_params import SamplingParams
@@ -155,6 +156,7 @@ class Engine:
             tree=bool(tree),
             sampled_drafts=sampled_drafts)
         # Multi-host, process 0: a broadcast.StepBroadcaster sends every step to the others.
+        params = self._laid_out(params, shard)
         self.runner = ModelRunner(graphdef, params, shard, self.builder, model_config, kv_dtype,
                                   broadcaster, medusa,
                                   eagle[0].features_from if eagle is not None else ())
@@ -165,6 +167,7 @@ class Engine:
                 draft_cfg, draft_shard, draft_graphdef, draft_params = draft
                 draft_builder = dataclasses.replace(self.builder, num_speculative_tokens=0,
                                                     draft_model=True)
+                draft_params = self._laid_out(draft_params, draft_shard)
                 proposer = DraftModel(ModelRunner(draft_graphdef, draft_params, draft_shard,
                                                   draft_builder, draft_cfg, kv_dtype),
                                       self.runner, config.max_num_batched_tokens,
@@ -175,6 +178,7 @@ class Engine:
                 ckpt, eagle_shard, eagle_graphdef, eagle_params = eagle
                 layer = abstract_kv_cache(ckpt.cfg, self.num_pages, config.page_size, kv_dtype,
                                           eagle_shard)[0]
+                eagle_params = self._laid_out(eagle_params, eagle_shard)
                 proposer = EagleProposer(eagle_graphdef, eagle_params, eagle_shard, layer,
                                          self.runner, config.max_num_batched_tokens,
                                          spec.num_speculative_tokens, tree)
@@ -189,6 +193,13 @@ class Engine:
         self._expert_load = self.runner.expert_load  # as of the last collected step
         self.num_steps = 0  # steps dispatched
         self.num_overlapped_steps = 0  # dispatched while the step before was still running
+
+    def _laid_out(self, params, shard: ShardingContext):
+        """The parameters as the matmuls read them fastest: on one CPU device running the
+        native matmul, the float weights laid out `[N, K]` (in place)."""
+        if shard.mesh.size == 1 and dense_impl(self.config.model_options) == "cpu":
+            return weights_for_native_matmul(params)
+        return params
 
     @classmethod
     def from_config(cls, config: EngineConfig, random_weights_preset: str | None = None,

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig, ModelOptions
-from jaxserve.models.layers import lm_head, param, rms_norm
+from jaxserve.models.layers import is_transposed, lm_head, param, rms_norm
 from jaxserve.models.mlp import MLP
 from jaxserve.models.parallel import RESIDUAL_AXES, dense, real_tokens
 from jaxserve.models.transformer import Attention, AttentionMetadata, Transformer
@@ -56,7 +56,7 @@ class EagleHead(nnx.Module):
         self.options = options
         # EAGLE-1's fc reads [embedding, features]; EAGLE-3's the features alone.
         fc_in = h + feature_size if version == 1 else feature_size
-        self.fc = param(rngs, (fc_in, h), (None, "embed"), dtype)
+        self.fc = param(rngs, (fc_in, h), (None, "embed"), dtype, n_in=1)
         if fc_bias:
             self.fc_bias = param(rngs, (h,), ("embed",), dtype)
         self.attn = Attention(cfg, 0, dtype, rngs, options, shard.rules.kv_head_replicas,
@@ -67,7 +67,7 @@ class EagleHead(nnx.Module):
             self.input_norm = param(rngs, (h,), ("embed",), dtype, init="ones")
             self.hidden_norm = param(rngs, (h,), ("embed",), dtype, init="ones")
             self.norm = param(rngs, (h,), ("embed",), dtype, init="ones")
-            self.lm_head = param(rngs, (h, draft_vocab), ("embed", "vocab"), dtype)
+            self.lm_head = param(rngs, (h, draft_vocab), ("embed", "vocab"), dtype, n_in=1)
             self.draft_to_target = nnx.Param(jnp.zeros(draft_vocab, jnp.int32),
                                              logical_axes=(None,))
 
@@ -112,8 +112,8 @@ class EagleHead(nnx.Module):
         if self.version == 1:
             return target.head_logits(hidden, rows)
         impl = None if self.shard.mesh.size == 1 else "reference"
-        logits = lm_head(self._norm(hidden, self.norm), self.lm_head[...], False, self.options,
-                         impl, rows)
+        logits = lm_head(self._norm(hidden, self.norm), self.lm_head[...],
+                         is_transposed(self.lm_head), self.options, impl, rows)
         return self.shard.constrain(logits, ("seqs", "vocab"))
 
     def to_target(self, ids: jax.Array) -> jax.Array:

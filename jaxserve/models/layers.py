@@ -18,10 +18,12 @@ from pallas_kernels.quantized_matmul import quantized_matmul, quantized_shapes
 
 
 def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str, ...], dtype,
-          init: str = "normal") -> nnx.Param:
+          init: str = "normal", n_in: int | None = None) -> nnx.Param:
     """A parameter tagged with logical axis names (read by sharding.rules).
 
-    Values are random normal (std 0.02) or ones; checkpoints overwrite them at load.
+    Values are random normal (std 0.02) or ones; checkpoints overwrite them at load. A
+    float weight of a matmul is tagged with `n_in`, its number of input dims (its shape is
+    in + out), which `weights_for_native_matmul` uses to lay it out as out + in.
     """
     if init == "ones":
         value = jnp.ones(shape, dtype)
@@ -29,7 +31,9 @@ def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str, ...], 
         value = jnp.zeros(shape, dtype)
     else:
         value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-    return nnx.Param(value, logical_axes=axes)
+    if n_in is None:
+        return nnx.Param(value, logical_axes=axes)
+    return nnx.Param(value, logical_axes=axes, n_in=n_in)
 
 
 def linear(rngs: nnx.Rngs | None, in_shape: tuple[int, ...], out_shape: tuple[int, ...],
@@ -43,7 +47,8 @@ def linear(rngs: nnx.Rngs | None, in_shape: tuple[int, ...], out_shape: tuple[in
     dim, which keeps whole heads on one shard; checkpoints overwrite the zeros at load.
     """
     if quantization is None:
-        return param(rngs, in_shape + out_shape, in_axes + out_axes, dtype), None
+        return param(rngs, in_shape + out_shape, in_axes + out_axes, dtype,
+                     n_in=len(in_shape)), None
     (vshape, vdtype), (sshape, sdtype) = quantized_shapes(
         math.prod(in_shape), math.prod(out_shape), quantization)
     values = nnx.Param(jnp.zeros(vshape, vdtype), logical_axes=(in_axes[0], out_axes[0]))
@@ -54,20 +59,24 @@ def linear(rngs: nnx.Rngs | None, in_shape: tuple[int, ...], out_shape: tuple[in
 
 def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_in: int,
            out_shape: tuple[int, ...], options: ModelOptions, impl: str | None = None,
-           rows: jax.Array | None = None) -> jax.Array:
+           rows: jax.Array | None = None, transposed: bool = False) -> jax.Array:
     """Contract the last `n_in` dims of x with a weight made by `linear` (its values).
 
     A quantized weight runs the quantized-matmul kernel of `impl` (default: the options'
     choice) on x flattened to `[tokens, K]`. A float weight is one XLA dot, or on a CPU
     the native matmul (pallas_kernels/matmul), which computes only the first `rows` tokens
-    (the real ones of a bucket-padded batch) and zeros the rest.
+    (the real ones of a bucket-padded batch) and zeros the rest. A `transposed` float
+    weight is laid out out + in (`weights_for_native_matmul`).
     """
     lead = x.shape[: x.ndim - n_in]
     x2 = x.reshape(math.prod(lead), -1)
     if scales is None:
         if dense_impl(options, impl) == "reference":
+            if transposed:
+                return jnp.tensordot(x, w, axes=(tuple(range(x.ndim - n_in, x.ndim)),
+                                                 tuple(range(w.ndim - n_in, w.ndim))))
             return jnp.tensordot(x, w, axes=n_in)
-        y = dense_matmul(x2, w.reshape(x2.shape[1], -1), rows)
+        y = dense_matmul(x2, _flat(w, x2.shape[1], transposed), rows, transpose_w=transposed)
     else:
         impl = impl or options.kernel_impl
         y = quantized_matmul(x2, w, scales, kind=options.quantization, impl=impl,
@@ -76,12 +85,47 @@ def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_in: int,
 
 
 def matmul_group(x: jax.Array, ws: list[jax.Array], out_shapes: list[tuple[int, ...]],
-                 rows: jax.Array | None = None) -> list[jax.Array]:
+                 rows: jax.Array | None = None, transposed: bool = False) -> list[jax.Array]:
     """Several float weights against the same x (last dim contracted) in one native CPU
     matmul call (see `matmul`), which streams them together for a few tokens."""
     x2 = x.reshape(-1, x.shape[-1])
-    ys = dense_matmuls(x2, [w.reshape(x2.shape[1], -1) for w in ws], rows)
+    ys = dense_matmuls(x2, [_flat(w, x2.shape[1], transposed) for w in ws], rows,
+                       transpose_w=transposed)
     return [y.reshape(x.shape[:-1] + shape) for y, shape in zip(ys, out_shapes)]
+
+
+def _flat(w: jax.Array, k: int, transposed: bool) -> jax.Array:
+    return w.reshape(-1, k) if transposed else w.reshape(k, -1)
+
+
+def is_transposed(w: nnx.Param) -> bool:
+    """Whether a float weight is laid out out + in (`weights_for_native_matmul`)."""
+    return bool(w.get_metadata().get("transposed", False))
+
+
+def weights_for_native_matmul(state: nnx.State) -> nnx.State:
+    """The float matmul weights (the parameters tagged `n_in`) laid out out + in, i.e. as
+    `[N, K]`, tagged `transposed`; `matmul` and `lm_head` read them so.
+
+    For the native CPU matmul with few rows (decode): an `[N, K]` weight is dot products
+    over its rows, one sequential stream per thread, where a `[K, N]` weight streams
+    several rows at once into partial sums: bf16 decode of smollm2-135m's shape 11.3 ms a
+    token against 14.7 ms, and no slower with more rows (docs/kernels.md). The weights are replaced in `state` itself, one at a time, so
+    the peak is one weight more than the model. Only for one device: the weights of a mesh
+    are partitioned by XLA and run its dots.
+    """
+    flat = nnx.to_flat_state(state)
+    for _, var in flat:
+        meta = var.get_metadata()
+        n_in = meta.get("n_in")
+        if n_in is None or meta.get("transposed"):
+            continue
+        value = var.get_value()
+        order = tuple(range(n_in, value.ndim)) + tuple(range(n_in))
+        var.set_value(jnp.transpose(value, order))
+        axes = meta["logical_axes"]
+        var.set_metadata(logical_axes=axes[n_in:] + axes[:n_in], transposed=True)
+    return nnx.from_flat_state(flat)
 
 
 def dense_impl(options: ModelOptions, impl: str | None = None) -> str:
@@ -95,8 +139,8 @@ def dense_impl(options: ModelOptions, impl: str | None = None) -> str:
 
 def lm_head(x: jax.Array, w: jax.Array, transpose_w: bool, options: ModelOptions,
             impl: str | None = None, rows: jax.Array | None = None) -> jax.Array:
-    """float32 logits `x @ w` (`x @ w.T` for a tied embedding `[vocab, hidden]`); on the
-    native path only the first `rows` rows are computed."""
+    """float32 logits `x @ w` (`x @ w.T` for a `[vocab, hidden]` weight: a tied embedding,
+    or a transposed LM head); on the native path only the first `rows` rows are computed."""
     if dense_impl(options, impl) == "reference":
         return (x @ (w.T if transpose_w else w)).astype(jnp.float32)
     return dense_matmul(x, w, rows, transpose_w=transpose_w).astype(jnp.float32)

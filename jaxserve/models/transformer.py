@@ -20,7 +20,7 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig, ModelOptions
 from jaxserve.models.layers import (
-    apply_rope, linear, lm_head, param, rms_norm, rope_inv_freq)
+    apply_rope, is_transposed, linear, lm_head, param, rms_norm, rope_inv_freq)
 from jaxserve.models.mlp import MLP
 from jaxserve.models.moe import MoE
 from jaxserve.models.parallel import (
@@ -190,7 +190,8 @@ class Transformer(nnx.Module):
                                 for i in range(cfg.num_layers)])
         self.norm = param(rngs, (cfg.hidden_size,), ("embed",), dtype, init="ones")
         if not cfg.tie_word_embeddings:
-            self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype)
+            self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype,
+                                 n_in=1)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: KVCache,
                  meta: AttentionMetadata, router_stats: bool = False
@@ -241,8 +242,8 @@ class Transformer(nnx.Module):
         cfg = self.cfg
         tied = cfg.tie_word_embeddings
         impl = None if self.shard.mesh.size == 1 else "reference"  # XLA partitions the dot
-        logits = lm_head(x, self.embed[...] if tied else self.lm_head[...], tied, self.options,
-                         impl, rows)
+        logits = lm_head(x, self.embed[...] if tied else self.lm_head[...],
+                         tied or is_transposed(self.lm_head), self.options, impl, rows)
         if cfg.final_logit_softcap:  # Gemma 2
             logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
         return self.shard.constrain(logits, ("seqs", "vocab"))

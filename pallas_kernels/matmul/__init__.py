@@ -1,7 +1,8 @@
 """Float matmul (f32 or bf16 weights as stored): `y[M, N] = x[M, K] @ w`.
 
 w is `[K, N]` (the model's layout: `jnp.tensordot(x, w, n_in)` with w flattened to 2-D)
-or, with `transpose_w`, `[N, K]` (a tied embedding as LM head). `num_rows` (an int32
+or, with `transpose_w`, `[N, K]` (a tied embedding as LM head; every float weight of the
+engine on one CPU device, where the native kernel reads that layout faster). `num_rows` (an int32
 scalar, traced) says how many leading rows of x are real; the rest of the result is
 zeros. Output in x's dtype, float32 accumulation.
 
