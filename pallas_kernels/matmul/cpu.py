@@ -8,12 +8,14 @@ for its real tokens only.
 
 In the C++ (all of it picks its path per call from the CPU: AVX-512 + AVX512_BF16 here,
 else AVX2+FMA, else plain C++):
-- M <= 6 (decode) is bandwidth-bound, so the weight is read once, in memory order: a
-  [K, N] weight is split by rows of K over the threads (two parts each), every part
-  streaming its rows four at a time across all N columns into its own float32 partial
-  sums, added at the end; bf16 rows are paired in registers (vpunpck{l,h}wd) so one
-  vdpbf16ps multiplies two rows of w by a broadcast pair of x. An [N, K] weight (tied LM
-  head) is dot products, one weight row after the other (1 x 16, 2 x 8 or 4 x 4 tiles).
+- Few rows (decode, a verification of drafts) are bandwidth-bound, so the weight is read
+  once, in memory order. A [K, N] weight (M <= 6) is split by rows of K over the threads
+  (two parts each), every part streaming its rows four at a time across all N columns
+  into its own float32 partial sums, added at the end; bf16 rows are paired in registers
+  (vpunpck{l,h}wd) so one vdpbf16ps multiplies two rows of w by a broadcast pair of x. An
+  [N, K] weight (M <= 24; the engine's layout on one CPU device) is dot products, one
+  weight row after the other (1 x 16, 2 x 8 or 4 x 4 tiles), every row of x against each
+  tile of weight rows while it is in L1.
 - More rows are compute-bound: a task takes a 64-column strip of w and a block of up to
   128 rows, copies the strip once into a panel laid out for the micro-kernel (bf16: each
   pair of K rows interleaved into 32-bit pairs; an [N, K] weight transposed), and runs
