@@ -71,11 +71,9 @@ def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_in: int,
     lead = x.shape[: x.ndim - n_in]
     x2 = x.reshape(math.prod(lead), -1)
     if scales is None:
-        if dense_impl(options, impl) == "reference":
-            if transposed:
-                return jnp.tensordot(x, w, axes=(tuple(range(x.ndim - n_in, x.ndim)),
-                                                 tuple(range(w.ndim - n_in, w.ndim))))
-            return jnp.tensordot(x, w, axes=n_in)
+        if dense_impl(options, impl) == "reference":  # w's in dims lead, or end if transposed
+            w_in = range(w.ndim - n_in, w.ndim) if transposed else range(n_in)
+            return jnp.tensordot(x, w, axes=(tuple(range(x.ndim - n_in, x.ndim)), tuple(w_in)))
         y = dense_matmul(x2, _flat(w, x2.shape[1], transposed), rows, transpose_w=transposed)
     else:
         impl = impl or options.kernel_impl
@@ -110,9 +108,10 @@ def weights_for_native_matmul(state: nnx.State) -> nnx.State:
     For the native CPU matmul with few rows (decode): an `[N, K]` weight is dot products
     over its rows, one sequential stream per thread, where a `[K, N]` weight streams
     several rows at once into partial sums: bf16 decode of smollm2-135m's shape 11.3 ms a
-    token against 14.7 ms, and no slower with more rows (docs/kernels.md). The weights are replaced in `state` itself, one at a time, so
-    the peak is one weight more than the model. Only for one device: the weights of a mesh
-    are partitioned by XLA and run its dots.
+    token against 14.7 ms, and no slower with more rows (docs/kernels.md). The weights are
+    replaced in `state` itself, one at a time, so the peak is one weight more than the
+    model. Only for one device: the weights of a mesh are partitioned by XLA and run its
+    dots.
     """
     flat = nnx.to_flat_state(state)
     for _, var in flat:

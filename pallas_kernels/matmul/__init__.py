@@ -2,9 +2,9 @@
 
 w is `[K, N]` (the model's layout: `jnp.tensordot(x, w, n_in)` with w flattened to 2-D)
 or, with `transpose_w`, `[N, K]` (a tied embedding as LM head; every float weight of the
-engine on one CPU device, where the native kernel reads that layout faster). `num_rows` (an int32
-scalar, traced) says how many leading rows of x are real; the rest of the result is
-zeros. Output in x's dtype, float32 accumulation.
+engine on one CPU device, where the native kernel reads that layout faster). `num_rows`
+(an int32 scalar, traced) says how many leading rows of x are real; the rest of the
+result is zeros. Output in x's dtype, float32 accumulation.
 
 Implementations, one signature:
 - "reference" (reference.py): one XLA dot (HIGHEST precision). The truth, and the path
