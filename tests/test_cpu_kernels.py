@@ -142,22 +142,26 @@ def test_matmul_every_isa(m, isa):
             check_matmul(m, 129, 70, dtype, transpose_w, m - 1, seed=[m, 3])
 
 
-@pytest.mark.parametrize("m", [1, 4, 6, 7, 64])
-def test_weights_sharing_x_in_one_call(m, isa):
-    """`matmuls` (q/k/v, gate/up in one call: few rows stream the weights together, more
-    run them one by one): every result within the bound of its own exact product."""
+@pytest.mark.parametrize("transpose_w", [False, True], ids=["KN", "NK"])
+@pytest.mark.parametrize("m", [1, 4, 6, 7, 26, 64])
+def test_weights_sharing_x_in_one_call(m, transpose_w, isa):
+    """`matmuls` (q/k/v, gate/up in one call: few rows stream the weights together, [N, K]
+    ones in one parallel loop over blocks of all of them; more rows run them one by one):
+    every result within the bound of its own exact product."""
     from pallas_kernels.matmul import matmuls
 
     rng = np.random.default_rng([m, 11])
-    k, ns = 96, (70, 16, 33)
+    k, ns = 96, (70, 16, 33, 300)  # 300 rows of [N, K]: more than one block of that weight
     for dtype in (jnp.float32, jnp.bfloat16):
         x = jnp.asarray(rng.standard_normal((m, k)), dtype)
-        ws = [jnp.asarray(rng.standard_normal((k, n)), dtype) for n in ns]
+        ws = [jnp.asarray(rng.standard_normal((n, k) if transpose_w else (k, n)), dtype)
+              for n in ns]
         real = max(1, m - 1)
-        ys = jax.jit(lambda x, ws, r: matmuls(x, ws, r, impl="cpu"))(x, ws, jnp.int32(real))
+        ys = jax.jit(lambda x, ws, r: matmuls(x, ws, r, transpose_w=transpose_w, impl="cpu")
+                     )(x, ws, jnp.int32(real))
         assert [y.shape for y in ys] == [(m, n) for n in ns]
         for w, y in zip(ws, ys):
-            exact, magnitude = exact_matmul(x, w, False)
+            exact, magnitude = exact_matmul(x, w, transpose_w)
             bound = matmul_bound(exact, magnitude, k, dtype)[:real]
             got = np.asarray(y, np.float64)
             assert np.abs(exact[:real]).max() > 100 * bound.max()
@@ -406,6 +410,46 @@ def test_attention_no_real_sequences():
     out = ragged_paged_attention(**batch, sm_scale=0.125, impl="cpu")
     assert np.all(np.asarray(out) == 0)
 
+
+
+@pytest.mark.parametrize("pool", ["float32", "bfloat16", "bits"])
+def test_write_kv_native(pool):
+    """The native K/V writer puts each token's rows at its slot of every head, casts them to
+    the pool's dtype, skips padding slots and leaves every other slot as it was; donated
+    pages are written in place (no copy of the pool in the compiled program)."""
+    from pallas_kernels.ragged_paged_attention import write_kv
+
+    rng = np.random.default_rng(5)
+    heads, pages, page_size, d = 3, 6, 4, 16
+    old = rng.standard_normal((2, heads, pages, page_size, d)).astype(np.float32)
+    dtype = jnp.float32 if pool == "float32" else jnp.bfloat16
+    old = np.asarray(jnp.asarray(old, dtype).astype(jnp.float32))  # representable values
+    new = rng.standard_normal((2, 5, heads, d)).astype(np.float32)
+    slots = np.array([7, pages * page_size, 0, 23, pages * page_size], np.int32)  # 2 padding
+    want = old.copy()
+    for t, slot in enumerate(slots):
+        if slot < pages * page_size:
+            for i in range(2):
+                want[i, :, slot // page_size, slot % page_size] = np.asarray(
+                    jnp.asarray(new[i, t], dtype).astype(jnp.float32))
+    as_pool = (lambda x: as_bits(jnp.asarray(x, dtype))) if pool == "bits" else (
+        lambda x: jnp.asarray(x, dtype))
+    write = jax.jit(lambda k, v, nk, nv, s: write_kv(k, v, nk, nv, s), donate_argnums=(0, 1))
+    args = (jnp.asarray(new[0]), jnp.asarray(new[1]), jnp.asarray(slots))
+    text = write.lower(as_pool(old[0]), as_pool(old[1]), *args).compile().as_text()
+    assert "jaxserve_write_kv" in text and " copy(" not in text
+    donated = [as_pool(old[0]).copy(), as_pool(old[1]).copy()]  # owned, not numpy's memory
+    where = [x.unsafe_buffer_pointer() for x in donated]
+    in_place = write(*donated, *args)
+    assert [x.unsafe_buffer_pointer() for x in in_place] == where
+    for got in (in_place, write_kv(as_pool(old[0]), as_pool(old[1]), *args)):  # not donated
+        for i in range(2):
+            assert got[i].dtype == as_pool(old[0]).dtype
+            np.testing.assert_array_equal(np.asarray(as_values(got[i]).astype(jnp.float32)),
+                                          want[i])
+    with pytest.raises(ValueError, match="unquantized"):
+        write_kv(*(jnp.zeros((1, 2, 2, 4), jnp.int8),) * 2, *(jnp.ones((1, 1, 4)),) * 2,
+                 jnp.zeros(1, jnp.int32), *(jnp.ones((1, 2, 2)),) * 2, impl="cpu")
 
 # -------------------------------------------------------------------------------- build
 

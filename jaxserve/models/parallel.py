@@ -154,8 +154,12 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple[jax.Arra
     if manual:  # a kernel must see no automatic axis, not even one of size 1
         manual |= {a for a, n in shard.mesh.shape.items() if n == 1}
 
+    # The native CPU writer is a kernel too: only where no mesh axis is partitioned for it.
+    whole = all(n == 1 or a in manual for a, n in shard.mesh.shape.items())
+    write_impl = None if whole else "xla"
+
     def local(q, k, v, kv, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, tree):
-        kv = write_kv(kv[0], kv[1], k, v, slot_mapping, *kv[2:])
+        kv = write_kv(kv[0], kv[1], k, v, slot_mapping, *kv[2:], impl=write_impl)
         scales = dict(k_scales=kv[2], v_scales=kv[3]) if len(kv) == 4 else {}
         out = ragged_paged_attention(q, kv[0], kv[1], kv_lens, page_indices, cu_q_lens,
                                      num_seqs[0], impl=impl, interpret=options.interpret,

@@ -1,8 +1,9 @@
 """Native CPU kernels: `kernels.cc`, built on first use and called through the XLA FFI.
 
-Two FFI targets for platform "cpu": `jaxserve_matmul` (float matmul, f32 or bf16) and
-`jaxserve_ragged_paged_attention`; their Python faces are `pallas_kernels/matmul/cpu.py`
-and `pallas_kernels/ragged_paged_attention/cpu.py`.
+Three FFI targets for platform "cpu": `jaxserve_matmul` (float matmul, f32 or bf16),
+`jaxserve_ragged_paged_attention` and `jaxserve_write_kv` (new K/V into the paged cache,
+in place); their Python faces are `pallas_kernels/matmul/cpu.py`,
+`pallas_kernels/ragged_paged_attention/cpu.py` and `.../kv_cache.py`.
 
 The shared library is compiled with the system C++ compiler (`$CXX`, else g++, else c++)
 into `<cache root>/cpu_kernels/<key>/`, where the cache root is `$JAXSERVE_CACHE` (default
@@ -38,7 +39,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("kernels.cc")
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
 TARGETS = {"jaxserve_matmul": "JaxserveMatmul",
-           "jaxserve_ragged_paged_attention": "JaxserveRaggedPagedAttention"}
+           "jaxserve_ragged_paged_attention": "JaxserveRaggedPagedAttention",
+           "jaxserve_write_kv": "JaxserveWriteKv"}
 ISA_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}
 BUILD_TIMEOUT_S = 600
 

@@ -20,8 +20,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import cpu as native
 from pallas_kernels.platform import current_platform
 
+WRITE_IMPLS = ("xla", "cpu")
 QUANTIZED_KV_MAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
 BITS = jnp.dtype(jnp.uint16)  # a bf16 pool stored as its bits
 
@@ -65,21 +67,45 @@ def quantize_kv(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
 
 def write_kv(
     k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array,
-    k_scales: jax.Array | None = None, v_scales: jax.Array | None = None,
+    k_scales: jax.Array | None = None, v_scales: jax.Array | None = None, *,
+    impl: str | None = None,
 ) -> tuple[jax.Array, ...]:
     """Store new tokens' K/V `[T, num_kv_heads, head_dim]` at flat slots `page * page_size + row`.
 
     Slots outside the pool (padding tokens use `num_pages * page_size`) are dropped. With
     scales (a quantized cache) the tokens are quantized first and the result is
     `(k_pages, v_pages, k_scales, v_scales)`, else `(k_pages, v_pages)`.
+
+    `impl`: "xla" (a scatter; what every accelerator runs) or "cpu" (the native writer,
+    `jaxserve_write_kv`: a copy of each new row into its slot, in place when the caller
+    donates the pages). None: "cpu" for an unquantized cache on a CPU where the native
+    kernels run. XLA:CPU makes one token's scatter a read of the old row, a select and a
+    dynamic-update-slice per pool, six small programs per layer where the native writer is
+    one call.
     """
+    if impl is None:
+        impl = "cpu" if k_scales is None and current_platform() == "cpu" and native.available() else "xla"
+    if impl not in WRITE_IMPLS:
+        raise ValueError(f"write_kv impl must be one of {WRITE_IMPLS}, got {impl!r}")
+    if impl == "cpu" and k_scales is not None:
+        raise ValueError("the native K/V writer takes unquantized caches only (impl='xla')")
+    if impl == "cpu" and not native.available():
+        raise RuntimeError(f"native CPU kernels unavailable: {native.unavailable_reason()}")
     shape = k_pages.shape
     flat = (shape[0], shape[1] * shape[2], shape[3])
 
+    def rows(pages, x):  # x in the pool's dtype (its bits for a pool of bits)
+        x = x.astype(logical_dtype(pages))
+        return as_bits(x) if pages.dtype == BITS else x
+
+    if impl == "cpu":
+        out = jax.ShapeDtypeStruct(shape, k_pages.dtype)
+        call = jax.ffi.ffi_call("jaxserve_write_kv", (out, out), input_output_aliases={0: 0, 1: 1})
+        return tuple(call(k_pages, v_pages, rows(k_pages, k), rows(v_pages, v),
+                          slot_mapping.astype(jnp.int32)))
+
     def put(pages, x):
-        x = x.astype(logical_dtype(pages)).transpose(1, 0, 2)  # [Hkv, T, D]
-        if pages.dtype == BITS:
-            x = as_bits(x)
+        x = rows(pages, x).transpose(1, 0, 2)  # [Hkv, T, D]
         return pages.reshape(flat).at[:, slot_mapping].set(x, mode="drop").reshape(shape)
 
     def put_scales(scales, s):
