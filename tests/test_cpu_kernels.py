@@ -451,6 +451,87 @@ def test_write_kv_native(pool):
         write_kv(*(jnp.zeros((1, 2, 2, 4), jnp.int8),) * 2, *(jnp.ones((1, 1, 4)),) * 2,
                  jnp.zeros(1, jnp.int32), *(jnp.ones((1, 2, 2)),) * 2, impl="cpu")
 
+
+# ----------------------------------------------------------------------------- row-wise ops
+
+def as_dtype(x, dtype):
+    """float64 values rounded to `dtype` (numpy's float32 or ml_dtypes' bfloat16)."""
+    np_dtype = ml_dtypes.bfloat16 if dtype == jnp.bfloat16 else np.float32
+    return np.asarray(np.asarray(x, np.float64).astype(np_dtype), np.float64)
+
+
+def assert_close_to_oracle(got, want, dtype, terms: int = 0, exp_arg=None, scale=1.0):
+    """`want` is the float64 oracle rounded as the op rounds. bf16: the kernel's float32
+    math may land on the other side of a rounding boundary, one unit in the last place at
+    most and nearly never. float32: the worst case of its roundings, a sum of `terms`
+    squares (gamma(terms)), a handful of operations, and e^a's relative error |a| times
+    the few roundings of a (`exp_arg`). Below float32's normal range times `scale` (the
+    input's size: g / (1 + e^-g) is 0 once e^-g overflows), absolutely."""
+    got = np.asarray(got, np.float64)
+    if dtype == jnp.bfloat16:
+        bound = 2.0**-7 * np.abs(want)
+        assert np.mean(got == want) > 0.97
+    else:
+        amplified = 0 if exp_arg is None else 4 * np.abs(exp_arg)
+        bound = (gamma(terms) + (8 + amplified) * U32) * np.abs(want)
+    bound = bound + np.finfo(np.float32).tiny * scale
+    assert np.all(np.abs(got - want) <= bound), np.abs(got - want).max()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_gated_activation_matches_float64(act, dtype, isa):
+    """act(gate) * up on the real rows, zeros past them: act in float64 rounded to the dtype
+    (as transformers computes silu / tanh gelu of a bf16 tensor), times up, rounded; inputs
+    from -100 to 100 (exp's clamps, both signs)."""
+    from pallas_kernels.rows import gated_activation
+
+    rng = np.random.default_rng(4)
+    gate = rng.standard_normal((9, 300)) * 4
+    gate[0, :5] = [-100.0, -90.0, 0.0, 90.0, 100.0]
+    gate, up = jnp.asarray(gate, dtype), jnp.asarray(rng.standard_normal((9, 300)), dtype)
+    got = jax.jit(lambda g, u: gated_activation(g, u, act, rows=7, impl="cpu"))(gate, up)
+    g = np.asarray(gate, np.float64)
+    # silu = g / (1 + e^-g); tanh gelu = 0.5 g (1 + tanh(z)) = g / (1 + e^-2z), no cancellation
+    arg = -g if act == "silu" else -2 * np.sqrt(2 / np.pi) * (g + 0.044715 * g**3)
+    a = g / (1 + np.exp(np.minimum(arg, 700)))
+    want = as_dtype(as_dtype(a, dtype) * np.asarray(up, np.float64), dtype)
+    assert got.dtype == dtype and got.shape == gate.shape
+    assert_close_to_oracle(got[:7], want[:7], dtype, exp_arg=arg[:7], scale=1 + np.abs(g[:7]))
+    assert np.all(np.asarray(got[7:], np.float32) == 0)
+    assert np.abs(want[:7]).max() > 1  # a signal, not zeros
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add+norm"])
+@pytest.mark.parametrize("offset", [False, True], ids=["llama", "gemma"])
+def test_rms_norm_matches_float64(offset, residual, dtype, isa):
+    """RMSNorm (of x + residual, which is returned rounded) on the real rows, zeros past
+    them, against float64 with the roundings of layers.rms_norm / transformers: x * rsqrt
+    rounded, then its product with w (Gemma: x * rsqrt * (1 + w), rounded once)."""
+    from pallas_kernels.rows import rms_norm
+
+    rng = np.random.default_rng([offset, residual])
+    x = jnp.asarray(rng.standard_normal((6, 257)) * 3, dtype)  # K past a vector width
+    r = jnp.asarray(rng.standard_normal((6, 257)), dtype) if residual else None
+    w = jnp.asarray(rng.standard_normal(257), dtype)
+    got = jax.jit(lambda x, r: rms_norm(x, w, 1e-6, offset, residual=r, rows=5, impl="cpu"))(x, r)
+    s = np.asarray(x, np.float64)
+    if residual:
+        got, got_sum = got
+        s = as_dtype(s + np.asarray(r, np.float64), dtype)
+        np.testing.assert_array_equal(np.asarray(got_sum[:5], np.float64), s[:5])
+        assert np.all(np.asarray(got_sum[5:], np.float32) == 0)
+    normed = s / np.sqrt(np.mean(s * s, axis=-1, keepdims=True) + 1e-6)
+    w64 = np.asarray(w, np.float64)
+    want = (as_dtype(normed * (1 + w64), dtype) if offset
+            else as_dtype(w64 * as_dtype(normed, dtype), dtype))
+    assert got.dtype == dtype
+    assert_close_to_oracle(got[:5], want[:5], dtype, terms=257)
+    assert np.all(np.asarray(got[5:], np.float32) == 0)
+    assert np.abs(want[:5]).max() > 1
+
+
 # -------------------------------------------------------------------------------- build
 
 def run_python(code: str, **env) -> subprocess.CompletedProcess:

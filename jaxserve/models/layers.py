@@ -15,6 +15,7 @@ from pallas_kernels.matmul import default_impl as default_dense_impl
 from pallas_kernels.matmul import matmul as dense_matmul
 from pallas_kernels.matmul import matmuls as dense_matmuls
 from pallas_kernels.quantized_matmul import quantized_matmul, quantized_shapes
+from pallas_kernels.rows import ACTIVATIONS, rms_norm_reference
 
 
 def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str, ...], dtype,
@@ -145,20 +146,19 @@ def lm_head(x: jax.Array, w: jax.Array, transpose_w: bool, options: ModelOptions
     return dense_matmul(x, w, rows, transpose_w=transpose_w).astype(jnp.float32)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: bool = False) -> jax.Array:
-    """RMSNorm computed in float32, scaled in the input dtype (as Hugging Face Llama does);
-    with `offset` (Gemma), scaled by `1 + weight` in float32 and then cast."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    if offset:
-        return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
-    return weight * x32.astype(x.dtype)
+rms_norm = rms_norm_reference  # the models' norm on every row (XLA; rows_impl for the kernel)
+
+
+def rows_impl(options: ModelOptions, rows: jax.Array | None) -> str:
+    """Who computes the row-wise ops (pallas_kernels/rows.py: norms, gated activations):
+    the native kernels, on the real rows only, where the float matmuls are native and the
+    real row count is known (one device); else XLA on every row."""
+    return "cpu" if rows is not None and dense_impl(options) == "cpu" else "reference"
 
 
 def activation(name: str):
     """The MLP's gate activation by its config name: SwiGLU's silu, GeGLU's tanh gelu."""
-    return {"silu": jax.nn.silu,
-            "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}[name]
+    return ACTIVATIONS[name]
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:

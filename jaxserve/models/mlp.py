@@ -9,8 +9,9 @@ import jax
 from flax import nnx
 
 from jaxserve.config import ModelConfig, ModelOptions
-from jaxserve.models.layers import activation, linear
+from jaxserve.models.layers import linear, rows_impl
 from jaxserve.models.parallel import dense_group, row_parallel
+from pallas_kernels.rows import gated_activation
 from sharding.rules import ShardingContext
 
 
@@ -33,7 +34,7 @@ class MLP(nnx.Module):
         gate, up = dense_group(x, [(self.gate_proj, self.gate_proj_scales, (m,)),
                                    (self.up_proj, self.up_proj_scales, (m,))],
                                self.options, shard, rows)
-        h = activation(self.act)(gate) * up
+        h = gated_activation(gate, up, self.act, rows=rows, impl=rows_impl(self.options, rows))
         h = shard.constrain(h, ("tokens", "mlp"))
         return row_parallel(h, self.down_proj, self.down_proj_scales, 1, (e,), self.options,
                             shard, rows)

@@ -20,12 +20,13 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig, ModelOptions
 from jaxserve.models.layers import (
-    apply_rope, is_transposed, linear, lm_head, param, rms_norm, rope_inv_freq)
+    apply_rope, is_transposed, linear, lm_head, param, rms_norm, rope_inv_freq, rows_impl)
 from jaxserve.models.mlp import MLP
 from jaxserve.models.moe import MoE
 from jaxserve.models.parallel import (
     KV_CACHE_AXES, NEW_KV_AXES, Q_AXES, RESIDUAL_AXES, dense_group, paged_attention,
     real_token_mask, real_tokens, row_parallel)
+from pallas_kernels.rows import rms_norm as rows_rms_norm
 from sharding.rules import ShardingContext
 
 # Per layer: (k_pages, v_pages), plus (k_scales, v_scales) for a quantized cache.
@@ -150,31 +151,33 @@ class Block(nnx.Module):
         self.eps = cfg.rms_norm_eps
         self.offset = cfg.norm_offset
         self.sandwich = cfg.sandwich_norms
+        self.options = options
 
-    def _norm(self, x, weight):
-        return rms_norm(x, weight[...], self.eps, self.offset)
+    def _norm(self, x, weight, rows=None, residual=None):
+        """RMSNorm (of x + residual, returning the sum too: pallas_kernels.rows)."""
+        return rows_rms_norm(x, weight[...], self.eps, self.offset, residual=residual,
+                             rows=rows, impl=rows_impl(self.options, rows))
 
     def __call__(self, x, positions, kv, meta, shard, rows=None, router_stats=False):
         # The residual stream ("residual" axis) is split over tokens under sequence
         # parallelism: the norms run on a shard, an all-gather rebuilds all tokens before
         # the column-split matmuls ("tokens" axis), and the row-split matmuls' partial sums
         # go straight back to token shards (a reduce-scatter instead of an all-reduce).
-        h = shard.constrain(self._norm(x, self.input_norm), ("tokens", "embed"))
+        h = shard.constrain(self._norm(x, self.input_norm, rows), ("tokens", "embed"))
         h, kv = self.attn(h, positions, kv, meta, shard, rows)
         h = shard.constrain(h, RESIDUAL_AXES)
         if self.sandwich:
-            x = x + self._norm(h, self.post_attn_norm)
-            h = self._norm(x, self.pre_mlp_norm)
+            x = x + self._norm(h, self.post_attn_norm, rows)
+            h = self._norm(x, self.pre_mlp_norm, rows)
         else:
-            x = x + h
-            h = self._norm(x, self.post_attn_norm)
+            h, x = self._norm(x, self.post_attn_norm, rows, residual=h)
         h = shard.constrain(h, ("tokens", "embed"))
         if isinstance(self.mlp, MoE):  # padding tokens are routed to no expert
             h = self.mlp(h, shard, rows, real_token_mask(meta, h.shape[0]), router_stats)
         else:
             h = self.mlp(h, shard, rows)
         h = shard.constrain(h, RESIDUAL_AXES)
-        x = x + (self._norm(h, self.post_mlp_norm) if self.sandwich else h)
+        x = x + (self._norm(h, self.post_mlp_norm, rows) if self.sandwich else h)
         return x, kv
 
 

@@ -1,9 +1,11 @@
 """Native CPU kernels: `kernels.cc`, built on first use and called through the XLA FFI.
 
-Three FFI targets for platform "cpu": `jaxserve_matmul` (float matmul, f32 or bf16),
-`jaxserve_ragged_paged_attention` and `jaxserve_write_kv` (new K/V into the paged cache,
-in place); their Python faces are `pallas_kernels/matmul/cpu.py`,
-`pallas_kernels/ragged_paged_attention/cpu.py` and `.../kv_cache.py`.
+FFI targets for platform "cpu": `jaxserve_matmul` (float matmul, f32 or bf16),
+`jaxserve_ragged_paged_attention`, `jaxserve_write_kv` (new K/V into the paged cache, in
+place), `jaxserve_rms_norm` and `jaxserve_gated_act` (row-wise ops on the real rows);
+their Python faces are `pallas_kernels/matmul/cpu.py`,
+`pallas_kernels/ragged_paged_attention/cpu.py`, `.../kv_cache.py` and
+`pallas_kernels/rows.py`.
 
 The shared library is compiled with the system C++ compiler (`$CXX`, else g++, else c++)
 into `<cache root>/cpu_kernels/<key>/`, where the cache root is `$JAXSERVE_CACHE` (default
@@ -40,7 +42,9 @@ SOURCE = Path(__file__).with_name("kernels.cc")
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
 TARGETS = {"jaxserve_matmul": "JaxserveMatmul",
            "jaxserve_ragged_paged_attention": "JaxserveRaggedPagedAttention",
-           "jaxserve_write_kv": "JaxserveWriteKv"}
+           "jaxserve_write_kv": "JaxserveWriteKv",
+           "jaxserve_rms_norm": "JaxserveRmsNorm",
+           "jaxserve_gated_act": "JaxserveGatedAct"}
 ISA_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}
 BUILD_TIMEOUT_S = 600
 

@@ -8,6 +8,9 @@
 //                                    pallas_kernels/ragged_paged_attention/reference.py.
 //   jaxserve_write_kv                new tokens' K/V into the paged cache, in place
 //                                    (kv_cache.write_kv).
+//   jaxserve_rms_norm                RMSNorm of the real rows, optionally after adding the
+//                                    residual (pallas_kernels/rows.py).
+//   jaxserve_gated_act               act(gate) * up of the real rows (silu, tanh gelu).
 //
 // One portable .so: the code is compiled for baseline x86-64 (or whatever the compiler
 // targets), and the fast paths are functions compiled for AVX-512 (+ AVX512_BF16) or
@@ -1214,6 +1217,169 @@ void Matmul(const Runner& run, const Mm& a) {
 }
 
 // ==========================================================================================
+// Row-wise ops on the real rows: RMSNorm (optionally after a residual add) and gated
+// activations. Plain C++ over f32, compiled three times (scalar, AVX2, AVX-512) so the
+// compiler vectorises the column loops; rows >= num_rows are written as zeros.
+// ==========================================================================================
+
+enum RowsAct : int { kActSilu = 0, kActGeluTanh = 1 };
+
+// e^x, branch-free so that loops over it vectorise: 2^n * p(r) with r = x - n ln 2 and
+// Cephes' degree-6 polynomial (about 1 ulp of float32 on [-87, 88.7], +inf above).
+JS_INLINE float ExpF32(float x) {
+  // Selects, and an integer from the bits of a float (a clamp before a float -> int
+  // conversion, or a libm floor, keeps GCC from vectorising the loop around this).
+  x = x < -87.0f ? -87.0f : x;  // e^-87: nothing beside the 1 that act() adds it to
+  x = x > 89.0f ? 89.0f : x;    // n = 128: +inf, as e^x overflows
+  const float big = x * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: rounds to an integer
+  const float n = big - 12582912.0f;
+  int32_t ni;
+  std::memcpy(&ni, &big, sizeof(ni));
+  ni -= 0x4B400000;  // the bits of 12582912.0f
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (ni + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+template <int kAct>
+JS_INLINE float Activate(float g) {
+  if (kAct == kActSilu) return g / (1.0f + ExpF32(-g));
+  // tanh-approximated gelu: 0.5 g (1 + tanh(z)) = g / (1 + e^(-2z)), no cancellation
+  const float z = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+  return g / (1.0f + ExpF32(-2.0f * z));
+}
+
+// Branch-free conversions for the vectorised loops below (same results as the scalar ones).
+template <typename T>
+JS_INLINE float Widen(T v) {
+  if constexpr (sizeof(T) == 4) {
+    return v;
+  } else {
+    const uint32_t bits = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+}
+
+template <typename T>
+JS_INLINE T Narrow(float f) {
+  if constexpr (sizeof(T) == 4) {
+    return f;
+  } else {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const uint32_t nan = (u >> 16) | 0x40u;
+    return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+  }
+}
+
+struct RowsOp {
+  const void* a;   // x (norm) or gate (gated activation) [M, K]
+  const void* b;   // residual (norm, or null) or up (gated activation) [M, K]
+  const void* w;   // norm weight [K]
+  void* y;         // [M, K]
+  void* sum;       // norm with a residual: x + residual [M, K]
+  int64_t m, k;
+  float eps;
+  bool offset;     // Gemma: scale by (1 + w) in float32
+  int act;
+};
+
+// y = act(g) * u, act(g) rounded to T before the product (as the reference, and as
+// transformers computes it in bf16), float32 inside act.
+template <typename T, int kAct>
+JS_INLINE void GatedRow(const RowsOp& o, int64_t r) {
+  const T* g = static_cast<const T*>(o.a) + r * o.k;
+  const T* u = static_cast<const T*>(o.b) + r * o.k;
+  T* y = static_cast<T*>(o.y) + r * o.k;
+  for (int64_t c = 0; c < o.k; ++c)
+    y[c] = Narrow<T>(Widen<T>(Narrow<T>(Activate<kAct>(Widen<T>(g[c])))) * Widen<T>(u[c]));
+}
+
+// As rows.rms_norm_reference: s = x (+ residual, rounded to T); x32 * rsqrt(mean(x32^2) +
+// eps), rounded to T, times w rounded to T (offset: times 1 + w in float32, rounded once).
+template <typename T>
+JS_INLINE void NormRow(const RowsOp& o, int64_t r) {
+  const T* x = static_cast<const T*>(o.a) + r * o.k;
+  const T* w = static_cast<const T*>(o.w);
+  T* y = static_cast<T*>(o.y) + r * o.k;
+  float part[16] = {};
+  const int64_t k16 = o.k / 16 * 16;
+  if (o.b != nullptr) {
+    const T* res = static_cast<const T*>(o.b) + r * o.k;
+    T* s = static_cast<T*>(o.sum) + r * o.k;
+    for (int64_t c = 0; c < o.k; ++c) s[c] = Narrow<T>(Widen<T>(x[c]) + Widen<T>(res[c]));
+    x = s;
+  }
+  for (int64_t c = 0; c < k16; c += 16)
+    for (int l = 0; l < 16; ++l) part[l] += Widen<T>(x[c + l]) * Widen<T>(x[c + l]);
+  for (int64_t c = k16; c < o.k; ++c) part[c - k16] += Widen<T>(x[c]) * Widen<T>(x[c]);
+  float sq = 0.0f;
+  for (int l = 0; l < 16; ++l) sq += part[l];
+  const float inv = 1.0f / std::sqrt(sq / static_cast<float>(o.k) + o.eps);
+  if (o.offset) {
+    for (int64_t c = 0; c < o.k; ++c)
+      y[c] = Narrow<T>(Widen<T>(x[c]) * inv * (1.0f + Widen<T>(w[c])));
+  } else {
+    for (int64_t c = 0; c < o.k; ++c)
+      y[c] = Narrow<T>(Widen<T>(w[c]) * Widen<T>(Narrow<T>(Widen<T>(x[c]) * inv)));
+  }
+}
+
+template <typename T>
+JS_INLINE void RowsTask(const RowsOp& o, bool norm, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    if (norm) {
+      NormRow<T>(o, r);
+    } else if (o.act == kActSilu) {
+      GatedRow<T, kActSilu>(o, r);
+    } else {
+      GatedRow<T, kActGeluTanh>(o, r);
+    }
+  }
+}
+
+void ScalarRows(const RowsOp& o, bool norm, bool bf16, int64_t r0, int64_t r1) {
+  bf16 ? RowsTask<uint16_t>(o, norm, r0, r1) : RowsTask<float>(o, norm, r0, r1);
+}
+#if JS_X86
+JS_AVX2 void Avx2Rows(const RowsOp& o, bool norm, bool bf16, int64_t r0, int64_t r1) {
+  bf16 ? RowsTask<uint16_t>(o, norm, r0, r1) : RowsTask<float>(o, norm, r0, r1);
+}
+JS_AVX512 void Avx512Rows(const RowsOp& o, bool norm, bool bf16, int64_t r0, int64_t r1) {
+  bf16 ? RowsTask<uint16_t>(o, norm, r0, r1) : RowsTask<float>(o, norm, r0, r1);
+}
+#endif
+
+// Splits the rows over the threads when there is enough work (16K elements a task).
+void Rows(const Runner& run, const RowsOp& o, bool norm, bool bf16) {
+  const int isa = CurrentIsa();
+  auto rows = [&](int64_t r0, int64_t r1) {
+#if JS_X86
+    if (isa >= kAvx512) return Avx512Rows(o, norm, bf16, r0, r1);
+    if (isa >= kAvx2) return Avx2Rows(o, norm, bf16, r0, r1);
+#endif
+    (void)isa;
+    ScalarRows(o, norm, bf16, r0, r1);
+  };
+  const int64_t per = std::max<int64_t>(1, (16384 + o.k - 1) / std::max<int64_t>(o.k, 1));
+  const int64_t tasks = CeilDiv(o.m, per);
+  if (tasks <= 1) return rows(0, o.m);
+  run.For(tasks, [&](int64_t i) { rows(i * per, std::min(o.m, (i + 1) * per)); });
+}
+
+// ==========================================================================================
 // Ragged paged attention
 // ==========================================================================================
 
@@ -2229,6 +2395,69 @@ ffi::Error WriteKvImpl(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyB
   return ffi::Error::Success();
 }
 
+// Row-wise ops: shapes and dtypes of [M, K] operands and results, the rows past num_rows
+// zeroed. `a` is x (norm) or the gate; `b` the residual (norm; empty: none) or up.
+ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer w,
+                    ffi::Buffer<ffi::S32> num_rows, ffi::RemainingRets outs, bool norm,
+                    const char* name, RowsOp o) {
+  auto bad = [&](const std::string& what) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": " + what);
+  };
+  const auto ad = a.dimensions();
+  const ffi::DataType dt = a.element_type();
+  if (ad.size() != 2) return bad("operands must be 2-D");
+  if (dt != ffi::DataType::F32 && dt != ffi::DataType::BF16) return bad("f32 or bf16 only");
+  if (num_rows.element_count() != 1) return bad("num_rows must be a scalar");
+  const bool with_b = !norm || b.element_count() > 0;
+  if (with_b && (b.element_type() != dt || b.element_count() != a.element_count()))
+    return bad("the second operand must match the first");
+  if (norm && (w.element_type() != dt || w.element_count() != static_cast<size_t>(ad[1])))
+    return bad("the weight must be [K] in the operands' dtype");
+  const size_t want = norm && with_b ? 2 : 1;
+  if (outs.size() != want) return bad("wrong number of results");
+  void* ys[2] = {nullptr, nullptr};
+  for (size_t i = 0; i < want; ++i) {
+    auto y = outs.get<ffi::AnyBuffer>(i);
+    if (!y.has_value() || (*y)->element_type() != dt ||
+        (*y)->element_count() != a.element_count())
+      return bad("results must match the operands");
+    ys[i] = (*y)->untyped_data();
+  }
+  const int64_t m_all = ad[0];
+  o.k = ad[1];
+  o.m = std::clamp<int64_t>(num_rows.typed_data()[0], 0, m_all);
+  o.a = a.untyped_data();
+  o.b = with_b ? b.untyped_data() : nullptr;
+  o.w = w.untyped_data();
+  o.y = ys[0];
+  o.sum = ys[1];
+  const size_t esize = dt == ffi::DataType::BF16 ? 2 : 4;
+  const size_t done = static_cast<size_t>(o.m * o.k) * esize;
+  const size_t all = static_cast<size_t>(m_all * o.k) * esize;
+  for (size_t i = 0; i < want; ++i) std::memset(static_cast<char*>(ys[i]) + done, 0, all - done);
+  Runner run(&pool);
+  Rows(run, o, norm, dt == ffi::DataType::BF16);
+  return ffi::Error::Success();
+}
+
+ffi::Error RmsNormImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer residual,
+                       ffi::AnyBuffer w, ffi::Buffer<ffi::S32> num_rows, ffi::RemainingRets outs,
+                       float eps, bool offset) {
+  RowsOp o{};
+  o.eps = eps;
+  o.offset = offset;
+  return RowsImpl(pool, x, residual, w, num_rows, outs, true, "jaxserve_rms_norm", o);
+}
+
+ffi::Error GatedActImpl(ffi::ThreadPool pool, ffi::AnyBuffer gate, ffi::AnyBuffer up,
+                        ffi::Buffer<ffi::S32> num_rows, ffi::RemainingRets outs, int64_t act) {
+  if (act != kActSilu && act != kActGeluTanh)
+    return ffi::Error::InvalidArgument("jaxserve_gated_act: act must be 0 (silu) or 1 (gelu)");
+  RowsOp o{};
+  o.act = static_cast<int>(act);
+  return RowsImpl(pool, gate, up, gate, num_rows, outs, false, "jaxserve_gated_act", o);
+}
+
 }  // namespace
 }  // namespace jaxserve
 
@@ -2270,6 +2499,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWriteKv, jaxserve::WriteKvImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRmsNorm, jaxserve::RmsNormImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingRets()
+                                  .Attr<float>("eps")
+                                  .Attr<bool>("offset"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGatedAct, jaxserve::GatedActImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingRets()
+                                  .Attr<int64_t>("act"));
 
 // Instruction-set control for tests: the level the kernels run at (0 scalar, 1 AVX2+FMA,
 // 2 AVX-512, 3 AVX-512 + BF16), capped at what the CPU has. Returns the level now in force.
