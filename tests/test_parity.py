@@ -77,6 +77,19 @@ def assert_matmul_weights_transposed(params, cfg: ModelConfig):
     assert q.shape == (cfg.num_heads, cfg.head_dim, cfg.hidden_size)
 
 
+def assert_native_row_ops(llm, cfg: ModelConfig):
+    """One CPU device: each layer writes its K/V, norms its rows and (dense MLPs, Qwen2-MoE's
+    shared expert) gates its activation with the native kernels, on the real rows."""
+    runner = llm.engine.runner
+    text = runner.compiled(runner.builder.all_buckets()[0]).as_text()
+    count = lambda target: text.count(f'custom_call_target="{target}"')  # noqa: E731
+    gated = sum(not sparse or cfg.shared_expert_intermediate_size > 0
+                for sparse in cfg.sparse_layers)
+    assert count("jaxserve_write_kv") == cfg.num_layers
+    assert count("jaxserve_rms_norm") == cfg.num_layers * (4 if cfg.sandwich_norms else 2)
+    assert count("jaxserve_gated_act") == gated
+
+
 # The weights as loaded ([K, N]); laid out [N, K] as the engine holds them on one CPU device,
 # through the native kernel and through XLA's dots (where the engine never sends them).
 LAYOUTS = {"kn": (False, ModelOptions()), "nk": (True, ModelOptions()),
@@ -117,8 +130,11 @@ def _generate(path, prompts, **overrides):
 def test_greedy_batch_matches_transformers(arch, checkpoints, prompts, hf_continuations):
     path, _ = checkpoints(arch)
     llm, outs = _generate(path, prompts, enable_prefix_caching=False)
-    # One CPU device with the native matmul: the engine holds the weights [N, K].
-    assert_matmul_weights_transposed(llm.engine.runner.params, ModelConfig.from_file(path))
+    # One CPU device with the native matmul: the engine holds the weights [N, K] and runs
+    # the native row-wise ops.
+    cfg = ModelConfig.from_file(path)
+    assert_matmul_weights_transposed(llm.engine.runner.params, cfg)
+    assert_native_row_ops(llm, cfg)
     for out, prompt, want in zip(outs, prompts, hf_continuations[arch]):
         assert out.prompt_token_ids == prompt
         assert out.outputs[0].token_ids == want

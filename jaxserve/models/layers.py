@@ -149,11 +149,12 @@ def lm_head(x: jax.Array, w: jax.Array, transpose_w: bool, options: ModelOptions
 rms_norm = rms_norm_reference  # the models' norm on every row (XLA; rows_impl for the kernel)
 
 
-def rows_impl(options: ModelOptions, rows: jax.Array | None) -> str:
+def rows_impl(options: ModelOptions, rows: jax.Array | None) -> str | None:
     """Who computes the row-wise ops (pallas_kernels/rows.py: norms, gated activations):
-    the native kernels, on the real rows only, where the float matmuls are native and the
-    real row count is known (one device); else XLA on every row."""
-    return "cpu" if rows is not None and dense_impl(options) == "cpu" else "reference"
+    where the float matmuls are native and the real row count is known (one device), the
+    native kernels on the real rows when they take the operands (None: their own choice);
+    else XLA on every row."""
+    return None if rows is not None and dense_impl(options) == "cpu" else "reference"
 
 
 def activation(name: str):
