@@ -267,3 +267,22 @@ def test_async_scheduling_gives_the_synchronous_results(checkpoints, prompts):
         for step, step_sync in zip(logprobs, logprobs_sync, strict=True):
             assert step.keys() == step_sync.keys()
             assert all(abs(step[t] - step_sync[t]) < 1e-4 for t in step)
+
+
+def test_no_step_past_a_requests_last_token(llm, prompts):
+    """With async scheduling a request whose last token (max_tokens, or the room left by
+    max_model_len) is still in flight gets no further step: one request of n tokens runs n
+    steps, and the next request's first step finds nothing in flight."""
+    engine = llm.engine
+    for n, prompt in ((1, prompts[0]), (5, prompts[1])):
+        before = engine.num_steps
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n,
+                                                    ignore_eos=True))[0]
+        assert len(tokens(out)) == n and out.outputs[0].finish_reason == "length"
+        assert engine.num_steps - before == n
+        assert engine._inflight is None
+    room = ENGINE["max_model_len"] - len(prompts[2])  # no max_tokens: stops at max_model_len
+    before = engine.num_steps
+    out = llm.generate([prompts[2]], SamplingParams(temperature=0.0, max_tokens=None,
+                                                    ignore_eos=True))[0]
+    assert len(tokens(out)) == room and engine.num_steps - before == room

@@ -67,6 +67,10 @@ class Sequence:
     # Medusa heads' guesses after the sequence's token number `[0]`: (num_tokens, each
     # head's top tokens).
     medusa_guesses: tuple[int, list[list[int]]] | None = None
+    # The most output tokens it may have (max_tokens, or the room left by max_model_len):
+    # once its outputs, placeholders of steps in flight included, reach it, nothing is
+    # scheduled for it (None: no limit known to the scheduler).
+    max_output_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -266,10 +266,14 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=self._order_key)
 
     def _num_to_compute(self, seq: Sequence, budget: int) -> int:
-        """Tokens of `seq` to compute this step: what is left, capped by the budget."""
+        """Tokens of `seq` to compute this step: what is left, capped by the budget; none
+        once the steps in flight bring its last token (a step for it would be thrown
+        away, and with async scheduling the next request's first step would wait for it)."""
         assert seq.num_tokens <= self.config.max_model_len, (
             f"{seq.request_id}: {seq.num_tokens} tokens > max_model_len; the engine must stop it"
         )
+        if seq.max_output_tokens is not None and len(seq.output_token_ids) >= seq.max_output_tokens:
+            return 0
         return min(seq.num_tokens + len(seq.draft_token_ids) - seq.num_computed_tokens, budget)
 
     def _schedule_running(self, out: SchedulerOutput, budgets: list[int]) -> None:
