@@ -319,12 +319,11 @@ class Engine:
             params = dataclasses.replace(params, seed=self._rng.randrange(2**32))
         grammar = (self.grammars.matcher(params.structured_outputs)
                    if params.structured_outputs is not None else None)
-        max_tokens = min(params.max_tokens or room, room)
         seq = Sequence(request_id, token_ids, params=params, priority=priority,
-                       max_output_tokens=max_tokens)
+                       max_output_tokens=min(params.max_tokens or room, room))
         text = (OutputText(self.tokenizer, token_ids, params, self.eos_token_ids)
                 if self.detokenize and self.tokenizer is not None else None)
-        self._requests[request_id] = Request(seq, max_tokens, text, grammar)
+        self._requests[request_id] = Request(seq, text, grammar)
         self.scheduler.add(seq)
         return token_ids
 

@@ -97,8 +97,12 @@ class Request:
     yet handed back."""
 
     seq: Sequence
-    max_tokens: int
     text: OutputText | None
     grammar: llguidance.LLMatcher | None = None
     pending: list[int] = dataclasses.field(default_factory=list)
     pending_logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
+
+    @property
+    def max_tokens(self) -> int:
+        """Its output limit: max_tokens, or the room max_model_len leaves."""
+        return self.seq.max_output_tokens

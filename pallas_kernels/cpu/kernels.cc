@@ -123,9 +123,10 @@ JS_INLINE float Bf16ToF32(uint16_t h) {
 JS_INLINE uint16_t F32ToBf16(float f) {  // round to nearest even, NaN stays NaN
   uint32_t u;
   std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+  // A select, not a branch: loops over it vectorise (the row-wise ops below).
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t nan = (u >> 16) | 0x40u;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
 // float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, S.1111.111 is
@@ -1258,32 +1259,6 @@ JS_INLINE float Activate(float g) {
   return g / (1.0f + ExpF32(-2.0f * z));
 }
 
-// Branch-free conversions for the vectorised loops below (same results as the scalar ones).
-template <typename T>
-JS_INLINE float Widen(T v) {
-  if constexpr (sizeof(T) == 4) {
-    return v;
-  } else {
-    const uint32_t bits = static_cast<uint32_t>(v) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-  }
-}
-
-template <typename T>
-JS_INLINE T Narrow(float f) {
-  if constexpr (sizeof(T) == 4) {
-    return f;
-  } else {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const uint32_t nan = (u >> 16) | 0x40u;
-    return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-  }
-}
-
 struct RowsOp {
   const void* a;   // x (norm) or gate (gated activation) [M, K]
   const void* b;   // residual (norm, or null) or up (gated activation) [M, K]
@@ -1304,7 +1279,7 @@ JS_INLINE void GatedRow(const RowsOp& o, int64_t r) {
   const T* u = static_cast<const T*>(o.b) + r * o.k;
   T* y = static_cast<T*>(o.y) + r * o.k;
   for (int64_t c = 0; c < o.k; ++c)
-    y[c] = Narrow<T>(Widen<T>(Narrow<T>(Activate<kAct>(Widen<T>(g[c])))) * Widen<T>(u[c]));
+    y[c] = FromF32<T>(ToF32<T>(FromF32<T>(Activate<kAct>(ToF32<T>(g[c])))) * ToF32<T>(u[c]));
 }
 
 // As rows.rms_norm_reference: s = x (+ residual, rounded to T); x32 * rsqrt(mean(x32^2) +
@@ -1319,21 +1294,21 @@ JS_INLINE void NormRow(const RowsOp& o, int64_t r) {
   if (o.b != nullptr) {
     const T* res = static_cast<const T*>(o.b) + r * o.k;
     T* s = static_cast<T*>(o.sum) + r * o.k;
-    for (int64_t c = 0; c < o.k; ++c) s[c] = Narrow<T>(Widen<T>(x[c]) + Widen<T>(res[c]));
+    for (int64_t c = 0; c < o.k; ++c) s[c] = FromF32<T>(ToF32<T>(x[c]) + ToF32<T>(res[c]));
     x = s;
   }
   for (int64_t c = 0; c < k16; c += 16)
-    for (int l = 0; l < 16; ++l) part[l] += Widen<T>(x[c + l]) * Widen<T>(x[c + l]);
-  for (int64_t c = k16; c < o.k; ++c) part[c - k16] += Widen<T>(x[c]) * Widen<T>(x[c]);
+    for (int l = 0; l < 16; ++l) part[l] += ToF32<T>(x[c + l]) * ToF32<T>(x[c + l]);
+  for (int64_t c = k16; c < o.k; ++c) part[c - k16] += ToF32<T>(x[c]) * ToF32<T>(x[c]);
   float sq = 0.0f;
   for (int l = 0; l < 16; ++l) sq += part[l];
   const float inv = 1.0f / std::sqrt(sq / static_cast<float>(o.k) + o.eps);
   if (o.offset) {
     for (int64_t c = 0; c < o.k; ++c)
-      y[c] = Narrow<T>(Widen<T>(x[c]) * inv * (1.0f + Widen<T>(w[c])));
+      y[c] = FromF32<T>(ToF32<T>(x[c]) * inv * (1.0f + ToF32<T>(w[c])));
   } else {
     for (int64_t c = 0; c < o.k; ++c)
-      y[c] = Narrow<T>(Widen<T>(w[c]) * Widen<T>(Narrow<T>(Widen<T>(x[c]) * inv)));
+      y[c] = FromF32<T>(ToF32<T>(w[c]) * ToF32<T>(FromF32<T>(ToF32<T>(x[c]) * inv)));
   }
 }
 
