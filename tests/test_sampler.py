@@ -188,6 +188,36 @@ def test_logit_bias_moves_the_pick_but_not_the_logprobs():
     assert int(out.token_ids[1]) == 2
 
 
+def test_grammar_mask_wins_over_logit_bias_and_bans():
+    """A +100 bias never lets a token the grammar rules out be picked or drawn; bias and
+    bans act on the allowed tokens; logprobs are the masked distribution's (no bias)."""
+    v = 8
+    logits = np.array([[4.0, 0.0, 1.0, 3.0, 0.5, 2.0, 0.0, 1.5]] * 2, np.float32)
+    bits = np.zeros((2, 32), bool)
+    bits[:, [2, 4, 5, 7]] = True  # allowed; 0 (the raw argmax) and 3 are not
+    mask = np.packbits(bits[:, ::-1], axis=-1).view(">u4").astype(np.uint32).view(np.int32)
+    mask = np.pad(mask.reshape(2, 1), ((0, 0), (0, 31)), constant_values=-1)
+    ids = np.full((2, MAX_LOGIT_BIAS), -1, np.int32)
+    values = np.zeros((2, MAX_LOGIT_BIAS), np.float32)
+    ids[:, :2], values[:, :2] = [3, 4], [100.0, 2.0]  # 3 is ruled out; 4 -> 2.5
+    banned = np.full((2, MAX_STOP_TOKEN_IDS), -1, np.int32)
+    banned[:, 0] = 5  # the best allowed token
+    params = dict(grammar_mask=mask, bias_ids=ids, bias_values=values, banned_ids=banned,
+                  seed=[0, 1])
+    greedy = jax.jit(sample)(jnp.asarray(logits), arrays(2, temperature=[0, 0], **params), None)
+    assert np.asarray(greedy.token_ids).tolist() == [4, 4]  # not 3 (103), 5 (banned), 7
+    masked = np.where(bits[:, :v], logits, -np.inf)
+    logp = masked - np.log(np.exp(masked - masked.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - masked.max(-1, keepdims=True)
+    np.testing.assert_allclose(greedy.logprob, logp[:, 4], rtol=1e-6)
+    drawn = set()
+    for seed in range(40):
+        out = jax.jit(sample)(jnp.asarray(logits), arrays(
+            2, temperature=[1, 1], **{**params, "seed": [2 * seed, 2 * seed + 1]}), None)
+        drawn |= set(np.asarray(out.token_ids).tolist())
+    assert drawn <= {2, 4, 7} and len(drawn) > 1
+
+
 def test_penalties_exact():
     logits = jnp.array([[2.0, -2.0, 1.0, 0.5, 3.0]])
     # prompt = [0, 1]; generated = [2, 2, 3]

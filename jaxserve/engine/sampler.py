@@ -318,11 +318,13 @@ def bias_and_ban_columns(logits: jax.Array, p: SamplingArrays, columns: jax.Arra
 
 def _sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | None,
             drafts: SampledDrafts | None = None) -> SampleOutput:
-    # The mask goes last of the adjustments (it rules tokens out whatever the bias adds):
-    # the same as first, and the scatter then works on the logits as they came.
-    logits = apply_grammar_mask(bias_and_ban(raw_logits, p), p.grammar_mask)
+    # The grammar mask rules tokens out whatever the bias adds (-inf plus a finite bias
+    # stays -inf), so it goes first: its output is a new array, which the bias's scatter
+    # then updates in place. (Mask last, XLA:CPU wrote the logits three times: a copy for
+    # the scatter, the masked copy, and the masked raw logits for logprobs, which are now
+    # made only when a row asks for them: 10-15 ms of a 64-row greedy sample, 4 ms after.)
+    logits = bias_and_ban(apply_grammar_mask(raw_logits, p.grammar_mask), p)
     logits = logits if history is None else apply_penalties(logits, p, history)
-    raw_logits = apply_grammar_mask(raw_logits, p.grammar_mask)  # what logprobs see
     greedy_ids = first_argmax(logits)
 
     def draw(logits):
@@ -345,8 +347,8 @@ def _sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | No
     token_ids = jax.lax.cond(jnp.any(p.temperature > 0), draw, lambda _: greedy_ids, logits)
     s, k = raw_logits.shape[0], min(MAX_LOGPROBS, raw_logits.shape[1])
 
-    def with_logprobs(_):
-        logprobs = jax.nn.log_softmax(raw_logits, axis=-1)
+    def with_logprobs(_):  # of the model's distribution as the grammar mask leaves it
+        logprobs = jax.nn.log_softmax(apply_grammar_mask(raw_logits, p.grammar_mask), axis=-1)
         top_logprobs, top_ids = jax.lax.top_k(logprobs, k)
         chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
         return chosen, top_ids.astype(jnp.int32), top_logprobs
