@@ -127,7 +127,7 @@ def test_seeded_draw_independent_of_batch():
 @pytest.mark.parametrize("num_rows", [1, 5, 20])
 def test_only_the_real_rows_are_sampled(num_rows):
     """A 32-row batch with `num_rows` real sequences samples them in a tier of 1 or 8 rows
-    (all 32 past 8): the real rows' tokens and logprobs are those of sampling every row
+    (all 32 past 8, 8 at a time): the real rows' tokens and logprobs are those of sampling every row
     (logprobs to float32 rounding);
     padding rows are not sampled when a tier holds the real ones (zeros, where sampling
     them gives other tokens)."""
