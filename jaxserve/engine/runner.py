@@ -404,10 +404,10 @@ class ModelRunner:
                 self.kv_caches, self.features = self._programs.move(
                     self.kv_caches, self.features, *self.moves([]))
                 self._ready.add(("move",))
-        # Once more, sampling every row: the first run of a program gets fresh memory from
-        # the allocator, whose pages fault on first touch (a padding-only sample touches
-        # few), and the first request paid for it (a 32-token prefill's step 61-65 ms
-        # instead of 36-42 on a CPU).
+        # Once more, sampling every row: the first runs of a program get fresh memory
+        # from the allocator, whose pages fault on first touch (a padding-only sample
+        # touches few), and the first request paid for it (on a CPU its 32-token prefill
+        # faulted 5,000-8,000 pages, 250-2,800 after this).
         for key, program in todo:
             self._run_empty(key, program, sample_every_row=True)
         jax.block_until_ready(self.sampled)
