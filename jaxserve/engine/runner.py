@@ -407,7 +407,7 @@ class ModelRunner:
         # Once more, sampling every row: the first runs of a program get fresh memory
         # from the allocator, whose pages fault on first touch (a padding-only sample
         # touches few), and the first request paid for it (on a CPU its 32-token prefill
-        # faulted 5,000-8,000 pages, 250-2,800 after this).
+        # faulted 8,200-8,700 pages, 250-2,800 after this).
         for key, program in todo:
             self._run_empty(key, program, sample_every_row=True)
         jax.block_until_ready(self.sampled)
