@@ -124,19 +124,21 @@ def test_seeded_draw_independent_of_batch():
     assert len(draws) > 3
 
 
-@pytest.mark.parametrize("num_rows", [1, 5, 20])
-def test_only_the_real_rows_are_sampled(num_rows):
+@pytest.mark.parametrize("num_rows,chunk_above", [(1, None), (5, None), (20, None), (20, 0)])
+def test_only_the_real_rows_are_sampled(num_rows, chunk_above, monkeypatch):
     """A 32-row batch with `num_rows` real sequences samples them in a tier of 1 or 8 rows
-    (all 32 past 8, 8 at a time): the real rows' tokens and logprobs are those of sampling every row
-    (logprobs to float32 rounding);
-    padding rows are not sampled when a tier holds the real ones (zeros, where sampling
-    them gives other tokens)."""
+    (all 32 past 8; 8 at a time where the logits pass CHUNK_ABOVE_BYTES): the real rows'
+    tokens and logprobs are those of sampling every row at once (logprobs to float32
+    rounding); padding rows are not sampled when a tier holds the real ones (zeros, where
+    sampling them gives other tokens)."""
+    if chunk_above is not None:
+        monkeypatch.setattr(sampler, "CHUNK_ABOVE_BYTES", chunk_above)
     rng = np.random.default_rng(num_rows)
     logits = jnp.asarray(rng.standard_normal((32, 300)).astype(np.float32) * 3)
     p = arrays(32, temperature=rng.choice([0.0, 0.7, 1.3], 32), seed=rng.integers(0, 99, 32),
                top_p=rng.choice([1.0, 0.9], 32))
-    every = jax.jit(sample)(logits, p, None)
-    tiered = jax.jit(sample)(logits, p, None, jnp.int32(num_rows))
+    every = jax.jit(sampler._sample)(logits, p, None)
+    tiered = jax.jit(lambda *a: sample(*a))(logits, p, None, jnp.int32(num_rows))  # traced anew
     for name in ("token_ids", "top_ids"):
         np.testing.assert_array_equal(np.asarray(getattr(tiered, name))[:num_rows],
                                       np.asarray(getattr(every, name))[:num_rows])
