@@ -397,40 +397,26 @@ class ModelRunner:
                    disable=not progress or not todo)
         with counting_hits() as hits:
             for key, program in bar:
-                self._run_empty(key, program)
+                batch = self.builder.empty(key)
+                if program[0] == "forward":
+                    self._forward(batch)
+                else:
+                    self._logits = jax.device_put(
+                        np.zeros((key.rows, self.builder.vocab_size), np.float32),
+                        self.shard.sharding(("seqs", "vocab")))
+                    self._sample(batch)
                 self._ready.add(program)
                 bar.set_postfix_str(f"{hits[0]} from cache")
             if self.builder.tree and ("move",) not in self._ready:  # copies nothing
                 self.kv_caches, self.features = self._programs.move(
                     self.kv_caches, self.features, *self.moves([]))
                 self._ready.add(("move",))
-        # Once more, sampling every row: the first runs of a program get fresh memory
-        # from the allocator, whose pages fault on first touch (a padding-only sample
-        # touches few), and the first request paid for it (on a CPU its 32-token prefill
-        # faulted 8,200-8,700 pages, 250-2,800 after this).
-        for key, program in todo:
-            self._run_empty(key, program, sample_every_row=True)
         jax.block_until_ready(self.sampled)
         self.programs_from_cache = hits[0]
         if todo:
             log.info("step programs: %d compiled, %d read from the compilation cache",
                      len(todo) - hits[0], hits[0])
         self.warmed_up = True
-
-    def _run_empty(self, key: BucketKey, program: tuple, sample_every_row: bool = False
-                   ) -> None:
-        """Run one program of a bucket on an all-padding batch (writes nothing a request
-        sees); `sample_every_row`: sample its padding rows too (their tokens are never
-        read: a step's placeholders read only the rows of its sequences' last step)."""
-        batch = self.builder.empty(key)
-        if program[0] == "forward":
-            self._forward(batch)
-            return
-        if sample_every_row:
-            batch.num_rows[:] = key.rows // batch.num_rows.shape[0]
-        self._logits = jax.device_put(np.zeros((key.rows, self.builder.vocab_size), np.float32),
-                                      self.shard.sharding(("seqs", "vocab")))
-        self._sample(batch)
 
     def _check_compiled(self, program: tuple) -> None:
         if program not in self._ready:
