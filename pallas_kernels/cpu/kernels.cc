@@ -33,7 +33,8 @@
 // Larger M is compute-bound: each task copies a 64-column strip of the weight into a panel
 // in the micro-kernel's layout (bf16: pairs of K rows interleaved for vdpbf16ps; [N, K]:
 // transposed), then runs 6 x 64 register tiles over a block of rows against it (f32 [K, N]
-// strips are read in place).
+// strips are read in place); while they run, the tiles prefetch the [N, K] strip the thread
+// likely packs next, so its copy does not wait on memory.
 //
 // Attention: one task per (sequence, KV head, block of queries), largest first; keys in
 // chunks of 32, software-prefetched two chunks ahead; scores as 4 x 4 (1 x 16, 2 x 8) tiles
@@ -523,9 +524,12 @@ constexpr int kMaxTileRows = 6;     // KN micro-tile height
 constexpr int64_t kPrefetchBytes = 4096;
 
 // y[0:MR, 0:nc] = x[0:MR, :] @ w[:, 0:nc], nc <= 64; x row stride ldx, w row stride ldw.
+// Prefetches: w's own rows ahead when read in place (`pf` null); for a packed panel w,
+// `pf_step` lines of `pf` (the next panel's weights) per step of k, up to `pf_lines`.
 template <int MR>
 JS_AVX512 void F32KnTile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K,
-                         int64_t nc, float* y, int64_t ldy) {
+                         int64_t nc, float* y, int64_t ldy, const char* pf = nullptr,
+                         int64_t pf_lines = 0, int64_t pf_step = 0) {
   __mmask16 mask[4];
   JS_UNROLL for (int v = 0; v < 4; ++v) mask[v] = Mask16(nc - 16 * v);
   __m512 acc[MR][4];
@@ -535,11 +539,16 @@ JS_AVX512 void F32KnTile(const float* x, int64_t ldx, const float* w, int64_t ld
   int64_t k = 0;
   do {  // K >= 1; a do-while keeps GCC from spilling acc every iteration
     const float* wk = w + k * ldw;
-    const char* pf = reinterpret_cast<const char*>(wk + ahead);
-    _mm_prefetch(pf, _MM_HINT_T0);
-    _mm_prefetch(pf + 64, _MM_HINT_T0);
-    _mm_prefetch(pf + 128, _MM_HINT_T0);
-    _mm_prefetch(pf + 192, _MM_HINT_T0);
+    if (pf == nullptr) {
+      const char* own = reinterpret_cast<const char*>(wk + ahead);
+      _mm_prefetch(own, _MM_HINT_T0);
+      _mm_prefetch(own + 64, _MM_HINT_T0);
+      _mm_prefetch(own + 128, _MM_HINT_T0);
+      _mm_prefetch(own + 192, _MM_HINT_T0);
+    } else {
+      for (int64_t l = k * pf_step; l < std::min(pf_lines, (k + 1) * pf_step); ++l)
+        _mm_prefetch(pf + 64 * l, _MM_HINT_T1);
+    }
     __m512 b[4];
     JS_UNROLL for (int v = 0; v < 4; ++v) b[v] = _mm512_maskz_loadu_ps(mask[v], wk + 16 * v);
     JS_UNROLL for (int r = 0; r < MR; ++r) {
@@ -984,9 +993,12 @@ JS_AVX512 void PackPanel(const Mm& a, int64_t n0, int64_t nc, void* panel) {
 }
 
 // y[0:MR, 0:nc] = x[0:MR, :] @ (packed bf16 panel), nc <= 64.
+// Each step of k also prefetches `pf_step` lines of `pf` (the next panel's weights) into L2,
+// up to `pf_lines`, so that memory streams them while this tile computes.
 template <int MR>
 JS_AVX512BF16 void Bf16PanelTile(const uint16_t* x, int64_t ldx, const uint32_t* panel,
-                                 int64_t K, int64_t nc, uint16_t* y, int64_t ldy) {
+                                 int64_t K, int64_t nc, uint16_t* y, int64_t ldy,
+                                 const char* pf, int64_t pf_lines, int64_t pf_step) {
   __m512 acc[MR][4];
   JS_UNROLL for (int r = 0; r < MR; ++r)
     JS_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
@@ -994,6 +1006,8 @@ JS_AVX512BF16 void Bf16PanelTile(const uint16_t* x, int64_t ldx, const uint32_t*
   int64_t p = 0;
   if (pairs > 0) {
     do {  // a do-while keeps acc in registers
+      for (int64_t l = p * pf_step; l < std::min(pf_lines, (p + 1) * pf_step); ++l)
+        _mm_prefetch(pf + 64 * l, _MM_HINT_T1);
       const uint32_t* b = panel + p * kPanelCols;
       __m512bh bv[4];
       JS_UNROLL for (int v = 0; v < 4; ++v) bv[v] = (__m512bh)_mm512_loadu_si512(b + 16 * v);
@@ -1018,34 +1032,44 @@ JS_AVX512BF16 void Bf16PanelTile(const uint16_t* x, int64_t ldx, const uint32_t*
                                (__m256i)_mm512_cvtneps_pbh(acc[r][v]));
 }
 
+// Rows [m0, m0 + rows) against a packed panel of columns [n0, n0 + nc); the tiles spread
+// prefetches of `pf_bytes` at `pf` (the next panel's rows of w) over their k loops.
 template <typename T>
 void PanelRows(const Mm& a, const void* panel, int64_t m0, int64_t rows, int64_t n0,
-               int64_t nc) {
+               int64_t nc, const char* pf = nullptr, int64_t pf_bytes = 0) {
   const T* x = static_cast<const T*>(a.x);
   T* y = static_cast<T*>(a.y);
+  const int64_t pf_lines = CeilDiv(pf_bytes, 64);
+  const int64_t tile_lines = CeilDiv(pf_lines, CeilDiv(rows, kMaxTileRows));
+  const int64_t k_steps = sizeof(T) == 4 ? a.k : a.k / 2;  // a tile's steps of k
+  const int64_t pf_step = CeilDiv(tile_lines, std::max<int64_t>(1, k_steps));
   for (int64_t r = 0; r < rows; r += kMaxTileRows) {
+    const int64_t first = r / kMaxTileRows * tile_lines;  // this tile's lines of pf
+    const int64_t lines = std::clamp<int64_t>(pf_lines - first, 0, tile_lines);
+    const char* tpf = lines > 0 ? pf + 64 * first : nullptr;
     const int64_t mr = std::min<int64_t>(kMaxTileRows, rows - r);
     const T* xr = x + (m0 + r) * a.k;
     T* yr = y + (m0 + r) * a.n + n0;
     if constexpr (sizeof(T) == 4) {
       const float* pw = static_cast<const float*>(panel);
       switch (mr) {
-        case 1: F32KnTile<1>(xr, a.k, pw, kPanelCols, a.k, nc, yr, a.n); break;
-        case 2: F32KnTile<2>(xr, a.k, pw, kPanelCols, a.k, nc, yr, a.n); break;
-        case 3: F32KnTile<3>(xr, a.k, pw, kPanelCols, a.k, nc, yr, a.n); break;
-        case 4: F32KnTile<4>(xr, a.k, pw, kPanelCols, a.k, nc, yr, a.n); break;
-        case 5: F32KnTile<5>(xr, a.k, pw, kPanelCols, a.k, nc, yr, a.n); break;
-        default: F32KnTile<6>(xr, a.k, pw, kPanelCols, a.k, nc, yr, a.n); break;
+        case 1: F32KnTile<1>(xr, a.k, pw, kPanelCols, a.k, nc, yr, a.n, tpf, lines, pf_step); break;
+        case 2: F32KnTile<2>(xr, a.k, pw, kPanelCols, a.k, nc, yr, a.n, tpf, lines, pf_step); break;
+        case 3: F32KnTile<3>(xr, a.k, pw, kPanelCols, a.k, nc, yr, a.n, tpf, lines, pf_step); break;
+        case 4: F32KnTile<4>(xr, a.k, pw, kPanelCols, a.k, nc, yr, a.n, tpf, lines, pf_step); break;
+        case 5: F32KnTile<5>(xr, a.k, pw, kPanelCols, a.k, nc, yr, a.n, tpf, lines, pf_step); break;
+        default:
+          F32KnTile<6>(xr, a.k, pw, kPanelCols, a.k, nc, yr, a.n, tpf, lines, pf_step);
       }
     } else {
       const uint32_t* pw = static_cast<const uint32_t*>(panel);
       switch (mr) {
-        case 1: Bf16PanelTile<1>(xr, a.k, pw, a.k, nc, yr, a.n); break;
-        case 2: Bf16PanelTile<2>(xr, a.k, pw, a.k, nc, yr, a.n); break;
-        case 3: Bf16PanelTile<3>(xr, a.k, pw, a.k, nc, yr, a.n); break;
-        case 4: Bf16PanelTile<4>(xr, a.k, pw, a.k, nc, yr, a.n); break;
-        case 5: Bf16PanelTile<5>(xr, a.k, pw, a.k, nc, yr, a.n); break;
-        default: Bf16PanelTile<6>(xr, a.k, pw, a.k, nc, yr, a.n); break;
+        case 1: Bf16PanelTile<1>(xr, a.k, pw, a.k, nc, yr, a.n, tpf, lines, pf_step); break;
+        case 2: Bf16PanelTile<2>(xr, a.k, pw, a.k, nc, yr, a.n, tpf, lines, pf_step); break;
+        case 3: Bf16PanelTile<3>(xr, a.k, pw, a.k, nc, yr, a.n, tpf, lines, pf_step); break;
+        case 4: Bf16PanelTile<4>(xr, a.k, pw, a.k, nc, yr, a.n, tpf, lines, pf_step); break;
+        case 5: Bf16PanelTile<5>(xr, a.k, pw, a.k, nc, yr, a.n, tpf, lines, pf_step); break;
+        default: Bf16PanelTile<6>(xr, a.k, pw, a.k, nc, yr, a.n, tpf, lines, pf_step); break;
       }
     }
   }
@@ -1066,7 +1090,17 @@ void PanelMatmul(const Runner& run, const Mm& a) {
     thread_local std::vector<uint32_t> panel;
     if (panel.size() * 4 < panel_bytes) panel.resize(panel_bytes / 4);
     PackPanel(a, n0, nc, panel.data());
-    PanelRows<T>(a, panel.data(), b * rb, std::min(rb, a.m - b * rb), n0, nc);
+    // [N, K] weights: the strip this thread likely takes next (task i + threads) is one
+    // block of rows of w; fetch it while computing this one (the packing waits on memory).
+    const int64_t next = (i + run.threads()) / blocks;
+    const char* pf = nullptr;
+    int64_t pf_bytes = 0;
+    if (a.trans && next != c && next < strips) {
+      const int64_t row_bytes = a.k * static_cast<int64_t>(sizeof(T));
+      pf = static_cast<const char*>(a.w) + next * kPanelCols * row_bytes;
+      pf_bytes = std::min(kPanelCols, a.n - next * kPanelCols) * row_bytes;
+    }
+    PanelRows<T>(a, panel.data(), b * rb, std::min(rb, a.m - b * rb), n0, nc, pf, pf_bytes);
   });
 }
 
