@@ -442,7 +442,8 @@ def _vllm_worker(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     t0 = time.perf_counter()
     llm = vllm.LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=512,
-                   max_num_seqs=64, max_num_batched_tokens=8192, seed=0)
+                   max_num_seqs=64, max_num_batched_tokens=8192, seed=0,
+                   enable_prefix_caching=False)  # as jaxserve's run: its TTFTs repeat a prompt
     load_s = time.perf_counter() - t0
 
     def wall(prompts, n):
@@ -462,7 +463,8 @@ def _vllm_worker(spec_path: str) -> None:
     total = wall(b, spec["new_b"])
     print("RESULT " + json.dumps({
         "version": f"vllm {vllm.__version__}, torch {torch.__version__}",
-        "flags": f"{spec['dtype']}, {spec['threads']} threads, max_num_batched_tokens 8192",
+        "flags": f"{spec['dtype']}, {spec['threads']} threads, max_num_batched_tokens 8192, "
+                 "no prefix caching",
         "ttft_ms": 1e3 * first, "ms_per_token": 1e3 * (whole - first) / (spec["new_a"] - 1),
         "total_s": total, "tokens_per_s": len(b) * spec["new_b"] / total,
         "load_s": load_s, "run_s": time.perf_counter() - t0}), flush=True)
