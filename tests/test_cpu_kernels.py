@@ -125,6 +125,14 @@ def test_matmul_matches_reference(m, transpose_w, dtype):
     check_matmul(m, k, n, dtype, transpose_w, num_rows, seed=[m, k, n, transpose_w])
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("transpose_w", [False, True], ids=["KN", "NK"])
+def test_matmul_strips_left_over_split_by_rows(transpose_w, dtype):
+    # 9 panel strips of 64 columns (the last partial) and 30 real rows: on an odd number
+    # of strips per thread count the strips left over are computed in blocks of rows.
+    check_matmul(32, 77, 557, dtype, transpose_w, 30, seed=[32, 77, 557])
+
+
 @pytest.mark.parametrize("case", [(1, 1, 1), (5, 2, 3), (7, 64, 64), (9, 576, 40),
                                   (13, 33, 1)], ids=str)
 def test_matmul_small_and_aligned_shapes(case, isa):

@@ -1076,31 +1076,55 @@ void PanelRows(const Mm& a, const void* panel, int64_t m0, int64_t rows, int64_t
 }
 
 // Tasks (64-column strip, block of rows): at least 4 per thread, blocks of 6..128 rows.
+// Where every strip is one block and they do not divide among the threads (a 576-column
+// weight is 9 strips), the strips left over are split into a block of rows per thread,
+// so that no thread computes a whole strip more than another (measured: 32 rows of
+// smollm2-135m's q/o/down took 5 strips' time on one of 2 threads, the other 4).
 template <typename T>
 void PanelMatmul(const Runner& run, const Mm& a) {
+  const int64_t threads = run.threads();
   const int64_t strips = CeilDiv(a.n, kPanelCols);
-  const int64_t want = std::clamp(CeilDiv(4 * run.threads(), strips), CeilDiv(a.m, 256),
+  const int64_t want = std::clamp(CeilDiv(4 * threads, strips), CeilDiv(a.m, 256),
                                   CeilDiv(a.m, kMaxTileRows));
   const int64_t rb = RoundUp(CeilDiv(a.m, want), kMaxTileRows);
   const int64_t blocks = CeilDiv(a.m, rb);
+  const int64_t left = blocks == 1 ? strips % threads : 0;  // strips split by rows
+  const int64_t split_rb = RoundUp(CeilDiv(a.m, threads), kMaxTileRows);
+  const int64_t splits = CeilDiv(a.m, split_rb);
+  const int64_t whole = strips * blocks - left;  // tasks of one (strip, block) each
+  // Task i's strip, first row and rows.
+  auto task = [&](int64_t i, int64_t* m0, int64_t* rows) {
+    if (i < whole) {
+      *m0 = i % blocks * rb;
+      *rows = std::min(rb, a.m - *m0);
+      return i / blocks;
+    }
+    const int64_t j = i - whole;
+    *m0 = j % splits * split_rb;
+    *rows = std::min(split_rb, a.m - *m0);
+    return strips - left + j / splits;
+  };
+  const int64_t tasks = whole + left * splits;
   const size_t panel_bytes = static_cast<size_t>(RoundUp(a.k, 2)) * kPanelCols * 4;
-  run.For(strips * blocks, [&](int64_t i) {
-    const int64_t c = i / blocks, b = i % blocks;
+  run.For(tasks, [&](int64_t i) {
+    int64_t m0, rows;
+    const int64_t c = task(i, &m0, &rows);
     const int64_t n0 = c * kPanelCols, nc = std::min(kPanelCols, a.n - n0);
     thread_local std::vector<uint32_t> panel;
     if (panel.size() * 4 < panel_bytes) panel.resize(panel_bytes / 4);
     PackPanel(a, n0, nc, panel.data());
     // [N, K] weights: the strip this thread likely takes next (task i + threads) is one
     // block of rows of w; fetch it while computing this one (the packing waits on memory).
-    const int64_t next = (i + run.threads()) / blocks;
+    int64_t unused_m0, unused_rows;
+    const int64_t next = i + threads < tasks ? task(i + threads, &unused_m0, &unused_rows) : c;
     const char* pf = nullptr;
     int64_t pf_bytes = 0;
-    if (a.trans && next != c && next < strips) {
+    if (a.trans && next != c) {
       const int64_t row_bytes = a.k * static_cast<int64_t>(sizeof(T));
       pf = static_cast<const char*>(a.w) + next * kPanelCols * row_bytes;
       pf_bytes = std::min(kPanelCols, a.n - next * kPanelCols) * row_bytes;
     }
-    PanelRows<T>(a, panel.data(), b * rb, std::min(rb, a.m - b * rb), n0, nc, pf, pf_bytes);
+    PanelRows<T>(a, panel.data(), m0, rows, n0, nc, pf, pf_bytes);
   });
 }
 
