@@ -154,8 +154,9 @@ def test_matmul_every_isa(m, isa):
 @pytest.mark.parametrize("m", [1, 4, 6, 7, 26, 64])
 def test_weights_sharing_x_in_one_call(m, transpose_w, isa):
     """`matmuls` (q/k/v, gate/up in one call: few rows stream the weights together, [N, K]
-    ones in one parallel loop over blocks of all of them; more rows run them one by one):
-    every result within the bound of its own exact product."""
+    ones in one parallel loop over blocks of all of them; more rows pack the panels of all
+    of them in one parallel loop, 9 strips here, the last split by rows): every result
+    within the bound of its own exact product."""
     from pallas_kernels.matmul import matmuls
 
     rng = np.random.default_rng([m, 11])

@@ -1075,54 +1075,70 @@ void PanelRows(const Mm& a, const void* panel, int64_t m0, int64_t rows, int64_t
   }
 }
 
-// Tasks (64-column strip, block of rows): at least 4 per thread, blocks of 6..128 rows.
-// Where every strip is one block and they do not divide among the threads (a 576-column
-// weight is 9 strips), the strips left over are split into a block of rows per thread,
-// so that no thread computes a whole strip more than another (measured: 32 rows of
-// smollm2-135m's q/o/down took 5 strips' time on one of 2 threads, the other 4).
+// Several weights sharing x (q/k/v, gate/up; one or more): their 64-column strips are one
+// list of tasks (strip, block of rows), at least 4 per thread, blocks of 6..128 rows, so
+// a small weight (k, v: 3 strips) shares the others' threads and prefetches instead of
+// paying a start and a cold first strip of its own. Where every strip is one block and
+// they do not divide among the threads (a 576-column weight is 9 strips), the strips left
+// over are split into a block of rows per thread, so that no thread computes a whole
+// strip more than another (measured: 32 rows of smollm2-135m's q/o/down took 5 strips'
+// time on one of 2 threads, the other 4).
 template <typename T>
-void PanelMatmul(const Runner& run, const Mm& a) {
+void PanelMatmul(const Runner& run, const Mm* as, int64_t count) {
+  const Mm& a0 = as[0];  // the same x: m, k, layout and dtype for all
+  std::vector<int64_t> first(count + 1, 0);  // weight j's strips: [first[j], first[j + 1])
+  for (int64_t j = 0; j < count; ++j) first[j + 1] = first[j] + CeilDiv(as[j].n, kPanelCols);
   const int64_t threads = run.threads();
-  const int64_t strips = CeilDiv(a.n, kPanelCols);
-  const int64_t want = std::clamp(CeilDiv(4 * threads, strips), CeilDiv(a.m, 256),
-                                  CeilDiv(a.m, kMaxTileRows));
-  const int64_t rb = RoundUp(CeilDiv(a.m, want), kMaxTileRows);
-  const int64_t blocks = CeilDiv(a.m, rb);
+  const int64_t strips = first[count];
+  const int64_t want = std::clamp(CeilDiv(4 * threads, strips), CeilDiv(a0.m, 256),
+                                  CeilDiv(a0.m, kMaxTileRows));
+  const int64_t rb = RoundUp(CeilDiv(a0.m, want), kMaxTileRows);
+  const int64_t blocks = CeilDiv(a0.m, rb);
   const int64_t left = blocks == 1 ? strips % threads : 0;  // strips split by rows
-  const int64_t split_rb = RoundUp(CeilDiv(a.m, threads), kMaxTileRows);
-  const int64_t splits = CeilDiv(a.m, split_rb);
+  const int64_t split_rb = RoundUp(CeilDiv(a0.m, threads), kMaxTileRows);
+  const int64_t splits = CeilDiv(a0.m, split_rb);
   const int64_t whole = strips * blocks - left;  // tasks of one (strip, block) each
   // Task i's strip, first row and rows.
   auto task = [&](int64_t i, int64_t* m0, int64_t* rows) {
     if (i < whole) {
       *m0 = i % blocks * rb;
-      *rows = std::min(rb, a.m - *m0);
+      *rows = std::min(rb, a0.m - *m0);
       return i / blocks;
     }
     const int64_t j = i - whole;
     *m0 = j % splits * split_rb;
-    *rows = std::min(split_rb, a.m - *m0);
+    *rows = std::min(split_rb, a0.m - *m0);
     return strips - left + j / splits;
   };
+  // Strip s: its weight, and its first column there.
+  auto strip = [&](int64_t s, int64_t* n0) -> const Mm& {
+    const int64_t j = std::upper_bound(first.begin(), first.end(), s) - first.begin() - 1;
+    *n0 = (s - first[j]) * kPanelCols;
+    return as[j];
+  };
   const int64_t tasks = whole + left * splits;
-  const size_t panel_bytes = static_cast<size_t>(RoundUp(a.k, 2)) * kPanelCols * 4;
+  const size_t panel_bytes = static_cast<size_t>(RoundUp(a0.k, 2)) * kPanelCols * 4;
   run.For(tasks, [&](int64_t i) {
-    int64_t m0, rows;
-    const int64_t c = task(i, &m0, &rows);
-    const int64_t n0 = c * kPanelCols, nc = std::min(kPanelCols, a.n - n0);
+    int64_t m0, rows, n0;
+    const int64_t s = task(i, &m0, &rows);
+    const Mm& a = strip(s, &n0);
+    const int64_t nc = std::min(kPanelCols, a.n - n0);
     thread_local std::vector<uint32_t> panel;
     if (panel.size() * 4 < panel_bytes) panel.resize(panel_bytes / 4);
     PackPanel(a, n0, nc, panel.data());
     // [N, K] weights: the strip this thread likely takes next (task i + threads) is one
     // block of rows of w; fetch it while computing this one (the packing waits on memory).
-    int64_t unused_m0, unused_rows;
-    const int64_t next = i + threads < tasks ? task(i + threads, &unused_m0, &unused_rows) : c;
     const char* pf = nullptr;
     int64_t pf_bytes = 0;
-    if (a.trans && next != c) {
-      const int64_t row_bytes = a.k * static_cast<int64_t>(sizeof(T));
-      pf = static_cast<const char*>(a.w) + next * kPanelCols * row_bytes;
-      pf_bytes = std::min(kPanelCols, a.n - next * kPanelCols) * row_bytes;
+    if (a.trans && i + threads < tasks) {
+      int64_t unused_m0, unused_rows, next_n0;
+      const int64_t next = task(i + threads, &unused_m0, &unused_rows);
+      const Mm& b = strip(next, &next_n0);
+      if (next != s) {
+        const int64_t row_bytes = b.k * static_cast<int64_t>(sizeof(T));
+        pf = static_cast<const char*>(b.w) + next_n0 * row_bytes;
+        pf_bytes = std::min(kPanelCols, b.n - next_n0) * row_bytes;
+      }
     }
     PanelRows<T>(a, panel.data(), m0, rows, n0, nc, pf, pf_bytes);
   });
@@ -1236,14 +1252,15 @@ void Avx512Matmul(const Runner& run, const Mm& a) {
       });
     }
   }
-  PanelMatmul<T>(run, a);
+  PanelMatmul<T>(run, &a, 1);
 }
 #endif  // JS_X86
 
 void Matmul(const Runner& run, const Mm& a);
 
-// Weights sharing x: few rows of x and [K, N] weights stream together (FewRowsKn); else one
-// matmul after another.
+// Weights sharing x: few rows stream them together (FewRowsKn, FewRowsNk), more rows pack
+// the panels of all of them in one parallel loop (PanelMatmul); else (f32 [K, N] weights
+// read in place, no AVX-512) one matmul after another.
 void Matmuls(const Runner& run, const Mm* as, int64_t count) {
 #if JS_X86
   const Mm& a = as[0];
@@ -1256,6 +1273,14 @@ void Matmuls(const Runner& run, const Mm* as, int64_t count) {
                   std::all_of(as, as + count, [](const Mm& b) { return b.trans && b.n > 0; });
   if (nk && a.bf16 && isa >= kAvx512Bf16) return FewRowsNk<uint16_t>(run, as, count);
   if (nk && !a.bf16 && isa >= kAvx512) return FewRowsNk<float>(run, as, count);
+  // Panels: [N, K] weights past the few-row tiles, or bf16 [K, N] past the few-row sums.
+  const bool panels = count > 1 && a.k > 0 &&
+                      std::all_of(as, as + count, [&](const Mm& b) {
+                        return b.trans == a.trans && b.n > 0 &&
+                               b.m > (a.trans ? kNkFewRows : kMaxTileRows);
+                      });
+  if (panels && a.bf16 && isa >= kAvx512Bf16) return PanelMatmul<uint16_t>(run, as, count);
+  if (panels && !a.bf16 && a.trans && isa >= kAvx512) return PanelMatmul<float>(run, as, count);
 #endif
   for (int64_t i = 0; i < count; ++i) Matmul(run, as[i]);
 }
