@@ -266,7 +266,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             peer_json = {k: {"result": p, "reason": r} for k, (p, r) in results.items()}
-            json.dump({"a": a, "first_request_ttft_s": first_ttft, "b": b, "peers": peer_json, "bandwidth": bandwidth, "flops": flops,
+            json.dump({"a": a, "first_request_ttft_s": first_ttft, "b": b, "peers": peer_json,
+                       "bandwidth": bandwidth, "flops": flops,
                        "decode_floor_ms": decode_floor_ms, "b_floor_s": b_floor_s}, f, indent=2)
 
 
