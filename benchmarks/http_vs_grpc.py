@@ -57,7 +57,7 @@ def has_avx512_bf16() -> bool:
 
 
 def start_server(args, grpc_port: int, http_port: int, log) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--random-weights",
+    cmd = [sys.executable, "-m", "jaxserve", "serve", "--random-weights",
            str(ROOT / "configs/models/smollm2-135m.yaml"), "--dtype", args.dtype,
            "--max-num-seqs", str(args.concurrency), "--max-model-len", "512",
            "--max-num-batched-tokens", "512", "--page-size", "16",

@@ -117,7 +117,7 @@ def measure_restarts(engine_cfg: EngineConfig) -> tuple[float, float]:
                 port = sock.getsockname()[1]
             start = time.perf_counter()
             proc = subprocess.Popen(
-                [sys.executable, "-m", "jaxserve.cli", "serve", "--config", str(config),
+                [sys.executable, "-m", "jaxserve", "serve", "--config", str(config),
                  "--port", str(port), "--no-http"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             channel = grpc.insecure_channel(f"127.0.0.1:{port}")
             health = health_pb2_grpc.HealthStub(channel)

@@ -178,7 +178,7 @@ def main() -> None:
     grpc_port, http_port = free_port(), free_port()
     log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxserve.cli", "serve", "--config",
+        [sys.executable, "-m", "jaxserve", "serve", "--config",
          str(ROOT / "configs/engine/cpu.yaml"), "--max-num-seqs", "64",
          "--max-num-batched-tokens", "512", "--max-waiting", "2000",
          "--port", str(grpc_port), "--http-port", str(http_port)],

@@ -89,7 +89,7 @@ def running_server(model_dir, log_path, *extra_flags: str, cold: bool = False,
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     with open(log_path, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir),
+            [sys.executable, "-m", "jaxserve", "serve", "--model", str(model_dir),
              "--port", str(port), "--http-port", str(http_port), *ENGINE_FLAGS, *extra_flags],
             stdout=out, stderr=subprocess.STDOUT, env=env)
     proc.http_url = f"{'http' if tls is None else 'https'}://127.0.0.1:{http_port}"

@@ -24,7 +24,7 @@ LAYERS = [
     (4, "engine", ("jaxserve", "jaxserve.engine", "jaxserve.llm")),
     (5, "servers", ("server",)),
     (5, "tools", ("sharding.planner", "sharding.plan_report")),
-    (6, "cli", ("jaxserve.cli",)),
+    (6, "cli", ("jaxserve.cli", "jaxserve.__main__")),
     (6, "benchmarks", ("benchmarks",)),
 ]
 

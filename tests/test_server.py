@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.huge_pages import huge_page_environment
 from serverproc import ENGINE, running_server, wait_idle
 from server.client import AsyncClient, Client
 from server.protos.jaxserve.v1 import inference_pb2 as pb
@@ -32,6 +33,16 @@ def client(server):
     c = Client(server[0])
     yield c
     c.close()
+
+
+@pytest.mark.skipif(huge_page_environment({}) is None,
+                    reason="needs Linux, glibc and THP in madvise mode")
+def test_server_process_allocates_on_huge_pages(server):
+    pid = server[1].pid  # `python -m jaxserve serve`: restarted itself, same pid
+    assert b"GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in open(f"/proc/{pid}/environ", "rb").read()
+    huge = [int(line.split()[1]) for line in open(f"/proc/{pid}/smaps_rollup")
+            if line.startswith("AnonHugePages:")]
+    assert huge[0] >= 2048  # kB: one or more 2 MiB pages
 
 
 def test_reflection_lists_services(server):

@@ -18,7 +18,6 @@ from jaxserve.config import ModelConfig
 from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.broadcast import FORWARD, SAMPLE, STEP
 from jaxserve.engine.compile_cache import counting_hits
-from jaxserve.engine.huge_pages import back_with_huge_pages
 from jaxserve.engine.sampler import (
     SampledDrafts, SampleOutput, SamplingArrays, TokenHistory, draw_drafts, first_argmax,
     sample)
@@ -310,11 +309,6 @@ class ModelRunner:
                                      builder.page_size, kv_dtype, shard)
         self._abstract_kv = abstract
         self.kv_caches: KVCache = self._zero_kv_caches()
-        # On CPU: weights and pages on 2 MiB pages (huge_pages.py), collapsed in the
-        # background while the programs compile.
-        self.huge_pages = back_with_huge_pages(
-            self._param_leaves + [x for layer in self.kv_caches for x in layer],
-            "weights and KV pages")
         # An EAGLE head's inputs: the layers `features_from` (Transformer.__call__) of every
         # token computed, at its KV slot (`write_features`); None without a head.
         self.features_from = features_from
@@ -375,7 +369,6 @@ class ModelRunner:
             self.features, lost = self._zero(self._abstract_features), True
         if lost:
             self.kv_caches = self._zero_kv_caches()
-            back_with_huge_pages([x for layer in self.kv_caches for x in layer], "KV pages")
         if self.sampled.is_deleted():
             self.sampled = jax.device_put(np.zeros(self.builder.prev_tokens_size, np.int32),
                                           self.shard.sharding(()))
