@@ -50,6 +50,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 import peers
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.engine import Engine
+from jaxserve.huge_pages import THP_MODE, restart_with_huge_pages
 from jaxserve.sampling_params import SamplingParams
 
 # (name, flag that skips it, function of benchmarks/peers.py)
@@ -75,6 +76,14 @@ def measure_matmul(dtype, n: int = 2048, repeats: int = 5) -> float:
     f(a).block_until_ready()
     best = min(_timed(lambda: f(a).block_until_ready()) for _ in range(repeats))
     return 2 * n**3 / best
+
+
+def huge_page_mode() -> str:
+    """The kernel's transparent huge page mode, as /sys shows it (or why not)."""
+    try:
+        return THP_MODE.read_text().strip()
+    except OSError:
+        return "unknown"
 
 
 def _timed(fn) -> float:
@@ -186,6 +195,9 @@ def main() -> None:
                          "building the next batch")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    # Malloc on transparent huge pages, as under the `jaxserve` command (restarts this
+    # process once; jaxserve/huge_pages.py). The peers, started from here, inherit it.
+    restart_with_huge_pages()
 
     model_dir = peers.checkpoint(args.preset)
     cfg = ModelConfig.from_file(model_dir)
@@ -236,6 +248,8 @@ def main() -> None:
         ("machine", f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}, {jax.devices()[0].platform}, load average {load_avg:.1f} at start"),
         ("model", f"{os.path.basename(args.preset)} shape, random weights, {cfg.num_params() / 1e6:.1f}M params, {args.dtype}"),
         ("checkpoint (all systems)", str(model_dir)),
+        ("memory (all systems)", f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r} "
+                                 f"(huge pages: {huge_page_mode()})"),
         ("warm-up (load + compile all buckets)", f"{warmup_s:.1f} s, {num_compiled} programs"),
         ("measured memory bandwidth", f"{bandwidth / 1e9:.1f} GB/s"),
         ("measured matmul rate", f"{flops / 1e9:.1f} GFLOP/s ({args.dtype})"),
