@@ -221,8 +221,12 @@ def test_bfloat16_engine_close_to_float32_transformers(checkpoints, hf_model, pr
     agree at >= 90% of positions (teacher-forced on our own output)."""
     path, _ = checkpoints("llama")
     llm = LLM(str(path), **{**ENGINE, "dtype": "bfloat16"})
+    programs = llm.engine.runner._programs
+    compiled = programs.forward._cache_size(), programs.sample._cache_size()
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, logprobs=5,
                                                ignore_eos=True))
+    # Warm-up compiled everything (its samples took logits of the forward pass's dtype).
+    assert (programs.forward._cache_size(), programs.sample._cache_size()) == compiled
     agree = []
     for prompt, out in zip(prompts, outs):
         ids = prompt + out.outputs[0].token_ids
@@ -233,6 +237,14 @@ def test_bfloat16_engine_close_to_float32_transformers(checkpoints, hf_model, pr
             assert max(abs(e.logprob - row[t]) for t, e in lp.items()) < 0.1
             agree.append(int(np.argmax(row)) == tok)
     assert np.mean(agree) >= 0.9
+    # The forward pass hands its logits on in bf16; the sampler widens only the rows it
+    # samples, not the whole bucket's.
+    runner = llm.engine.runner
+    key = runner.builder.all_buckets()[-1]
+    entry = runner.compiled(key).as_text().split("\nENTRY ")[1]
+    root = next(line for line in entry.splitlines() if line.lstrip().startswith("ROOT"))
+    assert f"bf16[{key.rows},{hf_model.config.vocab_size}]" in root
+    assert f"f32[{key.rows},{hf_model.config.vocab_size}]" not in root
 
 
 def test_async_scheduling_gives_the_synchronous_results(checkpoints, prompts):

@@ -138,12 +138,16 @@ def dense_impl(options: ModelOptions, impl: str | None = None) -> str:
 
 
 def lm_head(x: jax.Array, w: jax.Array, transpose_w: bool, options: ModelOptions,
-            impl: str | None = None, rows: jax.Array | None = None) -> jax.Array:
-    """float32 logits `x @ w` (`x @ w.T` for a `[vocab, hidden]` weight: a tied embedding,
-    or a transposed LM head); on the native path only the first `rows` rows are computed."""
+            impl: str | None = None, rows: jax.Array | None = None,
+            dtype=jnp.float32) -> jax.Array:
+    """Logits `x @ w` (`x @ w.T` for a `[vocab, hidden]` weight: a tied embedding, or a
+    transposed LM head) in `dtype` (None: the matmul's); on the native path only the first
+    `rows` rows are computed."""
     if dense_impl(options, impl) == "reference":
-        return (x @ (w.T if transpose_w else w)).astype(jnp.float32)
-    return dense_matmul(x, w, rows, transpose_w=transpose_w).astype(jnp.float32)
+        logits = x @ (w.T if transpose_w else w)
+    else:
+        logits = dense_matmul(x, w, rows, transpose_w=transpose_w)
+    return logits if dtype is None else logits.astype(dtype)
 
 
 rms_norm = rms_norm_reference  # the models' norm on every row (XLA; rows_impl for the kernel)

@@ -234,19 +234,24 @@ class Transformer(nnx.Module):
         """The last norm, which the LM head (and Medusa heads) read after."""
         return rms_norm(hidden, self.norm[...], self.cfg.rms_norm_eps, self.cfg.norm_offset)
 
-    def logits(self, hidden: jax.Array, rows: jax.Array | None = None) -> jax.Array:
-        """float32 logits `[N, vocab]` for a few rows of hidden states (the native CPU
-        matmul computes the first `rows` only: the real sequences)."""
-        return self.head_logits(self.final_norm(hidden), rows)
+    def logits(self, hidden: jax.Array, rows: jax.Array | None = None,
+               dtype=jnp.float32) -> jax.Array:
+        """Logits `[N, vocab]` for a few rows of hidden states (the native CPU matmul
+        computes the first `rows` only: the real sequences), in `dtype` (None: as the
+        matmul made them, for a consumer that widens only the rows it reads)."""
+        return self.head_logits(self.final_norm(hidden), rows, dtype)
 
-    def head_logits(self, x: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+    def head_logits(self, x: jax.Array, rows: jax.Array | None = None,
+                    dtype=jnp.float32) -> jax.Array:
         """The LM head alone (no norm before it) on `[N, hidden]`: `logits` after the
         final norm; an EAGLE-1 head's guesses straight from its output."""
         cfg = self.cfg
         tied = cfg.tie_word_embeddings
         impl = None if self.shard.mesh.size == 1 else "reference"  # XLA partitions the dot
+        if cfg.final_logit_softcap:  # Gemma 2: the cap in float32
+            dtype = jnp.float32
         logits = lm_head(x, self.embed[...] if tied else self.lm_head[...],
-                         tied or is_transposed(self.lm_head), self.options, impl, rows)
-        if cfg.final_logit_softcap:  # Gemma 2
+                         tied or is_transposed(self.lm_head), self.options, impl, rows, dtype)
+        if cfg.final_logit_softcap:
             logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
         return self.shard.constrain(logits, ("seqs", "vocab"))
