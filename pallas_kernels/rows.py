@@ -1,5 +1,6 @@
-"""A decoder layer's row-wise ops: RMSNorm (optionally after the residual add) and gated
-activations (SwiGLU's `silu(gate) * up`, GeGLU's `gelu_tanh(gate) * up`).
+"""A decoder layer's row-wise ops: RMSNorm (optionally after the residual add), gated
+activations (SwiGLU's `silu(gate) * up`, GeGLU's `gelu_tanh(gate) * up`) and the rotary
+embedding of q and k.
 
 The references are pure JAX over every row of the bucket. On a CPU the native kernels
 (`jaxserve_rms_norm`, `jaxserve_gated_act` in pallas_kernels/cpu/kernels.cc) compute only
@@ -14,7 +15,10 @@ float32, rounded once); the residual sum is rounded before the norm reads it; ac
 is computed in float32 and rounded before its product with up, as transformers does (the
 reference's jax.nn.silu on bf16 also rounds the sigmoid before multiplying it by gate, so
 it can be a unit or two of bf16 off both). The kernel's exp is a polynomial within about
-1 ulp of float32 (tests/test_cpu_kernels.py checks both against float64).
+1 ulp of float32 (tests/test_cpu_kernels.py checks both against float64). The rotary
+embedding (`jaxserve_rope`) takes cos and sin from XLA, computed once a step for all
+layers: fused into the rotation, XLA:CPU evaluated them for every head of every layer
+(float32, 64 rows: 5.2 ms of a 132 ms step of smollm2-135m).
 """
 
 from __future__ import annotations
@@ -93,3 +97,31 @@ def gated_activation(gate: jax.Array, up: jax.Array, act: str, *,
                          f"{up.shape} {up.dtype} must match")
     call = jax.ffi.ffi_call("jaxserve_gated_act", (jax.ShapeDtypeStruct(gate.shape, gate.dtype),))
     return call(gate, up, _rows(rows, gate.shape[0]), act=np.int64(NATIVE_ACTS[act]))[0]
+
+
+def rope_reference(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate `x[T, H, D]` by position, in the 'rotate half' layout of HF checkpoints."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    cos = jnp.cos(emb).astype(x.dtype)[:, None, :]
+    sin = jnp.sin(emb).astype(x.dtype)[:, None, :]
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def rope(q: jax.Array, k: jax.Array, positions: jax.Array, inv_freq: np.ndarray, *,
+         rows: jax.Array | int | None = None, impl: str | None = None
+         ) -> tuple[jax.Array, jax.Array]:
+    """`rope_reference` of q `[T, Hq, D]` and of k `[T, Hk, D]`; `rows` and `impl` as for
+    rms_norm (the native kernel takes 3-D f32/bf16 q and k of one dtype)."""
+    native = _native(impl, q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1))
+    if not native or q.ndim != 3 or k.ndim != 3 or q.shape[2] % 2 or q.dtype != k.dtype:
+        if impl == "cpu":
+            raise ValueError(f"rope: q {q.shape} {q.dtype} and k {k.shape} {k.dtype} must "
+                             "be [T, heads, D] of one float dtype, D even")
+        return rope_reference(q, positions, inv_freq), rope_reference(k, positions, inv_freq)
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    call = jax.ffi.ffi_call("jaxserve_rope", (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                                              jax.ShapeDtypeStruct(k.shape, k.dtype)))
+    return tuple(call(q, k, jnp.cos(freqs), jnp.sin(freqs), _rows(rows, q.shape[0])))

@@ -541,6 +541,40 @@ def test_rms_norm_matches_float64(offset, residual, dtype, isa):
     assert np.abs(want[:5]).max() > 1
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_rope_matches_float64(dtype, isa):
+    """q and k rotated by position ('rotate half') on the real rows, zeros past them, against
+    float64: angles f32(position) * inv_freq in float32 as the reference forms them, cos and
+    sin rounded to the dtype, bf16 products and sums rounded as the reference's bf16 ops."""
+    from pallas_kernels.rows import rope
+
+    rng = np.random.default_rng(5)
+    inv_freq = (1.0 / 10000.0 ** (np.arange(0, 64, 2) / 64)).astype(np.float32)
+    q = jnp.asarray(rng.standard_normal((11, 5, 64)) * 3, dtype)
+    k = jnp.asarray(rng.standard_normal((11, 2, 64)) * 3, dtype)
+    pos = jnp.asarray(rng.integers(0, 40000, 11), jnp.int32)
+    got = jax.jit(lambda q, k, p: rope(q, k, p, inv_freq, rows=9, impl="cpu"))(q, k, pos)
+    angle = (np.asarray(pos, np.float32)[:, None] * inv_freq[None, :]).astype(np.float64)
+    cos, sin = as_dtype(np.cos(angle), dtype)[:, None], as_dtype(np.sin(angle), dtype)[:, None]
+    for x, y in zip((q, k), got):
+        x = np.asarray(x, np.float64)
+        a, b = x[..., :32], x[..., 32:]
+        if dtype == jnp.bfloat16:
+            r = lambda v: as_dtype(v, dtype)  # noqa: E731
+            want = np.concatenate([r(r(a * cos) - r(b * sin)), r(r(b * cos) + r(a * sin))], -1)
+        else:
+            want = np.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
+        assert y.dtype == dtype and y.shape == x.shape
+        size = np.abs(np.concatenate([a, b], -1)) + np.abs(np.concatenate([b, a], -1))
+        err = np.abs(np.asarray(y[:9], np.float64) - want[:9])
+        if dtype == jnp.bfloat16:  # cos, sin from float32 may round the other way, rarely
+            assert np.mean(err == 0) > 0.97 and np.all(err <= 2.0**-7 * size[:9])
+        else:  # float32 cos, sin (a few ulps) and four roundings
+            assert np.all(err <= 16 * U32 * size[:9]), (err / size[:9]).max()
+        assert np.all(np.asarray(y[9:], np.float32) == 0)
+        assert np.abs(want[:9]).max() > 1
+
+
 # -------------------------------------------------------------------------------- build
 
 def run_python(code: str, **env) -> subprocess.CompletedProcess:

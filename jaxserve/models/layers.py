@@ -187,12 +187,3 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarr
     return inv_freq
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate `x[T, H, D]` by position, in the 'rotate half' layout of HF checkpoints."""
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    cos = jnp.cos(emb).astype(x.dtype)[:, None, :]
-    sin = jnp.sin(emb).astype(x.dtype)[:, None, :]
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin

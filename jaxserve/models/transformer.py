@@ -20,13 +20,14 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig, ModelOptions
 from jaxserve.models.layers import (
-    apply_rope, is_transposed, linear, lm_head, param, rms_norm, rope_inv_freq, rows_impl)
+    is_transposed, linear, lm_head, param, rms_norm, rope_inv_freq, rows_impl)
 from jaxserve.models.mlp import MLP
 from jaxserve.models.moe import MoE
 from jaxserve.models.parallel import (
     KV_CACHE_AXES, NEW_KV_AXES, Q_AXES, RESIDUAL_AXES, dense_group, paged_attention,
     real_token_mask, real_tokens, row_parallel)
 from pallas_kernels.rows import rms_norm as rows_rms_norm
+from pallas_kernels.rows import rope
 from sharding.rules import ShardingContext
 
 # Per layer: (k_pages, v_pages), plus (k_scales, v_scales) for a quantized cache.
@@ -121,8 +122,8 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps, cfg.norm_offset)
             k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps, cfg.norm_offset)
-        q = shard.constrain(apply_rope(q, positions, inv_freq), Q_AXES)
-        k = apply_rope(k, positions, inv_freq)
+        q, k = rope(q, k, positions, inv_freq, rows=rows, impl=rows_impl(self.options, rows))
+        q = shard.constrain(q, Q_AXES)
         k, v = shard.constrain(k, NEW_KV_AXES), shard.constrain(v, NEW_KV_AXES)
         out, kv = paged_attention(q, k, v, kv, meta, shard, self.options,
                                   sm_scale=cfg.sm_scale, sliding_window=self.window,

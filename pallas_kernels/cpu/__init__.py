@@ -2,7 +2,8 @@
 
 FFI targets for platform "cpu": `jaxserve_matmul` (float matmul, f32 or bf16),
 `jaxserve_ragged_paged_attention`, `jaxserve_write_kv` (new K/V into the paged cache, in
-place), `jaxserve_rms_norm` and `jaxserve_gated_act` (row-wise ops on the real rows);
+place), `jaxserve_rms_norm`, `jaxserve_gated_act` and `jaxserve_rope` (row-wise ops on the
+real rows);
 their Python faces are `pallas_kernels/matmul/cpu.py`,
 `pallas_kernels/ragged_paged_attention/cpu.py`, `.../kv_cache.py` and
 `pallas_kernels/rows.py`.
@@ -44,7 +45,8 @@ TARGETS = {"jaxserve_matmul": "JaxserveMatmul",
            "jaxserve_ragged_paged_attention": "JaxserveRaggedPagedAttention",
            "jaxserve_write_kv": "JaxserveWriteKv",
            "jaxserve_rms_norm": "JaxserveRmsNorm",
-           "jaxserve_gated_act": "JaxserveGatedAct"}
+           "jaxserve_gated_act": "JaxserveGatedAct",
+           "jaxserve_rope": "JaxserveRope"}
 ISA_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}
 BUILD_TIMEOUT_S = 600
 

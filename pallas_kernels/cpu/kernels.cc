@@ -1437,6 +1437,72 @@ void Rows(const Runner& run, const RowsOp& o, bool norm, bool bf16) {
   run.For(tasks, [&](int64_t i) { rows(i * per, std::min(o.m, (i + 1) * per)); });
 }
 
+// Rotary embedding of q [M, Hq, D] and k [M, Hk, D] on the real rows, 'rotate half'
+// layout: y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin over the halves x1, x2 of each head,
+// with cos and sin [M, D/2] (float32, computed once a step by XLA) rounded to T first and
+// each product and the sum rounded to T, as rows.rope_reference computes in T.
+struct RopeOp {
+  const void* x[2];
+  void* y[2];
+  int64_t heads[2];
+  const float* cos;
+  const float* sin;
+  int64_t m, d;
+};
+
+template <typename T>
+JS_INLINE void RopeTask(const RopeOp& o, int64_t r0, int64_t r1) {
+  const int64_t half = o.d / 2;
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* cr = o.cos + r * half;
+    const float* sr = o.sin + r * half;
+    for (int j = 0; j < 2; ++j) {
+      for (int64_t h = 0; h < o.heads[j]; ++h) {
+        const int64_t at = (r * o.heads[j] + h) * o.d;
+        const T* x = static_cast<const T*>(o.x[j]) + at;
+        T* y = static_cast<T*>(o.y[j]) + at;
+        for (int64_t i = 0; i < half; ++i) {
+          const float c = ToF32<T>(FromF32<T>(cr[i])), s = ToF32<T>(FromF32<T>(sr[i]));
+          const float a = ToF32<T>(x[i]), b = ToF32<T>(x[i + half]);
+          const float ac = ToF32<T>(FromF32<T>(a * c)), bs = ToF32<T>(FromF32<T>(b * s));
+          const float bc = ToF32<T>(FromF32<T>(b * c)), as = ToF32<T>(FromF32<T>(a * s));
+          y[i] = FromF32<T>(ac - bs);
+          y[i + half] = FromF32<T>(bc + as);
+        }
+      }
+    }
+  }
+}
+
+void ScalarRope(const RopeOp& o, bool bf16, int64_t r0, int64_t r1) {
+  bf16 ? RopeTask<uint16_t>(o, r0, r1) : RopeTask<float>(o, r0, r1);
+}
+#if JS_X86
+JS_AVX2 void Avx2Rope(const RopeOp& o, bool bf16, int64_t r0, int64_t r1) {
+  bf16 ? RopeTask<uint16_t>(o, r0, r1) : RopeTask<float>(o, r0, r1);
+}
+JS_AVX512 void Avx512Rope(const RopeOp& o, bool bf16, int64_t r0, int64_t r1) {
+  bf16 ? RopeTask<uint16_t>(o, r0, r1) : RopeTask<float>(o, r0, r1);
+}
+#endif
+
+void Rope(const Runner& run, const RopeOp& o, bool bf16) {
+  const int isa = CurrentIsa();
+  auto rows = [&](int64_t r0, int64_t r1) {
+#if JS_X86
+    if (isa >= kAvx512) return Avx512Rope(o, bf16, r0, r1);
+    if (isa >= kAvx2) return Avx2Rope(o, bf16, r0, r1);
+#endif
+    (void)isa;
+    ScalarRope(o, bf16, r0, r1);
+  };
+  const int64_t row = (o.heads[0] + o.heads[1]) * o.d;
+  const int64_t per = std::max<int64_t>(1, 16384 / std::max<int64_t>(row, 1));
+  const int64_t tasks = CeilDiv(o.m, per);
+  if (tasks <= 1) return rows(0, o.m);
+  run.For(tasks, [&](int64_t i) { rows(i * per, std::min(o.m, (i + 1) * per)); });
+}
+
 // ==========================================================================================
 // Ragged paged attention
 // ==========================================================================================
@@ -2516,6 +2582,48 @@ ffi::Error GatedActImpl(ffi::ThreadPool pool, ffi::AnyBuffer gate, ffi::AnyBuffe
   return RowsImpl(pool, gate, up, gate, num_rows, outs, false, "jaxserve_gated_act", o);
 }
 
+ffi::Error RopeImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                    ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
+                    ffi::Buffer<ffi::S32> num_rows, ffi::Result<ffi::AnyBuffer> q_out,
+                    ffi::Result<ffi::AnyBuffer> k_out) {
+  auto bad = [](const std::string& what) {
+    return ffi::Error::InvalidArgument("jaxserve_rope: " + what);
+  };
+  const auto qd = q.dimensions(), kd = k.dimensions();
+  const ffi::DataType dt = q.element_type();
+  if (qd.size() != 3 || kd.size() != 3) return bad("q and k must be [T, heads, D]");
+  if (dt != ffi::DataType::F32 && dt != ffi::DataType::BF16) return bad("f32 or bf16 only");
+  if (k.element_type() != dt || kd[0] != qd[0] || kd[2] != qd[2] || qd[2] % 2)
+    return bad("k must match q's dtype, tokens and (even) head size");
+  const int64_t m_all = qd[0], d = qd[2];
+  if (cos.element_count() != static_cast<size_t>(m_all * d / 2) ||
+      sin.element_count() != cos.element_count())
+    return bad("cos and sin must be [T, D / 2]");
+  if (num_rows.element_count() != 1) return bad("num_rows must be a scalar");
+  if (q_out->element_type() != dt || q_out->element_count() != q.element_count() ||
+      k_out->element_type() != dt || k_out->element_count() != k.element_count())
+    return bad("results must match q and k");
+  RopeOp o{};
+  o.x[0] = q.untyped_data();
+  o.x[1] = k.untyped_data();
+  o.y[0] = q_out->untyped_data();
+  o.y[1] = k_out->untyped_data();
+  o.heads[0] = qd[1];
+  o.heads[1] = kd[1];
+  o.cos = cos.typed_data();
+  o.sin = sin.typed_data();
+  o.d = d;
+  o.m = std::clamp<int64_t>(num_rows.typed_data()[0], 0, m_all);
+  const size_t esize = dt == ffi::DataType::BF16 ? 2 : 4;
+  for (int j = 0; j < 2; ++j) {
+    const size_t row = static_cast<size_t>(o.heads[j] * d) * esize;
+    std::memset(static_cast<char*>(o.y[j]) + o.m * row, 0, (m_all - o.m) * row);
+  }
+  Runner run(&pool);
+  Rope(run, o, dt == ffi::DataType::BF16);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jaxserve
 
@@ -2577,6 +2685,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGatedAct, jaxserve::GatedActImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingRets()
                                   .Attr<int64_t>("act"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRope, jaxserve::RopeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
 
 // Instruction-set control for tests: the level the kernels run at (0 scalar, 1 AVX2+FMA,
 // 2 AVX-512, 3 AVX-512 + BF16), capped at what the CPU has. Returns the level now in force.
