@@ -2493,9 +2493,14 @@ ffi::Error WriteKvImpl(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyB
     if (v_pages.dimensions()[i] != pd[i]) return bad("k_pages and v_pages differ");
   for (size_t i = 0; i < 3; ++i)
     if (v.dimensions()[i] != xd[i]) return bad("k and v differ");
+  // New K/V in the pages' dtype, or bf16 into a pool of their uint16 bits (copied as bits).
   const ffi::DataType dt = k_pages.element_type();
-  if (v_pages.element_type() != dt || k.element_type() != dt || v.element_type() != dt)
-    return bad("pages and new K/V must share one dtype");
+  auto fits = [dt](ffi::DataType x) {
+    return x == dt || (dt == ffi::DataType::U16 && x == ffi::DataType::BF16);
+  };
+  if (v_pages.element_type() != dt || !fits(k.element_type()) ||
+      v.element_type() != k.element_type())
+    return bad("pages and new K/V must share one dtype (or bf16 K/V into uint16 pages)");
   const int64_t heads = pd[0], slots = pd[1] * pd[2], d = pd[3], T = xd[0];
   if (xd[1] != heads || xd[2] != d) return bad("new K/V must be [T, num_kv_heads, head_dim]");
   if (slot_mapping.element_count() != static_cast<size_t>(T))

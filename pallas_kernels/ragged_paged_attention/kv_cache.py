@@ -98,11 +98,11 @@ def write_kv(
         x = x.astype(logical_dtype(pages))
         return as_bits(x) if pages.dtype == BITS else x
 
-    if impl == "cpu":
+    if impl == "cpu":  # takes bf16 rows into a pool of bits as they are (no copy to bits)
         out = jax.ShapeDtypeStruct(shape, k_pages.dtype)
         call = jax.ffi.ffi_call("jaxserve_write_kv", (out, out), input_output_aliases={0: 0, 1: 1})
-        return tuple(call(k_pages, v_pages, rows(k_pages, k), rows(v_pages, v),
-                          slot_mapping.astype(jnp.int32)))
+        return tuple(call(k_pages, v_pages, k.astype(logical_dtype(k_pages)),
+                          v.astype(logical_dtype(v_pages)), slot_mapping.astype(jnp.int32)))
 
     def put(pages, x):
         x = rows(pages, x).transpose(1, 0, 2)  # [Hkv, T, D]
