@@ -185,5 +185,3 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarr
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
     return inv_freq
-
-
