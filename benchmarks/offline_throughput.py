@@ -17,6 +17,8 @@ virtualenv of its own). Their first run builds and installs them (minutes; cache
 $JAXSERVE_CACHE/peers). A peer that is skipped or cannot run is reported as such. Also
 timed: `jaxserve serve` with these engine settings, from launch to health SERVING, with
 an empty compilation cache and again with the one the first start filled (warm restart).
+Like the `jaxserve` command, the script first restarts itself with glibc's malloc asking
+for transparent huge pages (jaxserve/huge_pages.py); the peers inherit that environment.
 
     python benchmarks/offline_throughput.py [--preset configs/models/smollm2-135m.yaml]
         [--dtype float32|bfloat16] [--skip-hf] [--skip-llamacpp] [--skip-vllm]
