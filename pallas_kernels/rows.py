@@ -47,10 +47,11 @@ def rms_norm_reference(x: jax.Array, weight: jax.Array, eps: float, offset: bool
     return weight * x32.astype(x.dtype)
 
 
-def _native(impl: str | None, *arrays: jax.Array) -> bool:
+def _native(impl: str | None, *arrays: jax.Array, ndim: int = 2) -> bool:
     if impl is None:
         return (current_platform() == "cpu" and native.available()
-                and all(a.ndim == 2 and a.dtype in (jnp.float32, jnp.bfloat16) for a in arrays))
+                and all(a.ndim == ndim and a.dtype in (jnp.float32, jnp.bfloat16)
+                        for a in arrays))
     if impl not in IMPLS:
         raise ValueError(f"rows impl must be one of {IMPLS} or None, got {impl!r}")
     if impl == "cpu" and not native.available():
@@ -115,8 +116,8 @@ def rope(q: jax.Array, k: jax.Array, positions: jax.Array, inv_freq: np.ndarray,
          ) -> tuple[jax.Array, jax.Array]:
     """`rope_reference` of q `[T, Hq, D]` and of k `[T, Hk, D]`; `rows` and `impl` as for
     rms_norm (the native kernel takes 3-D f32/bf16 q and k of one dtype)."""
-    native = _native(impl, q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1))
-    if not native or q.ndim != 3 or k.ndim != 3 or q.shape[2] % 2 or q.dtype != k.dtype:
+    takes = q.ndim == k.ndim == 3 and q.dtype == k.dtype and q.shape[2] % 2 == 0
+    if not (_native(impl, q, k, ndim=3) and takes):
         if impl == "cpu":
             raise ValueError(f"rope: q {q.shape} {q.dtype} and k {k.shape} {k.dtype} must "
                              "be [T, heads, D] of one float dtype, D even")

@@ -1420,21 +1420,26 @@ JS_AVX512 void Avx512Rows(const RowsOp& o, bool norm, bool bf16, int64_t r0, int
 }
 #endif
 
-// Splits the rows over the threads when there is enough work (16K elements a task).
+// rows(r0, r1) over [0, m), split over the threads when there is enough work (16K
+// elements a task, `row` elements a row).
+template <typename Fn>
+void RowBlocks(const Runner& run, int64_t m, int64_t row, const Fn& rows) {
+  const int64_t per = std::max<int64_t>(1, (16384 + row - 1) / std::max<int64_t>(row, 1));
+  const int64_t tasks = CeilDiv(m, per);
+  if (tasks <= 1) return rows(0, m);
+  run.For(tasks, [&](int64_t i) { rows(i * per, std::min(m, (i + 1) * per)); });
+}
+
 void Rows(const Runner& run, const RowsOp& o, bool norm, bool bf16) {
   const int isa = CurrentIsa();
-  auto rows = [&](int64_t r0, int64_t r1) {
+  RowBlocks(run, o.m, o.k, [&](int64_t r0, int64_t r1) {
 #if JS_X86
     if (isa >= kAvx512) return Avx512Rows(o, norm, bf16, r0, r1);
     if (isa >= kAvx2) return Avx2Rows(o, norm, bf16, r0, r1);
 #endif
     (void)isa;
     ScalarRows(o, norm, bf16, r0, r1);
-  };
-  const int64_t per = std::max<int64_t>(1, (16384 + o.k - 1) / std::max<int64_t>(o.k, 1));
-  const int64_t tasks = CeilDiv(o.m, per);
-  if (tasks <= 1) return rows(0, o.m);
-  run.For(tasks, [&](int64_t i) { rows(i * per, std::min(o.m, (i + 1) * per)); });
+  });
 }
 
 // Rotary embedding of q [M, Hq, D] and k [M, Hk, D] on the real rows, 'rotate half'
@@ -1481,7 +1486,7 @@ void ScalarRope(const RopeOp& o, bool bf16, int64_t r0, int64_t r1) {
 JS_AVX2 void Avx2Rope(const RopeOp& o, bool bf16, int64_t r0, int64_t r1) {
   bf16 ? RopeTask<uint16_t>(o, r0, r1) : RopeTask<float>(o, r0, r1);
 }
-// bf16 rounding of 16 floats, kept as floats (RoundTo<uint16_t> of each).
+// bf16 rounding of 16 floats, kept as floats (ToF32(FromF32<uint16_t>(v)) of each).
 JS_AVX512 JS_INLINE __m512 RoundBf16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(F32ToBf16x16(v)), 16));
 }
@@ -1520,19 +1525,14 @@ JS_AVX512 void Avx512Rope(const RopeOp& o, bool bf16, int64_t r0, int64_t r1) {
 
 void Rope(const Runner& run, const RopeOp& o, bool bf16) {
   const int isa = CurrentIsa();
-  auto rows = [&](int64_t r0, int64_t r1) {
+  RowBlocks(run, o.m, (o.heads[0] + o.heads[1]) * o.d, [&](int64_t r0, int64_t r1) {
 #if JS_X86
     if (isa >= kAvx512) return Avx512Rope(o, bf16, r0, r1);
     if (isa >= kAvx2) return Avx2Rope(o, bf16, r0, r1);
 #endif
     (void)isa;
     ScalarRope(o, bf16, r0, r1);
-  };
-  const int64_t row = (o.heads[0] + o.heads[1]) * o.d;
-  const int64_t per = std::max<int64_t>(1, 16384 / std::max<int64_t>(row, 1));
-  const int64_t tasks = CeilDiv(o.m, per);
-  if (tasks <= 1) return rows(0, o.m);
-  run.For(tasks, [&](int64_t i) { rows(i * per, std::min(o.m, (i + 1) * per)); });
+  });
 }
 
 // ==========================================================================================
