@@ -21,6 +21,19 @@ jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
+# On a GPU (`JAX_PLATFORMS=cuda XLA_FLAGS= pytest ...`, benchmarks/gpu_session.sh) the GPU
+# kernels run compiled, not interpreted, and float32 dots are IEEE: XLA's default on
+# NVIDIA GPUs is TF32 (10-bit mantissas), which the float32 oracles here would flag.
+ON_GPU = jax.default_backend() == "gpu"
+if ON_GPU:
+    jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def kernel_interpret(impl: str) -> bool:
+    """Whether a test runs the Pallas kernel `impl` in interpret mode: always, except the
+    GPU kernel on a GPU."""
+    return not (ON_GPU and impl == "gpu")
+
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import kernel_interpret
 from pallas_kernels import grouped_matmul as gm
 from pallas_kernels.grouped_matmul import cpu, formats, tpu
 from pallas_kernels.grouped_matmul.visits import num_visits, plan_visits
@@ -78,11 +79,11 @@ BLOCKS = {"tpu": dict(block_m=16, block_n=128, block_k=256),
 
 @pytest.mark.parametrize("impl", ["tpu", "gpu"])
 @pytest.mark.parametrize("kind", KINDS, ids=str)
-def test_kernels_match_the_reference_in_interpret_mode(rng, impl, kind):
+def test_kernels_match_the_reference(rng, impl, kind):
     for name, sizes in SIZES.items():
         x, values, scales, gs = draw(rng, sizes, 384, 200, kind)
-        y = gm.grouped_matmul(x, values, gs, scales, kind=kind, impl=impl, interpret=True,
-                              **BLOCKS[impl])
+        y = gm.grouped_matmul(x, values, gs, scales, kind=kind, impl=impl,
+                              interpret=kernel_interpret(impl), **BLOCKS[impl])
         ref = gm.grouped_matmul(x, values, gs, scales, kind=kind, impl="reference")
         assert y.shape == ref.shape, name
         assert_close(y, np.asarray(ref, np.float64))
@@ -95,7 +96,7 @@ def test_kernels_with_default_blocks_and_bf16(rng, impl):
     sizes = [3, 0, 30, 1]
     x, w, _, gs = draw(rng, sizes, 256, 200, None)  # TPU: N = 200 as one whole block
     x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
-    y = gm.grouped_matmul(x, w, gs, impl=impl, interpret=True)
+    y = gm.grouped_matmul(x, w, gs, impl=impl, interpret=kernel_interpret(impl))
     want = numpy_grouped(x.astype(jnp.float32), w, None, gs, None)
     sigma = numpy_grouped(jnp.abs(x.astype(jnp.float32)), jnp.abs(w), None, gs, None)
     err = np.abs(np.asarray(y.astype(jnp.float32), np.float64) - want)
@@ -120,7 +121,8 @@ def test_visit_plan():
 
 def test_dispatch_and_bad_operands(rng):
     x, values, scales, gs = draw(rng, [2, 2], 128, 128, "int8")
-    assert gm.choose_impl("int8") == "cpu" and gm.choose_impl(None) == "cpu"
+    with jax.default_device(jax.devices("cpu")[0]):  # a GPU host's CPU device too
+        assert gm.choose_impl("int8") == "cpu" and gm.choose_impl(None) == "cpu"
     with pytest.raises(ValueError, match="explicit impl"):
         gm.grouped_matmul(x, values, gs, scales, kind="int8", interpret=True)
     with pytest.raises(ValueError, match="unknown impl"):

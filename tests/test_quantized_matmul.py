@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import kernel_interpret
 from pallas_kernels import quantized_matmul as qmm
 from pallas_kernels.quantized_matmul import formats, gpu, reference, tpu
 
@@ -178,10 +179,11 @@ def test_bad_formats_say_what_to_do():
 
 def test_dispatch_on_cpu_and_interpret_needs_an_impl(rng):
     x, values, scales = draw(rng, 3, 128, 16, "int8", jnp.float32)
-    assert qmm.choose_impl("int8", 1) == "reference"
-    np.testing.assert_array_equal(
-        np.asarray(qmm.quantized_matmul(x, values, scales, kind="int8")),
-        np.asarray(reference.quantized_matmul(x, values, scales, kind="int8")))
+    with jax.default_device(jax.devices("cpu")[0]):  # a GPU host's CPU device too
+        assert qmm.choose_impl("int8", 1) == "reference"
+        np.testing.assert_array_equal(
+            np.asarray(qmm.quantized_matmul(x, values, scales, kind="int8")),
+            np.asarray(reference.quantized_matmul(x, values, scales, kind="int8")))
     with pytest.raises(ValueError, match="explicit impl"):
         qmm.quantized_matmul(x, values, scales, kind="int8", interpret=True)
     with pytest.raises(ValueError, match="unknown impl"):
@@ -205,7 +207,8 @@ SHAPES = [(1, 128, 128), (5, 256, 200), (16, 256, 256), (37, 384, 200)]
 def test_kernel_matches_reference(rng, impl, kind, dtype):
     for m, k, n in SHAPES:
         x, values, scales = draw(rng, m, k, n, kind, dtype)
-        y = qmm.quantized_matmul(x, values, scales, kind=kind, impl=impl, interpret=True)
+        y = qmm.quantized_matmul(x, values, scales, kind=kind, impl=impl,
+                                 interpret=kernel_interpret(impl))
         assert y.dtype == dtype and y.shape == (m, n)
         assert_kernel_matches(y, x, values, scales, kind)
 
@@ -221,7 +224,8 @@ FORCED_BLOCKS = {"tpu": dict(block_m=16, block_n=128, block_k=256),
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_kernel_with_many_blocks(rng, impl, kind, dtype):
     x, values, scales = draw(rng, 37, 384, 256, kind, dtype, group_size=64)
-    y = qmm.quantized_matmul(x, values, scales, kind=kind, impl=impl, interpret=True,
+    y = qmm.quantized_matmul(x, values, scales, kind=kind, impl=impl,
+                             interpret=kernel_interpret(impl),
                              **FORCED_BLOCKS[impl])
     assert_kernel_matches(y, x, values, scales, kind)
 
