@@ -25,9 +25,11 @@ tensors are powers of two and its dot needs every dimension >= 16:
   float32 accumulator and score tile would spill Triton's registers); rows = queries *
   group rounded up to a power of two >= 16 (a decode item of Llama-3-8B, group 4, fills 4
   of 16 rows: decode is memory-bound, the idle rows are free).
-- KV tokens per block: 128 (the flash-attention key tile), i.e. `pages_per_block =
-  128 // page_size`, capped at the page table's width rounded up to a power of two and
-  raised to at least 16 tokens: 64-128 tokens for any table of 64 or more tokens.
+- KV tokens per block: the kind's tile in TUNED (128, the flash-attention key tile, for
+  prefill items and 8-bit caches; 64 for bf16 decode items), i.e. `pages_per_block =
+  tile // page_size`, capped at the page table's width rounded up to a power of two and
+  raised to at least 16 tokens. The page table is padded to whole 128-token blocks; a
+  64-token kind walks it in half blocks.
 Both are keyword-overridable; compiled (not interpreted) kernels need `pages_per_block *
 page_size` and `head_dim` to be powers of two >= 16 (ValueError otherwise).
 
@@ -43,15 +45,16 @@ the page table), so a call that already fills the SMs is not split; it is the sa
 so tests pass `num_kv_splits` explicitly to exercise the path.
 
 Launch defaults: num_warps 4 for tiles of up to 32 rows (decode), 8 for the larger prefill
-tiles (JAX's flash attention uses 8 for its 128-row tiles at head_dim 128); num_stages 2
-(also its choice), so the next block's loads overlap this block's dots without the shared
-memory of deeper pipelines. Not yet tuned on hardware.
+tiles (JAX's flash attention uses 8 for its 128-row tiles at head_dim 128); num_stages per
+TUNED (2, or 4 for 8-bit decode). The key tiles and stages were chosen on an H100 by
+benchmarks/gpu_attention_sweep.py; the table beside TUNED holds what it measured.
 
 Not fused: writing the new tokens' K/V stays a separate XLA scatter (kv_cache.write_kv).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -61,14 +64,31 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.ragged_paged_attention.kv_cache import BITS
 from pallas_kernels.ragged_paged_attention.work_items import (
-    MASKED, AttentionInputs, BlockPlan, WorkItems, default_queries_per_block, gather_queries,
+    MASKED, AttentionInputs, WorkItems, default_queries_per_block, gather_queries,
     gather_tree_masks, plan_blocks, scatter_outputs, tree_visible, visible_blocks)
 from pallas_kernels.tiling import is_power_of_2, next_power_of_2
 
 MIN_TILE = 16  # smallest dimension Triton's dot accepts
 MAX_ROWS = 128  # query rows (queries x group) per program
-KV_TOKENS_PER_BLOCK = 128
 NUM_SMS = 132  # H100 / H200 SXM
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    kv_tokens_per_block: int  # the key tile
+    num_stages: int
+
+
+# Launch choices per kind of work item and cache, measured on an H100 80GB HBM3 by
+# benchmarks/gpu_attention_sweep.py (2026-11-25, jax 0.11.2, Llama-3-8B layer shapes,
+# 16-token pages; benchmarks/RESULTS.md "GPU bring-up on an H100"). num_warps: 4 for tiles of
+# up to 32 query rows (every decode item), 8 above (default_num_warps).
+#   decode, bf16 K/V   64 x 2048: 64-token tiles 0.318 ms (73% of the copy bandwidth);
+#                      128-token tiles 0.355; 3 stages 0.332
+#   decode, 8-bit K/V  64 x 2048: 4 stages 0.314 ms; 2 stages 0.400
+#   prefill            512 at 512: 128-token tiles, 8 warps 0.089 ms; 64-token tiles 0.098
+TUNED = {("decode", False): Launch(64, 2), ("decode", True): Launch(128, 4),
+         ("prefill", False): Launch(128, 2), ("prefill", True): Launch(128, 2)}
 
 
 def default_gpu_queries_per_block(num_tokens: int, group: int) -> int:
@@ -77,9 +97,10 @@ def default_gpu_queries_per_block(num_tokens: int, group: int) -> int:
     return max(1, min(default_queries_per_block(num_tokens), MAX_ROWS // group))
 
 
-def default_pages_per_block(page_size: int, pages_per_seq: int) -> int:
-    """Pages whose tokens make a power-of-two key tile of 16-128 tokens (see module doc)."""
-    pages = min(max(1, KV_TOKENS_PER_BLOCK // page_size), next_power_of_2(pages_per_seq))
+def default_pages_per_block(page_size: int, pages_per_seq: int, kv_tokens: int = 128) -> int:
+    """Pages whose tokens make a power-of-two key tile of 16 to `kv_tokens` tokens (see
+    module doc)."""
+    pages = min(max(1, kv_tokens // page_size), next_power_of_2(pages_per_seq))
     return max(pages, -(-MIN_TILE // page_size))
 
 
@@ -205,28 +226,38 @@ def ragged_paged_attention(x: AttentionInputs, *, pages_per_block: int | None = 
     if x.k_pages.dtype == BITS:
         raise ValueError("the GPU kernel reads bf16 pages, not their uint16 bits "
                          "(kv_cache.pool_dtype keeps bits only for the reference and cpu)")
+    # The plan's blocks are the largest tile; a kind with a smaller one (TUNED) walks the
+    # same padded page table in halves or quarters of them.
     block = pages_per_block or default_pages_per_block(x.page_size, x.pages_per_seq)
     if not interpret:
         _check_tiles(block * x.page_size, x.head_dim)
     plan = plan_blocks(
         x, queries_per_block or default_gpu_queries_per_block(x.num_tokens, x.group), block)
     out = jnp.zeros(x.q.shape, x.q.dtype)
-    for items in plan.kinds:
+    for kind, items in zip(("decode", "prefill"), plan.kinds):
+        launch = TUNED[kind, x.quantized]
+        kind_block = pages_per_block or min(block, default_pages_per_block(
+            x.page_size, x.pages_per_seq, launch.kv_tokens_per_block))
+        if block % kind_block:
+            kind_block = block
         rows = max(MIN_TILE, next_power_of_2(items.queries_per_item * x.group))
+        num_blocks = plan.num_blocks * (block // kind_block)
         splits = num_kv_splits or default_num_kv_splits(x.num_kv_heads * items.num_items,
-                                                        plan.num_blocks)
+                                                        num_blocks)
         shape = (x.num_kv_heads, items.num_items, rows, x.head_dim)
         result = jax.lax.cond(
             items.num_real() > 0,
-            lambda items=items, rows=rows, splits=splits: _call(
-                x, plan, items, rows, splits, interpret, num_warps, num_stages),
+            lambda items=items, rows=rows, splits=splits, kind_block=kind_block, launch=launch:
+                _call(x, plan.page_indices, items, kind_block, rows, splits, interpret,
+                      num_warps or default_num_warps(rows), num_stages or launch.num_stages),
             lambda shape=shape: jnp.zeros(shape, x.q.dtype))
         out = scatter_outputs(out, result, items, x.group)
     return out
 
 
-def _call(x: AttentionInputs, plan: BlockPlan, items: WorkItems, rows: int, splits: int,
-          interpret: bool, num_warps: int | None, num_stages: int | None) -> jax.Array:
+def _call(x: AttentionInputs, page_indices: jax.Array, items: WorkItems, pages_per_block: int,
+          rows: int, splits: int, interpret: bool, num_warps: int, num_stages: int
+          ) -> jax.Array:
     """One kernel call over one kind of item: `[Hkv, W, rows, head_dim]` in q's dtype."""
     num_kv_heads, page_size, head_dim = x.num_kv_heads, x.page_size, x.head_dim
     num_pages, num_items = x.k_pages.shape[1], items.num_items
@@ -234,10 +265,10 @@ def _call(x: AttentionInputs, plan: BlockPlan, items: WorkItems, rows: int, spli
     pages_spec = pl.BlockSpec((None, num_pages, page_size, head_dim),
                               lambda h, *_: (h, 0, 0, 0))
     in_specs = [_whole((num_items,))] * 4 + [
-        _whole(plan.page_indices.shape),
+        _whole(page_indices.shape),
         pl.BlockSpec((None, None, rows, head_dim), lambda h, w, *_: (h, w, 0, 0)),
         pages_spec, pages_spec]
-    operands = [items.seq, items.q_pos, items.num_q, items.kv_len, plan.page_indices,
+    operands = [items.seq, items.q_pos, items.num_q, items.kv_len, page_indices,
                 qi, x.k_pages, x.v_pages]
     if x.tree:  # each item's tree start, each row's tree mask
         in_specs += [_whole((num_items,)), pl.BlockSpec((None, rows), lambda h, w, *_: (w, 0))]
@@ -263,7 +294,7 @@ def _call(x: AttentionInputs, plan: BlockPlan, items: WorkItems, rows: int, spli
 
     kernel = functools.partial(
         _kernel, sm_scale=x.sm_scale, sliding_window=x.sliding_window, soft_cap=x.soft_cap,
-        group=x.group, pages_per_block=plan.pages_per_block, quantized=x.quantized,
+        group=x.group, pages_per_block=pages_per_block, quantized=x.quantized,
         num_splits=splits, tree=x.tree)
     out = pl.pallas_call(
         kernel,
@@ -271,8 +302,7 @@ def _call(x: AttentionInputs, plan: BlockPlan, items: WorkItems, rows: int, spli
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(
-            num_warps=num_warps or default_num_warps(rows), num_stages=num_stages or 2),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
     )(*operands)
