@@ -244,6 +244,23 @@ def test_block_rules():
     assert not gpu.supports("int4", 96) and not gpu.supports("int4", 16)
     with pytest.raises(ValueError, match="powers of two"):
         gpu.block_sizes(16, 256, 256, "int8", 1, block_n=96)
+    # GPU split-K: only when the (M, N) blocks fill at most half of the 132 SMs.
+    assert gpu.default_num_k_splits(4096 // 128, 14336 // 128) == 5  # Llama-3-8B down, M <= 64
+    assert gpu.default_num_k_splits(14336 // 128, 4096 // 128) == 1  # up / gate: 112 blocks
+    assert gpu.default_num_k_splits(12, 2) == 2  # never more splits than K steps
+    assert gpu.default_num_k_splits(1, 1) == 1
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_gpu_split_k_matches_reference(rng, kind, splits):
+    """K = 640 in 128-wide steps: 5 steps over 2 splits (3 + 2) or 4 (2 + 2 + 1 + 0: one
+    split empty), int4 groups of 128; f32 partials summed."""
+    x, values, scales = draw(rng, 5, 640, 200, kind, jnp.bfloat16, group_size=128)
+    y = gpu.quantized_matmul(x, values, scales, kind=kind, block_k=128, num_k_splits=splits,
+                             interpret=kernel_interpret("gpu"))
+    assert y.dtype == jnp.bfloat16 and y.shape == (5, 200)
+    assert_kernel_matches(y, x, values, scales, kind)
 
 
 # --- the GPU kernel lowers to Triton (no GPU needed) --------------------------------------
@@ -271,6 +288,20 @@ def test_gpu_kernel_lowers_to_triton_for_llama3_8b(kind):
     text = exported.mlir_module()
     assert "__gpu$xla.gpu.triton" in text
     assert f"grid_y = {n // 128} : i32" in text
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_gpu_kernel_lowers_with_k_splits_for_llama3_8b_down(kind):
+    """The down projection [14336, 4096] at M = 16 lowers as 32 N blocks x 5 K splits."""
+    m, k, n = LLAMA3_8B_MLP[1]
+    fn = jax.jit(lambda x, v, s: gpu.quantized_matmul(x, v, s, kind=kind))
+    exported = jax.export.export(
+        fn, platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(*abstract_operands(m, k, n, kind))
+    text = exported.mlir_module()
+    assert f"grid_y = {n // 128} : i32" in text and "grid_z = 5 : i32" in text
+    assert exported.out_avals[0].shape == (m, n)
 
 
 # --- the TPU kernel compiled ahead of time for real TPU generations -----------------------

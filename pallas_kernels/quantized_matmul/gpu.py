@@ -1,10 +1,18 @@
 """Weight-only quantized matmul as a Pallas GPU kernel (Triton lowering).
 
-One program per (M block, N block); a `lax.fori_loop` walks K, loading an x tile and a
-quantized weight tile per step, dequantizing the tile in registers to x's dtype and
+One program per (M block, N block[, K split]); a `lax.fori_loop` walks K, loading an x tile
+and a quantized weight tile per step, dequantizing the tile in registers to x's dtype and
 accumulating `tl.dot` results in float32. Triton has no scratch memory, so the
 accumulator is the loop carry, and no tensor slicing, so every piece the kernel needs is
 loaded from its ref directly (an int4 group as its low-nibble and high-nibble halves).
+
+Split-K. A decode batch (one M block) over a narrow weight has few programs: Llama-3-8B's
+down projection [14336, 4096] is 32 N blocks for an H100's 132 SMs, and there the kernel
+ran at 0.46-0.88x the bf16 dot (benchmarks/RESULTS.md, "GPU bring-up on an H100"). When
+the (M, N) blocks are at most half the SMs, K's steps are divided into
+`ceil(132 / blocks)` contiguous ranges (never more than the steps), one program each,
+writing float32 partials that XLA sums; the sum is one pass over `splits x M x N` floats,
+small beside the weight. Not yet timed on a GPU.
 
 Triton shapes are powers of two and `dot` needs every dimension >= 16, which fixes the
 block rule and limits int4 groups to powers of two >= 32 (see `supports`).
@@ -26,6 +34,14 @@ MIN_BLOCK = 16  # smallest dimension Triton's dot accepts
 MAX_BLOCK_M = 64
 MAX_BLOCK_N = 128
 MAX_BLOCK_K = 128
+NUM_SMS = 132  # H100 / H200 SXM
+
+
+def default_num_k_splits(num_blocks: int, k_steps: int, num_sms: int = NUM_SMS) -> int:
+    """K splits for `num_blocks` (M x N) programs over `k_steps` K steps (module doc)."""
+    if num_blocks > num_sms // 2:
+        return 1
+    return max(1, min(-(-num_sms // num_blocks), k_steps))
 
 
 def _clamped_power_of_2(n: int, most: int) -> int:
@@ -80,10 +96,15 @@ def tile_dot(x: jax.Array, w: jax.Array) -> jax.Array:
 def _kernel(x_ref,  # [bm, K]: this program's rows of x, all of K (the loop slices it)
             w_ref,  # [K, bn] (int8, fp8) or [K / 2, bn] (int4, packed): its columns
             s_ref,  # [1, bn] channel scales, or [K / G, bn] int4 group scales
-            o_ref,  # [bm, bn]
-            *, kind: str, group: int, block_k: int):
+            o_ref,  # [bm, bn], or with K splits this split's float32 partial
+            *, kind: str, group: int, block_k: int, num_splits: int):
     bm, bn = o_ref.shape
     steps = x_ref.shape[1] // block_k
+    first, last = 0, steps
+    if num_splits > 1:  # this program's contiguous share of the K steps
+        per_split = (steps + num_splits - 1) // num_splits
+        first = jnp.minimum(pl.program_id(2) * per_split, steps)
+        last = jnp.minimum(first + per_split, steps)
 
     def dense_step(step, acc):
         rows = pl.ds(step * block_k, block_k)
@@ -102,22 +123,24 @@ def _kernel(x_ref,  # [bm, K]: this program's rows of x, all of K (the loop slic
         return acc
 
     body = int4_step if kind == "int4" else dense_step
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
+    acc = jax.lax.fori_loop(first, last, body, jnp.zeros((bm, bn), jnp.float32))
     if kind != "int4":
         acc = acc * s_ref[...]
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "block_m", "block_n", "block_k",
-                                             "num_warps", "num_stages", "interpret"))
+                                             "num_k_splits", "num_warps", "num_stages",
+                                             "interpret"))
 def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind: str,
                      block_m: int | None = None, block_n: int | None = None,
-                     block_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
+                     block_k: int | None = None, num_k_splits: int | None = None,
+                     num_warps: int = 4, num_stages: int = 3,
                      interpret: bool = False) -> jax.Array:
     """`x[M, K] @ dequantize(values, scales)` -> `[M, N]` in x's dtype, on a GPU.
 
     Operands are zero-padded to whole blocks (K by whole int4 groups) and the result
-    sliced back.
+    sliced back. `num_k_splits` overrides default_num_k_splits.
     """
     k = check_operands(x, values, scales, kind)
     m, n = x.shape[0], values.shape[1]
@@ -129,15 +152,24 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
 
     # Each program sees its rows of x and its columns of the weight over all of K; the
     # K loop slices them. Block shapes need not be powers of two, only what is loaded.
+    splits = num_k_splits or default_num_k_splits((mp // bm) * (np_ // bn), kp // bk)
+    if splits > 1:
+        out_shape = jax.ShapeDtypeStruct((splits, mp, np_), jnp.float32)
+        out_spec = pl.BlockSpec((None, bm, bn), lambda i, j, s: (s, i, j))
+    else:
+        out_shape = jax.ShapeDtypeStruct((mp, np_), x.dtype)
+        out_spec = pl.BlockSpec((bm, bn), lambda i, j, *_: (i, j))
     out = pl.pallas_call(
-        functools.partial(_kernel, kind=kind, group=group, block_k=bk),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
-        grid=(mp // bm, np_ // bn),
-        in_specs=[pl.BlockSpec((bm, kp), lambda i, j: (i, 0)),
-                  pl.BlockSpec((values.shape[0], bn), lambda i, j: (0, j)),
-                  pl.BlockSpec((scales.shape[0], bn), lambda i, j: (0, j))],
-        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        functools.partial(_kernel, kind=kind, group=group, block_k=bk, num_splits=splits),
+        out_shape=out_shape,
+        grid=(mp // bm, np_ // bn) + ((splits,) if splits > 1 else ()),
+        in_specs=[pl.BlockSpec((bm, kp), lambda i, j, *_: (i, 0)),
+                  pl.BlockSpec((values.shape[0], bn), lambda i, j, *_: (0, j)),
+                  pl.BlockSpec((scales.shape[0], bn), lambda i, j, *_: (0, j))],
+        out_specs=out_spec,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
     )(x, values, scales)
+    if splits > 1:
+        out = out.sum(axis=0).astype(x.dtype)
     return out[:m, :n]
