@@ -64,12 +64,12 @@ jaxlib.__version__, 'triton', triton.__version__, 'torch', torch.__version__); p
       step kernels 150 $PYTEST tests/test_attention_kernels.py tests/test_quantized_matmul.py \
         tests/test_grouped_matmul.py -k "not tpu" ;;
     engine)
-      step engine 150 $PYTEST tests/test_parity.py -k "greedy_batch or (prompt_logits and kn)" ;;
+      step engine 150 $PYTEST -v tests/test_parity.py -k "greedy_batch or (prompt_logits and kn)" ;;
     engine-more)
       step engine-more 240 $PYTEST tests/test_engine.py tests/test_quantized_engine.py \
         tests/test_moe.py ;;
     suite)
-      step suite 540 $PYTEST tests --deselect tests/test_parity.py \
+      step suite 540 $PYTEST tests --ignore tests/test_parity.py \
         --ignore tests/test_attention_kernels.py --ignore tests/test_quantized_matmul.py \
         --ignore tests/test_grouped_matmul.py --ignore tests/test_engine.py \
         --ignore tests/test_quantized_engine.py --ignore tests/test_moe.py \
