@@ -18,7 +18,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 
-from kernels import (AttentionCase, attention_fn, build_attention_batch, machine, median_ms,
+from kernels import (AttentionCase, attention_args, attention_fn, build_attention_batch, machine, median_ms,
                      page_size_for)
 from offline_throughput import measure_bandwidth
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
@@ -42,9 +42,7 @@ def main() -> None:
     print(f"- {machine()}; jax {jax.__version__}; bandwidth {bandwidth / 1e9:.0f} GB/s\n")
     for i, (case, grid) in enumerate(CASES):
         batch = build_attention_batch(case, page_size_for(case.kv_dtype, "gpu"), i)
-        args = (batch["q"], batch["k_pages"], batch["v_pages"], batch["kv_lens"],
-                batch["page_indices"], batch["cu_q_lens"], batch["num_seqs"])
-        scales = dict(zip(("k_scales", "v_scales"), batch["scales"]))
+        args, scales = attention_args(batch)
         want = attention_fn("reference")(*args, **scales).astype(jnp.float32)
         floor_ms = 1e3 * case.kv_bytes_read() / bandwidth
         rows = []

@@ -252,11 +252,16 @@ def attention_fn(impl: str) -> Callable:
                                      sm_scale=1.0 / math.sqrt(HEAD_DIM)))
 
 
+def attention_args(batch: dict) -> tuple[tuple, dict]:
+    """ragged_paged_attention's positional operands and scale keywords for a batch."""
+    return ((batch["q"], batch["k_pages"], batch["v_pages"], batch["kv_lens"],
+             batch["page_indices"], batch["cu_q_lens"], batch["num_seqs"]),
+            dict(zip(("k_scales", "v_scales"), batch["scales"])))
+
+
 def time_attention(batch: dict, impl: str, iters: int) -> tuple[float, jax.Array]:
     fn = attention_fn(impl)
-    args = (batch["q"], batch["k_pages"], batch["v_pages"], batch["kv_lens"],
-            batch["page_indices"], batch["cu_q_lens"], batch["num_seqs"])
-    scales = dict(zip(("k_scales", "v_scales"), batch["scales"]))
+    args, scales = attention_args(batch)
     call = lambda: fn(*args, **scales)  # noqa: E731
     return median_ms(call, iters), call()
 

@@ -275,17 +275,21 @@ def abstract_operands(m: int, k: int, n: int, kind: str, sharding=None, dtype=jn
             jax.ShapeDtypeStruct(ss, sd, sharding=sharding))
 
 
+def export_gpu_kernel(m: int, k: int, n: int, kind: str) -> jax.export.Exported:
+    """The GPU kernel at x[M, K] @ W[K, N], exported for CUDA (Triton IR; no GPU needed)."""
+    fn = jax.jit(lambda x, v, s: gpu.quantized_matmul(x, v, s, kind=kind))
+    return jax.export.export(
+        fn, platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(*abstract_operands(m, k, n, kind))
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
 def test_gpu_kernel_lowers_to_triton_for_llama3_8b(kind):
     """Pallas's Triton lowering (jaxpr -> Triton IR, as for compute capability 9.0 when no
     GPU is present) accepts the kernel at real shapes: one program per 128 output columns."""
     m, k, n = LLAMA3_8B_MLP[0]
-    fn = jax.jit(lambda x, v, s: gpu.quantized_matmul(x, v, s, kind=kind))
-    exported = jax.export.export(
-        fn, platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-    )(*abstract_operands(m, k, n, kind))
-    text = exported.mlir_module()
+    text = export_gpu_kernel(m, k, n, kind).mlir_module()
     assert "__gpu$xla.gpu.triton" in text
     assert f"grid_y = {n // 128} : i32" in text
 
@@ -294,11 +298,7 @@ def test_gpu_kernel_lowers_to_triton_for_llama3_8b(kind):
 def test_gpu_kernel_lowers_with_k_splits_for_llama3_8b_down(kind):
     """The down projection [14336, 4096] at M = 16 lowers as 32 N blocks x 5 K splits."""
     m, k, n = LLAMA3_8B_MLP[1]
-    fn = jax.jit(lambda x, v, s: gpu.quantized_matmul(x, v, s, kind=kind))
-    exported = jax.export.export(
-        fn, platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-    )(*abstract_operands(m, k, n, kind))
+    exported = export_gpu_kernel(m, k, n, kind)
     text = exported.mlir_module()
     assert f"grid_y = {n // 128} : i32" in text and "grid_z = 5 : i32" in text
     assert exported.out_avals[0].shape == (m, n)
