@@ -27,6 +27,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-gib", type=float, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--token-buckets", default=None, metavar="N,N,...",
+                   help="the step sizes compiled at start-up, in tokens (default: 1, 8 and "
+                        "powers of two up to --max-num-batched-tokens); fewer buckets start "
+                        "faster, a batch pads up to the next one")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--quantization", choices=list(QUANTIZATIONS), default=None,
                    help="quantize the linear layers' weights at load (a checkpoint made by "
@@ -62,6 +66,16 @@ def parse_mesh(text: str | None) -> dict[str, int] | None:
     return mesh
 
 
+def parse_buckets(text: str | None) -> tuple[int, ...] | None:
+    """'16,64' -> (16, 64)."""
+    if not text:
+        return None
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--token-buckets {text!r}: write token counts, e.g. 16,64") from None
+
+
 def parse_json_object(flag: str, text: str | None) -> dict | None:
     if text is None:
         return None
@@ -79,7 +93,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
         "page_size": args.page_size, "num_pages": args.num_pages,
         "kv_cache_memory_gib": args.kv_cache_memory_gib, "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "token_buckets": parse_buckets(args.token_buckets), "seed": args.seed,
         "enable_prefix_caching": False if args.no_prefix_caching else None,
         "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
         "kernel_impl": args.kernel_impl, "mesh": parse_mesh(args.mesh),

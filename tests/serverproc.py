@@ -14,11 +14,12 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+# Two token buckets (the default would compile five): servers start in fewer seconds.
 ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "128", "--page-size", "4",
-                "--max-num-seqs", "4", "--max-num-batched-tokens", "64"]
+                "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--token-buckets", "16,64"]
 # The same engine settings for the offline API, to compare outputs.
 ENGINE = dict(dtype="float32", max_model_len=128, page_size=4, max_num_seqs=4,
-              max_num_batched_tokens=64)
+              max_num_batched_tokens=64, token_buckets=(16, 64))
 
 
 def free_port() -> int:

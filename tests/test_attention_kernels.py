@@ -9,6 +9,7 @@ test_reference_attention.py.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -92,9 +93,9 @@ def case_id(case):
     return "-".join(f"{k}={getattr(v, '__name__', v)}" for k, v in case.items())
 
 
-@pytest.mark.parametrize("impl", KERNELS)
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[case_id(c) for c in CASES])
-def test_kernel_matches_reference(impl, index):
+@functools.cache
+def case_inputs(index: int) -> tuple[dict, int, dict]:
+    """(batch, real tokens, options) of CASES[index], drawn from its own seed."""
     case = dict(CASES[index])
     options = {k: case.pop(k) for k in ("sliding_window", "soft_cap", "pages_per_block",
                                         "queries_per_block") if k in case}
@@ -103,16 +104,36 @@ def test_kernel_matches_reference(impl, index):
     batch, real = ragged_batch(rng, kind, **case)
     if tree:
         options.update(trees(rng, batch))
-    dtype = case.get("dtype", jnp.float32)
-    sm_scale = batch["q"].shape[-1] ** -0.5
-    run = lambda impl, **kw: np.asarray(  # noqa: E731
-        ragged_paged_attention(**batch, sm_scale=sm_scale, impl=impl, **options, **kw), np.float32)
+    return batch, real, options
+
+
+def attend(batch: dict, impl: str, **options) -> np.ndarray:
+    """The attention of `batch` in one jitted call (eager, each op would compile on its
+    own: seconds a case); array options are traced, the others static."""
+    arrays = {k: v for k, v in options.items() if isinstance(v, jax.Array)}
+    static = {k: v for k, v in options.items() if k not in arrays}
+    run = jax.jit(functools.partial(ragged_paged_attention, sm_scale=batch["q"].shape[-1] ** -0.5,
+                                    impl=impl, **static))
+    return np.asarray(run(**batch, **arrays), np.float32)
+
+
+@functools.cache
+def reference_output(index: int) -> np.ndarray:
+    batch, _, options = case_inputs(index)
+    return attend(batch, "reference", **options)
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[case_id(c) for c in CASES])
+def test_kernel_matches_reference(impl, index):
+    _, real, options = case_inputs(index)
+    dtype = CASES[index].get("dtype", jnp.float32)
     interpret = kernel_interpret(impl)
-    tile = options.get("pages_per_block", 0) * case.get("page_size", 8)
+    tile = options.get("pages_per_block", 0) * CASES[index].get("page_size", 8)
     if not interpret and tile and (tile < 16 or tile & (tile - 1)):
         pytest.skip(f"compiled, the GPU kernel's key tiles are powers of two >= 16, not {tile}")
-    want = run("reference")
-    got = run(impl, interpret=interpret)
+    want = reference_output(index)
+    got = attend(case_inputs(index)[0], impl, interpret=interpret, **options)
     assert np.abs(want[:real]).max() > 0.1  # a real signal, not zeros
     np.testing.assert_allclose(got[:real], want[:real], atol=TOL[dtype], rtol=TOL[dtype])
     assert np.all(got[real:] == 0)  # padding tokens
@@ -180,12 +201,9 @@ def test_gpu_split_kv_matches_reference(index):
         kv_lens[:2] = 1, case["max_pages"] * 8
         batch["kv_lens"] = jnp.asarray(kv_lens)
     dtype = case.get("dtype", jnp.float32)
-    sm_scale = batch["q"].shape[-1] ** -0.5
-    want = np.asarray(ragged_paged_attention(**batch, sm_scale=sm_scale, impl="reference",
-                                             pages_per_block=2, **options), np.float32)
-    got = np.asarray(ragged_paged_attention(
-        **batch, sm_scale=sm_scale, impl="gpu", interpret=kernel_interpret("gpu"),
-        pages_per_block=2, num_kv_splits=case["num_kv_splits"], **options), np.float32)
+    want = attend(batch, "reference", pages_per_block=2, **options)
+    got = attend(batch, "gpu", interpret=kernel_interpret("gpu"), pages_per_block=2,
+                 num_kv_splits=case["num_kv_splits"], **options)
     assert np.abs(want[:real]).max() > 0.1
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got[:real], want[:real], atol=TOL[dtype], rtol=TOL[dtype])

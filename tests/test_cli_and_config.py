@@ -56,6 +56,11 @@ def test_generate_on_demo_model(tmp_path, monkeypatch, capsys):
 def test_generate_bad_flag_value_is_a_clean_error(capsys):
     assert main(["generate", "--temperature", "-1"]) == 2
     assert "temperature" in capsys.readouterr().err
+    assert main(["generate", "--token-buckets", "16,x"]) == 2
+    assert "--token-buckets '16,x': write token counts" in capsys.readouterr().err
+    # The largest bucket must hold a whole step (the default: 512 tokens).
+    assert main(["generate", "--token-buckets", "16,64"]) == 2
+    assert "must cover max_num_batched_tokens (512)" in capsys.readouterr().err
 
 
 def test_presets_have_published_parameter_counts():
@@ -153,13 +158,13 @@ def test_a_second_start_reads_every_step_program_from_the_compilation_cache(tmp_
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     cmd = [sys.executable, "-m", "jaxserve.cli", "generate", "--prompt", "Hi", "--max-tokens",
            "3", "--max-num-batched-tokens", "16", "--max-num-seqs", "2", "--max-model-len",
-           "64", "--dtype", "float32", "--kernel-impl", "reference"]
+           "64", "--dtype", "float32", "--kernel-impl", "reference", "--token-buckets", "16"]
     runs = [subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
             for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:]
-    # Tokens 1, 8, 16: a forward pass each; sampling for 1 and 2 sequences, with and
-    # without penalties.
-    programs = 3 + 4
+    # One bucket of 16 tokens (the default would add 1 and 8): its forward pass; sampling
+    # for 2 sequences, with and without penalties.
+    programs = 1 + 2
     assert f"{programs} compiled, 0 read from the compilation cache" in runs[0].stderr
     assert f"0 compiled, {programs} read from the compilation cache" in runs[1].stderr
     assert runs[0].stdout == runs[1].stdout
