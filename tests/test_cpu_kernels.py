@@ -202,8 +202,21 @@ def test_matmul_dispatch():
     # ... and an explicit impl="cpu" says why it cannot run them.
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         matmul(x, jnp.ones((8, 3), jnp.bfloat16), impl="cpu")
-    hlo = jax.jit(lambda x, w: matmul(x, w)).lower(x, jnp.ones((8, 3))).as_text()
-    assert "jaxserve_matmul" in hlo
+
+
+def test_matmul_dispatch_follows_the_cpu(isa):
+    """impl=None takes the kernel where it beats XLA's dot on this CPU: with its AVX-512
+    paths (AVX512_BF16 for bf16) always; with its generic loops only for bf16 with 1 or 2
+    rows (XLA's bf16 matrix-vector product is ~12x slower there), XLA's dot otherwise."""
+    def native_call(rows: int, dtype) -> bool:
+        x, w = jnp.ones((rows, 64), dtype), jnp.ones((32, 64), dtype)
+        hlo = jax.jit(lambda x, w: matmul(x, w, transpose_w=True)).lower(x, w).as_text()
+        return "jaxserve_matmul" in hlo
+
+    tuned = {"float32": isa in ("avx512", "avx512_bf16"), "bfloat16": isa == "avx512_bf16"}
+    for rows in (1, 2, 3, 64):
+        assert native_call(rows, jnp.float32) == tuned["float32"]
+        assert native_call(rows, jnp.bfloat16) == (tuned["bfloat16"] or rows <= 2)
 
 
 # ---------------------------------------------------------------------------- attention

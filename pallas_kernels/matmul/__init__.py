@@ -13,7 +13,9 @@ Implementations, one signature:
   products at ~2 GB/s; the kernel streams weights at the memory bandwidth).
 
 `impl=None` picks "cpu" when the platform is CPU and the native kernels are available
-(`pallas_kernels.cpu.available()`) and the operands are ones it takes, else "reference".
+(`pallas_kernels.cpu.available()`), the operands are ones it takes and the kernel beats
+XLA's dot for them on this CPU (`cpu.faster_than_xla`: with AVX-512 / AVX512_BF16 always,
+below that only bf16 with 1 or 2 rows), else "reference".
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def matmuls(x: jax.Array, ws: list[jax.Array], num_rows: jax.Array | int | None 
     the weights together for few rows."""
     if impl is None:
         impl = default_impl()
-        if impl == "cpu" and not all(cpu.supports(x, w, transpose_w) for w in ws):
+        if impl == "cpu" and not (all(cpu.supports(x, w, transpose_w) for w in ws)
+                                  and cpu.faster_than_xla(x)):
             impl = "reference"
     if impl == "reference":
         return [reference.matmul(x, w, num_rows, transpose_w=transpose_w) for w in ws]
