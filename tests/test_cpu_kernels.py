@@ -143,7 +143,7 @@ def test_matmul_small_and_aligned_shapes(case, isa):
             check_matmul(m, k, n, dtype, transpose_w, max(1, m - 1), seed=[m, k, n, 7])
 
 
-@pytest.mark.parametrize("m", [2, 64])
+@pytest.mark.parametrize("m", [2, 3, 64])  # 1, 2 and 63 real rows
 def test_matmul_every_isa(m, isa):
     for dtype in (jnp.float32, jnp.bfloat16):
         for transpose_w in (False, True):
@@ -151,7 +151,7 @@ def test_matmul_every_isa(m, isa):
 
 
 @pytest.mark.parametrize("transpose_w", [False, True], ids=["KN", "NK"])
-@pytest.mark.parametrize("m", [1, 4, 6, 7, 26, 64])
+@pytest.mark.parametrize("m", [1, 3, 4, 6, 7, 26, 64])
 def test_weights_sharing_x_in_one_call(m, transpose_w, isa):
     """`matmuls` (q/k/v, gate/up in one call: few rows stream the weights together, [N, K]
     ones in one parallel loop over blocks of all of them; more rows pack the panels of all

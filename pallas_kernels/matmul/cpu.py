@@ -21,6 +21,9 @@ else AVX2+FMA, else plain C++):
   pair of K rows interleaved into 32-bit pairs; an [N, K] weight transposed), and runs
   6 x 64 register tiles (24 accumulators) of vdpbf16ps / FMAs over its rows. f32 [K, N]
   strips are read in place.
+- Without those instruction sets (AVX2+FMA): 1 or 2 rows against [N, K] weights are dot
+  products in 8-lane FMAs, each weight row read once (x converted to float32 first); the
+  rest are generic loops, which is why `faster_than_xla` sends those to XLA's dot.
 The weight is never required in a packed layout: any packing is per call, per strip.
 """
 
@@ -35,11 +38,12 @@ TARGET = "jaxserve_matmul"
 DTYPES = ("float32", "bfloat16")
 
 
-# Below these instruction-set levels the kernel runs its generic C++ loops, which XLA's
-# dot beats past a row or two. Measured on a 2-core AVX2 EPYC (no AVX-512), smollm2-135m's
-# [N, K] MLP weights, ms per matmul (native / XLA): bf16 M = 1: 0.17 / 2.1 (XLA reads bf16
-# matrix-vector products at ~4% of bandwidth), M = 2: 0.22 / 0.27, M = 4: 0.43 / 0.30,
-# M = 32: 2.4 / 0.86; f32 M = 1: 0.20 / 0.15, M = 8: 0.49 / 0.46, M = 32: 1.4 / 0.72.
+# Below these instruction-set levels the kernel has an AVX2 path for 1-2 rows against
+# [N, K] weights and generic C++ loops otherwise, which XLA's dot beats. Measured on a
+# 2-core AVX2 EPYC (no AVX-512), smollm2-135m's [N, K] MLP weights, ms per matmul (native /
+# XLA): bf16 M = 1: 0.09-0.10 / 1.5-1.6 (XLA reads bf16 matrix-vector products at ~4% of
+# bandwidth), M = 2: 0.09 / 0.21-0.27, M = 4: 0.43 / 0.30, M = 32: 2.4 / 0.86; f32 M = 1:
+# 0.17-0.19 / 0.13-0.15, M = 8: 0.49 / 0.46, M = 32: 1.4 / 0.72.
 TUNED_ISA = {"float32": "avx512", "bfloat16": "avx512_bf16"}
 GENERIC_MAX_ROWS = {"float32": 0, "bfloat16": 2}
 
