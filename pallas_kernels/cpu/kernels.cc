@@ -1218,10 +1218,10 @@ void NkBlock(const Mm& a, int64_t m0, int64_t rows, int64_t n0, int64_t nn) {
   NkTiles<T, 4, 4>(a, m0, rows, n0, nn);
 }
 
-// Few rows of x against [N, K] weights sharing it: one parallel loop over blocks of weight
-// rows of all of them (no barrier between the weights).
-template <typename T>
-void FewRowsNk(const Runner& run, const Mm* as, int64_t count) {
+// One parallel loop over blocks of weight rows of all the [N, K] weights in `as` (no
+// barrier between the weights): block(j, n0, nn) computes rows [n0, n0 + nn) of as[j].
+template <typename Fn>
+void ForWeightRowBlocks(const Runner& run, const Mm* as, int64_t count, const Fn& block) {
   std::vector<int64_t> nbs(count), starts(count + 1, 0);
   for (int64_t j = 0; j < count; ++j) {
     nbs[j] = std::clamp<int64_t>(RoundUp(CeilDiv(as[j].n, 4), 16), 16, 512);
@@ -1231,7 +1231,15 @@ void FewRowsNk(const Runner& run, const Mm* as, int64_t count) {
     int64_t j = 0;
     while (i >= starts[j + 1]) ++j;
     const int64_t n0 = (i - starts[j]) * nbs[j];
-    NkBlock<T>(as[j], 0, as[j].m, n0, std::min(nbs[j], as[j].n - n0));
+    block(j, n0, std::min(nbs[j], as[j].n - n0));
+  });
+}
+
+// Few rows of x against [N, K] weights sharing it.
+template <typename T>
+void FewRowsNk(const Runner& run, const Mm* as, int64_t count) {
+  ForWeightRowBlocks(run, as, count, [&](int64_t j, int64_t n0, int64_t nn) {
+    NkBlock<T>(as[j], 0, as[j].m, n0, nn);
   });
 }
 
@@ -1306,22 +1314,13 @@ JS_AVX2 void Avx2NkRows(const Mm& a, const float* xf, int64_t n0, int64_t nn) {
   }
 }
 
-// Weights sharing x, all [N, K] with at most kAvx2NkRows rows: one parallel loop over
-// blocks of weight rows of all of them, as FewRowsNk.
+// Weights sharing x, all [N, K] with at most kAvx2NkRows rows.
 template <typename T>
 void Avx2FewRowsNk(const Runner& run, const Mm* as, int64_t count) {
   const Mm& a = as[0];
   std::vector<float> xf(a.m * a.k);
   for (int64_t i = 0; i < a.m * a.k; ++i) xf[i] = ToF32<T>(static_cast<const T*>(a.x)[i]);
-  std::vector<int64_t> nbs(count), starts(count + 1, 0);
-  for (int64_t j = 0; j < count; ++j) {
-    nbs[j] = std::clamp<int64_t>(RoundUp(CeilDiv(as[j].n, 4), 16), 16, 512);
-    starts[j + 1] = starts[j] + CeilDiv(as[j].n, nbs[j]);
-  }
-  run.For(starts[count], [&](int64_t i) {
-    int64_t j = 0;
-    while (i >= starts[j + 1]) ++j;
-    const int64_t n0 = (i - starts[j]) * nbs[j], nn = std::min(nbs[j], as[j].n - n0);
+  ForWeightRowBlocks(run, as, count, [&](int64_t j, int64_t n0, int64_t nn) {
     if (a.m == 1) {
       Avx2NkRows<T, 1>(as[j], xf.data(), n0, nn);
     } else {
