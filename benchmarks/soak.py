@@ -34,7 +34,6 @@ sys.path.insert(0, str(ROOT))
 from http_vs_grpc import cpu_name, free_port, wait_ready  # noqa: E402
 
 from server.client import AsyncClient, Client, make_request  # noqa: E402
-from server.protos.jaxserve.v1 import inference_pb2 as pb  # noqa: E402
 
 Code = grpc.StatusCode
 BAD_GRPC = [  # (sampling, prompt) -> INVALID_ARGUMENT

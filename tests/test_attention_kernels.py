@@ -126,14 +126,14 @@ def reference_output(index: int) -> np.ndarray:
 @pytest.mark.parametrize("impl", KERNELS)
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[case_id(c) for c in CASES])
 def test_kernel_matches_reference(impl, index):
-    _, real, options = case_inputs(index)
+    batch, real, options = case_inputs(index)
     dtype = CASES[index].get("dtype", jnp.float32)
     interpret = kernel_interpret(impl)
     tile = options.get("pages_per_block", 0) * CASES[index].get("page_size", 8)
     if not interpret and tile and (tile < 16 or tile & (tile - 1)):
         pytest.skip(f"compiled, the GPU kernel's key tiles are powers of two >= 16, not {tile}")
     want = reference_output(index)
-    got = attend(case_inputs(index)[0], impl, interpret=interpret, **options)
+    got = attend(batch, impl, interpret=interpret, **options)
     assert np.abs(want[:real]).max() > 0.1  # a real signal, not zeros
     np.testing.assert_allclose(got[:real], want[:real], atol=TOL[dtype], rtol=TOL[dtype])
     assert np.all(got[real:] == 0)  # padding tokens

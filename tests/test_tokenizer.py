@@ -27,7 +27,6 @@ valid text contains U+FFFD, and the decoded window stays short.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from collections.abc import Callable
