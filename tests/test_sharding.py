@@ -1,6 +1,8 @@
 """Tensor, sequence and data parallelism over 8 CPU devices give the single-device tokens.
 
-The runs happen in a subprocess (tests/multidevice_check.py) started with 8 CPU devices.
+The runs happen in a subprocess (tests/multidevice_check.py) started with 8 CPU devices;
+it compiles every mesh's programs (~5 min on 2 cores), so the file is marked slow: CI runs it
+after the default run (`pytest -q -m slow`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -105,6 +105,7 @@ def test_tp_sp_step_reduce_scatters_where_tp_all_reduces(devices):
     assert tp == collections.Counter({("64", "all-reduce"): 2 * layers + 1})
 
 
+@pytest.mark.slow
 def test_jaxserve_plan_cli(tmp_path, capsys):
     """`jaxserve plan` on Llama-3-8B dimensions (2 layers): the table's compiled weight bytes
     per chip match the analytic count, and the KV per token is 2 layers x K,V x 2 heads x
@@ -127,6 +128,7 @@ def test_jaxserve_plan_cli(tmp_path, capsys):
     assert re.search(r"fits its seqs x max_model_len\s+\| yes", out)
 
 
+@pytest.mark.slow
 def test_plan_says_when_it_does_not_fit(monkeypatch):
     """With 0.7 GiB of HBM per chip, 0.69 GiB of weights leave room for too few KV tokens."""
     from sharding import plan_report, planner
@@ -139,6 +141,7 @@ def test_plan_says_when_it_does_not_fit(monkeypatch):
     assert "| NO (16,384 tokens wanted)" in plan_report.format_plan(result)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("topology,quant", [
     ("v5e:2x2", {}),
     ("v5e:2x2", dict(quantization="int8", kv_cache_dtype="int8", page_size=32)),
@@ -186,6 +189,7 @@ def test_quantized_kernels_run_per_chip_on_a_mesh(devices, strategy, quantizatio
         assert found.count((64, "all-reduce")) >= 2 * cfg.num_layers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,quantization", [("ep", None), ("tp+ep", None), ("tp", None),
                                                   ("tp+ep", "int8")])
 def test_mixture_of_experts_step_compiles_for_v5e(devices, strategy, quantization):
@@ -224,6 +228,7 @@ def test_mixture_of_experts_step_compiles_for_v5e(devices, strategy, quantizatio
         assert args < cfg.num_layers * 2 * per_chip
 
 
+@pytest.mark.slow
 def test_gemma2_soft_caps_compile_with_the_attention_kernel():
     """Gemma 2's attention soft-cap and sliding window go to our Mosaic kernel (2 calls a
     layer), its final soft-cap into the logits."""
@@ -236,6 +241,7 @@ def test_gemma2_soft_caps_compile_with_the_attention_kernel():
     assert "tanh" in compiled.as_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh, strategy", [({"model": 4}, "tp"),
                                             ({"data": 2, "model": 2}, "dp+tp")])
 def test_a_step_verifying_draft_trees_compiles_with_the_attention_kernel(devices, mesh,
@@ -257,6 +263,7 @@ def test_a_step_verifying_draft_trees_compiles_with_the_attention_kernel(devices
     assert [n - 2 for n in trees] == chains
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh, strategy", [({"model": 4}, "tp"),
                                             ({"data": 2, "model": 2}, "dp+tp")])
 def test_an_eagle_head_drafting_trees_compiles_with_the_attention_kernel(devices, mesh,
