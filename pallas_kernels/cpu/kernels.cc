@@ -1269,8 +1269,6 @@ void Avx512Matmul(const Runner& run, const Mm& a) {
 // once, `xf`) against [N, K] weights, one weight row after another in memory order, each dotted
 // with every row of x in 8-lane FMAs (4 accumulators a row). The generic loop reads bf16
 // weights at ~1/3 of the bandwidth (10.5 of 32 GB/s on a 2-core AVX2 EPYC).
-constexpr int64_t kAvx2NkRows = 2;
-
 JS_AVX2 JS_INLINE __m256 Avx2Load8(const float* p) { return _mm256_loadu_ps(p); }
 JS_AVX2 JS_INLINE __m256 Avx2Load8(const uint16_t* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -1314,9 +1312,68 @@ JS_AVX2 void Avx2NkRows(const Mm& a, const float* xf, int64_t n0, int64_t nn) {
   }
 }
 
-// Weights sharing x, all [N, K] with at most kAvx2NkRows rows.
+// Prompts and batches: MR rows of x x NT weight rows a tile, 8-lane FMAs with one
+// accumulator a pair (4 x 3: 12 accumulators, 3 weight vectors, 1 of x in 16 registers);
+// bf16 weight rows converted to float32 once a tile.
+// Rows of x in blocks that stay in L2 (48 float32 rows of K = 1536: 288 KiB), weight tiles
+// inside a block, so the NT weight rows stay in L1 while every group of MR rows passes them.
+constexpr int kAvx2TileRows = 4, kAvx2TileWeights = 3;
+constexpr int64_t kAvx2RowBlock = 48;
+
+template <typename T, int MR, int NT>
+JS_AVX2 void Avx2NkTile(const float* const* xr, const T* const* wr, int64_t K, int64_t mr,
+                        int64_t nt, T* y, int64_t ldy) {
+  __m256 acc[MR][NT];
+  JS_UNROLL for (int r = 0; r < MR; ++r)
+    JS_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 b[NT];
+    JS_UNROLL for (int t = 0; t < NT; ++t) b[t] = Avx2Load8(wr[t] + k);
+    JS_UNROLL for (int r = 0; r < MR; ++r) {
+      const __m256 xv = _mm256_loadu_ps(xr[r] + k);
+      JS_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_fmadd_ps(xv, b[t], acc[r][t]);
+    }
+  }
+  float sums[MR][NT];  // reduced with constant indices: acc stays in registers in the loop
+  JS_UNROLL for (int r = 0; r < MR; ++r)
+    JS_UNROLL for (int t = 0; t < NT; ++t) sums[r][t] = Avx2Sum(acc[r][t]);
+  for (int64_t r = 0; r < mr; ++r) {
+    for (int64_t t = 0; t < nt; ++t) {
+      float sum = sums[r][t];
+      for (int64_t e = k; e < K; ++e) sum += xr[r][e] * ToF32<T>(wr[t][e]);
+      y[r * ldy + t] = FromF32<T>(sum);
+    }
+  }
+}
+
 template <typename T>
-void Avx2FewRowsNk(const Runner& run, const Mm* as, int64_t count) {
+JS_AVX2 void Avx2NkTiles(const Mm& a, const float* xf, int64_t n0, int64_t nn) {
+  constexpr int MR = kAvx2TileRows, NT = kAvx2TileWeights;
+  const T* w = static_cast<const T*>(a.w);
+  T* y = static_cast<T*>(a.y);
+  for (int64_t m0 = 0; m0 < a.m; m0 += kAvx2RowBlock) {
+    const int64_t rows = std::min(kAvx2RowBlock, a.m - m0);
+    for (int64_t t0 = 0; t0 < nn; t0 += NT) {
+      const int64_t nt = std::min<int64_t>(NT, nn - t0);
+      const T* wr[NT];
+      JS_UNROLL for (int t = 0; t < NT; ++t)
+        wr[t] = w + (n0 + t0 + std::min<int64_t>(t, nt - 1)) * a.k;
+      for (int64_t r0 = m0; r0 < m0 + rows; r0 += MR) {
+        const int64_t mr = std::min<int64_t>(MR, m0 + rows - r0);
+        const float* xr[MR];
+        JS_UNROLL for (int r = 0; r < MR; ++r)
+          xr[r] = xf + (r0 + std::min<int64_t>(r, mr - 1)) * a.k;
+        Avx2NkTile<T, MR, NT>(xr, wr, a.k, mr, nt, y + r0 * a.n + n0 + t0, a.n);
+      }
+    }
+  }
+}
+
+// Weights sharing x, all [N, K], on the real rows only: 1-2 rows stream each weight row
+// once (Avx2NkRows), more rows run tiles (Avx2NkTiles).
+template <typename T>
+void Avx2Nk(const Runner& run, const Mm* as, int64_t count) {
   const Mm& a = as[0];
   std::vector<float> converted;  // bf16 x as float32; f32 x is read in place
   const float* xf = static_cast<const float*>(a.x);
@@ -1329,8 +1386,10 @@ void Avx2FewRowsNk(const Runner& run, const Mm* as, int64_t count) {
   ForWeightRowBlocks(run, as, count, [&](int64_t j, int64_t n0, int64_t nn) {
     if (a.m == 1) {
       Avx2NkRows<T, 1>(as[j], xf, n0, nn);
-    } else {
+    } else if (a.m == 2) {
       Avx2NkRows<T, 2>(as[j], xf, n0, nn);
+    } else {
+      Avx2NkTiles<T>(as[j], xf, n0, nn);
     }
   });
 }
@@ -1353,8 +1412,10 @@ void Matmuls(const Runner& run, const Mm* as, int64_t count) {
                   std::all_of(as, as + count, [](const Mm& b) { return b.trans && b.n > 0; });
   if (nk && a.bf16 && isa >= kAvx512Bf16) return FewRowsNk<uint16_t>(run, as, count);
   if (nk && !a.bf16 && isa >= kAvx512) return FewRowsNk<float>(run, as, count);
-  if (nk && a.m <= kAvx2NkRows && isa >= kAvx2) {
-    return a.bf16 ? Avx2FewRowsNk<uint16_t>(run, as, count) : Avx2FewRowsNk<float>(run, as, count);
+  const bool all_nk = a.m > 0 && a.k > 0 &&
+                      std::all_of(as, as + count, [](const Mm& b) { return b.trans && b.n > 0; });
+  if (all_nk && isa >= kAvx2 && isa < (a.bf16 ? kAvx512Bf16 : kAvx512)) {
+    return a.bf16 ? Avx2Nk<uint16_t>(run, as, count) : Avx2Nk<float>(run, as, count);
   }
   // Panels: [N, K] weights past the few-row tiles, or bf16 [K, N] past the few-row sums.
   const bool panels = count > 1 && a.k > 0 &&
@@ -1379,8 +1440,8 @@ void Matmul(const Runner& run, const Mm& a) {
 #if JS_X86
   if (a.bf16 && isa >= kAvx512Bf16) return Avx512Matmul<uint16_t>(run, a);
   if (!a.bf16 && isa >= kAvx512) return Avx512Matmul<float>(run, a);
-  if (a.trans && a.m <= kAvx2NkRows && isa >= kAvx2) {
-    return a.bf16 ? Avx2FewRowsNk<uint16_t>(run, &a, 1) : Avx2FewRowsNk<float>(run, &a, 1);
+  if (a.trans && isa >= kAvx2) {
+    return a.bf16 ? Avx2Nk<uint16_t>(run, &a, 1) : Avx2Nk<float>(run, &a, 1);
   }
 #endif
   GenericMatmul(run, a, isa);

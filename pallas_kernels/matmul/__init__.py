@@ -15,7 +15,8 @@ Implementations, one signature:
 `impl=None` picks "cpu" when the platform is CPU and the native kernels are available
 (`pallas_kernels.cpu.available()`), the operands are ones it takes and the kernel beats
 XLA's dot for them on this CPU (`cpu.faster_than_xla`: with AVX-512 / AVX512_BF16 always,
-below that only bf16 with 1 or 2 rows), else "reference".
+with AVX2 for [N, K] weights past one float32 row, else only bf16 with 1 or 2 rows), else
+"reference".
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def matmuls(x: jax.Array, ws: list[jax.Array], num_rows: jax.Array | int | None 
     if impl is None:
         impl = default_impl()
         if impl == "cpu" and not (all(cpu.supports(x, w, transpose_w) for w in ws)
-                                  and cpu.faster_than_xla(x)):
+                                  and cpu.faster_than_xla(x, transpose_w)):
             impl = "reference"
     if impl == "reference":
         return [reference.matmul(x, w, num_rows, transpose_w=transpose_w) for w in ws]

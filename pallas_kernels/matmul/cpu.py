@@ -21,9 +21,11 @@ else AVX2+FMA, else plain C++):
   pair of K rows interleaved into 32-bit pairs; an [N, K] weight transposed), and runs
   6 x 64 register tiles (24 accumulators) of vdpbf16ps / FMAs over its rows. f32 [K, N]
   strips are read in place.
-- Without those instruction sets (AVX2+FMA): 1 or 2 rows against [N, K] weights are dot
-  products in 8-lane FMAs, each weight row read once (x converted to float32 first); the
-  rest are generic loops, which is why `faster_than_xla` sends those to XLA's dot.
+- Without those instruction sets (AVX2+FMA), [N, K] weights on the real rows: 1 or 2 rows
+  are dot products in 8-lane FMAs, each weight row read once (bf16 x converted to float32
+  first); more rows run 4 x 3 tiles (4 rows of x by 3 weight rows, 12 accumulators) over
+  blocks of 48 rows. [K, N] weights are generic loops, which is why `faster_than_xla`
+  sends those to XLA's dot.
 The weight is never required in a packed layout: any packing is per call, per strip.
 """
 
@@ -38,25 +40,34 @@ TARGET = "jaxserve_matmul"
 DTYPES = ("float32", "bfloat16")
 
 
-# Below these instruction-set levels the kernel has an AVX2 path for 1-2 rows against
-# [N, K] weights and generic C++ loops otherwise, which XLA's dot beats. Measured on a
-# 2-core AVX2 EPYC (no AVX-512), smollm2-135m's [N, K] MLP weights, ms per matmul (native /
-# XLA): bf16 M = 1: 0.09-0.10 / 1.5-1.6 (XLA reads bf16 matrix-vector products at ~4% of
-# bandwidth), M = 2: 0.09 / 0.21-0.27, M = 4: 0.43 / 0.30, M = 32: 2.4 / 0.86; f32 M = 1:
-# 0.17-0.19 / 0.13-0.15, M = 8: 0.49 / 0.46, M = 32: 1.4 / 0.72.
+# Below these instruction-set levels the kernel runs AVX2 paths for [N, K] weights (1-2 rows
+# stream each weight row once; more rows run 4 x 3 register tiles) on the real rows only,
+# while XLA's dot computes every row of the bucket. Measured on a 2-core AVX2 EPYC (no
+# AVX-512), smollm2-135m's [N, K] weights, ms per matmul (native / XLA's dot): bf16 M = 1:
+# 0.09-0.10 / 1.5-1.6 (XLA reads bf16 matrix-vector products at ~4% of bandwidth), 8 rows:
+# 0.25-0.39 / 0.57-0.70, 32 real rows of 64: 0.61-0.75 / 1.2-1.8, 128 of 512: 2.5-2.9 /
+# 5.6-6.9, 512 of 512: 8.6-10 / 5.5-8.3; f32 M = 1: 0.17-0.19 / 0.13-0.15 (so XLA's), 8
+# rows: 0.29 / 0.28-0.49, 32 real rows of 64: 0.50-0.69 / 1.1-1.3, 512 of 512: 6.5-7.9 /
+# 6.4-10. XLA is faster only for a single float32 row and, by 10-50%, for a full bucket.
+# Below AVX2, and for [K, N] weights, the kernel's generic loops (1/3 of the bandwidth at 1-2 bf16 rows, 5-17x slower
+# than XLA's dot past them) keep only bf16 with 1-2 rows.
 TUNED_ISA = {"float32": "avx512", "bfloat16": "avx512_bf16"}
-NATIVE_ROWS_BELOW_TUNED = {"float32": 0, "bfloat16": 2}
+XLA_ROWS_WITH_AVX2 = {"float32": 1, "bfloat16": 0}
+NATIVE_ROWS_BELOW_AVX2 = {"float32": 0, "bfloat16": 2}
 
 
-def faster_than_xla(x: jax.Array) -> bool:
+def faster_than_xla(x: jax.Array, transpose_w: bool = False) -> bool:
     """Whether the default dispatch should take the kernel for x's dtype and rows on this
-    CPU: always with its AVX-512 paths, else only bf16 with 1-2 rows (measured above)."""
+    CPU (measured above): always with its AVX-512 paths; with AVX2, for [N, K] weights
+    unless x is one float32 row; else (generic loops) only bf16 with 1-2 rows."""
     level, dtype = native.isa(), x.dtype.name
     if level is None or dtype not in TUNED_ISA:
         return False
     if native.ISA_LEVELS[level] >= native.ISA_LEVELS[TUNED_ISA[dtype]]:
         return True
-    return x.shape[0] <= NATIVE_ROWS_BELOW_TUNED[dtype]
+    if transpose_w and native.ISA_LEVELS[level] >= native.ISA_LEVELS["avx2"]:
+        return x.shape[0] > XLA_ROWS_WITH_AVX2[dtype]
+    return x.shape[0] <= NATIVE_ROWS_BELOW_AVX2[dtype]
 
 
 def supports(x: jax.Array, w: jax.Array, transpose_w: bool = False) -> bool:
