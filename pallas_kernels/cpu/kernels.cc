@@ -1263,7 +1263,7 @@ void Avx512Matmul(const Runner& run, const Mm& a) {
   PanelMatmul<T>(run, &a, 1);
 }
 
-// ---------------------------------------------------------------- AVX2 few-row NK
+// ---------------------------------------------------------------- AVX2 NK
 
 // Decode on a CPU without the AVX-512 paths: 1 or 2 rows of x (float32; bf16 converted
 // once, `xf`) against [N, K] weights, one weight row after another in memory order, each dotted
@@ -1313,9 +1313,9 @@ JS_AVX2 void Avx2NkRows(const Mm& a, const float* xf, int64_t n0, int64_t nn) {
 }
 
 // Prompts and batches: MR rows of x x NT weight rows a tile, 8-lane FMAs with one
-// accumulator a pair (4 x 3: 12 accumulators, 3 weight vectors, 1 of x in 16 registers);
-// bf16 weight rows converted to float32 once a tile.
-// Rows of x in blocks that stay in L2 (48 float32 rows of K = 1536: 288 KiB), weight tiles
+// accumulator a pair (4 x 3: 12 accumulators, 3 weight vectors, 1 of x in 16 registers;
+// bf16 weights widened in registers, which measured as fast as widening a tile once). Rows
+// of x in blocks that stay in L2 (48 float32 rows of K = 1536: 288 KiB), weight tiles
 // inside a block, so the NT weight rows stay in L1 while every group of MR rows passes them.
 constexpr int kAvx2TileRows = 4, kAvx2TileWeights = 3;
 constexpr int64_t kAvx2RowBlock = 48;
@@ -1398,8 +1398,9 @@ void Avx2Nk(const Runner& run, const Mm* as, int64_t count) {
 void Matmul(const Runner& run, const Mm& a);
 
 // Weights sharing x: few rows stream them together (FewRowsKn, FewRowsNk), more rows pack
-// the panels of all of them in one parallel loop (PanelMatmul); else (f32 [K, N] weights
-// read in place, no AVX-512) one matmul after another.
+// the panels of all of them in one parallel loop (PanelMatmul); below those paths' ISA,
+// [N, K] weights run the AVX2 paths in one parallel loop (Avx2Nk); else (f32 [K, N] weights
+// read in place, generic loops) one matmul after another.
 void Matmuls(const Runner& run, const Mm* as, int64_t count) {
 #if JS_X86
   const Mm& a = as[0];
@@ -1408,12 +1409,11 @@ void Matmuls(const Runner& run, const Mm* as, int64_t count) {
                         std::all_of(as, as + count, [](const Mm& b) { return !b.trans && b.n > 0; });
   if (together && a.bf16 && isa >= kAvx512Bf16) return FewRowsKn<uint16_t>(run, as, count);
   if (together && !a.bf16 && isa >= kAvx512) return FewRowsKn<float>(run, as, count);
-  const bool nk = count > 1 && a.m > 0 && a.m <= kNkFewRows && a.k > 0 &&
-                  std::all_of(as, as + count, [](const Mm& b) { return b.trans && b.n > 0; });
-  if (nk && a.bf16 && isa >= kAvx512Bf16) return FewRowsNk<uint16_t>(run, as, count);
-  if (nk && !a.bf16 && isa >= kAvx512) return FewRowsNk<float>(run, as, count);
   const bool all_nk = a.m > 0 && a.k > 0 &&
                       std::all_of(as, as + count, [](const Mm& b) { return b.trans && b.n > 0; });
+  const bool nk = all_nk && count > 1 && a.m <= kNkFewRows;
+  if (nk && a.bf16 && isa >= kAvx512Bf16) return FewRowsNk<uint16_t>(run, as, count);
+  if (nk && !a.bf16 && isa >= kAvx512) return FewRowsNk<float>(run, as, count);
   if (all_nk && isa >= kAvx2 && isa < (a.bf16 ? kAvx512Bf16 : kAvx512)) {
     return a.bf16 ? Avx2Nk<uint16_t>(run, as, count) : Avx2Nk<float>(run, as, count);
   }
