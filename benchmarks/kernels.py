@@ -497,21 +497,21 @@ def moe_table(rows: list[Row]) -> str:
     return markdown(header, body)
 
 
-def dense_shapes() -> list[tuple[str, int, int, bool]]:
-    """(name, K, N, transpose_w) of smollm2-135m's matmuls, per layer, and its LM head; all
-    [N, K] (transposed), the layout the engine keeps its weights in on one CPU device."""
+def dense_shapes() -> list[tuple[str, int, int]]:
+    """(name, K, N) of smollm2-135m's matmuls, per layer, and its LM head; the weights are
+    timed as [N, K], the layout the engine keeps them in on one CPU device."""
     h, kv, mlp, vocab = SMOLLM2_HIDDEN, SMOLLM2_KV, SMOLLM2_MLP, SMOLLM2_VOCAB
-    return [("q/o", h, h, True), ("k/v", h, kv, True), ("gate/up", h, mlp, True),
-            ("down", mlp, h, True), ("LM head (tied)", h, vocab, True)]
+    return [("q/o", h, h), ("k/v", h, kv), ("gate/up", h, mlp), ("down", mlp, h),
+            ("LM head (tied)", h, vocab)]
 
 
-def dense_chain(impl: str, transpose_w: bool) -> Callable:
+def dense_chain(impl: str) -> Callable:
     """All the weights in turn, each call waiting on the previous one's result (an
     optimization barrier over both, no arithmetic), as a model's layers do."""
     def chain(x, weights, num_rows):
         out = []
         for w in weights:
-            y = matmul(x, w, num_rows, transpose_w=transpose_w, impl=impl)
+            y = matmul(x, w, num_rows, transpose_w=True, impl=impl)
             x, y = jax.lax.optimization_barrier((x, y))
             out.append(y)
         return out
@@ -522,23 +522,22 @@ def dense_rows(impl: str | None, bandwidth: float, iters: int) -> list[Row]:
     rows = []
     rng = np.random.default_rng(SEED)
     for dtype in (jnp.float32, jnp.bfloat16):
-        for name, k, n, transpose_w in dense_shapes():
+        for name, k, n in dense_shapes():
             nbytes = k * n * jnp.dtype(dtype).itemsize
-            shape = (n, k) if transpose_w else (k, n)
             copies = max(2, math.ceil(DENSE_CHAIN_BYTES / nbytes))
-            weights = [jnp.asarray(rng.standard_normal(shape, np.float32) / math.sqrt(k), dtype)
+            weights = [jnp.asarray(rng.standard_normal((n, k), np.float32) / math.sqrt(k), dtype)
                        for _ in range(copies)]
             for m, bucket in DENSE_ROWS:
                 # Compute-bound rows need fewer copies: about 4 GFLOP per chain.
                 count = copies if m == 1 else max(2, min(copies, math.ceil(4e9 / (2 * m * k * n))))
                 x = jnp.asarray(rng.standard_normal((bucket, k), np.float32), dtype)
                 shape_m = f"M={m}" if m == bucket else f"M={m} of {bucket}"
-                label = f"{jnp.dtype(dtype).name} {name} {shape_m} [{k}x{n}{'^T' if transpose_w else ''}]"
-                ref_ms, ref_out = time_dense("reference", x, weights[:count], transpose_w, iters, m)
+                label = f"{jnp.dtype(dtype).name} {name} {shape_m} [{k}x{n}^T]"
+                ref_ms, ref_out = time_dense("reference", x, weights[:count], iters, m)
                 row = Row(label, nbytes, 1e3 * nbytes / bandwidth, ref_ms, kernel_note=NA_CPU,
                           flops=2 * m * k * n)
                 if impl == "cpu":
-                    row.kernel_ms, out = time_dense("cpu", x, weights[:count], transpose_w, iters, m)
+                    row.kernel_ms, out = time_dense("cpu", x, weights[:count], iters, m)
                     row.max_diff = float(jnp.max(jnp.abs(out.astype(jnp.float32)
                                                          - ref_out.astype(jnp.float32))))
                 elif impl is not None:
@@ -548,10 +547,10 @@ def dense_rows(impl: str | None, bandwidth: float, iters: int) -> list[Row]:
     return rows
 
 
-def time_dense(impl: str, x: jax.Array, weights: list[jax.Array], transpose_w: bool,
-               iters: int, num_rows: int) -> tuple[float, jax.Array]:
+def time_dense(impl: str, x: jax.Array, weights: list[jax.Array], iters: int,
+               num_rows: int) -> tuple[float, jax.Array]:
     """(ms per call, the first call's result)."""
-    chain, rows = dense_chain(impl, transpose_w), jnp.int32(num_rows)
+    chain, rows = dense_chain(impl), jnp.int32(num_rows)
     ms = median_ms(lambda: chain(x, weights, rows), iters) / len(weights)
     return ms, chain(x, weights[:1], rows)[0]
 

@@ -49,8 +49,8 @@ DTYPES = ("float32", "bfloat16")
 # 5.6-6.9, 512 of 512: 8.6-10 / 5.5-8.3; f32 M = 1: 0.17-0.19 / 0.13-0.15 (so XLA's), 8
 # rows: 0.29 / 0.28-0.49, 32 real rows of 64: 0.50-0.69 / 1.1-1.3, 512 of 512: 6.5-7.9 /
 # 6.4-10. XLA is faster only for a single float32 row and, by 10-50%, for a full bucket.
-# Below AVX2, and for [K, N] weights, the kernel's generic loops (1/3 of the bandwidth at 1-2 bf16 rows, 5-17x slower
-# than XLA's dot past them) keep only bf16 with 1-2 rows.
+# Below AVX2, and for [K, N] weights, the kernel's generic loops (1/3 of the bandwidth at
+# 1-2 bf16 rows, 5-17x slower than XLA's dot past them) keep only bf16 with 1-2 rows.
 TUNED_ISA = {"float32": "avx512", "bfloat16": "avx512_bf16"}
 XLA_ROWS_WITH_AVX2 = {"float32": 1, "bfloat16": 0}
 NATIVE_ROWS_BELOW_AVX2 = {"float32": 0, "bfloat16": 2}
