@@ -39,7 +39,8 @@
 // Attention: one task per (sequence, KV head, block of queries), largest first; keys in
 // chunks of 32, software-prefetched two chunks ahead; scores as 4 x 4 (1 x 16, 2 x 8) tiles
 // of dot products for few rows (decode; vdpbf16ps for bf16 q and pages) or from K^T for many
-// (prefill); online softmax and P.V in f32. See pallas_kernels/ragged_paged_attention/cpu.py.
+// (prefill); online softmax and P.V in f32. Below AVX-512 the same plan in 8-lane vectors
+// (4 x 2, 1 x 8, 2 x 4 tiles). See pallas_kernels/ragged_paged_attention/cpu.py.
 //
 // See pallas_kernels/cpu/__init__.py for how this file is built and loaded.
 
@@ -1894,6 +1895,48 @@ JS_INLINE uint32_t TreeBits(const Attn& a, int64_t s, int64_t tok, int64_t c0) {
   return bits;
 }
 
+// The keys of a chunk [c0, c0 + nk) that row r of a task sees, bit j for key c0 + j
+// (0: none): causal order, the sliding window and the tree mask.
+JS_INLINE uint32_t VisibleKeys(const Attn& a, const AttnTask& t, const SeqInfo& si,
+                               int64_t qpos0, int64_t r, int64_t c0, int64_t nk, int64_t hi) {
+  int64_t ja, jb;
+  RowRange(a, qpos0 + r / a.group, c0, nk, hi, &ja, &jb);
+  if (ja >= jb) return 0;
+  const uint32_t range = (jb - ja >= 32 ? 0xffffffffu : ((1u << (jb - ja)) - 1)) << ja;
+  return range & TreeBits(a, t.seq, si.tok + t.q0 + r / a.group, c0);
+}
+
+#if JS_X86
+// Into the cache: the K and V rows of a slot and, for 8-bit caches, the scales of the 16
+// slots from it when `scales`.
+JS_INLINE void PrefetchKv(const Attn& a, int64_t slot, bool scales) {
+  const int64_t row_bytes = a.d * a.kv_esize;
+  const char* kp = KvRow(a, a.k, slot);
+  const char* vp = KvRow(a, a.v, slot);
+  for (int64_t b = 0; b < row_bytes; b += 64) {
+    _mm_prefetch(kp + b, _MM_HINT_T0);
+    _mm_prefetch(vp + b, _MM_HINT_T0);
+  }
+  if (scales && a.ks != nullptr) {
+    _mm_prefetch(reinterpret_cast<const char*>(a.ks + slot), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(a.vs + slot), _MM_HINT_T0);
+  }
+}
+
+// The first kAttnPrefetchChunks chunks of keys [lo, hi), in a burst (later chunks are
+// prefetched row by row, kAttnPrefetchChunks ahead, while the task works on a chunk).
+JS_INLINE void PrefetchFirstChunks(const Attn& a, const AttnTask& t, int64_t lo, int64_t hi) {
+  int64_t slot[kKeysPerChunk];
+  for (int64_t c = 0; c < kAttnPrefetchChunks; ++c) {
+    const int64_t c0 = lo + c * kKeysPerChunk;
+    if (c0 >= hi) break;
+    const int64_t nk = std::min(kKeysPerChunk, hi - c0);
+    ChunkSlots(a, t.seq, t.head, c0, nk, slot);
+    for (int64_t j = 0; j < nk; ++j) PrefetchKv(a, slot[j], false);
+  }
+}
+#endif
+
 // The start every task path shares: its scratch, its queries loaded, its visible keys
 // [lo, hi), and the online softmax reset (running max, sum and output) for its rows, or
 // for its rows padded to the vector tiles.
@@ -1975,7 +2018,370 @@ JS_INLINE void AttnTaskGeneric(const Attn& a, const AttnTask& t) {
 
 void ScalarAttnTask(const Attn& a, const AttnTask& t) { AttnTaskGeneric(a, t); }
 #if JS_X86
-JS_AVX2 void Avx2AttnTask(const Attn& a, const AttnTask& t) { AttnTaskGeneric(a, t); }
+// ---------------------------------------------------------------- AVX2 attention
+
+// e^x as Exp512 (2^n * e^r, degree-7 polynomial), with 2^n built in the exponent bits:
+// inputs are clamped to [-87, 88], where 2^n stays a normal number (e^-87 ~ 1.6e-38).
+JS_AVX2 JS_INLINE __m256 Exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i two_n =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+// cap * tanh(s / cap), as SoftCap512.
+JS_AVX2 JS_INLINE __m256 SoftCap256(__m256 s, float cap) {
+  const __m256 c = _mm256_set1_ps(cap);
+  const __m256 x = _mm256_div_ps(s, c);
+  const __m256 sign = _mm256_and_ps(x, _mm256_set1_ps(-0.0f));
+  const __m256 e = Exp256(_mm256_mul_ps(_mm256_andnot_ps(sign, x), _mm256_set1_ps(-2.0f)));
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+  return _mm256_mul_ps(c, _mm256_or_ps(t, sign));
+}
+
+JS_AVX2 JS_INLINE float Avx2Max(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+// Lane i of the result: the sum of the 8 lanes of acc[i].
+JS_AVX2 JS_INLINE __m256 Reduce8(const __m256* acc) {
+  const __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// 8 elements of a K or V row at e as f32 (int8 unscaled, as LoadRow).
+template <typename KV>
+JS_AVX2 JS_INLINE __m256 LoadRow8(const void* row, int64_t e) {
+  if constexpr (sizeof(KV) == 4) {
+    return _mm256_loadu_ps(static_cast<const float*>(row) + e);
+  } else if constexpr (sizeof(KV) == 2) {
+    return Avx2Load8(static_cast<const uint16_t*>(row) + e);
+  } else {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(
+        static_cast<const int8_t*>(row) + e));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  }
+}
+
+// One K/V row -> f32 (D a multiple of 8).
+JS_AVX2 JS_INLINE void ConvertRow8(const Attn& a, const char* src, float* dst) {
+  switch (a.kv) {
+    case kKvBf16:
+      for (int64_t e = 0; e < a.d; e += 8) _mm256_storeu_ps(dst + e, LoadRow8<uint16_t>(src, e));
+      break;
+    case kKvS8:
+      for (int64_t e = 0; e < a.d; e += 8) _mm256_storeu_ps(dst + e, LoadRow8<int8_t>(src, e));
+      break;
+    default: ConvertRowGeneric(a, src, dst); break;
+  }
+}
+
+// Scores of RB query rows against JB keys (RB * JB = 8): s[r * lds + j] = q[r] . k[j].
+template <int RB, int JB, typename KV>
+JS_AVX2 JS_INLINE void QkTile8(const float* q, int64_t D, const void* const* krow, float* s,
+                               int64_t lds) {
+  static_assert(RB * JB == 8, "8 dot products per tile");
+  __m256 acc[8];
+  JS_UNROLL for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+  int64_t e = 0;
+  do {  // D >= 8 (a multiple of 8)
+    if constexpr (RB == 1) {
+      const __m256 qv = _mm256_loadu_ps(q + e);
+      JS_UNROLL for (int j = 0; j < JB; ++j)
+        acc[j] = _mm256_fmadd_ps(qv, LoadRow8<KV>(krow[j], e), acc[j]);
+    } else {
+      __m256 kv[JB];
+      JS_UNROLL for (int j = 0; j < JB; ++j) kv[j] = LoadRow8<KV>(krow[j], e);
+      JS_UNROLL for (int r = 0; r < RB; ++r) {
+        const __m256 qv = _mm256_loadu_ps(q + r * D + e);
+        JS_UNROLL for (int j = 0; j < JB; ++j)
+          acc[r * JB + j] = _mm256_fmadd_ps(qv, kv[j], acc[r * JB + j]);
+      }
+    }
+    e += 8;
+  } while (e < D);
+  alignas(32) float sum[8];
+  _mm256_store_ps(sum, Reduce8(acc));
+  JS_UNROLL for (int r = 0; r < RB; ++r)
+    JS_UNROLL for (int j = 0; j < JB; ++j) s[r * lds + j] = sum[r * JB + j];
+}
+
+// Scores of all rows (rows_pad <= 8, a multiple of 4) against nk_pad keys (a multiple of 8).
+template <typename KV>
+JS_AVX2 void Scores8(const Work& w, const void* const* krow, int64_t nk_pad, int64_t D) {
+  const int64_t KC = kKeysPerChunk;
+  if (w.rows == 1) {
+    for (int64_t j = 0; j < nk_pad; j += 8) QkTile8<1, 8, KV>(w.q, D, krow + j, w.s + j, KC);
+  } else if (w.rows == 2) {
+    for (int64_t j = 0; j < nk_pad; j += 4) QkTile8<2, 4, KV>(w.q, D, krow + j, w.s + j, KC);
+  } else {
+    for (int64_t r = 0; r < w.rows_pad; r += 4)
+      for (int64_t j = 0; j < nk_pad; j += 2)
+        QkTile8<4, 2, KV>(w.q + r * D, D, krow + j, w.s + r * KC + j, KC);
+  }
+}
+
+// dst[c][r] = src[r][c] for an 8 x 8 block.
+JS_AVX2 JS_INLINE void Transpose8x8(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  __m256 r[8], t[8];
+  JS_UNROLL for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+  JS_UNROLL for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  JS_UNROLL for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  JS_UNROLL for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+}
+
+// Many rows (prefill): scores of RB rows against 16 keys of K^T (row stride 32), as QkRowsT.
+template <int RB>
+JS_AVX2 JS_INLINE void QkRowsT8(const float* q, int64_t D, const float* kt, float* s) {
+  __m256 acc[RB][2];
+  JS_UNROLL for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  int64_t d = 0;
+  do {  // D >= 8
+    const __m256 k0 = _mm256_loadu_ps(kt + d * kKeysPerChunk);
+    const __m256 k1 = _mm256_loadu_ps(kt + d * kKeysPerChunk + 8);
+    JS_UNROLL for (int r = 0; r < RB; ++r) {
+      const __m256 qb = _mm256_broadcast_ss(q + r * D + d);
+      acc[r][0] = _mm256_fmadd_ps(qb, k0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(qb, k1, acc[r][1]);
+    }
+  } while (++d < D);
+  JS_UNROLL for (int r = 0; r < RB; ++r) {
+    _mm256_storeu_ps(s + r * kKeysPerChunk, acc[r][0]);
+    _mm256_storeu_ps(s + r * kKeysPerChunk + 8, acc[r][1]);
+  }
+}
+
+// K^T of the chunk's first nk keys (kf [32][D], rows past them zero) into w.kt, then the
+// scores of every row against them, 16 keys at a time, in blocks of 6 rows (12 accumulators).
+JS_AVX2 void ScoresTransposed8(const Work& w, int64_t D, int64_t nk) {
+  const int64_t KC = kKeysPerChunk, nk16 = RoundUp(nk, 16);
+  for (int64_t j0 = 0; j0 < nk16; j0 += 8)
+    for (int64_t d0 = 0; d0 < D; d0 += 8) Transpose8x8(w.kf + j0 * D + d0, D, w.kt + d0 * KC + j0, KC);
+  for (int64_t j0 = 0; j0 < nk16; j0 += 16) {
+    const float* kt = w.kt + j0;
+    int64_t r = 0;
+    for (; r + 6 <= w.rows; r += 6) QkRowsT8<6>(w.q + r * D, D, kt, w.s + r * KC + j0);
+    const float* q = w.q + r * D;
+    float* s = w.s + r * KC + j0;
+    switch (w.rows - r) {
+      case 1: QkRowsT8<1>(q, D, kt, s); break;
+      case 2: QkRowsT8<2>(q, D, kt, s); break;
+      case 3: QkRowsT8<3>(q, D, kt, s); break;
+      case 4: QkRowsT8<4>(q, D, kt, s); break;
+      case 5: QkRowsT8<5>(q, D, kt, s); break;
+      default: break;
+    }
+  }
+}
+
+// o[r, cols] = o[r, cols] * corr[r] + sum_j p[r, j] v[j, cols] for RB rows and NV vectors of
+// 8 columns from col, as PvTile.
+template <int RB, int NV, typename KV>
+JS_AVX2 JS_INLINE void PvTile8(const float* p, int64_t ldp, const void* const* vrow, int64_t nk,
+                               float* o, int64_t D, const float* corr, int64_t col) {
+  __m256 acc[RB][NV];
+  JS_UNROLL for (int r = 0; r < RB; ++r) {
+    const __m256 c = _mm256_set1_ps(corr[r]);
+    JS_UNROLL for (int v = 0; v < NV; ++v)
+      acc[r][v] = _mm256_mul_ps(_mm256_loadu_ps(o + r * D + col + 8 * v), c);
+  }
+  int64_t j = 0;
+  do {  // nk >= 1
+    __m256 vv[NV];
+    JS_UNROLL for (int v = 0; v < NV; ++v) vv[v] = LoadRow8<KV>(vrow[j], col + 8 * v);
+    JS_UNROLL for (int r = 0; r < RB; ++r) {
+      const __m256 pb = _mm256_broadcast_ss(p + r * ldp + j);
+      JS_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(pb, vv[v], acc[r][v]);
+    }
+  } while (++j < nk);
+  JS_UNROLL for (int r = 0; r < RB; ++r)
+    JS_UNROLL for (int v = 0; v < NV; ++v) _mm256_storeu_ps(o + r * D + col + 8 * v, acc[r][v]);
+}
+
+// All columns of RB rows from r0, NV vectors at a time (at most 12 accumulators beside the
+// NV vectors of V).
+template <int RB, typename KV>
+JS_AVX2 JS_INLINE void PvRowBlock8(const Work& w, const void* const* vrow, int64_t nk,
+                                   int64_t D, int64_t r0) {
+  constexpr int kMaxNv = RB == 1 ? 8 : RB == 2 ? 4 : 2;
+  const int64_t ldp = kKeysPerChunk;
+  const float* p = w.s + r0 * ldp;
+  float* o = w.o + r0 * D;
+  const float* corr = w.corr + r0;
+  int64_t col = 0;
+  for (; col + 8 * kMaxNv <= D; col += 8 * kMaxNv)
+    PvTile8<RB, kMaxNv, KV>(p, ldp, vrow, nk, o, D, corr, col);
+  if constexpr (kMaxNv > 4) {
+    if (col + 32 <= D) {
+      PvTile8<RB, 4, KV>(p, ldp, vrow, nk, o, D, corr, col);
+      col += 32;
+    }
+  }
+  if constexpr (kMaxNv > 2) {
+    if (col + 16 <= D) {
+      PvTile8<RB, 2, KV>(p, ldp, vrow, nk, o, D, corr, col);
+      col += 16;
+    }
+  }
+  if (col + 8 <= D) PvTile8<RB, 1, KV>(p, ldp, vrow, nk, o, D, corr, col);
+}
+
+// P.V for all rows in blocks of 6, 4, 2 or 1 (a block's rows past the real ones, within
+// rows_pad, have p = 0 and corr = 1).
+template <typename KV>
+JS_AVX2 void Accumulate8(const Work& w, const void* const* vrow, int64_t nk, int64_t D) {
+  int64_t r = 0;
+  while (r < w.rows) {
+    const int64_t left = w.rows - r;
+    if (left >= 6) {
+      PvRowBlock8<6, KV>(w, vrow, nk, D, r);
+      r += 6;
+    } else if (left >= 3) {
+      PvRowBlock8<4, KV>(w, vrow, nk, D, r);
+      r += 4;
+    } else if (left == 2) {
+      PvRowBlock8<2, KV>(w, vrow, nk, D, r);
+      r += 2;
+    } else {
+      PvRowBlock8<1, KV>(w, vrow, nk, D, r);
+      r += 1;
+    }
+  }
+}
+
+// The AVX-512 task's plan in 8-lane vectors: K/V read in place (f32, bf16, int8) with at
+// most 8 rows (decode), else converted to f32 once per chunk and the scores taken from K^T.
+JS_AVX2 void Avx2AttnTask(const Attn& a, const AttnTask& t) {
+  const int64_t D = a.d, KC = kKeysPerChunk;
+  const SeqInfo si = SequenceInfo(a, t.seq);
+  Work w;
+  int64_t lo, hi;
+  StartTask(a, t, si, &w, &lo, &hi, /*padded=*/true);
+  const int64_t qpos0 = si.kv_len - si.q_len + t.q0;
+  std::memset(w.zero, 0, sizeof(float) * D);
+  const bool quant = a.ks != nullptr;
+  const bool transposed = w.rows_pad > 8;
+  const bool in_place = !transposed && a.kv != kKvF8;
+  const KvType rows_type = in_place ? a.kv : kKvF32;
+  const void* krow[kKeysPerChunk];
+  const void* vrow[kKeysPerChunk];
+  int64_t slot[kKeysPerChunk], ahead[kKeysPerChunk];
+  PrefetchFirstChunks(a, t, lo, hi);
+  for (int64_t c0 = lo; c0 < hi; c0 += KC) {
+    const int64_t nk = std::min(KC, hi - c0);
+    ChunkSlots(a, t.seq, t.head, c0, nk, slot);
+    const int64_t c_ahead = c0 + kAttnPrefetchChunks * KC;
+    const int64_t na = c_ahead < hi ? std::min(KC, hi - c_ahead) : 0;
+    if (na > 0) ChunkSlots(a, t.seq, t.head, c_ahead, na, ahead);
+    for (int64_t j = 0; j < nk; ++j) {
+      if (j < na) PrefetchKv(a, ahead[j], j == 0 || ahead[j] % 16 == 0);
+      const char* kp = KvRow(a, a.k, slot[j]);
+      const char* vp = KvRow(a, a.v, slot[j]);
+      if (in_place) {
+        krow[j] = kp;
+        vrow[j] = vp;
+      } else {
+        ConvertRow8(a, kp, w.kf + j * D);
+        ConvertRow8(a, vp, w.vf + j * D);
+        krow[j] = w.kf + j * D;
+        vrow[j] = w.vf + j * D;
+      }
+      if (quant) {
+        w.ksc[j] = a.ks[slot[j]];
+        w.vsc[j] = a.vs[slot[j]];
+      }
+    }
+    const int64_t nk_pad = RoundUp(nk, 8);
+    for (int64_t j = nk; j < nk_pad; ++j) krow[j] = w.zero;
+    if (transposed) {
+      if (nk < KC) std::memset(w.kf + nk * D, 0, sizeof(float) * (KC - nk) * D);
+      ScoresTransposed8(w, D, nk);
+    } else if (rows_type == kKvBf16) {
+      Scores8<uint16_t>(w, krow, nk_pad, D);
+    } else if (rows_type == kKvS8) {
+      Scores8<int8_t>(w, krow, nk_pad, D);
+    } else {
+      Scores8<float>(w, krow, nk_pad, D);
+    }
+    // Online softmax per row; probabilities replace the scores.
+    const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    for (int64_t r = 0; r < w.rows; ++r) {
+      float* s = w.s + r * KC;
+      const uint32_t bits = VisibleKeys(a, t, si, qpos0, r, c0, nk, hi);
+      if (bits == 0) {
+        for (int g = 0; g < 4; ++g) _mm256_storeu_ps(s + 8 * g, _mm256_setzero_ps());
+        w.corr[r] = 1.0f;
+        continue;
+      }
+      __m256 sv[4], mask[4];
+      __m256 mx = _mm256_set1_ps(kMasked);
+      JS_UNROLL for (int g = 0; g < 4; ++g) {
+        const __m256i b = _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits >> 8 * g)),
+                                           lane_bit);
+        mask[g] = _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, lane_bit));
+        sv[g] = _mm256_loadu_ps(s + 8 * g);
+        if (quant) sv[g] = _mm256_mul_ps(sv[g], _mm256_loadu_ps(w.ksc + 8 * g));
+        if (a.soft_cap > 0.0f) sv[g] = SoftCap256(sv[g], a.soft_cap);
+        mx = _mm256_max_ps(mx, _mm256_blendv_ps(_mm256_set1_ps(kMasked), sv[g], mask[g]));
+      }
+      const float m_new = std::max(w.m[r], Avx2Max(mx));
+      const float corr = std::exp(w.m[r] - m_new);
+      w.m[r] = m_new;
+      const __m256 mv = _mm256_set1_ps(m_new);
+      __m256 sum = _mm256_setzero_ps();
+      JS_UNROLL for (int g = 0; g < 4; ++g) {
+        __m256 p = _mm256_and_ps(mask[g], Exp256(_mm256_sub_ps(sv[g], mv)));
+        sum = _mm256_add_ps(sum, p);
+        if (quant) p = _mm256_mul_ps(p, _mm256_loadu_ps(w.vsc + 8 * g));
+        _mm256_storeu_ps(s + 8 * g, p);
+      }
+      w.l[r] = w.l[r] * corr + Avx2Sum(sum);
+      w.corr[r] = corr;
+    }
+    for (int64_t r = w.rows; r < w.rows_pad; ++r) {  // padding rows of the last P.V block
+      for (int g = 0; g < 4; ++g) _mm256_storeu_ps(w.s + r * KC + 8 * g, _mm256_setzero_ps());
+      w.corr[r] = 1.0f;
+    }
+    if (rows_type == kKvBf16) {
+      Accumulate8<uint16_t>(w, vrow, nk, D);
+    } else if (rows_type == kKvS8) {
+      Accumulate8<int8_t>(w, vrow, nk, D);
+    } else {
+      Accumulate8<float>(w, vrow, nk, D);
+    }
+  }
+  StoreOutputs(a, t, si, w);
+}
 
 // ---------------------------------------------------------------- AVX-512 attention
 
@@ -2298,18 +2704,6 @@ JS_AVX512 void Accumulate(const Work& w, const void* const* vrow, int64_t nk, in
   }
 }
 
-JS_AVX512 void PrefetchRows(const Attn& a, const int64_t* slot, int64_t nk) {
-  const int64_t row_bytes = a.d * a.kv_esize;
-  for (int64_t j = 0; j < nk; ++j) {
-    const char* kp = KvRow(a, a.k, slot[j]);
-    const char* vp = KvRow(a, a.v, slot[j]);
-    for (int64_t b = 0; b < row_bytes; b += 64) {
-      _mm_prefetch(kp + b, _MM_HINT_T0);
-      _mm_prefetch(vp + b, _MM_HINT_T0);
-    }
-  }
-}
-
 JS_AVX512 void Avx512AttnTask(const Attn& a, const AttnTask& t) {
   const int64_t D = a.d, KC = kKeysPerChunk;
   const SeqInfo si = SequenceInfo(a, t.seq);
@@ -2328,13 +2722,7 @@ JS_AVX512 void Avx512AttnTask(const Attn& a, const AttnTask& t) {
   const void* krow[kKeysPerChunk];
   const void* vrow[kKeysPerChunk];
   int64_t slot[kKeysPerChunk], ahead[kKeysPerChunk];
-  const int64_t row_bytes = D * a.kv_esize;
-  for (int64_t c = 0; c < kAttnPrefetchChunks; ++c) {  // the first chunks, in a burst
-    const int64_t c0 = lo + c * KC;
-    if (c0 >= hi) break;
-    ChunkSlots(a, t.seq, t.head, c0, std::min(KC, hi - c0), ahead);
-    PrefetchRows(a, ahead, std::min(KC, hi - c0));
-  }
+  PrefetchFirstChunks(a, t, lo, hi);
   for (int64_t c0 = lo; c0 < hi; c0 += KC) {
     const int64_t nk = std::min(KC, hi - c0);
     ChunkSlots(a, t.seq, t.head, c0, nk, slot);
@@ -2345,18 +2733,7 @@ JS_AVX512 void Avx512AttnTask(const Attn& a, const AttnTask& t) {
     if (na > 0) ChunkSlots(a, t.seq, t.head, c_ahead, na, ahead);
     // K and V rows of the chunk as f32: in place for an f32 cache, else converted.
     for (int64_t j = 0; j < nk; ++j) {
-      if (j < na) {
-        const char* kn = KvRow(a, a.k, ahead[j]);
-        const char* vn = KvRow(a, a.v, ahead[j]);
-        for (int64_t b = 0; b < row_bytes; b += 64) {
-          _mm_prefetch(kn + b, _MM_HINT_T0);
-          _mm_prefetch(vn + b, _MM_HINT_T0);
-        }
-        if (quant && (j == 0 || ahead[j] % 16 == 0)) {
-          _mm_prefetch(reinterpret_cast<const char*>(a.ks + ahead[j]), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(a.vs + ahead[j]), _MM_HINT_T0);
-        }
-      }
+      if (j < na) PrefetchKv(a, ahead[j], j == 0 || ahead[j] % 16 == 0);
       const char* kp = KvRow(a, a.k, slot[j]);
       const char* vp = KvRow(a, a.v, slot[j]);
       if (in_place) {
@@ -2393,18 +2770,14 @@ JS_AVX512 void Avx512AttnTask(const Attn& a, const AttnTask& t) {
     const __m512 ksc0 = quant ? _mm512_loadu_ps(w.ksc) : _mm512_set1_ps(1.0f);
     const __m512 ksc1 = quant ? _mm512_loadu_ps(w.ksc + 16) : _mm512_set1_ps(1.0f);
     for (int64_t r = 0; r < w.rows; ++r) {
-      int64_t ja, jb;
-      RowRange(a, qpos0 + r / a.group, c0, nk, hi, &ja, &jb);
       float* s = w.s + r * KC;
-      if (ja >= jb) {
+      const uint32_t bits = VisibleKeys(a, t, si, qpos0, r, c0, nk, hi);
+      if (bits == 0) {
         _mm512_storeu_ps(s, _mm512_setzero_ps());
         _mm512_storeu_ps(s + 16, _mm512_setzero_ps());
         w.corr[r] = 1.0f;
         continue;
       }
-      const uint32_t bits =
-          static_cast<uint32_t>((jb - ja >= 32 ? 0xffffffffu : ((1u << (jb - ja)) - 1)) << ja) &
-          TreeBits(a, t.seq, si.tok + t.q0 + r / a.group, c0);
       const __mmask16 m0 = static_cast<__mmask16>(bits & 0xffff);
       const __mmask16 m1 = static_cast<__mmask16>(bits >> 16);
       __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
@@ -2513,7 +2886,7 @@ void Attention(const Runner& run, const Attn& a, int64_t num_seqs, int64_t queri
     run.For(static_cast<int64_t>(tasks.size()), [&](int64_t i) { Avx512AttnTask(b, tasks[i]); });
     return;
   }
-  if (isa >= kAvx2) {
+  if (isa >= kAvx2 && a.d % 8 == 0) {
     run.For(static_cast<int64_t>(tasks.size()), [&](int64_t i) { Avx2AttnTask(a, tasks[i]); });
     return;
   }

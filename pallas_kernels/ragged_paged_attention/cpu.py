@@ -31,8 +31,12 @@ while a lone prompt would give fewer than 4 tasks per thread; `queries_per_block
 overrides it. `pages_per_block` is accepted for the common signature and ignored (the
 kernel walks keys in chunks of 32 whatever the page size).
 
-Without AVX-512, or with a head_dim that is not a multiple of 16, a generic path runs
-(plain C++, vectorised by the compiler for AVX2 where the CPU has it).
+Without AVX-512 (or with a head_dim that is not a multiple of 16), an AVX2 path follows
+the same plan in 8-lane vectors: 4 x 2 (1 x 8, 2 x 4) tiles of dot products for few rows,
+scores from K^T (6 rows x 16 keys at a time) for many, P.V in blocks of up to 6 rows, a
+polynomial exp (2.5-3x faster than the generic loops on a 2-core AVX2 EPYC,
+benchmarks/RESULTS.md, 2026-11-26). With neither (or a head_dim not a multiple of 8) a
+generic path runs (plain C++).
 """
 
 from __future__ import annotations
