@@ -1313,66 +1313,122 @@ JS_AVX2 void Avx2NkRows(const Mm& a, const float* xf, int64_t n0, int64_t nn) {
   }
 }
 
-// Prompts and batches: MR rows of x x NT weight rows a tile, 8-lane FMAs with one
-// accumulator a pair (4 x 3: 12 accumulators, 3 weight vectors, 1 of x in 16 registers;
-// bf16 weights widened in registers, which measured as fast as widening a tile once). Rows
-// of x in blocks that stay in L2 (48 float32 rows of K = 1536: 288 KiB), weight tiles
-// inside a block, so the NT weight rows stay in L1 while every group of MR rows passes them.
-constexpr int kAvx2TileRows = 4, kAvx2TileWeights = 3;
+// The 8 x 8 block r (row i in r[i]) transposed, in registers.
+JS_AVX2 JS_INLINE void Transpose8(__m256* r) {
+  __m256 t[8];
+  JS_UNROLL for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  JS_UNROLL for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  JS_UNROLL for (int i = 0; i < 4; ++i) {
+    t[i] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
+    t[i + 4] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
+  }
+  JS_UNROLL for (int i = 0; i < 8; ++i) r[i] = t[i];
+}
+
+// Prompts and batches: 16 weight rows at a time are packed into a float32 panel [K][16]
+// (transposed, bf16 widened once), then 6 x 16 register tiles of y (12 accumulators, 2
+// panel vectors, an element of x broadcast) run over every row of x against it: the
+// inner loop is FMAs and loads, no widening and no horizontal sums. Rows of x in blocks
+// that stay in L2 (48 float32 rows of K = 1536: 288 KiB).
+constexpr int kAvx2PanelCols = 16, kAvx2TileRows = 6;
 constexpr int64_t kAvx2RowBlock = 48;
 
-template <typename T, int MR, int NT>
-JS_AVX2 void Avx2NkTile(const float* const* xr, const T* const* wr, int64_t K, int64_t mr,
-                        int64_t nt, T* y, int64_t ldy) {
-  __m256 acc[MR][NT];
-  JS_UNROLL for (int r = 0; r < MR; ++r)
-    JS_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+// Weight rows w[0, cols) (cols <= 16; the last repeated past it) -> panel[k * 16 + c].
+template <typename T>
+JS_AVX2 void PackAvx2Panel(const T* w, int64_t K, int64_t cols, float* panel) {
+  const T* rows[kAvx2PanelCols];
+  for (int c = 0; c < kAvx2PanelCols; ++c) rows[c] = w + std::min<int64_t>(c, cols - 1) * K;
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
-    __m256 b[NT];
-    JS_UNROLL for (int t = 0; t < NT; ++t) b[t] = Avx2Load8(wr[t] + k);
-    JS_UNROLL for (int r = 0; r < MR; ++r) {
-      const __m256 xv = _mm256_loadu_ps(xr[r] + k);
-      JS_UNROLL for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_fmadd_ps(xv, b[t], acc[r][t]);
+    JS_UNROLL for (int h = 0; h < 2; ++h) {
+      __m256 r[8];
+      JS_UNROLL for (int i = 0; i < 8; ++i) r[i] = Avx2Load8(rows[8 * h + i] + k);
+      Transpose8(r);
+      JS_UNROLL for (int i = 0; i < 8; ++i)
+        _mm256_storeu_ps(panel + (k + i) * kAvx2PanelCols + 8 * h, r[i]);
     }
   }
-  float sums[MR][NT];  // reduced with constant indices: acc stays in registers in the loop
-  JS_UNROLL for (int r = 0; r < MR; ++r)
-    JS_UNROLL for (int t = 0; t < NT; ++t) sums[r][t] = Avx2Sum(acc[r][t]);
-  for (int64_t r = 0; r < mr; ++r) {
-    for (int64_t t = 0; t < nt; ++t) {
-      float sum = sums[r][t];
-      for (int64_t e = k; e < K; ++e) sum += xr[r][e] * ToF32<T>(wr[t][e]);
-      y[r * ldy + t] = FromF32<T>(sum);
+  for (; k < K; ++k)
+    for (int c = 0; c < kAvx2PanelCols; ++c) panel[k * kAvx2PanelCols + c] = ToF32<T>(rows[c][k]);
+}
+
+// acc[r][0:16] (+)= x[r, 0:kn] . panel[0:kn] for RB rows of x (row stride ldx).
+template <int RB>
+JS_AVX2 JS_INLINE void Avx2PanelTile(const float* x, int64_t ldx, const float* panel,
+                                     int64_t kn, float* acc_rows, bool first) {
+  __m256 acc[RB][2];
+  JS_UNROLL for (int r = 0; r < RB; ++r) {
+    acc[r][0] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_rows + r * kAvx2PanelCols);
+    acc[r][1] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_rows + r * kAvx2PanelCols + 8);
+  }
+  for (int64_t k = 0; k < kn; ++k) {
+    const __m256 p0 = _mm256_loadu_ps(panel + k * kAvx2PanelCols);
+    const __m256 p1 = _mm256_loadu_ps(panel + k * kAvx2PanelCols + 8);
+    JS_UNROLL for (int r = 0; r < RB; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
+      acc[r][0] = _mm256_fmadd_ps(xb, p0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xb, p1, acc[r][1]);
     }
+  }
+  JS_UNROLL for (int r = 0; r < RB; ++r) {
+    _mm256_storeu_ps(acc_rows + r * kAvx2PanelCols, acc[r][0]);
+    _mm256_storeu_ps(acc_rows + r * kAvx2PanelCols + 8, acc[r][1]);
   }
 }
 
+// K in blocks whose slice of the panel (256 x 16 float32: 16 KiB) and of 6 rows of x
+// (6 KiB) stay in L1; partial sums of a block of rows in a float32 buffer.
+constexpr int64_t kAvx2PanelDepth = 256;
+
 template <typename T>
-JS_AVX2 void Avx2NkTiles(const Mm& a, const float* xf, int64_t n0, int64_t nn) {
-  constexpr int MR = kAvx2TileRows, NT = kAvx2TileWeights;
+JS_AVX2 void Avx2NkPanels(const Mm& a, const float* xf, int64_t n0, int64_t nn) {
+  thread_local std::vector<float> buf;
+  const size_t need = (a.k + kAvx2RowBlock) * kAvx2PanelCols;
+  if (buf.size() < need) buf.resize(need);
+  float* panel = buf.data();
+  float* acc = panel + a.k * kAvx2PanelCols;  // [kAvx2RowBlock][16]
   const T* w = static_cast<const T*>(a.w);
   T* y = static_cast<T*>(a.y);
+  const int64_t K = a.k;
   for (int64_t m0 = 0; m0 < a.m; m0 += kAvx2RowBlock) {
     const int64_t rows = std::min(kAvx2RowBlock, a.m - m0);
-    for (int64_t t0 = 0; t0 < nn; t0 += NT) {
-      const int64_t nt = std::min<int64_t>(NT, nn - t0);
-      const T* wr[NT];
-      JS_UNROLL for (int t = 0; t < NT; ++t)
-        wr[t] = w + (n0 + t0 + std::min<int64_t>(t, nt - 1)) * a.k;
-      for (int64_t r0 = m0; r0 < m0 + rows; r0 += MR) {
-        const int64_t mr = std::min<int64_t>(MR, m0 + rows - r0);
-        const float* xr[MR];
-        JS_UNROLL for (int r = 0; r < MR; ++r)
-          xr[r] = xf + (r0 + std::min<int64_t>(r, mr - 1)) * a.k;
-        Avx2NkTile<T, MR, NT>(xr, wr, a.k, mr, nt, y + r0 * a.n + n0 + t0, a.n);
+    for (int64_t c0 = n0; c0 < n0 + nn; c0 += kAvx2PanelCols) {
+      const int64_t cols = std::min<int64_t>(kAvx2PanelCols, n0 + nn - c0);
+      PackAvx2Panel<T>(w + c0 * K, K, cols, panel);
+      for (int64_t k0 = 0; k0 < K; k0 += kAvx2PanelDepth) {
+        const int64_t kn = std::min(kAvx2PanelDepth, K - k0);
+        const float* p = panel + k0 * kAvx2PanelCols;
+        const float* x = xf + m0 * K + k0;
+        int64_t r = 0;
+        for (; r + kAvx2TileRows <= rows; r += kAvx2TileRows)
+          Avx2PanelTile<kAvx2TileRows>(x + r * K, K, p, kn, acc + r * kAvx2PanelCols, k0 == 0);
+        float* ar = acc + r * kAvx2PanelCols;
+        switch (rows - r) {
+          case 1: Avx2PanelTile<1>(x + r * K, K, p, kn, ar, k0 == 0); break;
+          case 2: Avx2PanelTile<2>(x + r * K, K, p, kn, ar, k0 == 0); break;
+          case 3: Avx2PanelTile<3>(x + r * K, K, p, kn, ar, k0 == 0); break;
+          case 4: Avx2PanelTile<4>(x + r * K, K, p, kn, ar, k0 == 0); break;
+          case 5: Avx2PanelTile<5>(x + r * K, K, p, kn, ar, k0 == 0); break;
+          default: break;
+        }
       }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c)
+          y[(m0 + r) * a.n + c0 + c] = FromF32<T>(acc[r * kAvx2PanelCols + c]);
     }
   }
 }
 
 // Weights sharing x, all [N, K], on the real rows only: 1-2 rows stream each weight row
-// once (Avx2NkRows), more rows run tiles (Avx2NkTiles).
+// once (Avx2NkRows), more rows run packed panels (Avx2NkPanels).
 template <typename T>
 void Avx2Nk(const Runner& run, const Mm* as, int64_t count) {
   const Mm& a = as[0];
@@ -1390,7 +1446,7 @@ void Avx2Nk(const Runner& run, const Mm* as, int64_t count) {
     } else if (a.m == 2) {
       Avx2NkRows<T, 2>(as[j], xf, n0, nn);
     } else {
-      Avx2NkTiles<T>(as[j], xf, n0, nn);
+      Avx2NkPanels<T>(as[j], xf, n0, nn);
     }
   });
 }
@@ -2142,22 +2198,10 @@ JS_AVX2 void Scores8(const Work& w, const void* const* krow, int64_t nk_pad, int
 
 // dst[c][r] = src[r][c] for an 8 x 8 block.
 JS_AVX2 JS_INLINE void Transpose8x8(const float* src, int64_t lds, float* dst, int64_t ldd) {
-  __m256 r[8], t[8];
+  __m256 r[8];
   JS_UNROLL for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
-  JS_UNROLL for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  JS_UNROLL for (int i = 0; i < 8; i += 4) {
-    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  JS_UNROLL for (int i = 0; i < 4; ++i) {
-    _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
-    _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
-  }
+  Transpose8(r);
+  JS_UNROLL for (int i = 0; i < 8; ++i) _mm256_storeu_ps(dst + i * ldd, r[i]);
 }
 
 // Many rows (prefill): scores of RB rows against 16 keys of K^T (row stride 32), as QkRowsT.
@@ -2186,7 +2230,8 @@ JS_AVX2 JS_INLINE void QkRowsT8(const float* q, int64_t D, const float* kt, floa
 JS_AVX2 void ScoresTransposed8(const Work& w, int64_t D, int64_t nk) {
   const int64_t KC = kKeysPerChunk, nk16 = RoundUp(nk, 16);
   for (int64_t j0 = 0; j0 < nk16; j0 += 8)
-    for (int64_t d0 = 0; d0 < D; d0 += 8) Transpose8x8(w.kf + j0 * D + d0, D, w.kt + d0 * KC + j0, KC);
+    for (int64_t d0 = 0; d0 < D; d0 += 8)
+      Transpose8x8(w.kf + j0 * D + d0, D, w.kt + d0 * KC + j0, KC);
   for (int64_t j0 = 0; j0 < nk16; j0 += 16) {
     const float* kt = w.kt + j0;
     int64_t r = 0;

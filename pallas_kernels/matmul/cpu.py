@@ -23,8 +23,9 @@ else AVX2+FMA, else plain C++):
   strips are read in place.
 - Without those instruction sets (AVX2+FMA), [N, K] weights on the real rows: 1 or 2 rows
   are dot products in 8-lane FMAs, each weight row read once (bf16 x converted to float32
-  first); more rows run 4 x 3 tiles (4 rows of x by 3 weight rows, 12 accumulators) over
-  blocks of 48 rows. [K, N] weights are generic loops, which is why `faster_than_xla`
+  first); more rows pack 16 weight rows at a time into a float32 panel [K][16]
+  (transposed, bf16 widened once) and run 6 x 16 register tiles (12 accumulators, an
+  element of x broadcast) over blocks of 48 rows, K in slices of 256 that stay in L1. [K, N] weights are generic loops, which is why `faster_than_xla`
   sends those to XLA's dot.
 The weight is never required in a packed layout: any packing is per call, per strip.
 """
@@ -41,7 +42,7 @@ DTYPES = ("float32", "bfloat16")
 
 
 # Below these instruction-set levels the kernel runs AVX2 paths for [N, K] weights (1-2 rows
-# stream each weight row once; more rows run 4 x 3 register tiles) on the real rows only,
+# stream each weight row once; more rows run packed panels) on the real rows only,
 # while XLA's dot computes every row of the bucket. Measured on a 2-core AVX2 EPYC (no
 # AVX-512), smollm2-135m's [N, K] weights, ms per matmul (native / XLA's dot): bf16 M = 1:
 # 0.09-0.10 / 1.5-1.6 (XLA reads bf16 matrix-vector products at ~4% of bandwidth), 8 rows:
