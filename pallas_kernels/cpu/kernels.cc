@@ -2196,34 +2196,12 @@ void ScalarAttnTask(const Attn& a, const AttnTask& t) { AttnTaskGeneric(a, t); }
 #if JS_X86
 // ---------------------------------------------------------------- AVX2 attention
 
-// e^x as Exp512 (2^n * e^r, degree-7 polynomial), with 2^n built in the exponent bits:
-// inputs are clamped to [-87, 88], where 2^n stays a normal number (e^-87 ~ 1.6e-38).
-JS_AVX2 JS_INLINE __m256 Exp256(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i two_n =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
-}
-
 // cap * tanh(s / cap), as SoftCap512.
 JS_AVX2 JS_INLINE __m256 SoftCap256(__m256 s, float cap) {
   const __m256 c = _mm256_set1_ps(cap);
   const __m256 x = _mm256_div_ps(s, c);
   const __m256 sign = _mm256_and_ps(x, _mm256_set1_ps(-0.0f));
-  const __m256 e = Exp256(_mm256_mul_ps(_mm256_andnot_ps(sign, x), _mm256_set1_ps(-2.0f)));
+  const __m256 e = Exp8(_mm256_mul_ps(_mm256_andnot_ps(sign, x), _mm256_set1_ps(-2.0f)));
   const __m256 one = _mm256_set1_ps(1.0f);
   const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
   return _mm256_mul_ps(c, _mm256_or_ps(t, sign));
@@ -2525,7 +2503,7 @@ JS_AVX2 void Avx2AttnTask(const Attn& a, const AttnTask& t) {
       const __m256 mv = _mm256_set1_ps(m_new);
       __m256 sum = _mm256_setzero_ps();
       JS_UNROLL for (int g = 0; g < 4; ++g) {
-        __m256 p = _mm256_and_ps(mask[g], Exp256(_mm256_sub_ps(sv[g], mv)));
+        __m256 p = _mm256_and_ps(mask[g], Exp8(_mm256_sub_ps(sv[g], mv)));
         sum = _mm256_add_ps(sum, p);
         if (quant) p = _mm256_mul_ps(p, _mm256_loadu_ps(w.vsc + 8 * g));
         _mm256_storeu_ps(s + 8 * g, p);
