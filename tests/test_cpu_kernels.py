@@ -206,9 +206,9 @@ def test_matmul_dispatch():
 
 def test_matmul_dispatch_follows_the_cpu(isa):
     """impl=None takes the kernel where it beats XLA's dot on this CPU: with its AVX-512
-    paths (AVX512_BF16 for bf16) always; with its AVX2 paths ([N, K] weights) unless x is
-    one float32 row; with its generic loops only for bf16 with 1 or 2 rows (XLA's bf16
-    matrix-vector product is ~12x slower there), XLA's dot otherwise."""
+    paths (AVX512_BF16 for bf16) always; with its AVX2 paths ([N, K] weights) always;
+    with its generic loops only for bf16 with 1 or 2 rows (XLA's bf16 matrix-vector
+    product is ~12x slower there), XLA's dot otherwise."""
     def native_call(rows: int, dtype, transpose_w=True) -> bool:
         x, w = jnp.ones((rows, 64), dtype), jnp.ones((32, 64) if transpose_w else (64, 32), dtype)
         hlo = jax.jit(lambda x, w: matmul(x, w, transpose_w=transpose_w)).lower(x, w).as_text()
@@ -217,7 +217,7 @@ def test_matmul_dispatch_follows_the_cpu(isa):
     tuned = {"float32": isa in ("avx512", "avx512_bf16"), "bfloat16": isa == "avx512_bf16"}
     avx2 = isa != "scalar"
     for rows in (1, 2, 3, 64):
-        assert native_call(rows, jnp.float32) == (tuned["float32"] or (avx2 and rows > 1))
+        assert native_call(rows, jnp.float32) == (tuned["float32"] or avx2)
         assert native_call(rows, jnp.bfloat16) == (tuned["bfloat16"] or avx2 or rows <= 2)
         # [K, N] weights have no AVX2 path: its generic loops keep only 1-2 bf16 rows.
         assert native_call(rows, jnp.float32, False) == tuned["float32"]

@@ -15,7 +15,7 @@ Implementations, one signature:
 `impl=None` picks "cpu" when the platform is CPU and the native kernels are available
 (`pallas_kernels.cpu.available()`), the operands are ones it takes and the kernel beats
 XLA's dot for them on this CPU (`cpu.faster_than_xla`: with AVX-512 / AVX512_BF16 always,
-with AVX2 for [N, K] weights past one float32 row, else only bf16 with 1 or 2 rows), else
+with AVX2 for [N, K] weights, else only bf16 with 1 or 2 rows), else
 "reference".
 """
 

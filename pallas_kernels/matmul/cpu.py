@@ -23,10 +23,12 @@ else AVX2+FMA, else plain C++):
   strips are read in place.
 - Without those instruction sets (AVX2+FMA), [N, K] weights on the real rows: 1 or 2 rows
   are dot products in 8-lane FMAs, each weight row read once (bf16 x converted to float32
-  first); more rows pack 16 weight rows at a time into a float32 panel [K][16]
+  first; one row reads a task's block of weight rows as 8 (bf16) or 4 (f32) streams side
+  by side); more rows pack 16 weight rows at a time into a float32 panel [K][16]
   (transposed, bf16 widened once) and run 6 x 16 register tiles (12 accumulators, an
-  element of x broadcast) over blocks of 48 rows, K in slices of 256 that stay in L1. [K, N] weights are generic loops, which is why `faster_than_xla`
-  sends those to XLA's dot.
+  element of x broadcast) over blocks of 48 rows, K in slices of 256 that stay in L1.
+  [K, N] weights are generic loops, which is why `faster_than_xla` sends those to XLA's
+  dot.
 The weight is never required in a packed layout: any packing is per call, per strip.
 """
 
@@ -49,25 +51,27 @@ DTYPES = ("float32", "bfloat16")
 # 0.25-0.39 / 0.57-0.70, 32 real rows of 64: 0.61-0.75 / 1.2-1.8, 128 of 512: 2.5-2.9 /
 # 5.6-6.9, 512 of 512: 8.6-10 / 5.5-8.3; f32 M = 1: 0.17-0.19 / 0.13-0.15 (so XLA's), 8
 # rows: 0.29 / 0.28-0.49, 32 real rows of 64: 0.50-0.69 / 1.1-1.3, 512 of 512: 6.5-7.9 /
-# 6.4-10. XLA is faster only for a single float32 row and, by 10-50%, for a full bucket.
+# 6.4-10. XLA was faster only for a single float32 row and, by 10-50%, for a full bucket;
+# since 2026-11-26 one row reads 4-8 streams of weight rows at once (a model's worth of f32
+# matrix-vector products 15.9-20.8 ms against XLA's 19.3; packed panels for more rows:
+# 0.88-1.5x XLA on a full bucket), so every [N, K] matmul goes native with AVX2.
 # Below AVX2, and for [K, N] weights, the kernel's generic loops (1/3 of the bandwidth at
 # 1-2 bf16 rows, 5-17x slower than XLA's dot past them) keep only bf16 with 1-2 rows.
 TUNED_ISA = {"float32": "avx512", "bfloat16": "avx512_bf16"}
-XLA_ROWS_WITH_AVX2 = {"float32": 1, "bfloat16": 0}
 NATIVE_ROWS_BELOW_AVX2 = {"float32": 0, "bfloat16": 2}
 
 
 def faster_than_xla(x: jax.Array, transpose_w: bool = False) -> bool:
     """Whether the default dispatch should take the kernel for x's dtype and rows on this
-    CPU (measured above): always with its AVX-512 paths; with AVX2, for [N, K] weights
-    unless x is one float32 row; else (generic loops) only bf16 with 1-2 rows."""
+    CPU (measured above): always with its AVX-512 paths; with AVX2, for [N, K] weights;
+    else (generic loops) only bf16 with 1-2 rows."""
     level, dtype = native.isa(), x.dtype.name
     if level is None or dtype not in TUNED_ISA:
         return False
     if native.ISA_LEVELS[level] >= native.ISA_LEVELS[TUNED_ISA[dtype]]:
         return True
     if transpose_w and native.ISA_LEVELS[level] >= native.ISA_LEVELS["avx2"]:
-        return x.shape[0] > XLA_ROWS_WITH_AVX2[dtype]
+        return True
     return x.shape[0] <= NATIVE_ROWS_BELOW_AVX2[dtype]
 
 
