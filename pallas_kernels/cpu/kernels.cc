@@ -1595,6 +1595,20 @@ struct RowsOp {
   int act;
 };
 
+// One element of each row op, rounded as the references round; the scalar rows and the
+// AVX2 rows' tails share them.
+template <typename T, int kAct>
+JS_INLINE T GatedValue(T g, T u) {
+  return FromF32<T>(ToF32<T>(FromF32<T>(Activate<kAct>(ToF32<T>(g)))) * ToF32<T>(u));
+}
+template <typename T>
+JS_INLINE T SumValue(T x, T r) { return FromF32<T>(ToF32<T>(x) + ToF32<T>(r)); }
+template <typename T>
+JS_INLINE T NormValue(T x, T w, float inv, bool offset) {
+  return offset ? FromF32<T>(ToF32<T>(x) * inv * (1.0f + ToF32<T>(w)))
+                : FromF32<T>(ToF32<T>(w) * ToF32<T>(FromF32<T>(ToF32<T>(x) * inv)));
+}
+
 // y = act(g) * u, act(g) rounded to T before the product (as the reference, and as
 // transformers computes it in bf16), float32 inside act.
 template <typename T, int kAct>
@@ -1602,8 +1616,7 @@ JS_INLINE void GatedRow(const RowsOp& o, int64_t r) {
   const T* g = static_cast<const T*>(o.a) + r * o.k;
   const T* u = static_cast<const T*>(o.b) + r * o.k;
   T* y = static_cast<T*>(o.y) + r * o.k;
-  for (int64_t c = 0; c < o.k; ++c)
-    y[c] = FromF32<T>(ToF32<T>(FromF32<T>(Activate<kAct>(ToF32<T>(g[c])))) * ToF32<T>(u[c]));
+  for (int64_t c = 0; c < o.k; ++c) y[c] = GatedValue<T, kAct>(g[c], u[c]);
 }
 
 // As rows.rms_norm_reference: s = x (+ residual, rounded to T); x32 * rsqrt(mean(x32^2) +
@@ -1618,7 +1631,7 @@ JS_INLINE void NormRow(const RowsOp& o, int64_t r) {
   if (o.b != nullptr) {
     const T* res = static_cast<const T*>(o.b) + r * o.k;
     T* s = static_cast<T*>(o.sum) + r * o.k;
-    for (int64_t c = 0; c < o.k; ++c) s[c] = FromF32<T>(ToF32<T>(x[c]) + ToF32<T>(res[c]));
+    for (int64_t c = 0; c < o.k; ++c) s[c] = SumValue<T>(x[c], res[c]);
     x = s;
   }
   for (int64_t c = 0; c < k16; c += 16)
@@ -1628,11 +1641,9 @@ JS_INLINE void NormRow(const RowsOp& o, int64_t r) {
   for (int l = 0; l < 16; ++l) sq += part[l];
   const float inv = 1.0f / std::sqrt(sq / static_cast<float>(o.k) + o.eps);
   if (o.offset) {
-    for (int64_t c = 0; c < o.k; ++c)
-      y[c] = FromF32<T>(ToF32<T>(x[c]) * inv * (1.0f + ToF32<T>(w[c])));
+    for (int64_t c = 0; c < o.k; ++c) y[c] = NormValue<T>(x[c], w[c], inv, true);
   } else {
-    for (int64_t c = 0; c < o.k; ++c)
-      y[c] = FromF32<T>(ToF32<T>(w[c]) * ToF32<T>(FromF32<T>(ToF32<T>(x[c]) * inv)));
+    for (int64_t c = 0; c < o.k; ++c) y[c] = NormValue<T>(x[c], w[c], inv, false);
   }
 }
 
@@ -1722,8 +1733,7 @@ JS_AVX2 void Avx2GatedRow(const RowsOp& o, int64_t r) {
     const __m256 act = Round8<T>(Activate8<kAct>(Avx2Load8(g + c)));
     Store8(y + c, _mm256_mul_ps(act, Avx2Load8(u + c)));
   }
-  for (; c < o.k; ++c)
-    y[c] = FromF32<T>(ToF32<T>(FromF32<T>(Activate<kAct>(ToF32<T>(g[c])))) * ToF32<T>(u[c]));
+  for (; c < o.k; ++c) y[c] = GatedValue<T, kAct>(g[c], u[c]);
 }
 
 template <typename T>
@@ -1737,7 +1747,7 @@ JS_AVX2 void Avx2NormRow(const RowsOp& o, int64_t r) {
     T* s = static_cast<T*>(o.sum) + r * o.k;
     for (int64_t c = 0; c < k8; c += 8)
       Store8(s + c, _mm256_add_ps(Avx2Load8(x + c), Avx2Load8(res + c)));
-    for (int64_t c = k8; c < o.k; ++c) s[c] = FromF32<T>(ToF32<T>(x[c]) + ToF32<T>(res[c]));
+    for (int64_t c = k8; c < o.k; ++c) s[c] = SumValue<T>(x[c], res[c]);
     x = s;
   }
   __m256 sq8 = _mm256_setzero_ps();
@@ -1754,10 +1764,7 @@ JS_AVX2 void Avx2NormRow(const RowsOp& o, int64_t r) {
     Store8(y + c, o.offset ? _mm256_mul_ps(_mm256_mul_ps(xv, inv8), _mm256_add_ps(one, wv))
                            : _mm256_mul_ps(wv, Round8<T>(_mm256_mul_ps(xv, inv8))));
   }
-  for (int64_t c = k8; c < o.k; ++c) {
-    y[c] = o.offset ? FromF32<T>(ToF32<T>(x[c]) * inv * (1.0f + ToF32<T>(w[c])))
-                    : FromF32<T>(ToF32<T>(w[c]) * ToF32<T>(FromF32<T>(ToF32<T>(x[c]) * inv)));
-  }
+  for (int64_t c = k8; c < o.k; ++c) y[c] = NormValue<T>(x[c], w[c], inv, o.offset);
 }
 
 template <typename T>
