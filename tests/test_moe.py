@@ -91,7 +91,10 @@ def test_padding_tokens_reach_no_expert(monkeypatch):
                       num_heads=2, num_kv_heads=2, head_dim=16, max_position_embeddings=64,
                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                       norm_topk_prob=True)
-    layer = moe_module.MoE(cfg, jnp.float32, nnx.Rngs(0), ModelOptions())
+    graphdef, zeros = nnx.split(moe_module.MoE(cfg, jnp.float32, ModelOptions()))
+    keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(zeros))))
+    layer = nnx.merge(graphdef, jax.tree.map(
+        lambda v: 0.02 * jax.random.normal(next(keys), v.shape, v.dtype), zeros))
     shard = ShardingContext(make_mesh())
     x = jax.random.normal(jax.random.key(1), (8, 32))
     real = jnp.arange(8) < 3

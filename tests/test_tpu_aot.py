@@ -276,7 +276,7 @@ def test_an_eagle_head_drafting_trees_compiles_with_the_attention_kernel(devices
     shard = model_sharding(make_mesh(mesh, devices=devices), strategy, cfg)
     target_graphdef, target = abstract_model(cfg, jnp.bfloat16, shard)
     graphdef, head = nnx.split(nnx.eval_shape(lambda: EagleHead(
-        head_cfg, 1, cfg.hidden_size, True, cfg.vocab_size, jnp.bfloat16, nnx.Rngs(0), shard)))
+        head_cfg, 1, cfg.hidden_size, True, cfg.vocab_size, jnp.bfloat16, shard)))
     builder = BatchBuilder((64,), 8, 16, PAGES, 64, 1024, (), cfg.vocab_size,
                            shard.data_shards, draft_model=True)
     replicated = shard.sharding(())

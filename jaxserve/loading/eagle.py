@@ -84,7 +84,7 @@ def load_eagle(ckpt: EagleCheckpoint, target: ModelConfig, dtype, shard: Shardin
     options = dataclasses.replace(options, quantization=None)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: EagleHead(
         ckpt.cfg, ckpt.version, feature_size, ckpt.fc_bias, ckpt.cfg.vocab_size, dtype,
-        nnx.Rngs(0), shard, options)))
+        shard, options)))
     expected = dict(nnx.to_flat_state(abstract))
     loaded = {}
     for name, tensor in ckpt.tensors.items():

@@ -47,7 +47,7 @@ class EagleHead(nnx.Module):
     size), `feature_size` the width of the target features it reads."""
 
     def __init__(self, cfg: ModelConfig, version: int, feature_size: int, fc_bias: bool,
-                 draft_vocab: int, dtype, rngs: nnx.Rngs | None, shard: ShardingContext,
+                 draft_vocab: int, dtype, shard: ShardingContext,
                  options: ModelOptions = ModelOptions()):
         h = cfg.hidden_size
         self.version = version
@@ -56,18 +56,18 @@ class EagleHead(nnx.Module):
         self.options = options
         # EAGLE-1's fc reads [embedding, features]; EAGLE-3's the features alone.
         fc_in = h + feature_size if version == 1 else feature_size
-        self.fc = param(rngs, (fc_in, h), (None, "embed"), dtype, n_in=1)
+        self.fc = param((fc_in, h), (None, "embed"), dtype, n_in=1)
         if fc_bias:
-            self.fc_bias = param(rngs, (h,), ("embed",), dtype)
-        self.attn = Attention(cfg, 0, dtype, rngs, options, shard.rules.kv_head_replicas,
+            self.fc_bias = param((h,), ("embed",), dtype)
+        self.attn = Attention(cfg, 0, dtype, options, shard.rules.kv_head_replicas,
                               in_features=2 * h if version == 3 else h)
-        self.post_attn_norm = param(rngs, (h,), ("embed",), dtype, init="ones")
-        self.mlp = MLP(cfg, dtype, rngs, options)
+        self.post_attn_norm = param((h,), ("embed",), dtype)
+        self.mlp = MLP(cfg, dtype, options)
         if version == 3:
-            self.input_norm = param(rngs, (h,), ("embed",), dtype, init="ones")
-            self.hidden_norm = param(rngs, (h,), ("embed",), dtype, init="ones")
-            self.norm = param(rngs, (h,), ("embed",), dtype, init="ones")
-            self.lm_head = param(rngs, (h, draft_vocab), ("embed", "vocab"), dtype, n_in=1)
+            self.input_norm = param((h,), ("embed",), dtype)
+            self.hidden_norm = param((h,), ("embed",), dtype)
+            self.norm = param((h,), ("embed",), dtype)
+            self.lm_head = param((h, draft_vocab), ("embed", "vocab"), dtype, n_in=1)
             self.draft_to_target = nnx.Param(jnp.zeros(draft_vocab, jnp.int32),
                                              logical_axes=(None,))
 

@@ -18,26 +18,22 @@ from pallas_kernels.quantized_matmul import quantized_matmul, quantized_shapes
 from pallas_kernels.rows import ACTIVATIONS, rms_norm_reference
 
 
-def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], axes: tuple[str, ...], dtype,
-          init: str = "normal", n_in: int | None = None) -> nnx.Param:
+def param(shape: tuple[int, ...], axes: tuple[str, ...], dtype,
+          n_in: int | None = None) -> nnx.Param:
     """A parameter tagged with logical axis names (read by sharding.rules).
 
-    Values are random normal (std 0.02) or ones; checkpoints overwrite them at load. A
-    float weight of a matmul is tagged with `n_in`, its number of input dims (its shape is
-    in + out), which `weights_for_native_matmul` uses to lay it out as out + in.
+    Models are built under `nnx.eval_shape` for their structure only (loading/safetensors.py
+    fills in a checkpoint's or random values), so the value is zeros: drawing random ones
+    there cost a warm start 1.2 s of tracing. A float weight of a matmul is tagged with
+    `n_in`, its number of input dims (its shape is in + out), which
+    `weights_for_native_matmul` uses to lay it out as out + in.
     """
-    if init == "ones":
-        value = jnp.ones(shape, dtype)
-    elif init == "zeros":
-        value = jnp.zeros(shape, dtype)
-    else:
-        value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
     if n_in is None:
-        return nnx.Param(value, logical_axes=axes)
-    return nnx.Param(value, logical_axes=axes, n_in=n_in)
+        return nnx.Param(jnp.zeros(shape, dtype), logical_axes=axes)
+    return nnx.Param(jnp.zeros(shape, dtype), logical_axes=axes, n_in=n_in)
 
 
-def linear(rngs: nnx.Rngs | None, in_shape: tuple[int, ...], out_shape: tuple[int, ...],
+def linear(in_shape: tuple[int, ...], out_shape: tuple[int, ...],
            in_axes: tuple[str, ...], out_axes: tuple[str, ...], dtype,
            quantization: str | None) -> tuple[nnx.Param, nnx.Param | None]:
     """(weight, scales) of a linear layer `y = x · W`.
@@ -48,7 +44,7 @@ def linear(rngs: nnx.Rngs | None, in_shape: tuple[int, ...], out_shape: tuple[in
     dim, which keeps whole heads on one shard; checkpoints overwrite the zeros at load.
     """
     if quantization is None:
-        return param(rngs, in_shape + out_shape, in_axes + out_axes, dtype,
+        return param(in_shape + out_shape, in_axes + out_axes, dtype,
                      n_in=len(in_shape)), None
     (vshape, vdtype), (sshape, sdtype) = quantized_shapes(
         math.prod(in_shape), math.prod(out_shape), quantization)

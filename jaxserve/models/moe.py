@@ -38,13 +38,13 @@ EXPERT_OUT_AXES = ("experts", "expert_mlp", "embed")  # down_proj: [E, I, hidden
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
-def expert_stack(rngs: nnx.Rngs | None, shape: tuple[int, int, int], axes: tuple[str, ...],
+def expert_stack(shape: tuple[int, int, int], axes: tuple[str, ...],
                  dtype, quantization: str | None) -> tuple[nnx.Param, nnx.Param | None]:
     """(weights, scales) of one projection of every expert, `[E, in, out]`: float, or the
     stacked quantized format of pallas_kernels/grouped_matmul (each expert quantized on
     its own; checkpoints overwrite the zeros at load)."""
     if quantization is None:
-        return param(rngs, shape, axes, dtype), None
+        return param(shape, axes, dtype), None
     (vshape, vdtype), (sshape, sdtype) = quantized_shapes(*shape, quantization)
     return (nnx.Param(jnp.zeros(vshape, vdtype), logical_axes=axes),
             nnx.Param(jnp.ones(sshape, sdtype),
@@ -94,20 +94,20 @@ def grouped_glu(x: jax.Array, weights: jax.Array, experts: jax.Array, stacks: tu
 class MoE(nnx.Module):
     """The sparse feed-forward block of one layer (see the module doc)."""
 
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None, options: ModelOptions):
+    def __init__(self, cfg: ModelConfig, dtype, options: ModelOptions):
         e, m, n, quant = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
                           options.quantization)
-        self.router = param(rngs, (e, n), ("embed", None), dtype)
+        self.router = param((e, n), ("embed", None), dtype)
         self.gate_proj, self.gate_proj_scales = expert_stack(
-            rngs, (n, e, m), EXPERT_IN_AXES, dtype, quant)
+            (n, e, m), EXPERT_IN_AXES, dtype, quant)
         self.up_proj, self.up_proj_scales = expert_stack(
-            rngs, (n, e, m), EXPERT_IN_AXES, dtype, quant)
+            (n, e, m), EXPERT_IN_AXES, dtype, quant)
         self.down_proj, self.down_proj_scales = expert_stack(
-            rngs, (n, m, e), EXPERT_OUT_AXES, dtype, quant)
+            (n, m, e), EXPERT_OUT_AXES, dtype, quant)
         if cfg.shared_expert_intermediate_size:
-            self.shared_expert = MLP(cfg, dtype, rngs, options,
+            self.shared_expert = MLP(cfg, dtype, options,
                                      cfg.shared_expert_intermediate_size)
-            self.shared_expert_gate = param(rngs, (e, 1), ("embed", None), dtype)
+            self.shared_expert_gate = param((e, 1), ("embed", None), dtype)
         self.cfg = cfg
         self.options = options
 

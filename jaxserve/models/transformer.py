@@ -79,29 +79,29 @@ class Attention(nnx.Module):
     (`kv_replicas` copies, made at load; sharding/rules.py), so every device computes and
     caches just its own head."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs | None,
-                 options: ModelOptions, kv_replicas: int = 1, in_features: int | None = None):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype, options: ModelOptions,
+                 kv_replicas: int = 1, in_features: int | None = None):
         e, d, hq = cfg.hidden_size, cfg.head_dim, cfg.num_heads
         hkv = cfg.num_kv_heads * kv_replicas
         quant = options.quantization
         x = in_features or e  # the input's width (an EAGLE-3 layer reads 2 x hidden)
         self.q_proj, self.q_proj_scales = linear(
-            rngs, (x,), (hq, d), ("embed",), ("q_heads", "head_dim"), dtype, quant)
+            (x,), (hq, d), ("embed",), ("q_heads", "head_dim"), dtype, quant)
         self.k_proj, self.k_proj_scales = linear(
-            rngs, (x,), (hkv, d), ("embed",), ("cache_heads", "head_dim"), dtype, quant)
+            (x,), (hkv, d), ("embed",), ("cache_heads", "head_dim"), dtype, quant)
         self.v_proj, self.v_proj_scales = linear(
-            rngs, (x,), (hkv, d), ("embed",), ("cache_heads", "head_dim"), dtype, quant)
+            (x,), (hkv, d), ("embed",), ("cache_heads", "head_dim"), dtype, quant)
         self.o_proj, self.o_proj_scales = linear(
-            rngs, (hq, d), (e,), ("q_heads", "head_dim"), ("embed",), dtype, quant)
+            (hq, d), (e,), ("q_heads", "head_dim"), ("embed",), dtype, quant)
         if cfg.qkv_bias:
-            self.q_bias = param(rngs, (hq, d), ("q_heads", "head_dim"), dtype)
-            self.k_bias = param(rngs, (hkv, d), ("cache_heads", "head_dim"), dtype)
-            self.v_bias = param(rngs, (hkv, d), ("cache_heads", "head_dim"), dtype)
+            self.q_bias = param((hq, d), ("q_heads", "head_dim"), dtype)
+            self.k_bias = param((hkv, d), ("cache_heads", "head_dim"), dtype)
+            self.v_bias = param((hkv, d), ("cache_heads", "head_dim"), dtype)
         if cfg.o_bias:
-            self.o_bias = param(rngs, (e,), ("embed",), dtype)
+            self.o_bias = param((e,), ("embed",), dtype)
         if cfg.qk_norm:
-            self.q_norm = param(rngs, (d,), ("head_dim",), dtype, init="ones")
-            self.k_norm = param(rngs, (d,), ("head_dim",), dtype, init="ones")
+            self.q_norm = param((d,), ("head_dim",), dtype)
+            self.k_norm = param((d,), ("head_dim",), dtype)
         self.cfg = cfg
         self.options = options
         self.window = cfg.layer_window(layer)
@@ -136,19 +136,19 @@ class Attention(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs | None,
-                 options: ModelOptions, kv_replicas: int = 1):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype, options: ModelOptions,
+                 kv_replicas: int = 1):
         e = cfg.hidden_size
-        self.input_norm = param(rngs, (e,), ("embed",), dtype, init="ones")
-        self.attn = Attention(cfg, layer, dtype, rngs, options, kv_replicas)
+        self.input_norm = param((e,), ("embed",), dtype)
+        self.attn = Attention(cfg, layer, dtype, options, kv_replicas)
         # Llama: the norm before the MLP. Gemma ("sandwich"): the norm of the attention's
         # output, and pre_mlp_norm / post_mlp_norm around the MLP.
-        self.post_attn_norm = param(rngs, (e,), ("embed",), dtype, init="ones")
+        self.post_attn_norm = param((e,), ("embed",), dtype)
         if cfg.sandwich_norms:
-            self.pre_mlp_norm = param(rngs, (e,), ("embed",), dtype, init="ones")
-            self.post_mlp_norm = param(rngs, (e,), ("embed",), dtype, init="ones")
-        self.mlp = (MoE(cfg, dtype, rngs, options) if cfg.sparse_layers[layer]
-                    else MLP(cfg, dtype, rngs, options))
+            self.pre_mlp_norm = param((e,), ("embed",), dtype)
+            self.post_mlp_norm = param((e,), ("embed",), dtype)
+        self.mlp = (MoE(cfg, dtype, options) if cfg.sparse_layers[layer]
+                    else MLP(cfg, dtype, options))
         self.eps = cfg.rms_norm_eps
         self.offset = cfg.norm_offset
         self.sandwich = cfg.sandwich_norms
@@ -183,18 +183,18 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs | None, shard: ShardingContext,
+    def __init__(self, cfg: ModelConfig, dtype, shard: ShardingContext,
                  options: ModelOptions = ModelOptions()):
         self.cfg = cfg
         self.shard = shard
         self.options = options
-        self.embed = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
+        self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
         replicas = shard.rules.kv_head_replicas
-        self.layers = nnx.List([Block(cfg, i, dtype, rngs, options, replicas)
+        self.layers = nnx.List([Block(cfg, i, dtype, options, replicas)
                                 for i in range(cfg.num_layers)])
-        self.norm = param(rngs, (cfg.hidden_size,), ("embed",), dtype, init="ones")
+        self.norm = param((cfg.hidden_size,), ("embed",), dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype,
+            self.lm_head = param((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype,
                                  n_in=1)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: KVCache,
