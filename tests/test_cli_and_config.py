@@ -149,7 +149,8 @@ def test_mesh_and_sharding_settings(tmp_path):
 def test_a_second_start_reads_every_step_program_from_the_compilation_cache(tmp_path):
     """`jaxserve generate` twice with the same settings: the first compiles the buckets
     into the default cache folder (under JAXSERVE_CACHE, keyed by jaxserve and JAX version
-    and device), the second reads all of them back and generates the same text."""
+    and device) and keeps each compiled program whole beside it, the second reads all of
+    them back and generates the same text."""
     import os
     import subprocess
     import sys
@@ -170,3 +171,5 @@ def test_a_second_start_reads_every_step_program_from_the_compilation_cache(tmp_
     assert runs[0].stdout == runs[1].stdout
     (folder,) = (tmp_path / "xla").iterdir()
     assert folder.name.startswith("jaxserve-") and "_jax-" in folder.name
+    # The second start loaded them whole (executable_cache.py), not through tracing.
+    assert len(list((folder / "jaxserve-executables").glob("*.bin"))) == programs

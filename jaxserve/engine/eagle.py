@@ -195,7 +195,7 @@ class EagleProposer(DeviceProposer):
             out_shardings=(kv_shardings, replicated, replicated))
 
     def _zero_kv(self) -> tuple:
-        return tuple(ModelRunner._zero(x) for x in self._kv_abstract)
+        return ModelRunner.zeros(tuple(self._kv_abstract))
 
     def recover(self) -> None:
         if any(x.is_deleted() for x in self.kv):

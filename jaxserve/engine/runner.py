@@ -17,7 +17,7 @@ from tqdm import tqdm
 from jaxserve.config import ModelConfig
 from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.broadcast import FORWARD, SAMPLE, STEP
-from jaxserve.engine.compile_cache import counting_hits
+from jaxserve.engine.executable_cache import ExecutableCache
 from jaxserve.engine.sampler import (
     SampledDrafts, SampleOutput, SamplingArrays, TokenHistory, draw_drafts, first_argmax,
     sample)
@@ -311,7 +311,7 @@ class ModelRunner:
         abstract = abstract_kv_cache(cfg, builder.num_pages * builder.data_shards,
                                      builder.page_size, kv_dtype, shard)
         self._abstract_kv = abstract
-        self.kv_caches: KVCache = self._zero_kv_caches()
+        self.kv_caches: KVCache = self.zeros(self._abstract_kv)
         # An EAGLE head's inputs: the layers `features_from` (Transformer.__call__) of every
         # token computed, at its KV slot (`write_features`); None without a head.
         self.features_from = features_from
@@ -322,13 +322,16 @@ class ModelRunner:
                 (abstract[0][0].shape[1] * builder.page_size,
                  len(features_from) * cfg.hidden_size), dtype,
                 sharding=shard.sharding(FEATURE_AXES))
-            self.features = self._zero(self._abstract_features)
+            self.features = self.zeros(self._abstract_features)
         self._programs = jit_programs(graphdef, params,
                                       jax.tree.map(lambda x: x.sharding, abstract), shard,
                                       features_from, medusa)
         # Programs compiled, by (program, shape): ("forward", T, S, R, tree),
-        # ("sample", R, history).
-        self._ready: set[tuple] = set()
+        # ("sample", R, history), ("move",).
+        self._executables: dict[tuple, Callable] = {}
+        self._cache = ExecutableCache.for_devices(shard.mesh.size,
+                                                  repr((str(graphdef), features_from)))
+        self._from_cache = 0  # programs the caches gave
         self.warmed_up = False
         self.compiles_after_warmup = 0
         self.programs_from_cache = 0
@@ -345,7 +348,7 @@ class ModelRunner:
         self._abstract_draft_probs = jax.ShapeDtypeStruct(
             (builder.max_num_seqs * builder.num_speculative_tokens, builder.vocab_size),
             jnp.float32, sharding=replicated)
-        self.draft_probs = (self._zero(self._abstract_draft_probs) if builder.sampled_drafts
+        self.draft_probs = (self.zeros(self._abstract_draft_probs) if builder.sampled_drafts
                             else None)
         self._logits: jax.Array | None = None  # from dispatch_forward, for dispatch_sample
         self._logits_dtype = None  # the forward pass's logits' (warm-up samples zeros of it)
@@ -358,11 +361,12 @@ class ModelRunner:
                                            replicated) if layers else None)
 
     @staticmethod
-    def _zero(x: jax.ShapeDtypeStruct) -> jax.Array:
-        return jax.jit(lambda: jnp.zeros(x.shape, x.dtype), out_shardings=x.sharding)()
-
-    def _zero_kv_caches(self) -> KVCache:
-        return [tuple(self._zero(x) for x in layer) for layer in self._abstract_kv]
+    def zeros(abstract):
+        """Arrays of zeros shaped, typed and placed as the pytree of ShapeDtypeStructs
+        `abstract`, made by one program: a program per array cost a warm start 0.7 s of
+        tracing and cache lookups for a 30-layer KV cache."""
+        return jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract),
+                       out_shardings=jax.tree.map(lambda x: x.sharding, abstract))()
 
     def recover(self) -> bool:
         """After a failed step: if it consumed the donated KV cache (or the last samples),
@@ -370,14 +374,14 @@ class ModelRunner:
         self._logits = None
         lost = any(x.is_deleted() for layer in self.kv_caches for x in layer)
         if self.features is not None and self.features.is_deleted():
-            self.features, lost = self._zero(self._abstract_features), True
+            self.features, lost = self.zeros(self._abstract_features), True
         if lost:
-            self.kv_caches = self._zero_kv_caches()
+            self.kv_caches = self.zeros(self._abstract_kv)
         if self.sampled.is_deleted():
             self.sampled = jax.device_put(np.zeros(self.builder.prev_tokens_size, np.int32),
                                           self.shard.sharding(()))
         if self.draft_probs is not None and self.draft_probs.is_deleted():
-            self.draft_probs = self._zero(self._abstract_draft_probs)
+            self.draft_probs = self.zeros(self._abstract_draft_probs)
         return lost
 
     @staticmethod
@@ -387,75 +391,75 @@ class ModelRunner:
                 ("sample", key.rows, key.history)]
 
     def warmup(self, progress: bool = True) -> None:
-        """Compile every program of every bucket now, so nothing compiles while serving.
-        Each is compiled by running it once on an all-padding batch (which writes and
-        samples nothing a request sees), so later calls take jit's fast dispatch path. The
-        progress bar counts the programs read from the persistent compilation cache."""
-        todo, seen = [], set(self._ready)
+        """Compile every program of every bucket now, so nothing compiles while serving,
+        and run each once on an all-padding batch (which writes and samples nothing a
+        request sees; a tree's `move` copies nothing). The progress bar counts the
+        programs read from the caches (executable_cache.py, compile_cache.py)."""
+        todo, seen = [], set(self._executables)
         for key in self.builder.all_buckets():
             for program in self.programs(key):
                 if program not in seen:
                     seen.add(program)
                     todo.append((key, program))
+        if self.builder.tree and ("move",) not in seen:
+            todo.append((None, ("move",)))
         bar = tqdm(todo, desc="compiling step programs", unit="program",
                    disable=not progress or not todo)
-        with counting_hits() as hits:
-            for key, program in bar:
-                batch = self.builder.empty(key)
-                if program[0] == "forward":
-                    self._forward(batch)
-                else:
-                    self._logits = jax.device_put(
-                        np.zeros((key.rows, self.builder.vocab_size), self._logits_dtype),
-                        self.shard.sharding(("seqs", "vocab")))
-                    self._sample(batch)
-                self._ready.add(program)
-                bar.set_postfix_str(f"{hits[0]} from cache")
-            if self.builder.tree and ("move",) not in self._ready:  # copies nothing
-                self.kv_caches, self.features = self._programs.move(
-                    self.kv_caches, self.features, *self.moves([]))
-                self._ready.add(("move",))
+        before = self._from_cache
+        for key, program in bar:
+            if program[0] == "forward":
+                self._forward(self.builder.empty(key), program)
+            elif program[0] == "sample":
+                self._logits = jax.device_put(
+                    np.zeros((key.rows, self.builder.vocab_size), self._logits_dtype),
+                    self.shard.sharding(("seqs", "vocab")))
+                self._sample(self.builder.empty(key), program)
+            else:
+                self._move(*self.moves([]))
+            bar.set_postfix_str(f"{self._from_cache - before} from cache")
         jax.block_until_ready(self.sampled)
-        self.programs_from_cache = hits[0]
+        self.programs_from_cache = self._from_cache - before
         if todo:
             log.info("step programs: %d compiled, %d read from the compilation cache",
-                     len(todo) - hits[0], hits[0])
+                     len(todo) - self.programs_from_cache, self.programs_from_cache)
         self.warmed_up = True
 
-    def _check_compiled(self, program: tuple) -> None:
-        if program not in self._ready:
+    def _executable(self, program: tuple, fn: Callable, args: tuple) -> Callable:
+        """`fn` (a program of StepPrograms) compiled for `args`, once per program."""
+        executable = self._executables.get(program)
+        if executable is None:
             if self.warmed_up:
                 self.compiles_after_warmup += 1
                 log.warning("compiling %s after warm-up: a bucket is missing", program)
-            self._ready.add(program)
+            executable, cached = self._cache.compile("-".join(map(str, program)), fn, args)
+            self._executables[program] = executable
+            self._from_cache += cached
+        return executable
 
     def dispatch(self, batch: StepBatch, key: BucketKey) -> SampleOutput:
         """Start the whole step (forward pass, then sampling) and return its outputs as
         device arrays, without waiting.
 
         Placeholder tokens of the batch read the previous dispatched step's samples."""
-        for program in self.programs(key):
-            self._check_compiled(program)
+        forward, sample = self.programs(key)
         if self.broadcaster is not None:
             self.broadcaster.send(STEP, batch, key)
-        self._forward(batch)
-        return self._sample(batch)
+        self._forward(batch, forward)
+        return self._sample(batch, sample)
 
     def dispatch_forward(self, batch: StepBatch, key: BucketKey) -> None:
         """Start the step's forward pass; its logits wait on the device for
         `dispatch_sample`, which must come next (after any host work)."""
-        self._check_compiled(self.programs(key)[0])
         if self.broadcaster is not None:
             self.broadcaster.send(FORWARD, batch, key)
-        self._forward(batch)
+        self._forward(batch, self.programs(key)[0])
 
     def dispatch_sample(self, batch: StepBatch, key: BucketKey) -> SampleOutput:
         """Sample from the last `dispatch_forward`'s logits with the batch's sampling
         arrays and history (filled since)."""
-        self._check_compiled(self.programs(key)[1])
         if self.broadcaster is not None:
             self.broadcaster.send(SAMPLE, batch, key)
-        return self._sample(batch)
+        return self._sample(batch, self.programs(key)[1])
 
     def moves(self, moves: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
         """(src, dst) of `move`: (data shard, src slot, dst slot) laid out as one block per
@@ -473,26 +477,29 @@ class ModelRunner:
 
     def move(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Start copying K/V (and EAGLE features) between slots (`moves`' arrays)."""
-        self._check_compiled(("move",))
         if self.broadcaster is not None:
             self.broadcaster.send_moves(src, dst)
-        self.kv_caches, self.features = self._programs.move(self.kv_caches, self.features,
-                                                            src, dst)
+        self._move(src, dst)
 
-    def _forward(self, batch: StepBatch) -> None:
+    def _move(self, src: np.ndarray, dst: np.ndarray) -> None:
+        args = (self.kv_caches, self.features, src, dst)
+        self.kv_caches, self.features = self._executable(("move",), self._programs.move,
+                                                         args)(*args)
+
+    def _forward(self, batch: StepBatch, program: tuple) -> None:
         inputs = dataclasses.replace(batch, sampling=None, history=None)
+        args = (self._param_leaves, self.kv_caches, inputs, self.sampled, self.expert_load,
+                self.medusa, self.features)
         (self.kv_caches, self._logits, self.expert_load, self.guesses,
-         self.features) = self._programs.forward(
-            self._param_leaves, self.kv_caches, inputs, self.sampled, self.expert_load,
-            self.medusa, self.features)
+         self.features) = self._executable(program, self._programs.forward, args)(*args)
         self._logits_dtype = self._logits.dtype
 
-    def _sample(self, batch: StepBatch) -> SampleOutput:
+    def _sample(self, batch: StepBatch, program: tuple) -> SampleOutput:
         logits, self._logits = self._logits, None
         batch.sampling.grammar_mask = self._grammar_mask(batch.sampling.grammar_mask)
-        out, self.sampled = self._programs.sample(logits, batch.sampling, batch.history,
-                                                  self.sampled, batch.num_rows,
-                                                  self.draft_probs)
+        args = (logits, batch.sampling, batch.history, self.sampled, batch.num_rows,
+                self.draft_probs)
+        out, self.sampled = self._executable(program, self._programs.sample, args)(*args)
         return out
 
     def _grammar_mask(self, mask: np.ndarray) -> jax.Array:
@@ -518,7 +525,7 @@ class ModelRunner:
 
     @property
     def num_compiled(self) -> int:
-        return len(self._ready)
+        return len(self._executables)
 
 
 def fetch(out: SampleOutput) -> SampleOutput:
