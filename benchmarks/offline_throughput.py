@@ -137,7 +137,11 @@ def measure_restarts(engine_cfg: EngineConfig) -> tuple[float, float]:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "jaxserve", "serve", "--config", str(config),
                  "--port", str(port), "--no-http"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+            # Retry the connection every 50 ms: gRPC's default backoff (1 s, growing) would
+            # add up to a second between SERVING and the check that sees it.
+            channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[
+                ("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
+                ("grpc.max_reconnect_backoff_ms", 50)])
             health = health_pb2_grpc.HealthStub(channel)
             try:
                 while proc.poll() is None:
