@@ -199,8 +199,7 @@ class _Stacked:
 def abstract_model(cfg: ModelConfig, dtype, shard: ShardingContext,
                    options: ModelOptions = ModelOptions()) -> tuple[nnx.GraphDef, nnx.State]:
     """The model's structure and parameter shapes, allocating nothing."""
-    model = nnx.eval_shape(lambda: Transformer(cfg, dtype, shard=shard,
-                                               options=options))
+    model = nnx.eval_shape(lambda: Transformer(cfg, dtype, shard=shard, options=options))
     return nnx.split(model)
 
 

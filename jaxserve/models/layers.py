@@ -28,9 +28,8 @@ def param(shape: tuple[int, ...], axes: tuple[str, ...], dtype,
     `n_in`, its number of input dims (its shape is in + out), which
     `weights_for_native_matmul` uses to lay it out as out + in.
     """
-    if n_in is None:
-        return nnx.Param(jnp.zeros(shape, dtype), logical_axes=axes)
-    return nnx.Param(jnp.zeros(shape, dtype), logical_axes=axes, n_in=n_in)
+    tags = {} if n_in is None else {"n_in": n_in}
+    return nnx.Param(jnp.zeros(shape, dtype), logical_axes=axes, **tags)
 
 
 def linear(in_shape: tuple[int, ...], out_shape: tuple[int, ...],
