@@ -18,7 +18,8 @@ leaves the HLO as it was, starts read JAX's cache as before, until its folder is
 cleared.
 
 It lives in JAX's cache folder (`jaxserve-executables/`), is on when that cache is, and
-serves runners on one device of one process; sharded runners use JAX's cache alone.
+serves processes with one device (a CPU, one GPU, one TPU chip); with more devices the
+runner calls its jitted programs and JAX's cache serves them alone.
 A file that fails to load is removed and the program compiled again. Like JAX's cache, its
 files are programs to run: keep the folder as private as the model.
 """
@@ -103,12 +104,13 @@ class ExecutableCache:
         self._context = context
 
     @classmethod
-    def for_devices(cls, num_devices: int, context: str) -> "ExecutableCache":
-        """The cache in JAX's cache folder when it is on and the programs run on one
-        device of one process; else one that always compiles."""
+    def for_process(cls, context: str) -> "ExecutableCache":
+        """The cache in JAX's cache folder when it is on and this process has one device
+        (one process of one device: a CPU, one GPU or TPU chip); else one that always
+        compiles."""
         directory = jax.config.jax_compilation_cache_dir
-        on = (jax.config.jax_enable_compilation_cache and directory and num_devices == 1
-              and jax.process_count() == 1)
+        on = (jax.config.jax_enable_compilation_cache and directory
+              and jax.device_count() == 1 and jax.process_count() == 1)
         return cls(Path(directory) / FOLDER if on else None, context)
 
     def compile(self, name: str, fn: Callable, args: tuple) -> tuple[Callable, bool]:

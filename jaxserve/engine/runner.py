@@ -17,6 +17,7 @@ from tqdm import tqdm
 from jaxserve.config import ModelConfig
 from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.broadcast import FORWARD, SAMPLE, STEP
+from jaxserve.engine.compile_cache import counting_hits
 from jaxserve.engine.executable_cache import ExecutableCache
 from jaxserve.engine.sampler import (
     SampledDrafts, SampleOutput, SamplingArrays, TokenHistory, draw_drafts, first_argmax,
@@ -329,8 +330,7 @@ class ModelRunner:
         # Programs compiled, by (program, shape): ("forward", T, S, R, tree),
         # ("sample", R, history), ("move",).
         self._executables: dict[tuple, Callable] = {}
-        self._cache = ExecutableCache.for_devices(shard.mesh.size,
-                                                  repr((str(graphdef), features_from)))
+        self._cache = ExecutableCache.for_process(repr((str(graphdef), features_from)))
         self._from_cache = 0  # programs the caches gave
         self.warmed_up = False
         self.compiles_after_warmup = 0
@@ -424,17 +424,28 @@ class ModelRunner:
                      len(todo) - self.programs_from_cache, self.programs_from_cache)
         self.warmed_up = True
 
-    def _executable(self, program: tuple, fn: Callable, args: tuple) -> Callable:
-        """`fn` (a program of StepPrograms) compiled for `args`, once per program."""
+    def _run(self, program: tuple, fn: Callable, args: tuple):
+        """`fn(*args)` (a program of StepPrograms), compiled once per program. In a process
+        with one device it runs as a compiled program from the executable cache; with more
+        (a mesh, or one device of several) through `fn`, the jit, which places host arrays
+        where the program expects them (a compiled program called with them failed on 8
+        emulated devices: "Expected args ... to have 8 shards")."""
         executable = self._executables.get(program)
-        if executable is None:
-            if self.warmed_up:
-                self.compiles_after_warmup += 1
-                log.warning("compiling %s after warm-up: a bucket is missing", program)
+        if executable is not None:
+            return executable(*args)
+        if self.warmed_up:
+            self.compiles_after_warmup += 1
+            log.warning("compiling %s after warm-up: a bucket is missing", program)
+        if jax.device_count() > 1:
+            with counting_hits() as hits:
+                out = fn(*args)
+            executable, cached = fn, hits[0] > 0
+        else:
             executable, cached = self._cache.compile("-".join(map(str, program)), fn, args)
-            self._executables[program] = executable
-            self._from_cache += cached
-        return executable
+            out = executable(*args)
+        self._executables[program] = executable
+        self._from_cache += cached
+        return out
 
     def dispatch(self, batch: StepBatch, key: BucketKey) -> SampleOutput:
         """Start the whole step (forward pass, then sampling) and return its outputs as
@@ -483,15 +494,14 @@ class ModelRunner:
 
     def _move(self, src: np.ndarray, dst: np.ndarray) -> None:
         args = (self.kv_caches, self.features, src, dst)
-        self.kv_caches, self.features = self._executable(("move",), self._programs.move,
-                                                         args)(*args)
+        self.kv_caches, self.features = self._run(("move",), self._programs.move, args)
 
     def _forward(self, batch: StepBatch, program: tuple) -> None:
         inputs = dataclasses.replace(batch, sampling=None, history=None)
         args = (self._param_leaves, self.kv_caches, inputs, self.sampled, self.expert_load,
                 self.medusa, self.features)
         (self.kv_caches, self._logits, self.expert_load, self.guesses,
-         self.features) = self._executable(program, self._programs.forward, args)(*args)
+         self.features) = self._run(program, self._programs.forward, args)
         self._logits_dtype = self._logits.dtype
 
     def _sample(self, batch: StepBatch, program: tuple) -> SampleOutput:
@@ -499,7 +509,7 @@ class ModelRunner:
         batch.sampling.grammar_mask = self._grammar_mask(batch.sampling.grammar_mask)
         args = (logits, batch.sampling, batch.history, self.sampled, batch.num_rows,
                 self.draft_probs)
-        out, self.sampled = self._executable(program, self._programs.sample, args)(*args)
+        out, self.sampled = self._run(program, self._programs.sample, args)
         return out
 
     def _grammar_mask(self, mask: np.ndarray) -> jax.Array:
