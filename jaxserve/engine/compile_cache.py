@@ -23,16 +23,19 @@ from jaxserve.demo import cache_root
 
 OFF = "off"
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_CACHE_REQUEST = "/jax/compilation_cache/compile_requests_use_cache"
 
 
 @contextlib.contextmanager
 def counting_hits() -> Iterator[list[int]]:
     """`with counting_hits() as hits:` hits[0] counts the programs read from the
-    persistent cache inside the block."""
-    hits = [0]
+    persistent cache inside the block, hits[1] the compiles that looked there (a program
+    JAX still holds in memory looks nowhere)."""
+    hits = [0, 0]
 
     def listener(event: str, **_) -> None:
         hits[0] += event == _CACHE_HIT
+        hits[1] += event == _CACHE_REQUEST
 
     jax.monitoring.register_event_listener(listener)
     try:

@@ -13,8 +13,10 @@ one of those; a change to any of them misses and compiles anew (through JAX's ca
 which still hits when the HLO is unchanged). Only programs
 compiled here are kept: an XLA:CPU program read from JAX's cache serializes again
 without some of its functions (a sampling program came back 222 KB instead of 331 and
-failed at run time, "Function wrapped_convert not found"), so after a change that
-leaves the HLO as it was, starts read JAX's cache as before, until its folder is
+failed at run time, "Function wrapped_convert not found"), and so may one that JAX
+hands back from memory, which may have come from its cache earlier in the process
+("Function clamp_bitcast_fusion not found" in the multi-host tests). So after a change
+that leaves the HLO as it was, starts read JAX's cache as before, until its folder is
 cleared.
 
 It lives in JAX's cache folder (`jaxserve-executables/`), is on when that cache is, and
@@ -125,7 +127,7 @@ class ExecutableCache:
                 return loaded, True
         with counting_hits() as hits:
             compiled = fn.lower(*args).compile()
-        if path is not None and not hits[0]:  # see the module's docstring
+        if path is not None and hits[1] and not hits[0]:  # compiled here: the docstring
             self._store(path, compiled)
         return compiled, hits[0] > 0
 
