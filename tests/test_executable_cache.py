@@ -34,7 +34,7 @@ def test_a_second_cache_loads_the_program_and_it_computes_the_same(tmp_path):
     with counting_hits() as jax_hits:
         loaded, cached = ExecutableCache(tmp_path, "model").compile("p", _program(1.0),
                                                                      _args())
-    assert cached and jax_hits[0] == 0  # from this cache, not JAX's
+    assert cached and jax_hits.hits == 0  # from this cache, not JAX's
     args = _args()
     got = loaded(*args)
     assert args[0].is_deleted()  # donation survives the round trip
@@ -50,7 +50,7 @@ def test_the_key_follows_shapes_and_the_model(tmp_path):
     with counting_hits() as jax_hits:
         _, cached = ExecutableCache(tmp_path, "other model").compile("p", _program(2.0),
                                                                       _args(8))
-    assert cached and jax_hits[0] == 1  # another model misses here; JAX's cache has it ...
+    assert cached and jax_hits.hits == 1  # another model misses here; JAX's cache has it ...
     assert len(list(tmp_path.glob("p-*.bin"))) == 2  # ... and what it gives is not kept
 
 

@@ -10,6 +10,7 @@ so upgrades start clean and old entries are easy to delete.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
 import re
 from collections.abc import Iterator
@@ -26,20 +27,27 @@ _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _CACHE_REQUEST = "/jax/compilation_cache/compile_requests_use_cache"
 
 
+@dataclasses.dataclass
+class CacheEvents:
+    """What the persistent cache saw inside a `counting_hits()` block."""
+
+    hits: int = 0  # programs read from it
+    lookups: int = 0  # compiles that looked there (a program JAX holds in memory looks nowhere)
+
+
 @contextlib.contextmanager
-def counting_hits() -> Iterator[list[int]]:
-    """`with counting_hits() as hits:` hits[0] counts the programs read from the
-    persistent cache inside the block, hits[1] the compiles that looked there (a program
-    JAX still holds in memory looks nowhere)."""
-    hits = [0, 0]
+def counting_hits() -> Iterator[CacheEvents]:
+    """`with counting_hits() as events:` the persistent cache's hits and lookups inside
+    the block."""
+    events = CacheEvents()
 
     def listener(event: str, **_) -> None:
-        hits[0] += event == _CACHE_HIT
-        hits[1] += event == _CACHE_REQUEST
+        events.hits += event == _CACHE_HIT
+        events.lookups += event == _CACHE_REQUEST
 
     jax.monitoring.register_event_listener(listener)
     try:
-        yield hits
+        yield events
     finally:
         jax.monitoring.unregister_event_listener(listener)
 

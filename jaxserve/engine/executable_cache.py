@@ -10,20 +10,21 @@ the instruction sets XLA compiles for and the native kernels' build), the model'
 structure (its graphdef, with every static setting of its layers) and the shapes, dtypes
 and shardings of the program's arguments. Anything else a program depends on must be
 one of those; a change to any of them misses and compiles anew (through JAX's cache,
-which still hits when the HLO is unchanged). Only programs
-compiled here are kept: an XLA:CPU program read from JAX's cache serializes again
-without some of its functions (a sampling program came back 222 KB instead of 331 and
-failed at run time, "Function wrapped_convert not found"), and so may one that JAX
-hands back from memory, which may have come from its cache earlier in the process
-("Function clamp_bitcast_fusion not found" in the multi-host tests). So after a change
-that leaves the HLO as it was, starts read JAX's cache as before, until its folder is
-cleared.
+which still hits when the HLO is unchanged).
+
+Only programs compiled here are kept: an XLA:CPU program read from JAX's cache
+serializes again without some of its functions (a sampling program came back 222 KB
+instead of 331 and failed at run time, "Function wrapped_convert not found"), and so may
+one that JAX hands back from memory, which may have come from its cache earlier in the
+process ("Function clamp_bitcast_fusion not found" in the multi-host tests). So after a
+change that leaves the HLO as it was, starts read JAX's cache as before, until its
+folder is cleared.
 
 It lives in JAX's cache folder (`jaxserve-executables/`), is on when that cache is, and
 serves processes with one device (a CPU, one GPU, one TPU chip); with more devices the
-runner calls its jitted programs and JAX's cache serves them alone.
-A file that fails to load is removed and the program compiled again. Like JAX's cache, its
-files are programs to run: keep the folder as private as the model.
+runner calls its jitted programs and JAX's cache serves them alone. A file that fails
+to load is removed and the program compiled again. Like JAX's cache, its files are
+programs to run: keep the folder as private as the model.
 """
 
 from __future__ import annotations
@@ -125,11 +126,11 @@ class ExecutableCache:
             loaded = self._load(path)
             if loaded is not None:
                 return loaded, True
-        with counting_hits() as hits:
+        with counting_hits() as events:
             compiled = fn.lower(*args).compile()
-        if path is not None and hits[1] and not hits[0]:  # compiled here: the docstring
+        if path is not None and events.lookups and not events.hits:  # compiled here
             self._store(path, compiled)
-        return compiled, hits[0] > 0
+        return compiled, events.hits > 0
 
     @staticmethod
     def _load(path: Path) -> Callable | None:

@@ -437,9 +437,9 @@ class ModelRunner:
             self.compiles_after_warmup += 1
             log.warning("compiling %s after warm-up: a bucket is missing", program)
         if jax.device_count() > 1:
-            with counting_hits() as hits:
+            with counting_hits() as events:
                 out = fn(*args)
-            executable, cached = fn, hits[0] > 0
+            executable, cached = fn, events.hits > 0
         else:
             executable, cached = self._cache.compile("-".join(map(str, program)), fn, args)
             out = executable(*args)
