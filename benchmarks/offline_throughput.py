@@ -9,7 +9,7 @@ tokenizer) is loaded by jaxserve and by every peer. Greedy, ignore_eos:
   (b) 64 requests, 128-token prompts, 128 new tokens each: output tokens/s.
 Ceilings measured in the same run: memory bandwidth (a jitted reduction over 1 GiB) gives
 the floor on batch-1 decode time (weights read once per token); matmul rate (a jitted
-square matmul) gives the floor on compute time. Peers, run after jaxserve in the same run
+square matmul) gives the floors on compute time: of (b), and of (a)'s TTFT. Peers, run after jaxserve in the same run
 on the same checkpoint and dtype (benchmarks/peers.py): transformers `generate` (all 64
 prompts of (b) in one static batch), llama.cpp's llama-batched-bench (built from the
 llama-cpp-python sdist, on a GGUF conversion of the checkpoint) and vLLM's CPU build (in a
@@ -256,6 +256,11 @@ def main() -> None:
     # adds < 5% at these lengths and is left out, which makes the floor lower, not higher).
     b_tokens = 64 * (128 + 128)
     b_floor_s = 2 * matmul_params * b_tokens / flops
+    # Compute floor for (a)'s TTFT: every prompt token through the layers, the LM head on
+    # the last one only. Against one decode step it says whether "TTFT <= 3x a step" is
+    # reachable at this machine's matmul rate.
+    head_params = cfg.vocab_size * cfg.hidden_size
+    ttft_floor_ms = 1e3 * 2 * ((matmul_params - head_params) * len(prompt_a) + head_params) / flops
 
     rows = [
         ("machine", f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}, {jax.devices()[0].platform}, load average {load_avg:.1f} at start"),
@@ -268,6 +273,9 @@ def main() -> None:
         ("measured matmul rate", f"{flops / 1e9:.1f} GFLOP/s ({args.dtype})"),
         ("(a) TTFT (median of 3)", f"{a['ttft_s'] * 1e3:.1f} ms, "
                                    f"{a['ttft_s'] * 1e3 / a['tpot_ms']:.2f}x one decode step"),
+        ("(a) TTFT compute floor", f"{ttft_floor_ms:.1f} ms at the measured matmul rate, "
+                                   f"{ttft_floor_ms / a['tpot_ms']:.2f}x one decode step; "
+                                   f"TTFT {a['ttft_s'] * 1e3 / ttft_floor_ms:.2f}x it"),
         ("(a) TTFT of the first request after warm-up", f"{first_ttft * 1e3:.1f} ms"),
         ("(a) ms per output token", f"{a['tpot_ms']:.2f} ms"),
         ("(a) bandwidth floor per token", f"{decode_floor_ms:.2f} ms ({weight_bytes / 1e6:.0f} MB of weights)"),
@@ -295,7 +303,8 @@ def main() -> None:
             peer_json = {k: {"result": p, "reason": r} for k, (p, r) in results.items()}
             json.dump({"a": a, "first_request_ttft_s": first_ttft, "b": b, "peers": peer_json,
                        "bandwidth": bandwidth, "flops": flops,
-                       "decode_floor_ms": decode_floor_ms, "b_floor_s": b_floor_s}, f, indent=2)
+                       "decode_floor_ms": decode_floor_ms, "b_floor_s": b_floor_s,
+                       "ttft_floor_ms": ttft_floor_ms}, f, indent=2)
 
 
 if __name__ == "__main__":
