@@ -9,16 +9,17 @@ tokenizer) is loaded by jaxserve and by every peer. Greedy, ignore_eos:
   (b) 64 requests, 128-token prompts, 128 new tokens each: output tokens/s.
 Ceilings measured in the same run: memory bandwidth (a jitted reduction over 1 GiB) gives
 the floor on batch-1 decode time (weights read once per token); matmul rate (a jitted
-square matmul) gives the floors on compute time: of (b), and of (a)'s TTFT. Peers, run after jaxserve in the same run
-on the same checkpoint and dtype (benchmarks/peers.py): transformers `generate` (all 64
-prompts of (b) in one static batch), llama.cpp's llama-batched-bench (built from the
-llama-cpp-python sdist, on a GGUF conversion of the checkpoint) and vLLM's CPU build (in a
-virtualenv of its own). Their first run builds and installs them (minutes; cached under
-$JAXSERVE_CACHE/peers). A peer that is skipped or cannot run is reported as such. Also
-timed: `jaxserve serve` with these engine settings, from launch to health SERVING, with
-an empty compilation cache and again with the one the first start filled (warm restart).
-Like the `jaxserve` command, the script first restarts itself with glibc's malloc asking
-for transparent huge pages (jaxserve/huge_pages.py); the peers inherit that environment.
+square matmul) gives the floors on compute time, of (b) and of (a)'s TTFT. Peers, run
+after jaxserve in the same run on the same checkpoint and dtype (benchmarks/peers.py):
+transformers `generate` (all 64 prompts of (b) in one static batch), llama.cpp's
+llama-batched-bench (built from the llama-cpp-python sdist, on a GGUF conversion of the
+checkpoint) and vLLM's CPU build (in a virtualenv of its own). Their first run builds and
+installs them (minutes; cached under $JAXSERVE_CACHE/peers). A peer that is skipped or
+cannot run is reported as such. Also timed: `jaxserve serve` with these engine settings,
+from launch to health SERVING, with an empty compilation cache and again with the one the
+first start filled (warm restart). Like the `jaxserve` command, the script first restarts
+itself with glibc's malloc asking for transparent huge pages (jaxserve/huge_pages.py); the
+peers inherit that environment.
 
     python benchmarks/offline_throughput.py [--preset configs/models/smollm2-135m.yaml]
         [--dtype float32|bfloat16] [--skip-hf] [--skip-llamacpp] [--skip-vllm]
