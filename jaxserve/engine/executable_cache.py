@@ -97,6 +97,12 @@ def signature(args) -> str:
         for x in leaves]))
 
 
+def one_device() -> bool:
+    """Whether this process runs its programs on one device of one process: where a
+    compiled program may be called with host arrays, and where this cache serves."""
+    return jax.device_count() == 1 and jax.process_count() == 1
+
+
 class ExecutableCache:
     """Compiles jitted programs for given arguments, through the folder when there is one
     (`folder` None: compile every time). `context`: what the programs are built from
@@ -108,12 +114,10 @@ class ExecutableCache:
 
     @classmethod
     def for_process(cls, context: str) -> "ExecutableCache":
-        """The cache in JAX's cache folder when it is on and this process has one device
-        (one process of one device: a CPU, one GPU or TPU chip); else one that always
-        compiles."""
+        """The cache in JAX's cache folder when it is on and `one_device()` (a CPU, one GPU
+        or TPU chip); else one that always compiles."""
         directory = jax.config.jax_compilation_cache_dir
-        on = (jax.config.jax_enable_compilation_cache and directory
-              and jax.device_count() == 1 and jax.process_count() == 1)
+        on = jax.config.jax_enable_compilation_cache and directory and one_device()
         return cls(Path(directory) / FOLDER if on else None, context)
 
     def compile(self, name: str, fn: Callable, args: tuple) -> tuple[Callable, bool]:

@@ -18,7 +18,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.broadcast import FORWARD, SAMPLE, STEP
 from jaxserve.engine.compile_cache import counting_hits
-from jaxserve.engine.executable_cache import ExecutableCache
+from jaxserve.engine.executable_cache import ExecutableCache, one_device
 from jaxserve.engine.sampler import (
     SampledDrafts, SampleOutput, SamplingArrays, TokenHistory, draw_drafts, first_argmax,
     sample)
@@ -436,7 +436,7 @@ class ModelRunner:
         if self.warmed_up:
             self.compiles_after_warmup += 1
             log.warning("compiling %s after warm-up: a bucket is missing", program)
-        if jax.device_count() > 1:
+        if not one_device():
             with counting_hits() as events:
                 out = fn(*args)
             executable, cached = fn, events.hits > 0
