@@ -134,9 +134,10 @@ def test_matmul_strips_left_over_split_by_rows(transpose_w, dtype):
 
 
 @pytest.mark.parametrize("case", [(1, 1, 1), (5, 2, 3), (7, 64, 64), (9, 576, 40),
-                                  (13, 33, 1)], ids=str)
+                                  (13, 33, 1), (98, 520, 40)], ids=str)
 def test_matmul_small_and_aligned_shapes(case, isa):
-    """Every path of every instruction-set level: tiny, vector-aligned and one-column."""
+    """Every path of every instruction-set level: tiny, vector-aligned, one-column, and
+    packed panels with K past one slice (256) over three blocks of rows (48)."""
     m, k, n = case
     for dtype in (jnp.float32, jnp.bfloat16):
         for transpose_w in (False, True):

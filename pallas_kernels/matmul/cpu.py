@@ -25,8 +25,9 @@ else AVX2+FMA, else plain C++):
   are dot products in 8-lane FMAs, each weight row read once (bf16 x converted to float32
   first; one row reads a task's block of weight rows as 8 (bf16) or 4 (f32) streams side
   by side); more rows pack 16 weight rows at a time into a float32 panel [K][16]
-  (transposed, bf16 widened once) and run 6 x 16 register tiles (12 accumulators, an
-  element of x broadcast) over blocks of 48 rows, K in slices of 256 that stay in L1.
+  (transposed, bf16 widened once; each panel once per call) and run 6 x 16 register
+  tiles (12 accumulators, an element of x broadcast) over every row of x against it, in
+  blocks of 48 rows, K in slices of 256 that stay in L1.
   [K, N] weights are generic loops, which is why `faster_than_xla` sends those to XLA's
   dot.
 The weight is never required in a packed layout: any packing is per call, per strip.
