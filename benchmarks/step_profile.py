@@ -1,22 +1,26 @@
 """Where a step's time goes: the whole step against its parts, timed alone on the same shapes.
 
 Runs workload (b) of offline_throughput.py (64 requests, 128-token prompts, 128 new tokens,
-greedy) on random weights, records every step's batch and wall time, then times, for the
-most frequent prefill (mixed) and decode buckets, on the batches the engine really built:
+greedy; sync scheduling, so each step's wall time is its own) on random weights, records
+every step's batch and wall time, then times, for every bucket the run used, on the
+batches the engine really built:
 
 - the whole compiled step (what the engine ran);
-- the model's matmuls alone: one jitted chain of exactly the step's GEMMs (q/k/v/o,
-  gate/up/down per layer, and the LM head on one row per sequence), in XLA, and the same
-  GEMMs in torch (oneDNN) as a peer: XLA's matmul-only floor for that step;
-- the reference ragged paged attention of every layer on the real metadata and KV pool
-  (the K/V write, an in-place scatter of T rows in the step, is left out: timed alone it
-  would copy the undonated pool);
+- the model's matmuls alone, as one jitted chain of exactly the step's GEMMs (q/k/v, o,
+  gate/up, down per layer and the LM head on one row per sequence): with the kernels the
+  engine picks (pallas_kernels.matmul's default: on a CPU with the native kernels, the
+  [N, K] weights of one device, on the bucket's real rows), with XLA's dot on every row
+  of the bucket, and in torch (oneDNN) as a peer;
+- the engine's ragged paged attention (its default implementation) of every layer on the
+  real metadata and KV pool (the K/V write is left out: timed alone it would copy the
+  undonated pool);
 - the sampler on [S, vocab] logits.
 
-The sum over the run's steps of the matmul-only time is a lower bound on workload (b) for
-any program XLA:CPU compiles from these GEMMs, whatever attention and sampling cost.
+"rest" is the step less the engine's matmuls, attention and sampler: the norms, rotary,
+residuals, K/V writes and the program's own overhead.
 
-    python benchmarks/step_profile.py [--preset configs/models/smollm2-135m.yaml] [--json out.json]
+    python benchmarks/step_profile.py [--preset configs/models/smollm2-135m.yaml]
+        [--dtype float32|bfloat16] [--json out.json]
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ import numpy as np
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.sampler import sample
+from jaxserve.huge_pages import restart_with_huge_pages
 from jaxserve.sampling_params import SamplingParams
+from pallas_kernels import matmul as matmul_kernels
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 
@@ -57,34 +63,47 @@ def gemm_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
             (cfg.num_heads * d, e), (e, m), (e, m), (m, e)]
 
 
-def xla_matmuls(cfg: ModelConfig, tokens: int, seqs: int, dtype) -> float:
-    """Seconds for the step's GEMMs alone, jitted as one program (layers unrolled)."""
+def matmul_chain(cfg: ModelConfig, tokens: int, seqs: int, real_tokens: int, real_seqs: int,
+                 dtype, engine_kernels: bool) -> float:
+    """Seconds for the step's GEMMs alone, jitted as one program (layers unrolled): with
+    the kernels the engine picks (`engine_kernels`; [N, K] weights, the real rows only
+    where the native kernels run) or XLA's dot on every row ([K, N] weights)."""
     key = jax.random.key(0)
-    layers = [[0.02 * jax.random.normal(jax.random.fold_in(key, 8 * i + j), s, dtype)
-               for j, s in enumerate(gemm_shapes(cfg))] for i in range(cfg.num_layers)]
-    head = 0.02 * jax.random.normal(key, (cfg.hidden_size, cfg.vocab_size), dtype)
+    transposed = engine_kernels and matmul_kernels.default_impl() == "cpu"
+    shape = (lambda k, n: (n, k)) if transposed else (lambda k, n: (k, n))
+    layers = [[0.02 * jax.random.normal(jax.random.fold_in(key, 8 * i + j), shape(k, n), dtype)
+               for j, (k, n) in enumerate(gemm_shapes(cfg))] for i in range(cfg.num_layers)]
+    head = 0.02 * jax.random.normal(key, shape(cfg.hidden_size, cfg.vocab_size), dtype)
     x = jax.random.normal(key, (tokens, cfg.hidden_size), dtype)
+
+    def mm(x, ws, rows):
+        if engine_kernels:
+            return matmul_kernels.matmuls(x, ws, rows, transpose_w=transposed)
+        return [x @ w for w in ws]
 
     @jax.jit
     def chain(x, layers, head):
         for wq, wk, wv, wo, wg, wu, wd in layers:
-            kv = (x @ wk).sum() + (x @ wv).sum()  # used, so not removed
-            x = x + (x @ wq) @ wo + kv * 1e-9
-            x = x + ((x @ wg) * (x @ wu)) @ wd
-        return x[:seqs] @ head
+            q, k, v = mm(x, [wq, wk, wv], real_tokens)
+            kv = k.sum() + v.sum()  # used, so not removed
+            x = x + mm(q, [wo], real_tokens)[0] + kv * 1e-9
+            g, u = mm(x, [wg, wu], real_tokens)
+            x = x + mm(g * u, [wd], real_tokens)[0]
+        return mm(x[:seqs], [head], real_seqs)[0]
 
     return median_s(lambda: chain(x, layers, head).block_until_ready())
 
 
-def torch_matmuls(cfg: ModelConfig, tokens: int, seqs: int) -> float:
+def torch_matmuls(cfg: ModelConfig, tokens: int, seqs: int, dtype: str) -> float:
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
     g = torch.Generator().manual_seed(0)
-    layers = [[0.02 * torch.randn(s, generator=g) for s in gemm_shapes(cfg)]
+    tdtype = getattr(torch, dtype)
+    layers = [[(0.02 * torch.randn(s, generator=g)).to(tdtype) for s in gemm_shapes(cfg)]
               for _ in range(cfg.num_layers)]
-    head = 0.02 * torch.randn(cfg.hidden_size, cfg.vocab_size, generator=g)
-    x0 = torch.randn(tokens, cfg.hidden_size, generator=g)
+    head = (0.02 * torch.randn(cfg.hidden_size, cfg.vocab_size, generator=g)).to(tdtype)
+    x0 = torch.randn(tokens, cfg.hidden_size, generator=g).to(tdtype)
 
     def chain():
         with torch.no_grad():
@@ -98,11 +117,12 @@ def torch_matmuls(cfg: ModelConfig, tokens: int, seqs: int) -> float:
     return median_s(chain)
 
 
-def attention_time(cfg: ModelConfig, engine: Engine, batch) -> float:
-    """All layers' reference attention on the batch's real metadata and the engine's pool."""
+def attention_time(cfg: ModelConfig, engine: Engine, batch, dtype) -> float:
+    """All layers' attention (the engine's default kernels) on the batch's real metadata
+    and the engine's pool."""
     meta = jax.tree.map(jnp.asarray, batch.attn)
     t = batch.input_ids.shape[0]
-    q = jax.random.normal(jax.random.key(1), (t, cfg.num_heads, cfg.head_dim), jnp.float32)
+    q = jax.random.normal(jax.random.key(1), (t, cfg.num_heads, cfg.head_dim), dtype)
     caches = engine.runner.kv_caches
 
     @jax.jit
@@ -111,15 +131,15 @@ def attention_time(cfg: ModelConfig, engine: Engine, batch) -> float:
         for kp, vp in caches:
             out = out + ragged_paged_attention(
                 q, kp, vp, meta.kv_lens, meta.page_indices, meta.cu_q_lens, meta.num_seqs[0],
-                sm_scale=cfg.head_dim**-0.5, impl="reference")
+                sm_scale=cfg.head_dim**-0.5)
         return out
 
     return median_s(lambda: attend(q, caches).block_until_ready())
 
 
-def sampler_time(cfg: ModelConfig, batch) -> float:
+def sampler_time(cfg: ModelConfig, batch, dtype) -> float:
     s = batch.sampling.temperature.shape[0]
-    logits = jax.random.normal(jax.random.key(2), (s, cfg.vocab_size), jnp.float32)
+    logits = jax.random.normal(jax.random.key(2), (s, cfg.vocab_size), dtype)
     fn = jax.jit(lambda x, p: sample(x, p, None))
     p = jax.tree.map(jnp.asarray, batch.sampling)
     return median_s(lambda: jax.block_until_ready(fn(logits, p)))
@@ -129,10 +149,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="configs/models/smollm2-135m.yaml")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    restart_with_huge_pages()  # malloc as under the `jaxserve` command
     cfg = ModelConfig.from_file(args.preset)
-    engine_cfg = EngineConfig(dtype="float32", max_model_len=512, page_size=16,
+    dtype = jnp.dtype(args.dtype)
+    engine_cfg = EngineConfig(dtype=args.dtype, max_model_len=512, page_size=16,
                               max_num_seqs=64, max_num_batched_tokens=512,
                               token_buckets=(1, 64, 512), enable_prefix_caching=False,
                               async_scheduling=False)
@@ -163,37 +186,44 @@ def main() -> None:
     runner.dispatch = dispatch
 
     counts = collections.Counter(s["key"] for s in steps)
-    rows, floor_xla, floor_torch, parts = [], 0.0, 0.0, {}
+    rows, floors, parts = [], collections.Counter(), {}
     for key, n in sorted(counts.items()):
-        t, s, _ = key
+        t, s = key.tokens, key.seqs
         batch = next(x["batch"] for x in steps if x["key"] == key and x.get("s"))
+        real_seqs = int(batch.num_rows[0])
+        real_tokens = int(batch.attn.cu_q_lens[int(batch.attn.num_seqs[0])])
         step_s = float(np.median([x["s"] for x in steps if x["key"] == key]))
-        mm_xla = xla_matmuls(cfg, t, s, jnp.float32)
-        mm_torch = torch_matmuls(cfg, t, s)
-        attn = attention_time(cfg, engine, batch)
-        samp = sampler_time(cfg, batch)
-        floor_xla += n * mm_xla
-        floor_torch += n * mm_torch
-        parts[str(key)] = dict(steps=n, step_s=step_s, matmuls_xla_s=mm_xla,
-                               matmuls_torch_s=mm_torch, attention_s=attn, sampler_s=samp)
-        rows.append([f"T={t}, S={s}", str(n), f"{1e3 * step_s:.1f}", f"{1e3 * mm_xla:.1f}",
-                     f"{1e3 * mm_torch:.1f}", f"{1e3 * attn:.1f}", f"{1e3 * samp:.1f}",
-                     f"{1e3 * (step_s - mm_xla - attn - samp):.1f}"])
+        part = dict(steps=n, step_s=step_s,
+                    matmuls_engine_s=matmul_chain(cfg, t, s, real_tokens, real_seqs, dtype, True),
+                    matmuls_xla_s=matmul_chain(cfg, t, s, real_tokens, real_seqs, dtype, False),
+                    matmuls_torch_s=torch_matmuls(cfg, t, s, args.dtype),
+                    attention_s=attention_time(cfg, engine, batch, dtype),
+                    sampler_s=sampler_time(cfg, batch, dtype))
+        part["rest_s"] = step_s - part["matmuls_engine_s"] - part["attention_s"] - part["sampler_s"]
+        for name in ("step_s", "matmuls_engine_s", "matmuls_xla_s", "matmuls_torch_s"):
+            floors[name] += n * part[name]
+        parts[str(tuple(key))] = part
+        rows.append([f"T={t}, S={s} ({real_tokens} tokens, {real_seqs} seqs)", str(n)]
+                    + [f"{1e3 * part[name]:.1f}" for name in
+                       ("step_s", "matmuls_engine_s", "matmuls_xla_s", "matmuls_torch_s",
+                        "attention_s", "sampler_s", "rest_s")])
 
     print(f"\nstep profile, {datetime.date.today().isoformat()}: {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores, jax {jax.__version__} ({jax.devices()[0].platform}), "
-          f"{os.path.basename(args.preset)} float32, workload (b): {len(steps)} steps, {total:.2f} s")
-    head = ["bucket", "steps", "step ms", "matmuls XLA ms", "matmuls torch ms",
-            "attention ms", "sampler ms", "rest ms"]
+          f"{os.path.basename(args.preset)} {args.dtype}, workload (b): {len(steps)} steps, {total:.2f} s")
+    head = ["bucket (first batch's real tokens)", "steps", "step ms", "matmuls engine ms",
+            "matmuls XLA ms", "matmuls torch ms", "attention ms", "sampler ms", "rest ms"]
     print("| " + " | ".join(head) + " |\n|" + "|".join("---" for _ in head) + "|")
     for r in rows:
         print("| " + " | ".join(r) + " |")
-    print(f"\nsum over the run's steps of the matmuls alone: XLA {floor_xla:.2f} s, "
-          f"torch {floor_torch:.2f} s (the run took {total:.2f} s)")
+    print(f"\nsums over the run's steps (median step time x steps): steps {floors['step_s']:.2f} s; "
+          f"the matmuls alone: engine's kernels {floors['matmuls_engine_s']:.2f} s, "
+          f"XLA {floors['matmuls_xla_s']:.2f} s, torch {floors['matmuls_torch_s']:.2f} s "
+          f"(the run took {total:.2f} s)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"total_s": total, "steps": len(steps), "buckets": parts,
-                       "matmul_floor_xla_s": floor_xla, "matmul_floor_torch_s": floor_torch},
+                       "sums_s": dict(floors)},
                       f, indent=2)
 
 
