@@ -2129,16 +2129,21 @@ JS_INLINE uint32_t VisibleKeys(const Attn& a, const AttnTask& t, const SeqInfo& 
 }
 
 #if JS_X86
-// Into the cache: the K and V rows of a slot and, for 8-bit caches, the scales of the 16
-// slots from it when `scales`.
-template <int Hint = _MM_HINT_T0>
+// Into the cache (L1, or L2 with `ToL2`): the K and V rows of a slot and, for 8-bit
+// caches, the scales of the 16 slots from it when `scales`.
+template <bool ToL2 = false>
 JS_INLINE void PrefetchKv(const Attn& a, int64_t slot, bool scales) {
   const int64_t row_bytes = a.d * a.kv_esize;
   const char* kp = KvRow(a, a.k, slot);
   const char* vp = KvRow(a, a.v, slot);
   for (int64_t b = 0; b < row_bytes; b += 64) {
-    _mm_prefetch(kp + b, static_cast<enum _mm_hint>(Hint));
-    _mm_prefetch(vp + b, static_cast<enum _mm_hint>(Hint));
+    if constexpr (ToL2) {
+      _mm_prefetch(kp + b, _MM_HINT_T1);
+      _mm_prefetch(vp + b, _MM_HINT_T1);
+    } else {
+      _mm_prefetch(kp + b, _MM_HINT_T0);
+      _mm_prefetch(vp + b, _MM_HINT_T0);
+    }
   }
   if (scales && a.ks != nullptr) {
     _mm_prefetch(reinterpret_cast<const char*>(a.ks + slot), _MM_HINT_T0);
@@ -2148,7 +2153,7 @@ JS_INLINE void PrefetchKv(const Attn& a, int64_t slot, bool scales) {
 
 // The first kAttnPrefetchChunks chunks of keys [lo, hi), in a burst (later chunks are
 // prefetched row by row, kAttnPrefetchChunks ahead, while the task works on a chunk).
-template <int Hint = _MM_HINT_T0>
+template <bool ToL2 = false>
 JS_INLINE void PrefetchFirstChunks(const Attn& a, const AttnTask& t, int64_t lo, int64_t hi) {
   int64_t slot[kKeysPerChunk];
   for (int64_t c = 0; c < kAttnPrefetchChunks; ++c) {
@@ -2156,7 +2161,7 @@ JS_INLINE void PrefetchFirstChunks(const Attn& a, const AttnTask& t, int64_t lo,
     if (c0 >= hi) break;
     const int64_t nk = std::min(kKeysPerChunk, hi - c0);
     ChunkSlots(a, t.seq, t.head, c0, nk, slot);
-    for (int64_t j = 0; j < nk; ++j) PrefetchKv<Hint>(a, slot[j], false);
+    for (int64_t j = 0; j < nk; ++j) PrefetchKv<ToL2>(a, slot[j], false);
   }
 }
 
@@ -2166,7 +2171,7 @@ JS_INLINE void PrefetchFirstChunks(const Attn& a, const AttnTask& t, int64_t lo,
 JS_INLINE void PrefetchTaskStart(const Attn& a, const AttnTask& t) {
   int64_t lo, hi;
   KeyRange(a, SequenceInfo(a, t.seq), t.q0, t.q1, &lo, &hi);
-  PrefetchFirstChunks<_MM_HINT_T1>(a, t, lo, hi);
+  PrefetchFirstChunks</*ToL2=*/true>(a, t, lo, hi);
 }
 #endif
 
