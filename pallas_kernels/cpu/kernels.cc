@@ -1446,17 +1446,26 @@ JS_AVX2 void Avx2NkPanels(const Mm& a, const float* xf, int64_t n0, int64_t nn) 
         const int64_t kn = std::min(kAvx2PanelDepth, K - k0);
         const float* p = panel + k0 * kAvx2PanelCols;
         const float* x = xf + m0 * K + k0;
+        // Tiles of 6 rows; a remainder of 1 or 2 rows joins the last tile's 6 as 4 + 3 or
+        // 4 + 4 (1 or 2 rows keep 2 or 4 FMA chains: half the FMA units idle on latency).
+        const int64_t tail = rows % kAvx2TileRows;
+        const int64_t six_end = rows - (rows > kAvx2TileRows && tail > 0 && tail < 3
+                                            ? kAvx2TileRows + tail : tail);
         int64_t r = 0;
-        for (; r + kAvx2TileRows <= rows; r += kAvx2TileRows)
+        for (; r < six_end; r += kAvx2TileRows)
           Avx2PanelTile<kAvx2TileRows>(x + r * K, K, p, kn, acc + r * kAvx2PanelCols, k0 == 0);
-        float* ar = acc + r * kAvx2PanelCols;
-        switch (rows - r) {
-          case 1: Avx2PanelTile<1>(x + r * K, K, p, kn, ar, k0 == 0); break;
-          case 2: Avx2PanelTile<2>(x + r * K, K, p, kn, ar, k0 == 0); break;
-          case 3: Avx2PanelTile<3>(x + r * K, K, p, kn, ar, k0 == 0); break;
-          case 4: Avx2PanelTile<4>(x + r * K, K, p, kn, ar, k0 == 0); break;
-          case 5: Avx2PanelTile<5>(x + r * K, K, p, kn, ar, k0 == 0); break;
-          default: break;
+        while (r < rows) {
+          const int64_t left = rows - r;
+          const int64_t take = left >= 7 ? 4 : left;
+          float* ar = acc + r * kAvx2PanelCols;
+          switch (take) {
+            case 1: Avx2PanelTile<1>(x + r * K, K, p, kn, ar, k0 == 0); break;
+            case 2: Avx2PanelTile<2>(x + r * K, K, p, kn, ar, k0 == 0); break;
+            case 3: Avx2PanelTile<3>(x + r * K, K, p, kn, ar, k0 == 0); break;
+            case 4: Avx2PanelTile<4>(x + r * K, K, p, kn, ar, k0 == 0); break;
+            default: Avx2PanelTile<5>(x + r * K, K, p, kn, ar, k0 == 0); break;
+          }
+          r += take;
         }
       }
       for (int64_t r = 0; r < rows; ++r)
