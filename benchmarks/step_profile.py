@@ -19,8 +19,11 @@ batches the engine really built:
 "rest" is the step less the engine's matmuls, attention and sampler: the norms, rotary,
 residuals, K/V writes and the program's own overhead.
 
+torch's bf16 matmuls on a CPU without native bf16 dot products take minutes per bucket:
+--skip-torch leaves that column out.
+
     python benchmarks/step_profile.py [--preset configs/models/smollm2-135m.yaml]
-        [--dtype float32|bfloat16] [--json out.json]
+        [--dtype float32|bfloat16] [--skip-torch] [--json out.json]
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import argparse
 import collections
 import datetime
 import json
+import math
 import os
 import platform
 import time
@@ -54,6 +58,14 @@ def median_s(fn, iters: int = 7) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return float(np.median(times))
+
+
+def ms(t: float) -> str:
+    return "skipped" if math.isnan(t) else f"{1e3 * t:.1f}"
+
+
+def seconds(t: float) -> str:
+    return "skipped" if math.isnan(t) else f"{t:.2f} s"
 
 
 def gemm_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
@@ -150,6 +162,7 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="configs/models/smollm2-135m.yaml")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     restart_with_huge_pages()  # malloc as under the `jaxserve` command
@@ -196,7 +209,8 @@ def main() -> None:
         part = dict(steps=n, step_s=step_s,
                     matmuls_engine_s=matmul_chain(cfg, t, s, real_tokens, real_seqs, dtype, True),
                     matmuls_xla_s=matmul_chain(cfg, t, s, real_tokens, real_seqs, dtype, False),
-                    matmuls_torch_s=torch_matmuls(cfg, t, s, args.dtype),
+                    matmuls_torch_s=(float("nan") if args.skip_torch
+                                     else torch_matmuls(cfg, t, s, args.dtype)),
                     attention_s=attention_time(cfg, engine, batch, dtype),
                     sampler_s=sampler_time(cfg, batch, dtype))
         part["rest_s"] = step_s - part["matmuls_engine_s"] - part["attention_s"] - part["sampler_s"]
@@ -204,7 +218,7 @@ def main() -> None:
             floors[name] += n * part[name]
         parts[str(tuple(key))] = part
         rows.append([f"T={t}, S={s} ({real_tokens} tokens, {real_seqs} seqs)", str(n)]
-                    + [f"{1e3 * part[name]:.1f}" for name in
+                    + [ms(part[name]) for name in
                        ("step_s", "matmuls_engine_s", "matmuls_xla_s", "matmuls_torch_s",
                         "attention_s", "sampler_s", "rest_s")])
 
@@ -218,7 +232,7 @@ def main() -> None:
         print("| " + " | ".join(r) + " |")
     print(f"\nsums over the run's steps (median step time x steps): steps {floors['step_s']:.2f} s; "
           f"the matmuls alone: engine's kernels {floors['matmuls_engine_s']:.2f} s, "
-          f"XLA {floors['matmuls_xla_s']:.2f} s, torch {floors['matmuls_torch_s']:.2f} s "
+          f"XLA {floors['matmuls_xla_s']:.2f} s, torch {seconds(floors['matmuls_torch_s'])} "
           f"(the run took {total:.2f} s)")
     if args.json:
         with open(args.json, "w") as f:
