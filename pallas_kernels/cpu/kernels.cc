@@ -1266,9 +1266,9 @@ void Avx512Matmul(const Runner& run, const Mm& a) {
 
 // ---------------------------------------------------------------- AVX2 NK
 
-// Decode on a CPU without the AVX-512 paths: 1 or 2 rows of x (float32; bf16 converted
+// Decode on a CPU without the AVX-512 paths: 1 to 8 rows of x (float32; bf16 converted
 // once, `xf`) against [N, K] weights, one weight row after another in memory order, each dotted
-// with every row of x in 8-lane FMAs (4 accumulators a row); one row of x reads several
+// with every row of x in 8-lane FMAs (1-4 accumulators a row); one row of x reads several
 // parts of the block at once (Avx2NkRowStreams). The generic loop reads bf16 weights at
 // ~1/3 of the bandwidth (10.5 of 32 GB/s on a 2-core AVX2 EPYC).
 JS_AVX2 JS_INLINE __m256 Avx2Load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -1286,28 +1286,32 @@ JS_AVX2 JS_INLINE float Avx2Sum(__m256 v) {
 
 template <typename T, int MR>
 JS_AVX2 void Avx2NkRows(const Mm& a, const float* xf, int64_t n0, int64_t nn) {
+  // V accumulators a row: at least 8 FMA chains in flight, at most 12 registers of them.
+  constexpr int V = MR <= 3 ? 4 : MR <= 6 ? 2 : 1;
   const T* w = static_cast<const T*>(a.w);
   T* y = static_cast<T*>(a.y);
   const int64_t K = a.k;
   for (int64_t n = n0; n < n0 + nn; ++n) {
     const T* wn = w + n * K;
-    __m256 acc[MR][4];
+    __m256 acc[MR][V];
     JS_UNROLL for (int r = 0; r < MR; ++r)
-      JS_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
+      JS_UNROLL for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
       const char* ahead = reinterpret_cast<const char*>(wn + k) + kPrefetchBytes;
       _mm_prefetch(ahead, _MM_HINT_T0);
       if constexpr (sizeof(T) == 4) _mm_prefetch(ahead + 64, _MM_HINT_T0);
-      JS_UNROLL for (int v = 0; v < 4; ++v) {
-        const __m256 b = Avx2Load8(wn + k + 8 * v);
+      JS_UNROLL for (int u = 0; u < 4; ++u) {
+        const __m256 b = Avx2Load8(wn + k + 8 * u);
         JS_UNROLL for (int r = 0; r < MR; ++r)
-          acc[r][v] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + r * K + k + 8 * v), b, acc[r][v]);
+          acc[r][u % V] = _mm256_fmadd_ps(_mm256_loadu_ps(xf + r * K + k + 8 * u), b,
+                                          acc[r][u % V]);
       }
     }
     JS_UNROLL for (int r = 0; r < MR; ++r) {
-      float sum = Avx2Sum(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]),
-                                        _mm256_add_ps(acc[r][2], acc[r][3])));
+      __m256 total = acc[r][0];
+      JS_UNROLL for (int v = 1; v < V; ++v) total = _mm256_add_ps(total, acc[r][v]);
+      float sum = Avx2Sum(total);
       for (int64_t t = k; t < K; ++t) sum += xf[r * K + t] * ToF32<T>(wn[t]);
       y[r * a.n + n] = FromF32<T>(sum);
     }
@@ -1475,8 +1479,14 @@ JS_AVX2 void Avx2NkPanels(const Mm& a, const float* xf, int64_t n0, int64_t nn) 
   }
 }
 
-// Weights sharing x, all [N, K], on the real rows only: 1-2 rows stream each weight row
-// once (Avx2NkRowStreams, Avx2NkRows), more rows run packed panels (Avx2NkPanels).
+// Weights sharing x, all [N, K], on the real rows only: 1-8 rows stream each weight row
+// once (Avx2NkRowStreams, Avx2NkRows) while x's rows fit in L1 beside them
+// (kAvx2RowsXBytes), more rows run packed panels (Avx2NkPanels). On a 2-core AVX2 EPYC,
+// f32, fastest of 300 calls, panels -> rows: [1536, 576] x 2 at 3 / 5 / 8 rows 0.25-0.28 /
+// 0.31-0.32 / 0.33-0.37 -> 0.17 / 0.19-0.21 / 0.22-0.25 ms; the [49152, 576] LM head at 5
+// rows 7.7-8.1 -> 4.5-5.1 (bf16 7.1-7.6 -> 2.7-3.2): packing a panel cost more than its
+// few rows' FMAs. 8 rows of K 1536 (48 KiB of x) ran slower as rows (0.21-0.26 -> 0.23-0.42).
+constexpr int64_t kAvx2RowsXBytes = 24 * 1024;
 template <typename T>
 void Avx2Nk(const Runner& run, const Mm* as, int64_t count) {
   const Mm& a = as[0];
@@ -1489,12 +1499,16 @@ void Avx2Nk(const Runner& run, const Mm* as, int64_t count) {
     xf = converted.data();
   }
   ForWeightRowBlocks(run, as, count, [&](int64_t j, int64_t n0, int64_t nn) {
-    if (a.m == 1) {
-      Avx2NkRowStreams<T, sizeof(T) == 2 ? 8 : 4>(as[j], xf, n0, nn);
-    } else if (a.m == 2) {
-      Avx2NkRows<T, 2>(as[j], xf, n0, nn);
-    } else {
-      Avx2NkPanels<T>(as[j], xf, n0, nn);
+    switch (a.m <= 2 || a.m * a.k * int64_t{sizeof(float)} <= kAvx2RowsXBytes ? a.m : 0) {
+      case 1: return Avx2NkRowStreams<T, sizeof(T) == 2 ? 8 : 4>(as[j], xf, n0, nn);
+      case 2: return Avx2NkRows<T, 2>(as[j], xf, n0, nn);
+      case 3: return Avx2NkRows<T, 3>(as[j], xf, n0, nn);
+      case 4: return Avx2NkRows<T, 4>(as[j], xf, n0, nn);
+      case 5: return Avx2NkRows<T, 5>(as[j], xf, n0, nn);
+      case 6: return Avx2NkRows<T, 6>(as[j], xf, n0, nn);
+      case 7: return Avx2NkRows<T, 7>(as[j], xf, n0, nn);
+      case 8: return Avx2NkRows<T, 8>(as[j], xf, n0, nn);
+      default: return Avx2NkPanels<T>(as[j], xf, n0, nn);
     }
   });
 }
