@@ -21,10 +21,10 @@ else AVX2+FMA, else plain C++):
   pair of K rows interleaved into 32-bit pairs; an [N, K] weight transposed), and runs
   6 x 64 register tiles (24 accumulators) of vdpbf16ps / FMAs over its rows. f32 [K, N]
   strips are read in place.
-- Without those instruction sets (AVX2+FMA), [N, K] weights on the real rows: 1 or 2 rows
-  are dot products in 8-lane FMAs, each weight row read once (bf16 x converted to float32
-  first; one row reads a task's block of weight rows as 8 (bf16) or 4 (f32) streams side
-  by side); more rows pack 16 weight rows at a time into a float32 panel [K][16]
+- Without those instruction sets (AVX2+FMA), [N, K] weights on the real rows: 1 to 8 rows
+  (while they fit in 24 KiB of L1) are dot products in 8-lane FMAs, each weight row read
+  once (bf16 x converted to float32 first; one row reads a task's block of weight rows as
+  8 (bf16) or 4 (f32) streams side by side); more rows pack 16 weight rows at a time into a float32 panel [K][16]
   (transposed, bf16 widened once; each panel once per call) and run 6 x 16 register
   tiles (12 accumulators, an element of x broadcast) over every row of x against it, in
   blocks of 48 rows, K in slices of 256 that stay in L1.
@@ -44,7 +44,7 @@ TARGET = "jaxserve_matmul"
 DTYPES = ("float32", "bfloat16")
 
 
-# Below these instruction-set levels the kernel runs AVX2 paths for [N, K] weights (1-2 rows
+# Below these instruction-set levels the kernel runs AVX2 paths for [N, K] weights (1-8 rows
 # stream each weight row once; more rows run packed panels) on the real rows only,
 # while XLA's dot computes every row of the bucket. Measured on a 2-core AVX2 EPYC (no
 # AVX-512), smollm2-135m's [N, K] weights, ms per matmul (native / XLA's dot): bf16 M = 1:
