@@ -1480,8 +1480,8 @@ JS_AVX2 void Avx2NkPanels(const Mm& a, const float* xf, int64_t n0, int64_t nn) 
 }
 
 // Weights sharing x, all [N, K], on the real rows only: 1-8 rows stream each weight row
-// once (Avx2NkRowStreams, Avx2NkRows) while x's rows fit in L1 beside them
-// (kAvx2RowsXBytes), more rows run packed panels (Avx2NkPanels). On a 2-core AVX2 EPYC,
+// once (Avx2NkRowStreams, Avx2NkRows), 3-8 of them while x's rows fit in L1 beside them
+// (kAvx2RowsXBytes); more rows run packed panels (Avx2NkPanels). On a 2-core AVX2 EPYC,
 // f32, fastest of 300 calls, panels -> rows: [1536, 576] x 2 at 3 / 5 / 8 rows 0.25-0.28 /
 // 0.31-0.32 / 0.33-0.37 -> 0.17 / 0.19-0.21 / 0.22-0.25 ms; the [49152, 576] LM head at 5
 // rows 7.7-8.1 -> 4.5-5.1 (bf16 7.1-7.6 -> 2.7-3.2): packing a panel cost more than its
@@ -1499,7 +1499,8 @@ void Avx2Nk(const Runner& run, const Mm* as, int64_t count) {
     xf = converted.data();
   }
   ForWeightRowBlocks(run, as, count, [&](int64_t j, int64_t n0, int64_t nn) {
-    switch (a.m <= 2 || a.m * a.k * int64_t{sizeof(float)} <= kAvx2RowsXBytes ? a.m : 0) {
+    const bool streamed = a.m <= 2 || a.m * a.k * int64_t{sizeof(float)} <= kAvx2RowsXBytes;
+    switch (streamed ? a.m : 0) {
       case 1: return Avx2NkRowStreams<T, sizeof(T) == 2 ? 8 : 4>(as[j], xf, n0, nn);
       case 2: return Avx2NkRows<T, 2>(as[j], xf, n0, nn);
       case 3: return Avx2NkRows<T, 3>(as[j], xf, n0, nn);

@@ -22,12 +22,12 @@ else AVX2+FMA, else plain C++):
   6 x 64 register tiles (24 accumulators) of vdpbf16ps / FMAs over its rows. f32 [K, N]
   strips are read in place.
 - Without those instruction sets (AVX2+FMA), [N, K] weights on the real rows: 1 to 8 rows
-  (while they fit in 24 KiB of L1) are dot products in 8-lane FMAs, each weight row read
-  once (bf16 x converted to float32 first; one row reads a task's block of weight rows as
-  8 (bf16) or 4 (f32) streams side by side); more rows pack 16 weight rows at a time into a float32 panel [K][16]
-  (transposed, bf16 widened once; each panel once per call) and run 6 x 16 register
-  tiles (12 accumulators, an element of x broadcast) over every row of x against it, in
-  blocks of 48 rows, K in slices of 256 that stay in L1.
+  (3-8 while they fit in 24 KiB of L1) are dot products in 8-lane FMAs, each weight row
+  read once (bf16 x converted to float32 first; one row reads a task's block of weight
+  rows as 8 (bf16) or 4 (f32) streams side by side); more rows pack 16 weight rows at a
+  time into a float32 panel [K][16] (transposed, bf16 widened once; each panel once per
+  call) and run 6 x 16 register tiles (12 accumulators, an element of x broadcast) over
+  every row of x against it, in blocks of 48 rows, K in slices of 256 that stay in L1.
   [K, N] weights are generic loops, which is why `faster_than_xla` sends those to XLA's
   dot.
 The weight is never required in a packed layout: any packing is per call, per strip.
