@@ -115,7 +115,7 @@ def check_matmul(m, k, n, dtype, transpose_w, num_rows, seed):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("transpose_w", [False, True], ids=["KN", "NK"])
-@pytest.mark.parametrize("m", [1, 3, 8, 26, 27, 64, 200])
+@pytest.mark.parametrize("m", [1, 3, 7, 8, 9, 26, 27, 64, 200])
 def test_matmul_matches_reference(m, transpose_w, dtype):
     # K odd and N past a multiple of the vector widths (16 f32 / 32 bf16 / 64-column tiles);
     # num_rows < M, so the padded rows must come back as zeros. NK: 24 real rows are the

@@ -562,18 +562,20 @@ JS_AVX512 void F32KnTile(const float* x, int64_t ldx, const float* w, int64_t ld
       _mm512_mask_storeu_ps(y + r * ldy + 16 * v, mask[v], acc[r][v]);
 }
 
-// MR x NT dot products (MR * NT = 16): y[r, t] = x[r, :] . w[t, :] for MR rows of x and NT
+// MR x NT dot products (MR * NT <= 16): y[r, t] = x[r, :] . w[t, :] for MR rows of x and NT
 // rows of w (given as pointers; duplicates for rows past the end), stored where r < mr and
 // t < nt. Each step prefetches the lines the same step of the next tile will read (the
 // next NT rows of w, contiguous with these).
 template <int MR, int NT>
 JS_AVX512 void F32NkTile(const float* const* xr, const float* const* wr, int64_t K, int64_t mr,
                          int64_t nt, float* y, int64_t ldy) {
-  static_assert(MR * NT == 16, "16 dot products per tile");
+  static_assert(MR * NT <= 16, "at most 16 dot products per tile");
   __m512 acc[16];
+  JS_UNROLL for (int i = MR * NT; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   const int64_t next = NT * K;
-  if constexpr (MR == 1) {
-    // One row of x: walk the weight rows one after another (sequential reads).
+  if constexpr (MR == 1 && NT == 16) {
+    // Decode, one row of x: walk the weight rows one after another (sequential reads). A
+    // 1 x 4 tail (NkTiles) takes the general loop: 4 independent sums, its rows in L1.
     JS_UNROLL for (int t = 0; t < NT; ++t) {
       __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
       int64_t k = 0;
@@ -591,7 +593,7 @@ JS_AVX512 void F32NkTile(const float* const* xr, const float* const* wr, int64_t
       acc[t] = _mm512_add_ps(a0, a1);
     }
   } else {
-    JS_UNROLL for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    JS_UNROLL for (int i = 0; i < MR * NT; ++i) acc[i] = _mm512_setzero_ps();
     int64_t k = 0;
     do {  // K >= 1; the last step masked
       const __mmask16 m = Mask16(K - k);
@@ -624,11 +626,13 @@ JS_INLINE int32_t Load32(const uint16_t* p) {
 template <int MR, int NT>  // as F32NkTile, 32 bf16 per step
 JS_AVX512BF16 void Bf16NkTile(const uint16_t* const* xr, const uint16_t* const* wr, int64_t K,
                               int64_t mr, int64_t nt, uint16_t* y, int64_t ldy) {
-  static_assert(MR * NT == 16, "16 dot products per tile");
+  static_assert(MR * NT <= 16, "at most 16 dot products per tile");
   __m512 acc[16];
+  JS_UNROLL for (int i = MR * NT; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   const int64_t next = NT * K;
-  if constexpr (MR == 1) {
-    // One row of x: walk the weight rows one after another (sequential reads).
+  if constexpr (MR == 1 && NT == 16) {
+    // Decode, one row of x: walk the weight rows one after another (sequential reads). A
+    // 1 x 4 tail (NkTiles) takes the general loop: 4 independent sums, its rows in L1.
     JS_UNROLL for (int t = 0; t < NT; ++t) {
       __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
       int64_t k = 0;
@@ -649,7 +653,7 @@ JS_AVX512BF16 void Bf16NkTile(const uint16_t* const* xr, const uint16_t* const* 
       acc[t] = _mm512_add_ps(a0, a1);
     }
   } else {
-    JS_UNROLL for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    JS_UNROLL for (int i = 0; i < MR * NT; ++i) acc[i] = _mm512_setzero_ps();
     int64_t k = 0;
     do {  // K >= 1; the last step masked
       const __mmask32 m = Mask32(K - k);
@@ -1199,14 +1203,27 @@ void NkTiles(const Mm& a, int64_t m0, int64_t rows, int64_t n0, int64_t nn) {
       const T* xr[MR];
       JS_UNROLL for (int r = 0; r < MR; ++r)
         xr[r] = x + (m0 + r0 + std::min<int64_t>(r, mr - 1)) * a.k;
-      NkTile<T, MR, NT>(xr, wr, a.k, mr, nt, y + (m0 + r0) * a.n + n0 + t0, a.n);
+      T* yt = y + (m0 + r0) * a.n + n0 + t0;
+      if constexpr (MR == 4) {
+        // A last group of 1-3 rows after others (the weight rows in L1): those rows only.
+        // Alone, 3 rows stream faster as a 4 x 4 tile with one row repeated.
+        if (r0 > 0 && mr < MR) {
+          switch (mr) {
+            case 1: NkTile<T, 1, NT>(xr, wr, a.k, mr, nt, yt, a.n); break;
+            case 2: NkTile<T, 2, NT>(xr, wr, a.k, mr, nt, yt, a.n); break;
+            default: NkTile<T, 3, NT>(xr, wr, a.k, mr, nt, yt, a.n); break;
+          }
+          continue;
+        }
+      }
+      NkTile<T, MR, NT>(xr, wr, a.k, mr, nt, yt, a.n);
     }
   }
 }
 
-// NK, up to kNkFewRows rows: one row -> 1 x 16 tiles, two -> 2 x 8, more -> 4 x 4 (the last
-// group may repeat rows). Every weight tile is read from memory once and passed by every
-// group of rows while it is in L1. Measured on smollm2-135m's weights (bf16, all layers):
+// NK, up to kNkFewRows rows: one row -> 1 x 16 tiles, two -> 2 x 8, more -> 4 x 4 (a last
+// group of 1-3 rows after others as a 1-3 x 4 tile; 3 rows alone as 4 x 4). Every weight
+// tile is read from memory once and passed by every group of rows while it is in L1. Measured on smollm2-135m's weights (bf16, all layers):
 // up to 24 rows this beats packing panels (8 rows 15.0 against 17.7 ms, 16 rows 18.6
 // against 21.9, 24 rows 24.2 against 26.0; 32 rows equal); 6 x 2 and 8 x 2 tiles were
 // slower than 4 x 4 ones (5 rows 15.1 against 13.4 ms).
