@@ -1223,10 +1223,11 @@ void NkTiles(const Mm& a, int64_t m0, int64_t rows, int64_t n0, int64_t nn) {
 
 // NK, up to kNkFewRows rows: one row -> 1 x 16 tiles, two -> 2 x 8, more -> 4 x 4 (a last
 // group of 1-3 rows after others as a 1-3 x 4 tile; 3 rows alone as 4 x 4). Every weight
-// tile is read from memory once and passed by every group of rows while it is in L1. Measured on smollm2-135m's weights (bf16, all layers):
-// up to 24 rows this beats packing panels (8 rows 15.0 against 17.7 ms, 16 rows 18.6
-// against 21.9, 24 rows 24.2 against 26.0; 32 rows equal); 6 x 2 and 8 x 2 tiles were
-// slower than 4 x 4 ones (5 rows 15.1 against 13.4 ms).
+// tile is read from memory once and passed by every group of rows while it is in L1.
+// Measured on smollm2-135m's weights (bf16, all layers): up to 24 rows this beats packing
+// panels (8 rows 15.0 against 17.7 ms, 16 rows 18.6 against 21.9, 24 rows 24.2 against
+// 26.0; 32 rows equal); 6 x 2 and 8 x 2 tiles were slower than 4 x 4 ones (5 rows 15.1
+// against 13.4 ms).
 constexpr int64_t kNkFewRows = 24;
 
 template <typename T>
