@@ -115,12 +115,12 @@ def check_matmul(m, k, n, dtype, transpose_w, num_rows, seed):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("transpose_w", [False, True], ids=["KN", "NK"])
-@pytest.mark.parametrize("m", [1, 3, 7, 8, 9, 26, 27, 64, 200])
+@pytest.mark.parametrize("m", [1, 3, 7, 8, 9, 26, 27, 34, 35, 64, 200])
 def test_matmul_matches_reference(m, transpose_w, dtype):
     # K odd and N past a multiple of the vector widths (16 f32 / 32 bf16 / 64-column tiles);
     # num_rows < M, so the padded rows must come back as zeros. NK: 24 real rows are the
-    # most the few-row tiles take, 25 go to the panels.
-    k, n = (301, 197) if m <= 27 else (77, 133)
+    # most bf16's few-row tiles take (32 for f32), 25 (33) go to the panels.
+    k, n = (301, 197) if m <= 35 else (77, 133)
     num_rows = m if m == 1 else m - 2
     check_matmul(m, k, n, dtype, transpose_w, num_rows, seed=[m, k, n, transpose_w])
 
@@ -128,9 +128,10 @@ def test_matmul_matches_reference(m, transpose_w, dtype):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("transpose_w", [False, True], ids=["KN", "NK"])
 def test_matmul_strips_left_over_split_by_rows(transpose_w, dtype):
-    # 9 panel strips of 64 columns (the last partial) and 30 real rows: on an odd number
-    # of strips per thread count the strips left over are computed in blocks of rows.
-    check_matmul(32, 77, 557, dtype, transpose_w, 30, seed=[32, 77, 557])
+    # 9 panel strips of 64 columns (the last partial) and 38 real rows (past the few-row
+    # tiles in both dtypes): on an odd number of strips per thread count the strips left
+    # over are computed in blocks of rows.
+    check_matmul(40, 77, 557, dtype, transpose_w, 38, seed=[32, 77, 557])
 
 
 @pytest.mark.parametrize("case", [(1, 1, 1), (5, 2, 3), (7, 64, 64), (9, 576, 40),

@@ -1221,14 +1221,16 @@ void NkTiles(const Mm& a, int64_t m0, int64_t rows, int64_t n0, int64_t nn) {
   }
 }
 
-// NK, up to kNkFewRows rows: one row -> 1 x 16 tiles, two -> 2 x 8, more -> 4 x 4 (a last
+// NK, up to NkFewRows rows: one row -> 1 x 16 tiles, two -> 2 x 8, more -> 4 x 4 (a last
 // group of 1-3 rows after others as a 1-3 x 4 tile; 3 rows alone as 4 x 4). Every weight
 // tile is read from memory once and passed by every group of rows while it is in L1.
 // Measured on smollm2-135m's weights (bf16, all layers): up to 24 rows this beats packing
 // panels (8 rows 15.0 against 17.7 ms, 16 rows 18.6 against 21.9, 24 rows 24.2 against
 // 26.0; 32 rows equal); 6 x 2 and 8 x 2 tiles were slower than 4 x 4 ones (5 rows 15.1
-// against 13.4 ms).
-constexpr int64_t kNkFewRows = 24;
+// against 13.4 ms). float32 takes them up to 32 rows: at 32 its 30 layers of GEMMs ran
+// 21-22 ms against 22-26 through panels (fastest / p20 of 150 calls, Zen 5, 2026-11-26),
+// where bf16 ran 15-16 against 13-14 and stays at 24.
+constexpr int64_t NkFewRows(bool bf16) { return bf16 ? 24 : 32; }
 
 template <typename T>
 void NkBlock(const Mm& a, int64_t m0, int64_t rows, int64_t n0, int64_t nn) {
@@ -1265,7 +1267,7 @@ void FewRowsNk(const Runner& run, const Mm* as, int64_t count) {
 template <typename T>
 void Avx512Matmul(const Runner& run, const Mm& a) {
   // Bandwidth-bound: stream w once in its own layout.
-  if (a.trans && a.m <= kNkFewRows) return FewRowsNk<T>(run, &a, 1);
+  if (a.trans && a.m <= NkFewRows(sizeof(T) == 2)) return FewRowsNk<T>(run, &a, 1);
   if (!a.trans && a.m <= kMaxTileRows) return FewRowsKn<T>(run, &a, 1);
   if constexpr (sizeof(T) == 4) {
     if (!a.trans) {  // f32 [K, N]: 64-column strips read in place (rows of 256 bytes)
@@ -1549,7 +1551,7 @@ void Matmuls(const Runner& run, const Mm* as, int64_t count) {
   if (together && !a.bf16 && isa >= kAvx512) return FewRowsKn<float>(run, as, count);
   const bool all_nk = a.m > 0 && a.k > 0 &&
                       std::all_of(as, as + count, [](const Mm& b) { return b.trans && b.n > 0; });
-  const bool nk = all_nk && count > 1 && a.m <= kNkFewRows;
+  const bool nk = all_nk && count > 1 && a.m <= NkFewRows(a.bf16);
   if (nk && a.bf16 && isa >= kAvx512Bf16) return FewRowsNk<uint16_t>(run, as, count);
   if (nk && !a.bf16 && isa >= kAvx512) return FewRowsNk<float>(run, as, count);
   if (all_nk && isa >= kAvx2 && isa < (a.bf16 ? kAvx512Bf16 : kAvx512)) {
@@ -1559,7 +1561,7 @@ void Matmuls(const Runner& run, const Mm* as, int64_t count) {
   const bool panels = count > 1 && a.k > 0 &&
                       std::all_of(as, as + count, [&](const Mm& b) {
                         return b.trans == a.trans && b.n > 0 &&
-                               b.m > (a.trans ? kNkFewRows : kMaxTileRows);
+                               b.m > (a.trans ? NkFewRows(a.bf16) : kMaxTileRows);
                       });
   if (panels && a.bf16 && isa >= kAvx512Bf16) return PanelMatmul<uint16_t>(run, as, count);
   if (panels && !a.bf16 && a.trans && isa >= kAvx512) return PanelMatmul<float>(run, as, count);
