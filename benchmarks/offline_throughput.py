@@ -10,8 +10,8 @@ tokenizer) is loaded by jaxserve and by every peer. Greedy, ignore_eos:
 Ceilings measured in the same run: memory bandwidth (a jitted reduction over 1 GiB, read
 before and after (a); the larger reading) gives the floor on batch-1 decode time (weights
 read once per token); matmul rate (a jitted square matmul) gives the floors on compute
-time, of (b) and of (a)'s TTFT. Peers, run
-after jaxserve in the same run on the same checkpoint and dtype (benchmarks/peers.py):
+time, of (b) and of (a)'s TTFT. Peers, run after jaxserve in the same run on the same
+checkpoint and dtype (benchmarks/peers.py):
 transformers `generate` (all 64 prompts of (b) in one static batch), llama.cpp's
 llama-batched-bench (built from the llama-cpp-python sdist, on a GGUF conversion of the
 checkpoint) and vLLM's CPU build (in a virtualenv of its own). Their first run builds and

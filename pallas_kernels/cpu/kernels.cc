@@ -571,7 +571,6 @@ JS_AVX512 void F32NkTile(const float* const* xr, const float* const* wr, int64_t
                          int64_t nt, float* y, int64_t ldy) {
   static_assert(MR * NT <= 16, "at most 16 dot products per tile");
   __m512 acc[16];
-  JS_UNROLL for (int i = MR * NT; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   const int64_t next = NT * K;
   if constexpr (MR == 1 && NT == 16) {
     // Decode, one row of x: walk the weight rows one after another (sequential reads). A
@@ -593,7 +592,7 @@ JS_AVX512 void F32NkTile(const float* const* xr, const float* const* wr, int64_t
       acc[t] = _mm512_add_ps(a0, a1);
     }
   } else {
-    JS_UNROLL for (int i = 0; i < MR * NT; ++i) acc[i] = _mm512_setzero_ps();
+    JS_UNROLL for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();  // all: Reduce16
     int64_t k = 0;
     do {  // K >= 1; the last step masked
       const __mmask16 m = Mask16(K - k);
@@ -628,7 +627,6 @@ JS_AVX512BF16 void Bf16NkTile(const uint16_t* const* xr, const uint16_t* const* 
                               int64_t mr, int64_t nt, uint16_t* y, int64_t ldy) {
   static_assert(MR * NT <= 16, "at most 16 dot products per tile");
   __m512 acc[16];
-  JS_UNROLL for (int i = MR * NT; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   const int64_t next = NT * K;
   if constexpr (MR == 1 && NT == 16) {
     // Decode, one row of x: walk the weight rows one after another (sequential reads). A
@@ -653,7 +651,7 @@ JS_AVX512BF16 void Bf16NkTile(const uint16_t* const* xr, const uint16_t* const* 
       acc[t] = _mm512_add_ps(a0, a1);
     }
   } else {
-    JS_UNROLL for (int i = 0; i < MR * NT; ++i) acc[i] = _mm512_setzero_ps();
+    JS_UNROLL for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();  // all: Reduce16
     int64_t k = 0;
     do {  // K >= 1; the last step masked
       const __mmask32 m = Mask32(K - k);
