@@ -180,6 +180,53 @@ def test_weights_sharing_x_in_one_call(m, transpose_w, isa):
             assert np.all(got[real:] == 0)
 
 
+@pytest.mark.parametrize("m", [1, 2, 5, 7, 13, 33, 40, 100])
+def test_packed_weights_match_reference(m, isa):
+    """Weights packed at load (pallas_kernels/matmul/packed.py) sharing x, 1 + 3 + 5
+    strips of 64 columns: the strips left over after an even share per thread are split by
+    K (up to 32 rows) or by rows; runs of whole strips for few rows; below AVX-512, the
+    generic loops. Every result within the bound of its own exact product."""
+    from pallas_kernels.matmul import matmuls, packed
+
+    rng = np.random.default_rng([m, 17])
+    ns = (64, 192, 320)
+    for dtype, k in ((jnp.float32, 97), (jnp.bfloat16, 98)):  # bf16 packs pairs of K
+        x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+        ws = [jnp.asarray(rng.standard_normal((n, k)), dtype) for n in ns]
+        packs = [packed.pack(w) for w in ws]
+        assert all(np.array_equal(packed.unpack(p), w) for p, w in zip(packs, ws))
+        assert not np.array_equal(packs[0], ws[0])  # a real reordering
+        real = max(1, m - 1)
+        call = jax.jit(lambda x, ws, r: matmuls(x, ws, r, packed_w=True, impl="cpu"))
+        ys = call(x, packs, jnp.int32(real)) + [  # and one weight alone
+            jax.jit(lambda x, w, r: matmul(x, w, r, packed_w=True, impl="cpu"))(
+                x, packs[2], jnp.int32(real))]
+        for w, y in zip(ws + ws[2:], ys):
+            exact, magnitude = exact_matmul(x, w, True)
+            bound = matmul_bound(exact, magnitude, k, dtype)[:real]
+            got = np.asarray(y, np.float64)
+            assert np.abs(exact[:real]).max() > 100 * bound.max()
+            assert np.all(np.abs(got[:real] - exact[:real]) <= bound)
+            assert np.all(got[real:] == 0)
+        ref = matmuls(x, packs, real, packed_w=True, impl="reference")  # unpacks
+        for r, y in zip(ref, ys):
+            np.testing.assert_allclose(np.asarray(r, np.float64), np.asarray(y, np.float64),
+                                       rtol=0.02 if dtype == jnp.bfloat16 else 1e-5, atol=1e-3)
+
+
+def test_packed_weights_rejects_unpackable_shapes():
+    from pallas_kernels.matmul import packed
+
+    assert packed.packable(128, 98, jnp.bfloat16) and packed.packable(64, 97, jnp.float32)
+    assert not packed.packable(96, 98, jnp.float32)  # N not a multiple of 64
+    assert not packed.packable(64, 97, jnp.bfloat16)  # odd K in bf16
+    with pytest.raises(ValueError, match="multiple of 64"):
+        packed.pack(jnp.zeros((96, 8), jnp.float32))
+    x, w = jnp.ones((2, 8), jnp.float32), jnp.ones((96, 8), jnp.float32)
+    with pytest.raises(Exception, match="packed w"):  # the kernel checks too
+        jax.block_until_ready(matmul(x, w, 2, packed_w=True, impl="cpu"))
+
+
 def test_matmul_num_rows_edges():
     rng = np.random.default_rng(0)
     x, w = random_operands(rng, 6, 40, 24, jnp.bfloat16, False)

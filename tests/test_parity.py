@@ -33,15 +33,16 @@ ENGINE = dict(dtype="float32", max_model_len=128, page_size=4, max_num_seqs=4,
 
 
 def ragged_prompt_logits(model_dir, prompts, page_size=4, seed=0, options=ModelOptions(),
-                         kv_dtype=jnp.float32, laid_out=False):
+                         kv_dtype=jnp.float32, laid_out=False, pack=False):
     """Our logits at every prompt position, all prompts in one ragged batch, pages shuffled;
     with `laid_out`, from the float weights laid out [N, K] as the engine holds them on one
-    CPU device."""
+    CPU device, and with `pack` also packed where their shapes allow."""
     cfg = ModelConfig.from_file(model_dir)
     graphdef, params = load_checkpoint(model_dir, cfg, jnp.float32, ShardingContext(make_mesh()),
                                        options)
     if laid_out:
-        params = weights_for_native_matmul(params)
+        params = weights_for_native_matmul(params, pack=pack)
+        assert pack == any(v.get_metadata().get("packed") for _, v in nnx.to_flat_state(params))
     model = nnx.merge(graphdef, params)
     rng = np.random.default_rng(seed)
     per_seq = max(-(-len(p) // page_size) for p in prompts)
@@ -92,17 +93,21 @@ def assert_native_row_ops(llm, cfg: ModelConfig):
 
 
 # The weights as loaded ([K, N]); laid out [N, K] as the engine holds them on one CPU device,
-# through the native kernel and through XLA's dots (where the engine never sends them).
-LAYOUTS = {"kn": (False, ModelOptions()), "nk": (True, ModelOptions()),
-           "nk-xla": (True, ModelOptions(kernel_impl="reference"))}
+# unpacked (CPUs without AVX-512) and packed where their shapes allow (with it: q, gate/up,
+# down and an untied LM head here; k/v have 32 columns), through the native kernel and
+# through XLA's dots (where the engine never sends them).
+LAYOUTS = {"kn": (False, False, ModelOptions()), "nk": (True, False, ModelOptions()),
+           "nk-xla": (True, False, ModelOptions(kernel_impl="reference")),
+           "packed": (True, True, ModelOptions()),
+           "packed-xla": (True, True, ModelOptions(kernel_impl="reference"))}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prompt_logits_match_transformers(arch, layout, checkpoints, prompts):
     path, hf_model = checkpoints(arch)
-    laid_out, options = LAYOUTS[layout]
-    ours = ragged_prompt_logits(path, prompts, options=options, laid_out=laid_out)
+    laid_out, pack, options = LAYOUTS[layout]
+    ours = ragged_prompt_logits(path, prompts, options=options, laid_out=laid_out, pack=pack)
     for prompt, got in zip(prompts, ours):
         with torch.no_grad():
             want = hf_model(torch.tensor([prompt])).logits[0].numpy()

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig, ModelOptions
-from jaxserve.models.layers import is_transposed, lm_head, param, rms_norm
+from jaxserve.models.layers import is_packed, is_transposed, lm_head, param, rms_norm
 from jaxserve.models.mlp import MLP
 from jaxserve.models.parallel import RESIDUAL_AXES, dense, real_tokens
 from jaxserve.models.transformer import Attention, AttentionMetadata, Transformer
@@ -113,7 +113,8 @@ class EagleHead(nnx.Module):
             return target.head_logits(hidden, rows)
         impl = None if self.shard.mesh.size == 1 else "reference"
         logits = lm_head(self._norm(hidden, self.norm), self.lm_head[...],
-                         is_transposed(self.lm_head), self.options, impl, rows)
+                         is_transposed(self.lm_head), self.options, impl, rows,
+                         packed=is_packed(self.lm_head))
         return self.shard.constrain(logits, ("seqs", "vocab"))
 
     def to_target(self, ids: jax.Array) -> jax.Array:

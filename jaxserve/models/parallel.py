@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxserve.config import ModelOptions
-from jaxserve.models.layers import dense_impl, is_transposed, matmul, matmul_group
+from jaxserve.models.layers import dense_impl, is_packed, is_transposed, matmul, matmul_group
 from pallas_kernels.ragged_paged_attention import default_impl, ragged_paged_attention, write_kv
 from sharding.rules import DATA, MODEL, ShardingContext
 
@@ -48,7 +48,7 @@ def dense(x: jax.Array, w: nnx.Param, scales: nnx.Param | None, n_in: int,
     if scales is None:
         return matmul(x, w[...], None, n_in, out_shape, options,
                       impl=None if single else "reference", rows=rows,
-                      transposed=is_transposed(w))
+                      transposed=is_transposed(w), packed=is_packed(w))
     if single:
         return matmul(x, w[...], scales[...], n_in, out_shape, options)
     w_spec = shard.rules.spec(w.get_metadata()["logical_axes"])
@@ -87,10 +87,11 @@ def dense_group(x: jax.Array, weights: list[tuple[nnx.Param, nnx.Param | None, t
     in one call."""
     if (shard.mesh.size == 1 and all(s is None for _, s, _ in weights)
             and dense_impl(options) == "cpu"):
-        transposed = {is_transposed(w) for w, _, _ in weights}
-        if len(transposed) == 1:
+        layouts = {(is_transposed(w), is_packed(w)) for w, _, _ in weights}
+        if len(layouts) == 1:
+            transposed, packed = layouts.pop()
             return matmul_group(x, [w[...] for w, _, _ in weights], [o for _, _, o in weights],
-                                rows, transposed.pop())
+                                rows, transposed, packed)
     return [dense(x, w, s, 1, o, options, shard, rows=rows) for w, s, o in weights]
 
 

@@ -20,7 +20,7 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig, ModelOptions
 from jaxserve.models.layers import (
-    is_transposed, linear, lm_head, param, rms_norm, rope_inv_freq, rows_impl)
+    is_packed, is_transposed, linear, lm_head, param, rms_norm, rope_inv_freq, rows_impl)
 from jaxserve.models.mlp import MLP
 from jaxserve.models.moe import MoE
 from jaxserve.models.parallel import (
@@ -252,7 +252,8 @@ class Transformer(nnx.Module):
         if cfg.final_logit_softcap:  # Gemma 2: the cap in float32
             dtype = jnp.float32
         logits = lm_head(x, self.embed[...] if tied else self.lm_head[...],
-                         tied or is_transposed(self.lm_head), self.options, impl, rows, dtype)
+                         tied or is_transposed(self.lm_head), self.options, impl, rows, dtype,
+                         packed=not tied and is_packed(self.lm_head))
         if cfg.final_logit_softcap:
             logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
         return self.shard.constrain(logits, ("seqs", "vocab"))

@@ -368,7 +368,16 @@ struct Mm {
   int64_t k, n;
   bool trans;
   bool bf16;
+  // With trans: w's 64-row strips are stored as packed panels (see "AVX-512 packed
+  // panels"), packed once at load; N is a multiple of 64 and, for bf16, K is even.
+  bool packed;
 };
+
+// Offset of w[n, k] of an [N, K] weight in strips of packed panels (Mm::packed).
+JS_INLINE int64_t PackedOffset(const Mm& a, int64_t n, int64_t k) {
+  const int64_t strip = n / 64 * 64 * a.k, c = n % 64;
+  return a.bf16 ? strip + (k / 2 * 64 + c) * 2 + k % 2 : strip + k * 64 + c;
+}
 
 // ---------------------------------------------------------------- generic (AVX2 / scalar)
 
@@ -417,6 +426,22 @@ JS_INLINE void GenericKnTask(const Mm& a, int64_t task) {
   }
 }
 
+// Packed [N, K] (Mm::packed): one task is 4 output columns for all rows, element by element.
+template <typename T>
+JS_INLINE void GenericPackedTask(const Mm& a, int64_t task) {
+  const T* x = static_cast<const T*>(a.x);
+  const T* w = static_cast<const T*>(a.w);
+  T* y = static_cast<T*>(a.y);
+  const int64_t n0 = task * kGenericRows, nt = std::min(kGenericRows, a.n - n0);
+  for (int64_t m = 0; m < a.m; ++m)
+    for (int64_t t = 0; t < nt; ++t) {
+      float s = 0.0f;
+      for (int64_t k = 0; k < a.k; ++k)
+        s += ToF32<T>(x[m * a.k + k]) * ToF32<T>(w[PackedOffset(a, n0 + t, k)]);
+      y[m * a.n + n0 + t] = FromF32<T>(s);
+    }
+}
+
 // NK: one task is 4 weight rows (output columns) for all rows; dot products in 16 lanes.
 template <typename T>
 JS_INLINE void GenericNkTask(const Mm& a, int64_t task) {
@@ -445,7 +470,9 @@ JS_INLINE int64_t GenericTasks(const Mm& a) {
 }
 
 JS_INLINE void GenericMatmulTask(const Mm& a, int64_t task) {
-  if (a.bf16) {
+  if (a.packed) {
+    a.bf16 ? GenericPackedTask<uint16_t>(a, task) : GenericPackedTask<float>(a, task);
+  } else if (a.bf16) {
     a.trans ? GenericNkTask<uint16_t>(a, task) : GenericKnTask<uint16_t>(a, task);
   } else {
     a.trans ? GenericNkTask<float>(a, task) : GenericKnTask<float>(a, task);
@@ -995,13 +1022,15 @@ JS_AVX512 void PackPanel(const Mm& a, int64_t n0, int64_t nc, void* panel) {
   }
 }
 
-// y[0:MR, 0:nc] = x[0:MR, :] @ (packed bf16 panel), nc <= 64.
+// y[0:MR, 0:nc] = x[0:MR, :] @ (packed bf16 panel), nc <= 64; or, with `part`, the float32
+// sums there (row stride kPanelCols): a part of K (PanelMatmul).
 // Each step of k also prefetches `pf_step` lines of `pf` (the next panel's weights) into L2,
 // up to `pf_lines`, so that memory streams them while this tile computes.
 template <int MR>
 JS_AVX512BF16 void Bf16PanelTile(const uint16_t* x, int64_t ldx, const uint32_t* panel,
                                  int64_t K, int64_t nc, uint16_t* y, int64_t ldy,
-                                 const char* pf, int64_t pf_lines, int64_t pf_step) {
+                                 const char* pf, int64_t pf_lines, int64_t pf_step,
+                                 float* part) {
   __m512 acc[MR][4];
   JS_UNROLL for (int r = 0; r < MR; ++r)
     JS_UNROLL for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
@@ -1029,6 +1058,12 @@ JS_AVX512BF16 void Bf16PanelTile(const uint16_t* x, int64_t ldx, const uint32_t*
         acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, (__m512bh)_mm512_loadu_si512(b + 16 * v));
     }
   }
+  if (part != nullptr) {
+    JS_UNROLL for (int r = 0; r < MR; ++r)
+      JS_UNROLL for (int v = 0; v < 4; ++v)
+        _mm512_storeu_ps(part + r * kPanelCols + 16 * v, acc[r][v]);
+    return;
+  }
   JS_UNROLL for (int r = 0; r < MR; ++r)
     JS_UNROLL for (int v = 0; v < 4; ++v)
       _mm256_mask_storeu_epi16(y + r * ldy + 16 * v, Mask16(nc - 16 * v),
@@ -1036,15 +1071,19 @@ JS_AVX512BF16 void Bf16PanelTile(const uint16_t* x, int64_t ldx, const uint32_t*
 }
 
 // Rows [m0, m0 + rows) against a packed panel of columns [n0, n0 + nc); the tiles spread
-// prefetches of `pf_bytes` at `pf` (the next panel's rows of w) over their k loops.
+// prefetches of `pf_bytes` at `pf` (the next panel's rows of w) over their k loops. With
+// `part`: the panel holds K's elements [k0, k0 + kn), and the tiles write their float32
+// sums to part (rows of kPanelCols) instead of y.
 template <typename T>
 void PanelRows(const Mm& a, const void* panel, int64_t m0, int64_t rows, int64_t n0,
-               int64_t nc, const char* pf = nullptr, int64_t pf_bytes = 0) {
-  const T* x = static_cast<const T*>(a.x);
+               int64_t nc, const char* pf = nullptr, int64_t pf_bytes = 0, int64_t k0 = 0,
+               int64_t kn = -1, float* part = nullptr) {
+  if (kn < 0) kn = a.k;
+  const T* x = static_cast<const T*>(a.x) + k0;
   T* y = static_cast<T*>(a.y);
   const int64_t pf_lines = CeilDiv(pf_bytes, 64);
   const int64_t tile_lines = CeilDiv(pf_lines, CeilDiv(rows, kMaxTileRows));
-  const int64_t k_steps = sizeof(T) == 4 ? a.k : a.k / 2;  // a tile's steps of k
+  const int64_t k_steps = sizeof(T) == 4 ? kn : kn / 2;  // a tile's steps of k
   const int64_t pf_step = CeilDiv(tile_lines, std::max<int64_t>(1, k_steps));
   for (int64_t r = 0; r < rows; r += kMaxTileRows) {
     const int64_t first = r / kMaxTileRows * tile_lines;  // this tile's lines of pf
@@ -1053,26 +1092,29 @@ void PanelRows(const Mm& a, const void* panel, int64_t m0, int64_t rows, int64_t
     const int64_t mr = std::min<int64_t>(kMaxTileRows, rows - r);
     const T* xr = x + (m0 + r) * a.k;
     T* yr = y + (m0 + r) * a.n + n0;
+    float* pr = part ? part + r * kPanelCols : nullptr;
     if constexpr (sizeof(T) == 4) {
       const float* pw = static_cast<const float*>(panel);
+      float* out = pr ? pr : yr;
+      const int64_t ld = pr ? kPanelCols : a.n;
       switch (mr) {
-        case 1: F32KnTile<1>(xr, a.k, pw, kPanelCols, a.k, nc, yr, a.n, tpf, lines, pf_step); break;
-        case 2: F32KnTile<2>(xr, a.k, pw, kPanelCols, a.k, nc, yr, a.n, tpf, lines, pf_step); break;
-        case 3: F32KnTile<3>(xr, a.k, pw, kPanelCols, a.k, nc, yr, a.n, tpf, lines, pf_step); break;
-        case 4: F32KnTile<4>(xr, a.k, pw, kPanelCols, a.k, nc, yr, a.n, tpf, lines, pf_step); break;
-        case 5: F32KnTile<5>(xr, a.k, pw, kPanelCols, a.k, nc, yr, a.n, tpf, lines, pf_step); break;
+        case 1: F32KnTile<1>(xr, a.k, pw, kPanelCols, kn, nc, out, ld, tpf, lines, pf_step); break;
+        case 2: F32KnTile<2>(xr, a.k, pw, kPanelCols, kn, nc, out, ld, tpf, lines, pf_step); break;
+        case 3: F32KnTile<3>(xr, a.k, pw, kPanelCols, kn, nc, out, ld, tpf, lines, pf_step); break;
+        case 4: F32KnTile<4>(xr, a.k, pw, kPanelCols, kn, nc, out, ld, tpf, lines, pf_step); break;
+        case 5: F32KnTile<5>(xr, a.k, pw, kPanelCols, kn, nc, out, ld, tpf, lines, pf_step); break;
         default:
-          F32KnTile<6>(xr, a.k, pw, kPanelCols, a.k, nc, yr, a.n, tpf, lines, pf_step);
+          F32KnTile<6>(xr, a.k, pw, kPanelCols, kn, nc, out, ld, tpf, lines, pf_step);
       }
     } else {
       const uint32_t* pw = static_cast<const uint32_t*>(panel);
       switch (mr) {
-        case 1: Bf16PanelTile<1>(xr, a.k, pw, a.k, nc, yr, a.n, tpf, lines, pf_step); break;
-        case 2: Bf16PanelTile<2>(xr, a.k, pw, a.k, nc, yr, a.n, tpf, lines, pf_step); break;
-        case 3: Bf16PanelTile<3>(xr, a.k, pw, a.k, nc, yr, a.n, tpf, lines, pf_step); break;
-        case 4: Bf16PanelTile<4>(xr, a.k, pw, a.k, nc, yr, a.n, tpf, lines, pf_step); break;
-        case 5: Bf16PanelTile<5>(xr, a.k, pw, a.k, nc, yr, a.n, tpf, lines, pf_step); break;
-        default: Bf16PanelTile<6>(xr, a.k, pw, a.k, nc, yr, a.n, tpf, lines, pf_step); break;
+        case 1: Bf16PanelTile<1>(xr, a.k, pw, kn, nc, yr, a.n, tpf, lines, pf_step, pr); break;
+        case 2: Bf16PanelTile<2>(xr, a.k, pw, kn, nc, yr, a.n, tpf, lines, pf_step, pr); break;
+        case 3: Bf16PanelTile<3>(xr, a.k, pw, kn, nc, yr, a.n, tpf, lines, pf_step, pr); break;
+        case 4: Bf16PanelTile<4>(xr, a.k, pw, kn, nc, yr, a.n, tpf, lines, pf_step, pr); break;
+        case 5: Bf16PanelTile<5>(xr, a.k, pw, kn, nc, yr, a.n, tpf, lines, pf_step, pr); break;
+        default: Bf16PanelTile<6>(xr, a.k, pw, kn, nc, yr, a.n, tpf, lines, pf_step, pr); break;
       }
     }
   }
@@ -1083,9 +1125,18 @@ void PanelRows(const Mm& a, const void* panel, int64_t m0, int64_t rows, int64_t
 // a small weight (k, v: 3 strips) shares the others' threads and prefetches instead of
 // paying a start and a cold first strip of its own. Where every strip is one block and
 // they do not divide among the threads (a 576-column weight is 9 strips), the strips left
-// over are split into a block of rows per thread, so that no thread computes a whole
-// strip more than another (measured: 32 rows of smollm2-135m's q/o/down took 5 strips'
-// time on one of 2 threads, the other 4).
+// over are split so that no thread computes a whole strip more than another (measured: 32
+// rows of smollm2-135m's q/o/down took 5 strips' time on one of 2 threads, the other 4):
+// into a block of rows per thread, or, packed weights with up to kSplitKRows rows, into a
+// part of K per thread (each reads its part of the strip once; the float32 sums are added
+// at the end).
+// Packed weights (Mm::packed) are their own panels: no copy; a task's first tile of rows
+// prefetches its own strip kPrefetchBytes ahead, as the dot-product paths do (bf16 with
+// more rows: the next strip, as when packing), and with up to kSplitKRows rows whole
+// strips are claimed in runs of consecutive ones, about two per thread (one strip is ~2 us
+// of work for a row: claimed one by one, decode ran 1.13-1.16x slower).
+constexpr int64_t kSplitKRows = 32;
+
 template <typename T>
 void PanelMatmul(const Runner& run, const Mm* as, int64_t count) {
   const Mm& a0 = as[0];  // the same x: m, k, layout and dtype for all
@@ -1097,21 +1148,28 @@ void PanelMatmul(const Runner& run, const Mm* as, int64_t count) {
                                   CeilDiv(a0.m, kMaxTileRows));
   const int64_t rb = RoundUp(CeilDiv(a0.m, want), kMaxTileRows);
   const int64_t blocks = CeilDiv(a0.m, rb);
-  const int64_t left = blocks == 1 ? strips % threads : 0;  // strips split by rows
+  const int64_t left = blocks == 1 ? strips % threads : 0;  // strips split by rows or K
+  const bool by_k = a0.packed && a0.m <= kSplitKRows;
   const int64_t split_rb = RoundUp(CeilDiv(a0.m, threads), kMaxTileRows);
-  const int64_t splits = CeilDiv(a0.m, split_rb);
+  const int64_t splits = by_k ? threads : CeilDiv(a0.m, split_rb);
   const int64_t whole = strips * blocks - left;  // tasks of one (strip, block) each
-  // Task i's strip, first row and rows.
-  auto task = [&](int64_t i, int64_t* m0, int64_t* rows) {
+  const int64_t units = a0.bf16 ? a0.k / 2 : a0.k;  // rows of a panel: pairs or floats
+  struct Task {
+    int64_t strip, m0, rows;
+    int64_t u0 = 0, un = -1, part = -1;  // by_k: panel rows [u0, u0 + un), its sums' slot
+  };
+  auto task = [&](int64_t i) {
     if (i < whole) {
-      *m0 = i % blocks * rb;
-      *rows = std::min(rb, a0.m - *m0);
-      return i / blocks;
+      const int64_t m0 = i % blocks * rb;
+      return Task{i / blocks, m0, std::min(rb, a0.m - m0)};
     }
-    const int64_t j = i - whole;
-    *m0 = j % splits * split_rb;
-    *rows = std::min(split_rb, a0.m - *m0);
-    return strips - left + j / splits;
+    const int64_t j = i - whole, s = strips - left + j / splits, p = j % splits;
+    if (by_k) {
+      const int64_t u0 = p * units / threads, u1 = (p + 1) * units / threads;
+      return Task{s, 0, a0.m, u0, u1 - u0, j};
+    }
+    const int64_t m0 = p * split_rb;
+    return Task{s, m0, std::min(split_rb, a0.m - m0)};
   };
   // Strip s: its weight, and its first column there.
   auto strip = [&](int64_t s, int64_t* n0) -> const Mm& {
@@ -1121,30 +1179,79 @@ void PanelMatmul(const Runner& run, const Mm* as, int64_t count) {
   };
   const int64_t tasks = whole + left * splits;
   const size_t panel_bytes = static_cast<size_t>(RoundUp(a0.k, 2)) * kPanelCols * 4;
-  run.For(tasks, [&](int64_t i) {
-    int64_t m0, rows, n0;
-    const int64_t s = task(i, &m0, &rows);
-    const Mm& a = strip(s, &n0);
+  const int64_t row_bytes = a0.k * static_cast<int64_t>(sizeof(T));  // of an [N, K] w
+  const int64_t part_floats = a0.m * kPanelCols;
+  std::vector<float> sums(by_k ? left * splits * part_floats : 0);
+  auto run_task = [&](int64_t i) {
+    const Task t = task(i);
+    int64_t n0;
+    const Mm& a = strip(t.strip, &n0);
     const int64_t nc = std::min(kPanelCols, a.n - n0);
-    thread_local std::vector<uint32_t> panel;
-    if (panel.size() * 4 < panel_bytes) panel.resize(panel_bytes / 4);
-    PackPanel(a, n0, nc, panel.data());
+    if (a.packed) {
+      // Panel rows [u0, u0 + un).
+      const int64_t u0 = t.u0, un = t.un < 0 ? units : t.un, per_unit = a.bf16 ? 2 : 1;
+      const char* strip_w = static_cast<const char*>(a.w) + n0 * row_bytes;
+      const uint32_t* panel = reinterpret_cast<const uint32_t*>(strip_w) + u0 * kPanelCols;
+      float* part = t.part < 0 ? nullptr : sums.data() + t.part * part_floats;
+      if (a.bf16 && t.rows > kMaxTileRows && part == nullptr && t.strip + 1 < strips) {
+        // bf16, several tiles of rows: they prefetch the next strip (this thread's next,
+        // in a run) spread over their k loops, as with packing per call (float32 ran
+        // slower so: 9 rows 1.14x, 32 rows 1.09x the time of the below).
+        int64_t next_n0;
+        const Mm& b = strip(t.strip + 1, &next_n0);
+        return PanelRows<T>(a, panel, t.m0, t.rows, n0, nc,
+                            static_cast<const char*>(b.w) + next_n0 * row_bytes,
+                            kPanelCols * row_bytes);
+      }
+      // The first tile of rows streams the strip from memory, prefetching it ahead; the
+      // others read it from L2.
+      const int64_t r1 = std::min<int64_t>(t.rows, kMaxTileRows);
+      const char* ahead = reinterpret_cast<const char*>(panel) + kPrefetchBytes;
+      PanelRows<T>(a, panel, t.m0, r1, n0, nc, ahead, un * kPanelCols * 4, u0 * per_unit,
+                   un * per_unit, part);
+      if (t.rows > r1) {
+        PanelRows<T>(a, panel, t.m0 + r1, t.rows - r1, n0, nc, nullptr, 0, u0 * per_unit,
+                     un * per_unit, part ? part + r1 * kPanelCols : nullptr);
+      }
+      return;
+    }
+    thread_local std::vector<uint32_t> buf;
+    if (buf.size() * 4 < panel_bytes) buf.resize(panel_bytes / 4);
+    PackPanel(a, n0, nc, buf.data());
     // [N, K] weights: the strip this thread likely takes next (task i + threads) is one
-    // block of rows of w; fetch it while computing this one (the packing waits on memory).
+    // block of rows of w; fetch it while computing this one (packing waits on memory).
     const char* pf = nullptr;
     int64_t pf_bytes = 0;
     if (a.trans && i + threads < tasks) {
-      int64_t unused_m0, unused_rows, next_n0;
-      const int64_t next = task(i + threads, &unused_m0, &unused_rows);
+      const int64_t next = task(i + threads).strip;
+      int64_t next_n0;
       const Mm& b = strip(next, &next_n0);
-      if (next != s) {
-        const int64_t row_bytes = b.k * static_cast<int64_t>(sizeof(T));
+      if (next != t.strip) {
         pf = static_cast<const char*>(b.w) + next_n0 * row_bytes;
         pf_bytes = std::min(kPanelCols, b.n - next_n0) * row_bytes;
       }
     }
-    PanelRows<T>(a, panel.data(), m0, rows, n0, nc, pf, pf_bytes);
+    PanelRows<T>(a, buf.data(), t.m0, t.rows, n0, nc, pf, pf_bytes);
+  };
+  const int64_t per = by_k ? std::max<int64_t>(1, whole / (2 * threads)) : 1;
+  const int64_t runs = CeilDiv(whole, per);
+  run.For(runs + tasks - whole, [&](int64_t i) {
+    if (i >= runs) return run_task(whole + i - runs);
+    for (int64_t j = i * per; j < std::min(whole, (i + 1) * per); ++j) run_task(j);
   });
+  // by_k: each strip left over is the sum of its parts (M x 64 floats each; this thread).
+  for (int64_t l = 0; by_k && l < left; ++l) {
+    int64_t n0;
+    const Mm& a = strip(strips - left + l, &n0);
+    T* y = static_cast<T*>(a.y);
+    const float* s0 = sums.data() + l * splits * part_floats;
+    for (int64_t r = 0; r < a.m; ++r)
+      for (int64_t c = 0; c < kPanelCols; ++c) {
+        float v = 0.0f;
+        for (int64_t p = 0; p < splits; ++p) v += s0[p * part_floats + r * kPanelCols + c];
+        y[r * a.n + n0 + c] = FromF32<T>(v);
+      }
+  }
 }
 
 // ---------------------------------------------------------------- AVX-512 task plans
@@ -1543,6 +1650,14 @@ void Matmuls(const Runner& run, const Mm* as, int64_t count) {
 #if JS_X86
   const Mm& a = as[0];
   const int isa = CurrentIsa();
+  if (a.packed) {  // all of them (one attribute per call): their own panels
+    const bool any_empty = std::any_of(as, as + count, [](const Mm& b) { return b.n == 0; });
+    if (a.m > 0 && a.k > 0 && !any_empty && isa >= (a.bf16 ? kAvx512Bf16 : kAvx512)) {
+      return a.bf16 ? PanelMatmul<uint16_t>(run, as, count) : PanelMatmul<float>(run, as, count);
+    }
+    for (int64_t i = 0; i < count; ++i) Matmul(run, as[i]);  // the generic loops
+    return;
+  }
   const bool together = count > 1 && a.m > 0 && a.m <= kMaxTileRows && a.k > 0 &&
                         std::all_of(as, as + count, [](const Mm& b) { return !b.trans && b.n > 0; });
   if (together && a.bf16 && isa >= kAvx512Bf16) return FewRowsKn<uint16_t>(run, as, count);
@@ -1575,6 +1690,7 @@ void Matmul(const Runner& run, const Mm& a) {
     return;
   }
   const int isa = CurrentIsa();
+  if (a.packed) return GenericMatmul(run, a, isa);  // below the panels' ISA (Matmuls)
 #if JS_X86
   if (a.bf16 && isa >= kAvx512Bf16) return Avx512Matmul<uint16_t>(run, a);
   if (!a.bf16 && isa >= kAvx512) return Avx512Matmul<float>(run, a);
@@ -3153,7 +3269,8 @@ void Attention(const Runner& run, const Attn& a, int64_t num_seqs, int64_t queri
 // ==========================================================================================
 
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> num_rows,
-                      ffi::RemainingArgs ws, ffi::RemainingRets ys, bool transpose_w) {
+                      ffi::RemainingArgs ws, ffi::RemainingRets ys, bool transpose_w,
+                      bool packed_w) {
   const auto xd = x.dimensions();
   const ffi::DataType dt = x.element_type();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("jaxserve_matmul: x must be 2-D");
@@ -3181,11 +3298,15 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S
     const int64_t n = transpose_w ? wd[0] : wd[1];
     if ((transpose_w ? wd[1] : wd[0]) != k || yd[0] != m_all || yd[1] != n)
       return ffi::Error::InvalidArgument("jaxserve_matmul: shapes do not match");
+    if (packed_w && (!transpose_w || n % 64 != 0 || (dt == ffi::DataType::BF16 && k % 2 != 0)))
+      return ffi::Error::InvalidArgument(
+          "jaxserve_matmul: a packed w is [N, K] (transpose_w) with N a multiple of 64 "
+          "and, in bfloat16, K even");
     if (m < m_all)
       std::memset(static_cast<char*>((*y)->untyped_data()) + m * n * esize, 0,
                   static_cast<size_t>((m_all - m) * n) * esize);
     mms.push_back(Mm{x.untyped_data(), w->untyped_data(), (*y)->untyped_data(), m, k, n,
-                     transpose_w, dt == ffi::DataType::BF16});
+                     transpose_w, dt == ffi::DataType::BF16, packed_w});
   }
   Runner run(&pool);
   Matmuls(run, mms.data(), static_cast<int64_t>(mms.size()));
@@ -3444,7 +3565,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmul, jaxserve::MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  .Attr<bool>("transpose_w"));
+                                  .Attr<bool>("transpose_w")
+                                  .Attr<bool>("packed_w"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, jaxserve::AttentionImpl,
                               ffi::Ffi::Bind()

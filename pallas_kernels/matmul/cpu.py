@@ -21,6 +21,10 @@ else AVX2+FMA, else plain C++):
   pair of K rows interleaved into 32-bit pairs; an [N, K] weight transposed), and runs
   6 x 64 register tiles (24 accumulators) of vdpbf16ps / FMAs over its rows. f32 [K, N]
   strips are read in place.
+- An [N, K] weight packed at load (`packed_w`, packed.py: its strips stored as those
+  panels; the engine's layout on one CPU device with these instruction sets) runs the
+  panel tiles in place for every row count: no copy per call; few rows prefetch their own
+  strip ahead, and strips left over after an even share per thread split into quarters.
 - Without those instruction sets (AVX2+FMA), [N, K] weights on the real rows: 1 to 8 rows
   (3-8 while they fit in 24 KiB of L1) are dot products in 8-lane FMAs, each weight row
   read once (bf16 x converted to float32 first; one row reads a task's block of weight
@@ -30,7 +34,8 @@ else AVX2+FMA, else plain C++):
   every row of x against it, in blocks of 48 rows, K in slices of 256 that stay in L1.
   [K, N] weights are generic loops, which is why `faster_than_xla` sends those to XLA's
   dot.
-The weight is never required in a packed layout: any packing is per call, per strip.
+The weight is never required in a packed layout: without `packed_w`, any packing is per
+call, per strip.
 """
 
 from __future__ import annotations
@@ -84,14 +89,14 @@ def supports(x: jax.Array, w: jax.Array, transpose_w: bool = False) -> bool:
 
 
 def matmul(x: jax.Array, w: jax.Array, num_rows: jax.Array | int | None = None, *,
-           transpose_w: bool = False) -> jax.Array:
+           transpose_w: bool = False, packed_w: bool = False) -> jax.Array:
     """See reference.matmul; raises if the native kernels are unavailable or the operands
-    are not ones it takes (`supports`)."""
-    return matmuls(x, [w], num_rows, transpose_w=transpose_w)[0]
+    are not ones it takes (`supports`). `packed_w`: w is `[N, K]` in packed.py's layout."""
+    return matmuls(x, [w], num_rows, transpose_w=transpose_w, packed_w=packed_w)[0]
 
 
 def matmuls(x: jax.Array, ws: list[jax.Array], num_rows: jax.Array | int | None = None, *,
-            transpose_w: bool = False) -> list[jax.Array]:
+            transpose_w: bool = False, packed_w: bool = False) -> list[jax.Array]:
     """`[matmul(x, w) for w in ws]` in one kernel call: with few rows the weights are
     streamed together, so the threads split their bytes once instead of once each."""
     if not native.available():
@@ -106,4 +111,5 @@ def matmuls(x: jax.Array, ws: list[jax.Array], num_rows: jax.Array | int | None 
     shapes = [jax.ShapeDtypeStruct((x.shape[0], w.shape[0] if transpose_w else w.shape[1]),
                                    x.dtype) for w in ws]
     call = jax.ffi.ffi_call(TARGET, shapes)
-    return list(call(x, rows, *ws, transpose_w=bool(transpose_w)))
+    return list(call(x, rows, *ws, transpose_w=bool(transpose_w) or packed_w,
+                     packed_w=bool(packed_w)))
