@@ -214,6 +214,16 @@ def test_packed_weights_match_reference(m, isa):
                                        rtol=0.02 if dtype == jnp.bfloat16 else 1e-5, atol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_packed_rows_lookup(dtype):
+    """A packed tied embedding's lookups (`take_rows`) are the unpacked table's rows."""
+    from pallas_kernels.matmul import packed
+
+    w = jnp.asarray(np.random.default_rng(5).standard_normal((192, 10)), dtype)
+    ids = jnp.asarray([[0, 63, 64], [191, 5, 64]], jnp.int32)
+    np.testing.assert_array_equal(packed.take_rows(packed.pack(w), ids), w[ids])
+
+
 def test_packed_weights_rejects_unpackable_shapes():
     from pallas_kernels.matmul import packed
 

@@ -20,16 +20,19 @@ from pallas_kernels.rows import ACTIVATIONS, rms_norm_reference
 
 
 def param(shape: tuple[int, ...], axes: tuple[str, ...], dtype,
-          n_in: int | None = None) -> nnx.Param:
+          n_in: int | None = None, tied_head: bool = False) -> nnx.Param:
     """A parameter tagged with logical axis names (read by sharding.rules).
 
     Models are built under `nnx.eval_shape` for their structure only (loading/safetensors.py
     fills in a checkpoint's or random values), so the value is zeros: drawing random ones
     there cost a warm start 1.2 s of tracing. A float weight of a matmul is tagged with
     `n_in`, its number of input dims (its shape is in + out), which
-    `weights_for_native_matmul` uses to lay it out as out + in.
+    `weights_for_native_matmul` uses to lay it out as out + in; an embedding that is also
+    the LM head with `tied_head` (already `[N, K]`; it may be packed too).
     """
     tags = {} if n_in is None else {"n_in": n_in}
+    if tied_head:
+        tags["tied_head"] = True
     return nnx.Param(jnp.zeros(shape, dtype), logical_axes=axes, **tags)
 
 
@@ -126,7 +129,8 @@ def weights_for_native_matmul(state: nnx.State, pack: bool | None = None) -> nnx
     them the kernel reads packed weights through generic loops), a weight whose `[N, K]`
     can be packed (N a multiple of 64; bf16: K even) is also packed (tagged `packed`):
     its 64-row strips stored as the panels the kernel's tiles read, so that no call copies
-    them (pallas_kernels/matmul/packed.py). Measured on smollm2-135m's layers (Zen 5
+    them (pallas_kernels/matmul/packed.py); so is a tied embedding (the LM head; its
+    lookups read the packed rows, `embedding`). Measured on smollm2-135m's layers (Zen 5
     EPYC, bf16 / float32): 32 rows 0.83-0.85x / 0.90-0.94x the time of `[N, K]`, 5 rows
     0.87x / 0.84-0.88x, one row 0.99-1.02x / 1.00-1.03x (docs/kernels.md).
     """
@@ -134,6 +138,13 @@ def weights_for_native_matmul(state: nnx.State, pack: bool | None = None) -> nnx
     for _, var in flat:
         meta = var.get_metadata()
         n_in = meta.get("n_in")
+        if meta.get("tied_head") and not meta.get("packed"):  # [N, K] already
+            value = var.get_value()
+            if ((packed_layout.worth_packing(value.dtype) if pack is None else pack)
+                    and packed_layout.packable(*value.shape, value.dtype)):
+                var.set_value(packed_layout.pack(value))
+                var.set_metadata(packed=True)
+            continue
         if n_in is None or meta.get("transposed"):
             continue
         value = var.get_value()
@@ -150,6 +161,13 @@ def weights_for_native_matmul(state: nnx.State, pack: bool | None = None) -> nnx
         var.set_metadata(logical_axes=axes[n_in:] + axes[:n_in], transposed=True,
                          packed=packed)
     return nnx.from_flat_state(flat)
+
+
+def embedding(table: nnx.Param, ids: jax.Array) -> jax.Array:
+    """Rows `ids` of an embedding table, packed (a tied LM head on a CPU) or not."""
+    if is_packed(table):
+        return packed_layout.take_rows(table[...], ids)
+    return table[...][ids]
 
 
 def dense_impl(options: ModelOptions, impl: str | None = None) -> str:

@@ -20,7 +20,8 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig, ModelOptions
 from jaxserve.models.layers import (
-    is_packed, is_transposed, linear, lm_head, param, rms_norm, rope_inv_freq, rows_impl)
+    embedding, is_packed, is_transposed, linear, lm_head, param, rms_norm, rope_inv_freq,
+    rows_impl)
 from jaxserve.models.mlp import MLP
 from jaxserve.models.moe import MoE
 from jaxserve.models.parallel import (
@@ -188,7 +189,8 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         self.shard = shard
         self.options = options
-        self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype)
+        self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype,
+                           tied_head=cfg.tie_word_embeddings)
         replicas = shard.rules.kv_head_replicas
         self.layers = nnx.List([Block(cfg, i, dtype, options, replicas)
                                 for i in range(cfg.num_layers)])
@@ -214,7 +216,7 @@ class Transformer(nnx.Module):
         empty): the residual stream entering each layer of `features_from`, side by side,
         where index num_layers stands for the final hidden state after the last norm."""
         shard = self.shard
-        x = self.embed[...][input_ids]
+        x = embedding(self.embed, input_ids)
         if self.cfg.scale_embeddings:  # sqrt(hidden), rounded to the weights' dtype (as HF)
             x = x * jnp.asarray(self.cfg.hidden_size**0.5, x.dtype)
         x = shard.constrain(x, RESIDUAL_AXES)
@@ -253,7 +255,7 @@ class Transformer(nnx.Module):
             dtype = jnp.float32
         logits = lm_head(x, self.embed[...] if tied else self.lm_head[...],
                          tied or is_transposed(self.lm_head), self.options, impl, rows, dtype,
-                         packed=not tied and is_packed(self.lm_head))
+                         packed=is_packed(self.embed if tied else self.lm_head))
         if cfg.final_logit_softcap:
             logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
         return self.shard.constrain(logits, ("seqs", "vocab"))

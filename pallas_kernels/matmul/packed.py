@@ -54,6 +54,16 @@ def pack(w: jax.Array) -> jax.Array:
     return jnp.transpose(w.reshape(_strips(n, k, bf16)), order).reshape(n, k)
 
 
+def take_rows(w: jax.Array, ids: jax.Array) -> jax.Array:
+    """Rows `ids` of the `[N, K]` weight that `w` packs (a packed tied embedding's
+    lookup): `ids.shape + (K,)`."""
+    n, k = w.shape
+    strip, col = ids // STRIP, ids % STRIP
+    if w.dtype == jnp.bfloat16:
+        return w.reshape(n // STRIP, k // 2, STRIP, 2)[strip, :, col, :].reshape(ids.shape + (k,))
+    return w.reshape(n // STRIP, k, STRIP)[strip, :, col]
+
+
 def unpack(w: jax.Array) -> jax.Array:
     """The inverse of `pack`: the `[N, K]` weight."""
     n, k = w.shape
@@ -64,4 +74,4 @@ def unpack(w: jax.Array) -> jax.Array:
     return jnp.transpose(w.reshape(panels), order).reshape(n, k)
 
 
-__all__ = ["STRIP", "pack", "packable", "unpack", "worth_packing"]
+__all__ = ["STRIP", "pack", "packable", "take_rows", "unpack", "worth_packing"]
