@@ -1132,9 +1132,11 @@ void PanelRows(const Mm& a, const void* panel, int64_t m0, int64_t rows, int64_t
 // at the end).
 // Packed weights (Mm::packed) are their own panels: no copy; a task's first tile of rows
 // prefetches its own strip kPrefetchBytes ahead, as the dot-product paths do (bf16 with
-// more rows: the next strip, as when packing), and with up to kSplitKRows rows whole
-// strips are claimed in runs of consecutive ones, about two per thread (one strip is ~2 us
-// of work for a row: claimed one by one, decode ran 1.13-1.16x slower).
+// more rows: the next strip, as when packing), and with up to kSplitKRows rows the whole
+// strips are one run of consecutive ones per thread (the prefetch runs on from one strip
+// into the next; each run starts cold: smollm2-135m's bf16 layers at one row, strips
+// claimed one by one 1.13-1.16x the time, 8 / 4 / 2 runs per thread 1.04-1.10x / 1.0x /
+// 0.95-0.97x, one run 0.91x the time of [N, K]'s dot products).
 constexpr int64_t kSplitKRows = 32;
 
 template <typename T>
@@ -1233,7 +1235,7 @@ void PanelMatmul(const Runner& run, const Mm* as, int64_t count) {
     }
     PanelRows<T>(a, buf.data(), t.m0, t.rows, n0, nc, pf, pf_bytes);
   };
-  const int64_t per = by_k ? std::max<int64_t>(1, whole / (2 * threads)) : 1;
+  const int64_t per = by_k ? std::max<int64_t>(1, whole / threads) : 1;
   const int64_t runs = CeilDiv(whole, per);
   run.For(runs + tasks - whole, [&](int64_t i) {
     if (i >= runs) return run_task(whole + i - runs);
