@@ -93,8 +93,8 @@ def assert_native_row_ops(llm, cfg: ModelConfig):
 
 
 # The weights as loaded ([K, N]); laid out [N, K] as the engine holds them on one CPU device,
-# unpacked (CPUs without AVX-512) and packed where their shapes allow (with it: q, gate/up,
-# down and an untied LM head here; k/v have 32 columns), through the native kernel and
+# unpacked (CPUs without AVX-512) and packed where their shapes allow (q, gate/up, down and
+# the LM head or tied embedding here; k/v have 32 columns), through the native kernel and
 # through XLA's dots (where the engine never sends them).
 LAYOUTS = {"kn": (False, False, ModelOptions()), "nk": (True, False, ModelOptions()),
            "nk-xla": (True, False, ModelOptions(kernel_impl="reference")),

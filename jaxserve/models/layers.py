@@ -108,8 +108,8 @@ def is_transposed(w: nnx.Param) -> bool:
 
 
 def is_packed(w: nnx.Param) -> bool:
-    """Whether a float weight laid out out + in is also packed for the native matmul
-    (pallas_kernels/matmul/packed.py, `weights_for_native_matmul`)."""
+    """Whether a float weight laid out out + in (or a tied embedding) is packed for the
+    native matmul (pallas_kernels/matmul/packed.py, `weights_for_native_matmul`)."""
     return bool(w.get_metadata().get("packed", False))
 
 
@@ -131,17 +131,20 @@ def weights_for_native_matmul(state: nnx.State, pack: bool | None = None) -> nnx
     its 64-row strips stored as the panels the kernel's tiles read, so that no call copies
     them (pallas_kernels/matmul/packed.py); so is a tied embedding (the LM head; its
     lookups read the packed rows, `embedding`). Measured on smollm2-135m's layers (Zen 5
-    EPYC, bf16 / float32): 32 rows 0.83-0.85x / 0.90-0.94x the time of `[N, K]`, 5 rows
-    0.87x / 0.84-0.88x, one row 0.99-1.02x / 1.00-1.03x (docs/kernels.md).
+    EPYC, bf16 / float32): 32 rows 0.79-0.80x / 0.92-0.93x the time of `[N, K]`, 5 rows
+    0.84-0.85x / 0.84-0.88x, one row 0.91x / 1.01-1.02x (docs/kernels.md).
     """
+    def packs(n: int, k: int, dtype) -> bool:
+        return ((packed_layout.worth_packing(dtype) if pack is None else pack)
+                and packed_layout.packable(n, k, dtype))
+
     flat = nnx.to_flat_state(state)
     for _, var in flat:
         meta = var.get_metadata()
         n_in = meta.get("n_in")
         if meta.get("tied_head") and not meta.get("packed"):  # [N, K] already
             value = var.get_value()
-            if ((packed_layout.worth_packing(value.dtype) if pack is None else pack)
-                    and packed_layout.packable(*value.shape, value.dtype)):
+            if packs(*value.shape, value.dtype):
                 var.set_value(packed_layout.pack(value))
                 var.set_metadata(packed=True)
             continue
@@ -152,8 +155,7 @@ def weights_for_native_matmul(state: nnx.State, pack: bool | None = None) -> nnx
         value = jnp.transpose(value, order)
         k = math.prod(value.shape[value.ndim - n_in:])
         n = value.size // max(k, 1)
-        packed = (packed_layout.worth_packing(value.dtype) if pack is None else pack
-                  ) and packed_layout.packable(n, k, value.dtype)
+        packed = packs(n, k, value.dtype)
         if packed:
             value = packed_layout.pack(value.reshape(n, k)).reshape(value.shape)
         var.set_value(value)

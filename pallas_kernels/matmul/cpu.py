@@ -24,7 +24,7 @@ else AVX2+FMA, else plain C++):
 - An [N, K] weight packed at load (`packed_w`, packed.py: its strips stored as those
   panels; the engine's layout on one CPU device with these instruction sets) runs the
   panel tiles in place for every row count: no copy per call; few rows prefetch their own
-  strip ahead, and strips left over after an even share per thread split into quarters.
+  strip ahead, one run of whole strips per thread, the strips left over split by K.
 - Without those instruction sets (AVX2+FMA), [N, K] weights on the real rows: 1 to 8 rows
   (3-8 while they fit in 24 KiB of L1) are dot products in 8-lane FMAs, each weight row
   read once (bf16 x converted to float32 first; one row reads a task's block of weight
