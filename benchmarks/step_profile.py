@@ -9,8 +9,8 @@ batches the engine really built:
 - the model's matmuls alone, as one jitted chain of exactly the step's GEMMs (q/k/v, o,
   gate/up, down per layer and the LM head on one row per sequence): with the kernels the
   engine picks (pallas_kernels.matmul's default: on a CPU with the native kernels, the
-  [N, K] weights of one device, on the bucket's real rows), with XLA's dot on every row
-  of the bucket, and in torch (oneDNN) as a peer;
+  [N, K] weights of one device, packed on AVX-512 CPUs, on the bucket's real rows), with
+  XLA's dot on every row of the bucket, and in torch (oneDNN) as a peer;
 - the engine's ragged paged attention (its default implementation) of every layer on the
   real metadata and KV pool (the K/V write is left out: timed alone it would copy the
   undonated pool);
@@ -47,6 +47,7 @@ from jaxserve.engine.sampler import sample
 from jaxserve.huge_pages import restart_with_huge_pages
 from jaxserve.sampling_params import SamplingParams
 from pallas_kernels import matmul as matmul_kernels
+from pallas_kernels.matmul import packed
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 
@@ -78,19 +79,28 @@ def gemm_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
 def matmul_chain(cfg: ModelConfig, tokens: int, seqs: int, real_tokens: int, real_seqs: int,
                  dtype, engine_kernels: bool) -> float:
     """Seconds for the step's GEMMs alone, jitted as one program (layers unrolled): with
-    the kernels the engine picks (`engine_kernels`; [N, K] weights, the real rows only
-    where the native kernels run) or XLA's dot on every row ([K, N] weights)."""
+    the kernels the engine picks (`engine_kernels`; [N, K] weights, packed where the engine
+    packs them, the real rows only where the native kernels run) or XLA's dot on every row
+    ([K, N] weights)."""
     key = jax.random.key(0)
     transposed = engine_kernels and matmul_kernels.default_impl() == "cpu"
+    shapes = gemm_shapes(cfg) + [(cfg.hidden_size, cfg.vocab_size)]
+    packs = transposed and packed.worth_packing(dtype) and all(
+        packed.packable(n, k, dtype) for k, n in shapes)  # all or none here
     shape = (lambda k, n: (n, k)) if transposed else (lambda k, n: (k, n))
-    layers = [[0.02 * jax.random.normal(jax.random.fold_in(key, 8 * i + j), shape(k, n), dtype)
-               for j, (k, n) in enumerate(gemm_shapes(cfg))] for i in range(cfg.num_layers)]
-    head = 0.02 * jax.random.normal(key, shape(cfg.hidden_size, cfg.vocab_size), dtype)
+
+    def weight(seed, k, n):
+        w = 0.02 * jax.random.normal(jax.random.fold_in(key, seed), shape(k, n), dtype)
+        return packed.pack(w) if packs else w
+
+    layers = [[weight(8 * i + j, k, n) for j, (k, n) in enumerate(gemm_shapes(cfg))]
+              for i in range(cfg.num_layers)]
+    head = weight(8 * cfg.num_layers, cfg.hidden_size, cfg.vocab_size)
     x = jax.random.normal(key, (tokens, cfg.hidden_size), dtype)
 
     def mm(x, ws, rows):
         if engine_kernels:
-            return matmul_kernels.matmuls(x, ws, rows, transpose_w=transposed)
+            return matmul_kernels.matmuls(x, ws, rows, transpose_w=transposed, packed_w=packs)
         return [x @ w for w in ws]
 
     @jax.jit
