@@ -88,6 +88,17 @@ def matmul_bound(exact, magnitude, k, dtype):
     return acc + U_OUT[dtype] * (np.abs(exact) + acc)
 
 
+def assert_within_bound(x, w, y, real, transpose_w, dtype):
+    """y = x @ w (w.T with transpose_w) within the bound of its exact product on the
+    first `real` rows (a signal far above it), zeros past them."""
+    exact, magnitude = exact_matmul(x, w, transpose_w)
+    bound = matmul_bound(exact, magnitude, x.shape[1], dtype)[:real]
+    got = np.asarray(y, np.float64)
+    assert np.abs(exact[:real]).max() > 100 * bound.max()
+    assert np.all(np.abs(got[:real] - exact[:real]) <= bound)
+    assert np.all(got[real:] == 0)
+
+
 def random_operands(rng, m, k, n, dtype, transpose_w):
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     w = jnp.asarray(rng.standard_normal((n, k) if transpose_w else (k, n)), dtype)
@@ -172,12 +183,7 @@ def test_weights_sharing_x_in_one_call(m, transpose_w, isa):
                      )(x, ws, jnp.int32(real))
         assert [y.shape for y in ys] == [(m, n) for n in ns]
         for w, y in zip(ws, ys):
-            exact, magnitude = exact_matmul(x, w, transpose_w)
-            bound = matmul_bound(exact, magnitude, k, dtype)[:real]
-            got = np.asarray(y, np.float64)
-            assert np.abs(exact[:real]).max() > 100 * bound.max()
-            assert np.all(np.abs(got[:real] - exact[:real]) <= bound)
-            assert np.all(got[real:] == 0)
+            assert_within_bound(x, w, y, real, transpose_w, dtype)
 
 
 @pytest.mark.parametrize("m", [1, 2, 5, 7, 13, 33, 40, 100])
@@ -202,12 +208,7 @@ def test_packed_weights_match_reference(m, isa):
             jax.jit(lambda x, w, r: matmul(x, w, r, packed_w=True, impl="cpu"))(
                 x, packs[2], jnp.int32(real))]
         for w, y in zip(ws + ws[2:], ys):
-            exact, magnitude = exact_matmul(x, w, True)
-            bound = matmul_bound(exact, magnitude, k, dtype)[:real]
-            got = np.asarray(y, np.float64)
-            assert np.abs(exact[:real]).max() > 100 * bound.max()
-            assert np.all(np.abs(got[:real] - exact[:real]) <= bound)
-            assert np.all(got[real:] == 0)
+            assert_within_bound(x, w, y, real, True, dtype)
         ref = matmuls(x, packs, real, packed_w=True, impl="reference")  # unpacks
         for r, y in zip(ref, ys):
             np.testing.assert_allclose(np.asarray(r, np.float64), np.asarray(y, np.float64),

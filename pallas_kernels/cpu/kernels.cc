@@ -426,24 +426,9 @@ JS_INLINE void GenericKnTask(const Mm& a, int64_t task) {
   }
 }
 
-// Packed [N, K] (Mm::packed): one task is 4 output columns for all rows, element by element.
-template <typename T>
-JS_INLINE void GenericPackedTask(const Mm& a, int64_t task) {
-  const T* x = static_cast<const T*>(a.x);
-  const T* w = static_cast<const T*>(a.w);
-  T* y = static_cast<T*>(a.y);
-  const int64_t n0 = task * kGenericRows, nt = std::min(kGenericRows, a.n - n0);
-  for (int64_t m = 0; m < a.m; ++m)
-    for (int64_t t = 0; t < nt; ++t) {
-      float s = 0.0f;
-      for (int64_t k = 0; k < a.k; ++k)
-        s += ToF32<T>(x[m * a.k + k]) * ToF32<T>(w[PackedOffset(a, n0 + t, k)]);
-      y[m * a.n + n0 + t] = FromF32<T>(s);
-    }
-}
-
 // NK: one task is 4 weight rows (output columns) for all rows; dot products in 16 lanes.
-template <typename T>
+// kPacked: w[n, k] found in its strip of packed panels (Mm::packed).
+template <typename T, bool kPacked = false>
 JS_INLINE void GenericNkTask(const Mm& a, int64_t task) {
   const T* x = static_cast<const T*>(a.x);
   const T* w = static_cast<const T*>(a.w);
@@ -454,10 +439,13 @@ JS_INLINE void GenericNkTask(const Mm& a, int64_t task) {
     const T* xm = x + m * a.k;
     for (int64_t t = 0; t < nt; ++t) {
       const T* wn = w + (n0 + t) * a.k;
+      auto wk = [&](int64_t k) {
+        return ToF32<T>(kPacked ? w[PackedOffset(a, n0 + t, k)] : wn[k]);
+      };
       float part[16] = {};
       for (int64_t k = 0; k < k16; k += 16)
-        for (int l = 0; l < 16; ++l) part[l] += ToF32<T>(xm[k + l]) * ToF32<T>(wn[k + l]);
-      for (int64_t k = k16; k < a.k; ++k) part[k - k16] += ToF32<T>(xm[k]) * ToF32<T>(wn[k]);
+        for (int l = 0; l < 16; ++l) part[l] += ToF32<T>(xm[k + l]) * wk(k + l);
+      for (int64_t k = k16; k < a.k; ++k) part[k - k16] += ToF32<T>(xm[k]) * wk(k);
       float s = 0.0f;
       for (int l = 0; l < 16; ++l) s += part[l];
       y[m * a.n + n0 + t] = FromF32<T>(s);
@@ -471,7 +459,7 @@ JS_INLINE int64_t GenericTasks(const Mm& a) {
 
 JS_INLINE void GenericMatmulTask(const Mm& a, int64_t task) {
   if (a.packed) {
-    a.bf16 ? GenericPackedTask<uint16_t>(a, task) : GenericPackedTask<float>(a, task);
+    a.bf16 ? GenericNkTask<uint16_t, true>(a, task) : GenericNkTask<float, true>(a, task);
   } else if (a.bf16) {
     a.trans ? GenericNkTask<uint16_t>(a, task) : GenericKnTask<uint16_t>(a, task);
   } else {
@@ -1183,7 +1171,12 @@ void PanelMatmul(const Runner& run, const Mm* as, int64_t count) {
   const size_t panel_bytes = static_cast<size_t>(RoundUp(a0.k, 2)) * kPanelCols * 4;
   const int64_t row_bytes = a0.k * static_cast<int64_t>(sizeof(T));  // of an [N, K] w
   const int64_t part_floats = a0.m * kPanelCols;
-  std::vector<float> sums(by_k ? left * splits * part_floats : 0);
+  // The calling thread's buffer (no allocation per call); the tasks, on any thread, write
+  // through `sums` (a thread_local named inside them would be the running thread's own).
+  thread_local std::vector<float> sums_buffer;
+  if (by_k && sums_buffer.size() < static_cast<size_t>(left * splits * part_floats))
+    sums_buffer.resize(left * splits * part_floats);
+  float* const sums = sums_buffer.data();
   auto run_task = [&](int64_t i) {
     const Task t = task(i);
     int64_t n0;
@@ -1194,7 +1187,7 @@ void PanelMatmul(const Runner& run, const Mm* as, int64_t count) {
       const int64_t u0 = t.u0, un = t.un < 0 ? units : t.un, per_unit = a.bf16 ? 2 : 1;
       const char* strip_w = static_cast<const char*>(a.w) + n0 * row_bytes;
       const uint32_t* panel = reinterpret_cast<const uint32_t*>(strip_w) + u0 * kPanelCols;
-      float* part = t.part < 0 ? nullptr : sums.data() + t.part * part_floats;
+      float* part = t.part < 0 ? nullptr : sums + t.part * part_floats;
       if (a.bf16 && t.rows > kMaxTileRows && part == nullptr && t.strip + 1 < strips) {
         // bf16, several tiles of rows: they prefetch the next strip (this thread's next,
         // in a run) spread over their k loops, as with packing per call (float32 ran
@@ -1246,7 +1239,7 @@ void PanelMatmul(const Runner& run, const Mm* as, int64_t count) {
     int64_t n0;
     const Mm& a = strip(strips - left + l, &n0);
     T* y = static_cast<T*>(a.y);
-    const float* s0 = sums.data() + l * splits * part_floats;
+    const float* s0 = sums + l * splits * part_floats;
     for (int64_t r = 0; r < a.m; ++r)
       for (int64_t c = 0; c < kPanelCols; ++c) {
         float v = 0.0f;
