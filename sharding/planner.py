@@ -89,8 +89,8 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
     # The forward pass: every weight, cache page, kernel and collective of the step (its
     # sampling is a small replicated program of its own).
     fn = jit_programs(graphdef, params, jax.tree.map(lambda x: x.sharding, caches),
-                      shard).forward
-    sampled = jax.ShapeDtypeStruct((engine.max_num_seqs,), jnp.int32, sharding=replicated)
+                      shard, builder.carry, engine.page_size).forward
+    sampled = jax.ShapeDtypeStruct((builder.carry.size,), jnp.int32, sharding=replicated)
     with no_persistent_cache(), jax.default_device(devices[0]):
         layers = sum(cfg.sparse_layers)
         load = (jax.ShapeDtypeStruct((layers, cfg.num_experts), jnp.int32, sharding=replicated)

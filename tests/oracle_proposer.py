@@ -46,7 +46,7 @@ class OracleTreeProposer(Proposer):
         self.rng = random.Random(seed)
         self.calls = self.out_of_place = 0
 
-    def propose_batch(self, entries, scheduler):
+    def propose_batch(self, entries, scheduler, pending=None):
         return [self._tree(seq.token_ids, k) for seq, k in entries]
 
     def _tree(self, tokens: list[int], k: int) -> DraftTree:

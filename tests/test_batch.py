@@ -91,7 +91,7 @@ def test_placeholder_reads_the_in_flight_steps_row():
     points prev_index at that seq's row in the step in flight."""
     a = seq("a", [5, 6, 7], pages=[1, 2], outputs=[8, PLACEHOLDER])
     out = scheduled((a, 4, 1))
-    batch, _ = builder().build(out, pending_rows={a: 3})
+    batch, _ = builder().build(out, pending={a: (3, 0)})
     assert batch.input_ids[0] == 0 and batch.prev_index[0] == 3
     assert (batch.prev_index[1:] == -1).all()
 

@@ -27,7 +27,8 @@ def arrays(n, **kw) -> SamplingArrays:
                 bias_ids=np.full((n, MAX_LOGIT_BIAS), -1, np.int32),
                 bias_values=np.zeros((n, MAX_LOGIT_BIAS), np.float32),
                 grammar_mask=np.full((n, 32), -1, np.int32),  # vocabularies up to 1024
-                draft_index=np.full(n, -1, np.int32))
+                draft_index=np.full(n, -1, np.int32), shift_row=np.full(n, -1, np.int32),
+                group_drafts=np.zeros(n, np.int32))
     for k, v in kw.items():
         base[k] = np.asarray(v, base[k].dtype)
     return SamplingArrays(**base)

@@ -8,6 +8,7 @@ import dataclasses
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.stats
@@ -17,7 +18,10 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig, SpeculativeConfig
 from jaxserve.engine import broadcast
 from jaxserve.engine.proposers import MedusaProposer, NgramProposer, TokenProposer
-from jaxserve.engine.runner import move_slots
+from jaxserve.engine import token_tree
+from jaxserve.engine.batch import Carry
+from jaxserve.engine.runner import move_slots, record_acceptance
+from jaxserve.engine.token_tree import accepted_path
 from jaxserve.engine.speculation import SpeculationStats, Speculator
 from oracle_proposer import OracleProposer, OracleTreeProposer
 from published_heads import medusa_heads, write_medusa
@@ -324,6 +328,68 @@ def test_a_draft_of_another_architecture_gives_the_target_tokens(checkpoints, ba
                              ignore_eos=True)
     assert tokens(llm.generate(prompts, sampled)) == tokens(base.generate(prompts, sampled))
     check_clean(llm)
+
+
+def test_draft_model_steps_run_async(checkpoints, base, want, prompts):
+    """With async scheduling (the default) a draft model's chains are verified in steps
+    dispatched while the step before is still in flight: the host counts every draft of
+    that step as kept, and the device moves each sequence back by its drafts rejected.
+    Seeded sampled requests with greedy guesses (the target's own draws keep or reject
+    them: from its top two tokens, over half kept) get speculation off's tokens, as
+    greedy ones do."""
+    llm = draft_llm(checkpoints, "llama", sampled_drafts=False)
+    stats = fresh_counters(llm)
+    sampled = [SamplingParams(temperature=1.0, top_k=2, seed=i, max_tokens=30,
+                              ignore_eos=True) for i in range(len(prompts))]
+    assert tokens(llm.generate(prompts, sampled)) == tokens(base.generate(prompts, sampled))
+    assert stats.async_steps > 0.8 * stats.steps and stats.steps > 10
+    assert 0.2 * stats.num_proposed < stats.num_accepted < 0.9 * stats.num_proposed
+    assert tokens(llm.generate(prompts, GREEDY)) == want
+    check_clean(llm)
+
+
+def test_sampled_drafts_async_and_stepwise_agree(checkpoints, prompts):
+    """Guesses drawn from a Qwen3 draft's distribution (its keys: each row's output
+    number, moved back with the rows by the drafts rejected) give the same seeded tokens
+    whether the steps run async or one after another, but for the last 2k + 1: there an
+    async step's room for drafts is cut by the pending step's drafts (counted as kept),
+    and other guesses take other draws."""
+    llm, sync = draft_llm(checkpoints, "qwen3"), draft_llm(checkpoints, "qwen3",
+                                                          async_scheduling=False)
+    stats, sync_stats = fresh_counters(llm), fresh_counters(sync)
+    sampled = [SamplingParams(temperature=1.0, seed=i, max_tokens=40, ignore_eos=True)
+               for i in range(len(prompts))]
+    ours, theirs = tokens(llm.generate(prompts, sampled)), tokens(sync.generate(prompts, sampled))
+    assert [t[:-7] for t in ours] == [t[:-7] for t in theirs]
+    assert 0 < stats.num_accepted < stats.num_proposed
+    assert stats.async_steps > 0.8 * stats.steps and sync_stats.async_steps == 0
+    check_clean(llm)
+    check_clean(sync)
+
+
+def test_acceptance_left_on_the_device_is_the_hosts():
+    """The acceptance a step leaves for the next (runner.record_acceptance) against the
+    host's rule (token_tree.accepted_path) on random chains: drafts kept, the token
+    emitted last and the one before it."""
+    rng = np.random.default_rng(0)
+    carry = Carry(max_num_seqs=8, k=3, rows=32)
+    for _ in range(20):
+        groups = rng.integers(0, 4, size=6)  # each sequence's drafts
+        starts = np.concatenate([[0], np.cumsum(groups + 1)[:-1]])
+        rows = int(np.sum(groups + 1))
+        samples = rng.integers(0, 3, size=rows)  # few values: drafts often match
+        row_tokens = rng.integers(0, 3, size=rows)
+        group_drafts = np.zeros(rows, np.int32)
+        group_drafts[starts] = groups
+        out = np.asarray(record_acceptance(jnp.zeros(carry.size, jnp.int32),
+                                           jnp.asarray(samples), jnp.asarray(row_tokens),
+                                           jnp.asarray(group_drafts), carry))
+        for r, k in zip(starts, groups):
+            drafts = row_tokens[r + 1:r + 1 + k].tolist()
+            a = len(accepted_path(drafts, token_tree.chain(k), samples[r:].tolist()))
+            assert out[carry.rejected + r] == k - a
+            assert out[carry.bonus + r] == samples[r + a]
+            assert out[carry.last + r] == row_tokens[r + a]
 
 
 def test_sampled_drafts_of_a_draft_equal_to_the_target(self_drafted, checkpoints, prompts):

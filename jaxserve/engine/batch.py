@@ -52,6 +52,11 @@ class StepBatch:
     num_rows: np.ndarray
     # bool []: compute Medusa heads' guesses at the sampled rows (when the model has them)
     propose: np.ndarray
+    # [S]: for a sequence whose newest tokens a step still in flight emits (with drafts,
+    # 1 to k + 1 of them: the host counts k + 1), that step's first sampled row of it,
+    # whose entry in the `Carry` blocks says how many of its drafts were rejected, by
+    # which its positions here move back (runner.resolve_pending); -1: none.
+    shift_row: np.ndarray
     history: TokenHistory | None = None
 
 
@@ -68,6 +73,54 @@ class BucketKey(NamedTuple):
     def rows(self) -> int:
         """R, the sampled rows (all data shards: T and S divide by their count)."""
         return min(self.tokens, self.seqs * (self.drafts + 1)) if self.drafts else self.seqs
+
+
+@dataclasses.dataclass(frozen=True)
+class Carry:
+    """The layout of `prev_tokens`, the device array a step reads its tokens still on the
+    device from (`StepBatch.prev_index`), written by the step's sampling and by a
+    proposer's program:
+    - [0, max_num_seqs): the step before's samples, row r at r;
+    - a proposer's guesses: guess j of row r at max_num_seqs x (1 + j) + r, up to
+      `guesses_end`;
+    - with `rows` > 0 (steps verifying a draft model's chains may be dispatched while the
+      step before them is in flight: `overlap`), three blocks of `rows` entries, one per
+      sampled row of the step before, filled at each sequence's first row: the token
+      its step emits last (the sample after its accepted drafts, `bonus`), the token
+      before it (`last`) and how many of its drafts were rejected (`rejected`).
+    """
+
+    max_num_seqs: int
+    k: int = 0  # guesses per row
+    rows: int = 0  # the acceptance blocks' length (0: none)
+
+    @property
+    def overlap(self) -> bool:
+        return self.rows > 0
+
+    @property
+    def guesses_end(self) -> int:
+        return self.max_num_seqs * (1 + self.k)
+
+    @property
+    def bonus(self) -> int:
+        return self.guesses_end
+
+    @property
+    def last(self) -> int:
+        return self.bonus + self.rows
+
+    @property
+    def rejected(self) -> int:
+        return self.last + self.rows
+
+    @property
+    def size(self) -> int:
+        return self.rejected + self.rows
+
+    def guess(self, j: int, row: int) -> int:
+        """Where guess j (0-based) of row `row` lies."""
+        return self.max_num_seqs * (1 + j) + row
 
 
 @dataclasses.dataclass
@@ -89,15 +142,15 @@ class BatchBuilder:
     # Sampled requests' chain drafts are drawn from the proposer's distributions: the
     # target's rows verify them by rejection sampling (SamplingArrays.draft_index).
     sampled_drafts: bool = False
+    # The layout of the device array PLACEHOLDER tokens are read from (default: the
+    # samples and k guesses per row, no acceptance blocks); a proposer's builder shares
+    # its target's.
+    carry: Carry | None = None
     _open_masks: dict[int, np.ndarray] = dataclasses.field(default_factory=dict, repr=False)
 
-    @property
-    def prev_tokens_size(self) -> int:
-        """The length of the device array a step reads PLACEHOLDER tokens from
-        (`StepBatch.prev_index`): the step before's samples (row r at r), then room for
-        guesses a proposer leaves on the device (draft j of its row r at
-        max_num_seqs x (1 + j) + r)."""
-        return self.max_num_seqs * (1 + self.num_speculative_tokens)
+    def __post_init__(self) -> None:
+        if self.carry is None:
+            self.carry = Carry(self.max_num_seqs, self.num_speculative_tokens)
 
     def bucket(self, num_tokens: int, history: bool, drafts: bool = False) -> BucketKey:
         """The bucket for `num_tokens` tokens in the busiest shard (`drafts`: a step that
@@ -114,11 +167,14 @@ class BatchBuilder:
                        for h in (False, True) for t in self.token_buckets
                        for k in {False, self.num_speculative_tokens > 0}})
 
-    def build(self, out: SchedulerOutput, pending_rows: dict[Sequence, int] | None = None
+    def build(self, out: SchedulerOutput,
+              pending: dict[Sequence, tuple[int, int]] | None = None
               ) -> tuple[StepBatch, BucketKey]:
         """The batch of a schedule; sets each scheduled seq's `row` in the step's sampled
-        outputs. `pending_rows` are the rows, in the outputs of the step still in flight,
-        of the seqs whose newest token is a PLACEHOLDER (the step reads it from there)."""
+        outputs. `pending` has, for each seq whose newest tokens the step still in flight
+        emits (PLACEHOLDERs), its first row in that step's outputs and its drafts there:
+        the step reads the tokens from the device (`Carry`), and with drafts moves the
+        seq's positions back by those rejected (`StepBatch.shift_row`)."""
         d = self.data_shards
         tokens = [0] * d
         for x in out.scheduled:
@@ -148,12 +204,18 @@ class BatchBuilder:
             own = n - len(sched.drafts)  # the chunk's tokens that are the seq's own
             batch.input_ids[t:t + own] = seq.token_ids[start:start + own]
             if sched.drafts_on_device:
-                batch.prev_index[t + own:t + n] = seq.draft_prev_index[:n - own]
+                batch.prev_index[t + own:t + n] = sched.guess_index
             else:
                 batch.input_ids[t + own:t + n] = sched.drafts
-            if batch.input_ids[t + n - 1] == PLACEHOLDER:  # only the newest token can be
-                batch.input_ids[t + n - 1] = 0
-                batch.prev_index[t + n - 1] = pending_rows[seq]
+            for j in np.flatnonzero(batch.input_ids[t:t + own] == PLACEHOLDER):
+                batch.input_ids[t + j] = 0
+                batch.prev_index[t + j] = self._pending_token(pending[seq][0],
+                                                              start + j, seq.num_tokens)
+            if pending and seq in pending and self.carry.overlap:
+                batch.shift_row[i] = pending[seq][0]
+                batch.sampling.shift_row[sched.row:sched.row + num_rows] = pending[seq][0]
+            if sched.drafts and sched.parents is None:
+                batch.sampling.group_drafts[sched.row] = len(sched.drafts)
             batch.positions[t:t + n] = pos
             batch.attn.slot_mapping[t:t + n] = (pages[pos // self.page_size] * self.page_size
                                                 + pos % self.page_size)
@@ -174,13 +236,24 @@ class BatchBuilder:
                     and seq.params.temperature > 0):
                 # Draft j's distribution: SampledDrafts row max_num_seqs x j + r.
                 batch.sampling.draft_index[sched.row:sched.row + len(sched.drafts)] = (
-                    np.asarray(seq.draft_prev_index) - self.max_num_seqs)
+                    np.asarray(sched.guess_index) - self.max_num_seqs)
         for data_shard in range(d):
             block = data_shard * (shard_s + 1)
             cu[block + counts[data_shard] + 1:block + shard_s + 1] = ends[data_shard]
         batch.attn.num_seqs[:] = counts
         batch.num_rows[:] = rows
         return batch, key
+
+    def _pending_token(self, row: int, position: int, num_tokens: int) -> int:
+        """Where in `prev_tokens` the token at `position` (a PLACEHOLDER) of a seq of
+        `num_tokens` tokens lies, whose pending step's first row is `row`: the seq's newest
+        token is the last that step emits; with `Carry.overlap` the one before it may be
+        read too (a draft model's round 1 feeds both)."""
+        if position == num_tokens - 1:
+            return self.carry.bonus + row if self.carry.overlap else row
+        assert self.carry.overlap and position == num_tokens - 2, (
+            "only the newest tokens of a seq can be still on the device")
+        return self.carry.last + row
 
     @staticmethod
     def fill_history(batch: StepBatch, out: SchedulerOutput) -> None:
@@ -241,6 +314,7 @@ class BatchBuilder:
             sample_index=np.zeros(r, i32),
             num_rows=np.zeros(self.data_shards, i32),
             propose=np.zeros((), np.bool_),
+            shift_row=np.full(s, -1, i32),
             attn=AttentionMetadata(
                 slot_mapping=np.full(t, self.num_pages * self.page_size, i32),
                 cu_q_lens=np.zeros(s + self.data_shards, i32),
@@ -267,6 +341,8 @@ class BatchBuilder:
                 bias_values=np.zeros((r, MAX_LOGIT_BIAS), np.float32),
                 grammar_mask=self.open_mask(r),
                 draft_index=np.full(r, -1, i32),
+                shift_row=np.full(r, -1, i32),
+                group_drafts=np.zeros(r, i32),
             ),
             history=TokenHistory(
                 tokens=np.full((r, self.max_model_len), -1, i32),

@@ -15,7 +15,7 @@ sequence's newest (its whole prompt the first time, chunked by the token budget;
 the tokens the last step accepted) and guesses from the last; rounds 2..k, a loop on the
 device, feed each sequence the round before's guess at the next position. The guesses
 stay on the device, laid out where the target's step reads its PLACEHOLDER tokens
-(runner.guesses_as_prev_tokens): the host dispatches the verification behind the program
+(runner.write_guesses): the host dispatches the verification behind the program
 and reads the guesses back with its samples, one wait per step whatever k. A sequence
 catching up over a long prompt gets no drafts until it has caught up.
 
@@ -34,36 +34,43 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.engine.batch import BucketKey, StepBatch
+from jaxserve.engine.batch import BucketKey, Carry, StepBatch
 from jaxserve.engine.proposers import DeviceProposer, first_round
 from jaxserve.engine.request import PLACEHOLDER, Sequence
 from jaxserve.engine.runner import (
-    ModelRunner, guesses_as_prev_tokens, on_param_leaves, round_guesses, round_metadata,
-    sampled_rows)
+    ModelRunner, on_param_leaves, resolve_pending, round_guesses, round_metadata, sampled_rows,
+    shift_sampling, write_guesses)
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 
 
 def rounds(graphdef: nnx.GraphDef, params: nnx.State, kv_caches, batch: StepBatch,
-           limits: jax.Array, probs: jax.Array | None, *, k: int, max_num_seqs: int,
-           page_size: int, drop_slot: int) -> tuple[list, jax.Array, jax.Array | None]:
-    """Round 1 of the draft model over `batch` (each sequence's new tokens), then k - 1
-    rounds of one token per sequence, each its guess of the round before at the next
-    position. Returns the cache, the guesses `[k, S]` and `probs` (`round_guesses`);
-    sequence i writes K/V in its first `limits[i]` later rounds only (the pages it
-    holds)."""
+           limits: jax.Array, probs: jax.Array | None, prev_tokens: jax.Array, *, k: int,
+           carry: Carry, page_size: int, drop_slot: int
+           ) -> tuple[list, jax.Array, jax.Array | None]:
+    """Round 1 of the draft model over `batch` (each sequence's new tokens, those still on
+    the device read from the target's `prev_tokens`, laid out as `carry` says, and
+    sequences moved back by the drafts their pending step rejected: resolve_pending),
+    then k - 1 rounds of one token per sequence, each its guess of the round before at
+    the next position. Returns the cache, the guesses `[k, S]` and `probs`
+    (`round_guesses`); sequence i writes K/V in its first `limits[i]` later rounds only
+    (the pages it holds)."""
     model = nnx.merge(graphdef, params)
+    input_ids, batch = resolve_pending(batch, prev_tokens, carry, page_size)
+    sampling = (shift_sampling(batch.sampling, prev_tokens, carry)
+                if batch.sampling is not None else None)
     meta = batch.attn
     d, s = meta.num_seqs.shape[0], meta.kv_lens.shape[0]
     rows = batch.num_rows[0] if d == 1 else None
-    hidden, kv_caches = model(batch.input_ids, batch.positions, kv_caches, meta)
+    max_num_seqs = carry.max_num_seqs
+    hidden, kv_caches = model(input_ids, batch.positions, kv_caches, meta)
     logits = model.logits(sampled_rows(hidden, batch.sample_index, d), rows=rows)
-    ids, probs = round_guesses(logits, batch.sampling, 0, probs, max_num_seqs)
+    ids, probs = round_guesses(logits, sampling, 0, probs, max_num_seqs)
 
-    def round_(j, carry):  # one token per sequence, the guess of the round before
-        kv_caches, ids, out, probs = carry
+    def round_(j, state):  # one token per sequence, the guess of the round before
+        kv_caches, ids, out, probs = state
         pos, attn = round_metadata(meta, j, limits, page_size, drop_slot)
         hidden, kv_caches = model(ids, pos, kv_caches, attn)
-        ids, probs = round_guesses(model.logits(hidden, rows=rows), batch.sampling, j, probs,
+        ids, probs = round_guesses(model.logits(hidden, rows=rows), sampling, j, probs,
                                    max_num_seqs)
         return kv_caches, ids, out.at[j].set(ids), probs
 
@@ -77,33 +84,36 @@ class DraftModel(DeviceProposer):
     the draft's (its parameters and KV cache; its step programs are not used), `target`
     the engine's (whose next step reads the guesses)."""
 
+    keeps_accepted = True  # its K/V of the drafts the target kept are of those tokens
+
     def __init__(self, runner: ModelRunner, target: ModelRunner, max_num_batched_tokens: int,
                  k: int):
         assert runner.builder.draft_model
         super().__init__(runner.builder, target)
         self.runner = runner
         self.max_num_batched_tokens = max_num_batched_tokens
+        carry = self.builder.carry
         program = functools.partial(
-            rounds, k=k, max_num_seqs=self.builder.max_num_seqs,
-            page_size=self.builder.page_size,
+            rounds, k=k, carry=carry, page_size=self.builder.page_size,
             drop_slot=self.builder.num_pages * self.builder.page_size)
 
-        def laid_out(*args):  # the guesses as the target's prev_tokens
+        def laid_out(*args):  # the guesses written into the target's prev_tokens
             kv, out, probs = program(*args)
-            return kv, guesses_as_prev_tokens(out, self.builder.max_num_seqs), probs
+            return kv, write_guesses(args[-1], out, carry), probs
 
         replicated = runner.shard.sharding(())
         caches = jax.tree.map(lambda x: x.sharding, runner.kv_caches)
         self._rounds = jax.jit(
             on_param_leaves(runner.graphdef, runner.params, laid_out), donate_argnums=(1, 4),
             in_shardings=([x.sharding for x in jax.tree.leaves(runner.params)], caches,
-                          replicated, replicated, replicated),
+                          replicated, replicated, replicated, replicated),
             out_shardings=(caches, replicated, replicated))
 
     def recover(self) -> None:
         self.runner.recover()
 
-    def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler
+    def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler,
+                      pending: dict[Sequence, tuple[int, int]] | None = None
                       ) -> list[list[int]]:
         """Drafts for each (sequence, at most k) of the coming step: as PLACEHOLDERs, the
         guesses left on the device where the target's next step reads them
@@ -116,17 +126,16 @@ class DraftModel(DeviceProposer):
         if not first:
             return drafts
         out = SchedulerOutput([s for _, s in first], [], sum(s.num_new_tokens for _, s in first))
-        batch, key = self.builder.build(out)
+        batch, key = self.builder.build(out, pending)
         limits = np.zeros(key.seqs, np.int32)
         for i, sched in first:
             if i in want:  # its later rounds' K/V, of its guesses
                 limits[sched.row] = want[i] - 1
                 sched.seq.draft_computed_tokens += want[i] - 1
         self.run(batch, key, limits)
-        rows = self.builder.max_num_seqs
         for i, sched in first:
             if i in want:
-                sched.seq.draft_prev_index = [rows * (1 + j) + sched.row
+                sched.seq.draft_prev_index = [self.builder.carry.guess(j, sched.row)
                                               for j in range(want[i])]
                 drafts[i] = [PLACEHOLDER] * want[i]
         return drafts
@@ -134,5 +143,6 @@ class DraftModel(DeviceProposer):
     def _run(self, inputs: StepBatch, key: BucketKey, limits: np.ndarray) -> jax.Array:
         runner = self.runner
         runner.kv_caches, out, self.target.draft_probs = self._rounds(
-            runner._param_leaves, runner.kv_caches, inputs, limits, self.target.draft_probs)
+            runner._param_leaves, runner.kv_caches, inputs, limits, self.target.draft_probs,
+            self.target.sampled)
         return out

@@ -47,8 +47,8 @@ from jaxserve.engine.batch import BucketKey, StepBatch
 from jaxserve.engine.proposers import DeviceProposer, first_round
 from jaxserve.engine.request import PLACEHOLDER, Sequence
 from jaxserve.engine.runner import (
-    ModelRunner, global_slots, guesses_as_prev_tokens, position_slots, round_guesses,
-    round_metadata, sampled_rows, seqs_as_tokens)
+    ModelRunner, global_slots, position_slots, round_guesses,
+    round_metadata, sampled_rows, seqs_as_tokens, write_guesses)
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.token_tree import DraftTree
 from jaxserve.models.eagle import EagleHead, embed
@@ -179,11 +179,14 @@ class EagleProposer(DeviceProposer):
                                     tree=tree)
         target_tree, tree = jax.tree.structure(target.params), jax.tree.structure(params)
 
+        carry = self.builder.carry
+
         def on_leaves(target_leaves, leaves, *args):  # as runner.on_param_leaves, for both
+            *args, prev_tokens = args
             kv, guesses, probs = program(
                 graphdef, jax.tree.unflatten(tree, leaves), target.graphdef,
                 jax.tree.unflatten(target_tree, target_leaves), *args)
-            return kv, guesses_as_prev_tokens(guesses, self.builder.max_num_seqs), probs
+            return kv, write_guesses(prev_tokens, guesses, carry), probs
 
         replicated = shard.sharding(())
         kv_shardings = tuple(x.sharding for x in kv_abstract)
@@ -191,7 +194,8 @@ class EagleProposer(DeviceProposer):
             on_leaves, donate_argnums=(2, 6),
             in_shardings=([x.sharding for x in target._param_leaves],
                           [x.sharding for x in self._param_leaves], kv_shardings,
-                          target.features.sharding, replicated, replicated, replicated),
+                          target.features.sharding, replicated, replicated, replicated,
+                          replicated),
             out_shardings=(kv_shardings, replicated, replicated))
 
     def _zero_kv(self) -> tuple:
@@ -201,7 +205,8 @@ class EagleProposer(DeviceProposer):
         if any(x.is_deleted() for x in self.kv):
             self.kv = self._zero_kv()
 
-    def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler
+    def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler,
+                      pending: dict[Sequence, tuple[int, int]] | None = None
                       ) -> list[list[int] | DraftTree]:
         """Drafts for each (sequence, at most k: a tree's depth) of the coming step: as
         PLACEHOLDERs, the guesses left on the device where the target's next step reads
@@ -226,13 +231,12 @@ class EagleProposer(DeviceProposer):
             batch.input_ids[last - n + 1:last + 1] = seq.token_ids[start + 1:start + n + 1]
             limits[sched.row] = want.get(i, 1) - 1
         self.run(batch, key, limits)
-        rows = self.builder.max_num_seqs
         for i, sched in first:
             if i not in want:
                 continue
             nodes, parents = (self._cuts[min(want[i], len(self._cuts))] if self.tree
                               else (range(want[i]), None))
-            sched.seq.draft_prev_index = [rows * (1 + j) + sched.row for j in nodes]
+            sched.seq.draft_prev_index = [self.builder.carry.guess(j, sched.row) for j in nodes]
             placeholders = [PLACEHOLDER] * len(nodes)
             drafts[i] = DraftTree(placeholders, parents) if self.tree else placeholders
         return drafts
@@ -240,5 +244,5 @@ class EagleProposer(DeviceProposer):
     def _run(self, inputs: StepBatch, key: BucketKey, limits: np.ndarray) -> jax.Array:
         self.kv, out, self.target.draft_probs = self._draft(
             self.target._param_leaves, self._param_leaves, self.kv, self.target.features,
-            inputs, limits, self.target.draft_probs)
+            inputs, limits, self.target.draft_probs, self.target.sampled)
         return out

@@ -20,12 +20,12 @@ import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import compile_cache, token_tree
-from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
+from jaxserve.engine.batch import BatchBuilder, BucketKey, Carry, StepBatch
 from jaxserve.engine.draft_model import DraftModel
 from jaxserve.engine.eagle import EagleProposer
 from jaxserve.engine.output_text import OutputText
 from jaxserve.engine.proposers import MedusaProposer
-from jaxserve.engine.request import PLACEHOLDER, Request, Sequence
+from jaxserve.engine.request import PLACEHOLDER, Request, Sequence, SequenceStatus
 from jaxserve.engine.runner import (
     ModelRunner, abstract_kv_cache, fetch, kv_page_bytes, pages_per_seq, pool_size)
 from jaxserve.engine.sampler import SampleOutput
@@ -73,8 +73,9 @@ class InFlightStep:
         """The scheduled seqs whose sample is real: each holds a PLACEHOLDER for it."""
         return [s for s in self.schedule.scheduled if s.samples]
 
-    def pending_rows(self) -> dict[Sequence, int]:
-        return {s.seq: s.row for s in self.sampling}
+    def pending(self) -> dict[Sequence, tuple[int, int]]:
+        """Each sampling seq's first row in the outputs and its drafts (BatchBuilder.build)."""
+        return {s.seq: (s.row, len(s.drafts)) for s in self.sampling}
 
     @property
     def verifies_drafts(self) -> bool:
@@ -146,15 +147,18 @@ class Engine:
             raise ValueError("speculative_config: speculative_token_tree needs a model without "
                              "sliding-window attention (a tree node's window would be "
                              "counted from its slot, not its position); use a chain")
+        k = len(tree) if tree else spec.num_speculative_tokens if spec is not None else 0
+        # A draft model's chains verify in async steps: the device keeps each step's
+        # acceptance for the next (batch.Carry; see `step`).
+        overlap = draft is not None and not tree and config.async_scheduling
         self.builder = BatchBuilder(
             token_buckets=config.token_buckets, max_num_seqs=config.max_num_seqs,
             page_size=config.page_size, num_pages=num_pages, pages_per_seq=per_seq,
             max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
             vocab_size=model_config.vocab_size, data_shards=shards,
-            num_speculative_tokens=(len(tree) if tree else spec.num_speculative_tokens
-                                    if spec is not None else 0),
-            tree=bool(tree),
-            sampled_drafts=sampled_drafts)
+            num_speculative_tokens=k, tree=bool(tree), sampled_drafts=sampled_drafts,
+            carry=Carry(config.max_num_seqs, k,
+                        rows=config.max_num_seqs * (1 + k) if overlap else 0))
         # Multi-host, process 0: a broadcast.StepBroadcaster sends every step to the others.
         params = self._laid_out(params, shard)
         self.runner = ModelRunner(graphdef, params, shard, self.builder, model_config, kv_dtype,
@@ -399,9 +403,15 @@ class Engine:
         starts only its forward pass; after phase 2 the host fills the histories and masks
         and starts the sampling, so that work overlaps the forward pass on the device.
         Without async scheduling each call collects the step before it first.
-        With speculative decoding a step may verify drafts (speculation.py), which need
-        every token before them on the host and leave a number of tokens the next step
-        cannot know: such a step collects the step before it first, and is collected
+        With speculative decoding a step may verify drafts (speculation.py) and emits
+        1 to k + 1 tokens per sequence, as many as its drafts the target agrees with.
+        Where the drafts are a draft model's chains (`_overlaps`), such steps run async
+        too: the host counts every draft as accepted when it schedules the next step (its
+        PLACEHOLDERs, pages and positions), and that step moves each sequence back by its
+        drafts rejected, read on the device (batch.Carry, runner.resolve_pending); the
+        draft model's next round reads the emitted tokens there too. Otherwise (n-gram's
+        drafts come from the host's tokens; trees, Medusa's and EAGLE's heads, grammars,
+        penalties) a step with drafts collects the step before it first, and is collected
         itself before returning (its pages are offered to the prefix cache once its
         accepted tokens are known).
         """
@@ -410,22 +420,26 @@ class Engine:
         speculate = (self.speculator is not None
                      and self.speculator.allowed(self.scheduler.num_running,
                                                  self.scheduler.prefills_next))
-        if prev is not None and (not self.config.async_scheduling or speculate):
+        overlap = self._overlaps()
+        if prev is not None and (not self.config.async_scheduling or (
+                (speculate or prev.verifies_drafts) and not overlap)):
             outputs, prev = self._collect(prev), None
         if speculate:
-            self._propose()
+            self._propose(prev)
         step = self._dispatch(prev, speculate)
         if prev is not None:
-            outputs += self._collect(prev)
+            outputs += self._collect(prev, later=step)
         if step is None:
             return outputs
         if step.out is None:
             self._dispatch_sample(step)
         if step.verifies_drafts:
             self.speculator.stats.steps += 1
-            outputs += self._collect(step)
-            self.scheduler.cache_pages(step.schedule)
-            return outputs
+            self.speculator.stats.async_steps += prev is not None
+            if not overlap:
+                outputs += self._collect(step)
+                self.scheduler.cache_pages(step.schedule)
+                return outputs
         # Step N's pages are full of known tokens now that N-1's samples are in.
         self.scheduler.cache_pages(step.schedule)
         if self.config.async_scheduling:
@@ -457,10 +471,26 @@ class Engine:
                 allocator.reset_prefix_cache()
         return outputs
 
-    def _propose(self) -> None:
-        """Give each decoding sequence drafts for the coming step (every token of theirs
-        is on the host). Sequences with a grammar do not speculate (their drafts would
-        need the grammar advanced through them), nor those whose request says not to."""
+    def _overlaps(self) -> bool:
+        """Whether steps with drafts may run async now (see `step`): a draft model
+        proposes chains (its builder's carry keeps their acceptance on the device) and
+        no running request needs all its tokens on the host before a step samples it
+        (a grammar, penalties, stop tokens banned until min_tokens)."""
+        if not self.builder.carry.overlap:
+            return False
+        for seq in self.scheduler.running:
+            req = self._requests.get(seq.request_id)
+            if req is not None and (
+                    req.grammar is not None or seq.params.needs_history
+                    or seq.num_known_tokens - seq.num_prompt_tokens < seq.params.min_tokens):
+                return False
+        return True
+
+    def _propose(self, prev: InFlightStep | None = None) -> None:
+        """Give each decoding sequence drafts for the coming step (with the step `prev`
+        in flight, its newest tokens are on the device: a draft model reads them there).
+        Sequences with a grammar do not speculate (their drafts would need the grammar
+        advanced through them), nor those whose request says not to."""
         entries = []
         for seq in self.scheduler.running:
             req = self._requests.get(seq.request_id)
@@ -469,7 +499,7 @@ class Engine:
                 continue
             entries.append((seq, min(req.max_tokens - len(seq.output_token_ids),
                                      self.max_model_len - seq.num_tokens)))
-        self.speculator.propose(entries, self.scheduler)
+        self.speculator.propose(entries, self.scheduler, prev.pending() if prev else None)
 
     def _dispatch(self, prev: InFlightStep | None, speculate: bool) -> InFlightStep | None:
         """Schedule the next step, build its batch and start it (only its forward pass
@@ -480,7 +510,7 @@ class Engine:
         schedule = self.scheduler.schedule()
         if schedule.is_empty:
             return None
-        batch, key = self.builder.build(schedule, prev.pending_rows() if prev else None)
+        batch, key = self.builder.build(schedule, prev.pending() if prev else None)
         batch.propose = np.asarray(speculate and self.runner.medusa is not None)
         prev_tokens = self.runner.sampled
         if prev is not None:
@@ -496,8 +526,9 @@ class Engine:
         if any(s.drafts_on_device for s in schedule.scheduled):
             step.device_drafts = prev_tokens
         self.num_steps += 1
-        for s in step.sampling:
-            s.seq.output_token_ids.append(PLACEHOLDER)
+        for s in step.sampling:  # as many as the step can emit (`_append` keeps those it does)
+            s.out_index = len(s.seq.output_token_ids)
+            s.seq.output_token_ids.extend([PLACEHOLDER] * (1 + len(s.drafts)))
         return step
 
     def _dispatch_sample(self, step: InFlightStep) -> None:
@@ -525,11 +556,14 @@ class Engine:
         ids = np.asarray(step.device_drafts.addressable_data(0))
         for s in step.schedule.scheduled:
             if s.drafts_on_device:
-                s.drafts = ids[s.seq.draft_prev_index[:len(s.drafts)]].tolist()
+                s.drafts = ids[s.guess_index].tolist()
         step.device_drafts = None
 
-    def _collect(self, step: InFlightStep) -> list[StepOutput]:
-        """Wait for a dispatched step; hand its tokens to the requests still running."""
+    def _collect(self, step: InFlightStep, later: InFlightStep | None = None
+                 ) -> list[StepOutput]:
+        """Wait for a dispatched step; hand its tokens to the requests still running.
+        `later`: the step dispatched after it, in flight (its seqs' counts follow this
+        step's)."""
         sampled = fetch(step.out)
         self._resolve_drafts(step)
         if step.expert_load is not None:
@@ -537,20 +571,25 @@ class Engine:
         guesses = (np.asarray(step.guesses.addressable_data(0))
                    if step.guesses is not None else None)
         outputs = []
+        following = {s.seq: s for s in later.schedule.scheduled} if later else {}
         for s in step.sampling:
             req = self._requests.get(s.seq.request_id)
             if req is not None and req.seq is s.seq:  # not aborted or finished meanwhile
-                outputs.append(self._append(req, sampled, s, guesses))
+                outputs.append(self._append(req, sampled, s, guesses, following.get(s.seq)))
         if self._moves:  # a tree's accepted nodes into their positions' slots
             self.runner.move(*self.runner.moves(self._moves))
             self._moves = []
         return outputs
 
     def _append(self, req: Request, sampled: SampleOutput, s: ScheduledSeq,
-                guesses: np.ndarray | None = None) -> StepOutput:
-        """Append the step's tokens for `s` (its sample; with drafts, the accepted ones
-        and the one after them) to its request, up to the first that ends it. `guesses`:
-        Medusa heads' at each row, kept for the next step from the row of the last token."""
+                guesses: np.ndarray | None = None, later: ScheduledSeq | None = None
+                ) -> StepOutput:
+        """Put the step's tokens for `s` (its sample; with drafts, the accepted ones and
+        the one after them) in its PLACEHOLDERs, up to the first that ends the request,
+        and drop the PLACEHOLDERs left (the drafts rejected). `guesses`: Medusa heads' at
+        each row, kept for the next step from the row of the last token. `later`: `s`'s
+        seq in the step dispatched after this one, in flight, which counted every
+        PLACEHOLDER here as a token: its counts move back by those dropped."""
         seq, params = req.seq, req.seq.params
         accepted: list[int] = []  # the drafts accepted (their nodes, in a tree)
         if s.drafts:
@@ -561,21 +600,10 @@ class Engine:
         new_text = ""
         outputs = seq.output_token_ids
         rows = [s.row] + [s.row + 1 + j for j in accepted]  # each token's sample
-        for i in rows:
+        for index, i in enumerate(rows, s.out_index):
             token = int(sampled.token_ids[i])
-            if i == s.row:
-                # This step's PLACEHOLDER: the last one, or the one before if the step
-                # after it (dispatched already) added its own.
-                index = len(outputs) - (2 if len(outputs) > 1 and outputs[-2] == PLACEHOLDER
-                                        else 1)
-                assert outputs[index] == PLACEHOLDER
-                outputs[index] = token
-                # A draft model's K/V from here on may be of other tokens (its guesses).
-                seq.draft_computed_tokens = min(seq.draft_computed_tokens,
-                                                seq.num_prompt_tokens + index)
-            else:  # an accepted draft's successor (never behind another step's PLACEHOLDER)
-                index = len(outputs)
-                outputs.append(token)
+            assert outputs[index] == PLACEHOLDER
+            outputs[index] = token
             req.pending.append(token)
             if params.logprobs is not None:
                 req.pending_logprobs.append(self._logprobs(sampled, i, token, params.logprobs))
@@ -604,9 +632,7 @@ class Engine:
             self.scheduler.finish(seq, finish)
             del self._requests[seq.request_id]
         else:
-            if s.drafts:
-                self._moves += [(seq.data_shard, *m)
-                                for m in self.scheduler.rollback(seq, accepted)]
+            self._keep_emitted(seq, s, index + 1 - s.out_index, accepted, later)
             if guesses is not None:  # they follow the last token: (tokens up to it, guesses)
                 seq.medusa_guesses = (seq.num_prompt_tokens + index + 1,
                                       guesses[rows[-1]].tolist())
@@ -618,6 +644,40 @@ class Engine:
             first_scheduled_at=seq.first_scheduled_at, error=error)
         req.pending, req.pending_logprobs = [], []
         return out
+
+    def _keep_emitted(self, seq: Sequence, s: ScheduledSeq, emitted: int,
+                      accepted: list[int], later: ScheduledSeq | None) -> None:
+        """After `emitted` tokens of `s`'s step went into its first PLACEHOLDERs: drop
+        the others (its rejected drafts) and put the seq's counts where the emitted
+        tokens leave them. The draft model's K/V is kept up to the token before the last
+        emitted one (its next round feeds those two, as an overlapping step does). With
+        `later` (the seq's next step, in flight, scheduled as if every draft were kept)
+        the seq's computed tokens, the draft's, and `later`'s own PLACEHOLDERs move back
+        by the dropped ones; else the rejected drafts' K/V slots are given up
+        (Scheduler.rollback; a tree's accepted nodes move into place)."""
+        width = 1 + len(s.drafts)
+        dropped = width - emitted
+        del seq.output_token_ids[s.out_index + emitted:s.out_index + width]
+        start = seq.num_prompt_tokens + s.out_index  # the first emitted token's position
+        if seq.status is not SequenceStatus.RUNNING:  # preempted meanwhile: recomputed later
+            return
+        keep = (start + emitted - 2 if self.speculator is not None
+                and self.speculator.proposer.keeps_accepted else start)
+        if later is None:
+            seq.draft_computed_tokens = min(seq.draft_computed_tokens, keep)
+            if s.drafts:
+                self._moves += [(seq.data_shard, *m)
+                                for m in self.scheduler.rollback(seq, accepted)]
+            return
+        if seq.draft_computed_tokens >= start + width:  # a later round fed the last two
+            seq.draft_computed_tokens -= dropped
+        else:
+            seq.draft_computed_tokens = min(seq.draft_computed_tokens, keep)
+        if dropped:
+            seq.num_computed_tokens -= dropped
+            later.start -= dropped
+            later.out_index -= dropped
+            self.scheduler.allocators[seq.data_shard].truncate(seq, seq.num_computed_tokens)
 
     def _check_stop(self, req: Request, token: int, num_outputs: int
                     ) -> tuple[str | None, str | int | None]:

@@ -186,7 +186,8 @@ class PageAllocator:
         if not self.enable_prefix_caching:
             return
         state = self._state(seq)
-        num_full = min(seq.num_computed_tokens // self.page_size, len(seq.page_ids))
+        computed = min(seq.num_computed_tokens, seq.num_known_tokens)  # no PLACEHOLDER hashed
+        num_full = min(computed // self.page_size, len(seq.page_ids))
         if num_full <= state.num_committed:
             return
         hashes = self._page_hashes(seq, num_full)

@@ -31,10 +31,18 @@ class Proposer(abc.ABC):
     def recover(self) -> None:
         """After a failed step: remake any device state of its own the step consumed."""
 
+    # Whether a sequence's K/V of the accepted drafts stay valid in the proposer's own
+    # cache (a draft model's: it computed them from the same tokens); else only those
+    # before the step's first emitted token (EAGLE's pairs after it hold its own features).
+    keeps_accepted = False
+
     @abc.abstractmethod
-    def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler
+    def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler,
+                      pending: dict[Sequence, tuple[int, int]] | None = None
                       ) -> list[list[int] | DraftTree]:
-        """Drafts for each (sequence, at most k: a tree's depth) of the coming step."""
+        """Drafts for each (sequence, at most k: a tree's depth) of the coming step.
+        `pending`: the rows of the seqs whose newest tokens a step in flight emits (only
+        a proposer that reads them on the device is called with it)."""
 
 
 class DeviceProposer(Proposer):
@@ -124,7 +132,8 @@ class TokenProposer(Proposer):
     def propose(self, tokens: list[int], k: int) -> list[int]:
         """Up to `k` guessed next tokens of `tokens`."""
 
-    def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler
+    def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler,
+                      pending: dict[Sequence, tuple[int, int]] | None = None
                       ) -> list[list[int]]:
         return [self.propose(seq.token_ids, k) for seq, k in entries]
 
@@ -139,7 +148,8 @@ class MedusaProposer(Proposer):
         self.tree = tree
         self._cuts = token_tree.cuts(tree) if tree else {}
 
-    def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler
+    def propose_batch(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler,
+                      pending: dict[Sequence, tuple[int, int]] | None = None
                       ) -> list[list[int] | DraftTree]:
         out: list[list[int] | DraftTree] = []
         for seq, k in entries:

@@ -85,6 +85,14 @@ class Sequence:
         return len(self.prompt_token_ids)
 
     @property
+    def num_known_tokens(self) -> int:
+        """Tokens before the first PLACEHOLDER (those of steps in flight come last)."""
+        out, n = self.output_token_ids, len(self.output_token_ids)
+        while n and out[n - 1] == PLACEHOLDER:
+            n -= 1
+        return len(self.prompt_token_ids) + n
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 

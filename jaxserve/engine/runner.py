@@ -15,7 +15,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from jaxserve.config import ModelConfig
-from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
+from jaxserve.engine.batch import BatchBuilder, BucketKey, Carry, StepBatch
 from jaxserve.engine.broadcast import FORWARD, SAMPLE, STEP
 from jaxserve.engine.compile_cache import counting_hits
 from jaxserve.engine.executable_cache import ExecutableCache, one_device
@@ -36,27 +36,29 @@ FEATURE_AXES = ("pages", None)  # an EAGLE feature cache [slots, F]: split as th
 def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch: StepBatch,
             prev_tokens: jax.Array, expert_load: jax.Array | None,
             medusa: MedusaHeads | None = None, features: jax.Array | None = None, *,
-            features_from: tuple[int, ...] = ()
+            features_from: tuple[int, ...] = (), carry: Carry, page_size: int
             ) -> tuple[KVCache, jax.Array, jax.Array | None, jax.Array | None,
-                       jax.Array | None]:
+                       jax.Array | None, jax.Array]:
     """One forward pass over a ragged batch: float32 logits `[R, vocab]` at the tokens the
     batch samples (`batch.sample_index`: each sequence's last token, and the tokens
     before it that verify drafts).
 
-    `prev_tokens` (BatchBuilder.prev_tokens_size) are the previous step's sampled tokens,
+    `prev_tokens` (laid out as `carry` says) holds the previous step's sampled tokens,
     then a proposer's guesses, still on the device: tokens with `batch.prev_index >= 0`
     take their id from there, so the host can schedule this step before it has seen
-    them. `expert_load` (`[sparse layers,
+    them (and sequences whose pending step rejected drafts move back: `resolve_pending`).
+    `expert_load` (`[sparse layers,
     num_experts]`, None for a dense model) counts the real tokens each expert has taken
     since start; returned with this step's added. `medusa`: Medusa heads, whose guesses
     `[R, heads, top]` at the sampled rows come back fourth when `batch.propose` (zeros when
     not; None without heads). `features`: an EAGLE head's feature cache (`[slots, F]`, see
     `write_features`), returned with every real token's features (the layers
     `features_from`, Transformer.__call__) written at its KV slot; None without a head.
+    Last, the token id at each sampled row `[R]` (the sampling records the acceptance of
+    drafts from them: `record_acceptance`).
     """
     model = nnx.merge(graphdef, params)
-    input_ids = jnp.where(batch.prev_index >= 0,
-                          prev_tokens[jnp.maximum(batch.prev_index, 0)], batch.input_ids)
+    input_ids, batch = resolve_pending(batch, prev_tokens, carry, page_size)
     (hidden, kv_caches, new_features), sown = nnx.capture(model.run, nnx.Intermediate)(
         input_ids, batch.positions, kv_caches, batch.attn, expert_load is not None,
         features_from)
@@ -78,7 +80,72 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
                               jnp.int32))
     if features is not None:
         features = write_features(features, new_features, batch.attn.slot_mapping, data_shards)
-    return kv_caches, logits, expert_load, guesses, features
+    row_tokens = jnp.take_along_axis(input_ids.reshape(data_shards, -1),
+                                     batch.sample_index.reshape(data_shards, -1), 1)
+    return kv_caches, logits, expert_load, guesses, features, row_tokens.reshape(-1)
+
+
+def resolve_pending(batch: StepBatch, prev_tokens: jax.Array, carry: Carry, page_size: int
+                    ) -> tuple[jax.Array, StepBatch]:
+    """The batch's input ids, those still on the device (`batch.prev_index`) read from
+    `prev_tokens`; and the batch with every sequence whose pending step rejected drafts
+    (`batch.shift_row`, the `carry.rejected` block) moved back by as many positions: its
+    tokens' positions and KV slots (from its page table) and its KV length. The host
+    counted all of that step's drafts as accepted when it laid the batch out; a
+    sequence's tokens here all follow them. Without `carry.overlap`, only the ids."""
+    input_ids = jnp.where(batch.prev_index >= 0,
+                          prev_tokens[jnp.maximum(batch.prev_index, 0)], batch.input_ids)
+    if not carry.overlap:
+        return input_ids, batch
+    meta = batch.attn
+    d, t, s = meta.num_seqs.shape[0], input_ids.shape[0], meta.kv_lens.shape[0]
+    rejected = jnp.where(batch.shift_row >= 0,
+                         prev_tokens[carry.rejected + jnp.maximum(batch.shift_row, 0)], 0)
+    # Each real token's sequence, within its data shard's block of tokens and sequences.
+    cu = meta.cu_q_lens.reshape(d, -1)
+    local = jnp.arange(t // d)
+    seq = jax.vmap(lambda c: jnp.searchsorted(c[1:], local, side="right",
+                                              method="compare_all"))(cu)
+    real = local[None, :] < jnp.take_along_axis(cu, meta.num_seqs[:, None], 1)
+    seq = (jnp.minimum(seq, s // d - 1) + (jnp.arange(d) * (s // d))[:, None]).reshape(-1)
+    back = jnp.where(real.reshape(-1), rejected[seq], 0)
+    positions = batch.positions - back
+    slots = jnp.where(back > 0, position_slots(meta.page_indices[seq], positions, page_size),
+                      meta.slot_mapping)
+    attn = dataclasses.replace(meta, slot_mapping=slots, kv_lens=meta.kv_lens - rejected)
+    return input_ids, dataclasses.replace(batch, positions=positions, attn=attn)
+
+
+def shift_sampling(sampling: SamplingArrays, prev_tokens: jax.Array, carry: Carry
+                   ) -> SamplingArrays:
+    """The rows of sequences whose pending step rejected drafts sample output numbers as
+    many lower (`resolve_pending`)."""
+    if not carry.overlap:
+        return sampling
+    back = jnp.where(sampling.shift_row >= 0,
+                     prev_tokens[carry.rejected + jnp.maximum(sampling.shift_row, 0)], 0)
+    return dataclasses.replace(sampling, output_index=sampling.output_index - back)
+
+
+def record_acceptance(prev_tokens: jax.Array, token_ids: jax.Array, row_tokens: jax.Array,
+                      group_drafts: jax.Array, carry: Carry) -> jax.Array:
+    """`prev_tokens` with the step's acceptance of its chains written in `carry`'s blocks
+    at each sequence's first row r (`group_drafts[r]` drafts, verified by rows r..r+k):
+    its drafts accepted a are the leading rows whose sample equals the token at the row
+    after (the draft it verifies; the host's rule, token_tree.accepted_path); it emits
+    the samples of rows r..r+a, the last (`bonus`) after the token at row r+a (`last`),
+    and rejects k - a drafts."""
+    r = token_ids.shape[0]
+    rows = jnp.arange(r)
+    at = lambda x, i: x[jnp.minimum(i, r - 1)]  # noqa: E731
+    accepted, run = jnp.zeros(r, jnp.int32), jnp.ones(r, jnp.bool_)
+    for j in range(carry.k):
+        run = run & (j < group_drafts) & (at(token_ids, rows + j) == at(row_tokens, rows + j + 1))
+        accepted = accepted + run
+    end = jnp.minimum(rows + accepted, r - 1)
+    return (prev_tokens.at[carry.bonus + rows].set(token_ids[end])
+            .at[carry.last + rows].set(row_tokens[end])
+            .at[carry.rejected + rows].set(group_drafts - accepted))
 
 
 def position_slots(page_indices: jax.Array, positions: jax.Array, page_size: int
@@ -107,30 +174,38 @@ def write_features(cache: jax.Array, features: jax.Array, slots: jax.Array,
 
 
 def sample_step(logits: jax.Array, sampling: SamplingArrays, history: TokenHistory | None,
-                prev_tokens: jax.Array, num_rows: jax.Array, draft_probs: jax.Array | None
-                ) -> tuple[SampleOutput, jax.Array]:
-    """Sample one token per row; returns them also written into `prev_tokens` (its first
-    rows), where the next step reads its PLACEHOLDER tokens.
+                prev_tokens: jax.Array, num_rows: jax.Array, draft_probs: jax.Array | None,
+                row_tokens: jax.Array, *, carry: Carry) -> tuple[SampleOutput, jax.Array]:
+    """Sample one token per row; returns them also written into `prev_tokens` (laid out as
+    `carry` says: its first rows, and with `carry.overlap` the acceptance of the step's
+    chains, `record_acceptance`, from the forward pass's `row_tokens`), where the next
+    step reads its PLACEHOLDER tokens.
     `num_rows` (the batch's real rows per data shard) lets one shard's batch sample its
     real rows only (under data parallelism each shard's rows are a block of their own:
     all rows). `draft_probs` (BatchBuilder.sampled_drafts; else None): the distributions
-    the drafts after the samples in `prev_tokens` were drawn from, in their order."""
+    the guesses in `prev_tokens` were drawn from, in their order."""
     drafts = None
     if draft_probs is not None:
-        drafts = SampledDrafts(prev_tokens[prev_tokens.shape[0] - draft_probs.shape[0]:],
-                               draft_probs)
+        drafts = SampledDrafts(
+            prev_tokens[carry.guesses_end - draft_probs.shape[0]:carry.guesses_end],
+            draft_probs)
+    sampling = shift_sampling(sampling, prev_tokens, carry)
     out = sample(logits, sampling, history, num_rows[0] if num_rows.shape[0] == 1 else None,
                  drafts)
-    n = min(out.token_ids.shape[0], prev_tokens.shape[0])
-    return out, prev_tokens.at[:n].set(out.token_ids[:n])
+    n = min(out.token_ids.shape[0], carry.guesses_end)
+    prev_tokens = prev_tokens.at[:n].set(out.token_ids[:n])
+    if carry.overlap:
+        prev_tokens = record_acceptance(prev_tokens, out.token_ids, row_tokens,
+                                        sampling.group_drafts, carry)
+    return out, prev_tokens
 
 
-def guesses_as_prev_tokens(guesses: jax.Array, max_num_seqs: int) -> jax.Array:
-    """A proposer's guesses `[R, S]` laid out as the target step's `prev_tokens`
-    (BatchBuilder.prev_tokens_size): no samples, then guess j of row r at
-    max_num_seqs x (1 + j) + r (`Sequence.draft_prev_index`)."""
+def write_guesses(prev_tokens: jax.Array, guesses: jax.Array, carry: Carry) -> jax.Array:
+    """`prev_tokens` with a proposer's guesses `[R, S]` written where `carry` keeps them:
+    guess j of row r at max_num_seqs x (1 + j) + r (`Sequence.draft_prev_index`)."""
     r, s = guesses.shape
-    return jnp.zeros((1 + r, max_num_seqs), jnp.int32).at[1:, :s].set(guesses).reshape(-1)
+    block = jnp.zeros((r, carry.max_num_seqs), jnp.int32).at[:, :s].set(guesses)
+    return jax.lax.dynamic_update_slice(prev_tokens, block.reshape(-1), (carry.max_num_seqs,))
 
 
 def round_guesses(logits: jax.Array, sampling: SamplingArrays | None, j: int | jax.Array,
@@ -222,8 +297,8 @@ def on_param_leaves(graphdef: nnx.GraphDef, params, fn: Callable) -> Callable:
 
 
 def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: ShardingContext,
-                 features_from: tuple[int, ...] = (), medusa: MedusaHeads | None = None
-                 ) -> StepPrograms:
+                 carry: Carry, page_size: int, features_from: tuple[int, ...] = (),
+                 medusa: MedusaHeads | None = None) -> StepPrograms:
     """The programs, jitted with fixed layouts in and out (params, KV cache and Medusa
     heads as given, logits as the model leaves them, batch and samples replicated, an
     EAGLE feature cache split as the pages are), so the donated caches and params never
@@ -235,7 +310,8 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
     heads = jax.tree.map(lambda x: x.sharding, medusa) if medusa is not None else replicated
     inputs = (param_shardings, cache_shardings, replicated, replicated, replicated, heads,
               features)
-    step = functools.partial(forward, features_from=features_from)
+    step = functools.partial(forward, features_from=features_from, carry=carry,
+                             page_size=page_size)
     slots = shard.rules.spec(("pages",))  # each data shard's moves, a block of its own
     move = move_slots
     if shard.mesh.size > 1:  # every device moves its own pages' slots of its own heads
@@ -247,9 +323,10 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
         forward=jax.jit(on_param_leaves(graphdef, params, step), donate_argnums=(1, 6),
                         in_shardings=inputs,
                         out_shardings=(cache_shardings, logits_sharding, replicated, replicated,
-                                       features)),
-        sample=jax.jit(sample_step, in_shardings=(logits_sharding, replicated, replicated,
-                                                  replicated, replicated, replicated),
+                                       features, replicated)),
+        sample=jax.jit(functools.partial(sample_step, carry=carry),
+                       in_shardings=(logits_sharding, replicated, replicated, replicated,
+                                     replicated, replicated, replicated),
                        out_shardings=(replicated, replicated)),
         move=jax.jit(move, donate_argnums=(0, 1),
                      in_shardings=(cache_shardings, features, replicated, replicated),
@@ -326,7 +403,7 @@ class ModelRunner:
             self.features = self.zeros(self._abstract_features)
         self._programs = jit_programs(graphdef, params,
                                       jax.tree.map(lambda x: x.sharding, abstract), shard,
-                                      features_from, medusa)
+                                      builder.carry, builder.page_size, features_from, medusa)
         # Programs compiled, by (program, shape): ("forward", T, S, R, tree),
         # ("sample", R, history), ("move",).
         self._executables: dict[tuple, Callable] = {}
@@ -340,8 +417,8 @@ class ModelRunner:
         replicated = shard.sharding(())
         self._open_masks: dict[int, jax.Array] = {}  # BatchBuilder.open_mask, on the device
         # The last step's sampled tokens, on the device (see `forward`), then room for a
-        # proposer's guesses (BatchBuilder.prev_tokens_size).
-        self.sampled = jax.device_put(np.zeros(builder.prev_tokens_size, np.int32), replicated)
+        # proposer's guesses and the acceptance of drafts (BatchBuilder.carry).
+        self.sampled = jax.device_put(np.zeros(builder.carry.size, np.int32), replicated)
         # With sampled drafts (BatchBuilder.sampled_drafts), the distributions a proposer
         # drew those in `sampled` from, draft j of row r at max_num_seqs x j + r; written
         # by the proposer's program, read by the step's sampling.
@@ -351,6 +428,7 @@ class ModelRunner:
         self.draft_probs = (self.zeros(self._abstract_draft_probs) if builder.sampled_drafts
                             else None)
         self._logits: jax.Array | None = None  # from dispatch_forward, for dispatch_sample
+        self._row_tokens: jax.Array | None = None  # likewise (forward's last output)
         self._logits_dtype = None  # the forward pass's logits' (warm-up samples zeros of it)
         self.medusa = medusa  # Medusa heads (device arrays), or None
         self.guesses: jax.Array | None = None  # the last forward pass's Medusa guesses
@@ -378,7 +456,7 @@ class ModelRunner:
         if lost:
             self.kv_caches = self.zeros(self._abstract_kv)
         if self.sampled.is_deleted():
-            self.sampled = jax.device_put(np.zeros(self.builder.prev_tokens_size, np.int32),
+            self.sampled = jax.device_put(np.zeros(self.builder.carry.size, np.int32),
                                           self.shard.sharding(()))
         if self.draft_probs is not None and self.draft_probs.is_deleted():
             self.draft_probs = self.zeros(self._abstract_draft_probs)
@@ -413,6 +491,8 @@ class ModelRunner:
                 self._logits = jax.device_put(
                     np.zeros((key.rows, self.builder.vocab_size), self._logits_dtype),
                     self.shard.sharding(("seqs", "vocab")))
+                self._row_tokens = jax.device_put(np.zeros(key.rows, np.int32),
+                                                  self.shard.sharding(()))
                 self._sample(self.builder.empty(key), program)
             else:
                 self._move(*self.moves([]))
@@ -501,14 +581,14 @@ class ModelRunner:
         args = (self._param_leaves, self.kv_caches, inputs, self.sampled, self.expert_load,
                 self.medusa, self.features)
         (self.kv_caches, self._logits, self.expert_load, self.guesses,
-         self.features) = self._run(program, self._programs.forward, args)
+         self.features, self._row_tokens) = self._run(program, self._programs.forward, args)
         self._logits_dtype = self._logits.dtype
 
     def _sample(self, batch: StepBatch, program: tuple) -> SampleOutput:
         logits, self._logits = self._logits, None
         batch.sampling.grammar_mask = self._grammar_mask(batch.sampling.grammar_mask)
         args = (logits, batch.sampling, batch.history, self.sampled, batch.num_rows,
-                self.draft_probs)
+                self.draft_probs, self._row_tokens)
         out, self.sampled = self._run(program, self._programs.sample, args)
         return out
 

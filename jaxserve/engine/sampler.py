@@ -52,6 +52,12 @@ class SamplingArrays:
     # `verify_drafts`): its index in the step's `SampledDrafts`; -1: none (no draft, or a
     # guess made for sure, which the row's own draw verifies).
     draft_index: jax.Array
+    # i32 [S]: the row's sequence's `StepBatch.shift_row` (its output_index moves back by
+    # the drafts its pending step rejected: runner.resolve_pending); -1: none.
+    shift_row: jax.Array
+    # i32 [S]: at a sequence's first row, the drafts of its chain the rows after it verify
+    # (the step's acceptance is left on the device for the next step: batch.Carry); else 0.
+    group_drafts: jax.Array
 
 
 @jax.tree_util.register_dataclass

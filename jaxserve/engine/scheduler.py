@@ -82,11 +82,18 @@ class ScheduledSeq:
     # tokens): the step samples a row for each and one more, rows `row...row + len(drafts)`.
     drafts: list[int] = dataclasses.field(default_factory=list)
     parents: list[int] | None = None  # a tree of drafts: each one's parent; None: a chain
+    # Drafts still on the device: where each is in the step's `prev_tokens`
+    # (Sequence.draft_prev_index as scheduled; the seq's own changes with its next drafts).
+    guess_index: list[int] | None = None
+    # Where the step's PLACEHOLDERs for its samples begin in seq.output_token_ids (the
+    # engine appends 1 + len(drafts) of them when it dispatches the step; as many as it
+    # can emit).
+    out_index: int = -1
 
     @property
     def drafts_on_device(self) -> bool:
         """Whether its drafts are a proposer's guesses still on the device (PLACEHOLDERs
-        read through `Sequence.draft_prev_index`; the engine reads them back)."""
+        read through `guess_index`; the engine reads them back)."""
         return self.drafts[:1] == [PLACEHOLDER]
 
 
@@ -224,6 +231,8 @@ class Scheduler:
                 s.drafts = seq.draft_token_ids[:fit]
                 if seq.draft_parents is not None and s.drafts:
                     s.parents = seq.draft_parents[:fit]
+                if s.drafts_on_device:
+                    s.guess_index = seq.draft_prev_index[:fit]
             seq.num_computed_tokens = s.start + s.num_new_tokens
             s.samples = seq.num_computed_tokens == seq.num_tokens + len(s.drafts)
         for seq in self.running:

@@ -40,6 +40,8 @@ class SpeculationStats:
     proposed: list[int]
     accepted: list[int]
     steps: int = 0  # steps that verified drafts
+    # Of those, dispatched while the step before them was still in flight (engine.step).
+    async_steps: int = 0
     active: bool = True  # whether the last step was allowed to speculate (the policy)
 
     @property
@@ -89,14 +91,18 @@ class Speculator:
         self.stats.active = limit is None or (num_running <= limit and not prefills)
         return self.stats.active
 
-    def propose(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler) -> None:
+    def propose(self, entries: list[tuple[Sequence, int]], scheduler: Scheduler,
+                pending: dict[Sequence, tuple[int, int]] | None = None) -> None:
         """Set the drafts of each (sequence, `room`: how many more tokens it may take; drafts
         beyond room - 1 could never be emitted, nor a tree's nodes past room - 1 have a
-        slot within max_model_len: its first room - 1 nodes are a tree too)."""
+        slot within max_model_len: its first room - 1 nodes are a tree too). `pending`:
+        the step in flight's rows of the seqs whose newest tokens it emits
+        (BatchBuilder.build)."""
         entries = [(seq, min(self.num_speculative_tokens, room - 1), room)
                    for seq, room in entries]
         entries = [entry for entry in entries if entry[1] > 0]
-        proposals = self.proposer.propose_batch([(seq, k) for seq, k, _ in entries], scheduler)
+        proposals = self.proposer.propose_batch([(seq, k) for seq, k, _ in entries], scheduler,
+                                                pending)
         for (seq, _, room), drafts in zip(entries, proposals):
             if isinstance(drafts, DraftTree):
                 seq.draft_token_ids = drafts.tokens[:room - 1]
