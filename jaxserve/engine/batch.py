@@ -52,8 +52,8 @@ class StepBatch:
     num_rows: np.ndarray
     # bool []: compute Medusa heads' guesses at the sampled rows (when the model has them)
     propose: np.ndarray
-    # [S]: for a sequence whose newest tokens a step still in flight emits (with drafts,
-    # 1 to k + 1 of them: the host counts k + 1), that step's first sampled row of it,
+    # [S]: for a sequence whose newest tokens a step still in flight with drafts emits
+    # (1 to k + 1 of them: the host counts k + 1), that step's first sampled row of it,
     # whose entry in the `Carry` blocks says how many of its drafts were rejected, by
     # which its positions here move back (runner.resolve_pending); -1: none.
     shift_row: np.ndarray
@@ -209,9 +209,9 @@ class BatchBuilder:
                 batch.input_ids[t + own:t + n] = sched.drafts
             for j in np.flatnonzero(batch.input_ids[t:t + own] == PLACEHOLDER):
                 batch.input_ids[t + j] = 0
-                batch.prev_index[t + j] = self._pending_token(pending[seq][0],
-                                                              start + j, seq.num_tokens)
-            if pending and seq in pending and self.carry.overlap:
+                batch.prev_index[t + j] = self._pending_token(*pending[seq], start + j,
+                                                              seq.num_tokens)
+            if pending and pending.get(seq, (0, 0))[1]:  # its pending step had drafts
                 batch.shift_row[i] = pending[seq][0]
                 batch.sampling.shift_row[sched.row:sched.row + num_rows] = pending[seq][0]
             if sched.drafts and sched.parents is None:
@@ -244,14 +244,16 @@ class BatchBuilder:
         batch.num_rows[:] = rows
         return batch, key
 
-    def _pending_token(self, row: int, position: int, num_tokens: int) -> int:
+    def _pending_token(self, row: int, drafts: int, position: int, num_tokens: int) -> int:
         """Where in `prev_tokens` the token at `position` (a PLACEHOLDER) of a seq of
         `num_tokens` tokens lies, whose pending step's first row is `row`: the seq's newest
-        token is the last that step emits; with `Carry.overlap` the one before it may be
-        read too (a draft model's round 1 feeds both)."""
+        token is the last that step emits (its sample, or with drafts the one after those
+        kept: with `Carry.overlap` read from its `bonus` block, which a proposer's guesses
+        never overwrite), and after a step with `drafts` the one before it may be read too
+        (a draft model's round 1 feeds both)."""
         if position == num_tokens - 1:
             return self.carry.bonus + row if self.carry.overlap else row
-        assert self.carry.overlap and position == num_tokens - 2, (
+        assert drafts and position == num_tokens - 2, (
             "only the newest tokens of a seq can be still on the device")
         return self.carry.last + row
 
