@@ -99,29 +99,20 @@ def resolve_pending(batch: StepBatch, prev_tokens: jax.Array, carry: Carry, page
         return input_ids, batch
     meta = batch.attn
     d, t, s = meta.num_seqs.shape[0], input_ids.shape[0], meta.kv_lens.shape[0]
-
-    def moved():
-        rejected = jnp.where(batch.shift_row >= 0,
-                             prev_tokens[carry.rejected + jnp.maximum(batch.shift_row, 0)], 0)
-        # Each real token's sequence, within its data shard's block of tokens and sequences.
-        cu = meta.cu_q_lens.reshape(d, -1)
-        local = jnp.arange(t // d)
-        seq = jax.vmap(lambda c: jnp.searchsorted(c[1:], local, side="right",
-                                                  method="compare_all"))(cu)
-        real = local[None, :] < jnp.take_along_axis(cu, meta.num_seqs[:, None], 1)
-        seq = (jnp.minimum(seq, s // d - 1) + (jnp.arange(d) * (s // d))[:, None]).reshape(-1)
-        back = jnp.where(real.reshape(-1), rejected[seq], 0)
-        positions = batch.positions - back
-        slots = jnp.where(back > 0,
-                          position_slots(meta.page_indices[seq], positions, page_size),
-                          meta.slot_mapping)
-        return positions, slots, meta.kv_lens - rejected
-
-    # Only after a step with drafts (a step without any skips the work).
-    positions, slots, kv_lens = jax.lax.cond(
-        jnp.any(batch.shift_row >= 0), moved,
-        lambda: (batch.positions, meta.slot_mapping, meta.kv_lens))
-    attn = dataclasses.replace(meta, slot_mapping=slots, kv_lens=kv_lens)
+    rejected = jnp.where(batch.shift_row >= 0,
+                         prev_tokens[carry.rejected + jnp.maximum(batch.shift_row, 0)], 0)
+    # Each real token's sequence, within its data shard's block of tokens and sequences.
+    cu = meta.cu_q_lens.reshape(d, -1)
+    local = jnp.arange(t // d)
+    seq = jax.vmap(lambda c: jnp.searchsorted(c[1:], local, side="right",
+                                              method="compare_all"))(cu)
+    real = local[None, :] < jnp.take_along_axis(cu, meta.num_seqs[:, None], 1)
+    seq = (jnp.minimum(seq, s // d - 1) + (jnp.arange(d) * (s // d))[:, None]).reshape(-1)
+    back = jnp.where(real.reshape(-1), rejected[seq], 0)
+    positions = batch.positions - back
+    slots = jnp.where(back > 0, position_slots(meta.page_indices[seq], positions, page_size),
+                      meta.slot_mapping)
+    attn = dataclasses.replace(meta, slot_mapping=slots, kv_lens=meta.kv_lens - rejected)
     return input_ids, dataclasses.replace(batch, positions=positions, attn=attn)
 
 
@@ -137,19 +128,14 @@ def shift_sampling(sampling: SamplingArrays, prev_tokens: jax.Array, carry: Carr
 
 
 def record_acceptance(prev_tokens: jax.Array, token_ids: jax.Array, row_tokens: jax.Array,
-                      group_drafts: jax.Array | None, carry: Carry) -> jax.Array:
+                      group_drafts: jax.Array, carry: Carry) -> jax.Array:
     """`prev_tokens` with the step's acceptance of its chains written in `carry`'s blocks
     at each sequence's first row r (`group_drafts[r]` drafts, verified by rows r..r+k):
     its drafts accepted a are the leading rows whose sample equals the token at the row
     after (the draft it verifies; the host's rule, token_tree.accepted_path); it emits
     the samples of rows r..r+a, the last (`bonus`) after the token at row r+a (`last`),
-    and rejects k - a drafts. `group_drafts` None: a step without drafts."""
+    and rejects k - a drafts."""
     r = token_ids.shape[0]
-    if group_drafts is None:
-        for at, block in ((carry.bonus, token_ids), (carry.last, row_tokens),
-                          (carry.rejected, jnp.zeros_like(token_ids))):
-            prev_tokens = jax.lax.dynamic_update_slice(prev_tokens, block, (at,))
-        return prev_tokens
     rows = jnp.arange(r)
     at = lambda x, i: x[jnp.minimum(i, r - 1)]  # noqa: E731
     accepted, run = jnp.zeros(r, jnp.int32), jnp.ones(r, jnp.bool_)
@@ -208,12 +194,9 @@ def sample_step(logits: jax.Array, sampling: SamplingArrays, history: TokenHisto
                  drafts)
     n = min(out.token_ids.shape[0], carry.guesses_end)
     prev_tokens = prev_tokens.at[:n].set(out.token_ids[:n])
-    if carry.overlap:  # without drafts each row emits its sample (no search needed)
-        prev_tokens = jax.lax.cond(
-            jnp.any(sampling.group_drafts > 0),
-            lambda: record_acceptance(prev_tokens, out.token_ids, row_tokens,
-                                      sampling.group_drafts, carry),
-            lambda: record_acceptance(prev_tokens, out.token_ids, row_tokens, None, carry))
+    if carry.overlap:
+        prev_tokens = record_acceptance(prev_tokens, out.token_ids, row_tokens,
+                                        sampling.group_drafts, carry)
     return out, prev_tokens
 
 
