@@ -89,7 +89,7 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
     # The forward pass: every weight, cache page, kernel and collective of the step (its
     # sampling is a small replicated program of its own).
     fn = jit_programs(graphdef, params, jax.tree.map(lambda x: x.sharding, caches),
-                      shard, builder.carry, engine.page_size).forward
+                      shard, builder.carry, engine.page_size).forward[True]
     sampled = jax.ShapeDtypeStruct((builder.carry.size,), jnp.int32, sharding=replicated)
     with no_persistent_cache(), jax.default_device(devices[0]):
         layers = sum(cfg.sparse_layers)

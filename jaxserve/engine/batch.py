@@ -181,7 +181,11 @@ class BatchBuilder:
             tokens[x.seq.data_shard] += x.num_new_tokens
         history = not self.draft_model and any(x.seq.params.uses_penalties
                                                for x in out.scheduled)
-        key = self.bucket(max(tokens), history, any(x.drafts for x in out.scheduled))
+        # A seq whose pending step had drafts moves back by those rejected: only a bucket
+        # with drafts does that (runner.forward's `verifies`).
+        drafts = any(x.drafts or (pending and pending.get(x.seq, (0, 0))[1])
+                     for x in out.scheduled)
+        key = self.bucket(max(tokens), history, drafts)
         batch = self.empty(key)
         shard_t, shard_s, shard_r = key.tokens // d, key.seqs // d, key.rows // d
         cu = batch.attn.cu_q_lens

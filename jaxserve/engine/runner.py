@@ -36,9 +36,9 @@ FEATURE_AXES = ("pages", None)  # an EAGLE feature cache [slots, F]: split as th
 def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch: StepBatch,
             prev_tokens: jax.Array, expert_load: jax.Array | None,
             medusa: MedusaHeads | None = None, features: jax.Array | None = None, *,
-            features_from: tuple[int, ...] = (), carry: Carry, page_size: int
-            ) -> tuple[KVCache, jax.Array, jax.Array | None, jax.Array | None,
-                       jax.Array | None, jax.Array]:
+            features_from: tuple[int, ...] = (), carry: Carry, page_size: int,
+            verifies: bool = True) -> tuple[KVCache, jax.Array, jax.Array | None,
+                                            jax.Array | None, jax.Array | None, jax.Array]:
     """One forward pass over a ragged batch: float32 logits `[R, vocab]` at the tokens the
     batch samples (`batch.sample_index`: each sequence's last token, and the tokens
     before it that verify drafts).
@@ -46,7 +46,8 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
     `prev_tokens` (laid out as `carry` says) holds the previous step's sampled tokens,
     then a proposer's guesses, still on the device: tokens with `batch.prev_index >= 0`
     take their id from there, so the host can schedule this step before it has seen
-    them (and sequences whose pending step rejected drafts move back: `resolve_pending`).
+    them (and sequences whose pending step rejected drafts move back: `resolve_pending`;
+    a program for buckets without drafts, `verifies` False, has none: BatchBuilder.build).
     `expert_load` (`[sparse layers,
     num_experts]`, None for a dense model) counts the real tokens each expert has taken
     since start; returned with this step's added. `medusa`: Medusa heads, whose guesses
@@ -58,7 +59,7 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
     drafts from them: `record_acceptance`).
     """
     model = nnx.merge(graphdef, params)
-    input_ids, batch = resolve_pending(batch, prev_tokens, carry, page_size)
+    input_ids, batch = resolve_pending(batch, prev_tokens, carry, page_size, verifies)
     (hidden, kv_caches, new_features), sown = nnx.capture(model.run, nnx.Intermediate)(
         input_ids, batch.positions, kv_caches, batch.attn, expert_load is not None,
         features_from)
@@ -85,17 +86,18 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
     return kv_caches, logits, expert_load, guesses, features, row_tokens.reshape(-1)
 
 
-def resolve_pending(batch: StepBatch, prev_tokens: jax.Array, carry: Carry, page_size: int
-                    ) -> tuple[jax.Array, StepBatch]:
+def resolve_pending(batch: StepBatch, prev_tokens: jax.Array, carry: Carry, page_size: int,
+                    move_back: bool = True) -> tuple[jax.Array, StepBatch]:
     """The batch's input ids, those still on the device (`batch.prev_index`) read from
     `prev_tokens`; and the batch with every sequence whose pending step rejected drafts
     (`batch.shift_row`, the `carry.rejected` block) moved back by as many positions: its
     tokens' positions and KV slots (from its page table) and its KV length. The host
     counted all of that step's drafts as accepted when it laid the batch out; a
-    sequence's tokens here all follow them. Without `carry.overlap`, only the ids."""
+    sequence's tokens here all follow them. Without `carry.overlap` or `move_back`, only
+    the ids."""
     input_ids = jnp.where(batch.prev_index >= 0,
                           prev_tokens[jnp.maximum(batch.prev_index, 0)], batch.input_ids)
-    if not carry.overlap:
+    if not (carry.overlap and move_back):
         return input_ids, batch
     meta = batch.attn
     d, t, s = meta.num_seqs.shape[0], input_ids.shape[0], meta.kv_lens.shape[0]
@@ -128,14 +130,20 @@ def shift_sampling(sampling: SamplingArrays, prev_tokens: jax.Array, carry: Carr
 
 
 def record_acceptance(prev_tokens: jax.Array, token_ids: jax.Array, row_tokens: jax.Array,
-                      group_drafts: jax.Array, carry: Carry) -> jax.Array:
+                      group_drafts: jax.Array, carry: Carry, verifies: bool = True
+                      ) -> jax.Array:
     """`prev_tokens` with the step's acceptance of its chains written in `carry`'s blocks
     at each sequence's first row r (`group_drafts[r]` drafts, verified by rows r..r+k):
     its drafts accepted a are the leading rows whose sample equals the token at the row
     after (the draft it verifies; the host's rule, token_tree.accepted_path); it emits
     the samples of rows r..r+a, the last (`bonus`) after the token at row r+a (`last`),
-    and rejects k - a drafts."""
+    and rejects k - a drafts. A step without drafts (`verifies` False) emits each row's
+    sample after its token, and leaves `rejected` as it was: the builder moves back only
+    sequences whose pending step had drafts."""
     r = token_ids.shape[0]
+    if not verifies:
+        return (prev_tokens.at[carry.bonus:carry.bonus + r].set(token_ids)
+                .at[carry.last:carry.last + r].set(row_tokens))
     rows = jnp.arange(r)
     at = lambda x, i: x[jnp.minimum(i, r - 1)]  # noqa: E731
     accepted, run = jnp.zeros(r, jnp.int32), jnp.ones(r, jnp.bool_)
@@ -175,7 +183,8 @@ def write_features(cache: jax.Array, features: jax.Array, slots: jax.Array,
 
 def sample_step(logits: jax.Array, sampling: SamplingArrays, history: TokenHistory | None,
                 prev_tokens: jax.Array, num_rows: jax.Array, draft_probs: jax.Array | None,
-                row_tokens: jax.Array, *, carry: Carry) -> tuple[SampleOutput, jax.Array]:
+                row_tokens: jax.Array, *, carry: Carry, verifies: bool = True
+                ) -> tuple[SampleOutput, jax.Array]:
     """Sample one token per row; returns them also written into `prev_tokens` (laid out as
     `carry` says: its first rows, and with `carry.overlap` the acceptance of the step's
     chains, `record_acceptance`, from the forward pass's `row_tokens`), where the next
@@ -183,20 +192,22 @@ def sample_step(logits: jax.Array, sampling: SamplingArrays, history: TokenHisto
     `num_rows` (the batch's real rows per data shard) lets one shard's batch sample its
     real rows only (under data parallelism each shard's rows are a block of their own:
     all rows). `draft_probs` (BatchBuilder.sampled_drafts; else None): the distributions
-    the guesses in `prev_tokens` were drawn from, in their order."""
+    the guesses in `prev_tokens` were drawn from, in their order. `verifies` False: a
+    bucket without drafts (no sequence of it moves back, none verifies)."""
     drafts = None
     if draft_probs is not None:
         drafts = SampledDrafts(
             prev_tokens[carry.guesses_end - draft_probs.shape[0]:carry.guesses_end],
             draft_probs)
-    sampling = shift_sampling(sampling, prev_tokens, carry)
+    if verifies:
+        sampling = shift_sampling(sampling, prev_tokens, carry)
     out = sample(logits, sampling, history, num_rows[0] if num_rows.shape[0] == 1 else None,
                  drafts)
     n = min(out.token_ids.shape[0], carry.guesses_end)
     prev_tokens = prev_tokens.at[:n].set(out.token_ids[:n])
     if carry.overlap:
         prev_tokens = record_acceptance(prev_tokens, out.token_ids, row_tokens,
-                                        sampling.group_drafts, carry)
+                                        sampling.group_drafts, carry, verifies)
     return out, prev_tokens
 
 
@@ -283,8 +294,8 @@ class StepPrograms(NamedTuple):
     27-34 ms against 23 ms for the two, one decode step alike, and workload (b) of
     benchmarks/offline_throughput.py 747-799 against 800-834 tokens/s, bf16.)"""
 
-    forward: Callable
-    sample: Callable
+    forward: dict[bool, Callable]  # by `verifies` (ModelRunner.programs)
+    sample: dict[bool, Callable]
     move: Callable
 
 
@@ -310,8 +321,6 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
     heads = jax.tree.map(lambda x: x.sharding, medusa) if medusa is not None else replicated
     inputs = (param_shardings, cache_shardings, replicated, replicated, replicated, heads,
               features)
-    step = functools.partial(forward, features_from=features_from, carry=carry,
-                             page_size=page_size)
     slots = shard.rules.spec(("pages",))  # each data shard's moves, a block of its own
     move = move_slots
     if shard.mesh.size > 1:  # every device moves its own pages' slots of its own heads
@@ -319,15 +328,23 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
         io = (specs(cache_shardings), features.spec if features_from else None)
         move = jax.shard_map(move_slots, mesh=shard.mesh, check_vma=False,
                              in_specs=(*io, slots, slots), out_specs=io)
-    return StepPrograms(
-        forward=jax.jit(on_param_leaves(graphdef, params, step), donate_argnums=(1, 6),
+
+    def jitted(verifies: bool) -> tuple[Callable, Callable]:
+        step = functools.partial(forward, features_from=features_from, carry=carry,
+                                 page_size=page_size, verifies=verifies)
+        return (jax.jit(on_param_leaves(graphdef, params, step), donate_argnums=(1, 6),
                         in_shardings=inputs,
-                        out_shardings=(cache_shardings, logits_sharding, replicated, replicated,
-                                       features, replicated)),
-        sample=jax.jit(functools.partial(sample_step, carry=carry),
-                       in_shardings=(logits_sharding, replicated, replicated, replicated,
-                                     replicated, replicated, replicated),
-                       out_shardings=(replicated, replicated)),
+                        out_shardings=(cache_shardings, logits_sharding, replicated,
+                                       replicated, features, replicated)),
+                jax.jit(functools.partial(sample_step, carry=carry, verifies=verifies),
+                        in_shardings=(logits_sharding, replicated, replicated, replicated,
+                                      replicated, replicated, replicated),
+                        out_shardings=(replicated, replicated)))
+
+    verify = jitted(True)
+    plain = jitted(False) if carry.overlap else verify  # else `verifies` changes nothing
+    return StepPrograms(
+        forward={False: plain[0], True: verify[0]}, sample={False: plain[1], True: verify[1]},
         move=jax.jit(move, donate_argnums=(0, 1),
                      in_shardings=(cache_shardings, features, replicated, replicated),
                      out_shardings=(cache_shardings, features)))
@@ -404,8 +421,8 @@ class ModelRunner:
         self._programs = jit_programs(graphdef, params,
                                       jax.tree.map(lambda x: x.sharding, abstract), shard,
                                       builder.carry, builder.page_size, features_from, medusa)
-        # Programs compiled, by (program, shape): ("forward", T, S, R, tree),
-        # ("sample", R, history), ("move",).
+        # Programs compiled, by (program, shape): ("forward", T, S, R, tree, verifies),
+        # ("sample", R, history, verifies), ("move",) (`programs`).
         self._executables: dict[tuple, Callable] = {}
         self._cache = ExecutableCache.for_process(repr((str(graphdef), features_from)))
         self._from_cache = 0  # programs the caches gave
@@ -462,11 +479,15 @@ class ModelRunner:
             self.draft_probs = self.zeros(self._abstract_draft_probs)
         return lost
 
-    @staticmethod
-    def programs(key: BucketKey) -> list[tuple]:
-        """The programs a bucket's steps run: its forward pass and its sampling."""
-        return [("forward", key.tokens, key.seqs, key.rows, key.tree),
-                ("sample", key.rows, key.history)]
+    def programs(self, key: BucketKey) -> list[tuple]:
+        """The programs a bucket's steps run: its forward pass and its sampling. Where
+        steps with drafts run async (`Carry.overlap`), a bucket without drafts has programs
+        of its own (`verifies` False) that neither move sequences back nor search for
+        accepted drafts: they cost a draft model's plain steps (speculation turned off for
+        a large batch, prefills) what speculation off's do."""
+        verifies = bool(key.drafts) or not self.builder.carry.overlap
+        return [("forward", key.tokens, key.seqs, key.rows, key.tree, verifies),
+                ("sample", key.rows, key.history, verifies)]
 
     def warmup(self, progress: bool = True) -> None:
         """Compile every program of every bucket now, so nothing compiles while serving,
@@ -581,7 +602,8 @@ class ModelRunner:
         args = (self._param_leaves, self.kv_caches, inputs, self.sampled, self.expert_load,
                 self.medusa, self.features)
         (self.kv_caches, self._logits, self.expert_load, self.guesses,
-         self.features, self._row_tokens) = self._run(program, self._programs.forward, args)
+         self.features, self._row_tokens) = self._run(program,
+                                                      self._programs.forward[program[-1]], args)
         self._logits_dtype = self._logits.dtype
 
     def _sample(self, batch: StepBatch, program: tuple) -> SampleOutput:
@@ -589,7 +611,7 @@ class ModelRunner:
         batch.sampling.grammar_mask = self._grammar_mask(batch.sampling.grammar_mask)
         args = (logits, batch.sampling, batch.history, self.sampled, batch.num_rows,
                 self.draft_probs, self._row_tokens)
-        out, self.sampled = self._run(program, self._programs.sample, args)
+        out, self.sampled = self._run(program, self._programs.sample[program[-1]], args)
         return out
 
     def _grammar_mask(self, mask: np.ndarray) -> jax.Array:
@@ -609,9 +631,9 @@ class ModelRunner:
         """The compiled forward pass of a bucket (every collective and kernel of its step
         is there), for reading its HLO (compiles it again)."""
         batch = dataclasses.replace(self.builder.empty(key), sampling=None, history=None)
-        return self._programs.forward.lower(self._param_leaves, self.kv_caches, batch,
-                                            self.sampled, self.expert_load, self.medusa,
-                                            self.features).compile()
+        forward = self._programs.forward[self.programs(key)[0][-1]]
+        return forward.lower(self._param_leaves, self.kv_caches, batch, self.sampled,
+                             self.expert_load, self.medusa, self.features).compile()
 
     @property
     def num_compiled(self) -> int:
