@@ -23,8 +23,8 @@ Every speculative run's tokens are checked equal to speculation off. Then sample
 requests (temperature 0.7 and 1, batch 1): the draft model and EAGLE-1 with their guesses
 drawn from their own distributions (rejection sampling, the default) and greedy guesses.
 Then (--repeats)
-the batch-1 runs and the batch-16 runs with the default policy again, alternating,
-against this VM's drift.
+the batch-1 runs and the batch-16 runs with the default policy again, the configurations
+taking turns every 16 requests, against this VM's drift.
 
     python benchmarks/speculative.py [--tokens 128] [--k 4] [--train-steps 500] [--train-only]
                                      [--repeats 3] [--only-repeats] [--only NAME ...]
@@ -280,7 +280,8 @@ def run(llm: LLM, prompts: list[str], batch: int, tokens: int, temperature: floa
     generated = sum(len(o.outputs[0].token_ids) for o in out)
     after = counters(speculator.stats) if speculator else (0, 0, 0)
     proposed, accepted, drafting = (a - b for a, b in zip(after, before))
-    return {"tok_s": generated / wall, "tokens": [o.outputs[0].token_ids for o in out],
+    return {"tok_s": generated / wall, "wall": wall, "generated": generated,
+            "tokens": [o.outputs[0].token_ids for o in out],
             "proposed": proposed, "accepted": accepted, "drafting": drafting,
             "steps": llm.engine.num_steps - steps_before}
 
@@ -350,15 +351,24 @@ def main() -> None:
 def alternate(llms: dict, loads: dict, args) -> None:
     """Batch 1, and batch 16 with the default policy: each configuration in turn
     `--repeats` times, so the machine's drift reaches them all alike; summed tok/s against
-    off's."""
+    off's. Within a repeat the configurations take turns every 16 requests (one batch of
+    16, or 16 at batch 1), in an order reversed each turn: this VM's speed drifts by 10%
+    and more within the seconds one configuration's 64 requests take."""
     got = {}
     for _ in range(args.repeats):
         for batch, count, names in ((1, args.requests, ["off"] + BATCH_1),
                                     (16, 64, ["off", "n-gram", "draft model", "EAGLE-1"])):
+            names = [n for n in names if n in llms]
             for workload, prompts in loads.items():
-                for name in (n for n in names if n in llms):
-                    got.setdefault((batch, workload, name), []).append(
-                        run(llms[name], prompts[:count], batch, args.tokens)["tok_s"])
+                totals = {name: [0, 0.0] for name in names}  # tokens, seconds
+                for turn, start in enumerate(range(0, count, 16)):
+                    for name in names if turn % 2 == 0 else names[::-1]:
+                        out = run(llms[name], prompts[start:min(start + 16, count)], batch,
+                                  args.tokens)
+                        totals[name][0] += out["generated"]
+                        totals[name][1] += out["wall"]
+                for name, (generated, wall) in totals.items():
+                    got.setdefault((batch, workload, name), []).append(generated / wall)
     print(f"\n{args.repeats} alternating repeats (batch 16: default policy)\n")
     print("| batch | workload | speculation | output tok/s, each repeat | vs off (sums) |")
     print("|---|---|---|---|---|")
