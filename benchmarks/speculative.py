@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
+import gc
 import json
 import os
 import random
@@ -332,14 +334,17 @@ def main() -> None:
                "EAGLE-1": eagle.get(1), "EAGLE-1 tree": {**eagle.get(1, {}), **tree},
                "EAGLE-1, greedy drafts": {**eagle.get(1, {}), "sampled_drafts": False},
                "EAGLE-3": eagle.get(3), "Medusa": medusa, "Medusa tree": {**medusa, **tree}}
-    llms = {"off": LLM(str(model_dir), **engine)}
-    for name, config in configs.items():
-        if wanted(name.split(",")[0]):
-            llms[name] = LLM(str(model_dir), **engine, speculative_config=config)
     rng = random.Random(1)
     loads = workloads(max(args.requests, 64), rng)
-    for llm in llms.values():  # warm the host paths
-        run(llm, loads["write"][:2], 2, 8)
+    builds = {"off": functools.partial(LLM, str(model_dir), **engine)}
+    for name, config in configs.items():
+        if wanted(name.split(",")[0]):
+            builds[name] = functools.partial(LLM, str(model_dir), **engine,
+                                             speculative_config=config)
+    llms = Engines(builds, warm=lambda llm: run(llm, loads["write"][:2], 2, 8))
+    for name in builds:
+        if "," not in name:
+            llms[name]
 
     if not args.only_repeats:
         table(llms, loads, args)
@@ -348,7 +353,46 @@ def main() -> None:
         alternate(llms, loads, args)
 
 
-def alternate(llms: dict, loads: dict, args) -> None:
+class Engines:
+    """The benchmark's engines by name, each built (and its host paths warmed) when first
+    asked for. A variant (a name with a comma: "draft model, never disabled") is dropped
+    when another is built: XLA:CPU maps ~200 memory regions of JIT code per compiled
+    program (7-10k per engine here), and a process past Linux's vm.max_map_count (65530
+    by default) dies in LLVM ("Cannot allocate memory", then a segfault), which the whole
+    benchmark's engines at once would."""
+
+    def __init__(self, builds: dict, warm) -> None:
+        self.builds, self.warm, self.alive = builds, warm, {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.builds
+
+    def __getitem__(self, name: str) -> LLM:
+        if name not in self.alive:
+            if "," in name:
+                for other in [n for n in self.alive if "," in n]:
+                    del self.alive[other]
+                gc.collect()
+            maps, limit = memory_maps()
+            if limit and maps + 12_000 > limit:
+                sys.exit(f"{maps} memory maps of {limit} (vm.max_map_count) in use: another "
+                         f"engine may not fit; time fewer with --only, or raise the limit "
+                         f"(sysctl -w vm.max_map_count=262144)")
+            self.alive[name] = self.builds[name]()
+            self.warm(self.alive[name])
+        return self.alive[name]
+
+
+def memory_maps() -> tuple[int, int | None]:
+    """This process's memory maps and the most Linux allows (None elsewhere)."""
+    try:
+        with open("/proc/self/maps") as f, open("/proc/sys/vm/max_map_count") as g:
+            return sum(1 for _ in f), int(g.read())
+    except OSError:
+        return 0, None
+
+
+def alternate(llms: Engines, loads: dict, args) -> None:
     """Batch 1, and batch 16 with the default policy: each configuration in turn
     `--repeats` times, so the machine's drift reaches them all alike; summed tok/s against
     off's. Within a repeat the configurations take turns every 16 requests (one batch of
@@ -378,7 +422,7 @@ def alternate(llms: dict, loads: dict, args) -> None:
               f"{ratio:.2f}x |")
 
 
-def sampled(llms: dict, loads: dict, args) -> None:
+def sampled(llms: Engines, loads: dict, args) -> None:
     """Sampled requests at batch 1: the draft model's and EAGLE-1's guesses drawn from
     their own distributions and kept by rejection sampling (the default), against greedy
     guesses (kept when the target's draw equals them)."""
@@ -405,7 +449,7 @@ def sampled(llms: dict, loads: dict, args) -> None:
                       flush=True)
 
 
-def table(llms: dict, loads: dict, args) -> None:
+def table(llms: Engines, loads: dict, args) -> None:
     print("| workload | batch | speculation | output tok/s | vs off | acceptance | "
           "accepted per drafting seq-step | steps | same tokens as off |")
     print("|---|---|---|---|---|---|---|---|---|")
