@@ -176,6 +176,7 @@ class BatchBuilder:
         the step reads the tokens from the device (`Carry`), and with drafts moves the
         seq's positions back by those rejected (`StepBatch.shift_row`)."""
         d = self.data_shards
+        pending = pending or {}
         tokens = [0] * d
         for x in out.scheduled:
             tokens[x.seq.data_shard] += x.num_new_tokens
@@ -183,8 +184,7 @@ class BatchBuilder:
                                                for x in out.scheduled)
         # A seq whose pending step had drafts moves back by those rejected: only a bucket
         # with drafts does that (runner.forward's `verifies`).
-        drafts = any(x.drafts or (pending and pending.get(x.seq, (0, 0))[1])
-                     for x in out.scheduled)
+        drafts = any(x.drafts or pending.get(x.seq, (0, 0))[1] for x in out.scheduled)
         key = self.bucket(max(tokens), history, drafts)
         batch = self.empty(key)
         shard_t, shard_s, shard_r = key.tokens // d, key.seqs // d, key.rows // d
@@ -215,7 +215,7 @@ class BatchBuilder:
                 batch.input_ids[t + j] = 0
                 batch.prev_index[t + j] = self._pending_token(*pending[seq], start + j,
                                                               seq.num_tokens)
-            if pending and pending.get(seq, (0, 0))[1]:  # its pending step had drafts
+            if pending.get(seq, (0, 0))[1]:  # its pending step had drafts
                 batch.shift_row[i] = pending[seq][0]
                 batch.sampling.shift_row[sched.row:sched.row + num_rows] = pending[seq][0]
             if sched.drafts and sched.parents is None:

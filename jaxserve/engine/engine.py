@@ -10,6 +10,7 @@ that off and do it on a thread of their own (jaxserve/engine/output_text.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import random
 from pathlib import Path
@@ -73,8 +74,10 @@ class InFlightStep:
         """The scheduled seqs whose sample is real: each holds a PLACEHOLDER for it."""
         return [s for s in self.schedule.scheduled if s.samples]
 
+    @functools.cached_property
     def pending(self) -> dict[Sequence, tuple[int, int]]:
-        """Each sampling seq's first row in the outputs and its drafts (BatchBuilder.build)."""
+        """Each sampling seq's first row in the outputs and its drafts (BatchBuilder.build;
+        read by the proposer and the next step's batch alike)."""
         return {s.seq: (s.row, len(s.drafts)) for s in self.sampling}
 
     @property
@@ -499,7 +502,7 @@ class Engine:
                 continue
             entries.append((seq, min(req.max_tokens - len(seq.output_token_ids),
                                      self.max_model_len - seq.num_tokens)))
-        self.speculator.propose(entries, self.scheduler, prev.pending() if prev else None)
+        self.speculator.propose(entries, self.scheduler, prev.pending if prev else None)
 
     def _dispatch(self, prev: InFlightStep | None, speculate: bool) -> InFlightStep | None:
         """Schedule the next step, build its batch and start it (only its forward pass
@@ -510,7 +513,7 @@ class Engine:
         schedule = self.scheduler.schedule()
         if schedule.is_empty:
             return None
-        batch, key = self.builder.build(schedule, prev.pending() if prev else None)
+        batch, key = self.builder.build(schedule, prev.pending if prev else None)
         batch.propose = np.asarray(speculate and self.runner.medusa is not None)
         prev_tokens = self.runner.sampled
         if prev is not None:
