@@ -7,6 +7,8 @@ tokenizer) is loaded by jaxserve and by every peer. Greedy, ignore_eos:
       of three 1-token requests on that prompt after a warm-up request (whose own TTFT,
       the engine's first request, is reported too);
   (b) 64 requests, 128-token prompts, 128 new tokens each: output tokens/s.
+The engine runs as configs/engine/cpu.yaml has it: up to 8 decode steps per program while
+every request decodes (--num-scheduler-steps; 1 for one step per program).
 Ceilings measured in the same run: memory bandwidth (a jitted reduction over 1 GiB, read
 before and after (a); the larger reading) gives the floor on batch-1 decode time (weights
 read once per token); matmul rate (a jitted square matmul) gives the floors on compute
@@ -24,7 +26,7 @@ peers inherit that environment.
 
     python benchmarks/offline_throughput.py [--preset configs/models/smollm2-135m.yaml]
         [--dtype float32|bfloat16] [--skip-hf] [--skip-llamacpp] [--skip-vllm]
-        [--skip-restarts] [--sync] [--json out.json]
+        [--skip-restarts] [--sync] [--num-scheduler-steps N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -208,6 +210,9 @@ def main() -> None:
     ap.add_argument("--sync", action="store_true",
                     help="no async scheduling: the host waits for each step's tokens before "
                          "building the next batch")
+    ap.add_argument("--num-scheduler-steps", type=int, default=8,
+                    help="decode steps per program while every request decodes (as "
+                         "configs/engine/cpu.yaml; 1: one step per program)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     # Malloc on transparent huge pages, as under the `jaxserve` command (restarts this
@@ -219,7 +224,8 @@ def main() -> None:
     engine_cfg = EngineConfig(model=str(model_dir), dtype=args.dtype, max_model_len=512,
                               page_size=16, max_num_seqs=64, max_num_batched_tokens=512,
                               token_buckets=(1, 64, 512), enable_prefix_caching=False,
-                              async_scheduling=not args.sync)
+                              async_scheduling=not args.sync,
+                              num_scheduler_steps=args.num_scheduler_steps)
     t0 = time.perf_counter()
     engine = Engine.from_config(engine_cfg)
     engine.warmup()
@@ -275,6 +281,7 @@ def main() -> None:
         ("memory (all systems)", f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r} "
                                  f"(huge pages: {huge_page_mode()})"),
         ("warm-up (load + compile all buckets)", f"{warmup_s:.1f} s, {num_compiled} programs"),
+        ("decode steps per program (num_scheduler_steps)", str(args.num_scheduler_steps)),
         ("measured memory bandwidth", f"{bandwidth / 1e9:.1f} GB/s (before / after (a): "
                                       f"{bandwidths[0] / 1e9:.1f} / {bandwidths[1] / 1e9:.1f})"),
         ("measured matmul rate", f"{flops / 1e9:.1f} GFLOP/s ({args.dtype})"),

@@ -32,6 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "powers of two up to --max-num-batched-tokens); fewer buckets start "
                         "faster, a batch pads up to the next one")
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--num-scheduler-steps", type=int, default=None, metavar="N",
+                   help="run up to N decode steps in one program while every request "
+                        "decodes (default 1); tokens then stream N at a time")
     g.add_argument("--quantization", choices=list(QUANTIZATIONS), default=None,
                    help="quantize the linear layers' weights at load (a checkpoint made by "
                         "`jaxserve convert` is already quantized)")
@@ -94,6 +97,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "page_size": args.page_size, "num_pages": args.num_pages,
         "kv_cache_memory_gib": args.kv_cache_memory_gib, "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "num_scheduler_steps": args.num_scheduler_steps,
         "token_buckets": parse_buckets(args.token_buckets), "seed": args.seed,
         "enable_prefix_caching": False if args.no_prefix_caching else None,
         "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,

@@ -441,6 +441,9 @@ class EngineConfig:
     platform, the native ones on a CPU where they build); `interpret_kernels` runs the
     Pallas kernels in interpret mode (for testing them on CPU). `async_scheduling` dispatches each step
     before the host has processed the previous one's tokens (see Engine.step).
+    `num_scheduler_steps` > 1 runs up to that many decode steps in one program while
+    every running request decodes (vLLM's multi-step scheduling; Engine._decode_steps):
+    the host's per-step work is paid once for them, and their tokens stream out together.
     `mesh` ({"data": d, "model": m}; default one device) and `sharding` (tp, tp+sp, dp,
     dp+tp, dp+tp+sp; sharding/rules.py) place the model on devices; under data
     parallelism `num_pages`, `max_num_seqs` and `max_num_batched_tokens` are totals over
@@ -468,6 +471,7 @@ class EngineConfig:
     kernel_impl: str | None = None
     interpret_kernels: bool = False
     async_scheduling: bool = True
+    num_scheduler_steps: int = 1
     mesh: dict[str, int] | None = None
     sharding: str = "tp"
     compilation_cache_dir: str | None = None
@@ -479,7 +483,8 @@ class EngineConfig:
                                SpeculativeConfig.from_dict(self.speculative_config))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens",
+                     "num_scheduler_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

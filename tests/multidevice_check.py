@@ -44,6 +44,7 @@ RUNS = [(None, "tp", {}, ""), ({"model": 2}, "tp", {}, ""), ({"model": 4}, "tp",
         ({"model": 8}, "tp", KERNELS, " tpu-kernels"),
         ({"data": 2}, "dp", {}, " dp"), ({"data": 2, "model": 4}, "dp+tp", {}, " dp+tp"),
         ({"data": 2, "model": 4}, "dp+tp+sp", {}, " dp+tp+sp"),
+        ({"data": 2, "model": 4}, "dp+tp", {"num_scheduler_steps": 4}, " dp+tp multi-step"),
         (None, "tp", {"quantization": "int8"}, " int8"),
         ({"model": 2}, "tp+sp", {**KERNELS, "quantization": "int8"}, " int8 tp+sp tpu-kernels"),
         ({"data": 2, "model": 4}, "dp+tp", {**KERNELS, "quantization": "int8"},
@@ -105,6 +106,7 @@ def main(model_dir: str, out_path: str, moe_dir: str | None = None) -> None:
                                        .addressable_shards[0].data.shape),
             "leaked_pages": llm.engine.scheduler.num_used_pages,
             "compiles_after_warmup": runner.compiles_after_warmup,
+            "multi_steps": llm.engine.num_multi_steps,
         }
     # Speculative decoding: drafts of the one-device tokens (every third proposal spoiled)
     # verified in the sharded step, under TP, DP+TP and TP with int8 weights; and the

@@ -36,9 +36,12 @@ def runs(checkpoints, tmp_path_factory):
 @pytest.mark.parametrize("mesh", ['{"model": 2}', '{"model": 4}', '{"model": 8}',
                                   '{"model": 4} tp+sp', '{"model": 8} tpu-kernels',
                                   '{"data": 2} dp', '{"data": 2, "model": 4} dp+tp',
-                                  '{"data": 2, "model": 4} dp+tp+sp'])
+                                  '{"data": 2, "model": 4} dp+tp+sp',
+                                  '{"data": 2, "model": 4} dp+tp multi-step'])
 def test_tensor_parallel_matches_one_device(runs, mesh):
     compare_runs(runs["null"], runs[mesh])
+    # Several decode steps per program (runner.decode_steps) ran on the mesh.
+    assert (runs[mesh]["multi_steps"] > 0) == ("multi-step" in mesh)
 
 
 @pytest.mark.parametrize("mesh", ['{"model": 2} int8 tp+sp tpu-kernels',

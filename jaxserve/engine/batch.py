@@ -167,6 +167,12 @@ class BatchBuilder:
                        for h in (False, True) for t in self.token_buckets
                        for k in {False, self.num_speculative_tokens > 0}})
 
+    def decode_buckets(self) -> list[BucketKey]:
+        """The buckets of batches of decoding sequences without drafts or history (those
+        that may run several decode steps in one program: runner.decode_steps)."""
+        d = self.data_shards
+        return sorted({self.bucket(s, False) for s in range(1, self.max_num_seqs // d + 1)})
+
     def build(self, out: SchedulerOutput,
               pending: dict[Sequence, tuple[int, int]] | None = None
               ) -> tuple[StepBatch, BucketKey]:

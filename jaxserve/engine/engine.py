@@ -68,6 +68,8 @@ class InFlightStep:
     # The `prev_tokens` it read drafts still on the device from (an EAGLE head's), until
     # they are read back (Engine._resolve_drafts).
     device_drafts: jax.Array | None = None
+    # Decode steps in its program (runner.dispatch_steps; `out` is [steps, R] then).
+    steps: int = 1
 
     @property
     def sampling(self) -> list[ScheduledSeq]:
@@ -164,9 +166,15 @@ class Engine:
                         rows=config.max_num_seqs * (1 + k) if overlap else 0))
         # Multi-host, process 0: a broadcast.StepBroadcaster sends every step to the others.
         params = self._laid_out(params, shard)
+        # Several decode steps per program (`_decode_steps`): not with speculative
+        # decoding (its steps verify drafts) nor on several hosts (the others follow the
+        # steps broadcast.py sends, one program each).
+        decode_steps = (config.num_scheduler_steps if spec is None and broadcaster is None
+                        else 1)
         self.runner = ModelRunner(graphdef, params, shard, self.builder, model_config, kv_dtype,
                                   broadcaster, medusa,
-                                  eagle[0].features_from if eagle is not None else ())
+                                  eagle[0].features_from if eagle is not None else (),
+                                  decode_steps)
         self.speculator = None
         if spec is not None:
             proposer = None  # n-gram's
@@ -200,6 +208,7 @@ class Engine:
         self._expert_load = self.runner.expert_load  # as of the last collected step
         self.num_steps = 0  # steps dispatched
         self.num_overlapped_steps = 0  # dispatched while the step before was still running
+        self.num_multi_steps = 0  # decode steps run in programs of several (_decode_steps)
 
     def _laid_out(self, params, shard: ShardingContext):
         """The parameters as the matmuls read them fastest: on one CPU device running the
@@ -489,6 +498,29 @@ class Engine:
                 return False
         return True
 
+    def _decode_steps(self) -> int:
+        """How many decode steps the next program runs (`num_scheduler_steps` at most;
+        1 unless the runner has a program for more). Several only while every running
+        sequence decodes (no prompt to compute, none waiting for a seat: a new request's
+        prefill goes first), samples without its token history on the host (no
+        grammar, penalties, or stop tokens banned until min_tokens), and has room for
+        them all (max_tokens, max_model_len): the steps' tokens then come back together,
+        and a sequence that stops early has computed (and discards) the rest."""
+        steps = self.runner.decode_steps
+        if steps == 1 or self.scheduler.prefills_next:
+            return 1
+        for seq in self.scheduler.running:
+            req = self._requests.get(seq.request_id)
+            outputs = len(seq.output_token_ids)
+            if req is None or req.grammar is not None or seq.params.needs_history:
+                return 1
+            if outputs < seq.params.min_tokens:
+                return 1
+            left = min(req.max_tokens - outputs, self.max_model_len - seq.num_tokens)
+            if left > 0:  # else the steps in flight end it: not scheduled
+                steps = min(steps, left)
+        return steps
+
     def _propose(self, prev: InFlightStep | None = None) -> None:
         """Give each decoding sequence drafts for the coming step (with the step `prev`
         in flight, its newest tokens are on the device: a draft model reads them there).
@@ -510,7 +542,8 @@ class Engine:
         with Medusa heads also makes their guesses for the step after.
 
         Its sampling seqs get a PLACEHOLDER for the token it will sample."""
-        schedule = self.scheduler.schedule()
+        steps = 1 if speculate else self._decode_steps()
+        schedule = self.scheduler.schedule(steps)
         if schedule.is_empty:
             return None
         batch, key = self.builder.build(schedule, prev.pending if prev else None)
@@ -518,7 +551,11 @@ class Engine:
         prev_tokens = self.runner.sampled
         if prev is not None:
             self.num_overlapped_steps += not _is_ready(prev.out)
-        if any(s.seq.params.needs_history for s in schedule.scheduled if s.samples):
+        if steps > 1:
+            step = InFlightStep(schedule, self.runner.dispatch_steps(batch, key, steps),
+                                steps=steps)
+            self.num_multi_steps += steps
+        elif any(s.seq.params.needs_history for s in schedule.scheduled if s.samples):
             self.runner.dispatch_forward(batch, key)
             step = InFlightStep(schedule, None, batch, key)
         else:
@@ -531,7 +568,7 @@ class Engine:
         self.num_steps += 1
         for s in step.sampling:  # as many as the step can emit (`_append` keeps those it does)
             s.out_index = len(s.seq.output_token_ids)
-            s.seq.output_token_ids.extend([PLACEHOLDER] * (1 + len(s.drafts)))
+            s.seq.output_token_ids.extend([PLACEHOLDER] * s.width)
         return step
 
     def _dispatch_sample(self, step: InFlightStep) -> None:
@@ -568,6 +605,9 @@ class Engine:
         `later`: the step dispatched after it, in flight (its seqs' counts follow this
         step's)."""
         sampled = fetch(step.out)
+        if step.steps > 1:  # [steps, R]: the token of seq row r's step i at i x R + r
+            stride = sampled.token_ids.shape[1]
+            sampled = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), sampled)
         self._resolve_drafts(step)
         if step.expert_load is not None:
             self._expert_load = step.expert_load  # computed: reading it will not wait
@@ -578,21 +618,25 @@ class Engine:
         for s in step.sampling:
             req = self._requests.get(s.seq.request_id)
             if req is not None and req.seq is s.seq:  # not aborted or finished meanwhile
-                outputs.append(self._append(req, sampled, s, guesses, following.get(s.seq)))
+                rows = ([s.row + i * stride for i in range(s.steps)] if step.steps > 1
+                        else None)
+                outputs.append(self._append(req, sampled, s, guesses, following.get(s.seq),
+                                            rows))
         if self._moves:  # a tree's accepted nodes into their positions' slots
             self.runner.move(*self.runner.moves(self._moves))
             self._moves = []
         return outputs
 
     def _append(self, req: Request, sampled: SampleOutput, s: ScheduledSeq,
-                guesses: np.ndarray | None = None, later: ScheduledSeq | None = None
-                ) -> StepOutput:
+                guesses: np.ndarray | None = None, later: ScheduledSeq | None = None,
+                rows: list[int] | None = None) -> StepOutput:
         """Put the step's tokens for `s` (its sample; with drafts, the accepted ones and
-        the one after them) in its PLACEHOLDERs, up to the first that ends the request,
-        and drop the PLACEHOLDERs left (the drafts rejected). `guesses`: Medusa heads' at
-        each row, kept for the next step from the row of the last token. `later`: `s`'s
-        seq in the step dispatched after this one, in flight, which counted every
-        PLACEHOLDER here as a token: its counts move back by those dropped."""
+        the one after them; `rows`: the samples' rows of several decode steps) in its
+        PLACEHOLDERs, up to the first that ends the request, and drop the PLACEHOLDERs
+        left (the drafts rejected). `guesses`: Medusa heads' at each row, kept for the
+        next step from the row of the last token. `later`: `s`'s seq in the step
+        dispatched after this one, in flight, which counted every PLACEHOLDER here as a
+        token: its counts move back by those dropped."""
         seq, params = req.seq, req.seq.params
         accepted: list[int] = []  # the drafts accepted (their nodes, in a tree)
         if s.drafts:
@@ -602,7 +646,8 @@ class Engine:
         finish = stop_reason = error = None
         new_text = ""
         outputs = seq.output_token_ids
-        rows = [s.row] + [s.row + 1 + j for j in accepted]  # each token's sample
+        if rows is None:  # each token's sample
+            rows = [s.row] + [s.row + 1 + j for j in accepted]
         for index, i in enumerate(rows, s.out_index):
             token = int(sampled.token_ids[i])
             assert outputs[index] == PLACEHOLDER
@@ -658,7 +703,7 @@ class Engine:
         the seq's computed tokens, the draft's, and `later`'s own PLACEHOLDERs move back
         by the dropped ones; else the rejected drafts' K/V slots are given up
         (Scheduler.rollback; a tree's accepted nodes move into place)."""
-        width = 1 + len(s.drafts)
+        width = s.width
         dropped = width - emitted
         del seq.output_token_ids[s.out_index + emitted:s.out_index + width]
         start = seq.num_prompt_tokens + s.out_index  # the first emitted token's position

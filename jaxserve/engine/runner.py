@@ -211,6 +211,61 @@ def sample_step(logits: jax.Array, sampling: SamplingArrays, history: TokenHisto
     return out, prev_tokens
 
 
+def next_decode(batch: StepBatch, token_ids: jax.Array, page_size: int) -> StepBatch:
+    """The decode batch after `batch` (every sequence one token, row r of data shard d
+    sequence r of d, as BatchBuilder lays a batch without drafts out): each real row's
+    sample `token_ids[r]` as its sequence's token, one position later (its KV slot from
+    the page table, one more KV token), sampling the next output number."""
+    meta, s = batch.attn, batch.sampling
+    d, t, r = meta.num_seqs.shape[0], batch.input_ids.shape[0], token_ids.shape[0]
+    shard = jnp.arange(r) // (r // d)
+    real = jnp.arange(r) % (r // d) < batch.num_rows[shard]
+    token = jnp.where(real, shard * (t // d) + batch.sample_index, t)  # t: dropped
+    positions = batch.positions.at[token].add(1, mode="drop")
+    row_positions = positions[jnp.minimum(token, t - 1)]
+    slots = meta.slot_mapping.at[token].set(
+        position_slots(meta.page_indices, row_positions, page_size), mode="drop")
+    attn = dataclasses.replace(meta, slot_mapping=slots, kv_lens=meta.kv_lens + real)
+    sampling = dataclasses.replace(s, output_index=s.output_index + real)
+    return dataclasses.replace(
+        batch, input_ids=batch.input_ids.at[token].set(token_ids, mode="drop"),
+        positions=positions, attn=attn, sampling=sampling,
+        prev_index=jnp.full_like(batch.prev_index, -1))
+
+
+def decode_steps(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache,
+                 batch: StepBatch, prev_tokens: jax.Array, expert_load: jax.Array | None,
+                 num_steps: jax.Array, *, steps: int, carry: Carry, page_size: int
+                 ) -> tuple[KVCache, SampleOutput, jax.Array, jax.Array | None]:
+    """`num_steps` (<= `steps`) decode steps of a batch of decoding sequences in one
+    program: each a forward pass and its sampling (`forward`, `sample_step`), the next
+    feeding each sequence its sample (`next_decode`). The host gives every sequence pages
+    for all of them and reads the tokens back once (Engine: `num_scheduler_steps`);
+    outputs are `[steps, R]` (step i's samples at i; those past `num_steps` zeros), the
+    last step's samples in `prev_tokens` as after one step."""
+    def one(kv, batch, prev, load):
+        inputs = dataclasses.replace(batch, sampling=None, history=None)
+        kv, logits, load, _, _, row_tokens = forward(
+            graphdef, params, kv, inputs, prev, load, carry=carry, page_size=page_size,
+            verifies=False)
+        out, prev = sample_step(logits, batch.sampling, None, prev, batch.num_rows, None,
+                                row_tokens, carry=carry, verifies=False)
+        return kv, out, prev, load
+
+    out = jax.eval_shape(one, kv_caches, batch, prev_tokens, expert_load)[1]
+    outs = jax.tree.map(lambda x: jnp.zeros((steps, *x.shape), x.dtype), out)
+
+    def step(i, state):
+        kv, batch, prev, load, outs = state
+        kv, out, prev, load = one(kv, batch, prev, load)
+        outs = jax.tree.map(lambda acc, x: acc.at[i].set(x), outs, out)
+        return kv, next_decode(batch, out.token_ids, page_size), prev, load, outs
+
+    kv_caches, _, prev_tokens, expert_load, outs = jax.lax.fori_loop(
+        0, num_steps, step, (kv_caches, batch, prev_tokens, expert_load, outs))
+    return kv_caches, outs, prev_tokens, expert_load
+
+
 def write_guesses(prev_tokens: jax.Array, guesses: jax.Array, carry: Carry) -> jax.Array:
     """`prev_tokens` with a proposer's guesses `[R, S]` written where `carry` keeps them:
     guess j of row r at max_num_seqs x (1 + j) + r (`Sequence.draft_prev_index`)."""
@@ -297,6 +352,7 @@ class StepPrograms(NamedTuple):
     forward: dict[bool, Callable]  # by `verifies` (ModelRunner.programs)
     sample: dict[bool, Callable]
     move: Callable
+    steps: Callable | None = None  # `decode_steps` (None: one step per program)
 
 
 def on_param_leaves(graphdef: nnx.GraphDef, params, fn: Callable) -> Callable:
@@ -309,7 +365,7 @@ def on_param_leaves(graphdef: nnx.GraphDef, params, fn: Callable) -> Callable:
 
 def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: ShardingContext,
                  carry: Carry, page_size: int, features_from: tuple[int, ...] = (),
-                 medusa: MedusaHeads | None = None) -> StepPrograms:
+                 medusa: MedusaHeads | None = None, max_decode_steps: int = 1) -> StepPrograms:
     """The programs, jitted with fixed layouts in and out (params, KV cache and Medusa
     heads as given, logits as the model leaves them, batch and samples replicated, an
     EAGLE feature cache split as the pages are), so the donated caches and params never
@@ -343,11 +399,23 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
 
     verify = jitted(True)
     plain = jitted(False) if carry.overlap else verify  # else `verifies` changes nothing
+    steps = None
+    if max_decode_steps > 1:
+        # XLA's loop-invariant code motion would hoist the embedding gather's widening of
+        # the whole bf16 table to float32 out of the loop: a copy of it every call
+        # (smollm2-135m: 113 MB, 5 ms).
+        steps = jax.jit(
+            on_param_leaves(graphdef, params, functools.partial(
+                decode_steps, steps=max_decode_steps, carry=carry, page_size=page_size)),
+            donate_argnums=(1,), in_shardings=inputs[:3] + (replicated,) * 3,
+            out_shardings=(cache_shardings, replicated, replicated, replicated),
+            compiler_options={"xla_disable_hlo_passes": "while-loop-invariant-code-motion"})
     return StepPrograms(
         forward={False: plain[0], True: verify[0]}, sample={False: plain[1], True: verify[1]},
         move=jax.jit(move, donate_argnums=(0, 1),
                      in_shardings=(cache_shardings, features, replicated, replicated),
-                     out_shardings=(cache_shardings, features)))
+                     out_shardings=(cache_shardings, features)),
+        steps=steps)
 
 
 def kv_page_bytes(cfg: ModelConfig, page_size: int, kv_dtype,
@@ -397,7 +465,8 @@ class ModelRunner:
 
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, shard: ShardingContext,
                  builder: BatchBuilder, cfg: ModelConfig, kv_dtype, broadcaster=None,
-                 medusa: MedusaHeads | None = None, features_from: tuple[int, ...] = ()):
+                 medusa: MedusaHeads | None = None, features_from: tuple[int, ...] = (),
+                 decode_steps: int = 1):
         self.graphdef = graphdef
         self.params = params
         self._param_leaves = jax.tree.leaves(params)
@@ -418,11 +487,14 @@ class ModelRunner:
                  len(features_from) * cfg.hidden_size), dtype,
                 sharding=shard.sharding(FEATURE_AXES))
             self.features = self.zeros(self._abstract_features)
+        # Decode steps a program may run (`dispatch_steps`; 1: one step per program).
+        self.decode_steps = decode_steps
         self._programs = jit_programs(graphdef, params,
                                       jax.tree.map(lambda x: x.sharding, abstract), shard,
-                                      builder.carry, builder.page_size, features_from, medusa)
+                                      builder.carry, builder.page_size, features_from, medusa,
+                                      decode_steps)
         # Programs compiled, by (program, shape): ("forward", T, S, R, tree, verifies),
-        # ("sample", R, history, verifies), ("move",) (`programs`).
+        # ("sample", R, history, verifies), ("move",) (`programs`), ("steps", T, S, decode_steps).
         self._executables: dict[tuple, Callable] = {}
         self._cache = ExecutableCache.for_process(repr((str(graphdef), features_from)))
         self._from_cache = 0  # programs the caches gave
@@ -502,12 +574,17 @@ class ModelRunner:
                     todo.append((key, program))
         if self.builder.tree and ("move",) not in seen:
             todo.append((None, ("move",)))
+        for key in self.builder.decode_buckets() if self.decode_steps > 1 else ():
+            if self.steps_program(key) not in seen:
+                todo.append((key, self.steps_program(key)))
         bar = tqdm(todo, desc="compiling step programs", unit="program",
                    disable=not progress or not todo)
         before = self._from_cache
         for key, program in bar:
             if program[0] == "forward":
                 self._forward(self.builder.empty(key), program)
+            elif program[0] == "steps":
+                self.dispatch_steps(self.builder.empty(key), key, 1)
             elif program[0] == "sample":
                 self._logits = jax.device_put(
                     np.zeros((key.rows, self.builder.vocab_size), self._logits_dtype),
@@ -572,6 +649,21 @@ class ModelRunner:
         if self.broadcaster is not None:
             self.broadcaster.send(SAMPLE, batch, key)
         return self._sample(batch, self.programs(key)[1])
+
+    def steps_program(self, key: BucketKey) -> tuple:
+        return ("steps", key.tokens, key.seqs, self.decode_steps)
+
+    def dispatch_steps(self, batch: StepBatch, key: BucketKey, num_steps: int) -> SampleOutput:
+        """Start `num_steps` (<= `decode_steps`) decode steps of a batch of decoding
+        sequences without drafts in one program (`decode_steps`); its outputs are
+        `[decode_steps, R]`, step i's samples at i."""
+        batch = dataclasses.replace(batch, history=None)
+        batch.sampling.grammar_mask = self._grammar_mask(batch.sampling.grammar_mask)
+        args = (self._param_leaves, self.kv_caches, batch, self.sampled, self.expert_load,
+                np.int32(num_steps))
+        self.kv_caches, out, self.sampled, self.expert_load = self._run(
+            self.steps_program(key), self._programs.steps, args)
+        return out
 
     def moves(self, moves: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
         """(src, dst) of `move`: (data shard, src slot, dst slot) laid out as one block per

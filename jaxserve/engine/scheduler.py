@@ -86,9 +86,16 @@ class ScheduledSeq:
     # (Sequence.draft_prev_index as scheduled; the seq's own changes with its next drafts).
     guess_index: list[int] | None = None
     # Where the step's PLACEHOLDERs for its samples begin in seq.output_token_ids (the
-    # engine appends 1 + len(drafts) of them when it dispatches the step; as many as it
-    # can emit).
+    # engine appends `width` of them when it dispatches the step; as many as it can emit).
     out_index: int = -1
+    # Decode steps run in one program (Scheduler.schedule's `steps`): the seq decodes one
+    # token, then each step's sample, and emits a token per step.
+    steps: int = 1
+
+    @property
+    def width(self) -> int:
+        """The most tokens the step emits for the seq (its PLACEHOLDERs)."""
+        return self.steps + len(self.drafts)
 
     @property
     def drafts_on_device(self) -> bool:
@@ -205,21 +212,26 @@ class Scheduler:
 
     # --------------------------------------------------------------- scheduling
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, steps: int = 1) -> SchedulerOutput:
         """Pick this step's work within the token budget (see the module docstring).
 
         The picked tokens count as computed from here on (`num_computed_tokens` advances),
         as the step computing them is dispatched next: the schedule after it already
         builds on them, whether or not the host has seen this step's outputs yet.
+
+        `steps` > 1 (the caller has checked that every running seq decodes, without
+        drafts, and has room for that many more tokens): the step is that many decode
+        steps in one program (runner.decode_steps). Each running seq gets pages for all
+        of them and counts `steps` tokens computed; no waiting seq is admitted.
         """
         out = SchedulerOutput(scheduled=[], preempted=[], num_batched_tokens=0)
         shards = self.config.data_shards
         budgets = [self.config.max_num_batched_tokens // shards] * shards
-        self._schedule_running(out, budgets)
+        self._schedule_running(out, budgets, steps)
         # A step that had to preempt is short of pages: admitting new work now would only
         # get it preempted next (vLLM does the same). This also keeps the seqs preempted
         # in this step from being readmitted in it.
-        if not out.preempted:
+        if not out.preempted and steps == 1:
             self._schedule_waiting(out, budgets)
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
         assert out.num_batched_tokens == self.config.max_num_batched_tokens - sum(budgets)
@@ -233,8 +245,8 @@ class Scheduler:
                     s.parents = seq.draft_parents[:fit]
                 if s.drafts_on_device:
                     s.guess_index = seq.draft_prev_index[:fit]
-            seq.num_computed_tokens = s.start + s.num_new_tokens
-            s.samples = seq.num_computed_tokens == seq.num_tokens + len(s.drafts)
+            s.samples = s.start + s.num_new_tokens == seq.num_tokens + len(s.drafts)
+            seq.num_computed_tokens = s.start + s.num_new_tokens + s.steps - 1
         for seq in self.running:
             seq.draft_token_ids, seq.draft_parents = [], None
         return out
@@ -285,9 +297,11 @@ class Scheduler:
             return 0
         return min(seq.num_tokens + len(seq.draft_token_ids) - seq.num_computed_tokens, budget)
 
-    def _schedule_running(self, out: SchedulerOutput, budgets: list[int]) -> None:
+    def _schedule_running(self, out: SchedulerOutput, budgets: list[int], steps: int = 1
+                          ) -> None:
         """Schedule running seqs in order, preempting (in the same data shard) when pages
-        run out. Takes the tokens from `budgets`, one per data shard."""
+        run out. Takes the tokens from `budgets`, one per data shard. With `steps` > 1
+        each seq's pages reach as far as that many decode steps write."""
         i = 0
         while i < len(self.running):
             seq = self.running[i]
@@ -298,7 +312,7 @@ class Scheduler:
                 continue
             scheduled = True
             allocator = self.allocators[data_shard]
-            while not allocator.allocate_more(seq, seq.num_computed_tokens + n):
+            while not allocator.allocate_more(seq, seq.num_computed_tokens + n + steps - 1):
                 victim = self._pick_victim(data_shard)
                 j = self.running.index(victim)
                 budgets[data_shard] += self._preempt(victim, out)
@@ -309,7 +323,7 @@ class Scheduler:
                     i -= 1
             if not scheduled:
                 continue
-            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
+            out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n, steps=steps))
             budgets[data_shard] -= n
             i += 1
 
