@@ -67,11 +67,11 @@ def record(llm: LLM) -> list[tuple[list[int], list[int]]]:
     engine, seen = llm.engine, []
     append = engine._append
 
-    def recording(req, sampled, s, guesses=None, later=None):
+    def recording(req, sampled, s, *rest):
         if s.drafts:  # the tokens before the step's samples (its PLACEHOLDERs)
             seen.append((list(s.seq.token_ids[:s.seq.num_prompt_tokens + s.out_index]),
                          list(s.drafts)))
-        return append(req, sampled, s, guesses, later)
+        return append(req, sampled, s, *rest)
 
     engine._append = recording
     return seen

@@ -403,7 +403,7 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
     if max_decode_steps > 1:
         # XLA's loop-invariant code motion would hoist the embedding gather's widening of
         # the whole bf16 table to float32 out of the loop: a copy of it every call
-        # (smollm2-135m: 113 MB, 5 ms).
+        # (smollm2-135m: 113 MB; one step 21 ms instead of 9.5).
         steps = jax.jit(
             on_param_leaves(graphdef, params, functools.partial(
                 decode_steps, steps=max_decode_steps, carry=carry, page_size=page_size)),
@@ -494,7 +494,8 @@ class ModelRunner:
                                       builder.carry, builder.page_size, features_from, medusa,
                                       decode_steps)
         # Programs compiled, by (program, shape): ("forward", T, S, R, tree, verifies),
-        # ("sample", R, history, verifies), ("move",) (`programs`), ("steps", T, S, decode_steps).
+        # ("sample", R, history, verifies), ("move",) (`programs`),
+        # ("steps", T, S, decode_steps) (`steps_program`).
         self._executables: dict[tuple, Callable] = {}
         self._cache = ExecutableCache.for_process(repr((str(graphdef), features_from)))
         self._from_cache = 0  # programs the caches gave
