@@ -3,8 +3,8 @@
 The tokens, logprobs and finish reasons are those of one step per program (and greedy
 ones transformers' own), through stops mid-run, max_tokens and max_model_len, seeds,
 requests that need their history on the host (which fall back to single steps), async and
-synchronous scheduling, preemption and aborts; every page comes back, and a request of n
-tokens dispatches about n / steps programs instead of n.
+synchronous scheduling, preemption, aborts and a failed run; every page comes back, and a
+request of n tokens dispatches about n / steps programs instead of n.
 """
 
 from __future__ import annotations
@@ -157,3 +157,36 @@ def test_synchronous_preempting_and_aborted_runs(path, single, prompts):
         engine.step()
         assert not engine.has_unfinished()
         assert engine.scheduler.allocator.num_used_pages == 0
+
+
+def test_a_failed_run_of_steps_fails_its_requests_and_the_engine_goes_on(multi, single,
+                                                                          prompts):
+    """A run of steps that raises after consuming the KV cache: its requests end with
+    "error" and give back every page, and the engine serves the next ones correctly."""
+    engine, runner = multi.engine, multi.engine.runner
+    real = runner._run
+
+    def failing(program, fn, args):
+        if program[0] == "steps":
+            runner._run = real
+            for layer in runner.kv_caches:
+                for x in layer:
+                    x.delete()
+            raise RuntimeError("injected device fault")
+        return real(program, fn, args)
+
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    for i, p in enumerate(prompts[:2]):
+        engine.add_request(f"fail-{i}", p, params)
+    runner._run = failing
+    errors = []
+    while engine.has_unfinished():
+        try:
+            engine.step()
+        except RuntimeError as e:
+            errors = engine.fail_step(e)
+    assert sorted(o.request_id for o in errors) == ["fail-0", "fail-1"]
+    assert all(o.finish_reason == "error" and o.finished for o in errors)
+    assert engine.scheduler.allocator.num_used_pages == 0
+    assert_same(results(multi.generate(prompts, params)),
+                results(single.generate(prompts, params)))
