@@ -492,11 +492,16 @@ class Engine:
             return False
         for seq in self.scheduler.running:
             req = self._requests.get(seq.request_id)
-            if req is not None and (
-                    req.grammar is not None or seq.params.needs_history
-                    or seq.num_known_tokens - seq.num_prompt_tokens < seq.params.min_tokens):
+            if req is not None and self._samples_from_host(seq, req):
                 return False
         return True
+
+    @staticmethod
+    def _samples_from_host(seq: Sequence, req: Request) -> bool:
+        """Whether `seq`'s next sample needs its tokens so far on the host: a grammar,
+        penalties, or stop tokens banned until min_tokens (of those the host has)."""
+        return (req.grammar is not None or seq.params.needs_history
+                or seq.num_known_tokens - seq.num_prompt_tokens < seq.params.min_tokens)
 
     def _decode_steps(self) -> int:
         """How many decode steps the next program runs (`num_scheduler_steps` at most;
@@ -511,12 +516,12 @@ class Engine:
             return 1
         for seq in self.scheduler.running:
             req = self._requests.get(seq.request_id)
-            outputs = len(seq.output_token_ids)
-            if req is None or req.grammar is not None or seq.params.needs_history:
+            if req is None:  # finished or aborted meanwhile
+                continue
+            if self._samples_from_host(seq, req):
                 return 1
-            if outputs < seq.params.min_tokens:
-                return 1
-            left = min(req.max_tokens - outputs, self.max_model_len - seq.num_tokens)
+            left = min(req.max_tokens - len(seq.output_token_ids),
+                       self.max_model_len - seq.num_tokens)
             if left > 0:  # else the steps in flight end it: not scheduled
                 steps = min(steps, left)
         return steps
@@ -605,6 +610,7 @@ class Engine:
         `later`: the step dispatched after it, in flight (its seqs' counts follow this
         step's)."""
         sampled = fetch(step.out)
+        stride = 0
         if step.steps > 1:  # [steps, R]: the token of seq row r's step i at i x R + r
             stride = sampled.token_ids.shape[1]
             sampled = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), sampled)
@@ -618,10 +624,8 @@ class Engine:
         for s in step.sampling:
             req = self._requests.get(s.seq.request_id)
             if req is not None and req.seq is s.seq:  # not aborted or finished meanwhile
-                rows = ([s.row + i * stride for i in range(s.steps)] if step.steps > 1
-                        else None)
                 outputs.append(self._append(req, sampled, s, guesses, following.get(s.seq),
-                                            rows))
+                                            stride))
         if self._moves:  # a tree's accepted nodes into their positions' slots
             self.runner.move(*self.runner.moves(self._moves))
             self._moves = []
@@ -629,14 +633,14 @@ class Engine:
 
     def _append(self, req: Request, sampled: SampleOutput, s: ScheduledSeq,
                 guesses: np.ndarray | None = None, later: ScheduledSeq | None = None,
-                rows: list[int] | None = None) -> StepOutput:
+                stride: int = 0) -> StepOutput:
         """Put the step's tokens for `s` (its sample; with drafts, the accepted ones and
-        the one after them; `rows`: the samples' rows of several decode steps) in its
-        PLACEHOLDERs, up to the first that ends the request, and drop the PLACEHOLDERs
-        left (the drafts rejected). `guesses`: Medusa heads' at each row, kept for the
-        next step from the row of the last token. `later`: `s`'s seq in the step
-        dispatched after this one, in flight, which counted every PLACEHOLDER here as a
-        token: its counts move back by those dropped."""
+        the one after them; with several decode steps, each step's sample, `stride` rows
+        apart) in its PLACEHOLDERs, up to the first that ends the request, and drop the
+        PLACEHOLDERs left (the drafts rejected). `guesses`: Medusa heads' at each row,
+        kept for the next step from the row of the last token. `later`: `s`'s seq in the
+        step dispatched after this one, in flight, which counted every PLACEHOLDER here
+        as a token: its counts move back by those dropped."""
         seq, params = req.seq, req.seq.params
         accepted: list[int] = []  # the drafts accepted (their nodes, in a tree)
         if s.drafts:
@@ -646,8 +650,9 @@ class Engine:
         finish = stop_reason = error = None
         new_text = ""
         outputs = seq.output_token_ids
-        if rows is None:  # each token's sample
-            rows = [s.row] + [s.row + 1 + j for j in accepted]
+        # Each token's sample.
+        rows = ([s.row + i * stride for i in range(s.steps)] if s.steps > 1
+                else [s.row] + [s.row + 1 + j for j in accepted])
         for index, i in enumerate(rows, s.out_index):
             token = int(sampled.token_ids[i])
             assert outputs[index] == PLACEHOLDER
