@@ -37,8 +37,9 @@
 // likely packs next, so its copy does not wait on memory.
 //
 // Attention: one task per (sequence, KV head, block of queries), largest first; keys in
-// chunks of 32, software-prefetched two chunks ahead; scores as 4 x 4 (1 x 16, 2 x 8) tiles
-// of dot products for few rows (decode; vdpbf16ps for bf16 q and pages) or from K^T for many
+// chunks of 32, software-prefetched two chunks ahead, and a thread's likely next task's
+// first chunks while the current one runs (into L2 on AVX-512); scores as 4 x 4 (1 x 16,
+// 2 x 8) tiles of dot products for few rows (decode; vdpbf16ps for bf16 q and pages) or from K^T for many
 // (prefill); online softmax and P.V in f32. Below AVX-512 the same plan in 8-lane vectors
 // (4 x 2, 1 x 8, 2 x 4 tiles). See pallas_kernels/ragged_paged_attention/cpu.py.
 //
@@ -3080,18 +3081,18 @@ JS_AVX512 void Avx512AttnTask(const Attn& a, const AttnTask& t) {
   const void* krow[kKeysPerChunk];
   const void* vrow[kKeysPerChunk];
   int64_t slot[kKeysPerChunk], ahead[kKeysPerChunk];
-  PrefetchFirstChunks(a, t, lo, hi);
+  PrefetchFirstChunks</*ToL2=*/true>(a, t, lo, hi);
   for (int64_t c0 = lo; c0 < hi; c0 += KC) {
     const int64_t nk = std::min(KC, hi - c0);
     ChunkSlots(a, t.seq, t.head, c0, nk, slot);
-    // Keys kAttnPrefetchChunks chunks on are prefetched row by row alongside this chunk's
-    // conversion (spread out, not in a burst).
+    // Keys kAttnPrefetchChunks chunks on are prefetched into L2 row by row alongside this
+    // chunk's conversion (spread out, not in a burst).
     const int64_t c_ahead = c0 + kAttnPrefetchChunks * KC;
     const int64_t na = c_ahead < hi ? std::min(KC, hi - c_ahead) : 0;
     if (na > 0) ChunkSlots(a, t.seq, t.head, c_ahead, na, ahead);
     // K and V rows of the chunk as f32: in place for an f32 cache, else converted.
     for (int64_t j = 0; j < nk; ++j) {
-      if (j < na) PrefetchKv(a, ahead[j], j == 0 || ahead[j] % 16 == 0);
+      if (j < na) PrefetchKv</*ToL2=*/true>(a, ahead[j], j == 0 || ahead[j] % 16 == 0);
       const char* kp = KvRow(a, a.k, slot[j]);
       const char* vp = KvRow(a, a.v, slot[j]);
       if (in_place) {
@@ -3238,16 +3239,22 @@ void Attention(const Runner& run, const Attn& a, int64_t num_seqs, int64_t queri
   const std::vector<AttnTask> tasks = PlanAttention(a, num_seqs, queries_per_block, run.threads());
   const int isa = CurrentIsa();
 #if JS_X86
+  // Claimed in order, a thread's next task is about `threads` further on: its first chunks
+  // go into L2 while this one runs (taken by another thread, its keys are in the shared L3
+  // by then). The AVX-512 tasks prefetch into L2 throughout: with their rows prefetched
+  // into L1 the L1 miss buffers filled and the loads waited (Zen 4: decode 64 x 128-200
+  // keys 1.3-1.6x, 8 x 1024 1.3x the time; benchmarks/RESULTS.md).
+  const int64_t n = static_cast<int64_t>(tasks.size()), ahead = run.threads();
   if (isa >= kAvx512 && a.d % 16 == 0) {
     Attn b = a;
     b.bf16_dot = isa >= kAvx512Bf16 && a.q_bf16 && a.kv == kKvBf16;
-    run.For(static_cast<int64_t>(tasks.size()), [&](int64_t i) { Avx512AttnTask(b, tasks[i]); });
+    run.For(n, [&](int64_t i) {
+      if (i + ahead < n) PrefetchTaskStart(a, tasks[i + ahead]);
+      Avx512AttnTask(b, tasks[i]);
+    });
     return;
   }
   if (isa >= kAvx2 && a.d % 8 == 0) {
-    // Claimed in order, a thread's next task is about `threads` further on (taken by
-    // another thread, its keys are in the shared L3 by then).
-    const int64_t n = static_cast<int64_t>(tasks.size()), ahead = run.threads();
     run.For(n, [&](int64_t i) {
       if (i + ahead < n) PrefetchTaskStart(a, tasks[i + ahead]);
       Avx2AttnTask(a, tasks[i]);

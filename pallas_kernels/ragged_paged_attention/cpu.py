@@ -12,7 +12,8 @@ A task walks its visible keys (up to its last query, from its first query's wind
 start) in chunks of 32 with an online softmax in float32 (a query of a speculative tree
 also masks the chunk's tree nodes that are not its ancestors or itself, work_items.py),
 software-prefetching the rows two chunks ahead (a page-table lookup per page, not per
-key):
+key), and the first chunks of the task the thread likely takes next while this one runs;
+on AVX-512 into L2, since prefetching into L1 filled its miss buffers:
 - few rows (decode: up to 8 query rows): scores are 4 x 4 (1 x 16, 2 x 8) tiles of
   AVX-512 dot products; f32, bf16 and int8 rows are read in place and widened in
   registers, except that bf16 queries against bf16 pages on an AVX512_BF16 CPU use
