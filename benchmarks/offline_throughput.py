@@ -9,24 +9,29 @@ tokenizer) is loaded by jaxserve and by every peer. Greedy, ignore_eos:
   (b) 64 requests, 128-token prompts, 128 new tokens each: output tokens/s.
 The engine runs as configs/engine/cpu.yaml has it: up to 8 decode steps per program while
 every request decodes (--num-scheduler-steps; 1 for one step per program).
-Ceilings measured in the same run: memory bandwidth (a jitted reduction over 1 GiB, read
+The run is --rounds rounds (default 3), one after the other: jaxserve's (a) and (b), then
+every peer's. This VM's speed drifts by 10-20% within minutes, so a single pass compared
+systems measured at different moments; each ratio is computed within its round, and the
+table gives the median over the rounds with every round's value after it.
+Ceilings measured in each round: memory bandwidth (a jitted reduction over 1 GiB, read
 before and after (a); the larger reading) gives the floor on batch-1 decode time (weights
 read once per token); matmul rate (a jitted square matmul) gives the floors on compute
-time, of (b) and of (a)'s TTFT. Peers, run after jaxserve in the same run on the same
-checkpoint and dtype (benchmarks/peers.py):
+time, of (b) and of (a)'s TTFT. Peers, on the same checkpoint and dtype
+(benchmarks/peers.py):
 transformers `generate` (all 64 prompts of (b) in one static batch), llama.cpp's
 llama-batched-bench (built from the llama-cpp-python sdist, on a GGUF conversion of the
 checkpoint) and vLLM's CPU build (in a virtualenv of its own). Their first run builds and
 installs them (minutes; cached under $JAXSERVE_CACHE/peers). A peer that is skipped or
-cannot run is reported as such. Also timed: `jaxserve serve` with these engine settings,
-from launch to health SERVING, with an empty compilation cache and again with the one the
-first start filled (warm restart). Like the `jaxserve` command, the script first restarts
-itself with glibc's malloc asking for transparent huge pages (jaxserve/huge_pages.py); the
-peers inherit that environment.
+cannot run is reported as such. Also timed, once after the rounds: `jaxserve serve` with
+these engine settings, from launch to health SERVING, with an empty compilation cache and
+again with the one the first start filled (warm restart). At the end the script prints
+issue 17's targets against the medians. Like the `jaxserve` command, the script first
+restarts itself with glibc's malloc asking for transparent huge pages
+(jaxserve/huge_pages.py); the peers inherit that environment.
 
     python benchmarks/offline_throughput.py [--preset configs/models/smollm2-135m.yaml]
         [--dtype float32|bfloat16] [--skip-hf] [--skip-llamacpp] [--skip-vllm]
-        [--skip-restarts] [--sync] [--num-scheduler-steps N] [--json out.json]
+        [--skip-restarts] [--sync] [--num-scheduler-steps N] [--rounds N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -164,38 +169,99 @@ def measure_restarts(engine_cfg: EngineConfig) -> tuple[float, float]:
     return times[0], times[1]
 
 
-def run_peers(args, model_dir, workloads: peers.Workloads
+def run_peers(args, model_dir, workloads: peers.Workloads, skip: dict[str, str]
               ) -> dict[str, tuple[dict | None, str | None]]:
-    """name -> (result, None) or (None, why not), for every peer, skipped ones included."""
+    """name -> (result, None) or (None, why not), for every peer; a peer named in `skip`
+    (name -> why) is not run."""
     results = {}
     for name, flag, run in PEERS:
         if getattr(args, flag.removeprefix("--").replace("-", "_")):
             results[name] = (None, f"skipped ({flag})")
-            continue
-        start = time.perf_counter()
-        results[name] = run(model_dir, args.dtype, workloads)
-        print(f"{name}: {time.perf_counter() - start:.0f} s", flush=True)
+        elif name in skip:
+            results[name] = (None, skip[name])
+        else:
+            start = time.perf_counter()
+            results[name] = run(model_dir, args.dtype, workloads)
+            print(f"{name}: {time.perf_counter() - start:.0f} s", flush=True)
     return results
 
 
-def peer_rows(name: str, peer: dict | None, reason: str | None, a: dict, b: dict,
-              decode_floor_ms: float) -> list[tuple[str, str]]:
-    """The rows of one peer: its numbers, and jaxserve's speed relative to them (>1: faster)."""
-    if peer is None:
+def run_round(engine: Engine, prompt_a: list[int], prompts_b: list[list[int]]) -> dict:
+    """jaxserve's part of one round: (a) between two bandwidth probes, then (b)."""
+    bandwidth_before = measure_bandwidth()
+    # TTFT as the peers measure it (each warms up first; vLLM takes the median of three).
+    ttft = statistics.median(run_engine(engine, [prompt_a], 1)["ttft_s"] for _ in range(3))
+    a = run_engine(engine, [prompt_a], 256)
+    a["ttft_s"] = ttft
+    # This VM's bandwidth drifts (it read 45 and 80 GB/s minutes apart on a Zen 5 EPYC):
+    # probe it again right after (a)'s decode, and take the larger reading as the floor's.
+    bandwidths = (bandwidth_before, measure_bandwidth())
+    steps, overlapped = engine.num_steps, engine.num_overlapped_steps
+    b = run_engine(engine, prompts_b, 128)
+    return {"a": a, "b": b, "bandwidths": bandwidths, "bandwidth": max(bandwidths),
+            "b_steps": engine.num_steps - steps,
+            "b_overlapped": engine.num_overlapped_steps - overlapped}
+
+
+def spread(values: list[float], fmt: str = "{:.2f}", unit: str = "") -> str:
+    """The median of per-round values, then each round's value: '1.25x (1.22 / 1.25 / 1.31)'."""
+    med = fmt.format(statistics.median(values)) + unit
+    return med if len(values) == 1 else f"{med} ({' / '.join(fmt.format(v) for v in values)})"
+
+
+def peer_rows(name: str, runs: list[dict], reason: str | None, rounds: list[dict]
+              ) -> list[tuple[str, str]]:
+    """The rows of one peer: its numbers, and jaxserve's speed relative to them (>1: faster),
+    each ratio within its round."""
+    if not runs:
         return [(name, reason if reason.startswith("skipped") else f"not run: {reason}")]
-    our_ms, our_ttft_ms = a["tpot_ms"], a["ttft_s"] * 1e3
+    first = runs[0]
+    col = lambda key: [p[key] for p in runs]  # noqa: E731
+    floors = [r["decode_floor_ms"] for r in rounds]
     return [
-        (name, f"{peer['version']}; {peer['flags']}; setup {peer['setup_s']:.0f} s, "
-               f"run {peer['run_s']:.0f} s"),
-        (f"(a) {name} TTFT, ms per output token",
-         f"{peer['ttft_ms']:.1f} ms, {peer['ms_per_token']:.2f} ms "
-         f"({peer['ms_per_token'] / decode_floor_ms:.2f}x floor)"
-         + (f"; {peer['note_a']}" if "note_a" in peer else "")),
-        (f"(a) jaxserve / {name} speed",
-         f"decode {peer['ms_per_token'] / our_ms:.2f}x, TTFT {peer['ttft_ms'] / our_ttft_ms:.2f}x"),
-        (f"(b) {name}", f"{peer['total_s']:.2f} s, {peer['tokens_per_s']:.1f} tokens/s"),
-        (f"(b) jaxserve / {name} throughput", f"{b['tokens_per_s'] / peer['tokens_per_s']:.2f}x"),
+        (name, f"{first['version']}; {first['flags']}; setup {first['setup_s']:.0f} s, "
+               f"run {spread(col('run_s'), '{:.0f}', ' s')}"),
+        (f"(a) {name} TTFT", spread(col("ttft_ms"), "{:.1f}", " ms")),
+        (f"(a) {name} ms per output token",
+         spread(col("ms_per_token"), unit=" ms") + "; "
+         + spread([p["ms_per_token"] / f for p, f in zip(runs, floors)], unit="x floor")
+         + (f"; {first['note_a']} (round 1)" if "note_a" in first else "")),
+        (f"(a) jaxserve / {name} decode speed",
+         spread([p["ms_per_token"] / r["a"]["tpot_ms"] for p, r in zip(runs, rounds)], unit="x")),
+        (f"(a) jaxserve / {name} TTFT speed",
+         spread([p["ttft_ms"] / (r["a"]["ttft_s"] * 1e3) for p, r in zip(runs, rounds)], unit="x")),
+        (f"(b) {name}", spread(col("total_s"), unit=" s") + ", "
+                        + spread(col("tokens_per_s"), "{:.1f}", " tokens/s")),
+        (f"(b) jaxserve / {name} throughput",
+         spread([r["b"]["tokens_per_s"] / p["tokens_per_s"] for p, r in zip(runs, rounds)], unit="x")),
     ]
+
+
+def target_lines(rounds: list[dict], peer_runs: dict[str, list[dict]],
+                 restarts: tuple[float, float] | None) -> list[str]:
+    """Issue 17's targets against the medians of the per-round ratios."""
+    lines = []
+
+    def check(what: str, ratios, ok, unit: str = "x") -> None:
+        value = statistics.median(ratios)
+        lines.append(f"- {what}: {value:.2f}{unit} {'MET' if ok(value) else 'MISSED'}")
+
+    check("(a) decode <= 1.3x the bandwidth floor",
+          [r["a"]["tpot_ms"] / r["decode_floor_ms"] for r in rounds], lambda v: v <= 1.3)
+    check("(a) TTFT <= 3x one decode step",
+          [r["a"]["ttft_s"] * 1e3 / r["a"]["tpot_ms"] for r in rounds], lambda v: v <= 3.0)
+    if peer_runs["llama.cpp"]:
+        check("(a) decode faster than llama.cpp (its time / ours)",
+              [p["ms_per_token"] / r["a"]["tpot_ms"] for p, r in zip(peer_runs["llama.cpp"], rounds)],
+              lambda v: v > 1.0)
+    for name, need in (("transformers", 2.0), ("llama.cpp", 1.0)):
+        if peer_runs[name]:
+            check(f"(b) tokens/s >= {need:g}x {name}",
+                  [r["b"]["tokens_per_s"] / p["tokens_per_s"] for p, r in zip(peer_runs[name], rounds)],
+                  lambda v, need=need: v >= need)
+    if restarts is not None:
+        check("warm restart < 10 s", [restarts[1]], lambda v: v < 10.0, " s")
+    return lines
 
 
 def main() -> None:
@@ -213,8 +279,12 @@ def main() -> None:
     ap.add_argument("--num-scheduler-steps", type=int, default=8,
                     help="decode steps per program while every request decodes (as "
                          "configs/engine/cpu.yaml; 1: one step per program)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of jaxserve then every peer; the table gives medians")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     # Malloc on transparent huge pages, as under the `jaxserve` command (restarts this
     # process once; jaxserve/huge_pages.py). The peers, started from here, inherit it.
     restart_with_huge_pages()
@@ -231,7 +301,6 @@ def main() -> None:
     engine.warmup()
     warmup_s = time.perf_counter() - t0
 
-    bandwidth = measure_bandwidth()
     flops = measure_matmul(jnp.float32 if args.dtype == "float32" else jnp.bfloat16)
     itemsize = jnp.dtype(args.dtype).itemsize
     # Per decoded token every weight is read once, except that only one embedding row is
@@ -242,28 +311,30 @@ def main() -> None:
     load_avg = os.getloadavg()[0]  # other work on the machine skews every number below
     rng = np.random.default_rng(0)
     prompt_a = rng.integers(0, cfg.vocab_size, 32).tolist()
-    # TTFT as the peers measure it (each warms up first; vLLM takes the median of three):
-    # the engine's first request is a warm-up of its own, reported apart.
+    # The engine's first request is a warm-up of its own, reported apart.
     first_ttft = run_engine(engine, [rng.integers(0, cfg.vocab_size, 32).tolist()], 8)["ttft_s"]
-    ttft = statistics.median(run_engine(engine, [prompt_a], 1)["ttft_s"] for _ in range(3))
-    a = run_engine(engine, [prompt_a], 256)
-    a["ttft_s"] = ttft
-    # This VM's bandwidth drifts (it read 45 and 80 GB/s minutes apart on a Zen 5 EPYC):
-    # probe it again right after (a)'s decode, and take the larger reading as the floor's.
-    bandwidths = (bandwidth, measure_bandwidth())
-    bandwidth = max(bandwidths)
     prompts_b = [rng.integers(0, cfg.vocab_size, 128).tolist() for _ in range(64)]
-    steps, overlapped = engine.num_steps, engine.num_overlapped_steps
-    b = run_engine(engine, prompts_b, 128)
-    b_steps = engine.num_steps - steps
-    b_overlapped = engine.num_overlapped_steps - overlapped
+    workloads = peers.Workloads(prompt_a, prompts_b, 256, 128)
+    rounds: list[dict] = []
+    peer_runs: dict[str, list[dict]] = {name: [] for name, _, _ in PEERS}
+    reasons: dict[str, str] = {}
+    for r in range(args.rounds):
+        start = time.perf_counter()
+        rounds.append(run_round(engine, prompt_a, prompts_b))
+        rounds[-1]["decode_floor_ms"] = 1e3 * weight_bytes / rounds[-1]["bandwidth"]
+        print(f"round {r + 1}/{args.rounds}, jaxserve: {time.perf_counter() - start:.0f} s", flush=True)
+        # A peer that failed or was skipped is not tried again in later rounds.
+        for name, (result, reason) in run_peers(args, model_dir, workloads, reasons).items():
+            if result is None:
+                reasons[name] = reason
+                peer_runs[name] = []
+            else:
+                peer_runs[name].append(result)
     assert engine.runner.compiles_after_warmup == 0
     num_compiled = engine.runner.num_compiled
-    del engine  # its KV cache and weights: the peers run in this process or beside it
+    del engine  # its KV cache and weights, before `jaxserve serve` starts beside this process
     restarts = None if args.skip_restarts else measure_restarts(engine_cfg)
-    results = run_peers(args, model_dir, peers.Workloads(prompt_a, prompts_b, 256, 128))
 
-    decode_floor_ms = 1e3 * weight_bytes / bandwidth
     # Compute floor for (b): 2 FLOPs per weight per token, prefill + decode (attention
     # adds < 5% at these lengths and is left out, which makes the floor lower, not higher).
     b_tokens = 64 * (128 + 128)
@@ -273,6 +344,8 @@ def main() -> None:
     # reachable at this machine's matmul rate.
     head_params = cfg.vocab_size * cfg.hidden_size
     ttft_floor_ms = 1e3 * 2 * ((matmul_params - head_params) * len(prompt_a) + head_params) / flops
+    a_col = lambda key, scale=1.0: [r["a"][key] * scale for r in rounds]  # noqa: E731
+    b_col = lambda key: [r["b"][key] for r in rounds]  # noqa: E731
 
     rows = [
         ("machine", f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}, {jax.devices()[0].platform}, load average {load_avg:.1f} at start"),
@@ -282,43 +355,48 @@ def main() -> None:
                                  f"(huge pages: {huge_page_mode()})"),
         ("warm-up (load + compile all buckets)", f"{warmup_s:.1f} s, {num_compiled} programs"),
         ("decode steps per program (num_scheduler_steps)", str(args.num_scheduler_steps)),
-        ("measured memory bandwidth", f"{bandwidth / 1e9:.1f} GB/s (before / after (a): "
-                                      f"{bandwidths[0] / 1e9:.1f} / {bandwidths[1] / 1e9:.1f})"),
+        ("rounds (jaxserve, then every peer)", f"{args.rounds}: medians, then each round's value"),
+        ("measured memory bandwidth", spread([r["bandwidth"] / 1e9 for r in rounds], "{:.1f}", " GB/s")
+         + " (the larger of the probes before and after (a))"),
         ("measured matmul rate", f"{flops / 1e9:.1f} GFLOP/s ({args.dtype})"),
-        ("(a) TTFT (median of 3)", f"{a['ttft_s'] * 1e3:.1f} ms, "
-                                   f"{a['ttft_s'] * 1e3 / a['tpot_ms']:.2f}x one decode step"),
-        ("(a) TTFT compute floor", f"{ttft_floor_ms:.1f} ms at the measured matmul rate, "
-                                   f"{ttft_floor_ms / a['tpot_ms']:.2f}x one decode step; "
-                                   f"TTFT {a['ttft_s'] * 1e3 / ttft_floor_ms:.2f}x it"),
+        ("(a) TTFT (median of 3 per round)", spread(a_col("ttft_s", 1e3), "{:.1f}", " ms")),
+        ("(a) TTFT / one decode step", spread([r["a"]["ttft_s"] * 1e3 / r["a"]["tpot_ms"]
+                                               for r in rounds], unit="x")),
+        ("(a) TTFT compute floor", f"{ttft_floor_ms:.1f} ms at the measured matmul rate; TTFT "
+         + spread([r["a"]["ttft_s"] * 1e3 / ttft_floor_ms for r in rounds], unit="x") + " it"),
         ("(a) TTFT of the first request after warm-up", f"{first_ttft * 1e3:.1f} ms"),
-        ("(a) ms per output token", f"{a['tpot_ms']:.2f} ms"),
-        ("(a) bandwidth floor per token", f"{decode_floor_ms:.2f} ms ({weight_bytes / 1e6:.0f} MB of weights)"),
-        ("(a) ratio to floor", f"{a['tpot_ms'] / decode_floor_ms:.2f}x"),
-        ("(a) output tokens/s", f"{a['tokens_per_s']:.1f}"),
-        ("(b) mean TTFT", f"{b['ttft_s']:.2f} s"),
-        ("(b) total time", f"{b['total_s']:.2f} s"),
-        ("(b) output tokens/s", f"{b['tokens_per_s']:.1f}"),
-        ("(b) compute floor", f"{b_floor_s:.2f} s, ratio {b['total_s'] / b_floor_s:.2f}x"),
-        ("(b) steps queued behind a running step", f"{b_overlapped} of {b_steps}"
-                                                   + (" (--sync)" if args.sync else "")),
+        ("(a) ms per output token", spread(a_col("tpot_ms"), unit=" ms")),
+        ("(a) bandwidth floor per token", spread([r["decode_floor_ms"] for r in rounds], unit=" ms")
+         + f" ({weight_bytes / 1e6:.0f} MB of weights)"),
+        ("(a) ratio to floor", spread([r["a"]["tpot_ms"] / r["decode_floor_ms"] for r in rounds], unit="x")),
+        ("(a) output tokens/s", spread(a_col("tokens_per_s"), "{:.1f}")),
+        ("(b) mean TTFT", spread(b_col("ttft_s"), unit=" s")),
+        ("(b) total time", spread(b_col("total_s"), unit=" s")),
+        ("(b) output tokens/s", spread(b_col("tokens_per_s"), "{:.1f}")),
+        ("(b) compute floor", f"{b_floor_s:.2f} s, ratio "
+         + spread([t / b_floor_s for t in b_col("total_s")], unit="x")),
+        ("(b) steps queued behind a running step",
+         " / ".join(f"{r['b_overlapped']} of {r['b_steps']}" for r in rounds)
+         + (" (--sync)" if args.sync else "")),
     ]
     if restarts is not None:
         rows.append(("`jaxserve serve` to SERVING, cold / warm cache",
                      f"{restarts[0]:.1f} s / {restarts[1]:.1f} s"))
-    for name, (peer, reason) in results.items():
-        rows += peer_rows(name, peer, reason, a, b, decode_floor_ms)
+    for name, _, _ in PEERS:
+        rows += peer_rows(name, peer_runs[name], reasons.get(name), rounds)
     width = max(len(k) for k, _ in rows)
     print(f"\noffline throughput, {datetime.date.today().isoformat()}")
     print(f"| {'metric'.ljust(width)} | value |\n|{'-' * (width + 2)}|-------|")
     for k, v in rows:
         print(f"| {k.ljust(width)} | {v} |")
+    print(f"\nissue 17's targets ({args.dtype}; medians of the per-round ratios):")
+    print("\n".join(target_lines(rounds, peer_runs, restarts)))
     if args.json:
         with open(args.json, "w") as f:
-            peer_json = {k: {"result": p, "reason": r} for k, (p, r) in results.items()}
-            json.dump({"a": a, "first_request_ttft_s": first_ttft, "b": b, "peers": peer_json,
-                       "bandwidth": bandwidth, "bandwidths": bandwidths, "flops": flops,
-                       "decode_floor_ms": decode_floor_ms, "b_floor_s": b_floor_s,
-                       "ttft_floor_ms": ttft_floor_ms}, f, indent=2)
+            json.dump({"rounds": rounds, "first_request_ttft_s": first_ttft,
+                       "peers": {k: {"runs": v, "reason": reasons.get(k)} for k, v in peer_runs.items()},
+                       "flops": flops, "b_floor_s": b_floor_s, "ttft_floor_ms": ttft_floor_ms,
+                       "restarts_s": restarts}, f, indent=2)
 
 
 if __name__ == "__main__":
