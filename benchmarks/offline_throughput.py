@@ -286,7 +286,8 @@ def main() -> None:
                     help="decode steps per program while every request decodes (as "
                          "configs/engine/cpu.yaml; 1: one step per program)")
     ap.add_argument("--rounds", type=int, default=3,
-                    help="rounds of jaxserve then every peer; the table gives medians")
+                    help="rounds of every system in turn (transformers, jaxserve, llama.cpp, "
+                         "vLLM); the table gives medians of the per-round values")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.rounds < 1:
@@ -324,8 +325,10 @@ def main() -> None:
     rounds: list[dict] = []
     peer_runs: dict[str, list[dict]] = {name: [] for name, _, _ in PEERS}
     reasons: dict[str, str] = {}
+
     def peers_now(names: tuple[str, ...]) -> None:
-        # A peer that failed or was skipped is not tried again in later rounds.
+        # A peer that failed or was skipped is not tried again in later rounds, and its
+        # earlier rounds are dropped (every ratio pairs a peer's run with jaxserve's round).
         for name, (result, reason) in run_peers(args, model_dir, workloads, names, reasons).items():
             if result is None:
                 reasons[name] = reason
