@@ -39,9 +39,10 @@
 // Attention: one task per (sequence, KV head, block of queries), largest first; keys in
 // chunks of 32, software-prefetched two chunks ahead, and a thread's likely next task's
 // first chunks while the current one runs (into L2 on AVX-512); scores as 4 x 4 (1 x 16,
-// 2 x 8) tiles of dot products for few rows (decode; vdpbf16ps for bf16 q and pages) or from K^T for many
-// (prefill); online softmax and P.V in f32. Below AVX-512 the same plan in 8-lane vectors
-// (4 x 2, 1 x 8, 2 x 4 tiles). See pallas_kernels/ragged_paged_attention/cpu.py.
+// 2 x 8) tiles of dot products for few rows (decode; vdpbf16ps for bf16 q and pages) or
+// from K^T for many (prefill); online softmax and P.V in f32. Below AVX-512 the same plan
+// in 8-lane vectors (4 x 2, 1 x 8, 2 x 4 tiles). See
+// pallas_kernels/ragged_paged_attention/cpu.py.
 //
 // See pallas_kernels/cpu/__init__.py for how this file is built and loaded.
 
