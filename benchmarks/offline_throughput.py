@@ -209,6 +209,25 @@ def run_round(engine: Engine, prompt_a: list[int], prompts_b: list[list[int]]) -
             "b_steps": b_steps, "b_overlapped": b_overlapped}
 
 
+# Per-round ratios, each within its round: the table and the targets read the same ones.
+def floor_ratios(rounds: list[dict]) -> list[float]:
+    return [r["a"]["tpot_ms"] / r["decode_floor_ms"] for r in rounds]
+
+
+def ttft_ratios(rounds: list[dict]) -> list[float]:
+    return [r["a"]["ttft_s"] * 1e3 / r["a"]["tpot_ms"] for r in rounds]
+
+
+def decode_speedups(runs: list[dict], rounds: list[dict]) -> list[float]:
+    """jaxserve's batch-1 decode speed over a peer's (>1: faster)."""
+    return [p["ms_per_token"] / r["a"]["tpot_ms"] for p, r in zip(runs, rounds)]
+
+
+def throughput_ratios(runs: list[dict], rounds: list[dict]) -> list[float]:
+    """jaxserve's (b) tokens/s over a peer's."""
+    return [r["b"]["tokens_per_s"] / p["tokens_per_s"] for p, r in zip(runs, rounds)]
+
+
 def spread(values: list[float], fmt: str = "{:.2f}", unit: str = "") -> str:
     """The median of per-round values, then each round's value: '1.25x (1.22 / 1.25 / 1.31)'."""
     med = fmt.format(statistics.median(values)) + unit
@@ -232,14 +251,12 @@ def peer_rows(name: str, runs: list[dict], reason: str | None, rounds: list[dict
          spread(col("ms_per_token"), unit=" ms") + "; "
          + spread([p["ms_per_token"] / f for p, f in zip(runs, floors)], unit="x floor")
          + (f"; {first['note_a']} (round 1)" if "note_a" in first else "")),
-        (f"(a) jaxserve / {name} decode speed",
-         spread([p["ms_per_token"] / r["a"]["tpot_ms"] for p, r in zip(runs, rounds)], unit="x")),
+        (f"(a) jaxserve / {name} decode speed", spread(decode_speedups(runs, rounds), unit="x")),
         (f"(a) jaxserve / {name} TTFT speed",
          spread([p["ttft_ms"] / (r["a"]["ttft_s"] * 1e3) for p, r in zip(runs, rounds)], unit="x")),
         (f"(b) {name}", spread(col("total_s"), unit=" s") + ", "
                         + spread(col("tokens_per_s"), "{:.1f}", " tokens/s")),
-        (f"(b) jaxserve / {name} throughput",
-         spread([r["b"]["tokens_per_s"] / p["tokens_per_s"] for p, r in zip(runs, rounds)], unit="x")),
+        (f"(b) jaxserve / {name} throughput", spread(throughput_ratios(runs, rounds), unit="x")),
     ]
 
 
@@ -252,18 +269,14 @@ def target_lines(rounds: list[dict], peer_runs: dict[str, list[dict]],
         value = statistics.median(ratios)
         lines.append(f"- {what}: {value:.2f}{unit} {'MET' if ok(value) else 'MISSED'}")
 
-    check("(a) decode <= 1.3x the bandwidth floor",
-          [r["a"]["tpot_ms"] / r["decode_floor_ms"] for r in rounds], lambda v: v <= 1.3)
-    check("(a) TTFT <= 3x one decode step",
-          [r["a"]["ttft_s"] * 1e3 / r["a"]["tpot_ms"] for r in rounds], lambda v: v <= 3.0)
+    check("(a) decode <= 1.3x the bandwidth floor", floor_ratios(rounds), lambda v: v <= 1.3)
+    check("(a) TTFT <= 3x one decode step", ttft_ratios(rounds), lambda v: v <= 3.0)
     if peer_runs["llama.cpp"]:
         check("(a) decode faster than llama.cpp (its time / ours)",
-              [p["ms_per_token"] / r["a"]["tpot_ms"] for p, r in zip(peer_runs["llama.cpp"], rounds)],
-              lambda v: v > 1.0)
+              decode_speedups(peer_runs["llama.cpp"], rounds), lambda v: v > 1.0)
     for name, need in (("transformers", 2.0), ("llama.cpp", 1.0)):
         if peer_runs[name]:
-            check(f"(b) tokens/s >= {need:g}x {name}",
-                  [r["b"]["tokens_per_s"] / p["tokens_per_s"] for p, r in zip(peer_runs[name], rounds)],
+            check(f"(b) tokens/s >= {need:g}x {name}", throughput_ratios(peer_runs[name], rounds),
                   lambda v, need=need: v >= need)
     if restarts is not None:
         check("warm restart < 10 s", [restarts[1]], lambda v: v < 10.0, " s")
@@ -376,15 +389,14 @@ def main() -> None:
          + " (the larger of the probes before and after (a))"),
         ("measured matmul rate", f"{flops / 1e9:.1f} GFLOP/s ({args.dtype})"),
         ("(a) TTFT (median of 3 per round)", spread(a_col("ttft_s", 1e3), "{:.1f}", " ms")),
-        ("(a) TTFT / one decode step", spread([r["a"]["ttft_s"] * 1e3 / r["a"]["tpot_ms"]
-                                               for r in rounds], unit="x")),
+        ("(a) TTFT / one decode step", spread(ttft_ratios(rounds), unit="x")),
         ("(a) TTFT compute floor", f"{ttft_floor_ms:.1f} ms at the measured matmul rate; TTFT "
          + spread([r["a"]["ttft_s"] * 1e3 / ttft_floor_ms for r in rounds], unit="x") + " it"),
         ("(a) TTFT of the first request after warm-up", f"{first_ttft * 1e3:.1f} ms"),
         ("(a) ms per output token", spread(a_col("tpot_ms"), unit=" ms")),
         ("(a) bandwidth floor per token", spread([r["decode_floor_ms"] for r in rounds], unit=" ms")
          + f" ({weight_bytes / 1e6:.0f} MB of weights)"),
-        ("(a) ratio to floor", spread([r["a"]["tpot_ms"] / r["decode_floor_ms"] for r in rounds], unit="x")),
+        ("(a) ratio to floor", spread(floor_ratios(rounds), unit="x")),
         ("(a) output tokens/s", spread(a_col("tokens_per_s"), "{:.1f}")),
         ("(b) mean TTFT", spread(b_col("ttft_s"), unit=" s")),
         ("(b) total time", spread(b_col("total_s"), unit=" s")),

@@ -3246,22 +3246,19 @@ void Attention(const Runner& run, const Attn& a, int64_t num_seqs, int64_t queri
   // into L1 the L1 miss buffers filled and the loads waited (Zen 4: decode 64 x 128-200
   // keys 1.3-1.6x, 8 x 1024 1.3x the time; benchmarks/RESULTS.md).
   const int64_t n = static_cast<int64_t>(tasks.size()), ahead = run.threads();
+  auto run_tasks = [&](auto&& task) {
+    run.For(n, [&](int64_t i) {
+      if (i + ahead < n) PrefetchTaskStart(a, tasks[i + ahead]);
+      task(tasks[i]);
+    });
+  };
   if (isa >= kAvx512 && a.d % 16 == 0) {
     Attn b = a;
     b.bf16_dot = isa >= kAvx512Bf16 && a.q_bf16 && a.kv == kKvBf16;
-    run.For(n, [&](int64_t i) {
-      if (i + ahead < n) PrefetchTaskStart(a, tasks[i + ahead]);
-      Avx512AttnTask(b, tasks[i]);
-    });
-    return;
+    return run_tasks([&](const AttnTask& t) { Avx512AttnTask(b, t); });
   }
-  if (isa >= kAvx2 && a.d % 8 == 0) {
-    run.For(n, [&](int64_t i) {
-      if (i + ahead < n) PrefetchTaskStart(a, tasks[i + ahead]);
-      Avx2AttnTask(a, tasks[i]);
-    });
-    return;
-  }
+  if (isa >= kAvx2 && a.d % 8 == 0)
+    return run_tasks([&](const AttnTask& t) { Avx2AttnTask(a, t); });
 #endif
   (void)isa;
   run.For(static_cast<int64_t>(tasks.size()), [&](int64_t i) { ScalarAttnTask(a, tasks[i]); });
