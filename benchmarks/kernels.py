@@ -743,7 +743,7 @@ def main() -> None:
     # The reference computes attention in float32 (XLA:CPU's path, and the CPU kernel's); the
     # accelerator kernels use bf16 dots.
     flops_dtype = jnp.float32 if on_cpu else jnp.bfloat16
-    flops_rate = measure_matmul(flops_dtype, n=2048 if on_cpu else 8192)
+    flops_rate, flops_by = measure_matmul(flops_dtype, n=2048 if on_cpu else 8192)
 
     cases = attention_cases(on_cpu, args.full)
     attention = (attention_rows(cases, impl, platform_name, bandwidth, flops_rate, iters)
@@ -762,7 +762,8 @@ def main() -> None:
     print(f"- jax {jax.__version__}, backend {platform_name}, kernel impl: "
           f"{impl or 'none (reference only)'}{cpu_note}")
     print(f"- measured memory bandwidth: {bandwidth / 1e9:.1f} GB/s; matmul rate: "
-          f"{flops_rate / 1e9:.1f} GFLOP/s ({jnp.dtype(flops_dtype).name})")
+          f"{flops_rate / 1e9:.1f} GFLOP/s ({jnp.dtype(flops_dtype).name}; the faster of "
+          f"{flops_by} GFLOP/s)")
     print(f"- shapes: {'full' if args.full or not on_cpu else 'CPU default (reduced; --full for all)'}; "
           f"median of {iters} calls; total {time.perf_counter() - start:.0f} s\n")
     for rows, title, table in (
