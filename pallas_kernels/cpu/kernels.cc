@@ -1126,8 +1126,12 @@ void PanelRows(const Mm& a, const void* panel, int64_t m0, int64_t rows, int64_t
 // strips are one run of consecutive ones per thread (the prefetch runs on from one strip
 // into the next; each run starts cold: smollm2-135m's bf16 layers at one row, strips
 // claimed one by one 1.13-1.16x the time, 8 / 4 / 2 runs per thread 1.04-1.10x / 1.0x /
-// 0.95-0.97x, one run 0.91x the time of [N, K]'s dot products).
-constexpr int64_t kSplitKRows = 32;
+// 0.95-0.97x, one run 0.91x the time of [N, K]'s dot products). Up to one tile of rows:
+// past it, strips claimed one by one with their leftovers split by rows took less time
+// than runs with leftovers split by K, as up to 32 rows before (smollm2-135m's layers,
+// 2-core Zen 4 EPYC, the two alternating call by call): bf16 8 / 16 / 32 rows 0.87x /
+// 0.90x / 0.95x the time, 12 and 24 rows 1.00x; float32 8-32 rows 0.96-0.97x.
+constexpr int64_t kSplitKRows = kMaxTileRows;
 // How far ahead of a packed strip's first tile of rows its prefetches run. The strip is
 // contiguous and the hardware's stream prefetch does most of the work: 4 KiB
 // (kPrefetchBytes) ahead, the software prefetches slowed the stream. Measured on
