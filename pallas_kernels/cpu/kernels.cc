@@ -1137,7 +1137,7 @@ constexpr int64_t kSplitKRows = kMaxTileRows;
 // (kPrefetchBytes) ahead, the software prefetches slowed the stream. Measured on
 // smollm2-135m's layers (2-core Zen 4 EPYC, the model's matmuls as one chain, the
 // distances alternating call by call): 4 KiB took 1.09-1.13x the time of 1 KiB at 1 row
-// (bf16 and float32), 1.07-1.11x at 3-8 rows (one run of 8 float32 rows: 0.91x), 0.99-1.07x
+// (bf16 and float32), 0.98-1.11x at 2-8 rows (one run of 8 float32 rows: 0.91x), 0.99-1.07x
 // at 16-64 and 0.98-1.00x at 512. 512 B and 2 KiB were no faster than 1 KiB (2 KiB: 1.12x
 // the time of 4 KiB at 8 float32 rows); none at all 1.04x at 1 float32 row and 1.05-1.07x
 // at 16-32 bf16 rows (benchmarks/RESULTS.md, stop 49).
