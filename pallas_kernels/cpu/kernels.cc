@@ -1122,9 +1122,9 @@ void PanelRows(const Mm& a, const void* panel, int64_t m0, int64_t rows, int64_t
 // at the end).
 // Packed weights (Mm::packed) are their own panels: no copy; a task's first tile of rows
 // prefetches its own strip ahead (kPanelPrefetchBytes), as the dot-product paths do (bf16
-// with more rows: the next strip, as when packing), and with up to kSplitKRows rows the whole
-// strips are one run of consecutive ones per thread (the prefetch runs on from one strip
-// into the next; each run starts cold: smollm2-135m's bf16 layers at one row, strips
+// with more rows: the next strip, as when packing), and with up to kSplitKRows rows the
+// whole strips are one run of consecutive ones per thread (the prefetch runs on from one
+// strip into the next; each run starts cold: smollm2-135m's bf16 layers at one row, strips
 // claimed one by one 1.13-1.16x the time, 8 / 4 / 2 runs per thread 1.04-1.10x / 1.0x /
 // 0.95-0.97x, one run 0.91x the time of [N, K]'s dot products). Up to one tile of rows:
 // past it, strips claimed one by one with their leftovers split by rows took less time
@@ -1137,10 +1137,11 @@ constexpr int64_t kSplitKRows = kMaxTileRows;
 // (kPrefetchBytes) ahead, the software prefetches slowed the stream. Measured on
 // smollm2-135m's layers (2-core Zen 4 EPYC, the model's matmuls as one chain, the
 // distances alternating call by call): 4 KiB took 1.09-1.13x the time of 1 KiB at 1 row
-// (bf16 and float32), 0.98-1.11x at 2-8 rows (one run of 8 float32 rows: 0.91x), 0.99-1.07x
-// at 16-64 and 0.98-1.00x at 512. 512 B and 2 KiB were no faster than 1 KiB (2 KiB: 1.12x
-// the time of 4 KiB at 8 float32 rows); none at all 1.04x at 1 float32 row and 1.05-1.07x
-// at 16-32 bf16 rows (benchmarks/RESULTS.md, stop 49).
+// (bf16 and float32), 0.98-1.11x at 2-8 rows (one run of 8 float32 rows: 0.91x),
+// 0.99-1.07x at 16-64 and 0.98-1.00x at 512. 512 B and 2 KiB were no faster than 1 KiB
+// (2 KiB: 1.12x the time of 4 KiB at 8 float32 rows); no prefetch took 1.04x the time of
+// 1 KiB at 1 float32 row, and 1.05-1.07x that of 4 KiB at 16-32 bf16 rows
+// (benchmarks/RESULTS.md, stop 49).
 constexpr int64_t kPanelPrefetchBytes = 1024;
 
 template <typename T>
