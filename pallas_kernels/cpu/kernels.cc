@@ -2301,6 +2301,13 @@ JS_INLINE uint32_t VisibleKeys(const Attn& a, const AttnTask& t, const SeqInfo& 
 #if JS_X86
 // Into the cache (L1, or L2 with `ToL2`): the K and V rows of a slot and, for 8-bit
 // caches, the scales of the 16 slots from it when `scales`.
+// The int8 / fp8 scales of the 16 slots from `slot` (K and V).
+JS_INLINE void PrefetchScales(const Attn& a, int64_t slot) {
+  if (a.ks == nullptr) return;
+  _mm_prefetch(reinterpret_cast<const char*>(a.ks + slot), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(a.vs + slot), _MM_HINT_T0);
+}
+
 template <bool ToL2 = false>
 JS_INLINE void PrefetchKv(const Attn& a, int64_t slot, bool scales) {
   const int64_t row_bytes = a.d * a.kv_esize;
@@ -2315,10 +2322,31 @@ JS_INLINE void PrefetchKv(const Attn& a, int64_t slot, bool scales) {
       _mm_prefetch(vp + b, _MM_HINT_T0);
     }
   }
-  if (scales && a.ks != nullptr) {
-    _mm_prefetch(reinterpret_cast<const char*>(a.ks + slot), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(a.vs + slot), _MM_HINT_T0);
-  }
+  if (scales) PrefetchScales(a, slot);
+}
+
+// The chunk kAttnPrefetchChunks ahead of the one a decode task works on, whose rows the
+// AVX-512 tiles prefetch into L2 as they go: its K rows between the score tiles and its V
+// rows between the keys of the P.V tile. Issued in a burst before the chunk (as they are
+// where rows are converted), the prefetches filled the miss buffers and the tiles waited
+// (Zen 4, bf16: decode 8 x 1024 and 4 x 8192 took 1.2x the time; benchmarks/RESULTS.md).
+struct Ahead {
+  const char* k[kKeysPerChunk];
+  const char* v[kKeysPerChunk];
+  int64_t n = 0;      // its keys (0: nothing to prefetch)
+  int64_t bytes = 0;  // of a K or V row
+};
+
+// K rows of the ahead chunk's keys [j0, j0 + count).
+JS_INLINE void PrefetchAheadK(const Ahead& ah, int64_t j0, int64_t count) {
+  for (int64_t j = j0; j < std::min(j0 + count, ah.n); ++j)
+    for (int64_t b = 0; b < ah.bytes; b += 64) _mm_prefetch(ah.k[j] + b, _MM_HINT_T1);
+}
+
+// The V row of the ahead chunk's key j.
+JS_INLINE void PrefetchAheadV(const Ahead* ah, int64_t j) {
+  if (ah == nullptr || j >= ah->n) return;
+  for (int64_t b = 0; b < ah->bytes; b += 64) _mm_prefetch(ah->v[j] + b, _MM_HINT_T1);
 }
 
 // The first kAttnPrefetchChunks chunks of keys [lo, hi), in a burst (later chunks are
@@ -2884,17 +2912,27 @@ JS_AVX512 JS_INLINE void QkTile(const float* q, int64_t D, const void* const* kr
 }
 
 // Scores of all rows (rows_pad, a multiple of 4) against nk_pad keys (a multiple of 16).
+// With the ahead chunk's K rows prefetched, a tile's keys' at a time.
 template <typename KV>
-JS_AVX512 void Scores(const Work& w, const void* const* krow, int64_t nk_pad, int64_t D) {
+JS_AVX512 void Scores(const Work& w, const void* const* krow, int64_t nk_pad, int64_t D,
+                      const Ahead& ah) {
   const int64_t KC = kKeysPerChunk;
   if (w.rows == 1) {
-    for (int64_t j = 0; j < nk_pad; j += 16) QkTile<1, 16, KV>(w.q, D, krow + j, w.s + j, KC);
+    for (int64_t j = 0; j < nk_pad; j += 16) {
+      QkTile<1, 16, KV>(w.q, D, krow + j, w.s + j, KC);
+      PrefetchAheadK(ah, j, 16);
+    }
   } else if (w.rows == 2) {
-    for (int64_t j = 0; j < nk_pad; j += 8) QkTile<2, 8, KV>(w.q, D, krow + j, w.s + j, KC);
+    for (int64_t j = 0; j < nk_pad; j += 8) {
+      QkTile<2, 8, KV>(w.q, D, krow + j, w.s + j, KC);
+      PrefetchAheadK(ah, j, 8);
+    }
   } else {
     for (int64_t r = 0; r < w.rows_pad; r += 4)
-      for (int64_t j = 0; j < nk_pad; j += 4)
+      for (int64_t j = 0; j < nk_pad; j += 4) {
         QkTile<4, 4, KV>(w.q + r * D, D, krow + j, w.s + r * KC + j, KC);
+        if (r == 0) PrefetchAheadK(ah, j, 4);
+      }
   }
 }
 
@@ -2943,17 +2981,24 @@ JS_AVX512BF16 JS_INLINE void QkTileDp(const uint16_t* q, int64_t D, const void* 
 }
 
 JS_AVX512BF16 void ScoresDp(const Work& w, const void* const* krow, int64_t nk_pad, int64_t D,
-                            float scale) {
+                            float scale, const Ahead& ah) {
   const int64_t KC = kKeysPerChunk;
   if (w.rows == 1) {
-    for (int64_t j = 0; j < nk_pad; j += 16)
+    for (int64_t j = 0; j < nk_pad; j += 16) {
       QkTileDp<1, 16>(w.qb, D, krow + j, w.s + j, KC, scale);
+      PrefetchAheadK(ah, j, 16);
+    }
   } else if (w.rows == 2) {
-    for (int64_t j = 0; j < nk_pad; j += 8) QkTileDp<2, 8>(w.qb, D, krow + j, w.s + j, KC, scale);
+    for (int64_t j = 0; j < nk_pad; j += 8) {
+      QkTileDp<2, 8>(w.qb, D, krow + j, w.s + j, KC, scale);
+      PrefetchAheadK(ah, j, 8);
+    }
   } else {
     for (int64_t r = 0; r < w.rows_pad; r += 4)
-      for (int64_t j = 0; j < nk_pad; j += 4)
+      for (int64_t j = 0; j < nk_pad; j += 4) {
         QkTileDp<4, 4>(w.qb + r * D, D, krow + j, w.s + r * KC + j, KC, scale);
+        if (r == 0) PrefetchAheadK(ah, j, 4);
+      }
   }
 }
 
@@ -3008,10 +3053,11 @@ JS_AVX512 void ScoresTransposed(const Work& w, int64_t D) {
 }
 
 // o[r, cols] = o[r, cols] * corr[r] + sum_j p[r, j] v[j, cols] for RB rows and NV vectors of
-// columns starting at col.
+// columns starting at col; the V row of the ahead chunk's key j prefetched with key j's.
 template <int RB, int NV, typename KV>
 JS_AVX512 JS_INLINE void PvTile(const float* p, int64_t ldp, const void* const* vrow,
-                                int64_t nk, float* o, int64_t D, const float* corr, int64_t col) {
+                                int64_t nk, float* o, int64_t D, const float* corr, int64_t col,
+                                const Ahead* ah) {
   __m512 acc[RB][NV];
   JS_UNROLL for (int r = 0; r < RB; ++r) {
     const __m512 c = _mm512_set1_ps(corr[r]);
@@ -3022,6 +3068,7 @@ JS_AVX512 JS_INLINE void PvTile(const float* p, int64_t ldp, const void* const* 
   do {  // nk >= 1
     __m512 vv[NV];
     JS_UNROLL for (int v = 0; v < NV; ++v) vv[v] = LoadRow<KV>(vrow[j], col + 16 * v);
+    PrefetchAheadV(ah, j);
     JS_UNROLL for (int r = 0; r < RB; ++r) {
       const __m512 pb = _mm512_set1_ps(p[r * ldp + j]);
       JS_UNROLL for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(pb, vv[v], acc[r][v]);
@@ -3032,10 +3079,10 @@ JS_AVX512 JS_INLINE void PvTile(const float* p, int64_t ldp, const void* const* 
 }
 
 // All columns of RB rows from r0: NV vectors at a time, at most 16 / RB (up to 16
-// accumulators beside the NV rows of V).
+// accumulators beside the NV rows of V); the first tile prefetches `ah`'s V rows.
 template <int RB, typename KV>
 JS_AVX512 JS_INLINE void PvRowBlock(const Work& w, const void* const* vrow, int64_t nk,
-                                    int64_t D, int64_t r0) {
+                                    int64_t D, int64_t r0, const Ahead* ah) {
   constexpr int kMaxNv = RB <= 2 ? 8 : RB <= 4 ? 4 : 2;
   const int64_t ldp = kKeysPerChunk;
   const float* p = w.s + r0 * ldp;
@@ -3043,37 +3090,39 @@ JS_AVX512 JS_INLINE void PvRowBlock(const Work& w, const void* const* vrow, int6
   const float* corr = w.corr + r0;
   int64_t col = 0;
   for (; col + 16 * kMaxNv <= D; col += 16 * kMaxNv)
-    PvTile<RB, kMaxNv, KV>(p, ldp, vrow, nk, o, D, corr, col);
+    PvTile<RB, kMaxNv, KV>(p, ldp, vrow, nk, o, D, corr, col, col == 0 ? ah : nullptr);
   if constexpr (kMaxNv > 4) {
     if (col + 64 <= D) {
-      PvTile<RB, 4, KV>(p, ldp, vrow, nk, o, D, corr, col);
+      PvTile<RB, 4, KV>(p, ldp, vrow, nk, o, D, corr, col, col == 0 ? ah : nullptr);
       col += 64;
     }
   }
   if constexpr (kMaxNv > 2) {
     if (col + 32 <= D) {
-      PvTile<RB, 2, KV>(p, ldp, vrow, nk, o, D, corr, col);
+      PvTile<RB, 2, KV>(p, ldp, vrow, nk, o, D, corr, col, col == 0 ? ah : nullptr);
       col += 32;
     }
   }
-  if (col + 16 <= D) PvTile<RB, 1, KV>(p, ldp, vrow, nk, o, D, corr, col);
+  if (col + 16 <= D) PvTile<RB, 1, KV>(p, ldp, vrow, nk, o, D, corr, col, col == 0 ? ah : nullptr);
 }
 
 // P.V for all rows in blocks of 8, 4 or 2 (a block's rows past the real ones, within
 // rows_pad, have p = 0 and corr = 1), so each V element is loaded once per block.
 template <typename KV>
-JS_AVX512 void Accumulate(const Work& w, const void* const* vrow, int64_t nk, int64_t D) {
+JS_AVX512 void Accumulate(const Work& w, const void* const* vrow, int64_t nk, int64_t D,
+                          const Ahead& ah) {
   int64_t r = 0;
   while (r < w.rows) {
     const int64_t left = w.rows - r;
+    const Ahead* first = r == 0 ? &ah : nullptr;
     if (left >= 8) {
-      PvRowBlock<8, KV>(w, vrow, nk, D, r);
+      PvRowBlock<8, KV>(w, vrow, nk, D, r, first);
       r += 8;
     } else if (left >= 3) {
-      PvRowBlock<4, KV>(w, vrow, nk, D, r);
+      PvRowBlock<4, KV>(w, vrow, nk, D, r, first);
       r += 4;
     } else {
-      PvRowBlock<2, KV>(w, vrow, nk, D, r);
+      PvRowBlock<2, KV>(w, vrow, nk, D, r, first);
       r += 2;
     }
   }
@@ -3097,18 +3146,30 @@ JS_AVX512 void Avx512AttnTask(const Attn& a, const AttnTask& t) {
   const void* krow[kKeysPerChunk];
   const void* vrow[kKeysPerChunk];
   int64_t slot[kKeysPerChunk], ahead[kKeysPerChunk];
+  Ahead ah;  // rows read in place: the tiles prefetch the ahead chunk
+  ah.bytes = D * a.kv_esize;
   PrefetchFirstChunks</*ToL2=*/true>(a, t, lo, hi);
   for (int64_t c0 = lo; c0 < hi; c0 += KC) {
     const int64_t nk = std::min(KC, hi - c0);
     ChunkSlots(a, t.seq, t.head, c0, nk, slot);
-    // Keys kAttnPrefetchChunks chunks on are prefetched into L2 row by row alongside this
-    // chunk's conversion (spread out, not in a burst).
+    // Keys kAttnPrefetchChunks chunks on are prefetched into L2: by the tiles when the rows
+    // are read in place, else row by row alongside this chunk's conversion.
     const int64_t c_ahead = c0 + kAttnPrefetchChunks * KC;
     const int64_t na = c_ahead < hi ? std::min(KC, hi - c_ahead) : 0;
     if (na > 0) ChunkSlots(a, t.seq, t.head, c_ahead, na, ahead);
+    ah.n = in_place ? na : 0;
     // K and V rows of the chunk as f32: in place for an f32 cache, else converted.
     for (int64_t j = 0; j < nk; ++j) {
-      if (j < na) PrefetchKv</*ToL2=*/true>(a, ahead[j], j == 0 || ahead[j] % 16 == 0);
+      if (j < na) {
+        const bool scales = j == 0 || ahead[j] % 16 == 0;
+        if (in_place) {
+          ah.k[j] = KvRow(a, a.k, ahead[j]);
+          ah.v[j] = KvRow(a, a.v, ahead[j]);
+          if (scales) PrefetchScales(a, ahead[j]);
+        } else {
+          PrefetchKv</*ToL2=*/true>(a, ahead[j], scales);
+        }
+      }
       const char* kp = KvRow(a, a.k, slot[j]);
       const char* vp = KvRow(a, a.v, slot[j]);
       if (in_place) {
@@ -3133,13 +3194,13 @@ JS_AVX512 void Avx512AttnTask(const Attn& a, const AttnTask& t) {
       if (nk < KC) std::memset(w.kf + nk * D, 0, sizeof(float) * (KC - nk) * D);
       ScoresTransposed(w, D);
     } else if (rows_type == kKvBf16 && a.bf16_dot) {
-      ScoresDp(w, krow, nk_pad, D, a.sm_scale);
+      ScoresDp(w, krow, nk_pad, D, a.sm_scale, ah);
     } else if (rows_type == kKvBf16) {
-      Scores<uint16_t>(w, krow, nk_pad, D);
+      Scores<uint16_t>(w, krow, nk_pad, D, ah);
     } else if (rows_type == kKvS8) {
-      Scores<int8_t>(w, krow, nk_pad, D);
+      Scores<int8_t>(w, krow, nk_pad, D, ah);
     } else {
-      Scores<float>(w, krow, nk_pad, D);
+      Scores<float>(w, krow, nk_pad, D, ah);
     }
     // Online softmax per row; probabilities replace the scores.
     const __m512 ksc0 = quant ? _mm512_loadu_ps(w.ksc) : _mm512_set1_ps(1.0f);
@@ -3189,11 +3250,11 @@ JS_AVX512 void Avx512AttnTask(const Attn& a, const AttnTask& t) {
     }
     // Accumulate P.V.
     if (rows_type == kKvBf16) {
-      Accumulate<uint16_t>(w, vrow, nk, D);
+      Accumulate<uint16_t>(w, vrow, nk, D, ah);
     } else if (rows_type == kKvS8) {
-      Accumulate<int8_t>(w, vrow, nk, D);
+      Accumulate<int8_t>(w, vrow, nk, D, ah);
     } else {
-      Accumulate<float>(w, vrow, nk, D);
+      Accumulate<float>(w, vrow, nk, D, ah);
     }
   }
   // Normalise and store in q's dtype.
