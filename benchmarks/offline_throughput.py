@@ -18,7 +18,11 @@ is computed within its round, and the table gives the median over the rounds wit
 round's value after it.
 Ceilings: memory bandwidth (a jitted reduction over 1 GiB, read in each round before and
 after (a); the larger reading) gives the floor on batch-1 decode time (weights read once
-per token); matmul rate (once, at the start: a square matmul, the faster of XLA's dot and
+per token). Beside each probe, the round trip of a cache line between two threads
+(pallas_kernels.cpu.round_trip_ns) says where the VM's vCPUs sat: on the 2-core Zen 4
+EPYC VM 60-80 ns within one L3, 310-400 ns across two CCDs, a placement that changes every
+few seconds under load and reads memory at 46-55 GB/s instead of 31-35 (decode faster,
+the TTFT slower); matmul rate (once, at the start: a square matmul, the faster of XLA's dot and
 the engine's own matmul) gives the floors on compute time, of (b) and of (a)'s TTFT.
 Peers, on the same checkpoint and dtype (benchmarks/peers.py): transformers `generate`
 (all 64 prompts of (b) in one static batch), llama.cpp's llama-batched-bench (built from
@@ -66,6 +70,7 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.huge_pages import THP_MODE, restart_with_huge_pages
 from jaxserve.sampling_params import SamplingParams
+from pallas_kernels import cpu as native
 from pallas_kernels.matmul import default_impl as matmul_impl
 from pallas_kernels.matmul import matmul, packed
 
@@ -212,6 +217,7 @@ def run_round(engine: Engine, prompt_a: list[int], prompts_b: list[list[int]]) -
     steps, overlapped = engine.num_steps, engine.num_overlapped_steps
     b = run_engine(engine, prompts_b, 128)
     b_steps, b_overlapped = engine.num_steps - steps, engine.num_overlapped_steps - overlapped
+    round_trip_before = native.round_trip_ns()
     bandwidth_before = measure_bandwidth()
     # TTFT as the peers measure it (each warms up first; vLLM takes the median of three).
     ttft = statistics.median(run_engine(engine, [prompt_a], 1)["ttft_s"] for _ in range(3))
@@ -221,6 +227,7 @@ def run_round(engine: Engine, prompt_a: list[int], prompts_b: list[list[int]]) -
     # probe it again right after (a)'s decode, and take the larger reading as the floor's.
     bandwidths = (bandwidth_before, measure_bandwidth())
     return {"a": a, "b": b, "bandwidths": bandwidths, "bandwidth": max(bandwidths),
+            "round_trips_ns": (round_trip_before, native.round_trip_ns()),
             "b_steps": b_steps, "b_overlapped": b_overlapped}
 
 
@@ -402,6 +409,10 @@ def main() -> None:
          f"{args.rounds}: medians, then each round's value"),
         ("measured memory bandwidth", spread([r["bandwidth"] / 1e9 for r in rounds], "{:.1f}", " GB/s")
          + " (the larger of the probes before and after (a))"),
+        ("core-to-core round trip, before / after (a)", " | ".join(
+            "n/a" if None in r["round_trips_ns"] else
+            "{:.0f} / {:.0f} ns".format(*r["round_trips_ns"]) for r in rounds)
+         + " by round (tens of ns: the vCPUs share an L3)"),
         ("measured matmul rate", f"{flops / 1e9:.1f} GFLOP/s ({args.dtype}; the faster of "
                                  f"{flops_by} GFLOP/s)"),
         ("(a) TTFT (median of 3 per round)", spread(a_col("ttft_s", 1e3), "{:.1f}", " ms")),

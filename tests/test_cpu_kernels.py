@@ -704,3 +704,11 @@ def test_isa_cap_from_the_environment():
     bad = run_python(code, JAXSERVE_CPU_ISA="sse9")
     assert bad.returncode == 0, bad.stderr
     assert bad.stdout.split()[:2] == ["False", "None"] and "JAXSERVE_CPU_ISA" in bad.stdout
+
+
+def test_round_trip_diagnostic():
+    """A cache line's round trip between two spinning threads, per trip: within what any
+    CPU takes (tens of ns within a cache, hundreds across sockets or a VM's distant vCPUs,
+    microseconds when a loaded host preempts one), not a total over all trips nor zero."""
+    ns = native.round_trip_ns(trips=2000, rounds=3)
+    assert 5.0 < ns < 1e5, ns

@@ -21,6 +21,8 @@ the load fails. Nothing here raises into the caller. The kernels split their wor
 XLA's intra-op threads; `JAXSERVE_CPU_THREADS=N` caps how many they use.
 `JAXSERVE_CPU_ISA=avx512|avx2|scalar` caps the instruction set (to measure what a CPU
 without AVX512_BF16, or without AVX-512, would get).
+`round_trip_ns()` times a cache line's trip between two threads, a diagnostic the
+benchmarks record beside their bandwidth probes.
 """
 
 from __future__ import annotations
@@ -129,6 +131,8 @@ def _build_and_register() -> tuple[ctypes.CDLL, Path]:
     lib.jaxserve_cpu_set_max_isa.argtypes = [ctypes.c_int]
     lib.jaxserve_cpu_set_max_isa.restype = ctypes.c_int
     lib.jaxserve_cpu_isa.restype = ctypes.c_int
+    lib.jaxserve_cpu_round_trip_ns.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    lib.jaxserve_cpu_round_trip_ns.restype = ctypes.c_double
     cap = os.environ.get("JAXSERVE_CPU_ISA")
     if cap:
         if cap not in ISA_LEVELS:
@@ -160,4 +164,15 @@ def set_max_isa(name: str) -> str:
     return isa()
 
 
-__all__ = ["available", "cache_root", "isa", "library_path", "set_max_isa", "unavailable_reason"]
+def round_trip_ns(trips: int = 20000, rounds: int = 5) -> float | None:
+    """Nanoseconds for a cache line to go from this thread to another and back (the median
+    of `rounds` timings of `trips` trips; both threads spin, so it takes two cores for a few
+    milliseconds), or None when the kernels are unavailable. A diagnostic for benchmarks:
+    on a VM it says whether two vCPUs share a last-level cache (tens of ns) or not
+    (hundreds), which moves how fast memory reads and how much threads' hand-offs cost."""
+    lib = _load()
+    return None if lib is None else lib.jaxserve_cpu_round_trip_ns(trips, rounds)
+
+
+__all__ = ["available", "cache_root", "isa", "library_path", "round_trip_ns", "set_max_isa",
+           "unavailable_reason"]

@@ -3713,3 +3713,38 @@ extern "C" int jaxserve_cpu_set_max_isa(int level) {
 }
 
 extern "C" int jaxserve_cpu_isa() { return jaxserve::CurrentIsa(); }
+
+// Diagnostics: nanoseconds for a cache line to go from this thread to another spinning one
+// and back, the median of `rounds` timings of `trips` trips each. It tells where a VM's
+// two vCPUs sit: on a 2-core Zen 4 EPYC VM 60-80 ns within one L3 and 310-400 across two
+// of the host's CCDs, the placement changing every few seconds under load (memory then
+// read 46-55 GB/s instead of 31-35; benchmarks/offline_throughput.py records it per round).
+extern "C" double jaxserve_cpu_round_trip_ns(int64_t trips, int64_t rounds) {
+  struct alignas(64) Ball {
+    std::atomic<int64_t> turn{0};
+  } ball;
+  const int64_t total = trips * (rounds + 1);  // the first round, untimed, starts the thread
+  std::thread other([&] {
+    for (int64_t i = 0; i < total; ++i) {
+      while (ball.turn.load(std::memory_order_acquire) != 2 * i + 1) {
+      }
+      ball.turn.store(2 * i + 2, std::memory_order_release);
+    }
+  });
+  std::vector<double> ns;
+  auto start = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < total; ++i) {
+    ball.turn.store(2 * i + 1, std::memory_order_release);
+    while (ball.turn.load(std::memory_order_acquire) != 2 * i + 2) {
+    }
+    if ((i + 1) % trips == 0) {
+      const auto now = std::chrono::steady_clock::now();
+      if (i + 1 > trips)
+        ns.push_back(std::chrono::duration<double, std::nano>(now - start).count() / trips);
+      start = now;
+    }
+  }
+  other.join();
+  std::sort(ns.begin(), ns.end());
+  return ns.empty() ? 0.0 : ns[ns.size() / 2];
+}
