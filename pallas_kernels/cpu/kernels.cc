@@ -2299,8 +2299,6 @@ JS_INLINE uint32_t VisibleKeys(const Attn& a, const AttnTask& t, const SeqInfo& 
 }
 
 #if JS_X86
-// Into the cache (L1, or L2 with `ToL2`): the K and V rows of a slot and, for 8-bit
-// caches, the scales of the 16 slots from it when `scales`.
 // The int8 / fp8 scales of the 16 slots from `slot` (K and V).
 JS_INLINE void PrefetchScales(const Attn& a, int64_t slot) {
   if (a.ks == nullptr) return;
@@ -2308,6 +2306,8 @@ JS_INLINE void PrefetchScales(const Attn& a, int64_t slot) {
   _mm_prefetch(reinterpret_cast<const char*>(a.vs + slot), _MM_HINT_T0);
 }
 
+// Into the cache (L1, or L2 with `ToL2`): the K and V rows of a slot and, for 8-bit
+// caches, the scales of the 16 slots from it when `scales`.
 template <bool ToL2 = false>
 JS_INLINE void PrefetchKv(const Attn& a, int64_t slot, bool scales) {
   const int64_t row_bytes = a.d * a.kv_esize;
@@ -2327,9 +2327,10 @@ JS_INLINE void PrefetchKv(const Attn& a, int64_t slot, bool scales) {
 
 // The chunk kAttnPrefetchChunks ahead of the one a decode task works on, whose rows the
 // AVX-512 tiles prefetch into L2 as they go: its K rows between the score tiles and its V
-// rows between the keys of the P.V tile. Issued in a burst before the chunk (as they are
-// where rows are converted), the prefetches filled the miss buffers and the tiles waited
-// (Zen 4, bf16: decode 8 x 1024 and 4 x 8192 took 1.2x the time; benchmarks/RESULTS.md).
+// rows between the keys of the P.V tile. Issued in a burst before the chunk's tiles (the
+// loop that gathers its row pointers has nothing else to do), the prefetches filled the
+// miss buffers and the tiles waited (Zen 4, bf16: decode 8 x 1024 and 4 x 8192 took 1.2x
+// the time; benchmarks/RESULTS.md). Where rows are converted, the conversion spreads them.
 struct Ahead {
   const char* k[kKeysPerChunk];
   const char* v[kKeysPerChunk];
@@ -2911,8 +2912,8 @@ JS_AVX512 JS_INLINE void QkTile(const float* q, int64_t D, const void* const* kr
   }
 }
 
-// Scores of all rows (rows_pad, a multiple of 4) against nk_pad keys (a multiple of 16).
-// With the ahead chunk's K rows prefetched, a tile's keys' at a time.
+// Scores of all rows (rows_pad, a multiple of 4) against nk_pad keys (a multiple of 16),
+// prefetching the ahead chunk's K rows a tile's worth of keys at a time.
 template <typename KV>
 JS_AVX512 void Scores(const Work& w, const void* const* krow, int64_t nk_pad, int64_t D,
                       const Ahead& ah) {
