@@ -43,11 +43,11 @@ chain's length.
 Floor: the bytes a row must move once (K and V of every context token, int8 scales
 included; new K/V written; weight values, + scales when quantized) divided by the memory
 bandwidth measured in the same run (offline_throughput.measure_bandwidth: a jitted sum
-over 1 GiB). The script restarts itself once with malloc on transparent huge pages, as the
-`jaxserve` command runs (jaxserve/huge_pages.py), so pages, weights and the probe sit on
-the memory the engine's do. "% of floor" is floor / time, so 100% means running at the bandwidth
-ceiling as XLA measures it (a hand-written read loop can beat XLA's sum, so a kernel can
-exceed 100%). Attention rows also show a compute floor (causal attention FLOPs / a
+over 1 GiB). The script restarts itself once with malloc on transparent huge pages, as
+the `jaxserve` command runs (jaxserve/huge_pages.py), so pages, weights and the probe sit
+on memory like the engine's. "% of floor" is floor / time, so 100% means running at the
+bandwidth ceiling as XLA measures it (a hand-written read loop can beat XLA's sum, so a
+kernel can exceed 100%). Attention rows also show a compute floor (causal attention FLOPs / a
 measured matmul rate) because prefill is bound by it, not by bandwidth; dense matmul rows
 show % of floor at M = 1 (bandwidth-bound) and GFLOP/s above (compute-bound). Rows small
 enough to stay in a cache (L2 on a GPU, L3 on a CPU) can exceed 100%. Inputs are random

@@ -18,12 +18,13 @@ is computed within its round, and the table gives the median over the rounds wit
 round's value after it.
 Ceilings: memory bandwidth (a jitted reduction over 1 GiB, read in each round before and
 after (a); the larger reading) gives the floor on batch-1 decode time (weights read once
-per token). Beside each probe, the round trip of a cache line between two threads
-(pallas_kernels.cpu.round_trip_ns) says where the VM's vCPUs sat: on the 2-core Zen 4
-EPYC VM 60-80 ns within one L3, 310-400 ns across two CCDs, a placement that changes every
-few seconds under load and reads memory at 46-55 GB/s instead of 31-35 (decode faster,
-the TTFT slower); matmul rate (once, at the start: a square matmul, the faster of XLA's dot and
+per token); matmul rate (once, at the start: a square matmul, the faster of XLA's dot and
 the engine's own matmul) gives the floors on compute time, of (b) and of (a)'s TTFT.
+Beside each bandwidth probe, the round trip of a cache line between two threads
+(pallas_kernels.cpu.round_trip_ns) says where the VM's vCPUs sat: on the 2-core Zen 4
+EPYC VM 60-120 ns within one L3, 310-400 ns across two CCDs, a placement that changes
+every few seconds under load and reads memory at 46-55 GB/s instead of 28-35 (decode
+faster, the TTFT slower).
 Peers, on the same checkpoint and dtype (benchmarks/peers.py): transformers `generate`
 (all 64 prompts of (b) in one static batch), llama.cpp's llama-batched-bench (built from
 the llama-cpp-python sdist, on a GGUF conversion of the checkpoint) and vLLM's CPU build

@@ -169,9 +169,12 @@ def round_trip_ns(trips: int = 20000, rounds: int = 5) -> float | None:
     of `rounds` timings of `trips` trips; both threads spin, so it takes two cores for a few
     milliseconds), or None when the kernels are unavailable. A diagnostic for benchmarks:
     on a VM it says whether two vCPUs share a last-level cache (tens of ns) or not
-    (hundreds), which moves how fast memory reads and how much threads' hand-offs cost."""
+    (hundreds), which moves how fast memory reads and how much threads' hand-offs cost.
+    None too with fewer than two CPUs to run on, where the two threads would take turns."""
     lib = _load()
-    return None if lib is None else lib.jaxserve_cpu_round_trip_ns(trips, rounds)
+    if lib is None or len(os.sched_getaffinity(0)) < 2:
+        return None
+    return lib.jaxserve_cpu_round_trip_ns(trips, rounds)
 
 
 __all__ = ["available", "cache_root", "isa", "library_path", "round_trip_ns", "set_max_isa",
