@@ -2,8 +2,8 @@
 //
 //   jaxserve_matmul                  y_i[M, N_i] = x[M, K] @ W_i for one or more weights
 //                                    W_i [K, N_i] (or [N_i, K] with transpose_w), f32 x f32 or
-//                                    bf16 x bf16, f32 accumulation, rows >= num_rows written as
-//                                    zeros at no cost; few rows stream all weights at once.
+//                                    bf16 x bf16, f32 accumulation, rows >= num_rows left
+//                                    unwritten (no cost); few rows stream all weights at once.
 //   jaxserve_ragged_paged_attention  the semantics of
 //                                    pallas_kernels/ragged_paged_attention/reference.py.
 //   jaxserve_write_kv                new tokens' K/V into the paged cache, in place
@@ -1716,7 +1716,7 @@ void Matmul(const Runner& run, const Mm& a) {
 // ==========================================================================================
 // Row-wise ops on the real rows: RMSNorm (optionally after a residual add) and gated
 // activations. Plain C++ over f32, compiled three times (scalar, AVX2, AVX-512) so the
-// compiler vectorises the column loops; rows >= num_rows are written as zeros.
+// compiler vectorises the column loops; rows >= num_rows are left unwritten.
 // ==========================================================================================
 
 enum RowsAct : int { kActSilu = 0, kActGeluTanh = 1 };
@@ -3359,7 +3359,6 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S
     return ffi::Error::InvalidArgument("jaxserve_matmul: one result per weight, at least one");
   const int64_t m_all = xd[0], k = xd[1];
   const int64_t m = std::clamp<int64_t>(num_rows.typed_data()[0], 0, m_all);
-  const size_t esize = dt == ffi::DataType::BF16 ? 2 : 4;
   std::vector<Mm> mms;
   for (size_t i = 0; i < ws.size(); ++i) {
     auto w = ws.get<ffi::AnyBuffer>(i);
@@ -3379,9 +3378,6 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S
       return ffi::Error::InvalidArgument(
           "jaxserve_matmul: a packed w is [N, K] (transpose_w) with N a multiple of 64 "
           "and, in bfloat16, K even");
-    if (m < m_all)
-      std::memset(static_cast<char*>((*y)->untyped_data()) + m * n * esize, 0,
-                  static_cast<size_t>((m_all - m) * n) * esize);
     mms.push_back(Mm{x.untyped_data(), w->untyped_data(), (*y)->untyped_data(), m, k, n,
                      transpose_w, dt == ffi::DataType::BF16, packed_w});
   }
@@ -3528,7 +3524,7 @@ ffi::Error WriteKvImpl(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyB
 }
 
 // Row-wise ops: shapes and dtypes of [M, K] operands and results, the rows past num_rows
-// zeroed. `a` is x (norm) or the gate; `b` the residual (norm; empty: none) or up.
+// left unwritten. `a` is x (norm) or the gate; `b` the residual (norm; empty: none) or up.
 ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer w,
                     ffi::Buffer<ffi::S32> num_rows, ffi::RemainingRets outs, bool norm,
                     const char* name, RowsOp o) {
@@ -3563,10 +3559,6 @@ ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::AnyBuffer a, ffi::AnyBuffer b, ff
   o.w = w.untyped_data();
   o.y = ys[0];
   o.sum = ys[1];
-  const size_t esize = dt == ffi::DataType::BF16 ? 2 : 4;
-  const size_t done = static_cast<size_t>(o.m * o.k) * esize;
-  const size_t all = static_cast<size_t>(m_all * o.k) * esize;
-  for (size_t i = 0; i < want; ++i) std::memset(static_cast<char*>(ys[i]) + done, 0, all - done);
   Runner run(&pool);
   Rows(run, o, norm, dt == ffi::DataType::BF16);
   return ffi::Error::Success();
@@ -3622,11 +3614,6 @@ ffi::Error RopeImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
   o.sin = sin.typed_data();
   o.d = d;
   o.m = std::clamp<int64_t>(num_rows.typed_data()[0], 0, m_all);
-  const size_t esize = dt == ffi::DataType::BF16 ? 2 : 4;
-  for (int j = 0; j < 2; ++j) {
-    const size_t row = static_cast<size_t>(o.heads[j] * d) * esize;
-    std::memset(static_cast<char*>(o.y[j]) + o.m * row, 0, (m_all - o.m) * row);
-  }
   Runner run(&pool);
   Rope(run, o, dt == ffi::DataType::BF16);
   return ffi::Error::Success();

@@ -4,7 +4,8 @@ w is `[K, N]` (the model's layout: `jnp.tensordot(x, w, n_in)` with w flattened 
 or, with `transpose_w`, `[N, K]` (a tied embedding as LM head; every float weight of the
 engine on one CPU device, where the native kernel reads that layout faster). `num_rows`
 (an int32 scalar, traced) says how many leading rows of x are real; the rest of the
-result is zeros. Output in x's dtype, float32 accumulation.
+result means nothing (the reference writes zeros there, the native kernel leaves those
+rows unwritten). Output in x's dtype, float32 accumulation.
 
 Implementations, one signature:
 - "reference" (reference.py): one XLA dot (HIGHEST precision). The truth, and the path
@@ -42,7 +43,7 @@ def matmul(x: jax.Array, w: jax.Array, num_rows: jax.Array | int | None = None, 
            transpose_w: bool = False, packed_w: bool = False,
            impl: str | None = None) -> jax.Array:
     """`x @ w` (`x @ w.T` with transpose_w or packed_w: w `[N, K]`, packed by
-    packed.pack) -> `[M, N]` in x's dtype; rows >= num_rows are zeros. impl: one of IMPLS,
+    packed.pack) -> `[M, N]` in x's dtype; rows >= num_rows mean nothing. impl: one of IMPLS,
     or None to pick (see the module doc)."""
     return matmuls(x, [w], num_rows, transpose_w=transpose_w, packed_w=packed_w, impl=impl)[0]
 
