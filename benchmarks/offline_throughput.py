@@ -20,11 +20,14 @@ Ceilings: memory bandwidth (a jitted reduction over 1 GiB, read in each round be
 after (a); the larger reading) gives the floor on batch-1 decode time (weights read once
 per token); matmul rate (once, at the start: a square matmul, the faster of XLA's dot and
 the engine's own matmul) gives the floors on compute time, of (b) and of (a)'s TTFT.
-Beside each bandwidth probe, the round trip of a cache line between two threads
-(pallas_kernels.cpu.round_trip_ns) says where the VM's vCPUs sat: on the 2-core Zen 4
-EPYC VM 60-120 ns within one L3, 310-400 ns across two CCDs, a placement that changes
-every few seconds under load and reads memory at 46-55 GB/s instead of 28-35 (decode
-faster, the TTFT slower).
+Beside each bandwidth probe, where the VM's two vCPUs sat (`vcpu_placement`): the round
+trip of a cache line between two threads (pallas_kernels.cpu.round_trip_ns) and two
+threads' floating-point rate over one's (pair_flops_ratio). On the 2-core Zen 4 EPYC VM
+the placement changes every few seconds under load, between three: SMT, one core's two
+threads (ratio ~1.0, 58-63 ns: compute-bound work gets one core's rate, the TTFT up to
+1.6x slower); L3, two cores of one L3 (ratio ~1.9, 85-125 ns); CCDs, two cores on two of
+the host's CCDs (ratio ~1.9, 300-400 ns: memory reads 46-55 GB/s instead of 28-35, the
+decode faster, the TTFT slower).
 Peers, on the same checkpoint and dtype (benchmarks/peers.py): transformers `generate`
 (all 64 prompts of (b) in one static batch), llama.cpp's llama-batched-bench (built from
 the llama-cpp-python sdist, on a GGUF conversion of the checkpoint) and vLLM's CPU build
@@ -213,12 +216,28 @@ def run_peers(args, model_dir, workloads: peers.Workloads, names: tuple[str, ...
     return results
 
 
+def vcpu_placement() -> dict:
+    """Where the two vCPUs sit now: the round trip, the pair's floating-point rate over
+    one thread's, and a label: 'SMT' (rate ratio under 1.4: one core's two threads), 'L3'
+    (two cores, round trip under 200 ns) or 'CCDs' (two cores farther apart); None values
+    and 'n/a' without the native kernels."""
+    ns, pair = native.round_trip_ns(), native.pair_flops_ratio()
+    label = ("n/a" if ns is None or pair is None else
+             "SMT" if pair < 1.4 else "L3" if ns < 200 else "CCDs")
+    return {"round_trip_ns": ns, "pair_flops_ratio": pair, "label": label}
+
+
+def placement_text(p: dict) -> str:
+    return p["label"] if p["round_trip_ns"] is None else (
+        f"{p['label']} ({p['round_trip_ns']:.0f} ns, {p['pair_flops_ratio']:.2f}x)")
+
+
 def run_round(engine: Engine, prompt_a: list[int], prompts_b: list[list[int]]) -> dict:
     """jaxserve's part of one round: (b), then (a) between two bandwidth probes."""
     steps, overlapped = engine.num_steps, engine.num_overlapped_steps
     b = run_engine(engine, prompts_b, 128)
     b_steps, b_overlapped = engine.num_steps - steps, engine.num_overlapped_steps - overlapped
-    round_trip_before = native.round_trip_ns()
+    placement_before = vcpu_placement()
     bandwidth_before = measure_bandwidth()
     # TTFT as the peers measure it (each warms up first; vLLM takes the median of three).
     ttft = statistics.median(run_engine(engine, [prompt_a], 1)["ttft_s"] for _ in range(3))
@@ -228,7 +247,7 @@ def run_round(engine: Engine, prompt_a: list[int], prompts_b: list[list[int]]) -
     # probe it again right after (a)'s decode, and take the larger reading as the floor's.
     bandwidths = (bandwidth_before, measure_bandwidth())
     return {"a": a, "b": b, "bandwidths": bandwidths, "bandwidth": max(bandwidths),
-            "round_trips_ns": (round_trip_before, native.round_trip_ns()),
+            "placements": (placement_before, vcpu_placement()),
             "b_steps": b_steps, "b_overlapped": b_overlapped}
 
 
@@ -410,10 +429,9 @@ def main() -> None:
          f"{args.rounds}: medians, then each round's value"),
         ("measured memory bandwidth", spread([r["bandwidth"] / 1e9 for r in rounds], "{:.1f}", " GB/s")
          + " (the larger of the probes before and after (a))"),
-        ("core-to-core round trip, before / after (a)", " | ".join(
-            "n/a" if None in r["round_trips_ns"] else
-            "{:.0f} / {:.0f} ns".format(*r["round_trips_ns"]) for r in rounds)
-         + " by round (tens of ns: the vCPUs share an L3)"),
+        ("vCPU placement before / after (a) (round trip, 2 threads' FP rate / 1's)",
+         " | ".join(" / ".join(map(placement_text, r["placements"])) for r in rounds)
+         + " by round"),
         ("measured matmul rate", f"{flops / 1e9:.1f} GFLOP/s ({args.dtype}; the faster of "
                                  f"{flops_by} GFLOP/s)"),
         ("(a) TTFT (median of 3 per round)", spread(a_col("ttft_s", 1e3), "{:.1f}", " ms")),

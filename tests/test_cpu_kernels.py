@@ -750,3 +750,9 @@ def test_round_trip_diagnostic():
     ns = native.round_trip_ns(trips=2000, rounds=3)
     assert 5.0 < ns < 1e5, ns
 
+
+def test_pair_flops_diagnostic():
+    """Two threads' floating-point rate over one's: near 1 (one core's SMT threads) to near 2
+    (two cores); a ratio of rates, not a time nor its inverse."""
+    ratio = native.pair_flops_ratio(iters=100_000, rounds=3)
+    assert 0.6 < ratio < 2.6, ratio
