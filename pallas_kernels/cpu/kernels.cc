@@ -3704,7 +3704,7 @@ extern "C" int jaxserve_cpu_isa() { return jaxserve::CurrentIsa(); }
 
 // Diagnostics: nanoseconds for a cache line to go from this thread to another spinning one
 // and back, the median of `rounds` timings of `trips` trips each. It tells where a VM's
-// two vCPUs sit: on a 2-core Zen 4 EPYC VM 58-60 ns on one core's two SMT threads, 90-125
+// two vCPUs sit: on a 2-core Zen 4 EPYC VM 58-63 ns on one core's two SMT threads, 85-125
 // on two cores of one L3 and 310-400 across two of the host's CCDs, the placement
 // changing every few seconds under load (across CCDs memory reads 46-55 GB/s instead of
 // 31-35; benchmarks/offline_throughput.py records it per round).
