@@ -167,6 +167,13 @@ def set_max_isa(name: str) -> str:
     return isa()
 
 
+def _two_cpu_lib() -> ctypes.CDLL | None:
+    """The library for the two-thread diagnostics: None without the kernels, or with fewer
+    than two CPUs to run on, where the two threads would take turns."""
+    lib = _load()
+    return None if lib is None or len(os.sched_getaffinity(0)) < 2 else lib
+
+
 def round_trip_ns(trips: int = 20000, rounds: int = 5) -> float | None:
     """Nanoseconds for a cache line to go from this thread to another and back (the median
     of `rounds` timings of `trips` trips; both threads spin, so it takes two cores for a few
@@ -174,10 +181,8 @@ def round_trip_ns(trips: int = 20000, rounds: int = 5) -> float | None:
     on a VM it says whether two vCPUs share a last-level cache (tens of ns) or not
     (hundreds), which moves how fast memory reads and how much threads' hand-offs cost.
     None too with fewer than two CPUs to run on, where the two threads would take turns."""
-    lib = _load()
-    if lib is None or len(os.sched_getaffinity(0)) < 2:
-        return None
-    return lib.jaxserve_cpu_round_trip_ns(trips, rounds)
+    lib = _two_cpu_lib()
+    return None if lib is None else lib.jaxserve_cpu_round_trip_ns(trips, rounds)
 
 
 def pair_flops_ratio(iters: int = 500_000, rounds: int = 3) -> float | None:
@@ -186,10 +191,8 @@ def pair_flops_ratio(iters: int = 500_000, rounds: int = 3) -> float | None:
     cores, about 1 on one core's two SMT threads, where compute-bound work gets no more from
     two threads than from one. On a VM whose vCPUs move, it says which placement a
     measurement ran in. None where round_trip_ns is None."""
-    lib = _load()
-    if lib is None or len(os.sched_getaffinity(0)) < 2:
-        return None
-    return lib.jaxserve_cpu_pair_flops_ratio(iters, rounds)
+    lib = _two_cpu_lib()
+    return None if lib is None else lib.jaxserve_cpu_pair_flops_ratio(iters, rounds)
 
 
 __all__ = ["available", "cache_root", "isa", "library_path", "pair_flops_ratio", "round_trip_ns",
