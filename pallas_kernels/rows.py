@@ -3,7 +3,7 @@ activations (SwiGLU's `silu(gate) * up`, GeGLU's `gelu_tanh(gate) * up`) and the
 embedding of q and k.
 
 The references are pure JAX over every row of the bucket. On a CPU the native kernels
-(`jaxserve_rms_norm`, `jaxserve_gated_act` in pallas_kernels/cpu/kernels.cc) compute only
+(`jaxserve_rms_norm`, `jaxserve_gated_act` in pallas_kernels/cpu/rows.h) compute only
 the first `rows` rows (the batch's real tokens) and leave the rows past them unwritten,
 as the native matmul does, in one call each: XLA:CPU makes an RMSNorm four or five small
 programs and evaluates silu's exp over every padding row (a 32-token prompt in the 64-token bucket of

@@ -22,6 +22,7 @@ implementation happens to do:
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import subprocess
@@ -756,3 +757,13 @@ def test_pair_flops_diagnostic():
     (two cores); a ratio of rates, not a time nor its inverse."""
     ratio = native.pair_flops_ratio(iters=100_000, rounds=3)
     assert 0.6 < ratio < 2.6, ratio
+
+
+def test_the_serving_library_leaves_the_diagnostics_out():
+    """The benchmarks' diagnostics are a library of their own (diagnostics.cc): the one
+    the engine loads has the FFI targets and the instruction-set control, not them."""
+    assert native.available(), native.unavailable_reason()
+    lib = ctypes.CDLL(str(native.library_path()))
+    assert hasattr(lib, "JaxserveMatmul") and hasattr(lib, "jaxserve_cpu_isa")
+    assert not hasattr(lib, "jaxserve_cpu_round_trip_ns")
+    assert not hasattr(lib, "jaxserve_cpu_pair_flops_ratio")

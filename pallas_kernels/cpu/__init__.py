@@ -1,4 +1,6 @@
-"""Native CPU kernels: `kernels.cc`, built on first use and called through the XLA FFI.
+"""Native CPU kernels: `kernels.cc` (the FFI handlers) with a header per kernel
+(`matmul.h`, `rows.h`, `attention.h`) and what they share (`common.h`), built on first use
+and called through the XLA FFI.
 
 FFI targets for platform "cpu": `jaxserve_matmul` (float matmul, f32 or bf16),
 `jaxserve_ragged_paged_attention`, `jaxserve_write_kv` (new K/V into the paged cache, in
@@ -23,7 +25,8 @@ XLA's intra-op threads; `JAXSERVE_CPU_THREADS=N` caps how many they use.
 without AVX512_BF16, or without AVX-512, would get).
 `round_trip_ns()` times a cache line's trip between two threads and `pair_flops_ratio()`
 compares two threads' floating-point rate with one's, diagnostics the benchmarks record
-beside their bandwidth probes (where a VM's vCPUs sit).
+beside their bandwidth probes (where a VM's vCPUs sit). They are a library of their own
+(`diagnostics.cc`), built the first time a benchmark asks, not part of the serving build.
 """
 
 from __future__ import annotations
@@ -42,7 +45,10 @@ import jax
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels.cc")
+FOLDER = Path(__file__).parent
+SOURCE = FOLDER / "kernels.cc"  # one translation unit: it includes the headers
+HEADERS = ("common.h", "simd.h", "matmul.h", "rows.h", "attention.h", "attention_tiles.inc")
+DIAGNOSTICS = FOLDER / "diagnostics.cc"
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
 TARGETS = {"jaxserve_matmul": "JaxserveMatmul",
            "jaxserve_ragged_paged_attention": "JaxserveRaggedPagedAttention",
@@ -55,6 +61,7 @@ BUILD_TIMEOUT_S = 600
 
 _lock = threading.Lock()
 _state: dict = {}  # "lib": ctypes.CDLL, or "error": why not
+_diagnostics: dict = {}  # "lib" or "error", as _state
 
 
 def cache_root() -> Path:
@@ -99,28 +106,26 @@ def _compiler() -> str:
     return cxx
 
 
-def _build_and_register() -> tuple[ctypes.CDLL, Path]:
-    if os.environ.get("JAXSERVE_CPU_KERNELS", "1") == "0":
-        raise RuntimeError("disabled by JAXSERVE_CPU_KERNELS=0")
+def _build(source: Path, parts: list[Path], name: str, include: list[str]) -> Path:
+    """The shared library of `source` (which includes `parts`), compiled into the cache under
+    a key of every file's text, the flags, the jaxlib version and the compiler's."""
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
     if version.returncode != 0:
         raise RuntimeError(f"{cxx} --version failed: {version.stderr.strip()}")
     import jaxlib
 
-    include = jax.ffi.include_dir()
-    source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([
-        source, " ".join(FLAGS).encode(), jaxlib.__version__.encode(),
-        cxx.encode(), version.stdout.encode()])).hexdigest()[:20]
+        *(p.read_bytes() for p in [source, *parts]), " ".join(FLAGS).encode(),
+        jaxlib.__version__.encode(), cxx.encode(), version.stdout.encode()])).hexdigest()[:20]
     folder = cache_root() / "cpu_kernels" / key
-    path = folder / "jaxserve_cpu_kernels.so"
+    path = folder / name
     if not path.exists():
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".build-", suffix=".so")
         os.close(fd)
         try:
-            cmd = [cxx, *FLAGS, f"-I{include}", str(SOURCE), "-o", tmp]
+            cmd = [cxx, *FLAGS, *include, str(source), "-o", tmp]
             result = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
             if result.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-4000:]}")
@@ -128,14 +133,18 @@ def _build_and_register() -> tuple[ctypes.CDLL, Path]:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+    return path
+
+
+def _build_and_register() -> tuple[ctypes.CDLL, Path]:
+    if os.environ.get("JAXSERVE_CPU_KERNELS", "1") == "0":
+        raise RuntimeError("disabled by JAXSERVE_CPU_KERNELS=0")
+    path = _build(SOURCE, [FOLDER / h for h in HEADERS], "jaxserve_cpu_kernels.so",
+                  [f"-I{jax.ffi.include_dir()}"])
     lib = ctypes.CDLL(str(path))
     lib.jaxserve_cpu_set_max_isa.argtypes = [ctypes.c_int]
     lib.jaxserve_cpu_set_max_isa.restype = ctypes.c_int
     lib.jaxserve_cpu_isa.restype = ctypes.c_int
-    lib.jaxserve_cpu_round_trip_ns.argtypes = [ctypes.c_int64, ctypes.c_int64]
-    lib.jaxserve_cpu_round_trip_ns.restype = ctypes.c_double
-    lib.jaxserve_cpu_pair_flops_ratio.argtypes = [ctypes.c_int64, ctypes.c_int64]
-    lib.jaxserve_cpu_pair_flops_ratio.restype = ctypes.c_double
     cap = os.environ.get("JAXSERVE_CPU_ISA")
     if cap:
         if cap not in ISA_LEVELS:
@@ -168,10 +177,23 @@ def set_max_isa(name: str) -> str:
 
 
 def _two_cpu_lib() -> ctypes.CDLL | None:
-    """The library for the two-thread diagnostics: None without the kernels, or with fewer
-    than two CPUs to run on, where the two threads would take turns."""
-    lib = _load()
-    return None if lib is None or len(os.sched_getaffinity(0)) < 2 else lib
+    """The diagnostics' library (built on first use): None without the kernels (disabled,
+    no compiler) or a build, or with fewer than two CPUs to run on, where the two threads
+    would take turns."""
+    if _load() is None or len(os.sched_getaffinity(0)) < 2:
+        return None
+    with _lock:
+        if "lib" not in _diagnostics and "error" not in _diagnostics:
+            try:
+                lib = ctypes.CDLL(str(_build(DIAGNOSTICS, [], "jaxserve_cpu_diagnostics.so",
+                                             ["-pthread"])))
+                for fn in (lib.jaxserve_cpu_round_trip_ns, lib.jaxserve_cpu_pair_flops_ratio):
+                    fn.argtypes, fn.restype = [ctypes.c_int64, ctypes.c_int64], ctypes.c_double
+                _diagnostics["lib"] = lib
+            except Exception as e:  # noqa: BLE001 -- a diagnostic must never raise
+                _diagnostics["error"] = str(e) or type(e).__name__
+                log.warning("jaxserve CPU diagnostics unavailable: %s", _diagnostics["error"])
+    return _diagnostics.get("lib")
 
 
 def round_trip_ns(trips: int = 20000, rounds: int = 5) -> float | None:

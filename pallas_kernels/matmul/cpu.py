@@ -1,11 +1,11 @@
-"""Float matmul as a native CPU kernel (pallas_kernels/cpu/kernels.cc, `jaxserve_matmul`).
+"""Float matmul as a native CPU kernel (pallas_kernels/cpu/matmul.h, `jaxserve_matmul`).
 
 Same signature and result as reference.py; `matmuls` takes several weights sharing x in
 one call. The kernel takes w as stored, in either layout (no pre-packed copy), accumulates
 in float32 and rounds bf16 results to nearest even. Rows at or past `num_rows` (a traced
 int32 scalar) are left unwritten and cost nothing, so a batch padded to a bucket pays
 for its real tokens only (zeroing them cost a 32-token prompt in the 64-token bucket
-about 4% of its TTFT, benchmarks/RESULTS.md).
+about 4% of its TTFT, benchmarks/history/2026-11-21-to-29.md).
 
 In the C++ (all of it picks its path per call from the CPU: AVX-512 + AVX512_BF16 here,
 else AVX2+FMA, else plain C++):

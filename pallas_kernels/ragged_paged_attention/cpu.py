@@ -1,4 +1,4 @@
-"""Ragged paged attention as a native CPU kernel (pallas_kernels/cpu/kernels.cc,
+"""Ragged paged attention as a native CPU kernel (pallas_kernels/cpu/attention.h,
 `jaxserve_ragged_paged_attention`).
 
 Same inputs and result as reference.py (see work_items.py), with no gathered copies: the
@@ -36,8 +36,8 @@ Without AVX-512 (or with a head_dim that is not a multiple of 16), an AVX2 path 
 the same plan in 8-lane vectors: 4 x 2 (1 x 8, 2 x 4) tiles of dot products for few rows,
 scores from K^T (6 rows x 16 keys at a time) for many, P.V in blocks of up to 6 rows, a
 polynomial exp (2.5-3x faster than the generic loops on a 2-core AVX2 EPYC,
-benchmarks/RESULTS.md, 2026-11-26). With neither (or a head_dim not a multiple of 8) a
-generic path runs (plain C++).
+benchmarks/history/2026-11-21-to-29.md, 2026-11-26). With neither (or a head_dim not a
+multiple of 8) a generic path runs (plain C++).
 """
 
 from __future__ import annotations
