@@ -180,19 +180,19 @@ def run_engine(llm: LLM, num_seqs: int, tokens: int, constraint) -> dict:
                              ignore_eos=constraint is None, structured_outputs=constraint)
               for i in range(num_seqs)]
     fill_times = []
-    real_fill = engine._masks.fill
+    real_fill = engine.masks.fill
 
     def timed_fill(*args):
         out, dt = timed(real_fill, *args)
         fill_times.append(dt)
         return out
 
-    engine._masks.fill = timed_fill
+    engine.masks.fill = timed_fill
     try:
         steps = engine.num_steps
         outs, wall = timed(llm.generate, prompts, params)
     finally:
-        engine._masks.fill = real_fill
+        engine.masks.fill = real_fill
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     return dict(tok_s=generated / wall, mean_len=generated / num_seqs,
                 steps=engine.num_steps - steps, wall_ms=1e3 * wall,

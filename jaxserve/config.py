@@ -289,25 +289,7 @@ class ModelConfig:
         qkv_bias, o_bias = attention_bias, attention_bias
         if model_type in ("qwen2", "qwen2_moe"):  # always q/k/v bias, never an o_proj bias
             qkv_bias, o_bias = True, False
-        sliding_window = hf.get("sliding_window")
-        layer_types = tuple(hf.get("layer_types") or ())
-        if model_type.startswith("qwen") and not layer_types:
-            if hf.get("use_sliding_window"):
-                first = hf.get("max_window_layers", num_layers)
-                layer_types = tuple(
-                    "sliding_attention" if i >= first else "full_attention"
-                    for i in range(num_layers)
-                )
-            else:
-                sliding_window = None
-        if model_type.startswith("gemma") and not layer_types and sliding_window:
-            # Older config.json files: Gemma 2 alternates, sliding first; Gemma 3 has one
-            # full layer in every sliding_window_pattern (6).
-            pattern = 2 if model_type == "gemma2" else hf.get("sliding_window_pattern", 6)
-            layer_types = tuple("full_attention" if (i + 1) % pattern == 0
-                                else "sliding_attention" for i in range(num_layers))
-        if layer_types and "sliding_attention" not in layer_types:
-            sliding_window = None
+        sliding_window, layer_types = _layers_from_hf(hf, model_type, num_layers)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         rope_theta, rope_scaling, sliding_rope = _rope_from_hf(hf)
@@ -381,6 +363,32 @@ def _moe_from_hf(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[s
                 moe_intermediate_size=hf["moe_intermediate_size"],
                 shared_expert_intermediate_size=shared or 0,
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)), sparse_layers=sparse)
+
+
+def _layers_from_hf(hf: dict[str, Any], model_type: str, num_layers: int
+                    ) -> tuple[int | None, tuple[str, ...]]:
+    """The sliding window and each layer's attention type ("sliding_attention" or
+    "full_attention"; () when all are alike), as each family's config.json says them."""
+    sliding_window = hf.get("sliding_window")
+    layer_types = tuple(hf.get("layer_types") or ())
+    if model_type.startswith("qwen") and not layer_types:
+        if hf.get("use_sliding_window"):
+            first = hf.get("max_window_layers", num_layers)
+            layer_types = tuple(
+                "sliding_attention" if i >= first else "full_attention"
+                for i in range(num_layers)
+            )
+        else:
+            sliding_window = None
+    if model_type.startswith("gemma") and not layer_types and sliding_window:
+        # Older config.json files: Gemma 2 alternates, sliding first; Gemma 3 has one
+        # full layer in every sliding_window_pattern (6).
+        pattern = 2 if model_type == "gemma2" else hf.get("sliding_window_pattern", 6)
+        layer_types = tuple("full_attention" if (i + 1) % pattern == 0
+                            else "sliding_attention" for i in range(num_layers))
+    if layer_types and "sliding_attention" not in layer_types:
+        sliding_window = None
+    return sliding_window, layer_types
 
 
 def _rope_from_hf(hf: dict[str, Any]

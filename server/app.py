@@ -77,58 +77,85 @@ async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 50051,
     async_engine = AsyncEngine(engine, max_waiting=max_waiting, metrics=metrics,
                                max_prompt_bytes=max_prompt_bytes)
     request_limit = request_bytes_limit(async_engine.max_prompt_bytes)
-    mesh = engine.runner.shard.mesh
-    servicer = InferenceServicer(async_engine, model_name,
-                                 {k: int(v) for k, v in mesh.shape.items()}, security)
-    server = grpc.aio.server(
-        interceptors=security.grpc_interceptors(),
-        options=SERVER_OPTIONS + [("grpc.max_receive_message_length", request_limit)])
-    add_servicer(pb_grpc.add_InferenceServicer_to_server, servicer, server)
-    add_servicer(js_grpc.add_OrchestratorServicer_to_server,
-                 OrchestratorServicer(async_engine, lambda: servicer.accepting), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if security.serve_reflection:
-        reflection.enable_server_reflection(
-            (INFERENCE_SERVICE, JETSTREAM_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
-            server)
-    address = f"{host}:{port}"
-    credentials = security.grpc_credentials()
-    bound_port = (server.add_secure_port(address, credentials) if credentials is not None
-                  else server.add_insecure_port(address))
-    if bound_port == 0:
-        raise ValueError(f"cannot bind {address}")
-
-    async def set_health(status) -> None:
-        for name in ("", INFERENCE_SERVICE, JETSTREAM_SERVICE):
-            await health_servicer.set(name, status)
-
-    await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.start()
-    log.info("listening on %s%s%s (NOT_SERVING until warm-up ends)", address,
+    grpc_server = GrpcServer(async_engine, model_name, security, request_limit, host, port)
+    await grpc_server.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    await grpc_server.server.start()
+    log.info("listening on %s%s%s (NOT_SERVING until warm-up ends)", grpc_server.address,
              " with TLS" if security.tls else "", ", API keys required" if security.auth else "")
     http = http_task = None
     if http_port is not None:
         http = HTTPServer(async_engine, model_name, metrics, max_body_bytes=request_limit,
                           security=security,
                           tool_parser=get_parser(tool_call_parser) if tool_call_parser else None)
-        bound = asyncio.Event()
-        http_task = asyncio.create_task(http.serve(host, http_port, bound))
-        await asyncio.wait([http_task, asyncio.create_task(bound.wait())],
-                           return_when=asyncio.FIRST_COMPLETED)
-        if http_task.done():
-            await server.stop(grace=None)
-            http_task.result()  # raises the bind error
+        http_task = await _start_http(http, host, http_port, grpc_server.server)
         log.info("HTTP (OpenAI API) on %s://%s:%d (503 until warm-up ends)",
                  "https" if security.tls else "http", host, http_port)
     await asyncio.to_thread(engine.warmup)
     async_engine.start()
-    await set_health(health_pb2.HealthCheckResponse.SERVING)
+    await grpc_server.set_health(health_pb2.HealthCheckResponse.SERVING)
     if http is not None:
         http.ready = True
-    log.info("ready: serving %s on %s%s", model_name or "model", address,
+    log.info("ready: serving %s on %s%s", model_name or "model", grpc_server.address,
              f" and http://{host}:{http_port}" if http is not None else "")
+    await _serve_until_signalled(engine, async_engine, grpc_server)
+    await _drain(async_engine, grpc_server, http, http_task, grace_s)
+    broadcaster = engine.broadcaster
+    if broadcaster is not None and async_engine.error is None:
+        broadcaster.stop()  # the followers exit too
+    log.info("stopped")
+    return 0 if async_engine.error is None else 1
 
+
+class GrpcServer:
+    """The gRPC front door, bound and not started: our Inference service and JetStream's
+    Orchestrator, health (NOT_SERVING until `set_health` says otherwise) and reflection."""
+
+    def __init__(self, async_engine: AsyncEngine, model_name: str, security: Security,
+                 request_limit: int, host: str, port: int):
+        engine = async_engine.engine
+        self.servicer = InferenceServicer(async_engine, model_name,
+                                          {k: int(v) for k, v in engine.mesh.shape.items()},
+                                          security)
+        server = grpc.aio.server(
+            interceptors=security.grpc_interceptors(),
+            options=SERVER_OPTIONS + [("grpc.max_receive_message_length", request_limit)])
+        add_servicer(pb_grpc.add_InferenceServicer_to_server, self.servicer, server)
+        add_servicer(js_grpc.add_OrchestratorServicer_to_server,
+                     OrchestratorServicer(async_engine, lambda: self.servicer.accepting), server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        if security.serve_reflection:
+            reflection.enable_server_reflection(
+                (INFERENCE_SERVICE, JETSTREAM_SERVICE, health.SERVICE_NAME,
+                 reflection.SERVICE_NAME), server)
+        self.address = f"{host}:{port}"
+        credentials = security.grpc_credentials()
+        bound_port = (server.add_secure_port(self.address, credentials)
+                      if credentials is not None else server.add_insecure_port(self.address))
+        if bound_port == 0:
+            raise ValueError(f"cannot bind {self.address}")
+        self.server = server
+
+    async def set_health(self, status) -> None:
+        for name in ("", INFERENCE_SERVICE, JETSTREAM_SERVICE):
+            await self.health.set(name, status)
+
+
+async def _start_http(http: HTTPServer, host: str, port: int, grpc_server) -> asyncio.Task:
+    """Start the HTTP server; if its port cannot be bound, stop gRPC and raise why."""
+    bound = asyncio.Event()
+    task = asyncio.create_task(http.serve(host, port, bound))
+    await asyncio.wait([task, asyncio.create_task(bound.wait())],
+                       return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        await grpc_server.stop(grace=None)
+        task.result()  # raises the bind error
+    return task
+
+
+async def _serve_until_signalled(engine: Engine, async_engine: AsyncEngine,
+                                 grpc_server: GrpcServer) -> None:
+    """Wait for SIGTERM or SIGINT; if the engine loop dies meanwhile, turn NOT_SERVING."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -139,28 +166,29 @@ async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 50051,
         if not async_engine.is_alive:
             log.error("the engine loop died (%r)%s: NOT_SERVING", async_engine.error,
                       " - a follower process is gone or unreachable"
-                      if engine.runner.broadcaster is not None else "")
-            await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+                      if engine.broadcaster is not None else "")
+            await grpc_server.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
             await stop.wait()
 
+
+async def _drain(async_engine: AsyncEngine, grpc_server: GrpcServer, http: HTTPServer | None,
+                 http_task: asyncio.Task | None, grace_s: float) -> None:
+    """Stop accepting on both doors, give the requests in flight `grace_s` seconds, abort
+    the rest, and stop both servers and the engine loop."""
     log.info("draining: NOT_SERVING, %d requests in flight, %.0f s grace",
              async_engine.num_streams(), grace_s)
-    servicer.accepting = False
+    grpc_server.servicer.accepting = False
     if http is not None:
         http.accepting = False
-    await set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    await grpc_server.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    loop = asyncio.get_running_loop()
     deadline = loop.time() + grace_s
     while async_engine.num_streams() and loop.time() < deadline:
         await asyncio.sleep(0.1)
     async_engine.abort_all()
     await asyncio.sleep(0.2)  # let the aborts reach their streams
-    await server.stop(grace=2.0)
+    await grpc_server.server.stop(grace=2.0)
     if http is not None:
         http.shutdown()
         await http_task
     async_engine.stop()
-    broadcaster = engine.runner.broadcaster
-    if broadcaster is not None and async_engine.error is None:
-        broadcaster.stop()  # the followers exit too
-    log.info("stopped")
-    return 0 if async_engine.error is None else 1

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from jaxserve.engine.broadcast import PING_INTERVAL_S
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.output_text import OutputText
+from jaxserve.engine.request import check_prompt_length
 from jaxserve.outputs import StepOutput
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from server.metrics import Metrics, RequestTimes
@@ -154,9 +155,8 @@ class AsyncEngine:
         a request that another call started under the same id is left alone."""
         if isinstance(prompt, str):
             prompt = await self.encode(prompt)
-        elif len(prompt) > self.engine.max_model_len:  # before any per-id work
-            raise ValueError(f"prompt has {len(prompt)} tokens; max_model_len is "
-                             f"{self.engine.max_model_len}")
+        else:  # before any per-id work (the engine checks the rest)
+            check_prompt_length(len(prompt), self.engine.max_model_len)
         if params.structured_outputs is not None:  # the engine thread only copies it
             await self.compile_constraint(params.structured_outputs)
         loop = asyncio.get_running_loop()
@@ -277,7 +277,7 @@ class AsyncEngine:
     def _ping_followers(self) -> None:
         """Multi-host: an idle leader still checks its followers are alive (see
         jaxserve/engine/broadcast.py); a dead one raises here and stops the loop."""
-        broadcaster = self.engine.runner.broadcaster
+        broadcaster = self.engine.broadcaster
         now = time.monotonic()
         if broadcaster is not None and now - self._last_ping >= PING_INTERVAL_S:
             broadcaster.ping()
@@ -299,13 +299,9 @@ class AsyncEngine:
         kind = cmd[0]
         if kind == "add":
             _, rid, prompt, params, stream, admitted = cmd
-            if self.engine.scheduler.num_waiting >= self.max_waiting:
+            if self.engine.status().num_waiting >= self.max_waiting:
                 _deliver(stream.loop, _settle, admitted, None, QueueFullError(
                     f"the waiting queue is full ({self.max_waiting} requests); retry later"))
-                return
-            if rid in self._streams:
-                _deliver(stream.loop, _settle, admitted, None,
-                         ValueError(f"request_id {rid!r} is already running"))
                 return
             try:
                 ids = self.engine.add_request(rid, prompt, params)
@@ -375,20 +371,15 @@ class AsyncEngine:
             _deliver(stream.loop, stream.queue.put_nowait, out)
 
     def _detokenize(self, stream: _Stream, out: StepOutput) -> StepOutput:
-        """The output with its text; finished with its stop string if one matched."""
+        """The output with its text; finished with its stop string if one matched (the
+        engine is told to stop the request)."""
         tokenizer = self.engine.tokenizer
-        if tokenizer is None or not out.new_token_ids:
+        if tokenizer is None:
             return out
         if stream.text is None:
             stream.text = OutputText(tokenizer, stream.prompt_token_ids, stream.params,
                                      self.engine.eos_token_ids)
-        new_text, stop = stream.text.add(out.new_token_ids,
-                                         out.finish_reason if out.finished else None,
-                                         out.stop_reason)
-        if out.new_logprobs:
-            stream.text.decode_logprobs(out.new_logprobs)
-        if stop is None:
-            return dataclasses.replace(out, new_text=new_text)
-        self._inbox.put(("stopped", out.request_id, stream))
-        return dataclasses.replace(out, new_text=new_text, finished=True, finish_reason="stop",
-                                   stop_reason=stop)
+        with_text = stream.text.apply(out)
+        if with_text.finished and not out.finished:  # a stop string
+            self._inbox.put(("stopped", out.request_id, stream))
+        return with_text

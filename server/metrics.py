@@ -16,6 +16,7 @@ from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_cr
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxserve.engine.engine import Engine
+from jaxserve.engine.speculative.stats import SpeculationStats
 from jaxserve.outputs import StepOutput
 
 PREFIX = "jaxserve:"
@@ -113,13 +114,13 @@ class _EngineCollector:
         self.model_name = model_name
 
     def collect(self):
-        sched = self.engine.scheduler
+        status = self.engine.status()
         labels = [self.model_name]
         for name, doc, value in (
-                ("num_requests_running", "Requests in the running batch.", sched.num_running),
-                ("num_requests_waiting", "Requests waiting to run.", sched.num_waiting),
+                ("num_requests_running", "Requests in the running batch.", status.num_running),
+                ("num_requests_waiting", "Requests waiting to run.", status.num_waiting),
                 ("kv_cache_usage_perc", "Fraction of KV cache pages in use (0-1).",
-                 sched.num_used_pages / max(sched.num_pages, 1))):
+                 status.kv_cache_usage)):
             gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
             gauge.add_metric(labels, value)
             yield gauge
@@ -132,22 +133,22 @@ class _EngineCollector:
             for layer, _, value in routers:
                 imbalance.add_metric([self.model_name, str(layer)], value)
             yield imbalance
-        queries = sum(a.prefix_queries for a in sched.allocators)
-        hits = sum(a.prefix_hits for a in sched.allocators)
         for name, doc, value in (
-                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries),
-                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits),
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                 status.prefix_queries),
+                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                 status.prefix_hits),
                 ("num_preemptions", "Requests preempted (their KV recomputed later).",
-                 sched.num_preemptions)):
+                 status.num_preemptions)):
             counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             counter.add_metric(labels, value)
             yield counter
-        if self.engine.speculator is not None:
-            yield from self._speculation(labels)
+        if status.speculation is not None:
+            yield from self._speculation(labels, status.speculation)
 
-    def _speculation(self, labels: list[str]):
+    @staticmethod
+    def _speculation(labels: list[str], stats: SpeculationStats):
         """Speculative decoding's counters (vLLM's spec_decode_* names)."""
-        stats = self.engine.speculator.stats
         for name, doc, value in (
                 ("spec_decode_num_drafts", "Sequence-steps that verified drafts.",
                  stats.proposed[0]),

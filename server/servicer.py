@@ -8,6 +8,7 @@ import uuid
 
 import grpc
 
+from jaxserve.engine.speculative.stats import SpeculationStats
 from jaxserve.outputs import StepOutput
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from server.async_engine import AsyncEngine, QueueFullError
@@ -179,31 +180,29 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def GetServerStatus(self, request, context) -> pb.ServerStatus:
         e, a = self.engine, self.async_engine
-        sched = e.scheduler
+        status = e.status()
         return pb.ServerStatus(
-            running_requests=sched.num_running, waiting_requests=sched.num_waiting,
-            kv_pages_used=sched.num_used_pages, kv_pages_total=sched.num_pages,
-            prefix_cache_hit_rate=sched.prefix_hit_rate,
+            running_requests=status.num_running, waiting_requests=status.num_waiting,
+            kv_pages_used=status.num_used_pages, kv_pages_total=status.num_pages,
+            prefix_cache_hit_rate=status.prefix_hit_rate,
             tokens_per_second=a.tokens_per_second(),
             uptime_seconds=time.monotonic() - self.started,
             total_generated_tokens=a.total_generated,
             mean_step_ms=a.mean_ms(a.step_times),
             mean_step_gap_ms=a.mean_ms(a.step_gaps),
-            steps=e.num_steps, overlapped_steps=e.num_overlapped_steps,
+            steps=status.num_steps, overlapped_steps=status.num_overlapped_steps,
             expert_load=[pb.ExpertLoad(layer=layer, tokens=tokens.tolist(),
                                        imbalance=imbalance)
                          for layer, tokens, imbalance in e.router_statistics()],
-            speculation=speculation_status(e))
+            speculation=speculation_status(status.speculation))
 
 
-def speculation_status(engine) -> pb.Speculation | None:
+def speculation_status(stats: SpeculationStats | None) -> pb.Speculation | None:
     """GetServerStatus's speculative decoding counters (None when it is off)."""
-    speculator = engine.speculator
-    if speculator is None:
+    if stats is None:
         return None
-    stats = speculator.stats
     return pb.Speculation(
-        method=speculator.config.method, num_speculative_tokens=speculator.num_speculative_tokens,
+        method=stats.method, num_speculative_tokens=stats.num_speculative_tokens,
         active=stats.active, verify_steps=stats.steps, proposed_tokens=stats.num_proposed,
         accepted_tokens=stats.num_accepted, acceptance_rate=stats.acceptance_rate,
         acceptance_by_position=stats.acceptance_by_position)

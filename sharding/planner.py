@@ -36,9 +36,11 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, ModelConfig, ModelOptions
 from jaxserve.engine.batch import BatchBuilder, BucketKey
-from jaxserve.engine.runner import abstract_kv_cache, jit_programs, kv_page_bytes, pages_per_seq
+from jaxserve.engine.kv_memory import abstract_kv_cache, kv_page_bytes, pages_per_seq
+from jaxserve.engine.programs import jit_programs
 from jaxserve.loading.safetensors import abstract_model
 from sharding.mesh import make_mesh
+from sharding.platforms import allow_shared_libtpu
 from sharding.rules import ShardingContext, model_sharding
 from sharding.strategies import STRATEGIES
 
@@ -53,6 +55,7 @@ def tpu_devices(topology: str) -> list:
     its own size."""
     from jax.experimental import topologies
 
+    allow_shared_libtpu()  # an engine or another compile may hold libtpu meanwhile
     dims = [int(d) for d in topology.partition(":")[2].split("x") if d.isdigit()]
     kwargs = {}
     if dims and min(dims) < 2 and math.prod(dims) < 4:
@@ -89,13 +92,13 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
     # The forward pass: every weight, cache page, kernel and collective of the step (its
     # sampling is a small replicated program of its own).
     fn = jit_programs(graphdef, params, jax.tree.map(lambda x: x.sharding, caches),
-                      shard, builder.carry, engine.page_size).forward[True]
-    sampled = jax.ShapeDtypeStruct((builder.carry.size,), jnp.int32, sharding=replicated)
+                      shard, builder.layout, engine.page_size).forward[True]
+    carry = jax.ShapeDtypeStruct((builder.layout.size,), jnp.int32, sharding=replicated)
     with no_persistent_cache(), jax.default_device(devices[0]):
         layers = sum(cfg.sparse_layers)
         load = (jax.ShapeDtypeStruct((layers, cfg.num_experts), jnp.int32, sharding=replicated)
                 if layers else None)
-        return fn.lower(jax.tree.leaves(params), caches, batch, sampled, load, None,
+        return fn.lower(jax.tree.leaves(params), caches, batch, carry, load, None,
                         None).compile()
 
 
@@ -265,30 +268,10 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
     kv_dtype = jnp.dtype(engine.kv_storage_dtype)
     kv_per_token = kv_page_bytes(cfg, page_size, kv_dtype, shard) // page_size
     nominal_kv = num_pages * page_size * kv_per_token
-    buckets, tpu_kernels = {}, 0
-    for name, t in (("decode", max_num_seqs), ("prefill", max_num_batched_tokens)):
-        key = BucketKey(t, min(t, max_num_seqs), False)
-        try:
-            compiled = compile_step(cfg, engine, mesh_shape, strategy, devices, num_pages, key)
-        except Exception as e:  # noqa: BLE001 - XLA reports "does not fit" as an error
-            if "RESOURCE_EXHAUSTED" not in str(e):
-                raise
-            buckets[name] = {"tokens": t, "error": str(e).splitlines()[0]}
-            continue
-        mem = compiled.memory_analysis()
-        cost = compiled.cost_analysis() or {}
-        cost = cost[0] if isinstance(cost, list) else cost
-        text = compiled.as_text()
-        tpu_kernels = max(tpu_kernels, text.count('custom_call_target="tpu_custom_call"'))
-        buckets[name] = {
-            "tokens": t, "argument_bytes": mem.argument_size_in_bytes,
-            "temp_bytes": mem.temp_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
-            "collectives": collective_bytes(compiled),
-            "flops": float(cost.get("flops", 0.0)),
-            "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
-        }
-        if platform == "gpu":
-            _remove_cpu_artefacts(buckets[name], text)
+    buckets = {name: _compile_bucket(cfg, engine, mesh_shape, strategy, devices, num_pages,
+                                     t, platform)
+               for name, t in (("decode", max_num_seqs), ("prefill", max_num_batched_tokens))}
+    tpu_kernels = max((b.pop("tpu_kernels", 0) for b in buckets.values()), default=0)
     analytic = _analytic_weight_bytes(cfg, jnp.dtype(dtype), shard, engine.model_options)
     ok = [b for b in buckets.values() if "error" not in b]
     compiled_weights = ok[0]["argument_bytes"] - nominal_kv if ok else None
@@ -298,13 +281,6 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
     temp = max((b["temp_bytes"] for b in ok), default=0)
     fit_tokens = max(0, (hbm - weights - temp) // kv_per_token)  # per chip = per data shard
     wanted = max_num_seqs // data * max_model_len
-    if platform == "gpu":
-        attention = _GPU_ATTENTION
-    elif tpu_kernels:
-        attention = (f"Pallas TPU kernels ({tpu_kernels} Mosaic calls per step, per chip: "
-                     f"attention{' and quantized matmuls' if quantization else ''})")
-    else:
-        attention = "reference (pure JAX, partitioned by XLA)"
     return {
         "model_params": cfg.num_params(), "target": target, "platform": platform,
         "chips": chips, "strategy": strategy, "dtype": dtype, "quantization": quantization,
@@ -316,8 +292,46 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
         "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
         "wanted_kv_tokens": wanted,
         "fits": len(ok) == len(buckets) and fit_tokens >= wanted,
-        "attention": attention, "buckets": buckets,
+        "attention": _kernels_used(platform, tpu_kernels, quantization), "buckets": buckets,
     }
+
+
+def _kernels_used(platform: str, tpu_kernels: int, quantization: str | None) -> str:
+    if platform == "gpu":
+        return _GPU_ATTENTION
+    if tpu_kernels:
+        return (f"Pallas TPU kernels ({tpu_kernels} Mosaic calls per step, per chip: "
+                f"attention{' and quantized matmuls' if quantization else ''})")
+    return "reference (pure JAX, partitioned by XLA)"
+
+
+def _compile_bucket(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, int],
+                    strategy: str, devices: list, num_pages: int, tokens: int,
+                    platform: str) -> dict:
+    """One bucket of `tokens` compiled: its memory, collectives, XLA's cost estimates and
+    its Mosaic kernel calls (`tpu_kernels`); or, where XLA cannot fit it, why."""
+    key = BucketKey(tokens, min(tokens, engine.max_num_seqs), False)
+    try:
+        compiled = compile_step(cfg, engine, mesh_shape, strategy, devices, num_pages, key)
+    except Exception as e:  # noqa: BLE001 - XLA reports "does not fit" as an error
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return {"tokens": tokens, "error": str(e).splitlines()[0]}
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, list) else cost
+    text = compiled.as_text()
+    bucket = {
+        "tokens": tokens, "argument_bytes": mem.argument_size_in_bytes,
+        "temp_bytes": mem.temp_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
+        "collectives": collective_bytes(compiled),
+        "flops": float(cost.get("flops", 0.0)),
+        "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+        "tpu_kernels": text.count('custom_call_target="tpu_custom_call"'),
+    }
+    if platform == "gpu":
+        _remove_cpu_artefacts(bucket, text)
+    return bucket
 
 
 def kv_heads_per_chip(cfg: ModelConfig, shard: ShardingContext) -> int:

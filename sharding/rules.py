@@ -40,6 +40,28 @@ class ShardingRules:
 REPLICATED = ShardingRules()
 
 
+def _check_strategy(name: str, mesh: Mesh, num_experts: int) -> set[str]:
+    """The strategy's parts (dp, tp, sp, ep), checked against the mesh and the model."""
+    if name not in STRATEGIES:
+        raise ValueError(f"sharding strategy {name!r} is unknown; choose one of {STRATEGIES}")
+    parts = set(name.split("+"))
+    dp, tp = mesh.shape.get(DATA, 1), mesh.shape.get(MODEL, 1)
+    if dp > 1 and "dp" not in parts:
+        raise ValueError(f"the mesh has data={dp} but strategy {name!r} has no data "
+                         "parallelism; use dp, dp+tp or dp+tp+sp")
+    if tp > 1 and not parts & {"tp", "ep"}:
+        raise ValueError(f"the mesh has model={tp} but strategy {name!r} has no tensor or "
+                         "expert parallelism; use tp, tp+sp, dp+tp, dp+tp+sp, or for a "
+                         "mixture of experts ep, tp+ep, dp+ep, dp+tp+ep")
+    if "ep" in parts and not num_experts:
+        raise ValueError(f"strategy {name!r} splits experts, and this model has none; use "
+                         "tp, tp+sp, dp+tp or dp+tp+sp")
+    if "ep" in parts and tp > 1 and num_experts % tp:
+        raise ValueError(f"expert parallelism over {tp} devices needs num_experts "
+                         f"({num_experts}) divisible by {tp}")
+    return parts
+
+
 def strategy_rules(name: str, mesh: Mesh, num_heads: int, num_kv_heads: int, vocab_size: int,
                    intermediate_size: int, num_experts: int = 0,
                    expert_intermediate_size: int = 0,
@@ -61,23 +83,8 @@ def strategy_rules(name: str, mesh: Mesh, num_heads: int, num_kv_heads: int, voc
     replicated over `model`. Either way a layer's experts end in one all-reduce over
     `model` of their partial sums (models/parallel.py: expert_parallel).
     """
-    if name not in STRATEGIES:
-        raise ValueError(f"sharding strategy {name!r} is unknown; choose one of {STRATEGIES}")
-    parts = set(name.split("+"))
+    parts = _check_strategy(name, mesh, num_experts)
     dp, tp = mesh.shape.get(DATA, 1), mesh.shape.get(MODEL, 1)
-    if dp > 1 and "dp" not in parts:
-        raise ValueError(f"the mesh has data={dp} but strategy {name!r} has no data "
-                         "parallelism; use dp, dp+tp or dp+tp+sp")
-    if tp > 1 and not parts & {"tp", "ep"}:
-        raise ValueError(f"the mesh has model={tp} but strategy {name!r} has no tensor or "
-                         "expert parallelism; use tp, tp+sp, dp+tp, dp+tp+sp, or for a "
-                         "mixture of experts ep, tp+ep, dp+ep, dp+tp+ep")
-    if "ep" in parts and not num_experts:
-        raise ValueError(f"strategy {name!r} splits experts, and this model has none; use "
-                         "tp, tp+sp, dp+tp or dp+tp+sp")
-    if "ep" in parts and tp > 1 and num_experts % tp:
-        raise ValueError(f"expert parallelism over {tp} devices needs num_experts "
-                         f"({num_experts}) divisible by {tp}")
     table: list[tuple[str, MeshAxes]] = []
     replicas = 1
     if dp > 1:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import random
 
-from jaxserve.engine import token_tree
-from jaxserve.engine.proposers import Proposer, TokenProposer
-from jaxserve.engine.token_tree import DraftTree
+from jaxserve.engine.speculative import drafts as trees
+from jaxserve.engine.speculative.drafts import Drafts
+from jaxserve.engine.speculative.proposers import Proposer, TokenProposer
 
 
 class OracleProposer(TokenProposer):
@@ -49,7 +49,7 @@ class OracleTreeProposer(Proposer):
     def propose_batch(self, entries, scheduler, pending=None):
         return [self._tree(seq.token_ids, k) for seq, k in entries]
 
-    def _tree(self, tokens: list[int], k: int) -> DraftTree:
+    def _tree(self, tokens: list[int], k: int) -> Drafts:
         for prompt, out in self.runs:
             if tokens[:len(prompt)] == prompt:
                 done = len(tokens) - len(prompt)
@@ -67,5 +67,5 @@ class OracleTreeProposer(Proposer):
                     truth = out[done + len(p) - 1]
                     right = p == branch[:len(p)] and not (spoil and p == branch)
                     drafts.append(truth if right else (truth + 1 + p[-1]) % self.vocab)
-                return DraftTree(drafts, token_tree.paths_parents(paths))
+                return Drafts(drafts, trees.paths_parents(paths))
         raise AssertionError(f"no known run starts like {tokens[:8]}")

@@ -26,21 +26,24 @@ def llm(checkpoints):
 
 
 def inject(engine, times: int, consume_kv_cache: bool):
-    """The next `times` device steps raise (after deleting the KV cache, as a step that
-    had taken its donated buffers would leave it)."""
-    real, left = engine.runner._forward, [times]
+    """The next `times` steps' dispatches raise (after deleting the KV cache, as a step
+    that had taken its donated buffers would leave it)."""
+    runner, left = engine.runner, [times]
+    names = ("dispatch", "dispatch_forward", "dispatch_steps")
 
-    def failing(*_):  # _forward(batch, program)
+    def failing(*_):
         left[0] -= 1
         if left[0] == 0:
-            engine.runner._forward = real
+            for name in names:  # the class's methods again
+                delattr(runner, name)
         if consume_kv_cache:
-            for layer in engine.runner.kv_caches:
+            for layer in runner.kv_caches:
                 for x in layer:
                     x.delete()
         raise RuntimeError("injected device fault")
 
-    engine.runner._forward = failing
+    for name in names:
+        setattr(runner, name, failing)
 
 
 async def collect(outputs):

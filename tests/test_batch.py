@@ -1,6 +1,6 @@
 """The engine's host arithmetic: BatchBuilder.build's ragged batch, per data shard, checked
 array by array against layouts written out by hand from docs/engine.md's table; and the KV
-pool's size (runner.kv_page_bytes, runner.pool_size). No JAX compile."""
+pool's size (kv_memory.kv_page_bytes, kv_memory.pool_size). No JAX compile."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from jaxserve.config import ModelConfig
 from jaxserve.engine.batch import BatchBuilder, BucketKey
 from jaxserve.engine.request import PLACEHOLDER, Sequence
-from jaxserve.engine.runner import DEFAULT_CPU_KV_GIB, kv_page_bytes, pool_size
+from jaxserve.engine.kv_memory import DEFAULT_CPU_KV_GIB, kv_page_bytes, pool_size
 from jaxserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from jaxserve.sampling_params import SamplingParams
 from sharding.rules import ShardingContext, strategy_rules

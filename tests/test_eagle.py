@@ -63,17 +63,15 @@ def eagle_llm(checkpoints, path, version: int, tree=None, target=None, sampled_d
 
 def record(llm: LLM) -> list[tuple[list[int], list[int]]]:
     """Every (sequence's tokens, drafts the step after them verified) from here on, as
-    the engine reads the drafts back from the device."""
-    engine, seen = llm.engine, []
-    append = engine._append
+    the engine reads the drafts back from the device and verifies them."""
+    speculator, seen = llm.engine.speculator, []
+    accepted_rows = speculator.accepted_rows
 
-    def recording(req, sampled, s, *rest):
-        if s.drafts:  # the tokens before the step's samples (its PLACEHOLDERs)
-            seen.append((list(s.seq.token_ids[:s.seq.num_prompt_tokens + s.out_index]),
-                         list(s.drafts)))
-        return append(req, sampled, s, *rest)
+    def recording(s, token_ids):  # the tokens before the step's samples (PLACEHOLDERs)
+        seen.append((list(s.seq.token_ids[:s.seq.num_known_tokens]), list(s.drafts.tokens)))
+        return accepted_rows(s, token_ids)
 
-    engine._append = recording
+    speculator.accepted_rows = recording
     return seen
 
 

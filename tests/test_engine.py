@@ -293,7 +293,7 @@ def test_no_step_past_a_requests_last_token(llm, prompts):
                                                     ignore_eos=True))[0]
         assert len(tokens(out)) == n and out.outputs[0].finish_reason == "length"
         assert engine.num_steps - before == n
-        assert engine._inflight is None
+        assert engine.status().steps_in_flight == 0
     room = ENGINE["max_model_len"] - len(prompts[2])  # no max_tokens: stops at max_model_len
     before = engine.num_steps
     out = llm.generate([prompts[2]], SamplingParams(temperature=0.0, max_tokens=None,

@@ -110,6 +110,30 @@ def test_the_checker_sees_a_lazy_import_inside_a_function(tmp_path, monkeypatch)
         "sharding.rules (placement) imports jaxserve.engine.engine.Engine (engine)"]
 
 
+def speculative_imports_of_the_engine() -> list[str]:
+    """Inside the engine layer, speculative/ sits below engine.py: the engine calls the
+    Speculator interface, never the other way round. Every import of engine.py (lazy
+    ones included) from the package."""
+    package = ROOT / "jaxserve" / "engine" / "speculative"
+    return sorted(f"{module} imports {name}" for module, path in modules().items()
+                  if path.is_relative_to(package) for name in imports(path, module)
+                  if name.startswith("jaxserve.engine.engine"))
+
+
+def test_speculative_decoding_never_imports_the_engine():
+    assert speculative_imports_of_the_engine() == []
+    assert len(list((ROOT / "jaxserve/engine/speculative").glob("*.py"))) >= 8
+
+
+def test_the_speculative_rule_sees_an_import_of_the_engine(tmp_path, monkeypatch):
+    fake = tmp_path / "jaxserve" / "engine" / "speculative" / "proposers.py"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("def f():\n    from jaxserve.engine.engine import InFlightStep\n")
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    assert speculative_imports_of_the_engine() == [
+        "jaxserve.engine.speculative.proposers imports jaxserve.engine.engine.InFlightStep"]
+
+
 @pytest.mark.parametrize("module,layer", [
     ("sharding.rules", "placement"), ("sharding.planner", "tools"), ("jaxserve.cli", "cli"),
     ("jaxserve.engine.engine", "engine"), ("jaxserve.models.parallel", "models"),

@@ -110,7 +110,7 @@ def test_a_request_of_n_tokens_dispatches_about_n_over_steps_programs(multi, pro
         assert len(out.outputs[0].token_ids) == n
         # The prefill samples the first token; the other n - 1 come STEPS per program.
         assert engine.num_steps - before == 1 + math.ceil((n - 1) / STEPS)
-        assert engine._inflight is None
+        assert engine.status().steps_in_flight == 0
 
 
 def test_a_new_request_is_prefilled_at_the_next_step(multi, prompts):
@@ -121,11 +121,14 @@ def test_a_new_request_is_prefilled_at_the_next_step(multi, prompts):
                                                           ignore_eos=True))
     for _ in range(4):
         engine.step()
-    assert engine._decode_steps() == STEPS
+    before = engine.num_multi_steps
+    engine.step()
+    assert engine.num_multi_steps == before + STEPS  # decoding alone: STEPS a program
     engine.add_request("new", prompts[0], SamplingParams(temperature=0.0, max_tokens=5,
                                                          ignore_eos=True))
-    assert engine._decode_steps() == 1
+    before = engine.num_multi_steps
     engine.step()
+    assert engine.num_multi_steps == before  # one step, which prefills the new request
     new = engine.scheduler.get("new")
     assert new.num_computed_tokens >= len(prompts[0])
     while engine.has_unfinished():
@@ -164,21 +167,18 @@ def test_a_failed_run_of_steps_fails_its_requests_and_the_engine_goes_on(multi, 
     """A run of steps that raises after consuming the KV cache: its requests end with
     "error" and give back every page, and the engine serves the next ones correctly."""
     engine, runner = multi.engine, multi.engine.runner
-    real = runner._run
 
-    def failing(program, fn, args):
-        if program[0] == "steps":
-            runner._run = real
-            for layer in runner.kv_caches:
-                for x in layer:
-                    x.delete()
-            raise RuntimeError("injected device fault")
-        return real(program, fn, args)
+    def failing(*_):  # the first run of steps; then the class's dispatch_steps again
+        del runner.dispatch_steps
+        for layer in runner.kv_caches:
+            for x in layer:
+                x.delete()
+        raise RuntimeError("injected device fault")
 
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     for i, p in enumerate(prompts[:2]):
         engine.add_request(f"fail-{i}", p, params)
-    runner._run = failing
+    runner.dispatch_steps = failing
     errors = []
     while engine.has_unfinished():
         try:

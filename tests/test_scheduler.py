@@ -556,14 +556,16 @@ def test_abort_and_finish():
     assert sched.allocator.num_used_pages == 0
 
 
-def test_add_validates():
+def test_add_refuses_what_the_engine_must_have_checked():
+    """The engine validates requests (Engine.add_request); the scheduler only guards its
+    own invariants: a new id, 1..max_model_len tokens."""
     sched = Scheduler(config(max_model_len=8))
-    with pytest.raises(ValueError):
+    with pytest.raises(AssertionError):
         sched.add(Sequence("long", list(range(9))))
-    with pytest.raises(ValueError):
+    with pytest.raises(AssertionError):
         sched.add(Sequence("empty", []))
     sched.add(Sequence("x", [1]))
-    with pytest.raises(ValueError):
+    with pytest.raises(AssertionError):
         sched.add(Sequence("x", [2]))
 
 

@@ -17,12 +17,13 @@ import torch
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig, SpeculativeConfig
 from jaxserve.engine import broadcast
-from jaxserve.engine.proposers import MedusaProposer, NgramProposer, TokenProposer
-from jaxserve.engine import token_tree
-from jaxserve.engine.batch import Carry
-from jaxserve.engine.runner import move_slots, record_acceptance
-from jaxserve.engine.token_tree import accepted_path
-from jaxserve.engine.speculation import SpeculationStats, Speculator
+from jaxserve.engine.batch import CarryLayout
+from jaxserve.engine.speculative import drafts as trees
+from jaxserve.engine.speculative.device import move_slots, record_acceptance
+from jaxserve.engine.speculative.drafts import accepted_path
+from jaxserve.engine.speculative.proposers import MedusaProposer, NgramProposer, TokenProposer
+from jaxserve.engine.speculative.speculator import SpeculativeDecoding
+from jaxserve.engine.speculative.stats import SpeculationStats
 from oracle_proposer import OracleProposer, OracleTreeProposer
 from published_heads import medusa_heads, write_medusa
 
@@ -57,9 +58,9 @@ def speculating(llm: LLM, proposer=None, **config) -> SpeculationStats:
     """Give `llm` a fresh speculator (its counters at zero), with `proposer` in place of
     its n-gram one and `config` changed from SPEC."""
     engine = llm.engine
-    engine.speculator = Speculator(SpeculativeConfig(**{**SPEC, **config}))
-    if proposer is not None:
-        engine.speculator.proposer = proposer
+    engine.speculator = SpeculativeDecoding(SpeculativeConfig(**{**SPEC, **config}),
+                                            engine.runner, engine.scheduler,
+                                            engine.max_model_len, proposer)
     return engine.speculator.stats
 
 
@@ -182,7 +183,7 @@ def test_status_and_metrics_report_the_counters(base, spec, want, prompts):
 
     stats = speculating(spec, OracleProposer(list(zip(prompts, want)), VOCAB, spoil=2))
     spec.generate(prompts, GREEDY)
-    status = speculation_status(spec.engine)
+    status = speculation_status(spec.engine.status().speculation)
     assert (status.method, status.num_speculative_tokens, status.active) == ("ngram", 3, True)
     assert status.proposed_tokens == stats.num_proposed > status.accepted_tokens > 0
     assert status.accepted_tokens == stats.num_accepted
@@ -205,7 +206,7 @@ def test_status_and_metrics_report_the_counters(base, spec, want, prompts):
                f'{{model_name="m",position="{position}"}}')
         assert metrics[key] == accepted
     assert metrics['jaxserve:spec_decode_active{model_name="m"}'] == 1.0
-    assert speculation_status(base.engine) is None  # speculation off: no message
+    assert speculation_status(base.engine.status().speculation) is None  # off: no message
 
 
 def test_a_request_can_turn_speculation_off(spec, want, prompts):
@@ -368,11 +369,11 @@ def test_sampled_drafts_async_and_stepwise_agree(checkpoints, prompts):
 
 
 def test_acceptance_left_on_the_device_is_the_hosts():
-    """The acceptance a step leaves for the next (runner.record_acceptance) against the
-    host's rule (token_tree.accepted_path) on random chains: drafts kept, the token
-    emitted last and the one before it."""
+    """The acceptance a step leaves for the next (device.record_acceptance) against the
+    host's rule (drafts.accepted_path) on random chains: drafts kept, the token emitted
+    last and the one before it."""
     rng = np.random.default_rng(0)
-    carry = Carry(max_num_seqs=8, k=3, rows=32)
+    layout = CarryLayout(max_num_seqs=8, k=3, rows=32)
     for _ in range(20):
         groups = rng.integers(0, 4, size=6)  # each sequence's drafts
         starts = np.concatenate([[0], np.cumsum(groups + 1)[:-1]])
@@ -381,15 +382,15 @@ def test_acceptance_left_on_the_device_is_the_hosts():
         row_tokens = rng.integers(0, 3, size=rows)
         group_drafts = np.zeros(rows, np.int32)
         group_drafts[starts] = groups
-        out = np.asarray(record_acceptance(jnp.zeros(carry.size, jnp.int32),
+        out = np.asarray(record_acceptance(jnp.zeros(layout.size, jnp.int32),
                                            jnp.asarray(samples), jnp.asarray(row_tokens),
-                                           jnp.asarray(group_drafts), carry))
+                                           jnp.asarray(group_drafts), layout))
         for r, k in zip(starts, groups):
             drafts = row_tokens[r + 1:r + 1 + k].tolist()
-            a = len(accepted_path(drafts, token_tree.chain(k), samples[r:].tolist()))
-            assert out[carry.rejected + r] == k - a
-            assert out[carry.bonus + r] == samples[r + a]
-            assert out[carry.last + r] == row_tokens[r + a]
+            a = len(accepted_path(drafts, trees.chain(k), samples[r:].tolist()))
+            assert out[layout.rejected + r] == k - a
+            assert out[layout.bonus + r] == samples[r + a]
+            assert out[layout.last + r] == row_tokens[r + a]
 
 
 def test_sampled_drafts_of_a_draft_equal_to_the_target(self_drafted, checkpoints, prompts):
@@ -522,24 +523,22 @@ TREE = [[a] for a in (0, 1)] + [[a, b] for a in (0, 1) for b in (0, 1)] + [
 def test_tree_masks_paths_and_acceptance():
     """Masks against each node's ancestors found by walking up its parents' path ranks;
     the accepted path follows the samples down the tree."""
-    from jaxserve.engine import token_tree
-
     paths = SpeculativeConfig(method="medusa", model="m", num_speculative_tokens=3,
                               speculative_token_tree=str(TREE)).speculative_token_tree
     assert paths[:3] == ((0,), (0, 0), (0, 0, 0)) and len(paths) == 14
-    parents = token_tree.paths_parents(paths)
-    masks = token_tree.masks(parents).view(np.uint32)
+    parents = trees.paths_parents(paths)
+    masks = trees.masks(parents).view(np.uint32)
     for j, p in enumerate(paths):
         seen = {i for i in range(len(paths)) if masks[j] >> i & 1}
         assert seen == {paths.index(p[:n]) for n in range(1, len(p) + 1)}
-    assert token_tree.depths(parents) == list(map(len, paths))
+    assert trees.depths(parents) == list(map(len, paths))
     tokens = [10 + j for j in range(14)]
     # The root samples node 7's token ((1,)), node 7 samples node 8's ((1, 0)), node 8's
     # sample matches no child of it: accepted [7, 8], the third token is node 8's sample.
     samples = [0] * 15
     samples[0], samples[1 + 7], samples[1 + 8] = 17, 18, 99
-    assert token_tree.accepted_path(tokens, parents, samples) == [7, 8]
-    assert token_tree.accepted_path(tokens, parents, [10, 11, 12] + [0] * 12) == [0, 1, 2]
+    assert trees.accepted_path(tokens, parents, samples) == [7, 8]
+    assert trees.accepted_path(tokens, parents, [10, 11, 12] + [0] * 12) == [0, 1, 2]
 
 
 def test_moving_slots_reads_every_source_before_writing_any():
@@ -745,10 +744,10 @@ def test_sampled_tokens_follow_the_target_distribution(spec, target):
 def test_a_wrong_acceptance_rule_fails_the_distribution_test(spec, target, monkeypatch):
     """Keeping every row's sample (no verification): the third token is then drawn after
     the draft even where the second is not the draft. The same test rejects it."""
-    import jaxserve.engine.engine as engine_module
+    import jaxserve.engine.speculative.speculator as speculator_module
 
     prompt, dist, argmax = target
-    monkeypatch.setattr(engine_module, "accepted_path",
+    monkeypatch.setattr(speculator_module, "accepted_path",
                         lambda drafts, parents, samples: list(range(len(drafts))))
     speculating(spec, TopDraft(len(prompt), argmax))
     counts = _sample_sequences(spec, prompt, 500, 3, 3)

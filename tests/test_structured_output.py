@@ -140,8 +140,8 @@ def test_masks_are_filled_while_the_forward_pass_runs(llm, prompts, monkeypatch)
         method = getattr(engine.runner, name)
         monkeypatch.setattr(engine.runner, name, lambda *a, _m=method, _n=name:
                             events.append(_n) or _m(*a))
-    fill = engine._masks.fill
-    monkeypatch.setattr(engine._masks, "fill", lambda *a: events.append("mask") or fill(*a))
+    fill = engine.masks.fill
+    monkeypatch.setattr(engine.masks, "fill", lambda *a: events.append("mask") or fill(*a))
     fetch = engine_module.fetch
     monkeypatch.setattr(engine_module, "fetch", lambda out: events.append("collect") or fetch(out))
     params = [SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=c)
@@ -204,7 +204,7 @@ def test_eos_is_allowed_exactly_where_the_grammar_may_end(llm):
     matcher = engine.grammars.matcher(StructuredOutputsParams(regex="ab(cd)?"))
 
     def allowed() -> set[str]:
-        mask = engine._masks.fill([(matcher, 0)], 1, engine.model_config.vocab_size)[0]
+        mask = engine.masks.fill([(matcher, 0)], 1, engine.model_config.vocab_size)[0]
         ids = [t for t in range(engine.model_config.vocab_size) if mask[t // 32] >> (t % 32) & 1]
         return {"EOS" if t == eos else tokenizer.decode([t]) for t in ids}
 

@@ -21,8 +21,9 @@ from flax import nnx  # noqa: E402
 
 from jaxserve.config import EngineConfig, ModelConfig  # noqa: E402
 from jaxserve.engine.batch import BatchBuilder, BucketKey  # noqa: E402
-from jaxserve.engine.eagle import draft  # noqa: E402
-from jaxserve.engine.runner import FEATURE_AXES, abstract_kv_cache  # noqa: E402
+from jaxserve.engine.speculative.eagle import draft  # noqa: E402
+from jaxserve.engine.kv_memory import abstract_kv_cache  # noqa: E402
+from jaxserve.engine.programs import FEATURE_AXES  # noqa: E402
 from jaxserve.models.eagle import EagleHead  # noqa: E402
 from jaxserve.loading.safetensors import abstract_model  # noqa: E402
 from sharding.mesh import make_mesh  # noqa: E402

@@ -9,7 +9,7 @@ The step samples R rows: one per sequence (R = S), or, in a step verifying specu
 drafts (`BucketKey.drafts` k > 0), one per draft and one more for each sequence (R =
 min(T, S * (k + 1)), the most a batch can need). `sample_index` says which token's logits
 each row samples; the sampling arrays are per row. A step verifying trees of drafts
-(`BucketKey.tree`: Medusa's or EAGLE's candidate trees, engine/token_tree.py) also
+(`BucketKey.tree`: Medusa's or EAGLE's candidate trees, speculative/drafts.py) also
 carries the tree masks in its AttentionMetadata, and k counts a tree's nodes.
 
 With D data-parallel shards every array is D equal blocks (T/D tokens, S/D sequences
@@ -27,10 +27,10 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jaxserve.engine import token_tree
 from jaxserve.engine.request import PLACEHOLDER, Sequence
 from jaxserve.engine.sampler import SamplingArrays, TokenHistory
-from jaxserve.engine.scheduler import SchedulerOutput
+from jaxserve.engine.scheduler import ScheduledSeq, SchedulerOutput
+from jaxserve.engine.speculative import drafts as trees
 from jaxserve.models.transformer import AttentionMetadata
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
 
@@ -44,7 +44,7 @@ class StepBatch:
     sampling: SamplingArrays
     # [T]: for a token whose id is still on the device (a PLACEHOLDER, sampled by the step
     # before, or a draft a proposer left there), where in `prev_tokens` to read it
-    # (BatchBuilder.prev_tokens_size); else -1.
+    # (CarryLayout); else -1.
     prev_index: np.ndarray
     # [R]: the token (index within its data shard's block) each sampled row reads the
     # logits of; [D]: the real rows per data shard (they come first in each shard's block).
@@ -54,8 +54,8 @@ class StepBatch:
     propose: np.ndarray
     # [S]: for a sequence whose newest tokens a step still in flight with drafts emits
     # (1 to k + 1 of them: the host counts k + 1), that step's first sampled row of it,
-    # whose entry in the `Carry` blocks says how many of its drafts were rejected, by
-    # which its positions here move back (runner.resolve_pending); -1: none.
+    # whose entry in the carry's acceptance blocks says how many of its drafts were
+    # rejected, by which its positions here move back (device.resolve_pending); -1: none.
     shift_row: np.ndarray
     history: TokenHistory | None = None
 
@@ -76,10 +76,10 @@ class BucketKey(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class Carry:
-    """The layout of `prev_tokens`, the device array a step reads its tokens still on the
+class CarryLayout:
+    """The layout of the carry, the device array a step reads its tokens still on the
     device from (`StepBatch.prev_index`), written by the step's sampling and by a
-    proposer's program:
+    proposer's program (ModelRunner.carry):
     - [0, max_num_seqs): the step before's samples, row r at r;
     - a proposer's guesses: guess j of row r at max_num_seqs x (1 + j) + r, up to
       `guesses_end`;
@@ -142,15 +142,15 @@ class BatchBuilder:
     # Sampled requests' chain drafts are drawn from the proposer's distributions: the
     # target's rows verify them by rejection sampling (SamplingArrays.draft_index).
     sampled_drafts: bool = False
-    # The layout of the device array PLACEHOLDER tokens are read from (default: the
-    # samples and k guesses per row, no acceptance blocks); a proposer's builder shares
-    # its target's.
-    carry: Carry | None = None
+    # The carry's layout: where PLACEHOLDER tokens are read from on the device (default:
+    # the samples and k guesses per row, no acceptance blocks); a proposer's builder
+    # shares its target's.
+    layout: CarryLayout | None = None
     _open_masks: dict[int, np.ndarray] = dataclasses.field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        if self.carry is None:
-            self.carry = Carry(self.max_num_seqs, self.num_speculative_tokens)
+        if self.layout is None:
+            self.layout = CarryLayout(self.max_num_seqs, self.num_speculative_tokens)
 
     def bucket(self, num_tokens: int, history: bool, drafts: bool = False) -> BucketKey:
         """The bucket for `num_tokens` tokens in the busiest shard (`drafts`: a step that
@@ -179,7 +179,7 @@ class BatchBuilder:
         """The batch of a schedule; sets each scheduled seq's `row` in the step's sampled
         outputs. `pending` has, for each seq whose newest tokens the step still in flight
         emits (PLACEHOLDERs), its first row in that step's outputs and its drafts there:
-        the step reads the tokens from the device (`Carry`), and with drafts moves the
+        the step reads the tokens from the device (the carry), and with drafts moves the
         seq's positions back by those rejected (`StepBatch.shift_row`)."""
         d = self.data_shards
         pending = pending or {}
@@ -194,78 +194,91 @@ class BatchBuilder:
         key = self.bucket(max(tokens), history, drafts)
         batch = self.empty(key)
         shard_t, shard_s, shard_r = key.tokens // d, key.seqs // d, key.rows // d
-        cu = batch.attn.cu_q_lens
         # Per data shard: seqs placed, tokens placed, rows placed.
         counts, ends, rows = [0] * d, [0] * d, [0] * d
         for sched in out.scheduled:
-            seq, start, n, data_shard = (sched.seq, sched.start, sched.num_new_tokens,
-                                         sched.seq.data_shard)
-            i, local = data_shard * shard_s + counts[data_shard], ends[data_shard]
-            t = data_shard * shard_t + local
-            counts[data_shard] += 1
-            sched.row = data_shard * shard_r + rows[data_shard]
-            num_rows = 1 + len(sched.drafts)
-            rows[data_shard] += num_rows
-            # Row j samples the logits of the chunk's (len(drafts) - j + 1)-th last token.
-            batch.sample_index[sched.row:sched.row + num_rows] = np.arange(
-                local + n - num_rows, local + n)
-            pos = np.arange(start, start + n, dtype=np.int32)
-            pages = np.asarray(seq.page_ids, dtype=np.int32)
-            own = n - len(sched.drafts)  # the chunk's tokens that are the seq's own
-            batch.input_ids[t:t + own] = seq.token_ids[start:start + own]
-            if sched.drafts_on_device:
-                batch.prev_index[t + own:t + n] = sched.guess_index
-            else:
-                batch.input_ids[t + own:t + n] = sched.drafts
-            for j in np.flatnonzero(batch.input_ids[t:t + own] == PLACEHOLDER):
-                batch.input_ids[t + j] = 0
-                batch.prev_index[t + j] = self._pending_token(*pending[seq], start + j,
-                                                              seq.num_tokens)
-            if pending.get(seq, (0, 0))[1]:  # its pending step had drafts
-                batch.shift_row[i] = pending[seq][0]
-                batch.sampling.shift_row[sched.row:sched.row + num_rows] = pending[seq][0]
-            if sched.drafts and sched.parents is None:
-                batch.sampling.group_drafts[sched.row] = len(sched.drafts)
-            batch.positions[t:t + n] = pos
-            batch.attn.slot_mapping[t:t + n] = (pages[pos // self.page_size] * self.page_size
-                                                + pos % self.page_size)
-            depth = list(range(1, len(sched.drafts) + 1))  # each draft's, and its row's ahead
-            if sched.parents is not None:  # a tree: its nodes' own positions and masks
-                depth = token_tree.depths(sched.parents)
-                batch.positions[t + own:t + n] = start + own - 1 + np.asarray(depth)
-                batch.attn.tree_start[i] = start + own
-                batch.attn.tree_mask[t + own:t + n] = token_tree.masks(sched.parents)
-            ends[data_shard] = local + n
-            cu[data_shard * (shard_s + 1) + counts[data_shard]] = local + n
-            batch.attn.kv_lens[i] = start + n
-            batch.attn.page_indices[i, :len(pages)] = pages
-            for j in range(num_rows):
-                self._fill_sampling(batch.sampling, sched.row + j, seq.params, seq,
-                                    depth[j - 1] if j else 0)
-            if (self.sampled_drafts and sched.drafts_on_device and sched.parents is None
-                    and seq.params.temperature > 0):
-                # Draft j's distribution: SampledDrafts row max_num_seqs x j + r.
-                batch.sampling.draft_index[sched.row:sched.row + len(sched.drafts)] = (
-                    np.asarray(sched.guess_index) - self.max_num_seqs)
-        for data_shard in range(d):
-            block = data_shard * (shard_s + 1)
-            cu[block + counts[data_shard] + 1:block + shard_s + 1] = ends[data_shard]
+            shard = sched.seq.data_shard
+            i, local = shard * shard_s + counts[shard], ends[shard]
+            sched.row = shard * shard_r + rows[shard]
+            self._place(batch, sched, i, shard * shard_t + local, local, pending)
+            counts[shard] += 1
+            rows[shard] += 1 + len(sched.drafts)
+            ends[shard] = local + sched.num_new_tokens
+            batch.attn.cu_q_lens[shard * (shard_s + 1) + counts[shard]] = ends[shard]
+        for shard in range(d):
+            block = shard * (shard_s + 1)
+            batch.attn.cu_q_lens[block + counts[shard] + 1:block + shard_s + 1] = ends[shard]
         batch.attn.num_seqs[:] = counts
         batch.num_rows[:] = rows
         return batch, key
 
+    def _place(self, batch: StepBatch, sched: ScheduledSeq, i: int, t: int, local: int,
+               pending: dict[Sequence, tuple[int, int]]) -> None:
+        """Lay out one scheduled seq: sequence slot `i`, its tokens from `t` (`local` within
+        its data shard's block), its sampled rows from `sched.row`."""
+        seq, start, n, r = sched.seq, sched.start, sched.num_new_tokens, sched.row
+        num_rows = 1 + len(sched.drafts)
+        own = n - len(sched.drafts)  # the chunk's tokens that are the seq's own
+        # Row j samples the logits of the chunk's (len(drafts) - j + 1)-th last token.
+        batch.sample_index[r:r + num_rows] = np.arange(local + n - num_rows, local + n)
+        batch.input_ids[t:t + own] = seq.token_ids[start:start + own]
+        for j in np.flatnonzero(batch.input_ids[t:t + own] == PLACEHOLDER):
+            batch.input_ids[t + j] = 0
+            batch.prev_index[t + j] = self._pending_token(*pending[seq], start + j,
+                                                          seq.num_tokens)
+        if pending.get(seq, (0, 0))[1]:  # its pending step had drafts
+            batch.shift_row[i] = pending[seq][0]
+            batch.sampling.shift_row[r:r + num_rows] = pending[seq][0]
+        pos = np.arange(start, start + n, dtype=np.int32)
+        pages = np.asarray(seq.page_ids, dtype=np.int32)
+        batch.positions[t:t + n] = pos
+        batch.attn.slot_mapping[t:t + n] = (pages[pos // self.page_size] * self.page_size
+                                            + pos % self.page_size)
+        batch.attn.kv_lens[i] = start + n
+        batch.attn.page_indices[i, :len(pages)] = pages
+        depth = self._place_drafts(batch, sched, i, t + own)
+        for j in range(num_rows):
+            self._fill_sampling(batch.sampling, r + j, seq.params, seq, depth[j - 1] if j else 0)
+
+    def _place_drafts(self, batch: StepBatch, sched: ScheduledSeq, i: int, t: int
+                      ) -> list[int]:
+        """A seq's drafts after its own tokens (from token `t`): their ids (or where they
+        lie on the device), a chain's count for the acceptance on the device, a tree's
+        positions and masks, and where sampled drafts' distributions lie. Returns each
+        draft's depth (its row's lookahead)."""
+        drafts, r, n = sched.drafts, sched.row, len(sched.drafts)
+        if drafts.on_device:
+            batch.prev_index[t:t + n] = drafts.device_index
+        else:
+            batch.input_ids[t:t + n] = drafts.tokens
+        if drafts and drafts.parents is None:
+            batch.sampling.group_drafts[r] = n
+        depth = list(range(1, n + 1))
+        if drafts.parents is not None:  # a tree: its nodes' own positions and masks
+            depth = trees.depths(drafts.parents)
+            root = sched.start + sched.num_new_tokens - n - 1  # the seq's last token's
+            batch.positions[t:t + n] = root + np.asarray(depth)
+            batch.attn.tree_start[i] = root + 1
+            batch.attn.tree_mask[t:t + n] = trees.masks(drafts.parents)
+        if (self.sampled_drafts and drafts.on_device and drafts.parents is None
+                and sched.seq.params.temperature > 0):
+            # Draft j's distribution: SampledDrafts row max_num_seqs x j + r.
+            batch.sampling.draft_index[r:r + n] = (np.asarray(drafts.device_index)
+                                                   - self.max_num_seqs)
+        return depth
+
     def _pending_token(self, row: int, drafts: int, position: int, num_tokens: int) -> int:
-        """Where in `prev_tokens` the token at `position` (a PLACEHOLDER) of a seq of
+        """Where in the carry the token at `position` (a PLACEHOLDER) of a seq of
         `num_tokens` tokens lies, whose pending step's first row is `row`: the seq's newest
         token is the last that step emits (its sample, or with drafts the one after those
-        kept: with `Carry.overlap` read from its `bonus` block, which a proposer's guesses
-        never overwrite), and after a step with `drafts` the one before it may be read too
+        kept: with `CarryLayout.overlap` read from its `bonus` block, which a proposer's
+        guesses never overwrite), and after a step with `drafts` the one before it may be read too
         (a draft model's round 1 feeds both)."""
         if position == num_tokens - 1:
-            return self.carry.bonus + row if self.carry.overlap else row
+            return self.layout.bonus + row if self.layout.overlap else row
         assert drafts and position == num_tokens - 2, (
             "only the newest tokens of a seq can be still on the device")
-        return self.carry.last + row
+        return self.layout.last + row
 
     @staticmethod
     def fill_history(batch: StepBatch, out: SchedulerOutput) -> None:
@@ -275,12 +288,11 @@ class BatchBuilder:
         such a step apart, after the step before is in). In a tree, the drafts before a
         row are its node's path."""
         for sched in out.scheduled:
-            own = sched.start + sched.num_new_tokens - len(sched.drafts)
-            parents = (sched.parents if sched.parents is not None
-                       else token_tree.chain(len(sched.drafts)))
-            for j in range(1 + len(sched.drafts)):
+            drafts = sched.drafts
+            own = sched.start + sched.num_new_tokens - len(drafts)
+            for j in range(1 + len(drafts)):
                 tokens = sched.seq.token_ids[:own] + [
-                    sched.drafts[i] for i in token_tree.path(parents, j - 1)]
+                    drafts.tokens[i] for i in trees.path(drafts.tree, j - 1)]
                 batch.history.tokens[sched.row + j, :len(tokens)] = tokens
                 batch.history.prompt_lens[sched.row + j] = sched.seq.num_prompt_tokens
 

@@ -4,15 +4,17 @@ The engine only decides what ends a request at the token level (EOS, stop token 
 length). Turning tokens into text is host work with no part in the next step, so it can
 run anywhere: `Engine` runs it inline for the offline `LLM`, and the servers run it on a
 thread of their own (server/async_engine.py), so the engine thread only schedules and
-samples. Both use this class, so text and stop strings come out the same either way.
+samples. Both call `OutputText.apply` on each output, so text and stop strings come out
+the same either way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from jaxserve.loading.tokenizer import IncrementalDetokenizer, Tokenizer
-from jaxserve.outputs import Logprob
+from jaxserve.outputs import Logprob, StepOutput
 from jaxserve.sampling_params import SamplingParams
 
 
@@ -36,20 +38,41 @@ class OutputText:
         self.emitted = 0
         self.num_tokens = 0
 
+    def apply(self, out: StepOutput) -> StepOutput:
+        """`out`, one engine output of this request, with its text. A stop string found
+        in it ends the request there: the tokens (and logprobs) after the one that
+        completed it are dropped, and it is finished with that stop string (the caller
+        tells the engine to stop the request, if the engine has not ended it)."""
+        if not out.new_token_ids:
+            return out
+        new_text, stop, used = self.add(out.new_token_ids,
+                                        out.finish_reason if out.finished else None,
+                                        out.stop_reason)
+        logprobs = out.new_logprobs[:used] if out.new_logprobs is not None else None
+        if logprobs:
+            self.decode_logprobs(logprobs)
+        if stop is None:
+            return dataclasses.replace(out, new_text=new_text)
+        return dataclasses.replace(out, new_token_ids=out.new_token_ids[:used],
+                                   new_logprobs=logprobs, new_text=new_text, finished=True,
+                                   finish_reason="stop", stop_reason=stop, error=None)
+
     def add(self, token_ids: Sequence[int], finish_reason: str | None,
-            stop_reason: str | int | None = None) -> tuple[str, str | None]:
+            stop_reason: str | int | None = None) -> tuple[str, str | None, int]:
         """Append one output's tokens; `finish_reason` and `stop_reason` are the engine's
-        if they end the request. Returns the text to hand back now and the stop string
-        that ends the request with them (None if none). A last token that ended it as EOS
-        or a stop token id adds no text (vLLM's rule, so special-token text kept with
+        if they end the request. Returns the text to hand back now, the stop string that
+        ends the request with them (None if none) and how many of the tokens it took (up
+        to the one that completed the stop string). A last token that ended it as EOS or
+        a stop token id adds no text (vLLM's rule, so special-token text kept with
         skip_special_tokens=False does not end in EOS) and is not matched against the
         stop strings."""
         stop_token = finish_reason == "stop" and bool(token_ids) and (
             token_ids[-1] == stop_reason or token_ids[-1] in self._eos)
         stop = None
-        last = len(token_ids) - 1
+        last, used = len(token_ids) - 1, 0
         for i, token in enumerate(token_ids):
             self.num_tokens += 1
+            used = i + 1
             if i == last and stop_token:
                 break
             self.text += self._detok.add(token)
@@ -62,7 +85,7 @@ class OutputText:
         upto = len(self.text) if ended else len(self.text) - self._hold
         new_text = self.text[self.emitted:upto] if upto > self.emitted else ""
         self.emitted = max(self.emitted, upto)
-        return new_text, stop
+        return new_text, stop, used
 
     def _find_stop(self) -> str | None:
         if self.num_tokens < self._params.min_tokens:

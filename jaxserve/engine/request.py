@@ -2,22 +2,26 @@
 
 A `Sequence` is what the scheduler and the page allocator see: tokens, pages, progress.
 A `Request` is that sequence plus what the engine has returned of its output so far
-(its text, tokens not yet handed back).
+(its text, tokens not yet handed back) and the grammar its output keeps to.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 from typing import TYPE_CHECKING, Any
 
 from jaxserve.outputs import Logprob
+from jaxserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import llguidance
 
     from jaxserve.engine.output_text import OutputText
 
+
+log = logging.getLogger(__name__)
 
 # An output token sampled by a step still running on the device (async scheduling): the
 # next step reads its id from the device, the host fills it in when the step's outputs land.
@@ -54,19 +58,9 @@ class Sequence:
     num_preemptions: int = 0
     finish_reason: str | None = None
     first_scheduled_at: float | None = None  # time.monotonic() when first admitted to run
-    # Guessed next tokens for the coming step (speculative decoding; see scheduler.py).
-    draft_token_ids: list[int] = dataclasses.field(default_factory=list)
-    # A tree of them: each one's parent (-1: the last token; engine/token_tree.py); None:
-    # a chain.
-    draft_parents: list[int] | None = None
-    # Drafts still on the device (PLACEHOLDERs in draft_token_ids, an EAGLE head's): where
-    # each is in the step's `prev_tokens` (BatchBuilder.prev_tokens_size).
-    draft_prev_index: list[int] | None = None
-    # Leading tokens whose K/V the draft model holds (engine/draft_model.py).
-    draft_computed_tokens: int = 0
-    # Medusa heads' guesses after the sequence's token number `[0]`: (num_tokens, each
-    # head's top tokens).
-    medusa_guesses: tuple[int, list[list[int]]] | None = None
+    # Speculative decoding's state of this sequence: the speculator's alone
+    # (speculative/speculator.py, SeqSpeculation); None until it speculates.
+    speculation: Any = None
     # The most output tokens it may have (max_tokens, or the room left by max_model_len):
     # once its outputs, placeholders of steps in flight included, reach it, nothing is
     # scheduled for it (None: no limit known to the scheduler).
@@ -105,7 +99,7 @@ class Request:
     yet handed back."""
 
     seq: Sequence
-    text: OutputText | None
+    text: OutputText | None = None
     grammar: llguidance.LLMatcher | None = None
     pending: list[int] = dataclasses.field(default_factory=list)
     pending_logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
@@ -114,3 +108,74 @@ class Request:
     def max_tokens(self) -> int:
         """Its output limit: max_tokens, or the room max_model_len leaves."""
         return self.seq.max_output_tokens
+
+    def check_stop(self, token: int, num_outputs: int, eos_token_ids: tuple[int, ...],
+                   max_model_len: int) -> tuple[str | None, str | int | None, str | None]:
+        """Whether the request ends with `token`, its `num_outputs`-th output: (finish
+        reason, stop reason, error); its grammar advances past the token. Stop strings are
+        OutputText's to find."""
+        params, grammar = self.seq.params, self.grammar
+        if grammar is not None and not grammar.consume_token(token):
+            return "error", None, (f"structured output: token {token} breaks the grammar: "
+                                   f"{grammar.get_error()}")
+        finish, stop_reason = None, None
+        if num_outputs >= params.min_tokens:
+            if not params.ignore_eos and token in eos_token_ids:
+                finish = "stop"
+            elif token in params.stop_token_ids:
+                finish, stop_reason = "stop", token
+        if finish is None and (num_outputs >= self.max_tokens
+                               or self.seq.num_prompt_tokens + num_outputs >= max_model_len):
+            finish = "length"
+        if grammar is not None and finish is None and grammar.is_stopped():
+            finish = "stop"  # the grammar is complete and allows nothing more
+        elif grammar is not None and finish == "length" and not grammar.is_accepting():
+            log.info("request %s: max_tokens reached before its grammar could end; the "
+                     "output is incomplete", self.seq.request_id)
+        return finish, stop_reason, None
+
+    @property
+    def samples_from_host(self) -> bool:
+        """Whether its next sample needs its tokens so far on the host: a grammar,
+        penalties, or stop tokens banned until min_tokens (of those the host has)."""
+        seq = self.seq
+        return (self.grammar is not None or seq.params.needs_history
+                or seq.num_known_tokens - seq.num_prompt_tokens < seq.params.min_tokens)
+
+
+def check_params(params: SamplingParams, vocab_size: int, has_tokenizer: bool) -> None:
+    """What SamplingParams cannot check alone (ValueError): stop strings and grammars need
+    a tokenizer, token ids must be in the vocabulary."""
+    if params.stop and not has_tokenizer:
+        raise ValueError("stop: stop strings need a tokenizer and this model has none; "
+                         "use stop_token_ids")
+    if params.structured_outputs is not None and not has_tokenizer:
+        raise ValueError("structured_outputs: grammars need a tokenizer and this model "
+                         "has none")
+    for field, ids in (("stop_token_ids", params.stop_token_ids),
+                       ("logit_bias", params.logit_bias)):
+        outside = [t for t in ids if t >= vocab_size]
+        if outside:
+            raise ValueError(f"{field}: token id {outside[0]} is outside the vocabulary "
+                             f"[0, {vocab_size})")
+
+
+def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
+    """A prompt must leave room for one output token within max_model_len (ValueError)."""
+    if num_tokens >= max_model_len:
+        raise ValueError(f"prompt has {num_tokens} tokens; max_model_len is {max_model_len}, "
+                         f"so at most {max_model_len - 1} fit")
+
+
+def check_prompt(token_ids, vocab_size: int, max_model_len: int) -> list[int]:
+    """`token_ids` as a list, checked (ValueError, saying what to fix): not empty, within
+    max_model_len with room for an output, every id an int in the vocabulary."""
+    ids = list(token_ids)
+    if not ids:
+        raise ValueError("prompt is empty")
+    check_prompt_length(len(ids), max_model_len)
+    for t in ids:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise ValueError(f"prompt token id {t!r} is outside the vocabulary "
+                             f"[0, {vocab_size})")
+    return ids

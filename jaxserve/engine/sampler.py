@@ -15,6 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxserve.outputs import Logprob
 from jaxserve.sampling_params import MAX_LOGPROBS
 
 # Row counts a batch's real sequences are sampled in when fewer than the bucket's (sample).
@@ -390,3 +391,19 @@ def _sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | No
     chosen, top_ids, top_logprobs = jax.lax.cond(jnp.any(p.logprobs), with_logprobs, without,
                                                  None)
     return SampleOutput(token_ids, chosen, top_ids, top_logprobs)
+
+
+# A token the grammar mask rules out has logprob -inf: given as -9999 (as vLLM does), so it
+# stays a JSON number.
+MIN_LOGPROB = -9999.0
+
+
+def token_logprobs(out: SampleOutput, i: int, token: int, n: int) -> dict[int, Logprob]:
+    """Row `i`'s `n` most likely tokens with their logprobs and ranks, and the sampled
+    `token`'s (first, when it is not among them)."""
+    top = {int(t): Logprob(max(float(lp), MIN_LOGPROB), rank=r + 1)
+           for r, (t, lp) in enumerate(zip(out.top_ids[i][:n], out.top_logprobs[i][:n]))}
+    if token not in top:
+        rank = next((r + 1 for r, t in enumerate(out.top_ids[i]) if t == token), None)
+        top = {token: Logprob(max(float(out.logprob[i]), MIN_LOGPROB), rank=rank), **top}
+    return top

@@ -9,11 +9,11 @@ what is left of the budget (chunked prefill). When KV pages run out, a running s
 preempted by recompute: its pages are freed and it goes back to the waiting queue with all
 its tokens (prompt and outputs so far) to compute again, prefix cache permitting.
 
-Speculative decoding: a decoding sequence may carry guessed next tokens
-(`Sequence.draft_token_ids`, set before `schedule`). They are scheduled after its last
-token as extra query tokens, within the budget (cut to what fits), and move into the
-`ScheduledSeq`; the step verifies them, and `rollback` then puts the sequence back to its
-accepted tokens. Drafts not scheduled in the step they were proposed for are dropped.
+Speculative decoding: `schedule` may be given guessed next tokens for decoding sequences
+(speculative/drafts.py). They are scheduled after a sequence's last token as extra query
+tokens, within the budget (cut to what fits), in its `ScheduledSeq`; the step verifies
+them, and `rollback` then puts the sequence back to its accepted tokens. Drafts not
+scheduled in the step they were proposed for are dropped.
 
 Under data parallelism the devices form `data_shards` groups, each with its own KV page
 pool, its share of the sequence seats and of the token budget. A sequence is placed in one
@@ -30,10 +30,15 @@ import bisect
 import dataclasses
 import itertools
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-from jaxserve.engine.kv_cache import PageAllocator
-from jaxserve.engine.request import PLACEHOLDER, Sequence, SequenceStatus
+from jaxserve.engine.page_allocator import PageAllocator
+from jaxserve.engine.request import Sequence, SequenceStatus
+from jaxserve.engine.speculative.drafts import Drafts
+
+if TYPE_CHECKING:
+    from jaxserve.config import EngineConfig
 
 POLICIES = ("fcfs", "priority")
 
@@ -48,6 +53,15 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     policy: str = "fcfs"  # or "priority": lower Sequence.priority first, then arrival
     data_shards: int = 1
+
+    @classmethod
+    def of_engine(cls, config: EngineConfig, max_model_len: int, num_pages: int,
+                  data_shards: int) -> SchedulerConfig:
+        return cls(max_num_seqs=config.max_num_seqs,
+                   max_num_batched_tokens=config.max_num_batched_tokens,
+                   max_model_len=max_model_len, page_size=config.page_size,
+                   num_pages=num_pages, enable_prefix_caching=config.enable_prefix_caching,
+                   policy=config.scheduling_policy, data_shards=data_shards)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -77,31 +91,19 @@ class ScheduledSeq:
     # The chunk ends at the seq's last token, so the step's sample for it is its next token
     # (a partial prompt chunk's sample is discarded).
     samples: bool = False
-    row: int = -1  # its (first) row in the step's sampled outputs (BatchBuilder.build sets it)
-    # Guessed tokens scheduled after the seq's last token (the chunk's last len(drafts)
-    # tokens): the step samples a row for each and one more, rows `row...row + len(drafts)`.
-    drafts: list[int] = dataclasses.field(default_factory=list)
-    parents: list[int] | None = None  # a tree of drafts: each one's parent; None: a chain
-    # Drafts still on the device: where each is in the step's `prev_tokens`
-    # (Sequence.draft_prev_index as scheduled; the seq's own changes with its next drafts).
-    guess_index: list[int] | None = None
-    # Where the step's PLACEHOLDERs for its samples begin in seq.output_token_ids (the
-    # engine appends `width` of them when it dispatches the step; as many as it can emit).
-    out_index: int = -1
     # Decode steps run in one program (Scheduler.schedule's `steps`): the seq decodes one
     # token, then each step's sample, and emits a token per step.
     steps: int = 1
+    # Guessed tokens scheduled after the seq's last token (the chunk's last len(drafts)
+    # tokens): the step samples a row for each and one more, rows `row...row + len(drafts)`.
+    drafts: Drafts = dataclasses.field(default_factory=Drafts)
+    row: int = -1  # its (first) row in the step's sampled outputs (BatchBuilder.build sets it)
 
     @property
     def width(self) -> int:
-        """The most tokens the step emits for the seq (its PLACEHOLDERs)."""
+        """The most tokens the step emits for the seq (the engine appends as many
+        PLACEHOLDERs to its outputs when it dispatches the step)."""
         return self.steps + len(self.drafts)
-
-    @property
-    def drafts_on_device(self) -> bool:
-        """Whether its drafts are a proposer's guesses still on the device (PLACEHOLDERs
-        read through `guess_index`; the engine reads them back)."""
-        return self.drafts[:1] == [PLACEHOLDER]
 
 
 @dataclasses.dataclass
@@ -178,14 +180,10 @@ class Scheduler:
     # ---------------------------------------------------------------- lifecycle
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new request. Its arrival number breaks ties between equal priorities."""
-        if seq.request_id in self._requests:
-            raise ValueError(f"request {seq.request_id!r} is already scheduled")
-        if not 0 < seq.num_tokens <= self.config.max_model_len:
-            raise ValueError(
-                f"request {seq.request_id!r} has {seq.num_tokens} tokens, "
-                f"need 1..max_model_len={self.config.max_model_len}"
-            )
+        """Queue a new request (its id new, its tokens within max_model_len: the engine
+        checks both). Its arrival number breaks ties between equal priorities."""
+        assert seq.request_id not in self._requests, seq.request_id
+        assert 0 < seq.num_tokens <= self.config.max_model_len, seq.num_tokens
         seq.arrival = next(self._arrivals)
         seq.status = SequenceStatus.WAITING
         self._requests[seq.request_id] = seq
@@ -212,8 +210,10 @@ class Scheduler:
 
     # --------------------------------------------------------------- scheduling
 
-    def schedule(self, steps: int = 1) -> SchedulerOutput:
-        """Pick this step's work within the token budget (see the module docstring).
+    def schedule(self, steps: int = 1, drafts: Mapping[Sequence, Drafts] | None = None
+                 ) -> SchedulerOutput:
+        """Pick this step's work within the token budget (see the module docstring), with
+        each running seq's `drafts` (if any) after its last token, as far as they fit.
 
         The picked tokens count as computed from here on (`num_computed_tokens` advances),
         as the step computing them is dispatched next: the schedule after it already
@@ -227,7 +227,8 @@ class Scheduler:
         out = SchedulerOutput(scheduled=[], preempted=[], num_batched_tokens=0)
         shards = self.config.data_shards
         budgets = [self.config.max_num_batched_tokens // shards] * shards
-        self._schedule_running(out, budgets, steps)
+        drafts = drafts or {}
+        self._schedule_running(out, budgets, steps, drafts)
         # A step that had to preempt is short of pages: admitting new work now would only
         # get it preempted next (vLLM does the same). This also keeps the seqs preempted
         # in this step from being readmitted in it.
@@ -237,18 +238,10 @@ class Scheduler:
         assert out.num_batched_tokens == self.config.max_num_batched_tokens - sum(budgets)
         for s in out.scheduled:
             seq = s.seq
-            if seq.draft_token_ids:  # those that fit after the seq's own tokens (a tree's
-                # nodes come parents first: the first n of them are a tree too)
-                fit = max(0, s.start + s.num_new_tokens - seq.num_tokens)
-                s.drafts = seq.draft_token_ids[:fit]
-                if seq.draft_parents is not None and s.drafts:
-                    s.parents = seq.draft_parents[:fit]
-                if s.drafts_on_device:
-                    s.guess_index = seq.draft_prev_index[:fit]
+            if seq in drafts:  # those that fit after the seq's own tokens
+                s.drafts = drafts[seq].cut(s.start + s.num_new_tokens - seq.num_tokens)
             s.samples = s.start + s.num_new_tokens == seq.num_tokens + len(s.drafts)
             seq.num_computed_tokens = s.start + s.num_new_tokens + s.steps - 1
-        for seq in self.running:
-            seq.draft_token_ids, seq.draft_parents = [], None
         return out
 
     def rollback(self, seq: Sequence, accepted: list[int] | None = None
@@ -286,7 +279,7 @@ class Scheduler:
     def _enqueue(self, seq: Sequence) -> None:
         bisect.insort(self.waiting, seq, key=self._order_key)
 
-    def _num_to_compute(self, seq: Sequence, budget: int) -> int:
+    def _num_to_compute(self, seq: Sequence, budget: int, drafts: int = 0) -> int:
         """Tokens of `seq` to compute this step: what is left, capped by the budget; none
         once the steps in flight bring its last token (a step for it would be thrown
         away, and with async scheduling the next request's first step would wait for it)."""
@@ -295,18 +288,19 @@ class Scheduler:
         )
         if seq.max_output_tokens is not None and len(seq.output_token_ids) >= seq.max_output_tokens:
             return 0
-        return min(seq.num_tokens + len(seq.draft_token_ids) - seq.num_computed_tokens, budget)
+        return min(seq.num_tokens + drafts - seq.num_computed_tokens, budget)
 
-    def _schedule_running(self, out: SchedulerOutput, budgets: list[int], steps: int = 1
-                          ) -> None:
-        """Schedule running seqs in order, preempting (in the same data shard) when pages
-        run out. Takes the tokens from `budgets`, one per data shard. With `steps` > 1
-        each seq's pages reach as far as that many decode steps write."""
+    def _schedule_running(self, out: SchedulerOutput, budgets: list[int], steps: int,
+                          drafts: Mapping[Sequence, Drafts]) -> None:
+        """Schedule running seqs in order (with their drafts), preempting (in the same
+        data shard) when pages run out. Takes the tokens from `budgets`, one per data
+        shard. With `steps` > 1 each seq's pages reach as far as that many decode steps
+        write."""
         i = 0
         while i < len(self.running):
             seq = self.running[i]
             data_shard = seq.data_shard
-            n = self._num_to_compute(seq, budgets[data_shard])
+            n = self._num_to_compute(seq, budgets[data_shard], len(drafts.get(seq, ())))
             if n <= 0:  # the data shard's budget is spent
                 i += 1
                 continue
@@ -393,8 +387,7 @@ class Scheduler:
                 refund = out.scheduled.pop(k).num_new_tokens
                 break
         self._release(seq)
-        seq.draft_token_ids, seq.draft_parents = [], None
-        seq.num_computed_tokens = seq.draft_computed_tokens = 0
+        seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

@@ -1,0 +1,65 @@
+"""What an engine serves, loaded and placed on its mesh: the checkpoint (a Hugging Face
+directory, our converted one, or random weights for benchmarks), its tokenizer, and a
+speculative method's models."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine.speculative.setup import SpeculativeModels
+from jaxserve.loading import converted
+from jaxserve.loading.safetensors import load_checkpoint, random_params
+from jaxserve.loading.tokenizer import Tokenizer
+from sharding.mesh import make_mesh
+from sharding.rules import ShardingContext, model_sharding
+
+
+@dataclasses.dataclass
+class Loaded:
+    config: EngineConfig  # as served (the demo model's directory, a converted one's options)
+    model_config: ModelConfig
+    graphdef: Any
+    params: Any
+    tokenizer: Tokenizer | None
+    shard: ShardingContext
+    speculative: SpeculativeModels | None = None
+
+
+def load(config: EngineConfig, random_weights_preset: str | None = None) -> Loaded:
+    """The checkpoint directory `config.model` (the demo model when None), placed as
+    `config.mesh` ({"data": d, "model": m}) and `config.sharding` (a strategy of
+    sharding/rules.py) say; with `random_weights_preset` (a YAML model preset) random
+    weights instead, and no tokenizer."""
+    mesh = make_mesh(config.mesh)
+    dtype = jnp.dtype(config.dtype)
+    options = config.model_options
+    if random_weights_preset is not None:
+        model_config = ModelConfig.from_file(random_weights_preset)
+        shard = model_sharding(mesh, config.sharding, model_config)
+        graphdef, params = random_params(model_config, dtype, shard, seed=config.seed,
+                                         options=options)
+        return Loaded(config, model_config, graphdef, params, None, shard)
+    if config.model is None:
+        from jaxserve.demo import demo_model_dir
+        config = dataclasses.replace(config, model=str(demo_model_dir()))
+    model_dir = Path(config.model)
+    if not model_dir.is_dir():
+        raise ValueError(f"model {config.model!r} is not a directory; give a Hugging Face "
+                         "checkpoint directory (config.json, *.safetensors, tokenizer)")
+    model_config = ModelConfig.from_file(model_dir)
+    shard = model_sharding(mesh, config.sharding, model_config)
+    if converted.is_converted(model_dir):
+        options = converted.served_options(model_dir, options)
+        config = dataclasses.replace(config, quantization=options.quantization)
+        graphdef, params = converted.restore(model_dir, model_config, dtype, shard, options)
+    else:
+        graphdef, params = load_checkpoint(model_dir, model_config, dtype, shard, options)
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    speculative = SpeculativeModels.load(config.speculative_config, model_config, shard,
+                                         config.sharding, dtype, options)
+    return Loaded(config, model_config, graphdef, params, tokenizer, shard, speculative)

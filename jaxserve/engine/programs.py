@@ -1,0 +1,252 @@
+"""The step's jitted programs: pure functions of the parameters, the KV cache, the batch and
+the carry (the device array of the last step's tokens), jitted with fixed layouts.
+
+`forward` runs the model over a ragged batch and leaves logits at the rows it samples;
+`sample_step` samples them; `decode_steps` runs several decode steps in one program.
+`ModelRunner` (runner.py) holds the device state they run on and dispatches them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxserve.engine.batch import CarryLayout, StepBatch
+from jaxserve.engine.sampler import SampledDrafts, SampleOutput, SamplingArrays, TokenHistory, sample
+from jaxserve.engine.slots import position_slots
+from jaxserve.engine.speculative.device import (
+    move_slots, record_acceptance, resolve_pending, shift_sampling, write_features)
+from jaxserve.models.medusa import MedusaHeads, medusa_tokens
+from jaxserve.models.transformer import KVCache
+from sharding.rules import ShardingContext
+
+FEATURE_AXES = ("pages", None)  # an EAGLE feature cache [slots, F]: split as the pages are
+
+
+def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch: StepBatch,
+            carry: jax.Array, expert_load: jax.Array | None,
+            medusa: MedusaHeads | None = None, features: jax.Array | None = None, *,
+            features_from: tuple[int, ...] = (), layout: CarryLayout, page_size: int,
+            verifies: bool = True) -> tuple[KVCache, jax.Array, jax.Array | None,
+                                            jax.Array | None, jax.Array | None, jax.Array]:
+    """One forward pass over a ragged batch: float32 logits `[R, vocab]` at the tokens the
+    batch samples (`batch.sample_index`: each sequence's last token, and the tokens
+    before it that verify drafts).
+
+    The `carry` (laid out as `layout` says) holds the previous step's sampled tokens, then
+    a proposer's guesses, still on the device: tokens with `batch.prev_index >= 0` take
+    their id from there, so the host can schedule this step before it has seen them (and
+    sequences whose pending step rejected drafts move back: `resolve_pending`; a program
+    for buckets without drafts, `verifies` False, has none: BatchBuilder.build).
+    `expert_load` (`[sparse layers, num_experts]`, None for a dense model) counts the real
+    tokens each expert has taken since start; returned with this step's added. `medusa`: Medusa heads, whose guesses
+    `[R, heads, top]` at the sampled rows come back fourth when `batch.propose` (zeros when
+    not; None without heads). `features`: an EAGLE head's feature cache (`[slots, F]`, see
+    `write_features`), returned with every real token's features (the layers
+    `features_from`, Transformer.__call__) written at its KV slot; None without a head.
+    Last, the token id at each sampled row `[R]` (the sampling records the acceptance of
+    drafts from them: `record_acceptance`).
+    """
+    model = nnx.merge(graphdef, params)
+    input_ids, batch = resolve_pending(batch, carry, layout, page_size, verifies)
+    (hidden, kv_caches, new_features), sown = nnx.capture(model.run, nnx.Intermediate)(
+        input_ids, batch.positions, kv_caches, batch.attn, expert_load is not None,
+        features_from)
+    if expert_load is not None:  # MoE layers' counts, in layer order
+        sown = sorted(nnx.to_flat_state(sown), key=lambda kv: kv[0])
+        counts = [v.get_value()[0] for _, v in sown]
+        expert_load = expert_load + jnp.stack(counts)
+    data_shards = batch.attn.num_seqs.shape[0]
+    rows = sampled_rows(hidden, batch.sample_index, data_shards)
+    # In the matmul's dtype: the sampler widens only the rows it samples (a 1-sequence
+    # prefill in a 64-row bucket converted 64 rows of a 49k vocabulary: 1.2 ms on a CPU).
+    logits = model.logits(rows, rows=batch.num_rows[0] if data_shards == 1 else None,
+                          dtype=None)
+    guesses = None
+    if medusa is not None:
+        guesses = jax.lax.cond(
+            batch.propose, lambda: medusa_tokens(model.final_norm(rows), medusa),
+            lambda: jnp.zeros((rows.shape[0], medusa.lm_heads.shape[0], medusa.top),
+                              jnp.int32))
+    if features is not None:
+        features = write_features(features, new_features, batch.attn.slot_mapping, data_shards)
+    row_tokens = jnp.take_along_axis(input_ids.reshape(data_shards, -1),
+                                     batch.sample_index.reshape(data_shards, -1), 1)
+    return kv_caches, logits, expert_load, guesses, features, row_tokens.reshape(-1)
+
+
+def sample_step(logits: jax.Array, sampling: SamplingArrays, history: TokenHistory | None,
+                carry: jax.Array, num_rows: jax.Array, draft_probs: jax.Array | None,
+                row_tokens: jax.Array, *, layout: CarryLayout, verifies: bool = True
+                ) -> tuple[SampleOutput, jax.Array]:
+    """Sample one token per row; returns them also written into the `carry` (laid out as
+    `layout` says: its first rows, and with `layout.overlap` the acceptance of the step's
+    chains, `record_acceptance`, from the forward pass's `row_tokens`), where the next
+    step reads its PLACEHOLDER tokens.
+    `num_rows` (the batch's real rows per data shard) lets one shard's batch sample its
+    real rows only (under data parallelism each shard's rows are a block of their own:
+    all rows). `draft_probs` (BatchBuilder.sampled_drafts; else None): the distributions
+    the guesses in `carry` were drawn from, in their order. `verifies` False: a
+    bucket without drafts (no sequence of it moves back, none verifies)."""
+    drafts = None
+    if draft_probs is not None:
+        drafts = SampledDrafts(
+            carry[layout.guesses_end - draft_probs.shape[0]:layout.guesses_end],
+            draft_probs)
+    if verifies:
+        sampling = shift_sampling(sampling, carry, layout)
+    out = sample(logits, sampling, history, num_rows[0] if num_rows.shape[0] == 1 else None,
+                 drafts)
+    n = min(out.token_ids.shape[0], layout.guesses_end)
+    carry = carry.at[:n].set(out.token_ids[:n])
+    if layout.overlap:
+        carry = record_acceptance(carry, out.token_ids, row_tokens, sampling.group_drafts,
+                                  layout, verifies)
+    return out, carry
+
+
+def next_decode(batch: StepBatch, token_ids: jax.Array, page_size: int) -> StepBatch:
+    """The decode batch after `batch` (every sequence one token, row r of data shard d
+    sequence r of d, as BatchBuilder lays a batch without drafts out): each real row's
+    sample `token_ids[r]` as its sequence's token, one position later (its KV slot from
+    the page table, one more KV token), sampling the next output number."""
+    meta, s = batch.attn, batch.sampling
+    d, t, r = meta.num_seqs.shape[0], batch.input_ids.shape[0], token_ids.shape[0]
+    shard = jnp.arange(r) // (r // d)
+    real = jnp.arange(r) % (r // d) < batch.num_rows[shard]
+    token = jnp.where(real, shard * (t // d) + batch.sample_index, t)  # t: dropped
+    positions = batch.positions.at[token].add(1, mode="drop")
+    row_positions = positions[jnp.minimum(token, t - 1)]
+    slots = meta.slot_mapping.at[token].set(
+        position_slots(meta.page_indices, row_positions, page_size), mode="drop")
+    attn = dataclasses.replace(meta, slot_mapping=slots, kv_lens=meta.kv_lens + real)
+    sampling = dataclasses.replace(s, output_index=s.output_index + real)
+    return dataclasses.replace(
+        batch, input_ids=batch.input_ids.at[token].set(token_ids, mode="drop"),
+        positions=positions, attn=attn, sampling=sampling,
+        prev_index=jnp.full_like(batch.prev_index, -1))
+
+
+def decode_steps(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache,
+                 batch: StepBatch, carry: jax.Array, expert_load: jax.Array | None,
+                 num_steps: jax.Array, *, steps: int, layout: CarryLayout, page_size: int
+                 ) -> tuple[KVCache, SampleOutput, jax.Array, jax.Array | None]:
+    """`num_steps` (<= `steps`) decode steps of a batch of decoding sequences in one
+    program: each a forward pass and its sampling (`forward`, `sample_step`), the next
+    feeding each sequence its sample (`next_decode`). The host gives every sequence pages
+    for all of them and reads the tokens back once (Engine: `num_scheduler_steps`);
+    outputs are `[steps, R]` (step i's samples at i; those past `num_steps` zeros), the
+    last step's samples in `carry` as after one step."""
+    def one(kv, batch, prev, load):
+        inputs = dataclasses.replace(batch, sampling=None, history=None)
+        kv, logits, load, _, _, row_tokens = forward(
+            graphdef, params, kv, inputs, prev, load, layout=layout, page_size=page_size,
+            verifies=False)
+        out, prev = sample_step(logits, batch.sampling, None, prev, batch.num_rows, None,
+                                row_tokens, layout=layout, verifies=False)
+        return kv, out, prev, load
+
+    out = jax.eval_shape(one, kv_caches, batch, carry, expert_load)[1]
+    outs = jax.tree.map(lambda x: jnp.zeros((steps, *x.shape), x.dtype), out)
+
+    def step(i, state):
+        kv, batch, prev, load, outs = state
+        kv, out, prev, load = one(kv, batch, prev, load)
+        outs = jax.tree.map(lambda acc, x: acc.at[i].set(x), outs, out)
+        return kv, next_decode(batch, out.token_ids, page_size), prev, load, outs
+
+    kv_caches, _, carry, expert_load, outs = jax.lax.fori_loop(
+        0, num_steps, step, (kv_caches, batch, carry, expert_load, outs))
+    return kv_caches, outs, carry, expert_load
+
+
+def sampled_rows(hidden: jax.Array, sample_index: jax.Array, data_shards: int) -> jax.Array:
+    """The hidden states of the tokens the batch samples, `[R, hidden]`, taken within each
+    data shard's block of tokens (so no shard reads another's)."""
+    blocks = hidden.reshape(data_shards, -1, hidden.shape[-1])
+    index = sample_index.reshape(data_shards, -1)
+    return jnp.take_along_axis(blocks, index[:, :, None], axis=1).reshape(-1, hidden.shape[-1])
+
+
+class StepPrograms(NamedTuple):
+    """The jitted programs of a step: its `forward` pass (KV cache and logits, which stay
+    on the device), then `sample_step`. Every step runs both; a step whose sampling waits
+    for the host (penalties, grammars: see `Engine.step`) dispatches the second later.
+    `move` (`move_slots` per device) runs after a step whose trees accepted nodes outside
+    the slots of their positions.
+    (One program for both measured slower on a CPU: a 64-sequence bucket's prefill step
+    27-34 ms against 23 ms for the two, one decode step alike, and workload (b) of
+    benchmarks/offline_throughput.py 747-799 against 800-834 tokens/s, bf16.)"""
+
+    forward: dict[bool, Callable]  # by `verifies` (ModelRunner.programs)
+    sample: dict[bool, Callable]
+    move: Callable
+    steps: Callable | None = None  # `decode_steps` (None: one step per program)
+
+
+def on_param_leaves(graphdef: nnx.GraphDef, params, fn: Callable) -> Callable:
+    """`fn(graphdef, params, *args)` as a function of the parameters' flat list of leaves
+    (`jax.tree.leaves(params)`; `params` may be abstract): flattening an nnx.State on every
+    call costs the host ~1 µs per parameter."""
+    treedef = jax.tree.structure(params)
+    return lambda leaves, *args: fn(graphdef, jax.tree.unflatten(treedef, leaves), *args)
+
+
+def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: ShardingContext,
+                 layout: CarryLayout, page_size: int, features_from: tuple[int, ...] = (),
+                 medusa: MedusaHeads | None = None, max_decode_steps: int = 1) -> StepPrograms:
+    """The programs, jitted with fixed layouts in and out (params, KV cache and Medusa
+    heads as given, logits as the model leaves them, batch and samples replicated, an
+    EAGLE feature cache split as the pages are), so the donated caches and params never
+    reshard. They take the parameters as their flat list of leaves (`on_param_leaves`)."""
+    param_shardings = [x.sharding for x in jax.tree.leaves(params)]
+    replicated = shard.sharding(())
+    logits_sharding = shard.sharding(("seqs", "vocab"))
+    features = shard.sharding(FEATURE_AXES)
+    heads = jax.tree.map(lambda x: x.sharding, medusa) if medusa is not None else replicated
+    inputs = (param_shardings, cache_shardings, replicated, replicated, replicated, heads,
+              features)
+    slots = shard.rules.spec(("pages",))  # each data shard's moves, a block of its own
+    move = move_slots
+    if shard.mesh.size > 1:  # every device moves its own pages' slots of its own heads
+        specs = lambda tree: jax.tree.map(lambda x: x.spec, tree)  # noqa: E731
+        io = (specs(cache_shardings), features.spec if features_from else None)
+        move = jax.shard_map(move_slots, mesh=shard.mesh, check_vma=False,
+                             in_specs=(*io, slots, slots), out_specs=io)
+
+    def jitted(verifies: bool) -> tuple[Callable, Callable]:
+        step = functools.partial(forward, features_from=features_from, layout=layout,
+                                 page_size=page_size, verifies=verifies)
+        return (jax.jit(on_param_leaves(graphdef, params, step), donate_argnums=(1, 6),
+                        in_shardings=inputs,
+                        out_shardings=(cache_shardings, logits_sharding, replicated,
+                                       replicated, features, replicated)),
+                jax.jit(functools.partial(sample_step, layout=layout, verifies=verifies),
+                        in_shardings=(logits_sharding, replicated, replicated, replicated,
+                                      replicated, replicated, replicated),
+                        out_shardings=(replicated, replicated)))
+
+    verify = jitted(True)
+    plain = jitted(False) if layout.overlap else verify  # else `verifies` changes nothing
+    steps = None
+    if max_decode_steps > 1:
+        # XLA's loop-invariant code motion would hoist the embedding gather's widening of
+        # the whole bf16 table to float32 out of the loop: a copy of it every call
+        # (smollm2-135m: 113 MB; one step 21 ms instead of 9.5).
+        steps = jax.jit(
+            on_param_leaves(graphdef, params, functools.partial(
+                decode_steps, steps=max_decode_steps, layout=layout, page_size=page_size)),
+            donate_argnums=(1,), in_shardings=inputs[:3] + (replicated,) * 3,
+            out_shardings=(cache_shardings, replicated, replicated, replicated),
+            compiler_options={"xla_disable_hlo_passes": "while-loop-invariant-code-motion"})
+    return StepPrograms(
+        forward={False: plain[0], True: verify[0]}, sample={False: plain[1], True: verify[1]},
+        move=jax.jit(move, donate_argnums=(0, 1),
+                     in_shardings=(cache_shardings, features, replicated, replicated),
+                     out_shardings=(cache_shardings, features)),
+        steps=steps)
