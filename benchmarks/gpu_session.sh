@@ -15,7 +15,7 @@
 # Each step has a time limit (SIGINT, so pytest still prints what failed) and a log. The
 # Python packages the device's image lacks travel as wheels in .whl, and the 8B model's
 # tokenizer in .tok8b (both ignored by git, named in the call's carry): see
-# benchmarks/RESULTS.md "GPU bring-up" for the commands that make them.
+# benchmarks/history/2026-11-21-to-29.md "GPU bring-up" for the commands that make them.
 #   bash benchmarks/gpu_session.sh env kernels engine bench
 set -uo pipefail
 OUT=${OUT:-gpu-out}
