@@ -8,8 +8,8 @@ loaded from its ref directly (an int4 group as its low-nibble and high-nibble ha
 
 Split-K. A decode batch (one M block) over a narrow weight has few programs: Llama-3-8B's
 down projection [14336, 4096] is 32 N blocks for an H100's 132 SMs, and there the kernel
-ran at 0.46-0.88x the bf16 dot (benchmarks/RESULTS.md, "GPU bring-up on an H100"). When
-the (M, N) blocks are at most half the SMs, K's steps are divided into
+ran at 0.46-0.88x the bf16 dot (benchmarks/history/2026-11-21-to-29.md, "GPU bring-up on
+an H100"). When the (M, N) blocks are at most half the SMs, K's steps are divided into
 `ceil(132 / blocks)` contiguous ranges (never more than the steps), one program each,
 writing float32 partials that XLA sums; the sum is one pass over `splits x M x N` floats,
 small beside the weight. Not yet timed on a GPU.

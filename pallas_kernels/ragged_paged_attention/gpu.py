@@ -81,8 +81,8 @@ class Launch:
 
 # Launch choices per kind of work item and cache, measured on an H100 80GB HBM3 by
 # benchmarks/gpu_attention_sweep.py (2026-11-25, jax 0.11.2, Llama-3-8B layer shapes,
-# 16-token pages; benchmarks/RESULTS.md "GPU bring-up on an H100"). num_warps: 4 for tiles of
-# up to 32 query rows (every decode item), 8 above (default_num_warps).
+# 16-token pages; benchmarks/history/2026-11-21-to-29.md "GPU bring-up on an H100").
+# num_warps: 4 for tiles of up to 32 query rows (every decode item), 8 above (default_num_warps).
 #   decode, bf16 K/V   64 x 2048: 64-token tiles 0.318 ms (73% of the copy bandwidth);
 #                      128-token tiles 0.355; 3 stages 0.332
 #   decode, 8-bit K/V  64 x 2048: 4 stages 0.314 ms; 2 stages 0.400
