@@ -724,6 +724,26 @@ def kernel_impl(requested: str | None, platform_name: str) -> str | None:
     return requested
 
 
+def print_header(args: argparse.Namespace, impl: str | None, platform_name: str,
+                 bandwidth: float, flops_rate: float, flops_dtype, flops_by: str, iters: int,
+                 seconds: float) -> None:
+    on_cpu = platform_name == "cpu"
+    print(f"\n## kernels, {datetime.date.today().isoformat()}\n")
+    print(f"- machine: {machine()}")
+    cpu_note = ""
+    if impl == "cpu":
+        cpu_note = f" (native CPU kernels, {native.isa()} path)"
+    elif on_cpu and native.unavailable_reason():
+        cpu_note = f" — native CPU kernels unavailable: {native.unavailable_reason()}"
+    print(f"- jax {jax.__version__}, backend {platform_name}, kernel impl: "
+          f"{impl or 'none (reference only)'}{cpu_note}")
+    print(f"- measured memory bandwidth: {bandwidth / 1e9:.1f} GB/s; matmul rate: "
+          f"{flops_rate / 1e9:.1f} GFLOP/s ({jnp.dtype(flops_dtype).name}; the faster of "
+          f"{flops_by} GFLOP/s)")
+    print(f"- shapes: {'full' if args.full or not on_cpu else 'CPU default (reduced; --full for all)'}; "
+          f"median of {iters} calls; total {seconds:.0f} s\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true", help="the full shape set on CPU too")
@@ -759,20 +779,8 @@ def main() -> None:
     dense = dense_rows(impl, bandwidth, iters) if "dense" in sections else []
     moe = moe_rows(on_cpu, args.full, impl, bandwidth, iters) if "moe" in sections else []
 
-    print(f"\n## kernels, {datetime.date.today().isoformat()}\n")
-    print(f"- machine: {machine()}")
-    cpu_note = ""
-    if impl == "cpu":
-        cpu_note = f" (native CPU kernels, {native.isa()} path)"
-    elif on_cpu and native.unavailable_reason():
-        cpu_note = f" — native CPU kernels unavailable: {native.unavailable_reason()}"
-    print(f"- jax {jax.__version__}, backend {platform_name}, kernel impl: "
-          f"{impl or 'none (reference only)'}{cpu_note}")
-    print(f"- measured memory bandwidth: {bandwidth / 1e9:.1f} GB/s; matmul rate: "
-          f"{flops_rate / 1e9:.1f} GFLOP/s ({jnp.dtype(flops_dtype).name}; the faster of "
-          f"{flops_by} GFLOP/s)")
-    print(f"- shapes: {'full' if args.full or not on_cpu else 'CPU default (reduced; --full for all)'}; "
-          f"median of {iters} calls; total {time.perf_counter() - start:.0f} s\n")
+    print_header(args, impl, platform_name, bandwidth, flops_rate, flops_dtype, flops_by, iters,
+                 time.perf_counter() - start)
     for rows, title, table in (
             (attention, "ragged paged attention (Llama-3-8B layer: 32 q / 8 kv heads, "
                         "head_dim 128, bf16)", attention_table),

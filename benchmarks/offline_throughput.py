@@ -325,7 +325,7 @@ def target_lines(rounds: list[dict], peer_runs: dict[str, list[dict]],
     return lines
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="configs/models/smollm2-135m.yaml")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -347,10 +347,33 @@ def main() -> None:
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
-    # Malloc on transparent huge pages, as under the `jaxserve` command (restarts this
-    # process once; jaxserve/huge_pages.py). The peers, started from here, inherit it.
-    restart_with_huge_pages()
+    return args
 
+
+@dataclasses.dataclass
+class Run:
+    """Everything one run of the benchmark measured (the table reads it)."""
+
+    cfg: ModelConfig
+    model_dir: Path
+    load_avg: float
+    warmup_s: float
+    num_compiled: int
+    flops: float
+    flops_by: str
+    weight_bytes: int
+    first_ttft: float
+    rounds: list[dict]
+    peer_runs: dict[str, list[dict]]
+    reasons: dict[str, str]
+    restarts: tuple[float, float] | None
+    b_floor_s: float
+    ttft_floor_ms: float
+
+
+def measure(args: argparse.Namespace) -> Run:
+    """Warm the engine up, then run the rounds (every peer and jaxserve's (a) and (b)),
+    then the restarts, and the floors at the measured rates."""
     model_dir = peers.checkpoint(args.preset)
     cfg = ModelConfig.from_file(model_dir)
     engine_cfg = EngineConfig(model=str(model_dir), dtype=args.dtype, max_model_len=512,
@@ -364,11 +387,10 @@ def main() -> None:
     warmup_s = time.perf_counter() - t0
 
     flops, flops_by = measure_matmul(jnp.float32 if args.dtype == "float32" else jnp.bfloat16)
-    itemsize = jnp.dtype(args.dtype).itemsize
     # Per decoded token every weight is read once, except that only one embedding row is
     # gathered (with tied embeddings the lm_head reads the whole table anyway).
-    weight_bytes = (cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)) * itemsize
     matmul_params = cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+    weight_bytes = matmul_params * jnp.dtype(args.dtype).itemsize
 
     load_avg = os.getloadavg()[0]  # other work on the machine skews every number below
     rng = np.random.default_rng(0)
@@ -407,23 +429,27 @@ def main() -> None:
 
     # Compute floor for (b): 2 FLOPs per weight per token, prefill + decode (attention
     # adds < 5% at these lengths and is left out, which makes the floor lower, not higher).
-    b_tokens = 64 * (128 + 128)
-    b_floor_s = 2 * matmul_params * b_tokens / flops
+    b_floor_s = 2 * matmul_params * 64 * (128 + 128) / flops
     # Compute floor for (a)'s TTFT: every prompt token through the layers, the LM head on
     # the last one only. Against one decode step it says whether "TTFT <= 3x a step" is
     # reachable at this machine's matmul rate.
     head_params = cfg.vocab_size * cfg.hidden_size
     ttft_floor_ms = 1e3 * 2 * ((matmul_params - head_params) * len(prompt_a) + head_params) / flops
+    return Run(cfg, model_dir, load_avg, warmup_s, num_compiled, flops, flops_by, weight_bytes,
+               first_ttft, rounds, peer_runs, reasons, restarts, b_floor_s, ttft_floor_ms)
+
+
+def table_rows(args: argparse.Namespace, m: Run) -> list[tuple[str, str]]:
+    rounds, cfg = m.rounds, m.cfg
     a_col = lambda key, scale=1.0: [r["a"][key] * scale for r in rounds]  # noqa: E731
     b_col = lambda key: [r["b"][key] for r in rounds]  # noqa: E731
-
     rows = [
-        ("machine", f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}, {jax.devices()[0].platform}, load average {load_avg:.1f} at start"),
+        ("machine", f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__}, {jax.devices()[0].platform}, load average {m.load_avg:.1f} at start"),
         ("model", f"{os.path.basename(args.preset)} shape, random weights, {cfg.num_params() / 1e6:.1f}M params, {args.dtype}"),
-        ("checkpoint (all systems)", str(model_dir)),
+        ("checkpoint (all systems)", str(m.model_dir)),
         ("memory (all systems)", f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r} "
                                  f"(huge pages: {huge_page_mode()})"),
-        ("warm-up (load + compile all buckets)", f"{warmup_s:.1f} s, {num_compiled} programs"),
+        ("warm-up (load + compile all buckets)", f"{m.warmup_s:.1f} s, {m.num_compiled} programs"),
         ("decode steps per program (num_scheduler_steps)", str(args.num_scheduler_steps)),
         ("rounds (transformers, jaxserve (b), (a), llama.cpp, vLLM)",
          f"{args.rounds}: medians, then each round's value"),
@@ -432,46 +458,56 @@ def main() -> None:
         ("vCPU placement before / after (a) (round trip, 2 threads' FP rate / 1's)",
          " | ".join(" / ".join(map(placement_text, r["placements"])) for r in rounds)
          + " by round"),
-        ("measured matmul rate", f"{flops / 1e9:.1f} GFLOP/s ({args.dtype}; the faster of "
-                                 f"{flops_by} GFLOP/s)"),
+        ("measured matmul rate", f"{m.flops / 1e9:.1f} GFLOP/s ({args.dtype}; the faster of "
+                                 f"{m.flops_by} GFLOP/s)"),
         ("(a) TTFT (median of 3 per round)", spread(a_col("ttft_s", 1e3), "{:.1f}", " ms")),
         ("(a) TTFT / one decode step", spread(ttft_ratios(rounds), unit="x")),
-        ("(a) TTFT compute floor", f"{ttft_floor_ms:.1f} ms at the measured matmul rate; TTFT "
-         + spread([r["a"]["ttft_s"] * 1e3 / ttft_floor_ms for r in rounds], unit="x") + " it"),
-        ("(a) TTFT of the first request after warm-up", f"{first_ttft * 1e3:.1f} ms"),
+        ("(a) TTFT compute floor", f"{m.ttft_floor_ms:.1f} ms at the measured matmul rate; TTFT "
+         + spread([r["a"]["ttft_s"] * 1e3 / m.ttft_floor_ms for r in rounds], unit="x") + " it"),
+        ("(a) TTFT of the first request after warm-up", f"{m.first_ttft * 1e3:.1f} ms"),
         ("(a) ms per output token", spread(a_col("tpot_ms"), unit=" ms")),
         ("(a) bandwidth floor per token", spread([r["decode_floor_ms"] for r in rounds], unit=" ms")
-         + f" ({weight_bytes / 1e6:.0f} MB of weights)"),
+         + f" ({m.weight_bytes / 1e6:.0f} MB of weights)"),
         ("(a) ratio to floor", spread(floor_ratios(rounds), unit="x")),
         ("(a) output tokens/s", spread(a_col("tokens_per_s"), "{:.1f}")),
         ("(b) mean TTFT", spread(b_col("ttft_s"), unit=" s")),
         ("(b) total time", spread(b_col("total_s"), unit=" s")),
         ("(b) output tokens/s", spread(b_col("tokens_per_s"), "{:.1f}")),
-        ("(b) compute floor", f"{b_floor_s:.2f} s, ratio "
-         + spread([t / b_floor_s for t in b_col("total_s")], unit="x")),
+        ("(b) compute floor", f"{m.b_floor_s:.2f} s, ratio "
+         + spread([t / m.b_floor_s for t in b_col("total_s")], unit="x")),
         ("(b) steps queued behind a running step",
          " / ".join(f"{r['b_overlapped']} of {r['b_steps']}" for r in rounds)
          + (" (--sync)" if args.sync else "")),
     ]
-    if restarts is not None:
+    if m.restarts is not None:
         rows.append(("`jaxserve serve` to SERVING, cold / warm cache",
-                     f"{restarts[0]:.1f} s / {restarts[1]:.1f} s"))
+                     f"{m.restarts[0]:.1f} s / {m.restarts[1]:.1f} s"))
     for name, _, _ in PEERS:
-        rows += peer_rows(name, peer_runs[name], reasons.get(name), rounds)
+        rows += peer_rows(name, m.peer_runs[name], m.reasons.get(name), rounds)
+    return rows
+
+
+def main() -> None:
+    args = parse_args()
+    # Malloc on transparent huge pages, as under the `jaxserve` command (restarts this
+    # process once; jaxserve/huge_pages.py). The peers, started from here, inherit it.
+    restart_with_huge_pages()
+    m = measure(args)
+    rows = table_rows(args, m)
     width = max(len(k) for k, _ in rows)
     print(f"\noffline throughput, {datetime.date.today().isoformat()}")
     print(f"| {'metric'.ljust(width)} | value |\n|{'-' * (width + 2)}|-------|")
     for k, v in rows:
         print(f"| {k.ljust(width)} | {v} |")
     print(f"\nissue 17's targets ({args.dtype}; medians of the per-round ratios):")
-    print("\n".join(target_lines(rounds, peer_runs, restarts)))
+    print("\n".join(target_lines(m.rounds, m.peer_runs, m.restarts)))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rounds": rounds, "first_request_ttft_s": first_ttft,
-                       "peers": {k: {"runs": v, "reason": reasons.get(k)} for k, v in peer_runs.items()},
-                       "flops": flops, "b_floor_s": b_floor_s, "ttft_floor_ms": ttft_floor_ms,
-                       "restarts_s": restarts}, f, indent=2)
-
+            json.dump({"rounds": m.rounds, "first_request_ttft_s": m.first_ttft,
+                       "peers": {k: {"runs": v, "reason": m.reasons.get(k)}
+                                 for k, v in m.peer_runs.items()},
+                       "flops": m.flops, "b_floor_s": m.b_floor_s,
+                       "ttft_floor_ms": m.ttft_floor_ms, "restarts_s": m.restarts}, f, indent=2)
 
 if __name__ == "__main__":
     main()

@@ -288,6 +288,24 @@ def run(llm: LLM, prompts: list[str], batch: int, tokens: int, temperature: floa
             "steps": llm.engine.num_steps - steps_before}
 
 
+def speculative_configs(k: int, draft_dir, eagle_dirs: dict, medusa_dir) -> dict[str, dict]:
+    """Every speculation the benchmark times, by name, as `speculative_config`s."""
+    ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
+             "prompt_lookup_max": 4}
+    tree = {"speculative_token_tree": [p for p in TREE if len(p) <= k]}
+    draft = {"model": str(draft_dir), "num_speculative_tokens": k}
+    eagle = {v: {"method": "eagle" if v == 1 else "eagle3", "model": str(path),
+                 "num_speculative_tokens": k} for v, path in eagle_dirs.items()}
+    medusa = {"method": "medusa", "model": str(medusa_dir), "num_speculative_tokens": k}
+    return {"n-gram": ngram, "n-gram, never disabled": {**ngram, "disable_by_batch_size": None},
+            "draft model": draft,
+            "draft model, never disabled": {**draft, "disable_by_batch_size": None},
+            "draft model, greedy drafts": {**draft, "sampled_drafts": False},
+            "EAGLE-1": eagle.get(1), "EAGLE-1 tree": {**eagle.get(1, {}), **tree},
+            "EAGLE-1, greedy drafts": {**eagle.get(1, {}), "sampled_drafts": False},
+            "EAGLE-3": eagle.get(3), "Medusa": medusa, "Medusa tree": {**medusa, **tree}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -320,20 +338,7 @@ def main() -> None:
           f"tokens per request, k = {args.k}\n")
     engine = dict(dtype="float32", max_model_len=1024, page_size=16, max_num_seqs=16,
                   max_num_batched_tokens=512, kv_cache_memory_gib=0.5)
-    ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
-             "prompt_lookup_max": 4}
-    tree = {"speculative_token_tree": [p for p in TREE if len(p) <= args.k]}
-    draft = {"model": str(draft_dir), "num_speculative_tokens": args.k}
-    eagle = {v: {"method": "eagle" if v == 1 else "eagle3", "model": str(path),
-                 "num_speculative_tokens": args.k} for v, path in eagle_dirs.items()}
-    medusa = {"method": "medusa", "model": str(medusa_dir), "num_speculative_tokens": args.k}
-    configs = {"n-gram": ngram, "n-gram, never disabled": {**ngram, "disable_by_batch_size": None},
-               "draft model": draft,
-               "draft model, never disabled": {**draft, "disable_by_batch_size": None},
-               "draft model, greedy drafts": {**draft, "sampled_drafts": False},
-               "EAGLE-1": eagle.get(1), "EAGLE-1 tree": {**eagle.get(1, {}), **tree},
-               "EAGLE-1, greedy drafts": {**eagle.get(1, {}), "sampled_drafts": False},
-               "EAGLE-3": eagle.get(3), "Medusa": medusa, "Medusa tree": {**medusa, **tree}}
+    configs = speculative_configs(args.k, draft_dir, eagle_dirs, medusa_dir)
     rng = random.Random(1)
     loads = workloads(max(args.requests, 64), rng)
     builds = {"off": functools.partial(LLM, str(model_dir), **engine)}

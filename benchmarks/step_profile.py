@@ -167,25 +167,8 @@ def sampler_time(cfg: ModelConfig, batch, dtype) -> float:
     return median_s(lambda: jax.block_until_ready(fn(logits, p)))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="configs/models/smollm2-135m.yaml")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--skip-torch", action="store_true")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    restart_with_huge_pages()  # malloc as under the `jaxserve` command
-    cfg = ModelConfig.from_file(args.preset)
-    dtype = jnp.dtype(args.dtype)
-    engine_cfg = EngineConfig(dtype=args.dtype, max_model_len=512, page_size=16,
-                              max_num_seqs=64, max_num_batched_tokens=512,
-                              token_buckets=(1, 64, 512), enable_prefix_caching=False,
-                              async_scheduling=False)
-    engine = Engine.from_config(engine_cfg, random_weights_preset=args.preset)
-    engine.warmup(progress=False)
-
-    # Workload (b), recording each step's bucket, batch and wall time.
+def run_workload_b(engine: Engine, cfg: ModelConfig) -> tuple[list[dict], float]:
+    """Workload (b), recording each step's bucket, batch and wall time; the run's time."""
     runner, steps = engine.runner, []
     dispatch = runner.dispatch
 
@@ -205,32 +188,60 @@ def main() -> None:
         now = time.perf_counter()
         steps[-1]["s"] = now - last
         last = now
-    total = time.perf_counter() - start
     runner.dispatch = dispatch
+    return steps, time.perf_counter() - start
 
-    counts = collections.Counter(s["key"] for s in steps)
+
+def bucket_parts(cfg: ModelConfig, engine: Engine, key, steps: list[dict], dtype,
+                 skip_torch: bool) -> tuple[dict, int, int]:
+    """One bucket's median step against its parts, timed alone on its first real batch;
+    and that batch's real tokens and sequences."""
+    t, s = key.tokens, key.seqs
+    batch = next(x["batch"] for x in steps if x["key"] == key and x.get("s"))
+    real_seqs = int(batch.num_rows[0])
+    real_tokens = int(batch.attn.cu_q_lens[int(batch.attn.num_seqs[0])])
+    step_s = float(np.median([x["s"] for x in steps if x["key"] == key]))
+    part = dict(steps=sum(x["key"] == key for x in steps), step_s=step_s,
+                matmuls_engine_s=matmul_chain(cfg, t, s, real_tokens, real_seqs, dtype, True),
+                matmuls_xla_s=matmul_chain(cfg, t, s, real_tokens, real_seqs, dtype, False),
+                matmuls_torch_s=(float("nan") if skip_torch
+                                 else torch_matmuls(cfg, t, s, jnp.dtype(dtype).name)),
+                attention_s=attention_time(cfg, engine, batch, dtype),
+                sampler_s=sampler_time(cfg, batch, dtype))
+    part["rest_s"] = step_s - part["matmuls_engine_s"] - part["attention_s"] - part["sampler_s"]
+    return part, real_tokens, real_seqs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="configs/models/smollm2-135m.yaml")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--skip-torch", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    restart_with_huge_pages()  # malloc as under the `jaxserve` command
+    cfg = ModelConfig.from_file(args.preset)
+    dtype = jnp.dtype(args.dtype)
+    engine_cfg = EngineConfig(dtype=args.dtype, max_model_len=512, page_size=16,
+                              max_num_seqs=64, max_num_batched_tokens=512,
+                              token_buckets=(1, 64, 512), enable_prefix_caching=False,
+                              async_scheduling=False)
+    engine = Engine.from_config(engine_cfg, random_weights_preset=args.preset)
+    engine.warmup(progress=False)
+    steps, total = run_workload_b(engine, cfg)
+
     rows, floors, parts = [], collections.Counter(), {}
-    for key, n in sorted(counts.items()):
-        t, s = key.tokens, key.seqs
-        batch = next(x["batch"] for x in steps if x["key"] == key and x.get("s"))
-        real_seqs = int(batch.num_rows[0])
-        real_tokens = int(batch.attn.cu_q_lens[int(batch.attn.num_seqs[0])])
-        step_s = float(np.median([x["s"] for x in steps if x["key"] == key]))
-        part = dict(steps=n, step_s=step_s,
-                    matmuls_engine_s=matmul_chain(cfg, t, s, real_tokens, real_seqs, dtype, True),
-                    matmuls_xla_s=matmul_chain(cfg, t, s, real_tokens, real_seqs, dtype, False),
-                    matmuls_torch_s=(float("nan") if args.skip_torch
-                                     else torch_matmuls(cfg, t, s, args.dtype)),
-                    attention_s=attention_time(cfg, engine, batch, dtype),
-                    sampler_s=sampler_time(cfg, batch, dtype))
-        part["rest_s"] = step_s - part["matmuls_engine_s"] - part["attention_s"] - part["sampler_s"]
+    for key, n in sorted(collections.Counter(s["key"] for s in steps).items()):
+        part, real_tokens, real_seqs = bucket_parts(cfg, engine, key, steps, dtype,
+                                                    args.skip_torch)
         for name in ("step_s", "matmuls_engine_s", "matmuls_xla_s", "matmuls_torch_s"):
             floors[name] += n * part[name]
         parts[str(tuple(key))] = part
-        rows.append([f"T={t}, S={s} ({real_tokens} tokens, {real_seqs} seqs)", str(n)]
-                    + [ms(part[name]) for name in
-                       ("step_s", "matmuls_engine_s", "matmuls_xla_s", "matmuls_torch_s",
-                        "attention_s", "sampler_s", "rest_s")])
+        rows.append([f"T={key.tokens}, S={key.seqs} ({real_tokens} tokens, {real_seqs} seqs)",
+                     str(n)] + [ms(part[name]) for name in
+                                ("step_s", "matmuls_engine_s", "matmuls_xla_s", "matmuls_torch_s",
+                                 "attention_s", "sampler_s", "rest_s")])
 
     print(f"\nstep profile, {datetime.date.today().isoformat()}: {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores, jax {jax.__version__} ({jax.devices()[0].platform}), "

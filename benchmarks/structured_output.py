@@ -78,11 +78,25 @@ def timed(fn, *args):
 
 
 def grammar_engines(model_dir: Path, vocab_size: int, eos: int) -> list[dict]:
-    tokenizer_json = (model_dir / "tokenizer.json").read_text()
-    rows = []
+    """llguidance's (ours) and xgrammar's (where installed) costs on the same schema and
+    document: tokenizer set-up, compile, a mask row, 64 rows."""
+    row, ids = llguidance_row(model_dir, vocab_size, eos)
+    rows = [row]
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        rows.append(dict(engine="xgrammar: not installed (pip install xgrammar)"))
+        return rows
+    rows.append(xgrammar_row(model_dir, vocab_size, eos, ids))
+    return rows
+
+
+def llguidance_row(model_dir: Path, vocab_size: int, eos: int) -> tuple[dict, list[int]]:
+    """llguidance's row, and the document's token ids (both engines run through them)."""
     import llguidance
     import llguidance.numpy as lnp
 
+    tokenizer_json = (model_dir / "tokenizer.json").read_text()
     tok, t_tok = timed(lambda: llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                                       eos_token=eos))
     grammar = llguidance.LLMatcher.grammar_from_json_schema(
@@ -105,17 +119,16 @@ def grammar_engines(model_dir: Path, vocab_size: int, eos: int) -> list[dict]:
         batch.append(dt)
         for m in matchers:
             m.consume_token(t)
-    rows.append(dict(engine=f"llguidance {importlib.metadata.version('llguidance')}",
-                     tokenizer_s=t_tok,
-                     compile_ms=1e3 * t_compile, mask_us=1e6 * np.mean(per_token),
-                     p99_us=1e6 * np.percentile(per_token, 99), rows64_ms=1e3 * np.mean(batch),
-                     tokens=len(ids)))
-    try:
-        import xgrammar as xgr
-        from transformers import PreTrainedTokenizerFast
-    except ImportError:
-        rows.append(dict(engine="xgrammar: not installed (pip install xgrammar)"))
-        return rows
+    return dict(engine=f"llguidance {importlib.metadata.version('llguidance')}",
+                tokenizer_s=t_tok, compile_ms=1e3 * t_compile, mask_us=1e6 * np.mean(per_token),
+                p99_us=1e6 * np.percentile(per_token, 99), rows64_ms=1e3 * np.mean(batch),
+                tokens=len(ids)), ids
+
+
+def xgrammar_row(model_dir: Path, vocab_size: int, eos: int, ids: list[int]) -> dict:
+    import xgrammar as xgr
+    from transformers import PreTrainedTokenizerFast
+
     hf = PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"))
     info, t_tok = timed(lambda: xgr.TokenizerInfo.from_huggingface(
         hf, vocab_size=vocab_size, stop_token_ids=[eos]))
@@ -138,11 +151,10 @@ def grammar_engines(model_dir: Path, vocab_size: int, eos: int) -> list[dict]:
         batch.append(time.perf_counter() - start)
         for m in matchers:
             m.accept_token(t)
-    rows.append(dict(engine=f"xgrammar {importlib.metadata.version('xgrammar')}", tokenizer_s=t_tok,
-                     compile_ms=1e3 * t_compile, mask_us=1e6 * np.mean(per_token),
-                     p99_us=1e6 * np.percentile(per_token, 99),
-                     rows64_ms=1e3 * np.mean(batch), tokens=len(ids)))
-    return rows
+    return dict(engine=f"xgrammar {importlib.metadata.version('xgrammar')}", tokenizer_s=t_tok,
+                compile_ms=1e3 * t_compile, mask_us=1e6 * np.mean(per_token),
+                p99_us=1e6 * np.percentile(per_token, 99),
+                rows64_ms=1e3 * np.mean(batch), tokens=len(ids))
 
 
 def device_mask_cost(llm: LLM, num_seqs: int) -> tuple[float, float]:

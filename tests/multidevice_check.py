@@ -71,6 +71,27 @@ def main(model_dir: str, out_path: str, moe_dir: str | None = None) -> None:
     rng = np.random.default_rng(1234)
     prompts = [rng.integers(3, 320, size=n).tolist() for n in (5, 17, 30, 43)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
+    results = sharded_runs(model_dir, prompts, params)
+    results.update(speculative_runs(model_dir, prompts, params, results))
+    # A checkpoint converted on 4 devices (each KV head stored twice) holds one copy of each
+    # head: served on 1 device and on 8 (4 copies) it gives the int8 tokens.
+    cfg = ModelConfig.from_file(model_dir)
+    out = Path(tempfile.mkdtemp()) / "converted"
+    convert(model_dir, out, "float32", "int8",
+            model_sharding(make_mesh({"model": 4}), "tp", cfg))
+    for mesh in (None, {"model": 8}):
+        llm = LLM(str(out), mesh=mesh, **ENGINE)
+        results[f"converted {json.dumps(mesh)}"] = {
+            "tokens": [o.outputs[0].token_ids for o in llm.generate(prompts, params)]}
+    if moe_dir:
+        results.update(moe_runs(moe_dir, prompts, params))
+    with open(out_path, "w") as f:
+        json.dump(results, f)
+
+
+def sharded_runs(model_dir: str, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """Each mesh and strategy of RUNS: tokens, grammar-constrained texts, logprobs, and
+    what the compiled step and the placed arrays look like."""
     # Grammar masks on a sharded step: a regex, a JSON Schema, and a free request beside.
     schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99}},
               "required": ["n"], "additionalProperties": False}
@@ -108,11 +129,17 @@ def main(model_dir: str, out_path: str, moe_dir: str | None = None) -> None:
             "compiles_after_warmup": runner.compiles_after_warmup,
             "multi_steps": llm.engine.num_multi_steps,
         }
-    # Speculative decoding: drafts of the one-device tokens (every third proposal spoiled)
-    # verified in the sharded step, under TP, DP+TP and TP with int8 weights; and the
-    # target drafting for itself (a draft model sharded as the target).
+    return results
+
+
+def speculative_runs(model_dir: str, prompts: list[list[int]], params: SamplingParams,
+                     results: dict) -> dict:
+    """Speculative decoding: drafts of the one-device tokens (every third proposal spoiled)
+    verified in the sharded step, under TP, DP+TP and TP with int8 weights; and the target
+    drafting for itself (a draft model sharded as the target), Medusa and EAGLE heads."""
     medusa_dir = repeat_token_medusa_heads(model_dir)
     eagle_dir = repeat_token_eagle_head(model_dir)
+    out = {}
     for mesh, strategy, extra, suffix in SPEC_RUNS:
         words = suffix.split()
         method = next((m for m in ("draft", "medusa", "eagle") if m in words), "ngram")
@@ -133,7 +160,7 @@ def main(model_dir: str, out_path: str, moe_dir: str | None = None) -> None:
                 llm.engine.speculator.config.speculative_token_tree, spoil=3)
         moved = count_moves(llm.engine.runner)
         stats = llm.engine.speculator.stats
-        results[f"speculative {json.dumps(mesh)} {strategy}{suffix}"] = {
+        out[f"speculative {json.dumps(mesh)} {strategy}{suffix}"] = {
             "tokens": [o.outputs[0].token_ids for o in llm.generate(prompts, params)],
             "proposed": stats.num_proposed, "accepted": stats.num_accepted,
             "medusa_lm_head_shard_shape": list(
@@ -141,33 +168,26 @@ def main(model_dir: str, out_path: str, moe_dir: str | None = None) -> None:
             if method == "medusa" else None,
             "moved": moved[0], "leaked_pages": llm.engine.scheduler.num_used_pages,
             "compiles_after_warmup": llm.engine.runner.compiles_after_warmup}
-    # A checkpoint converted on 4 devices (each KV head stored twice) holds one copy of each
-    # head: served on 1 device and on 8 (4 copies) it gives the int8 tokens.
-    cfg = ModelConfig.from_file(model_dir)
-    out = Path(tempfile.mkdtemp()) / "converted"
-    convert(model_dir, out, "float32", "int8",
-            model_sharding(make_mesh({"model": 4}), "tp", cfg))
-    for mesh in (None, {"model": 8}):
-        llm = LLM(str(out), mesh=mesh, **ENGINE)
-        results[f"converted {json.dumps(mesh)}"] = {
-            "tokens": [o.outputs[0].token_ids for o in llm.generate(prompts, params)]}
-    if moe_dir:
-        # A mixture of experts (Qwen2-MoE: 8 experts, a shared expert, a dense layer): its
-        # experts split by MLP columns under tp, by whole experts under ep.
-        for mesh, strategy, extra, suffix in MOE_RUNS:
-            llm = LLM(moe_dir, mesh=mesh, sharding=strategy, **ENGINE, **extra)
-            runner = llm.engine.runner
-            hlo = runner.compiled(BucketKey(64, 4, False)).as_text()
-            moe = runner.params["layers"][0]["mlp"]
-            results[f"moe {json.dumps(mesh)} {strategy}{suffix}"] = {
-                "tokens": [o.outputs[0].token_ids for o in llm.generate(prompts, params)],
-                "leaked_pages": llm.engine.scheduler.num_used_pages,
-                "compiles_after_warmup": runner.compiles_after_warmup,
-                "all_gather_shapes": all_gather_shapes(hlo),
-                "expert_shard_shapes": [list(moe[name].value.addressable_shards[0].data.shape)
-                                        for name in ("gate_proj", "down_proj")]}
-    with open(out_path, "w") as f:
-        json.dump(results, f)
+    return out
+
+
+def moe_runs(moe_dir: str, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """A mixture of experts (Qwen2-MoE: 8 experts, a shared expert, a dense layer): its
+    experts split by MLP columns under tp, by whole experts under ep."""
+    out = {}
+    for mesh, strategy, extra, suffix in MOE_RUNS:
+        llm = LLM(moe_dir, mesh=mesh, sharding=strategy, **ENGINE, **extra)
+        runner = llm.engine.runner
+        hlo = runner.compiled(BucketKey(64, 4, False)).as_text()
+        moe = runner.params["layers"][0]["mlp"]
+        out[f"moe {json.dumps(mesh)} {strategy}{suffix}"] = {
+            "tokens": [o.outputs[0].token_ids for o in llm.generate(prompts, params)],
+            "leaked_pages": llm.engine.scheduler.num_used_pages,
+            "compiles_after_warmup": runner.compiles_after_warmup,
+            "all_gather_shapes": all_gather_shapes(hlo),
+            "expert_shard_shapes": [list(moe[name].value.addressable_shards[0].data.shape)
+                                    for name in ("gate_proj", "down_proj")]}
+    return out
 
 
 SPEC_RUNS = [({"model": 2}, "tp", {}, ""), ({"data": 2, "model": 2}, "dp+tp", {}, ""),

@@ -60,7 +60,8 @@ def speculating(llm: LLM, proposer=None, **config) -> SpeculationStats:
     engine = llm.engine
     engine.speculator = SpeculativeDecoding(SpeculativeConfig(**{**SPEC, **config}),
                                             engine.runner, engine.scheduler,
-                                            engine.max_model_len, proposer)
+                                            engine.max_model_len, engine.running_requests,
+                                            proposer)
     return engine.speculator.stats
 
 

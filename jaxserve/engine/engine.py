@@ -117,7 +117,8 @@ class Engine:
                                   model_config, kv_dtype, broadcaster, spec.medusa,
                                   spec.features_from, decode_steps)
         self.speculator = spec.speculator(config, self.runner, self.scheduler,
-                                          self.max_model_len, self._laid_out)
+                                          self.max_model_len, self.running_requests,
+                                          self._laid_out)
         self.grammars = (GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_token_ids)
                          if tokenizer is not None else None)
         self.masks = MaskFiller()
@@ -251,7 +252,7 @@ class Engine:
         """
         prev, self._inflight = self._inflight, None
         outputs = []
-        self.speculator.begin_step(self._running(), self.scheduler)
+        self.speculator.begin_step()
         if prev is not None and (not self.config.async_scheduling
                                  or self.speculator.collects_first(prev.schedule)):
             outputs, prev = self._collect(prev), None
@@ -297,7 +298,7 @@ class Engine:
                 allocator.reset_prefix_cache()
         return outputs
 
-    def _running(self) -> list[Request]:
+    def running_requests(self) -> list[Request]:
         """The running sequences' requests (not those finished or aborted meanwhile)."""
         return [req for seq in self.scheduler.running
                 if (req := self._requests.get(seq.request_id)) is not None]
@@ -313,7 +314,7 @@ class Engine:
         steps = self.runner.decode_steps
         if steps == 1 or self.scheduler.prefills_next:
             return 1
-        for req in self._running():
+        for req in self.running_requests():
             if req.samples_from_host:
                 return 1
             seq = req.seq
@@ -328,7 +329,7 @@ class Engine:
         when it is sampled apart); None if nothing to run. Its sampling seqs get a
         PLACEHOLDER for each token it may emit."""
         pending = prev.pending if prev is not None else None
-        drafts = self.speculator.propose(self._running(), self.scheduler, pending)
+        drafts = self.speculator.propose(pending)
         steps = self._decode_steps()
         schedule = self.scheduler.schedule(steps, drafts)
         if schedule.is_empty:

@@ -110,12 +110,13 @@ class SpeculativeModels:
         return CarryLayout(max_num_seqs, k, rows=max_num_seqs * (1 + k) if overlap else 0)
 
     def speculator(self, engine: EngineConfig, target: ModelRunner, scheduler: Scheduler,
-                   max_model_len: int, laid_out: Callable) -> Speculator:
-        """The method's Speculator over the engine's runner (`laid_out`: how the engine
-        lays out a model's parameters for its matmuls)."""
+                   max_model_len: int, running: Callable, laid_out: Callable) -> Speculator:
+        """The method's Speculator over the engine's runner (`running`: the running
+        requests; `laid_out`: how the engine lays out a model's parameters for its
+        matmuls)."""
         if self.config is None:
             return Speculator()
-        return SpeculativeDecoding(self.config, target, scheduler, max_model_len,
+        return SpeculativeDecoding(self.config, target, scheduler, max_model_len, running,
                                    self._proposer(engine, target, laid_out))
 
     def _proposer(self, engine: EngineConfig, target: ModelRunner, laid_out: Callable

@@ -29,6 +29,8 @@ import dataclasses
 import jax
 import numpy as np
 
+from collections.abc import Callable
+
 from jaxserve.config import SpeculativeConfig
 from jaxserve.engine.batch import StepBatch
 from jaxserve.engine.request import Request, Sequence, SequenceStatus
@@ -56,8 +58,8 @@ class Speculator:
     def recover(self) -> None:
         """After a failed step: drop what it left and remake the proposer's device state."""
 
-    def begin_step(self, requests: list[Request], scheduler: Scheduler) -> None:
-        """Before a step: decide whether it speculates (`requests`: the running ones)."""
+    def begin_step(self) -> None:
+        """Before a step: decide whether it speculates."""
 
     def collects_first(self, prev: SchedulerOutput) -> bool:
         """Whether the step in flight (`prev`) must be collected before the next one is
@@ -65,8 +67,8 @@ class Speculator:
         sequences it verified stand."""
         return False
 
-    def propose(self, requests: list[Request], scheduler: Scheduler,
-                pending: dict[Sequence, tuple[int, int]] | None) -> dict[Sequence, Drafts]:
+    def propose(self, pending: dict[Sequence, tuple[int, int]] | None
+                ) -> dict[Sequence, Drafts]:
         """Each running request's drafts for the coming step (`pending`: the step in
         flight's first row and drafts of each seq whose newest tokens it emits)."""
         return {}
@@ -124,12 +126,15 @@ class StepSpeculation:
 
 class SpeculativeDecoding(Speculator):
     """A speculative method over the engine's `target` runner and `scheduler`: `proposer`
-    (n-gram's by default) guesses, the target's steps verify."""
+    (n-gram's by default) guesses, the target's steps verify. `running` gives the running
+    sequences' requests (Engine.running_requests)."""
 
     def __init__(self, config: SpeculativeConfig, target: ModelRunner, scheduler: Scheduler,
-                 max_model_len: int, proposer: Proposer | None = None):
+                 max_model_len: int, running: Callable[[], list[Request]],
+                 proposer: Proposer | None = None):
         self.config = config
         self.target, self.scheduler, self.max_model_len = target, scheduler, max_model_len
+        self.running = running
         self.proposer = proposer or NgramProposer(config.prompt_lookup_min,
                                                   config.prompt_lookup_max)
         k = config.num_speculative_tokens
@@ -147,7 +152,7 @@ class SpeculativeDecoding(Speculator):
         self._moves = []
         self.proposer.recover()
 
-    def begin_step(self, requests: list[Request], scheduler: Scheduler) -> None:
+    def begin_step(self) -> None:
         """The policy: no speculation while the step is compute-bound, that is while more
         than `disable_by_batch_size` sequences run, or while it computes prompt tokens (a
         prompt's chunk makes a step compute-bound whatever the batch, and guessed tokens,
@@ -156,9 +161,9 @@ class SpeculativeDecoding(Speculator):
         running request samples from its tokens on the host."""
         limit = self.config.disable_by_batch_size
         self.active = self.stats.active = limit is None or (
-            scheduler.num_running <= limit and not scheduler.prefills_next)
+            self.scheduler.num_running <= limit and not self.scheduler.prefills_next)
         self.overlap = self.target.builder.layout.overlap and not any(
-            req.samples_from_host for req in requests)
+            req.samples_from_host for req in self.running())
 
     def collects_first(self, prev: SchedulerOutput) -> bool:
         return (self.active and not self.overlap) or self.holds_back(prev)
@@ -166,8 +171,8 @@ class SpeculativeDecoding(Speculator):
     def holds_back(self, schedule: SchedulerOutput) -> bool:
         return not self.overlap and any(s.drafts for s in schedule.scheduled)
 
-    def propose(self, requests: list[Request], scheduler: Scheduler,
-                pending: dict[Sequence, tuple[int, int]] | None) -> dict[Sequence, Drafts]:
+    def propose(self, pending: dict[Sequence, tuple[int, int]] | None
+                ) -> dict[Sequence, Drafts]:
         """Drafts for each decoding sequence, cut to the room it has left (drafts beyond
         room - 1 could never be emitted, nor a tree's nodes past room - 1 have a slot
         within max_model_len: its first room - 1 nodes are a tree too). Sequences with a
@@ -176,7 +181,7 @@ class SpeculativeDecoding(Speculator):
         if not self.active:
             return {}
         entries = []
-        for req in requests:
+        for req in self.running():
             seq = req.seq
             if (req.grammar is not None or not seq.params.speculative
                     or seq.num_tokens - seq.num_computed_tokens != 1):
@@ -186,8 +191,8 @@ class SpeculativeDecoding(Speculator):
             k = min(self.config.num_speculative_tokens, room - 1)
             if k > 0:
                 entries.append((seq, k, room))
-        proposals = self.proposer.propose_batch([(seq, k) for seq, k, _ in entries], scheduler,
-                                                pending)
+        proposals = self.proposer.propose_batch([(seq, k) for seq, k, _ in entries],
+                                                self.scheduler, pending)
         return {seq: drafts.cut(room - 1)
                 for (seq, _, room), drafts in zip(entries, proposals) if drafts}
 
