@@ -42,12 +42,12 @@ class SpeculativeConfig:
     guesses with its first `num_speculative_tokens` heads from the target's hidden state.
     "eagle" / "eagle3": `model`, an EAGLE-1 / EAGLE-3 head (config.json and weights),
     guesses `num_speculative_tokens` tokens from the target's features.
-    The step verifies the drafts as extra query tokens (engine/speculation.py).
+    The step verifies the drafts as extra query tokens (engine/speculative/).
     `speculative_token_tree` (Medusa and EAGLE; vLLM's, as a list or its string): the tree
     of candidates to verify instead of a chain, as paths of ranks, e.g. [[0], [1], [0, 0]]
     (the two most likely first tokens, and the most likely second token after the most
     likely first), every path's parent in it, at most 32 paths, none deeper than
-    `num_speculative_tokens` (engine/token_tree.py).
+    `num_speculative_tokens` (engine/speculative/drafts.py).
     Speculation stops while more than `disable_by_batch_size` sequences run, and in steps
     that compute prompt tokens (None: never): such steps are compute-bound, and guessed
     tokens only add work.

@@ -43,7 +43,7 @@ class StepBatch:
     attn: AttentionMetadata
     sampling: SamplingArrays
     # [T]: for a token whose id is still on the device (a PLACEHOLDER, sampled by the step
-    # before, or a draft a proposer left there), where in `prev_tokens` to read it
+    # before, or a draft a proposer left there), where in the carry to read it
     # (CarryLayout); else -1.
     prev_index: np.ndarray
     # [R]: the token (index within its data shard's block) each sampled row reads the

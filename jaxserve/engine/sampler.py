@@ -57,7 +57,7 @@ class SamplingArrays:
     # the drafts its pending step rejected: runner.resolve_pending); -1: none.
     shift_row: jax.Array
     # i32 [S]: at a sequence's first row, the drafts of its chain the rows after it verify
-    # (the step's acceptance is left on the device for the next step: batch.Carry); else 0.
+    # (the step's acceptance is left on the device for the next step: CarryLayout); else 0.
     group_drafts: jax.Array
 
 

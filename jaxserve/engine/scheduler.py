@@ -249,7 +249,7 @@ class Scheduler:
         """After a step verified `seq`'s drafts and its accepted tokens were appended: the
         tokens before its last one have K/V (the rejected drafts' slots are stale, to be
         overwritten), and the pages past its tokens go back to the pool. A tree's
-        `accepted` nodes (engine/token_tree.py) have theirs in their nodes' slots: returns
+        `accepted` nodes (speculative/drafts.py) have theirs in their nodes' slots: returns
         the (src, dst) slots of those outside the slots of their positions, for the caller
         to move there (ModelRunner.move) before any step reads them."""
         seq.num_computed_tokens = seq.num_tokens - 1
