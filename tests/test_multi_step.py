@@ -1,4 +1,4 @@
-"""Several decode steps in one program (`num_scheduler_steps`, runner.decode_steps).
+"""Several decode steps in one program (`num_scheduler_steps`, programs.decode_steps).
 
 The tokens, logprobs and finish reasons are those of one step per program (and greedy
 ones transformers' own), through stops mid-run, max_tokens and max_model_len, seeds,

@@ -40,7 +40,7 @@ def runs(checkpoints, tmp_path_factory):
                                   '{"data": 2, "model": 4} dp+tp multi-step'])
 def test_tensor_parallel_matches_one_device(runs, mesh):
     compare_runs(runs["null"], runs[mesh])
-    # Several decode steps per program (runner.decode_steps) ran on the mesh.
+    # Several decode steps per program (programs.decode_steps) ran on the mesh.
     assert (runs[mesh]["multi_steps"] > 0) == ("multi-step" in mesh)
 
 

@@ -169,7 +169,7 @@ class BatchBuilder:
 
     def decode_buckets(self) -> list[BucketKey]:
         """The buckets of batches of decoding sequences without drafts or history (those
-        that may run several decode steps in one program: runner.decode_steps)."""
+        that may run several decode steps in one program: programs.decode_steps)."""
         d = self.data_shards
         return sorted({self.bucket(s, False) for s in range(1, self.max_num_seqs // d + 1)})
 
@@ -189,7 +189,7 @@ class BatchBuilder:
         history = not self.draft_model and any(x.seq.params.uses_penalties
                                                for x in out.scheduled)
         # A seq whose pending step had drafts moves back by those rejected: only a bucket
-        # with drafts does that (runner.forward's `verifies`).
+        # with drafts does that (programs.forward's `verifies`).
         drafts = any(x.drafts or pending.get(x.seq, (0, 0))[1] for x in out.scheduled)
         key = self.bucket(max(tokens), history, drafts)
         batch = self.empty(key)

@@ -54,7 +54,7 @@ class SamplingArrays:
     # guess made for sure, which the row's own draw verifies).
     draft_index: jax.Array
     # i32 [S]: the row's sequence's `StepBatch.shift_row` (its output_index moves back by
-    # the drafts its pending step rejected: runner.resolve_pending); -1: none.
+    # the drafts its pending step rejected: device.resolve_pending); -1: none.
     shift_row: jax.Array
     # i32 [S]: at a sequence's first row, the drafts of its chain the rows after it verify
     # (the step's acceptance is left on the device for the next step: CarryLayout); else 0.

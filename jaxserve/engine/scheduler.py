@@ -221,7 +221,7 @@ class Scheduler:
 
         `steps` > 1 (the caller has checked that every running seq decodes, without
         drafts, and has room for that many more tokens): the step is that many decode
-        steps in one program (runner.decode_steps). Each running seq gets pages for all
+        steps in one program (programs.decode_steps). Each running seq gets pages for all
         of them and counts `steps` tokens computed; no waiting seq is admitted.
         """
         out = SchedulerOutput(scheduled=[], preempted=[], num_batched_tokens=0)

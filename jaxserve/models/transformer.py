@@ -204,7 +204,7 @@ class Transformer(nnx.Module):
                  ) -> tuple[jax.Array, KVCache]:
         """Hidden states `[T, hidden]` after the last block (before the final norm) and the
         new caches. With `router_stats` each MoE layer sows its `expert_tokens` (call it
-        under `nnx.capture(model, nnx.Intermediate)`, as runner.forward does)."""
+        under `nnx.capture(model, nnx.Intermediate)`, as programs.forward does)."""
         hidden, kv_caches, _ = self.run(input_ids, positions, kv_caches, meta, router_stats)
         return hidden, kv_caches
 
