@@ -379,7 +379,7 @@ class AsyncEngine:
         if stream.text is None:
             stream.text = OutputText(tokenizer, stream.prompt_token_ids, stream.params,
                                      self.engine.eos_token_ids)
-        with_text = stream.text.apply(out)
-        if with_text.finished and not out.finished:  # a stop string
+        finished_by_engine = out.finished
+        if stream.text.apply(out) and not finished_by_engine:  # a stop string
             self._inbox.put(("stopped", out.request_id, stream))
-        return with_text
+        return out

@@ -158,7 +158,7 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         check_params(params, self.model_config.vocab_size, self.tokenizer is not None)
-        token_ids = self.prompt_ids(prompt)
+        token_ids = self._prompt_ids(prompt)
         room = self.max_model_len - len(token_ids)
         if params.max_tokens is not None and params.max_tokens > room:
             raise ValueError(
@@ -176,7 +176,7 @@ class Engine:
         self.scheduler.add(seq)
         return token_ids
 
-    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """A prompt's token ids (a text prompt tokenized), checked to be non-empty, in the
         vocabulary and within max_model_len (ValueError)."""
         if isinstance(prompt, str):
@@ -212,8 +212,7 @@ class Engine:
         return EngineStatus(
             num_running=sched.num_running, num_waiting=sched.num_waiting,
             num_used_pages=sched.num_used_pages, num_pages=sched.num_pages,
-            prefix_queries=sum(a.prefix_queries for a in sched.allocators),
-            prefix_hits=sum(a.prefix_hits for a in sched.allocators),
+            prefix_queries=sched.prefix_queries, prefix_hits=sched.prefix_hits,
             num_preemptions=sched.num_preemptions, num_steps=self.num_steps,
             num_overlapped_steps=self.num_overlapped_steps,
             steps_in_flight=int(self._inflight is not None),
@@ -254,7 +253,7 @@ class Engine:
         outputs = []
         self.speculator.begin_step()
         if prev is not None and (not self.config.async_scheduling
-                                 or self.speculator.collects_first(prev.schedule)):
+                                 or self.speculator.collects_first(prev.speculation)):
             outputs, prev = self._collect(prev), None
         step = self._dispatch(prev)
         if prev is not None:
@@ -263,7 +262,7 @@ class Engine:
             return outputs
         if step.out is None:
             self._dispatch_sample(step)
-        if self.speculator.holds_back(step.schedule):
+        if self.speculator.holds_back(step.speculation):
             # Collected first: its pages join the prefix cache once its tokens are known.
             outputs += self._collect(step)
             self.scheduler.cache_pages(step.schedule)
@@ -404,26 +403,26 @@ class Engine:
         out_index = seq.num_known_tokens - seq.num_prompt_tokens  # this step's first
         finish = stop_reason = error = None
         outputs = seq.output_token_ids
+        tokens, logprobs = [], [] if params.logprobs is not None else None
         for index, i in enumerate(rows, out_index):
             token = int(sampled.token_ids[i])
             assert outputs[index] == PLACEHOLDER
             outputs[index] = token
-            req.pending.append(token)
-            if params.logprobs is not None:
-                req.pending_logprobs.append(token_logprobs(sampled, i, token, params.logprobs))
+            tokens.append(token)
+            if logprobs is not None:
+                logprobs.append(token_logprobs(sampled, i, token, params.logprobs))
             finish, stop_reason, error = req.check_stop(token, index + 1, self.eos_token_ids,
                                                         self.max_model_len)
             if finish is not None:
                 break
         out = StepOutput(
-            request_id=seq.request_id, new_token_ids=req.pending, new_text="",
-            new_logprobs=req.pending_logprobs if params.logprobs is not None else None,
-            finished=finish is not None, finish_reason=finish, stop_reason=stop_reason,
-            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
-            first_scheduled_at=seq.first_scheduled_at, error=error)
-        req.pending, req.pending_logprobs = [], []
+            request_id=seq.request_id, new_token_ids=tokens, new_text="",
+            new_logprobs=logprobs, finished=finish is not None, finish_reason=finish,
+            stop_reason=stop_reason, num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens, first_scheduled_at=seq.first_scheduled_at,
+            error=error)
         if req.text is not None:
-            out = req.text.apply(out)
+            req.text.apply(out)
         if out.finished:
             self.scheduler.finish(seq, out.finish_reason)
             del self._requests[seq.request_id]

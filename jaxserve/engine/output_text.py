@@ -10,7 +10,6 @@ the same either way.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 from jaxserve.loading.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -38,24 +37,25 @@ class OutputText:
         self.emitted = 0
         self.num_tokens = 0
 
-    def apply(self, out: StepOutput) -> StepOutput:
-        """`out`, one engine output of this request, with its text. A stop string found
-        in it ends the request there: the tokens (and logprobs) after the one that
-        completed it are dropped, and it is finished with that stop string (the caller
-        tells the engine to stop the request, if the engine has not ended it)."""
+    def apply(self, out: StepOutput) -> bool:
+        """Give `out`, one engine output of this request, its text (in place). A stop
+        string found in it ends the request there: the tokens (and logprobs) after the one
+        that completed it are dropped, and it is finished with that stop string. Returns
+        whether one did (the caller tells the engine to stop the request, if the engine has
+        not ended it)."""
         if not out.new_token_ids:
-            return out
-        new_text, stop, used = self.add(out.new_token_ids,
-                                        out.finish_reason if out.finished else None,
-                                        out.stop_reason)
-        logprobs = out.new_logprobs[:used] if out.new_logprobs is not None else None
-        if logprobs:
-            self.decode_logprobs(logprobs)
-        if stop is None:
-            return dataclasses.replace(out, new_text=new_text)
-        return dataclasses.replace(out, new_token_ids=out.new_token_ids[:used],
-                                   new_logprobs=logprobs, new_text=new_text, finished=True,
-                                   finish_reason="stop", stop_reason=stop, error=None)
+            return False
+        out.new_text, stop, used = self.add(out.new_token_ids,
+                                            out.finish_reason if out.finished else None,
+                                            out.stop_reason)
+        if stop is not None:
+            del out.new_token_ids[used:]
+            if out.new_logprobs is not None:
+                del out.new_logprobs[used:]
+            out.finished, out.finish_reason, out.stop_reason, out.error = True, "stop", stop, None
+        if out.new_logprobs:
+            self.decode_logprobs(out.new_logprobs)
+        return stop is not None
 
     def add(self, token_ids: Sequence[int], finish_reason: str | None,
             stop_reason: str | int | None = None) -> tuple[str, str | None, int]:

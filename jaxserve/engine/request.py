@@ -1,8 +1,8 @@
 """Host-side state of one request while the engine works on it.
 
 A `Sequence` is what the scheduler and the page allocator see: tokens, pages, progress.
-A `Request` is that sequence plus what the engine has returned of its output so far
-(its text, tokens not yet handed back) and the grammar its output keeps to.
+A `Request` is that sequence plus its output's text as returned so far and the grammar
+its output keeps to.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import enum
 import logging
 from typing import TYPE_CHECKING, Any
 
-from jaxserve.outputs import Logprob
 from jaxserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -95,14 +94,11 @@ class Sequence:
 class Request:
     """A sequence and its output as returned so far: `text` streams its text (None when
     the engine does not detokenize); `grammar` matches its output when it has
-    structured_outputs; `pending` holds token ids (and their logprobs) sampled but not
-    yet handed back."""
+    structured_outputs."""
 
     seq: Sequence
     text: OutputText | None = None
     grammar: llguidance.LLMatcher | None = None
-    pending: list[int] = dataclasses.field(default_factory=list)
-    pending_logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
 
     @property
     def max_tokens(self) -> int:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from jaxserve.engine.page_allocator import PageAllocator
 from jaxserve.engine.request import Sequence, SequenceStatus
-from jaxserve.engine.speculative.drafts import Drafts
+from jaxserve.engine.speculative.drafts import NO_DRAFTS, Drafts
 
 if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
@@ -96,7 +96,7 @@ class ScheduledSeq:
     steps: int = 1
     # Guessed tokens scheduled after the seq's last token (the chunk's last len(drafts)
     # tokens): the step samples a row for each and one more, rows `row...row + len(drafts)`.
-    drafts: Drafts = dataclasses.field(default_factory=Drafts)
+    drafts: Drafts = NO_DRAFTS
     row: int = -1  # its (first) row in the step's sampled outputs (BatchBuilder.build sets it)
 
     @property
@@ -173,9 +173,12 @@ class Scheduler:
         return sum(a.num_used_pages for a in self.allocators)
 
     @property
-    def prefix_hit_rate(self) -> float:
-        queries = sum(a.prefix_queries for a in self.allocators)
-        return sum(a.prefix_hits for a in self.allocators) / queries if queries else 0.0
+    def prefix_queries(self) -> int:
+        return sum(a.prefix_queries for a in self.allocators)
+
+    @property
+    def prefix_hits(self) -> int:
+        return sum(a.prefix_hits for a in self.allocators)
 
     # ---------------------------------------------------------------- lifecycle
 

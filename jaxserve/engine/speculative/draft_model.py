@@ -40,7 +40,7 @@ from jaxserve.engine.request import PLACEHOLDER, Sequence
 from jaxserve.engine.runner import ModelRunner
 from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.speculative.device import resolve_pending, shift_sampling, write_guesses
-from jaxserve.engine.speculative.drafts import Drafts
+from jaxserve.engine.speculative.drafts import NO_DRAFTS, Drafts
 from jaxserve.engine.speculative.proposers import DeviceProposer, first_round
 from jaxserve.engine.speculative.rounds import round_guesses, round_metadata
 from jaxserve.engine.speculative.state import state_of
@@ -121,7 +121,7 @@ class DraftModel(DeviceProposer):
         """Drafts for each (sequence, at most k) of the coming step: as PLACEHOLDERs, the
         guesses left on the device where the target's next step reads them (their
         `device_index` in the target runner's carry)."""
-        drafts = [Drafts() for _ in entries]
+        drafts = [NO_DRAFTS] * len(entries)
         # Rounds 2..k feed positions num_tokens.. (one at least: the verification takes
         # that page anyway).
         first, want = first_round(entries, scheduler, self.max_num_batched_tokens, lag=0,

@@ -26,12 +26,13 @@ import numpy as np
 from jaxserve.engine.request import PLACEHOLDER
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Drafts:
     """One sequence's drafts for a step: a chain, or a tree (`parents`). A proposer whose
     guesses stay on the device gives PLACEHOLDERs, and where each lies in the carry
     (`device_index`, CarryLayout.guess); the engine reads them back with the step's
-    samples (their ids fill the PLACEHOLDERs in place)."""
+    samples (their ids fill the PLACEHOLDERs in place). `NO_DRAFTS` is the empty one
+    every sequence without drafts shares."""
 
     tokens: list[int] = dataclasses.field(default_factory=list)
     parents: list[int] | None = None  # a tree's; None: a chain
@@ -53,9 +54,12 @@ class Drafts:
     def cut(self, n: int) -> Drafts:
         """The first `n` (a tree's first n nodes are a tree: parents come first)."""
         if n <= 0:
-            return Drafts()
+            return NO_DRAFTS
         return Drafts(self.tokens[:n], None if self.parents is None else self.parents[:n],
                       None if self.device_index is None else self.device_index[:n])
+
+
+NO_DRAFTS = Drafts()
 
 
 def chain(n: int) -> list[int]:

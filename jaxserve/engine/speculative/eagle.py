@@ -51,7 +51,7 @@ from jaxserve.engine.scheduler import Scheduler, SchedulerOutput
 from jaxserve.engine.slots import global_slots, position_slots
 from jaxserve.engine.speculative import drafts as trees
 from jaxserve.engine.speculative.device import write_guesses
-from jaxserve.engine.speculative.drafts import Drafts
+from jaxserve.engine.speculative.drafts import NO_DRAFTS, Drafts
 from jaxserve.engine.speculative.proposers import DeviceProposer, first_round
 from jaxserve.engine.speculative.rounds import round_guesses, round_metadata, seqs_as_tokens
 from jaxserve.models.eagle import EagleHead, embed
@@ -215,7 +215,7 @@ class EagleProposer(DeviceProposer):
         PLACEHOLDERs, the guesses left on the device where the target's next step reads
         them (their `device_index` in the runner's carry)."""
         shards = self.builder.data_shards
-        drafts = [Drafts() for _ in entries]
+        drafts = [NO_DRAFTS] * len(entries)
         # Pairs up to the newest token's predecessor (the newest has no features yet); a
         # tree's nodes take the slots after it, a chain's rounds k - 1 of them.
         ahead = (lambda k: len(self.tree) - 1) if self.tree else (lambda k: k - 1)

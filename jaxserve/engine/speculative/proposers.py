@@ -15,7 +15,7 @@ from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.request import Sequence
 from jaxserve.engine.scheduler import ScheduledSeq, Scheduler
 from jaxserve.engine.speculative import drafts as trees
-from jaxserve.engine.speculative.drafts import Drafts
+from jaxserve.engine.speculative.drafts import NO_DRAFTS, Drafts
 from jaxserve.engine.speculative.state import state_of
 
 if TYPE_CHECKING:
@@ -159,7 +159,7 @@ class MedusaProposer(Proposer):
         for seq, k in entries:
             made = state_of(seq).guesses
             if not made or made[0] != seq.num_tokens:
-                out.append(Drafts())
+                out.append(NO_DRAFTS)
                 continue
             guesses = made[1]  # [head][rank]
             if self.tree is None:

@@ -25,6 +25,7 @@ speculation: output j is drawn with the same key from the same distribution.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -61,10 +62,10 @@ class Speculator:
     def begin_step(self) -> None:
         """Before a step: decide whether it speculates."""
 
-    def collects_first(self, prev: SchedulerOutput) -> bool:
-        """Whether the step in flight (`prev`) must be collected before the next one is
-        scheduled: its tokens are needed on the host to propose, or to know where the
-        sequences it verified stand."""
+    def collects_first(self, prev) -> bool:
+        """Whether the step in flight (`prev`: its record, from `dispatching`) must be
+        collected before the next one is scheduled: its tokens are needed on the host to
+        propose, or to know where the sequences it verified stand."""
         return False
 
     def propose(self, pending: dict[Sequence, tuple[int, int]] | None
@@ -81,8 +82,9 @@ class Speculator:
     def dispatched(self, record, overlapped: bool) -> None:
         """After the runner started the step (`overlapped`: the one before is in flight)."""
 
-    def holds_back(self, schedule: SchedulerOutput) -> bool:
-        """Whether a dispatched step must be collected before `Engine.step` returns."""
+    def holds_back(self, record) -> bool:
+        """Whether a dispatched step (its record) must be collected before `Engine.step`
+        returns."""
         return False
 
     def read_back(self, record) -> None:
@@ -114,7 +116,7 @@ class StepSpeculation:
     guesses: jax.Array | np.ndarray | None = None
     propose: bool = False
 
-    @property
+    @functools.cached_property
     def verifies(self) -> bool:
         return any(s.drafts for s in self.schedule.scheduled)
 
@@ -165,11 +167,11 @@ class SpeculativeDecoding(Speculator):
         self.overlap = self.target.builder.layout.overlap and not any(
             req.samples_from_host for req in self.running())
 
-    def collects_first(self, prev: SchedulerOutput) -> bool:
+    def collects_first(self, prev: StepSpeculation) -> bool:
         return (self.active and not self.overlap) or self.holds_back(prev)
 
-    def holds_back(self, schedule: SchedulerOutput) -> bool:
-        return not self.overlap and any(s.drafts for s in schedule.scheduled)
+    def holds_back(self, record: StepSpeculation) -> bool:
+        return not self.overlap and record.verifies
 
     def propose(self, pending: dict[Sequence, tuple[int, int]] | None
                 ) -> dict[Sequence, Drafts]:
