@@ -22,17 +22,19 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 from typing import NamedTuple
 
 import jax
 import numpy as np
 
+from jaxserve.engine.persistent_batch import SAMPLING_COLUMNS, PersistentBatch
 from jaxserve.engine.request import PLACEHOLDER, Sequence
 from jaxserve.engine.sampler import SamplingArrays, TokenHistory
 from jaxserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from jaxserve.engine.speculative import drafts as trees
 from jaxserve.models.transformer import AttentionMetadata
-from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 
 
 @jax.tree_util.register_dataclass
@@ -147,10 +149,14 @@ class BatchBuilder:
     # shares its target's.
     layout: CarryLayout | None = None
     _open_masks: dict[int, np.ndarray] = dataclasses.field(default_factory=dict, repr=False)
+    # Each sequence's page-table row and sampling parameters, kept across steps.
+    rows: PersistentBatch = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.layout is None:
             self.layout = CarryLayout(self.max_num_seqs, self.num_speculative_tokens)
+        self.rows = PersistentBatch(2 * self.max_num_seqs, self.pages_per_seq,
+                                    self.eos_token_ids)
 
     def bucket(self, num_tokens: int, history: bool, drafts: bool = False) -> BucketKey:
         """The bucket for `num_tokens` tokens in the busiest shard (`drafts`: a step that
@@ -180,105 +186,146 @@ class BatchBuilder:
         outputs. `pending` has, for each seq whose newest tokens the step still in flight
         emits (PLACEHOLDERs), its first row in that step's outputs and its drafts there:
         the step reads the tokens from the device (the carry), and with drafts moves the
-        seq's positions back by those rejected (`StepBatch.shift_row`)."""
-        d = self.data_shards
-        pending = pending or {}
-        tokens = [0] * d
-        for x in out.scheduled:
-            tokens[x.seq.data_shard] += x.num_new_tokens
-        history = not self.draft_model and any(x.seq.params.uses_penalties
-                                               for x in out.scheduled)
+        seq's positions back by those rejected (`StepBatch.shift_row`).
+
+        Whole-array numpy over the schedule's columns: a Python loop per sequence only
+        reads them (and their tokens: one for a decode); only sequences with drafts are
+        laid out one at a time."""
+        d, scheduled, pending = self.data_shards, out.scheduled, pending or {}
+        seqs = [s.seq for s in scheduled]
+        seats = self.rows.seats(seqs)
+        cols = np.array([(s.start, s.num_new_tokens, len(s.drafts.tokens), q.data_shard,
+                          len(q.output_token_ids), q.num_tokens)
+                         for s, q in zip(scheduled, seqs)], np.int64).reshape(-1, 6)
+        start, n, ndrafts, shard, num_out, num_tokens = cols.T
+        # Each seq's pending step: its first row there and its drafts (-1, 0: none).
+        pend = (np.array([pending.get(q, (-1, 0)) for q in seqs], np.int64).reshape(-1, 2)
+                if pending else np.tile(np.array([-1, 0]), (len(seqs), 1)))
+        history = not self.draft_model and bool(self.rows.penalties[seats].any())
         # A seq whose pending step had drafts moves back by those rejected: only a bucket
         # with drafts does that (programs.forward's `verifies`).
-        drafts = any(x.drafts or pending.get(x.seq, (0, 0))[1] for x in out.scheduled)
-        key = self.bucket(max(tokens), history, drafts)
+        key = self.bucket(int(np.bincount(shard, n, d).max()), history,
+                          bool(ndrafts.any() or pend[:, 1].any()))
         batch = self.empty(key)
         shard_t, shard_s, shard_r = key.tokens // d, key.seqs // d, key.rows // d
-        # Per data shard: seqs placed, tokens placed, rows placed.
-        counts, ends, rows = [0] * d, [0] * d, [0] * d
-        for sched in out.scheduled:
-            shard = sched.seq.data_shard
-            i, local = shard * shard_s + counts[shard], ends[shard]
-            sched.row = shard * shard_r + rows[shard]
-            self._place(batch, sched, i, shard * shard_t + local, local, pending)
-            counts[shard] += 1
-            rows[shard] += 1 + len(sched.drafts)
-            ends[shard] = local + sched.num_new_tokens
-            batch.attn.cu_q_lens[shard * (shard_s + 1) + counts[shard]] = ends[shard]
-        for shard in range(d):
-            block = shard * (shard_s + 1)
-            batch.attn.cu_q_lens[block + counts[shard] + 1:block + shard_s + 1] = ends[shard]
-        batch.attn.num_seqs[:] = counts
-        batch.num_rows[:] = rows
+        rows = 1 + ndrafts
+        # Within its data shard: each seq's ordinal, first token and first row.
+        ordinal, local, first_row = (np.empty_like(n) for _ in range(3))
+        for k in range(d):
+            mine = shard == k if d > 1 else slice(None)
+            ordinal[mine] = np.arange(len(n[mine]))
+            local[mine] = np.cumsum(n[mine]) - n[mine]
+            first_row[mine] = np.cumsum(rows[mine]) - rows[mine]
+        i = shard * shard_s + ordinal  # the seq's index among the batch's
+        row = shard * shard_r + first_row
+        for s, r in zip(scheduled, row.tolist()):
+            s.row = r
+        attn, sampling = batch.attn, batch.sampling
+        counts = np.bincount(shard, minlength=d)
+        ends = np.bincount(shard, n, d).astype(np.int32)
+        attn.num_seqs[:] = counts
+        batch.num_rows[:] = np.bincount(shard, rows, d)
+        attn.cu_q_lens[shard * (shard_s + 1) + ordinal + 1] = local + n
+        for k in range(d):
+            block = k * (shard_s + 1)
+            attn.cu_q_lens[block + counts[k] + 1:block + shard_s + 1] = ends[k]
+        attn.kv_lens[i] = start + n
+        attn.page_indices[i] = self.rows.page_table[seats]
+        batch.shift_row[i] = np.where(pend[:, 1] > 0, pend[:, 0], -1)
+        t = shard * shard_t + local  # the seq's first token in the batch
+        own = n - ndrafts  # the chunk's tokens that are the seq's own
+        self._place_tokens(batch, scheduled, seats, t, start, n, own, pend, num_tokens)
+        dest, seat = self._place_rows(batch, seats, row, local + n, rows, num_out,
+                                      batch.shift_row[i])
+        for x in np.flatnonzero(ndrafts):
+            self._place_drafts(batch, scheduled[x], int(i[x]), int(t[x] + own[x]))
+        # Stop tokens banned from the rows sampling an output before min_tokens.
+        banned = sampling.output_index[dest] < self.rows.min_tokens[seat]
+        sampling.banned_ids[dest[banned]] = self.rows.banned_ids[seat[banned]]
         return batch, key
 
-    def _place(self, batch: StepBatch, sched: ScheduledSeq, i: int, t: int, local: int,
-               pending: dict[Sequence, tuple[int, int]]) -> None:
-        """Lay out one scheduled seq: sequence slot `i`, its tokens from `t` (`local` within
-        its data shard's block), its sampled rows from `sched.row`."""
-        seq, start, n, r = sched.seq, sched.start, sched.num_new_tokens, sched.row
-        num_rows = 1 + len(sched.drafts)
-        own = n - len(sched.drafts)  # the chunk's tokens that are the seq's own
-        # Row j samples the logits of the chunk's (len(drafts) - j + 1)-th last token.
-        batch.sample_index[r:r + num_rows] = np.arange(local + n - num_rows, local + n)
-        batch.input_ids[t:t + own] = seq.token_ids[start:start + own]
-        for j in np.flatnonzero(batch.input_ids[t:t + own] == PLACEHOLDER):
-            batch.input_ids[t + j] = 0
-            batch.prev_index[t + j] = self._pending_token(*pending[seq], start + j,
-                                                          seq.num_tokens)
-        if pending.get(seq, (0, 0))[1]:  # its pending step had drafts
-            batch.shift_row[i] = pending[seq][0]
-            batch.sampling.shift_row[r:r + num_rows] = pending[seq][0]
-        pos = np.arange(start, start + n, dtype=np.int32)
-        pages = np.asarray(seq.page_ids, dtype=np.int32)
-        batch.positions[t:t + n] = pos
-        batch.attn.slot_mapping[t:t + n] = (pages[pos // self.page_size] * self.page_size
-                                            + pos % self.page_size)
-        batch.attn.kv_lens[i] = start + n
-        batch.attn.page_indices[i, :len(pages)] = pages
-        depth = self._place_drafts(batch, sched, i, t + own)
-        for j in range(num_rows):
-            self._fill_sampling(batch.sampling, r + j, seq.params, seq, depth[j - 1] if j else 0)
+    def _place_tokens(self, batch: StepBatch, scheduled: list[ScheduledSeq],
+                      seats: np.ndarray, t: np.ndarray, start: np.ndarray, n: np.ndarray,
+                      own: np.ndarray, pend: np.ndarray, num_tokens: np.ndarray) -> None:
+        """Each seq's chunk from token `t` on: token j is its position start + j, whose KV
+        slot its page row gives; its own tokens' ids (or where in the carry those still on
+        the device lie). Drafts' ids are `_place_drafts`'."""
+        of_token, j = _segments(n)
+        dest, pos = t[of_token] + j, start[of_token] + j
+        batch.positions[dest] = pos
+        batch.attn.slot_mapping[dest] = (
+            self.rows.page_table[seats[of_token], pos // self.page_size] * self.page_size
+            + pos % self.page_size)
+        ids = np.fromiter(itertools.chain.from_iterable(
+            s.seq.tokens(s.start, s.start + m) for s, m in zip(scheduled, own.tolist())),
+            np.int64, int(own.sum()))
+        if (own < n).any():  # drafts follow some seqs' own tokens
+            is_own = j < own[of_token]
+            dest, pos, of_token = dest[is_own], pos[is_own], of_token[is_own]
+        batch.input_ids[dest] = np.maximum(ids, 0)
+        on_device = ids == PLACEHOLDER
+        if on_device.any():
+            self._pending_tokens(batch, dest[on_device], pos[on_device], of_token[on_device],
+                                 pend, num_tokens)
 
-    def _place_drafts(self, batch: StepBatch, sched: ScheduledSeq, i: int, t: int
-                      ) -> list[int]:
-        """A seq's drafts after its own tokens (from token `t`): their ids (or where they
-        lie on the device), a chain's count for the acceptance on the device, a tree's
-        positions and masks, and where sampled drafts' distributions lie. Returns each
-        draft's depth (its row's lookahead)."""
+    def _place_rows(self, batch: StepBatch, seats: np.ndarray, first_row: np.ndarray,
+                    end: np.ndarray, rows: np.ndarray, num_out: np.ndarray,
+                    shift_row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each seq's `rows` sampled rows from `first_row` on: row j samples the logits of
+        its chunk's (rows - j)-th last token (its chunk ends before token `end` of its data
+        shard's block) with the seat's parameters, for output number `num_out` + j (a
+        chain's row j is j drafts ahead; `_place_drafts` sets a tree's). Returns each
+        row's place and seat."""
+        a = batch.sampling
+        of_row, j = _segments(rows)
+        dest, seat = first_row[of_row] + j, seats[of_row]
+        batch.sample_index[dest] = (end - rows)[of_row] + j
+        for name in SAMPLING_COLUMNS:
+            getattr(a, name)[dest] = getattr(self.rows, name)[seat]
+        a.output_index[dest] = num_out[of_row] + j
+        a.shift_row[dest] = shift_row[of_row]
+        return dest, seat
+
+    def _pending_tokens(self, batch: StepBatch, dest: np.ndarray, pos: np.ndarray,
+                        of: np.ndarray, pend: np.ndarray, num_tokens: np.ndarray) -> None:
+        """Where in the carry the PLACEHOLDER tokens at `dest` (positions `pos` of the seqs
+        `of`) lie, whose pending steps' first rows and drafts are `pend`: a seq's newest
+        token is the last that step emits (its sample, or with drafts the one after
+        those kept: with `CarryLayout.overlap` read from its `bonus` block, which a
+        proposer's guesses never overwrite), and after a step with drafts the one before
+        it may be read too (a draft model's round 1 feeds both)."""
+        first, drafts = pend[of, 0], pend[of, 1]
+        newest = pos == num_tokens[of] - 1
+        assert (first >= 0).all() and (newest | (drafts > 0) & (pos == num_tokens[of] - 2)
+                                       ).all(), "only the newest tokens of a seq can be still on the device"
+        sample = self.layout.bonus + first if self.layout.overlap else first
+        batch.prev_index[dest] = np.where(newest, sample, self.layout.last + first)
+
+    def _place_drafts(self, batch: StepBatch, sched: ScheduledSeq, i: int, t: int) -> None:
+        """A seq's drafts after its own tokens (from token `t`; `i` its index among the
+        batch's seqs): their ids (or where they lie on the device), a chain's count for
+        the acceptance on the device, a tree's positions, masks and its rows' lookahead,
+        and where sampled drafts' distributions lie."""
         drafts, r, n = sched.drafts, sched.row, len(sched.drafts)
         if drafts.on_device:
             batch.prev_index[t:t + n] = drafts.device_index
         else:
             batch.input_ids[t:t + n] = drafts.tokens
-        if drafts and drafts.parents is None:
+        if drafts.parents is None:
             batch.sampling.group_drafts[r] = n
-        depth = list(range(1, n + 1))
-        if drafts.parents is not None:  # a tree: its nodes' own positions and masks
-            depth = trees.depths(drafts.parents)
+        else:  # a tree: its nodes' own positions and masks, and each node's depth ahead
+            depth = np.asarray(trees.depths(drafts.parents))
             root = sched.start + sched.num_new_tokens - n - 1  # the seq's last token's
-            batch.positions[t:t + n] = root + np.asarray(depth)
+            batch.positions[t:t + n] = root + depth
             batch.attn.tree_start[i] = root + 1
             batch.attn.tree_mask[t:t + n] = trees.masks(drafts.parents)
+            batch.sampling.output_index[r + 1:r + 1 + n] = \
+                len(sched.seq.output_token_ids) + depth
         if (self.sampled_drafts and drafts.on_device and drafts.parents is None
                 and sched.seq.params.temperature > 0):
             # Draft j's distribution: SampledDrafts row max_num_seqs x j + r.
             batch.sampling.draft_index[r:r + n] = (np.asarray(drafts.device_index)
                                                    - self.max_num_seqs)
-        return depth
-
-    def _pending_token(self, row: int, drafts: int, position: int, num_tokens: int) -> int:
-        """Where in the carry the token at `position` (a PLACEHOLDER) of a seq of
-        `num_tokens` tokens lies, whose pending step's first row is `row`: the seq's newest
-        token is the last that step emits (its sample, or with drafts the one after those
-        kept: with `CarryLayout.overlap` read from its `bonus` block, which a proposer's
-        guesses never overwrite), and after a step with `drafts` the one before it may be read too
-        (a draft model's round 1 feeds both)."""
-        if position == num_tokens - 1:
-            return self.layout.bonus + row if self.layout.overlap else row
-        assert drafts and position == num_tokens - 2, (
-            "only the newest tokens of a seq can be still on the device")
-        return self.layout.last + row
 
     @staticmethod
     def fill_history(batch: StepBatch, out: SchedulerOutput) -> None:
@@ -295,26 +342,6 @@ class BatchBuilder:
                     drafts.tokens[i] for i in trees.path(drafts.tree, j - 1)]
                 batch.history.tokens[sched.row + j, :len(tokens)] = tokens
                 batch.history.prompt_lens[sched.row + j] = sched.seq.num_prompt_tokens
-
-    def _fill_sampling(self, a: SamplingArrays, i: int, p: SamplingParams, seq,
-                       ahead: int = 0) -> None:
-        """Row `i` samples the sequence's output number len(outputs) + `ahead`."""
-        a.temperature[i] = p.temperature
-        a.top_k[i] = max(p.top_k, 0)
-        a.top_p[i] = p.top_p
-        a.min_p[i] = p.min_p
-        a.presence_penalty[i] = p.presence_penalty
-        a.frequency_penalty[i] = p.frequency_penalty
-        a.repetition_penalty[i] = p.repetition_penalty
-        a.seed[i] = p.seed
-        a.output_index[i] = len(seq.output_token_ids) + ahead
-        a.logprobs[i] = p.logprobs is not None
-        if p.logit_bias:
-            a.bias_ids[i, :len(p.logit_bias)] = list(p.logit_bias)
-            a.bias_values[i, :len(p.logit_bias)] = list(p.logit_bias.values())
-        if len(seq.output_token_ids) + ahead < p.min_tokens:
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
-            a.banned_ids[i, :len(banned)] = banned[:MAX_STOP_TOKEN_IDS]
 
     def open_mask(self, num_rows: int) -> np.ndarray:
         """The grammar mask of a batch without grammars: one shared, read-only array per
@@ -373,3 +400,11 @@ class BatchBuilder:
                 prompt_lens=np.zeros(r, i32),
             ) if history else None,
         )
+
+
+def _segments(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For segments of `lengths` laid end to end: each element's segment and its index
+    within it."""
+    total = int(lengths.sum())
+    of = np.repeat(np.arange(len(lengths)), lengths)
+    return of, np.arange(total) - (np.cumsum(lengths) - lengths)[of]

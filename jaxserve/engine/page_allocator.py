@@ -42,17 +42,6 @@ def hash_page(parent: PageHash, tokens: list[int]) -> PageHash:
     return hashlib.blake2b(parent + data, digest_size=16).digest()
 
 
-def _tokens(seq: Sequence, start: int, stop: int) -> list[int]:
-    """`seq.token_ids[start:stop]` without concatenating the whole prompt and output."""
-    prompt, output = seq.prompt_token_ids, seq.output_token_ids
-    n = len(prompt)
-    if stop <= n:
-        return list(prompt[start:stop])
-    if start >= n:
-        return list(output[start - n : stop - n])
-    return list(prompt[start:]) + list(output[: stop - n])
-
-
 @dataclasses.dataclass
 class _SeqState:
     """Per-sequence prefix-cache bookkeeping, so that `commit` is O(new pages)."""
@@ -175,7 +164,7 @@ class PageAllocator:
         for page in reversed(seq.page_ids[keep:]):
             assert page not in self._page_to_hash, "truncating a cached page"
             self._unref(page)
-        del seq.page_ids[keep:]
+        seq.page_ids = seq.page_ids[:keep]  # a new list: see Sequence.page_ids
 
     def commit(self, seq: Sequence) -> None:
         """Register in the prefix cache every page of `seq` newly full of computed tokens.
@@ -251,7 +240,7 @@ class PageAllocator:
         while len(hashes) < num_pages:
             j = len(hashes)
             parent = hashes[-1] if hashes else _ROOT_HASH
-            hashes.append(hash_page(parent, _tokens(seq, j * ps, (j + 1) * ps)))
+            hashes.append(hash_page(parent, seq.tokens(j * ps, (j + 1) * ps)))
         return hashes
 
     def _find_cached_pages(self, seq: Sequence) -> list[int]:

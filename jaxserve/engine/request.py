@@ -52,6 +52,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
+    # Its KV pages, in token order. Grown in place only; any other change assigns a new
+    # list (the page allocator's way), which is how BatchBuilder's page table sees it.
     page_ids: list[int] = dataclasses.field(default_factory=list)
     data_shard: int = 0  # whose page pool `page_ids` index (data parallelism)
     num_preemptions: int = 0
@@ -72,6 +74,16 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """`token_ids[start:stop]` without concatenating the whole prompt and output."""
+        prompt, output = self.prompt_token_ids, self.output_token_ids
+        n = len(prompt)
+        if stop <= n:
+            return prompt[start:stop]
+        if start >= n:
+            return output[start - n:stop - n]
+        return prompt[start:] + output[:stop - n]
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,0 +1,140 @@
+"""The step inputs that persist across steps: a seat for each sequence the batches lay out,
+holding its page-table row and its sampling parameters, written when it takes the seat and
+when its pages or parameters change, not every step (vLLM V1's `InputBatch` plays this
+part). `BatchBuilder.build` gathers a step's rows from the seats with whole-array numpy.
+
+A seat is kept while its sequence runs. A sequence that finished (or was preempted, or
+was never run by a scheduler) gives its seat up when the seats run out and it is not in
+the batch being built; a preempted sequence coming back finds its pages rewritten (its
+page list is a new one: `Sequence.page_ids`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxserve.engine.request import Sequence, SequenceStatus
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
+
+# Per seat: name, dtype, trailing shape, value of a seat without a sequence.
+_PARAM_COLUMNS = (
+    ("temperature", np.float32, (), 0.0),
+    ("top_k", np.int32, (), 0),
+    ("top_p", np.float32, (), 1.0),
+    ("min_p", np.float32, (), 0.0),
+    ("presence_penalty", np.float32, (), 0.0),
+    ("frequency_penalty", np.float32, (), 0.0),
+    ("repetition_penalty", np.float32, (), 1.0),
+    ("seed", np.uint32, (), 0),
+    ("logprobs", np.bool_, (), False),
+    ("bias_ids", np.int32, (MAX_LOGIT_BIAS,), -1),
+    ("bias_values", np.float32, (MAX_LOGIT_BIAS,), 0.0),
+    ("banned_ids", np.int32, (MAX_STOP_TOKEN_IDS,), -1),  # banned until min_tokens
+    ("min_tokens", np.int32, (), 0),
+    ("penalties", np.bool_, (), False),  # SamplingParams.uses_penalties
+)
+# The columns copied into SamplingArrays as they are.
+SAMPLING_COLUMNS = tuple(name for name, *_ in _PARAM_COLUMNS[:11])
+
+
+class PersistentBatch:
+    """Seats for up to `capacity` sequences (it grows when every seat holds one still
+    running or in the batch at hand): `page_table[seat]` (the seat's page ids, zeros
+    after them) and a column per sampling parameter (`_PARAM_COLUMNS`)."""
+
+    def __init__(self, capacity: int, pages_per_seq: int, eos_token_ids: tuple[int, ...]):
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.pages_per_seq = pages_per_seq
+        self._seat: dict[Sequence, int] = {}
+        self._holder: list[Sequence | None] = []
+        self._free: list[int] = []
+        self._pages: list[list[int] | None] = []  # the page list each row was written from
+        self._num_pages: list[int] = []  # how much of it
+        self._params: list[SamplingParams | None] = []
+        self.page_table = np.zeros((0, pages_per_seq), np.int32)
+        for name, dtype, shape, _ in _PARAM_COLUMNS:
+            setattr(self, name, np.zeros((0, *shape), dtype))
+        self._grow(max(capacity, 1))
+
+    @property
+    def capacity(self) -> int:
+        return len(self._holder)
+
+    def seats(self, seqs: list[Sequence]) -> np.ndarray:
+        """Each sequence's seat (taking one for a sequence new to the table), its page row
+        and parameters brought up to date."""
+        out = []
+        for seq in seqs:
+            seat = self._seat.get(seq)
+            if seat is None:
+                seat = self._take(seq, seqs)
+            pages = seq.page_ids
+            if pages is not self._pages[seat]:
+                row = self.page_table[seat]
+                row[:] = 0
+                row[:len(pages)] = pages
+                self._pages[seat], self._num_pages[seat] = pages, len(pages)
+            elif len(pages) != self._num_pages[seat]:  # grown in place
+                self.page_table[seat, self._num_pages[seat]:len(pages)] = \
+                    pages[self._num_pages[seat]:]
+                self._num_pages[seat] = len(pages)
+            if seq.params is not self._params[seat]:
+                self._write_params(seat, seq.params)
+            out.append(seat)
+        return np.array(out, np.int32)
+
+    def _take(self, seq: Sequence, batch: list[Sequence]) -> int:
+        if not self._free:
+            self._release_idle(batch)
+        if not self._free:
+            self._grow(2 * self.capacity)
+        seat = self._free.pop()
+        self._seat[seq], self._holder[seat] = seat, seq
+        self._pages[seat] = self._params[seat] = None
+        return seat
+
+    def _release_idle(self, batch: list[Sequence]) -> None:
+        """Free the seats of sequences not running and not in `batch`."""
+        keep = set(batch)
+        for seat, seq in enumerate(self._holder):
+            if seq is not None and seq.status is not SequenceStatus.RUNNING and seq not in keep:
+                del self._seat[seq]
+                self._holder[seat] = self._pages[seat] = self._params[seat] = None
+                self._free.append(seat)
+
+    def _grow(self, capacity: int) -> None:
+        old = self.capacity
+        extra = capacity - old
+        self.page_table = np.concatenate(
+            [self.page_table, np.zeros((extra, self.pages_per_seq), np.int32)])
+        for name, dtype, shape, empty in _PARAM_COLUMNS:
+            setattr(self, name, np.concatenate(
+                [getattr(self, name), np.full((extra, *shape), empty, dtype)]))
+        self._holder += [None] * extra
+        self._pages += [None] * extra
+        self._num_pages += [0] * extra
+        self._params += [None] * extra
+        self._free = list(range(capacity - 1, old - 1, -1)) + self._free
+
+    def _write_params(self, seat: int, p: SamplingParams) -> None:
+        self._params[seat] = p
+        self.temperature[seat] = p.temperature
+        self.top_k[seat] = max(p.top_k, 0)
+        self.top_p[seat] = p.top_p
+        self.min_p[seat] = p.min_p
+        self.presence_penalty[seat] = p.presence_penalty
+        self.frequency_penalty[seat] = p.frequency_penalty
+        self.repetition_penalty[seat] = p.repetition_penalty
+        self.seed[seat] = p.seed
+        self.logprobs[seat] = p.logprobs is not None
+        self.bias_ids[seat] = -1
+        self.bias_values[seat] = 0.0
+        if p.logit_bias:
+            self.bias_ids[seat, :len(p.logit_bias)] = list(p.logit_bias)
+            self.bias_values[seat, :len(p.logit_bias)] = list(p.logit_bias.values())
+        banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
+        self.banned_ids[seat] = -1
+        self.banned_ids[seat, :min(len(banned), MAX_STOP_TOKEN_IDS)] = \
+            banned[:MAX_STOP_TOKEN_IDS]
+        self.min_tokens[seat] = p.min_tokens
+        self.penalties[seat] = p.uses_penalties
