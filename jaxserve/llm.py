@@ -32,6 +32,7 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown LLM arguments {unknown}; known: {sorted(known)}")
         self.engine = Engine.from_config(EngineConfig(model=model, **engine_args))
+        self.engine.stream_text = False  # generate returns whole outputs
         self._ids = itertools.count()
         if warmup:
             self.engine.warmup()

@@ -425,6 +425,32 @@ def test_stream_matches_full_decode_at_every_split_point(cases, name):
         assert "".join(_stream(case.ours, [], ids)) == text  # round trip from an empty prompt
 
 
+@pytest.mark.parametrize("name", ALL_CASES)
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_whole_output_at_once_decodes_as_the_oracle(cases, name, skip):
+    """`extend` with a whole output, then `flush` (how a request decoded at its end gets its
+    text: OutputText with stream False): the text decode(prompt + output) adds to the
+    prompt's, split inside characters and with special tokens, as the oracle decodes it."""
+    case = cases[name]
+    tok = case.ours
+    specials = [tok.bos_token_id, tok.eos_token_id]
+    if name in ("llama2_json", "sp_unigram"):  # as in the special-token stream test below
+        if not skip:
+            pytest.skip("the oracle decodes this tokenizer's special tokens differently")
+        specials = []
+    for text in DETOK_TEXTS:
+        ids = tok.encode(text)
+        for split in range(len(ids) + 1):
+            for output in (ids[split:], ids[split:] + specials):
+                if not output:
+                    continue
+                detok = IncrementalDetokenizer(tok, ids[:split], skip_special_tokens=skip)
+                got = detok.extend(output) + detok.flush()
+                assert got == _expected_stream(case.oracle_decode, ids[:split], output, skip), (
+                    text, split)
+                assert detok.text == got
+
+
 @pytest.mark.parametrize("name", [n for n in ALL_CASES if n not in ("llama2_json", "sp_unigram")])
 @pytest.mark.parametrize("skip", [True, False])
 def test_stream_with_special_tokens_in_the_output(cases, name, skip):

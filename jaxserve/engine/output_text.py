@@ -5,7 +5,8 @@ length). Turning tokens into text is host work with no part in the next step, so
 run anywhere: `Engine` runs it inline for the offline `LLM`, and the servers run it on a
 thread of their own (server/async_engine.py), so the engine thread only schedules and
 samples. Both call `OutputText.apply` on each output, so text and stop strings come out
-the same either way.
+the same either way. A caller that wants only the whole text (the offline `LLM`) has a
+request without stop strings decoded once, when it ends (`stream` False).
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ class OutputText:
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
-                 params: SamplingParams, eos_token_ids: Sequence[int]):
+                 params: SamplingParams, eos_token_ids: Sequence[int], stream: bool = True):
         self._tokenizer = tokenizer
         self._params = params
+        # Not streamed, and no stop string to look for: the text is decoded once, when the
+        # request ends (two decodes in all instead of two per token), `new_text` "" until then.
+        self._deferred: list[int] | None = None if stream or params.stop else []
         self._eos = frozenset(eos_token_ids)
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids,
                                              params.skip_special_tokens)
@@ -68,6 +72,14 @@ class OutputText:
         stop strings."""
         stop_token = finish_reason == "stop" and bool(token_ids) and (
             token_ids[-1] == stop_reason or token_ids[-1] in self._eos)
+        if self._deferred is not None:
+            self.num_tokens += len(token_ids)
+            self._deferred += token_ids[:-1] if stop_token else token_ids
+            if finish_reason is None:
+                return "", None, len(token_ids)
+            self.text += self._detok.extend(self._deferred) + self._detok.flush()
+            self.emitted = len(self.text)
+            return self.text, None, len(token_ids)
         stop = None
         last, used = len(token_ids) - 1, 0
         for i, token in enumerate(token_ids):

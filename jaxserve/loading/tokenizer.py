@@ -607,7 +607,12 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Appends one generated token; returns the text it made final ("" if none yet)."""
-        self._tokens.append(token_id)
+        return self.extend((token_id,))
+
+    def extend(self, token_ids: Sequence[int]) -> str:
+        """Appends generated tokens; returns the text they made final ("" if none yet).
+        Several at once cost two decodes, as one does."""
+        self._tokens.extend(token_ids)
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         full_text = self._decode(self._prefix_offset, len(self._tokens))
         start = _common_prefix_length(prefix_text, full_text)
