@@ -58,7 +58,7 @@ class InFlightStep:
     expert_load: jax.Array | None = None  # ModelRunner.expert_load as this step leaves it
     speculation: Any = None  # the speculator's record of it (Speculator.dispatching)
 
-    @property
+    @functools.cached_property
     def sampling(self) -> list[ScheduledSeq]:
         """The scheduled seqs whose sample is real: each holds a PLACEHOLDER for it."""
         return [s for s in self.schedule.scheduled if s.samples]
@@ -85,6 +85,9 @@ class Engine:
         # Turn tokens into text and check stop strings in step() (OutputText); whoever
         # turns this off does both itself, before adding requests.
         self.detokenize = True
+        # With detokenize: hand each step's text back as it comes; False (the offline LLM,
+        # which returns whole outputs) decodes a request without stop strings once, at its end.
+        self.stream_text = True
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         # The tokenizer's list gathers its own EOS, generation_config.json's and config.json's.
         eos = tokenizer.eos_token_ids if tokenizer is not None else model_config.eos_token_ids
@@ -170,7 +173,8 @@ class Engine:
                    if params.structured_outputs is not None else None)
         seq = Sequence(request_id, token_ids, params=params, priority=priority,
                        max_output_tokens=min(params.max_tokens or room, room))
-        text = (OutputText(self.tokenizer, token_ids, params, self.eos_token_ids)
+        text = (OutputText(self.tokenizer, token_ids, params, self.eos_token_ids,
+                           self.stream_text)
                 if self.detokenize and self.tokenizer is not None else None)
         self._requests[request_id] = Request(seq, text, grammar)
         self.scheduler.add(seq)
@@ -381,31 +385,36 @@ class Engine:
         self.speculator.read_back(step.speculation)
         if step.expert_load is not None:
             self._expert_load = step.expert_load  # computed: reading it will not wait
-        outputs = []
-        following = {s.seq: s for s in later.schedule.scheduled} if later else {}
+        outputs, requests = [], self._requests
+        # Only speculation reads a seq's place in the step in flight (Speculator.commit).
+        following = ({s.seq: s for s in later.schedule.scheduled}
+                     if later is not None and step.speculation is not None else {})
+        token_ids = sampled.token_ids.tolist()  # one copy to Python ints for all rows
         for s in step.sampling:
-            req = self._requests.get(s.seq.request_id)
+            req = requests.get(s.seq.request_id)
             if req is not None and req.seq is s.seq:  # not aborted or finished meanwhile
                 rows = (self.speculator.accepted_rows(s, sampled.token_ids) if s.drafts
-                        else [s.row + i * stride for i in range(s.steps)])
-                outputs.append(self._append(req, sampled, s, rows, following.get(s.seq),
-                                            step.speculation))
+                        else [s.row + i * stride for i in range(s.steps)] if stride
+                        else [s.row])
+                outputs.append(self._append(req, sampled, token_ids, s, rows,
+                                            following.get(s.seq), step.speculation))
         self.speculator.collected()
         return outputs
 
-    def _append(self, req: Request, sampled: SampleOutput, s: ScheduledSeq, rows: list[int],
-                later: ScheduledSeq | None, speculation) -> StepOutput:
-        """Put the samples of `rows` (`s`'s tokens of the step) in the seq's first
-        PLACEHOLDERs, up to the first that ends the request (a stop string included);
-        the speculator then drops the PLACEHOLDERs left (drafts rejected). `later`:
-        `s`'s seq in the step dispatched after this one, in flight."""
+    def _append(self, req: Request, sampled: SampleOutput, token_ids: list[int],
+                s: ScheduledSeq, rows: list[int], later: ScheduledSeq | None, speculation
+                ) -> StepOutput:
+        """Put the samples of `rows` (`s`'s tokens of the step, `token_ids` all the step's
+        samples) in the seq's first PLACEHOLDERs, up to the first that ends the request (a
+        stop string included); the speculator then drops the PLACEHOLDERs left (drafts
+        rejected). `later`: `s`'s seq in the step dispatched after this one, in flight."""
         seq, params = req.seq, req.seq.params
         out_index = seq.num_known_tokens - seq.num_prompt_tokens  # this step's first
         finish = stop_reason = error = None
         outputs = seq.output_token_ids
         tokens, logprobs = [], [] if params.logprobs is not None else None
         for index, i in enumerate(rows, out_index):
-            token = int(sampled.token_ids[i])
+            token = token_ids[i]
             assert outputs[index] == PLACEHOLDER
             outputs[index] = token
             tokens.append(token)
