@@ -21,6 +21,7 @@ shard.
 from __future__ import annotations
 
 import bisect
+import copy
 import dataclasses
 import itertools
 from typing import NamedTuple
@@ -28,7 +29,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jaxserve.engine.persistent_batch import SAMPLING_COLUMNS, PersistentBatch
+from jaxserve.engine.persistent_batch import PersistentBatch
 from jaxserve.engine.request import PLACEHOLDER, Sequence
 from jaxserve.engine.sampler import SamplingArrays, TokenHistory
 from jaxserve.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -157,12 +158,15 @@ class BatchBuilder:
             self.layout = CarryLayout(self.max_num_seqs, self.num_speculative_tokens)
         self.rows = PersistentBatch(2 * self.max_num_seqs, self.pages_per_seq,
                                     self.eos_token_ids)
+        # The token buckets of one data shard's block, ascending.
+        self._shard_buckets = sorted({-(-t // self.data_shards) for t in self.token_buckets})
+        self._empty: dict[BucketKey, StepBatch] = {}
 
     def bucket(self, num_tokens: int, history: bool, drafts: bool = False) -> BucketKey:
         """The bucket for `num_tokens` tokens in the busiest shard (`drafts`: a step that
         verifies drafts)."""
         d = self.data_shards
-        shard_buckets = sorted({-(-t // d) for t in self.token_buckets})
+        shard_buckets = self._shard_buckets
         t = shard_buckets[bisect.bisect_left(shard_buckets, num_tokens)]
         return BucketKey(d * t, d * min(t, self.max_num_seqs // d), history,
                          self.num_speculative_tokens if drafts else 0, self.tree and drafts)
@@ -199,54 +203,64 @@ class BatchBuilder:
                          for s, q in zip(scheduled, seqs)], np.int64).reshape(-1, 6)
         start, n, ndrafts, shard, num_out, num_tokens = cols.T
         # Each seq's pending step: its first row there and its drafts (-1, 0: none).
-        pend = (np.array([pending.get(q, (-1, 0)) for q in seqs], np.int64).reshape(-1, 2)
-                if pending else np.tile(np.array([-1, 0]), (len(seqs), 1)))
-        history = not self.draft_model and bool(self.rows.penalties[seats].any())
+        pend = np.array([pending.get(q, (-1, 0)) for q in seqs], np.int64).reshape(-1, 2)
+        decodes = out.num_batched_tokens == len(scheduled)  # a token each: no drafts
+        any_drafts = not decodes and bool(ndrafts.any())
+        history = not self.draft_model and self.rows.any_penalties(seats)
         # A seq whose pending step had drafts moves back by those rejected: only a bucket
         # with drafts does that (programs.forward's `verifies`).
-        key = self.bucket(int(np.bincount(shard, n, d).max()), history,
-                          bool(ndrafts.any() or pend[:, 1].any()))
+        pending_drafts = bool(pend[:, 1].any()) if pending else False
+        tokens = np.bincount(shard, n, d) if d > 1 else n.sum(keepdims=True)
+        key = self.bucket(int(tokens.max()), history, any_drafts or pending_drafts)
         batch = self.empty(key)
         shard_t, shard_s, shard_r = key.tokens // d, key.seqs // d, key.rows // d
         rows = 1 + ndrafts
         # Within its data shard: each seq's ordinal, first token and first row.
-        ordinal, local, first_row = (np.empty_like(n) for _ in range(3))
-        for k in range(d):
-            mine = shard == k if d > 1 else slice(None)
-            ordinal[mine] = np.arange(len(n[mine]))
-            local[mine] = np.cumsum(n[mine]) - n[mine]
-            first_row[mine] = np.cumsum(rows[mine]) - rows[mine]
+        if d == 1:
+            ordinal = np.arange(len(seqs))
+            local = ordinal if decodes else _starts(n)
+            first_row = ordinal if decodes else _starts(rows)
+        else:
+            ordinal, local, first_row = (np.empty_like(n) for _ in range(3))
+            for k in range(d):
+                mine = shard == k
+                ordinal[mine] = np.arange(np.count_nonzero(mine))
+                local[mine] = _starts(n[mine])
+                first_row[mine] = _starts(rows[mine])
         i = shard * shard_s + ordinal  # the seq's index among the batch's
         row = shard * shard_r + first_row
         for s, r in zip(scheduled, row.tolist()):
             s.row = r
         attn, sampling = batch.attn, batch.sampling
-        counts = np.bincount(shard, minlength=d)
-        ends = np.bincount(shard, n, d).astype(np.int32)
+        counts = np.bincount(shard, minlength=d) if d > 1 else [len(seqs)]
         attn.num_seqs[:] = counts
-        batch.num_rows[:] = np.bincount(shard, rows, d)
+        batch.num_rows[:] = np.bincount(shard, rows, d) if d > 1 else rows.sum()
         attn.cu_q_lens[shard * (shard_s + 1) + ordinal + 1] = local + n
         for k in range(d):
             block = k * (shard_s + 1)
-            attn.cu_q_lens[block + counts[k] + 1:block + shard_s + 1] = ends[k]
+            attn.cu_q_lens[block + counts[k] + 1:block + shard_s + 1] = tokens[k]
         attn.kv_lens[i] = start + n
         attn.page_indices[i] = self.rows.page_table[seats]
-        batch.shift_row[i] = np.where(pend[:, 1] > 0, pend[:, 0], -1)
+        shift_row = np.where(pend[:, 1] > 0, pend[:, 0], -1) if pending_drafts else None
+        if shift_row is not None:
+            batch.shift_row[i] = shift_row
         t = shard * shard_t + local  # the seq's first token in the batch
         own = n - ndrafts  # the chunk's tokens that are the seq's own
-        self._place_tokens(batch, scheduled, seats, t, start, n, own, pend, num_tokens)
-        dest, seat = self._place_rows(batch, seats, row, local + n, rows, num_out,
-                                      batch.shift_row[i])
-        for x in np.flatnonzero(ndrafts):
+        self._place_tokens(batch, scheduled, seats, t, start, n, own, pend, num_tokens,
+                           pending_drafts)
+        dest, seat = self._place_rows(batch, seats, row, local + n, rows, num_out, shift_row)
+        for x in np.flatnonzero(ndrafts) if any_drafts else ():
             self._place_drafts(batch, scheduled[x], int(i[x]), int(t[x] + own[x]))
         # Stop tokens banned from the rows sampling an output before min_tokens.
         banned = sampling.output_index[dest] < self.rows.min_tokens[seat]
-        sampling.banned_ids[dest[banned]] = self.rows.banned_ids[seat[banned]]
+        if banned.any():
+            sampling.banned_ids[dest[banned]] = self.rows.banned_ids[seat[banned]]
         return batch, key
 
     def _place_tokens(self, batch: StepBatch, scheduled: list[ScheduledSeq],
                       seats: np.ndarray, t: np.ndarray, start: np.ndarray, n: np.ndarray,
-                      own: np.ndarray, pend: np.ndarray, num_tokens: np.ndarray) -> None:
+                      own: np.ndarray, pend: np.ndarray, num_tokens: np.ndarray,
+                      pending_drafts: bool) -> None:
         """Each seq's chunk from token `t` on: token j is its position start + j, whose KV
         slot its page row gives; its own tokens' ids (or where in the carry those still on
         the device lie). Drafts' ids are `_place_drafts`'."""
@@ -259,18 +273,19 @@ class BatchBuilder:
         ids = np.fromiter(itertools.chain.from_iterable(
             s.seq.tokens(s.start, s.start + m) for s, m in zip(scheduled, own.tolist())),
             np.int64, int(own.sum()))
-        if (own < n).any():  # drafts follow some seqs' own tokens
+        if len(ids) < len(dest):  # drafts follow some seqs' own tokens
             is_own = j < own[of_token]
             dest, pos, of_token = dest[is_own], pos[is_own], of_token[is_own]
-        batch.input_ids[dest] = np.maximum(ids, 0)
+        batch.input_ids[dest] = ids
         on_device = ids == PLACEHOLDER
         if on_device.any():
-            self._pending_tokens(batch, dest[on_device], pos[on_device], of_token[on_device],
-                                 pend, num_tokens)
+            dest, pos, of = dest[on_device], pos[on_device], of_token[on_device]
+            batch.input_ids[dest] = 0
+            self._pending_tokens(batch, dest, pos, pend[of], num_tokens[of], pending_drafts)
 
     def _place_rows(self, batch: StepBatch, seats: np.ndarray, first_row: np.ndarray,
                     end: np.ndarray, rows: np.ndarray, num_out: np.ndarray,
-                    shift_row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                    shift_row: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """Each seq's `rows` sampled rows from `first_row` on: row j samples the logits of
         its chunk's (rows - j)-th last token (its chunk ends before token `end` of its data
         shard's block) with the seat's parameters, for output number `num_out` + j (a
@@ -280,25 +295,30 @@ class BatchBuilder:
         of_row, j = _segments(rows)
         dest, seat = first_row[of_row] + j, seats[of_row]
         batch.sample_index[dest] = (end - rows)[of_row] + j
-        for name in SAMPLING_COLUMNS:
-            getattr(a, name)[dest] = getattr(self.rows, name)[seat]
+        self.rows.gather_sampling(a, dest, seat)
         a.output_index[dest] = num_out[of_row] + j
-        a.shift_row[dest] = shift_row[of_row]
+        if shift_row is not None:
+            a.shift_row[dest] = shift_row[of_row]
         return dest, seat
 
     def _pending_tokens(self, batch: StepBatch, dest: np.ndarray, pos: np.ndarray,
-                        of: np.ndarray, pend: np.ndarray, num_tokens: np.ndarray) -> None:
-        """Where in the carry the PLACEHOLDER tokens at `dest` (positions `pos` of the seqs
-        `of`) lie, whose pending steps' first rows and drafts are `pend`: a seq's newest
-        token is the last that step emits (its sample, or with drafts the one after
-        those kept: with `CarryLayout.overlap` read from its `bonus` block, which a
+                        pend: np.ndarray, num_tokens: np.ndarray, pending_drafts: bool
+                        ) -> None:
+        """Where in the carry the PLACEHOLDER tokens at `dest` (positions `pos` of seqs of
+        `num_tokens` tokens) lie, whose pending steps' first rows and drafts are `pend`: a
+        seq's newest token is the last that step emits (its sample, or with drafts the one
+        after those kept: with `CarryLayout.overlap` read from its `bonus` block, which a
         proposer's guesses never overwrite), and after a step with drafts the one before
         it may be read too (a draft model's round 1 feeds both)."""
-        first, drafts = pend[of, 0], pend[of, 1]
-        newest = pos == num_tokens[of] - 1
-        assert (first >= 0).all() and (newest | (drafts > 0) & (pos == num_tokens[of] - 2)
-                                       ).all(), "only the newest tokens of a seq can be still on the device"
+        first = pend[:, 0]
+        assert (first >= 0).all(), "a token on the device without a pending step"
         sample = self.layout.bonus + first if self.layout.overlap else first
+        if not pending_drafts:  # only a seq's newest token can be on the device
+            batch.prev_index[dest] = sample
+            return
+        newest = pos == num_tokens - 1
+        assert (newest | (pend[:, 1] > 0) & (pos == num_tokens - 2)).all(), (
+            "only the newest tokens of a seq can be still on the device")
         batch.prev_index[dest] = np.where(newest, sample, self.layout.last + first)
 
     def _place_drafts(self, batch: StepBatch, sched: ScheduledSeq, i: int, t: int) -> None:
@@ -354,7 +374,13 @@ class BatchBuilder:
         return self._open_masks[num_rows]
 
     def empty(self, key: BucketKey) -> StepBatch:
-        """An all-padding batch of the bucket's shapes (also used to compile it)."""
+        """An all-padding batch of the bucket's shapes (also used to compile it): a copy of
+        one made once per bucket (its read-only arrays shared)."""
+        if key not in self._empty:
+            self._empty[key] = self._make_empty(key)
+        return _copied(self._empty[key])
+
+    def _make_empty(self, key: BucketKey) -> StepBatch:
         t, s, history = key.tokens, key.seqs, key.history
         r = key.rows
         i32 = np.int32
@@ -402,9 +428,28 @@ class BatchBuilder:
         )
 
 
+def _copied(x):
+    """A copy of a dataclass of numpy arrays (nested), its read-only arrays shared."""
+    y = copy.copy(x)
+    for name, v in vars(x).items():
+        if isinstance(v, np.ndarray):
+            if v.flags.writeable:
+                setattr(y, name, v.copy())
+        elif dataclasses.is_dataclass(v):
+            setattr(y, name, _copied(v))
+    return y
+
+
 def _segments(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For segments of `lengths` laid end to end: each element's segment and its index
     within it."""
     total = int(lengths.sum())
+    if total == len(lengths):  # one each (a batch of decodes)
+        return np.arange(total), np.zeros(total, np.int64)
     of = np.repeat(np.arange(len(lengths)), lengths)
-    return of, np.arange(total) - (np.cumsum(lengths) - lengths)[of]
+    return of, np.arange(total) - _starts(lengths)[of]
+
+
+def _starts(lengths: np.ndarray) -> np.ndarray:
+    """Where each segment of `lengths` laid end to end starts."""
+    return np.add.accumulate(lengths) - lengths

@@ -35,6 +35,7 @@ _PARAM_COLUMNS = (
 )
 # The columns copied into SamplingArrays as they are.
 SAMPLING_COLUMNS = tuple(name for name, *_ in _PARAM_COLUMNS[:11])
+_EMPTY = {name: empty for name, _, _, empty in _PARAM_COLUMNS}
 
 
 class PersistentBatch:
@@ -51,6 +52,10 @@ class PersistentBatch:
         self._pages: list[list[int] | None] = []  # the page list each row was written from
         self._num_pages: list[int] = []  # how much of it
         self._params: list[SamplingParams | None] = []
+        # The columns each seat holds a value other than a seat without a sequence in,
+        # and how many seats do so per column: a batch copies only those columns.
+        self._set: list[frozenset[str]] = []
+        self._num_set: dict[str, int] = dict.fromkeys(_EMPTY, 0)
         self.page_table = np.zeros((0, pages_per_seq), np.int32)
         for name, dtype, shape, _ in _PARAM_COLUMNS:
             setattr(self, name, np.zeros((0, *shape), dtype))
@@ -83,6 +88,18 @@ class PersistentBatch:
             out.append(seat)
         return np.array(out, np.int32)
 
+    def any_penalties(self, seats: np.ndarray) -> bool:
+        """Whether a sequence of `seats` uses penalties."""
+        return self._num_set["penalties"] > 0 and bool(self.penalties[seats].any())
+
+    def gather_sampling(self, a, rows: np.ndarray, seats: np.ndarray) -> None:
+        """Copy the sampling parameters of `seats` into rows `rows` of the SamplingArrays
+        `a` (made with every row a seat without a sequence's: only the columns some seat
+        sets are copied)."""
+        for name in SAMPLING_COLUMNS:
+            if self._num_set[name]:
+                getattr(a, name)[rows] = getattr(self, name)[seats]
+
     def _take(self, seq: Sequence, batch: list[Sequence]) -> int:
         if not self._free:
             self._release_idle(batch)
@@ -100,6 +117,7 @@ class PersistentBatch:
             if seq is not None and seq.status is not SequenceStatus.RUNNING and seq not in keep:
                 del self._seat[seq]
                 self._holder[seat] = self._pages[seat] = self._params[seat] = None
+                self._count(seat, frozenset())
                 self._free.append(seat)
 
     def _grow(self, capacity: int) -> None:
@@ -114,6 +132,7 @@ class PersistentBatch:
         self._pages += [None] * extra
         self._num_pages += [0] * extra
         self._params += [None] * extra
+        self._set += [frozenset()] * extra
         self._free = list(range(capacity - 1, old - 1, -1)) + self._free
 
     def _write_params(self, seat: int, p: SamplingParams) -> None:
@@ -138,3 +157,12 @@ class PersistentBatch:
             banned[:MAX_STOP_TOKEN_IDS]
         self.min_tokens[seat] = p.min_tokens
         self.penalties[seat] = p.uses_penalties
+        self._count(seat, frozenset(name for name, empty in _EMPTY.items()
+                                    if np.any(getattr(self, name)[seat] != empty)))
+
+    def _count(self, seat: int, columns: frozenset[str]) -> None:
+        for name in self._set[seat]:
+            self._num_set[name] -= 1
+        for name in columns:
+            self._num_set[name] += 1
+        self._set[seat] = columns

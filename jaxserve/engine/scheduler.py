@@ -268,6 +268,8 @@ class Scheduler:
         tokens: call it once the tokens before each chunk are known on the host (with
         async scheduling, after the previous step's samples are in). Seqs finished or
         aborted since `schedule` are skipped."""
+        if not self.config.enable_prefix_caching:
+            return
         for s in out.scheduled:
             if s.seq.status is SequenceStatus.RUNNING:
                 self.allocators[s.seq.data_shard].commit(s.seq)

@@ -1,0 +1,132 @@
+"""The host loop: nothing in a step waits for the device by accident, and the offline LLM's
+text, decoded once per request, is the text streamed step by step."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import jax
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.engine import engine as engine_module
+from jaxserve.sampling_params import StructuredOutputsParams
+
+ENGINE = dict(dtype="float32", max_model_len=128, page_size=4, max_num_seqs=4,
+              max_num_batched_tokens=64, token_buckets=(16, 64))
+
+
+@pytest.fixture(scope="module")
+def path(checkpoints):
+    return str(checkpoints("llama")[0])
+
+
+def mixed_params() -> list[SamplingParams]:
+    """Greedy, seeded with logprobs, penalties (sampled apart), min_tokens with stop ids,
+    a stop string, a grammar."""
+    return [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+            SamplingParams(temperature=0.9, top_k=20, seed=7, max_tokens=20, logprobs=2),
+            SamplingParams(temperature=0.8, seed=3, presence_penalty=0.5, max_tokens=16),
+            SamplingParams(temperature=0.0, max_tokens=20, min_tokens=8, stop_token_ids=[5, 9]),
+            SamplingParams(temperature=0.0, max_tokens=30, stop=["e", "t"], ignore_eos=True),
+            SamplingParams(temperature=0.7, seed=5, max_tokens=20, structured_outputs=(
+                StructuredOutputsParams(regex="[a-c]{3,9}x")))]
+
+
+def summary(outs) -> list[tuple]:
+    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
+             o.outputs[0].stop_reason) for o in outs]
+
+
+# What reads a device array's value on the host (each waits for the device to compute it).
+READS = ("__array__", "__int__", "__float__", "__bool__", "__index__", "__complex__", "item",
+         "tolist", "block_until_ready")
+
+
+@contextlib.contextmanager
+def only_explicit_fetches():
+    """Refuse every read of a device array's value except inside the engine's `fetch` (its
+    one explicit copy of a step's samples): jax's transfer guard does that on an
+    accelerator, but on the CPU platform device arrays are host memory and it lets every
+    read through, so the reads are refused here by hand as well."""
+    array_type = type(jax.numpy.zeros(1))
+    fetching = threading.local()
+    originals = {name: getattr(array_type, name) for name in READS}
+
+    def refuse(name):
+        def read(self, *args, **kwargs):
+            if not getattr(fetching, "on", False):
+                raise RuntimeError(f"hidden wait for the device: jax.Array.{name}")
+            return originals[name](self, *args, **kwargs)
+        return read
+
+    fetch = engine_module.fetch
+
+    def explicit_fetch(out):
+        fetching.on = True
+        try:
+            return fetch(out)
+        finally:
+            fetching.on = False
+
+    try:
+        for name in READS:
+            setattr(array_type, name, refuse(name))
+        engine_module.fetch = explicit_fetch
+        with jax.transfer_guard_device_to_host("disallow"):
+            yield
+    finally:
+        for name, fn in originals.items():
+            setattr(array_type, name, fn)
+        engine_module.fetch = fetch
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_steps_never_wait_for_the_device_implicitly(path, prompts, steps):
+    """Steps (one per program and four per program) of every kind of request where only
+    the engine's explicit fetch of a step's samples reads device data on the host. Same
+    outputs as without the check."""
+    llm = LLM(path, num_scheduler_steps=steps, **ENGINE)
+    params = mixed_params()
+    batch = [prompts[i % len(prompts)] for i in range(len(params))]
+    want = summary(llm.generate(batch, params))
+    with only_explicit_fetches():
+        got = summary(llm.generate(batch, params))
+    assert got == want
+    assert all(tokens for tokens, *_ in got)
+
+
+def test_the_check_catches_a_hidden_wait(path, monkeypatch):
+    """The check above can fail: a step that reads a device value on the host is refused."""
+    llm = LLM(path, **ENGINE)
+    collect = llm.engine._collect
+
+    def collect_and_peek(step, later=None):
+        int(llm.engine.runner.carry[0])  # a hidden sync, as a careless edit might add
+        return collect(step, later)
+
+    monkeypatch.setattr(llm.engine, "_collect", collect_and_peek)
+    with only_explicit_fetches(), pytest.raises(RuntimeError, match="hidden wait"):
+        llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4))
+
+
+def test_whole_output_text_is_the_streamed_text(path, prompts):
+    """The offline LLM decodes a request without stop strings once, at its end; an engine
+    streaming text step by step gives the same text, and so does the tokenizer's decode."""
+    llm = LLM(path, **ENGINE)
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=40, ignore_eos=True,
+                             skip_special_tokens=skip)
+              for s, skip in zip(range(4), (True, False, True, False))]
+    batch = [prompts[i] for i in range(4)]
+    whole = summary(llm.generate(batch, params))
+    llm.engine.stream_text = True
+    try:
+        streamed = summary(llm.generate(batch, params))
+    finally:
+        llm.engine.stream_text = False
+    assert whole == streamed
+    tok = llm.get_tokenizer()
+    for (tokens, text, *_), p in zip(whole, params):
+        if p.skip_special_tokens:
+            assert text == tok.decode(tokens, skip_special_tokens=True)
