@@ -60,6 +60,18 @@ class Workloads:
     threads: int = os.cpu_count() or 1
 
 
+@dataclasses.dataclass(frozen=True)
+class Concurrency:
+    """benchmarks/host_overhead.py's runs: the first n of `prompts` together, for each n of
+    `counts`, `new_tokens` new tokens each, `rounds` times (interleaved)."""
+
+    prompts: list[list[int]]
+    counts: list[int]
+    new_tokens: int
+    rounds: int = 3
+    threads: int = os.cpu_count() or 1
+
+
 class PeerError(RuntimeError):
     """A peer cannot be built, installed or run here; the message says why."""
 
@@ -350,6 +362,36 @@ def run_llamacpp(model_dir: Path, dtype: str, w: Workloads) -> dict:
             "setup_s": setup_s, "run_s": time.perf_counter() - t0}
 
 
+@peer
+def run_llamacpp_concurrency(model_dir: Path, dtype: str, c: Concurrency) -> dict:
+    """llama-batched-bench with each n of `c.counts` as a parallel-sequence count: its
+    text-generation time per step (ms) and output tokens/s (prompt time included), by n."""
+    bin_dir = llamacpp_tools()
+    model = gguf_file(model_dir, {"bfloat16": "bf16", "float32": "f32"}[dtype])
+    prompt_len = len(c.prompts[0])
+    by_n: dict[str, dict] = {}
+    for _ in range(c.rounds):
+        for n in c.counts:
+            args = ["-t", c.threads, "-tb", c.threads, "-b", 2048, "-ub", 512,
+                    "-c", n * (prompt_len + c.new_tokens), "-npp", prompt_len,
+                    "-ntg", c.new_tokens, "-npl", n]
+            try:
+                row = _batched_bench(bin_dir, model, f"concurrency-{n}", args)
+            except PeerError:  # seen once: exit 0 and no output; the same run again was fine
+                row = _batched_bench(bin_dir, model, f"concurrency-{n}-again", args)
+            runs = by_n.setdefault(str(n), {"ms_per_step": [], "tokens_per_s": []})
+            runs["ms_per_step"].append(1e3 * row["t_tg"] / c.new_tokens)
+            runs["tokens_per_s"].append(n * c.new_tokens / row["t"])
+    return {"version": f"llama.cpp vendored in llama-cpp-python {LLAMA_CPP_PYTHON}",
+            "flags": f"{dtype} GGUF, -t {c.threads}, -b 2048 -ub 512, llama-batched-bench",
+            "counts": {n: _stats(v) for n, v in by_n.items()}}
+
+
+def _stats(runs: dict[str, list[float]]) -> dict:
+    return {k: {"median": statistics.median(v), "min": min(v), "max": max(v), "all": v}
+            for k, v in runs.items()}
+
+
 def _batched_bench(bin_dir: Path, model: Path, name: str, args: list) -> dict:
     """One llama-batched-bench run; its JSONL result line."""
     out = _run([bin_dir / "llama-batched-bench", "-m", model, *args, "--output-format", "jsonl"],
@@ -431,6 +473,58 @@ def run_vllm(model_dir: Path, dtype: str, w: Workloads) -> dict:
     return result
 
 
+@peer
+def run_vllm_concurrency(model_dir: Path, dtype: str, c: Concurrency) -> dict:
+    """vllm.LLM.generate (this file's `vllm-concurrency`): for each n of `c.counts`, ms per
+    decode step as (wall(new_tokens) - wall(1)) / (new_tokens - 1) and output tokens/s."""
+    python = vllm_python()
+    env = _vllm_env(python, c.threads)
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as spec:
+        json.dump({"model": str(model_dir), "dtype": dtype, **dataclasses.asdict(c)}, spec)
+        spec.flush()
+        out = _run([python, "-P", Path(__file__).resolve(), "vllm-concurrency", spec.name],
+                   "vllm-concurrency", env=env, timeout=3600)
+    (line,) = [x for x in out.splitlines() if x.startswith("RESULT ")]
+    result = json.loads(line.removeprefix("RESULT "))
+    result["counts"] = {n: _stats(runs) for n, runs in result["counts"].items()}
+    return result
+
+
+def _vllm_concurrency_worker(spec_path: str) -> None:
+    """host_overhead.py's runs with vLLM (in the vLLM virtualenv); prints RESULT <json>."""
+    import torch
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    spec = json.loads(Path(spec_path).read_text())
+    llm = vllm.LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=256,
+                   max_num_seqs=max(spec["counts"]), max_num_batched_tokens=4096, seed=0,
+                   enable_prefix_caching=False)
+
+    def wall(prompts, n):
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        assert all(len(o.outputs[0].token_ids) == n for o in outs)
+        return elapsed
+
+    wall(spec["prompts"][:8], 4)  # warm-up
+    new, by_n = spec["new_tokens"], {}
+    for _ in range(spec["rounds"]):
+        for n in spec["counts"]:
+            batch = spec["prompts"][:n]
+            one, whole = wall(batch, 1), wall(batch, new)
+            runs = by_n.setdefault(str(n), {"ms_per_step": [], "tokens_per_s": []})
+            runs["ms_per_step"].append(1e3 * (whole - one) / (new - 1))
+            runs["tokens_per_s"].append(n * new / whole)
+    print("RESULT " + json.dumps({
+        "version": f"vllm {vllm.__version__}, torch {torch.__version__}",
+        "flags": f"{spec['dtype']}, {spec['threads']} threads, max_num_batched_tokens 4096, "
+                 "no prefix caching", "counts": by_n}), flush=True)
+
+
 def _vllm_worker(spec_path: str) -> None:
     """Runs A and B with vLLM (in the vLLM virtualenv) and prints RESULT <json>.
 
@@ -475,5 +569,8 @@ def _vllm_worker(spec_path: str) -> None:
 if __name__ == "__main__":  # vLLM spawns its engine process: it must not rerun this
     if sys.argv[1:2] == ["vllm-worker"]:
         _vllm_worker(sys.argv[2])
+    elif sys.argv[1:2] == ["vllm-concurrency"]:
+        _vllm_concurrency_worker(sys.argv[2])
     else:
-        sys.exit(f"usage: {sys.argv[0]} vllm-worker SPEC.json (run by benchmarks/peers.py)")
+        sys.exit(f"usage: {sys.argv[0]} vllm-worker|vllm-concurrency SPEC.json "
+                 "(run by benchmarks/peers.py)")

@@ -21,7 +21,6 @@ shard.
 from __future__ import annotations
 
 import bisect
-import copy
 import dataclasses
 import itertools
 from typing import NamedTuple
@@ -161,15 +160,19 @@ class BatchBuilder:
         # The token buckets of one data shard's block, ascending.
         self._shard_buckets = sorted({-(-t // self.data_shards) for t in self.token_buckets})
         self._empty: dict[BucketKey, StepBatch] = {}
+        self._buckets: dict[tuple[int, bool, bool], BucketKey] = {}  # bucket()'s, by its args
 
     def bucket(self, num_tokens: int, history: bool, drafts: bool = False) -> BucketKey:
         """The bucket for `num_tokens` tokens in the busiest shard (`drafts`: a step that
         verifies drafts)."""
-        d = self.data_shards
-        shard_buckets = self._shard_buckets
-        t = shard_buckets[bisect.bisect_left(shard_buckets, num_tokens)]
-        return BucketKey(d * t, d * min(t, self.max_num_seqs // d), history,
-                         self.num_speculative_tokens if drafts else 0, self.tree and drafts)
+        key = self._buckets.get((num_tokens, history, drafts))
+        if key is None:
+            d = self.data_shards
+            t = self._shard_buckets[bisect.bisect_left(self._shard_buckets, num_tokens)]
+            key = self._buckets[num_tokens, history, drafts] = BucketKey(
+                d * t, d * min(t, self.max_num_seqs // d), history,
+                self.num_speculative_tokens if drafts else 0, self.tree and drafts)
+        return key
 
     def all_buckets(self) -> list[BucketKey]:
         """Every bucket a schedule can produce."""
@@ -209,7 +212,7 @@ class BatchBuilder:
         history = not self.draft_model and self.rows.any_penalties(seats)
         # A seq whose pending step had drafts moves back by those rejected: only a bucket
         # with drafts does that (programs.forward's `verifies`).
-        pending_drafts = bool(pend[:, 1].any()) if pending else False
+        pending_drafts = any(drafts for _, drafts in pending.values())
         tokens = np.bincount(shard, n, d) if d > 1 else n.sum(keepdims=True)
         key = self.bucket(int(tokens.max()), history, any_drafts or pending_drafts)
         batch = self.empty(key)
@@ -235,7 +238,10 @@ class BatchBuilder:
         counts = np.bincount(shard, minlength=d) if d > 1 else [len(seqs)]
         attn.num_seqs[:] = counts
         batch.num_rows[:] = np.bincount(shard, rows, d) if d > 1 else rows.sum()
-        attn.cu_q_lens[shard * (shard_s + 1) + ordinal + 1] = local + n
+        if d == 1:
+            attn.cu_q_lens[1:len(seqs) + 1] = local + n
+        else:
+            attn.cu_q_lens[shard * (shard_s + 1) + ordinal + 1] = local + n
         for k in range(d):
             block = k * (shard_s + 1)
             attn.cu_q_lens[block + counts[k] + 1:block + shard_s + 1] = tokens[k]
@@ -279,7 +285,8 @@ class BatchBuilder:
         batch.input_ids[dest] = ids
         on_device = ids == PLACEHOLDER
         if on_device.any():
-            dest, pos, of = dest[on_device], pos[on_device], of_token[on_device]
+            of = np.arange(len(n))[of_token][on_device]
+            dest, pos = dest[on_device], pos[on_device]
             batch.input_ids[dest] = 0
             self._pending_tokens(batch, dest, pos, pend[of], num_tokens[of], pending_drafts)
 
@@ -430,22 +437,24 @@ class BatchBuilder:
 
 def _copied(x):
     """A copy of a dataclass of numpy arrays (nested), its read-only arrays shared."""
-    y = copy.copy(x)
-    for name, v in vars(x).items():
+    y = object.__new__(type(x))
+    fields = y.__dict__
+    for name, v in x.__dict__.items():
         if isinstance(v, np.ndarray):
-            if v.flags.writeable:
-                setattr(y, name, v.copy())
+            fields[name] = v.copy() if v.flags.writeable else v
         elif dataclasses.is_dataclass(v):
-            setattr(y, name, _copied(v))
+            fields[name] = _copied(v)
+        else:
+            fields[name] = v
     return y
 
 
-def _segments(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _segments(lengths: np.ndarray) -> tuple[np.ndarray | slice, np.ndarray | int]:
     """For segments of `lengths` laid end to end: each element's segment and its index
-    within it."""
+    within it, as `x[of] + j` reads them (when every length is 1, `slice(None)` and 0)."""
     total = int(lengths.sum())
-    if total == len(lengths):  # one each (a batch of decodes)
-        return np.arange(total), np.zeros(total, np.int64)
+    if total == len(lengths):  # one each (a batch of decodes): x[of] + j is x
+        return slice(None), 0
     of = np.repeat(np.arange(len(lengths)), lengths)
     return of, np.arange(total) - _starts(lengths)[of]
 

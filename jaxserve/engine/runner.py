@@ -5,6 +5,7 @@ bucket-padded batch at a time."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Callable
 
@@ -311,8 +312,17 @@ class ModelRunner:
 
 
 def fetch(out: SampleOutput) -> SampleOutput:
-    """Wait for a dispatched step's outputs and copy them to the host, all in one explicit
-    transfer (they are replicated: on several hosts, this process's copy)."""
+    """Wait for a dispatched step's outputs and copy them to the host (they are replicated:
+    on several hosts, this process's copy): on an accelerator in one explicit transfer
+    (`jax.device_get`, which jax's transfer guard allows); on a CPU, where they already are
+    host memory, as views (device_get costs ~35 us more a step there)."""
     leaves, treedef = jax.tree.flatten(out)
-    return jax.tree.unflatten(treedef, jax.device_get([x.addressable_data(0) for x in leaves]))
+    shards = [x.addressable_data(0) for x in leaves]
+    host = [np.asarray(x) for x in shards] if _on_cpu() else jax.device_get(shards)
+    return jax.tree.unflatten(treedef, host)
+
+
+@functools.cache
+def _on_cpu() -> bool:
+    return jax.default_backend() == "cpu"
 
