@@ -126,6 +126,7 @@ class Engine:
                          if tokenizer is not None else None)
         self.masks = MaskFiller()
         self._requests: dict[str, Request] = {}
+        self._num_sampled_apart = 0  # requests whose params.needs_history
         self._rng = random.Random(config.seed)
         self._inflight: InFlightStep | None = None
         self._expert_load = self.runner.expert_load  # as of the last collected step
@@ -177,6 +178,7 @@ class Engine:
                            self.stream_text)
                 if self.detokenize and self.tokenizer is not None else None)
         self._requests[request_id] = Request(seq, text, grammar)
+        self._num_sampled_apart += params.needs_history
         self.scheduler.add(seq)
         return token_ids
 
@@ -193,11 +195,18 @@ class Engine:
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its pages; False if it is unknown or already done."""
-        req = self._requests.pop(request_id, None)
+        req = self._pop(request_id)
         if req is None:
             return False
         self.scheduler.abort(request_id)
         return True
+
+    def _pop(self, request_id: str) -> Request | None:
+        """Forget a request (finished, aborted or failed); None if unknown."""
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            self._num_sampled_apart -= req.seq.params.needs_history
+        return req
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -288,13 +297,16 @@ class Engine:
         message = f"{type(error).__name__}: {error}"
         outputs = []
         for seq in list(self.scheduler.running):
-            req = self._requests.pop(seq.request_id, None)
+            req = self._pop(seq.request_id)
             self.scheduler.abort(seq.request_id)
             if req is not None:
-                outputs.append(StepOutput(
-                    seq.request_id, [], "", None, True, "error",
-                    num_prompt_tokens=seq.num_prompt_tokens,
-                    num_cached_tokens=seq.num_cached_tokens, error=message))
+                out = StepOutput(seq.request_id, [], "", None, True, "error",
+                                 num_prompt_tokens=seq.num_prompt_tokens,
+                                 num_cached_tokens=seq.num_cached_tokens, error=message)
+                if req.text is not None and req.text.deferred:  # the text so far
+                    known = seq.num_known_tokens - seq.num_prompt_tokens
+                    req.text.apply_whole(out, seq.output_token_ids[:known])
+                outputs.append(out)
         self.speculator.recover()
         if self.runner.recover():
             for allocator in self.scheduler.allocators:
@@ -345,7 +357,8 @@ class Engine:
         if steps > 1:
             step.out = self.runner.dispatch_steps(batch, key, steps)
             self.num_multi_steps += steps
-        elif any(s.seq.params.needs_history for s in step.sampling):
+        elif self._num_sampled_apart and any(s.seq.params.needs_history
+                                             for s in step.sampling):
             self.runner.dispatch_forward(batch, key)
         else:
             step.out = self.runner.dispatch(batch, key)
@@ -430,11 +443,14 @@ class Engine:
             stop_reason=stop_reason, num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens, first_scheduled_at=seq.first_scheduled_at,
             error=error)
-        if req.text is not None:
-            req.text.apply(out)
+        text = req.text
+        if text is not None and not text.deferred:
+            text.apply(out)
+        elif text is not None and out.finished:
+            text.apply_whole(out, outputs[:index + 1])
         if out.finished:
             self.scheduler.finish(seq, out.finish_reason)
-            del self._requests[seq.request_id]
+            self._pop(seq.request_id)
         else:
             self.speculator.commit(s, out_index, rows, later, speculation)
         return out

@@ -6,7 +6,7 @@ run anywhere: `Engine` runs it inline for the offline `LLM`, and the servers run
 thread of their own (server/async_engine.py), so the engine thread only schedules and
 samples. Both call `OutputText.apply` on each output, so text and stop strings come out
 the same either way. A caller that wants only the whole text (the offline `LLM`) has a
-request without stop strings decoded once, when it ends (`stream` False).
+request without stop strings (or logprobs) decoded once, when it ends (`stream` False).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ class OutputText:
                  params: SamplingParams, eos_token_ids: Sequence[int], stream: bool = True):
         self._tokenizer = tokenizer
         self._params = params
-        # Not streamed, and no stop string to look for: the text is decoded once, when the
-        # request ends (two decodes in all instead of two per token), `new_text` "" until then.
-        self._deferred: list[int] | None = None if stream or params.stop else []
+        # Not streamed, and nothing to look for in the text (no stop string, no logprobs to
+        # name): decoded once, when the request ends (`apply_whole`).
+        self.deferred = not stream and not params.stop and params.logprobs is None
         self._eos = frozenset(eos_token_ids)
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids,
                                              params.skip_special_tokens)
@@ -61,6 +61,19 @@ class OutputText:
             self.decode_logprobs(out.new_logprobs)
         return stop is not None
 
+    def apply_whole(self, out: StepOutput, token_ids: Sequence[int]) -> None:
+        """A deferred request's end: `out`, its last output, gets the text of its whole
+        output `token_ids` (in place), decoded at once: two decodes for the request
+        instead of two per token. As `add`, a last token that ended it as EOS or a stop
+        token id adds no text."""
+        stop_token = out.finish_reason == "stop" and bool(token_ids) and (
+            token_ids[-1] == out.stop_reason or token_ids[-1] in self._eos)
+        self.num_tokens = len(token_ids)
+        self.text = (self._detok.extend(token_ids[:-1] if stop_token else token_ids)
+                     + self._detok.flush())
+        self.emitted = len(self.text)
+        out.new_text = self.text
+
     def add(self, token_ids: Sequence[int], finish_reason: str | None,
             stop_reason: str | int | None = None) -> tuple[str, str | None, int]:
         """Append one output's tokens; `finish_reason` and `stop_reason` are the engine's
@@ -72,14 +85,6 @@ class OutputText:
         stop strings."""
         stop_token = finish_reason == "stop" and bool(token_ids) and (
             token_ids[-1] == stop_reason or token_ids[-1] in self._eos)
-        if self._deferred is not None:
-            self.num_tokens += len(token_ids)
-            self._deferred += token_ids[:-1] if stop_token else token_ids
-            if finish_reason is None:
-                return "", None, len(token_ids)
-            self.text += self._detok.extend(self._deferred) + self._detok.flush()
-            self.emitted = len(self.text)
-            return self.text, None, len(token_ids)
         stop = None
         last, used = len(token_ids) - 1, 0
         for i, token in enumerate(token_ids):

@@ -240,11 +240,12 @@ class Scheduler:
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
         assert out.num_batched_tokens == self.config.max_num_batched_tokens - sum(budgets)
         for s in out.scheduled:
-            seq = s.seq
-            if seq in drafts:  # those that fit after the seq's own tokens
-                s.drafts = drafts[seq].cut(s.start + s.num_new_tokens - seq.num_tokens)
-            s.samples = s.start + s.num_new_tokens == seq.num_tokens + len(s.drafts)
-            seq.num_computed_tokens = s.start + s.num_new_tokens + s.steps - 1
+            seq, end = s.seq, s.start + s.num_new_tokens
+            num_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+            if drafts and seq in drafts:  # those that fit after the seq's own tokens
+                s.drafts = drafts[seq].cut(end - num_tokens)
+            s.samples = end == num_tokens + len(s.drafts.tokens)
+            seq.num_computed_tokens = end + s.steps - 1
         return out
 
     def rollback(self, seq: Sequence, accepted: list[int] | None = None
@@ -288,12 +289,13 @@ class Scheduler:
         """Tokens of `seq` to compute this step: what is left, capped by the budget; none
         once the steps in flight bring its last token (a step for it would be thrown
         away, and with async scheduling the next request's first step would wait for it)."""
-        assert seq.num_tokens <= self.config.max_model_len, (
-            f"{seq.request_id}: {seq.num_tokens} tokens > max_model_len; the engine must stop it"
-        )
-        if seq.max_output_tokens is not None and len(seq.output_token_ids) >= seq.max_output_tokens:
+        num_outputs = len(seq.output_token_ids)
+        num_tokens = len(seq.prompt_token_ids) + num_outputs
+        assert num_tokens <= self.config.max_model_len, (
+            f"{seq.request_id}: {num_tokens} tokens > max_model_len; the engine must stop it")
+        if seq.max_output_tokens is not None and num_outputs >= seq.max_output_tokens:
             return 0
-        return min(seq.num_tokens + drafts - seq.num_computed_tokens, budget)
+        return min(num_tokens + drafts - seq.num_computed_tokens, budget)
 
     def _schedule_running(self, out: SchedulerOutput, budgets: list[int], steps: int,
                           drafts: Mapping[Sequence, Drafts]) -> None:
