@@ -1,14 +1,23 @@
 """What the OpenAI-compatible HTTP layer costs: one `jaxserve serve` process, the same
 serving workload over its gRPC API and over HTTP (streaming /v1/completions), in turns.
 
-    python benchmarks/http_vs_grpc.py [--concurrency 64] [--rounds 2]
+    python benchmarks/http_vs_grpc.py [--concurrency 64] [--rounds 2] [--model DIR --offline]
 
 The server runs smollm2-135m's shape with random weights (bf16 where the CPU has
-AVX512_BF16, else f32); every request is a random `--input-len` token prompt with
-`--output-len` tokens out (ignore_eos), `--concurrency` in flight at once. Each round
-runs gRPC then HTTP; the table reports each run and the HTTP/gRPC ratio of output
-tokens/s over all rounds. The client runs on the same machine as the server, so both
-front doors pay for their client too.
+AVX512_BF16, else f32), or the checkpoint `--model`; every request is a random
+`--input-len` token prompt with `--output-len` tokens out (ignore_eos), `--concurrency` in
+flight at once. Each round runs gRPC then HTTP; the table reports each run and the
+HTTP/gRPC ratio of output tokens/s over all rounds. The client runs on the same machine as
+the server, so both front doors pay for their client too. `--offline` first runs the same
+requests through the offline `LLM` (same engine settings, all submitted at once), the
+ceiling the servers are compared with.
+
+The host-loop check (issue 54): the tiny model of benchmarks/host_overhead.py, 256 streams:
+
+    python benchmarks/http_vs_grpc.py --model "$(python -c 'import sys; sys.path.insert(0,
+        "benchmarks"); import peers; print(peers.checkpoint("configs/models/tiny-llama.yaml",
+        dtype="float32"))')" --dtype float32 --concurrency 256 --num-prompts 256 \
+        --input-len 16 --output-len 128 --offline
 """
 
 from __future__ import annotations
@@ -57,8 +66,9 @@ def has_avx512_bf16() -> bool:
 
 
 def start_server(args, grpc_port: int, http_port: int, log) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "jaxserve", "serve", "--random-weights",
-           str(ROOT / "configs/models/smollm2-135m.yaml"), "--dtype", args.dtype,
+    model = (["--model", args.model] if args.model else
+             ["--random-weights", str(ROOT / "configs/models/smollm2-135m.yaml")])
+    cmd = [sys.executable, "-m", "jaxserve", "serve", *model, "--dtype", args.dtype,
            "--max-num-seqs", str(args.concurrency), "--max-model-len", "512",
            "--max-num-batched-tokens", "512", "--page-size", "16",
            "--port", str(grpc_port), "--http-port", str(http_port)]
@@ -89,7 +99,12 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16" if has_avx512_bf16() else "float32")
+    ap.add_argument("--model", help="a checkpoint directory to serve (default: random "
+                    "weights of smollm2-135m's shape)")
+    ap.add_argument("--offline", action="store_true",
+                    help="also run the requests through the offline LLM (needs --model)")
     args = ap.parse_args()
+    offline = offline_tokens_per_s(args) if args.offline else None
 
     grpc_port, http_port = free_port(), free_port()
     target, url = f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}"
@@ -130,6 +145,38 @@ def main() -> None:
     ratio = total["openai"] / total["jaxserve"]
     print(f"\nHTTP / gRPC output tokens/s over all rounds: {ratio:.3f} "
           f"(the HTTP layer costs {100 * (1 - ratio):.1f}%; target: under 5%)")
+    if offline is not None:
+        print(f"offline LLM: {offline:.1f} output tok/s; gRPC {total['jaxserve'] / offline:.3f} "
+              f"and HTTP {total['openai'] / offline:.3f} of it")
+
+
+def offline_tokens_per_s(args) -> float:
+    """The same requests through the offline LLM in a process of its own (the best of
+    `--rounds` runs), with the server's engine settings."""
+    if not args.model:
+        raise SystemExit("--offline needs --model")
+    code = f"""
+import random, time
+from jaxserve import LLM, SamplingParams
+llm = LLM({args.model!r}, dtype={args.dtype!r}, max_num_seqs={args.concurrency},
+          max_model_len=512, max_num_batched_tokens=512, page_size=16)
+vocab = llm.engine.model_config.vocab_size
+rng = random.Random(0)
+prompts = [[rng.randrange(3, vocab) for _ in range({args.input_len})]
+           for _ in range({args.num_prompts})]
+params = SamplingParams(temperature=0.0, max_tokens={args.output_len}, ignore_eos=True)
+llm.generate(prompts[:8], params)
+best = 0.0
+for _ in range({args.rounds}):
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    best = max(best, sum(len(o.outputs[0].token_ids) for o in outs)
+               / (time.perf_counter() - start))
+print("OFFLINE", best)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, check=True)
+    return float(out.stdout.split("OFFLINE")[-1])
 
 
 if __name__ == "__main__":
