@@ -67,7 +67,7 @@ class InFlightStep:
     def pending(self) -> dict[Sequence, tuple[int, int]]:
         """Each sampling seq's first row in the outputs and its drafts (BatchBuilder.build;
         read by a proposer and the next step's batch alike)."""
-        return {s.seq: (s.row, len(s.drafts)) for s in self.sampling}
+        return {s.seq: (s.row, len(s.drafts.tokens)) for s in self.sampling}
 
 
 def _is_ready(out: SampleOutput) -> bool:
@@ -406,7 +406,7 @@ class Engine:
         for s in step.sampling:
             req = requests.get(s.seq.request_id)
             if req is not None and req.seq is s.seq:  # not aborted or finished meanwhile
-                rows = (self.speculator.accepted_rows(s, sampled.token_ids) if s.drafts
+                rows = (self.speculator.accepted_rows(s, sampled.token_ids) if s.drafts.tokens
                         else [s.row + i * stride for i in range(s.steps)] if stride
                         else [s.row])
                 outputs.append(self._append(req, sampled, token_ids, s, rows,

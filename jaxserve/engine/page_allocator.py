@@ -175,6 +175,8 @@ class PageAllocator:
         if not self.enable_prefix_caching:
             return
         state = self._state(seq)
+        if seq.num_computed_tokens // self.page_size <= state.num_committed:
+            return  # no page newly full (most steps: a page fills every page_size tokens)
         computed = min(seq.num_computed_tokens, seq.num_known_tokens)  # no PLACEHOLDER hashed
         num_full = min(computed // self.page_size, len(seq.page_ids))
         if num_full <= state.num_committed:

@@ -103,7 +103,7 @@ class ScheduledSeq:
     def width(self) -> int:
         """The most tokens the step emits for the seq (the engine appends as many
         PLACEHOLDERs to its outputs when it dispatches the step)."""
-        return self.steps + len(self.drafts)
+        return self.steps + len(self.drafts.tokens)
 
 
 @dataclasses.dataclass
