@@ -461,14 +461,8 @@ def run_vllm(model_dir: Path, dtype: str, w: Workloads) -> dict:
     python = vllm_python()
     setup_s = time.perf_counter() - t0
     env = _vllm_env(python, w.threads)
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as spec:
-        json.dump({"model": str(model_dir), "dtype": dtype, **dataclasses.asdict(w)}, spec)
-        spec.flush()
-        # -P: benchmarks/ off sys.path, where kernels.py would shadow the `kernels` package
-        out = _run([python, "-P", Path(__file__).resolve(), "vllm-worker", spec.name],
-                   "vllm-run", env=env, timeout=3600)
-    (line,) = [x for x in out.splitlines() if x.startswith("RESULT ")]
-    result = json.loads(line.removeprefix("RESULT "))
+    result = _vllm_subprocess(python, env, "vllm-worker", "vllm-run",
+                              {"model": str(model_dir), "dtype": dtype, **dataclasses.asdict(w)})
     preload = ", LD_PRELOAD " + "+".join(Path(p).name for p in env["LD_PRELOAD"].split(":")) \
         if "LD_PRELOAD" in env else ""
     result["flags"] += preload
@@ -481,37 +475,50 @@ def run_vllm_concurrency(model_dir: Path, dtype: str, c: Concurrency) -> dict:
     """vllm.LLM.generate (this file's `vllm-concurrency`): for each n of `c.counts`, ms per
     decode step as (wall(new_tokens) - wall(1)) / (new_tokens - 1) and output tokens/s."""
     python = vllm_python()
-    env = _vllm_env(python, c.threads)
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as spec:
-        json.dump({"model": str(model_dir), "dtype": dtype, **dataclasses.asdict(c)}, spec)
-        spec.flush()
-        out = _run([python, "-P", Path(__file__).resolve(), "vllm-concurrency", spec.name],
-                   "vllm-concurrency", env=env, timeout=3600)
-    (line,) = [x for x in out.splitlines() if x.startswith("RESULT ")]
-    result = json.loads(line.removeprefix("RESULT "))
+    result = _vllm_subprocess(python, _vllm_env(python, c.threads), "vllm-concurrency",
+                              "vllm-concurrency",
+                              {"model": str(model_dir), "dtype": dtype, **dataclasses.asdict(c)})
     result["counts"] = {n: _stats(runs) for n, runs in result["counts"].items()}
     return result
+
+
+def _vllm_wall(llm, prompts: list[list[int]], n: int) -> float:
+    """Seconds for vLLM `llm` to generate exactly `n` greedy tokens for each prompt."""
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == n for o in outs)
+    return elapsed
+
+
+def _vllm_subprocess(python: Path, env: dict, mode: str, log_name: str, spec: dict) -> dict:
+    """This file run by the vLLM virtualenv's python in `mode` on `spec`; its RESULT json."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(spec, f)
+        f.flush()
+        # -P: benchmarks/ off sys.path, where kernels.py would shadow the `kernels` package
+        out = _run([python, "-P", Path(__file__).resolve(), mode, f.name], log_name, env=env,
+                   timeout=3600)
+    (line,) = [x for x in out.splitlines() if x.startswith("RESULT ")]
+    return json.loads(line.removeprefix("RESULT "))
 
 
 def _vllm_concurrency_worker(spec_path: str) -> None:
     """host_overhead.py's runs with vLLM (in the vLLM virtualenv); prints RESULT <json>."""
     import torch
     import vllm
-    from vllm.inputs import TokensPrompt
 
     spec = json.loads(Path(spec_path).read_text())
     llm = vllm.LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=256,
                    max_num_seqs=max(spec["counts"]), max_num_batched_tokens=4096, seed=0,
                    enable_prefix_caching=False)
 
-    def wall(prompts, n):
-        params = vllm.SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        assert all(len(o.outputs[0].token_ids) == n for o in outs)
-        return elapsed
+    wall = functools.partial(_vllm_wall, llm)
 
     wall(spec["prompts"][:8], 4)  # warm-up
     new, by_n = spec["new_tokens"], {}
@@ -536,7 +543,6 @@ def _vllm_worker(spec_path: str) -> None:
     """
     import torch
     import vllm
-    from vllm.inputs import TokensPrompt
 
     spec = json.loads(Path(spec_path).read_text())
     t0 = time.perf_counter()
@@ -545,14 +551,7 @@ def _vllm_worker(spec_path: str) -> None:
                    enable_prefix_caching=False)  # as jaxserve's run: its TTFTs repeat a prompt
     load_s = time.perf_counter() - t0
 
-    def wall(prompts, n):
-        params = vllm.SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        assert all(len(o.outputs[0].token_ids) == n for o in outs)
-        return elapsed
+    wall = functools.partial(_vllm_wall, llm)
 
     t0 = time.perf_counter()
     a, b = [spec["prompt_a"]], spec["prompts_b"]
