@@ -86,7 +86,8 @@ class Engine:
         # turns this off does both itself, before adding requests.
         self.detokenize = True
         # With detokenize: hand each step's text back as it comes; False (the offline LLM,
-        # which returns whole outputs) decodes a request without stop strings once, at its end.
+        # which returns whole outputs) decodes a request without stop strings or logprobs
+        # once, at its end.
         self.stream_text = True
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         # The tokenizer's list gathers its own EOS, generation_config.json's and config.json's.
