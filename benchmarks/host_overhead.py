@@ -157,10 +157,6 @@ def run_jaxserve(model_dir: Path, counts: list[int], rounds: int) -> dict:
     return results
 
 
-def stat(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "all": xs}
-
-
 def fmt(s: dict | None, digits: int = 2) -> str:
     if s is None:
         return "-"
@@ -182,7 +178,7 @@ def main() -> None:
         others["vLLM"] = peers.run_vllm_concurrency(model_dir, "float32", spec)
         others["llama.cpp"] = peers.run_llamacpp_concurrency(model_dir, "float32", spec)
     ours = run_jaxserve(model_dir, counts, args.rounds)
-    table = {mode: {n: {k: stat(v) for k, v in row.items()} for n, row in by_n.items()}
+    table = {mode: {n: {k: peers.spread(v) for k, v in row.items()} for n, row in by_n.items()}
              for mode, by_n in ours.items()}
     for name, (result, reason) in others.items():
         if result is None:

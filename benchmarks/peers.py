@@ -387,12 +387,16 @@ def run_llamacpp_concurrency(model_dir: Path, dtype: str, c: Concurrency) -> dic
             runs["tokens_per_s"].append(n * c.new_tokens / row["t"])
     return {"version": f"llama.cpp vendored in llama-cpp-python {LLAMA_CPP_PYTHON}",
             "flags": f"{dtype} GGUF, -t {c.threads}, -b 2048 -ub 512, llama-batched-bench",
-            "counts": {n: _stats(v) for n, v in by_n.items()}}
+            "counts": {n: _spreads(v) for n, v in by_n.items()}}
 
 
-def _stats(runs: dict[str, list[float]]) -> dict:
-    return {k: {"median": statistics.median(v), "min": min(v), "max": max(v), "all": v}
-            for k, v in runs.items()}
+def spread(xs: list[float]) -> dict:
+    """Repeated rounds' values: their median, min, max and all of them."""
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "all": xs}
+
+
+def _spreads(runs: dict[str, list[float]]) -> dict:
+    return {k: spread(v) for k, v in runs.items()}
 
 
 def _batched_bench(bin_dir: Path, model: Path, name: str, args: list) -> dict:
@@ -478,7 +482,7 @@ def run_vllm_concurrency(model_dir: Path, dtype: str, c: Concurrency) -> dict:
     result = _vllm_subprocess(python, _vllm_env(python, c.threads), "vllm-concurrency",
                               "vllm-concurrency",
                               {"model": str(model_dir), "dtype": dtype, **dataclasses.asdict(c)})
-    result["counts"] = {n: _stats(runs) for n, runs in result["counts"].items()}
+    result["counts"] = {n: _spreads(runs) for n, runs in result["counts"].items()}
     return result
 
 

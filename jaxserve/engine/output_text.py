@@ -66,8 +66,7 @@ class OutputText:
         output `token_ids` (in place), decoded at once: two decodes for the request
         instead of two per token. As `add`, a last token that ended it as EOS or a stop
         token id adds no text."""
-        stop_token = out.finish_reason == "stop" and bool(token_ids) and (
-            token_ids[-1] == out.stop_reason or token_ids[-1] in self._eos)
+        stop_token = self._ends_in_stop_token(token_ids, out.finish_reason, out.stop_reason)
         self.num_tokens = len(token_ids)
         self.text = (self._detok.extend(token_ids[:-1] if stop_token else token_ids)
                      + self._detok.flush())
@@ -83,8 +82,7 @@ class OutputText:
         a stop token id adds no text (vLLM's rule, so special-token text kept with
         skip_special_tokens=False does not end in EOS) and is not matched against the
         stop strings."""
-        stop_token = finish_reason == "stop" and bool(token_ids) and (
-            token_ids[-1] == stop_reason or token_ids[-1] in self._eos)
+        stop_token = self._ends_in_stop_token(token_ids, finish_reason, stop_reason)
         stop = None
         last, used = len(token_ids) - 1, 0
         for i, token in enumerate(token_ids):
@@ -103,6 +101,12 @@ class OutputText:
         new_text = self.text[self.emitted:upto] if upto > self.emitted else ""
         self.emitted = max(self.emitted, upto)
         return new_text, stop, used
+
+    def _ends_in_stop_token(self, token_ids: Sequence[int], finish_reason: str | None,
+                            stop_reason: str | int | None) -> bool:
+        """Whether the last of `token_ids` ended the request as EOS or a stop token id."""
+        return finish_reason == "stop" and bool(token_ids) and (
+            token_ids[-1] == stop_reason or token_ids[-1] in self._eos)
 
     def _find_stop(self) -> str | None:
         if self.num_tokens < self._params.min_tokens:

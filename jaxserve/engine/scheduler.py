@@ -241,7 +241,7 @@ class Scheduler:
         assert out.num_batched_tokens == self.config.max_num_batched_tokens - sum(budgets)
         for s in out.scheduled:
             seq, end = s.seq, s.start + s.num_new_tokens
-            num_tokens = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+            num_tokens = seq.num_tokens
             if drafts and seq in drafts:  # those that fit after the seq's own tokens
                 s.drafts = drafts[seq].cut(end - num_tokens)
             s.samples = end == num_tokens + len(s.drafts.tokens)
@@ -289,11 +289,10 @@ class Scheduler:
         """Tokens of `seq` to compute this step: what is left, capped by the budget; none
         once the steps in flight bring its last token (a step for it would be thrown
         away, and with async scheduling the next request's first step would wait for it)."""
-        num_outputs = len(seq.output_token_ids)
-        num_tokens = len(seq.prompt_token_ids) + num_outputs
+        num_tokens = seq.num_tokens
         assert num_tokens <= self.config.max_model_len, (
             f"{seq.request_id}: {num_tokens} tokens > max_model_len; the engine must stop it")
-        if seq.max_output_tokens is not None and num_outputs >= seq.max_output_tokens:
+        if seq.max_output_tokens is not None and len(seq.output_token_ids) >= seq.max_output_tokens:
             return 0
         return min(num_tokens + drafts - seq.num_computed_tokens, budget)
 
