@@ -28,6 +28,23 @@ class StepOutput:
     first_scheduled_at: float | None = None  # time.monotonic() when it first ran (queue time)
     error: str | None = None  # finish_reason "error": what failed
 
+    @staticmethod
+    def merge(outputs: list[StepOutput]) -> StepOutput:
+        """Consecutive outputs of one request as one (a stream that fell behind sends what
+        piled up in one message, as vLLM's output collector does): the deltas joined, the
+        rest from the last."""
+        if len(outputs) == 1:
+            return outputs[0]
+        last = outputs[-1]
+        logprobs = None
+        if any(o.new_logprobs is not None for o in outputs):
+            logprobs = [lp for o in outputs for lp in o.new_logprobs or ()]
+        return dataclasses.replace(
+            last, new_token_ids=[t for o in outputs for t in o.new_token_ids],
+            new_text="".join(o.new_text for o in outputs), new_logprobs=logprobs,
+            first_scheduled_at=next((o.first_scheduled_at for o in outputs
+                                     if o.first_scheduled_at is not None), None))
+
 
 @dataclasses.dataclass
 class CompletionOutput:

@@ -5,7 +5,9 @@ in an inbox, and between steps the thread drains it, so requests and aborts take
 at the next step. Text never touches that thread: prompts are tokenized in a worker pool
 before they are sent, and outputs go, in order, through a detokenizer thread that turns
 their tokens into text, checks stop strings (a match ends the request: the engine is told
-to stop it) and hands them to the caller's event loop with `call_soon_threadsafe`.
+to stop it) and hands them to the caller's event loop with `call_soon_threadsafe`. A
+caller that reads slower than the engine steps gets what piled up as one output (fewer,
+larger messages: what a stream costs the event loop is per message).
 """
 
 from __future__ import annotations
@@ -179,7 +181,10 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                out = await stream.queue.get()
+                outs = [await stream.queue.get()]
+                while not stream.queue.empty():
+                    outs.append(stream.queue.get_nowait())
+                out = StepOutput.merge(outs)
                 finished = out.finished
                 yield out
         finally:

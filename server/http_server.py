@@ -108,26 +108,33 @@ class Job:
 
     async def outputs(self) -> AsyncIterator[tuple[int, StepOutput]]:
         """(choice index, output) as they come, until every choice has finished."""
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, stream: AsyncIterator[StepOutput]) -> None:
-            async for out in stream:
-                await queue.put((i, out))
-
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
         try:
-            while len(self.done) < len(self.streams):
-                i, out = await queue.get()
-                if out.finished:
-                    self.done.add(i)
-                if out.finish_reason == "error":  # the engine step failed; the server goes on
-                    raise oai.APIError(500, f"the step failed: {out.error}",
-                                       type_="internal_error")
-                yield i, out
+            if len(self.streams) == 1:  # one choice: its stream read directly
+                async for out in self.streams[0]:
+                    yield self._checked(0, out)
+                return
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(i: int, stream: AsyncIterator[StepOutput]) -> None:
+                async for out in stream:
+                    await queue.put((i, out))
+
+            tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
+            try:
+                while len(self.done) < len(self.streams):
+                    yield self._checked(*await queue.get())
+            finally:
+                for task in tasks:
+                    task.cancel()
         finally:
-            for task in tasks:
-                task.cancel()
             self.abort()
+
+    def _checked(self, i: int, out: StepOutput) -> tuple[int, StepOutput]:
+        if out.finished:
+            self.done.add(i)
+        if out.finish_reason == "error":  # the engine step failed; the server goes on
+            raise oai.APIError(500, f"the step failed: {out.error}", type_="internal_error")
+        return i, out
 
 
 async def _prepend(first: StepOutput, rest: AsyncIterator[StepOutput]

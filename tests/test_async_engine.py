@@ -110,6 +110,36 @@ def test_text_and_stop_strings_are_made_off_the_engine_thread(llm, prompts):
     engine.detokenize = True  # as the offline LLM (the next tests) has it
 
 
+def test_a_stream_that_fell_behind_reads_what_piled_up_as_one_output(llm, prompts):
+    """A caller that reads only after its request has finished gets one output, its steps'
+    tokens, text and logprobs joined, as the offline engine made them."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    want = llm.generate([prompts[0]], params)[0].outputs[0]
+
+    async def main():
+        async_engine = AsyncEngine(llm.engine)
+        async_engine.start()
+        try:
+            stream = await async_engine.add("late", prompts[0], params)
+            while async_engine.num_streams():  # the last output has left the engine thread
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)  # and the detokenizer's hand-over has run
+            return await collect(stream)
+        finally:
+            async_engine.stop()
+
+    outs = asyncio.run(main())
+    llm.engine.detokenize = True
+    assert len(outs) == 1
+    out = outs[0]
+    assert out.finished and out.finish_reason == want.finish_reason == "length"
+    assert out.new_token_ids == want.token_ids and out.new_text == want.text
+    assert [list(d) for d in out.new_logprobs] == [list(d) for d in want.logprobs]
+    for got_lp, want_lp in zip(out.new_logprobs, want.logprobs):
+        assert [e.logprob for e in got_lp.values()] == pytest.approx(
+            [e.logprob for e in want_lp.values()], abs=1e-5)
+
+
 @pytest.mark.parametrize("consume_kv_cache", [True, False])
 def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(llm, prompts,
                                                                  consume_kv_cache):
