@@ -17,7 +17,7 @@ The host-loop check (issue 54): the tiny model of benchmarks/host_overhead.py, 2
     python benchmarks/http_vs_grpc.py --model "$(python -c 'import sys; sys.path.insert(0,
         "benchmarks"); import peers; print(peers.checkpoint("configs/models/tiny-llama.yaml",
         dtype="float32"))')" --dtype float32 --concurrency 256 --num-prompts 256 \
-        --input-len 16 --output-len 128 --offline
+        --input-len 16 --output-len 128 --offline [--stream-interval 16]
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def start_server(args, grpc_port: int, http_port: int, log) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "jaxserve", "serve", *model, "--dtype", args.dtype,
            "--max-num-seqs", str(args.concurrency), "--max-model-len", "512",
            "--max-num-batched-tokens", "512", "--page-size", "16",
-           "--port", str(grpc_port), "--http-port", str(http_port)]
+           "--port", str(grpc_port), "--http-port", str(http_port),
+           "--stream-interval", str(args.stream_interval)]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                             env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
@@ -101,6 +102,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16" if has_avx512_bf16() else "float32")
     ap.add_argument("--model", help="a checkpoint directory to serve (default: random "
                     "weights of smollm2-135m's shape)")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="the server's --stream-interval (tokens a message holds at least)")
     ap.add_argument("--offline", action="store_true",
                     help="also run the requests through the offline LLM (needs --model)")
     args = ap.parse_args()
@@ -132,7 +135,8 @@ def main() -> None:
 
     print(f"{datetime.date.today().isoformat()}, {cpu_name()}, {os.cpu_count()} cores, "
           f"{args.dtype}, {args.concurrency} concurrent streams, {args.num_prompts} requests "
-          f"of {args.input_len} in / {args.output_len} out\n")
+          f"of {args.input_len} in / {args.output_len} out, --stream-interval "
+          f"{args.stream_interval}\n")
     print("| round | API | output tok/s | TTFT median ms | TPOT median ms |")
     print("|---|---|---|---|---|")
     for r, api, res in runs:

@@ -79,6 +79,13 @@ def parse_buckets(text: str | None) -> tuple[int, ...] | None:
         raise ValueError(f"--token-buckets {text!r}: write token counts, e.g. 16,64") from None
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def parse_json_object(flag: str, text: str | None) -> dict | None:
     if text is None:
         return None
@@ -180,7 +187,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              model_name=args.served_model_name or name,
                              http_port=None if args.no_http else args.http_port,
                              max_prompt_bytes=args.max_prompt_bytes, security=security,
-                             tool_call_parser=args.tool_call_parser))
+                             tool_call_parser=args.tool_call_parser,
+                             stream_interval=args.stream_interval))
     if dist is not None and code != 0:
         multihost.exit_now(code)
     return code
@@ -301,6 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="longest prompt text taken, checked before tokenizing (default: 32 "
                           "bytes per token of max_model_len); gRPC messages and HTTP bodies are "
                           "limited to twice this plus 1 MiB")
+    srv.add_argument("--stream-interval", type=positive_int, default=1,
+                     help="tokens a streamed message holds at least, but a stream's first and "
+                          "last (default 1: every step's tokens at once); larger values cost "
+                          "the server less per token when many streams run")
     srv.add_argument("--served-model-name", default=None,
                      help="the model name clients send (default: the --model path, or "
                           "'demo')")

@@ -7,7 +7,9 @@ before they are sent, and outputs go, in order, through a detokenizer thread tha
 their tokens into text, checks stop strings (a match ends the request: the engine is told
 to stop it) and hands them to the caller's event loop with `call_soon_threadsafe`. A
 caller that reads slower than the engine steps gets what piled up as one output (fewer,
-larger messages: what a stream costs the event loop is per message).
+larger messages: what a stream costs the event loop is per message); `stream_interval`
+holds a stream's outputs back on the detokenizer thread until that many tokens have come
+(vLLM's and SGLang's `--stream-interval`), and turns them into text together.
 """
 
 from __future__ import annotations
@@ -78,9 +80,12 @@ class _Stream:
     times: RequestTimes
     params: SamplingParams
     prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
-    # Detokenizer thread only: the request's text, and whether its last output was sent.
+    # Detokenizer thread only: the request's text, whether its last output was sent, and
+    # outputs held back by the stream interval (with their tokens' count; None: none sent).
     text: OutputText | None = None
     done: bool = False
+    held: list[StepOutput] = dataclasses.field(default_factory=list)
+    num_held: int | None = None
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
@@ -109,8 +114,13 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine, max_waiting: int = 1024, rate_window_s: float = 10.0,
                  metrics: Metrics | None = None, max_prompt_bytes: int | None = None,
-                 tokenizer_threads: int = 2):
+                 tokenizer_threads: int = 2, stream_interval: int = 1):
+        if stream_interval < 1:
+            raise ValueError("stream_interval must be at least 1")
         self.engine = engine
+        # A stream's first output goes at once, its last too; the others wait until they
+        # hold this many tokens together.
+        self.stream_interval = stream_interval
         engine.detokenize = False  # the detokenizer thread does it
         self.metrics = metrics
         self.max_prompt_bytes = max_prompt_bytes or default_max_prompt_bytes(engine.max_model_len)
@@ -371,9 +381,16 @@ class AsyncEngine:
             # wake-up writes to a socket: 256 streams spent a third of this thread on them).
             by_loop: dict[asyncio.AbstractEventLoop, list] = {}
             for stream, out in batch:
-                if not stream.done:  # else ended by a stop string; the engine sampled on
-                    by_loop.setdefault(stream.loop, []).append(
-                        (stream.queue, self._finish_output(stream, out)))
+                if stream.done:  # ended by a stop string; the engine sampled on
+                    continue
+                stream.held.append(out)
+                if stream.num_held is not None:
+                    stream.num_held += len(out.new_token_ids)
+                    if stream.num_held < self.stream_interval and not out.finished:
+                        continue
+                by_loop.setdefault(stream.loop, []).append(
+                    (stream.queue, self._finish_output(stream, StepOutput.merge(stream.held))))
+                stream.held, stream.num_held = [], 0
             for loop, items in by_loop.items():
                 _deliver(loop, _put_each, items)
 

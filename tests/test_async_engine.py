@@ -140,6 +140,43 @@ def test_a_stream_that_fell_behind_reads_what_piled_up_as_one_output(llm, prompt
             [e.logprob for e in want_lp.values()], abs=1e-5)
 
 
+def test_a_stream_interval_sends_tokens_in_groups_with_the_offline_text(llm, prompts):
+    """`stream_interval` 4: a stream's first output at once, then outputs of at least 4
+    tokens, the last whatever is left; a stop string inside a held group ends the text and
+    the tokens where the offline engine does."""
+    free = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    text = llm.generate([prompts[1]], free)[0].outputs[0].text
+    params = [SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[text[9:12]])]
+    want = [o.outputs[0] for o in llm.generate([prompts[0], prompts[1]], params)]
+    assert want[1].finish_reason == "stop" and len(want[1].token_ids) < 24
+
+    async def main():
+        async_engine = AsyncEngine(llm.engine, stream_interval=4)
+        async_engine.start()
+        try:
+            streams = [await async_engine.add(f"g{i}", p, sp)
+                       for i, (p, sp) in enumerate(zip(prompts[:2], params))]
+            return await asyncio.gather(*map(collect, streams))
+        finally:
+            for _ in range(100):  # the stop string's abort reaches the engine
+                if not llm.engine.has_unfinished():
+                    break
+                await asyncio.sleep(0.05)
+            async_engine.stop()
+
+    got = asyncio.run(main())
+    llm.engine.detokenize = True
+    for outs, w in zip(got, want):
+        assert len(outs[0].new_token_ids) == 1
+        assert all(len(o.new_token_ids) >= 4 for o in outs[1:-1])
+        assert "".join(o.new_text for o in outs) == w.text
+        assert [t for o in outs for t in o.new_token_ids] == w.token_ids
+        assert (outs[-1].finish_reason, outs[-1].stop_reason) == (w.finish_reason, w.stop_reason)
+    assert len(got[0]) < 23 // 4 + 3  # not one output per token
+    assert llm.engine.scheduler.num_used_pages == 0
+
+
 @pytest.mark.parametrize("consume_kv_cache", [True, False])
 def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(llm, prompts,
                                                                  consume_kv_cache):

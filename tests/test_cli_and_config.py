@@ -28,7 +28,8 @@ def test_help_lists_every_command_and_its_flags(capsys):
                      "--sharding {tp,tp+sp,dp,dp+tp,dp+tp+sp,ep,tp+ep,dp+ep,dp+tp+ep}",
                      "--dtype {bfloat16,float32}", "--quantization {int8,int4,fp8}",
                      "--kv-cache-dtype {auto,int8,fp8}", "--random-weights", "--coordinator",
-                     "--grace", "--http-port", "--no-http", "--served-model-name"],
+                     "--grace", "--http-port", "--no-http", "--served-model-name",
+                     "--stream-interval"],
         ("generate",): ["--prompt", "--max-tokens", "--temperature", "--stop", "--model"],
         ("client",): ["{generate,chat,status,info}", "--target"],
         ("plan",): ["--topology", "--target", "--compare", "--strategy", "--plot"],
@@ -39,6 +40,14 @@ def test_help_lists_every_command_and_its_flags(capsys):
         text = " ".join(help_text(capsys, *argv).split())
         missing = [f for f in expected if f not in text]
         assert not missing, (argv, missing)
+
+
+
+def test_a_stream_interval_under_one_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--stream-interval", "0"])
+    assert e.value.code == 2
+    assert "--stream-interval: must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_generate_on_demo_model(tmp_path, monkeypatch, capsys):
