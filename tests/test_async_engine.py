@@ -141,8 +141,8 @@ def test_a_stream_that_fell_behind_reads_what_piled_up_as_one_output(llm, prompt
 
 
 def test_a_stream_interval_sends_tokens_in_groups_with_the_offline_text(llm, prompts):
-    """`stream_interval` 4: a stream's first output at once, then outputs of at least 4
-    tokens, the last whatever is left; a stop string inside a held group ends the text and
+    """`stream_interval` 4: after a stream's first output, outputs of at least 4 tokens,
+    the last whatever is left; a stop string inside a held group ends the text and
     the tokens where the offline engine does."""
     free = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     text = llm.generate([prompts[1]], free)[0].outputs[0].text
@@ -168,7 +168,7 @@ def test_a_stream_interval_sends_tokens_in_groups_with_the_offline_text(llm, pro
     got = asyncio.run(main())
     llm.engine.detokenize = True
     for outs, w in zip(got, want):
-        assert len(outs[0].new_token_ids) == 1
+        # (the first may hold more: a caller that reads late gets what piled up)
         assert all(len(o.new_token_ids) >= 4 for o in outs[1:-1])
         assert "".join(o.new_text for o in outs) == w.text
         assert [t for o in outs for t in o.new_token_ids] == w.token_ids
