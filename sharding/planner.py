@@ -37,6 +37,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, ModelConfig, ModelOptions
 from jaxserve.engine.batch import BatchBuilder, BucketKey
 from jaxserve.engine.kv_memory import abstract_kv_cache, kv_page_bytes, pages_per_seq
+from jaxserve.engine.packing import pack
 from jaxserve.engine.programs import jit_programs
 from jaxserve.loading.safetensors import abstract_model
 from sharding.mesh import make_mesh
@@ -86,9 +87,9 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
     caches = abstract_kv_cache(cfg, num_pages * shard.data_shards, engine.page_size,
                                jnp.dtype(engine.kv_storage_dtype), shard)
     replicated = shard.sharding(())
-    inputs = dataclasses.replace(builder.empty(key), sampling=None, history=None)
+    inputs = pack(dataclasses.replace(builder.empty(key), sampling=None, history=None))
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
-                         inputs)
+                         inputs)  # its two buffers (packing.py)
     # The forward pass: every weight, cache page, kernel and collective of the step (its
     # sampling is a small replicated program of its own).
     fn = jit_programs(graphdef, params, jax.tree.map(lambda x: x.sharding, caches),

@@ -3,10 +3,12 @@ text, decoded once per request, is the text streamed step by step."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 
 import jax
+import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
@@ -86,15 +88,32 @@ def only_explicit_fetches():
 def test_steps_never_wait_for_the_device_implicitly(path, prompts, steps):
     """Steps (one per program and four per program) of every kind of request where only
     the engine's explicit fetch of a step's samples reads device data on the host. Same
-    outputs as without the check."""
+    outputs as without the check. Each program call's host arrays go as two (packed)."""
     llm = LLM(path, num_scheduler_steps=steps, **ENGINE)
     params = mixed_params()
     batch = [prompts[i % len(prompts)] for i in range(len(params))]
     want = summary(llm.generate(batch, params))
-    with only_explicit_fetches():
-        got = summary(llm.generate(batch, params))
+    runner, host_arrays = llm.engine.runner, collections.Counter()
+    run = runner._run
+
+    def counting_run(program, fn, args):
+        for x in jax.tree.leaves(args):
+            host_arrays[program[0], type(x).__name__] += isinstance(x, np.ndarray)
+        host_arrays[program[0], "calls"] += 1
+        return run(program, fn, args)
+
+    runner._run = counting_run
+    try:
+        with only_explicit_fetches():
+            got = summary(llm.generate(batch, params))
+    finally:
+        del runner._run
     assert got == want
     assert all(tokens for tokens, *_ in got)
+    programs = ("forward", "sample") + (("steps",) if steps > 1 else ())
+    for program in programs:
+        assert host_arrays[program, "calls"] > 0, program
+        assert host_arrays[program, "ndarray"] == 2 * host_arrays[program, "calls"], program
 
 
 def test_the_check_catches_a_hidden_wait(path, monkeypatch):

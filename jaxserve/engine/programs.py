@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.engine.batch import CarryLayout, StepBatch
+from jaxserve.engine.packing import Packed, unpack
 from jaxserve.engine.sampler import SampledDrafts, SampleOutput, SamplingArrays, TokenHistory, sample
 from jaxserve.engine.slots import position_slots
 from jaxserve.engine.speculative.device import (
@@ -189,6 +190,16 @@ class StepPrograms(NamedTuple):
     steps: Callable | None = None  # `decode_steps` (None: one step per program)
 
 
+def sample_packed(logits: jax.Array, inputs: Packed, carry: jax.Array,
+                  draft_probs: jax.Array | None, row_tokens: jax.Array, **kwargs
+                  ) -> tuple[SampleOutput, jax.Array]:
+    """`sample_step` with its host inputs (sampling, history, num_rows) packed in one
+    (packing.py)."""
+    sampling, history, num_rows = unpack(inputs)
+    return sample_step(logits, sampling, history, carry, num_rows, draft_probs, row_tokens,
+                       **kwargs)
+
+
 def on_param_leaves(graphdef: nnx.GraphDef, params, fn: Callable) -> Callable:
     """`fn(graphdef, params, *args)` as a function of the parameters' flat list of leaves
     (`jax.tree.leaves(params)`; `params` may be abstract): flattening an nnx.State on every
@@ -197,13 +208,29 @@ def on_param_leaves(graphdef: nnx.GraphDef, params, fn: Callable) -> Callable:
     return lambda leaves, *args: fn(graphdef, jax.tree.unflatten(treedef, leaves), *args)
 
 
+def forward_packed(graphdef: nnx.GraphDef, params, kv_caches: KVCache, batch: Packed, *args,
+                   **kwargs):
+    """`forward` with its batch packed (packing.py)."""
+    return forward(graphdef, params, kv_caches, unpack(batch), *args, **kwargs)
+
+
+def decode_steps_packed(graphdef: nnx.GraphDef, params, kv_caches: KVCache, inputs: Packed,
+                        carry: jax.Array, expert_load: jax.Array | None, **kwargs):
+    """`decode_steps` with its batch and step count packed in one (packing.py)."""
+    batch, num_steps = unpack(inputs)
+    return decode_steps(graphdef, params, kv_caches, batch, carry, expert_load, num_steps,
+                        **kwargs)
+
+
 def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: ShardingContext,
                  layout: CarryLayout, page_size: int, features_from: tuple[int, ...] = (),
                  medusa: MedusaHeads | None = None, max_decode_steps: int = 1) -> StepPrograms:
     """The programs, jitted with fixed layouts in and out (params, KV cache and Medusa
     heads as given, logits as the model leaves them, batch and samples replicated, an
     EAGLE feature cache split as the pages are), so the donated caches and params never
-    reshard. They take the parameters as their flat list of leaves (`on_param_leaves`)."""
+    reshard. They take the parameters as their flat list of leaves (`on_param_leaves`),
+    and the batch's host arrays packed (packing.py): `forward` its batch, `sample` its
+    (sampling, history, num_rows), `steps` its (batch, num_steps)."""
     param_shardings = [x.sharding for x in jax.tree.leaves(params)]
     replicated = shard.sharding(())
     logits_sharding = shard.sharding(("seqs", "vocab"))
@@ -220,15 +247,15 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
                              in_specs=(*io, slots, slots), out_specs=io)
 
     def jitted(verifies: bool) -> tuple[Callable, Callable]:
-        step = functools.partial(forward, features_from=features_from, layout=layout,
+        step = functools.partial(forward_packed, features_from=features_from, layout=layout,
                                  page_size=page_size, verifies=verifies)
         return (jax.jit(on_param_leaves(graphdef, params, step), donate_argnums=(1, 6),
                         in_shardings=inputs,
                         out_shardings=(cache_shardings, logits_sharding, replicated,
                                        replicated, features, replicated)),
-                jax.jit(functools.partial(sample_step, layout=layout, verifies=verifies),
+                jax.jit(functools.partial(sample_packed, layout=layout, verifies=verifies),
                         in_shardings=(logits_sharding, replicated, replicated, replicated,
-                                      replicated, replicated, replicated),
+                                      replicated),
                         out_shardings=(replicated, replicated)))
 
     verify = jitted(True)
@@ -240,8 +267,9 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
         # (smollm2-135m: 113 MB; one step 21 ms instead of 9.5).
         steps = jax.jit(
             on_param_leaves(graphdef, params, functools.partial(
-                decode_steps, steps=max_decode_steps, layout=layout, page_size=page_size)),
-            donate_argnums=(1,), in_shardings=inputs[:3] + (replicated,) * 3,
+                decode_steps_packed, steps=max_decode_steps, layout=layout,
+                page_size=page_size)),
+            donate_argnums=(1,), in_shardings=inputs[:3] + (replicated,) * 2,
             out_shardings=(cache_shardings, replicated, replicated, replicated),
             compiler_options={"xla_disable_hlo_passes": "while-loop-invariant-code-motion"})
     return StepPrograms(

@@ -21,6 +21,7 @@ from jaxserve.engine.broadcast import FORWARD, SAMPLE, STEP
 from jaxserve.engine.compile_cache import counting_hits
 from jaxserve.engine.executable_cache import ExecutableCache, one_device
 from jaxserve.engine.kv_memory import abstract_kv_cache
+from jaxserve.engine.packing import pack
 from jaxserve.engine.programs import FEATURE_AXES, jit_programs
 from jaxserve.engine.sampler import SampleOutput
 from jaxserve.models.medusa import MedusaHeads
@@ -238,8 +239,8 @@ class ModelRunner:
         `[decode_steps, R]`, step i's samples at i."""
         batch = dataclasses.replace(batch, history=None)
         batch.sampling.grammar_mask = self._grammar_mask(batch.sampling.grammar_mask)
-        args = (self.param_leaves, self.kv_caches, batch, self.carry, self.expert_load,
-                np.int32(num_steps))
+        args = (self.param_leaves, self.kv_caches, pack((batch, np.int32(num_steps))),
+                self.carry, self.expert_load)
         self.kv_caches, out, self.carry, self.expert_load = self._run(
             self.steps_program(key), self._programs.steps, args)
         return out
@@ -269,7 +270,7 @@ class ModelRunner:
         self.kv_caches, self.features = self._run(("move",), self._programs.move, args)
 
     def _forward(self, batch: StepBatch, program: tuple) -> None:
-        inputs = dataclasses.replace(batch, sampling=None, history=None)
+        inputs = pack(dataclasses.replace(batch, sampling=None, history=None))
         args = (self.param_leaves, self.kv_caches, inputs, self.carry, self.expert_load,
                 self.medusa, self.features)
         (self.kv_caches, self._logits, self.expert_load, self.guesses,
@@ -280,7 +281,7 @@ class ModelRunner:
     def _sample(self, batch: StepBatch, program: tuple) -> SampleOutput:
         logits, self._logits = self._logits, None
         batch.sampling.grammar_mask = self._grammar_mask(batch.sampling.grammar_mask)
-        args = (logits, batch.sampling, batch.history, self.carry, batch.num_rows,
+        args = (logits, pack((batch.sampling, batch.history, batch.num_rows)), self.carry,
                 self.draft_probs, self._row_tokens)
         out, self.carry = self._run(program, self._programs.sample[program[-1]], args)
         return out
@@ -301,7 +302,7 @@ class ModelRunner:
     def compiled(self, key: BucketKey) -> jax.stages.Compiled:
         """The compiled forward pass of a bucket (every collective and kernel of its step
         is there), for reading its HLO (compiles it again)."""
-        batch = dataclasses.replace(self.builder.empty(key), sampling=None, history=None)
+        batch = pack(dataclasses.replace(self.builder.empty(key), sampling=None, history=None))
         forward = self._programs.forward[self.programs(key)[0][-1]]
         return forward.lower(self.param_leaves, self.kv_caches, batch, self.carry,
                              self.expert_load, self.medusa, self.features).compile()
