@@ -13,6 +13,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine import engine as engine_module
+from jaxserve.engine import runner as runner_module
 from jaxserve.sampling_params import StructuredOutputsParams
 
 ENGINE = dict(dtype="float32", max_model_len=128, page_size=4, max_num_seqs=4,
@@ -88,32 +89,43 @@ def only_explicit_fetches():
 def test_steps_never_wait_for_the_device_implicitly(path, prompts, steps):
     """Steps (one per program and four per program) of every kind of request where only
     the engine's explicit fetch of a step's samples reads device data on the host. Same
-    outputs as without the check. Each program call's host arrays go as two (packed)."""
+    outputs as without the check."""
     llm = LLM(path, num_scheduler_steps=steps, **ENGINE)
     params = mixed_params()
     batch = [prompts[i % len(prompts)] for i in range(len(params))]
     want = summary(llm.generate(batch, params))
-    runner, host_arrays = llm.engine.runner, collections.Counter()
-    run = runner._run
-
-    def counting_run(program, fn, args):
-        for x in jax.tree.leaves(args):
-            host_arrays[program[0], type(x).__name__] += isinstance(x, np.ndarray)
-        host_arrays[program[0], "calls"] += 1
-        return run(program, fn, args)
-
-    runner._run = counting_run
-    try:
-        with only_explicit_fetches():
-            got = summary(llm.generate(batch, params))
-    finally:
-        del runner._run
+    with only_explicit_fetches():
+        got = summary(llm.generate(batch, params))
     assert got == want
     assert all(tokens for tokens, *_ in got)
-    programs = ("forward", "sample") + (("steps",) if steps > 1 else ())
-    for program in programs:
-        assert host_arrays[program, "calls"] > 0, program
-        assert host_arrays[program, "ndarray"] == 2 * host_arrays[program, "calls"], program
+
+
+def test_packed_inputs_give_the_same_tokens_in_two_arrays_a_call(path, prompts,
+                                                                  monkeypatch):
+    """As on an accelerator (packing forced on this CPU): every step program's host
+    inputs go as two arrays (packing.py), and every kind of request gets the tokens and
+    text the runner passing them as they are gives, one and four steps per program."""
+    params = mixed_params()
+    batch = [prompts[i % len(prompts)] for i in range(len(params))]
+    plain = [summary(LLM(path, num_scheduler_steps=s, **ENGINE).generate(batch, params))
+             for s in (1, 4)]
+    monkeypatch.setattr(runner_module, "packs_inputs", lambda: True)
+    for steps, want in zip((1, 4), plain):
+        llm = LLM(path, num_scheduler_steps=steps, **ENGINE)
+        runner, host_arrays = llm.engine.runner, collections.Counter()
+        run = runner._run
+
+        def counting_run(program, fn, args):
+            host_arrays[program[0]] += 1
+            host_arrays[program[0], "arrays"] += sum(isinstance(x, np.ndarray)
+                                                     for x in jax.tree.leaves(args))
+            return run(program, fn, args)
+
+        runner._run = counting_run
+        assert summary(llm.generate(batch, params)) == want
+        for program in ("forward", "sample") + (("steps",) if steps > 1 else ()):
+            assert host_arrays[program] > 0, program
+            assert host_arrays[program, "arrays"] == 2 * host_arrays[program], program
 
 
 def test_the_check_catches_a_hidden_wait(path, monkeypatch):

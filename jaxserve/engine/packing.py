@@ -1,10 +1,13 @@
 """A step's host inputs as one transfer: `pack` lays a pytree's numpy leaves end to end in
 one int32 and one float32 buffer, and a jitted program's `unpack` slices them back out.
 
-A jitted call places each numpy argument on the device apart (~2 µs each on a CPU, a copy
-each on an accelerator): a step batch has ~30 (token ids, positions, attention metadata,
+A jitted call places each numpy argument on the device apart, a host-to-device copy each
+on an accelerator: a step batch has ~30 (token ids, positions, attention metadata,
 sampling parameters). Packed, it has two. Leaves that are device arrays already (a
-grammar mask kept on the device) pass through as they are.
+grammar mask kept on the device) pass through as they are. On a CPU, where a numpy
+argument costs ~2 µs and the slices cost the program more than that (XLA:CPU runs them
+as ops of their own: a batch-1 step's two programs took ~100 µs longer packed), the
+runner passes the batch as it is (`runner.packs_inputs`); the programs take either.
 """
 
 from __future__ import annotations
@@ -51,31 +54,57 @@ def _kind(dtype: np.dtype) -> int:
     raise TypeError(f"cannot pack a {dtype} array (int32 and float32 buffers)")
 
 
+class _Plan(NamedTuple):
+    """How a tree of one structure, shapes and dtypes packs: its leaves' indices by buffer
+    (int32, float32, passed as they are) and the layout `unpack` reads."""
+
+    parts: tuple[tuple[int, ...], tuple[int, ...]]
+    others: tuple[int, ...]
+    layout: tuple
+
+
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def _plan(leaves: list, treedef) -> _Plan:
+    key = (treedef, *[(x.shape, x.dtype) if isinstance(x, (np.ndarray, np.generic)) else None
+                      for x in leaves])
+    plan = _PLANS.get(key)
+    if plan is None:
+        parts: tuple[list, list] = ([], [])
+        sizes, places, others = [0, 0], [], []
+        for i, x in enumerate(leaves):
+            if not isinstance(x, (np.ndarray, np.generic)):
+                places.append(Leaf(-1, len(others)))
+                others.append(i)
+                continue
+            kind = _kind(x.dtype)
+            places.append(Leaf(kind, sizes[kind], x.shape, x.dtype.name))
+            parts[kind].append(i)
+            sizes[kind] += x.size
+        plan = _PLANS[key] = _Plan((tuple(parts[0]), tuple(parts[1])), tuple(others),
+                                   (treedef, tuple(places)))
+    return plan
+
+
 def pack(tree: Any) -> Packed:
-    """`tree` with its numpy leaves in two buffers (host side)."""
+    """`tree` with its numpy leaves in two buffers (host side). What goes where is worked
+    out once per structure, shapes and dtypes: a call flattens, and copies each leaf once
+    (converting bools, unsigned and narrower types bit for bit or exactly)."""
     leaves, treedef = jax.tree.flatten(tree)
-    parts: tuple[list, list] = ([], [])
-    sizes, places, others = [0, 0], [], []
-    for x in leaves:
-        if not isinstance(x, (np.ndarray, np.generic)):
-            places.append(Leaf(-1, len(others)))
-            others.append(x)
-            continue
-        x = np.asarray(x)
-        kind = _kind(x.dtype)
-        places.append(Leaf(kind, sizes[kind], x.shape, x.dtype.name))
-        if kind == 0 and x.dtype.itemsize == 4:
-            x = x.view(np.int32)  # uint32 seeds keep their bits
-        parts[kind].append(x.reshape(-1))
-        sizes[kind] += x.size
-    buffers = tuple(np.concatenate(p, dtype=dtype) if p else np.zeros(0, dtype)
-                    for p, dtype in zip(parts, (np.int32, np.float32)))
-    return Packed(buffers, tuple(others), (treedef, tuple(places)))
+    plan = _plan(leaves, treedef)
+    buffers = tuple(
+        np.concatenate([leaves[i].ravel() for i in part], dtype=dtype, casting="unsafe")
+        if part else np.zeros(0, dtype)
+        for part, dtype in zip(plan.parts, (np.int32, np.float32)))
+    return Packed(buffers, tuple(leaves[i] for i in plan.others), plan.layout)
 
 
-def unpack(packed: Packed) -> Any:
+def unpack(packed: Packed | Any) -> Any:
     """The tree `pack` packed, its numpy leaves now slices of the buffers (in a jitted
-    program: device arrays)."""
+    program: device arrays); a tree that is not packed, as it is."""
+    if not isinstance(packed, Packed):
+        return packed
     treedef, places = packed.layout
     leaves = []
     for place in places:

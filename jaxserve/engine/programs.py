@@ -193,8 +193,8 @@ class StepPrograms(NamedTuple):
 def sample_packed(logits: jax.Array, inputs: Packed, carry: jax.Array,
                   draft_probs: jax.Array | None, row_tokens: jax.Array, **kwargs
                   ) -> tuple[SampleOutput, jax.Array]:
-    """`sample_step` with its host inputs (sampling, history, num_rows) packed in one
-    (packing.py)."""
+    """`sample_step` with its host inputs (sampling, history, num_rows) in one tuple,
+    packed or not (packing.py)."""
     sampling, history, num_rows = unpack(inputs)
     return sample_step(logits, sampling, history, carry, num_rows, draft_probs, row_tokens,
                        **kwargs)
@@ -210,13 +210,14 @@ def on_param_leaves(graphdef: nnx.GraphDef, params, fn: Callable) -> Callable:
 
 def forward_packed(graphdef: nnx.GraphDef, params, kv_caches: KVCache, batch: Packed, *args,
                    **kwargs):
-    """`forward` with its batch packed (packing.py)."""
+    """`forward` with its batch packed or not (packing.py)."""
     return forward(graphdef, params, kv_caches, unpack(batch), *args, **kwargs)
 
 
 def decode_steps_packed(graphdef: nnx.GraphDef, params, kv_caches: KVCache, inputs: Packed,
                         carry: jax.Array, expert_load: jax.Array | None, **kwargs):
-    """`decode_steps` with its batch and step count packed in one (packing.py)."""
+    """`decode_steps` with its batch and step count in one tuple, packed or not
+    (packing.py)."""
     batch, num_steps = unpack(inputs)
     return decode_steps(graphdef, params, kv_caches, batch, carry, expert_load, num_steps,
                         **kwargs)
@@ -229,8 +230,9 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
     heads as given, logits as the model leaves them, batch and samples replicated, an
     EAGLE feature cache split as the pages are), so the donated caches and params never
     reshard. They take the parameters as their flat list of leaves (`on_param_leaves`),
-    and the batch's host arrays packed (packing.py): `forward` its batch, `sample` its
-    (sampling, history, num_rows), `steps` its (batch, num_steps)."""
+    and the batch's host arrays as one argument, packed on accelerators (packing.py):
+    `forward` its batch, `sample` its (sampling, history, num_rows), `steps` its (batch,
+    num_steps)."""
     param_shardings = [x.sharding for x in jax.tree.leaves(params)]
     replicated = shard.sharding(())
     logits_sharding = shard.sharding(("seqs", "vocab"))

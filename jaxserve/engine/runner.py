@@ -45,6 +45,8 @@ class ModelRunner:
         self.shard = shard
         self.builder = builder
         self.kv_dtype = kv_dtype
+        # The programs' host inputs: packed in one transfer (packing.py), or as they are.
+        self._pack = pack if packs_inputs() else _as_is
         self._abstract_kv = abstract_kv_cache(cfg, builder.num_pages * builder.data_shards,
                                               builder.page_size, kv_dtype, shard)
         self.kv_caches: KVCache = self.zeros(self._abstract_kv)
@@ -239,8 +241,8 @@ class ModelRunner:
         `[decode_steps, R]`, step i's samples at i."""
         batch = dataclasses.replace(batch, history=None)
         batch.sampling.grammar_mask = self._grammar_mask(batch.sampling.grammar_mask)
-        args = (self.param_leaves, self.kv_caches, pack((batch, np.int32(num_steps))),
-                self.carry, self.expert_load)
+        inputs = self._pack((batch, np.int32(num_steps)))
+        args = (self.param_leaves, self.kv_caches, inputs, self.carry, self.expert_load)
         self.kv_caches, out, self.carry, self.expert_load = self._run(
             self.steps_program(key), self._programs.steps, args)
         return out
@@ -270,7 +272,7 @@ class ModelRunner:
         self.kv_caches, self.features = self._run(("move",), self._programs.move, args)
 
     def _forward(self, batch: StepBatch, program: tuple) -> None:
-        inputs = pack(dataclasses.replace(batch, sampling=None, history=None))
+        inputs = self._pack(dataclasses.replace(batch, sampling=None, history=None))
         args = (self.param_leaves, self.kv_caches, inputs, self.carry, self.expert_load,
                 self.medusa, self.features)
         (self.kv_caches, self._logits, self.expert_load, self.guesses,
@@ -281,8 +283,8 @@ class ModelRunner:
     def _sample(self, batch: StepBatch, program: tuple) -> SampleOutput:
         logits, self._logits = self._logits, None
         batch.sampling.grammar_mask = self._grammar_mask(batch.sampling.grammar_mask)
-        args = (logits, pack((batch.sampling, batch.history, batch.num_rows)), self.carry,
-                self.draft_probs, self._row_tokens)
+        inputs = self._pack((batch.sampling, batch.history, batch.num_rows))
+        args = (logits, inputs, self.carry, self.draft_probs, self._row_tokens)
         out, self.carry = self._run(program, self._programs.sample[program[-1]], args)
         return out
 
@@ -302,7 +304,8 @@ class ModelRunner:
     def compiled(self, key: BucketKey) -> jax.stages.Compiled:
         """The compiled forward pass of a bucket (every collective and kernel of its step
         is there), for reading its HLO (compiles it again)."""
-        batch = pack(dataclasses.replace(self.builder.empty(key), sampling=None, history=None))
+        batch = self._pack(dataclasses.replace(self.builder.empty(key), sampling=None,
+                                               history=None))
         forward = self._programs.forward[self.programs(key)[0][-1]]
         return forward.lower(self.param_leaves, self.kv_caches, batch, self.carry,
                              self.expert_load, self.medusa, self.features).compile()
@@ -326,4 +329,14 @@ def fetch(out: SampleOutput) -> SampleOutput:
 @functools.cache
 def _on_cpu() -> bool:
     return jax.default_backend() == "cpu"
+
+
+def packs_inputs() -> bool:
+    """Whether step programs take their host inputs packed (packing.py): on accelerators,
+    where each array is a transfer of its own; not on a CPU, where packing costs more."""
+    return not _on_cpu()
+
+
+def _as_is(tree):
+    return tree
 
