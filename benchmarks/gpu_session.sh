@@ -12,6 +12,8 @@
 #   offline      benchmarks/offline_throughput.py on a Llama-3-8B-shaped random bf16 model
 #   forward      benchmarks/forward_step.py: that model's forward pass alone (no engine)
 #   sweep        benchmarks/gpu_attention_sweep.py: the attention kernel's launch choices
+#   hostloop     benchmarks/host_overhead.py (tiny model, no peers) with the step's host
+#                inputs packed in one transfer and not (jaxserve/engine/packing.py)
 # Each step has a time limit (SIGINT, so pytest still prints what failed) and a log. The
 # Python packages the device's image lacks travel as wheels in .whl, and the 8B model's
 # tokenizer in .tok8b (both ignored by git, named in the call's carry): see
@@ -89,6 +91,12 @@ jaxlib.__version__, 'triton', triton.__version__, 'torch', torch.__version__); p
     sweep)
       step sweep 130 python3 benchmarks/gpu_attention_sweep.py
       sed -n '/^[|#]/p' "$OUT/sweep.log" | awk '/^#/{n=0} {if (n++ < 8) print}' ;;
+    hostloop)
+      for pack in on off; do
+        step "hostloop-$pack" 300 python3 benchmarks/host_overhead.py --skip-peers --rounds 2 \
+          --pack "$pack"
+        sed -n '/^|/p' "$OUT/hostloop-$pack.log"
+      done ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done

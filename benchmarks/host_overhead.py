@@ -20,7 +20,7 @@ Peers in the same run (benchmarks/peers.py builds or installs them once): vLLM's
 time per step, no sampling or detokenizing). --skip-peers leaves them out.
 
     python benchmarks/host_overhead.py [--rounds 3] [--counts 1,16,64,256] [--skip-peers]
-        [--json out.json]
+        [--json out.json] [--pack auto|on|off]
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import peers  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.engine import engine as engine_module  # noqa: E402
+from jaxserve.engine import runner as runner_module  # noqa: E402
 
 PRESET = Path(__file__).resolve().parent.parent / "configs" / "models" / "tiny-llama.yaml"
 PROMPT_LEN, NEW_TOKENS, VOCAB = 16, 128, 2048
@@ -169,7 +170,12 @@ def main() -> None:
     ap.add_argument("--counts", default="1,16,64,256")
     ap.add_argument("--skip-peers", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--pack", choices=["auto", "on", "off"], default="auto",
+                    help="step programs' host inputs in one transfer (jaxserve/engine/"
+                         "packing.py; auto: on accelerators only)")
     args = ap.parse_args()
+    if args.pack != "auto":
+        runner_module.packs_inputs = lambda: args.pack == "on"
     counts = [int(x) for x in args.counts.split(",")]
     model_dir = peers.checkpoint(PRESET, dtype="float32")
     spec = peers.Concurrency(prompts(max(counts)), counts, NEW_TOKENS, args.rounds)
