@@ -121,9 +121,10 @@ def test_a_stream_that_fell_behind_reads_what_piled_up_as_one_output(llm, prompt
         async_engine.start()
         try:
             stream = await async_engine.add("late", prompts[0], params)
-            while async_engine.num_streams():  # the last output has left the engine thread
+            # The last output has left the engine thread and the detokenizer's queue...
+            while async_engine.num_streams() or not async_engine._outbox.empty():
                 await asyncio.sleep(0.01)
-            await asyncio.sleep(0.05)  # and the detokenizer's hand-over has run
+            await asyncio.sleep(0.2)  # ...and the detokenizer has handed it over
             return await collect(stream)
         finally:
             async_engine.stop()

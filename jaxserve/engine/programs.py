@@ -190,7 +190,7 @@ class StepPrograms(NamedTuple):
     steps: Callable | None = None  # `decode_steps` (None: one step per program)
 
 
-def sample_packed(logits: jax.Array, inputs: Packed, carry: jax.Array,
+def sample_packed(logits: jax.Array, inputs: Packed | tuple, carry: jax.Array,
                   draft_probs: jax.Array | None, row_tokens: jax.Array, **kwargs
                   ) -> tuple[SampleOutput, jax.Array]:
     """`sample_step` with its host inputs (sampling, history, num_rows) in one tuple,
@@ -208,14 +208,15 @@ def on_param_leaves(graphdef: nnx.GraphDef, params, fn: Callable) -> Callable:
     return lambda leaves, *args: fn(graphdef, jax.tree.unflatten(treedef, leaves), *args)
 
 
-def forward_packed(graphdef: nnx.GraphDef, params, kv_caches: KVCache, batch: Packed, *args,
-                   **kwargs):
+def forward_packed(graphdef: nnx.GraphDef, params, kv_caches: KVCache,
+                   batch: Packed | StepBatch, *args, **kwargs):
     """`forward` with its batch packed or not (packing.py)."""
     return forward(graphdef, params, kv_caches, unpack(batch), *args, **kwargs)
 
 
-def decode_steps_packed(graphdef: nnx.GraphDef, params, kv_caches: KVCache, inputs: Packed,
-                        carry: jax.Array, expert_load: jax.Array | None, **kwargs):
+def decode_steps_packed(graphdef: nnx.GraphDef, params, kv_caches: KVCache,
+                        inputs: Packed | tuple, carry: jax.Array, expert_load: jax.Array | None,
+                        **kwargs):
     """`decode_steps` with its batch and step count in one tuple, packed or not
     (packing.py)."""
     batch, num_steps = unpack(inputs)

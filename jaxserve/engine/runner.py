@@ -339,4 +339,3 @@ def packs_inputs() -> bool:
 
 def _as_is(tree):
     return tree
-
