@@ -41,9 +41,7 @@ class StepOutput:
             logprobs = [lp for o in outputs for lp in o.new_logprobs or ()]
         return dataclasses.replace(
             last, new_token_ids=[t for o in outputs for t in o.new_token_ids],
-            new_text="".join(o.new_text for o in outputs), new_logprobs=logprobs,
-            first_scheduled_at=next((o.first_scheduled_at for o in outputs
-                                     if o.first_scheduled_at is not None), None))
+            new_text="".join(o.new_text for o in outputs), new_logprobs=logprobs)
 
 
 @dataclasses.dataclass
