@@ -17,7 +17,11 @@ def __getattr__(name):
         from jaxserve.llm import LLM
 
         return LLM
+    if name == "LoRARequest":
+        from jaxserve.engine.lora import LoRARequest
+
+        return LoRARequest
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "RequestOutput", "CompletionOutput"]

@@ -458,7 +458,9 @@ class EngineConfig:
     the data shards. `compilation_cache_dir` keeps the compiled step programs across
     restarts (None: a folder under ~/.cache/jaxserve, or JAX's own if one is set; "off":
     no cache; engine/compile_cache.py). `speculative_config` (a SpeculativeConfig or its
-    dict) turns on speculative decoding.
+    dict) turns on speculative decoding. `enable_lora` serves LoRA adapters
+    (engine/lora.py): `max_loras` on the device at once, each of rank up to
+    `max_lora_rank`, and up to `max_cpu_loras` (default `max_loras`) kept in host memory.
     """
 
     model: str | None = None
@@ -484,6 +486,10 @@ class EngineConfig:
     sharding: str = "tp"
     compilation_cache_dir: str | None = None
     speculative_config: SpeculativeConfig | None = None
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):
@@ -492,10 +498,14 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens",
-                     "num_scheduler_steps"):
+                     "num_scheduler_steps", "max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int)
+                                               or self.max_cpu_loras < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras "
+                             f"({self.max_loras}), got {self.max_cpu_loras!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_pages is not None and self.num_pages < 1:

@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import Engine
+from jaxserve.engine.lora import LoRARequest
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -23,7 +24,9 @@ class LLM:
     Keyword arguments are EngineConfig fields (dtype, max_model_len, page_size,
     max_num_seqs, max_num_batched_tokens, enable_prefix_caching, num_pages, ...);
     `mesh` is a {"data": d, "model": m} mapping and `sharding` a strategy ("tp", "tp+sp",
-    "dp", "dp+tp", "dp+tp+sp"). All step buckets compile here.
+    "dp", "dp+tp", "dp+tp+sp"). All step buckets compile here. `enable_lora=True`
+    (with `max_loras`, `max_lora_rank`, `max_cpu_loras`) serves LoRA adapters, named per
+    request by `generate(..., lora_request=LoRARequest(name, int_id, path))`.
     """
 
     def __init__(self, model: str | None = None, *, warmup: bool = True, **engine_args):
@@ -69,9 +72,12 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False, priority: Sequence[int] | None = None
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
-        """Run every prompt to completion; results come back in the prompts' order."""
+        """Run every prompt to completion; results come back in the prompts' order.
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model); the engine needs `enable_lora=True`."""
         if isinstance(prompts, str) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -83,13 +89,17 @@ class LLM:
         priority = list(priority) if priority is not None else [0] * len(prompts)
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
 
         results: dict[str, RequestOutput] = {}
         order = []
         try:
-            for prompt, p, prio in zip(prompts, params, priority):
+            for prompt, p, prio, lora in zip(prompts, params, priority, loras):
                 rid = str(next(self._ids))
-                ids = self.engine.add_request(rid, prompt, p, prio)
+                ids = self.engine.add_request(rid, prompt, p, prio, lora)
                 order.append(rid)
                 results[rid] = RequestOutput(
                     rid, prompt if isinstance(prompt, str) else None, ids,

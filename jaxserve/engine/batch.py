@@ -60,6 +60,8 @@ class StepBatch:
     # rejected, by which its positions here move back (device.resolve_pending); -1: none.
     shift_row: np.ndarray
     history: TokenHistory | None = None
+    # [T]: each token's LoRA adapter slot (0: none; padding 0); None when LoRA is off.
+    lora_slots: np.ndarray | None = None
 
 
 class BucketKey(NamedTuple):
@@ -148,6 +150,9 @@ class BatchBuilder:
     # the samples and k guesses per row, no acceptance blocks); a proposer's builder
     # shares its target's.
     layout: CarryLayout | None = None
+    # Batches carry each token's LoRA adapter slot (`StepBatch.lora_slots`, from
+    # `Sequence.lora_slot`).
+    lora: bool = False
     _open_masks: dict[int, np.ndarray] = dataclasses.field(default_factory=dict, repr=False)
     # Each sequence's page-table row and sampling parameters, kept across steps.
     rows: PersistentBatch = dataclasses.field(init=False, repr=False)
@@ -254,6 +259,10 @@ class BatchBuilder:
         own = n - ndrafts  # the chunk's tokens that are the seq's own
         self._place_tokens(batch, scheduled, seats, t, start, n, own, pend, num_tokens,
                            pending_drafts)
+        if batch.lora_slots is not None:  # every token of a seq's chunk, drafts too
+            of_token, j = _segments(n)
+            batch.lora_slots[t[of_token] + j] = np.array(
+                [q.lora_slot for q in seqs], np.int32)[of_token]
         dest, seat = self._place_rows(batch, seats, row, local + n, rows, num_out, shift_row)
         for x in np.flatnonzero(ndrafts) if any_drafts else ():
             self._place_drafts(batch, scheduled[x], int(i[x]), int(t[x] + own[x]))
@@ -432,6 +441,7 @@ class BatchBuilder:
                 tokens=np.full((r, self.max_model_len), -1, i32),
                 prompt_lens=np.zeros(r, i32),
             ) if history else None,
+            lora_slots=np.zeros(t, i32) if self.lora else None,
         )
 
 

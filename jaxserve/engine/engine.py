@@ -17,6 +17,7 @@ import random
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import EngineConfig, ModelConfig
@@ -24,6 +25,7 @@ from jaxserve.engine import compile_cache
 from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.kv_memory import pages_per_seq, pool_pages
 from jaxserve.engine.loader import load
+from jaxserve.engine.lora import LoraManager, LoRARequest
 from jaxserve.engine.output_text import OutputText
 from jaxserve.engine.request import PLACEHOLDER, Request, Sequence, check_params, check_prompt
 from jaxserve.engine.runner import ModelRunner, fetch
@@ -34,6 +36,7 @@ from jaxserve.engine.status import EngineStatus
 from jaxserve.engine.structured_output import GrammarCompiler, MaskFiller
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.models.layers import dense_impl, weights_for_native_matmul
+from jaxserve.models.lora import abstract_stacks
 from jaxserve.outputs import StepOutput
 from jaxserve.sampling_params import SamplingParams
 from pallas_kernels.ragged_paged_attention import default_impl
@@ -96,13 +99,24 @@ class Engine:
         self.shard = shard
         self.broadcaster = broadcaster  # multi-host process 0's (broadcast.py)
         kv_dtype = pool_dtype(config.kv_storage_dtype, config.kernel_impl or default_impl())
+        # LoRA adapters (engine/lora.py): where they are, and their device stacks' shapes.
+        self.loras, lora_stacks = None, None
+        if config.enable_lora:
+            if broadcaster is not None:
+                raise ValueError("LoRA adapters on several hosts are not supported yet")
+            self.loras = LoraManager(model_config, config.max_loras, config.max_lora_rank,
+                                     config.max_cpu_loras)
+            lora_stacks = abstract_stacks(model_config, config.max_loras, config.max_lora_rank,
+                                          jnp.dtype(config.dtype),
+                                          shard.rules.kv_head_replicas)
+        lora_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(lora_stacks))
         num_pages = pool_pages(  # per data shard
             config, model_config, shard, self.max_model_len, kv_dtype,
             spec.page_bytes(model_config, config.page_size, kv_dtype, config.dtype),
-            spec.reserved_bytes(config.max_num_seqs, model_config.vocab_size))
+            spec.reserved_bytes(config.max_num_seqs, model_config.vocab_size) + lora_bytes)
         self.num_pages = num_pages * shard.data_shards
         self.scheduler = Scheduler(SchedulerConfig.of_engine(
-            config, self.max_model_len, num_pages, shard.data_shards))
+            config, self.max_model_len, num_pages, shard.data_shards), self.loras)
         spec.check(model_config)
         self.builder = BatchBuilder(
             token_buckets=config.token_buckets, max_num_seqs=config.max_num_seqs,
@@ -112,14 +126,15 @@ class Engine:
             vocab_size=model_config.vocab_size, data_shards=shard.data_shards,
             num_speculative_tokens=spec.num_drafts, tree=bool(spec.tree),
             sampled_drafts=spec.sampled_drafts,
-            layout=spec.layout(config.max_num_seqs, config.async_scheduling))
+            layout=spec.layout(config.max_num_seqs, config.async_scheduling),
+            lora=self.loras is not None)
         # Several decode steps per program: not with speculative decoding (its steps
         # verify drafts) nor on several hosts (the others follow single steps).
         decode_steps = (config.num_scheduler_steps
                         if spec.config is None and broadcaster is None else 1)
         self.runner = ModelRunner(graphdef, self._laid_out(params, shard), shard, self.builder,
                                   model_config, kv_dtype, broadcaster, spec.medusa,
-                                  spec.features_from, decode_steps)
+                                  spec.features_from, decode_steps, lora_stacks)
         self.speculator = spec.speculator(config, self.runner, self.scheduler,
                                           self.max_model_len, self.running_requests,
                                           self._laid_out)
@@ -157,11 +172,15 @@ class Engine:
     # ----------------------------------------------------------------- requests
 
     def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | None = None, priority: int = 0) -> list[int]:
-        """Queue a request; returns its prompt token ids. Bad input raises ValueError."""
+                    params: SamplingParams | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> list[int]:
+        """Queue a request (with `lora_request`: under that LoRA adapter); returns its
+        prompt token ids. Bad input raises ValueError."""
         params = params or SamplingParams()
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
+        if lora_request is not None:
+            self.add_lora(lora_request)
         check_params(params, self.model_config.vocab_size, self.tokenizer is not None)
         token_ids = self._prompt_ids(prompt)
         room = self.max_model_len - len(token_ids)
@@ -175,6 +194,8 @@ class Engine:
                    if params.structured_outputs is not None else None)
         seq = Sequence(request_id, token_ids, params=params, priority=priority,
                        max_output_tokens=min(params.max_tokens or room, room))
+        if lora_request is not None:
+            seq.lora, seq.cache_root = lora_request, lora_request.cache_root
         text = (OutputText(self.tokenizer, token_ids, params, self.eos_token_ids,
                            self.stream_text)
                 if self.detokenize and self.tokenizer is not None else None)
@@ -182,6 +203,20 @@ class Engine:
         self._num_sampled_apart += params.needs_history
         self.scheduler.add(seq)
         return token_ids
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read an adapter into host memory (checked against the model; ValueError), or
+        find it there."""
+        if self.loras is None:
+            raise ValueError("LoRA adapters are not enabled: start the engine with "
+                             "enable_lora=True (jaxserve serve --enable-lora)")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {lora_request!r}")
+        self.loras.register(lora_request)
+
+    def remove_lora(self, name: str) -> bool:
+        """Forget an adapter (requests running under it finish); False if unknown."""
+        return self.loras is not None and self.loras.unregister(name)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """A prompt's token ids (a text prompt tokenized), checked to be non-empty, in the
@@ -350,6 +385,9 @@ class Engine:
         schedule = self.scheduler.schedule(steps, drafts)
         if schedule.is_empty:
             return None
+        if self.loras is not None:  # adapters given slots for this step
+            for slot, adapter in self.loras.take_uploads():
+                self.runner.load_lora(slot, adapter)
         batch, key = self.builder.build(schedule, pending)
         speculation = self.speculator.dispatching(schedule, batch)
         if prev is not None:

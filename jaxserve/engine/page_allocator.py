@@ -28,8 +28,7 @@ from jaxserve.engine.request import Sequence
 
 PageHash = bytes
 
-# Parent of the first page of every sequence.
-_ROOT_HASH: PageHash = b""
+# The parent of a sequence's first page is its `cache_root` (b"" without an adapter).
 
 
 def hash_page(parent: PageHash, tokens: list[int]) -> PageHash:
@@ -241,7 +240,7 @@ class PageAllocator:
         ps = self.page_size
         while len(hashes) < num_pages:
             j = len(hashes)
-            parent = hashes[-1] if hashes else _ROOT_HASH
+            parent = hashes[-1] if hashes else seq.cache_root
             hashes.append(hash_page(parent, seq.tokens(j * ps, (j + 1) * ps)))
         return hashes
 

@@ -22,6 +22,7 @@ from jaxserve.engine.sampler import SampledDrafts, SampleOutput, SamplingArrays,
 from jaxserve.engine.slots import position_slots
 from jaxserve.engine.speculative.device import (
     move_slots, record_acceptance, resolve_pending, shift_sampling, write_features)
+from jaxserve.models.lora import LoraInputs
 from jaxserve.models.medusa import MedusaHeads, medusa_tokens
 from jaxserve.models.transformer import KVCache
 from sharding.rules import ShardingContext
@@ -31,7 +32,8 @@ FEATURE_AXES = ("pages", None)  # an EAGLE feature cache [slots, F]: split as th
 
 def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch: StepBatch,
             carry: jax.Array, expert_load: jax.Array | None,
-            medusa: MedusaHeads | None = None, features: jax.Array | None = None, *,
+            medusa: MedusaHeads | None = None, features: jax.Array | None = None,
+            lora: list | None = None, *,
             features_from: tuple[int, ...] = (), layout: CarryLayout, page_size: int,
             verifies: bool = True) -> tuple[KVCache, jax.Array, jax.Array | None,
                                             jax.Array | None, jax.Array | None, jax.Array]:
@@ -51,13 +53,14 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
     `write_features`), returned with every real token's features (the layers
     `features_from`, Transformer.__call__) written at its KV slot; None without a head.
     Last, the token id at each sampled row `[R]` (the sampling records the acceptance of
-    drafts from them: `record_acceptance`).
+    drafts from them: `record_acceptance`). `lora`: the LoRA adapters' stacks
+    (models/lora.py), each token using the slot `batch.lora_slots` gives it; None without.
     """
     model = nnx.merge(graphdef, params)
     input_ids, batch = resolve_pending(batch, carry, layout, page_size, verifies)
     (hidden, kv_caches, new_features), sown = nnx.capture(model.run, nnx.Intermediate)(
         input_ids, batch.positions, kv_caches, batch.attn, expert_load is not None,
-        features_from)
+        features_from, LoraInputs.of(lora, batch.lora_slots) if lora is not None else None)
     if expert_load is not None:  # MoE layers' counts, in layer order
         sown = sorted(nnx.to_flat_state(sown), key=lambda kv: kv[0])
         counts = [v.get_value()[0] for _, v in sown]
@@ -135,7 +138,8 @@ def next_decode(batch: StepBatch, token_ids: jax.Array, page_size: int) -> StepB
 
 def decode_steps(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache,
                  batch: StepBatch, carry: jax.Array, expert_load: jax.Array | None,
-                 num_steps: jax.Array, *, steps: int, layout: CarryLayout, page_size: int
+                 num_steps: jax.Array, lora: list | None = None, *, steps: int,
+                 layout: CarryLayout, page_size: int
                  ) -> tuple[KVCache, SampleOutput, jax.Array, jax.Array | None]:
     """`num_steps` (<= `steps`) decode steps of a batch of decoding sequences in one
     program: each a forward pass and its sampling (`forward`, `sample_step`), the next
@@ -146,8 +150,8 @@ def decode_steps(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache,
     def one(kv, batch, prev, load):
         inputs = dataclasses.replace(batch, sampling=None, history=None)
         kv, logits, load, _, _, row_tokens = forward(
-            graphdef, params, kv, inputs, prev, load, layout=layout, page_size=page_size,
-            verifies=False)
+            graphdef, params, kv, inputs, prev, load, lora=lora, layout=layout,
+            page_size=page_size, verifies=False)
         out, prev = sample_step(logits, batch.sampling, None, prev, batch.num_rows, None,
                                 row_tokens, layout=layout, verifies=False)
         return kv, out, prev, load
@@ -216,12 +220,12 @@ def forward_packed(graphdef: nnx.GraphDef, params, kv_caches: KVCache,
 
 def decode_steps_packed(graphdef: nnx.GraphDef, params, kv_caches: KVCache,
                         inputs: Packed | tuple, carry: jax.Array, expert_load: jax.Array | None,
-                        **kwargs):
+                        lora: list | None = None, **kwargs):
     """`decode_steps` with its batch and step count in one tuple, packed or not
     (packing.py)."""
     batch, num_steps = unpack(inputs)
     return decode_steps(graphdef, params, kv_caches, batch, carry, expert_load, num_steps,
-                        **kwargs)
+                        lora, **kwargs)
 
 
 def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: ShardingContext,
@@ -240,7 +244,7 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
     features = shard.sharding(FEATURE_AXES)
     heads = jax.tree.map(lambda x: x.sharding, medusa) if medusa is not None else replicated
     inputs = (param_shardings, cache_shardings, replicated, replicated, replicated, heads,
-              features)
+              features, replicated)  # the last: LoRA stacks (models/lora.py)
     slots = shard.rules.spec(("pages",))  # each data shard's moves, a block of its own
     move = move_slots
     if shard.mesh.size > 1:  # every device moves its own pages' slots of its own heads
@@ -272,7 +276,7 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
             on_param_leaves(graphdef, params, functools.partial(
                 decode_steps_packed, steps=max_decode_steps, layout=layout,
                 page_size=page_size)),
-            donate_argnums=(1,), in_shardings=inputs[:3] + (replicated,) * 2,
+            donate_argnums=(1,), in_shardings=inputs[:3] + (replicated,) * 3,
             out_shardings=(cache_shardings, replicated, replicated, replicated),
             compiler_options={"xla_disable_hlo_passes": "while-loop-invariant-code-motion"})
     return StepPrograms(

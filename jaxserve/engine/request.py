@@ -66,6 +66,12 @@ class Sequence:
     # once its outputs, placeholders of steps in flight included, reach it, nothing is
     # scheduled for it (None: no limit known to the scheduler).
     max_output_tokens: int | None = None
+    # Its LoRA adapter (engine/lora.py's LoRARequest; None: the base model), the device
+    # slot holding it while it runs (0: none) and the root its prefix-cache page hashes
+    # chain from (one per adapter, so that two adapters never share KV pages).
+    lora: Any = None
+    lora_slot: int = 0
+    cache_root: bytes = b""
 
     @property
     def num_tokens(self) -> int:

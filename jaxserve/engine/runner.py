@@ -38,7 +38,7 @@ class ModelRunner:
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, shard: ShardingContext,
                  builder: BatchBuilder, cfg: ModelConfig, kv_dtype, broadcaster=None,
                  medusa: MedusaHeads | None = None, features_from: tuple[int, ...] = (),
-                 decode_steps: int = 1):
+                 decode_steps: int = 1, lora: list | None = None):
         self.graphdef = graphdef
         self.params = params
         self.param_leaves = jax.tree.leaves(params)
@@ -83,6 +83,16 @@ class ModelRunner:
         layers = sum(cfg.sparse_layers)
         self.expert_load = (jax.device_put(np.zeros((layers, cfg.num_experts), np.int32),
                                            replicated) if layers else None)
+        # LoRA adapters' stacks (models/lora.py; `lora` their ShapeDtypeStructs), replicated,
+        # written a slot at a time (`load_lora`); None without adapters.
+        self.lora = None
+        self._kv_replicas, self._head_dim = shard.rules.kv_head_replicas, cfg.head_dim
+        if lora is not None:
+            self.lora = self.zeros(jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), lora))
+            self._set_lora = jax.jit(
+                lambda stacks, i, new: jax.tree.map(lambda s, n: s.at[i].set(n), stacks, new),
+                donate_argnums=0)
 
     def _speculative_state(self, cfg: ModelConfig, params, features_from: tuple[int, ...]
                            ) -> None:
@@ -177,6 +187,8 @@ class ModelRunner:
             else:
                 self._move(*self.moves([]))
             bar.set_postfix_str(f"{self._from_cache - before} from cache")
+        if self.lora is not None and not self.warmed_up:  # compiles the slot writer
+            self.lora = self._set_lora(self.lora, np.int32(0), self._lora_slot(None))
         jax.block_until_ready(self.carry)
         self.programs_from_cache = self._from_cache - before
         if todo:
@@ -242,9 +254,35 @@ class ModelRunner:
         batch = dataclasses.replace(batch, history=None)
         batch.sampling.grammar_mask = self._grammar_mask(batch.sampling.grammar_mask)
         inputs = self._pack((batch, np.int32(num_steps)))
-        args = (self.param_leaves, self.kv_caches, inputs, self.carry, self.expert_load)
+        args = (self.param_leaves, self.kv_caches, inputs, self.carry, self.expert_load,
+                self.lora)
         self.kv_caches, out, self.carry, self.expert_load = self._run(
             self.steps_program(key), self._programs.steps, args)
+        return out
+
+    def load_lora(self, slot: int, adapter) -> None:
+        """Write an adapter (loading/peft.py's Adapter) into device slot `slot` (1 to
+        max_loras) of every stack; the steps dispatched before read the old contents."""
+        self.lora = self._set_lora(self.lora, np.int32(slot - 1), self._lora_slot(adapter))
+
+    def _lora_slot(self, adapter) -> list[dict[str, tuple[np.ndarray, np.ndarray]]]:
+        """One slot of every stack on the host: the adapter's A and B padded to the stacks'
+        rank (k/v heads repeated as the model holds them), zeros where it has none."""
+        out = []
+        for i, layer in enumerate(self.lora):
+            mods = {}
+            for name, (a, b) in layer.items():
+                wa = np.zeros(a.shape[1:], a.dtype)
+                wb = np.zeros(b.shape[1:], b.dtype)
+                if adapter is not None and (i, name) in adapter.weights:
+                    x, y = adapter.weights[i, name]
+                    if name in ("k_proj", "v_proj") and self._kv_replicas > 1:
+                        y = np.repeat(y.reshape(len(y), -1, self._head_dim),
+                                      self._kv_replicas, axis=1).reshape(len(y), -1)
+                    wa[:, :x.shape[1]] = x
+                    wb[:y.shape[0]] = y
+                mods[name] = (wa, wb)
+            out.append(mods)
         return out
 
     def moves(self, moves: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -274,7 +312,7 @@ class ModelRunner:
     def _forward(self, batch: StepBatch, program: tuple) -> None:
         inputs = self._pack(dataclasses.replace(batch, sampling=None, history=None))
         args = (self.param_leaves, self.kv_caches, inputs, self.carry, self.expert_load,
-                self.medusa, self.features)
+                self.medusa, self.features, self.lora)
         (self.kv_caches, self._logits, self.expert_load, self.guesses,
          self.features, self._row_tokens) = self._run(program,
                                                       self._programs.forward[program[-1]], args)
@@ -308,7 +346,8 @@ class ModelRunner:
                                                history=None))
         forward = self._programs.forward[self.programs(key)[0][-1]]
         return forward.lower(self.param_leaves, self.kv_caches, batch, self.carry,
-                             self.expert_load, self.medusa, self.features).compile()
+                             self.expert_load, self.medusa, self.features,
+                             self.lora).compile()
 
     @property
     def num_compiled(self) -> int:

@@ -39,6 +39,7 @@ from jaxserve.engine.speculative.drafts import NO_DRAFTS, Drafts
 
 if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
+    from jaxserve.engine.lora import LoraManager
 
 POLICIES = ("fcfs", "priority")
 
@@ -120,8 +121,10 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting queue, the running list and the page allocator."""
 
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, adapters: LoraManager | None = None):
         self.config = config
+        # LoRA adapters' device slots (engine/lora.py): a step holds at most max_loras.
+        self.adapters = adapters
         self.allocators = [PageAllocator(config.num_pages, config.page_size,
                                          config.enable_prefix_caching)
                            for _ in range(config.data_shards)]
@@ -334,9 +337,13 @@ class Scheduler:
             seats[seq.data_shard] -= 1
         while self.waiting:
             seq = self.waiting[0]
+            if self.adapters is not None and not self.adapters.can_acquire(seq):
+                break  # every adapter slot is in use by running seqs
             data_shard = self._place(seq, budgets, seats)
             if data_shard is None:
                 break  # head of line waits for pages; running seqs are not preempted for it
+            if self.adapters is not None:
+                self.adapters.acquire(seq)
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_at is None:
@@ -373,7 +380,10 @@ class Scheduler:
         return candidates[-1]
 
     def _release(self, seq: Sequence) -> None:
-        """Free `seq`'s pages in its shard and forget its lookups in the others."""
+        """Free `seq`'s pages in its shard and forget its lookups in the others (and its
+        adapter's slot)."""
+        if self.adapters is not None:
+            self.adapters.release(seq)
         for d, alloc in enumerate(self.allocators):
             if d == seq.data_shard:
                 alloc.free(seq)

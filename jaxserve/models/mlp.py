@@ -10,6 +10,7 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig, ModelOptions
 from jaxserve.models.layers import linear, rows_impl
+from jaxserve.models.lora import MLP_IN, LoraLayer
 from jaxserve.models.parallel import dense_group, row_parallel
 from pallas_kernels.rows import gated_activation
 from sharding.rules import ShardingContext
@@ -28,13 +29,18 @@ class MLP(nnx.Module):
         self.sizes = (e, m)
         self.act = cfg.hidden_act
 
-    def __call__(self, x: jax.Array, shard: ShardingContext, rows: jax.Array | None = None
-                 ) -> jax.Array:
+    def __call__(self, x: jax.Array, shard: ShardingContext, rows: jax.Array | None = None,
+                 lora: LoraLayer | None = None) -> jax.Array:
         e, m = self.sizes
         gate, up = dense_group(x, [(self.gate_proj, self.gate_proj_scales, (m,)),
                                    (self.up_proj, self.up_proj_scales, (m,))],
                                self.options, shard, rows)
+        if lora is not None:
+            gate, up = lora.add(x, MLP_IN, [gate, up])
         h = gated_activation(gate, up, self.act, rows=rows, impl=rows_impl(self.options, rows))
         h = shard.constrain(h, ("tokens", "mlp"))
-        return row_parallel(h, self.down_proj, self.down_proj_scales, 1, (e,), self.options,
-                            shard, rows)
+        y = row_parallel(h, self.down_proj, self.down_proj_scales, 1, (e,), self.options,
+                         shard, rows)
+        if lora is not None:
+            (y,) = lora.add(h, ("down_proj",), [y])
+        return y

@@ -22,6 +22,7 @@ from jaxserve.config import ModelConfig, ModelOptions
 from jaxserve.models.layers import (
     embedding, is_packed, is_transposed, linear, lm_head, param, rms_norm, rope_inv_freq,
     rows_impl)
+from jaxserve.models.lora import ATTENTION_IN, LoraInputs, LoraLayer
 from jaxserve.models.mlp import MLP
 from jaxserve.models.moe import MoE
 from jaxserve.models.parallel import (
@@ -110,7 +111,7 @@ class Attention(nnx.Module):
         self.kv_heads = hkv
 
     def __call__(self, x, positions, kv, meta: AttentionMetadata, shard: ShardingContext,
-                 rows: jax.Array | None = None):
+                 rows: jax.Array | None = None, lora: LoraLayer | None = None):
         cfg = self.cfg
         inv_freq = rope_inv_freq(cfg.head_dim, *self.rope)
         hq, hkv, d = cfg.num_heads, self.kv_heads, cfg.head_dim
@@ -118,6 +119,8 @@ class Attention(nnx.Module):
                                   (self.k_proj, self.k_proj_scales, (hkv, d)),
                                   (self.v_proj, self.v_proj_scales, (hkv, d))],
                               self.options, shard, rows)
+        if lora is not None:
+            q, k, v = lora.add(x, ATTENTION_IN, [q, k, v])
         if cfg.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if cfg.qk_norm:
@@ -129,8 +132,11 @@ class Attention(nnx.Module):
         out, kv = paged_attention(q, k, v, kv, meta, shard, self.options,
                                   sm_scale=cfg.sm_scale, sliding_window=self.window,
                                   soft_cap=cfg.attn_logit_softcap)
+        attended = out
         out = row_parallel(out, self.o_proj, self.o_proj_scales, 2, (cfg.hidden_size,),
                            self.options, shard, rows)
+        if lora is not None:
+            (out,) = lora.add(attended, ("o_proj",), [out])
         if cfg.o_bias:
             out = out + self.o_bias[...]
         return out, kv
@@ -160,13 +166,14 @@ class Block(nnx.Module):
         return rows_rms_norm(x, weight[...], self.eps, self.offset, residual=residual,
                              rows=rows, impl=rows_impl(self.options, rows))
 
-    def __call__(self, x, positions, kv, meta, shard, rows=None, router_stats=False):
+    def __call__(self, x, positions, kv, meta, shard, rows=None, router_stats=False,
+                 lora: LoraLayer | None = None):
         # The residual stream ("residual" axis) is split over tokens under sequence
         # parallelism: the norms run on a shard, an all-gather rebuilds all tokens before
         # the column-split matmuls ("tokens" axis), and the row-split matmuls' partial sums
         # go straight back to token shards (a reduce-scatter instead of an all-reduce).
         h = shard.constrain(self._norm(x, self.input_norm, rows), ("tokens", "embed"))
-        h, kv = self.attn(h, positions, kv, meta, shard, rows)
+        h, kv = self.attn(h, positions, kv, meta, shard, rows, lora)
         h = shard.constrain(h, RESIDUAL_AXES)
         if self.sandwich:
             x = x + self._norm(h, self.post_attn_norm, rows)
@@ -177,7 +184,7 @@ class Block(nnx.Module):
         if isinstance(self.mlp, MoE):  # padding tokens are routed to no expert
             h = self.mlp(h, shard, rows, real_token_mask(meta, h.shape[0]), router_stats)
         else:
-            h = self.mlp(h, shard, rows)
+            h = self.mlp(h, shard, rows, lora)
         h = shard.constrain(h, RESIDUAL_AXES)
         x = x + (self._norm(h, self.post_mlp_norm, rows) if self.sandwich else h)
         return x, kv
@@ -200,21 +207,23 @@ class Transformer(nnx.Module):
                                  n_in=1)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_caches: KVCache,
-                 meta: AttentionMetadata, router_stats: bool = False
-                 ) -> tuple[jax.Array, KVCache]:
+                 meta: AttentionMetadata, router_stats: bool = False,
+                 lora: LoraInputs | None = None) -> tuple[jax.Array, KVCache]:
         """Hidden states `[T, hidden]` after the last block (before the final norm) and the
         new caches. With `router_stats` each MoE layer sows its `expert_tokens` (call it
         under `nnx.capture(model, nnx.Intermediate)`, as programs.forward does)."""
-        hidden, kv_caches, _ = self.run(input_ids, positions, kv_caches, meta, router_stats)
+        hidden, kv_caches, _ = self.run(input_ids, positions, kv_caches, meta, router_stats,
+                                        lora=lora)
         return hidden, kv_caches
 
     def run(self, input_ids: jax.Array, positions: jax.Array, kv_caches: KVCache,
             meta: AttentionMetadata, router_stats: bool = False,
-            features_from: tuple[int, ...] = ()
+            features_from: tuple[int, ...] = (), lora: LoraInputs | None = None
             ) -> tuple[jax.Array, KVCache, jax.Array | None]:
         """`__call__`, and the features an EAGLE head reads (None when `features_from` is
         empty): the residual stream entering each layer of `features_from`, side by side,
-        where index num_layers stands for the final hidden state after the last norm."""
+        where index num_layers stands for the final hidden state after the last norm.
+        `lora`: adapter stacks and the step's tokens' slots (models/lora.py), or None."""
         shard = self.shard
         x = embedding(self.embed, input_ids)
         if self.cfg.scale_embeddings:  # sqrt(hidden), rounded to the weights' dtype (as HF)
@@ -225,7 +234,8 @@ class Transformer(nnx.Module):
         for i, (block, kv) in enumerate(zip(self.layers, kv_caches)):
             if i in features_from:
                 captured[i] = x
-            x, kv = block(x, positions, kv, meta, shard, rows, router_stats)
+            x, kv = block(x, positions, kv, meta, shard, rows, router_stats,
+                          lora.layer(i) if lora is not None else None)
             new_caches.append(kv)
         if self.cfg.num_layers in features_from:
             captured[self.cfg.num_layers] = self.final_norm(x)

@@ -1,0 +1,198 @@
+"""LoRA adapters: the grouped delta against the token-by-token reference, PEFT directories
+read and checked, and a batch mixing adapters (and the base model) against PEFT's own
+models, transformers underneath."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import hf_greedy
+from jaxserve import LLM, LoRARequest, SamplingParams
+from jaxserve.config import ModelConfig
+from jaxserve.loading.peft import load_adapter
+from pallas_kernels.lora import lora_delta, plan
+from pallas_kernels.lora import reference
+
+ENGINE = dict(dtype="float32", max_model_len=128, page_size=4, max_num_seqs=4,
+              max_num_batched_tokens=32, token_buckets=(8, 32), enable_lora=True,
+              max_loras=2, max_lora_rank=8, num_scheduler_steps=4)
+NEW_TOKENS = 8
+# name -> (rank, alpha, rsLoRA, target modules): different ranks and targets.
+ADAPTERS = {
+    "qv": (4, 8, False, ["q_proj", "v_proj"]),
+    "all": (8, 16, True, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                          "down_proj"]),
+    "mlp": (2, 4, False, ["o_proj", "gate_proj", "down_proj"]),
+}
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu", "tpu"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grouped_delta_matches_the_token_by_token_reference(impl, dtype):
+    rng = np.random.default_rng(0)
+    t, k, r, n, g = 37, 64, 8, 48, 3
+    x = jnp.asarray(rng.standard_normal((t, k)), dtype)
+    a = jnp.asarray(rng.standard_normal((g, k, r)) / 8, dtype)
+    b = jnp.asarray(rng.standard_normal((g, r, n)) / 8, dtype)
+    slots = jnp.asarray(rng.integers(0, g + 1, t), jnp.int32).at[:5].set(2)  # slot 3 unused too
+    slots = slots.at[slots == 3].set(0)
+    want = reference.lora_delta(x, a, b, slots)
+    got = lora_delta(x, a, b, plan(slots, g), impl=impl, interpret=impl == "tpu")
+    tol = 1e-5 if dtype == "float32" else 3e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=tol, atol=tol)
+    assert not np.asarray(got[np.asarray(slots) == 0]).any()  # no adapter: no delta
+    assert np.abs(np.asarray(want, np.float32)[np.asarray(slots) > 0]).min(axis=1).max() > 0
+
+
+def test_plan_sorts_tokens_by_slot_with_the_base_last():
+    slots = jnp.asarray([2, 0, 1, 2, 0, 1], jnp.int32)
+    p = plan(slots, 3)
+    assert np.asarray(slots)[np.asarray(p.order)].tolist() == [1, 1, 2, 2, 0, 0]
+    assert np.asarray(p.group_sizes).tolist() == [2, 2, 0]
+    assert (np.asarray(p.order)[np.asarray(p.inverse)] == np.arange(6)).all()
+
+
+def _save_adapter(base, path, rank, alpha, rslora, targets, seed):
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(
+        r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=targets,
+        init_lora_weights=False, lora_dropout=0.0))
+    model.eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def adapters(checkpoints, tmp_path_factory):
+    """{name: (directory, PEFT model)} over the tiny Llama."""
+    path, base = checkpoints("llama")
+    out = {}
+    for i, (name, spec) in enumerate(ADAPTERS.items()):
+        out[name] = (tmp_path_factory.mktemp(f"lora-{name}"),)
+        out[name] += (_save_adapter(base, out[name][0], *spec, seed=10 + i),)
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_llm(checkpoints):
+    return LLM(str(checkpoints("llama")[0]), **ENGINE)
+
+
+def _requests(adapters):
+    return {name: LoRARequest(name, i + 1, str(d)) for i, (name, (d, _)) in
+            enumerate(adapters.items())}
+
+
+def test_a_mixed_batch_gives_each_request_what_peft_gives_it_alone(
+        lora_llm, adapters, checkpoints, prompts):
+    """Three adapters of different ranks and targets and the base model in one batch,
+    prompts long enough to be prefilled in chunks, decode steps four to a program, two
+    device slots for three adapters (they take turns: evicted and loaded again)."""
+    _, base = checkpoints("llama")
+    reqs = _requests(adapters)
+    names = [None, "qv", "all", "mlp"]
+    batch = [(p, name) for p in prompts for name in names]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    loads, multi = lora_llm.engine.loras.num_loads, lora_llm.engine.num_multi_steps
+    outs = lora_llm.generate([p for p, _ in batch], params,
+                             lora_request=[reqs.get(n) for _, n in batch])
+    for (prompt, name), out in zip(batch, outs):
+        model = base if name is None else adapters[name][1]
+        want = hf_greedy(model, prompt, NEW_TOKENS)
+        assert out.outputs[0].token_ids == want, (name, len(prompt))
+    # The adapters change what the model says, so the comparison above can fail.
+    by_name = {n: [o.outputs[0].token_ids for (_, m), o in zip(batch, outs) if m == n]
+               for n in names}
+    assert all(by_name[n] != by_name[None] for n in names[1:])
+    assert lora_llm.engine.loras.num_loads - loads >= 3  # 3 adapters, 2 slots
+    assert lora_llm.engine.num_multi_steps > multi
+
+
+def test_pages_are_never_shared_between_adapters(lora_llm, adapters):
+    """The prefix cache keys pages by adapter: the same prompt under the base model and
+    two adapters shares nothing; under one adapter again, its own pages are reused."""
+    reqs = _requests(adapters)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompt = np.random.default_rng(99).integers(3, 300, 43).tolist()  # 10 full pages of 4
+    runs = [lora_llm.generate(prompt, params, lora_request=r)[0]
+            for r in (None, reqs["all"], reqs["all"], reqs["qv"], None)]
+    assert [r.num_cached_tokens for r in runs] == [0, 0, 40, 0, 40]
+    assert runs[1].outputs[0].token_ids == runs[2].outputs[0].token_ids
+    assert runs[0].outputs[0].token_ids == runs[4].outputs[0].token_ids
+
+
+def _write_config(path, **changes):
+    conf = json.loads((path / "adapter_config.json").read_text())
+    conf.update(changes)
+    (path / "adapter_config.json").write_text(json.dumps(conf))
+
+
+def test_adapters_that_do_not_fit_are_refused_with_what_is_wrong(adapters, checkpoints,
+                                                                  tmp_path):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    model_dir = checkpoints("llama")[0]
+    cfg = ModelConfig.from_file(model_dir)
+    good = adapters["qv"][0]
+    adapter = load_adapter(good, cfg)
+    assert adapter.rank == 4 and sorted({m for _, m in adapter.weights}) == ["q_proj", "v_proj"]
+
+    def variant(name, **changes):
+        d = tmp_path / name
+        shutil.copytree(good, d)
+        if changes:
+            _write_config(d, **changes)
+        return d
+
+    with pytest.raises(ValueError, match="modules_to_save"):
+        load_adapter(variant("save", modules_to_save=["lm_head"]), cfg)
+    with pytest.raises(ValueError, match="DoRA"):
+        load_adapter(variant("dora", use_dora=True), cfg)
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        load_adapter(tmp_path, cfg)
+    wide = variant("wide")
+    tensors = load_file(wide / "adapter_model.safetensors")
+    name = next(k for k in tensors if "layers.1.self_attn.v_proj.lora_A" in k)
+    tensors[name] = np.zeros((4, 65), np.float32)
+    save_file(tensors, wide / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        load_adapter(wide, cfg)
+
+
+def test_requests_with_adapters_fail_alone_and_clearly(lora_llm, adapters, tmp_path):
+    engine = lora_llm.engine
+    with pytest.raises(ValueError, match="rank 8 > max_lora_rank"):
+        from jaxserve.engine.lora import LoraManager  # an engine's with max_lora_rank 4
+        LoraManager(engine.model_config, 1, 4).register(_requests(adapters)["all"])
+    with pytest.raises(ValueError, match="not a PEFT adapter directory"):
+        lora_llm.generate([5, 6, 7], lora_request=LoRARequest("bad", 9, str(tmp_path)))
+    with pytest.raises(ValueError, match="lora_int_id must be a positive integer"):
+        LoRARequest("x", 0, "/tmp")
+    assert not engine.has_unfinished() and engine.scheduler.num_used_pages == 0
+    out = lora_llm.generate([5, 6, 7], SamplingParams(max_tokens=2),
+                            lora_request=_requests(adapters)["qv"])
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_an_engine_without_lora_refuses_adapters(checkpoints, adapters):
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.engine import Engine
+
+    engine = Engine.from_config(EngineConfig(model=str(checkpoints("llama")[0]),
+                                             **{**ENGINE, "enable_lora": False}))
+    with pytest.raises(ValueError, match="enable_lora=True"):
+        engine.add_request("r", [5, 6], lora_request=_requests(adapters)["qv"])
+    assert engine.runner.lora is None and engine.builder.empty(
+        engine.builder.bucket(1, False)).lora_slots is None
