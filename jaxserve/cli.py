@@ -51,6 +51,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compilation-cache-dir", default=None, metavar="DIR",
                    help="keep compiled step programs here across restarts (default: under "
                         "~/.cache/jaxserve, or $JAX_COMPILATION_CACHE_DIR; 'off' for none)")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (docs/lora.md)")
+    g.add_argument("--max-loras", type=positive_int, default=None,
+                   help="adapters on the device at once (default 4)")
+    g.add_argument("--max-lora-rank", type=positive_int, default=None,
+                   help="the largest adapter rank taken (default 16)")
+    g.add_argument("--max-cpu-loras", type=positive_int, default=None,
+                   help="adapters kept in host memory (default --max-loras)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM\'s: e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\' (docs/speculative.md)')
@@ -86,6 +94,18 @@ def positive_int(text: str) -> int:
     return value
 
 
+def parse_lora_modules(items: list[str] | None) -> list[tuple[str, str]]:
+    """['name=path', ...] -> [(name, path), ...]."""
+    out = []
+    for item in items or []:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules {item!r}: write name=path, e.g. "
+                             "sql=/adapters/sql-lora")
+        out.append((name, path))
+    return out
+
+
 def parse_json_object(flag: str, text: str | None) -> dict | None:
     if text is None:
         return None
@@ -112,6 +132,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "sharding": args.sharding, "compilation_cache_dir": args.compilation_cache_dir,
         "speculative_config": parse_json_object("--speculative-config",
                                                 args.speculative_config),
+        "enable_lora": True if args.enable_lora else None, "max_loras": args.max_loras,
+        "max_lora_rank": args.max_lora_rank, "max_cpu_loras": args.max_cpu_loras,
     }
     if args.config:
         return EngineConfig.from_yaml(args.config, **overrides)
@@ -156,6 +178,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from sharding import multihost
 
     config = engine_config_from_args(args)
+    lora_modules = parse_lora_modules(args.lora_modules)
+    if lora_modules and not config.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     security = Security.from_args(args)  # bad files or an open address fail before loading
     security.check_bind(args.host)
     dist = multihost.DistributedConfig.from_args(args.coordinator, args.num_processes,
@@ -172,6 +197,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             logging.warning(DEMO_NOTICE)
         engine = Engine.from_config(config, broadcaster=broadcaster)
         name = config.model or "demo"
+    from jaxserve.engine.lora import LoRARequest
+    for i, (lora_name, path) in enumerate(lora_modules):
+        engine.add_lora(LoRARequest(lora_name, i + 1, path))
     if not leader:
         engine.warmup()
         logging.info("process %d: following process 0's steps", dist.process_id)
@@ -313,6 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tokens a streamed message holds at least, but a stream's first and "
                           "last (default 1: every step's tokens at once); larger values cost "
                           "the server less per token when many streams run")
+    srv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                     help="LoRA adapters (PEFT directories) served as models of these names "
+                          "(with --enable-lora)")
     srv.add_argument("--served-model-name", default=None,
                      help="the model name clients send (default: the --model path, or "
                           "'demo')")

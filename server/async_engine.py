@@ -18,6 +18,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
 import queue
 import threading
@@ -26,6 +27,7 @@ from collections.abc import AsyncIterator
 
 from jaxserve.engine.broadcast import PING_INTERVAL_S
 from jaxserve.engine.engine import Engine
+from jaxserve.engine.lora import LoRARequest
 from jaxserve.engine.output_text import OutputText
 from jaxserve.engine.request import check_prompt_length
 from jaxserve.outputs import StepOutput
@@ -142,6 +144,13 @@ class AsyncEngine:
         self.step_times: collections.deque[float] = collections.deque(maxlen=10_000)
         self.error: BaseException | None = None
         self._last_ping = time.monotonic()
+        # LoRA adapters the servers serve, by name (the event loop's copy; the engine
+        # thread owns the engine's): `add_lora` and `remove_lora` keep both.
+        loras = engine.loras
+        self.adapters: dict[str, LoRARequest] = (
+            {name: loras.get(name) for name in loras.names} if loras is not None else {})
+        self._lora_ids = itertools.count(max((a.lora_int_id for a in self.adapters.values()),
+                                             default=0) + 1)
 
     # ------------------------------------------------------------ asyncio side
 
@@ -161,10 +170,10 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
-    async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams
-                  ) -> AsyncIterator[StepOutput]:
-        """Admit the request (ValueError or QueueFullError if it cannot be), then return the
-        stream of its outputs. A text prompt is tokenized, and a structured-output
+    async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                  lora_request: LoRARequest | None = None) -> AsyncIterator[StepOutput]:
+        """Admit the request (under `lora_request`'s adapter, when given; ValueError or
+        QueueFullError if it cannot be), then return the stream of its outputs. A text prompt is tokenized, and a structured-output
         constraint compiled, in the worker pool first.
 
         Leaving the stream before its last output (closing it, or being cancelled while
@@ -179,7 +188,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), RequestTimes(arrival=time.monotonic()), params)
         admitted = loop.create_future()
-        self._inbox.put(("add", request_id, prompt, params, stream, admitted))
+        self._inbox.put(("add", request_id, prompt, params, stream, admitted, lora_request))
         try:
             await admitted
         except asyncio.CancelledError:
@@ -233,6 +242,27 @@ class AsyncEngine:
         """Abort by id; returns how many were running or waiting (and are now aborted)."""
         done = asyncio.get_running_loop().create_future()
         self._inbox.put(("abort_many", list(request_ids), done))
+        return await done
+
+    async def add_lora(self, name: str, path: str) -> LoRARequest:
+        """Read the LoRA adapter at `path` into the engine's host memory (on the engine
+        thread, between steps) and serve it as `name`; ValueError if it cannot be."""
+        if name in self.adapters:
+            raise ValueError(f"an adapter named {name!r} is loaded already: unload it first")
+        lora = LoRARequest(name, next(self._lora_ids), path)
+        await self._call(lambda engine: engine.add_lora(lora))
+        self.adapters[name] = lora
+        return lora
+
+    async def remove_lora(self, name: str) -> bool:
+        """Stop serving an adapter (requests running under it finish); False if unknown."""
+        if self.adapters.pop(name, None) is None:
+            return False
+        return await self._call(lambda engine: engine.remove_lora(name))
+
+    async def _call(self, fn):
+        done = asyncio.get_running_loop().create_future()
+        self._inbox.put(("call", fn, done))
         return await done
 
     def num_streams(self) -> int:
@@ -317,13 +347,13 @@ class AsyncEngine:
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, prompt, params, stream, admitted = cmd
+            _, rid, prompt, params, stream, admitted, lora = cmd
             if self.engine.status().num_waiting >= self.max_waiting:
                 _deliver(stream.loop, _settle, admitted, None, QueueFullError(
                     f"the waiting queue is full ({self.max_waiting} requests); retry later"))
                 return
             try:
-                ids = self.engine.add_request(rid, prompt, params)
+                ids = self.engine.add_request(rid, prompt, params, lora_request=lora)
             except ValueError as e:
                 _deliver(stream.loop, _settle, admitted, None, e)
                 return
@@ -348,6 +378,13 @@ class AsyncEngine:
         elif kind == "abort_all":
             for rid in list(self._streams):
                 self._abort(rid)
+        elif kind == "call":  # fn(engine) on this thread, its result or error to `done`
+            _, fn, done = cmd
+            try:
+                result, error = fn(self.engine), None
+            except ValueError as e:
+                result, error = None, e
+            _deliver(done.get_loop(), _settle, done, result, error)
 
     def _abort(self, rid: str) -> bool:
         if self.engine.abort_request(rid):

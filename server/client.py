@@ -24,10 +24,13 @@ CHANNEL_OPTIONS = [
 Prompt = str | list[int] | list[dict]
 
 
-def make_request(prompt: Prompt, request_id: str = "", **sampling) -> pb.GenerateRequest:
+def make_request(prompt: Prompt, request_id: str = "", lora_name: str = "", **sampling
+                 ) -> pb.GenerateRequest:
     """A GenerateRequest from a prompt (text, token ids, or a conversation: a list of
-    {"role", "content"} messages for the model's chat template) and SamplingParams fields."""
-    req = pb.GenerateRequest(request_id=request_id, sampling=pb.SamplingParams(**sampling))
+    {"role", "content"} messages for the model's chat template) and SamplingParams fields;
+    `lora_name`: a LoRA adapter the server serves (empty: the base model)."""
+    req = pb.GenerateRequest(request_id=request_id, sampling=pb.SamplingParams(**sampling),
+                             lora_name=lora_name)
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and isinstance(prompt[0], dict):

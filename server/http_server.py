@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import jaxserve
+from jaxserve.engine.lora import LoRARequest
 from jaxserve.outputs import StepOutput
 from jaxserve.sampling_params import SamplingParams
 from server import openai_protocol as oai
@@ -59,8 +60,10 @@ class Job:
     """The engine requests behind one HTTP request, one per choice."""
 
     def __init__(self, async_engine: AsyncEngine, base_id: str,
-                 requests: list[tuple[list[int], SamplingParams]]):
+                 requests: list[tuple[list[int], SamplingParams]],
+                 lora: LoRARequest | None = None):
         self.async_engine = async_engine
+        self.lora = lora
         self.id = base_id
         self.requests = [(f"{base_id}-{i}", prompt, p) for i, (prompt, p) in enumerate(requests)]
         self.streams: list[AsyncIterator[StepOutput]] = []
@@ -95,7 +98,8 @@ class Job:
         """Queue these requests at once (the engine thread admits them between the same
         two steps); the first error is raised after all have answered."""
         results = await asyncio.gather(
-            *(self.async_engine.add(*self.requests[i]) for i in indices), return_exceptions=True)
+            *(self.async_engine.add(*self.requests[i], self.lora) for i in indices),
+            return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
@@ -242,6 +246,8 @@ class HTTPServer:
         self.tool_parser = tool_parser
         self.engine = async_engine.engine
         self.model_name = model_name
+        # LoRA adapters served under their own names (`model`), by name.
+        self.adapters = async_engine.adapters
         self.metrics = metrics
         self.ready = False
         self.accepting = True
@@ -253,6 +259,8 @@ class HTTPServer:
         app.post("/v1/chat/completions")(self.chat_completions)
         app.post("/v1/completions")(self.completions)
         app.get("/v1/models")(self.models)
+        app.post("/v1/load_lora_adapter")(self.load_lora_adapter)
+        app.post("/v1/unload_lora_adapter")(self.unload_lora_adapter)
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
         app.get("/health")(self.health)
@@ -284,15 +292,21 @@ class HTTPServer:
             raise oai.APIError(400, "the body must be a JSON object")
         return model.model_validate(body)
 
-    def _check_serving(self, model: str | None) -> None:
+    def _check_serving(self, model: str | None) -> LoRARequest | None:
+        """503 unless serving; 404 for a `model` that is neither the base model nor an
+        adapter; the adapter `model` names (None: the base model)."""
         if not self.ready:
             raise oai.APIError(503, "the server is warming up; retry shortly",
                                type_="service_unavailable")
         if not self.accepting or not self.async_engine.is_alive:
             raise oai.APIError(503, "the server is shutting down", type_="service_unavailable")
-        if model is not None and model != self.model_name:
-            raise oai.APIError(404, f"the model `{model}` does not exist; this server serves "
-                                    f"`{self.model_name}`", "model", code="model_not_found")
+        if model is None or model == self.model_name:
+            return None
+        if model in self.adapters:
+            return self.adapters[model]
+        served = ", ".join(f"`{m}`" for m in [self.model_name, *self.adapters])
+        raise oai.APIError(404, f"the model `{model}` does not exist; this server serves "
+                                f"{served}", "model", code="model_not_found")
 
     def _tokenizer(self):
         if self.engine.tokenizer is None:
@@ -339,7 +353,7 @@ class HTTPServer:
 
     async def chat_completions(self, request: Request):
         req = await self._body(request, oai.ChatCompletionRequest)
-        self._check_serving(req.model)
+        lora = self._check_serving(req.model)
         self._tokenizer()  # 400 when the model has none
         logprobs = req.logprob_count()
         tools = req.tool_dicts()
@@ -358,7 +372,7 @@ class HTTPServer:
             raise oai.APIError(400, str(e), "messages") from e
         params = await self._sampling_params(req, req.max_completion_tokens or req.max_tokens,
                                              logprobs, plan)
-        job = Job(self.async_engine, oai.new_id("chatcmpl"), [(ids, p) for p in params])
+        job = Job(self.async_engine, oai.new_id("chatcmpl"), [(ids, p) for p in params], lora)
         await self._start(request, job)
         rid = job.id
         if req.stream:
@@ -438,7 +452,7 @@ class HTTPServer:
 
     async def completions(self, request: Request):
         req = await self._body(request, oai.CompletionRequest)
-        self._check_serving(req.model)
+        lora = self._check_serving(req.model)
         prompts = req.prompts()
         tokenizer = self.engine.tokenizer
         if any(isinstance(p, str) for p in prompts):
@@ -450,7 +464,7 @@ class HTTPServer:
             raise oai.APIError(400, str(e), "prompt") from e
         params = await self._sampling_params(req, req.max_tokens, req.logprobs)
         job = Job(self.async_engine, oai.new_id("cmpl"),
-                  [(p, params[i]) for p in ids for i in range(req.n)])
+                  [(p, params[i]) for p in ids for i in range(req.n)], lora)
         await self._start(request, job)
         rid = job.id
         echoes = [""] * len(job.requests)
@@ -528,10 +542,44 @@ class HTTPServer:
             c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
 
     async def models(self):
-        return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created,
-            "owned_by": "jaxserve", "root": self.model_name,
-            "max_model_len": self.engine.max_model_len}]}
+        base = {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "jaxserve", "root": self.model_name, "parent": None,
+                "max_model_len": self.engine.max_model_len}
+        return {"object": "list", "data": [base] + [
+            {**base, "id": name, "root": lora.lora_path, "parent": self.model_name}
+            for name, lora in self.adapters.items()]}
+
+    def _check_admin(self, request: Request) -> None:
+        """Loading and unloading adapters needs an admin key when keys are on."""
+        key = self.security.key_of(request.headers.get("authorization", ""))
+        if self.security.auth and not self.security.is_admin(key):
+            raise oai.APIError(403, "loading and unloading LoRA adapters needs an admin key",
+                               type_="permission_denied")
+
+    async def load_lora_adapter(self, request: Request):
+        body = await self._body(request, _LoadLoraRequest)
+        self._check_admin(request)
+        if self.engine.loras is None:
+            raise oai.APIError(400, "LoRA adapters are not enabled: start the server with "
+                                    "--enable-lora", "lora_name")
+        if body.lora_name == self.model_name or body.lora_name in self.adapters:
+            raise oai.APIError(400, f"the name `{body.lora_name}` is taken: unload it first",
+                               "lora_name")
+        try:
+            await self.async_engine.add_lora(body.lora_name, body.lora_path)
+        except ValueError as e:
+            raise oai.APIError(400, str(e), "lora_path") from e
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.",
+                        media_type="text/plain")
+
+    async def unload_lora_adapter(self, request: Request):
+        body = await self._body(request, _UnloadLoraRequest)
+        self._check_admin(request)
+        if not await self.async_engine.remove_lora(body.lora_name):
+            raise oai.APIError(404, f"no LoRA adapter named `{body.lora_name}` is loaded",
+                               "lora_name", code="model_not_found")
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
+                        media_type="text/plain")
 
     async def tokenize(self, request: Request):
         body = await self._body(request, _TokenizeRequest)
@@ -619,3 +667,13 @@ class _TokenizeRequest(pydantic.BaseModel):
 class _DetokenizeRequest(pydantic.BaseModel):
     model: str | None = None
     tokens: list[int]
+
+
+class _LoadLoraRequest(pydantic.BaseModel):
+    lora_name: str = pydantic.Field(min_length=1, max_length=256)
+    lora_path: str = pydantic.Field(min_length=1)
+
+
+class _UnloadLoraRequest(pydantic.BaseModel):
+    lora_name: str = pydantic.Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's clients send it; the name decides

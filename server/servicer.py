@@ -115,6 +115,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         if which is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "prompt: set one of text, token_ids or messages")
+        lora = None
+        if request.lora_name:
+            lora = self.async_engine.adapters.get(request.lora_name)
+            if lora is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND,
+                                    f"lora_name: no LoRA adapter named {request.lora_name!r} "
+                                    f"is served (have: {sorted(self.async_engine.adapters)})")
         try:
             params = sampling_from_proto(request.sampling)
             if which == "messages":
@@ -124,7 +131,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 prompt = await self.async_engine.encode(request.text)
             else:
                 prompt = list(request.token_ids.ids)
-            outputs = await self.async_engine.add(rid, prompt, params)
+            outputs = await self.async_engine.add(rid, prompt, params, lora)
         except ValueError as e:  # never admitted
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFullError as e:

@@ -196,3 +196,91 @@ def test_an_engine_without_lora_refuses_adapters(checkpoints, adapters):
         engine.add_request("r", [5, 6], lora_request=_requests(adapters)["qv"])
     assert engine.runner.lora is None and engine.builder.empty(
         engine.builder.bucket(1, False)).lora_slots is None
+
+
+@pytest.fixture(scope="module")
+def lora_server(checkpoints, adapters, tmp_path_factory):
+    from serverproc import running_server
+
+    path, _ = checkpoints("llama")
+    log = tmp_path_factory.mktemp("lora-http") / "server.log"
+    with running_server(path, log, "--enable-lora", "--max-loras", "2", "--max-lora-rank",
+                        "8", "--lora-modules", f"qv={adapters['qv'][0]}") as (target, proc):
+        proc.target = target
+        yield proc, path
+
+
+def test_the_openai_client_reaches_adapters_by_model_name(lora_server, lora_llm, adapters,
+                                                          prompts):
+    """`model=<adapter>` answers as PEFT's model does (the offline engine's text, whose
+    tokens are PEFT's); unknown names are a 404 naming them; adapters load and unload at
+    run time (a bad directory: 400) and /v1/models lists them with the base model as
+    parent."""
+    import httpx
+    import openai
+
+    proc, path = lora_server
+    client = openai.OpenAI(base_url=f"{proc.http_url}/v1", api_key="unused", max_retries=0)
+    base_name = client.models.list().data[0].id
+    reqs = _requests(adapters)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+    def offline(name, prompt):
+        out = lora_llm.generate(prompt, params, lora_request=reqs[name])[0].outputs[0]
+        assert out.token_ids == hf_greedy(adapters[name][1], prompt, NEW_TOKENS)
+        return out.text
+
+    def complete(model, prompt):
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS,
+                                        temperature=0.0, extra_body={"ignore_eos": True})
+        return out.choices[0].text
+
+    prompt = prompts[1]
+    want = offline("qv", prompt)
+    assert complete("qv", prompt) == want
+    assert complete(base_name, prompt) != want
+    with pytest.raises(openai.NotFoundError, match="`all` does not exist"):
+        complete("all", prompt)
+
+    load = f"{proc.http_url}/v1/load_lora_adapter"
+    bad = httpx.post(load, json={"lora_name": "all", "lora_path": str(path)})
+    assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+    ok = httpx.post(load, json={"lora_name": "all", "lora_path": str(adapters["all"][0])})
+    assert ok.status_code == 200, ok.text
+    assert httpx.post(load, json={"lora_name": "all", "lora_path": "x"}).status_code == 400
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) == {base_name, "qv", "all"}
+    assert models["all"].model_extra["parent"] == base_name
+    assert complete("all", prompt) == offline("all", prompt)
+    gone = httpx.post(f"{proc.http_url}/v1/unload_lora_adapter", json={"lora_name": "all"})
+    assert gone.status_code == 200, gone.text
+    with pytest.raises(openai.NotFoundError):
+        complete("all", prompt)
+    assert httpx.post(f"{proc.http_url}/v1/unload_lora_adapter",
+                      json={"lora_name": "all"}).status_code == 404
+    assert complete("qv", prompt) == want  # the others serve on
+
+
+def test_grpc_requests_name_their_adapter(lora_server, lora_llm, adapters, prompts):
+    import grpc
+
+    from server.client import Client
+
+    proc, _ = lora_server
+    prompt = prompts[2]
+    want = lora_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                                    ignore_eos=True),
+                             lora_request=_requests(adapters)["qv"])[0].outputs[0].token_ids
+    client = Client(proc.target)
+    try:
+        ids, _, done = client.complete(prompt, lora_name="qv", max_tokens=NEW_TOKENS,
+                                       temperature=0.0, ignore_eos=True)
+        assert ids == want and done.finish_reason == "length"
+        base, _, _ = client.complete(prompt, max_tokens=NEW_TOKENS, temperature=0.0,
+                                     ignore_eos=True)
+        assert base != want
+        with pytest.raises(grpc.RpcError) as e:
+            client.complete(prompt, lora_name="nope", max_tokens=2)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in e.value.details()
+    finally:
+        client.close()
