@@ -284,3 +284,82 @@ def test_grpc_requests_name_their_adapter(lora_server, lora_llm, adapters, promp
         assert e.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in e.value.details()
     finally:
         client.close()
+
+
+def _dequantized_int8(base):
+    """A copy of the torch model whose projections hold what our int8 weights hold: each
+    `[in, out]` weight quantized per output column and back (pallas_kernels/quantized_matmul)."""
+    import torch
+
+    from pallas_kernels.quantized_matmul import dequantize, quantize
+
+    model = copy.deepcopy(base)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.split(".")[-1] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                       "up_proj", "down_proj"):
+                w = jnp.asarray(module.weight.detach().numpy().T)
+                back = np.asarray(dequantize(*quantize(w, "int8"), "int8")).T
+                module.weight.copy_(torch.from_numpy(np.ascontiguousarray(back)))
+    return model
+
+
+def test_an_int8_base_with_ngram_speculation_and_a_grammar(checkpoints, adapters, prompts):
+    """Adapters over int8 base weights give PEFT's tokens over the dequantized base, with
+    n-gram speculation verifying drafts under each adapter; a constrained request under an
+    adapter keeps to its regular expression."""
+    import re
+
+    from peft import PeftModel
+
+    from jaxserve.sampling_params import StructuredOutputsParams
+
+    path, base = checkpoints("llama")
+    llm = LLM(str(path), **{**ENGINE, "num_scheduler_steps": 1}, quantization="int8",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    deq = _dequantized_int8(base)
+    reqs = _requests(adapters)
+    names = [None, "all", "mlp"]
+    # Repeating prompts, so that prompt lookup finds drafts to verify.
+    batch = [(p[:10] * 3, n) for p in prompts[:2] for n in names]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([p for p, _ in batch], params,
+                        lora_request=[reqs.get(n) for _, n in batch])
+    for (prompt, name), out in zip(batch, outs):
+        oracle = deq if name is None else PeftModel.from_pretrained(
+            copy.deepcopy(deq), str(adapters[name][0])).eval()
+        assert out.outputs[0].token_ids == hf_greedy(oracle, prompt, NEW_TOKENS), name
+    assert llm.engine.speculator.stats.steps > 0  # steps verified drafts
+    pattern = "[0-9]{3}-[a-z]{2}"
+    shaped = llm.generate(prompts[0], SamplingParams(
+        temperature=0.8, seed=3, max_tokens=12,
+        structured_outputs=StructuredOutputsParams(regex=pattern)),
+        lora_request=reqs["qv"])[0].outputs[0]
+    assert re.fullmatch(pattern, shaped.text), shaped.text
+
+
+@pytest.mark.slow
+def test_adapters_on_a_mesh_give_peft_tokens(checkpoints, adapters, prompts, tmp_path):
+    """Under TP=2 and 4, TP+SP and DP+TP (8 emulated devices, a process of its own) a batch
+    mixing adapters and the base model gives PEFT's tokens."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path, base = checkpoints("llama")
+    names = ["qv", "all", "mlp"]
+    spec = {"adapters": [f"{n}={adapters[n][0]}" for n in names], "prompts": prompts[:2],
+            "new_tokens": NEW_TOKENS}
+    out = tmp_path / "runs.json"
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    script = Path(__file__).parent / "lora_multidevice_check.py"
+    proc = subprocess.run([sys.executable, str(script), str(path), str(out), json.dumps(spec)],
+                          env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    runs = json.loads(out.read_text())
+    want = [[n, hf_greedy(base if n is None else adapters[n][1], p, NEW_TOKENS)]
+            for p in prompts[:2] for n in [None, *names]]
+    for mesh, got in runs.items():
+        assert got == want, mesh
