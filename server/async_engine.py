@@ -186,7 +186,9 @@ class AsyncEngine:
         if params.structured_outputs is not None:  # the engine thread only copies it
             await self.compile_constraint(params.structured_outputs)
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue(), RequestTimes(arrival=time.monotonic()), params)
+        times = RequestTimes(arrival=time.monotonic(),
+                             lora_name=lora_request.lora_name if lora_request else None)
+        stream = _Stream(loop, asyncio.Queue(), times, params)
         admitted = loop.create_future()
         self._inbox.put(("add", request_id, prompt, params, stream, admitted, lora_request))
         try:

@@ -41,6 +41,7 @@ class RequestTimes:
     first_token: float | None = None
     last_token: float | None = None
     num_generated: int = 0
+    lora_name: str | None = None  # the request's LoRA adapter, if any
 
 
 class Metrics:
@@ -79,6 +80,9 @@ class Metrics:
                                         TOKEN_BUCKETS)
         self.request_generation = histogram("request_generation_tokens",
                                             "Generated tokens per request.", TOKEN_BUCKETS)
+        self._lora_tokens = Counter(PREFIX + "lora_generation_tokens",
+                                    "Generated tokens per LoRA adapter.",
+                                    ["model_name", "lora_name"], registry=self.registry)
         self.registry.register(_EngineCollector(engine, model_name))
 
     def on_output(self, times: RequestTimes, out: StepOutput, now: float) -> None:
@@ -93,6 +97,8 @@ class Metrics:
             times.last_token = now
             times.num_generated += n
             self.generation_tokens.inc(n)
+            if times.lora_name is not None:
+                self._lora_tokens.labels(self.model_name, times.lora_name).inc(n)
         if out.finished:
             self._success.labels(self.model_name, out.finish_reason or "abort").inc()
             self.prompt_tokens.inc(out.num_prompt_tokens)
@@ -145,6 +151,13 @@ class _EngineCollector:
             yield counter
         if status.speculation is not None:
             yield from self._speculation(labels, status.speculation)
+        if status.lora_running is not None:
+            running = GaugeMetricFamily(PREFIX + "lora_requests_running",
+                                        "Running requests per LoRA adapter.",
+                                        labels=["model_name", "lora_name"])
+            for name, n in sorted(status.lora_running.items()):
+                running.add_metric([self.model_name, name], n)
+            yield running
 
     @staticmethod
     def _speculation(labels: list[str], stats: SpeculationStats):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -259,6 +260,10 @@ def test_the_openai_client_reaches_adapters_by_model_name(lora_server, lora_llm,
     assert httpx.post(f"{proc.http_url}/v1/unload_lora_adapter",
                       json={"lora_name": "all"}).status_code == 404
     assert complete("qv", prompt) == want  # the others serve on
+    metrics = httpx.get(f"{proc.http_url}/metrics").text
+    tokens = re.search(r'jaxserve:lora_generation_tokens_total\{lora_name="qv",'
+                       r'model_name="[^"]*"\} (\S+)', metrics)
+    assert tokens and float(tokens[1]) >= 2 * NEW_TOKENS, metrics[-2000:]
 
 
 def test_grpc_requests_name_their_adapter(lora_server, lora_llm, adapters, prompts):
@@ -308,8 +313,6 @@ def test_an_int8_base_with_ngram_speculation_and_a_grammar(checkpoints, adapters
     """Adapters over int8 base weights give PEFT's tokens over the dequantized base, with
     n-gram speculation verifying drafts under each adapter; a constrained request under an
     adapter keeps to its regular expression."""
-    import re
-
     from peft import PeftModel
 
     from jaxserve.sampling_params import StructuredOutputsParams

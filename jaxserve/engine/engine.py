@@ -265,7 +265,8 @@ class Engine:
             num_preemptions=sched.num_preemptions, num_steps=self.num_steps,
             num_overlapped_steps=self.num_overlapped_steps,
             steps_in_flight=int(self._inflight is not None),
-            speculation=stats.snapshot() if stats is not None else None)
+            speculation=stats.snapshot() if stats is not None else None,
+            lora_running=self.loras.running() if self.loras is not None else None)
 
     def expert_load(self) -> np.ndarray | None:
         """`[MoE layers, num_experts]`: how many tokens (prompt and generated) each expert

@@ -157,5 +157,7 @@ class LoraManager:
         return adapter
 
     def running(self) -> dict[str, int]:
-        """Running sequences per adapter name (metrics)."""
-        return {self._holder[s]: n for s, n in enumerate(self._users) if n and self._holder[s]}
+        """Running sequences per adapter name (metrics; any thread may call it: it reads
+        copies)."""
+        return {name: n for name, n in zip(list(self._holder), list(self._users))
+                if n and name is not None}

@@ -21,6 +21,7 @@ class EngineStatus:
     num_overlapped_steps: int  # of those, dispatched while the one before still ran
     steps_in_flight: int  # dispatched and not yet collected (0 or 1)
     speculation: SpeculationStats | None  # None without speculative decoding
+    lora_running: dict[str, int] | None = None  # running requests per LoRA adapter; None: off
 
     @property
     def prefix_hit_rate(self) -> float:
