@@ -99,8 +99,8 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
         layers = sum(cfg.sparse_layers)
         load = (jax.ShapeDtypeStruct((layers, cfg.num_experts), jnp.int32, sharding=replicated)
                 if layers else None)
-        return fn.lower(jax.tree.leaves(params), caches, batch, carry, load, None,
-                        None).compile()
+        return fn.lower(jax.tree.leaves(params), caches, batch, carry, load, None, None,
+                        None).compile()  # no Medusa heads, EAGLE features or LoRA stacks
 
 
 def placed(abstract: nnx.State, shard: ShardingContext) -> nnx.State:
