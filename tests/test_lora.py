@@ -309,6 +309,7 @@ def _dequantized_int8(base):
     return model
 
 
+@pytest.mark.slow
 def test_an_int8_base_with_ngram_speculation_and_a_grammar(checkpoints, adapters, prompts):
     """Adapters over int8 base weights give PEFT's tokens over the dequantized base, with
     n-gram speculation verifying drafts under each adapter; a constrained request under an

@@ -84,15 +84,16 @@ class ModelRunner:
         self.expert_load = (jax.device_put(np.zeros((layers, cfg.num_experts), np.int32),
                                            replicated) if layers else None)
         # LoRA adapters' stacks (models/lora.py; `lora` their ShapeDtypeStructs), replicated,
-        # written a slot at a time (`load_lora`); None without adapters.
+        # written a slot at a time (`load_lora`); None without adapters. Not donated: a
+        # step still in flight may read the stacks a load replaces (a copy per load, which
+        # is rare: only an adapter without a slot needs one).
         self.lora = None
         self._kv_replicas, self._head_dim = shard.rules.kv_head_replicas, cfg.head_dim
         if lora is not None:
             self.lora = self.zeros(jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), lora))
             self._set_lora = jax.jit(
-                lambda stacks, i, new: jax.tree.map(lambda s, n: s.at[i].set(n), stacks, new),
-                donate_argnums=0)
+                lambda stacks, i, new: jax.tree.map(lambda s, n: s.at[i].set(n), stacks, new))
 
     def _speculative_state(self, cfg: ModelConfig, params, features_from: tuple[int, ...]
                            ) -> None:
