@@ -71,16 +71,7 @@ class LoraManager:
         if known is not None and known != req:
             raise ValueError(f"adapter {req.lora_name!r} is already loaded as "
                              f"{known}; unload it first or use another name")
-        adapter = self._host.get(req.lora_name)
-        if adapter is None:
-            adapter = load_adapter(req.lora_path, self.cfg)
-            if adapter.rank > self.max_rank:
-                raise ValueError(f"adapter {req.lora_name!r} has rank {adapter.rank} > "
-                                 f"max_lora_rank ({self.max_rank}); raise max_lora_rank")
-            self._host[req.lora_name] = adapter
-            while len(self._host) > self.max_cpu_loras:
-                self._host.popitem(last=False)
-        self._host.move_to_end(req.lora_name)
+        adapter = self._adapter(req)
         self._known[req.lora_name] = req
         return adapter
 
@@ -147,9 +138,14 @@ class LoraManager:
         return uploads
 
     def _adapter(self, req: LoRARequest) -> Adapter:
+        """The adapter from host memory, or read (and checked) from disk into it, the least
+        recently used dropped past max_cpu_loras."""
         adapter = self._host.get(req.lora_name)
-        if adapter is None:  # dropped from host memory since: read it again
+        if adapter is None:
             adapter = load_adapter(req.lora_path, self.cfg)
+            if adapter.rank > self.max_rank:
+                raise ValueError(f"adapter {req.lora_name!r} has rank {adapter.rank} > "
+                                 f"max_lora_rank ({self.max_rank}); raise max_lora_rank")
             self._host[req.lora_name] = adapter
             while len(self._host) > self.max_cpu_loras:
                 self._host.popitem(last=False)
