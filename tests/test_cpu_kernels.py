@@ -36,6 +36,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import cpu as native
+from pallas_kernels.lora import cpu as lora_cpu
 from pallas_kernels.matmul import matmul
 from pallas_kernels.ragged_paged_attention import quantize_kv, ragged_paged_attention
 from pallas_kernels.ragged_paged_attention.kv_cache import as_bits, as_values
@@ -691,6 +692,68 @@ def test_real_rows_ignore_the_padding_rows(m, real, dtype):
         np.testing.assert_array_equal(got, want)
 
 
+# --------------------------------------------------------------------------------- LoRA
+
+LORA_CASES = [  # tokens, in, rank, slots, outs
+    (7, 64, 8, 3, (48, 16)),  # 8 ranks: one register vector
+    (37, 96, 20, 4, (300, 17, 5)),  # 20 ranks: the generic loops; past a 256-column strip
+    (1, 32, 16, 2, (40,)),  # one token
+    (6, 40, 24, 2, (33,)),  # 16 + 8 ranks; a column past the 16s
+]
+
+
+@pytest.mark.parametrize("case", LORA_CASES, ids=lambda c: "x".join(map(str, c[:4])))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_lora_kernel_adds_each_tokens_adapter_delta(isa, dtype, case):
+    """y + x A[s] B[s] per token against float64 (rounded once to y's dtype), every module
+    of one input in one call; tokens without an adapter (slot 0) keep y to the bit."""
+    t, k, r, g, outs = case
+    rng = np.random.default_rng(t)
+    x = as_dtype(rng.standard_normal((t, k)), dtype)
+    slots = rng.integers(0, g + 1, t).astype(np.int32)
+    slots[:2] = [g, 0][:t]
+    stacks = [(as_dtype(rng.standard_normal((g, k, r)) / 8, dtype),
+               as_dtype(rng.standard_normal((g, r, n)) / 8, dtype)) for n in outs]
+    ys = [as_dtype(rng.standard_normal((t, n)), dtype) for n in outs]
+    got = jax.jit(lora_cpu.lora_add)(
+        jnp.asarray(x, dtype), jnp.asarray(slots), [jnp.asarray(y, dtype) for y in ys],
+        [(jnp.asarray(a, dtype), jnp.asarray(b, dtype)) for a, b in stacks])
+    for y, out, (a, b) in zip(ys, got, stacks):
+        h = np.einsum("tk,tkr->tr", x, a[np.maximum(slots - 1, 0)])
+        delta = np.einsum("tr,trn->tn", h, b[np.maximum(slots - 1, 0)]) * (slots > 0)[:, None]
+        terms = np.einsum("tk,tkr->tr", np.abs(x), np.abs(a[np.maximum(slots - 1, 0)]))
+        terms = np.einsum("tr,trn->tn", terms, np.abs(b[np.maximum(slots - 1, 0)]))
+        out = np.asarray(out, np.float64)
+        bound = gamma(k + r + 1) * (terms + np.abs(y))
+        if dtype == jnp.bfloat16:
+            bound = bound + 2.0**-8 * np.abs(y + delta)
+        assert (np.abs(out - (y + delta)) <= bound).all()
+        assert (out[slots == 0] == y[slots == 0]).all()
+        assert np.abs(delta[slots > 0]).min() > 0  # every adapter token's delta counts
+
+
+def test_lora_kernel_without_adapter_tokens_or_in_place_leaves_y_as_it_was():
+    """A batch without adapter tokens returns y; where y is still read after the call (no
+    aliasing possible), the kernel starts from a copy and the original is untouched."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((5, 16)), jnp.float32)
+    a = jnp.asarray(rng.standard_normal((2, 16, 4)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((2, 4, 8)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((5, 8)), jnp.float32)
+
+    @jax.jit
+    def both(slots, y):
+        (out,) = lora_cpu.lora_add(x, slots, [y], [(a, b)])
+        return out, y * 1.0
+
+    out, kept = both(jnp.zeros(5, jnp.int32), y)
+    assert (np.asarray(out) == np.asarray(y)).all()
+    out, kept = both(jnp.asarray([0, 1, 2, 0, 1], jnp.int32), y)
+    assert (np.asarray(kept) == np.asarray(y)).all()
+    assert (np.asarray(out)[[0, 3]] == np.asarray(y)[[0, 3]]).all()
+    assert not np.isclose(np.asarray(out)[[1, 2, 4]], np.asarray(y)[[1, 2, 4]]).any()
+
+
 # -------------------------------------------------------------------------------- build
 
 def run_python(code: str, **env) -> subprocess.CompletedProcess:
@@ -702,7 +765,8 @@ def test_fresh_process_builds_into_empty_cache(tmp_path):
     result = run_python("""
         import jax.numpy as jnp
         from pallas_kernels import cpu
-        from pallas_kernels.matmul import matmul
+        from pallas_kernels.lora import cpu as lora_cpu
+from pallas_kernels.matmul import matmul
         assert cpu.available(), cpu.unavailable_reason()
         print(cpu.library_path())
         print(float(matmul(jnp.ones((1, 3)), jnp.ones((3, 2)), impl="cpu")[0, 1]))

@@ -11,9 +11,11 @@
 //   jaxserve_rms_norm                RMSNorm of the real rows, optionally after adding the
 //                                    residual (pallas_kernels/rows.py).
 //   jaxserve_gated_act               act(gate) * up of the real rows (silu, tanh gelu).
+//   jaxserve_lora                    y_i += x @ A_i[slot] @ B_i[slot] per token, in place
+//                                    (LoRA adapters of a mixed batch).
 //
 // One translation unit: this file holds the FFI handlers and includes each kernel's
-// header (common.h, matmul.h, rows.h, attention.h), so the kernels share one thread pool.
+// header (common.h, matmul.h, rows.h, attention.h, lora.h), so the kernels share one thread pool.
 // The benchmarks' diagnostics are a library of their own (diagnostics.cc).
 //
 // See pallas_kernels/cpu/__init__.py for how it is built and loaded.
@@ -22,6 +24,7 @@
 #include "matmul.h"
 #include "rows.h"
 #include "attention.h"
+#include "lora.h"
 
 namespace jaxserve {
 namespace {
@@ -304,6 +307,50 @@ ffi::Error RopeImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
   return ffi::Error::Success();
 }
 
+// LoRA: x [T, K], slots [T] (1-based; 0: no adapter), then (y_i [T, N_i], A_i [G, K, R],
+// B_i [G, R, N_i]) per module; results y_i (aliased to the inputs y_i).
+ffi::Error LoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> slots,
+                    ffi::RemainingArgs args, ffi::RemainingRets ys) {
+  auto bad = [](const std::string& what) {
+    return ffi::Error::InvalidArgument("jaxserve_lora: " + what);
+  };
+  const auto xd = x.dimensions();
+  const ffi::DataType dt = x.element_type();
+  if (xd.size() != 2) return bad("x must be 2-D");
+  if (dt != ffi::DataType::F32 && dt != ffi::DataType::BF16) return bad("x must be f32 or bf16");
+  const int64_t t_all = xd[0], k = xd[1];
+  if (slots.element_count() != static_cast<size_t>(t_all)) return bad("one slot per token");
+  if (args.size() % 3 != 0 || args.size() / 3 != ys.size() || ys.size() == 0)
+    return bad("arguments are (y, A, B) per module, one result per module");
+  int64_t g = -1, r = -1;
+  std::vector<LoraModule> mods;
+  for (size_t i = 0; i < ys.size(); ++i) {
+    auto y = args.get<ffi::AnyBuffer>(3 * i), a = args.get<ffi::AnyBuffer>(3 * i + 1),
+         b = args.get<ffi::AnyBuffer>(3 * i + 2);
+    auto out = ys.get<ffi::AnyBuffer>(i);
+    if (!y.has_value() || !a.has_value() || !b.has_value() || !out.has_value())
+      return bad("bad argument or result");
+    const auto yd = y->dimensions(), ad = a->dimensions(), bd = b->dimensions();
+    if (yd.size() != 2 || ad.size() != 3 || bd.size() != 3)
+      return bad("y must be 2-D, A and B 3-D");
+    if (y->element_type() != dt || a->element_type() != dt || b->element_type() != dt ||
+        (*out)->element_type() != dt)
+      return bad("x, y, A and B must share one dtype");
+    if (g < 0) g = ad[0], r = ad[2];
+    if (ad[0] != g || bd[0] != g || ad[2] != r || bd[1] != r || ad[1] != k || yd[0] != t_all ||
+        bd[2] != yd[1] || (*out)->element_count() != y->element_count())
+      return bad("shapes do not match: x [T, K], y [T, N], A [G, K, R], B [G, R, N]");
+    void* dst = (*out)->untyped_data();
+    if (dst != y->untyped_data())  // not aliased: start from y
+      std::memcpy(dst, y->untyped_data(), y->size_bytes());
+    mods.push_back(LoraModule{a->untyped_data(), b->untyped_data(), dst, yd[1]});
+  }
+  Runner run(&pool);
+  LoraAdd(run, x.untyped_data(), t_all, k, r, g, dt == ffi::DataType::BF16, slots.typed_data(),
+          mods.data(), static_cast<int64_t>(mods.size()));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jaxserve
 
@@ -377,6 +424,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRope, jaxserve::RopeImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveLora, jaxserve::LoraImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
 
 // Instruction-set control for tests: the level the kernels run at (0 scalar, 1 AVX2+FMA,
 // 2 AVX-512, 3 AVX-512 + BF16), capped at what the CPU has. Returns the level now in force.

@@ -8,7 +8,8 @@ grouped matmuls over them (pallas_kernels/grouped_matmul: the expert kernels, "t
 "gpu" Pallas kernels, a plain-JAX loop on a CPU): the work follows the tokens that have
 an adapter and the slots they use, not slots x batch; tokens past the groups (no
 adapter, padding) cost nothing and come out zero. `reference.lora_delta` is the truth,
-token by token.
+token by token. On one CPU device the model calls `cpu.lora_add` instead (a native
+kernel: the deltas of every projection of an input added in place, in one call).
 """
 
 from __future__ import annotations
