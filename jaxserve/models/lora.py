@@ -9,6 +9,13 @@ its B. Every projection an adapter can target has stacks; an adapter that leaves
 has zeros there. On a mesh the stacks are replicated: each device computes the delta of
 its own projection's output from them (small next to the weights: a rank-16 slot of a
 Llama-3-8B is 0.3% of its parameters).
+
+Who computes the delta (`delta_impl`): on one CPU device, where the float matmuls are
+native, the native kernel (pallas_kernels/lora/cpu.py: every projection of an input in one
+call, in place); on one TPU or GPU the grouped matmuls' Pallas kernels over the step's
+tokens sorted by slot (pallas_kernels/lora); on a mesh the same grouped matmuls as XLA's
+`ragged_dot`, which XLA partitions along the projection's own sharding (a Pallas kernel
+cannot be partitioned automatically; the deltas are small next to the projections).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
-from pallas_kernels.lora import LoraPlan, lora_delta_sorted, plan
+from pallas_kernels.lora import LoraPlan, cpu, lora_delta_sorted, plan
 
 # The projections an adapter may target, by the inputs they share (one sort each).
 ATTENTION_IN = ("q_proj", "k_proj", "v_proj")
@@ -59,35 +66,52 @@ def abstract_stacks(cfg: ModelConfig, max_loras: int, max_rank: int, dtype,
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LoraInputs:
-    """What a forward pass needs for adapters: every layer's stacks and the step's plan
-    (its tokens sorted by slot)."""
+    """What a forward pass needs for adapters: every layer's stacks, the step's tokens'
+    slots and their plan (the tokens sorted by slot; the native kernel needs only the
+    slots, and XLA drops the plan's work when nothing reads it)."""
 
     stacks: list[dict[str, tuple[jax.Array, jax.Array]]]
+    slots: jax.Array
     plan: LoraPlan
 
     @classmethod
     def of(cls, stacks, slots: jax.Array) -> LoraInputs:
         g = next(iter(stacks[0].values()))[0].shape[0]
-        return cls(stacks, plan(slots, g))
+        return cls(stacks, slots, plan(slots, g))
 
-    def layer(self, i: int) -> LoraLayer:
-        return LoraLayer(self.stacks[i], self.plan)
+    def layer(self, i: int, impl: str | None) -> LoraLayer:
+        """Layer i's view, its deltas computed by `impl` (`delta_impl`)."""
+        return LoraLayer(self.stacks[i], self.slots, self.plan, impl)
+
+
+def delta_impl(one_device: bool, native: bool) -> str | None:
+    """Who computes the deltas: "native" (the native CPU kernel, where the float matmuls
+    are native on one device), None (the grouped matmul's choice for the platform, one
+    device) or "reference" (XLA's ragged_dot, on a mesh)."""
+    if not one_device:
+        return "reference"
+    return "native" if native else None
 
 
 @dataclasses.dataclass
 class LoraLayer:
     stacks: dict[str, tuple[jax.Array, jax.Array]]
+    slots: jax.Array
     plan: LoraPlan
+    impl: str | None  # delta_impl's
 
     def add(self, x: jax.Array, names: tuple[str, ...], ys: list[jax.Array]) -> list[jax.Array]:
         """Each projection `names[i]` of x (`ys[i]`, any shape with x's leading token
         dim) plus its LoRA delta; x is sorted once for all of them."""
-        p = self.plan
         x2 = x.reshape(x.shape[0], -1)
+        if self.impl == "native" and cpu.supports(x2):
+            return cpu.lora_add(x2, self.slots, ys, [self.stacks[name] for name in names])
+        p = self.plan
         xs = x2[p.order]
+        impl = "reference" if self.impl == "reference" else None
         out = []
         for name, y in zip(names, ys):
             a, b = self.stacks[name]
-            delta = lora_delta_sorted(xs, a, b, p)[p.inverse]
+            delta = lora_delta_sorted(xs, a, b, p, impl)[p.inverse]
             out.append(y + delta.reshape(y.shape).astype(y.dtype))
         return out

@@ -22,7 +22,7 @@ from jaxserve.config import ModelConfig, ModelOptions
 from jaxserve.models.layers import (
     embedding, is_packed, is_transposed, linear, lm_head, param, rms_norm, rope_inv_freq,
     rows_impl)
-from jaxserve.models.lora import ATTENTION_IN, LoraInputs, LoraLayer
+from jaxserve.models.lora import ATTENTION_IN, LoraInputs, LoraLayer, delta_impl
 from jaxserve.models.mlp import MLP
 from jaxserve.models.moe import MoE
 from jaxserve.models.parallel import (
@@ -230,12 +230,13 @@ class Transformer(nnx.Module):
             x = x * jnp.asarray(self.cfg.hidden_size**0.5, x.dtype)
         x = shard.constrain(x, RESIDUAL_AXES)
         rows = real_tokens(meta, shard)
+        lora_impl = delta_impl(rows is not None, rows_impl(self.options, rows) is None)
         new_caches, captured = [], {}
         for i, (block, kv) in enumerate(zip(self.layers, kv_caches)):
             if i in features_from:
                 captured[i] = x
             x, kv = block(x, positions, kv, meta, shard, rows, router_stats,
-                          lora.layer(i) if lora is not None else None)
+                          lora.layer(i, lora_impl) if lora is not None else None)
             new_caches.append(kv)
         if self.cfg.num_layers in features_from:
             captured[self.cfg.num_layers] = self.final_norm(x)

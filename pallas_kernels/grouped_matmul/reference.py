@@ -17,7 +17,9 @@ def grouped_matmul(x: jax.Array, values: jax.Array, group_sizes: jax.Array,
     """`y[i] = x[i] @ w[g(i)]` for the rows of each group; rows past the groups: zeros."""
     formats.check_operands(x, values, scales, group_sizes, kind)
     w = formats.dequantize(values, scales, kind, x.dtype)
-    y = jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32),
-                           precision=jax.lax.Precision.HIGHEST,
+    # HIGHEST for float32 operands; 16-bit products are exact in float32 anyway, and
+    # XLA:TPU's ragged_dot (a Mosaic kernel) refuses fp32 precision on bf16 operands.
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    y = jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32), precision=precision,
                            preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
