@@ -260,7 +260,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     common = dict(dtype=args.dtype, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
-                  data_parallel=args.data_parallel)
+                  data_parallel=args.data_parallel, max_loras=args.max_loras,
+                  max_lora_rank=args.max_lora_rank)
     if args.compare:
         configs = parse_compare(args.compare, args.strategy, args.quantization,
                                 args.kv_cache_dtype)
@@ -429,6 +430,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--page-size", type=int, default=16)
     pl.add_argument("--quantization", choices=list(QUANTIZATIONS), default=None)
     pl.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto")
+    pl.add_argument("--max-loras", type=int, default=0,
+                    help="LoRA adapter slots the step carries (0: none); their memory is "
+                         "counted on every chip")
+    pl.add_argument("--max-lora-rank", type=int, default=16)
     pl.set_defaults(func=cmd_plan)
 
     conv = sub.add_parser("convert", help="quantize an HF checkpoint once and save it with "

@@ -57,6 +57,10 @@ def format_plan(p: dict) -> str:
              f"{_gib(p['analytic_weight_bytes'])} "
              f"(ratio {p['weight_bytes'] / p['analytic_weight_bytes']:.3f})"),
         ]
+    if p.get("lora_bytes"):
+        rows.append((f"LoRA adapters per {unit}",
+                     f"{_gib(p['lora_bytes'])} ({p['max_loras']} slots of rank "
+                     f"{p['max_lora_rank']}, replicated)"))
     rows += [
         (f"KV cache per token per {unit}", f"{p['kv_bytes_per_token'] / 1024:.1f} KiB{kv_note}"),
         ("temporary memory (max bucket)", f"{_gib(p['temp_bytes'])}{est}"),
@@ -104,7 +108,9 @@ def format_compare(plans: list[dict]) -> str:
             coll = _collectives_text(d["collectives"], abbreviate=True) + star
             flops = f"{d['flops'] / 1e12:.3f}{star}"
             accessed = f"{d['bytes_accessed'] / 2**30:.2f}{star}"
-        rows.append([plan_label(p), str(p["chips"]), _gib(p["hbm_bytes"]), _gib(p["weight_bytes"]),
+        weights = _gib(p["weight_bytes"]) + (
+            f" + LoRA {_gib(p['lora_bytes'])}" if p.get("lora_bytes") else "")
+        rows.append([plan_label(p), str(p["chips"]), _gib(p["hbm_bytes"]), weights,
                      f"{p['kv_bytes_per_token'] / 1024:.1f} KiB",
                      f"{p['kv_tokens_that_fit']:,}{star}", _gib(p["temp_bytes"]) + star,
                      ("yes" if p["fits"] else "NO") + star, coll, flops, accessed])
@@ -148,13 +154,14 @@ def plot_memory(plans: list[dict], path: str | os.PathLike) -> None:
 
     gib = 2**30
     x = list(range(len(plans)))
-    weights = [p["weight_bytes"] / gib for p in plans]
+    weights = [(p["weight_bytes"] + p.get("lora_bytes", 0)) / gib for p in plans]
     kv = [p["wanted_kv_tokens"] * p["kv_bytes_per_token"] / gib for p in plans]
     temp = [p["temp_bytes"] / gib for p in plans]
     labels = [plan_label(p) + ("*" if p["platform"] == "gpu" else "") for p in plans]
     fig = Figure(figsize=(max(6.0, 1.4 * len(plans) + 4), 4.8), layout="constrained")
     ax = fig.add_subplot()
-    ax.bar(x, weights, label="weights", color="tab:blue")
+    ax.bar(x, weights, color="tab:blue", label="weights" + (
+        " (and LoRA slots)" if any(p.get("lora_bytes") for p in plans) else ""))
     ax.bar(x, kv, bottom=weights, color="tab:orange",
            label=f"KV cache ({plans[0]['max_num_seqs']} seqs x {plans[0]['max_model_len']} tokens)")
     ax.bar(x, temp, bottom=[w + k for w, k in zip(weights, kv)], color="tab:green",

@@ -40,6 +40,7 @@ from jaxserve.engine.kv_memory import abstract_kv_cache, kv_page_bytes, pages_pe
 from jaxserve.engine.packing import pack
 from jaxserve.engine.programs import jit_programs
 from jaxserve.loading.safetensors import abstract_model
+from jaxserve.models.lora import abstract_stacks
 from sharding.mesh import make_mesh
 from sharding.platforms import allow_shared_libtpu
 from sharding.rules import ShardingContext, model_sharding
@@ -83,7 +84,8 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
     max_len = engine.max_model_len or cfg.max_position_embeddings
     builder = BatchBuilder(engine.token_buckets, engine.max_num_seqs, engine.page_size,
                            num_pages, pages_per_seq(max_len, engine.page_size), max_len,
-                           cfg.eos_token_ids, cfg.vocab_size, shard.data_shards)
+                           cfg.eos_token_ids, cfg.vocab_size, shard.data_shards,
+                           lora=engine.enable_lora)
     caches = abstract_kv_cache(cfg, num_pages * shard.data_shards, engine.page_size,
                                jnp.dtype(engine.kv_storage_dtype), shard)
     replicated = shard.sharding(())
@@ -100,7 +102,18 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
         load = (jax.ShapeDtypeStruct((layers, cfg.num_experts), jnp.int32, sharding=replicated)
                 if layers else None)
         return fn.lower(jax.tree.leaves(params), caches, batch, carry, load, None, None,
-                        None).compile()  # no Medusa heads, EAGLE features or LoRA stacks
+                        lora_stacks(cfg, engine, shard)).compile()  # no Medusa, EAGLE
+
+
+def lora_stacks(cfg: ModelConfig, engine: EngineConfig, shard: ShardingContext) -> list | None:
+    """The LoRA adapters' device stacks (replicated, as the engine holds them), abstract;
+    None without enable_lora."""
+    if not engine.enable_lora:
+        return None
+    replicated = shard.sharding(())
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
+                        abstract_stacks(cfg, engine.max_loras, engine.max_lora_rank,
+                                        jnp.dtype(engine.dtype), shard.rules.kv_head_replicas))
 
 
 def placed(abstract: nnx.State, shard: ShardingContext) -> nnx.State:
@@ -239,7 +252,7 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
          max_model_len: int = 4096, max_num_seqs: int = 64,
          max_num_batched_tokens: int = 512, page_size: int = 16,
          quantization: str | None = None, kv_cache_dtype_name: str = "auto",
-         data_parallel: int = 2) -> dict:
+         data_parallel: int = 2, max_loras: int = 0, max_lora_rank: int = 16) -> dict:
     """Compile a decode and a prefill bucket for `target` (a TPU topology such as 'v5e:4x4',
     or a GPU target such as 'h100x8', whose CPU devices this process must have; see
     `plan_target`), and report per-chip memory, KV capacity, collectives and XLA's cost
@@ -251,13 +264,17 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
     largest bucket's temporaries. A bucket that XLA cannot fit is reported, not raised.
     For a GPU target (platform 'gpu') weights and KV per device are exact; temporaries,
     collectives and cost come from XLA:CPU, less its own artefacts, and are estimates.
+    `max_loras` > 0: the step carries that many LoRA adapter slots of `max_lora_rank`
+    (replicated on every chip; `lora_bytes`), which the KV cache does without.
     """
     platform, devices, hbm = resolve_target(target)
     chips = len(devices)
     engine = EngineConfig(dtype=dtype, max_model_len=max_model_len, page_size=page_size,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           token_buckets=(max_num_seqs, max_num_batched_tokens),
-                          quantization=quantization, kv_cache_dtype=kv_cache_dtype_name)
+                          quantization=quantization, kv_cache_dtype=kv_cache_dtype_name,
+                          enable_lora=max_loras > 0, max_loras=max(max_loras, 1),
+                          max_lora_rank=max_lora_rank)
     data = chips if strategy == "dp" else data_parallel if strategy.startswith("dp") else 1
     if data < 1 or chips % data or max_num_seqs % data or max_num_batched_tokens % data:
         raise ValueError(f"{data} data-parallel groups must divide the {chips} chips, "
@@ -275,12 +292,14 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
     tpu_kernels = max((b.pop("tpu_kernels", 0) for b in buckets.values()), default=0)
     analytic = _analytic_weight_bytes(cfg, jnp.dtype(dtype), shard, engine.model_options)
     ok = [b for b in buckets.values() if "error" not in b]
-    compiled_weights = ok[0]["argument_bytes"] - nominal_kv if ok else None
+    lora = sum(x.size * x.dtype.itemsize
+               for x in jax.tree.leaves(lora_stacks(cfg, engine, shard)))  # on every chip
+    compiled_weights = ok[0]["argument_bytes"] - nominal_kv - lora if ok else None
     # On a TPU the compiled size is the truth (it includes tile padding); XLA:CPU's layout
     # says nothing about a GPU's, so there the shapes and shardings are.
     weights = compiled_weights if platform == "tpu" and ok else analytic
     temp = max((b["temp_bytes"] for b in ok), default=0)
-    fit_tokens = max(0, (hbm - weights - temp) // kv_per_token)  # per chip = per data shard
+    fit_tokens = max(0, (hbm - weights - lora - temp) // kv_per_token)  # per data shard
     wanted = max_num_seqs // data * max_model_len
     return {
         "model_params": cfg.num_params(), "target": target, "platform": platform,
@@ -289,20 +308,25 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
         "compiled_weight_bytes": compiled_weights, "analytic_weight_bytes": analytic,
         "mesh": mesh_shape, "kv_bytes_per_token": kv_per_token,
         "kv_heads_per_chip": kv_heads_per_chip(cfg, shard),
-        "temp_bytes": temp, "kv_tokens_that_fit": fit_tokens,
+        "temp_bytes": temp, "kv_tokens_that_fit": fit_tokens, "lora_bytes": lora,
+        "max_loras": max_loras, "max_lora_rank": max_lora_rank,
         "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
         "wanted_kv_tokens": wanted,
         "fits": len(ok) == len(buckets) and fit_tokens >= wanted,
-        "attention": _kernels_used(platform, tpu_kernels, quantization), "buckets": buckets,
+        "attention": _kernels_used(platform, tpu_kernels, quantization, max_loras > 0),
+        "buckets": buckets,
     }
 
 
-def _kernels_used(platform: str, tpu_kernels: int, quantization: str | None) -> str:
+def _kernels_used(platform: str, tpu_kernels: int, quantization: str | None,
+                  lora: bool = False) -> str:
     if platform == "gpu":
         return _GPU_ATTENTION
     if tpu_kernels:
+        what = ["attention"] + ["quantized matmuls"] * bool(quantization) + [
+            "LoRA deltas' grouped matmuls"] * lora
         return (f"Pallas TPU kernels ({tpu_kernels} Mosaic calls per step, per chip: "
-                f"attention{' and quantized matmuls' if quantization else ''})")
+                f"{', '.join(what)})")
     return "reference (pure JAX, partitioned by XLA)"
 
 

@@ -118,6 +118,58 @@ def test_gpu_plan_takes_out_xla_cpu_artefacts():
     assert decode["bytes_accessed"] < 2 * p["weight_bytes"]
 
 
+def test_lora_slots_are_counted_on_every_chip_and_come_out_of_the_kv_cache(preset, capsys):
+    """--max-loras 8 --max-lora-rank 16: A [8, in, 16] and B [8, 16, out] of the seven
+    projections of each layer, in bf16, on the GPU beside the weights; the KV tokens that
+    fit shrink by at least their size."""
+    from sharding.planner import plan_target
+
+    small = dict(max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=128)
+    base = plan_target(LLAMA3_8B_2L, "h100x1", **small)
+    assert main(["plan", "--model", preset, "--target", "h100x1", "--max-loras", "8",
+                 *SMALL]) == 0
+    rows = dict((k.strip(), v.strip()) for k, v in
+                (line.strip("|").split("|", 1) for line in capsys.readouterr().out.splitlines()[2:]))
+    c = LLAMA3_8B_2L
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    e, m = c.hidden_size, c.intermediate_size
+    per_rank = (e + q) + 2 * (e + kv) + (q + e) + 2 * (e + m) + (m + e)
+    want = c.num_layers * 8 * 16 * per_rank * 2
+    assert rows["LoRA adapters per GPU"] == f"{want / 2**30:.2f} GiB (8 slots of rank 16, replicated)"
+    with_lora = plan_target(LLAMA3_8B_2L, "h100x1", max_loras=8, **small)
+    assert with_lora["lora_bytes"] == want
+    assert with_lora["weight_bytes"] == base["weight_bytes"]
+    fewer = base["kv_tokens_that_fit"] - with_lora["kv_tokens_that_fit"]
+    assert fewer >= want // base["kv_bytes_per_token"], (fewer, want)
+    assert base["lora_bytes"] == 0
+
+
+def test_tpu_steps_with_lora_adapters_compile_on_one_chip_and_on_a_mesh(preset, capsys):
+    """On one v5e chip the deltas are our Pallas grouped-matmul kernels (two per projection
+    and layer beside the attention's); on 2 chips with TP, XLA's ragged_dot partitioned
+    along the projections (a Pallas kernel cannot be split automatically). The stacks are
+    out of the weights' count on both."""
+    pytest.importorskip("libtpu", reason="libtpu is not installed: pip install 'jax[tpu]'")
+
+    def rows(topology, loras):
+        assert main(["plan", "--model", preset, "--topology", topology, "--max-loras", loras,
+                     *SMALL]) == 0
+        out = capsys.readouterr().out
+        return dict((k.strip(), v.strip()) for k, v in
+                    (line.strip("|").split("|", 1) for line in out.splitlines()[2:]))
+
+    def mosaic_calls(r):
+        return int(re.search(r"\((\d+) Mosaic calls", r["attention"]).group(1))
+
+    base, one, two = rows("v5e:1x1", "0"), rows("v5e:1x1", "4"), rows("v5e:1x2", "4")
+    assert mosaic_calls(one) - mosaic_calls(base) == 2 * 7 * LLAMA3_8B_2L.num_layers
+    assert "LoRA deltas" in one["attention"] and "LoRA deltas" not in base["attention"]
+    for r in (one, two):
+        assert r["LoRA adapters per chip"].endswith("(4 slots of rank 16, replicated)")
+        assert r["weights per chip (analytic)"].endswith("(ratio 1.000)")
+    assert re.search(r"all-reduce x\d+", two["decode step, 16 tokens: collectives"])
+
+
 @pytest.mark.parametrize("args,message", [
     (["--target", "h100x3"], "unknown target 'h100x3'"),
     (["--target", "tpu9x8"], "unknown target 'tpu9x8'"),
