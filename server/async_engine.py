@@ -247,12 +247,14 @@ class AsyncEngine:
         return await done
 
     async def add_lora(self, name: str, path: str) -> LoRARequest:
-        """Read the LoRA adapter at `path` into the engine's host memory (on the engine
-        thread, between steps) and serve it as `name`; ValueError if it cannot be."""
+        """Read the LoRA adapter at `path` (on a worker thread: the engine keeps stepping)
+        and serve it as `name` (put into the engine's host memory between steps);
+        ValueError if it cannot be."""
         if name in self.adapters:
             raise ValueError(f"an adapter named {name!r} is loaded already: unload it first")
         lora = LoRARequest(name, next(self._lora_ids), path)
-        await self._call(lambda engine: engine.add_lora(lora))
+        adapter = await asyncio.to_thread(self.engine.read_lora, lora)
+        await self._call(lambda engine: engine.add_lora(lora, adapter))
         self.adapters[name] = lora
         return lora
 

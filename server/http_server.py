@@ -383,7 +383,7 @@ class HTTPServer:
             async for i, out in job.outputs():
                 self._accumulate(choices[i], out, None if logprobs is None else (
                     lambda o: oai.chat_logprobs(o, logprobs, self._token_text)))
-        return oai.envelope(rid, "chat.completion", self.model_name, [
+        return oai.envelope(rid, "chat.completion", self._model(job), [
             {"index": i, **self._chat_message(c, plan),
              "logprobs": {"content": [x for part in c.logprobs for x in part]}
              if logprobs is not None else None, "stop_reason": c.stop_reason}
@@ -418,7 +418,7 @@ class HTTPServer:
                                                                    self._token_text)}
             if finish is not None:
                 choice["stop_reason"] = choices[i].stop_reason
-            return self._sse(oai.envelope(rid, "chat.completion.chunk", self.model_name,
+            return self._sse(oai.envelope(rid, "chat.completion.chunk", self._model(job),
                                           [choice], created, **extra))
 
         async with _watching(request, job), _errors_as_events() as errors:
@@ -446,7 +446,7 @@ class HTTPServer:
                     reason = tool_calling.finish_reason(plan, c.finish_reason,
                                                         [None] * tools.num_calls)
                     yield chunk(i, {}, None if deltas else out, reason)
-        for event in self._stream_end(rid, "chat.completion.chunk", created, errors,
+        for event in self._stream_end(job, "chat.completion.chunk", created, errors,
                                       req.include_usage, num_prompt_tokens, choices):
             yield event
 
@@ -481,7 +481,7 @@ class HTTPServer:
             async for i, out in job.outputs():
                 self._accumulate(choices[i], out, None if req.logprobs is None else (
                     lambda o: self._completion_logprobs(choices[i], o, req.logprobs)))
-        return oai.envelope(rid, "text_completion", self.model_name, [
+        return oai.envelope(rid, "text_completion", self._model(job), [
             {"index": i, "text": c.text, "logprobs": _merge(c.logprobs)
              if req.logprobs is not None else None,
              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
@@ -510,20 +510,24 @@ class HTTPServer:
                     choice["logprobs"] = self._completion_logprobs(c, out, req.logprobs)
                 if out.finished:
                     choice["stop_reason"] = c.stop_reason
-                yield self._sse(oai.envelope(rid, "text_completion", self.model_name, [choice],
+                yield self._sse(oai.envelope(rid, "text_completion", self._model(job), [choice],
                                              created, **extra))
-        for event in self._stream_end(rid, "text_completion", created, errors,
+        for event in self._stream_end(job, "text_completion", created, errors,
                                       req.include_usage, num_prompt_tokens, choices):
             yield event
 
-    def _stream_end(self, rid: str, object_: str, created: int, errors: list[dict],
+    def _model(self, job: Job) -> str:
+        """The `model` a response names: the adapter the request asked for, else the base."""
+        return job.lora.lora_name if job.lora is not None else self.model_name
+
+    def _stream_end(self, job: Job, object_: str, created: int, errors: list[dict],
                     include_usage: bool, num_prompt_tokens: int, choices: list[Choice]):
         """A stream's last events: its errors, or the usage chunk if asked; then [DONE]."""
         for error in errors:
             yield self._sse(error)
         if include_usage and not errors:
             yield self._sse(oai.envelope(
-                rid, object_, self.model_name, [], created,
+                job.id, object_, self._model(job), [], created,
                 usage=oai.usage(num_prompt_tokens, sum(c.num_tokens for c in choices))))
         yield self._sse("[DONE]")
 

@@ -187,6 +187,31 @@ def test_requests_with_adapters_fail_alone_and_clearly(lora_llm, adapters, tmp_p
     assert len(out[0].outputs[0].token_ids) == 2
 
 
+def test_an_adapter_that_cannot_be_read_again_fails_its_request_alone(lora_llm, adapters,
+                                                                     tmp_path):
+    """An adapter dropped from host memory (max_cpu_loras) is read again when its request
+    is admitted; if its files are gone by then, that request ends with an error naming
+    the adapter and the reason, its pages freed, and the base request beside it runs."""
+    import shutil
+
+    engine = lora_llm.engine
+    gone = tmp_path / "gone"
+    shutil.copytree(adapters["qv"][0], gone)
+    reqs = {**_requests(adapters), "gone": LoRARequest("gone", 20, str(gone))}
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    for i, name in enumerate(["base", "gone", "all", "mlp"]):  # 2 host places: "gone" out
+        engine.add_request(name, [5, 6, 7 + i], params, lora_request=reqs.get(name))
+    shutil.rmtree(gone)
+    finished = {}
+    while engine.has_unfinished():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished["gone"].finish_reason == "error"
+    assert "'gone'" in finished["gone"].error and "adapter_config.json" in finished["gone"].error
+    assert [finished[n].finish_reason for n in ("base", "all", "mlp")] == ["length"] * 3
+    assert engine.scheduler.num_used_pages == 0 and engine.loras.running() == {}
+    assert engine.remove_lora("gone")
+
+
 def test_an_engine_without_lora_refuses_adapters(checkpoints, adapters):
     from jaxserve.config import EngineConfig
     from jaxserve.engine.engine import Engine
@@ -214,7 +239,7 @@ def lora_server(checkpoints, adapters, tmp_path_factory):
 def test_the_openai_client_reaches_adapters_by_model_name(lora_server, lora_llm, adapters,
                                                           prompts):
     """`model=<adapter>` answers as PEFT's model does (the offline engine's text, whose
-    tokens are PEFT's); unknown names are a 404 naming them; adapters load and unload at
+    tokens are PEFT's), and the responses name it; unknown names are a 404 naming them; adapters load and unload at
     run time (a bad directory: 400) and /v1/models lists them with the base model as
     parent."""
     import httpx
@@ -234,12 +259,16 @@ def test_the_openai_client_reaches_adapters_by_model_name(lora_server, lora_llm,
     def complete(model, prompt):
         out = client.completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS,
                                         temperature=0.0, extra_body={"ignore_eos": True})
+        assert out.model == model  # the response names the adapter asked for, as vLLM's
         return out.choices[0].text
 
     prompt = prompts[1]
     want = offline("qv", prompt)
     assert complete("qv", prompt) == want
     assert complete(base_name, prompt) != want
+    chunks = list(client.completions.create(model="qv", prompt=prompt, max_tokens=2,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage is not None and {c.model for c in chunks} == {"qv"}
     with pytest.raises(openai.NotFoundError, match="`all` does not exist"):
         complete("all", prompt)
 

@@ -143,6 +143,7 @@ class Engine:
         self.masks = MaskFiller()
         self._requests: dict[str, Request] = {}
         self._num_sampled_apart = 0  # requests whose params.needs_history
+        self._failed: list[StepOutput] = []  # requests the scheduler could not admit
         self._rng = random.Random(config.seed)
         self._inflight: InFlightStep | None = None
         self._expert_load = self.runner.expert_load  # as of the last collected step
@@ -204,15 +205,23 @@ class Engine:
         self.scheduler.add(seq)
         return token_ids
 
-    def add_lora(self, lora_request: LoRARequest) -> None:
+    def add_lora(self, lora_request: LoRARequest, adapter=None) -> None:
         """Read an adapter into host memory (checked against the model; ValueError), or
-        find it there."""
+        find it there; `adapter`: already read (`read_lora`, on another thread)."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {lora_request!r}")
+        self._lora_manager().register(lora_request, adapter)
+
+    def read_lora(self, lora_request: LoRARequest):
+        """An adapter read from disk and checked (loading/peft.py's Adapter; ValueError),
+        for `add_lora`; touches no engine state, so any thread may call it."""
+        return self._lora_manager().read(lora_request)
+
+    def _lora_manager(self) -> LoraManager:
         if self.loras is None:
             raise ValueError("LoRA adapters are not enabled: start the engine with "
                              "enable_lora=True (jaxserve serve --enable-lora)")
-        if not isinstance(lora_request, LoRARequest):
-            raise ValueError(f"lora_request must be a LoRARequest, got {lora_request!r}")
-        self.loras.register(lora_request)
+        return self.loras
 
     def remove_lora(self, name: str) -> bool:
         """Forget an adapter (requests running under it finish); False if unknown."""
@@ -306,6 +315,8 @@ class Engine:
                                  or self.speculator.collects_first(prev.speculation)):
             outputs, prev = self._collect(prev), None
         step = self._dispatch(prev)
+        outputs += self._failed
+        self._failed = []
         if prev is not None:
             outputs += self._collect(prev, later=step)
         if step is None:
@@ -384,6 +395,11 @@ class Engine:
         drafts = self.speculator.propose(pending)
         steps = self._decode_steps()
         schedule = self.scheduler.schedule(steps, drafts)
+        for seq, message in schedule.failed:  # each fails alone (finished, pages freed)
+            if self._pop(seq.request_id) is not None:
+                self._failed.append(StepOutput(
+                    seq.request_id, [], "", None, True, "error",
+                    num_prompt_tokens=seq.num_prompt_tokens, error=message))
         if schedule.is_empty:
             return None
         if self.loras is not None:  # adapters given slots for this step

@@ -64,13 +64,25 @@ class LoraManager:
 
     # ------------------------------------------------------------- adapters
 
-    def register(self, req: LoRARequest) -> Adapter:
-        """Read (or find) the adapter of `req`, checked against the model and the rank
-        limit (ValueError)."""
+    def read(self, req: LoRARequest) -> Adapter:
+        """The adapter of `req` read from disk and checked against the model and the rank
+        limit (ValueError). Touches no state: any thread may call it (a server reads
+        adapters off the engine's thread, then `register`s them)."""
+        adapter = load_adapter(req.lora_path, self.cfg)
+        if adapter.rank > self.max_rank:
+            raise ValueError(f"adapter {req.lora_name!r} has rank {adapter.rank} > "
+                             f"max_lora_rank ({self.max_rank}); raise max_lora_rank")
+        return adapter
+
+    def register(self, req: LoRARequest, adapter: Adapter | None = None) -> Adapter:
+        """Serve the adapter of `req`: `adapter` (`read` already) into host memory, else
+        read there (or found there); ValueError if it cannot be."""
         known = self._known.get(req.lora_name)
         if known is not None and known != req:
             raise ValueError(f"adapter {req.lora_name!r} is already loaded as "
                              f"{known}; unload it first or use another name")
+        if adapter is not None and req.lora_name not in self._host:
+            self._keep(req.lora_name, adapter)
         adapter = self._adapter(req)
         self._known[req.lora_name] = req
         return adapter
@@ -99,9 +111,16 @@ class LoraManager:
         """Whether `seq` could run now: no adapter, its adapter in a slot, or a slot free."""
         return seq.lora is None or seq.lora.lora_name in self._slot_of or bool(self._idle)
 
+    def ready(self, seq: Sequence) -> None:
+        """Have `seq`'s adapter in host memory for `acquire` (read from disk again if it
+        was dropped; ValueError or OSError if that fails: the file changed or is gone)."""
+        if seq.lora is not None and seq.lora.lora_name not in self._slot_of:
+            self._adapter(seq.lora)
+
     def acquire(self, seq: Sequence) -> None:
         """Give a sequence being admitted its adapter's slot (`seq.lora_slot`), loading the
-        adapter into the least recently used idle slot if it has none."""
+        adapter (in host memory: `ready`) into the least recently used idle slot if it has
+        none."""
         if seq.lora is None:
             seq.lora_slot = 0
             return
@@ -142,15 +161,15 @@ class LoraManager:
         recently used dropped past max_cpu_loras."""
         adapter = self._host.get(req.lora_name)
         if adapter is None:
-            adapter = load_adapter(req.lora_path, self.cfg)
-            if adapter.rank > self.max_rank:
-                raise ValueError(f"adapter {req.lora_name!r} has rank {adapter.rank} > "
-                                 f"max_lora_rank ({self.max_rank}); raise max_lora_rank")
-            self._host[req.lora_name] = adapter
-            while len(self._host) > self.max_cpu_loras:
-                self._host.popitem(last=False)
+            adapter = self.read(req)
+            self._keep(req.lora_name, adapter)
         self._host.move_to_end(req.lora_name)
         return adapter
+
+    def _keep(self, name: str, adapter: Adapter) -> None:
+        self._host[name] = adapter
+        while len(self._host) > self.max_cpu_loras:
+            self._host.popitem(last=False)
 
     def running(self) -> dict[str, int]:
         """Running sequences per adapter name (metrics; any thread may call it: it reads

@@ -112,6 +112,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq]  # running seqs (in running order), then newly admitted ones
     preempted: list[Sequence]
     num_batched_tokens: int
+    # Waiting seqs that cannot run, with why (their LoRA adapter could not be read again),
+    # now finished with reason "error".
+    failed: list[tuple[Sequence, str]] = dataclasses.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -337,8 +340,16 @@ class Scheduler:
             seats[seq.data_shard] -= 1
         while self.waiting:
             seq = self.waiting[0]
-            if self.adapters is not None and not self.adapters.can_acquire(seq):
-                break  # every adapter slot is in use by running seqs
+            if self.adapters is not None:
+                if not self.adapters.can_acquire(seq):
+                    break  # every adapter slot is in use by running seqs
+                try:
+                    self.adapters.ready(seq)
+                except (OSError, ValueError) as e:  # this request fails, no other
+                    out.failed.append((seq, f"LoRA adapter {seq.lora.lora_name!r} could not "
+                                            f"be read again: {type(e).__name__}: {e}"))
+                    self.finish(seq, "error")
+                    continue
             data_shard = self._place(seq, budgets, seats)
             if data_shard is None:
                 break  # head of line waits for pages; running seqs are not preempted for it
