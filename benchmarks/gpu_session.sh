@@ -64,7 +64,8 @@ jaxlib.__version__, 'triton', triton.__version__, 'torch', torch.__version__); p
       step attention 60 $PYTEST tests/test_attention_kernels.py -k "not tpu" ;;
     kernels)
       step kernels 150 $PYTEST tests/test_attention_kernels.py tests/test_quantized_matmul.py \
-        tests/test_grouped_matmul.py -k "not tpu" ;;
+        tests/test_grouped_matmul.py \
+        tests/test_lora.py::test_grouped_delta_matches_the_token_by_token_reference -k "not tpu" ;;
     engine)
       step engine 150 $PYTEST -v tests/test_parity.py -k "greedy_batch or (prompt_logits and kn)" ;;
     engine-more)

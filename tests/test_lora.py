@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import hf_greedy
+from conftest import hf_greedy, kernel_interpret
 from jaxserve import LLM, LoRARequest, SamplingParams
 from jaxserve.config import ModelConfig
 from jaxserve.loading.peft import load_adapter
@@ -33,7 +33,7 @@ ADAPTERS = {
 }
 
 
-@pytest.mark.parametrize("impl", ["reference", "cpu", "tpu"])
+@pytest.mark.parametrize("impl", ["reference", "cpu", "tpu", "gpu"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_grouped_delta_matches_the_token_by_token_reference(impl, dtype):
     rng = np.random.default_rng(0)
@@ -44,7 +44,8 @@ def test_grouped_delta_matches_the_token_by_token_reference(impl, dtype):
     slots = jnp.asarray(rng.integers(0, g + 1, t), jnp.int32).at[:5].set(2)  # slot 3 unused too
     slots = slots.at[slots == 3].set(0)
     want = reference.lora_delta(x, a, b, slots)
-    got = lora_delta(x, a, b, plan(slots, g), impl=impl, interpret=impl == "tpu")
+    got = lora_delta(x, a, b, plan(slots, g), impl=impl,
+                     interpret=impl in ("tpu", "gpu") and kernel_interpret(impl))
     tol = 1e-5 if dtype == "float32" else 3e-2
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                rtol=tol, atol=tol)
