@@ -765,8 +765,7 @@ def test_fresh_process_builds_into_empty_cache(tmp_path):
     result = run_python("""
         import jax.numpy as jnp
         from pallas_kernels import cpu
-        from pallas_kernels.lora import cpu as lora_cpu
-from pallas_kernels.matmul import matmul
+        from pallas_kernels.matmul import matmul
         assert cpu.available(), cpu.unavailable_reason()
         print(cpu.library_path())
         print(float(matmul(jnp.ones((1, 3)), jnp.ones((3, 2)), impl="cpu")[0, 1]))
