@@ -115,12 +115,12 @@ JS_AVX2 JS_INLINE void Avx2ShrinkTile(const Lora& l, const T* const* xr, const T
     }
   }
   JS_UNROLL for (int t = 0; t < kLoraBlock; ++t)
-    if (t < nt) JS_UNROLL for (int v = 0; v < V; ++v) _mm256_storeu_ps(h[t] + r0 + 8 * v, acc[t][v]);
+    if (t < nt)
+      JS_UNROLL for (int v = 0; v < V; ++v) _mm256_storeu_ps(h[t] + r0 + 8 * v, acc[t][v]);
 }
 
 template <typename T>
-JS_AVX2 void Avx2ShrinkTask(const Lora& l, const LoraModule& mod, int64_t mi,
-                                      int64_t blk) {
+JS_AVX2 void Avx2ShrinkTask(const Lora& l, const LoraModule& mod, int64_t mi, int64_t blk) {
   const T* x = static_cast<const T*>(l.x);
   const T* a = static_cast<const T*>(mod.a) + l.block_slot[blk] * l.k * l.r;
   const int64_t s0 = l.block_start[blk], nt = l.block_len[blk];
@@ -141,8 +141,8 @@ JS_AVX2 void Avx2ShrinkTask(const Lora& l, const LoraModule& mod, int64_t mi,
 }
 
 template <typename T>
-JS_AVX2 void Avx2ExpandTask(const Lora& l, const LoraModule& mod, int64_t mi,
-                                      int64_t blk, int64_t strip) {
+JS_AVX2 void Avx2ExpandTask(const Lora& l, const LoraModule& mod, int64_t mi, int64_t blk,
+                            int64_t strip) {
   const T* b = static_cast<const T*>(mod.b) + l.block_slot[blk] * l.r * mod.n;
   const int64_t n0 = strip * kLoraCols, n1 = std::min(mod.n, n0 + kLoraCols);
   const int64_t s0 = l.block_start[blk], nt = l.block_len[blk];
