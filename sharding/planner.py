@@ -40,7 +40,7 @@ from jaxserve.engine.kv_memory import abstract_kv_cache, kv_page_bytes, pages_pe
 from jaxserve.engine.packing import pack
 from jaxserve.engine.programs import jit_programs
 from jaxserve.loading.safetensors import abstract_model
-from jaxserve.models.lora import abstract_stacks
+from jaxserve.models.lora import abstract_stacks, stacks_bytes
 from sharding.mesh import make_mesh
 from sharding.platforms import allow_shared_libtpu
 from sharding.rules import ShardingContext, model_sharding
@@ -292,8 +292,7 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
     tpu_kernels = max((b.pop("tpu_kernels", 0) for b in buckets.values()), default=0)
     analytic = _analytic_weight_bytes(cfg, jnp.dtype(dtype), shard, engine.model_options)
     ok = [b for b in buckets.values() if "error" not in b]
-    lora = sum(x.size * x.dtype.itemsize
-               for x in jax.tree.leaves(lora_stacks(cfg, engine, shard)))  # on every chip
+    lora = stacks_bytes(lora_stacks(cfg, engine, shard))  # on every chip
     compiled_weights = ok[0]["argument_bytes"] - nominal_kv - lora if ok else None
     # On a TPU the compiled size is the truth (it includes tile padding); XLA:CPU's layout
     # says nothing about a GPU's, so there the shapes and shardings are.

@@ -36,7 +36,7 @@ from jaxserve.engine.status import EngineStatus
 from jaxserve.engine.structured_output import GrammarCompiler, MaskFiller
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.models.layers import dense_impl, weights_for_native_matmul
-from jaxserve.models.lora import abstract_stacks
+from jaxserve.models.lora import abstract_stacks, stacks_bytes
 from jaxserve.outputs import StepOutput
 from jaxserve.sampling_params import SamplingParams
 from pallas_kernels.ragged_paged_attention import default_impl
@@ -109,7 +109,7 @@ class Engine:
             lora_stacks = abstract_stacks(model_config, config.max_loras, config.max_lora_rank,
                                           jnp.dtype(config.dtype),
                                           shard.rules.kv_head_replicas)
-        lora_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(lora_stacks))
+        lora_bytes = stacks_bytes(lora_stacks)
         num_pages = pool_pages(  # per data shard
             config, model_config, shard, self.max_model_len, kv_dtype,
             spec.page_bytes(model_config, config.page_size, kv_dtype, config.dtype),
@@ -208,9 +208,10 @@ class Engine:
     def add_lora(self, lora_request: LoRARequest, adapter=None) -> None:
         """Read an adapter into host memory (checked against the model; ValueError), or
         find it there; `adapter`: already read (`read_lora`, on another thread)."""
+        loras = self._lora_manager()
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {lora_request!r}")
-        self._lora_manager().register(lora_request, adapter)
+        loras.register(lora_request, adapter)
 
     def read_lora(self, lora_request: LoRARequest):
         """An adapter read from disk and checked (loading/peft.py's Adapter; ValueError),

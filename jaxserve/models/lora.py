@@ -63,6 +63,12 @@ def abstract_stacks(cfg: ModelConfig, max_loras: int, max_rank: int, dtype,
     return out
 
 
+def stacks_bytes(stacks) -> int:
+    """Bytes of every stack (`abstract_stacks`'s, abstract or not; 0 for None): what each
+    device holds, the stacks being replicated."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(stacks))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class LoraInputs:

@@ -44,13 +44,25 @@ struct Lora {
   int64_t active;              // tokens with an adapter
 };
 
+// Block blk's kLoraBlock places: its tokens (indices into order and h's rows), then its
+// last one again (tiles compute whole blocks; the repeats are not stored). x_rows: their
+// rows of x.
+JS_INLINE int64_t BlockToken(const Lora& l, int64_t blk, int64_t t) {
+  return l.block_start[blk] + std::min(t, l.block_len[blk] - 1);
+}
+
+template <typename T>
+JS_INLINE void BlockXRows(const Lora& l, int64_t blk, const T** x_rows) {
+  for (int64_t t = 0; t < kLoraBlock; ++t)
+    x_rows[t] = static_cast<const T*>(l.x) + l.order[BlockToken(l, blk, t)] * l.k;
+}
+
 template <typename T>
 JS_INLINE void LoraShrinkTask(const Lora& l, const LoraModule& mod, int64_t mi, int64_t blk) {
-  const T* x = static_cast<const T*>(l.x);
   const T* a = static_cast<const T*>(mod.a) + l.block_slot[blk] * l.k * l.r;
   const int64_t s0 = l.block_start[blk], nt = l.block_len[blk];
   const T* xr[kLoraBlock];
-  for (int64_t t = 0; t < kLoraBlock; ++t) xr[t] = x + l.order[s0 + std::min(t, nt - 1)] * l.k;
+  BlockXRows(l, blk, xr);
   for (int64_t r0 = 0; r0 < l.r; r0 += kLoraRanks) {
     const int64_t rc = std::min(kLoraRanks, l.r - r0);
     float acc[kLoraBlock][kLoraRanks] = {};
@@ -98,7 +110,7 @@ JS_INLINE void LoraExpandTask(const Lora& l, const LoraModule& mod, int64_t mi, 
 // Register tiles: the shrink keeps a block's 4 tokens x V vectors of 8 ranks in registers
 // while it walks K (one A row of V vectors read per step for all 4 tokens); the expand,
 // 4 tokens x 16 columns while it walks the ranks. Tokens past the block's own repeat its
-// last one and are not stored.
+// last one (BlockToken) and are not stored.
 
 template <typename T, int V>
 JS_AVX2 JS_INLINE void Avx2ShrinkTile(const Lora& l, const T* const* xr, const T* a,
@@ -121,16 +133,13 @@ JS_AVX2 JS_INLINE void Avx2ShrinkTile(const Lora& l, const T* const* xr, const T
 
 template <typename T>
 JS_AVX2 void Avx2ShrinkTask(const Lora& l, const LoraModule& mod, int64_t mi, int64_t blk) {
-  const T* x = static_cast<const T*>(l.x);
   const T* a = static_cast<const T*>(mod.a) + l.block_slot[blk] * l.k * l.r;
-  const int64_t s0 = l.block_start[blk], nt = l.block_len[blk];
+  const int64_t nt = l.block_len[blk];
   const T* xr[kLoraBlock];
   float* h[kLoraBlock];
-  for (int64_t t = 0; t < kLoraBlock; ++t) {
-    const int64_t u = s0 + std::min(t, nt - 1);
-    xr[t] = x + l.order[u] * l.k;
-    h[t] = l.h + (mi * l.active + u) * l.r;
-  }
+  BlockXRows(l, blk, xr);
+  for (int64_t t = 0; t < kLoraBlock; ++t)
+    h[t] = l.h + (mi * l.active + BlockToken(l, blk, t)) * l.r;
   for (int64_t r0 = 0; r0 < l.r; r0 += kLoraRanks) {
     if (l.r - r0 >= 16) {
       Avx2ShrinkTile<T, 2>(l, xr, a, r0, h, nt);
@@ -145,11 +154,11 @@ JS_AVX2 void Avx2ExpandTask(const Lora& l, const LoraModule& mod, int64_t mi, in
                             int64_t strip) {
   const T* b = static_cast<const T*>(mod.b) + l.block_slot[blk] * l.r * mod.n;
   const int64_t n0 = strip * kLoraCols, n1 = std::min(mod.n, n0 + kLoraCols);
-  const int64_t s0 = l.block_start[blk], nt = l.block_len[blk];
+  const int64_t nt = l.block_len[blk];
   const float* h[kLoraBlock];
   T* y[kLoraBlock];
   for (int64_t t = 0; t < kLoraBlock; ++t) {
-    const int64_t u = s0 + std::min(t, nt - 1);
+    const int64_t u = BlockToken(l, blk, t);
     h[t] = l.h + (mi * l.active + u) * l.r;
     y[t] = static_cast<T*>(mod.y) + l.order[u] * mod.n;
   }

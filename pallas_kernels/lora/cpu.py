@@ -23,8 +23,8 @@ def supports(x: jax.Array) -> bool:
 def lora_add(x: jax.Array, slots: jax.Array, ys: list[jax.Array],
              stacks: list[tuple[jax.Array, jax.Array]]) -> list[jax.Array]:
     """`ys[i][t] + x[t] @ A_i[slots[t] - 1] @ B_i[slots[t] - 1]` for each token t (slot 0:
-    `ys[i][t]` unchanged). x `[T, in]`; `ys[i]` `[T, ...]` (added to in x's dtype); `stacks[i]` =
-    (A `[G, in, r]`, B `[G, r, out_i]`) with `out_i` the size of `ys[i]` past T."""
+    `ys[i][t]` unchanged). x `[T, in]`; `ys[i]` `[T, ...]`, added to in x's dtype;
+    `stacks[i]` = (A `[G, in, r]`, B `[G, r, out_i]`), `out_i` the size of `ys[i]` past T."""
     if not native.available():  # builds and registers the kernels on first use
         raise RuntimeError(f"native CPU kernels unavailable: {native.unavailable_reason()}")
     t = x.shape[0]
