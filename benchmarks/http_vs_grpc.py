@@ -72,7 +72,8 @@ def start_server(args, grpc_port: int, http_port: int, log) -> subprocess.Popen:
            "--max-num-seqs", str(args.concurrency), "--max-model-len", "512",
            "--max-num-batched-tokens", "512", "--page-size", "16",
            "--port", str(grpc_port), "--http-port", str(http_port),
-           "--stream-interval", str(args.stream_interval)]
+           "--stream-interval", str(args.stream_interval),
+           *(["--engine-thread"] if args.engine_thread else [])]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                             env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
@@ -104,6 +105,9 @@ def main() -> None:
                     "weights of smollm2-135m's shape)")
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="the server's --stream-interval (tokens a message holds at least)")
+    ap.add_argument("--engine-thread", action="store_true",
+                    help="the server's engine on a thread of its process (default: a process "
+                         "of its own)")
     ap.add_argument("--offline", action="store_true",
                     help="also run the requests through the offline LLM (needs --model)")
     args = ap.parse_args()
@@ -136,7 +140,8 @@ def main() -> None:
     print(f"{datetime.date.today().isoformat()}, {cpu_name()}, {os.cpu_count()} cores, "
           f"{args.dtype}, {args.concurrency} concurrent streams, {args.num_prompts} requests "
           f"of {args.input_len} in / {args.output_len} out, --stream-interval "
-          f"{args.stream_interval}\n")
+          f"{args.stream_interval}, the engine "
+          f"{'on a thread' if args.engine_thread else 'in a process of its own'}\n")
     print("| round | API | output tok/s | TTFT median ms | TPOT median ms |")
     print("|---|---|---|---|---|")
     for r, api, res in runs:

@@ -172,8 +172,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from jaxserve.demo import DEMO_NOTICE
     from jaxserve.engine import broadcast
-    from jaxserve.engine.engine import Engine
     from server.app import serve
+    from server.engine_core import EngineProcess, EngineThread, build_engine
     from server.security import Security
     from sharding import multihost
 
@@ -185,33 +185,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
     security.check_bind(args.host)
     dist = multihost.DistributedConfig.from_args(args.coordinator, args.num_processes,
                                                  args.process_id)
-    if dist is not None:
-        multihost.initialize(dist)
-    leader = dist is None or dist.process_id == 0
-    broadcaster = broadcast.StepBroadcaster() if dist is not None and leader else None
     if args.random_weights:
-        engine = Engine.from_config(config, args.random_weights, broadcaster)
         name = f"{args.random_weights} (random weights)"
     else:
         if config.model is None:
             logging.warning(DEMO_NOTICE)
-        engine = Engine.from_config(config, broadcaster=broadcaster)
         name = config.model or "demo"
-    from jaxserve.engine.lora import LoRARequest
-    for i, (lora_name, path) in enumerate(lora_modules):
-        engine.add_lora(LoRARequest(lora_name, i + 1, path))
-    if not leader:
-        engine.warmup()
-        logging.info("process %d: following process 0's steps", dist.process_id)
-        try:
-            broadcast.follow(engine)
-        except Exception as e:  # noqa: BLE001 - process 0 or a peer is gone
-            logging.error("process %d: lost the other processes (%s); exiting",
-                          dist.process_id, str(e).splitlines()[0])
-            multihost.exit_now(1)
-        return 0
-    code = asyncio.run(serve(engine, host=args.host, port=args.port,
-                             max_waiting=args.max_waiting, grace_s=args.grace,
+    if dist is None and not args.engine_thread:  # the engine in a process of its own
+        core = EngineProcess(config, args.random_weights, lora_modules, args.max_waiting)
+        core.start()  # loads the model (raises what loading raised)
+    else:  # multi-host: every process's engine runs in it (jax.distributed)
+        if dist is not None:
+            multihost.initialize(dist)
+        leader = dist is None or dist.process_id == 0
+        broadcaster = broadcast.StepBroadcaster() if dist is not None and leader else None
+        engine = build_engine(config, args.random_weights, lora_modules, broadcaster)
+        if not leader:
+            engine.warmup()
+            logging.info("process %d: following process 0's steps", dist.process_id)
+            try:
+                broadcast.follow(engine)
+            except Exception as e:  # noqa: BLE001 - process 0 or a peer is gone
+                logging.error("process %d: lost the other processes (%s); exiting",
+                              dist.process_id, str(e).splitlines()[0])
+                multihost.exit_now(1)
+            return 0
+        core = EngineThread(engine, args.max_waiting, warmup=True)
+    code = asyncio.run(serve(core, host=args.host, port=args.port, grace_s=args.grace,
                              model_name=args.served_model_name or name,
                              http_port=None if args.no_http else args.http_port,
                              max_prompt_bytes=args.max_prompt_bytes, security=security,
@@ -352,6 +352,10 @@ def build_parser() -> argparse.ArgumentParser:
                      choices=["hermes", "llama3_json", "mistral"],
                      help="read tool calls in this format out of model output, for "
                           "tool_choice \"auto\" on /v1/chat/completions (docs/http.md)")
+    srv.add_argument("--engine-thread", action="store_true",
+                     help="run the engine loop on a thread of the server's process instead "
+                          "of a process of its own (as multi-host's process 0 does); the "
+                          "engine then shares one GIL with the servers")
     srv.add_argument("--max-waiting", type=int, default=1024,
                      help="waiting requests before new ones get RESOURCE_EXHAUSTED")
     srv.add_argument("--grace", type=float, default=30.0,

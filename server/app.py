@@ -1,9 +1,11 @@
-"""One process, one engine, two front doors: gRPC (Inference, JetStream's Orchestrator,
-health, reflection) and OpenAI-compatible HTTP (server/http_server.py), with warm-up and a
-graceful drain for both.
+"""One engine, two front doors: gRPC (Inference, JetStream's Orchestrator, health,
+reflection) and OpenAI-compatible HTTP (server/http_server.py), with warm-up and a
+graceful drain for both. The engine loop runs in a process of its own (or on a thread of
+this one: server/engine_core.py).
 
-Start-up: both ports open at once, not ready (gRPC health NOT_SERVING, HTTP /health 503,
-so probes see a live process), the step buckets compile, then both turn ready.
+Start-up: once the model is loaded, both ports open, not ready (gRPC health NOT_SERVING,
+HTTP /health 503, so probes see a live process), the step buckets compile, then both turn
+ready.
 SIGTERM/SIGINT: both stop accepting (UNAVAILABLE / 503), in-flight requests get `grace_s`
 seconds to finish, the rest are aborted, and the process exits 0.
 """
@@ -18,8 +20,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jaxserve.engine.engine import Engine
 from server.async_engine import AsyncEngine
+from server.engine_core import EngineProcess, EngineThread
 from server.http_server import HTTPServer
 from server.jetstream import OrchestratorServicer
 from server.metrics import Metrics
@@ -62,12 +64,13 @@ def request_bytes_limit(max_prompt_bytes: int) -> int:
     return 2 * max_prompt_bytes + 2**20
 
 
-async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 50051,
-                max_waiting: int = 1024, grace_s: float = 30.0, model_name: str = "",
+async def serve(core: EngineProcess | EngineThread, host: str = "127.0.0.1", port: int = 50051,
+                grace_s: float = 30.0, model_name: str = "",
                 http_port: int | None = 8000, max_prompt_bytes: int | None = None,
                 security: Security | None = None, tool_call_parser: str | None = None,
                 stream_interval: int = 1) -> int:
-    """Run until SIGTERM/SIGINT; returns the process exit code. `http_port` None: gRPC only.
+    """Run until SIGTERM/SIGINT; returns the process exit code. `core`: the engine loop,
+    loaded and not started (it warms up when started). `http_port` None: gRPC only.
     `max_prompt_bytes` (default from max_model_len) bounds prompt text before tokenizing,
     and gRPC messages and HTTP bodies to what such a prompt needs. `security`: TLS and API
     keys for both servers (server/security.py). `tool_call_parser`: the format tool calls
@@ -75,9 +78,9 @@ async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 50051,
     tokens a stream's messages hold at least, but its first and last (AsyncEngine)."""
     security = security or Security()
     security.check_bind(host)
-    metrics = Metrics(engine, model_name)
-    async_engine = AsyncEngine(engine, max_waiting=max_waiting, metrics=metrics,
-                               max_prompt_bytes=max_prompt_bytes, stream_interval=stream_interval)
+    metrics = Metrics(model_name)
+    async_engine = AsyncEngine(core, metrics=metrics, max_prompt_bytes=max_prompt_bytes,
+                               stream_interval=stream_interval)
     request_limit = request_bytes_limit(async_engine.max_prompt_bytes)
     grpc_server = GrpcServer(async_engine, model_name, security, request_limit, host, port)
     await grpc_server.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -92,18 +95,15 @@ async def serve(engine: Engine, host: str = "127.0.0.1", port: int = 50051,
         http_task = await _start_http(http, host, http_port, grpc_server.server)
         log.info("HTTP (OpenAI API) on %s://%s:%d (503 until warm-up ends)",
                  "https" if security.tls else "http", host, http_port)
-    await asyncio.to_thread(engine.warmup)
     async_engine.start()
+    await async_engine.wait_ready()  # warm-up (compiling the step's programs)
     await grpc_server.set_health(health_pb2.HealthCheckResponse.SERVING)
     if http is not None:
         http.ready = True
     log.info("ready: serving %s on %s%s", model_name or "model", grpc_server.address,
              f" and http://{host}:{http_port}" if http is not None else "")
-    await _serve_until_signalled(engine, async_engine, grpc_server)
+    await _serve_until_signalled(async_engine, grpc_server)
     await _drain(async_engine, grpc_server, http, http_task, grace_s)
-    broadcaster = engine.broadcaster
-    if broadcaster is not None and async_engine.error is None:
-        broadcaster.stop()  # the followers exit too
     log.info("stopped")
     return 0 if async_engine.error is None else 1
 
@@ -114,16 +114,15 @@ class GrpcServer:
 
     def __init__(self, async_engine: AsyncEngine, model_name: str, security: Security,
                  request_limit: int, host: str, port: int):
-        engine = async_engine.engine
         self.servicer = InferenceServicer(async_engine, model_name,
-                                          {k: int(v) for k, v in engine.mesh.shape.items()},
-                                          security)
+                                          async_engine.info.mesh_shape, security)
         server = grpc.aio.server(
             interceptors=security.grpc_interceptors(),
             options=SERVER_OPTIONS + [("grpc.max_receive_message_length", request_limit)])
         add_servicer(pb_grpc.add_InferenceServicer_to_server, self.servicer, server)
+        serving = lambda: self.servicer.accepting and async_engine.is_alive  # noqa: E731
         add_servicer(js_grpc.add_OrchestratorServicer_to_server,
-                     OrchestratorServicer(async_engine, lambda: self.servicer.accepting), server)
+                     OrchestratorServicer(async_engine, serving), server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if security.serve_reflection:
@@ -155,8 +154,7 @@ async def _start_http(http: HTTPServer, host: str, port: int, grpc_server) -> as
     return task
 
 
-async def _serve_until_signalled(engine: Engine, async_engine: AsyncEngine,
-                                 grpc_server: GrpcServer) -> None:
+async def _serve_until_signalled(async_engine: AsyncEngine, grpc_server: GrpcServer) -> None:
     """Wait for SIGTERM or SIGINT; if the engine loop dies meanwhile, turn NOT_SERVING."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -168,7 +166,7 @@ async def _serve_until_signalled(engine: Engine, async_engine: AsyncEngine,
         if not async_engine.is_alive:
             log.error("the engine loop died (%r)%s: NOT_SERVING", async_engine.error,
                       " - a follower process is gone or unreachable"
-                      if engine.broadcaster is not None else "")
+                      if async_engine.info.multi_host else "")
             await grpc_server.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
             await stop.wait()
 

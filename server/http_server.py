@@ -244,7 +244,7 @@ class HTTPServer:
                  tool_parser: ToolParser | None = None):
         self.async_engine = async_engine
         self.tool_parser = tool_parser
-        self.engine = async_engine.engine
+        self.info = async_engine.info
         self.model_name = model_name
         # LoRA adapters served under their own names (`model`), by name.
         self.adapters = async_engine.adapters
@@ -309,12 +309,12 @@ class HTTPServer:
                                 f"{served}", "model", code="model_not_found")
 
     def _tokenizer(self):
-        if self.engine.tokenizer is None:
+        if self.info.tokenizer is None:
             raise oai.APIError(400, "this model has no tokenizer: send token ids", "prompt")
-        return self.engine.tokenizer
+        return self.info.tokenizer
 
     def _token_text(self, token: int) -> str:
-        return self.engine.tokenizer.decode([token], skip_special_tokens=False)
+        return self.info.tokenizer.decode([token], skip_special_tokens=False)
 
     async def _sampling_params(self, req: oai._Request, max_tokens: int | None,
                                logprobs: int | None, tools: tool_calling.ToolPlan | None = None
@@ -454,7 +454,7 @@ class HTTPServer:
         req = await self._body(request, oai.CompletionRequest)
         lora = self._check_serving(req.model)
         prompts = req.prompts()
-        tokenizer = self.engine.tokenizer
+        tokenizer = self.info.tokenizer
         if any(isinstance(p, str) for p in prompts):
             tokenizer = self._tokenizer()
         try:
@@ -548,7 +548,7 @@ class HTTPServer:
     async def models(self):
         base = {"id": self.model_name, "object": "model", "created": self.created,
                 "owned_by": "jaxserve", "root": self.model_name, "parent": None,
-                "max_model_len": self.engine.max_model_len}
+                "max_model_len": self.info.max_model_len}
         return {"object": "list", "data": [base] + [
             {**base, "id": name, "root": lora.lora_path, "parent": self.model_name}
             for name, lora in self.adapters.items()]}
@@ -563,7 +563,7 @@ class HTTPServer:
     async def load_lora_adapter(self, request: Request):
         body = await self._body(request, _LoadLoraRequest)
         self._check_admin(request)
-        if self.engine.loras is None:
+        if not self.info.lora_enabled:
             raise oai.APIError(400, "LoRA adapters are not enabled: start the server with "
                                     "--enable-lora", "lora_name")
         if body.lora_name == self.model_name or body.lora_name in self.adapters:
@@ -600,12 +600,12 @@ class HTTPServer:
         except ValueError as e:
             raise oai.APIError(400, str(e), "messages" if body.messages is not None
                                else "prompt") from e
-        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+        return {"count": len(ids), "max_model_len": self.info.max_model_len, "tokens": ids}
 
     async def detokenize(self, request: Request):
         body = await self._body(request, _DetokenizeRequest)
         self._check_serving(body.model)
-        vocab = self.engine.model_config.vocab_size
+        vocab = self.info.model_config.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise oai.APIError(400, f"tokens: id {bad[0]} is outside the vocabulary "
@@ -623,7 +623,8 @@ class HTTPServer:
         return {"version": jaxserve.__version__}
 
     async def scrape(self):
-        return Response(self.metrics.scrape(), media_type=CONTENT_TYPE)
+        return Response(self.metrics.scrape(await self.async_engine.snapshot()),
+                        media_type=CONTENT_TYPE)
 
     # -------------------------------------------------------------------- serve
 

@@ -23,12 +23,12 @@ Sample = js.DecodeResponse.StreamContent.Sample
 class OrchestratorServicer(js_grpc.OrchestratorServicer):
     def __init__(self, async_engine: AsyncEngine, is_accepting):
         self.async_engine = async_engine
-        self.engine = async_engine.engine  # facts that do not change: tokenizer, model config
+        self.info = async_engine.info  # facts that do not change: tokenizer, model config
         self.is_accepting = is_accepting  # callable: False while draining
 
     async def _prompt(self, request: js.DecodeRequest) -> tuple[list[int], bool]:
         """The prompt token ids and whether responses carry text."""
-        tokenizer = self.engine.tokenizer
+        tokenizer = self.info.tokenizer
         which = request.WhichOneof("content")
         if which == "text_content":
             if tokenizer is None:
@@ -41,7 +41,7 @@ class OrchestratorServicer(js_grpc.OrchestratorServicer):
             ids, with_text = list(request.token_content.token_ids), False
         else:
             raise ValueError("content: set text_content or token_content")
-        bos = self.engine.model_config.bos_token_id
+        bos = self.info.model_config.bos_token_id
         if tokenizer is not None and tokenizer.bos_token_id is not None:
             bos = tokenizer.bos_token_id
         if not request.has_bos and bos is not None:
@@ -50,7 +50,8 @@ class OrchestratorServicer(js_grpc.OrchestratorServicer):
 
     async def Decode(self, request: js.DecodeRequest, context: grpc.aio.ServicerContext):
         if not self.is_accepting():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "the server is not serving (shutting down, or its engine stopped)")
         try:
             if request.num_samples > 1:
                 raise ValueError(f"num_samples must be 0 or 1, got {request.num_samples}")

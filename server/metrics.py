@@ -2,7 +2,7 @@
 
 Every request goes through the AsyncEngine, which reports to `Metrics`: admission, each
 output, the end. Gauges (running / waiting requests, KV cache use) and the prefix-cache
-counters are read from the engine at scrape time. Names take vLLM's with a `jaxserve:`
+counters are the engine's snapshot taken at scrape time. Names take vLLM's with a `jaxserve:`
 prefix and a `model_name` label, so vLLM dashboards work after a rename; docs/serving.md
 lists them and docs/grafana.json plots them.
 """
@@ -15,9 +15,9 @@ from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_cr
                                generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jaxserve.engine.engine import Engine
 from jaxserve.engine.speculative.stats import SpeculationStats
 from jaxserve.outputs import StepOutput
+from server.engine_core import EngineSnapshot
 
 PREFIX = "jaxserve:"
 # Buckets as vLLM's (seconds).
@@ -47,8 +47,7 @@ class RequestTimes:
 class Metrics:
     """The registry one server exposes at GET /metrics."""
 
-    def __init__(self, engine: Engine, model_name: str):
-        self.engine = engine
+    def __init__(self, model_name: str):
         self.model_name = model_name
         self.registry = CollectorRegistry()
         label = ["model_name"]
@@ -83,7 +82,8 @@ class Metrics:
         self._lora_tokens = Counter(PREFIX + "lora_generation_tokens",
                                     "Generated tokens per LoRA adapter.",
                                     ["model_name", "lora_name"], registry=self.registry)
-        self.registry.register(_EngineCollector(engine, model_name))
+        self._engine = _EngineCollector(model_name)
+        self.registry.register(self._engine)
 
     def on_output(self, times: RequestTimes, out: StepOutput, now: float) -> None:
         """Called (engine thread) for every output of a request admitted at times.arrival."""
@@ -108,19 +108,23 @@ class Metrics:
             if out.first_scheduled_at is not None:
                 self.queue.observe(max(out.first_scheduled_at - times.arrival, 0.0))
 
-    def scrape(self) -> bytes:
+    def scrape(self, snapshot: EngineSnapshot) -> bytes:
+        """The exposition text, the engine's gauges and counters from `snapshot`."""
+        self._engine.snapshot = snapshot
         return generate_latest(self.registry)
 
 
 class _EngineCollector:
-    """Gauges and counters the engine keeps, read when scraped."""
+    """Gauges and counters the engine keeps, from the snapshot of the scrape."""
 
-    def __init__(self, engine: Engine, model_name: str):
-        self.engine = engine
+    def __init__(self, model_name: str):
         self.model_name = model_name
+        self.snapshot: EngineSnapshot | None = None
 
     def collect(self):
-        status = self.engine.status()
+        if self.snapshot is None:  # registering collects once, before any scrape
+            return
+        status = self.snapshot.status
         labels = [self.model_name]
         for name, doc, value in (
                 ("num_requests_running", "Requests in the running batch.", status.num_running),
@@ -130,7 +134,7 @@ class _EngineCollector:
             gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
             gauge.add_metric(labels, value)
             yield gauge
-        routers = self.engine.router_statistics()
+        routers = self.snapshot.routers
         if routers:  # a mixture of experts
             imbalance = GaugeMetricFamily(
                 PREFIX + "expert_imbalance", "Mixture-of-experts layers: the busiest "

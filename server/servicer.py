@@ -93,15 +93,15 @@ def chunk_from_output(out: StepOutput) -> pb.Chunk:
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
-    """Requests go through the AsyncEngine (its loop thread owns the engine); facts that
-    do not change (model, tokenizer) and counters are read from the Engine directly."""
+    """Requests go through the AsyncEngine; facts that do not change (model, tokenizer)
+    are its EngineInfo, counters a snapshot the engine takes between steps."""
 
     def __init__(self, async_engine: AsyncEngine, model_name: str, mesh_shape: dict[str, int],
                  security: Security | None = None):
         self.async_engine = async_engine
         self.security = security or Security()
         self.owners: dict[str, str | None] = {}  # running request id -> the key that sent it
-        self.engine = async_engine.engine
+        self.info = async_engine.info
         self.model_name = model_name
         self.mesh_shape = mesh_shape
         self.accepting = True
@@ -110,6 +110,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         if not self.accepting:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        if not self.async_engine.is_alive:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"the engine stopped ({self.async_engine.error})")
         rid = request.request_id or uuid.uuid4().hex
         which = request.WhichOneof("prompt")
         if which is None:
@@ -166,7 +169,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return pb.AbortResponse(num_aborted=aborted)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
-        tokenizer = self.engine.tokenizer
+        tokenizer = self.info.tokenizer
         if tokenizer is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer")
         try:
@@ -176,7 +179,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return pb.TokenizeResponse(ids=ids)
 
     async def GetModelInfo(self, request, context) -> pb.ModelInfo:
-        e = self.engine
+        e = self.info
         cfg = e.model_config
         bos = cfg.bos_token_id if cfg.bos_token_id is not None else -1
         return pb.ModelInfo(
@@ -186,8 +189,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             num_kv_pages=e.num_pages, mesh_shape=self.mesh_shape)
 
     async def GetServerStatus(self, request, context) -> pb.ServerStatus:
-        e, a = self.engine, self.async_engine
-        status = e.status()
+        a = self.async_engine
+        snapshot = await a.snapshot()
+        status = snapshot.status
         return pb.ServerStatus(
             running_requests=status.num_running, waiting_requests=status.num_waiting,
             kv_pages_used=status.num_used_pages, kv_pages_total=status.num_pages,
@@ -200,7 +204,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             steps=status.num_steps, overlapped_steps=status.num_overlapped_steps,
             expert_load=[pb.ExpertLoad(layer=layer, tokens=tokens.tolist(),
                                        imbalance=imbalance)
-                         for layer, tokens, imbalance in e.router_statistics()],
+                         for layer, tokens, imbalance in snapshot.routers],
             speculation=speculation_status(status.speculation))
 
 

@@ -54,7 +54,7 @@ def test_health_check(stub):
     assert stub.HealthCheck(js.HealthCheckRequest()).is_live
 
     class Engine:
-        engine = None
+        info = None
         is_alive = True
 
     accepting = True

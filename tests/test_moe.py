@@ -214,7 +214,8 @@ def test_router_statistics_count_every_real_token_once_per_chosen_expert(checkpo
     assert layer == 0 and tokens.tolist() == load[0].tolist()
     assert imbalance == pytest.approx(load.max() / load.mean())
 
+    from server.engine_core import EngineSnapshot
     from server.metrics import Metrics
-    text = Metrics(llm.engine, "moe").scrape().decode()
+    text = Metrics("moe").scrape(EngineSnapshot.of(llm.engine)).decode()
     (line,) = [x for x in text.splitlines() if x.startswith("jaxserve:expert_imbalance{")]
     assert 'layer="0"' in line and float(line.split()[-1]) == pytest.approx(imbalance)

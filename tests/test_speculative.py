@@ -179,6 +179,7 @@ def test_a_grammar_request_beside_speculating_ones(base, spec, want, prompts):
 def test_status_and_metrics_report_the_counters(base, spec, want, prompts):
     """GetServerStatus's Speculation and the /metrics counters after a run whose
     counts are known: every second proposal has its last draft spoiled."""
+    from server.engine_core import EngineSnapshot
     from server.metrics import Metrics
     from server.servicer import speculation_status
 
@@ -193,7 +194,7 @@ def test_status_and_metrics_report_the_counters(base, spec, want, prompts):
     assert list(status.acceptance_by_position) == pytest.approx(rates)
     assert rates[0] == 1.0 and rates[2] < 0.75  # only last drafts are spoiled
     metrics = {}
-    for line in Metrics(spec.engine, "m").scrape().decode().splitlines():
+    for line in Metrics("m").scrape(EngineSnapshot.of(spec.engine)).decode().splitlines():
         if line.startswith("jaxserve:spec_decode"):
             name, value = line.rsplit(" ", 1)
             metrics[name] = float(value)
