@@ -192,7 +192,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             logging.warning(DEMO_NOTICE)
         name = config.model or "demo"
     if dist is None and not args.engine_thread:  # the engine in a process of its own
-        core = EngineProcess(config, args.random_weights, lora_modules, args.max_waiting)
+        core = EngineProcess(config, args.random_weights, lora_modules, args.max_waiting,
+                             args.stream_interval)
         core.start()  # loads the model (raises what loading raised)
     else:  # multi-host: every process's engine runs in it (jax.distributed)
         if dist is not None:
@@ -210,13 +211,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               dist.process_id, str(e).splitlines()[0])
                 multihost.exit_now(1)
             return 0
-        core = EngineThread(engine, args.max_waiting, warmup=True)
+        core = EngineThread(engine, args.max_waiting, warmup=True,
+                            stream_interval=args.stream_interval)
     code = asyncio.run(serve(core, host=args.host, port=args.port, grace_s=args.grace,
                              model_name=args.served_model_name or name,
                              http_port=None if args.no_http else args.http_port,
                              max_prompt_bytes=args.max_prompt_bytes, security=security,
-                             tool_call_parser=args.tool_call_parser,
-                             stream_interval=args.stream_interval))
+                             tool_call_parser=args.tool_call_parser))
     if dist is not None and code != 0:
         multihost.exit_now(code)
     return code

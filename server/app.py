@@ -67,20 +67,17 @@ def request_bytes_limit(max_prompt_bytes: int) -> int:
 async def serve(core: EngineProcess | EngineThread, host: str = "127.0.0.1", port: int = 50051,
                 grace_s: float = 30.0, model_name: str = "",
                 http_port: int | None = 8000, max_prompt_bytes: int | None = None,
-                security: Security | None = None, tool_call_parser: str | None = None,
-                stream_interval: int = 1) -> int:
+                security: Security | None = None, tool_call_parser: str | None = None) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code. `core`: the engine loop,
     loaded and not started (it warms up when started). `http_port` None: gRPC only.
     `max_prompt_bytes` (default from max_model_len) bounds prompt text before tokenizing,
     and gRPC messages and HTTP bodies to what such a prompt needs. `security`: TLS and API
     keys for both servers (server/security.py). `tool_call_parser`: the format tool calls
-    are read in for tool_choice "auto" (server/tool_parsers.py). `stream_interval`: the
-    tokens a stream's messages hold at least, but its first and last (AsyncEngine)."""
+    are read in for tool_choice "auto" (server/tool_parsers.py)."""
     security = security or Security()
     security.check_bind(host)
     metrics = Metrics(model_name)
-    async_engine = AsyncEngine(core, metrics=metrics, max_prompt_bytes=max_prompt_bytes,
-                               stream_interval=stream_interval)
+    async_engine = AsyncEngine(core, metrics=metrics, max_prompt_bytes=max_prompt_bytes)
     request_limit = request_bytes_limit(async_engine.max_prompt_bytes)
     grpc_server = GrpcServer(async_engine, model_name, security, request_limit, host, port)
     await grpc_server.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -8,9 +8,9 @@ prompts are tokenized in a worker pool before they are sent; outputs are turned 
 text here, in order, with stop strings checked (a match ends the request: the engine is
 told to stop it), and put in their callers' queues. A caller that reads slower than the
 engine steps gets what piled up as one output (fewer, larger messages: what a stream
-costs the event loop is per message); `stream_interval` holds a stream's outputs back
-until that many tokens have come (vLLM's and SGLang's `--stream-interval`), and turns them
-into text together.
+costs the event loop is per message); the engine's `stream_interval` sends a stream's
+tokens in groups of that many (vLLM's and SGLang's `--stream-interval`), each turned into
+text at once.
 """
 
 from __future__ import annotations
@@ -78,11 +78,7 @@ class _Stream:
     times: RequestTimes
     params: SamplingParams
     prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
-    # The request's text, and outputs held back by the stream interval (with their
-    # tokens' count; None: none sent yet).
-    text: OutputText | None = None
-    held: list[StepOutput] = dataclasses.field(default_factory=list)
-    num_held: int | None = None
+    text: OutputText | None = None  # the request's text so far
 
 
 def _settle(fut: asyncio.Future, result=None, error: BaseException | None = None) -> None:
@@ -101,16 +97,14 @@ class EngineStoppedError(RuntimeError):
 class AsyncEngine:
     """Streams the engine's outputs to asyncio callers. `core`: where the engine loop runs
     (server/engine_core.py: an EngineProcess, loaded; an EngineThread; or an Engine, run on
-    a thread, with `max_waiting`)."""
+    a thread, with `max_waiting` and `stream_interval`)."""
 
     def __init__(self, core: EngineProcess | EngineThread | Engine, max_waiting: int = 1024,
                  rate_window_s: float = 10.0, metrics: Metrics | None = None,
                  max_prompt_bytes: int | None = None, tokenizer_threads: int = 2,
                  stream_interval: int = 1):
-        if stream_interval < 1:
-            raise ValueError("stream_interval must be at least 1")
         if isinstance(core, Engine):
-            core = EngineThread(core, max_waiting)
+            core = EngineThread(core, max_waiting, stream_interval=stream_interval)
         self.core = core
         self.info: EngineInfo = core.info
         # Constraints are checked (compiled) here, in the tokenizer pool, so a bad one
@@ -122,9 +116,6 @@ class AsyncEngine:
         elif info.tokenizer is not None:
             self._grammars = GrammarCompiler(info.tokenizer, info.model_config.vocab_size,
                                              info.eos_token_ids)
-        # A stream's first output goes at once, its last too; the others wait until they
-        # hold this many tokens together.
-        self.stream_interval = stream_interval
         self.metrics = metrics
         self.max_prompt_bytes = max_prompt_bytes or default_max_prompt_bytes(
             self.info.max_model_len)
@@ -343,13 +334,7 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:  # ended by a stop string; the engine sampled on
                 continue
-            stream.held.append(out)
-            if stream.num_held is not None:
-                stream.num_held += len(out.new_token_ids)
-                if stream.num_held < self.stream_interval and not out.finished:
-                    continue
-            out = self._finish_output(stream, StepOutput.merge(stream.held))
-            stream.held, stream.num_held = [], 0
+            out = self._finish_output(stream, out)
             if out.finished:
                 del self._streams[stream.request_id]
             stream.queue.put_nowait(out)

@@ -113,16 +113,32 @@ def build_engine(config: EngineConfig, random_weights: str | None = None,
     return engine
 
 
-class EngineCore:
-    """Runs the engine: steps while it has requests, handling commands between steps."""
+@dataclasses.dataclass(eq=False)
+class _Call:
+    """A request the core runs for a caller: the caller's number, and outputs held back by
+    the stream interval (their tokens' count; None until its first output went)."""
 
-    def __init__(self, engine: Engine, send, max_waiting: int = 1024):
+    call: int
+    num_prompt_tokens: int
+    held: list[StepOutput] = dataclasses.field(default_factory=list)
+    num_held: int | None = None
+
+
+class EngineCore:
+    """Runs the engine: steps while it has requests, handling commands between steps.
+    `stream_interval`: a request's outputs are sent when they hold that many tokens (its
+    first and last at once), merged into one."""
+
+    def __init__(self, engine: Engine, send, max_waiting: int = 1024, stream_interval: int = 1):
+        if stream_interval < 1:
+            raise ValueError("stream_interval must be at least 1")
         self.engine = engine
-        engine.detokenize = False  # the front's detokenizer does it
+        engine.detokenize = False  # the front makes the text
         self.send = send  # one event to the front
         self.max_waiting = max_waiting
+        self.stream_interval = stream_interval
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._calls: dict[str, tuple[int, int]] = {}  # request id -> (call, prompt tokens)
+        self._calls: dict[str, _Call] = {}  # by request id
         self._stopping = False
         self._last_ping = time.monotonic()
 
@@ -196,7 +212,8 @@ class EngineCore:
             self._abort(cmd[1], cmd[2])
         elif kind == "stopped":
             _, rid, call = cmd
-            if self._calls.get(rid, (None,))[0] == call:
+            entry = self._calls.get(rid)
+            if entry is not None and entry.call == call:
                 del self._calls[rid]
                 self.engine.abort_request(rid)
         elif kind == "abort_many":
@@ -236,25 +253,45 @@ class EngineCore:
         except ValueError as e:
             self.send(("admitted", call, None, e))
             return
-        self._calls[rid] = (call, len(ids))
+        self._calls[rid] = _Call(call, len(ids))
         self.send(("admitted", call, ids, None))
 
     def _abort(self, rid: str, call: int | None) -> bool:
         """Abort `rid` (only if `call` runs it, unless None); its caller gets an output."""
         entry = self._calls.get(rid)
-        if entry is None or (call is not None and entry[0] != call):
+        if entry is None or (call is not None and entry.call != call):
             return False
         del self._calls[rid]
         self.engine.abort_request(rid)
-        self.send(("outputs", [StepOutput(rid, [], "", None, True, "abort",
-                                          num_prompt_tokens=entry[1])], None))
+        aborted = StepOutput(rid, [], "", None, True, "abort",
+                             num_prompt_tokens=entry.num_prompt_tokens)
+        self.send(("outputs", [StepOutput.merge(entry.held + [aborted])], None))
         return True
 
     def _send_outputs(self, outputs: list[StepOutput], step: tuple) -> None:
+        if self.stream_interval > 1:
+            outputs = self._grouped(outputs)
         for out in outputs:
             if out.finished:
                 self._calls.pop(out.request_id, None)
         self.send(("outputs", outputs, step))
+
+    def _grouped(self, outputs: list[StepOutput]) -> list[StepOutput]:
+        """What goes now: a request's first and last output at once, the others merged
+        once they hold `stream_interval` tokens (a stream costs the servers per message)."""
+        sent = []
+        for out in outputs:
+            entry = self._calls[out.request_id]
+            if entry.num_held is None:
+                entry.num_held = 0
+                sent.append(out)
+                continue
+            entry.held.append(out)
+            entry.num_held += len(out.new_token_ids)
+            if entry.num_held >= self.stream_interval or out.finished:
+                sent.append(StepOutput.merge(entry.held))
+                entry.held, entry.num_held = [], 0
+        return sent
 
     def _read_lora(self, lora: LoRARequest, reply: int) -> None:
         """A worker thread: read the adapter from disk (the engine keeps stepping)."""
@@ -269,10 +306,11 @@ class EngineThread:
     """The loop on a thread of this process (tests, multi-host's process 0). `warmup`:
     compile the step's programs before the first step."""
 
-    def __init__(self, engine: Engine, max_waiting: int = 1024, warmup: bool = False):
+    def __init__(self, engine: Engine, max_waiting: int = 1024, warmup: bool = False,
+                 stream_interval: int = 1):
         self.engine = engine
         self.info = EngineInfo.of(engine)
-        self.core = EngineCore(engine, self._post, max_waiting)
+        self.core = EngineCore(engine, self._post, max_waiting, stream_interval)
         self._thread = threading.Thread(target=self.core.run, args=(warmup,),
                                         name="engine-loop", daemon=True)
         self._loop = self._handler = None
@@ -325,14 +363,15 @@ class EngineProcess:
     (the server drains, then stops it), and it is killed when this process dies."""
 
     def __init__(self, config: EngineConfig, random_weights: str | None = None,
-                 lora_modules: list[tuple[str, str]] = (), max_waiting: int = 1024):
+                 lora_modules: list[tuple[str, str]] = (), max_waiting: int = 1024,
+                 stream_interval: int = 1):
         context = multiprocessing.get_context("spawn")  # never fork a process running JAX
         commands, self._commands = context.Pipe(duplex=False)
         self._events, events = context.Pipe(duplex=False)
         self._process = context.Process(
             target=_child, name="jaxserve-engine", daemon=True,
             args=(commands, events, config, random_weights, list(lora_modules), max_waiting,
-                  logging.getLogger().getEffectiveLevel()))
+                  stream_interval, logging.getLogger().getEffectiveLevel()))
         self._child_ends = (commands, events)
         self._lock = threading.Lock()  # the event loop and the tokenizer pool both send
         self._gone = False  # the child sent "exit" or "failed", or its pipe closed
@@ -402,7 +441,8 @@ class EngineProcess:
 
 
 def _child(commands, events, config: EngineConfig, random_weights: str | None,
-           lora_modules: list[tuple[str, str]], max_waiting: int, log_level: int) -> None:
+           lora_modules: list[tuple[str, str]], max_waiting: int, stream_interval: int,
+           log_level: int) -> None:
     """The engine process: load, tell the front what it loaded, then run the loop."""
     _die_with_parent()
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s "
@@ -425,7 +465,7 @@ def _child(commands, events, config: EngineConfig, random_weights: str | None,
     # then stops this process. (Set after loading: JAX installs handlers of its own.)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    core = EngineCore(engine, send, max_waiting)
+    core = EngineCore(engine, send, max_waiting, stream_interval)
     send(("info", EngineInfo.of(engine)))
     threading.Thread(target=_forward, args=(commands, core.inbox), name="commands",
                      daemon=True).start()
