@@ -10,14 +10,15 @@ flight at once. Each round runs gRPC then HTTP; the table reports each run and t
 HTTP/gRPC ratio of output tokens/s over all rounds. The client runs on the same machine as
 the server, so both front doors pay for their client too. `--offline` first runs the same
 requests through the offline `LLM` (same engine settings, all submitted at once), the
-ceiling the servers are compared with.
+ceiling the servers are compared with. Each run also reports the CPU cores (CPU seconds
+per second, Linux /proc) the server's process, its engine process and the client used.
 
 The host-loop check (issue 54): the tiny model of benchmarks/host_overhead.py, 256 streams:
 
     python benchmarks/http_vs_grpc.py --model "$(python -c 'import sys; sys.path.insert(0,
         "benchmarks"); import peers; print(peers.checkpoint("configs/models/tiny-llama.yaml",
         dtype="float32"))')" --dtype float32 --concurrency 256 --num-prompts 256 \
-        --input-len 16 --output-len 128 --offline [--stream-interval 16]
+        --input-len 16 --output-len 128 --offline [--stream-interval 16] [--engine-thread]
 """
 
 from __future__ import annotations
@@ -56,6 +57,27 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process (all its threads) so far; None without /proc."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def engine_child(pid: int) -> int | None:
+    """The server's engine process (a multiprocessing spawn child), if it has one."""
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            for child in open(f"/proc/{pid}/task/{task}/children").read().split():
+                if b"spawn_main" in open(f"/proc/{child}/cmdline", "rb").read():
+                    return int(child)
+    except OSError:
+        pass
+    return None
 
 
 def has_avx512_bf16() -> bool:
@@ -120,10 +142,19 @@ def main() -> None:
     try:
         wait_ready(url, proc)
 
+        who = {"server": proc.pid, "engine": engine_child(proc.pid), "client": os.getpid()}
+
         def bench(api: str) -> dict:
-            return asyncio.run(run(target, api, args.num_prompts, args.input_len,
-                                   args.output_len, float("inf"), args.concurrency, seed=0,
-                                   http_url=url))
+            """One run, with the CPU cores each process used meanwhile (CPU s per s)."""
+            before = {k: cpu_seconds(pid) if pid else None for k, pid in who.items()}
+            start = time.perf_counter()
+            result = asyncio.run(run(target, api, args.num_prompts, args.input_len,
+                                     args.output_len, float("inf"), args.concurrency,
+                                     seed=0, http_url=url))
+            elapsed = time.perf_counter() - start
+            result["cores"] = {k: (cpu_seconds(pid) - before[k]) / elapsed
+                               if before[k] is not None else None for k, pid in who.items()}
+            return result
 
         bench("jaxserve")  # warm both paths once before timing
         bench("openai")
@@ -142,12 +173,14 @@ def main() -> None:
           f"of {args.input_len} in / {args.output_len} out, --stream-interval "
           f"{args.stream_interval}, the engine "
           f"{'on a thread' if args.engine_thread else 'in a process of its own'}\n")
-    print("| round | API | output tok/s | TTFT median ms | TPOT median ms |")
-    print("|---|---|---|---|---|")
+    print("| round | API | output tok/s | TTFT median ms | TPOT median ms | CPU cores: server "
+          "/ engine / client |")
+    print("|---|---|---|---|---|---|")
     for r, api, res in runs:
         name = "gRPC (jaxserve.v1)" if api == "jaxserve" else "HTTP (OpenAI, SSE)"
+        cores = " / ".join("-" if c is None else f"{c:.2f}" for c in res["cores"].values())
         print(f"| {r} | {name} | {res['output_tokens_per_s']:.1f} | "
-              f"{res['ttft_ms']['median']:.1f} | {res['tpot_ms']['median']:.1f} |")
+              f"{res['ttft_ms']['median']:.1f} | {res['tpot_ms']['median']:.1f} | {cores} |")
     total = {api: sum(res["output_tokens"] for _, a, res in runs if a == api)
              / sum(res["duration_s"] for _, a, res in runs if a == api)
              for api in ("jaxserve", "openai")}
