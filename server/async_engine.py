@@ -181,10 +181,10 @@ class AsyncEngine:
             await self.compile_constraint(params.structured_outputs)
         times = RequestTimes(arrival=time.monotonic(),
                              lora_name=lora_request.lora_name if lora_request else None)
+        self._check_running()
         stream = _Stream(request_id, next(self._call_ids), self._future(), asyncio.Queue(),
                          times, params)
         self._pending[stream.call] = stream
-        self._check_running(lambda: self._pending.pop(stream.call, None))
         self.core.send(("add", request_id, stream.call, prompt, params, lora_request))
         try:
             await stream.admitted
@@ -198,10 +198,11 @@ class AsyncEngine:
             raise RuntimeError("AsyncEngine: call it on the event loop that started it")
         return self._loop.create_future()
 
-    def _check_running(self, forget) -> None:
-        """EngineStoppedError (after `forget()`ing what was registered) if the loop failed."""
+    def _check_running(self) -> None:
+        """EngineStoppedError if the loop failed (then nothing would answer). The engine's
+        events are handled on this loop too, so nothing registered after this check can be
+        missed by `_on_failed`."""
         if self.error is not None:
-            forget()
             raise EngineStoppedError(f"the engine loop stopped: {self.error}")
 
     async def _outputs(self, stream: _Stream) -> AsyncIterator[StepOutput]:
@@ -278,9 +279,9 @@ class AsyncEngine:
 
     async def _call(self, kind: str, *args):
         """A command the engine answers between steps: its result (or its ValueError)."""
+        self._check_running()
         reply = next(self._call_ids)
         done = self._replies[reply] = self._future()
-        self._check_running(lambda: self._replies.pop(reply, None))
         self.core.send((kind, *args, reply))
         return await done
 
