@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.speculative.setup import SpeculativeModels
-from jaxserve.loading import converted
+from jaxserve.loading import converted, gguf
 from jaxserve.loading.safetensors import load_checkpoint, random_params
 from jaxserve.loading.tokenizer import Tokenizer
 from sharding.mesh import make_mesh
@@ -47,13 +47,19 @@ def load(config: EngineConfig, random_weights_preset: str | None = None) -> Load
     if config.model is None:
         from jaxserve.demo import demo_model_dir
         config = dataclasses.replace(config, model=str(demo_model_dir()))
-    model_dir = Path(config.model)
-    if not model_dir.is_dir():
-        raise ValueError(f"model {config.model!r} is not a directory; give a Hugging Face "
-                         "checkpoint directory (config.json, *.safetensors, tokenizer)")
+    model_dir, tensors = Path(config.model), None
+    if gguf.is_gguf(model_dir):  # its metadata as files; its weights streamed from it
+        model_dir, tensors = gguf.metadata_dir(config.model), gguf.open_weights(config.model)
+    elif not model_dir.is_dir():
+        raise ValueError(f"model {config.model!r} is not a directory (nor a .gguf file); give "
+                         "a Hugging Face checkpoint directory (config.json, *.safetensors, "
+                         "tokenizer) or a GGUF file")
     model_config = ModelConfig.from_file(model_dir)
     shard = model_sharding(mesh, config.sharding, model_config)
-    if converted.is_converted(model_dir):
+    if tensors is not None:
+        graphdef, params = load_checkpoint(model_dir, model_config, dtype, shard, options,
+                                           tensors)
+    elif converted.is_converted(model_dir):
         options = converted.served_options(model_dir, options)
         config = dataclasses.replace(config, quantization=options.quantization)
         graphdef, params = converted.restore(model_dir, model_config, dtype, shard, options)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import jax
@@ -204,44 +204,49 @@ def abstract_model(cfg: ModelConfig, dtype, shard: ShardingContext,
 
 
 def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype, shard: ShardingContext,
-                    options: ModelOptions = ModelOptions()) -> tuple[nnx.GraphDef, nnx.State]:
+                    options: ModelOptions = ModelOptions(),
+                    tensors: Iterable[tuple[str, np.ndarray]] | None = None
+                    ) -> tuple[nnx.GraphDef, nnx.State]:
     """Read every tensor of an HF checkpoint straight into sharded device arrays
-    (quantizing the linear layers' weights on the way when `options.quantization`)."""
+    (quantizing the linear layers' weights on the way when `options.quantization`).
+    `tensors`: (Hugging Face name, array) pairs to read instead of `model_dir`'s files
+    (a GGUF file's, loading/gguf.py)."""
     graphdef, abstract = abstract_model(cfg, dtype, shard, options)
     expected = dict(nnx.to_flat_state(abstract))
     loaded: dict[tuple, jax.Array] = {}
     experts: dict[tuple, dict[int, np.ndarray]] = {}  # stacked parameters being gathered
-    for file in checkpoint_files(model_dir):
-        for name, tensor in read_tensors(file):
-            if _IGNORED.match(name):
+    if tensors is None:
+        tensors = (item for file in checkpoint_files(model_dir) for item in read_tensors(file))
+    for name, tensor in tensors:
+        if _IGNORED.match(name):
+            continue
+        mapped = _hf_to_ours(name, tensor, cfg, shard.rules.kv_head_replicas)
+        if mapped is None:
+            continue
+        path, array, expert = mapped
+        if path not in expected:
+            raise ValueError(f"tensor {name!r} does not fit this model config ({path})")
+        var = expected[path]
+        if expert is not None:
+            parts = experts.setdefault(path, {})
+            one = (var.shape[1] * (2 if var.dtype == jnp.uint8 else 1), var.shape[2])
+            if not 0 <= expert < var.shape[0] or array.shape != one:  # int4: 2 per byte
+                raise ValueError(f"tensor {name!r} (shape {tuple(tensor.shape)}) does not "
+                                 f"fit this model config: {var.shape[0]} experts of "
+                                 f"{one} after conversion")
+            parts[expert] = array
+            if len(parts) < var.shape[0]:
                 continue
-            mapped = _hf_to_ours(name, tensor, cfg, shard.rules.kv_head_replicas)
-            if mapped is None:
-                continue
-            path, array, expert = mapped
-            if path not in expected:
-                raise ValueError(f"tensor {name!r} does not fit this model config ({path})")
-            var = expected[path]
-            if expert is not None:
-                parts = experts.setdefault(path, {})
-                one = (var.shape[1] * (2 if var.dtype == jnp.uint8 else 1), var.shape[2])
-                if not 0 <= expert < var.shape[0] or array.shape != one:  # int4: 2 per byte
-                    raise ValueError(f"tensor {name!r} (shape {tuple(tensor.shape)}) does not "
-                                     f"fit this model config: {var.shape[0]} experts of "
-                                     f"{one} after conversion")
-                parts[expert] = array
-                if len(parts) < var.shape[0]:
-                    continue
-                array = _Stacked([parts[j] for j in range(var.shape[0])])
-                del experts[path]
-            quantized = _scales_path(path) in expected
-            size = int(np.prod(var.shape)) * (2 if var.dtype == jnp.uint8 else 1)  # int4: 2/byte
-            if array.size != size if quantized else tuple(array.shape) != tuple(var.shape):
-                raise ValueError(
-                    f"tensor {name!r} has shape {tuple(tensor.shape)}; the config expects "
-                    f"{tuple(var.shape)} after conversion"
-                )
-            loaded.update(place_weight(path, array, expected, shard, options.quantization))
+            array = _Stacked([parts[j] for j in range(var.shape[0])])
+            del experts[path]
+        quantized = _scales_path(path) in expected
+        size = int(np.prod(var.shape)) * (2 if var.dtype == jnp.uint8 else 1)  # int4: 2/byte
+        if array.size != size if quantized else tuple(array.shape) != tuple(var.shape):
+            raise ValueError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}; the config expects "
+                f"{tuple(var.shape)} after conversion"
+            )
+        loaded.update(place_weight(path, array, expected, shard, options.quantization))
     missing = sorted(".".join(map(str, p)) for p in expected if p not in loaded)
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks tensors for: {missing[:8]}"

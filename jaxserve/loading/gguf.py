@@ -1,0 +1,224 @@
+"""GGUF files (llama.cpp's and Ollama's format) served as they are: `--model file.gguf`.
+
+What this reads: the Llama family (`general.architecture` "llama": Llama, Mistral, SmolLM,
+TinyLlama and the like) with a byte-level BPE vocabulary (`tokenizer.ggml.model` "gpt2",
+split as GPT-2 splits: `tokenizer.ggml.pre` "default", "gpt2" or "smollm"). Anything else is
+refused at load, naming the field. The model config, the tokenizer (vocabulary, merges,
+control tokens, BOS/EOS, `add_bos`) and the chat template come from the file's metadata;
+the weights of every type the `gguf` package dequantizes (F32/F16/BF16, Q8_0, Q4_0/Q4_1,
+Q5_0/Q5_1, the K-quants) are dequantized to the engine's dtype as they are read, one tensor
+at a time (no float copy of the model on disk). llama.cpp's converter stores attn_q and
+attn_k with each head's rotary halves interleaved; they are put back in Hugging Face's order.
+
+The tokenizer is written once, as tokenizer.json + tokenizer_config.json (and config.json)
+in a cache directory named for the file, and read from there like any checkpoint's. It is
+built as transformers' GGUF loader builds it (`transformers.integrations.gguf`), the oracle
+of tests/test_gguf.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM")}
+# Pre-tokenizers whose text splitting is GPT-2's own regex (ByteLevel's).
+GPT2_SPLITS = {"default", "gpt2", "smollm"}
+CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                 "output": "lm_head"}
+
+
+def is_gguf(path: str | os.PathLike | None) -> bool:
+    return path is not None and str(path).endswith(".gguf") and Path(path).is_file()
+
+
+def _reader(path: Path):
+    try:
+        import gguf
+    except ImportError as e:  # a dependency; only a broken install lacks it
+        raise ValueError("reading a GGUF file needs the `gguf` package (pip install gguf)") from e
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - a corrupt or truncated file
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _required(reader, key: str):
+    value = _field(reader, key)
+    if value is None:
+        raise ValueError(f"the GGUF file lacks `{key}`")
+    return value
+
+
+def hf_config(reader) -> dict:
+    """The model's config.json (Hugging Face keys) from the file's metadata."""
+    arch = _required(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"general.architecture {arch!r}: GGUF files of {sorted(ARCHITECTURES)} "
+                         "are supported")
+    for key in (f"{arch}.rope.scaling.type", f"{arch}.expert_count"):
+        value = _field(reader, key)
+        if value not in (None, "none", 0):
+            raise ValueError(f"{key} = {value!r}: not supported in GGUF files yet")
+    model_type, class_name = ARCHITECTURES[arch]
+    heads = int(_required(reader, f"{arch}.attention.head_count"))
+    hidden = int(_required(reader, f"{arch}.embedding_length"))
+    tokens = _required(reader, "tokenizer.ggml.tokens")
+    names = {t.name for t in reader.tensors}
+    config = {
+        "model_type": model_type, "architectures": [class_name],
+        "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(tokens))),
+        "hidden_size": hidden,
+        "intermediate_size": int(_required(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_required(reader, f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        "max_position_embeddings": int(_required(reader, f"{arch}.context_length")),
+        "rms_norm_eps": float(_required(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "torch_dtype": "float32",
+    }
+    for key in ("bos", "eos"):
+        value = _field(reader, f"tokenizer.ggml.{key}_token_id")
+        if value is not None:
+            config[f"{key}_token_id"] = int(value)
+    return config
+
+
+def _hf_name(name: str) -> str:
+    """A GGUF tensor's Hugging Face name (ValueError for one this loader does not know)."""
+    stem, _, suffix = name.rpartition(".")
+    if stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    raise ValueError(f"tensor {name!r} of the GGUF file is not one this loader knows")
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter interleaves each head's two rotary halves of q and k
+    (convert_hf_to_gguf.py's `permute`); this puts them back in Hugging Face's order."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def tensors(reader, config: dict) -> Iterator[tuple[str, np.ndarray]]:
+    """The weights as (Hugging Face name, float32 array), dequantized one at a time."""
+    from gguf.quants import dequantize
+
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        w = np.asarray(dequantize(t.data, t.tensor_type), np.float32)
+        w = w.reshape(tuple(int(n) for n in reversed(t.shape)))
+        if name.endswith("q_proj.weight"):
+            w = _unpermute(w, config["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            w = _unpermute(w, config["num_key_value_heads"])
+        yield name, w
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte alphabet: every byte as a printable character."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def tokenizer_files(reader) -> dict[str, dict]:
+    """tokenizer.json and tokenizer_config.json of the file's vocabulary."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    kind = _required(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"tokenizer.ggml.model {kind!r}: only byte-level BPE (\"gpt2\") "
+                         "vocabularies are supported in GGUF files yet")
+    split = _field(reader, "tokenizer.ggml.pre", "default")
+    if split not in GPT2_SPLITS:
+        raise ValueError(f"tokenizer.ggml.pre {split!r}: only GPT-2's text splitting "
+                         f"({sorted(GPT2_SPLITS)}) is supported in GGUF files yet")
+    tokens = list(_required(reader, "tokenizer.ggml.tokens"))
+    types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode())): i
+             for i, t in enumerate(tokens)}
+    merges = [tuple(m.split(" ")) for m in _required(reader, "tokenizer.ggml.merges")]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, kind in zip(tokens, types)
+                            if kind == CONTROL and set(t) <= alphabet])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, kind in zip(tokens, types) if kind == USER_DEFINED and t in vocab])
+    config = {"add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+              "add_eos_token": bool(_field(reader, "tokenizer.ggml.add_eos_token", False))}
+    for key in ("bos", "eos", "unknown", "padding"):
+        index = _field(reader, f"tokenizer.ggml.{key}_token_id")
+        if index is not None and 0 <= int(index) < len(tokens):
+            name = {"unknown": "unk", "padding": "pad"}.get(key, key)
+            config[f"{name}_token"] = tokens[int(index)]
+    template = _field(reader, "tokenizer.chat_template")
+    if template:
+        config["chat_template"] = template
+    return {"tokenizer.json": json.loads(tok.to_str()), "tokenizer_config.json": config}
+
+
+def metadata_dir(path: str | os.PathLike) -> Path:
+    """A directory with the file's config.json, tokenizer.json and tokenizer_config.json
+    (written once, named for the file's path, size and modification time)."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    from jaxserve.demo import cache_root
+
+    out = cache_root() / "gguf" / f"{path.stem}-{key}"
+    if (out / "tokenizer.json").is_file():
+        return out
+    reader = _reader(path)
+    files = {"config.json": hf_config(reader), **tokenizer_files(reader)}
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    for name, content in files.items():
+        (tmp / name).write_text(json.dumps(content, ensure_ascii=False), encoding="utf-8")
+    try:
+        tmp.rename(out)
+    except OSError:  # another process wrote it first
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+    return out
+
+
+def open_weights(path: str | os.PathLike) -> Iterator[tuple[str, np.ndarray]]:
+    """The file's weights, as `tensors` yields them."""
+    reader = _reader(Path(path))
+    return tensors(reader, hf_config(reader))
