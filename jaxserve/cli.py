@@ -194,7 +194,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if dist is None and not args.engine_thread:  # the engine in a process of its own
         core = EngineProcess(config, args.random_weights, lora_modules, args.max_waiting,
                              args.stream_interval)
-        core.start()  # loads the model (raises what loading raised)
+        core.load()  # raises what loading raised; it warms up once the ports are open
     else:  # multi-host: every process's engine runs in it (jax.distributed)
         if dist is not None:
             multihost.initialize(dist)

@@ -19,6 +19,7 @@ Commands (front -> core):
     ("abort_many", rids, reply) ("abort_all",)
     ("add_lora", lora, reply)   read on a worker thread, added between steps
     ("remove_lora", name, reply) ("snapshot", reply) ("stop",)
+    ("start",)                  a child process, loaded: warm up, then step
 Events (core -> front):
     ("info", EngineInfo)        a child process: loaded
     ("ready",)                  warm: steps from now on
@@ -378,9 +379,9 @@ class EngineProcess:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.info: EngineInfo | None = None
 
-    def start(self) -> EngineInfo:
-        """Start the child and wait until the model is loaded (it then warms up); raises
-        what loading raised. Once started, returns at once."""
+    def load(self) -> EngineInfo:
+        """Start the child and wait until it has loaded the model; raises what loading
+        raised. Once loaded, returns at once."""
         if self.info is not None:
             return self.info
         self._process.start()
@@ -392,6 +393,12 @@ class EngineProcess:
             raise event[1]
         self.info = event[1]
         return self.info
+
+    def start(self) -> None:
+        """Warm up (compile the step's programs), then step: the servers' ports are open
+        by now, so probes see the warm-up as not ready."""
+        self.load()
+        self.send(("start",))
 
     def send(self, cmd: tuple) -> None:
         with self._lock:
@@ -467,6 +474,11 @@ def _child(commands, events, config: EngineConfig, random_weights: str | None,
         signal.signal(sig, signal.SIG_IGN)
     core = EngineCore(engine, send, max_waiting, stream_interval)
     send(("info", EngineInfo.of(engine)))
+    try:
+        if commands.recv() != ("start",):
+            raise EOFError
+    except (EOFError, OSError):  # the server went away before it started the engine
+        return
     threading.Thread(target=_forward, args=(commands, core.inbox), name="commands",
                      daemon=True).start()
     core.run(warmup=True)
