@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxserve.loading.tokenizer import gpt2_byte_table
+
 ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM")}
 # Pre-tokenizers whose text splitting is GPT-2's own regex (ByteLevel's).
 GPT2_SPLITS = {"default", "gpt2", "smollm"}
@@ -138,20 +140,6 @@ def tensors(reader, config: dict) -> Iterator[tuple[str, np.ndarray]]:
         yield name, w
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte alphabet: every byte as a printable character."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
-
-
 def tokenizer_files(reader) -> dict[str, dict]:
     """tokenizer.json and tokenizer_config.json of the file's vocabulary."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -166,7 +154,7 @@ def tokenizer_files(reader) -> dict[str, dict]:
                          f"({sorted(GPT2_SPLITS)}) is supported in GGUF files yet")
     tokens = list(_required(reader, "tokenizer.ggml.tokens"))
     types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
-    spelling = _bytes_to_unicode()
+    spelling = gpt2_byte_table()
     alphabet = set(spelling.values())
     vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode())): i
              for i, t in enumerate(tokens)}

@@ -73,7 +73,7 @@ class _Backend(Protocol):
                     add_bos: bool | None, add_eos: bool | None) -> None: ...
 
 
-def _gpt2_byte_table() -> dict[int, str]:
+def gpt2_byte_table() -> dict[int, str]:
     """Byte-level BPE's byte -> printable character table (GPT-2's bytes_to_unicode)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
                  *range(ord("®"), ord("ÿ") + 1)]
@@ -133,7 +133,7 @@ class _HFBackend:
         """Each token's bytes: <0xNN> is that byte, a token that decodes to whole
         characters is their UTF-8, and a byte-level token that does not (part of a
         character) maps back through GPT-2's byte table."""
-        byte_of = {c: b for b, c in _gpt2_byte_table().items()}
+        byte_of = {c: b for b, c in gpt2_byte_table().items()}
         out = []
         for i in range(self.vocab_size):
             token = self._tok.id_to_token(i) or ""
