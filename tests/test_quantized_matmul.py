@@ -50,20 +50,34 @@ def numpy_unpack_int4(values: np.ndarray, group: int) -> np.ndarray:
     return out
 
 
+def base(kind: str) -> str:
+    """The kernels' kind of a test variant: "int4-zp" is int4 with zero points."""
+    return kind.removesuffix("-zp")
+
+
 def numpy_dequantize(values, scales, kind: str) -> np.ndarray:
     """float64 weight from the stored format, independently of formats.dequantize."""
     scales = np.asarray(scales, np.float64)
-    if kind == "int4":
+    if kind.startswith("int4"):
+        zeros = 0.0
+        if kind == "int4-zp":
+            scales, zeros = scales
+            zeros = np.repeat(zeros, 2 * values.shape[0] // zeros.shape[0], axis=0)
         q = numpy_unpack_int4(np.asarray(values), 2 * values.shape[0] // scales.shape[0])
-        return q * np.repeat(scales, q.shape[0] // scales.shape[0], axis=0)
+        return (q - zeros) * np.repeat(scales, q.shape[0] // scales.shape[0], axis=0)
     return np.asarray(values.astype(jnp.float32), np.float64) * scales
 
 
 def draw(rng, m: int, k: int, n: int, kind: str, dtype, group_size: int = 128):
-    """Random normal x and a quantized random normal weight (never zeros)."""
+    """Random normal x and a quantized random weight (never zeros; shifted off zero for
+    int4 with zero points, so that the zero points differ from group to group)."""
     x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32), dtype)
     w = rng.standard_normal((k, n), dtype=np.float32)
-    values, scales = formats.quantize(jnp.asarray(w), kind, group_size)
+    if kind == "int4-zp":
+        w += rng.uniform(-2, 2, size=(k // min(group_size, k), 1, n)).repeat(
+            min(group_size, k), axis=1).reshape(k, n).astype(np.float32)
+    values, scales = formats.quantize(jnp.asarray(w), base(kind), group_size,
+                                      zero_points=kind == "int4-zp")
     return x, values, scales
 
 
@@ -80,7 +94,7 @@ def f64(a) -> np.ndarray:
 
 def assert_kernel_matches(y, x, values, scales, kind):
     """The kernel's output against the reference (and, for bf16, the float64 oracle)."""
-    ref = f64(reference.quantized_matmul(x, values, scales, kind=kind))
+    ref = f64(reference.quantized_matmul(x, values, scales, kind=base(kind)))
     y = f64(y)
     assert y.shape == ref.shape
     if x.dtype == jnp.float32:
@@ -146,11 +160,33 @@ def test_int4_quantize_matches_numpy_rounding(rng):
     np.testing.assert_array_equal(numpy_unpack_int4(np.asarray(values), 128), expected)
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_zero_points_quantize_a_shifted_group_within_half_a_step(rng, group):
+    """Asymmetric int4: a group's [min, max] spans the 16 levels, every element lands within
+    scale/2, and the zero points are integers in [-8, 7] (the level of 0.0)."""
+    w = rng.uniform(0.5, 3.0, size=(256, 48)).astype(np.float32)  # all positive: symmetric
+    w[:, 7] = 0.0                                                  # would waste half its range
+    values, scales = formats.quantize(jnp.asarray(w), "int4", group, zero_points=True)
+    assert scales.shape == (2, 256 // group, 48) and values.shape == (128, 48)
+    s, z = np.asarray(scales, np.float64)
+    deq = numpy_dequantize(values, scales, "int4-zp")
+    # (q - z) * s: one float32 rounding of the exact float64 product.
+    np.testing.assert_array_equal(np.asarray(formats.dequantize(values, scales, "int4")),
+                                  deq.astype(np.float32))
+    step = np.repeat(s, group, axis=0)
+    assert np.all(np.abs(w - deq) <= step / 2 * (1 + 1e-6) + 1e-6 * np.abs(w))
+    assert np.all(z == np.round(z)) and z.min() >= -8 and z.max() <= 7
+    assert np.all(deq[:, 7] == 0)
+    # The range, not max|w|, sets the step: about half the symmetric format's.
+    _, sym = formats.quantize(jnp.asarray(w), "int4", group)
+    assert np.median(s / np.asarray(sym)) < 0.6
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "int4-zp", "fp8"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_reference_matmul_against_float64(rng, kind, dtype):
     x, values, scales = draw(rng, 7, 256, 72, kind, dtype)
-    y = f64(qmm.quantized_matmul(x, values, scales, kind=kind, impl="reference"))
+    y = f64(qmm.quantized_matmul(x, values, scales, kind=base(kind), impl="reference"))
     exact, sigma = oracle(x, values, scales, kind)
     assert y.dtype == np.float64 and y.shape == (7, 72)
     # f32: summation order only (see the module doc); bf16: the reference's 2^-7 Σ bound.
@@ -202,12 +238,12 @@ SHAPES = [(1, 128, 128), (5, 256, 200), (16, 256, 256), (37, 384, 200)]
 
 
 @pytest.mark.parametrize("impl", ["tpu", "gpu"])
-@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "int4-zp", "fp8"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_kernel_matches_reference(rng, impl, kind, dtype):
     for m, k, n in SHAPES:
         x, values, scales = draw(rng, m, k, n, kind, dtype)
-        y = qmm.quantized_matmul(x, values, scales, kind=kind, impl=impl,
+        y = qmm.quantized_matmul(x, values, scales, kind=base(kind), impl=impl,
                                  interpret=kernel_interpret(impl))
         assert y.dtype == dtype and y.shape == (m, n)
         assert_kernel_matches(y, x, values, scales, kind)
@@ -220,14 +256,24 @@ FORCED_BLOCKS = {"tpu": dict(block_m=16, block_n=128, block_k=256),
 
 
 @pytest.mark.parametrize("impl", ["tpu", "gpu"])
-@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "int4-zp", "fp8"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_kernel_with_many_blocks(rng, impl, kind, dtype):
     x, values, scales = draw(rng, 37, 384, 256, kind, dtype, group_size=64)
-    y = qmm.quantized_matmul(x, values, scales, kind=kind, impl=impl,
+    y = qmm.quantized_matmul(x, values, scales, kind=base(kind), impl=impl,
                              interpret=kernel_interpret(impl),
                              **FORCED_BLOCKS[impl])
     assert_kernel_matches(y, x, values, scales, kind)
+
+
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_kernel_with_zero_points_at_each_group_size(rng, impl, group):
+    """AWQ / GPTQ group sizes: several groups per K block, K = 384 padded to whole blocks."""
+    x, values, scales = draw(rng, 5, 384, 200, "int4-zp", jnp.bfloat16, group_size=group)
+    y = qmm.quantized_matmul(x, values, scales, kind="int4", impl=impl,
+                             interpret=kernel_interpret(impl))
+    assert_kernel_matches(y, x, values, scales, "int4-zp")
 
 
 def test_block_rules():
@@ -251,13 +297,13 @@ def test_block_rules():
     assert gpu.default_num_k_splits(1, 1) == 1
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "int4-zp", "fp8"])
 @pytest.mark.parametrize("splits", [1, 2, 4])
 def test_gpu_split_k_matches_reference(rng, kind, splits):
     """K = 640 in 128-wide steps: 5 steps over 2 splits (3 + 2) or 4 (2 + 2 + 1 + 0: one
     split empty), int4 groups of 128; f32 partials summed."""
     x, values, scales = draw(rng, 5, 640, 200, kind, jnp.bfloat16, group_size=128)
-    y = gpu.quantized_matmul(x, values, scales, kind=kind, block_k=128, num_k_splits=splits,
+    y = gpu.quantized_matmul(x, values, scales, kind=base(kind), block_k=128, num_k_splits=splits,
                              interpret=kernel_interpret("gpu"))
     assert y.dtype == jnp.bfloat16 and y.shape == (5, 200)
     assert_kernel_matches(y, x, values, scales, kind)
@@ -269,7 +315,8 @@ LLAMA3_8B_MLP = [(16, 4096, 14336), (16, 14336, 4096)]  # x[16, K] @ W[K, N]
 
 
 def abstract_operands(m: int, k: int, n: int, kind: str, sharding=None, dtype=jnp.bfloat16):
-    (vs, vd), (ss, sd) = formats.quantized_shapes(k, n, kind)
+    (vs, vd), (ss, sd) = formats.quantized_shapes(k, n, base(kind),
+                                                  zero_points=kind == "int4-zp")
     return (jax.ShapeDtypeStruct((m, k), dtype, sharding=sharding),
             jax.ShapeDtypeStruct(vs, vd, sharding=sharding),
             jax.ShapeDtypeStruct(ss, sd, sharding=sharding))
@@ -277,14 +324,14 @@ def abstract_operands(m: int, k: int, n: int, kind: str, sharding=None, dtype=jn
 
 def export_gpu_kernel(m: int, k: int, n: int, kind: str) -> jax.export.Exported:
     """The GPU kernel at x[M, K] @ W[K, N], exported for CUDA (Triton IR; no GPU needed)."""
-    fn = jax.jit(lambda x, v, s: gpu.quantized_matmul(x, v, s, kind=kind))
+    fn = jax.jit(lambda x, v, s: gpu.quantized_matmul(x, v, s, kind=base(kind)))
     return jax.export.export(
         fn, platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
     )(*abstract_operands(m, k, n, kind))
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "int4-zp", "fp8"])
 def test_gpu_kernel_lowers_to_triton_for_llama3_8b(kind):
     """Pallas's Triton lowering (jaxpr -> Triton IR, as for compute capability 9.0 when no
     GPU is present) accepts the kernel at real shapes: one program per 128 output columns."""
@@ -311,7 +358,7 @@ def compile_on_chip(fn, args, dev):
         return jax.jit(fn).lower(*args).compile()
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "int4-zp", "fp8"])
 @pytest.mark.parametrize("m, k, n", LLAMA3_8B_MLP, ids=["up", "down"])
 def test_tpu_kernel_compiles_with_weights_quantized_in_hbm(chip, kind, m, k, n):
     """Mosaic accepts the kernel on v5e and v6e (fp8 included), and the compiled program's
@@ -321,9 +368,9 @@ def test_tpu_kernel_compiles_with_weights_quantized_in_hbm(chip, kind, m, k, n):
 
     args = abstract_operands(m, k, n, kind, SingleDeviceSharding(chip))
     compiled = compile_on_chip(
-        lambda x, v, s: qmm.quantized_matmul(x, v, s, kind=kind, impl="tpu"), args, chip)
+        lambda x, v, s: qmm.quantized_matmul(x, v, s, kind=base(kind), impl="tpu"), args, chip)
     mem = compiled.memory_analysis()
-    weight_bytes = k * n // (2 if kind == "int4" else 1)
+    weight_bytes = k * n // (2 if kind.startswith("int4") else 1)
     assert mem.argument_size_in_bytes == m * k * 2 + weight_bytes + args[2].size * 4
     assert mem.output_size_in_bytes == m * n * 2
     assert mem.temp_size_in_bytes < weight_bytes // 16

@@ -82,7 +82,7 @@ def _kernel(offsets_ref, group_ref, tile_ref, active_ref,  # the visit plan, in 
     @pl.when(live)
     def _accumulate():
         if kind == "int4":
-            acc_ref[...] += int4_block_dot(x_ref, w_ref, s_ref, group)
+            acc_ref[...] += int4_block_dot(x_ref, w_ref, s_ref, group, zero_points=False)
         elif kind:
             acc_ref[...] += mxu_dot(x_ref[...], dequantize_8bit_tile(w_ref[...], x_ref.dtype))
         else:

@@ -1,7 +1,7 @@
 """Weight-only quantized matmul (W8A16, W4A16, W8A16-fp8): `y[M, N] = x[M, K] @ w[K, N]`.
 
-Weight formats (K = in-features, N = out-features; all scales float32, symmetric, no
-zero points):
+Weight formats (K = in-features, N = out-features; all scales float32; symmetric unless
+int4 carries zero points):
 
 - "int8": values int8 `[K, N]`, scales `[1, N]` = max|w| over K / 127 (per output
   channel); an all-zero column gets scale 1.
@@ -11,6 +11,11 @@ zero points):
   group / 7. Packing: within each group of G rows, byte row j (0 <= j < G/2) of that
   group holds row j in the LOW nibble and row j + G/2 in the HIGH nibble, so a kernel
   unpacks a group into two contiguous halves without interleaving.
+  With zero points (asymmetric: AWQ, GPTQ, compressed-tensors' asymmetric int4), scales
+  are `[2, K // G, N]`: `[0]` the group scales, `[1]` the group zero points z (float32,
+  integers in [-8, 7] as checkpoints store them, offset by -8 like the values), and
+  w = (q - z) * scale. A checkpoint's unsigned 4-bit value u with zero point u0 is
+  q = u - 8, z = u0 - 8: the same integers minus the same offset, so nothing rounds.
 - "fp8": values float8_e4m3fn `[K, N]`, scales `[1, N]` = max|w| over K / 448.
 
 formats.py quantizes, packs, dequantizes, checks and pads them.
@@ -96,7 +101,7 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
     if impl is None:
         if interpret:
             raise ValueError("interpret=True needs an explicit impl ('tpu' or 'gpu')")
-        impl = choose_impl(kind, k // scales.shape[0] if kind == "int4" else 1)
+        impl = choose_impl(kind, k // scales.shape[-2] if kind == "int4" else 1)
     if impl == "reference":
         return reference.quantized_matmul(x, values, scales, kind=kind)
     if impl == "tpu":

@@ -36,19 +36,28 @@ def int4_group(k: int, group_size: int) -> int:
 ShapeDtype = tuple[tuple[int, ...], jnp.dtype]
 
 
-def quantized_shapes(k: int, n: int, kind: str, group_size: int = 128
-                     ) -> tuple[ShapeDtype, ShapeDtype]:
-    """((values shape, dtype), (scales shape, dtype)) of a quantized `[K, N]` weight.
+def quantized_shapes(k: int, n: int, kind: str, group_size: int = 128,
+                     zero_points: bool = False) -> tuple[ShapeDtype, ShapeDtype]:
+    """((values shape, dtype), (scales shape, dtype)) of a quantized `[K, N]` weight;
+    `zero_points` (int4 only): scales `[2, K // G, N]`, each group's scale and zero point.
 
     Lets a model be built abstractly (jax.ShapeDtypeStruct) without quantizing anything.
     """
     check_kind(kind)
+    if zero_points and kind != "int4":
+        raise ValueError(f"zero points are an int4 format; {kind} is symmetric")
     if kind == "int8":
         return ((k, n), jnp.dtype(jnp.int8)), ((1, n), jnp.dtype(jnp.float32))
     if kind == "fp8":
         return ((k, n), jnp.dtype(FP8_DTYPE)), ((1, n), jnp.dtype(jnp.float32))
     g = int4_group(k, group_size)
-    return ((k // 2, n), jnp.dtype(jnp.uint8)), ((k // g, n), jnp.dtype(jnp.float32))
+    lead = (2,) if zero_points else ()
+    return ((k // 2, n), jnp.dtype(jnp.uint8)), (lead + (k // g, n), jnp.dtype(jnp.float32))
+
+
+def has_zero_points(scales: jax.Array) -> bool:
+    """Whether int4 scales carry zero points (`[2, K // G, N]` rather than `[K // G, N]`)."""
+    return scales.ndim == 3
 
 
 def _safe_scale(amax: jax.Array, qmax: float) -> jax.Array:
@@ -80,9 +89,15 @@ def unpack_int4(values: jax.Array, group: int) -> jax.Array:
     return jnp.concatenate([low, high], axis=1).reshape(2 * half, n)
 
 
-def quantize(w: jax.Array, kind: str, group_size: int = 128) -> tuple[jax.Array, jax.Array]:
-    """Quantize a float weight `w[K, N]`; returns (values, scales) as described in __init__."""
+def quantize(w: jax.Array, kind: str, group_size: int = 128,
+             zero_points: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Quantize a float weight `w[K, N]`; returns (values, scales) as described in __init__.
+    `zero_points` (int4): each group's range [min(w, 0), max(w, 0)] onto the 16 levels
+    (asymmetric, GPTQ's scheme: 0.0 stays in range, so the zero point is one of the
+    levels) instead of [-max|w|, max|w|] onto 15."""
     check_kind(kind)
+    if zero_points and kind != "int4":
+        raise ValueError(f"zero points are an int4 format; {kind} is symmetric")
     w = jnp.asarray(w)
     if w.ndim != 2:
         raise ValueError(f"quantize expects a [K, N] weight, got shape {w.shape}")
@@ -99,6 +114,14 @@ def quantize(w: jax.Array, kind: str, group_size: int = 128) -> tuple[jax.Array,
         return values, scales
     g = int4_group(k, group_size)
     grouped = w.reshape(k // g, g, n)
+    if zero_points:
+        low = jnp.minimum(jnp.min(grouped, axis=1), 0.0)
+        high = jnp.maximum(jnp.max(grouped, axis=1), 0.0)
+        scales = _safe_scale(high - low, 2 * INT4_MAX + 1)
+        # The zero point is the level of 0.0: low maps to -8, high to 7 (up to rounding).
+        zeros = jnp.clip(-8 - jnp.round(low / scales), -8, 7)
+        q = jnp.clip(jnp.round(grouped / scales[:, None, :]) + zeros[:, None, :], -8, 7)
+        return pack_int4(q.reshape(k, n), g), jnp.stack([scales, zeros])
     scales = _safe_scale(jnp.max(jnp.abs(grouped), axis=1), INT4_MAX)
     q = jnp.clip(jnp.round(grouped / scales[:, None, :]), -INT4_MAX, INT4_MAX)
     return pack_int4(q.reshape(k, n), g), scales
@@ -111,20 +134,25 @@ def dequantize(values: jax.Array, scales: jax.Array, kind: str,
     if kind in ("int8", "fp8"):
         return (values.astype(jnp.float32) * scales).astype(dtype)
     k, n = 2 * values.shape[0], values.shape[1]
-    g = k // scales.shape[0]
+    g = k // scales.shape[-2]
     q = unpack_int4(values, g).astype(jnp.float32).reshape(k // g, g, n)
+    if has_zero_points(scales):
+        scales, zeros = scales[0], scales[1]
+        q = q - zeros[:, None, :]  # exact: small integers
     return (q * scales[:, None, :]).reshape(k, n).astype(dtype)
 
 
 def check_operands(x: jax.Array, values: jax.Array, scales: jax.Array, kind: str) -> int:
     """Validate shapes and dtypes of a quantized matmul; returns K."""
     check_kind(kind)
-    if x.ndim != 2 or values.ndim != 2 or scales.ndim != 2:
-        raise ValueError(f"quantized_matmul expects x[M, K], values and scales 2-D; got "
+    zero_points = kind == "int4" and scales.ndim == 3
+    if x.ndim != 2 or values.ndim != 2 or scales.ndim != 2 + zero_points:
+        raise ValueError(f"quantized_matmul expects x[M, K], values 2-D and scales 2-D (or "
+                         f"[2, K / G, N] for int4 with zero points); got "
                          f"{x.shape}, {values.shape}, {scales.shape}")
     k = values.shape[0] * (2 if kind == "int4" else 1)
     want = quantized_shapes(k, values.shape[1], kind,
-                            group_size=k // max(scales.shape[0], 1))
+                            group_size=k // max(scales.shape[-2], 1), zero_points=zero_points)
     if x.shape[1] != k or (values.shape, values.dtype) != want[0] or \
             (scales.shape, scales.dtype) != want[1]:
         raise ValueError(
@@ -140,17 +168,19 @@ def pad_operands(x: jax.Array, values: jax.Array, scales: jax.Array, kind: str,
 
     The kernels pad to whole blocks. For int4, k - K must be whole groups, so that the
     padding forms groups of its own and leaves the byte layout of the real ones alone.
-    Padded weights are zero bytes (zero in every format), so they add nothing to the dot.
+    Padded weights are zero bytes with zero scales and zero points (zero in every format),
+    so they add nothing to the dot.
     """
     big_k, big_n = x.shape[1], values.shape[1]
     values_rows = k // 2 if kind == "int4" else k
     x = jnp.pad(x, ((0, m - x.shape[0]), (0, k - big_k)))
     values = jnp.pad(values, ((0, values_rows - values.shape[0]), (0, n - big_n)))
     if kind == "int4":
-        group = big_k // scales.shape[0]
+        group = big_k // scales.shape[-2]
         if (k - big_k) % group:
             raise ValueError(f"int4 K padding must be whole groups: {big_k} -> {k}, group {group}")
-        scales = jnp.pad(scales, ((0, k // group - scales.shape[0]), (0, n - big_n)))
+        pad = ((0, k // group - scales.shape[-2]), (0, n - big_n))
+        scales = jnp.pad(scales, ((0, 0),) * (scales.ndim - 2) + pad)
     else:
         scales = jnp.pad(scales, ((0, 0), (0, n - big_n)))
     return x, values, scales

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.quantized_matmul.formats import check_operands, pad_operands
+from pallas_kernels.quantized_matmul.formats import (
+    check_operands, has_zero_points, pad_operands)
 from pallas_kernels.tiling import is_power_of_2, next_power_of_2, round_up
 
 MIN_BLOCK = 16  # smallest dimension Triton's dot accepts
@@ -95,9 +96,10 @@ def tile_dot(x: jax.Array, w: jax.Array) -> jax.Array:
 
 def _kernel(x_ref,  # [bm, K]: this program's rows of x, all of K (the loop slices it)
             w_ref,  # [K, bn] (int8, fp8) or [K / 2, bn] (int4, packed): its columns
-            s_ref,  # [1, bn] channel scales, or [K / G, bn] int4 group scales
+            s_ref,  # [1, bn] channel scales, or [K / G, bn] int4 group scales (with
+                    # zero points [2, K / G, bn])
             o_ref,  # [bm, bn], or with K splits this split's float32 partial
-            *, kind: str, group: int, block_k: int, num_splits: int):
+            *, kind: str, group: int, zero_points: bool, block_k: int, num_splits: int):
     bm, bn = o_ref.shape
     steps = x_ref.shape[1] // block_k
     first, last = 0, steps
@@ -117,9 +119,15 @@ def _kernel(x_ref,  # [bm, K]: this program's rows of x, all of K (the loop slic
         for g in range(block_k // group):
             start = step * block_k + g * group
             low, high = int4_halves(w_ref[pl.ds(start // 2, half), :])
-            part = (tile_dot(x_ref[:, pl.ds(start, half)], low.astype(jnp.float32))
-                    + tile_dot(x_ref[:, pl.ds(start + half, half)], high.astype(jnp.float32)))
-            acc = acc + part * s_ref[pl.ds(start // group, 1), :]
+            low, high = low.astype(jnp.float32), high.astype(jnp.float32)
+            if zero_points:  # integers minus the group's zero point: exact
+                zero = s_ref[1, pl.ds(start // group, 1), :]
+                low, high = low - zero, high - zero
+            part = (tile_dot(x_ref[:, pl.ds(start, half)], low)
+                    + tile_dot(x_ref[:, pl.ds(start + half, half)], high))
+            scale = (s_ref[0, pl.ds(start // group, 1), :] if zero_points
+                     else s_ref[pl.ds(start // group, 1), :])
+            acc = acc + part * scale
         return acc
 
     body = int4_step if kind == "int4" else dense_step
@@ -144,7 +152,8 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
     """
     k = check_operands(x, values, scales, kind)
     m, n = x.shape[0], values.shape[1]
-    group = k // scales.shape[0] if kind == "int4" else 1
+    group = k // scales.shape[-2] if kind == "int4" else 1
+    zero_points = kind == "int4" and has_zero_points(scales)
     require_support(kind, group)
     bm, bn, bk = block_sizes(m, k, n, kind, group, block_m, block_n, block_k)
     mp, kp, np_ = round_up(m, bm), round_up(k, bk), round_up(n, bn)
@@ -160,12 +169,14 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
         out_shape = jax.ShapeDtypeStruct((mp, np_), x.dtype)
         out_spec = pl.BlockSpec((bm, bn), lambda i, j, *_: (i, j))
     out = pl.pallas_call(
-        functools.partial(_kernel, kind=kind, group=group, block_k=bk, num_splits=splits),
+        functools.partial(_kernel, kind=kind, group=group, zero_points=zero_points,
+                          block_k=bk, num_splits=splits),
         out_shape=out_shape,
         grid=(mp // bm, np_ // bn) + ((splits,) if splits > 1 else ()),
         in_specs=[pl.BlockSpec((bm, kp), lambda i, j, *_: (i, 0)),
                   pl.BlockSpec((values.shape[0], bn), lambda i, j, *_: (0, j)),
-                  pl.BlockSpec((scales.shape[0], bn), lambda i, j, *_: (0, j))],
+                  pl.BlockSpec(scales.shape[:-1] + (bn,),
+                               lambda i, j, *_: (0,) * (scales.ndim - 1) + (j,))],
         out_specs=out_spec,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,

@@ -7,7 +7,8 @@ quantized in HBM, which is the point: decode is bound by weight bytes read.
 
 Scales: a per-channel scale (int8, fp8) is the same for every K, so it multiplies the
 accumulator once, at the last K step. An int4 group scale changes every G rows, so each
-group gets its own dot and its scale multiplies that partial sum inside the K step.
+group gets its own dot and its scale multiplies that partial sum inside the K step; an int4
+zero point is subtracted from the group's integers before the dot (exact: small integers).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.quantized_matmul.formats import check_operands, pad_operands
+from pallas_kernels.quantized_matmul.formats import (
+    check_operands, has_zero_points, pad_operands)
 from pallas_kernels.tiling import round_up, sublane_tile
 
 MAX_BLOCK_M = 256
@@ -74,8 +76,10 @@ def dequantize_8bit_tile(w: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return w.astype(jnp.float32).astype(dtype)
 
 
-def int4_block_dot(x_ref, w_ref, s_ref, group: int) -> jax.Array:
-    """Sum over the block's groups of (x_group @ w_group) * scale_group, in float32."""
+def int4_block_dot(x_ref, w_ref, s_ref, group: int, zero_points: bool) -> jax.Array:
+    """Sum over the block's groups of (x_group @ (w_group - zero_group)) * scale_group, in
+    float32; `s_ref` holds the block's group scales `[bk / G, bn]`, or with zero points
+    scales and zero points `[2, bk / G, bn]`."""
     half = group // 2
     packed = w_ref[...].astype(jnp.int32)
     # Nibble to the top of the int32, then an arithmetic shift back: sign extension of
@@ -87,19 +91,22 @@ def int4_block_dot(x_ref, w_ref, s_ref, group: int) -> jax.Array:
         rows = slice(g * half, (g + 1) * half)
         # The format puts a group's first half in the low nibbles and its second half in
         # the high ones, so the group is two contiguous pieces: no interleave needed.
-        w = jnp.concatenate([low[rows], high[rows]], axis=0).astype(x_ref.dtype)
-        part = mxu_dot(x_ref[:, g * group:(g + 1) * group], w)
-        part = part * s_ref[g:g + 1, :]
+        w = jnp.concatenate([low[rows], high[rows]], axis=0)
+        if zero_points:
+            w = w - s_ref[1, g:g + 1, :]
+        part = mxu_dot(x_ref[:, g * group:(g + 1) * group], w.astype(x_ref.dtype))
+        part = part * (s_ref[0, g:g + 1, :] if zero_points else s_ref[g:g + 1, :])
         total = part if total is None else total + part
     return total
 
 
 def _kernel(x_ref,  # [bm, bk] VMEM: x's tile at (M block, K step)
             w_ref,  # [bk, bn] (int8, fp8) or [bk / 2, bn] (int4, packed) VMEM
-            s_ref,  # [1, bn] channel scales, or [bk / G, bn] int4 group scales, VMEM
+            s_ref,  # [1, bn] channel scales, or [bk / G, bn] int4 group scales (with
+                    # zero points [2, bk / G, bn]), VMEM
             o_ref,  # [bm, bn] VMEM, written at the last K step
             acc_ref,  # [bm, bn] float32 VMEM scratch, carried over the K steps
-            *, kind: str, group: int):
+            *, kind: str, group: int, zero_points: bool):
     step = pl.program_id(2)
 
     @pl.when(step == 0)
@@ -107,7 +114,7 @@ def _kernel(x_ref,  # [bm, bk] VMEM: x's tile at (M block, K step)
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
     if kind == "int4":
-        acc_ref[...] += int4_block_dot(x_ref, w_ref, s_ref, group)
+        acc_ref[...] += int4_block_dot(x_ref, w_ref, s_ref, group, zero_points)
     else:
         w = dequantize_8bit_tile(w_ref[...], x_ref.dtype)
         acc_ref[...] += mxu_dot(x_ref[...], w)
@@ -132,7 +139,8 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
     """
     k = check_operands(x, values, scales, kind)
     m, n = x.shape[0], values.shape[1]
-    group = k // scales.shape[0] if kind == "int4" else 1
+    group = k // scales.shape[-2] if kind == "int4" else 1
+    zero_points = kind == "int4" and has_zero_points(scales)
     bm, bn, bk = block_sizes(m, k, n, kind, group, x.dtype, block_m, block_n, block_k)
     mp, kp, np_ = round_up(m, bm), round_up(k, bk), round_up(n, bn)
     x, values, scales = pad_operands(x, values, scales, kind, mp, kp, np_)
@@ -141,8 +149,13 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
         w_spec = pl.BlockSpec((bk // 2, bn), lambda i, j, s: (s, j))
         # One K step's group scales as a block whose rows are the whole (middle) axis:
         # a [bk // G, bn] block of a 2-D array would break the 8-row tiling rule.
-        scales = scales.reshape(kp // bk, bk // group, np_)
-        s_spec = pl.BlockSpec((pl.squeezed, bk // group, bn), lambda i, j, s: (s, 0, j))
+        if zero_points:  # scales and zero points: [2, K steps, bk // G, N]
+            scales = scales.reshape(2, kp // bk, bk // group, np_)
+            s_spec = pl.BlockSpec((2, pl.squeezed, bk // group, bn),
+                                  lambda i, j, s: (0, s, 0, j))
+        else:
+            scales = scales.reshape(kp // bk, bk // group, np_)
+            s_spec = pl.BlockSpec((pl.squeezed, bk // group, bn), lambda i, j, s: (s, 0, j))
     else:
         w_spec = pl.BlockSpec((bk, bn), lambda i, j, s: (s, j))
         s_spec = pl.BlockSpec((1, bn), lambda i, j, s: (0, j))
@@ -153,7 +166,7 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
         bytes_accessed=(values.size * values.dtype.itemsize * (mp // bm)
                         + x.size * itemsize * (np_ // bn) + mp * np_ * itemsize))
     out = pl.pallas_call(
-        functools.partial(_kernel, kind=kind, group=group),
+        functools.partial(_kernel, kind=kind, group=group, zero_points=zero_points),
         out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
         grid=(mp // bm, np_ // bn, kp // bk),
         in_specs=[pl.BlockSpec((bm, bk), lambda i, j, s: (i, s)), w_spec, s_spec],
