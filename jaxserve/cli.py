@@ -236,7 +236,10 @@ def cmd_client(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from jaxserve.config import ModelConfig
+    from jaxserve.loading import gguf, prequantized
     from sharding.plan_report import check_plot, format_compare, format_plan, plot_memory
     from sharding.planner import gpu_target, parse_compare, plan_target
 
@@ -257,20 +260,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          f"slices go to --topology")
     if args.plot:
         check_plot(args.plot)  # before minutes of compiling, not after
-    cfg = ModelConfig.from_file(args.model)
+    model = gguf.metadata_dir(args.model) if gguf.is_gguf(args.model) else args.model
+    cfg = ModelConfig.from_file(model)
     common = dict(dtype=args.dtype, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
                   data_parallel=args.data_parallel, max_loras=args.max_loras,
                   max_lora_rank=args.max_lora_rank)
+    quantization = args.quantization
+    stored = prequantized.read(model) if Path(model).is_dir() else None
+    if stored is not None:  # AWQ, GPTQ, compressed-tensors: sized as stored
+        settings = stored.settings(args.quantization, cfg)
+        quantization = settings.pop("quantization")
+        common.update(settings)
     if args.compare:
-        configs = parse_compare(args.compare, args.strategy, args.quantization,
+        configs = parse_compare(args.compare, args.strategy, quantization,
                                 args.kv_cache_dtype)
         plans = [plan_target(cfg, **c, **common) for c in configs]
         print(format_compare(plans))
     else:
         plans = [plan_target(cfg, args.topology or args.target, strategy=args.strategy,
-                             quantization=args.quantization,
+                             quantization=quantization,
                              kv_cache_dtype_name=args.kv_cache_dtype, **common)]
         print(format_plan(plans[0]))
     if args.plot:
@@ -281,15 +291,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from jaxserve.config import ModelConfig
-    from jaxserve.loading.converted import convert
+    from jaxserve.loading.converted import convert, read_manifest
     from sharding.mesh import make_mesh
     from sharding.rules import model_sharding
 
     cfg = ModelConfig.from_file(args.model)
     shard = model_sharding(make_mesh(parse_mesh(args.mesh)), "tp", cfg)
     out = convert(args.model, args.out, args.dtype, args.quantization, shard)
-    print(f"wrote {out} ({args.quantization or 'unquantized'} weights, {args.dtype}); serve it "
-          f"with: jaxserve serve --model {out}")
+    manifest = read_manifest(out)
+    source = manifest["source_quantization"]
+    print(f"wrote {out} ({manifest['quantization'] or 'unquantized'} weights"
+          f"{f' as stored by {source}' if source else ''}, {args.dtype}); serve it with: "
+          f"jaxserve serve --model {out}")
     return 0
 
 

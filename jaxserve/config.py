@@ -425,11 +425,16 @@ def _rope(params: dict[str, Any], scaling: dict[str, Any], theta: float
 class ModelOptions:
     """How the model runs, beyond its shape: the kernels (None: by platform; "reference" |
     "tpu" | "gpu"), weight quantization (None | "int8" | "int4" | "fp8"), and interpret
-    mode for the Pallas kernels (CPU tests)."""
+    mode for the Pallas kernels (CPU tests). int4 weights come in groups of
+    `quant_group_size` rows (128 when jaxserve quantizes; a checkpoint's own otherwise),
+    with `quant_zero_points` when the checkpoint is asymmetric (AWQ, GPTQ;
+    pallas_kernels/quantized_matmul)."""
 
     kernel_impl: str | None = None
     quantization: str | None = None
     interpret: bool = False
+    quant_group_size: int = 128
+    quant_zero_points: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,7 +449,9 @@ class EngineConfig:
     `kv_cache_dtype` "auto" stores K/V in `dtype`; "int8" / "fp8" (e4m3) store them
     quantized with a float32 scale per token and head. `quantization` ("int8" | "int4" |
     "fp8") quantizes the linear layers' weights at load (embeddings, norms and the LM head
-    stay in `dtype`). `kernel_impl` picks the attention and matmul kernels ("reference":
+    stay in `dtype`); int4 by groups of `quant_group_size` rows, asymmetric with
+    `quant_zero_points`. A checkpoint quantized by its makers (AWQ, GPTQ,
+    compressed-tensors; our converted ones) sets all three to its own at load. `kernel_impl` picks the attention and matmul kernels ("reference":
     pure JAX / XLA dots | "tpu" | "gpu" | "cpu": the native CPU kernels; None: by
     platform, the native ones on a CPU where they build); `interpret_kernels` runs the
     Pallas kernels in interpret mode (for testing them on CPU). `async_scheduling` dispatches each step
@@ -478,6 +485,8 @@ class EngineConfig:
     token_buckets: tuple[int, ...] = ()
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
+    quant_group_size: int = 128
+    quant_zero_points: bool = False
     kernel_impl: str | None = None
     interpret_kernels: bool = False
     async_scheduling: bool = True
@@ -523,6 +532,13 @@ class EngineConfig:
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} (or unset), "
                              f"got {self.quantization!r}")
+        if not isinstance(self.quant_group_size, int) or self.quant_group_size < 2 \
+                or self.quant_group_size % 2:
+            raise ValueError(f"quant_group_size must be an even integer >= 2, got "
+                             f"{self.quant_group_size!r}")
+        if self.quant_zero_points and self.quantization != "int4":
+            raise ValueError("quant_zero_points (asymmetric weights) is an int4 format; set "
+                             "quantization: int4")
         if self.sharding not in STRATEGIES:
             raise ValueError(f"sharding must be one of {STRATEGIES}, got {self.sharding!r}")
         if self.mesh is not None:
@@ -543,7 +559,9 @@ class EngineConfig:
     @property
     def model_options(self) -> ModelOptions:
         return ModelOptions(kernel_impl=self.kernel_impl, quantization=self.quantization,
-                            interpret=self.interpret_kernels)
+                            interpret=self.interpret_kernels,
+                            quant_group_size=self.quant_group_size,
+                            quant_zero_points=self.quant_zero_points)
 
     @property
     def kv_storage_dtype(self) -> str:

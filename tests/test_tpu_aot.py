@@ -147,12 +147,15 @@ def test_plan_says_when_it_does_not_fit(monkeypatch):
     ("v5e:2x2", {}),
     ("v5e:2x2", dict(quantization="int8", kv_cache_dtype="int8", page_size=32)),
     ("v6e:2x2", dict(quantization="int4", kv_cache_dtype="fp8", page_size=32)),
+    # An AWQ checkpoint's layout: int4 by groups of 128 with zero points.
+    ("v5e:2x2", dict(quantization="int4", quant_zero_points=True)),
 ])
 def test_engine_step_compiles_with_pallas_kernels(topology, quant):
     """The forward pass of Llama-3-8B's dimensions (2 layers) on one chip runs our Mosaic
     kernels: two ragged paged attention calls per layer (one for decode work items, one for
     prefill items, each under its own branch) and, quantized, one matmul per linear layer
-    (q, k, v, o, gate, up, down); the weights stay quantized in HBM."""
+    (q, k, v, o, gate, up, down); the weights stay quantized in HBM (with zero points, a
+    float32 zero point beside each group's scale)."""
     cfg = dataclasses.replace(LLAMA3_8B_2L, vocab_size=1024)  # linear layers dominate
     chip = tpu_devices(topology)[:1]
     engine = dataclasses.replace(ENGINE, max_model_len=1024, **quant)
@@ -163,6 +166,7 @@ def test_engine_step_compiles_with_pallas_kernels(topology, quant):
     linear = 2 * e * (cfg.num_heads + cfg.num_kv_heads) * d + 3 * e * m  # weights per layer
     bits = {None: 16, "int8": 8, "int4": 4}[quant.get("quantization")]
     group_scales = linear // 128 * 4 if bits == 4 else 0  # float32 per 128 rows
+    group_scales *= 2 if quant.get("quant_zero_points") else 1  # and a zero point
     kv_bytes = 1 if "kv_cache_dtype" in quant else 2
     kv = 2 * cfg.num_kv_heads * PAGES * engine.page_size * d * kv_bytes
     expected = cfg.num_layers * (linear * bits // 8 + group_scales + kv) + 2 * cfg.vocab_size * e * 2

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.speculative.setup import SpeculativeModels
-from jaxserve.loading import converted, gguf
-from jaxserve.loading.safetensors import load_checkpoint, random_params
+from jaxserve.loading import converted, gguf, prequantized
+from jaxserve.loading.safetensors import checkpoint_tensors, load_checkpoint, random_params
 from jaxserve.loading.tokenizer import Tokenizer
 from sharding.mesh import make_mesh
 from sharding.rules import ShardingContext, model_sharding
@@ -56,15 +56,20 @@ def load(config: EngineConfig, random_weights_preset: str | None = None) -> Load
                          "tokenizer) or a GGUF file")
     model_config = ModelConfig.from_file(model_dir)
     shard = model_sharding(mesh, config.sharding, model_config)
-    if tensors is not None:
-        graphdef, params = load_checkpoint(model_dir, model_config, dtype, shard, options,
-                                           tensors)
-    elif converted.is_converted(model_dir):
-        options = converted.served_options(model_dir, options)
-        config = dataclasses.replace(config, quantization=options.quantization)
+    if tensors is None and converted.is_converted(model_dir):
+        config = dataclasses.replace(
+            config, **converted.served_settings(model_dir, config.quantization))
+        options = config.model_options
         graphdef, params = converted.restore(model_dir, model_config, dtype, shard, options)
     else:
-        graphdef, params = load_checkpoint(model_dir, model_config, dtype, shard, options)
+        stored = None if tensors is not None else prequantized.read(model_dir)
+        if stored is not None:  # AWQ, GPTQ, compressed-tensors: served as stored
+            config = dataclasses.replace(
+                config, **stored.settings(config.quantization, model_config))
+            options = config.model_options
+            tensors = prequantized.tensors(checkpoint_tensors(model_dir), stored)
+        graphdef, params = load_checkpoint(model_dir, model_config, dtype, shard, options,
+                                           tensors)
     tokenizer = Tokenizer.from_pretrained(model_dir)
     speculative = SpeculativeModels.load(config.speculative_config, model_config, shard,
                                          config.sharding, dtype, options)

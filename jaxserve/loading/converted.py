@@ -11,7 +11,6 @@ the serving mesh (transformer.Attention).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -21,9 +20,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig, ModelOptions
+from jaxserve.loading import prequantized
 from jaxserve.loading.safetensors import (
-    abstract_model, is_kv_param, kv_heads_shape, load_checkpoint, repeat_kv_heads,
-    unrepeat_kv_heads)
+    abstract_model, checkpoint_tensors, is_kv_param, kv_heads_shape, load_checkpoint,
+    repeat_kv_heads, unrepeat_kv_heads)
 from sharding.rules import ShardingContext
 
 MANIFEST = "jaxserve.json"
@@ -57,13 +57,18 @@ def read_manifest(model_dir: str | Path) -> dict:
 def convert(model_dir: str | Path, out_dir: str | Path, dtype: str, quantization: str | None,
             shard: ShardingContext) -> Path:
     """Load an HF checkpoint (quantizing its linear layers, the rest in `dtype`, a name
-    such as "bfloat16") and save it as a converted dir."""
+    such as "bfloat16"; an AWQ, GPTQ or compressed-tensors one as stored) and save it as
+    a converted dir."""
     model_dir, out_dir = Path(model_dir), Path(out_dir).absolute()
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ValueError(f"output directory {out_dir} is not empty; choose a new one")
     cfg = ModelConfig.from_file(model_dir)
-    _, params = load_checkpoint(model_dir, cfg, jnp.dtype(dtype), shard,
-                                ModelOptions(quantization=quantization))
+    options, tensors = ModelOptions(quantization=quantization), None
+    stored = prequantized.read(model_dir)
+    if stored is not None:
+        options = ModelOptions(**stored.settings(quantization, cfg))
+        tensors = prequantized.tensors(checkpoint_tensors(model_dir), stored)
+    _, params = load_checkpoint(model_dir, cfg, jnp.dtype(dtype), shard, options, tensors)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in _CARRIED:
         if (model_dir / name).is_file():
@@ -75,8 +80,11 @@ def convert(model_dir: str | Path, out_dir: str | Path, dtype: str, quantization
             var.set_value(unrepeat_kv_heads(var[...], path, replicas, cfg.head_dim))
     with _checkpointer() as ckptr:
         ckptr.save(out_dir / "params", nnx.to_pure_dict(nnx.from_flat_state(flat)))
-    manifest = {"format": FORMAT, "dtype": dtype, "quantization": quantization,
-                "source": str(model_dir.absolute())}
+    manifest = {"format": FORMAT, "dtype": dtype, "quantization": options.quantization,
+                "quant_group_size": options.quant_group_size,
+                "quant_zero_points": options.quant_zero_points,
+                "source": str(model_dir.absolute()),
+                "source_quantization": stored and stored.method}
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return out_dir
 
@@ -113,9 +121,11 @@ def restore(model_dir: str | Path, cfg: ModelConfig, dtype, shard: ShardingConte
     return graphdef, nnx.from_flat_state(flat)
 
 
-def served_options(model_dir: str | Path, options: ModelOptions) -> ModelOptions:
-    """The options a converted checkpoint is served with: its own quantization unless the
-    caller asked for one (restore() refuses a different one)."""
-    if options.quantization is None:
-        return dataclasses.replace(options, quantization=read_manifest(model_dir)["quantization"])
-    return options
+def served_settings(model_dir: str | Path, quantization: str | None) -> dict:
+    """The engine settings a converted checkpoint is served with: its own quantization
+    (group size, zero points) unless the caller asked for another, which restore()
+    refuses."""
+    manifest = read_manifest(model_dir)
+    return dict(quantization=quantization or manifest["quantization"],
+                quant_group_size=manifest.get("quant_group_size", 128),
+                quant_zero_points=manifest.get("quant_zero_points", False))

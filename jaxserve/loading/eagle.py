@@ -97,7 +97,7 @@ def load_eagle(ckpt: EagleCheckpoint, target: ModelConfig, dtype, shard: Shardin
             raise ValueError(f"speculative_config: EAGLE tensor {name!r} has shape "
                              f"{tuple(tensor.shape)}; this target needs {tuple(var.shape)} "
                              "after conversion")
-        loaded.update(place_weight(path, array, expected, shard, None))
+        loaded.update(place_weight(path, array, expected, shard, options))
     missing = sorted(".".join(map(str, p)) for p in expected if p not in loaded)
     if missing:
         raise ValueError(f"speculative_config: the EAGLE-{ckpt.version} head lacks tensors "

@@ -12,6 +12,7 @@ from float32.
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from collections.abc import Iterable, Iterator
@@ -24,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelConfig, ModelOptions
+from jaxserve.loading.prequantized import Prequantized
 from jaxserve.models.transformer import Transformer
 from pallas_kernels.quantized_matmul import quantize
 from sharding.rules import ShardingContext
@@ -48,6 +50,11 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     if not files:
         raise ValueError(f"no *.safetensors files in {model_dir}")
     return files
+
+
+def checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, memory-mapped array) for every tensor of the checkpoint, file by file."""
+    return (item for file in checkpoint_files(model_dir) for item in read_tensors(file))
 
 
 def read_tensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
@@ -88,22 +95,26 @@ def is_kv_param(path: tuple) -> bool:
     return len(path) >= 2 and path[-2] == "attn" and path[-1] in _KV_PARAMS
 
 
-def _head_dim_axis(path: tuple) -> int:
-    """The axis that carries the heads: the first of a bias `[H, D]`, else the second
-    (`[E, H, D]` float weights; quantized `[K', H * D]` values and scales)."""
-    return 0 if path[-1].endswith("bias") else 1
+def _head_dim_axis(path: tuple, ndim: int) -> int:
+    """The axis that carries the heads: the first of a bias `[H, D]`, the last of quantized
+    scales (`[..., H * D]`), else the second (`[E, H, D]` float weights; quantized
+    `[K', H * D]` values)."""
+    if path[-1].endswith("bias"):
+        return 0
+    return ndim - 1 if path[-1].endswith("_scales") else 1
 
 
 def kv_heads_shape(shape: tuple, path: tuple, num: int, den: int = 1) -> tuple:
     """`shape` of a k/v parameter with its head count times num / den."""
     shape = list(shape)
-    shape[_head_dim_axis(path)] = shape[_head_dim_axis(path)] * num // den
+    axis = _head_dim_axis(path, len(shape))
+    shape[axis] = shape[axis] * num // den
     return tuple(shape)
 
 
 def _by_head(x, path: tuple, head_dim: int):
     """x as `[lead, heads, head_dim]`."""
-    return x.reshape(1 if _head_dim_axis(path) == 0 else x.shape[0], -1, head_dim)
+    return x.reshape(math.prod(x.shape[:_head_dim_axis(path, x.ndim)]), -1, head_dim)
 
 
 def repeat_kv_heads(x, path: tuple, replicas: int, head_dim: int, xp=jnp):
@@ -170,6 +181,12 @@ def _hf_to_ours(name: str, x: np.ndarray, cfg: ModelConfig, kv_replicas: int = 1
         raise ValueError(f"unexpected tensor {name!r} in checkpoint")
     path, convert = table[rest]
     path = ("layers", i) + path
+    if isinstance(x, Prequantized):
+        if is_kv_param(path):
+            x = Prequantized(repeat_kv_heads(x.values, path, kv_replicas, d, xp=np),
+                             repeat_kv_heads(x.scales, _scales_path(path), kv_replicas, d,
+                                             xp=np))
+        return path, x, None
     array = convert()
     if is_kv_param(path):
         array = repeat_kv_heads(array, path, kv_replicas, d, xp=np)
@@ -216,7 +233,7 @@ def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype, shard: Shard
     loaded: dict[tuple, jax.Array] = {}
     experts: dict[tuple, dict[int, np.ndarray]] = {}  # stacked parameters being gathered
     if tensors is None:
-        tensors = (item for file in checkpoint_files(model_dir) for item in read_tensors(file))
+        tensors = checkpoint_tensors(model_dir)
     for name, tensor in tensors:
         if _IGNORED.match(name):
             continue
@@ -227,6 +244,9 @@ def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype, shard: Shard
         if path not in expected:
             raise ValueError(f"tensor {name!r} does not fit this model config ({path})")
         var = expected[path]
+        if isinstance(array, Prequantized):
+            loaded.update(place_prequantized(name, path, array, expected, shard))
+            continue
         if expert is not None:
             parts = experts.setdefault(path, {})
             one = (var.shape[1] * (2 if var.dtype == jnp.uint8 else 1), var.shape[2])
@@ -246,7 +266,7 @@ def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype, shard: Shard
                 f"tensor {name!r} has shape {tuple(tensor.shape)}; the config expects "
                 f"{tuple(var.shape)} after conversion"
             )
-        loaded.update(place_weight(path, array, expected, shard, options.quantization))
+        loaded.update(place_weight(path, array, expected, shard, options))
     missing = sorted(".".join(map(str, p)) for p in expected if p not in loaded)
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks tensors for: {missing[:8]}"
@@ -275,7 +295,7 @@ def random_params(cfg: ModelConfig, dtype, shard: ShardingContext, seed: int = 0
             init = lambda k, s=var.shape, t=var.dtype: (0.02 * jax.random.normal(k, s)).astype(t)
         if _scales_path(path) in expected:
             values.update(place_weight(path, init(jax.random.fold_in(key, i)), expected, shard,
-                                 options.quantization))
+                                       options))
         else:
             sharding = shard.sharding(var.get_metadata()["logical_axes"])
             values[path] = jax.jit(init, out_shardings=sharding)(jax.random.fold_in(key, i))
@@ -287,9 +307,9 @@ def _scales_path(path: tuple) -> tuple:
 
 
 def place_weight(path: tuple, array, expected: dict, shard: ShardingContext,
-           quantization: str | None) -> dict[tuple, jax.Array]:
+                 options: ModelOptions) -> dict[tuple, jax.Array]:
     """One weight onto its devices: as is, or quantized (from float32) into values and
-    scales where the model holds that layer quantized."""
+    scales where the model holds that layer quantized (as `options` say)."""
     var = expected[path]
     sharding = shard.sharding(var.get_metadata()["logical_axes"])
     scales_path = _scales_path(path)
@@ -301,17 +321,36 @@ def place_weight(path: tuple, array, expected: dict, shard: ShardingContext,
     scales_var = expected[scales_path]
     scales_sharding = shard.sharding(scales_var.get_metadata()["logical_axes"])
     if var.ndim == 3:  # a stack of experts' weights: each expert quantized on its own
-        quantize_one = jax.jit(lambda w: quantize(w, quantization))
+        quantize_one = jax.jit(lambda w: quantize(w, options.quantization))
         parts = [jax.device_get(quantize_one(jnp.asarray(array[j:j + 1][0], jnp.float32)))
                  for j in range(var.shape[0])]
         stacked = [np.stack(p) for p in zip(*parts)]  # values, scales: quantized, on the host
         return {p: jax.make_array_from_callback(tuple(a.shape), sh, lambda i, a=a: a[i])
                 for p, a, sh in zip((path, scales_path), stacked, (sharding, scales_sharding))}
-    n = scales_var.shape[1]
-    quantize_2d = jax.jit(lambda w: quantize(w.reshape(-1, n), quantization),
+    n = scales_var.shape[-1]
+    quantize_2d = jax.jit(lambda w: quantize(w.reshape(-1, n), options.quantization,
+                                             options.quant_group_size,
+                                             options.quant_zero_points),
                           out_shardings=(sharding, scales_sharding))
     values, scales = quantize_2d(jnp.asarray(array, jnp.float32))
     return {path: values, scales_path: scales}
+
+
+def place_prequantized(name: str, path: tuple, weight: Prequantized, expected: dict,
+                       shard: ShardingContext) -> dict[tuple, jax.Array]:
+    """A checkpoint's quantized weight onto its devices as stored (loading/prequantized.py),
+    each device's shard read from the host arrays on its own."""
+    placed = {}
+    for p, array in ((path, weight.values), (_scales_path(path), weight.scales)):
+        var = expected.get(p)
+        if var is None or tuple(array.shape) != tuple(var.shape) or array.dtype != var.dtype:
+            want = "float" if var is None else f"{tuple(var.shape)} {var.dtype}"
+            raise ValueError(f"quantized tensor {name!r} ({p[-1]}: {tuple(array.shape)} "
+                             f"{array.dtype}) does not fit this model config: expected {want}")
+        sharding = shard.sharding(var.get_metadata()["logical_axes"])
+        placed[p] = jax.make_array_from_callback(
+            tuple(var.shape), sharding, lambda index, a=array: np.ascontiguousarray(a[index]))
+    return placed
 
 
 def fill_state(abstract: nnx.State, values: dict[tuple, jax.Array]) -> nnx.State:

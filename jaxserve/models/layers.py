@@ -38,22 +38,25 @@ def param(shape: tuple[int, ...], axes: tuple[str, ...], dtype,
 
 def linear(in_shape: tuple[int, ...], out_shape: tuple[int, ...],
            in_axes: tuple[str, ...], out_axes: tuple[str, ...], dtype,
-           quantization: str | None) -> tuple[nnx.Param, nnx.Param | None]:
+           options: ModelOptions) -> tuple[nnx.Param, nnx.Param | None]:
     """(weight, scales) of a linear layer `y = x · W`.
 
-    Unquantized: a float weight of shape `in_shape + out_shape` and no scales. Quantized:
-    the 2-D `[K, N]` values and scales of pallas_kernels/quantized_matmul (K and N the
-    flattened in and out dims), each tagged with the logical axis of its leading in / out
+    Unquantized: a float weight of shape `in_shape + out_shape` and no scales. Quantized
+    (`options.quantization`): the 2-D `[K, N]` values and the scales of
+    pallas_kernels/quantized_matmul (K and N the flattened in and out dims; int4 with zero
+    points `[2, K / G, N]`), each tagged with the logical axis of its leading in / out
     dim, which keeps whole heads on one shard; checkpoints overwrite the zeros at load.
     """
-    if quantization is None:
+    if options.quantization is None:
         return param(in_shape + out_shape, in_axes + out_axes, dtype,
                      n_in=len(in_shape)), None
     (vshape, vdtype), (sshape, sdtype) = quantized_shapes(
-        math.prod(in_shape), math.prod(out_shape), quantization)
+        math.prod(in_shape), math.prod(out_shape), options.quantization,
+        options.quant_group_size, options.quant_zero_points)
     values = nnx.Param(jnp.zeros(vshape, vdtype), logical_axes=(in_axes[0], out_axes[0]))
+    scale_axes = (in_axes[0] if sshape[-2] > 1 else None, out_axes[0])
     scales = nnx.Param(jnp.ones(sshape, sdtype),
-                       logical_axes=(in_axes[0] if sshape[0] > 1 else None, out_axes[0]))
+                       logical_axes=(None,) * (len(sshape) - 2) + scale_axes)
     return values, scales
 
 

@@ -19,12 +19,12 @@ from sharding.rules import ShardingContext
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, options: ModelOptions,
                  intermediate_size: int | None = None):
-        e, m, quant = cfg.hidden_size, intermediate_size or cfg.intermediate_size, options.quantization
+        e, m = cfg.hidden_size, intermediate_size or cfg.intermediate_size
         self.gate_proj, self.gate_proj_scales = linear(
-            (e,), (m,), ("embed",), ("mlp",), dtype, quant)
-        self.up_proj, self.up_proj_scales = linear((e,), (m,), ("embed",), ("mlp",), dtype, quant)
+            (e,), (m,), ("embed",), ("mlp",), dtype, options)
+        self.up_proj, self.up_proj_scales = linear((e,), (m,), ("embed",), ("mlp",), dtype, options)
         self.down_proj, self.down_proj_scales = linear(
-            (m,), (e,), ("mlp",), ("embed",), dtype, quant)
+            (m,), (e,), ("mlp",), ("embed",), dtype, options)
         self.options = options
         self.sizes = (e, m)
         self.act = cfg.hidden_act

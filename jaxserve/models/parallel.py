@@ -57,7 +57,7 @@ def dense(x: jax.Array, w: nnx.Param, scales: nnx.Param | None, n_in: int,
     # int4 packs each group's two halves into one byte row, so a K split must keep whole
     # groups on each device (even a single group must not be cut).
     int4 = w.dtype == jnp.uint8
-    if k_axis is not None and int4 and scales.shape[0] % shard.axis_size(k_axis):
+    if k_axis is not None and int4 and scales.shape[-2] % shard.axis_size(k_axis):
         return matmul(x, w[...], scales[...], n_in, out_shape, options, impl="reference")
     lead = x.shape[: x.ndim - n_in]
     scatter = scatter_tokens and k_axis is not None

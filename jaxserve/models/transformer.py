@@ -85,16 +85,15 @@ class Attention(nnx.Module):
                  kv_replicas: int = 1, in_features: int | None = None):
         e, d, hq = cfg.hidden_size, cfg.head_dim, cfg.num_heads
         hkv = cfg.num_kv_heads * kv_replicas
-        quant = options.quantization
         x = in_features or e  # the input's width (an EAGLE-3 layer reads 2 x hidden)
         self.q_proj, self.q_proj_scales = linear(
-            (x,), (hq, d), ("embed",), ("q_heads", "head_dim"), dtype, quant)
+            (x,), (hq, d), ("embed",), ("q_heads", "head_dim"), dtype, options)
         self.k_proj, self.k_proj_scales = linear(
-            (x,), (hkv, d), ("embed",), ("cache_heads", "head_dim"), dtype, quant)
+            (x,), (hkv, d), ("embed",), ("cache_heads", "head_dim"), dtype, options)
         self.v_proj, self.v_proj_scales = linear(
-            (x,), (hkv, d), ("embed",), ("cache_heads", "head_dim"), dtype, quant)
+            (x,), (hkv, d), ("embed",), ("cache_heads", "head_dim"), dtype, options)
         self.o_proj, self.o_proj_scales = linear(
-            (hq, d), (e,), ("q_heads", "head_dim"), ("embed",), dtype, quant)
+            (hq, d), (e,), ("q_heads", "head_dim"), ("embed",), dtype, options)
         if cfg.qkv_bias:
             self.q_bias = param((hq, d), ("q_heads", "head_dim"), dtype)
             self.k_bias = param((hkv, d), ("cache_heads", "head_dim"), dtype)

@@ -1,0 +1,348 @@
+"""Checkpoints quantized by their makers: AWQ, GPTQ and compressed-tensors, served as stored.
+
+`config.json`'s `quantization_config` says which; `read` turns it into a
+`CheckpointQuantization` (or refuses, naming the field it cannot serve), and `tensors`
+turns the checkpoint's tensors into the layouts of pallas_kernels/quantized_matmul, one
+linear layer at a time, with the same integers and scales: nothing is dequantized and
+quantized again, and no float copy of a weight is made.
+
+What each becomes (K = in-features, N = out-features, G = the group size):
+
+- AWQ (AutoAWQ's GEMM layout, `version: gemm`, 4 bits, zero points): `qweight` int32
+  `[K, N / 8]` (eight columns per word in the order 0 2 4 6 1 3 5 7), `qzeros` int32
+  `[K / G, N / 8]` packed the same way, `scales` `[K / G, N]`; w = (u - u0) * scale with
+  unsigned u, u0 in [0, 15] -> int4 with zero points (q = u - 8, z = u0 - 8).
+- GPTQ (4 bits; `checkpoint_format` gptq or gptq_v2): `qweight` int32 `[K / 8, N]` (eight
+  rows per word, row 8i + j in bits 4j), `qzeros` int32 `[K / G, N / 8]` (columns likewise),
+  `scales` `[K / G, N]`, `g_idx` `[K]`. gptq (v1) stores each zero point minus one. `sym`
+  checkpoints (every zero point 8) -> symmetric int4; the others -> int4 with zero points.
+  `desc_act` checkpoints whose `g_idx` is not `k // G` (act-order) are refused: their rows
+  would need the activations permuted in every matmul, which no kernel here does yet.
+- compressed-tensors, `pack-quantized` int weights (`weight_packed` int32 `[N, K * bits /
+  32]`, values offset by 2^(bits-1); `weight_scale` `[N, K / G]` or `[N, 1]`;
+  `weight_zero_point` packed along N when asymmetric): 4 bits -> int4 (group or channel,
+  with zero points when asymmetric); 8 bits per channel, symmetric -> int8.
+  `naive-quantized` / `int-quantized` int8 per channel, symmetric -> int8.
+  `float-quantized` FP8 (e4m3) weights with channel or tensor scales -> fp8 (a tensor
+  scale repeated per column: the same products). Activations are not quantized: a W8A8
+  checkpoint runs as W8A16 here, its weights exactly as stored.
+
+Only the decoder's linear layers are quantized in our models (embeddings, norms and the
+LM head stay in the model's dtype), so a checkpoint that leaves one of them unquantized
+(`modules_to_not_convert`, `ignore`) or quantizes the LM head or the embedding is refused,
+as are MoE checkpoints' quantized experts (the grouped kernels have no zero points yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from jaxserve.config import ModelConfig
+from pallas_kernels.quantized_matmul.formats import pack_int4
+
+METHODS = ("awq", "gptq", "compressed-tensors")
+AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # column of each nibble within a word
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_LINEAR = re.compile(r"(model\.layers\.\d+\.(?:self_attn|mlp)\.(?:%s))\.(\w+)$"
+                     % "|".join(LINEAR_NAMES))
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointQuantization:
+    """A checkpoint's own quantization, as this loader serves it."""
+
+    method: str  # "awq" | "gptq" | "compressed-tensors"
+    kind: str  # what it becomes: "int4" | "int8" | "fp8"
+    group_size: int | None  # int4 rows per group; None: one group per column (all of K)
+    zero_points: bool  # int4 with zero points
+    gptq_v1: bool = False  # GPTQ zero points stored minus one
+
+    def settings(self, quantization: str | None, cfg: ModelConfig) -> dict:
+        """The engine settings (EngineConfig / ModelOptions fields) that serve it; asking
+        for another `quantization` is refused."""
+        if quantization not in (None, self.kind):
+            raise ValueError(
+                f"this checkpoint is quantized ({self.method}, {self.kind}); it is served as "
+                f"stored, so quantization={quantization!r} cannot apply: leave "
+                "--quantization unset")
+        # One group over all of K: a group size no layer's K exceeds (int4_group takes
+        # min(group, K)), rounded up to even.
+        k = max(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
+        return dict(quantization=self.kind, quant_group_size=self.group_size or k + k % 2,
+                    quant_zero_points=self.zero_points)
+
+
+def _refuse(field: str, value, what: str) -> ValueError:
+    return ValueError(f"quantization_config.{field} = {value!r}: {what}")
+
+
+def read(model_dir: str | Path) -> CheckpointQuantization | None:
+    """The checkpoint's `quantization_config` (config.json), or None when it has none."""
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        return None
+    qc = json.loads(path.read_text()).get("quantization_config")
+    if qc is None:
+        return None
+    method = qc.get("quant_method")
+    if method == "awq":
+        return _read_awq(qc)
+    if method == "gptq":
+        return _read_gptq(qc)
+    if method == "compressed-tensors":
+        return _read_compressed_tensors(qc)
+    raise _refuse("quant_method", method, f"jaxserve serves {', '.join(METHODS)} checkpoints "
+                  "(and GGUF files); or give the float checkpoint with --quantization")
+
+
+def _group(qc: dict, field: str = "group_size") -> int | None:
+    g = qc.get(field, 128)
+    if g in (-1, None):
+        return None
+    if not isinstance(g, int) or g < 2 or g % 2:
+        raise _refuse(field, g, "an even group size (or -1: per channel) is needed")
+    return g
+
+
+def _check_not_converted(qc: dict, field: str) -> None:
+    for name in qc.get(field) or []:
+        if name != "lm_head" and not name.endswith("lm_head"):
+            raise _refuse(field, qc[field], f"{name!r} is left unquantized; jaxserve "
+                          "quantizes every decoder linear layer alike")
+
+
+def _read_awq(qc: dict) -> CheckpointQuantization:
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise _refuse("version", qc.get("version"), "jaxserve reads AutoAWQ's GEMM layout "
+                      "(gemv / marlin / exllama packings are not supported)")
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise _refuse("bits", bits, "AWQ checkpoints are 4-bit")
+    if not qc.get("zero_point", True):
+        raise _refuse("zero_point", False, "AWQ without zero points is not supported")
+    _check_not_converted(qc, "modules_to_not_convert")
+    return CheckpointQuantization("awq", "int4", _group(qc, "group_size" if "group_size" in qc
+                                                        else "q_group_size"), True)
+
+
+def _read_gptq(qc: dict) -> CheckpointQuantization:
+    if qc.get("bits") != 4:
+        raise _refuse("bits", qc.get("bits"), "jaxserve serves 4-bit GPTQ (8-bit GPTQ "
+                      "needs group-wise int8 kernels, not built yet)")
+    fmt = qc.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise _refuse("checkpoint_format", fmt, "gptq or gptq_v2 is needed (marlin / "
+                      "bitblas packings are not supported)")
+    _check_not_converted(qc, "modules_to_not_convert")
+    sym = qc.get("sym", True)
+    return CheckpointQuantization("gptq", "int4", _group(qc), not sym,
+                                  gptq_v1=fmt == "gptq")
+
+
+def _read_compressed_tensors(qc: dict) -> CheckpointQuantization:
+    groups = qc.get("config_groups") or {}
+    schemes = [g.get("weights") for g in groups.values()]
+    formats = {g.get("format") or qc.get("format") for g in groups.values()}
+    if not schemes or any(s is None for s in schemes) or any(s != schemes[0] for s in schemes) \
+            or len(formats) != 1:
+        raise _refuse("config_groups", groups, "one weight scheme and format for every "
+                      "linear layer is needed")
+    for g in groups.values():
+        if "Linear" not in (g.get("targets") or []):
+            raise _refuse("config_groups.targets", g.get("targets"), "every Linear layer "
+                          "must be targeted (targets: [Linear])")
+    fmt = formats.pop()
+    _check_not_converted(qc, "ignore")
+    w = schemes[0]
+    bits, kind, strategy = w.get("num_bits"), w.get("type"), w.get("strategy")
+    symmetric = w.get("symmetric", True)
+    if w.get("actorder") not in (None, False, "static", "weight"):
+        raise _refuse("config_groups.weights.actorder", w.get("actorder"),
+                      "activation-order (group) permutations are not supported")
+    if w.get("dynamic"):
+        raise _refuse("config_groups.weights.dynamic", True, "weights must be stored quantized")
+    if strategy not in ("group", "channel", "tensor"):
+        raise _refuse("config_groups.weights.strategy", strategy,
+                      "group, channel or tensor is needed (block-wise FP8 is not supported)")
+    group = w.get("group_size") if strategy == "group" else None
+    if kind == "float":
+        if fmt != "float-quantized" or bits != 8 or strategy == "group":
+            raise _refuse("format", fmt, "FP8 weights are read as float-quantized e4m3 with "
+                          "channel or tensor scales")
+        return CheckpointQuantization("compressed-tensors", "fp8", None, False)
+    if kind != "int":
+        raise _refuse("config_groups.weights.type", kind, "int or float is needed")
+    if bits == 4 and fmt == "pack-quantized" and strategy in ("group", "channel"):
+        return CheckpointQuantization("compressed-tensors", "int4", _group({"g": group}, "g"),
+                                      not symmetric)
+    if bits == 8 and strategy == "channel" and symmetric and fmt in (
+            "pack-quantized", "naive-quantized", "int-quantized"):
+        return CheckpointQuantization("compressed-tensors", "int8", None, False)
+    raise _refuse("config_groups.weights", w, "jaxserve serves int4 (group or channel, "
+                  "symmetric or not, pack-quantized), int8 (channel, symmetric) and FP8 "
+                  "weights")
+
+
+@dataclasses.dataclass
+class Prequantized:
+    """One linear layer's weight as stored quantized, in our layout: `values` `[K', N]`,
+    `scales` as pallas_kernels/quantized_matmul reads them (numpy, on the host)."""
+
+    values: np.ndarray
+    scales: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+
+def _nibbles(words: np.ndarray, axis: int) -> np.ndarray:
+    """int32 words -> their eight 4-bit fields (bits 4j..4j+3 as field j) along a new axis
+    after `axis`, as uint8 values in [0, 15]."""
+    w = np.asarray(words).view(np.uint32)
+    shifts = (4 * np.arange(8, dtype=np.uint32)).reshape((8,) + (1,) * (w.ndim - 1 - axis))
+    return ((np.expand_dims(w, axis + 1) >> shifts) & 0xF).astype(np.uint8)
+
+
+def unpack_rows(words: np.ndarray) -> np.ndarray:
+    """`[R / 8, C]` words, eight rows each (row 8i + j in bits 4j): `[R, C]`."""
+    n = _nibbles(words, 0)
+    return n.reshape(-1, words.shape[1])
+
+
+def unpack_columns(words: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:
+    """`[R, C / 8]` words, eight columns each (column 8i + order[j] in bits 4j; sequential
+    when `order` is None): `[R, C]`."""
+    n = _nibbles(words, 1)  # [R, C / 8, 8]: field j of each word
+    if order is not None:
+        n = n[..., np.argsort(order)]  # field holding column j
+    return n.reshape(words.shape[0], -1)
+
+
+def _int4(u: np.ndarray, u0: np.ndarray | None, scale: np.ndarray, group: int
+          ) -> Prequantized:
+    """Unsigned 4-bit `u [K, N]`, zero points `u0 [K / G, N]` (None: symmetric about 8) and
+    scales `[K / G, N]` as our int4: q = u - 8, z = u0 - 8."""
+    q = u.astype(np.int8) - 8
+    values = np.asarray(pack_int4(q, group))
+    scale = np.asarray(scale, np.float32)
+    if u0 is None:
+        return Prequantized(values, scale)
+    return Prequantized(values, np.stack([scale, u0.astype(np.float32) - 8]))
+
+
+def _awq(name: str, t: dict, q: CheckpointQuantization) -> Prequantized:
+    u = unpack_columns(t["qweight"], AWQ_ORDER)
+    u0 = unpack_columns(t["qzeros"], AWQ_ORDER)
+    return _int4(u, u0, t["scales"], _checked_group(name, u.shape[0], t["scales"], q))
+
+
+def _gptq(name: str, t: dict, q: CheckpointQuantization) -> Prequantized:
+    u = unpack_rows(t["qweight"])
+    k = u.shape[0]
+    group = _checked_group(name, k, t["scales"], q)
+    if "g_idx" in t and not np.array_equal(np.asarray(t["g_idx"]), np.arange(k) // group):
+        raise ValueError(f"{name}.g_idx is not k // group_size: an act-order (desc_act) "
+                         "checkpoint, which jaxserve does not serve yet")
+    u0 = unpack_columns(t["qzeros"])[:, :u.shape[1]]
+    if q.gptq_v1:
+        u0 = (u0 + 1) & 0xF
+    if not q.zero_points:
+        if np.any(u0 != 8):
+            raise ValueError(f"{name}.qzeros: a sym checkpoint whose zero points are not "
+                             "all 8; its quantization_config.sym is wrong")
+        return _int4(u, None, t["scales"], group)
+    return _int4(u, u0, t["scales"], group)
+
+
+def _compressed_tensors(name: str, t: dict, q: CheckpointQuantization) -> Prequantized:
+    scale = np.asarray(t["weight_scale"], np.float32)
+    if q.kind == "fp8":
+        w = np.asarray(t["weight"])  # float8_e4m3fn [N, K]
+        n = w.shape[0]
+        scale = np.broadcast_to(scale.reshape(-1, 1), (n, 1)) if scale.size == 1 else scale
+        return Prequantized(w.T, np.ascontiguousarray(scale.reshape(1, n)))
+    if "weight_packed" not in t:  # naive- / int-quantized int8
+        w = np.asarray(t["weight"])
+        if w.dtype != np.int8:
+            raise ValueError(f"{name}.weight: int8 values expected, got {w.dtype}")
+        return Prequantized(w.T, scale.reshape(1, -1))
+    n, k = (int(d) for d in np.asarray(t["weight_shape"]))
+    packed = t["weight_packed"]
+    if q.kind == "int8":  # four bytes a word, offset by 128
+        b = np.asarray(packed).view(np.uint32)[..., None] >> (8 * np.arange(4, dtype=np.uint32))
+        w = ((b & 0xFF).astype(np.int16) - 128).astype(np.int8).reshape(n, -1)[:, :k]
+        return Prequantized(np.ascontiguousarray(w.T), scale.reshape(1, n))
+    u = unpack_columns(packed)[:, :k].T  # [K, N], offset by 8 like ours
+    group = _checked_group(name, k, scale.T, q)
+    u0 = None
+    if q.zero_points:  # packed along N: [N / 8, K / G]
+        u0 = unpack_columns(np.asarray(t["weight_zero_point"]).T)[:, :n]
+    return _int4(u, u0, scale.T, group)
+
+
+def _checked_group(name: str, k: int, scales: np.ndarray, q: CheckpointQuantization) -> int:
+    groups = scales.shape[0]
+    group = k // groups if groups else 0
+    want = q.group_size or k
+    if groups * group != k or group != min(want, k):
+        raise ValueError(f"{name}: scales {tuple(scales.shape)} for {k} input rows do not "
+                         f"match group_size {q.group_size or 'per channel'}")
+    return group
+
+
+_CONVERT = {"awq": _awq, "gptq": _gptq, "compressed-tensors": _compressed_tensors}
+_NEEDED = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "scales")}
+# The dtype a compressed-tensors `weight` is stored in when it is quantized.
+_STORED = {"int8": (np.dtype(np.int8),), "fp8": (np.dtype(ml_dtypes.float8_e4m3fn),),
+           "int4": ()}
+_QUANTIZED_PART = re.compile(r".*\.(qweight|qzeros|g_idx|weight_packed|weight_scale|"
+                             r"weight_zero_point|weight_shape)$")
+
+
+def tensors(stream: Iterable[tuple[str, np.ndarray]], q: CheckpointQuantization
+            ) -> Iterator[tuple[str, np.ndarray | Prequantized]]:
+    """The checkpoint's (name, array) pairs with each quantized linear layer's tensors
+    gathered into one `(prefix + ".weight", Prequantized)`; other tensors pass through.
+
+    safetensors files order tensors by dtype, so a layer's parts are far apart: they are
+    gathered (memory-mapped views, nothing read) over the whole stream and converted one
+    layer at a time at its end. A float `.weight` of a decoder linear layer is refused (the
+    checkpoint left it unquantized), as are quantized tensors of any other layer.
+    """
+    layers: dict[str, dict[str, np.ndarray]] = {}
+    for name, array in stream:
+        m = _LINEAR.match(name)
+        if m is None or m.group(2) == "bias":
+            if _QUANTIZED_PART.match(name) or (
+                    re.search(r"(embed_tokens|lm_head)\.weight$", name)
+                    and np.asarray(array).dtype in (np.int8, ml_dtypes.float8_e4m3fn)):
+                raise ValueError(f"{name}: only the decoder's linear layers may be quantized "
+                                 "(the embedding, LM head and experts stay float here)")
+            yield name, array
+            continue
+        prefix, part = m.groups()
+        if part == "weight" and (q.method != "compressed-tensors"
+                                 or np.asarray(array).dtype not in _STORED[q.kind]):
+            raise ValueError(f"{name}: a float weight in a {q.method} {q.kind} checkpoint "
+                             "(left unquantized?); jaxserve serves checkpoints whose every "
+                             "decoder linear layer is quantized")
+        layers.setdefault(prefix, {})[part] = array
+    for prefix, parts in layers.items():
+        needed = _NEEDED.get(q.method) or (
+            ("weight", "weight_scale") if "weight_packed" not in parts else
+            ("weight_packed", "weight_scale", "weight_shape")
+            + (("weight_zero_point",) if q.zero_points else ()))
+        missing = [n for n in needed if n not in parts]
+        if missing:
+            raise ValueError(f"{prefix}: the checkpoint lacks {', '.join(missing)} for this "
+                             f"{q.method} layer (it has {', '.join(sorted(parts))})")
+        yield prefix + ".weight", _CONVERT[q.method](prefix, parts, q)

@@ -1,0 +1,395 @@
+"""Checkpoints quantized by their makers (jaxserve/loading/prequantized.py): AWQ, GPTQ and
+compressed-tensors, served as stored.
+
+Each test quantizes a tiny random model's linear layers and writes the checkpoint the
+format's tooling writes: compressed-tensors' own compressors (the package, a dev
+dependency) and their own decompression as the float truth; AWQ's and GPTQ's documented
+packings reproduced here (AutoAWQ's `WQLinear_GEMM.from_linear`, AutoGPTQ's
+`QuantLinear.pack`), the AWQ one checked against AutoAWQ's own `dequantize_gemm` (its
+sdist, downloaded once and cached). Then, against transformers running the dequantized
+weights in float32: every loaded layer dequantizes to exactly the float weight (the
+integers and scales are the same, so nothing rounds differently), and greedy tokens are
+equal.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from safetensors.torch import save_file
+
+from conftest import hf_greedy, make_checkpoint
+from jaxserve import LLM, SamplingParams
+from jaxserve.cli import main
+from jaxserve.config import EngineConfig
+from jaxserve.demo import cache_root
+from jaxserve.engine.loader import load
+from pallas_kernels.quantized_matmul.formats import dequantize
+
+ENGINE = dict(dtype="float32", max_model_len=64, page_size=4, max_num_seqs=4,
+              max_num_batched_tokens=16, token_buckets=(16,))
+NEW_TOKENS = 16
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def linears(model):
+    """(HF name prefix, nn.Linear) of every decoder linear layer."""
+    for name, module in model.named_modules():
+        if name.split(".")[-1] in LINEARS:
+            yield name, module
+
+
+def quantize_4bit(w: torch.Tensor, group: int, sym: bool):
+    """GPTQ's min-max 4-bit quantization of `w [N, K]` by groups of K: (u [N, K] in [0, 15],
+    u0 [N, K / G], scale [N, K / G] rounded to float16, as AWQ and GPTQ store it)."""
+    n, k = w.shape
+    g = w.reshape(n, k // group, group)
+    if sym:
+        scale = (2 * g.abs().amax(-1) / 15).clamp(min=1e-8).half().float()
+        u0 = torch.full_like(scale, 8)
+    else:
+        low, high = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        scale = ((high - low) / 15).clamp(min=1e-8).half().float()
+        u0 = torch.round(-low / scale).clamp(0, 15)
+    u = torch.clamp(torch.round(g / scale[..., None]) + u0[..., None], 0, 15)
+    return u.reshape(n, k).to(torch.int32), u0.to(torch.int32), scale
+
+
+def dequantized(u, u0, scale, group):
+    """The float weight `[N, K]` that (u - u0) * scale stands for."""
+    rep = lambda a: a.repeat_interleave(group, dim=1)  # noqa: E731
+    return (u - rep(u0)).float() * rep(scale)
+
+
+def pack_columns(ints: torch.Tensor, order=range(8)) -> torch.Tensor:
+    """[R, C] 4-bit ints -> [R, C / 8] int32, column 8i + order[j] in bits 4j."""
+    r, c = ints.shape
+    out = torch.zeros(r, c // 8, dtype=torch.int64)
+    for j, col in enumerate(order):
+        out |= (ints[:, col::8].to(torch.int64) & 0xF) << (4 * j)
+    return (out - (out >= 2**31).long() * 2**32).to(torch.int32)  # the same 32 bits
+
+
+def pack_rows(ints: torch.Tensor) -> torch.Tensor:
+    """[R, C] 4-bit ints -> [R / 8, C] int32, row 8i + j in bits 4j (AutoGPTQ's qweight)."""
+    return pack_columns(ints.T.contiguous()).T.contiguous()
+
+
+def write_checkpoint(float_dir: Path, out: Path, tensors: dict, qconfig: dict, model) -> Path:
+    """The float checkpoint's other tensors and files, the quantized layers' `tensors`,
+    config.json with `quantization_config`."""
+    out.mkdir()
+    for f in float_dir.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy2(f, out / f.name)
+    state = {k: v.clone().contiguous() for k, v in model.state_dict().items()
+             if not any(f".{name}.weight" in k for name in LINEARS)}
+    save_file({**state, **tensors}, out / "model.safetensors")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = qconfig
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def make_awq(float_dir: Path, out: Path, model, group: int) -> Path:
+    """AutoAWQ's GEMM layout: qweight [K, N / 8] and qzeros [K / G, N / 8] packed along N in
+    the order 0 2 4 6 1 3 5 7, scales [K / G, N] float16."""
+    tensors = {}
+    for name, lin in linears(model):
+        u, u0, scale = quantize_4bit(lin.weight.data, group, sym=False)
+        tensors[f"{name}.qweight"] = pack_columns(u.T.contiguous(), AWQ_ORDER)
+        tensors[f"{name}.qzeros"] = pack_columns(u0.T.contiguous(), AWQ_ORDER)
+        tensors[f"{name}.scales"] = scale.T.contiguous().half()
+        lin.weight.data = dequantized(u, u0, scale, group)
+    return write_checkpoint(float_dir, out, tensors, {
+        "quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+        "version": "gemm", "modules_to_not_convert": None}, model)
+
+
+def make_gptq(float_dir: Path, out: Path, model, group: int, sym: bool, v1: bool) -> Path:
+    """AutoGPTQ's layout: qweight [K / 8, N] packed along K, qzeros [K / G, N / 8] along N
+    (each zero point minus one in the v1 format), scales [K / G, N] float16, g_idx."""
+    tensors = {}
+    for name, lin in linears(model):
+        u, u0, scale = quantize_4bit(lin.weight.data, group, sym)
+        k = u.shape[1]
+        tensors[f"{name}.qweight"] = pack_rows(u.T.contiguous())
+        tensors[f"{name}.qzeros"] = pack_columns(u0.T.contiguous() - (1 if v1 else 0))
+        tensors[f"{name}.scales"] = scale.T.contiguous().half()
+        tensors[f"{name}.g_idx"] = torch.arange(k, dtype=torch.int32) // group
+        lin.weight.data = dequantized(u, u0, scale, group)
+    return write_checkpoint(float_dir, out, tensors, {
+        "quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+        "sym": sym, "checkpoint_format": "gptq" if v1 else "gptq_v2"}, model)
+
+
+def make_compressed_tensors(float_dir: Path, out: Path, model, weights: dict, fmt: str) -> Path:
+    """compressed-tensors' own quantization config, scales (`calculate_qparams`) and
+    compressor; the model is left holding the compressor's decompressed float weights."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs, QuantizationConfig, QuantizationScheme, apply_quantization_config)
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(**weights)
+    apply_quantization_config(model, QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+        ignore=["lm_head"]))
+    for _, lin in linears(model):
+        w = lin.weight.data
+        n, k = w.shape
+        per = {"group": args.group_size, "channel": k, "tensor": n * k}[args.strategy]
+        g = w.reshape(-1, per)
+        scale, zero = calculate_qparams(g.amin(-1), g.amax(-1), args)
+        lin.weight_scale.data = scale.reshape(lin.weight_scale.shape).to(lin.weight_scale.dtype)
+        if hasattr(lin, "weight_zero_point"):
+            lin.weight_zero_point.data = zero.reshape(lin.weight_zero_point.shape).to(
+                lin.weight_zero_point.dtype)
+    compressor = ModelCompressor.from_pretrained_model(model, fmt)
+    compressor.compress_model(model)
+    out.mkdir()
+    model.save_pretrained(out)
+    compressor.update_config(out)
+    for f in float_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy2(f, out / f.name)
+    compressor.decompress_model(model)  # the truth: the package's own dequantization
+    return out
+
+
+@pytest.fixture
+def float_model(tmp_path):
+    """A fresh tiny model (its linear weights are replaced by their dequantized values)."""
+    def get(arch: str = "llama"):
+        path = tmp_path / f"{arch}-float"
+        return path, make_checkpoint(arch, path)
+    return get
+
+
+CASES = {
+    "awq-g32": lambda d, o, m: make_awq(d, o, m, 32),
+    "gptq-sym-g32-v1": lambda d, o, m: make_gptq(d, o, m, 32, sym=True, v1=True),
+    "gptq-asym-g64-v1": lambda d, o, m: make_gptq(d, o, m, 64, sym=False, v1=True),
+    "gptq-asym-g32-v2": lambda d, o, m: make_gptq(d, o, m, 32, sym=False, v1=False),
+    "ct-int4-asym-g32": lambda d, o, m: make_compressed_tensors(d, o, m, dict(
+        num_bits=4, type="int", symmetric=False, strategy="group", group_size=32),
+        "pack-quantized"),
+    "ct-int4-sym-channel": lambda d, o, m: make_compressed_tensors(d, o, m, dict(
+        num_bits=4, type="int", symmetric=True, strategy="channel"), "pack-quantized"),
+    "ct-int8-channel": lambda d, o, m: make_compressed_tensors(d, o, m, dict(
+        num_bits=8, type="int", symmetric=True, strategy="channel"), "pack-quantized"),
+    "ct-fp8-channel": lambda d, o, m: make_compressed_tensors(d, o, m, dict(
+        num_bits=8, type="float", symmetric=True, strategy="channel"), "float-quantized"),
+    "ct-fp8-tensor": lambda d, o, m: make_compressed_tensors(d, o, m, dict(
+        num_bits=8, type="float", symmetric=True, strategy="tensor"), "float-quantized"),
+}
+KINDS = {"awq": "int4", "gptq": "int4", "ct-int4": "int4", "ct-int8": "int8", "ct-fp8": "fp8"}
+
+
+def kind_of(case: str) -> str:
+    return next(v for k, v in KINDS.items() if case.startswith(k))
+
+
+def assert_layers_equal_the_float_weights(params, model, kind: str):
+    """Every loaded linear layer dequantizes to the float weight the oracle runs."""
+    flat = dict(nnx.to_flat_state(params))
+    checked = 0
+    for name, lin in linears(model):
+        i, _, proj = int(name.split(".")[2]), name.split(".")[3], name.split(".")[4]
+        block = "attn" if proj in LINEARS[:4] else "mlp"
+        path = ("layers", i, block, proj)
+        values, scales = flat[path][...], flat[path[:-1] + (proj + "_scales",)][...]
+        ours = np.asarray(dequantize(values, scales, kind, jnp.float32))
+        np.testing.assert_array_equal(ours, lin.weight.data.float().numpy().T, err_msg=name)
+        checked += 1
+    assert checked == 2 * len(LINEARS)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_served_as_stored_equals_transformers_on_the_dequantized_weights(
+        case, float_model, tmp_path, prompts):
+    float_dir, model = float_model()
+    qdir = CASES[case](float_dir, tmp_path / case, model)
+    loaded = load(EngineConfig(model=str(qdir), dtype="float32"))
+    assert loaded.config.quantization == kind_of(case)
+    assert_layers_equal_the_float_weights(loaded.params, model, kind_of(case))
+    llm = LLM(str(qdir), **ENGINE)
+    got = [o.outputs[0].token_ids for o in llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))]
+    assert got == [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
+
+
+def test_qwen2_biases_and_zero_points_through_the_gpu_kernel(float_model, tmp_path, prompts):
+    """Qwen2's q/k/v biases beside AWQ weights; the Pallas GPU kernel (interpret mode) on
+    the zero points gives the reference engine's tokens."""
+    float_dir, model = float_model("qwen2")
+    qdir = make_awq(float_dir, tmp_path / "awq", model, 32)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    want = [hf_greedy(model, p, 8) for p in prompts[:2]]
+    for impl in ("reference", "gpu"):
+        llm = LLM(str(qdir), kernel_impl=impl, interpret_kernels=impl == "gpu", **ENGINE)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts[:2], greedy)] == want
+
+
+MESH_RUN = """
+import json, sys
+from jaxserve import LLM, SamplingParams
+llm = LLM(sys.argv[1], mesh={"model": 2}, **json.loads(sys.argv[2]))
+outs = llm.generate(json.loads(sys.argv[3]), SamplingParams(temperature=0.0, max_tokens=8,
+                                                             ignore_eos=True))
+print(json.dumps([o.outputs[0].token_ids for o in outs]))
+"""
+
+
+def test_kv_heads_repeated_over_more_devices_than_heads(float_model, tmp_path, prompts):
+    """Tensor parallelism over 2 devices with Qwen2's one KV head repeats the head's columns
+    of the quantized k/v values, scales and zero points: same tokens (in a process of its
+    own with 8 CPU devices)."""
+    float_dir, model = float_model("qwen2")
+    qdir = make_gptq(float_dir, tmp_path / "gptq", model, 32, sym=False, v1=True)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
+           + " --xla_force_host_platform_device_count=8"}
+    proc = subprocess.run([sys.executable, "-c", MESH_RUN, str(qdir), json.dumps(ENGINE),
+                           json.dumps(prompts[:2])], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == \
+        [hf_greedy(model, p, 8) for p in prompts[:2]]
+
+
+def test_convert_keeps_the_checkpoints_integers(float_model, tmp_path, prompts):
+    """`jaxserve convert` of an AWQ checkpoint writes our format with its group size and
+    zero points; the converted checkpoint serves the same tokens."""
+    float_dir, model = float_model()
+    qdir = make_awq(float_dir, tmp_path / "awq", model, 64)
+    out = tmp_path / "converted"
+    assert main(["convert", "--model", str(qdir), "--out", str(out), "--dtype", "float32"]) == 0
+    manifest = json.loads((out / "jaxserve.json").read_text())
+    assert (manifest["quantization"], manifest["quant_group_size"],
+            manifest["quant_zero_points"], manifest["source_quantization"]) == \
+        ("int4", 64, True, "awq")
+    loaded = load(EngineConfig(model=str(out), dtype="float32"))
+    assert_layers_equal_the_float_weights(loaded.params, model, "int4")
+
+
+def awq_packing_utils():
+    """AutoAWQ's `awq/utils/packing_utils.py` (torch only), from its sdist on PyPI, cached."""
+    path = cache_root() / "oracles" / "autoawq-0.2.9-packing_utils.py"
+    if not path.is_file():
+        with tempfile.TemporaryDirectory() as tmp:
+            got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
+                                  "--no-binary", ":all:", "-q", "autoawq==0.2.9", "-d", tmp],
+                                 capture_output=True, text=True)
+            sdists = list(Path(tmp).glob("autoawq-*.tar.gz"))
+            if got.returncode != 0 or not sdists:
+                pytest.skip("the autoawq sdist could not be downloaded (PyPI unreachable?): "
+                            f"{got.stderr.strip()[-300:]}")
+            with tarfile.open(sdists[0]) as tar:
+                member = tar.extractfile("autoawq-0.2.9/awq/utils/packing_utils.py")
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(member.read())
+    spec = importlib.util.spec_from_file_location("awq_packing_utils", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_awq_packing_is_autoawqs(float_model, tmp_path):
+    """The AWQ tensors written here unpack, by AutoAWQ's own `dequantize_gemm`, to the
+    weights the tests run as the truth."""
+    utils = awq_packing_utils()
+    float_dir, model = float_model()
+    qdir = make_awq(float_dir, tmp_path / "awq", model, 32)
+    from safetensors.torch import load_file
+    tensors = load_file(qdir / "model.safetensors")
+    for name, lin in linears(model):
+        w = utils.dequantize_gemm(tensors[f"{name}.qweight"], tensors[f"{name}.qzeros"],
+                                  tensors[f"{name}.scales"].float(), 4, 32)
+        np.testing.assert_array_equal(w.numpy(), lin.weight.data.numpy().T, err_msg=name)
+
+
+def edit_config(qdir: Path, **fields):
+    cfg = json.loads((qdir / "config.json").read_text())
+    cfg["quantization_config"].update(fields)
+    (qdir / "config.json").write_text(json.dumps(cfg))
+
+
+def test_what_is_not_served_is_refused_naming_the_field(float_model, tmp_path):
+    float_dir, model = float_model()
+    qdir = make_gptq(float_dir, tmp_path / "gptq", model, 32, sym=False, v1=True)
+    with pytest.raises(ValueError, match="leave --quantization unset"):
+        load(EngineConfig(model=str(qdir), dtype="float32", quantization="int8"))
+    for fields, match in [
+        (dict(bits=8), r"quantization_config.bits = 8"),
+        (dict(checkpoint_format="marlin"), r"checkpoint_format = 'marlin'"),
+        (dict(modules_to_not_convert=["model.layers.0.mlp.down_proj"]),
+         r"modules_to_not_convert .*left unquantized"),
+        (dict(quant_method="bitsandbytes"), r"quant_method = 'bitsandbytes'"),
+        (dict(group_size=64), r"do not match group_size 64"),
+    ]:
+        cfg = json.loads((qdir / "config.json").read_text())
+        edit_config(qdir, **fields)
+        with pytest.raises(ValueError, match=match):
+            load(EngineConfig(model=str(qdir), dtype="float32"))
+        (qdir / "config.json").write_text(json.dumps(cfg))
+    # Act-order: g_idx is a permutation's groups, not k // G.
+    from safetensors.torch import load_file
+    tensors = load_file(qdir / "model.safetensors")
+    name = "model.layers.1.mlp.up_proj.g_idx"
+    tensors[name] = tensors[name][torch.randperm(tensors[name].numel())]
+    save_file(tensors, qdir / "model.safetensors")
+    with pytest.raises(ValueError, match="up_proj.g_idx .*desc_act"):
+        load(EngineConfig(model=str(qdir), dtype="float32"))
+
+
+def test_awq_gemv_and_a_float_layer_are_refused(float_model, tmp_path):
+    float_dir, model = float_model()
+    qdir = make_awq(float_dir, tmp_path / "awq", model, 32)
+    edit_config(qdir, version="gemv")
+    with pytest.raises(ValueError, match="version = 'gemv'"):
+        load(EngineConfig(model=str(qdir), dtype="float32"))
+    edit_config(qdir, version="gemm")
+    from safetensors.torch import load_file
+    tensors = load_file(qdir / "model.safetensors")
+    prefix = "model.layers.0.self_attn.o_proj"
+    for part in ("qweight", "qzeros", "scales"):
+        del tensors[f"{prefix}.{part}"]
+    tensors[f"{prefix}.weight"] = torch.zeros(64, 64)
+    save_file(tensors, qdir / "model.safetensors")
+    with pytest.raises(ValueError, match="o_proj.weight: a float weight in a awq"):
+        load(EngineConfig(model=str(qdir), dtype="float32"))
+
+
+def test_plan_sizes_the_checkpoint_as_stored(float_model, tmp_path, monkeypatch):
+    """`jaxserve plan --model AWQ_DIR` plans int4 with the checkpoint's groups and zero
+    points: its weight bytes are those of the arrays the engine loads."""
+    import sharding.planner as planner
+
+    float_dir, model = float_model()
+    qdir = make_awq(float_dir, tmp_path / "awq", model, 32)
+    plans = []
+    real = planner.plan_target
+    monkeypatch.setattr(planner, "plan_target",
+                        lambda *a, **k: plans.append((k, real(*a, **k))) or plans[-1][1])
+    assert main(["plan", "--model", str(qdir), "--target", "h100x1", "--max-model-len", "64",
+                 "--max-num-seqs", "4", "--max-num-batched-tokens", "16"]) == 0
+    (kwargs, result), = plans
+    assert (kwargs["quantization"], kwargs["quant_group_size"], kwargs["quant_zero_points"]) \
+        == ("int4", 32, True)
+    loaded = load(EngineConfig(model=str(qdir), dtype="bfloat16"))
+    stored = sum(v[...].nbytes for _, v in nnx.to_flat_state(loaded.params))
+    assert result["weight_bytes"] == stored
