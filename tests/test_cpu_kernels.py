@@ -830,3 +830,73 @@ def test_the_serving_library_leaves_the_diagnostics_out():
     assert hasattr(lib, "JaxserveMatmul") and hasattr(lib, "jaxserve_cpu_isa")
     assert not hasattr(lib, "jaxserve_cpu_round_trip_ns")
     assert not hasattr(lib, "jaxserve_cpu_pair_flops_ratio")
+
+
+# ----------------------------------------------------------------- quantized matmul
+
+QMM_CASES = [  # m, num_rows, k, n, kind, group, zero points
+    (1, 1, 640, 200, "int8", 128, False),
+    (2, 2, 384, 256, "int4", 128, False),
+    (3, 3, 640, 200, "int4", 32, True),   # past the direct rows: panels
+    (8, 6, 384, 96, "int4", 64, True),
+    (33, 33, 256, 200, "int8", 128, False),
+    (64, 60, 512, 64, "int4", 256, True),  # a group of 256: two panels per group
+]
+
+
+@pytest.mark.parametrize("case", QMM_CASES, ids=lambda c: f"{c[4]}-g{c[5]}{'-zp' if c[6] else ''}"
+                         f"-m{c[0]}")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_quantized_matmul_kernel_against_float64(isa, dtype, case):
+    """x @ W for int8 and int4 (symmetric and with zero points) against the exact product
+    with the weight dequantized in float64 from the stored integers (an unpacker written
+    here), on the real rows. The kernel sums x * u over the stored unsigned integers and
+    subtracts (8 + z) * sum(x) per group, so its bound holds both sums' magnitudes."""
+    from pallas_kernels.quantized_matmul import cpu as qmm_cpu
+    from pallas_kernels.quantized_matmul.formats import quantize
+
+    m, rows, k, n, kind, group, zp = case
+    rng = np.random.default_rng(m * k + n)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    w = rng.standard_normal((k, n)).astype(np.float32) + rng.uniform(-1, 1, (1, n)).astype(np.float32)
+    values, scales = quantize(jnp.asarray(w), kind, group, zero_points=zp)
+    got = jax.jit(lambda x, v, s, r: qmm_cpu.quantized_matmul(x, v, s, kind=kind, rows=r))(
+        x, values, scales, jnp.int32(rows))
+    assert got.dtype == dtype and got.shape == (m, n)
+    v, s = np.asarray(values), np.asarray(scales, np.float64)
+    if kind == "int8":
+        u, off, g = v.astype(np.float64), np.zeros((1, n)), k
+    else:
+        g = group
+        lo, hi = (v & 0xF).astype(np.int64), (v >> 4).astype(np.int64)
+        u = np.empty((k, n))
+        for j in range(k // g):  # byte row r of group j: rows j g + r (low), j g + g/2 + r
+            u[j * g:j * g + g // 2] = (lo[j * g // 2:(j + 1) * g // 2] ^ 8)
+            u[j * g + g // 2:(j + 1) * g] = (hi[j * g // 2:(j + 1) * g // 2] ^ 8)
+        s, z = (s[0], s[1]) if zp else (s, np.zeros_like(s))
+        off = 8 + z
+    rep = lambda a: np.repeat(a, g, axis=0)  # noqa: E731
+    xe = np.asarray(x.astype(jnp.float32), np.float64)
+    exact = xe @ ((u - rep(off)) * rep(s))
+    magnitude = np.abs(xe) @ (np.abs(u) * rep(s)) + np.abs(xe) @ (rep(np.abs(off) * s))
+    bound = gamma(k + 4) * magnitude + U_OUT[dtype] * np.abs(exact)
+    got = np.asarray(got.astype(jnp.float32), np.float64)[:rows]
+    assert np.abs(exact[:rows]).max() > 100 * bound[:rows].max()
+    err = np.abs(got - exact[:rows])
+    assert np.all(err <= bound[:rows]), (err / bound[:rows]).max()
+
+
+def test_quantized_matmul_dispatch_on_a_cpu():
+    """On a CPU, int8 / int4 with up to 64 rows take the native kernel; more rows, fp8 and
+    a mesh's shards take the reference."""
+    from pallas_kernels import quantized_matmul as qmm
+    from pallas_kernels.quantized_matmul.formats import quantize
+
+    def targets(m, kind):
+        values, scales = quantize(jnp.ones((128, 64)), kind)
+        text = jax.jit(lambda x: qmm.quantized_matmul(x, values, scales, kind=kind)).lower(
+            jnp.ones((m, 128), jnp.float32)).as_text()
+        return "jaxserve_quantized_matmul" in text
+
+    assert targets(1, "int8") and targets(64, "int4")
+    assert not targets(65, "int8") and not targets(8, "fp8")

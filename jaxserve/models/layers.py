@@ -67,7 +67,7 @@ def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_in: int,
     """Contract the last `n_in` dims of x with a weight made by `linear` (its values).
 
     A quantized weight runs the quantized-matmul kernel of `impl` (default: the options'
-    choice) on x flattened to `[tokens, K]`. A float weight is one XLA dot, or on a CPU
+    choice) on x flattened to `[tokens, K]` (on a CPU, the native kernel for a few `rows`). A float weight is one XLA dot, or on a CPU
     the native matmul (pallas_kernels/matmul), which computes only the first `rows` tokens
     (the real ones of a bucket-padded batch) and zeros the rest. A `transposed` float
     weight is laid out out + in, and a `packed` one also packed
@@ -86,7 +86,9 @@ def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_in: int,
     else:
         impl = impl or options.kernel_impl
         y = quantized_matmul(x2, w, scales, kind=options.quantization, impl=impl,
-                             interpret=options.interpret and impl not in (None, "reference"))
+                             interpret=options.interpret and impl not in (None, "reference",
+                                                                           "cpu"),
+                             rows=rows)
     return y.reshape(lead + out_shape)
 
 

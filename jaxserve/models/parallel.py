@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec
 
 from jaxserve.config import ModelOptions
 from jaxserve.models.layers import dense_impl, is_packed, is_transposed, matmul, matmul_group
+from pallas_kernels.platform import current_platform
 from pallas_kernels.ragged_paged_attention import default_impl, ragged_paged_attention, write_kv
 from sharding.rules import DATA, MODEL, ShardingContext
 
@@ -50,7 +51,7 @@ def dense(x: jax.Array, w: nnx.Param, scales: nnx.Param | None, n_in: int,
                       impl=None if single else "reference", rows=rows,
                       transposed=is_transposed(w), packed=is_packed(w))
     if single:
-        return matmul(x, w[...], scales[...], n_in, out_shape, options)
+        return matmul(x, w[...], scales[...], n_in, out_shape, options, rows=rows)
     w_spec = shard.rules.spec(w.get_metadata()["logical_axes"])
     s_spec = shard.rules.spec(scales.get_metadata()["logical_axes"])
     k_axis, n_axis = w_spec
@@ -64,8 +65,13 @@ def dense(x: jax.Array, w: nnx.Param, scales: nnx.Param | None, n_in: int,
     tokens = shard.rules.spec(("tokens",))[0]
     out_tokens = shard.rules.spec(("residual",))[0] if scatter else tokens
 
+    # XLA:CPU devices of one process share the native kernels' threads: the reference
+    # there (as for float weights on a mesh), unless the options name a kernel.
+    impl = ("reference" if options.kernel_impl in (None, "cpu") and current_platform() == "cpu"
+            else None)
+
     def local(x2, values, scales):  # x2 [tokens, K/devices]; values [K', N/devices]
-        y = matmul(x2, values, scales, 1, values.shape[1:], options)
+        y = matmul(x2, values, scales, 1, values.shape[1:], options, impl=impl)
         if k_axis is None:
             return y
         if scatter:

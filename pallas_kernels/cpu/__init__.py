@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 FOLDER = Path(__file__).parent
 SOURCE = FOLDER / "kernels.cc"  # one translation unit: it includes the headers
 HEADERS = ("common.h", "simd.h", "matmul.h", "rows.h", "attention.h", "attention_tiles.inc",
-           "lora.h")
+           "lora.h", "quantized.h")
 DIAGNOSTICS = FOLDER / "diagnostics.cc"
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
 TARGETS = {"jaxserve_matmul": "JaxserveMatmul",
@@ -57,7 +57,8 @@ TARGETS = {"jaxserve_matmul": "JaxserveMatmul",
            "jaxserve_rms_norm": "JaxserveRmsNorm",
            "jaxserve_gated_act": "JaxserveGatedAct",
            "jaxserve_rope": "JaxserveRope",
-           "jaxserve_lora": "JaxserveLora"}
+           "jaxserve_lora": "JaxserveLora",
+           "jaxserve_quantized_matmul": "JaxserveQuantizedMatmul"}
 ISA_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}
 BUILD_TIMEOUT_S = 600
 

@@ -13,9 +13,12 @@
 //   jaxserve_gated_act               act(gate) * up of the real rows (silu, tanh gelu).
 //   jaxserve_lora                    y_i += x @ A_i[slot] @ B_i[slot] per token, in place
 //                                    (LoRA adapters of a mixed batch).
+//   jaxserve_quantized_matmul        y = x @ W for a few rows, W int8 or int4 (zero points
+//                                    too) as pallas_kernels/quantized_matmul stores it.
 //
 // One translation unit: this file holds the FFI handlers and includes each kernel's
-// header (common.h, matmul.h, rows.h, attention.h, lora.h), so the kernels share one thread pool.
+// header (common.h, matmul.h, rows.h, attention.h, lora.h, quantized.h), so the kernels share
+// one thread pool.
 // The benchmarks' diagnostics are a library of their own (diagnostics.cc).
 //
 // See pallas_kernels/cpu/__init__.py for how it is built and loaded.
@@ -25,6 +28,7 @@
 #include "rows.h"
 #include "attention.h"
 #include "lora.h"
+#include "quantized.h"
 
 namespace jaxserve {
 namespace {
@@ -351,8 +355,52 @@ ffi::Error LoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32
   return ffi::Error::Success();
 }
 
+// Quantized matmul: x [M, K] (f32 / bf16), num_rows, values (int8 [K, N] or uint8
+// [K/2, N]), scales f32 ([G', N], or [2, G', N] with zero points); y [M, N] in x's dtype,
+// rows >= num_rows unwritten.
+ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                               ffi::Buffer<ffi::S32> num_rows, ffi::AnyBuffer values,
+                               ffi::Buffer<ffi::F32> scales, ffi::Result<ffi::AnyBuffer> y) {
+  auto bad = [](const std::string& what) {
+    return ffi::Error::InvalidArgument("jaxserve_quantized_matmul: " + what);
+  };
+  const auto xd = x.dimensions(), vd = values.dimensions(), sd = scales.dimensions();
+  const ffi::DataType dt = x.element_type();
+  if (xd.size() != 2 || vd.size() != 2) return bad("x and values must be 2-D");
+  if (dt != ffi::DataType::F32 && dt != ffi::DataType::BF16) return bad("x must be f32 or bf16");
+  if (y->element_type() != dt) return bad("y must have x's dtype");
+  const bool int4 = values.element_type() == ffi::DataType::U8;
+  if (!int4 && values.element_type() != ffi::DataType::S8)
+    return bad("values must be int8 or uint8 (int4)");
+  const bool zeros = sd.size() == 3;
+  if (sd.size() != 2 && !(zeros && int4 && sd[0] == 2)) return bad("scales must be [G, N] (or [2, G, N] for int4)");
+  const int64_t k = xd[1], n = vd[1], groups = sd[sd.size() - 2];
+  if ((int4 ? 2 * vd[0] : vd[0]) != k || sd[sd.size() - 1] != n || groups < 1 ||
+      k % groups || (int4 && (k / groups) % 2) || (!int4 && groups != 1))
+    return bad("shapes do not match");
+  if (num_rows.element_count() != 1) return bad("num_rows must be a scalar");
+  const int64_t m = std::clamp<int64_t>(num_rows.typed_data()[0], 0, xd[0]);
+  if (m > kQmmMaxRows) return bad("more rows than the kernel takes");
+  Qmm q{nullptr, nullptr, values.untyped_data(), scales.typed_data(),
+        zeros ? scales.typed_data() + groups * n : nullptr, y->untyped_data(), m, k, n,
+        k / groups, int4, dt == ffi::DataType::BF16};
+  std::vector<float> xf, sums;
+  Runner run(&pool);
+  QuantizedMatmul(run, x.untyped_data(), q, xf, sums);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jaxserve
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantizedMatmul, jaxserve::QuantizedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmul, jaxserve::MatmulImpl,
                               ffi::Ffi::Bind()

@@ -28,13 +28,16 @@ Implementations, all with the signature of `reference.quantized_matmul`:
   Compiles ahead of time for v5e and v6e for all three kinds: Mosaic accepts the
   float8_e4m3fn -> f32 conversion on both, though neither has fp8 arithmetic (the
   kernel never asks for any: fp8 is a storage format here, as int8 and int4 are).
+- "cpu" (cpu.py): the native CPU kernel for at most 8 rows (decode), int8 and int4, the
+  weight read as stored and converted in registers; the reference for anything else.
 - "gpu" (gpu.py): Pallas Triton kernel, grid (M, N blocks), K loop in a fori_loop. fp8
   needs a CUDA GPU of compute capability >= 8.9 (Ada, Hopper) for the conversion (Pallas
   refuses it below); int4 needs a power-of-two group size >= 32. Where either fails,
   `impl=None` uses the reference instead (XLA converts fp8 on any GPU).
 
 `impl=None` picks by platform: the default device's if one is set (as when compiling
-ahead of time under `jax.default_device(tpu_device)`), else `jax.default_backend()`.
+ahead of time under `jax.default_device(tpu_device)`), else `jax.default_backend()`; on a
+CPU the native kernel where it applies, else the reference.
 
 Block sizes (override with block_m / block_n / block_k), from the shapes only:
 - TPU: bm = min(round_up(M, 8 for f32 / 16 for bf16), 256); bn = min(round_up(N, 128),
@@ -51,11 +54,11 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels.platform import GPU_PLATFORMS, current_platform
-from pallas_kernels.quantized_matmul import gpu, reference, tpu
+from pallas_kernels.quantized_matmul import cpu, gpu, reference, tpu
 from pallas_kernels.quantized_matmul.formats import (
     check_operands, dequantize, quantize, quantized_shapes)
 
-IMPLS = ("reference", "tpu", "gpu")
+IMPLS = ("reference", "cpu", "tpu", "gpu")
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
 
 
@@ -89,10 +92,12 @@ def choose_impl(kind: str, group: int) -> str:
 
 def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind: str,
                      impl: str | None = None, interpret: bool = False,
-                     **block_sizes: int) -> jax.Array:
+                     rows: jax.Array | None = None, **block_sizes: int) -> jax.Array:
     """`x[M, K] @ dequantize(values, scales)` -> `[M, N]` in x's dtype.
 
-    impl: "reference", "tpu", "gpu", or None to pick by platform (see the module doc).
+    impl: "reference", "cpu", "tpu", "gpu", or None to pick by platform (module doc).
+    rows: the real rows (a traced int32 scalar) of a bucket-padded x; the native CPU kernel
+      leaves the others unwritten, every other implementation computes them.
     interpret: run a Pallas kernel in interpret mode (CPU tests); needs an explicit impl,
       since "whichever kernel this platform runs" is the reference on a CPU.
     block_sizes: block_m / block_n / block_k for the kernels (the reference ignores them).
@@ -102,6 +107,10 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
         if interpret:
             raise ValueError("interpret=True needs an explicit impl ('tpu' or 'gpu')")
         impl = choose_impl(kind, k // scales.shape[-2] if kind == "int4" else 1)
+        if impl == "reference" and current_platform() == "cpu" and cpu.supports(x, kind):
+            impl = "cpu"
+    if impl == "cpu":
+        return cpu.quantized_matmul(x, values, scales, kind=kind, rows=rows)
     if impl == "reference":
         return reference.quantized_matmul(x, values, scales, kind=kind)
     if impl == "tpu":

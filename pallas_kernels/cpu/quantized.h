@@ -1,0 +1,297 @@
+// Weight-only quantized matmul for few rows (jaxserve_quantized_matmul): see its FFI handler
+// in kernels.cc and pallas_kernels/quantized_matmul/cpu.py.
+//
+// y[m] = x[m] @ dequantize(W) for the real rows m < num_rows (at most kQmmMaxRows: decode
+// and draft verification; more rows are compute-bound and go to XLA's dot of the
+// dequantized weight). W is stored as pallas_kernels/quantized_matmul stores it:
+// - int8: values int8 [K, N], scales [1, N] (one group of all K rows);
+// - int4: values uint8 [K/2, N], groups of G rows (byte row j of a group holds its row j in
+//   the low nibble and row j + G/2 in the high one, two's complement), scales [K/G, N], or
+//   [2, K/G, N] with zero points z (w = (q - z) * scale).
+// Each task owns kQmmTaskCols output columns and reads their bytes of every K row once per
+// pair of x rows, in memory order, converting them to float32 in registers: the weight
+// crosses memory quantized, which is the point on a bandwidth-bound CPU. Per group it
+// accumulates p = sum_k x[k] * u[k] over the stored integers u (for int4 the nibbles made
+// unsigned, u = q + 8, by flipping their top bits) and adds (p - (offset + z) * sum_k x[k]) * scale, offset 8 for int4's nibbles
+// and 0 for int8, so a zero point costs one multiply-add per group, not per weight.
+// x is float32 or bfloat16 (read as float32); y is rounded once to x's dtype.
+
+#pragma once
+
+#include "common.h"
+#include "matmul.h"  // ToF32, FromF32
+
+namespace jaxserve {
+namespace {
+
+constexpr int64_t kQmmMaxRows = 64;
+constexpr int64_t kQmmDirectRows = 2;  // up to this many rows convert straight into FMAs
+constexpr int64_t kQmmPanelRows = 128; // weight rows of a float panel (16 KiB: L1)
+constexpr int64_t kQmmCols = 32;       // columns of a register tile (4 x 8 lanes)
+constexpr int64_t kQmmTaskCols = 64;   // columns per task: one cache line of int8 per row
+
+struct Qmm {
+  const float* x;   // [m, k], float32 (converted once from bf16 when x is bf16)
+  const float* sx;  // [m, groups]: each group's sum of x
+  const void* w;    // int8 [k, n] or uint8 [k / 2, n]
+  const float* s;   // [groups, n]
+  const float* z;   // [groups, n] zero points, or null
+  void* y;          // [m_all, n] in x's dtype
+  int64_t m, k, n, group;
+  bool int4, bf16;
+};
+
+JS_INLINE int64_t QmmGroups(const Qmm& q) { return q.k / q.group; }
+
+// The stored integer of row kk (within group g's rows) and column c, and its offset.
+JS_INLINE float QmmValue(const Qmm& q, int64_t kk, int64_t c) {
+  if (!q.int4) return static_cast<float>(static_cast<const int8_t*>(q.w)[kk * q.n + c]);
+  const int64_t g = kk / q.group, r = kk % q.group, half = q.group / 2;
+  // Two's complement nibbles; ^ 8 makes each the unsigned u = q + 8.
+  const uint8_t b = static_cast<const uint8_t*>(q.w)[(g * half + r % half) * q.n + c] ^ 0x88;
+  return static_cast<float>(r < half ? (b & 0xF) : (b >> 4));
+}
+
+template <typename T>
+JS_INLINE void QmmStore(const Qmm& q, int64_t row, int64_t c0, const float* acc, int64_t nc) {
+  T* y = static_cast<T*>(q.y) + row * q.n + c0;
+  for (int64_t c = 0; c < nc; ++c) y[c] = FromF32<T>(acc[c]);
+}
+
+// Generic loops: any column count (the tail of N, and CPUs without AVX2).
+template <typename T>
+void GenericQmmCols(const Qmm& q, int64_t c0, int64_t nc) {
+  const float offset = q.int4 ? 8.0f : 0.0f;
+  for (int64_t m = 0; m < q.m; ++m) {
+    float acc[kQmmTaskCols] = {};
+    const float* x = q.x + m * q.k;
+    for (int64_t g = 0; g < QmmGroups(q); ++g) {
+      float part[kQmmTaskCols] = {};
+      for (int64_t kk = g * q.group; kk < (g + 1) * q.group; ++kk)
+        for (int64_t c = 0; c < nc; ++c) part[c] += x[kk] * QmmValue(q, kk, c0 + c);
+      const float sum = q.sx[m * QmmGroups(q) + g];
+      for (int64_t c = 0; c < nc; ++c) {
+        const float z = offset + (q.z ? q.z[g * q.n + c0 + c] : 0.0f);
+        acc[c] += (part[c] - z * sum) * q.s[g * q.n + c0 + c];
+      }
+    }
+    QmmStore<T>(q, m, c0, acc, nc);
+  }
+}
+
+#if JS_X86
+// ---------------------------------------------------------------- AVX2
+// A tile: 2 rows of x by kQmmCols columns, 8 accumulators, the group's partial sums; the
+// rows' running totals live in memory (one update per group).
+
+JS_AVX2 JS_INLINE __m256 QmmCvt(__m128i bytes8, bool is_signed) {  // low 8 bytes -> floats
+  return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes8)
+                                      : _mm256_cvtepu8_epi32(bytes8));
+}
+
+// The 32 bytes' 4 groups of 8 as floats.
+JS_AVX2 JS_INLINE void QmmWiden(__m256i v, bool is_signed, __m256* out) {
+  const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+  out[0] = QmmCvt(lo, is_signed);
+  out[1] = QmmCvt(_mm_srli_si128(lo, 8), is_signed);
+  out[2] = QmmCvt(hi, is_signed);
+  out[3] = QmmCvt(_mm_srli_si128(hi, 8), is_signed);
+}
+
+template <int R>
+JS_AVX2 void Avx2QmmTile(const Qmm& q, int64_t m0, int64_t c0, float (*acc)[kQmmCols]) {
+  const int64_t groups = QmmGroups(q), half = q.group / 2;
+  const __m256 offset = _mm256_set1_ps(q.int4 ? 8.0f : 0.0f);
+  const __m256i nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x88));
+  const float* x[R];
+  JS_UNROLL for (int r = 0; r < R; ++r) x[r] = q.x + (m0 + r) * q.k;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 p[R][4];
+    JS_UNROLL for (int r = 0; r < R; ++r)
+      JS_UNROLL for (int c = 0; c < 4; ++c) p[r][c] = _mm256_setzero_ps();
+    if (q.int4) {
+      const uint8_t* w = static_cast<const uint8_t*>(q.w) + g * half * q.n + c0;
+      const int64_t k0 = g * q.group;
+      for (int64_t j = 0; j < half; ++j) {
+        const __m256i v = _mm256_xor_si256(  // two's complement nibbles -> u = q + 8
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * q.n)), flip);
+        __m256 lo[4], hi[4];
+        QmmWiden(_mm256_and_si256(v, nibble), false, lo);
+        QmmWiden(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), false, hi);
+        JS_UNROLL for (int r = 0; r < R; ++r) {
+          const __m256 xl = _mm256_set1_ps(x[r][k0 + j]), xh = _mm256_set1_ps(x[r][k0 + half + j]);
+          JS_UNROLL for (int c = 0; c < 4; ++c)
+            p[r][c] = _mm256_fmadd_ps(xh, hi[c], _mm256_fmadd_ps(xl, lo[c], p[r][c]));
+        }
+      }
+    } else {
+      const int8_t* w = static_cast<const int8_t*>(q.w) + g * q.group * q.n + c0;
+      const int64_t k0 = g * q.group;
+      for (int64_t kk = 0; kk < q.group; ++kk) {
+        __m256 wv[4];
+        QmmWiden(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kk * q.n)), true, wv);
+        JS_UNROLL for (int r = 0; r < R; ++r) {
+          const __m256 xb = _mm256_set1_ps(x[r][k0 + kk]);
+          JS_UNROLL for (int c = 0; c < 4; ++c) p[r][c] = _mm256_fmadd_ps(xb, wv[c], p[r][c]);
+        }
+      }
+    }
+    JS_UNROLL for (int c = 0; c < 4; ++c) {
+      const int64_t col = g * q.n + c0 + 8 * c;
+      const __m256 s = _mm256_loadu_ps(q.s + col);
+      const __m256 z = q.z ? _mm256_add_ps(offset, _mm256_loadu_ps(q.z + col)) : offset;
+      JS_UNROLL for (int r = 0; r < R; ++r) {
+        const __m256 sum = _mm256_set1_ps(q.sx[(m0 + r) * groups + g]);
+        const __m256 part = _mm256_fnmadd_ps(z, sum, p[r][c]);
+        _mm256_storeu_ps(acc[r] + 8 * c,
+                         _mm256_fmadd_ps(part, s, _mm256_loadu_ps(acc[r] + 8 * c)));
+      }
+    }
+  }
+}
+
+// More rows: each chunk of a group's rows (kQmmPanelRows weight rows by kQmmCols columns)
+// is converted once into a float32 panel in L1, then every pair of x rows runs its FMAs
+// over the panel; the pairs' partial sums wait in memory between chunks.
+JS_AVX2 JS_INLINE void Avx2QmmPanel(const Qmm& q, int64_t g, int64_t j0, int64_t rows,
+                                    int64_t c0, float (*panel)[kQmmCols]) {
+  const int64_t half = q.group / 2;
+  if (q.int4) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x88));
+    const uint8_t* w = static_cast<const uint8_t*>(q.w) + (g * half + j0) * q.n + c0;
+    for (int64_t j = 0; j < rows; ++j) {
+      const __m256i v = _mm256_xor_si256(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * q.n)), flip);
+      __m256 lo[4], hi[4];
+      QmmWiden(_mm256_and_si256(v, nibble), false, lo);
+      QmmWiden(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), false, hi);
+      JS_UNROLL for (int c = 0; c < 4; ++c) {
+        _mm256_storeu_ps(panel[j] + 8 * c, lo[c]);
+        _mm256_storeu_ps(panel[rows + j] + 8 * c, hi[c]);
+      }
+    }
+  } else {
+    const int8_t* w = static_cast<const int8_t*>(q.w) + (g * q.group + j0) * q.n + c0;
+    for (int64_t j = 0; j < rows; ++j) {
+      __m256 wv[4];
+      QmmWiden(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * q.n)), true, wv);
+      JS_UNROLL for (int c = 0; c < 4; ++c) _mm256_storeu_ps(panel[j] + 8 * c, wv[c]);
+    }
+  }
+}
+
+// part[r] += sum over the panel's rows i of x[r][xk[i]] * panel[i] for R rows of x.
+template <int R>
+JS_AVX2 JS_INLINE void Avx2QmmPanelRows(const float* const* x, const float (*panel)[kQmmCols],
+                                        int64_t rows, int64_t xk0, float (*part)[kQmmCols]) {
+  __m256 p[R][4];
+  JS_UNROLL for (int r = 0; r < R; ++r)
+    JS_UNROLL for (int c = 0; c < 4; ++c) p[r][c] = _mm256_loadu_ps(part[r] + 8 * c);
+  for (int64_t i = 0; i < rows; ++i) {
+    __m256 w[4];
+    JS_UNROLL for (int c = 0; c < 4; ++c) w[c] = _mm256_loadu_ps(panel[i] + 8 * c);
+    JS_UNROLL for (int r = 0; r < R; ++r) {
+      const __m256 xb = _mm256_set1_ps(x[r][xk0 + i]);
+      JS_UNROLL for (int c = 0; c < 4; ++c) p[r][c] = _mm256_fmadd_ps(xb, w[c], p[r][c]);
+    }
+  }
+  JS_UNROLL for (int r = 0; r < R; ++r)
+    JS_UNROLL for (int c = 0; c < 4; ++c) _mm256_storeu_ps(part[r] + 8 * c, p[r][c]);
+}
+
+JS_AVX2 void Avx2QmmPanels(const Qmm& q, int64_t c0, float (*acc)[kQmmCols]) {
+  const int64_t groups = QmmGroups(q), half = q.group / 2;
+  const int64_t step = q.int4 ? std::min(half, kQmmPanelRows / 2)
+                              : std::min(q.group, kQmmPanelRows);  // byte rows per panel
+  alignas(32) float panel[kQmmPanelRows][kQmmCols];
+  float part[kQmmMaxRows][kQmmCols];
+  const float offset = q.int4 ? 8.0f : 0.0f;
+  for (int64_t g = 0; g < groups; ++g) {
+    std::memset(part, 0, sizeof(float) * kQmmCols * q.m);
+    const int64_t k0 = g * q.group, span = q.int4 ? half : q.group;
+    for (int64_t j0 = 0; j0 < span; j0 += step) {
+      const int64_t rows = std::min(step, span - j0);
+      Avx2QmmPanel(q, g, j0, rows, c0, panel);
+      for (int64_t m0 = 0; m0 < q.m; m0 += 2) {
+        const float* x[2] = {q.x + m0 * q.k, q.x + std::min(m0 + 1, q.m - 1) * q.k};
+        // int4: the panel's first `rows` rows are x's k0 + j0 + i, the next `rows` its
+        // k0 + half + j0 + i.
+        if (q.m - m0 >= 2) {
+          Avx2QmmPanelRows<2>(x, panel, rows, k0 + j0, part + m0);
+          if (q.int4) Avx2QmmPanelRows<2>(x, panel + rows, rows, k0 + half + j0, part + m0);
+        } else {
+          Avx2QmmPanelRows<1>(x, panel, rows, k0 + j0, part + m0);
+          if (q.int4) Avx2QmmPanelRows<1>(x, panel + rows, rows, k0 + half + j0, part + m0);
+        }
+      }
+    }
+    for (int64_t m = 0; m < q.m; ++m) {
+      const float sum = q.sx[m * groups + g];
+      for (int64_t c = 0; c < kQmmCols; ++c) {
+        const int64_t col = g * q.n + c0 + c;
+        const float z = offset + (q.z ? q.z[col] : 0.0f);
+        acc[m][c] += (part[m][c] - z * sum) * q.s[col];
+      }
+    }
+  }
+}
+
+template <typename T>
+JS_AVX2 void Avx2QmmCols(const Qmm& q, int64_t c0) {  // kQmmCols columns, every row
+  if (q.m > kQmmDirectRows) {
+    float acc[kQmmMaxRows][kQmmCols] = {};
+    Avx2QmmPanels(q, c0, acc);
+    for (int64_t m = 0; m < q.m; ++m) QmmStore<T>(q, m, c0, acc[m], kQmmCols);
+    return;
+  }
+  float acc[2][kQmmCols] = {};
+  if (q.m == 2) {
+    Avx2QmmTile<2>(q, 0, c0, acc);
+  } else if (q.m == 1) {
+    Avx2QmmTile<1>(q, 0, c0, acc);
+  }
+  for (int64_t r = 0; r < q.m; ++r) QmmStore<T>(q, r, c0, acc[r], kQmmCols);
+}
+#endif  // JS_X86
+
+template <typename T>
+void QmmTask(const Qmm& q, int64_t task) {
+  const int64_t c0 = task * kQmmTaskCols, nc = std::min(kQmmTaskCols, q.n - c0);
+#if JS_X86
+  if (CurrentIsa() >= 1) {
+    int64_t c = 0;
+    for (; c + kQmmCols <= nc; c += kQmmCols) Avx2QmmCols<T>(q, c0 + c);
+    if (c < nc) GenericQmmCols<T>(q, c0 + c, nc - c);
+    return;
+  }
+#endif
+  GenericQmmCols<T>(q, c0, nc);
+}
+
+// x_raw [m, k] in x's dtype -> q.x (float32) and each group's sums q.sx; then the tasks.
+inline void QuantizedMatmul(Runner& run, const void* x_raw, Qmm q, std::vector<float>& xf,
+                            std::vector<float>& sums) {
+  const int64_t groups = QmmGroups(q);
+  xf.resize(q.m * q.k);
+  sums.assign(q.m * groups, 0.0f);
+  for (int64_t i = 0; i < q.m * q.k; ++i)
+    xf[i] = q.bf16 ? Bf16ToF32(static_cast<const uint16_t*>(x_raw)[i])
+                   : static_cast<const float*>(x_raw)[i];
+  for (int64_t m = 0; m < q.m; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.0f;
+      for (int64_t kk = g * q.group; kk < (g + 1) * q.group; ++kk) s += xf[m * q.k + kk];
+      sums[m * groups + g] = s;
+    }
+  q.x = xf.data();
+  q.sx = sums.data();
+  const int64_t tasks = (q.n + kQmmTaskCols - 1) / kQmmTaskCols;
+  if (q.bf16) {
+    run.For(tasks, [&](int64_t t) { QmmTask<uint16_t>(q, t); });
+  } else {
+    run.For(tasks, [&](int64_t t) { QmmTask<float>(q, t); });
+  }
+}
+
+}  // namespace
+}  // namespace jaxserve

@@ -1,0 +1,44 @@
+"""Weight-only quantized matmul as a native CPU kernel (pallas_kernels/cpu/quantized.h,
+`jaxserve_quantized_matmul`) for few rows: decode steps and draft verifications.
+
+A CPU decode step is bound by the bytes of weight it reads; the kernel reads them as stored
+(int8, or int4 two per byte) and converts them in registers, where the reference
+dequantizes the whole weight to x's dtype in memory first (3x slower than float weights
+at batch 1: benchmarks/RESULTS.md). int8 and int4 (any even group, zero points too); fp8
+and more than MAX_ROWS rows take the reference. Rows at or past `rows` (the batch's real
+tokens) are left unwritten and cost nothing, as in the float kernel.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import cpu as native
+from pallas_kernels.quantized_matmul import reference
+
+TARGET = "jaxserve_quantized_matmul"
+KINDS = ("int8", "int4")
+DTYPES = ("float32", "bfloat16")
+MAX_ROWS = 64  # kQmmMaxRows
+
+
+def supports(x: jax.Array, kind: str) -> bool:
+    """Whether the kernel takes this call (its kinds, dtypes and row count) here."""
+    return (kind in KINDS and x.dtype.name in DTYPES and x.shape[0] <= MAX_ROWS
+            and native.available())
+
+
+def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind: str,
+                     rows: jax.Array | None = None, **unused_kernel_options) -> jax.Array:
+    """`x[M, K] @ dequantize(values, scales)` -> `[M, N]` in x's dtype; the reference where
+    the kernel does not apply (`supports`)."""
+    if not supports(x, kind):
+        return reference.quantized_matmul(x, values, scales, kind=kind)
+    rows = jnp.asarray(x.shape[0] if rows is None else rows, jnp.int32).reshape(())
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], values.shape[1]),
+                                                         x.dtype))
+    return call(x, rows, values, scales.astype(jnp.float32))
+
+
+__all__ = ["MAX_ROWS", "quantized_matmul", "supports"]
