@@ -37,7 +37,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "decodes (default 1); tokens then stream N at a time")
     g.add_argument("--quantization", choices=list(QUANTIZATIONS), default=None,
                    help="quantize the linear layers' weights at load (a checkpoint made by "
-                        "`jaxserve convert` is already quantized)")
+                        "`jaxserve convert`, AWQ, GPTQ or compressed-tensors is served as "
+                        "stored)")
+    g.add_argument("--quant-group-size", type=int, default=None, metavar="G",
+                   help="int4: rows per group when jaxserve quantizes (default 128; it must "
+                        "divide every layer's input width)")
+    g.add_argument("--quant-zero-points", action="store_true",
+                   help="int4: asymmetric groups with zero points (GPTQ's min-max)")
     g.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=None,
                    help="KV cache storage: auto (the model dtype), int8 or fp8 (e4m3), with "
                         "a scale per token and head")
@@ -128,6 +134,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "token_buckets": parse_buckets(args.token_buckets), "seed": args.seed,
         "enable_prefix_caching": False if args.no_prefix_caching else None,
         "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+        "quant_group_size": args.quant_group_size,
+        "quant_zero_points": True if args.quant_zero_points else None,
         "kernel_impl": args.kernel_impl, "mesh": parse_mesh(args.mesh),
         "sharding": args.sharding, "compilation_cache_dir": args.compilation_cache_dir,
         "speculative_config": parse_json_object("--speculative-config",

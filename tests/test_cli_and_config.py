@@ -105,6 +105,22 @@ def test_engine_config_validation(tmp_path):
     with pytest.raises(ValueError, match="bogus"):
         EngineConfig.from_yaml(tmp_path / "e.yaml")
     assert EngineConfig.from_yaml("configs/engine/cpu.yaml", max_num_seqs=3).max_num_seqs == 3
+    with pytest.raises(ValueError, match="quant_group_size must be an even integer"):
+        EngineConfig(quantization="int4", quant_group_size=33)
+    with pytest.raises(ValueError, match="zero points.*int4 format"):
+        EngineConfig(quantization="int8", quant_zero_points=True)
+
+
+def test_int4_group_size_and_zero_points_flags():
+    """--quant-group-size / --quant-zero-points reach the model's int4 layers."""
+    from jaxserve.cli import build_parser, engine_config_from_args
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--quantization", "int4",
+                                      "--quant-group-size", "64", "--quant-zero-points"])
+    cfg = engine_config_from_args(args)
+    assert (cfg.quant_group_size, cfg.quant_zero_points) == (64, True)
+    opts = cfg.model_options
+    assert (opts.quantization, opts.quant_group_size, opts.quant_zero_points) == ("int4", 64, True)
 
 
 def test_mesh_and_sharding_settings(tmp_path):
