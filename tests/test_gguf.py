@@ -250,3 +250,20 @@ def test_tiny_gguf_of_each_weight_type(checkpoints, prompts, tmp_path, weight_ty
                         SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(oracle, p, 12)
                                                        for p in prompts[:2]]
+
+
+def test_plan_sizes_a_q4_0_file_as_stored(checkpoints, tmp_path, monkeypatch):
+    """`jaxserve plan --model file.gguf` plans a Q4_0 file's linear layers as int4 in
+    groups of 32, the layout the engine keeps them in."""
+    import sharding.planner as planner
+    from jaxserve.cli import main
+
+    _, model = checkpoints("llama8")
+    path = tmp_path / "tiny-Q4_0.gguf"
+    write_tiny_gguf(model, path, "Q4_0")
+    seen = []
+    monkeypatch.setattr(planner, "plan_target", lambda *a, **k: seen.append(k) or
+                        planner.plan(*a, **k))
+    assert main(["plan", "--model", str(path), "--target", "h100x1", "--max-model-len", "64",
+                 "--max-num-seqs", "4", "--max-num-batched-tokens", "16"]) == 0
+    assert (seen[0]["quantization"], seen[0]["quant_group_size"]) == ("int4", 32)
