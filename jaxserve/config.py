@@ -428,13 +428,16 @@ class ModelOptions:
     mode for the Pallas kernels (CPU tests). int4 weights come in groups of
     `quant_group_size` rows (128 when jaxserve quantizes; a checkpoint's own otherwise),
     with `quant_zero_points` when the checkpoint is asymmetric (AWQ, GPTQ;
-    pallas_kernels/quantized_matmul)."""
+    pallas_kernels/quantized_matmul), and with `quant_act_order` (GPTQ's desc_act) each
+    linear layer's input permuted so that its groups are contiguous rows (`perm`
+    parameters, layers.act_order_perm)."""
 
     kernel_impl: str | None = None
     quantization: str | None = None
     interpret: bool = False
     quant_group_size: int = 128
     quant_zero_points: bool = False
+    quant_act_order: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -451,7 +454,8 @@ class EngineConfig:
     "fp8") quantizes the linear layers' weights at load (embeddings, norms and the LM head
     stay in `dtype`); int4 by groups of `quant_group_size` rows, asymmetric with
     `quant_zero_points`. A checkpoint quantized by its makers (AWQ, GPTQ,
-    compressed-tensors; our converted ones) sets all three to its own at load. `kernel_impl` picks the attention and matmul kernels ("reference":
+    compressed-tensors; our converted ones) sets these to its own at load, and
+    `quant_act_order` for GPTQ's act-order (desc_act) checkpoints. `kernel_impl` picks the attention and matmul kernels ("reference":
     pure JAX / XLA dots | "tpu" | "gpu" | "cpu": the native CPU kernels; None: by
     platform, the native ones on a CPU where they build); `interpret_kernels` runs the
     Pallas kernels in interpret mode (for testing them on CPU). `async_scheduling` dispatches each step
@@ -487,6 +491,7 @@ class EngineConfig:
     quantization: str | None = None
     quant_group_size: int = 128
     quant_zero_points: bool = False
+    quant_act_order: bool = False
     kernel_impl: str | None = None
     interpret_kernels: bool = False
     async_scheduling: bool = True
@@ -536,9 +541,9 @@ class EngineConfig:
                 or self.quant_group_size % 2:
             raise ValueError(f"quant_group_size must be an even integer >= 2, got "
                              f"{self.quant_group_size!r}")
-        if self.quant_zero_points and self.quantization != "int4":
-            raise ValueError("quant_zero_points (asymmetric weights) is an int4 format; set "
-                             "quantization: int4")
+        if (self.quant_zero_points or self.quant_act_order) and self.quantization != "int4":
+            raise ValueError("quant_zero_points (asymmetric weights) and quant_act_order are "
+                             "int4 formats; set quantization: int4")
         if self.sharding not in STRATEGIES:
             raise ValueError(f"sharding must be one of {STRATEGIES}, got {self.sharding!r}")
         if self.mesh is not None:
@@ -561,7 +566,8 @@ class EngineConfig:
         return ModelOptions(kernel_impl=self.kernel_impl, quantization=self.quantization,
                             interpret=self.interpret_kernels,
                             quant_group_size=self.quant_group_size,
-                            quant_zero_points=self.quant_zero_points)
+                            quant_zero_points=self.quant_zero_points,
+                            quant_act_order=self.quant_act_order)
 
     @property
     def kv_storage_dtype(self) -> str:

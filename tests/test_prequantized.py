@@ -120,20 +120,31 @@ def make_awq(float_dir: Path, out: Path, model, group: int) -> Path:
         "version": "gemm", "modules_to_not_convert": None}, model)
 
 
-def make_gptq(float_dir: Path, out: Path, model, group: int, sym: bool, v1: bool) -> Path:
+def make_gptq(float_dir: Path, out: Path, model, group: int, sym: bool, v1: bool,
+              act_order: bool = False) -> Path:
     """AutoGPTQ's layout: qweight [K / 8, N] packed along K, qzeros [K / G, N / 8] along N
-    (each zero point minus one in the v1 format), scales [K / G, N] float16, g_idx."""
+    (each zero point minus one in the v1 format), scales [K / G, N] float16, g_idx. With
+    `act_order` (desc_act), the groups are taken in a random order of the K rows, as GPTQ
+    takes them by decreasing Hessian diagonal: g_idx[order[i]] = i // G."""
     tensors = {}
-    for name, lin in linears(model):
-        u, u0, scale = quantize_4bit(lin.weight.data, group, sym)
-        k = u.shape[1]
+    for i, (name, lin) in enumerate(linears(model)):
+        w = lin.weight.data
+        k = w.shape[1]
+        order = torch.randperm(k, generator=torch.Generator().manual_seed(i)) if act_order \
+            else torch.arange(k)
+        u_sorted, u0, scale = quantize_4bit(w[:, order], group, sym)
+        u = torch.empty_like(u_sorted)
+        u[:, order] = u_sorted  # the integers back in the rows' own order
+        g_idx = torch.empty(k, dtype=torch.int32)
+        g_idx[order] = torch.arange(k, dtype=torch.int32) // group
         tensors[f"{name}.qweight"] = pack_rows(u.T.contiguous())
         tensors[f"{name}.qzeros"] = pack_columns(u0.T.contiguous() - (1 if v1 else 0))
         tensors[f"{name}.scales"] = scale.T.contiguous().half()
-        tensors[f"{name}.g_idx"] = torch.arange(k, dtype=torch.int32) // group
-        lin.weight.data = dequantized(u, u0, scale, group)
+        tensors[f"{name}.g_idx"] = g_idx
+        rows = g_idx.long()  # row k's group
+        lin.weight.data = (u - u0[:, rows]).float() * scale[:, rows]
     return write_checkpoint(float_dir, out, tensors, {
-        "quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+        "quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order,
         "sym": sym, "checkpoint_format": "gptq" if v1 else "gptq_v2"}, model)
 
 
@@ -185,6 +196,8 @@ CASES = {
     "gptq-sym-g32-v1": lambda d, o, m: make_gptq(d, o, m, 32, sym=True, v1=True),
     "gptq-asym-g64-v1": lambda d, o, m: make_gptq(d, o, m, 64, sym=False, v1=True),
     "gptq-asym-g32-v2": lambda d, o, m: make_gptq(d, o, m, 32, sym=False, v1=False),
+    "gptq-act-order-g32": lambda d, o, m: make_gptq(d, o, m, 32, sym=False, v1=True,
+                                                    act_order=True),
     "ct-int4-asym-g32": lambda d, o, m: make_compressed_tensors(d, o, m, dict(
         num_bits=4, type="int", symmetric=False, strategy="group", group_size=32),
         "pack-quantized"),
@@ -214,6 +227,9 @@ def assert_layers_equal_the_float_weights(params, model, kind: str):
         path = ("layers", i, block, proj)
         values, scales = flat[path][...], flat[path[:-1] + (proj + "_scales",)][...]
         ours = np.asarray(dequantize(values, scales, kind, jnp.float32))
+        perm = flat.get(path[:-1] + (proj + "_perm",))
+        if perm is not None:  # act-order: row i holds the weight's row perm[i]
+            ours = ours[np.argsort(np.asarray(perm[...]))]
         np.testing.assert_array_equal(ours, lin.weight.data.float().numpy().T, err_msg=name)
         checked += 1
     assert checked == 2 * len(LINEARS)
@@ -257,10 +273,12 @@ print(json.dumps([o.outputs[0].token_ids for o in outs]))
 
 def test_kv_heads_repeated_over_more_devices_than_heads(float_model, tmp_path, prompts):
     """Tensor parallelism over 2 devices with Qwen2's one KV head repeats the head's columns
-    of the quantized k/v values, scales and zero points: same tokens (in a process of its
-    own with 8 CPU devices)."""
+    of the quantized k/v values, scales and zero points, and an act-order checkpoint's
+    row-split layers (o, down) gather their permuted inputs across the shards: same tokens
+    (in a process of its own with 8 CPU devices)."""
     float_dir, model = float_model("qwen2")
-    qdir = make_gptq(float_dir, tmp_path / "gptq", model, 32, sym=False, v1=True)
+    qdir = make_gptq(float_dir, tmp_path / "gptq", model, 32, sym=False, v1=True,
+                     act_order=True)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
            + " --xla_force_host_platform_device_count=8"}
     proc = subprocess.run([sys.executable, "-c", MESH_RUN, str(qdir), json.dumps(ENGINE),

@@ -83,6 +83,7 @@ def convert(model_dir: str | Path, out_dir: str | Path, dtype: str, quantization
     manifest = {"format": FORMAT, "dtype": dtype, "quantization": options.quantization,
                 "quant_group_size": options.quant_group_size,
                 "quant_zero_points": options.quant_zero_points,
+                "quant_act_order": options.quant_act_order,
                 "source": str(model_dir.absolute()),
                 "source_quantization": stored and stored.method}
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -128,4 +129,5 @@ def served_settings(model_dir: str | Path, quantization: str | None) -> dict:
     manifest = read_manifest(model_dir)
     return dict(quantization=quantization or manifest["quantization"],
                 quant_group_size=manifest.get("quant_group_size", 128),
-                quant_zero_points=manifest.get("quant_zero_points", False))
+                quant_zero_points=manifest.get("quant_zero_points", False),
+                quant_act_order=manifest.get("quant_act_order", False))

@@ -16,8 +16,10 @@ What each becomes (K = in-features, N = out-features, G = the group size):
   rows per word, row 8i + j in bits 4j), `qzeros` int32 `[K / G, N / 8]` (columns likewise),
   `scales` `[K / G, N]`, `g_idx` `[K]`. gptq (v1) stores each zero point minus one. `sym`
   checkpoints (every zero point 8) -> symmetric int4; the others -> int4 with zero points.
-  `desc_act` checkpoints whose `g_idx` is not `k // G` (act-order) are refused: their rows
-  would need the activations permuted in every matmul, which no kernel here does yet.
+  `desc_act` (act-order) checkpoints, whose `g_idx` groups rows in another order: the rows
+  sorted by group (stable), so that each group is contiguous as our int4 holds it, and the
+  permutation kept (`perm`): the layer computes x[..., perm] @ W[perm] = x @ W, a gather
+  of x's features before the matmul (vLLM's GPTQ kernels do the same).
 - compressed-tensors, `pack-quantized` int weights (`weight_packed` int32 `[N, K * bits /
   32]`, values offset by 2^(bits-1); `weight_scale` `[N, K / G]` or `[N, 1]`;
   `weight_zero_point` packed along N when asymmetric): 4 bits -> int4 (group or channel,
@@ -63,6 +65,7 @@ class CheckpointQuantization:
     group_size: int | None  # int4 rows per group; None: one group per column (all of K)
     zero_points: bool  # int4 with zero points
     gptq_v1: bool = False  # GPTQ zero points stored minus one
+    act_order: bool = False  # GPTQ desc_act: rows grouped by g_idx, not k // G
 
     def settings(self, quantization: str | None, cfg: ModelConfig) -> dict:
         """The engine settings (EngineConfig / ModelOptions fields) that serve it; asking
@@ -76,7 +79,7 @@ class CheckpointQuantization:
         # min(group, K)), rounded up to even.
         k = max(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
         return dict(quantization=self.kind, quant_group_size=self.group_size or k + k % 2,
-                    quant_zero_points=self.zero_points)
+                    quant_zero_points=self.zero_points, quant_act_order=self.act_order)
 
 
 def _refuse(field: str, value, what: str) -> ValueError:
@@ -143,8 +146,10 @@ def _read_gptq(qc: dict) -> CheckpointQuantization:
                       "bitblas packings are not supported)")
     _check_not_converted(qc, "modules_to_not_convert")
     sym = qc.get("sym", True)
-    return CheckpointQuantization("gptq", "int4", _group(qc), not sym,
-                                  gptq_v1=fmt == "gptq")
+    group = _group(qc)
+    act_order = bool(qc.get("desc_act")) and group is not None
+    return CheckpointQuantization("gptq", "int4", group, not sym, gptq_v1=fmt == "gptq",
+                                  act_order=act_order)
 
 
 def _read_compressed_tensors(qc: dict) -> CheckpointQuantization:
@@ -194,10 +199,13 @@ def _read_compressed_tensors(qc: dict) -> CheckpointQuantization:
 @dataclasses.dataclass
 class Prequantized:
     """One linear layer's weight as stored quantized, in our layout: `values` `[K', N]`,
-    `scales` as pallas_kernels/quantized_matmul reads them (numpy, on the host)."""
+    `scales` as pallas_kernels/quantized_matmul reads them (numpy, on the host), and for
+    an act-order checkpoint the input permutation `perm` `[K]` its rows were put in
+    (layers.act_order_perm)."""
 
     values: np.ndarray
     scales: np.ndarray
+    perm: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -249,9 +257,16 @@ def _gptq(name: str, t: dict, q: CheckpointQuantization) -> Prequantized:
     u = unpack_rows(t["qweight"])
     k = u.shape[0]
     group = _checked_group(name, k, t["scales"], q)
-    if "g_idx" in t and not np.array_equal(np.asarray(t["g_idx"]), np.arange(k) // group):
-        raise ValueError(f"{name}.g_idx is not k // group_size: an act-order (desc_act) "
-                         "checkpoint, which jaxserve does not serve yet")
+    g_idx = np.asarray(t["g_idx"]) if "g_idx" in t else np.arange(k) // group
+    perm = None
+    if q.act_order:  # rows sorted by group: each group's rows contiguous, as our int4 holds
+        perm = np.argsort(g_idx, kind="stable").astype(np.int32)
+        if not np.array_equal(g_idx[perm], np.arange(k) // group):
+            raise ValueError(f"{name}.g_idx: groups of other than group_size ({group}) rows")
+        u = u[perm]
+    elif not np.array_equal(g_idx, np.arange(k) // group):
+        raise ValueError(f"{name}.g_idx is not k // group_size, yet quantization_config."
+                         "desc_act is false: the checkpoint contradicts itself")
     u0 = unpack_columns(t["qzeros"])[:, :u.shape[1]]
     if q.gptq_v1:
         u0 = (u0 + 1) & 0xF
@@ -259,8 +274,8 @@ def _gptq(name: str, t: dict, q: CheckpointQuantization) -> Prequantized:
         if np.any(u0 != 8):
             raise ValueError(f"{name}.qzeros: a sym checkpoint whose zero points are not "
                              "all 8; its quantization_config.sym is wrong")
-        return _int4(u, None, t["scales"], group)
-    return _int4(u, u0, t["scales"], group)
+        u0 = None
+    return dataclasses.replace(_int4(u, u0, t["scales"], group), perm=perm)
 
 
 def _compressed_tensors(name: str, t: dict, q: CheckpointQuantization) -> Prequantized:

@@ -185,7 +185,7 @@ def _hf_to_ours(name: str, x: np.ndarray, cfg: ModelConfig, kv_replicas: int = 1
         if is_kv_param(path):
             x = Prequantized(repeat_kv_heads(x.values, path, kv_replicas, d, xp=np),
                              repeat_kv_heads(x.scales, _scales_path(path), kv_replicas, d,
-                                             xp=np))
+                                             xp=np), x.perm)
         return path, x, None
     array = convert()
     if is_kv_param(path):
@@ -299,6 +299,10 @@ def random_params(cfg: ModelConfig, dtype, shard: ShardingContext, seed: int = 0
         else:
             sharding = shard.sharding(var.get_metadata()["logical_axes"])
             values[path] = jax.jit(init, out_shardings=sharding)(jax.random.fold_in(key, i))
+    for path, var in expected.items():  # act-order permutations: the identity
+        if path[-1].endswith("_perm"):
+            values[path] = jax.device_put(np.arange(var.shape[0], dtype=np.int32),
+                                          shard.sharding(()))
     return graphdef, fill_state(abstract, values)
 
 
@@ -341,7 +345,13 @@ def place_prequantized(name: str, path: tuple, weight: Prequantized, expected: d
     """A checkpoint's quantized weight onto its devices as stored (loading/prequantized.py),
     each device's shard read from the host arrays on its own."""
     placed = {}
-    for p, array in ((path, weight.values), (_scales_path(path), weight.scales)):
+    parts = [(path, weight.values), (_scales_path(path), weight.scales)]
+    perm_path = path[:-1] + (f"{path[-1]}_perm",)
+    if weight.perm is not None or perm_path in expected:  # act-order: identity if none
+        perm = weight.perm if weight.perm is not None else np.arange(
+            expected[perm_path].shape[0], dtype=np.int32)
+        parts.append((perm_path, perm))
+    for p, array in parts:
         var = expected.get(p)
         if var is None or tuple(array.shape) != tuple(var.shape) or array.dtype != var.dtype:
             want = "float" if var is None else f"{tuple(var.shape)} {var.dtype}"

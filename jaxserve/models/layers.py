@@ -60,6 +60,15 @@ def linear(in_shape: tuple[int, ...], out_shape: tuple[int, ...],
     return values, scales
 
 
+def act_order_perm(in_features: int, options: ModelOptions) -> nnx.Param | None:
+    """The input permutation of a quantized linear layer of an act-order checkpoint (GPTQ's
+    desc_act): its rows were quantized in groups of that order, so the layer holds them
+    so ordered and computes `x[..., perm] @ W[perm]` (= x @ W); None otherwise."""
+    if options.quantization is None or not options.quant_act_order:
+        return None
+    return nnx.Param(jnp.arange(in_features, dtype=jnp.int32), logical_axes=(None,))
+
+
 def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_in: int,
            out_shape: tuple[int, ...], options: ModelOptions, impl: str | None = None,
            rows: jax.Array | None = None, transposed: bool = False,

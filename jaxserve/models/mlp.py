@@ -9,7 +9,7 @@ import jax
 from flax import nnx
 
 from jaxserve.config import ModelConfig, ModelOptions
-from jaxserve.models.layers import linear, rows_impl
+from jaxserve.models.layers import act_order_perm, linear, rows_impl
 from jaxserve.models.lora import MLP_IN, LoraLayer
 from jaxserve.models.parallel import dense_group, row_parallel
 from pallas_kernels.rows import gated_activation
@@ -25,6 +25,9 @@ class MLP(nnx.Module):
         self.up_proj, self.up_proj_scales = linear((e,), (m,), ("embed",), ("mlp",), dtype, options)
         self.down_proj, self.down_proj_scales = linear(
             (m,), (e,), ("mlp",), ("embed",), dtype, options)
+        self.gate_proj_perm = act_order_perm(e, options)  # act-order checkpoints, else None
+        self.up_proj_perm = act_order_perm(e, options)
+        self.down_proj_perm = act_order_perm(m, options)
         self.options = options
         self.sizes = (e, m)
         self.act = cfg.hidden_act
@@ -32,15 +35,15 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array, shard: ShardingContext, rows: jax.Array | None = None,
                  lora: LoraLayer | None = None) -> jax.Array:
         e, m = self.sizes
-        gate, up = dense_group(x, [(self.gate_proj, self.gate_proj_scales, (m,)),
-                                   (self.up_proj, self.up_proj_scales, (m,))],
+        gate, up = dense_group(x, [(self.gate_proj, self.gate_proj_scales, (m,), self.gate_proj_perm),
+                                   (self.up_proj, self.up_proj_scales, (m,), self.up_proj_perm)],
                                self.options, shard, rows)
         if lora is not None:
             gate, up = lora.add(x, MLP_IN, [gate, up])
         h = gated_activation(gate, up, self.act, rows=rows, impl=rows_impl(self.options, rows))
         h = shard.constrain(h, ("tokens", "mlp"))
         y = row_parallel(h, self.down_proj, self.down_proj_scales, 1, (e,), self.options,
-                         shard, rows)
+                         shard, rows, self.down_proj_perm)
         if lora is not None:
             (y,) = lora.add(h, ("down_proj",), [y])
         return y

@@ -34,7 +34,8 @@ SEQ_AXES = ("seqs",)
 
 def dense(x: jax.Array, w: nnx.Param, scales: nnx.Param | None, n_in: int,
           out_shape: tuple[int, ...], options: ModelOptions, shard: ShardingContext,
-          scatter_tokens: bool = False, rows: jax.Array | None = None) -> jax.Array:
+          scatter_tokens: bool = False, rows: jax.Array | None = None,
+          perm: nnx.Param | None = None) -> jax.Array:
     """Contract the last `n_in` dims of x with a weight made by `layers.linear`.
 
     A float weight is one dot, which XLA partitions on a mesh; on one CPU device the
@@ -44,7 +45,12 @@ def dense(x: jax.Array, w: nnx.Param, scales: nnx.Param | None, n_in: int,
     partial products over `model`, reduce-scattering them over tokens when
     `scatter_tokens` (sequence parallelism). Where an int4 weight's groups do not divide
     over the devices, the reference (dequantize and dot) runs instead and XLA partitions it.
+    `perm` (act-order checkpoints, layers.act_order_perm) permutes x's contracted
+    features first (a gather; on a mesh XLA moves a row-split x's shards as it needs).
     """
+    if perm is not None:
+        lead = x.shape[: x.ndim - n_in]
+        x = jnp.take(x.reshape(lead + (-1,)), perm[...], axis=-1).reshape(x.shape)
     single = shard.mesh.size == 1
     if scales is None:
         return matmul(x, w[...], None, n_in, out_shape, options,
@@ -88,23 +94,25 @@ def dense(x: jax.Array, w: nnx.Param, scales: nnx.Param | None, n_in: int,
 def dense_group(x: jax.Array, weights: list[tuple[nnx.Param, nnx.Param | None, tuple[int, ...]]],
                 options: ModelOptions, shard: ShardingContext, rows: jax.Array | None = None
                 ) -> list[jax.Array]:
-    """Several projections of the same x (q/k/v, gate/up), (weight, scales, out_shape) each,
-    as `dense` would compute them; float weights on one CPU device go to the native matmul
-    in one call."""
-    if (shard.mesh.size == 1 and all(s is None for _, s, _ in weights)
+    """Several projections of the same x (q/k/v, gate/up), (weight, scales, out_shape[,
+    perm]) each, as `dense` would compute them; float weights on one CPU device go to the
+    native matmul in one call."""
+    weights = [tuple(w) + (None,) * (4 - len(w)) for w in weights]
+    if (shard.mesh.size == 1 and all(s is None for _, s, _, _ in weights)
             and dense_impl(options) == "cpu"):
-        layouts = {(is_transposed(w), is_packed(w)) for w, _, _ in weights}
+        layouts = {(is_transposed(w), is_packed(w)) for w, _, _, _ in weights}
         if len(layouts) == 1:
             transposed, packed = layouts.pop()
-            return matmul_group(x, [w[...] for w, _, _ in weights], [o for _, _, o in weights],
-                                rows, transposed, packed)
-    return [dense(x, w, s, 1, o, options, shard, rows=rows) for w, s, o in weights]
+            return matmul_group(x, [w[...] for w, _, _, _ in weights],
+                                [o for _, _, o, _ in weights], rows, transposed, packed)
+    return [dense(x, w, s, 1, o, options, shard, rows=rows, perm=p) for w, s, o, p in weights]
 
 
 def row_parallel(x: jax.Array, w: nnx.Param, scales: nnx.Param | None, n_in: int,
                  out_shape: tuple[int, ...], options: ModelOptions, shard: ShardingContext,
-                 rows: jax.Array | None = None) -> jax.Array:
-    """A row-split matmul (o_proj, down_proj) whose result joins the residual stream.
+                 rows: jax.Array | None = None, perm: nnx.Param | None = None) -> jax.Array:
+    """A row-split matmul (o_proj, down_proj) whose result joins the residual stream
+    (`perm`: as `dense`'s).
 
     Under sequence parallelism each device's partial sums are reduce-scattered over
     tokens (shard_map + psum_scatter over `model`): XLA left to itself all-reduces and
@@ -115,7 +123,8 @@ def row_parallel(x: jax.Array, w: nnx.Param, scales: nnx.Param | None, n_in: int
     sp = MODEL in ((residual,) if isinstance(residual, str) else (residual or ()))
     scatter = sp and x.shape[0] % shard.axis_size(residual) == 0
     if scales is not None:  # quantized: dense runs the kernel per device
-        return dense(x, w, scales, n_in, out_shape, options, shard, scatter_tokens=scatter)
+        return dense(x, w, scales, n_in, out_shape, options, shard, scatter_tokens=scatter,
+                     rows=rows, perm=perm)
     if not scatter:
         y = dense(x, w, scales, n_in, out_shape, options, shard, rows=rows)
         return shard.constrain(y, RESIDUAL_AXES)

@@ -20,8 +20,8 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig, ModelOptions
 from jaxserve.models.layers import (
-    embedding, is_packed, is_transposed, linear, lm_head, param, rms_norm, rope_inv_freq,
-    rows_impl)
+    act_order_perm, embedding, is_packed, is_transposed, linear, lm_head, param, rms_norm,
+    rope_inv_freq, rows_impl)
 from jaxserve.models.lora import ATTENTION_IN, LoraInputs, LoraLayer, delta_impl
 from jaxserve.models.mlp import MLP
 from jaxserve.models.moe import MoE
@@ -94,6 +94,11 @@ class Attention(nnx.Module):
             (x,), (hkv, d), ("embed",), ("cache_heads", "head_dim"), dtype, options)
         self.o_proj, self.o_proj_scales = linear(
             (hq, d), (e,), ("q_heads", "head_dim"), ("embed",), dtype, options)
+        # Act-order checkpoints: each projection's input permutation (None otherwise).
+        self.q_proj_perm = act_order_perm(x, options)
+        self.k_proj_perm = act_order_perm(x, options)
+        self.v_proj_perm = act_order_perm(x, options)
+        self.o_proj_perm = act_order_perm(hq * d, options)
         if cfg.qkv_bias:
             self.q_bias = param((hq, d), ("q_heads", "head_dim"), dtype)
             self.k_bias = param((hkv, d), ("cache_heads", "head_dim"), dtype)
@@ -114,9 +119,9 @@ class Attention(nnx.Module):
         cfg = self.cfg
         inv_freq = rope_inv_freq(cfg.head_dim, *self.rope)
         hq, hkv, d = cfg.num_heads, self.kv_heads, cfg.head_dim
-        q, k, v = dense_group(x, [(self.q_proj, self.q_proj_scales, (hq, d)),
-                                  (self.k_proj, self.k_proj_scales, (hkv, d)),
-                                  (self.v_proj, self.v_proj_scales, (hkv, d))],
+        q, k, v = dense_group(x, [(self.q_proj, self.q_proj_scales, (hq, d), self.q_proj_perm),
+                                  (self.k_proj, self.k_proj_scales, (hkv, d), self.k_proj_perm),
+                                  (self.v_proj, self.v_proj_scales, (hkv, d), self.v_proj_perm)],
                               self.options, shard, rows)
         if lora is not None:
             q, k, v = lora.add(x, ATTENTION_IN, [q, k, v])
@@ -133,7 +138,7 @@ class Attention(nnx.Module):
                                   soft_cap=cfg.attn_logit_softcap)
         attended = out
         out = row_parallel(out, self.o_proj, self.o_proj_scales, 2, (cfg.hidden_size,),
-                           self.options, shard, rows)
+                           self.options, shard, rows, self.o_proj_perm)
         if lora is not None:
             (out,) = lora.add(attended, ("o_proj",), [out])
         if cfg.o_bias:
