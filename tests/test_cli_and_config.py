@@ -107,7 +107,7 @@ def test_engine_config_validation(tmp_path):
     assert EngineConfig.from_yaml("configs/engine/cpu.yaml", max_num_seqs=3).max_num_seqs == 3
     with pytest.raises(ValueError, match="quant_group_size must be an even integer"):
         EngineConfig(quantization="int4", quant_group_size=33)
-    with pytest.raises(ValueError, match="quant_zero_points .* is an int4 format"):
+    with pytest.raises(ValueError, match="quant_zero_points .* are int4 formats"):
         EngineConfig(quantization="int8", quant_zero_points=True)
 
 
