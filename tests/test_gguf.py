@@ -135,10 +135,12 @@ LINEAR_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
-def write_tiny_gguf(model, path: Path, weight_type: str) -> dict:
-    """The tiny Llama `model` as llama.cpp's converter writes it (q/k rows interleaved per
-    head, norms in F32), its linear layers and embedding in `weight_type`; the demo's byte
-    tokenizer as a GPT-2 vocabulary. Returns {HF name: the weight as the `gguf` package
+def write_tiny_gguf(model, path: Path, weight_type: str, arch: str = "llama",
+                    pre: str = "default") -> dict:
+    """The tiny `model` (Llama, Qwen2 or Qwen3) as llama.cpp's converter writes it (a
+    Llama's q/k rows interleaved per head; norms and biases in F32), its linear layers and
+    embedding in `weight_type`; the demo's byte tokenizer (and one merge) as a GPT-2
+    vocabulary split by `pre`. Returns {HF name: the weight as the `gguf` package
     dequantizes it, in Hugging Face's row order}."""
     import gguf as gguf_package
     from gguf.quants import dequantize, quantize
@@ -146,7 +148,7 @@ def write_tiny_gguf(model, path: Path, weight_type: str) -> dict:
 
     kind = gguf_package.GGMLQuantizationType[weight_type]
     cfg = model.config
-    w = gguf_package.GGUFWriter(str(path), "llama")
+    w = gguf_package.GGUFWriter(str(path), arch)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
@@ -156,22 +158,29 @@ def write_tiny_gguf(model, path: Path, weight_type: str) -> dict:
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_theta if hasattr(cfg, "rope_theta")
                          else cfg.rope_parameters["rope_theta"])
+    w.add_key_length(cfg.head_dim if getattr(cfg, "head_dim", None)
+                     else cfg.hidden_size // cfg.num_attention_heads)
     w.add_vocab_size(cfg.vocab_size)
-    tokens = ["<s>", "</s>", "<unk>"] + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["ĠĠ"]
+    # Merges that cross the splits' boundaries differently: digits are one piece for GPT-2,
+    # runs of up to three for Llama 3, single digits for Qwen2.
+    merged = ["ĠĠ", "12", "123"]
+    tokens = ["<s>", "</s>", "<unk>"] + sorted(pre_tokenizers.ByteLevel.alphabet()) + merged
     tokens += [f"<extra_{i}>" for i in range(cfg.vocab_size - len(tokens))]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
-    w.add_token_types([3, 3, 3] + [1] * 257 + [4] * (cfg.vocab_size - 260))
-    w.add_token_merges(["Ġ Ġ"])
+    w.add_token_types([3, 3, 3] + [1] * (256 + len(merged))
+                      + [4] * (cfg.vocab_size - 259 - len(merged)))
+    w.add_token_merges(["Ġ Ġ", "1 2", "12 3"])
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
-    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads} \
+        if arch == "llama" else {}
     truth = {}
 
     def add(gguf_name: str, hf_name: str, x: np.ndarray, typed: bool):
         x = x.astype(np.float32)
-        n = heads.get(hf_name.split(".")[-2])
+        n = heads.get(hf_name.split(".")[-2]) if hf_name.endswith(".weight") else None
         if n:  # llama.cpp's permute: each head's rotary halves interleaved
             x = x.reshape(n, 2, x.shape[0] // n // 2, -1).swapaxes(1, 2).reshape(x.shape)
         if typed and kind != gguf_package.GGMLQuantizationType.F32:
@@ -189,7 +198,8 @@ def write_tiny_gguf(model, path: Path, weight_type: str) -> dict:
     add("token_embd.weight", "model.embed_tokens.weight", state["model.embed_tokens.weight"],
         True)
     add("output_norm.weight", "model.norm.weight", state["model.norm.weight"], False)
-    add("output.weight", "lm_head.weight", state["lm_head.weight"], False)
+    if not cfg.tie_word_embeddings:
+        add("output.weight", "lm_head.weight", state["lm_head.weight"], False)
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}"
         add(f"blk.{i}.attn_norm.weight", f"{p}.input_layernorm.weight",
@@ -198,6 +208,12 @@ def write_tiny_gguf(model, path: Path, weight_type: str) -> dict:
             state[f"{p}.post_attention_layernorm.weight"], False)
         for hf, g in LINEAR_GGUF.items():
             add(f"blk.{i}.{g}.weight", f"{p}.{hf}.weight", state[f"{p}.{hf}.weight"], True)
+            if f"{p}.{hf}.bias" in state:  # Qwen2's q/k/v biases
+                add(f"blk.{i}.{g}.bias", f"{p}.{hf}.bias", state[f"{p}.{hf}.bias"], False)
+        for qk in ("q", "k"):  # Qwen3's q/k norms
+            if f"{p}.self_attn.{qk}_norm.weight" in state:
+                add(f"blk.{i}.attn_{qk}_norm.weight", f"{p}.self_attn.{qk}_norm.weight",
+                    state[f"{p}.self_attn.{qk}_norm.weight"], False)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -267,3 +283,42 @@ def test_plan_sizes_a_q4_0_file_as_stored(checkpoints, tmp_path, monkeypatch):
     assert main(["plan", "--model", str(path), "--target", "h100x1", "--max-model-len", "64",
                  "--max-num-seqs", "4", "--max-num-batched-tokens", "16"]) == 0
     assert (seen[0]["quantization"], seen[0]["quant_group_size"]) == ("int4", 32)
+
+
+@pytest.mark.parametrize("arch, pre", [("qwen2", "qwen2"), ("qwen3", "qwen2"),
+                                       ("llama8", "llama-bpe")])
+def test_tiny_gguf_families_and_their_text_splitting(checkpoints, prompts, tmp_path, arch,
+                                                     pre):
+    """Qwen2 (q/k/v biases, tied embeddings) and Qwen3 (q/k norms) files, and Llama 3's
+    splitting: greedy tokens equal transformers on the `gguf` package's dequantized
+    weights, and the tokenizer equals transformers' conversion of the same file."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from conftest import hf_greedy
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.loading import gguf
+    from jaxserve.loading.tokenizer import Tokenizer
+
+    _, model = checkpoints(arch)
+    family = "llama" if arch.startswith("llama") else arch
+    path = tmp_path / f"tiny-{arch}.gguf"
+    truth = write_tiny_gguf(model, path, "Q8_0", arch=family, pre=pre)
+    oracle = type(model)(model.config).eval()
+    missing, _ = oracle.load_state_dict({k: torch.from_numpy(v) for k, v in truth.items()},
+                                        strict=False)
+    assert not [m for m in missing if "rotary" not in m and m != "lm_head.weight"], missing
+    if model.config.tie_word_embeddings:
+        oracle.tie_weights()
+    llm = LLM(str(path), dtype="float32", max_model_len=64, page_size=4, max_num_seqs=4,
+              max_num_batched_tokens=16, token_buckets=(16,))
+    outs = llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=12,
+                                                    ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(oracle, p, 12)
+                                                       for p in prompts[:2]]
+    ours = Tokenizer.from_pretrained(gguf.metadata_dir(path))
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in ["Hello  world, IT'S 4123 o'clock!\n\n  Tabs\tand  spaces", "  two  spaces",
+                 "4123 12312345"]:
+        assert ours.encode(text, add_special_tokens=False) == \
+            theirs.encode(text, add_special_tokens=False), text

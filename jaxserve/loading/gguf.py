@@ -1,9 +1,11 @@
 """GGUF files (llama.cpp's and Ollama's format) served as they are: `--model file.gguf`.
 
 What this reads: the Llama family (`general.architecture` "llama": Llama, Mistral, SmolLM,
-TinyLlama and the like) with a byte-level BPE vocabulary (`tokenizer.ggml.model` "gpt2",
-split as GPT-2 splits: `tokenizer.ggml.pre` "default", "gpt2" or "smollm"). Anything else is
-refused at load, naming the field. The model config, the tokenizer (vocabulary, merges,
+TinyLlama and the like), Qwen2 and Qwen3 (their q/k/v biases, q/k norms), with a byte-level
+BPE vocabulary (`tokenizer.ggml.model` "gpt2") split as GPT-2 splits (`tokenizer.ggml.pre`
+"default", "gpt2", "smollm") or by Llama 3's or Qwen2's regex ("llama-bpe", "qwen2" and
+their aliases, as transformers' GGUF loader names them). Anything else (SentencePiece
+vocabularies: Gemma's, Llama 2's; MoE files) is refused at load, naming the field. The model config, the tokenizer (vocabulary, merges,
 control tokens, BOS/EOS, `add_bos`) and the chat template come from the file's metadata;
 the weights of every type the `gguf` package dequantizes (F32/F16/BF16, Q8_0, Q4_0/Q4_1,
 Q5_0/Q5_1, the K-quants) are dequantized to the engine's dtype as they are read, one tensor
@@ -30,16 +32,29 @@ import numpy as np
 
 from jaxserve.loading.tokenizer import gpt2_byte_table
 
-ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM")}
+ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+                 "qwen3": ("qwen3", "Qwen3ForCausalLM")}
+# llama.cpp's converter interleaves q/k's rotary halves for these (its LlamaModel only).
+PERMUTED_QK = {"llama"}
 # Pre-tokenizers whose text splitting is GPT-2's own regex (ByteLevel's).
 GPT2_SPLITS = {"default", "gpt2", "smollm"}
+# The others this reads: the regex each vocabulary's merges were learned on (Llama 3's and
+# Qwen2's, as llama.cpp's `tokenizer.ggml.pre` names them), then byte-level spelling.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+REGEX_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+                "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT,
+                "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "megrez": _QWEN2_SPLIT}
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                  "output": "lm_head"}
@@ -102,6 +117,8 @@ def hf_config(reader) -> dict:
         "tie_word_embeddings": "output.weight" not in names,
         "torch_dtype": "float32",
     }
+    if arch in ("qwen2", "qwen3"):
+        config["use_sliding_window"] = False
     for key in ("bos", "eos"):
         value = _field(reader, f"tokenizer.ggml.{key}_token_id")
         if value is not None:
@@ -174,6 +191,8 @@ def tensors(reader, config: dict, keep: bool = False) -> Iterator[tuple[str, np.
         shape = tuple(int(n) for n in reversed(t.shape))  # [N, K]
         heads = {"q_proj": config["num_attention_heads"],
                  "k_proj": config["num_key_value_heads"]}.get(name.split(".")[-2])
+        if config["model_type"] not in PERMUTED_QK or not name.endswith(".weight"):
+            heads = None
         if keep and _is_linear(t.name):
             w = _q4_0_as_int4(t.data, *shape)
             if heads:  # the interleaved rotary halves are columns N here
@@ -189,16 +208,17 @@ def tensors(reader, config: dict, keep: bool = False) -> Iterator[tuple[str, np.
 
 def tokenizer_files(reader) -> dict[str, dict]:
     """tokenizer.json and tokenizer_config.json of the file's vocabulary."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     kind = _required(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"tokenizer.ggml.model {kind!r}: only byte-level BPE (\"gpt2\") "
                          "vocabularies are supported in GGUF files yet")
     split = _field(reader, "tokenizer.ggml.pre", "default")
-    if split not in GPT2_SPLITS:
-        raise ValueError(f"tokenizer.ggml.pre {split!r}: only GPT-2's text splitting "
-                         f"({sorted(GPT2_SPLITS)}) is supported in GGUF files yet")
+    if split not in GPT2_SPLITS and split not in REGEX_SPLITS:
+        raise ValueError(f"tokenizer.ggml.pre {split!r}: the text splitting of "
+                         f"{sorted(GPT2_SPLITS | set(REGEX_SPLITS))} is supported in GGUF "
+                         "files yet")
     tokens = list(_required(reader, "tokenizer.ggml.tokens"))
     types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
     spelling = gpt2_byte_table()
@@ -208,6 +228,10 @@ def tokenizer_files(reader) -> dict[str, dict]:
     merges = [tuple(m.split(" ")) for m in _required(reader, "tokenizer.ggml.merges")]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split in REGEX_SPLITS:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(REGEX_SPLITS[split]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, kind in zip(tokens, types)
