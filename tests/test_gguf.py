@@ -285,13 +285,15 @@ def test_plan_sizes_a_q4_0_file_as_stored(checkpoints, tmp_path, monkeypatch):
     assert (seen[0]["quantization"], seen[0]["quant_group_size"]) == ("int4", 32)
 
 
-@pytest.mark.parametrize("arch, pre", [("qwen2", "qwen2"), ("qwen3", "qwen2"),
-                                       ("llama8", "llama-bpe")])
+@pytest.mark.parametrize("arch, pre, weight_type", [("qwen2", "qwen2", "Q4_0"),
+                                                    ("qwen3", "qwen2", "Q8_0"),
+                                                    ("llama8", "llama-bpe", "Q5_1")])
 def test_tiny_gguf_families_and_their_text_splitting(checkpoints, prompts, tmp_path, arch,
-                                                     pre):
-    """Qwen2 (q/k/v biases, tied embeddings) and Qwen3 (q/k norms) files, and Llama 3's
-    splitting: greedy tokens equal transformers on the `gguf` package's dequantized
-    weights, and the tokenizer equals transformers' conversion of the same file."""
+                                                     pre, weight_type):
+    """Qwen2 (q/k/v biases beside Q4_0 weights kept as int4, tied embeddings) and Qwen3
+    (q/k norms) files, and Llama 3's splitting: greedy tokens equal transformers on the
+    `gguf` package's dequantized weights, and the tokenizer equals transformers'
+    conversion of the same file."""
     import torch
     from transformers import AutoTokenizer
 
@@ -303,7 +305,7 @@ def test_tiny_gguf_families_and_their_text_splitting(checkpoints, prompts, tmp_p
     _, model = checkpoints(arch)
     family = "llama" if arch.startswith("llama") else arch
     path = tmp_path / f"tiny-{arch}.gguf"
-    truth = write_tiny_gguf(model, path, "Q8_0", arch=family, pre=pre)
+    truth = write_tiny_gguf(model, path, weight_type, arch=family, pre=pre)
     oracle = type(model)(model.config).eval()
     missing, _ = oracle.load_state_dict({k: torch.from_numpy(v) for k, v in truth.items()},
                                         strict=False)

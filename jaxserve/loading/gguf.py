@@ -151,8 +151,10 @@ Q4_0_GROUP = 32
 
 
 def _is_linear(name: str) -> bool:
+    """A decoder linear layer's weight (not its bias)."""
     parts = name.split(".")
-    return len(parts) == 4 and parts[0] == "blk" and parts[2] in _LINEAR_STEMS
+    return (len(parts) == 4 and parts[0] == "blk" and parts[2] in _LINEAR_STEMS
+            and parts[3] == "weight")
 
 
 def stored_settings(path: str | os.PathLike) -> dict | None:
