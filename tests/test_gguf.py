@@ -135,8 +135,29 @@ LINEAR_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
+SP_PIECES = ["▁", "a", "b", "c", "▁a", "ab", "▁ab", "bc", "abc", "▁abc", "H", "e", "l", "o",
+             "▁H", "ll", "llo", "He", "Hello", "▁Hello", "▁▁", "▁b", "ca"]
+
+
+def write_sentencepiece_vocab(w, vocab_size: int) -> None:
+    """A SentencePiece BPE vocabulary as llama.cpp writes Llama 2's: <unk>, <s>, </s>, the
+    256 byte tokens, pieces with falling scores (no merges: they follow from the scores)."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SP_PIECES
+    types = [2, 3, 3] + [6] * 256 + [1] * len(SP_PIECES)
+    scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(SP_PIECES))]
+    extra = vocab_size - len(tokens)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens + [f"<extra_{i}>" for i in range(extra)])
+    w.add_token_types(types + [5] * extra)  # UNUSED
+    w.add_token_scores(scores + [-1000.0] * extra)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(True)
+
+
 def write_tiny_gguf(model, path: Path, weight_type: str, arch: str = "llama",
-                    pre: str = "default") -> dict:
+                    pre: str = "default", sentencepiece: bool = False) -> dict:
     """The tiny `model` (Llama, Qwen2 or Qwen3) as llama.cpp's converter writes it (a
     Llama's q/k rows interleaved per head; norms and biases in F32), its linear layers and
     embedding in `weight_type`; the demo's byte tokenizer (and one merge) as a GPT-2
@@ -166,14 +187,17 @@ def write_tiny_gguf(model, path: Path, weight_type: str, arch: str = "llama",
     merged = ["ĠĠ", "12", "123"]
     tokens = ["<s>", "</s>", "<unk>"] + sorted(pre_tokenizers.ByteLevel.alphabet()) + merged
     tokens += [f"<extra_{i}>" for i in range(cfg.vocab_size - len(tokens))]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types([3, 3, 3] + [1] * (256 + len(merged))
-                      + [4] * (cfg.vocab_size - 259 - len(merged)))
-    w.add_token_merges(["Ġ Ġ", "1 2", "12 3"])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(1)
+    if sentencepiece:
+        write_sentencepiece_vocab(w, cfg.vocab_size)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_types([3, 3, 3] + [1] * (256 + len(merged))
+                          + [4] * (cfg.vocab_size - 259 - len(merged)))
+        w.add_token_merges(["Ġ Ġ", "1 2", "12 3"])
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(1)
     heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads} \
         if arch == "llama" else {}
     truth = {}
@@ -324,3 +348,33 @@ def test_tiny_gguf_families_and_their_text_splitting(checkpoints, prompts, tmp_p
                  "4123 12312345"]:
         assert ours.encode(text, add_special_tokens=False) == \
             theirs.encode(text, add_special_tokens=False), text
+
+
+def test_sentencepiece_vocabulary_equals_transformers_conversion(checkpoints, tmp_path):
+    """A Llama 2-style file (tokenizer.ggml.model "llama": scores, byte tokens, no merges):
+    our tokenizer encodes and decodes as transformers' conversion of the same file, byte
+    fallback for characters outside the pieces included; the model serves."""
+    from transformers import AutoTokenizer
+
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.loading import gguf
+    from jaxserve.loading.tokenizer import Tokenizer
+
+    _, model = checkpoints("llama8")
+    path = tmp_path / "tiny-sp.gguf"
+    write_tiny_gguf(model, path, "Q8_0", sentencepiece=True)
+    ours = Tokenizer.from_pretrained(gguf.metadata_dir(path))
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in ["abc ab a", "Hello Hello", "  abc\nxyz \u2603 bca", " Hello", "cab  ab"]:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text), text
+        assert ids[0] == 1  # add_bos
+        assert ours.decode(ids, skip_special_tokens=True) == \
+            theirs.decode(ids, skip_special_tokens=True), text
+    # Merges by score: "▁a" first, then "▁ab", then "▁abc" (pieces after the 259 others).
+    assert ours.encode("abc", add_special_tokens=False) == [259 + SP_PIECES.index("▁abc")]
+    llm = LLM(str(path), dtype="float32", max_model_len=64, max_num_seqs=2,
+              max_num_batched_tokens=16, token_buckets=(16,))
+    out = llm.generate(["abc Hello"], SamplingParams(temperature=0.0, max_tokens=4,
+                                                     ignore_eos=True))[0]
+    assert out.prompt_token_ids == theirs.encode("abc Hello") and len(out.outputs[0].token_ids) == 4

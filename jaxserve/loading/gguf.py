@@ -4,8 +4,10 @@ What this reads: the Llama family (`general.architecture` "llama": Llama, Mistra
 TinyLlama and the like), Qwen2 and Qwen3 (their q/k/v biases, q/k norms), with a byte-level
 BPE vocabulary (`tokenizer.ggml.model` "gpt2") split as GPT-2 splits (`tokenizer.ggml.pre`
 "default", "gpt2", "smollm") or by Llama 3's or Qwen2's regex ("llama-bpe", "qwen2" and
-their aliases, as transformers' GGUF loader names them). Anything else (SentencePiece
-vocabularies: Gemma's, Llama 2's; MoE files) is refused at load, naming the field. The model config, the tokenizer (vocabulary, merges,
+their aliases, as transformers' GGUF loader names them), or a SentencePiece BPE vocabulary
+(`tokenizer.ggml.model` "llama": Llama 2, Mistral, TinyLlama; merges implied by the
+scores, byte fallback). Anything else (Gemma's SentencePiece variant, MoE files) is
+refused at load, naming the field. The model config, the tokenizer (vocabulary, merges,
 control tokens, BOS/EOS, `add_bos`) and the chat template come from the file's metadata;
 the weights of every type the `gguf` package dequantizes (F32/F16/BF16, Q8_0, Q4_0/Q4_1,
 Q5_0/Q5_1, the K-quants) are dequantized to the engine's dtype as they are read, one tensor
@@ -48,6 +50,8 @@ REGEX_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe":
                 "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT,
                 "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "megrez": _QWEN2_SPLIT}
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
+# Part of the metadata directory's cache key: bump it when what is written there changes.
+METADATA_VERSION = 2
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -208,21 +212,29 @@ def tensors(reader, config: dict, keep: bool = False) -> Iterator[tuple[str, np.
         yield name, w
 
 
-def tokenizer_files(reader) -> dict[str, dict]:
-    """tokenizer.json and tokenizer_config.json of the file's vocabulary."""
+def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies (a GGUF file of one stores none):
+    every split of a token into two tokens of the vocabulary is a merge, ranked by the
+    token's score, best first (ties: the longer left piece first, then the longer right,
+    then by the pieces' ids), as SentencePiece-to-BPE conversions rank them."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    ranked = []
+    for token, score in dict(zip(tokens, scores)).items():
+        pieces = [(token[:i], token[i:]) for i in range(1, len(token))
+                  if token[:i] in ids and token[i:] in ids]
+        ranked += [(a, b, score) for a, b in sorted(pieces, key=lambda p: (ids[p[0]], ids[p[1]]))]
+    ranked.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in ranked]
+
+
+def _byte_level_bpe(reader, tokens: list[str], types: list[int]):
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    kind = _required(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"tokenizer.ggml.model {kind!r}: only byte-level BPE (\"gpt2\") "
-                         "vocabularies are supported in GGUF files yet")
     split = _field(reader, "tokenizer.ggml.pre", "default")
     if split not in GPT2_SPLITS and split not in REGEX_SPLITS:
         raise ValueError(f"tokenizer.ggml.pre {split!r}: the text splitting of "
                          f"{sorted(GPT2_SPLITS | set(REGEX_SPLITS))} is supported in GGUF "
                          "files yet")
-    tokens = list(_required(reader, "tokenizer.ggml.tokens"))
-    types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
     spelling = gpt2_byte_table()
     alphabet = set(spelling.values())
     vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode())): i
@@ -235,13 +247,74 @@ def tokenizer_files(reader) -> dict[str, dict]:
             pre_tokenizers.Split(Regex(REGEX_SPLITS[split]), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
+    # A control token spelled outside the byte alphabet is a mislabel (transformers skips
+    # it too: adding it would grow the vocabulary past the model's).
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, kind in zip(tokens, types)
                             if kind == CONTROL and set(t) <= alphabet])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
                     for t, kind in zip(tokens, types) if kind == USER_DEFINED and t in vocab])
+    return tok
+
+
+def _sentencepiece_bpe(reader, tokens: list[str], types: list[int]):
+    """Llama 2's, Mistral's and TinyLlama's vocabularies: SentencePiece BPE with byte
+    fallback (`<0x0A>` tokens), "▁" for a space and one before the text."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    scores = list(_required(reader, "tokenizer.ggml.scores"))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    unk = _field(reader, "tokenizer.ggml.unknown_token_id")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges_from_scores(tokens, scores),
+                               fuse_unk=True, byte_fallback=True,
+                               unk_token=None if unk is None else tokens[int(unk)]))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first",
+                                                 split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(content=" ", left=1)])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, kind in zip(tokens, types) if kind == CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, kind in zip(tokens, types) if kind == USER_DEFINED])
+    return tok
+
+
+def _add_bos_eos(tok, reader, tokens: list[str], add_bos: bool, add_eos: bool) -> None:
+    """The file's `add_bos_token` / `add_eos_token` as tokenizer.json's post-processor
+    (what decides what encode adds, as in transformers)."""
+    from tokenizers import processors
+
+    marks = []
+    for key, wanted in (("bos", add_bos), ("eos", add_eos)):
+        index = _field(reader, f"tokenizer.ggml.{key}_token_id")
+        marks.append(tokens[int(index)] if wanted and index is not None else None)
+    bos, eos = marks
+    if bos is None and eos is None:
+        return
+
+    def template(piece: str, seq: int) -> str:
+        return " ".join(([f"{bos}:{seq}"] if bos else []) + [f"{piece}:{seq}"]
+                        + ([f"{eos}:{seq}"] if eos else []))
+
+    tok.post_processor = processors.TemplateProcessing(
+        single=template("$A", 0), pair=f"{template('$A', 0)} {template('$B', 1)}",
+        special_tokens=[(t, tokens.index(t)) for t in (bos, eos) if t])
+
+
+def tokenizer_files(reader) -> dict[str, dict]:
+    """tokenizer.json and tokenizer_config.json of the file's vocabulary."""
+    kind = _required(reader, "tokenizer.ggml.model")
+    builders = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
+    if kind not in builders:
+        raise ValueError(f"tokenizer.ggml.model {kind!r}: byte-level BPE (\"gpt2\") and "
+                         "SentencePiece BPE (\"llama\") vocabularies are supported in GGUF "
+                         "files yet")
+    tokens = list(_required(reader, "tokenizer.ggml.tokens"))
+    types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
+    tok = builders[kind](reader, tokens, types)
     config = {"add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
               "add_eos_token": bool(_field(reader, "tokenizer.ggml.add_eos_token", False))}
+    _add_bos_eos(tok, reader, tokens, config["add_bos_token"], config["add_eos_token"])
     for key in ("bos", "eos", "unknown", "padding"):
         index = _field(reader, f"tokenizer.ggml.{key}_token_id")
         if index is not None and 0 <= int(index) < len(tokens):
@@ -255,10 +328,12 @@ def tokenizer_files(reader) -> dict[str, dict]:
 
 def metadata_dir(path: str | os.PathLike) -> Path:
     """A directory with the file's config.json, tokenizer.json and tokenizer_config.json
-    (written once, named for the file's path, size and modification time)."""
+    (written once, named for the file's path, size and modification time and for
+    METADATA_VERSION)."""
     path = Path(path).resolve()
     stat = path.stat()
-    key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{METADATA_VERSION}:{path}:{stat.st_size}:{stat.st_mtime_ns}"
+                         .encode()).hexdigest()[:16]
     from jaxserve.demo import cache_root
 
     out = cache_root() / "gguf" / f"{path.stem}-{key}"
