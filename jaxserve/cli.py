@@ -301,11 +301,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from jaxserve.config import ModelConfig
+    from jaxserve.loading import gguf
     from jaxserve.loading.converted import convert, read_manifest
     from sharding.mesh import make_mesh
     from sharding.rules import model_sharding
 
-    cfg = ModelConfig.from_file(args.model)
+    model = gguf.metadata_dir(args.model) if gguf.is_gguf(args.model) else args.model
+    cfg = ModelConfig.from_file(model)
     shard = model_sharding(make_mesh(parse_mesh(args.mesh)), "tp", cfg)
     out = convert(args.model, args.out, args.dtype, args.quantization, shard)
     manifest = read_manifest(out)

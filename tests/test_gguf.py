@@ -4,6 +4,7 @@ downloaded once and cached), its tokenizer, chat template and greedy tokens."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -378,3 +379,26 @@ def test_sentencepiece_vocabulary_equals_transformers_conversion(checkpoints, tm
     out = llm.generate(["abc Hello"], SamplingParams(temperature=0.0, max_tokens=4,
                                                      ignore_eos=True))[0]
     assert out.prompt_token_ids == theirs.encode("abc Hello") and len(out.outputs[0].token_ids) == 4
+
+
+def test_convert_a_q4_0_file_keeps_its_int4(checkpoints, prompts, tmp_path):
+    """`jaxserve convert --model file.gguf` writes our checkpoint with the file's Q4_0
+    layers as int4 in groups of 32 and its tokenizer; it serves the tokens the file does."""
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.cli import main
+
+    _, model = checkpoints("llama8")
+    path = tmp_path / "tiny-Q4_0.gguf"
+    write_tiny_gguf(model, path, "Q4_0")
+    out = tmp_path / "converted"
+    assert main(["convert", "--model", str(path), "--out", str(out), "--dtype", "float32"]) == 0
+    manifest = json.loads((out / "jaxserve.json").read_text())
+    assert (manifest["quantization"], manifest["quant_group_size"],
+            manifest["source_quantization"]) == ("int4", 32, "gguf")
+    assert (out / "tokenizer.json").is_file()
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine = dict(dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
+                  token_buckets=(16,))
+    want = [o.outputs[0].token_ids for o in LLM(str(path), **engine).generate(prompts[:2], greedy)]
+    got = [o.outputs[0].token_ids for o in LLM(str(out), **engine).generate(prompts[:2], greedy)]
+    assert got == want

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig, ModelOptions
-from jaxserve.loading import prequantized
+from jaxserve.loading import gguf, prequantized
 from jaxserve.loading.safetensors import (
     abstract_model, checkpoint_tensors, is_kv_param, kv_heads_shape, load_checkpoint,
     repeat_kv_heads, unrepeat_kv_heads)
@@ -57,17 +57,23 @@ def read_manifest(model_dir: str | Path) -> dict:
 def convert(model_dir: str | Path, out_dir: str | Path, dtype: str, quantization: str | None,
             shard: ShardingContext) -> Path:
     """Load an HF checkpoint (quantizing its linear layers, the rest in `dtype`, a name
-    such as "bfloat16"; an AWQ, GPTQ or compressed-tensors one as stored) and save it as
-    a converted dir."""
-    model_dir, out_dir = Path(model_dir), Path(out_dir).absolute()
+    such as "bfloat16"; an AWQ, GPTQ or compressed-tensors one as stored) or a GGUF file
+    (as `--model file.gguf` serves it) and save it as a converted dir."""
+    source, out_dir = Path(model_dir), Path(out_dir).absolute()
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ValueError(f"output directory {out_dir} is not empty; choose a new one")
+    options, tensors, method = ModelOptions(quantization=quantization), None, None
+    if gguf.is_gguf(source):  # its metadata as files, its weights as the engine reads them
+        settings = None if quantization else gguf.stored_settings(source)
+        options = ModelOptions(**settings) if settings else options
+        tensors, method = gguf.open_weights(source, keep=settings is not None), "gguf"
+        model_dir = gguf.metadata_dir(source)
+    model_dir = Path(model_dir)
     cfg = ModelConfig.from_file(model_dir)
-    options, tensors = ModelOptions(quantization=quantization), None
-    stored = prequantized.read(model_dir)
+    stored = None if method else prequantized.read(model_dir)
     if stored is not None:
         options = ModelOptions(**stored.settings(quantization, cfg))
-        tensors = prequantized.tensors(checkpoint_tensors(model_dir), stored)
+        tensors, method = prequantized.tensors(checkpoint_tensors(model_dir), stored), stored.method
     _, params = load_checkpoint(model_dir, cfg, jnp.dtype(dtype), shard, options, tensors)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in _CARRIED:
@@ -84,8 +90,7 @@ def convert(model_dir: str | Path, out_dir: str | Path, dtype: str, quantization
                 "quant_group_size": options.quant_group_size,
                 "quant_zero_points": options.quant_zero_points,
                 "quant_act_order": options.quant_act_order,
-                "source": str(model_dir.absolute()),
-                "source_quantization": stored and stored.method}
+                "source": str(source.absolute()), "source_quantization": method}
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return out_dir
 
