@@ -207,10 +207,6 @@ class Prequantized:
     scales: np.ndarray
     perm: np.ndarray | None = None
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.values.shape
-
 
 def _nibbles(words: np.ndarray, axis: int) -> np.ndarray:
     """int32 words -> their eight 4-bit fields (bits 4j..4j+3 as field j) along a new axis
