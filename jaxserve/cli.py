@@ -244,10 +244,7 @@ def cmd_client(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from jaxserve.config import ModelConfig
-    from jaxserve.loading import gguf, prequantized
+    from jaxserve.loading.source import open_checkpoint
     from sharding.plan_report import check_plot, format_compare, format_plan, plot_memory
     from sharding.planner import gpu_target, parse_compare, plan_target
 
@@ -268,21 +265,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          f"slices go to --topology")
     if args.plot:
         check_plot(args.plot)  # before minutes of compiling, not after
-    model = gguf.metadata_dir(args.model) if gguf.is_gguf(args.model) else args.model
-    cfg = ModelConfig.from_file(model)
+    ckpt = open_checkpoint(args.model, args.quantization)  # sized as stored, if quantized
+    cfg = ckpt.config
     common = dict(dtype=args.dtype, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
                   data_parallel=args.data_parallel, max_loras=args.max_loras,
                   max_lora_rank=args.max_lora_rank)
-    quantization, settings = args.quantization, None
-    if gguf.is_gguf(args.model):  # Q4_0 linear layers: sized as stored
-        settings = None if args.quantization else gguf.stored_settings(args.model)
-    elif Path(model).is_dir() and (stored := prequantized.read(model)) is not None:
-        settings = stored.settings(args.quantization, cfg)  # AWQ, GPTQ, compressed-tensors
-    if settings is not None:
-        quantization = settings.pop("quantization")
-        common.update(settings)
+    settings = dict(ckpt.settings)
+    quantization = settings.pop("quantization", args.quantization)
+    common.update(settings)
     if args.compare:
         configs = parse_compare(args.compare, args.strategy, quantization,
                                 args.kv_cache_dtype)
@@ -300,14 +292,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from jaxserve.config import ModelConfig
-    from jaxserve.loading import gguf
     from jaxserve.loading.converted import convert, read_manifest
+    from jaxserve.loading.source import open_checkpoint
     from sharding.mesh import make_mesh
     from sharding.rules import model_sharding
 
-    model = gguf.metadata_dir(args.model) if gguf.is_gguf(args.model) else args.model
-    cfg = ModelConfig.from_file(model)
+    cfg = open_checkpoint(args.model, args.quantization).config
     shard = model_sharding(make_mesh(parse_mesh(args.mesh)), "tp", cfg)
     out = convert(args.model, args.out, args.dtype, args.quantization, shard)
     manifest = read_manifest(out)

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.speculative.setup import SpeculativeModels
-from jaxserve.loading import converted, gguf, prequantized
-from jaxserve.loading.safetensors import checkpoint_tensors, load_checkpoint, random_params
+from jaxserve.loading import converted, gguf
+from jaxserve.loading.safetensors import load_checkpoint, random_params
+from jaxserve.loading.source import open_checkpoint
 from jaxserve.loading.tokenizer import Tokenizer
 from sharding.mesh import make_mesh
 from sharding.rules import ShardingContext, model_sharding
@@ -47,34 +48,26 @@ def load(config: EngineConfig, random_weights_preset: str | None = None) -> Load
     if config.model is None:
         from jaxserve.demo import demo_model_dir
         config = dataclasses.replace(config, model=str(demo_model_dir()))
-    model_dir, tensors = Path(config.model), None
-    if gguf.is_gguf(model_dir):  # its metadata as files; its weights streamed from it
-        stored = None if config.quantization else gguf.stored_settings(config.model)
-        if stored is not None:  # Q4_0 linear layers: our int4, as stored
-            config = dataclasses.replace(config, **stored)
-            options = config.model_options
-        model_dir = gguf.metadata_dir(config.model)
-        tensors = gguf.open_weights(config.model, keep=stored is not None)
-    elif not model_dir.is_dir():
+    model_dir = Path(config.model)
+    if not (gguf.is_gguf(model_dir) or model_dir.is_dir()):
         raise ValueError(f"model {config.model!r} is not a directory (nor a .gguf file); give "
                          "a Hugging Face checkpoint directory (config.json, *.safetensors, "
                          "tokenizer) or a GGUF file")
-    model_config = ModelConfig.from_file(model_dir)
-    shard = model_sharding(mesh, config.sharding, model_config)
-    if tensors is None and converted.is_converted(model_dir):
+    if converted.is_converted(model_dir):
+        model_config = ModelConfig.from_file(model_dir)
+        shard = model_sharding(mesh, config.sharding, model_config)
         config = dataclasses.replace(
             config, **converted.served_settings(model_dir, config.quantization))
         options = config.model_options
         graphdef, params = converted.restore(model_dir, model_config, dtype, shard, options)
-    else:
-        stored = None if tensors is not None else prequantized.read(model_dir)
-        if stored is not None:  # AWQ, GPTQ, compressed-tensors: served as stored
-            config = dataclasses.replace(
-                config, **stored.settings(config.quantization, model_config))
-            options = config.model_options
-            tensors = prequantized.tensors(checkpoint_tensors(model_dir), stored)
+    else:  # a float checkpoint, a GGUF file, or one quantized by its makers (as stored)
+        ckpt = open_checkpoint(model_dir, config.quantization)
+        model_dir, model_config = ckpt.model_dir, ckpt.config
+        shard = model_sharding(mesh, config.sharding, model_config)
+        config = dataclasses.replace(config, **ckpt.settings)
+        options = config.model_options
         graphdef, params = load_checkpoint(model_dir, model_config, dtype, shard, options,
-                                           tensors)
+                                           ckpt.tensors)
     tokenizer = Tokenizer.from_pretrained(model_dir)
     speculative = SpeculativeModels.load(config.speculative_config, model_config, shard,
                                          config.sharding, dtype, options)

@@ -20,10 +20,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig, ModelOptions
-from jaxserve.loading import gguf, prequantized
+from jaxserve.loading.source import open_checkpoint
 from jaxserve.loading.safetensors import (
-    abstract_model, checkpoint_tensors, is_kv_param, kv_heads_shape, load_checkpoint,
-    repeat_kv_heads, unrepeat_kv_heads)
+    abstract_model, is_kv_param, kv_heads_shape, load_checkpoint, repeat_kv_heads,
+    unrepeat_kv_heads)
 from sharding.rules import ShardingContext
 
 MANIFEST = "jaxserve.json"
@@ -62,19 +62,10 @@ def convert(model_dir: str | Path, out_dir: str | Path, dtype: str, quantization
     source, out_dir = Path(model_dir), Path(out_dir).absolute()
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ValueError(f"output directory {out_dir} is not empty; choose a new one")
-    options, tensors, method = ModelOptions(quantization=quantization), None, None
-    if gguf.is_gguf(source):  # its metadata as files, its weights as the engine reads them
-        settings = None if quantization else gguf.stored_settings(source)
-        options = ModelOptions(**settings) if settings else options
-        tensors, method = gguf.open_weights(source, keep=settings is not None), "gguf"
-        model_dir = gguf.metadata_dir(source)
-    model_dir = Path(model_dir)
-    cfg = ModelConfig.from_file(model_dir)
-    stored = None if method else prequantized.read(model_dir)
-    if stored is not None:
-        options = ModelOptions(**stored.settings(quantization, cfg))
-        tensors, method = prequantized.tensors(checkpoint_tensors(model_dir), stored), stored.method
-    _, params = load_checkpoint(model_dir, cfg, jnp.dtype(dtype), shard, options, tensors)
+    ckpt = open_checkpoint(source, quantization)
+    model_dir, cfg, method = ckpt.model_dir, ckpt.config, ckpt.method
+    options = ModelOptions(**{"quantization": quantization, **ckpt.settings})
+    _, params = load_checkpoint(model_dir, cfg, jnp.dtype(dtype), shard, options, ckpt.tensors)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in _CARRIED:
         if (model_dir / name).is_file():
