@@ -49,7 +49,7 @@ def jaxserve_runs(path: Path, variant: str, args, prompts_one, prompts_n) -> dic
     dtype, _, quantization = variant.partition("/")
     base = EngineConfig.from_yaml(ROOT / "configs/engine/cpu.yaml")
     llm = LLM(str(path), dtype=dtype, quantization=quantization or None,
-              quant_group_size=args.quant_group_size,
+              quant_group_size=args.quant_group_size if quantization == "int4" else None,
               max_model_len=base.max_model_len, page_size=base.page_size,
               max_num_seqs=max(args.batch, base.max_num_seqs),
               max_num_batched_tokens=max(base.max_num_batched_tokens, args.batch),

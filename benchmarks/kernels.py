@@ -383,7 +383,7 @@ def weight_variants(k: int, n: int, seed: int) -> dict[str, tuple[jax.Array, ...
     w = jax.random.normal(jax.random.PRNGKey(seed), (k, n), jnp.float32) / math.sqrt(k)
     variants = {"bf16": (w.astype(jnp.bfloat16),)}
     for kind in ("int8", "int4", "fp8"):
-        variants[kind] = quantize(w, kind, group_size=INT4_GROUP)
+        variants[kind] = quantize(w, kind, group_size=INT4_GROUP if kind == "int4" else None)
     return variants
 
 

@@ -40,10 +40,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "`jaxserve convert`, AWQ, GPTQ or compressed-tensors is served as "
                         "stored)")
     g.add_argument("--quant-group-size", type=int, default=None, metavar="G",
-                   help="int4: rows per group when jaxserve quantizes (default 128; it must "
-                        "divide every layer's input width)")
+                   help="int4 / int8: rows per scale group when jaxserve quantizes (int4 "
+                        "default 128, int8 default per output channel; it must divide "
+                        "every layer's input width)")
     g.add_argument("--quant-zero-points", action="store_true",
-                   help="int4: asymmetric groups with zero points (GPTQ's min-max)")
+                   help="int4 / int8: asymmetric groups with zero points (GPTQ's min-max)")
     g.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=None,
                    help="KV cache storage: auto (the model dtype), int8 or fp8 (e4m3), with "
                         "a scale per token and head")

@@ -425,9 +425,9 @@ def _rope(params: dict[str, Any], scaling: dict[str, Any], theta: float
 class ModelOptions:
     """How the model runs, beyond its shape: the kernels (None: by platform; "reference" |
     "tpu" | "gpu"), weight quantization (None | "int8" | "int4" | "fp8"), and interpret
-    mode for the Pallas kernels (CPU tests). int4 weights come in groups of
-    `quant_group_size` rows (128 when jaxserve quantizes; a checkpoint's own otherwise),
-    with `quant_zero_points` when the checkpoint is asymmetric (AWQ, GPTQ;
+    mode for the Pallas kernels (CPU tests). Integer weights come in groups of
+    `quant_group_size` rows (None: int4 by 128, int8 per output channel; a checkpoint's
+    own otherwise), with `quant_zero_points` when the checkpoint is asymmetric (AWQ, GPTQ;
     pallas_kernels/quantized_matmul), and with `quant_act_order` (GPTQ's desc_act) each
     linear layer's input permuted so that its groups are contiguous rows (`perm`
     parameters, layers.act_order_perm)."""
@@ -435,7 +435,7 @@ class ModelOptions:
     kernel_impl: str | None = None
     quantization: str | None = None
     interpret: bool = False
-    quant_group_size: int = 128
+    quant_group_size: int | None = None
     quant_zero_points: bool = False
     quant_act_order: bool = False
 
@@ -452,7 +452,8 @@ class EngineConfig:
     `kv_cache_dtype` "auto" stores K/V in `dtype`; "int8" / "fp8" (e4m3) store them
     quantized with a float32 scale per token and head. `quantization` ("int8" | "int4" |
     "fp8") quantizes the linear layers' weights at load (embeddings, norms and the LM head
-    stay in `dtype`); int4 by groups of `quant_group_size` rows, asymmetric with
+    stay in `dtype`); int4 by groups of `quant_group_size` rows (default 128), int8 per
+    output channel or by groups of `quant_group_size`, asymmetric with
     `quant_zero_points`. A checkpoint quantized by its makers (AWQ, GPTQ,
     compressed-tensors; our converted ones) sets these to its own at load, and
     `quant_act_order` for GPTQ's act-order (desc_act) checkpoints. `kernel_impl` picks the attention and matmul kernels ("reference":
@@ -489,7 +490,7 @@ class EngineConfig:
     token_buckets: tuple[int, ...] = ()
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
-    quant_group_size: int = 128
+    quant_group_size: int | None = None
     quant_zero_points: bool = False
     quant_act_order: bool = False
     kernel_impl: str | None = None
@@ -537,13 +538,16 @@ class EngineConfig:
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} (or unset), "
                              f"got {self.quantization!r}")
-        if not isinstance(self.quant_group_size, int) or self.quant_group_size < 2 \
-                or self.quant_group_size % 2:
-            raise ValueError(f"quant_group_size must be an even integer >= 2, got "
-                             f"{self.quant_group_size!r}")
-        if (self.quant_zero_points or self.quant_act_order) and self.quantization != "int4":
-            raise ValueError("quant_zero_points (asymmetric weights) and quant_act_order are "
-                             "int4 formats; set quantization: int4")
+        group = self.quant_group_size
+        if group is not None and (not isinstance(group, int) or group < 1
+                                  or (self.quantization == "int4" and group % 2)):
+            raise ValueError(f"quant_group_size must be a positive integer (even for int4), "
+                             f"or unset; got {group!r}")
+        if (group is not None or self.quant_zero_points or self.quant_act_order) and \
+                self.quantization not in ("int4", "int8"):
+            raise ValueError("quant_group_size, quant_zero_points (asymmetric weights) and "
+                             "quant_act_order describe integer weights; set quantization: "
+                             "int4 or int8")
         if self.sharding not in STRATEGIES:
             raise ValueError(f"sharding must be one of {STRATEGIES}, got {self.sharding!r}")
         if self.mesh is not None:

@@ -105,10 +105,13 @@ def test_engine_config_validation(tmp_path):
     with pytest.raises(ValueError, match="bogus"):
         EngineConfig.from_yaml(tmp_path / "e.yaml")
     assert EngineConfig.from_yaml("configs/engine/cpu.yaml", max_num_seqs=3).max_num_seqs == 3
-    with pytest.raises(ValueError, match="quant_group_size must be an even integer"):
+    with pytest.raises(ValueError, match=r"quant_group_size must be a positive integer \(even"):
         EngineConfig(quantization="int4", quant_group_size=33)
-    with pytest.raises(ValueError, match="quant_zero_points .* are int4 formats"):
-        EngineConfig(quantization="int8", quant_zero_points=True)
+    assert EngineConfig(quantization="int8", quant_group_size=33).quant_group_size == 33
+    with pytest.raises(ValueError, match="quant_zero_points .* describe integer weights"):
+        EngineConfig(quantization="fp8", quant_zero_points=True)
+    with pytest.raises(ValueError, match="describe integer weights"):
+        EngineConfig(quant_group_size=64)  # no quantization to group
 
 
 def test_int4_group_size_and_zero_points_flags():

@@ -835,22 +835,24 @@ def test_the_serving_library_leaves_the_diagnostics_out():
 # ----------------------------------------------------------------- quantized matmul
 
 QMM_CASES = [  # m, num_rows, k, n, kind, group, zero points
-    (1, 1, 640, 200, "int8", 128, False),
+    (1, 1, 640, 200, "int8", None, False),
+    (2, 2, 640, 200, "int8", 32, True),     # GGUF's Q8_0 groups, GPTQ 8-bit zero points
+    (5, 4, 384, 96, "int8", 128, False),   # panels of group-scaled int8
     (2, 2, 384, 256, "int4", 128, False),
     (3, 3, 640, 200, "int4", 32, True),   # past the direct rows: panels
     (8, 6, 384, 96, "int4", 64, True),
-    (33, 33, 256, 200, "int8", 128, False),
+    (33, 33, 256, 200, "int8", None, True),  # per channel with zero points
     (64, 60, 512, 64, "int4", 256, True),  # a group of 256: two panels per group
 ]
 
 
-@pytest.mark.parametrize("case", QMM_CASES, ids=lambda c: f"{c[4]}-g{c[5]}{'-zp' if c[6] else ''}"
+@pytest.mark.parametrize("case", QMM_CASES, ids=lambda c: f"{c[4]}-g{c[5] or 'K'}{'-zp' if c[6] else ''}"
                          f"-m{c[0]}")
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_quantized_matmul_kernel_against_float64(isa, dtype, case):
-    """x @ W for int8 and int4 (symmetric and with zero points) against the exact product
-    with the weight dequantized in float64 from the stored integers (an unpacker written
-    here), on the real rows. The kernel sums x * u over the stored unsigned integers and
+    """x @ W for int8 and int4 (per channel or grouped, symmetric and with zero points)
+    against the exact product with the weight dequantized in float64 from the stored
+    integers (an unpacker written here), on the real rows. The kernel sums x * u over the stored unsigned integers and
     subtracts (8 + z) * sum(x) per group, so its bound holds both sums' magnitudes."""
     from pallas_kernels.quantized_matmul import cpu as qmm_cpu
     from pallas_kernels.quantized_matmul.formats import quantize
@@ -864,23 +866,23 @@ def test_quantized_matmul_kernel_against_float64(isa, dtype, case):
         x, values, scales, jnp.int32(rows))
     assert got.dtype == dtype and got.shape == (m, n)
     v, s = np.asarray(values), np.asarray(scales, np.float64)
+    s, z = (s[0], s[1]) if zp else (s, np.zeros_like(s))
+    g = k // s.shape[0]
     if kind == "int8":
-        u, off, g = v.astype(np.float64), np.zeros((1, n)), k
+        u, off = v.astype(np.float64), z
     else:
-        g = group
         lo, hi = (v & 0xF).astype(np.int64), (v >> 4).astype(np.int64)
         u = np.empty((k, n))
         for j in range(k // g):  # byte row r of group j: rows j g + r (low), j g + g/2 + r
             u[j * g:j * g + g // 2] = (lo[j * g // 2:(j + 1) * g // 2] ^ 8)
             u[j * g + g // 2:(j + 1) * g] = (hi[j * g // 2:(j + 1) * g // 2] ^ 8)
-        s, z = (s[0], s[1]) if zp else (s, np.zeros_like(s))
         off = 8 + z
     rep = lambda a: np.repeat(a, g, axis=0)  # noqa: E731
     xe = np.asarray(x.astype(jnp.float32), np.float64)
     exact = xe @ ((u - rep(off)) * rep(s))
     magnitude = np.abs(xe) @ (np.abs(u) * rep(s)) + np.abs(xe) @ (rep(np.abs(off) * s))
     bound = gamma(k + 4) * magnitude + U_OUT[dtype] * np.abs(exact)
-    got = np.asarray(got.astype(jnp.float32), np.float64)[:rows]
+    got = np.asarray(got[:rows].astype(jnp.float32), np.float64)  # rows past: unwritten
     assert np.abs(exact[:rows]).max() > 100 * bound[:rows].max()
     err = np.abs(got - exact[:rows])
     assert np.all(err <= bound[:rows]), (err / bound[:rows]).max()

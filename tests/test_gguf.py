@@ -249,8 +249,8 @@ def write_tiny_gguf(model, path: Path, weight_type: str, arch: str = "llama",
 @pytest.mark.parametrize("weight_type", WEIGHT_TYPES)
 def test_tiny_gguf_of_each_weight_type(checkpoints, prompts, tmp_path, weight_type):
     """Every linear layer loads as the `gguf` package dequantizes it (Q4_0 kept as our int4
-    in groups of 32, which dequantizes to the same floats), and greedy tokens equal
-    transformers running those dequantized weights."""
+    and Q8_0 as our int8, both in groups of 32, which dequantize to the same floats), and
+    greedy tokens equal transformers running those dequantized weights."""
     import torch
 
     from conftest import hf_greedy
@@ -263,9 +263,9 @@ def test_tiny_gguf_of_each_weight_type(checkpoints, prompts, tmp_path, weight_ty
     path = tmp_path / f"tiny-{weight_type}.gguf"
     truth = write_tiny_gguf(model, path, weight_type)
     loaded = load(EngineConfig(model=str(path), dtype="float32"))
-    kept = weight_type == "Q4_0"
+    kept = {"Q4_0": "int4", "Q8_0": "int8"}.get(weight_type)
     assert (loaded.config.quantization, loaded.config.quant_group_size) == \
-        (("int4", 32) if kept else (None, 128))
+        ((kept, 32) if kept else (None, None))
     from flax import nnx
     flat = dict(nnx.to_flat_state(loaded.params))
     cfg = model.config
@@ -275,8 +275,9 @@ def test_tiny_gguf_of_each_weight_type(checkpoints, prompts, tmp_path, weight_ty
             path_ = ("layers", i, block, proj)
             want = truth[f"model.layers.{i}.{hf}.weight"].T  # [K, N]
             if kept:
-                got = dequantize(flat[path_][...], flat[path_[:-1] + (proj + "_scales",)][...],
-                                 "int4")
+                scales = flat[path_[:-1] + (proj + "_scales",)][...]
+                assert scales.shape == (want.shape[0] // 32, want.shape[1])
+                got = dequantize(flat[path_][...], scales, kept)
             else:  # laid out [N, K] (transposed) for the CPU kernels, or [K, N]
                 var = flat[path_]
                 got = var[...].reshape(want.shape[::-1]).T \

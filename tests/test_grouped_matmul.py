@@ -40,7 +40,8 @@ def draw(rng, sizes, k: int, n: int, kind, group_size: int = 64):
     m = sum(sizes) + 3
     x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
     w = jnp.asarray(rng.standard_normal((len(sizes), k, n), dtype=np.float32))
-    values, scales = formats.quantize(w, kind, group_size) if kind else (w, None)
+    values, scales = (formats.quantize(w, kind, group_size if kind == "int4" else None)
+                      if kind else (w, None))
     return x, values, scales, jnp.asarray(sizes, jnp.int32)
 
 

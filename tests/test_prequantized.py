@@ -53,19 +53,21 @@ def linears(model):
             yield name, module
 
 
-def quantize_4bit(w: torch.Tensor, group: int, sym: bool):
-    """GPTQ's min-max 4-bit quantization of `w [N, K]` by groups of K: (u [N, K] in [0, 15],
-    u0 [N, K / G], scale [N, K / G] rounded to float16, as AWQ and GPTQ store it)."""
+def quantize_bits(w: torch.Tensor, group: int, sym: bool, bits: int = 4):
+    """GPTQ's min-max quantization of `w [N, K]` by groups of K: (u [N, K] in
+    [0, 2^bits - 1], u0 [N, K / G], scale [N, K / G] rounded to float16, as AWQ and GPTQ
+    store it)."""
     n, k = w.shape
+    top = 2**bits - 1
     g = w.reshape(n, k // group, group)
     if sym:
-        scale = (2 * g.abs().amax(-1) / 15).clamp(min=1e-8).half().float()
-        u0 = torch.full_like(scale, 8)
+        scale = (2 * g.abs().amax(-1) / top).clamp(min=1e-8).half().float()
+        u0 = torch.full_like(scale, 2 ** (bits - 1))
     else:
         low, high = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
-        scale = ((high - low) / 15).clamp(min=1e-8).half().float()
-        u0 = torch.round(-low / scale).clamp(0, 15)
-    u = torch.clamp(torch.round(g / scale[..., None]) + u0[..., None], 0, 15)
+        scale = ((high - low) / top).clamp(min=1e-8).half().float()
+        u0 = torch.round(-low / scale).clamp(0, top)
+    u = torch.clamp(torch.round(g / scale[..., None]) + u0[..., None], 0, top)
     return u.reshape(n, k).to(torch.int32), u0.to(torch.int32), scale
 
 
@@ -75,18 +77,21 @@ def dequantized(u, u0, scale, group):
     return (u - rep(u0)).float() * rep(scale)
 
 
-def pack_columns(ints: torch.Tensor, order=range(8)) -> torch.Tensor:
-    """[R, C] 4-bit ints -> [R, C / 8] int32, column 8i + order[j] in bits 4j."""
+def pack_columns(ints: torch.Tensor, order=None, bits: int = 4) -> torch.Tensor:
+    """[R, C] b-bit ints -> [R, C / P] int32 (P = 32 / b), column P i + order[j] in bits
+    b j (order: sequential by default)."""
+    per = 32 // bits
     r, c = ints.shape
-    out = torch.zeros(r, c // 8, dtype=torch.int64)
-    for j, col in enumerate(order):
-        out |= (ints[:, col::8].to(torch.int64) & 0xF) << (4 * j)
+    out = torch.zeros(r, c // per, dtype=torch.int64)
+    for j, col in enumerate(order if order is not None else range(per)):
+        out |= (ints[:, col::per].to(torch.int64) & (2**bits - 1)) << (bits * j)
     return (out - (out >= 2**31).long() * 2**32).to(torch.int32)  # the same 32 bits
 
 
-def pack_rows(ints: torch.Tensor) -> torch.Tensor:
-    """[R, C] 4-bit ints -> [R / 8, C] int32, row 8i + j in bits 4j (AutoGPTQ's qweight)."""
-    return pack_columns(ints.T.contiguous()).T.contiguous()
+def pack_rows(ints: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """[R, C] b-bit ints -> [R / P, C] int32, row P i + j in bits b j (AutoGPTQ's
+    qweight)."""
+    return pack_columns(ints.T.contiguous(), bits=bits).T.contiguous()
 
 
 def write_checkpoint(float_dir: Path, out: Path, tensors: dict, qconfig: dict, model) -> Path:
@@ -110,7 +115,7 @@ def make_awq(float_dir: Path, out: Path, model, group: int) -> Path:
     the order 0 2 4 6 1 3 5 7, scales [K / G, N] float16."""
     tensors = {}
     for name, lin in linears(model):
-        u, u0, scale = quantize_4bit(lin.weight.data, group, sym=False)
+        u, u0, scale = quantize_bits(lin.weight.data, group, sym=False)
         tensors[f"{name}.qweight"] = pack_columns(u.T.contiguous(), AWQ_ORDER)
         tensors[f"{name}.qzeros"] = pack_columns(u0.T.contiguous(), AWQ_ORDER)
         tensors[f"{name}.scales"] = scale.T.contiguous().half()
@@ -121,9 +126,10 @@ def make_awq(float_dir: Path, out: Path, model, group: int) -> Path:
 
 
 def make_gptq(float_dir: Path, out: Path, model, group: int, sym: bool, v1: bool,
-              act_order: bool = False) -> Path:
-    """AutoGPTQ's layout: qweight [K / 8, N] packed along K, qzeros [K / G, N / 8] along N
-    (each zero point minus one in the v1 format), scales [K / G, N] float16, g_idx. With
+              act_order: bool = False, bits: int = 4) -> Path:
+    """AutoGPTQ's layout: qweight [K / P, N] packed along K (P = 32 / bits), qzeros
+    [K / G, N / P] along N (each zero point minus one in the v1 format, wrapping as
+    AutoGPTQ's packing does), scales [K / G, N] float16, g_idx. With
     `act_order` (desc_act), the groups are taken in a random order of the K rows, as GPTQ
     takes them by decreasing Hessian diagonal: g_idx[order[i]] = i // G."""
     tensors = {}
@@ -132,19 +138,20 @@ def make_gptq(float_dir: Path, out: Path, model, group: int, sym: bool, v1: bool
         k = w.shape[1]
         order = torch.randperm(k, generator=torch.Generator().manual_seed(i)) if act_order \
             else torch.arange(k)
-        u_sorted, u0, scale = quantize_4bit(w[:, order], group, sym)
+        u_sorted, u0, scale = quantize_bits(w[:, order], group, sym, bits)
         u = torch.empty_like(u_sorted)
         u[:, order] = u_sorted  # the integers back in the rows' own order
         g_idx = torch.empty(k, dtype=torch.int32)
         g_idx[order] = torch.arange(k, dtype=torch.int32) // group
-        tensors[f"{name}.qweight"] = pack_rows(u.T.contiguous())
-        tensors[f"{name}.qzeros"] = pack_columns(u0.T.contiguous() - (1 if v1 else 0))
+        tensors[f"{name}.qweight"] = pack_rows(u.T.contiguous(), bits)
+        tensors[f"{name}.qzeros"] = pack_columns(u0.T.contiguous() - (1 if v1 else 0),
+                                                 bits=bits)
         tensors[f"{name}.scales"] = scale.T.contiguous().half()
         tensors[f"{name}.g_idx"] = g_idx
         rows = g_idx.long()  # row k's group
         lin.weight.data = (u - u0[:, rows]).float() * scale[:, rows]
     return write_checkpoint(float_dir, out, tensors, {
-        "quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order,
+        "quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order,
         "sym": sym, "checkpoint_format": "gptq" if v1 else "gptq_v2"}, model)
 
 
@@ -203,14 +210,23 @@ CASES = {
         "pack-quantized"),
     "ct-int4-sym-channel": lambda d, o, m: make_compressed_tensors(d, o, m, dict(
         num_bits=4, type="int", symmetric=True, strategy="channel"), "pack-quantized"),
+    "gptq-8bit-asym-g32-v1": lambda d, o, m: make_gptq(d, o, m, 32, sym=False, v1=True,
+                                                       bits=8),
+    "gptq-8bit-sym-g64-v2": lambda d, o, m: make_gptq(d, o, m, 64, sym=True, v1=False, bits=8),
     "ct-int8-channel": lambda d, o, m: make_compressed_tensors(d, o, m, dict(
         num_bits=8, type="int", symmetric=True, strategy="channel"), "pack-quantized"),
+    "ct-int8-asym-g32": lambda d, o, m: make_compressed_tensors(d, o, m, dict(
+        num_bits=8, type="int", symmetric=False, strategy="group", group_size=32),
+        "pack-quantized"),
+    "ct-int8-naive-asym-channel": lambda d, o, m: make_compressed_tensors(d, o, m, dict(
+        num_bits=8, type="int", symmetric=False, strategy="channel"), "int-quantized"),
     "ct-fp8-channel": lambda d, o, m: make_compressed_tensors(d, o, m, dict(
         num_bits=8, type="float", symmetric=True, strategy="channel"), "float-quantized"),
     "ct-fp8-tensor": lambda d, o, m: make_compressed_tensors(d, o, m, dict(
         num_bits=8, type="float", symmetric=True, strategy="tensor"), "float-quantized"),
 }
-KINDS = {"awq": "int4", "gptq": "int4", "ct-int4": "int4", "ct-int8": "int8", "ct-fp8": "fp8"}
+KINDS = {"awq": "int4", "gptq-8bit": "int8", "gptq": "int4", "ct-int4": "int4",
+         "ct-int8": "int8", "ct-fp8": "fp8"}
 
 
 def kind_of(case: str) -> str:
@@ -242,6 +258,8 @@ def test_served_as_stored_equals_transformers_on_the_dequantized_weights(
     qdir = CASES[case](float_dir, tmp_path / case, model)
     loaded = load(EngineConfig(model=str(qdir), dtype="float32"))
     assert loaded.config.quantization == kind_of(case)
+    asymmetric = case.startswith("awq") or "asym" in case or "act-order" in case
+    assert loaded.config.quant_zero_points == asymmetric
     assert_layers_equal_the_float_weights(loaded.params, model, kind_of(case))
     llm = LLM(str(qdir), **ENGINE)
     got = [o.outputs[0].token_ids for o in llm.generate(
@@ -352,7 +370,7 @@ def test_what_is_not_served_is_refused_naming_the_field(float_model, tmp_path):
     with pytest.raises(ValueError, match="leave --quantization unset"):
         load(EngineConfig(model=str(qdir), dtype="float32", quantization="int8"))
     for fields, match in [
-        (dict(bits=8), r"quantization_config.bits = 8"),
+        (dict(bits=3), r"quantization_config.bits = 3"),
         (dict(checkpoint_format="marlin"), r"checkpoint_format = 'marlin'"),
         (dict(modules_to_not_convert=["model.layers.0.mlp.down_proj"]),
          r"modules_to_not_convert .*left unquantized"),

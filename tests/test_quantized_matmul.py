@@ -50,34 +50,51 @@ def numpy_unpack_int4(values: np.ndarray, group: int) -> np.ndarray:
     return out
 
 
+# Test variants of the kernels' kinds: "-g" int8 with group scales, "-zp" with zero points
+# (int8: grouped too), "-czp" int8 per channel with zero points.
+VARIANTS = ["int8", "int8-g", "int8-zp", "int4", "int4-zp", "fp8"]
+
+
 def base(kind: str) -> str:
-    """The kernels' kind of a test variant: "int4-zp" is int4 with zero points."""
-    return kind.removesuffix("-zp")
+    """The kernels' kind of a test variant."""
+    return kind.split("-")[0]
+
+
+def has_zp(kind: str) -> bool:
+    return kind.endswith("zp")
+
+
+def variant_group(kind: str, group_size: int = 128) -> int | None:
+    """The group_size a variant quantizes with: int8 per channel unless "-g" / "-zp"."""
+    if kind in ("int8", "int8-czp", "fp8"):
+        return None
+    return group_size
 
 
 def numpy_dequantize(values, scales, kind: str) -> np.ndarray:
     """float64 weight from the stored format, independently of formats.dequantize."""
     scales = np.asarray(scales, np.float64)
-    if kind.startswith("int4"):
-        zeros = 0.0
-        if kind == "int4-zp":
-            scales, zeros = scales
-            zeros = np.repeat(zeros, 2 * values.shape[0] // zeros.shape[0], axis=0)
+    scales, zeros = scales if has_zp(kind) else (scales, np.zeros_like(scales))
+    if base(kind) == "int4":
         q = numpy_unpack_int4(np.asarray(values), 2 * values.shape[0] // scales.shape[0])
-        return (q - zeros) * np.repeat(scales, q.shape[0] // scales.shape[0], axis=0)
-    return np.asarray(values.astype(jnp.float32), np.float64) * scales
+    else:
+        q = np.asarray(values.astype(jnp.float32), np.float64)
+    rep = lambda a: np.repeat(a, q.shape[0] // scales.shape[0], axis=0)  # noqa: E731
+    return (q - rep(zeros)) * rep(scales)
 
 
 def draw(rng, m: int, k: int, n: int, kind: str, dtype, group_size: int = 128):
-    """Random normal x and a quantized random weight (never zeros; shifted off zero for
-    int4 with zero points, so that the zero points differ from group to group)."""
+    """Random normal x and a quantized random weight (never zeros; shifted off zero with
+    zero points, so that the zero points differ from group to group)."""
     x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32), dtype)
     w = rng.standard_normal((k, n), dtype=np.float32)
-    if kind == "int4-zp":
-        w += rng.uniform(-2, 2, size=(k // min(group_size, k), 1, n)).repeat(
-            min(group_size, k), axis=1).reshape(k, n).astype(np.float32)
-    values, scales = formats.quantize(jnp.asarray(w), base(kind), group_size,
-                                      zero_points=kind == "int4-zp")
+    group = variant_group(kind, group_size)
+    if has_zp(kind):
+        g = min(group or k, k)
+        w += rng.uniform(-2, 2, size=(k // g, 1, n)).repeat(g, axis=1).reshape(
+            k, n).astype(np.float32)
+    values, scales = formats.quantize(jnp.asarray(w), base(kind), group,
+                                      zero_points=has_zp(kind))
     return x, values, scales
 
 
@@ -110,13 +127,14 @@ def assert_kernel_matches(y, x, values, scales, kind):
 # --- reference: formats and the truth ----------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int8-g", "int4"])
 def test_integer_quantization_error_is_at_most_half_a_step(rng, kind):
     """Round-to-nearest: every element is within scale/2 of its dequantized value."""
     w = rng.standard_normal((256, 96), dtype=np.float32) * 3
     w[:, 5] = 0.0  # an all-zero column must not divide by zero
-    values, scales = formats.quantize(jnp.asarray(w), kind, group_size=64)
-    deq = np.asarray(formats.dequantize(values, scales, kind, jnp.float32), np.float64)
+    values, scales = formats.quantize(jnp.asarray(w), base(kind),
+                                      variant_group(kind, group_size=64))
+    deq = np.asarray(formats.dequantize(values, scales, base(kind), jnp.float32), np.float64)
     step = np.repeat(np.asarray(scales, np.float64), 256 // scales.shape[0], axis=0)
     assert np.all(np.isfinite(deq)) and np.all(deq[:, 5] == 0)
     # 1e-6 relative slack: w / scale and q * scale are each rounded once in float32.
@@ -182,7 +200,7 @@ def test_int4_zero_points_quantize_a_shifted_group_within_half_a_step(rng, group
     assert np.median(s / np.asarray(sym)) < 0.6
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "int4-zp", "fp8"])
+@pytest.mark.parametrize("kind", VARIANTS + ["int8-czp"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_reference_matmul_against_float64(rng, kind, dtype):
     x, values, scales = draw(rng, 7, 256, 72, kind, dtype)
@@ -194,18 +212,28 @@ def test_reference_matmul_against_float64(rng, kind, dtype):
     assert np.all(np.abs(y - exact) <= bound), np.abs(y - exact).max()
 
 
-@pytest.mark.parametrize("kind, k, n", [("int8", 100, 24), ("fp8", 100, 24), ("int4", 96, 24)])
-def test_quantized_shapes_match_quantize(kind, k, n):
-    values, scales = formats.quantize(jnp.ones((k, n)), kind, group_size=32)
-    (vs, vd), (ss, sd) = qmm.quantized_shapes(k, n, kind, group_size=32)
+@pytest.mark.parametrize("kind, k, n, group, zp, scales_shape", [
+    ("int8", 100, 24, None, False, (1, 24)), ("int8", 96, 24, 32, False, (3, 24)),
+    ("int8", 96, 24, 32, True, (2, 3, 24)), ("fp8", 100, 24, None, False, (1, 24)),
+    ("int4", 96, 24, 32, False, (3, 24)), ("int4", 96, 24, None, True, (2, 1, 24))])
+def test_quantized_shapes_match_quantize(kind, k, n, group, zp, scales_shape):
+    values, scales = formats.quantize(jnp.ones((k, n)), kind, group, zero_points=zp)
+    (vs, vd), (ss, sd) = qmm.quantized_shapes(k, n, kind, group, zero_points=zp)
     assert (values.shape, values.dtype, scales.shape, scales.dtype) == (vs, vd, ss, sd)
+    assert scales.shape == scales_shape
 
 
 def test_bad_formats_say_what_to_do():
-    with pytest.raises(ValueError, match="multiple of an even group size"):
+    with pytest.raises(ValueError, match="multiple of the group size"):
         formats.quantize(jnp.ones((192, 8)), "int4", group_size=128)  # 192 % 128
-    with pytest.raises(ValueError, match="even group size"):
+    with pytest.raises(ValueError, match="an even one"):
         formats.quantize(jnp.ones((9, 8)), "int4", group_size=128)  # G = 9
+    with pytest.raises(ValueError, match="multiple of the group size"):
+        formats.quantize(jnp.ones((100, 8)), "int8", group_size=32)
+    with pytest.raises(ValueError, match="fp8 weights have per-channel scales"):
+        formats.quantize(jnp.ones((64, 8)), "fp8", group_size=32)
+    with pytest.raises(ValueError, match="fp8 is symmetric"):
+        formats.quantize(jnp.ones((64, 8)), "fp8", zero_points=True)
     with pytest.raises(ValueError, match="unknown quantization kind"):
         formats.quantize(jnp.ones((8, 8)), "int3")
     values, scales = formats.quantize(jnp.ones((128, 8)), "int8")
@@ -240,7 +268,7 @@ SHAPES = [(1, 128, 128), (5, 256, 200), (16, 256, 256), (37, 384, 200)]
 
 
 @pytest.mark.parametrize("impl", ["tpu", "gpu"])
-@pytest.mark.parametrize("kind", ["int8", "int4", "int4-zp", "fp8"])
+@pytest.mark.parametrize("kind", VARIANTS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_kernel_matches_reference(rng, impl, kind, dtype):
     for m, k, n in SHAPES:
@@ -258,7 +286,7 @@ FORCED_BLOCKS = {"tpu": dict(block_m=16, block_n=128, block_k=256),
 
 
 @pytest.mark.parametrize("impl", ["tpu", "gpu"])
-@pytest.mark.parametrize("kind", ["int8", "int4", "int4-zp", "fp8"])
+@pytest.mark.parametrize("kind", VARIANTS + ["int8-czp"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_kernel_with_many_blocks(rng, impl, kind, dtype):
     x, values, scales = draw(rng, 37, 384, 256, kind, dtype, group_size=64)
@@ -269,13 +297,15 @@ def test_kernel_with_many_blocks(rng, impl, kind, dtype):
 
 
 @pytest.mark.parametrize("impl", ["tpu", "gpu"])
+@pytest.mark.parametrize("kind", ["int4-zp", "int8-zp"])
 @pytest.mark.parametrize("group", [32, 64, 128])
-def test_kernel_with_zero_points_at_each_group_size(rng, impl, group):
-    """AWQ / GPTQ group sizes: several groups per K block, K = 384 padded to whole blocks."""
-    x, values, scales = draw(rng, 5, 384, 200, "int4-zp", jnp.bfloat16, group_size=group)
-    y = qmm.quantized_matmul(x, values, scales, kind="int4", impl=impl,
+def test_kernel_with_zero_points_at_each_group_size(rng, impl, kind, group):
+    """AWQ / GPTQ / GGUF group sizes: several groups per K block, K = 384 padded to whole
+    blocks."""
+    x, values, scales = draw(rng, 5, 384, 200, kind, jnp.bfloat16, group_size=group)
+    y = qmm.quantized_matmul(x, values, scales, kind=base(kind), impl=impl,
                              interpret=kernel_interpret(impl))
-    assert_kernel_matches(y, x, values, scales, "int4-zp")
+    assert_kernel_matches(y, x, values, scales, kind)
 
 
 def test_block_rules():
@@ -299,7 +329,7 @@ def test_block_rules():
     assert gpu.default_num_k_splits(1, 1) == 1
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "int4-zp", "fp8"])
+@pytest.mark.parametrize("kind", VARIANTS)
 @pytest.mark.parametrize("splits", [1, 2, 4])
 def test_gpu_split_k_matches_reference(rng, kind, splits):
     """K = 640 in 128-wide steps: 5 steps over 2 splits (3 + 2) or 4 (2 + 2 + 1 + 0: one
@@ -318,7 +348,8 @@ LLAMA3_8B_MLP = [(16, 4096, 14336), (16, 14336, 4096)]  # x[16, K] @ W[K, N]
 
 def abstract_operands(m: int, k: int, n: int, kind: str, sharding=None, dtype=jnp.bfloat16):
     (vs, vd), (ss, sd) = formats.quantized_shapes(k, n, base(kind),
-                                                  zero_points=kind == "int4-zp")
+                                                  variant_group(kind),
+                                                  zero_points=has_zp(kind))
     return (jax.ShapeDtypeStruct((m, k), dtype, sharding=sharding),
             jax.ShapeDtypeStruct(vs, vd, sharding=sharding),
             jax.ShapeDtypeStruct(ss, sd, sharding=sharding))
@@ -333,7 +364,7 @@ def export_gpu_kernel(m: int, k: int, n: int, kind: str) -> jax.export.Exported:
     )(*abstract_operands(m, k, n, kind))
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "int4-zp", "fp8"])
+@pytest.mark.parametrize("kind", VARIANTS)
 def test_gpu_kernel_lowers_to_triton_for_llama3_8b(kind):
     """Pallas's Triton lowering (jaxpr -> Triton IR, as for compute capability 9.0 when no
     GPU is present) accepts the kernel at real shapes: one program per 128 output columns."""
@@ -360,7 +391,7 @@ def compile_on_chip(fn, args, dev):
         return jax.jit(fn).lower(*args).compile()
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "int4-zp", "fp8"])
+@pytest.mark.parametrize("kind", VARIANTS)
 @pytest.mark.parametrize("m, k, n", LLAMA3_8B_MLP, ids=["up", "down"])
 def test_tpu_kernel_compiles_with_weights_quantized_in_hbm(chip, kind, m, k, n):
     """Mosaic accepts the kernel on v5e and v6e (fp8 included), and the compiled program's

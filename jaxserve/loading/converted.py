@@ -124,6 +124,6 @@ def served_settings(model_dir: str | Path, quantization: str | None) -> dict:
     refuses."""
     manifest = read_manifest(model_dir)
     return dict(quantization=quantization or manifest["quantization"],
-                quant_group_size=manifest.get("quant_group_size", 128),
+                quant_group_size=manifest.get("quant_group_size"),
                 quant_zero_points=manifest.get("quant_zero_points", False),
                 quant_act_order=manifest.get("quant_act_order", False))

@@ -12,9 +12,10 @@ control tokens, BOS/EOS, `add_bos`) and the chat template come from the file's m
 the weights of every type the `gguf` package dequantizes (F32/F16/BF16, Q8_0, Q4_0/Q4_1,
 Q5_0/Q5_1, the K-quants) are dequantized to the engine's dtype as they are read, one tensor
 at a time (no float copy of the model on disk), except that a file whose every decoder
-linear layer is Q4_0 keeps them as our int4 with groups of 32, which represents Q4_0
-exactly (`stored_settings`; `--quantization` given: dequantized and quantized our way). llama.cpp's converter stores attn_q and
-attn_k with each head's rotary halves interleaved; they are put back in Hugging Face's order.
+linear layer is Q4_0 (or every one Q8_0) keeps them as our int4 (int8) with groups of 32,
+which represents Q4_0 (Q8_0) exactly (`stored_settings`; `--quantization` given:
+dequantized and quantized our way). llama.cpp's converter stores attn_q and attn_k with
+each head's rotary halves interleaved; they are put back in Hugging Face's order.
 
 The tokenizer is written once, as tokenizer.json + tokenizer_config.json (and config.json)
 in a cache directory named for the file, and read from there like any checkpoint's. It is
@@ -148,10 +149,10 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-# The decoder's linear layers: kept quantized when every one of them is Q4_0.
+# The decoder's linear layers: kept quantized when every one of them is Q4_0, or Q8_0.
 _LINEAR_STEMS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-Q4_0 = 2  # GGMLQuantizationType.Q4_0
-Q4_0_GROUP = 32
+Q4_0, Q8_0 = 2, 8  # GGMLQuantizationType
+BLOCK = 32  # elements per Q4_0 / Q8_0 block: our group size
 
 
 def _is_linear(name: str) -> bool:
@@ -161,37 +162,53 @@ def _is_linear(name: str) -> bool:
             and parts[3] == "weight")
 
 
+def _stored_type(reader) -> int | None:
+    """Q4_0 or Q8_0 when every decoder linear layer of the file is of that type."""
+    types = {int(t.tensor_type) for t in reader.tensors if _is_linear(t.name)}
+    return types.pop() if len(types) == 1 and types <= {Q4_0, Q8_0} else None
+
+
 def stored_settings(path: str | os.PathLike) -> dict | None:
     """The engine settings that keep the file's linear layers as stored, or None when they
-    are dequantized: Q4_0 (blocks of 32 4-bit values with a float16 scale, w = (u - 8) *
-    d) is our int4 with groups of 32, exactly (q = u - 8, scale d); other types have no
-    exact equal among our formats (Q4_1's and the K-quants' float offsets, Q8_0's
-    per-32 int8 scales, 5- and 6-bit values) and are dequantized."""
-    reader = _reader(Path(path))
-    linear = [t for t in reader.tensors if _is_linear(t.name)]
-    if linear and all(int(t.tensor_type) == Q4_0 for t in linear):
-        return dict(quantization="int4", quant_group_size=Q4_0_GROUP, quant_zero_points=False)
-    return None
+    are dequantized: Q4_0 (blocks of 32 4-bit values with a float16 scale d, w = (u - 8) *
+    d) is our int4 with groups of 32, exactly (q = u - 8, scale d); Q8_0 (blocks of 32
+    int8 values q with a float16 scale d, w = q * d) our int8 with groups of 32. Other
+    types have no exact equal among our formats (Q4_1's and the K-quants' float offsets,
+    the K-quants' two-level scales, 5- and 6-bit values), nor do files that mix types
+    across their linear layers, and are dequantized."""
+    kept = _stored_type(_reader(Path(path)))
+    if kept is None:
+        return None
+    return dict(quantization="int4" if kept == Q4_0 else "int8", quant_group_size=BLOCK,
+                quant_zero_points=False)
 
 
-def _q4_0_as_int4(data: np.ndarray, n: int, k: int):
+def _as_stored(data: np.ndarray, kind: int, n: int, k: int):
     """Q4_0 rows `[N, K / 32 * 18]` bytes -> our int4 (values `[K / 2, N]`, scales
-    `[K / 32, N]`). A block's 16 bytes hold elements j (low nibble) and j + 16 (high) as
-    u = q + 8: our group of 32 rows' byte layout, so flipping each nibble's top bit
-    (u ^ 8 = q in two's complement) is the whole conversion."""
+    `[K / 32, N]`): a block's 16 bytes hold elements j (low nibble) and j + 16 (high) as
+    u = q + 8, our group of 32 rows' byte layout, so flipping each nibble's top bit
+    (u ^ 8 = q in two's complement) is the whole conversion. Q8_0 rows `[N, K / 32 * 34]`
+    bytes -> our int8 (values `[K, N]`, scales `[K / 32, N]`): the 32 bytes after each
+    scale are the block's int8 values as they are."""
     from jaxserve.loading.prequantized import Prequantized
 
-    blocks = np.asarray(data).reshape(n, k // Q4_0_GROUP, 18)
+    width = 18 if kind == Q4_0 else 34
+    blocks = np.asarray(data).reshape(n, k // BLOCK, width)
     scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-    values = (blocks[..., 2:] ^ 0x88).reshape(n, k // 2)
+    if kind == Q4_0:
+        values = (blocks[..., 2:] ^ 0x88).reshape(n, k // 2)
+    else:
+        values = blocks[..., 2:].view(np.int8).reshape(n, k)
     return Prequantized(np.ascontiguousarray(values.T), np.ascontiguousarray(scales.T))
 
 
 def tensors(reader, config: dict, keep: bool = False) -> Iterator[tuple[str, np.ndarray]]:
     """The weights as (Hugging Face name, float32 array), dequantized one at a time; with
-    `keep` (`stored_settings`), the Q4_0 linear layers as our int4 (`Prequantized`)."""
+    `keep` (`stored_settings`), the Q4_0 / Q8_0 linear layers as our int4 / int8
+    (`Prequantized`)."""
     from gguf.quants import dequantize
 
+    kept = _stored_type(reader) if keep else None
     for t in reader.tensors:
         name = _hf_name(t.name)
         shape = tuple(int(n) for n in reversed(t.shape))  # [N, K]
@@ -199,8 +216,8 @@ def tensors(reader, config: dict, keep: bool = False) -> Iterator[tuple[str, np.
                  "k_proj": config["num_key_value_heads"]}.get(name.split(".")[-2])
         if config["model_type"] not in PERMUTED_QK or not name.endswith(".weight"):
             heads = None
-        if keep and _is_linear(t.name):
-            w = _q4_0_as_int4(t.data, *shape)
+        if kept is not None and _is_linear(t.name):
+            w = _as_stored(t.data, kept, *shape)
             if heads:  # the interleaved rotary halves are columns N here
                 w.values = np.ascontiguousarray(_unpermute(w.values.T, heads).T)
                 w.scales = np.ascontiguousarray(_unpermute(w.scales.T, heads).T)

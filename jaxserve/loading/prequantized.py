@@ -12,19 +12,21 @@ What each becomes (K = in-features, N = out-features, G = the group size):
   `[K, N / 8]` (eight columns per word in the order 0 2 4 6 1 3 5 7), `qzeros` int32
   `[K / G, N / 8]` packed the same way, `scales` `[K / G, N]`; w = (u - u0) * scale with
   unsigned u, u0 in [0, 15] -> int4 with zero points (q = u - 8, z = u0 - 8).
-- GPTQ (4 bits; `checkpoint_format` gptq or gptq_v2): `qweight` int32 `[K / 8, N]` (eight
-  rows per word, row 8i + j in bits 4j), `qzeros` int32 `[K / G, N / 8]` (columns likewise),
-  `scales` `[K / G, N]`, `g_idx` `[K]`. gptq (v1) stores each zero point minus one. `sym`
-  checkpoints (every zero point 8) -> symmetric int4; the others -> int4 with zero points.
+- GPTQ (4 or 8 bits; `checkpoint_format` gptq or gptq_v2): `qweight` int32 `[K / P, N]`
+  (P = 32 / bits rows per word, row P i + j in bits `bits * j`), `qzeros` int32
+  `[K / G, N / P]` (columns likewise), `scales` `[K / G, N]`, `g_idx` `[K]`. gptq (v1)
+  stores each zero point minus one. `sym` checkpoints (every zero point 2^(bits-1)) ->
+  symmetric int4 / int8; the others -> int4 / int8 with zero points.
   `desc_act` (act-order) checkpoints, whose `g_idx` groups rows in another order: the rows
   sorted by group (stable), so that each group is contiguous as our int4 holds it, and the
   permutation kept (`perm`): the layer computes x[..., perm] @ W[perm] = x @ W, a gather
   of x's features before the matmul (vLLM's GPTQ kernels do the same).
 - compressed-tensors, `pack-quantized` int weights (`weight_packed` int32 `[N, K * bits /
   32]`, values offset by 2^(bits-1); `weight_scale` `[N, K / G]` or `[N, 1]`;
-  `weight_zero_point` packed along N when asymmetric): 4 bits -> int4 (group or channel,
-  with zero points when asymmetric); 8 bits per channel, symmetric -> int8.
-  `naive-quantized` / `int-quantized` int8 per channel, symmetric -> int8.
+  `weight_zero_point` packed along N when asymmetric): 4 bits -> int4, 8 bits -> int8
+  (group or channel, with zero points when asymmetric). `naive-quantized` /
+  `int-quantized` int8 (`weight` int8 `[N, K]`, `weight_zero_point` int8 `[N, K / G]`)
+  -> int8 likewise.
   `float-quantized` FP8 (e4m3) weights with channel or tensor scales -> fp8 (a tensor
   scale repeated per column: the same products). Activations are not quantized: a W8A8
   checkpoint runs as W8A16 here, its weights exactly as stored.
@@ -62,8 +64,8 @@ class CheckpointQuantization:
 
     method: str  # "awq" | "gptq" | "compressed-tensors"
     kind: str  # what it becomes: "int4" | "int8" | "fp8"
-    group_size: int | None  # int4 rows per group; None: one group per column (all of K)
-    zero_points: bool  # int4 with zero points
+    group_size: int | None  # rows per group; None: one group per column (all of K)
+    zero_points: bool  # asymmetric: with zero points
     gptq_v1: bool = False  # GPTQ zero points stored minus one
     act_order: bool = False  # GPTQ desc_act: rows grouped by g_idx, not k // G
 
@@ -75,11 +77,18 @@ class CheckpointQuantization:
                 f"this checkpoint is quantized ({self.method}, {self.kind}); it is served as "
                 f"stored, so quantization={quantization!r} cannot apply: leave "
                 "--quantization unset")
-        # One group over all of K: a group size no layer's K exceeds (int4_group takes
-        # min(group, K)), rounded up to even.
-        k = max(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
-        return dict(quantization=self.kind, quant_group_size=self.group_size or k + k % 2,
+        group = self.group_size
+        if group is None and self.kind == "int4":
+            # One group over all of K: a group size no layer's K exceeds (group_rows takes
+            # min(group, K)), rounded up to even. (int8's unset group is per channel.)
+            k = max(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
+            group = k + k % 2
+        return dict(quantization=self.kind, quant_group_size=group,
                     quant_zero_points=self.zero_points, quant_act_order=self.act_order)
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.kind == "int4" else 8
 
 
 def _refuse(field: str, value, what: str) -> ValueError:
@@ -137,9 +146,9 @@ def _read_awq(qc: dict) -> CheckpointQuantization:
 
 
 def _read_gptq(qc: dict) -> CheckpointQuantization:
-    if qc.get("bits") != 4:
-        raise _refuse("bits", qc.get("bits"), "jaxserve serves 4-bit GPTQ (8-bit GPTQ "
-                      "needs group-wise int8 kernels, not built yet)")
+    bits = qc.get("bits")
+    if bits not in (4, 8):
+        raise _refuse("bits", bits, "jaxserve serves 4- and 8-bit GPTQ")
     fmt = qc.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         raise _refuse("checkpoint_format", fmt, "gptq or gptq_v2 is needed (marlin / "
@@ -148,8 +157,8 @@ def _read_gptq(qc: dict) -> CheckpointQuantization:
     sym = qc.get("sym", True)
     group = _group(qc)
     act_order = bool(qc.get("desc_act")) and group is not None
-    return CheckpointQuantization("gptq", "int4", group, not sym, gptq_v1=fmt == "gptq",
-                                  act_order=act_order)
+    return CheckpointQuantization("gptq", f"int{bits}", group, not sym,
+                                  gptq_v1=fmt == "gptq", act_order=act_order)
 
 
 def _read_compressed_tensors(qc: dict) -> CheckpointQuantization:
@@ -185,15 +194,13 @@ def _read_compressed_tensors(qc: dict) -> CheckpointQuantization:
         return CheckpointQuantization("compressed-tensors", "fp8", None, False)
     if kind != "int":
         raise _refuse("config_groups.weights.type", kind, "int or float is needed")
-    if bits == 4 and fmt == "pack-quantized" and strategy in ("group", "channel"):
-        return CheckpointQuantization("compressed-tensors", "int4", _group({"g": group}, "g"),
-                                      not symmetric)
-    if bits == 8 and strategy == "channel" and symmetric and fmt in (
-            "pack-quantized", "naive-quantized", "int-quantized"):
-        return CheckpointQuantization("compressed-tensors", "int8", None, False)
-    raise _refuse("config_groups.weights", w, "jaxserve serves int4 (group or channel, "
-                  "symmetric or not, pack-quantized), int8 (channel, symmetric) and FP8 "
-                  "weights")
+    if strategy in ("group", "channel") and (
+            (bits == 4 and fmt == "pack-quantized")
+            or (bits == 8 and fmt in ("pack-quantized", "naive-quantized", "int-quantized"))):
+        return CheckpointQuantization("compressed-tensors", f"int{bits}",
+                                      _group({"g": group}, "g"), not symmetric)
+    raise _refuse("config_groups.weights", w, "jaxserve serves int4 (pack-quantized) and "
+                  "int8 weights (group or channel, symmetric or not) and FP8 weights")
 
 
 @dataclasses.dataclass
@@ -208,49 +215,54 @@ class Prequantized:
     perm: np.ndarray | None = None
 
 
-def _nibbles(words: np.ndarray, axis: int) -> np.ndarray:
-    """int32 words -> their eight 4-bit fields (bits 4j..4j+3 as field j) along a new axis
-    after `axis`, as uint8 values in [0, 15]."""
+def _fields(words: np.ndarray, axis: int, bits: int) -> np.ndarray:
+    """int32 words -> their 32 / bits fields (bits `bits * j` up as field j) along a new
+    axis after `axis`, as unsigned values (uint8)."""
     w = np.asarray(words).view(np.uint32)
-    shifts = (4 * np.arange(8, dtype=np.uint32)).reshape((8,) + (1,) * (w.ndim - 1 - axis))
-    return ((np.expand_dims(w, axis + 1) >> shifts) & 0xF).astype(np.uint8)
+    per = 32 // bits
+    shifts = (bits * np.arange(per, dtype=np.uint32)).reshape(
+        (per,) + (1,) * (w.ndim - 1 - axis))
+    return ((np.expand_dims(w, axis + 1) >> shifts) & ((1 << bits) - 1)).astype(np.uint8)
 
 
-def unpack_rows(words: np.ndarray) -> np.ndarray:
-    """`[R / 8, C]` words, eight rows each (row 8i + j in bits 4j): `[R, C]`."""
-    n = _nibbles(words, 0)
-    return n.reshape(-1, words.shape[1])
+def unpack_rows(words: np.ndarray, bits: int = 4) -> np.ndarray:
+    """`[R / P, C]` words, P = 32 / bits rows each (row P i + j in field j): `[R, C]`."""
+    return _fields(words, 0, bits).reshape(-1, words.shape[1])
 
 
-def unpack_columns(words: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:
-    """`[R, C / 8]` words, eight columns each (column 8i + order[j] in bits 4j; sequential
-    when `order` is None): `[R, C]`."""
-    n = _nibbles(words, 1)  # [R, C / 8, 8]: field j of each word
+def unpack_columns(words: np.ndarray, order: np.ndarray | None = None,
+                   bits: int = 4) -> np.ndarray:
+    """`[R, C / P]` words, P = 32 / bits columns each (column P i + order[j] in field j;
+    sequential when `order` is None): `[R, C]`."""
+    n = _fields(words, 1, bits)  # [R, C / P, P]: field j of each word
     if order is not None:
         n = n[..., np.argsort(order)]  # field holding column j
     return n.reshape(words.shape[0], -1)
 
 
-def _int4(u: np.ndarray, u0: np.ndarray | None, scale: np.ndarray, group: int
-          ) -> Prequantized:
-    """Unsigned 4-bit `u [K, N]`, zero points `u0 [K / G, N]` (None: symmetric about 8) and
-    scales `[K / G, N]` as our int4: q = u - 8, z = u0 - 8."""
-    q = u.astype(np.int8) - 8
-    values = np.asarray(pack_int4(q, group))
+def _from_unsigned(u: np.ndarray, u0: np.ndarray | None, scale: np.ndarray, group: int,
+                   bits: int) -> Prequantized:
+    """Unsigned `bits`-bit `u [K, N]`, zero points `u0 [K / G, N]` (None: symmetric about
+    2^(bits-1)) and scales `[K / G, N]` as our int4 / int8: q = u - 2^(bits-1), z = u0 -
+    2^(bits-1)."""
+    offset = 1 << (bits - 1)
+    q = (u.astype(np.int16) - offset).astype(np.int8)
+    values = np.asarray(pack_int4(q, group)) if bits == 4 else q
     scale = np.asarray(scale, np.float32)
     if u0 is None:
         return Prequantized(values, scale)
-    return Prequantized(values, np.stack([scale, u0.astype(np.float32) - 8]))
+    return Prequantized(values, np.stack([scale, u0.astype(np.float32) - offset]))
 
 
 def _awq(name: str, t: dict, q: CheckpointQuantization) -> Prequantized:
     u = unpack_columns(t["qweight"], AWQ_ORDER)
     u0 = unpack_columns(t["qzeros"], AWQ_ORDER)
-    return _int4(u, u0, t["scales"], _checked_group(name, u.shape[0], t["scales"], q))
+    group = _checked_group(name, u.shape[0], t["scales"], q)
+    return _from_unsigned(u, u0, t["scales"], group, 4)
 
 
 def _gptq(name: str, t: dict, q: CheckpointQuantization) -> Prequantized:
-    u = unpack_rows(t["qweight"])
+    u = unpack_rows(t["qweight"], q.bits)
     k = u.shape[0]
     group = _checked_group(name, k, t["scales"], q)
     g_idx = np.asarray(t["g_idx"]) if "g_idx" in t else np.arange(k) // group
@@ -263,15 +275,15 @@ def _gptq(name: str, t: dict, q: CheckpointQuantization) -> Prequantized:
     elif not np.array_equal(g_idx, np.arange(k) // group):
         raise ValueError(f"{name}.g_idx is not k // group_size, yet quantization_config."
                          "desc_act is false: the checkpoint contradicts itself")
-    u0 = unpack_columns(t["qzeros"])[:, :u.shape[1]]
+    u0 = unpack_columns(t["qzeros"], bits=q.bits)[:, :u.shape[1]]
     if q.gptq_v1:
-        u0 = (u0 + 1) & 0xF
+        u0 = (u0 + 1) & ((1 << q.bits) - 1)
     if not q.zero_points:
-        if np.any(u0 != 8):
+        if np.any(u0 != 1 << (q.bits - 1)):
             raise ValueError(f"{name}.qzeros: a sym checkpoint whose zero points are not "
-                             "all 8; its quantization_config.sym is wrong")
+                             f"all {1 << (q.bits - 1)}; its quantization_config.sym is wrong")
         u0 = None
-    return dataclasses.replace(_int4(u, u0, t["scales"], group), perm=perm)
+    return dataclasses.replace(_from_unsigned(u, u0, t["scales"], group, q.bits), perm=perm)
 
 
 def _compressed_tensors(name: str, t: dict, q: CheckpointQuantization) -> Prequantized:
@@ -281,23 +293,25 @@ def _compressed_tensors(name: str, t: dict, q: CheckpointQuantization) -> Prequa
         n = w.shape[0]
         scale = np.broadcast_to(scale.reshape(-1, 1), (n, 1)) if scale.size == 1 else scale
         return Prequantized(w.T, np.ascontiguousarray(scale.reshape(1, n)))
-    if "weight_packed" not in t:  # naive- / int-quantized int8
+    offset = 1 << (q.bits - 1)
+    if "weight_packed" not in t:  # naive- / int-quantized int8 [N, K], signed
         w = np.asarray(t["weight"])
         if w.dtype != np.int8:
             raise ValueError(f"{name}.weight: int8 values expected, got {w.dtype}")
-        return Prequantized(w.T, scale.reshape(1, -1))
-    n, k = (int(d) for d in np.asarray(t["weight_shape"]))
-    packed = t["weight_packed"]
-    if q.kind == "int8":  # four bytes a word, offset by 128
-        b = np.asarray(packed).view(np.uint32)[..., None] >> (8 * np.arange(4, dtype=np.uint32))
-        w = ((b & 0xFF).astype(np.int16) - 128).astype(np.int8).reshape(n, -1)[:, :k]
-        return Prequantized(np.ascontiguousarray(w.T), scale.reshape(1, n))
-    u = unpack_columns(packed)[:, :k].T  # [K, N], offset by 8 like ours
+        u = (w.astype(np.int16) + offset).T  # [K, N], unsigned like the packed formats
+        n, k = w.shape
+    else:
+        n, k = (int(d) for d in np.asarray(t["weight_shape"]))
+        u = unpack_columns(t["weight_packed"], bits=q.bits)[:, :k].T  # [K, N], offset
     group = _checked_group(name, k, scale.T, q)
     u0 = None
-    if q.zero_points:  # packed along N: [N / 8, K / G]
-        u0 = unpack_columns(np.asarray(t["weight_zero_point"]).T)[:, :n]
-    return _int4(u, u0, scale.T, group)
+    if q.zero_points:
+        zp = np.asarray(t["weight_zero_point"])
+        if zp.dtype == np.int8:  # [N, K / G], signed
+            u0 = (zp.astype(np.int16) + offset).T
+        else:  # packed along N: [N / P, K / G]
+            u0 = unpack_columns(zp.T, bits=q.bits)[:, :n]
+    return _from_unsigned(u, u0, scale.T, group, q.bits)
 
 
 def _checked_group(name: str, k: int, scales: np.ndarray, q: CheckpointQuantization) -> int:
@@ -349,9 +363,8 @@ def tensors(stream: Iterable[tuple[str, np.ndarray]], q: CheckpointQuantization
         layers.setdefault(prefix, {})[part] = array
     for prefix, parts in layers.items():
         needed = _NEEDED.get(q.method) or (
-            ("weight", "weight_scale") if "weight_packed" not in parts else
-            ("weight_packed", "weight_scale", "weight_shape")
-            + (("weight_zero_point",) if q.zero_points else ()))
+            (("weight",) if "weight_packed" not in parts else ("weight_packed", "weight_shape"))
+            + ("weight_scale",) + (("weight_zero_point",) if q.zero_points else ()))
         missing = [n for n in needed if n not in parts]
         if missing:
             raise ValueError(f"{prefix}: the checkpoint lacks {', '.join(missing)} for this "

@@ -13,8 +13,8 @@
 //   jaxserve_gated_act               act(gate) * up of the real rows (silu, tanh gelu).
 //   jaxserve_lora                    y_i += x @ A_i[slot] @ B_i[slot] per token, in place
 //                                    (LoRA adapters of a mixed batch).
-//   jaxserve_quantized_matmul        y = x @ W for a few rows, W int8 or int4 (zero points
-//                                    too) as pallas_kernels/quantized_matmul stores it.
+//   jaxserve_quantized_matmul        y = x @ W for a few rows, W int8 or int4 (groups, zero
+//                                    points) as pallas_kernels/quantized_matmul stores it.
 //
 // One translation unit: this file holds the FFI handlers and includes each kernel's
 // header (common.h, matmul.h, rows.h, attention.h, lora.h, quantized.h), so the kernels share
@@ -373,10 +373,11 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   if (!int4 && values.element_type() != ffi::DataType::S8)
     return bad("values must be int8 or uint8 (int4)");
   const bool zeros = sd.size() == 3;
-  if (sd.size() != 2 && !(zeros && int4 && sd[0] == 2)) return bad("scales must be [G, N] (or [2, G, N] for int4)");
+  if (sd.size() != 2 && !(zeros && sd[0] == 2))
+    return bad("scales must be [G, N] (or [2, G, N] with zero points)");
   const int64_t k = xd[1], n = vd[1], groups = sd[sd.size() - 2];
   if ((int4 ? 2 * vd[0] : vd[0]) != k || sd[sd.size() - 1] != n || groups < 1 ||
-      k % groups || (int4 && (k / groups) % 2) || (!int4 && groups != 1))
+      k % groups || (int4 && (k / groups) % 2))
     return bad("shapes do not match");
   if (num_rows.element_count() != 1) return bad("num_rows must be a scalar");
   const int64_t m = std::clamp<int64_t>(num_rows.typed_data()[0], 0, xd[0]);

@@ -4,10 +4,10 @@
 // y[m] = x[m] @ dequantize(W) for the real rows m < num_rows (at most kQmmMaxRows: decode
 // and draft verification; more rows are compute-bound and go to XLA's dot of the
 // dequantized weight). W is stored as pallas_kernels/quantized_matmul stores it:
-// - int8: values int8 [K, N], scales [1, N] (one group of all K rows);
+// - int8: values int8 [K, N], groups of G rows (G = K: per channel);
 // - int4: values uint8 [K/2, N], groups of G rows (byte row j of a group holds its row j in
-//   the low nibble and row j + G/2 in the high one, two's complement), scales [K/G, N], or
-//   [2, K/G, N] with zero points z (w = (q - z) * scale).
+//   the low nibble and row j + G/2 in the high one, two's complement);
+// scales [K/G, N], or [2, K/G, N] with zero points z (w = (q - z) * scale).
 // Each task owns kQmmTaskCols output columns and reads their bytes of every K row once per
 // pair of x rows, in memory order, converting them to float32 in registers: the weight
 // crosses memory quantized, which is the point on a bandwidth-bound CPU. Per group it

@@ -2,7 +2,9 @@
 
 A quantized stack is each group's weight in a format of pallas_kernels/quantized_matmul
 (int8, int4, fp8), stacked: values `[G, K, N]` (int4: `[G, K // 2, N]`) and scales
-`[G, 1, N]` (int4: `[G, K // group_size, N]`). Float weights have no scales.
+`[G, 1, N]` (int4: `[G, K // group_size, N]`). Float weights have no scales. The grouped
+kernels take symmetric weights with per-channel 8-bit scales (no zero points, no int8
+group scales).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import jax.numpy as jnp
 from pallas_kernels.quantized_matmul import formats as single
 
 
-def quantize(w: jax.Array, kind: str, group_size: int = 128) -> tuple[jax.Array, jax.Array]:
+def quantize(w: jax.Array, kind: str, group_size: int | None = None) -> tuple[jax.Array, jax.Array]:
     """(values, scales) of a float stack `w[G, K, N]`, each group quantized on its own."""
     if w.ndim != 3:
         raise ValueError(f"grouped quantize expects a [G, K, N] weight, got shape {w.shape}")
@@ -28,7 +30,7 @@ def dequantize(values: jax.Array, scales: jax.Array | None, kind: str | None,
     return jax.vmap(lambda v, s: single.dequantize(v, s, kind, dtype))(values, scales)
 
 
-def quantized_shapes(g: int, k: int, n: int, kind: str, group_size: int = 128):
+def quantized_shapes(g: int, k: int, n: int, kind: str, group_size: int | None = None):
     """((values shape, dtype), (scales shape, dtype)) of a quantized `[G, K, N]` stack."""
     (vs, vd), (ss, sd) = single.quantized_shapes(k, n, kind, group_size)
     return ((g, *vs), vd), ((g, *ss), sd)
@@ -51,6 +53,9 @@ def check_operands(x: jax.Array, values: jax.Array, scales: jax.Array | None,
     if scales is None or scales.ndim != 3 or scales.shape[0] != values.shape[0]:
         raise ValueError(f"a {kind} stack needs scales [G, ., N]; got "
                          f"{None if scales is None else scales.shape}")
+    if kind != "int4" and scales.shape[1] != 1:
+        raise ValueError(f"a {kind} expert stack takes symmetric per-channel scales "
+                         f"[G, 1, N] (no zero points, no group scales); got {scales.shape}")
     return single.check_operands(x, values[0], scales[0], kind)
 
 

@@ -25,7 +25,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.grouped_matmul import formats
 from pallas_kernels.grouped_matmul.visits import plan_visits, zero_rows_outside_groups
 from pallas_kernels.quantized_matmul.tpu import (
-    LANES, MAX_BLOCK_K, dequantize_8bit_tile, int4_block_dot, k_unit, mxu_dot)
+    LANES, MAX_BLOCK_K, dequantize_8bit_tile, grouped_block_dot, k_unit, mxu_dot)
 from pallas_kernels.tiling import round_up, sublane_tile
 
 MAX_BLOCK_M = 128
@@ -56,7 +56,7 @@ def block_sizes(m: int, k: int, n: int, kind: str | None, group: int, dtype,
     (K: of lcm(128, G) for int4) up to that which divide them. Explicit sizes override,
     checked for the same alignment (a whole dimension is always allowed)."""
     sub = sublane_tile(dtype)
-    unit = k_unit(kind, group) if kind else LANES
+    unit = k_unit(group)
     bm = block_m or min(round_up(m, sub), MAX_BLOCK_M)
     bn = block_n or dividing_block(n, LANES, MAX_BLOCK_N)
     bk = block_k or dividing_block(k, unit, MAX_BLOCK_K[kind] if kind else MAX_BLOCK_K_FLOAT)
@@ -82,7 +82,8 @@ def _kernel(offsets_ref, group_ref, tile_ref, active_ref,  # the visit plan, in 
     @pl.when(live)
     def _accumulate():
         if kind == "int4":
-            acc_ref[...] += int4_block_dot(x_ref, w_ref, s_ref, group, zero_points=False)
+            acc_ref[...] += grouped_block_dot(x_ref, w_ref, s_ref, kind, group,
+                                              zero_points=False)
         elif kind:
             acc_ref[...] += mxu_dot(x_ref[...], dequantize_8bit_tile(w_ref[...], x_ref.dtype))
         else:

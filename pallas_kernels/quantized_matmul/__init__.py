@@ -1,21 +1,24 @@
 """Weight-only quantized matmul (W8A16, W4A16, W8A16-fp8): `y[M, N] = x[M, K] @ w[K, N]`.
 
 Weight formats (K = in-features, N = out-features; all scales float32; symmetric unless
-int4 carries zero points):
+they carry zero points):
 
-- "int8": values int8 `[K, N]`, scales `[1, N]` = max|w| over K / 127 (per output
-  channel); an all-zero column gets scale 1.
-- "int4": group-wise along K with G = min(group_size, K) rows per group (K % G == 0, G
-  even). values uint8 `[K // 2, N]`, two signed 4-bit two's-complement values per byte
-  (range [-8, 7], quantize produces [-7, 7]); scales `[K // G, N]` = max|w| over the
-  group / 7. Packing: within each group of G rows, byte row j (0 <= j < G/2) of that
-  group holds row j in the LOW nibble and row j + G/2 in the HIGH nibble, so a kernel
-  unpacks a group into two contiguous halves without interleaving.
-  With zero points (asymmetric: AWQ, GPTQ, compressed-tensors' asymmetric int4), scales
-  are `[2, K // G, N]`: `[0]` the group scales, `[1]` the group zero points z (float32,
-  integers in [-8, 7] as checkpoints store them, offset by -8 like the values), and
-  w = (q - z) * scale. A checkpoint's unsigned 4-bit value u with zero point u0 is
-  q = u - 8, z = u0 - 8: the same integers minus the same offset, so nothing rounds.
+- "int8": values int8 `[K, N]`; scales `[K // G, N]` = max|w| over the group / 127, with
+  G = K by default (one scale per output channel, `[1, N]`) or G = min(group_size, K)
+  (K % G == 0: GPTQ 8-bit, compressed-tensors' int8 groups, GGUF's Q8_0 with G = 32). An
+  all-zero column (or group) gets scale 1.
+- "int4": group-wise along K with G = min(group_size, K) rows per group (default 128;
+  K % G == 0, G even). values uint8 `[K // 2, N]`, two signed 4-bit two's-complement
+  values per byte (range [-8, 7], quantize produces [-7, 7]); scales `[K // G, N]` =
+  max|w| over the group / 7. Packing: within each group of G rows, byte row j
+  (0 <= j < G/2) of that group holds row j in the LOW nibble and row j + G/2 in the HIGH
+  nibble, so a kernel unpacks a group into two contiguous halves without interleaving.
+- Zero points (int8 and int4; asymmetric checkpoints: AWQ, GPTQ, compressed-tensors):
+  scales are `[2, K // G, N]`: `[0]` the group scales, `[1]` the group zero points z
+  (float32, integers in the values' range as checkpoints store them, offset like the
+  values), and w = (q - z) * scale. A checkpoint's unsigned b-bit value u with zero point
+  u0 is q = u - 2^(b-1), z = u0 - 2^(b-1): the same integers minus the same offset, so
+  nothing rounds.
 - "fp8": values float8_e4m3fn `[K, N]`, scales `[1, N]` = max|w| over K / 448.
 
 formats.py quantizes, packs, dequantizes, checks and pads them.
@@ -28,11 +31,12 @@ Implementations, all with the signature of `reference.quantized_matmul`:
   Compiles ahead of time for v5e and v6e for all three kinds: Mosaic accepts the
   float8_e4m3fn -> f32 conversion on both, though neither has fp8 arithmetic (the
   kernel never asks for any: fp8 is a storage format here, as int8 and int4 are).
-- "cpu" (cpu.py): the native CPU kernel for at most 8 rows (decode), int8 and int4, the
+- "cpu" (cpu.py): the native CPU kernel for at most 64 rows (decode), int8 and int4, the
   weight read as stored and converted in registers; the reference for anything else.
 - "gpu" (gpu.py): Pallas Triton kernel, grid (M, N blocks), K loop in a fori_loop. fp8
   needs a CUDA GPU of compute capability >= 8.9 (Ada, Hopper) for the conversion (Pallas
-  refuses it below); int4 needs a power-of-two group size >= 32. Where either fails,
+  refuses it below); groups must be powers of two (int4 >= 32, int8 >= 16). Where either
+  fails,
   `impl=None` uses the reference instead (XLA converts fp8 on any GPU).
 
 `impl=None` picks by platform: the default device's if one is set (as when compiling
@@ -43,10 +47,10 @@ Block sizes (override with block_m / block_n / block_k), from the shapes only:
 - TPU: bm = min(round_up(M, 8 for f32 / 16 for bf16), 256); bn = min(round_up(N, 128),
   512); bk = min(round_up(K, u), max(u, L rounded down to a multiple of u)) with
   L = 512 for 8-bit or 1024 for int4 (256 KiB of weight per 512 columns per step) and
-  u = lcm(128, G) for int4, else 128.
+  u = lcm(128, G) for grouped weights, else 128.
 - GPU: powers of two; bm = clamp(next_pow2(M), 16, 64); bn = clamp(next_pow2(N), 16, 128);
-  bk = clamp(next_pow2(K), 16, 128), at least G for int4.
-Both pad operands to whole blocks (K by whole int4 groups) and slice the result.
+  bk = clamp(next_pow2(K), 16, 128), at least G for grouped weights.
+Both pad operands to whole blocks (K by whole groups) and slice the result.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ import jax
 from pallas_kernels.platform import GPU_PLATFORMS, current_platform
 from pallas_kernels.quantized_matmul import cpu, gpu, reference, tpu
 from pallas_kernels.quantized_matmul.formats import (
-    check_operands, dequantize, quantize, quantized_shapes)
+    check_operands, dequantize, kernel_group, quantize, quantized_shapes)
 
 IMPLS = ("reference", "cpu", "tpu", "gpu")
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
@@ -106,7 +110,7 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
     if impl is None:
         if interpret:
             raise ValueError("interpret=True needs an explicit impl ('tpu' or 'gpu')")
-        impl = choose_impl(kind, k // scales.shape[-2] if kind == "int4" else 1)
+        impl = choose_impl(kind, kernel_group(kind, k, scales))
         if impl == "reference" and current_platform() == "cpu" and cpu.supports(x, kind):
             impl = "cpu"
     if impl == "cpu":

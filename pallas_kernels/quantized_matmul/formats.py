@@ -14,6 +14,8 @@ INT8_MAX = 127
 INT4_MAX = 7  # symmetric: -8 is representable but never produced by quantize
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_DTYPE = jnp.float8_e4m3fn
+INT_RANGE = {"int8": (-128, 127), "int4": (-8, 7)}  # the stored integers (two's complement)
+DEFAULT_INT4_GROUP = 128
 
 
 def check_kind(kind: str) -> None:
@@ -21,43 +23,61 @@ def check_kind(kind: str) -> None:
         raise ValueError(f"unknown quantization kind {kind!r}: use one of {', '.join(KINDS)}")
 
 
-def int4_group(k: int, group_size: int) -> int:
-    """The int4 group size actually used for K rows: min(group_size, K), validated."""
+def group_rows(k: int, kind: str, group_size: int | None = None) -> int:
+    """The rows G per scale group actually used for a weight of K rows, validated.
+
+    int4: min(group_size or 128, K), even. int8: min(group_size, K), or all of K (one scale
+    per output channel) when group_size is None. fp8: always all of K.
+    """
+    check_kind(kind)
+    if kind == "fp8":
+        if group_size is not None:
+            raise ValueError("fp8 weights have per-channel scales: leave group_size unset")
+        return k
+    if group_size is None:
+        group_size = DEFAULT_INT4_GROUP if kind == "int4" else k
     if group_size <= 0:
-        raise ValueError(f"int4 group_size must be positive, got {group_size}")
+        raise ValueError(f"{kind} group_size must be positive, got {group_size}")
     g = min(group_size, k)
-    if k % g or g % 2:
+    if k % g or (kind == "int4" and g % 2):
         raise ValueError(
-            f"int4 needs K ({k}) to be a multiple of an even group size; got group size {g}: "
-            "pick a group_size that divides K (128 and 64 are usual)")
+            f"{kind} needs K ({k}) to be a multiple of the group size"
+            + (" (an even one)" if kind == "int4" else "")
+            + f"; got group size {g}: pick a group_size that divides K (128, 64 and 32 "
+            "are usual)")
     return g
 
 
 ShapeDtype = tuple[tuple[int, ...], jnp.dtype]
 
 
-def quantized_shapes(k: int, n: int, kind: str, group_size: int = 128,
+def quantized_shapes(k: int, n: int, kind: str, group_size: int | None = None,
                      zero_points: bool = False) -> tuple[ShapeDtype, ShapeDtype]:
     """((values shape, dtype), (scales shape, dtype)) of a quantized `[K, N]` weight;
-    `zero_points` (int4 only): scales `[2, K // G, N]`, each group's scale and zero point.
+    `zero_points` (int8, int4): scales `[2, K // G, N]`, each group's scale and zero point.
 
     Lets a model be built abstractly (jax.ShapeDtypeStruct) without quantizing anything.
     """
-    check_kind(kind)
-    if zero_points and kind != "int4":
-        raise ValueError(f"zero points are an int4 format; {kind} is symmetric")
-    if kind == "int8":
-        return ((k, n), jnp.dtype(jnp.int8)), ((1, n), jnp.dtype(jnp.float32))
-    if kind == "fp8":
-        return ((k, n), jnp.dtype(FP8_DTYPE)), ((1, n), jnp.dtype(jnp.float32))
-    g = int4_group(k, group_size)
+    g = group_rows(k, kind, group_size)
+    if zero_points and kind == "fp8":
+        raise ValueError("zero points are an integer format; fp8 is symmetric")
     lead = (2,) if zero_points else ()
-    return ((k // 2, n), jnp.dtype(jnp.uint8)), (lead + (k // g, n), jnp.dtype(jnp.float32))
+    scales = (lead + (k // g, n), jnp.dtype(jnp.float32))
+    if kind == "int8":
+        return ((k, n), jnp.dtype(jnp.int8)), scales
+    if kind == "fp8":
+        return ((k, n), jnp.dtype(FP8_DTYPE)), scales
+    return ((k // 2, n), jnp.dtype(jnp.uint8)), scales
 
 
 def has_zero_points(scales: jax.Array) -> bool:
-    """Whether int4 scales carry zero points (`[2, K // G, N]` rather than `[K // G, N]`)."""
+    """Whether scales carry zero points (`[2, K // G, N]` rather than `[K // G, N]`)."""
     return scales.ndim == 3
+
+
+def scale_groups(scales: jax.Array) -> int:
+    """K // G: how many groups of rows the weight's scales cover."""
+    return scales.shape[-2]
 
 
 def _safe_scale(amax: jax.Array, qmax: float) -> jax.Array:
@@ -89,53 +109,58 @@ def unpack_int4(values: jax.Array, group: int) -> jax.Array:
     return jnp.concatenate([low, high], axis=1).reshape(2 * half, n)
 
 
-def quantize(w: jax.Array, kind: str, group_size: int = 128,
+def quantize(w: jax.Array, kind: str, group_size: int | None = None,
              zero_points: bool = False) -> tuple[jax.Array, jax.Array]:
     """Quantize a float weight `w[K, N]`; returns (values, scales) as described in __init__.
-    `zero_points` (int4): each group's range [min(w, 0), max(w, 0)] onto the 16 levels
-    (asymmetric, GPTQ's scheme: 0.0 stays in range, so the zero point is one of the
-    levels) instead of [-max|w|, max|w|] onto 15."""
-    check_kind(kind)
-    if zero_points and kind != "int4":
-        raise ValueError(f"zero points are an int4 format; {kind} is symmetric")
+    `zero_points` (int8, int4): each group's range [min(w, 0), max(w, 0)] onto all the
+    levels (asymmetric, GPTQ's scheme: 0.0 stays in range, so the zero point is one of the
+    levels) instead of [-max|w|, max|w|] onto the symmetric ones."""
     w = jnp.asarray(w)
     if w.ndim != 2:
         raise ValueError(f"quantize expects a [K, N] weight, got shape {w.shape}")
-    w = w.astype(jnp.float32)
     k, n = w.shape
-    if kind == "int8":
-        scales = _safe_scale(jnp.max(jnp.abs(w), axis=0, keepdims=True), INT8_MAX)
-        values = jnp.clip(jnp.round(w / scales), -INT8_MAX, INT8_MAX).astype(jnp.int8)
-        return values, scales
+    (_, vdtype), _ = quantized_shapes(k, n, kind, group_size, zero_points)
+    g = group_rows(k, kind, group_size)
+    grouped = w.astype(jnp.float32).reshape(k // g, g, n)
     if kind == "fp8":
-        scales = _safe_scale(jnp.max(jnp.abs(w), axis=0, keepdims=True), FP8_MAX)
+        scales = _safe_scale(jnp.max(jnp.abs(grouped), axis=1), FP8_MAX)
         # float8_e4m3fn has no infinity: anything rounding past 448 would become NaN.
-        values = jnp.clip(w / scales, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
-        return values, scales
-    g = int4_group(k, group_size)
-    grouped = w.reshape(k // g, g, n)
+        values = jnp.clip(grouped / scales[:, None, :], -FP8_MAX, FP8_MAX)
+        return values.reshape(k, n).astype(FP8_DTYPE), scales
+    lo, hi = INT_RANGE[kind]
     if zero_points:
         low = jnp.minimum(jnp.min(grouped, axis=1), 0.0)
         high = jnp.maximum(jnp.max(grouped, axis=1), 0.0)
-        scales = _safe_scale(high - low, 2 * INT4_MAX + 1)
-        # The zero point is the level of 0.0: low maps to -8, high to 7 (up to rounding).
-        zeros = jnp.clip(-8 - jnp.round(low / scales), -8, 7)
-        q = jnp.clip(jnp.round(grouped / scales[:, None, :]) + zeros[:, None, :], -8, 7)
-        return pack_int4(q.reshape(k, n), g), jnp.stack([scales, zeros])
-    scales = _safe_scale(jnp.max(jnp.abs(grouped), axis=1), INT4_MAX)
-    q = jnp.clip(jnp.round(grouped / scales[:, None, :]), -INT4_MAX, INT4_MAX)
-    return pack_int4(q.reshape(k, n), g), scales
+        scales = _safe_scale(high - low, hi - lo)
+        # The zero point is the level of 0.0: low maps to the lowest level, high to the
+        # highest (up to rounding).
+        zeros = jnp.clip(lo - jnp.round(low / scales), lo, hi)
+        q = jnp.clip(jnp.round(grouped / scales[:, None, :]) + zeros[:, None, :], lo, hi)
+        scales = jnp.stack([scales, zeros])
+    else:
+        scales = _safe_scale(jnp.max(jnp.abs(grouped), axis=1), hi)
+        q = jnp.clip(jnp.round(grouped / scales[:, None, :]), -hi, hi)
+    q = q.reshape(k, n)
+    values = pack_int4(q, g) if kind == "int4" else q.astype(vdtype)
+    return values, scales
+
+
+def integers(values: jax.Array, kind: str, group: int) -> jax.Array:
+    """The stored integers (int8, int4) or floats (fp8) `[K, N]`, unscaled, as float32."""
+    if kind == "int4":
+        return unpack_int4(values, group).astype(jnp.float32)
+    return values.astype(jnp.float32)
 
 
 def dequantize(values: jax.Array, scales: jax.Array, kind: str,
                dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """The float weight `[K, N]` in `dtype` (scaled in float32, then cast)."""
     check_kind(kind)
-    if kind in ("int8", "fp8"):
-        return (values.astype(jnp.float32) * scales).astype(dtype)
-    k, n = 2 * values.shape[0], values.shape[1]
-    g = k // scales.shape[-2]
-    q = unpack_int4(values, g).astype(jnp.float32).reshape(k // g, g, n)
+    k = values.shape[0] * (2 if kind == "int4" else 1)
+    n = values.shape[1]
+    groups = scale_groups(scales)
+    g = k // groups
+    q = integers(values, kind, g).reshape(groups, g, n)
     if has_zero_points(scales):
         scales, zeros = scales[0], scales[1]
         q = q - zeros[:, None, :]  # exact: small integers
@@ -145,14 +170,14 @@ def dequantize(values: jax.Array, scales: jax.Array, kind: str,
 def check_operands(x: jax.Array, values: jax.Array, scales: jax.Array, kind: str) -> int:
     """Validate shapes and dtypes of a quantized matmul; returns K."""
     check_kind(kind)
-    zero_points = kind == "int4" and scales.ndim == 3
-    if x.ndim != 2 or values.ndim != 2 or scales.ndim != 2 + zero_points:
-        raise ValueError(f"quantized_matmul expects x[M, K], values 2-D and scales 2-D (or "
-                         f"[2, K / G, N] for int4 with zero points); got "
+    if x.ndim != 2 or values.ndim != 2 or scales.ndim not in (2, 3):
+        raise ValueError(f"quantized_matmul expects x[M, K], values 2-D and scales [K / G, N] "
+                         f"(or [2, K / G, N] with zero points); got "
                          f"{x.shape}, {values.shape}, {scales.shape}")
-    k = values.shape[0] * (2 if kind == "int4" else 1)
-    want = quantized_shapes(k, values.shape[1], kind,
-                            group_size=k // max(scales.shape[-2], 1), zero_points=zero_points)
+    k, n = values.shape[0] * (2 if kind == "int4" else 1), values.shape[1]
+    groups = max(scale_groups(scales), 1)
+    want = quantized_shapes(k, n, kind, None if kind == "fp8" else max(k // groups, 1),
+                            zero_points=has_zero_points(scales))
     if x.shape[1] != k or (values.shape, values.dtype) != want[0] or \
             (scales.shape, scales.dtype) != want[1]:
         raise ValueError(
@@ -162,25 +187,38 @@ def check_operands(x: jax.Array, values: jax.Array, scales: jax.Array, kind: str
     return k
 
 
+def grouped(kind: str, scales: jax.Array) -> bool:
+    """Whether the kernels scale each group of rows' partial sum (int4, and 8-bit weights
+    with group scales) rather than the finished sum once (per-channel 8-bit scales)."""
+    return kind == "int4" or scale_groups(scales) > 1
+
+
+def kernel_group(kind: str, k: int, scales: jax.Array) -> int:
+    """The rows per group a kernel walks: G when grouped, else 1 (no constraint on K)."""
+    return k // scale_groups(scales) if grouped(kind, scales) else 1
+
+
 def pad_operands(x: jax.Array, values: jax.Array, scales: jax.Array, kind: str,
                  m: int, k: int, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Zero-pad the operands of a quantized matmul to x[m, k] and a weight of [k, n].
 
-    The kernels pad to whole blocks. For int4, k - K must be whole groups, so that the
-    padding forms groups of its own and leaves the byte layout of the real ones alone.
-    Padded weights are zero bytes with zero scales and zero points (zero in every format),
-    so they add nothing to the dot.
+    The kernels pad to whole blocks. For grouped weights (int4, 8-bit with group scales),
+    k - K must be whole groups, so that the padding forms groups of its own (and, for
+    int4, leaves the byte layout of the real ones alone). Padded weights are zero bytes
+    with zero scales and zero points (zero in every format), and padded x is zero, so
+    they add nothing to the dot.
     """
     big_k, big_n = x.shape[1], values.shape[1]
     values_rows = k // 2 if kind == "int4" else k
     x = jnp.pad(x, ((0, m - x.shape[0]), (0, k - big_k)))
     values = jnp.pad(values, ((0, values_rows - values.shape[0]), (0, n - big_n)))
-    if kind == "int4":
-        group = big_k // scales.shape[-2]
+    groups = scale_groups(scales)
+    more = 0
+    if grouped(kind, scales):
+        group = big_k // groups
         if (k - big_k) % group:
-            raise ValueError(f"int4 K padding must be whole groups: {big_k} -> {k}, group {group}")
-        pad = ((0, k // group - scales.shape[-2]), (0, n - big_n))
-        scales = jnp.pad(scales, ((0, 0),) * (scales.ndim - 2) + pad)
-    else:
-        scales = jnp.pad(scales, ((0, 0), (0, n - big_n)))
+            raise ValueError(f"{kind} K padding must be whole groups: {big_k} -> {k}, "
+                             f"group {group}")
+        more = k // group - groups
+    scales = jnp.pad(scales, ((0, 0),) * (scales.ndim - 2) + ((0, more), (0, n - big_n)))
     return x, values, scales

@@ -15,7 +15,8 @@ writing float32 partials that XLA sums; the sum is one pass over `splits x M x N
 small beside the weight. Not yet timed on a GPU.
 
 Triton shapes are powers of two and `dot` needs every dimension >= 16, which fixes the
-block rule and limits int4 groups to powers of two >= 32 (see `supports`).
+block rule and limits groups to powers of two: int4 >= 32 (each half a dot operand),
+int8 >= 16 (see `supports`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.quantized_matmul.formats import (
-    check_operands, has_zero_points, pad_operands)
+    check_operands, grouped, has_zero_points, kernel_group, pad_operands)
 from pallas_kernels.tiling import is_power_of_2, next_power_of_2, round_up
 
 MIN_BLOCK = 16  # smallest dimension Triton's dot accepts
@@ -50,14 +51,19 @@ def _clamped_power_of_2(n: int, most: int) -> int:
 
 
 def supports(kind: str, group: int) -> bool:
-    """Whether this kernel handles the format: an int4 group's halves are dot operands."""
-    return kind != "int4" or (is_power_of_2(group) and group // 2 >= MIN_BLOCK)
+    """Whether this kernel handles the format (`group` 1: per-channel scales): a group is
+    a dot operand, an int4 group's halves each."""
+    if group == 1:
+        return True
+    rows = group // 2 if kind == "int4" else group
+    return is_power_of_2(group) and rows >= MIN_BLOCK
 
 
 def require_support(kind: str | None, group: int) -> None:
     if not supports(kind, group):
-        raise ValueError(f"the GPU kernel needs an int4 group size that is a power of two "
-                         f">= {2 * MIN_BLOCK}, got {group}: use impl='reference'")
+        least = 2 * MIN_BLOCK if kind == "int4" else MIN_BLOCK
+        raise ValueError(f"the GPU kernel needs a {kind} group size that is a power of two "
+                         f">= {least}, got {group}: use impl='reference'")
 
 
 def block_sizes(m: int, k: int, n: int, kind: str, group: int,
@@ -67,18 +73,17 @@ def block_sizes(m: int, k: int, n: int, kind: str, group: int,
 
     bm = clamp(next_pow2(M), 16, 64): decode batches waste little of a 16-row tile.
     bn = clamp(next_pow2(N), 16, 128): N blocks are the parallelism when M is small.
-    bk = clamp(next_pow2(K), 16, 128), and at least one int4 group (a multiple of G).
+    bk = clamp(next_pow2(K), 16, 128), and at least one group (a multiple of G).
     Explicit block_m / block_n / block_k override, checked for the same rules.
     """
     bm = block_m or _clamped_power_of_2(m, MAX_BLOCK_M)
     bn = block_n or _clamped_power_of_2(n, MAX_BLOCK_N)
-    bk = block_k or max(_clamped_power_of_2(k, MAX_BLOCK_K), group if kind == "int4" else 1)
-    if not all(is_power_of_2(b) and b >= MIN_BLOCK for b in (bm, bn, bk)) or (
-            kind == "int4" and bk % group):
+    bk = block_k or max(_clamped_power_of_2(k, MAX_BLOCK_K), group)
+    if not all(is_power_of_2(b) and b >= MIN_BLOCK for b in (bm, bn, bk)) or bk % group:
         raise ValueError(
             f"GPU block sizes (block_m={bm}, block_n={bn}, block_k={bk}) must be powers of "
-            f"two >= {MIN_BLOCK}" + (f", block_k a multiple of the int4 group {group}"
-                                     if kind == "int4" else ""))
+            f"two >= {MIN_BLOCK}" + (f", block_k a multiple of the group {group}"
+                                     if group > 1 else ""))
     return bm, bn, bk
 
 
@@ -96,10 +101,11 @@ def tile_dot(x: jax.Array, w: jax.Array) -> jax.Array:
 
 def _kernel(x_ref,  # [bm, K]: this program's rows of x, all of K (the loop slices it)
             w_ref,  # [K, bn] (int8, fp8) or [K / 2, bn] (int4, packed): its columns
-            s_ref,  # [1, bn] channel scales, or [K / G, bn] int4 group scales (with
-                    # zero points [2, K / G, bn])
+            s_ref,  # [K / G, bn] scales (per channel: [1, bn]), with zero points
+                    # [2, K / G, bn]
             o_ref,  # [bm, bn], or with K splits this split's float32 partial
-            *, kind: str, group: int, zero_points: bool, block_k: int, num_splits: int):
+            *, kind: str, group: int, is_grouped: bool, zero_points: bool, block_k: int,
+            num_splits: int):
     bm, bn = o_ref.shape
     steps = x_ref.shape[1] // block_k
     first, last = 0, steps
@@ -112,7 +118,23 @@ def _kernel(x_ref,  # [bm, K]: this program's rows of x, all of K (the loop slic
         rows = pl.ds(step * block_k, block_k)
         # int8 -> float via the dtype conversion; fp8 -> x's dtype is a native convert
         # on sm89+ (Ada, Hopper), which the dispatcher checks.
-        return acc + tile_dot(x_ref[:, rows], w_ref[rows, :])
+        w = w_ref[rows, :]
+        if zero_points:  # per channel: the column's zero point off every row (exact)
+            w = w.astype(jnp.float32) - s_ref[1]
+        return acc + tile_dot(x_ref[:, rows], w)
+
+    def group_scale(start):
+        return (s_ref[0, pl.ds(start // group, 1), :] if zero_points
+                else s_ref[pl.ds(start // group, 1), :])
+
+    def int8_groups_step(step, acc):
+        for g in range(block_k // group):
+            start = step * block_k + g * group
+            w = w_ref[pl.ds(start, group), :].astype(jnp.float32)
+            if zero_points:
+                w = w - s_ref[1, pl.ds(start // group, 1), :]
+            acc = acc + tile_dot(x_ref[:, pl.ds(start, group)], w) * group_scale(start)
+        return acc
 
     def int4_step(step, acc):
         half = group // 2
@@ -125,15 +147,13 @@ def _kernel(x_ref,  # [bm, K]: this program's rows of x, all of K (the loop slic
                 low, high = low - zero, high - zero
             part = (tile_dot(x_ref[:, pl.ds(start, half)], low)
                     + tile_dot(x_ref[:, pl.ds(start + half, half)], high))
-            scale = (s_ref[0, pl.ds(start // group, 1), :] if zero_points
-                     else s_ref[pl.ds(start // group, 1), :])
-            acc = acc + part * scale
+            acc = acc + part * group_scale(start)
         return acc
 
-    body = int4_step if kind == "int4" else dense_step
+    body = (int4_step if kind == "int4" else int8_groups_step) if is_grouped else dense_step
     acc = jax.lax.fori_loop(first, last, body, jnp.zeros((bm, bn), jnp.float32))
-    if kind != "int4":
-        acc = acc * s_ref[...]
+    if not is_grouped:
+        acc = acc * (s_ref[0] if zero_points else s_ref[...])
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
@@ -152,8 +172,8 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
     """
     k = check_operands(x, values, scales, kind)
     m, n = x.shape[0], values.shape[1]
-    group = k // scales.shape[-2] if kind == "int4" else 1
-    zero_points = kind == "int4" and has_zero_points(scales)
+    group, is_grouped = kernel_group(kind, k, scales), grouped(kind, scales)
+    zero_points = has_zero_points(scales)
     require_support(kind, group)
     bm, bn, bk = block_sizes(m, k, n, kind, group, block_m, block_n, block_k)
     mp, kp, np_ = round_up(m, bm), round_up(k, bk), round_up(n, bn)
@@ -169,8 +189,8 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
         out_shape = jax.ShapeDtypeStruct((mp, np_), x.dtype)
         out_spec = pl.BlockSpec((bm, bn), lambda i, j, *_: (i, j))
     out = pl.pallas_call(
-        functools.partial(_kernel, kind=kind, group=group, zero_points=zero_points,
-                          block_k=bk, num_splits=splits),
+        functools.partial(_kernel, kind=kind, group=group, is_grouped=is_grouped,
+                          zero_points=zero_points, block_k=bk, num_splits=splits),
         out_shape=out_shape,
         grid=(mp // bm, np_ // bn) + ((splits,) if splits > 1 else ()),
         in_specs=[pl.BlockSpec((bm, kp), lambda i, j, *_: (i, 0)),

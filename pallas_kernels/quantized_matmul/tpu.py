@@ -6,9 +6,10 @@ weight tile, dequantizes the tile in VMEM to x's dtype and feeds the MXU; the we
 quantized in HBM, which is the point: decode is bound by weight bytes read.
 
 Scales: a per-channel scale (int8, fp8) is the same for every K, so it multiplies the
-accumulator once, at the last K step. An int4 group scale changes every G rows, so each
-group gets its own dot and its scale multiplies that partial sum inside the K step; an int4
-zero point is subtracted from the group's integers before the dot (exact: small integers).
+accumulator once, at the last K step. A group scale (int4; int8 with group scales) changes
+every G rows, so each group gets its own dot and its scale multiplies that partial sum
+inside the K step. A zero point is subtracted from the integers before the dot (exact:
+|q - z| <= 255 is exact in bf16 too).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.quantized_matmul.formats import (
-    check_operands, has_zero_points, pad_operands)
+    check_operands, grouped, has_zero_points, kernel_group, pad_operands)
 from pallas_kernels.tiling import round_up, sublane_tile
 
 MAX_BLOCK_M = 256
@@ -34,9 +35,9 @@ MAX_BLOCK_K = {"int8": 512, "fp8": 512, "int4": 1024}
 LANES = 128
 
 
-def k_unit(kind: str, group: int) -> int:
-    """bk must hold whole lane tiles of x and, for int4, whole groups."""
-    return math.lcm(LANES, group) if kind == "int4" else LANES
+def k_unit(group: int) -> int:
+    """bk must hold whole lane tiles of x and whole groups (group 1: per channel)."""
+    return math.lcm(LANES, group)
 
 
 def block_sizes(m: int, k: int, n: int, kind: str, group: int, dtype: jnp.dtype,
@@ -48,10 +49,10 @@ def block_sizes(m: int, k: int, n: int, kind: str, group: int, dtype: jnp.dtype,
     bm = min(round_up(M, sublane tile), 256): decode batches get one M block padded to a tile.
     bn = min(round_up(N, 128), 512).
     bk = min(round_up(K, unit), the largest multiple of unit <= 512 (8-bit) or 1024 (int4)),
-    unit = lcm(128, G) for int4, else 128.
+    unit = lcm(128, G) for grouped weights (int4, group-scaled int8), else 128.
     Explicit block_m / block_n / block_k override, checked for the same alignment.
     """
-    sub, unit = sublane_tile(dtype), k_unit(kind, group)
+    sub, unit = sublane_tile(dtype), k_unit(group)
     bm = block_m or min(round_up(m, sub), MAX_BLOCK_M)
     bn = block_n or min(round_up(n, LANES), MAX_BLOCK_N)
     bk = block_k or min(round_up(k, unit), max(unit, MAX_BLOCK_K[kind] // unit * unit))
@@ -59,7 +60,7 @@ def block_sizes(m: int, k: int, n: int, kind: str, group: int, dtype: jnp.dtype,
         raise ValueError(
             f"TPU block sizes (block_m={bm}, block_n={bn}, block_k={bk}) must be multiples "
             f"of ({sub}, {LANES}, {unit}) for {kind} with x {jnp.dtype(dtype).name}"
-            + (f" and int4 group {group}" if kind == "int4" else ""))
+            + (f" and group {group}" if group > 1 else ""))
     return bm, bn, bk
 
 
@@ -76,22 +77,29 @@ def dequantize_8bit_tile(w: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return w.astype(jnp.float32).astype(dtype)
 
 
-def int4_block_dot(x_ref, w_ref, s_ref, group: int, zero_points: bool) -> jax.Array:
+def grouped_block_dot(x_ref, w_ref, s_ref, kind: str, group: int,
+                      zero_points: bool) -> jax.Array:
     """Sum over the block's groups of (x_group @ (w_group - zero_group)) * scale_group, in
     float32; `s_ref` holds the block's group scales `[bk / G, bn]`, or with zero points
     scales and zero points `[2, bk / G, bn]`."""
-    half = group // 2
-    packed = w_ref[...].astype(jnp.int32)
-    # Nibble to the top of the int32, then an arithmetic shift back: sign extension of
-    # two's complement 4-bit values without selects.
-    low = ((packed << 28) >> 28).astype(jnp.float32)
-    high = ((packed << 24) >> 28).astype(jnp.float32)
+    if kind == "int4":
+        half = group // 2
+        packed = w_ref[...].astype(jnp.int32)
+        # Nibble to the top of the int32, then an arithmetic shift back: sign extension
+        # of two's complement 4-bit values without selects.
+        low = ((packed << 28) >> 28).astype(jnp.float32)
+        high = ((packed << 24) >> 28).astype(jnp.float32)
+    else:
+        dense = w_ref[...].astype(jnp.float32)
     total = None
     for g in range(x_ref.shape[1] // group):
-        rows = slice(g * half, (g + 1) * half)
-        # The format puts a group's first half in the low nibbles and its second half in
-        # the high ones, so the group is two contiguous pieces: no interleave needed.
-        w = jnp.concatenate([low[rows], high[rows]], axis=0)
+        if kind == "int4":
+            # The format puts a group's first half in the low nibbles and its second half
+            # in the high ones, so the group is two contiguous pieces: no interleave.
+            rows = slice(g * half, (g + 1) * half)
+            w = jnp.concatenate([low[rows], high[rows]], axis=0)
+        else:
+            w = dense[g * group:(g + 1) * group]
         if zero_points:
             w = w - s_ref[1, g:g + 1, :]
         part = mxu_dot(x_ref[:, g * group:(g + 1) * group], w.astype(x_ref.dtype))
@@ -102,19 +110,22 @@ def int4_block_dot(x_ref, w_ref, s_ref, group: int, zero_points: bool) -> jax.Ar
 
 def _kernel(x_ref,  # [bm, bk] VMEM: x's tile at (M block, K step)
             w_ref,  # [bk, bn] (int8, fp8) or [bk / 2, bn] (int4, packed) VMEM
-            s_ref,  # [1, bn] channel scales, or [bk / G, bn] int4 group scales (with
-                    # zero points [2, bk / G, bn]), VMEM
+            s_ref,  # [1, bn] channel scales ([2, 1, bn] with zero points), or grouped:
+                    # [bk / G, bn] group scales ([2, bk / G, bn] with zero points), VMEM
             o_ref,  # [bm, bn] VMEM, written at the last K step
             acc_ref,  # [bm, bn] float32 VMEM scratch, carried over the K steps
-            *, kind: str, group: int, zero_points: bool):
+            *, kind: str, group: int, is_grouped: bool, zero_points: bool):
     step = pl.program_id(2)
 
     @pl.when(step == 0)
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    if kind == "int4":
-        acc_ref[...] += int4_block_dot(x_ref, w_ref, s_ref, group, zero_points)
+    if is_grouped:
+        acc_ref[...] += grouped_block_dot(x_ref, w_ref, s_ref, kind, group, zero_points)
+    elif zero_points:  # per channel: the column's zero point off every row
+        w = w_ref[...].astype(jnp.float32) - s_ref[1]
+        acc_ref[...] += mxu_dot(x_ref[...], w.astype(x_ref.dtype))
     else:
         w = dequantize_8bit_tile(w_ref[...], x_ref.dtype)
         acc_ref[...] += mxu_dot(x_ref[...], w)
@@ -122,8 +133,8 @@ def _kernel(x_ref,  # [bm, bk] VMEM: x's tile at (M block, K step)
     @pl.when(step == pl.num_programs(2) - 1)
     def _store():
         acc = acc_ref[...]
-        if kind != "int4":
-            acc = acc * s_ref[...]
+        if not is_grouped:
+            acc = acc * (s_ref[0] if zero_points else s_ref[...])
         o_ref[...] = acc.astype(o_ref.dtype)
 
 
@@ -139,14 +150,14 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
     """
     k = check_operands(x, values, scales, kind)
     m, n = x.shape[0], values.shape[1]
-    group = k // scales.shape[-2] if kind == "int4" else 1
-    zero_points = kind == "int4" and has_zero_points(scales)
+    group, is_grouped = kernel_group(kind, k, scales), grouped(kind, scales)
+    zero_points = has_zero_points(scales)
     bm, bn, bk = block_sizes(m, k, n, kind, group, x.dtype, block_m, block_n, block_k)
     mp, kp, np_ = round_up(m, bm), round_up(k, bk), round_up(n, bn)
     x, values, scales = pad_operands(x, values, scales, kind, mp, kp, np_)
 
-    if kind == "int4":
-        w_spec = pl.BlockSpec((bk // 2, bn), lambda i, j, s: (s, j))
+    w_spec = pl.BlockSpec((bk // 2 if kind == "int4" else bk, bn), lambda i, j, s: (s, j))
+    if is_grouped:
         # One K step's group scales as a block whose rows are the whole (middle) axis:
         # a [bk // G, bn] block of a 2-D array would break the 8-row tiling rule.
         if zero_points:  # scales and zero points: [2, K steps, bk // G, N]
@@ -156,8 +167,9 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
         else:
             scales = scales.reshape(kp // bk, bk // group, np_)
             s_spec = pl.BlockSpec((pl.squeezed, bk // group, bn), lambda i, j, s: (s, 0, j))
+    elif zero_points:
+        s_spec = pl.BlockSpec((2, 1, bn), lambda i, j, s: (0, 0, j))
     else:
-        w_spec = pl.BlockSpec((bk, bn), lambda i, j, s: (s, j))
         s_spec = pl.BlockSpec((1, bn), lambda i, j, s: (0, j))
 
     itemsize = jnp.dtype(x.dtype).itemsize
@@ -166,7 +178,8 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
         bytes_accessed=(values.size * values.dtype.itemsize * (mp // bm)
                         + x.size * itemsize * (np_ // bn) + mp * np_ * itemsize))
     out = pl.pallas_call(
-        functools.partial(_kernel, kind=kind, group=group, zero_points=zero_points),
+        functools.partial(_kernel, kind=kind, group=group, is_grouped=is_grouped,
+                          zero_points=zero_points),
         out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
         grid=(mp // bm, np_ // bn, kp // bk),
         in_specs=[pl.BlockSpec((bm, bk), lambda i, j, s: (i, s)), w_spec, s_spec],
