@@ -115,15 +115,25 @@ def test_files_it_cannot_serve_are_refused_naming_the_field(tmp_path):
     gguf_package = pytest.importorskip("gguf")
     from jaxserve.loading import gguf
 
-    path = tmp_path / "qwen.gguf"
-    writer = gguf_package.GGUFWriter(str(path), "qwen3moe")
-    writer.add_block_count(1)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ValueError, match="general.architecture 'qwen3moe'"):
-        gguf.metadata_dir(path)
+    def write(name: str, arch: str, **keys) -> Path:
+        path = tmp_path / name
+        writer = gguf_package.GGUFWriter(str(path), arch)
+        writer.add_block_count(1)
+        for key, value in keys.items():
+            getattr(writer, f"add_{key}")(value)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return path
+
+    with pytest.raises(ValueError, match="general.architecture 'deepseek2'"):
+        gguf.metadata_dir(write("deepseek.gguf", "deepseek2"))
+    with pytest.raises(ValueError, match="llama.rope.scaling.type = 'yarn'"):
+        gguf.hf_config(gguf._reader(write(
+            "yarn.gguf", "llama", head_count=4, embedding_length=64, feed_forward_length=128,
+            context_length=64, layer_norm_rms_eps=1e-5, token_list=["a"],
+            rope_scaling_type=gguf_package.RopeScalingType.YARN)))
 
 
 # --- tiny GGUF files written with the `gguf` package, one per weight type ---------------
@@ -403,3 +413,241 @@ def test_convert_a_q4_0_file_keeps_its_int4(checkpoints, prompts, tmp_path):
     want = [o.outputs[0].token_ids for o in LLM(str(path), **engine).generate(prompts[:2], greedy)]
     got = [o.outputs[0].token_ids for o in LLM(str(out), **engine).generate(prompts[:2], greedy)]
     assert got == want
+
+
+# --- Gemma 2 / 3 and the MoE families, written with the `gguf` package's own tensor names ---
+
+GEMMA_PIECES = ["▁", "a", "b", "c", "▁a", "ab", "▁ab", "bc", "abc", "▁abc", "H", "e", "l",
+                "o", "ll", "llo", "He", "Hello", "▁Hello", "  ", "   ", "▁b", "ca"]
+
+
+def write_gemma_vocab(w, vocab_size: int) -> list[str]:
+    """A Gemma-style SentencePiece vocabulary as llama.cpp writes it: <pad> <eos> <bos>
+    <unk>, turn markers, byte tokens, pieces (runs of spaces spelled as spaces) whose
+    scores do not follow their order, unused tokens to the model's size."""
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    types = [3, 3, 3, 2, 3, 3]
+    tokens += [f"<0x{b:02X}>" for b in range(256)] + GEMMA_PIECES
+    types += [6] * 256 + [1] * len(GEMMA_PIECES)
+    extra = vocab_size - len(tokens)
+    tokens += [f"<unused{i}>" for i in range(extra)]
+    types += [5] * extra
+    rng = np.random.default_rng(0)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_scores(rng.uniform(-10, 0, len(tokens)).astype(np.float32).tolist())
+    w.add_pad_token_id(0)
+    w.add_eos_token_id(1)
+    w.add_bos_token_id(2)
+    w.add_unk_token_id(3)
+    w.add_add_bos_token(True)
+    w.add_chat_template("{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+                        "{{ m['content'] }}<end_of_turn>\n{% endfor %}")
+    return tokens
+
+
+def family_config(arch: str):
+    """Tiny models whose every setting a GGUF file can carry (llama.cpp's rules: Gemma's
+    query scale is head_dim ** -0.5, Gemma 3 one global layer in six with its own rope)."""
+    import transformers as tf
+
+    from conftest import VOCAB
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=256, initializer_range=0.1,
+                  bos_token_id=2, eos_token_id=1, pad_token_id=0, rms_norm_eps=1e-6)
+    if arch == "gemma2":
+        return tf.Gemma2ForCausalLM, tf.Gemma2Config(
+            **common, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+            sliding_window=8, attn_logit_softcapping=1.5, final_logit_softcapping=3.0)
+    if arch == "gemma3":
+        return tf.Gemma3ForCausalLM, tf.Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 6}, num_key_value_heads=2, head_dim=32,
+            query_pre_attn_scalar=32, sliding_window=8,
+            layer_types=["sliding_attention"] * 5 + ["full_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                "rope_theta": 1000000.0}})
+    if arch == "mixtral":
+        return tf.MixtralForCausalLM, tf.MixtralConfig(
+            **common, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    if arch == "qwen2_moe":
+        return tf.Qwen2MoeForCausalLM, tf.Qwen2MoeConfig(
+            **common, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, shared_expert_intermediate_size=64,
+            norm_topk_prob=False, use_sliding_window=False)
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig(
+            **common, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=3,
+            moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=False)
+    raise ValueError(arch)
+
+
+GGUF_ARCH = {"gemma2": "GEMMA2", "gemma3": "GEMMA3", "mixtral": "LLAMA",
+             "qwen2_moe": "QWEN2MOE", "qwen3_moe": "QWEN3MOE"}
+
+
+def write_family_gguf(model, path: Path, weight_type: str) -> dict:
+    """`model` as llama.cpp's converter writes its family, tensor names from the `gguf`
+    package's own map: Gemma's norms stored as 1 + weight, Mixtral's q/k interleaved, the
+    experts' weights stacked [E, N, K]; linear layers, experts and the embedding in
+    `weight_type`. Returns the state dict (transformers' names) of the weights as the
+    `gguf` package dequantizes them (Gemma's norms: stored - 1, as transformers reads
+    them)."""
+    import gguf as gguf_package
+    from gguf.quants import dequantize, quantize
+    from tokenizers import pre_tokenizers
+
+    cfg = model.config
+    arch = gguf_package.MODEL_ARCH[GGUF_ARCH[cfg.model_type.removesuffix("_text")]]
+    names = gguf_package.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    kind = gguf_package.GGMLQuantizationType[weight_type]
+    w = gguf_package.GGUFWriter(str(path), gguf_package.MODEL_ARCH_NAMES[arch])
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_vocab_size(cfg.vocab_size)
+    rope = cfg.rope_parameters
+    w.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
+    gemma = cfg.model_type.startswith("gemma")
+    if gemma:
+        write_gemma_vocab(w, cfg.vocab_size)
+        w.add_sliding_window(cfg.sliding_window)
+    else:  # the demo's byte tokenizer as a GPT-2 vocabulary
+        tokens = ["<s>", "</s>", "<unk>"] + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["ĠĠ"]
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens + [f"<extra_{i}>" for i in range(cfg.vocab_size - len(tokens))])
+        w.add_token_merges(["Ġ Ġ"])
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(1)
+    if cfg.model_type == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if cfg.model_type == "gemma3_text":
+        w.add_rope_scaling_type(gguf_package.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["full_attention"]["factor"])
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if cfg.model_type != "mixtral":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if cfg.model_type == "qwen2_moe":
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads} \
+        if cfg.model_type == "mixtral" else {}
+    truth = {}
+
+    def add(hf_name: str, x: np.ndarray, typed: bool, gguf_name: str | None = None) -> np.ndarray:
+        x = x.astype(np.float32)
+        stem = hf_name.removesuffix(".weight").removesuffix(".bias")
+        gguf_name = gguf_name or names.get_name(stem) + hf_name[len(stem):]
+        n = heads.get(stem.split(".")[-1]) if hf_name.endswith(".weight") else None
+        if n:  # llama.cpp's permute: each head's rotary halves interleaved
+            x = x.reshape(n, 2, x.shape[0] // n // 2, -1).swapaxes(1, 2).reshape(x.shape)
+        if gemma and hf_name.endswith("norm.weight"):
+            x = x + 1
+        if typed and kind != gguf_package.GGMLQuantizationType.F32:
+            data = quantize(x, kind)
+            w.add_tensor(gguf_name, data, raw_dtype=kind)
+            back = np.asarray(dequantize(data, kind), np.float32).reshape(x.shape)
+        else:
+            w.add_tensor(gguf_name, x)
+            back = x
+        if n:
+            back = back.reshape(n, back.shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(x.shape)
+        if gemma and hf_name.endswith("norm.weight"):
+            back = back - 1
+        truth[hf_name] = back
+        return back
+
+    for name, x in model.state_dict().items():
+        x = x.detach().numpy()
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        typed = x.ndim >= 2 and "norm" not in name and not name.endswith(
+            ("mlp.gate.weight", "shared_expert_gate.weight"))
+        if name.endswith("experts.gate_up_proj"):  # [E, 2I, H]: gate's rows, then up's
+            stem = name.removesuffix(".gate_up_proj")
+            half = x.shape[1] // 2
+            gate = add(stem + ".gate_proj.weight", x[:, :half], True,
+                       names.get_name(stem + ".gate_proj") + ".weight")
+            up = add(stem + ".up_proj.weight", x[:, half:], True,
+                     names.get_name(stem + ".up_proj") + ".weight")
+            truth[name] = np.concatenate([gate, up], axis=1)
+            del truth[stem + ".gate_proj.weight"], truth[stem + ".up_proj.weight"]
+        elif name.endswith("experts.down_proj"):
+            add(name + ".weight", x, True, names.get_name(name) + ".weight")
+            truth[name] = truth.pop(name + ".weight")
+        elif name.endswith("shared_expert_gate.weight"):  # a vector in the file
+            truth[name] = add(name, x[0], False)[None]
+        else:
+            add(name, x, typed)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return truth
+
+
+@pytest.mark.parametrize("arch, weight_type", [("gemma2", "Q8_0"), ("gemma3", "Q4_0"),
+                                               ("mixtral", "Q8_0"), ("qwen2_moe", "Q4_1"),
+                                               ("qwen3_moe", "F16")])
+def test_gemma_and_moe_families(prompts, tmp_path, arch, weight_type):
+    """Gemma 2 (soft-caps, alternating sliding window), Gemma 3 (q/k norms, one global
+    layer in six with its own rope, linear rope scaling) and the MoE files (Mixtral as
+    llama with experts, Qwen2-MoE's shared expert, Qwen3-MoE): the config read from the
+    metadata serves the greedy tokens transformers gives on the `gguf` package's
+    dequantized weights; Gemma's SentencePiece vocabulary and chat template equal
+    transformers' conversion of the same file."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from conftest import hf_greedy
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.loading import gguf
+    from jaxserve.loading.tokenizer import Tokenizer
+
+    cls, cfg = family_config(arch)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    path = tmp_path / f"tiny-{arch}.gguf"
+    truth = write_family_gguf(model, path, weight_type)
+    oracle = cls(cfg).eval()
+    missing, unexpected = oracle.load_state_dict(
+        {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in truth.items()}, strict=False)
+    assert not unexpected and all(m == "lm_head.weight" for m in missing), (missing, unexpected)
+    oracle.tie_weights()
+    if arch.startswith("gemma"):  # kept as stored: Q8_0 as int8, Q4_0 as int4
+        assert gguf.stored_settings(path)["quantization"] == {"Q8_0": "int8", "Q4_0": "int4"}[
+            weight_type]
+    else:  # experts' stacks: dequantized
+        assert gguf.stored_settings(path) is None
+    llm = LLM(str(path), dtype="float32", max_model_len=64, page_size=4, max_num_seqs=4,
+              max_num_batched_tokens=16, token_buckets=(16,))
+    outs = llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=10,
+                                                    ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(oracle, p, 10)
+                                                       for p in prompts[:2]]
+    if not arch.startswith("gemma"):
+        return
+    ours = Tokenizer.from_pretrained(gguf.metadata_dir(path))
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in ["abc ab a", "Hello  Hello", "   abc\nxyz \u2603 bca", " Hello", "cab    ab"]:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text), text
+        assert ids[0] == 2  # <bos>
+        assert ours.decode(ids, skip_special_tokens=True) == \
+            theirs.decode(ids, skip_special_tokens=True), text
+    chat = [{"role": "user", "content": "Hello abc"}]
+    assert ours.apply_chat_template(chat, tokenize=False) == \
+        theirs.apply_chat_template(chat, tokenize=False)

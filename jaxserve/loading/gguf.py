@@ -1,20 +1,26 @@
 """GGUF files (llama.cpp's and Ollama's format) served as they are: `--model file.gguf`.
 
 What this reads: the Llama family (`general.architecture` "llama": Llama, Mistral, SmolLM,
-TinyLlama and the like), Qwen2 and Qwen3 (their q/k/v biases, q/k norms), with a byte-level
-BPE vocabulary (`tokenizer.ggml.model` "gpt2") split as GPT-2 splits (`tokenizer.ggml.pre`
-"default", "gpt2", "smollm") or by Llama 3's or Qwen2's regex ("llama-bpe", "qwen2" and
-their aliases, as transformers' GGUF loader names them), or a SentencePiece BPE vocabulary
-(`tokenizer.ggml.model` "llama": Llama 2, Mistral, TinyLlama; merges implied by the
-scores, byte fallback). Anything else (Gemma's SentencePiece variant, MoE files) is
-refused at load, naming the field. The model config, the tokenizer (vocabulary, merges,
-control tokens, BOS/EOS, `add_bos`) and the chat template come from the file's metadata;
-the weights of every type the `gguf` package dequantizes (F32/F16/BF16, Q8_0, Q4_0/Q4_1,
-Q5_0/Q5_1, the K-quants) are dequantized to the engine's dtype as they are read, one tensor
-at a time (no float copy of the model on disk), except that a file whose every decoder
-linear layer is Q4_0 (or every one Q8_0) keeps them as our int4 (int8) with groups of 32,
-which represents Q4_0 (Q8_0) exactly (`stored_settings`; `--quantization` given:
-dequantized and quantized our way). llama.cpp's converter stores attn_q and attn_k with
+TinyLlama and the like; with `expert_count`, Mixtral), Qwen2 and Qwen3 (their q/k/v biases,
+q/k norms), Qwen2-MoE and Qwen3-MoE (experts stacked `[E, N, K]` in the file, split into
+one tensor per expert; Qwen2-MoE's shared expert), Gemma 2 and Gemma 3 (soft-caps, sliding
+layers, Gemma 3's local rope and linear rope scaling; llama.cpp stores their norms as
+1 + weight); with a byte-level BPE vocabulary (`tokenizer.ggml.model` "gpt2") split as
+GPT-2 splits (`tokenizer.ggml.pre` "default", "gpt2", "smollm") or by Llama 3's or Qwen2's
+regex ("llama-bpe", "qwen2" and their aliases, as transformers' GGUF loader names them), or
+a SentencePiece BPE vocabulary (`tokenizer.ggml.model` "llama": Llama 2, Mistral,
+TinyLlama; merges implied by the scores, byte fallback; Gemma's variant by architecture).
+Settings a GGUF file does not carry follow llama.cpp's rules (Gemma's query scale, Gemma
+3's sliding-window pattern of 6 and local rope base of 10000). Anything else (other
+architectures, yarn rope scaling) is refused at load, naming the field. The model config,
+the tokenizer (vocabulary, merges, control tokens, BOS/EOS, `add_bos`) and the chat
+template come from the file's metadata; the weights of every type the `gguf` package
+dequantizes (F32/F16/BF16, Q8_0, Q4_0/Q4_1, Q5_0/Q5_1, the K-quants) are dequantized to the
+engine's dtype as they are read, one tensor at a time (no float copy of the model on
+disk), except that a file whose every decoder linear layer is Q4_0 (or every one Q8_0),
+and that has no experts, keeps them as our int4 (int8) with groups of 32, which represents
+Q4_0 (Q8_0) exactly (`stored_settings`; `--quantization` given: dequantized and quantized
+our way). llama.cpp's converter stores attn_q and attn_k of its Llama (and Mixtral) with
 each head's rotary halves interleaved; they are put back in Hugging Face's order.
 
 The tokenizer is written once, as tokenizer.json + tokenizer_config.json (and config.json)
@@ -35,10 +41,17 @@ import numpy as np
 
 from jaxserve.loading.tokenizer import gpt2_byte_table
 
+# general.architecture -> (model_type, class); "llama" with experts is Mixtral.
 ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-                 "qwen3": ("qwen3", "Qwen3ForCausalLM")}
+                 "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+                 "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+                 "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+                 "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+                 "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
+MIXTRAL = ("mixtral", "MixtralForCausalLM")
 # llama.cpp's converter interleaves q/k's rotary halves for these (its LlamaModel only).
-PERMUTED_QK = {"llama"}
+PERMUTED_QK = {"llama", "mixtral"}
+GEMMA = {"gemma2", "gemma3"}
 # Pre-tokenizers whose text splitting is GPT-2's own regex (ByteLevel's).
 GPT2_SPLITS = {"default", "gpt2", "smollm"}
 # The others this reads: the regex each vocabulary's merges were learned on (Llama 3's and
@@ -52,7 +65,7 @@ REGEX_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe":
                 "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "megrez": _QWEN2_SPLIT}
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 # Part of the metadata directory's cache key: bump it when what is written there changes.
-METADATA_VERSION = 2
+METADATA_VERSION = 3
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -61,6 +74,19 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
+# Gemma's four norms a layer (llama.cpp's ffn_norm is the norm before the MLP).
+_GEMMA_NAMES = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+                "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+# Mixture-of-experts layers: the router, the Qwen2-MoE shared expert and its gate.
+_MOE_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+              "ffn_up_shexp": "mlp.shared_expert.up_proj",
+              "ffn_down_shexp": "mlp.shared_expert.down_proj",
+              "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+# The experts' weights, stacked [E, N, K] in the file: one Hugging Face tensor per expert.
+_EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                  "ffn_down_exps": "down_proj"}
+_MIXTRAL_EXPERTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                  "output": "lm_head"}
 
@@ -98,32 +124,42 @@ def hf_config(reader) -> dict:
     if arch not in ARCHITECTURES:
         raise ValueError(f"general.architecture {arch!r}: GGUF files of {sorted(ARCHITECTURES)} "
                          "are supported")
-    for key in (f"{arch}.rope.scaling.type", f"{arch}.expert_count"):
-        value = _field(reader, key)
-        if value not in (None, "none", 0):
-            raise ValueError(f"{key} = {value!r}: not supported in GGUF files yet")
-    model_type, class_name = ARCHITECTURES[arch]
+    experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
+    model_type, class_name = MIXTRAL if arch == "llama" and experts else ARCHITECTURES[arch]
     heads = int(_required(reader, f"{arch}.attention.head_count"))
     hidden = int(_required(reader, f"{arch}.embedding_length"))
+    layers = int(_required(reader, f"{arch}.block_count"))
     tokens = _required(reader, "tokenizer.ggml.tokens")
     names = {t.name for t in reader.tensors}
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
     config = {
         "model_type": model_type, "architectures": [class_name],
         "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(tokens))),
         "hidden_size": hidden,
         "intermediate_size": int(_required(reader, f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(_required(reader, f"{arch}.block_count")),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        "head_dim": head_dim,
         "max_position_embeddings": int(_required(reader, f"{arch}.context_length")),
         "rms_norm_eps": float(_required(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
         "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         "tie_word_embeddings": "output.weight" not in names,
         "torch_dtype": "float32",
     }
-    if arch in ("qwen2", "qwen3"):
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(
+            _required(reader, f"{arch}.rope.scaling.factor"))}
+    elif scaling not in (None, "none"):
+        raise ValueError(f"{arch}.rope.scaling.type = {scaling!r}: linear is the rope scaling "
+                         "supported in GGUF files yet")
+    if arch in ("qwen2", "qwen3", "qwen2moe", "qwen3moe"):
         config["use_sliding_window"] = False
+    if experts:
+        config.update(_moe_config(reader, arch, model_type, experts, names, layers))
+    if arch in GEMMA:
+        config.update(_gemma_config(reader, arch, hidden, heads, head_dim, layers))
     for key in ("bos", "eos"):
         value = _field(reader, f"tokenizer.ggml.{key}_token_id")
         if value is not None:
@@ -131,14 +167,84 @@ def hf_config(reader) -> dict:
     return config
 
 
-def _hf_name(name: str) -> str:
-    """A GGUF tensor's Hugging Face name (ValueError for one this loader does not know)."""
+def _moe_config(reader, arch: str, model_type: str, experts: int, names: set[str],
+                layers: int) -> dict:
+    """Mixtral's and the Qwen MoE models' expert fields. A layer without a router
+    (`ffn_gate_inp`) is dense (Qwen's mlp_only_layers)."""
+    used = int(_required(reader, f"{arch}.expert_used_count"))
+    if model_type == "mixtral":
+        return {"num_local_experts": experts, "num_experts_per_tok": used}
+    config = {"num_experts": experts, "num_experts_per_tok": used,
+              "moe_intermediate_size": int(_required(reader,
+                                                     f"{arch}.expert_feed_forward_length")),
+              "decoder_sparse_step": 1,
+              "mlp_only_layers": [i for i in range(layers)
+                                  if f"blk.{i}.ffn_gate_inp.weight" not in names],
+              # llama.cpp renormalises Qwen3-MoE's top-k weights and not Qwen2-MoE's
+              # unless the file says otherwise.
+              "norm_topk_prob": bool(_field(reader, f"{arch}.expert_weights_norm",
+                                            arch == "qwen3moe"))}
+    if arch == "qwen2moe":
+        config["shared_expert_intermediate_size"] = int(_field(
+            reader, f"{arch}.expert_shared_feed_forward_length", 0))
+    return config
+
+
+_LAYERS_27B = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma_config(reader, arch: str, hidden: int, heads: int, head_dim: int,
+                  layers: int) -> dict:
+    """Gemma 2's and 3's fields as llama.cpp reads them: soft-caps (Gemma 2), the sliding
+    window and its layers (Gemma 2 alternates, sliding first; Gemma 3 has one global layer
+    in every 6 unless the file gives a pattern), Gemma 3's local rope (base 10000, no
+    scaling) and the query scale: 1/sqrt(hidden / heads) for the 27B models (46 and 62
+    layers), 1/sqrt(head_dim) otherwise."""
+    config = {"hidden_activation": "gelu_pytorch_tanh",
+              "query_pre_attn_scalar": hidden // heads if layers == _LAYERS_27B[arch]
+              else head_dim}
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    if window:
+        config["sliding_window"] = int(window)
+        pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
+        if arch == "gemma2":
+            pattern = 2 if pattern is None else pattern
+        if isinstance(pattern, list):  # per layer: true for a sliding-window one
+            types = ["sliding_attention" if p else "full_attention" for p in pattern]
+        else:
+            period = int(pattern or 6)
+            types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
+                     for i in range(layers)]
+        config["layer_types"] = types
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = _field(reader, f"{arch}.{key}")
+        if value:
+            config[key] = float(value)
+    if arch == "gemma3":
+        config["rope_local_base_freq"] = 10000.0
+    return config
+
+
+def _hf_name(name: str, model_type: str) -> str:
+    """A GGUF tensor's Hugging Face name (ValueError for one this loader does not know); an
+    expert stack's has `{expert}` where each expert's number goes."""
     stem, _, suffix = name.rpartition(".")
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    if len(parts) == 3 and parts[0] == "blk":
+        layer, part = f"model.layers.{parts[1]}", parts[2]
+        moe = "block_sparse_moe" if model_type == "mixtral" else "mlp"
+        if model_type.startswith("gemma") and part in _GEMMA_NAMES:
+            return f"{layer}.{_GEMMA_NAMES[part]}.{suffix}"
+        if part in _EXPERT_STACKS:
+            proj = _EXPERT_STACKS[part]
+            proj = _MIXTRAL_EXPERTS[proj] if model_type == "mixtral" else proj
+            return f"{layer}.{moe}.experts.{{expert}}.{proj}.{suffix}"
+        if part in _MOE_NAMES:
+            return f"{layer}.{_MOE_NAMES[part].replace('mlp', moe, 1)}.{suffix}"
+        if part in _LAYER_NAMES:
+            return f"{layer}.{_LAYER_NAMES[part]}.{suffix}"
     raise ValueError(f"tensor {name!r} of the GGUF file is not one this loader knows")
 
 
@@ -163,7 +269,11 @@ def _is_linear(name: str) -> bool:
 
 
 def _stored_type(reader) -> int | None:
-    """Q4_0 or Q8_0 when every decoder linear layer of the file is of that type."""
+    """Q4_0 or Q8_0 when every decoder linear layer of the file is of that type (and it
+    has no experts, whose stacks are dequantized: our grouped kernels take no groups of
+    32)."""
+    if any(t.name.split(".")[-2] in _EXPERT_STACKS for t in reader.tensors):
+        return None
     types = {int(t.tensor_type) for t in reader.tensors if _is_linear(t.name)}
     return types.pop() if len(types) == 1 and types <= {Q4_0, Q8_0} else None
 
@@ -209,12 +319,13 @@ def tensors(reader, config: dict, keep: bool = False) -> Iterator[tuple[str, np.
     from gguf.quants import dequantize
 
     kept = _stored_type(reader) if keep else None
+    model_type = config["model_type"]
     for t in reader.tensors:
-        name = _hf_name(t.name)
-        shape = tuple(int(n) for n in reversed(t.shape))  # [N, K]
+        name = _hf_name(t.name, model_type)
+        shape = tuple(int(n) for n in reversed(t.shape))  # [N, K] ([E, N, K] for experts)
         heads = {"q_proj": config["num_attention_heads"],
                  "k_proj": config["num_key_value_heads"]}.get(name.split(".")[-2])
-        if config["model_type"] not in PERMUTED_QK or not name.endswith(".weight"):
+        if model_type not in PERMUTED_QK or not name.endswith(".weight"):
             heads = None
         if kept is not None and _is_linear(t.name):
             w = _as_stored(t.data, kept, *shape)
@@ -226,6 +337,14 @@ def tensors(reader, config: dict, keep: bool = False) -> Iterator[tuple[str, np.
         w = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
         if heads:
             w = _unpermute(w, heads)
+        if model_type.startswith("gemma") and name.endswith("norm.weight"):
+            w = w - 1  # llama.cpp's converter stores Gemma's norms as 1 + weight
+        if name.endswith("shared_expert_gate.weight"):
+            w = w.reshape(1, -1)  # one output: the file keeps it as a vector
+        if "{expert}" in name:
+            for j in range(w.shape[0]):
+                yield name.format(expert=j), w[j]
+            continue
         yield name, w
 
 
@@ -276,19 +395,34 @@ def _byte_level_bpe(reader, tokens: list[str], types: list[int]):
 
 def _sentencepiece_bpe(reader, tokens: list[str], types: list[int]):
     """Llama 2's, Mistral's and TinyLlama's vocabularies: SentencePiece BPE with byte
-    fallback (`<0x0A>` tokens), "▁" for a space and one before the text."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    fallback (`<0x0A>` tokens), "▁" for a space and one before the text. Gemma's (by
+    `general.architecture`): no "▁" before the text, spaces made "▁" by a normalizer and
+    the text split after each, tokens of only spaces spelled with "▁" (as Gemma's
+    tokenizer looks them up), and merges ranked by the tokens' order in the file (its
+    scores do not follow the merge order), as transformers' GGUF loader builds it."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-    scores = list(_required(reader, "tokenizer.ggml.scores"))
+    gemma = _field(reader, "general.architecture") in GEMMA
+    if gemma:
+        tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        scores = [-float(i) for i in range(len(tokens))]
+    else:
+        scores = list(_required(reader, "tokenizer.ggml.scores"))
     vocab = {t: i for i, t in enumerate(tokens)}
     unk = _field(reader, "tokenizer.ggml.unknown_token_id")
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges_from_scores(tokens, scores),
                                fuse_unk=True, byte_fallback=True,
                                unk_token=None if unk is None else tokens[int(unk)]))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first",
-                                                 split=False)
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                     decoders.Fuse(), decoders.Strip(content=" ", left=1)])
+    replace = decoders.Replace("▁", " ")
+    if gemma:
+        tok.normalizer = normalizers.Replace(" ", "▁")
+        tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+        tok.decoder = decoders.Sequence([replace, decoders.ByteFallback(), decoders.Fuse()])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first",
+                                                     split=False)
+        tok.decoder = decoders.Sequence([replace, decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(content=" ", left=1)])
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, kind in zip(tokens, types) if kind == CONTROL])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
@@ -329,7 +463,9 @@ def tokenizer_files(reader) -> dict[str, dict]:
     tokens = list(_required(reader, "tokenizer.ggml.tokens"))
     types = list(_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
     tok = builders[kind](reader, tokens, types)
-    config = {"add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+    # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
+    config = {"add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token",
+                                           kind == "llama")),
               "add_eos_token": bool(_field(reader, "tokenizer.ggml.add_eos_token", False))}
     _add_bos_eos(tok, reader, tokens, config["add_bos_token"], config["add_eos_token"])
     for key in ("bos", "eos", "unknown", "padding"):
