@@ -452,8 +452,8 @@ class EngineConfig:
     `kv_cache_dtype` "auto" stores K/V in `dtype`; "int8" / "fp8" (e4m3) store them
     quantized with a float32 scale per token and head. `quantization` ("int8" | "int4" |
     "fp8") quantizes the linear layers' weights at load (embeddings, norms and the LM head
-    stay in `dtype`); int4 by groups of `quant_group_size` rows (default 128), int8 per
-    output channel or by groups of `quant_group_size`, asymmetric with
+    stay in `dtype`); int4 by groups of `quant_group_size` rows (default 128), int8 and
+    fp8 per output channel or by groups of `quant_group_size`, integers asymmetric with
     `quant_zero_points`. A checkpoint quantized by its makers (AWQ, GPTQ,
     compressed-tensors; our converted ones) sets these to its own at load, and
     `quant_act_order` for GPTQ's act-order (desc_act) checkpoints. `kernel_impl` picks the attention and matmul kernels ("reference":
@@ -543,11 +543,12 @@ class EngineConfig:
                                   or (self.quantization == "int4" and group % 2)):
             raise ValueError(f"quant_group_size must be a positive integer (even for int4), "
                              f"or unset; got {group!r}")
-        if (group is not None or self.quant_zero_points or self.quant_act_order) and \
+        if group is not None and self.quantization is None:
+            raise ValueError("quant_group_size describes quantized weights; set quantization")
+        if (self.quant_zero_points or self.quant_act_order) and \
                 self.quantization not in ("int4", "int8"):
-            raise ValueError("quant_group_size, quant_zero_points (asymmetric weights) and "
-                             "quant_act_order describe integer weights; set quantization: "
-                             "int4 or int8")
+            raise ValueError("quant_zero_points (asymmetric weights) and quant_act_order "
+                             "describe integer weights; set quantization: int4 or int8")
         if self.sharding not in STRATEGIES:
             raise ValueError(f"sharding must be one of {STRATEGIES}, got {self.sharding!r}")
         if self.mesh is not None:

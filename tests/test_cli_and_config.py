@@ -110,7 +110,7 @@ def test_engine_config_validation(tmp_path):
     assert EngineConfig(quantization="int8", quant_group_size=33).quant_group_size == 33
     with pytest.raises(ValueError, match="quant_zero_points .* describe integer weights"):
         EngineConfig(quantization="fp8", quant_zero_points=True)
-    with pytest.raises(ValueError, match="describe integer weights"):
+    with pytest.raises(ValueError, match="describes quantized weights"):
         EngineConfig(quant_group_size=64)  # no quantization to group
 
 

@@ -170,8 +170,12 @@ def make_compressed_tensors(float_dir: Path, out: Path, model, weights: dict, fm
     for _, lin in linears(model):
         w = lin.weight.data
         n, k = w.shape
-        per = {"group": args.group_size, "channel": k, "tensor": n * k}[args.strategy]
-        g = w.reshape(-1, per)
+        if args.strategy == "block":  # [N / bn, K / bk] blocks
+            bn, bk = args.block_structure
+            g = w.reshape(n // bn, bn, k // bk, bk).transpose(1, 2).reshape(n // bn, k // bk, -1)
+        else:
+            per = {"group": args.group_size, "channel": k, "tensor": n * k}[args.strategy]
+            g = w.reshape(-1, per)
         scale, zero = calculate_qparams(g.amin(-1), g.amax(-1), args)
         lin.weight_scale.data = scale.reshape(lin.weight_scale.shape).to(lin.weight_scale.dtype)
         if hasattr(lin, "weight_zero_point"):
@@ -186,6 +190,38 @@ def make_compressed_tensors(float_dir: Path, out: Path, model, weights: dict, fm
         if f.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy2(f, out / f.name)
     compressor.decompress_model(model)  # the truth: the package's own dequantization
+    return out
+
+
+def make_fp8_blocks(float_dir: Path, out: Path, model, blocks: list[int]) -> Path:
+    """transformers' FineGrainedFP8 layout (DeepSeek-V3's): `weight` float8_e4m3fn [N, K]
+    and `weight_scale_inv` float32 [N / bn, K / bk], w = q * weight_scale_inv; the model is
+    left holding transformers' own dequantization of them."""
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    bn, bk = blocks
+    tensors = {}
+    for name, lin in linears(model):
+        w = lin.weight.data
+        n, k = w.shape
+        amax = w.reshape(n // bn, bn, k // bk, bk).abs().amax(dim=(1, 3))
+        scale = (amax / 448.0).clamp(min=1e-12)
+        full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+        q = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+        tensors[f"{name}.weight"] = q
+        tensors[f"{name}.weight_scale_inv"] = scale.float()
+        lin.weight.data = _dequantize_fp8_weight(q, scale.float(), blocks, torch.float32)
+    out.mkdir()
+    for f in float_dir.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy2(f, out / f.name)
+    state = {k: v.clone().contiguous() for k, v in model.state_dict().items()
+             if not any(f".{name}.weight" in k for name in LINEARS)}
+    save_file({**state, **tensors}, out / "model.safetensors")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                  "activation_scheme": "dynamic", "weight_block_size": blocks}
+    (out / "config.json").write_text(json.dumps(cfg))
     return out
 
 
@@ -224,9 +260,13 @@ CASES = {
         num_bits=8, type="float", symmetric=True, strategy="channel"), "float-quantized"),
     "ct-fp8-tensor": lambda d, o, m: make_compressed_tensors(d, o, m, dict(
         num_bits=8, type="float", symmetric=True, strategy="tensor"), "float-quantized"),
+    "ct-fp8-block": lambda d, o, m: make_compressed_tensors(d, o, m, dict(
+        num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[32, 64]),
+        "float-quantized"),
+    "fp8-block": lambda d, o, m: make_fp8_blocks(d, o, m, [16, 32]),
 }
 KINDS = {"awq": "int4", "gptq-8bit": "int8", "gptq": "int4", "ct-int4": "int4",
-         "ct-int8": "int8", "ct-fp8": "fp8"}
+         "ct-int8": "int8", "ct-fp8": "fp8", "fp8": "fp8"}
 
 
 def kind_of(case: str) -> str:

@@ -50,9 +50,9 @@ def numpy_unpack_int4(values: np.ndarray, group: int) -> np.ndarray:
     return out
 
 
-# Test variants of the kernels' kinds: "-g" int8 with group scales, "-zp" with zero points
+# Test variants of the kernels' kinds: "-g" int8 / fp8 with group scales, "-zp" with zero points
 # (int8: grouped too), "-czp" int8 per channel with zero points.
-VARIANTS = ["int8", "int8-g", "int8-zp", "int4", "int4-zp", "fp8"]
+VARIANTS = ["int8", "int8-g", "int8-zp", "int4", "int4-zp", "fp8", "fp8-g"]
 
 
 def base(kind: str) -> str:
@@ -215,7 +215,8 @@ def test_reference_matmul_against_float64(rng, kind, dtype):
 @pytest.mark.parametrize("kind, k, n, group, zp, scales_shape", [
     ("int8", 100, 24, None, False, (1, 24)), ("int8", 96, 24, 32, False, (3, 24)),
     ("int8", 96, 24, 32, True, (2, 3, 24)), ("fp8", 100, 24, None, False, (1, 24)),
-    ("int4", 96, 24, 32, False, (3, 24)), ("int4", 96, 24, None, True, (2, 1, 24))])
+    ("int4", 96, 24, 32, False, (3, 24)), ("int4", 96, 24, None, True, (2, 1, 24)),
+    ("fp8", 96, 24, 32, False, (3, 24))])
 def test_quantized_shapes_match_quantize(kind, k, n, group, zp, scales_shape):
     values, scales = formats.quantize(jnp.ones((k, n)), kind, group, zero_points=zp)
     (vs, vd), (ss, sd) = qmm.quantized_shapes(k, n, kind, group, zero_points=zp)
@@ -230,8 +231,6 @@ def test_bad_formats_say_what_to_do():
         formats.quantize(jnp.ones((9, 8)), "int4", group_size=128)  # G = 9
     with pytest.raises(ValueError, match="multiple of the group size"):
         formats.quantize(jnp.ones((100, 8)), "int8", group_size=32)
-    with pytest.raises(ValueError, match="fp8 weights have per-channel scales"):
-        formats.quantize(jnp.ones((64, 8)), "fp8", group_size=32)
     with pytest.raises(ValueError, match="fp8 is symmetric"):
         formats.quantize(jnp.ones((64, 8)), "fp8", zero_points=True)
     with pytest.raises(ValueError, match="unknown quantization kind"):

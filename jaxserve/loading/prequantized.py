@@ -1,4 +1,5 @@
-"""Checkpoints quantized by their makers: AWQ, GPTQ and compressed-tensors, served as stored.
+"""Checkpoints quantized by their makers: AWQ, GPTQ, compressed-tensors and block-wise FP8,
+served as stored.
 
 `config.json`'s `quantization_config` says which; `read` turns it into a
 `CheckpointQuantization` (or refuses, naming the field it cannot serve), and `tensors`
@@ -27,9 +28,14 @@ What each becomes (K = in-features, N = out-features, G = the group size):
   (group or channel, with zero points when asymmetric). `naive-quantized` /
   `int-quantized` int8 (`weight` int8 `[N, K]`, `weight_zero_point` int8 `[N, K / G]`)
   -> int8 likewise.
-  `float-quantized` FP8 (e4m3) weights with channel or tensor scales -> fp8 (a tensor
-  scale repeated per column: the same products). Activations are not quantized: a W8A8
+  `float-quantized` FP8 (e4m3) weights with channel, tensor or block scales -> fp8 (a
+  tensor scale repeated per column; a `[bn, bk]` block's scale repeated over its bn
+  columns, groups of bk rows: the same products). Activations are not quantized: a W8A8
   checkpoint runs as W8A16 here, its weights exactly as stored.
+- FP8 (`quant_method: fp8`, transformers' FineGrainedFP8: DeepSeek-V3, Qwen3-FP8): `weight`
+  float8_e4m3fn `[N, K]`, `weight_scale_inv` float32 `[N / bn, K / bk]` for
+  `weight_block_size` `[bn, bk]` (w = q * weight_scale_inv) -> fp8 in groups of bk rows,
+  as the compressed-tensors blocks.
 
 Only the decoder's linear layers are quantized in our models (embeddings, norms and the
 LM head stay in the model's dtype), so a checkpoint that leaves one of them unquantized
@@ -51,7 +57,7 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from pallas_kernels.quantized_matmul.formats import pack_int4
 
-METHODS = ("awq", "gptq", "compressed-tensors")
+METHODS = ("awq", "gptq", "compressed-tensors", "fp8")
 AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # column of each nibble within a word
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _LINEAR = re.compile(r"(model\.layers\.\d+\.(?:self_attn|mlp)\.(?:%s))\.(\w+)$"
@@ -62,10 +68,11 @@ _LINEAR = re.compile(r"(model\.layers\.\d+\.(?:self_attn|mlp)\.(?:%s))\.(\w+)$"
 class CheckpointQuantization:
     """A checkpoint's own quantization, as this loader serves it."""
 
-    method: str  # "awq" | "gptq" | "compressed-tensors"
+    method: str  # "awq" | "gptq" | "compressed-tensors" | "fp8"
     kind: str  # what it becomes: "int4" | "int8" | "fp8"
     group_size: int | None  # rows per group; None: one group per column (all of K)
     zero_points: bool  # asymmetric: with zero points
+    block_columns: int | None = None  # block-wise FP8: output columns sharing a scale
     gptq_v1: bool = False  # GPTQ zero points stored minus one
     act_order: bool = False  # GPTQ desc_act: rows grouped by g_idx, not k // G
 
@@ -110,6 +117,8 @@ def read(model_dir: str | Path) -> CheckpointQuantization | None:
         return _read_gptq(qc)
     if method == "compressed-tensors":
         return _read_compressed_tensors(qc)
+    if method == "fp8":
+        return _read_fp8(qc)
     raise _refuse("quant_method", method, f"jaxserve serves {', '.join(METHODS)} checkpoints "
                   "(and GGUF files); or give the float checkpoint with --quantization")
 
@@ -183,14 +192,17 @@ def _read_compressed_tensors(qc: dict) -> CheckpointQuantization:
                       "activation-order (group) permutations are not supported")
     if w.get("dynamic"):
         raise _refuse("config_groups.weights.dynamic", True, "weights must be stored quantized")
-    if strategy not in ("group", "channel", "tensor"):
+    if strategy not in ("group", "channel", "tensor", "block"):
         raise _refuse("config_groups.weights.strategy", strategy,
-                      "group, channel or tensor is needed (block-wise FP8 is not supported)")
+                      "group, channel, tensor or (FP8) block is needed")
     group = w.get("group_size") if strategy == "group" else None
     if kind == "float":
         if fmt != "float-quantized" or bits != 8 or strategy == "group":
             raise _refuse("format", fmt, "FP8 weights are read as float-quantized e4m3 with "
-                          "channel or tensor scales")
+                          "channel, tensor or block scales")
+        if strategy == "block":
+            return _fp8_blocks("compressed-tensors", "config_groups.weights.block_structure",
+                               w.get("block_structure"))
         return CheckpointQuantization("compressed-tensors", "fp8", None, False)
     if kind != "int":
         raise _refuse("config_groups.weights.type", kind, "int or float is needed")
@@ -201,6 +213,28 @@ def _read_compressed_tensors(qc: dict) -> CheckpointQuantization:
                                       _group({"g": group}, "g"), not symmetric)
     raise _refuse("config_groups.weights", w, "jaxserve serves int4 (pack-quantized) and "
                   "int8 weights (group or channel, symmetric or not) and FP8 weights")
+
+
+def _read_fp8(qc: dict) -> CheckpointQuantization:
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise _refuse("fmt", qc.get("fmt"), "e4m3 FP8 weights are needed")
+    if qc.get("scale_fmt", "float") != "float":
+        raise _refuse("scale_fmt", qc.get("scale_fmt"), "float32 block scales are needed "
+                      "(ue8m0 scales are not supported)")
+    _check_not_converted(qc, "modules_to_not_convert")
+    blocks = qc.get("weight_block_size")
+    if blocks is None:
+        raise _refuse("weight_block_size", None, "block-wise scales are needed")
+    return _fp8_blocks("fp8", "weight_block_size", blocks)
+
+
+def _fp8_blocks(method: str, field: str, blocks) -> CheckpointQuantization:
+    """Block-wise FP8: groups of bk rows, each scale shared by bn columns."""
+    if not (isinstance(blocks, (list, tuple)) and len(blocks) == 2
+            and all(isinstance(b, int) and b > 0 for b in blocks)):
+        raise _refuse(field, blocks, "[output block, input block] sizes are needed")
+    bn, bk = blocks
+    return CheckpointQuantization(method, "fp8", bk, False, block_columns=bn)
 
 
 @dataclasses.dataclass
@@ -289,10 +323,7 @@ def _gptq(name: str, t: dict, q: CheckpointQuantization) -> Prequantized:
 def _compressed_tensors(name: str, t: dict, q: CheckpointQuantization) -> Prequantized:
     scale = np.asarray(t["weight_scale"], np.float32)
     if q.kind == "fp8":
-        w = np.asarray(t["weight"])  # float8_e4m3fn [N, K]
-        n = w.shape[0]
-        scale = np.broadcast_to(scale.reshape(-1, 1), (n, 1)) if scale.size == 1 else scale
-        return Prequantized(w.T, np.ascontiguousarray(scale.reshape(1, n)))
+        return _fp8(name, t["weight"], scale, q)
     offset = 1 << (q.bits - 1)
     if "weight_packed" not in t:  # naive- / int-quantized int8 [N, K], signed
         w = np.asarray(t["weight"])
@@ -314,6 +345,33 @@ def _compressed_tensors(name: str, t: dict, q: CheckpointQuantization) -> Prequa
     return _from_unsigned(u, u0, scale.T, group, q.bits)
 
 
+def _fp8(name: str, weight: np.ndarray, scale: np.ndarray, q: CheckpointQuantization
+         ) -> Prequantized:
+    """float8_e4m3fn `[N, K]` with a tensor, channel `[N, 1]` or block `[N / bn, K / bk]`
+    scale as our fp8: values `[K, N]`, scales `[1, N]` or `[K / bk, N]` (each block's scale
+    repeated over its columns)."""
+    w = np.asarray(weight)
+    n, k = w.shape
+    if q.block_columns:
+        if scale.ndim != 2 or scale.shape[0] != -(-n // q.block_columns):
+            raise ValueError(f"{name}: block scales {tuple(scale.shape)} do not fit "
+                             f"[{n}, {k}] in blocks of {q.block_columns} columns")
+        if k % q.group_size:
+            raise ValueError(f"{name}: {k} input rows are not whole blocks of "
+                             f"{q.group_size}; jaxserve needs every layer's in-features "
+                             "to be a multiple of the block size")
+        scale = np.repeat(scale.T, q.block_columns, axis=1)[:, :n]  # [K / bk, N]
+        _checked_group(name, k, scale, q)
+    else:
+        scale = np.broadcast_to(scale.reshape(-1, 1), (n, 1)) if scale.size == 1 else scale
+        scale = scale.reshape(1, n)
+    return Prequantized(w.T, np.ascontiguousarray(scale, np.float32))
+
+
+def _fp8_checkpoint(name: str, t: dict, q: CheckpointQuantization) -> Prequantized:
+    return _fp8(name, t["weight"], np.asarray(t["weight_scale_inv"], np.float32), q)
+
+
 def _checked_group(name: str, k: int, scales: np.ndarray, q: CheckpointQuantization) -> int:
     groups = scales.shape[0]
     group = k // groups if groups else 0
@@ -324,13 +382,15 @@ def _checked_group(name: str, k: int, scales: np.ndarray, q: CheckpointQuantizat
     return group
 
 
-_CONVERT = {"awq": _awq, "gptq": _gptq, "compressed-tensors": _compressed_tensors}
-_NEEDED = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "scales")}
+_CONVERT = {"awq": _awq, "gptq": _gptq, "compressed-tensors": _compressed_tensors,
+            "fp8": _fp8_checkpoint}
+_NEEDED = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "scales"),
+           "fp8": ("weight", "weight_scale_inv")}
 # The dtype a compressed-tensors `weight` is stored in when it is quantized.
 _STORED = {"int8": (np.dtype(np.int8),), "fp8": (np.dtype(ml_dtypes.float8_e4m3fn),),
            "int4": ()}
 _QUANTIZED_PART = re.compile(r".*\.(qweight|qzeros|g_idx|weight_packed|weight_scale|"
-                             r"weight_zero_point|weight_shape)$")
+                             r"weight_scale_inv|weight_zero_point|weight_shape)$")
 
 
 def tensors(stream: Iterable[tuple[str, np.ndarray]], q: CheckpointQuantization
@@ -355,7 +415,7 @@ def tensors(stream: Iterable[tuple[str, np.ndarray]], q: CheckpointQuantization
             yield name, array
             continue
         prefix, part = m.groups()
-        if part == "weight" and (q.method != "compressed-tensors"
+        if part == "weight" and (q.method not in ("compressed-tensors", "fp8")
                                  or np.asarray(array).dtype not in _STORED[q.kind]):
             raise ValueError(f"{name}: a float weight in a {q.method} {q.kind} checkpoint "
                              "(left unquantized?); jaxserve serves checkpoints whose every "

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from pallas_kernels.lora import LoraPlan, cpu, lora_delta_sorted, plan

@@ -19,7 +19,9 @@ they carry zero points):
   values), and w = (q - z) * scale. A checkpoint's unsigned b-bit value u with zero point
   u0 is q = u - 2^(b-1), z = u0 - 2^(b-1): the same integers minus the same offset, so
   nothing rounds.
-- "fp8": values float8_e4m3fn `[K, N]`, scales `[1, N]` = max|w| over K / 448.
+- "fp8": values float8_e4m3fn `[K, N]`, scales `[1, N]` = max|w| over K / 448, or
+  `[K // G, N]` by groups of rows (block-wise FP8 checkpoints: each block's scale repeated
+  over its columns).
 
 formats.py quantizes, packs, dequantizes, checks and pads them.
 
@@ -35,7 +37,7 @@ Implementations, all with the signature of `reference.quantized_matmul`:
   weight read as stored and converted in registers; the reference for anything else.
 - "gpu" (gpu.py): Pallas Triton kernel, grid (M, N blocks), K loop in a fori_loop. fp8
   needs a CUDA GPU of compute capability >= 8.9 (Ada, Hopper) for the conversion (Pallas
-  refuses it below); groups must be powers of two (int4 >= 32, int8 >= 16). Where either
+  refuses it below); groups must be powers of two (int4 >= 32, int8 / fp8 >= 16). Where either
   fails,
   `impl=None` uses the reference instead (XLA converts fp8 on any GPU).
 

@@ -26,14 +26,10 @@ def check_kind(kind: str) -> None:
 def group_rows(k: int, kind: str, group_size: int | None = None) -> int:
     """The rows G per scale group actually used for a weight of K rows, validated.
 
-    int4: min(group_size or 128, K), even. int8: min(group_size, K), or all of K (one scale
-    per output channel) when group_size is None. fp8: always all of K.
+    int4: min(group_size or 128, K), even. int8 and fp8: min(group_size, K), or all of K
+    (one scale per output channel) when group_size is None.
     """
     check_kind(kind)
-    if kind == "fp8":
-        if group_size is not None:
-            raise ValueError("fp8 weights have per-channel scales: leave group_size unset")
-        return k
     if group_size is None:
         group_size = DEFAULT_INT4_GROUP if kind == "int4" else k
     if group_size <= 0:
@@ -176,8 +172,7 @@ def check_operands(x: jax.Array, values: jax.Array, scales: jax.Array, kind: str
                          f"{x.shape}, {values.shape}, {scales.shape}")
     k, n = values.shape[0] * (2 if kind == "int4" else 1), values.shape[1]
     groups = max(scale_groups(scales), 1)
-    want = quantized_shapes(k, n, kind, None if kind == "fp8" else max(k // groups, 1),
-                            zero_points=has_zero_points(scales))
+    want = quantized_shapes(k, n, kind, max(k // groups, 1), zero_points=has_zero_points(scales))
     if x.shape[1] != k or (values.shape, values.dtype) != want[0] or \
             (scales.shape, scales.dtype) != want[1]:
         raise ValueError(
@@ -188,7 +183,7 @@ def check_operands(x: jax.Array, values: jax.Array, scales: jax.Array, kind: str
 
 
 def grouped(kind: str, scales: jax.Array) -> bool:
-    """Whether the kernels scale each group of rows' partial sum (int4, and 8-bit weights
+    """Whether the kernels scale each group of rows' partial sum (int4, and int8 / fp8
     with group scales) rather than the finished sum once (per-channel 8-bit scales)."""
     return kind == "int4" or scale_groups(scales) > 1
 

@@ -16,7 +16,7 @@ small beside the weight. Not yet timed on a GPU.
 
 Triton shapes are powers of two and `dot` needs every dimension >= 16, which fixes the
 block rule and limits groups to powers of two: int4 >= 32 (each half a dot operand),
-int8 >= 16 (see `supports`).
+int8 / fp8 >= 16 (see `supports`).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def _kernel(x_ref,  # [bm, K]: this program's rows of x, all of K (the loop slic
         return (s_ref[0, pl.ds(start // group, 1), :] if zero_points
                 else s_ref[pl.ds(start // group, 1), :])
 
-    def int8_groups_step(step, acc):
+    def groups_step_8bit(step, acc):
         for g in range(block_k // group):
             start = step * block_k + g * group
             w = w_ref[pl.ds(start, group), :].astype(jnp.float32)
@@ -150,7 +150,7 @@ def _kernel(x_ref,  # [bm, K]: this program's rows of x, all of K (the loop slic
             acc = acc + part * group_scale(start)
         return acc
 
-    body = (int4_step if kind == "int4" else int8_groups_step) if is_grouped else dense_step
+    body = (int4_step if kind == "int4" else groups_step_8bit) if is_grouped else dense_step
     acc = jax.lax.fori_loop(first, last, body, jnp.zeros((bm, bn), jnp.float32))
     if not is_grouped:
         acc = acc * (s_ref[0] if zero_points else s_ref[...])
