@@ -28,7 +28,13 @@ from pallas_kernels.grouped_matmul.visits import num_visits, plan_visits
 # tile shared by three groups, all empty; each with 3 rows past the last group.
 SIZES = {"mixed": [5, 0, 19, 9], "one group takes all": [0, 0, 37, 0],
          "small groups": [1, 2, 3, 1], "all empty": [0, 0, 0, 0]}
-KINDS = [None, "int8", "int4", "fp8"]
+# Float, the three kinds, and the checkpoints' variants: "-g" group scales, "-zp" groups
+# with zero points (AWQ / GPTQ / compressed-tensors experts).
+KINDS = [None, "int8", "int4", "fp8", "int8-g", "int4-zp", "int8-zp"]
+
+
+def base(kind):
+    return kind and kind.split("-")[0]
 
 
 @pytest.fixture
@@ -39,15 +45,20 @@ def rng(request):
 def draw(rng, sizes, k: int, n: int, kind, group_size: int = 64):
     m = sum(sizes) + 3
     x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
-    w = jnp.asarray(rng.standard_normal((len(sizes), k, n), dtype=np.float32))
-    values, scales = (formats.quantize(w, kind, group_size if kind == "int4" else None)
-                      if kind else (w, None))
+    w = rng.standard_normal((len(sizes), k, n), dtype=np.float32)
+    if kind is None:
+        return x, jnp.asarray(w), None, jnp.asarray(sizes, jnp.int32)
+    zp = kind.endswith("zp")
+    if zp:  # off zero, so that the zero points differ from group to group
+        w += rng.uniform(-2, 2, size=(len(sizes), 1, n)).astype(np.float32)
+    group = group_size if kind.startswith("int4") or "-" in kind else None
+    values, scales = formats.quantize(jnp.asarray(w), base(kind), group, zero_points=zp)
     return x, values, scales, jnp.asarray(sizes, jnp.int32)
 
 
 def numpy_grouped(x, values, scales, sizes, kind) -> np.ndarray:
     """A loop over the groups in float64: each group's rows times its dequantized weight."""
-    w = np.asarray(formats.dequantize(values, scales, kind), np.float64)
+    w = np.asarray(formats.dequantize(values, scales, base(kind)), np.float64)
     x = np.asarray(x, np.float64)
     out, start = np.zeros((x.shape[0], w.shape[2])), 0
     for g, size in enumerate(np.asarray(sizes)):
@@ -66,7 +77,7 @@ def assert_close(y, want):
 def test_plain_jax_paths_against_a_numpy_loop(rng, impl, kind):
     for name, sizes in SIZES.items():
         x, values, scales, gs = draw(rng, sizes, 128, 96, kind)
-        y = gm.grouped_matmul(x, values, gs, scales, kind=kind, impl=impl, block_m=8)
+        y = gm.grouped_matmul(x, values, gs, scales, kind=base(kind), impl=impl, block_m=8)
         assert y.shape == (x.shape[0], 96) and y.dtype == jnp.float32
         assert_close(y, numpy_grouped(x, values, scales, gs, kind))
         assert not np.asarray(y[sum(sizes):]).any(), f"{name}: rows past the groups"
@@ -83,9 +94,9 @@ BLOCKS = {"tpu": dict(block_m=16, block_n=128, block_k=256),
 def test_kernels_match_the_reference(rng, impl, kind):
     for name, sizes in SIZES.items():
         x, values, scales, gs = draw(rng, sizes, 384, 200, kind)
-        y = gm.grouped_matmul(x, values, gs, scales, kind=kind, impl=impl,
+        y = gm.grouped_matmul(x, values, gs, scales, kind=base(kind), impl=impl,
                               interpret=kernel_interpret(impl), **BLOCKS[impl])
-        ref = gm.grouped_matmul(x, values, gs, scales, kind=kind, impl="reference")
+        ref = gm.grouped_matmul(x, values, gs, scales, kind=base(kind), impl="reference")
         assert y.shape == ref.shape, name
         assert_close(y, np.asarray(ref, np.float64))
 
@@ -157,16 +168,17 @@ def abstract(m, g, k, n, kind, sharding=None):
     sizes = jax.ShapeDtypeStruct((g,), jnp.int32, sharding=sharding)
     if kind is None:
         return x, jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16, sharding=sharding), sizes, None
-    (vs, vd), (ss, sd) = formats.quantized_shapes(g, k, n, kind)
+    (vs, vd), (ss, sd) = formats.quantized_shapes(
+        g, k, n, base(kind), 128 if "-" in kind else None, zero_points=kind.endswith("zp"))
     return (x, jax.ShapeDtypeStruct(vs, vd, sharding=sharding), sizes,
             jax.ShapeDtypeStruct(ss, sd, sharding=sharding))
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", None], ids=str)
+@pytest.mark.parametrize("kind", ["int8", "int4", "int4-zp", "int8-zp", None], ids=str)
 def test_gpu_kernel_lowers_to_triton_for_mixtral(kind):
     from pallas_kernels.grouped_matmul import gpu
 
-    fn = jax.jit(lambda x, v, s, sc: gpu.grouped_matmul(x, v, s, sc, kind=kind))
+    fn = jax.jit(lambda x, v, s, sc: gpu.grouped_matmul(x, v, s, sc, kind=base(kind)))
     exported = jax.export.export(
         fn, platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
@@ -178,7 +190,7 @@ def test_gpu_kernel_lowers_to_triton_for_mixtral(kind):
     assert f"grid_y = {14336 // 128} : i32" in text
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "fp8", None], ids=str)
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8", "int4-zp", "int8-zp", None], ids=str)
 def test_tpu_kernel_compiles_with_the_stack_quantized_in_hbm(chip, kind):
     """Mosaic accepts the kernel on v5e and v6e at Mixtral's shapes, and the program's
     arguments are x, the stack as stored and its scales: no dequantized copy of an
@@ -188,11 +200,11 @@ def test_tpu_kernel_compiles_with_the_stack_quantized_in_hbm(chip, kind):
     m, g, k, n = MIXTRAL_UP
     args = abstract(m, g, k, n, kind, SingleDeviceSharding(chip))
     with jax.default_device(chip):
-        assert gm.choose_impl(kind, 128) == "tpu"
-        compiled = jax.jit(lambda x, v, s, sc: gm.grouped_matmul(x, v, s, sc, kind=kind)
+        assert gm.choose_impl(base(kind), 128) == "tpu"
+        compiled = jax.jit(lambda x, v, s, sc: gm.grouped_matmul(x, v, s, sc, kind=base(kind))
                            ).lower(*args).compile()
     mem = compiled.memory_analysis()
-    stack = g * k * n * {None: 2, "int8": 1, "fp8": 1, "int4": 0.5}[kind]
+    stack = g * k * n * {None: 2, "int8": 1, "fp8": 1, "int4": 0.5}[base(kind)]
     scales = 0 if kind is None else args[3].size * 4
     # group_sizes (int32[8]) takes one 512-byte tile on the chip.
     assert mem.argument_size_in_bytes == m * k * 2 + stack + scales + 512

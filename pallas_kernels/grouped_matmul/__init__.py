@@ -13,7 +13,7 @@ Implementations, one signature:
 - "tpu" (tpu.py): Pallas Mosaic kernel, grid (N blocks, visits, K blocks), the visit plan
   in SMEM (scalar prefetch) choosing each step's x tile and weight block.
 - "gpu" (gpu.py): Pallas Triton kernel, one program per (visit, N block), masked stores.
-  fp8 needs compute capability >= 8.9 and int4 power-of-two groups >= 32, as the
+  fp8 needs compute capability >= 8.9 and groups powers of two (int4 >= 32, 8-bit >= 16), as the
   quantized matmul's kernel does; where either fails impl=None uses "cpu"'s loop
   (plain JAX, which XLA:GPU compiles too).
 
@@ -60,7 +60,7 @@ def grouped_matmul(x: jax.Array, values: jax.Array, group_sizes: jax.Array,
     if impl is None:
         if interpret:
             raise ValueError("interpret=True needs an explicit impl ('tpu' or 'gpu')")
-        impl = choose_impl(kind, k // scales.shape[1] if kind == "int4" else 1)
+        impl = choose_impl(kind, formats.layout(kind, k, scales)[0])
     if impl not in _MODULES:
         raise ValueError(f"unknown impl {impl!r}: use one of {', '.join(IMPLS)} or None")
     options = dict(block_sizes, interpret=interpret) if impl in ("tpu", "gpu") else block_sizes

@@ -2,9 +2,8 @@
 
 A quantized stack is each group's weight in a format of pallas_kernels/quantized_matmul
 (int8, int4, fp8), stacked: values `[G, K, N]` (int4: `[G, K // 2, N]`) and scales
-`[G, 1, N]` (int4: `[G, K // group_size, N]`). Float weights have no scales. The grouped
-kernels take symmetric weights with per-channel 8-bit scales (no zero points, no int8
-group scales).
+`[G, K // group_size, N]` (`[G, 1, N]` per channel), with zero points `[G, 2, K //
+group_size, N]`. Float weights have no scales.
 """
 
 from __future__ import annotations
@@ -15,11 +14,12 @@ import jax.numpy as jnp
 from pallas_kernels.quantized_matmul import formats as single
 
 
-def quantize(w: jax.Array, kind: str, group_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+def quantize(w: jax.Array, kind: str, group_size: int | None = None,
+             zero_points: bool = False) -> tuple[jax.Array, jax.Array]:
     """(values, scales) of a float stack `w[G, K, N]`, each group quantized on its own."""
     if w.ndim != 3:
         raise ValueError(f"grouped quantize expects a [G, K, N] weight, got shape {w.shape}")
-    return jax.vmap(lambda one: single.quantize(one, kind, group_size))(w)
+    return jax.vmap(lambda one: single.quantize(one, kind, group_size, zero_points))(w)
 
 
 def dequantize(values: jax.Array, scales: jax.Array | None, kind: str | None,
@@ -30,9 +30,10 @@ def dequantize(values: jax.Array, scales: jax.Array | None, kind: str | None,
     return jax.vmap(lambda v, s: single.dequantize(v, s, kind, dtype))(values, scales)
 
 
-def quantized_shapes(g: int, k: int, n: int, kind: str, group_size: int | None = None):
+def quantized_shapes(g: int, k: int, n: int, kind: str, group_size: int | None = None,
+                     zero_points: bool = False):
     """((values shape, dtype), (scales shape, dtype)) of a quantized `[G, K, N]` stack."""
-    (vs, vd), (ss, sd) = single.quantized_shapes(k, n, kind, group_size)
+    (vs, vd), (ss, sd) = single.quantized_shapes(k, n, kind, group_size, zero_points)
     return ((g, *vs), vd), ((g, *ss), sd)
 
 
@@ -50,18 +51,25 @@ def check_operands(x: jax.Array, values: jax.Array, scales: jax.Array | None,
         if x.shape[1] != values.shape[1]:
             raise ValueError(f"x[M, {x.shape[1]}] does not fit w {values.shape}")
         return x.shape[1]
-    if scales is None or scales.ndim != 3 or scales.shape[0] != values.shape[0]:
-        raise ValueError(f"a {kind} stack needs scales [G, ., N]; got "
-                         f"{None if scales is None else scales.shape}")
-    if kind != "int4" and scales.shape[1] != 1:
-        raise ValueError(f"a {kind} expert stack takes symmetric per-channel scales "
-                         f"[G, 1, N] (no zero points, no group scales); got {scales.shape}")
+    if scales is None or scales.ndim not in (3, 4) or scales.shape[0] != values.shape[0]:
+        raise ValueError(f"a {kind} stack needs scales [G, ., N] (with zero points "
+                         f"[G, 2, ., N]); got {None if scales is None else scales.shape}")
     return single.check_operands(x, values[0], scales[0], kind)
+
+
+def layout(kind: str | None, k: int, scales: jax.Array | None) -> tuple[int, bool, bool]:
+    """(rows per group the kernels walk, whether grouped, whether with zero points) of a
+    stack (a float one: (1, False, False)); see quantized_matmul.formats."""
+    if kind is None:
+        return 1, False, False
+    one = scales[0]
+    return single.kernel_group(kind, k, one), single.grouped(kind, one), \
+        single.has_zero_points(one)
 
 
 def pad_operands(x: jax.Array, values: jax.Array, scales: jax.Array | None, kind: str | None,
                  m: int, k: int, n: int):
-    """Zero-pad x to `[m, k]` and each group's weight to `[k, n]` (int4: K by whole groups;
+    """Zero-pad x to `[m, k]` and each group's weight to `[k, n]` (grouped: K by whole groups;
     see quantized_matmul.formats.pad_operands). Kernels pick blocks that divide the real
     shapes where they can, so the stack is copied only for shapes no block divides."""
     xp = jnp.pad(x, ((0, m - x.shape[0]), (0, k - x.shape[1])))

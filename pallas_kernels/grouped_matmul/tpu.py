@@ -25,7 +25,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.grouped_matmul import formats
 from pallas_kernels.grouped_matmul.visits import plan_visits, zero_rows_outside_groups
 from pallas_kernels.quantized_matmul.tpu import (
-    LANES, MAX_BLOCK_K, dequantize_8bit_tile, grouped_block_dot, k_unit, mxu_dot)
+    LANES, MAX_BLOCK_K, block_dot, finish, k_unit, mxu_dot)
 from pallas_kernels.tiling import round_up, sublane_tile
 
 MAX_BLOCK_M = 128
@@ -69,8 +69,9 @@ def block_sizes(m: int, k: int, n: int, kind: str | None, group: int, dtype,
 def _kernel(offsets_ref, group_ref, tile_ref, active_ref,  # the visit plan, in SMEM
             x_ref,  # [bm, bk]: the visit's row tile at this K step
             w_ref,  # [bk, bn] (float, int8, fp8) or [bk / 2, bn] (int4): its group's block
-            *refs,  # (s_ref: [1, bn] or [bk / G, bn] scales, if quantized), o_ref, acc_ref
-            kind: str | None, group: int):
+            *refs,  # (s_ref, if quantized: [1, bn] or [bk / G, bn] scales, with zero
+                    # points [2, 1, bn] or [2, bk / G, bn]), o_ref, acc_ref
+            kind: str | None, group: int, is_grouped: bool, zero_points: bool):
     s_ref, o_ref, acc_ref = refs if kind else (None, *refs)
     v, step = pl.program_id(1), pl.program_id(2)
     live = v < active_ref[0]
@@ -81,19 +82,17 @@ def _kernel(offsets_ref, group_ref, tile_ref, active_ref,  # the visit plan, in 
 
     @pl.when(live)
     def _accumulate():
-        if kind == "int4":
-            acc_ref[...] += grouped_block_dot(x_ref, w_ref, s_ref, kind, group,
-                                              zero_points=False)
-        elif kind:
-            acc_ref[...] += mxu_dot(x_ref[...], dequantize_8bit_tile(w_ref[...], x_ref.dtype))
+        if kind:
+            acc_ref[...] += block_dot(x_ref, w_ref, s_ref, kind, group, is_grouped,
+                                      zero_points)
         else:
             acc_ref[...] += mxu_dot(x_ref[...], w_ref[...].astype(x_ref.dtype))
 
     @pl.when(live & (step == pl.num_programs(2) - 1))
     def _store():
         acc = acc_ref[...]
-        if kind in ("int8", "fp8"):
-            acc = acc * s_ref[...]
+        if kind:
+            acc = finish(acc, s_ref, is_grouped, zero_points)
         g = group_ref[v]
         rows = tile_ref[v] * acc.shape[0] + jax.lax.broadcasted_iota(jnp.int32, acc.shape, 0)
         mine = (rows >= offsets_ref[g]) & (rows < offsets_ref[g + 1])
@@ -109,7 +108,7 @@ def grouped_matmul(x: jax.Array, values: jax.Array, group_sizes: jax.Array,
     """`y[i] = x[i] @ w[g(i)]` for the rows of each group; rows past the groups: zeros."""
     k = formats.check_operands(x, values, scales, group_sizes, kind)
     m, n = x.shape[0], values.shape[2]
-    group = k // scales.shape[1] if kind == "int4" else 1
+    group, is_grouped, zero_points = formats.layout(kind, k, scales)
     bm, bn, bk = block_sizes(m, k, n, kind, group, x.dtype, block_m, block_n, block_k)
     mp, kp, np_ = round_up(m, bm), round_up(k, bk), round_up(n, bn)
     x, values, scales = formats.pad_operands(x, values, scales, kind, mp, kp, np_)
@@ -121,16 +120,19 @@ def grouped_matmul(x: jax.Array, values: jax.Array, group_sizes: jax.Array,
     in_specs = [pl.BlockSpec((bm, bk), lambda n, v, s, o, g, t, a: (t[v], s)),
                 pl.BlockSpec((pl.squeezed, bk // 2 if kind == "int4" else bk, bn), w_index)]
     operands = [x, values]
-    if kind == "int4":
+    zp = (2,) if zero_points else ()  # scales and zero points: both at every index
+    if is_grouped:
         # One K step's group scales as the whole middle axis of a block (see
         # quantized_matmul/tpu.py: a [bk // G, bn] block of [K // G, N] breaks the 8-row rule).
-        scales = scales.reshape(scales.shape[0], kp // bk, bk // group, np_)
-        in_specs.append(pl.BlockSpec((pl.squeezed, pl.squeezed, bk // group, bn),
-                                     lambda n, v, s, o, g, t, a: (g[v], s, 0, n)))
+        scales = scales.reshape(scales.shape[0], *zp, kp // bk, bk // group, np_)
+        in_specs.append(pl.BlockSpec((pl.squeezed, *zp, pl.squeezed, bk // group, bn),
+                                     lambda n, v, s, o, g, t, a: (g[v], *(0,) * len(zp), s,
+                                                                  0, n)))
         operands.append(scales)
     elif kind:
-        in_specs.append(pl.BlockSpec((pl.squeezed, 1, bn),
-                                     lambda n, v, s, o, g, t, a: (g[v], 0, n)))
+        in_specs.append(pl.BlockSpec((pl.squeezed, *zp, 1, bn),
+                                     lambda n, v, s, o, g, t, a: (g[v], *(0,) * len(zp), 0,
+                                                                  n)))
         operands.append(scales)
 
     visits = plan.group.shape[0]
@@ -140,7 +142,8 @@ def grouped_matmul(x: jax.Array, values: jax.Array, group_sizes: jax.Array,
         bytes_accessed=(values.size * values.dtype.itemsize
                         + visits * bm * kp * itemsize * (np_ // bn) + mp * np_ * itemsize))
     out = pl.pallas_call(
-        functools.partial(_kernel, kind=kind, group=group),
+        functools.partial(_kernel, kind=kind, group=group, is_grouped=is_grouped,
+                          zero_points=zero_points),
         out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,

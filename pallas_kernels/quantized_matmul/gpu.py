@@ -21,7 +21,9 @@ int8 / fp8 >= 16 (see `supports`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -99,6 +101,70 @@ def tile_dot(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
+@dataclasses.dataclass(frozen=True)
+class Loads:
+    """How a kernel reads its operands for `k_step` (each a function of pl.ds slices):
+    `x(ks)` x's tile over the K slice, `w(rows)` the weight's (packed, for int4) rows,
+    `s(part, groups)` the scales' group rows (part 0) or zero points' (part 1)."""
+
+    x: Callable
+    w: Callable
+    s: Callable
+
+
+def k_step(loads: Loads, kind: str, group: int, is_grouped: bool, zero_points: bool,
+           block_k: int) -> Callable:
+    """The fori_loop body adding one K step to the float32 accumulator: one dot per group
+    scaled by the group's scale when grouped (int4; int8 / fp8 with group scales), else one
+    dot of the block (scaled once at the end: `finish`). Zero points come off the integers
+    before the dot (exact: |q - z| <= 255)."""
+    def zero(start):
+        return loads.s(1, pl.ds(start // group, 1))
+
+    def scale(start):
+        return loads.s(0, pl.ds(start // group, 1))
+
+    def dense_step(step, acc):
+        ks = pl.ds(step * block_k, block_k)
+        # int8 -> float via the dtype conversion; fp8 -> x's dtype is a native convert
+        # on sm89+ (Ada, Hopper), which the dispatcher checks.
+        w = loads.w(ks)
+        if zero_points:  # per channel: the column's zero point off every row
+            w = w.astype(jnp.float32) - loads.s(1, pl.ds(0, 1))
+        return acc + tile_dot(loads.x(ks), w)
+
+    def groups_step_8bit(step, acc):
+        for g in range(block_k // group):
+            start = step * block_k + g * group
+            w = loads.w(pl.ds(start, group)).astype(jnp.float32)
+            if zero_points:
+                w = w - zero(start)
+            acc = acc + tile_dot(loads.x(pl.ds(start, group)), w) * scale(start)
+        return acc
+
+    def int4_step(step, acc):
+        half = group // 2
+        for g in range(block_k // group):
+            start = step * block_k + g * group
+            low, high = int4_halves(loads.w(pl.ds(start // 2, half)))
+            low, high = low.astype(jnp.float32), high.astype(jnp.float32)
+            if zero_points:
+                low, high = low - zero(start), high - zero(start)
+            part = (tile_dot(loads.x(pl.ds(start, half)), low)
+                    + tile_dot(loads.x(pl.ds(start + half, half)), high))
+            acc = acc + part * scale(start)
+        return acc
+
+    if not is_grouped:
+        return dense_step
+    return int4_step if kind == "int4" else groups_step_8bit
+
+
+def finish(acc: jax.Array, loads: Loads, is_grouped: bool) -> jax.Array:
+    """The accumulator times the per-channel scales (grouped: already scaled)."""
+    return acc if is_grouped else acc * loads.s(0, pl.ds(0, 1))
+
+
 def _kernel(x_ref,  # [bm, K]: this program's rows of x, all of K (the loop slices it)
             w_ref,  # [K, bn] (int8, fp8) or [K / 2, bn] (int4, packed): its columns
             s_ref,  # [K / G, bn] scales (per channel: [1, bn]), with zero points
@@ -113,48 +179,11 @@ def _kernel(x_ref,  # [bm, K]: this program's rows of x, all of K (the loop slic
         per_split = (steps + num_splits - 1) // num_splits
         first = jnp.minimum(pl.program_id(2) * per_split, steps)
         last = jnp.minimum(first + per_split, steps)
-
-    def dense_step(step, acc):
-        rows = pl.ds(step * block_k, block_k)
-        # int8 -> float via the dtype conversion; fp8 -> x's dtype is a native convert
-        # on sm89+ (Ada, Hopper), which the dispatcher checks.
-        w = w_ref[rows, :]
-        if zero_points:  # per channel: the column's zero point off every row (exact)
-            w = w.astype(jnp.float32) - s_ref[1]
-        return acc + tile_dot(x_ref[:, rows], w)
-
-    def group_scale(start):
-        return (s_ref[0, pl.ds(start // group, 1), :] if zero_points
-                else s_ref[pl.ds(start // group, 1), :])
-
-    def groups_step_8bit(step, acc):
-        for g in range(block_k // group):
-            start = step * block_k + g * group
-            w = w_ref[pl.ds(start, group), :].astype(jnp.float32)
-            if zero_points:
-                w = w - s_ref[1, pl.ds(start // group, 1), :]
-            acc = acc + tile_dot(x_ref[:, pl.ds(start, group)], w) * group_scale(start)
-        return acc
-
-    def int4_step(step, acc):
-        half = group // 2
-        for g in range(block_k // group):
-            start = step * block_k + g * group
-            low, high = int4_halves(w_ref[pl.ds(start // 2, half), :])
-            low, high = low.astype(jnp.float32), high.astype(jnp.float32)
-            if zero_points:  # integers minus the group's zero point: exact
-                zero = s_ref[1, pl.ds(start // group, 1), :]
-                low, high = low - zero, high - zero
-            part = (tile_dot(x_ref[:, pl.ds(start, half)], low)
-                    + tile_dot(x_ref[:, pl.ds(start + half, half)], high))
-            acc = acc + part * group_scale(start)
-        return acc
-
-    body = (int4_step if kind == "int4" else groups_step_8bit) if is_grouped else dense_step
+    loads = Loads(x=lambda ks: x_ref[:, ks], w=lambda rows: w_ref[rows, :],
+                  s=lambda part, g: s_ref[part, g, :] if zero_points else s_ref[g, :])
+    body = k_step(loads, kind, group, is_grouped, zero_points, block_k)
     acc = jax.lax.fori_loop(first, last, body, jnp.zeros((bm, bn), jnp.float32))
-    if not is_grouped:
-        acc = acc * (s_ref[0] if zero_points else s_ref[...])
-    o_ref[...] = acc.astype(o_ref.dtype)
+    o_ref[...] = finish(acc, loads, is_grouped).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "block_m", "block_n", "block_k",

@@ -108,6 +108,25 @@ def grouped_block_dot(x_ref, w_ref, s_ref, kind: str, group: int,
     return total
 
 
+def block_dot(x_ref, w_ref, s_ref, kind: str, group: int, is_grouped: bool,
+              zero_points: bool) -> jax.Array:
+    """One K step's float32 contribution: the groups' scaled dots when grouped, else the
+    block's dot (scaled once at the end: `finish`), zero points off the integers first."""
+    if is_grouped:
+        return grouped_block_dot(x_ref, w_ref, s_ref, kind, group, zero_points)
+    if zero_points:  # per channel: the column's zero point off every row
+        w = w_ref[...].astype(jnp.float32) - s_ref[1]
+        return mxu_dot(x_ref[...], w.astype(x_ref.dtype))
+    return mxu_dot(x_ref[...], dequantize_8bit_tile(w_ref[...], x_ref.dtype))
+
+
+def finish(acc: jax.Array, s_ref, is_grouped: bool, zero_points: bool) -> jax.Array:
+    """The accumulator times the per-channel scales (grouped: already scaled)."""
+    if is_grouped:
+        return acc
+    return acc * (s_ref[0] if zero_points else s_ref[...])
+
+
 def _kernel(x_ref,  # [bm, bk] VMEM: x's tile at (M block, K step)
             w_ref,  # [bk, bn] (int8, fp8) or [bk / 2, bn] (int4, packed) VMEM
             s_ref,  # [1, bn] channel scales ([2, 1, bn] with zero points), or grouped:
@@ -121,21 +140,11 @@ def _kernel(x_ref,  # [bm, bk] VMEM: x's tile at (M block, K step)
     def _init():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    if is_grouped:
-        acc_ref[...] += grouped_block_dot(x_ref, w_ref, s_ref, kind, group, zero_points)
-    elif zero_points:  # per channel: the column's zero point off every row
-        w = w_ref[...].astype(jnp.float32) - s_ref[1]
-        acc_ref[...] += mxu_dot(x_ref[...], w.astype(x_ref.dtype))
-    else:
-        w = dequantize_8bit_tile(w_ref[...], x_ref.dtype)
-        acc_ref[...] += mxu_dot(x_ref[...], w)
+    acc_ref[...] += block_dot(x_ref, w_ref, s_ref, kind, group, is_grouped, zero_points)
 
     @pl.when(step == pl.num_programs(2) - 1)
     def _store():
-        acc = acc_ref[...]
-        if not is_grouped:
-            acc = acc * (s_ref[0] if zero_points else s_ref[...])
-        o_ref[...] = acc.astype(o_ref.dtype)
+        o_ref[...] = finish(acc_ref[...], s_ref, is_grouped, zero_points).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "block_m", "block_n", "block_k",
