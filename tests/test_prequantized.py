@@ -469,3 +469,87 @@ def test_plan_sizes_the_checkpoint_as_stored(float_model, tmp_path, monkeypatch)
     loaded = load(EngineConfig(model=str(qdir), dtype="bfloat16"))
     stored = sum(v[...].nbytes for _, v in nnx.to_flat_state(loaded.params))
     assert result["weight_bytes"] == stored
+
+
+# --- MoE checkpoints: every expert quantized, read one by one and stacked ----------------
+
+def make_moe_checkpoint(float_dir: Path, out: Path, method: str, group: int, bits: int = 4
+                        ) -> tuple[Path, Path]:
+    """An AWQ (GEMM) or GPTQ (v2, asymmetric) checkpoint of a MoE model as the tooling
+    writes it, every linear layer quantized (experts one by one, the shared expert too; the
+    routers float), from the float checkpoint's tensors on disk. Returns it and a float
+    checkpoint of its dequantized weights (the oracle's, loaded by transformers)."""
+    from safetensors.numpy import load_file
+
+    tensors, truth = {}, {}
+    for name, w in load_file(float_dir / "model.safetensors").items():
+        stem = name.removesuffix(".weight")
+        if stem.split(".")[-1] not in LINEARS + ("w1", "w2", "w3") or name == stem:
+            tensors[name] = torch.from_numpy(w)
+            truth[name] = tensors[name]
+            continue
+        u, u0, scale = quantize_bits(torch.from_numpy(w), group, sym=False, bits=bits)
+        if method == "awq":
+            tensors[f"{stem}.qweight"] = pack_columns(u.T.contiguous(), AWQ_ORDER)
+            tensors[f"{stem}.qzeros"] = pack_columns(u0.T.contiguous(), AWQ_ORDER)
+        else:
+            tensors[f"{stem}.qweight"] = pack_rows(u.T.contiguous(), bits)
+            tensors[f"{stem}.qzeros"] = pack_columns(u0.T.contiguous(), bits=bits)
+            tensors[f"{stem}.g_idx"] = torch.arange(w.shape[1], dtype=torch.int32) // group
+        tensors[f"{stem}.scales"] = scale.T.contiguous().half()
+        truth[name] = dequantized(u, u0, scale, group)
+    qconfig = {"awq": {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                       "version": "gemm", "modules_to_not_convert": ["gate"]},
+               "gptq": {"quant_method": "gptq", "bits": bits, "group_size": group,
+                        "desc_act": False, "sym": False, "checkpoint_format": "gptq_v2"}}[method]
+    dirs = []
+    for path, state, qc in ((out, tensors, qconfig), (out.with_name(out.name + "-float"),
+                                                     truth, None)):
+        path.mkdir()
+        for f in float_dir.iterdir():
+            if f.suffix != ".safetensors":
+                shutil.copy2(f, path / f.name)
+        save_file({k: v.contiguous() for k, v in state.items()}, path / "model.safetensors")
+        if qc:
+            cfg = json.loads((path / "config.json").read_text())
+            cfg["quantization_config"] = qc
+            (path / "config.json").write_text(json.dumps(cfg))
+        dirs.append(path)
+    return tuple(dirs)
+
+
+@pytest.mark.parametrize("arch, method, bits", [("qwen2_moe", "gptq", 4), ("mixtral", "awq", 4),
+                                                ("qwen3_moe", "gptq", 8)])
+def test_moe_experts_served_as_stored(prompts, tmp_path, arch, method, bits):
+    """A MoE checkpoint whose every expert (and Qwen2-MoE's shared expert) is quantized:
+    the experts are stacked as stored (int4 / int8 with zero points, groups of 32) and the
+    greedy tokens equal transformers on the dequantized weights, with the plain-JAX
+    grouped matmul and the Pallas GPU kernel (interpret mode)."""
+    from conftest import _hf_config, hf_greedy
+    from jaxserve.demo import write_byte_tokenizer
+
+    cls, cfg = _hf_config(arch)
+    if arch == "qwen2_moe":  # whole groups of 32 in the shared expert's down projection
+        cfg.shared_expert_intermediate_size = 64
+    torch.manual_seed(0)
+    model = cls(cfg).eval()
+    float_dir = tmp_path / f"{arch}-float-source"
+    model.save_pretrained(float_dir)
+    write_byte_tokenizer(float_dir)
+    qdir, oracle_dir = make_moe_checkpoint(float_dir, tmp_path / arch, method, 32, bits)
+    oracle = cls.from_pretrained(oracle_dir, dtype=torch.float32,
+                                 attn_implementation="eager").eval()
+    loaded = load(EngineConfig(model=str(qdir), dtype="float32"))
+    flat = dict(nnx.to_flat_state(loaded.params))
+    scales = flat[("layers", 0, "mlp", "gate_proj_scales")][...]
+    assert (loaded.config.quantization, loaded.config.quant_zero_points) == (f"int{bits}", True)
+    assert scales.shape == (model.config.num_local_experts if arch == "mixtral"
+                            else model.config.num_experts, 2, 64 // 32,
+                            model.config.intermediate_size if arch == "mixtral"
+                            else model.config.moe_intermediate_size)
+    want = [hf_greedy(oracle, p, 8) for p in prompts[:2]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for impl in ("cpu", "gpu"):
+        llm = LLM(str(qdir), kernel_impl=None if impl == "cpu" else impl,
+                  interpret_kernels=impl == "gpu", **ENGINE)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts[:2], greedy)] == want, impl

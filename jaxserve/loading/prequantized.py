@@ -37,10 +37,11 @@ What each becomes (K = in-features, N = out-features, G = the group size):
   `weight_block_size` `[bn, bk]` (w = q * weight_scale_inv) -> fp8 in groups of bk rows,
   as the compressed-tensors blocks.
 
-Only the decoder's linear layers are quantized in our models (embeddings, norms and the
-LM head stay in the model's dtype), so a checkpoint that leaves one of them unquantized
-(`modules_to_not_convert`, `ignore`) or quantizes the LM head or the embedding is refused,
-as are MoE checkpoints' quantized experts (the grouped kernels have no zero points yet).
+Only the decoder's linear layers are quantized in our models (embeddings, norms, MoE
+routers and the LM head stay in the model's dtype), so a checkpoint that leaves one of them
+unquantized (`modules_to_not_convert`, `ignore`) or quantizes the LM head or the embedding
+is refused. A MoE layer's experts are read one by one and stacked as our grouped matmul's
+format (the same per-expert layouts; act-order experts are refused).
 """
 
 from __future__ import annotations
@@ -60,8 +61,14 @@ from pallas_kernels.quantized_matmul.formats import pack_int4
 METHODS = ("awq", "gptq", "compressed-tensors", "fp8")
 AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # column of each nibble within a word
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_LINEAR = re.compile(r"(model\.layers\.\d+\.(?:self_attn|mlp)\.(?:%s))\.(\w+)$"
-                     % "|".join(LINEAR_NAMES))
+# The decoder's linear layers: attention, the MLP, a MoE layer's experts (Mixtral's w1 / w3 /
+# w2) and shared expert; not the router (`mlp.gate`), which stays float.
+_LINEAR = re.compile(
+    r"(model\.layers\.\d+\.(?:self_attn|mlp|mlp\.shared_expert|"
+    r"(?:mlp|block_sparse_moe)\.experts\.\d+)\.(?:%s|w1|w2|w3))\.(\w+)$" % "|".join(LINEAR_NAMES))
+# What a checkpoint may leave unquantized: the LM head and a MoE layer's routers.
+_FLOAT_OK = re.compile(r"(?:re:)?(?:\.\*)?(?:.*\.)?(?:lm_head|mlp\.gate|block_sparse_moe\.gate|"
+                       r"shared_expert_gate)\$?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +141,7 @@ def _group(qc: dict, field: str = "group_size") -> int | None:
 
 def _check_not_converted(qc: dict, field: str) -> None:
     for name in qc.get(field) or []:
-        if name != "lm_head" and not name.endswith("lm_head"):
+        if not _FLOAT_OK.fullmatch(name.replace("\\.", ".")) and name not in ("gate",):
             raise _refuse(field, qc[field], f"{name!r} is left unquantized; jaxserve "
                           "quantizes every decoder linear layer alike")
 
@@ -411,7 +418,7 @@ def tensors(stream: Iterable[tuple[str, np.ndarray]], q: CheckpointQuantization
                     re.search(r"(embed_tokens|lm_head)\.weight$", name)
                     and np.asarray(array).dtype in (np.int8, ml_dtypes.float8_e4m3fn)):
                 raise ValueError(f"{name}: only the decoder's linear layers may be quantized "
-                                 "(the embedding, LM head and experts stay float here)")
+                                 "(the embedding, LM head and routers stay float here)")
             yield name, array
             continue
         prefix, part = m.groups()

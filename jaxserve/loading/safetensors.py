@@ -175,8 +175,10 @@ def _hf_to_ours(name: str, x: np.ndarray, cfg: ModelConfig, kv_replicas: int = 1
         table[f"{hf_name}.weight"] = (("mlp", *ours.split(".")), lambda: x.T)
     expert = re.fullmatch(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight", rest)
     if expert and expert.group(2) in _EXPERT_WEIGHTS:
-        # One expert's [out, in] weight: row `j` of our stacked [E, in, out] parameter.
-        return ("layers", i, "mlp", _EXPERT_WEIGHTS[expert.group(2)]), x.T, int(expert.group(1))
+        # One expert's [out, in] weight: row `j` of our stacked [E, in, out] parameter (a
+        # checkpoint's quantized one is already [in, out]).
+        one = x if isinstance(x, Prequantized) else x.T
+        return ("layers", i, "mlp", _EXPERT_WEIGHTS[expert.group(2)]), one, int(expert.group(1))
     if rest not in table:
         raise ValueError(f"unexpected tensor {name!r} in checkpoint")
     path, convert = table[rest]
@@ -244,8 +246,23 @@ def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype, shard: Shard
         if path not in expected:
             raise ValueError(f"tensor {name!r} does not fit this model config ({path})")
         var = expected[path]
-        if isinstance(array, Prequantized):
+        if isinstance(array, Prequantized) and expert is None:
             loaded.update(place_prequantized(name, path, array, expected, shard))
+            continue
+        if isinstance(array, Prequantized):  # one expert's, stacked once all are read
+            if array.perm is not None:
+                raise ValueError(f"{name}: act-order (desc_act) experts are not supported")
+            parts = experts.setdefault(path, {})
+            if not 0 <= expert < var.shape[0] or array.values.shape != var.shape[1:]:
+                raise ValueError(f"quantized tensor {name!r} ({tuple(array.values.shape)}) "
+                                 f"does not fit this model config: {var.shape[0]} experts "
+                                 f"of {tuple(var.shape[1:])}")
+            parts[expert] = array
+            if len(parts) == var.shape[0]:
+                stack = Prequantized(*(np.stack([getattr(parts[j], f) for j in sorted(parts)])
+                                       for f in ("values", "scales")))
+                loaded.update(place_prequantized(name, path, stack, expected, shard))
+                del experts[path]
             continue
         if expert is not None:
             parts = experts.setdefault(path, {})
@@ -325,7 +342,9 @@ def place_weight(path: tuple, array, expected: dict, shard: ShardingContext,
     scales_var = expected[scales_path]
     scales_sharding = shard.sharding(scales_var.get_metadata()["logical_axes"])
     if var.ndim == 3:  # a stack of experts' weights: each expert quantized on its own
-        quantize_one = jax.jit(lambda w: quantize(w, options.quantization))
+        quantize_one = jax.jit(lambda w: quantize(w, options.quantization,
+                                                  options.quant_group_size,
+                                                  options.quant_zero_points))
         parts = [jax.device_get(quantize_one(jnp.asarray(array[j:j + 1][0], jnp.float32)))
                  for j in range(var.shape[0])]
         stacked = [np.stack(p) for p in zip(*parts)]  # values, scales: quantized, on the host

@@ -38,17 +38,21 @@ EXPERT_OUT_AXES = ("experts", "expert_mlp", "embed")  # down_proj: [E, I, hidden
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
-def expert_stack(shape: tuple[int, int, int], axes: tuple[str, ...],
-                 dtype, quantization: str | None) -> tuple[nnx.Param, nnx.Param | None]:
+def expert_stack(shape: tuple[int, int, int], axes: tuple[str, ...], dtype,
+                 options: ModelOptions) -> tuple[nnx.Param, nnx.Param | None]:
     """(weights, scales) of one projection of every expert, `[E, in, out]`: float, or the
     stacked quantized format of pallas_kernels/grouped_matmul (each expert quantized on
-    its own; checkpoints overwrite the zeros at load)."""
-    if quantization is None:
+    its own, in the options' groups, with zero points when asymmetric; checkpoints
+    overwrite the zeros at load)."""
+    if options.quantization is None:
         return param(shape, axes, dtype), None
-    (vshape, vdtype), (sshape, sdtype) = quantized_shapes(*shape, quantization)
+    (vshape, vdtype), (sshape, sdtype) = quantized_shapes(
+        *shape, options.quantization, options.quant_group_size, options.quant_zero_points)
+    # Group scales follow the in-features' sharding; a zero-point stack's [2] axis is whole.
+    scale_axes = (axes[1] if sshape[-2] > 1 else None, axes[2])
+    scale_axes = (axes[0],) + (None,) * (len(sshape) - 3) + scale_axes
     return (nnx.Param(jnp.zeros(vshape, vdtype), logical_axes=axes),
-            nnx.Param(jnp.ones(sshape, sdtype),
-                      logical_axes=(axes[0], axes[1] if sshape[1] > 1 else None, axes[2])))
+            nnx.Param(jnp.ones(sshape, sdtype), logical_axes=scale_axes))
 
 
 def route(x: jax.Array, router: jax.Array, top_k: int, normalize: bool,
@@ -95,15 +99,14 @@ class MoE(nnx.Module):
     """The sparse feed-forward block of one layer (see the module doc)."""
 
     def __init__(self, cfg: ModelConfig, dtype, options: ModelOptions):
-        e, m, n, quant = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
-                          options.quantization)
+        e, m, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
         self.router = param((e, n), ("embed", None), dtype)
         self.gate_proj, self.gate_proj_scales = expert_stack(
-            (n, e, m), EXPERT_IN_AXES, dtype, quant)
+            (n, e, m), EXPERT_IN_AXES, dtype, options)
         self.up_proj, self.up_proj_scales = expert_stack(
-            (n, e, m), EXPERT_IN_AXES, dtype, quant)
+            (n, e, m), EXPERT_IN_AXES, dtype, options)
         self.down_proj, self.down_proj_scales = expert_stack(
-            (n, m, e), EXPERT_OUT_AXES, dtype, quant)
+            (n, m, e), EXPERT_OUT_AXES, dtype, options)
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg, dtype, options,
                                      cfg.shared_expert_intermediate_size)
