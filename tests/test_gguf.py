@@ -167,6 +167,28 @@ def write_sentencepiece_vocab(w, vocab_size: int) -> None:
     w.add_add_bos_token(True)
 
 
+# The `gguf` package dequantizes the K-quants but cannot write them: tests write blocks of
+# random bytes with their float16 super-block scales (d, dmin) set to small values, at
+# these byte offsets of each block (ggml-common.h's block_q*_K layouts).
+K_QUANT_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+                  "Q6_K": (208,)}
+
+
+def random_k_quant(shape: tuple[int, int], weight_type: str) -> np.ndarray:
+    """Rows of random `weight_type` blocks (uint8 `[N, K / 256 * block bytes]`)."""
+    import gguf as gguf_package
+
+    kind = gguf_package.GGMLQuantizationType[weight_type]
+    block, size = gguf_package.GGML_QUANT_SIZES[kind]
+    n, k = shape
+    rng = np.random.default_rng(n * k)
+    data = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    for offset in K_QUANT_SCALES[weight_type]:
+        scale = rng.uniform(2e-4, 1e-3, (n, k // block)).astype(np.float16)
+        data[..., offset:offset + 2] = scale[..., None].view(np.uint8)
+    return data.reshape(n, -1)
+
+
 def write_tiny_gguf(model, path: Path, weight_type: str, arch: str = "llama",
                     pre: str = "default", sentencepiece: bool = False) -> dict:
     """The tiny `model` (Llama, Qwen2 or Qwen3) as llama.cpp's converter writes it (a
@@ -219,7 +241,8 @@ def write_tiny_gguf(model, path: Path, weight_type: str, arch: str = "llama",
         if n:  # llama.cpp's permute: each head's rotary halves interleaved
             x = x.reshape(n, 2, x.shape[0] // n // 2, -1).swapaxes(1, 2).reshape(x.shape)
         if typed and kind != gguf_package.GGMLQuantizationType.F32:
-            data = quantize(x, kind)
+            data = (random_k_quant(x.shape, weight_type) if weight_type in K_QUANT_SCALES
+                    else quantize(x, kind))
             w.add_tensor(gguf_name, data, raw_dtype=kind)
             back = np.asarray(dequantize(data, kind), np.float32).reshape(x.shape)
         else:
@@ -651,3 +674,46 @@ def test_gemma_and_moe_families(prompts, tmp_path, arch, weight_type):
     chat = [{"role": "user", "content": "Hello abc"}]
     assert ours.apply_chat_template(chat, tokenize=False) == \
         theirs.apply_chat_template(chat, tokenize=False)
+
+
+@pytest.mark.parametrize("weight_type", list(K_QUANT_SCALES))
+def test_k_quants_are_dequantized_as_the_gguf_package_does(prompts, tmp_path, weight_type):
+    """A 256-wide Llama (the K-quants' super-blocks are 256 values) whose linear layers and
+    embedding are K-quant blocks: every layer loads as the `gguf` package dequantizes it
+    (kept in float: no format of ours holds a K-quant exactly), and greedy tokens equal
+    transformers on those weights."""
+    import torch
+    import transformers as tf
+    from flax import nnx
+
+    from conftest import VOCAB, hf_greedy
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.loader import load
+    from jaxserve.loading import gguf
+
+    cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, bos_token_id=0, eos_token_id=1)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(cfg).eval()
+    path = tmp_path / f"tiny-{weight_type}.gguf"
+    truth = write_tiny_gguf(model, path, weight_type)
+    assert gguf.stored_settings(path) is None
+    loaded = load(EngineConfig(model=str(path), dtype="float32"))
+    flat = dict(nnx.to_flat_state(loaded.params))
+    up = flat[("layers", 1, "mlp", "up_proj")]
+    want = truth["model.layers.1.mlp.up_proj.weight"]
+    assert np.all(np.isfinite(want)) and want.std() > 1e-3
+    got = up[...].T if up.get_metadata().get("transposed") else up[...]
+    np.testing.assert_array_equal(np.asarray(got).reshape(want.shape[::-1]), want.T)
+    del loaded
+    oracle = tf.LlamaForCausalLM(cfg).eval()
+    oracle.load_state_dict({k: torch.from_numpy(v) for k, v in truth.items()}, strict=False)
+    llm = LLM(str(path), dtype="float32", max_model_len=64, page_size=4, max_num_seqs=4,
+              max_num_batched_tokens=16, token_buckets=(16,))
+    outs = llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=8,
+                                                    ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(oracle, p, 8)
+                                                       for p in prompts[:2]]
