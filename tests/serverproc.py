@@ -60,11 +60,13 @@ def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 300,
             if http_url is not None:
                 try:
                     proc.http_health.append(httpx.get(
-                        f"{http_url}/health", timeout=2, verify=ssl_context(tls)).status_code)
+                        f"{http_url}/health", timeout=0.5, verify=ssl_context(tls)).status_code)
                 except httpx.HTTPError:
                     proc.http_health.append(None)
             try:
-                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                # Short timeouts: a cold warm-up can take only ~3 s on a fast machine, and
+                # polls that wait out 2 s each could miss it entirely.
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=0.5).status
                 if status == health_pb2.HealthCheckResponse.SERVING:
                     assert seen_not_serving or not cold, \
                         "health was never NOT_SERVING during warm-up"
