@@ -106,6 +106,21 @@ def make_checkpoint(arch: str, path: Path, seed: int = 0):
     return model
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop each test module's compiled programs when it ends (its engines are gone by
+    then). XLA:CPU maps every executable's code in mappings of its own, and a whole run's
+    executables kept by JAX's caches passed the kernel's limit of 65530 memory maps per
+    process (vm.max_map_count) in test_speculative, where XLA segfaulted serializing the
+    next program: 62k maps at the crash, ~30k entering the module."""
+    yield
+    import gc
+
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """{arch: (directory, torch model)} built once per test session."""

@@ -45,11 +45,16 @@ def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 300,
     the compilation cache may be ready before the first poll. With `http_url`, GET /health
     is polled too and its status codes kept in `proc.http_health` (None: no answer).
     `tls`: (CA, client certificate, client key) files to reach a TLS server with."""
+    # Reconnect every 0.1-0.2 s: gRPC's default backoff after the refused connections of the
+    # server's import time grows past a cold warm-up (~3 s), which the poll then misses.
+    options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+               ("grpc.max_reconnect_backoff_ms", 200)]
     if tls is None:
-        channel = grpc.insecure_channel(target)
+        channel = grpc.insecure_channel(target, options=options)
     else:
         ca, cert, key = (open(p, "rb").read() for p in tls)
-        channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(ca, key, cert))
+        channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(ca, key, cert),
+                                      options=options)
     stub = health_pb2_grpc.HealthStub(channel)
     deadline = time.monotonic() + timeout
     seen_not_serving = False
@@ -64,8 +69,6 @@ def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 300,
                 except httpx.HTTPError:
                     proc.http_health.append(None)
             try:
-                # Short timeouts: a cold warm-up can take only ~3 s on a fast machine, and
-                # polls that wait out 2 s each could miss it entirely.
                 status = stub.Check(health_pb2.HealthCheckRequest(), timeout=0.5).status
                 if status == health_pb2.HealthCheckResponse.SERVING:
                     assert seen_not_serving or not cold, \
