@@ -67,8 +67,7 @@ _LINEAR = re.compile(
     r"(model\.layers\.\d+\.(?:self_attn|mlp|mlp\.shared_expert|"
     r"(?:mlp|block_sparse_moe)\.experts\.\d+)\.(?:%s|w1|w2|w3))\.(\w+)$" % "|".join(LINEAR_NAMES))
 # What a checkpoint may leave unquantized: the LM head and a MoE layer's routers.
-_FLOAT_OK = re.compile(r"(?:re:)?(?:\.\*)?(?:.*\.)?(?:lm_head|mlp\.gate|block_sparse_moe\.gate|"
-                       r"shared_expert_gate)\$?")
+_FLOAT_OK = re.compile(r"(?:re:)?(?:\.\*)?(?:.*\.)?(?:lm_head|gate|shared_expert_gate)\$?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +140,7 @@ def _group(qc: dict, field: str = "group_size") -> int | None:
 
 def _check_not_converted(qc: dict, field: str) -> None:
     for name in qc.get(field) or []:
-        if not _FLOAT_OK.fullmatch(name.replace("\\.", ".")) and name not in ("gate",):
+        if not _FLOAT_OK.fullmatch(name.replace("\\.", ".")):
             raise _refuse(field, qc[field], f"{name!r} is left unquantized; jaxserve "
                           "quantizes every decoder linear layer alike")
 
