@@ -189,6 +189,31 @@ def random_k_quant(shape: tuple[int, int], weight_type: str) -> np.ndarray:
     return data.reshape(n, -1)
 
 
+def add_tensor(w, gguf_name: str, x: np.ndarray, weight_type: str, heads: int | None):
+    """Write `x` (Hugging Face's row order) as `weight_type`, its rows interleaved per head
+    as llama.cpp's permute does when `heads`; returns it as the `gguf` package dequantizes
+    it, back in Hugging Face's order."""
+    import gguf as gguf_package
+    from gguf.quants import dequantize, quantize
+
+    kind = gguf_package.GGMLQuantizationType[weight_type]
+    x = x.astype(np.float32)
+    if heads:  # each head's rotary halves interleaved
+        x = x.reshape(heads, 2, x.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(x.shape)
+    if kind != gguf_package.GGMLQuantizationType.F32:
+        data = (random_k_quant(x.shape, weight_type) if weight_type in K_QUANT_SCALES
+                else quantize(x, kind))
+        w.add_tensor(gguf_name, data, raw_dtype=kind)
+        back = np.asarray(dequantize(data, kind), np.float32).reshape(x.shape)
+    else:
+        w.add_tensor(gguf_name, x)
+        back = x
+    if heads:
+        back = back.reshape(heads, back.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(
+            x.shape)
+    return back
+
+
 def write_tiny_gguf(model, path: Path, weight_type: str, arch: str = "llama",
                     pre: str = "default", sentencepiece: bool = False) -> dict:
     """The tiny `model` (Llama, Qwen2 or Qwen3) as llama.cpp's converter writes it (a
@@ -197,10 +222,8 @@ def write_tiny_gguf(model, path: Path, weight_type: str, arch: str = "llama",
     vocabulary split by `pre`. Returns {HF name: the weight as the `gguf` package
     dequantizes it, in Hugging Face's row order}."""
     import gguf as gguf_package
-    from gguf.quants import dequantize, quantize
     from tokenizers import pre_tokenizers
 
-    kind = gguf_package.GGMLQuantizationType[weight_type]
     cfg = model.config
     w = gguf_package.GGUFWriter(str(path), arch)
     w.add_context_length(cfg.max_position_embeddings)
@@ -236,21 +259,8 @@ def write_tiny_gguf(model, path: Path, weight_type: str, arch: str = "llama",
     truth = {}
 
     def add(gguf_name: str, hf_name: str, x: np.ndarray, typed: bool):
-        x = x.astype(np.float32)
         n = heads.get(hf_name.split(".")[-2]) if hf_name.endswith(".weight") else None
-        if n:  # llama.cpp's permute: each head's rotary halves interleaved
-            x = x.reshape(n, 2, x.shape[0] // n // 2, -1).swapaxes(1, 2).reshape(x.shape)
-        if typed and kind != gguf_package.GGMLQuantizationType.F32:
-            data = (random_k_quant(x.shape, weight_type) if weight_type in K_QUANT_SCALES
-                    else quantize(x, kind))
-            w.add_tensor(gguf_name, data, raw_dtype=kind)
-            back = np.asarray(dequantize(data, kind), np.float32).reshape(x.shape)
-        else:
-            w.add_tensor(gguf_name, x)
-            back = x
-        if n:
-            back = back.reshape(n, back.shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(x.shape)
-        truth[hf_name] = back
+        truth[hf_name] = add_tensor(w, gguf_name, x, weight_type if typed else "F32", n)
 
     state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     add("token_embd.weight", "model.embed_tokens.weight", state["model.embed_tokens.weight"],
@@ -518,13 +528,11 @@ def write_family_gguf(model, path: Path, weight_type: str) -> dict:
     `gguf` package dequantizes them (Gemma's norms: stored - 1, as transformers reads
     them)."""
     import gguf as gguf_package
-    from gguf.quants import dequantize, quantize
     from tokenizers import pre_tokenizers
 
     cfg = model.config
     arch = gguf_package.MODEL_ARCH[GGUF_ARCH[cfg.model_type.removesuffix("_text")]]
     names = gguf_package.get_tensor_name_map(arch, cfg.num_hidden_layers)
-    kind = gguf_package.GGMLQuantizationType[weight_type]
     w = gguf_package.GGUFWriter(str(path), gguf_package.MODEL_ARCH_NAMES[arch])
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -574,19 +582,9 @@ def write_family_gguf(model, path: Path, weight_type: str) -> dict:
         stem = hf_name.removesuffix(".weight").removesuffix(".bias")
         gguf_name = gguf_name or names.get_name(stem) + hf_name[len(stem):]
         n = heads.get(stem.split(".")[-1]) if hf_name.endswith(".weight") else None
-        if n:  # llama.cpp's permute: each head's rotary halves interleaved
-            x = x.reshape(n, 2, x.shape[0] // n // 2, -1).swapaxes(1, 2).reshape(x.shape)
         if gemma and hf_name.endswith("norm.weight"):
             x = x + 1
-        if typed and kind != gguf_package.GGMLQuantizationType.F32:
-            data = quantize(x, kind)
-            w.add_tensor(gguf_name, data, raw_dtype=kind)
-            back = np.asarray(dequantize(data, kind), np.float32).reshape(x.shape)
-        else:
-            w.add_tensor(gguf_name, x)
-            back = x
-        if n:
-            back = back.reshape(n, back.shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(x.shape)
+        back = add_tensor(w, gguf_name, x, weight_type if typed else "F32", n)
         if gemma and hf_name.endswith("norm.weight"):
             back = back - 1
         truth[hf_name] = back

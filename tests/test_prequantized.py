@@ -211,18 +211,9 @@ def make_fp8_blocks(float_dir: Path, out: Path, model, blocks: list[int]) -> Pat
         tensors[f"{name}.weight"] = q
         tensors[f"{name}.weight_scale_inv"] = scale.float()
         lin.weight.data = _dequantize_fp8_weight(q, scale.float(), blocks, torch.float32)
-    out.mkdir()
-    for f in float_dir.iterdir():
-        if f.suffix != ".safetensors":
-            shutil.copy2(f, out / f.name)
-    state = {k: v.clone().contiguous() for k, v in model.state_dict().items()
-             if not any(f".{name}.weight" in k for name in LINEARS)}
-    save_file({**state, **tensors}, out / "model.safetensors")
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                  "activation_scheme": "dynamic", "weight_block_size": blocks}
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out
+    return write_checkpoint(float_dir, out, tensors, {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": blocks}, model)
 
 
 @pytest.fixture
