@@ -156,6 +156,108 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+# What config.json leaves out of a LLaVA checkpoint's nested configs takes transformers'
+# defaults (llava-1.5's hub config names only what differs from LlamaConfig's and
+# CLIPVisionConfig's): those used here.
+_LLAMA_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                       num_hidden_layers=32, num_attention_heads=32,
+                       max_position_embeddings=2048, rms_norm_eps=1e-6)
+_CLIP_VISION_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                             num_attention_heads=12, image_size=224, patch_size=32,
+                             layer_norm_eps=1e-5, hidden_act="quick_gelu")
+# LlavaConfig's tower when config.json names none (llava-1.5's CLIP ViT-L/14 at 336).
+_LLAVA_VISION_DEFAULTS = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                              num_attention_heads=16, image_size=336, patch_size=14)
+VISION_ACTIVATIONS = ("quick_gelu", "gelu", "gelu_pytorch_tanh")
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """A vision-language model's image side (models/vision/): its vision tower, the
+    projector into the language model, and the token that stands for an image's embeddings
+    in a prompt (`tokens_per_image` of them per image).
+
+    LLaVA ("llava"): a CLIP ViT whose hidden states after layer(s) `feature_layers`
+    (negative: from the end; HF's `vision_feature_layer`, -2 = before the last layer) are
+    the image's features, without the class token when `feature_select` is "default"
+    ("full": with it), through a two-layer MLP projector (`projector_act`)."""
+
+    family: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    image_size: int
+    patch_size: int
+    text_hidden_size: int
+    image_token_id: int
+    layer_norm_eps: float = 1e-5
+    hidden_act: str = "quick_gelu"
+    feature_layers: tuple[int, ...] = (-2,)
+    feature_select: str = "default"
+    projector_act: str = "gelu"
+    projector_bias: bool = True
+
+    def __post_init__(self) -> None:
+        if self.hidden_act not in VISION_ACTIVATIONS or \
+                self.projector_act not in VISION_ACTIVATIONS:
+            raise ValueError(f"vision activations must be among {VISION_ACTIVATIONS}, got "
+                             f"{self.hidden_act!r} / {self.projector_act!r}")
+        if self.feature_select not in ("default", "full"):
+            raise ValueError(f"vision_feature_select_strategy must be 'default' or 'full', "
+                             f"got {self.feature_select!r}")
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size "
+                             f"{self.patch_size}")
+        for layer in self.feature_layers:
+            if not -self.num_layers - 1 <= layer <= self.num_layers:
+                raise ValueError(f"vision_feature_layer {layer} is outside the tower's "
+                                 f"{self.num_layers} layers")
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.num_patches + (self.feature_select == "full")
+
+    @property
+    def layers_used(self) -> int:
+        """The tower's layers the features need (those after the last one read are not
+        run; HF's hidden_states[i] is the input of layer i, i = num_layers the output)."""
+        return max(x % (self.num_layers + 1) for x in self.feature_layers)
+
+    def num_params(self) -> int:
+        e, m, p = self.hidden_size, self.intermediate_size, self.patch_size
+        layer = 4 * e * e + 4 * e + 2 * e * m + m + e + 4 * e
+        t = self.text_hidden_size
+        projector = len(self.feature_layers) * e * t + t * t + 2 * t * self.projector_bias
+        return (3 * p * p * e + e + (self.num_patches + 1) * e + 2 * e
+                + self.layers_used * layer + projector)
+
+    @classmethod
+    def from_llava(cls, hf: dict[str, Any], text_hidden_size: int) -> "VisionConfig":
+        vision = hf.get("vision_config")
+        v = {**_CLIP_VISION_DEFAULTS, **(_LLAVA_VISION_DEFAULTS if vision is None else {}),
+             **(vision or {})}
+        if v.get("model_type", "clip_vision_model") != "clip_vision_model":
+            raise ValueError(f"LLaVA with a {v['model_type']!r} vision tower is not supported "
+                             "(only CLIP's)")
+        layers = hf.get("vision_feature_layer", -2)
+        return cls(
+            family="llava", hidden_size=v["hidden_size"],
+            intermediate_size=v["intermediate_size"], num_layers=v["num_hidden_layers"],
+            num_heads=v["num_attention_heads"], image_size=v["image_size"],
+            patch_size=v["patch_size"], layer_norm_eps=v["layer_norm_eps"],
+            hidden_act=v["hidden_act"], text_hidden_size=text_hidden_size,
+            image_token_id=hf.get("image_token_index", hf.get("image_token_id", 32000)),
+            feature_layers=tuple(layers) if isinstance(layers, list) else (layers,),
+            feature_select=hf.get("vision_feature_select_strategy", "default"),
+            projector_act=hf.get("projector_hidden_act", "gelu"),
+            projector_bias=hf.get("multimodal_projector_bias", True))
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """The shape of a decoder-only transformer (the families of models/transformer.py)."""
@@ -203,6 +305,8 @@ class ModelConfig:
     norm_topk_prob: bool = False
     # Per layer: whether its feed-forward is the experts (else the dense MLP).
     sparse_layers: tuple[bool, ...] = ()
+    # A vision-language model's image side (None: text only).
+    vision: VisionConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -272,8 +376,17 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """Map a Hugging Face config.json dict onto ModelConfig; unsupported features raise."""
+        """Map a Hugging Face config.json dict onto ModelConfig; unsupported features raise.
+        A vision-language model's (LLaVA) is its language model's, with `vision` set."""
         model_type = hf.get("model_type")
+        if model_type == "llava":
+            text = {"model_type": "llama", **(hf.get("text_config") or {})}
+            if text["model_type"] == "llama":
+                text = {**_LLAMA_DEFAULTS, **text}
+            lm = cls.from_hf(text)
+            return dataclasses.replace(
+                lm, architecture=(hf.get("architectures") or ["LlavaForConditionalGeneration"])[0],
+                vision=VisionConfig.from_llava(hf, lm.hidden_size))
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
@@ -473,6 +586,10 @@ class EngineConfig:
     dict) turns on speculative decoding. `enable_lora` serves LoRA adapters
     (engine/lora.py): `max_loras` on the device at once, each of rank up to
     `max_lora_rank`, and up to `max_cpu_loras` (default `max_loras`) kept in host memory.
+    A vision-language model keeps its images' embeddings in an encoder cache of
+    `mm_encoder_cache_tokens` rows (None: room for 8 images, at least
+    `max_num_batched_tokens`) and takes at most `limit_mm_per_prompt["image"]` images per
+    prompt (None: as many as the cache holds at once).
     """
 
     model: str | None = None
@@ -505,6 +622,8 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    mm_encoder_cache_tokens: int | None = None
+    limit_mm_per_prompt: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):
@@ -521,6 +640,17 @@ class EngineConfig:
                                                or self.max_cpu_loras < self.max_loras):
             raise ValueError(f"max_cpu_loras must be an integer >= max_loras "
                              f"({self.max_loras}), got {self.max_cpu_loras!r}")
+        if self.mm_encoder_cache_tokens is not None and (
+                not isinstance(self.mm_encoder_cache_tokens, int)
+                or self.mm_encoder_cache_tokens < 1):
+            raise ValueError(f"mm_encoder_cache_tokens must be a positive integer, got "
+                             f"{self.mm_encoder_cache_tokens!r}")
+        limits = self.limit_mm_per_prompt
+        if limits is not None and (not isinstance(limits, dict) or set(limits) - {"image"}
+                                   or not all(isinstance(v, int) and v >= 0
+                                              for v in limits.values())):
+            raise ValueError(f"limit_mm_per_prompt must map 'image' to a count >= 0, e.g. "
+                             f"{{'image': 2}}; got {limits!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_pages is not None and self.num_pages < 1:

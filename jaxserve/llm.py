@@ -11,10 +11,13 @@ from tqdm import tqdm
 from jaxserve.config import EngineConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.lora import LoRARequest
+from jaxserve.loading.media import MediaPolicy, take_images
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+# A prompt: text, token ids, or vLLM's dict of either with its images:
+# {"prompt": str | "prompt_token_ids": list[int], "multi_modal_data": {"image": image | [...]}}
+Prompt = str | list[int] | dict
 Conversation = list[dict]
 
 
@@ -47,24 +50,28 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = False, *, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None
-             ) -> list[RequestOutput]:
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+             media: MediaPolicy = MediaPolicy()) -> list[RequestOutput]:
         """Answer one conversation (a list of {"role", "content"} messages) or several,
         rendered with the model's chat template (or `chat_template`) as transformers'
         `apply_chat_template` renders it; `tools` and `chat_template_kwargs` reach the
         template. Raises ValueError (ChatTemplateError) when a conversation cannot be
-        rendered. Each RequestOutput's `prompt` is the rendered text."""
+        rendered. Each RequestOutput's `prompt` is the rendered text. Image parts
+        (`image_url` with a data: URL, or an http(s) / file URL that `media` allows;
+        `image_pil`) reach a vision-language model with their placeholders."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer; this model has none")
         single = not messages or isinstance(messages[0], dict)
-        conversations = [messages] if single else list(messages)
+        conversations = [take_images(c, media) for c in ([messages] if single else messages)]
         texts = [tokenizer.apply_chat_template(
             c, chat_template=chat_template, tokenize=False,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message, tools=tools,
-            **(chat_template_kwargs or {})) for c in conversations]
-        prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+            **(chat_template_kwargs or {})) for c, _ in conversations]
+        prompts = [{"prompt_token_ids": tokenizer.encode(t, add_special_tokens=False),
+                    "multi_modal_data": {"image": images}}
+                   for t, (_, images) in zip(texts, conversations)]
         results = self.generate(prompts, sampling_params, use_tqdm)
         for result, text in zip(results, texts):
             result.prompt = text
@@ -78,7 +85,7 @@ class LLM:
         """Run every prompt to completion; results come back in the prompts' order.
         `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
         model); the engine needs `enable_lora=True`."""
-        if isinstance(prompts, str) or (
+        if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -99,7 +106,8 @@ class LLM:
         try:
             for prompt, p, prio, lora in zip(prompts, params, priority, loras):
                 rid = str(next(self._ids))
-                ids = self.engine.add_request(rid, prompt, p, prio, lora)
+                prompt, images = _prompt_and_images(prompt)
+                ids = self.engine.add_request(rid, prompt, p, prio, lora, images)
                 order.append(rid)
                 results[rid] = RequestOutput(
                     rid, prompt if isinstance(prompt, str) else None, ids,
@@ -127,3 +135,19 @@ class LLM:
                     bar.update()
         bar.close()
         return [results[rid] for rid in order]
+
+
+def _prompt_and_images(prompt: Prompt) -> tuple[str | list[int], list]:
+    """A prompt's text or token ids, and its images (vLLM's prompt dicts)."""
+    if not isinstance(prompt, dict):
+        return prompt, []
+    unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+    data = prompt.get("multi_modal_data") or {}
+    if unknown or not isinstance(data, dict) or set(data) - {"image"}:
+        raise ValueError("a prompt dict has 'prompt' or 'prompt_token_ids', and "
+                         "'multi_modal_data': {'image': an image or a list of them}")
+    text = prompt.get("prompt_token_ids", prompt.get("prompt"))
+    if text is None:
+        raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+    images = data.get("image", [])
+    return text, list(images) if isinstance(images, (list, tuple)) else [images]

@@ -102,7 +102,7 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
         load = (jax.ShapeDtypeStruct((layers, cfg.num_experts), jnp.int32, sharding=replicated)
                 if layers else None)
         return fn.lower(jax.tree.leaves(params), caches, batch, carry, load, None, None,
-                        lora_stacks(cfg, engine, shard)).compile()  # no Medusa, EAGLE
+                        lora_stacks(cfg, engine, shard), None).compile()  # no Medusa, EAGLE, images
 
 
 def lora_stacks(cfg: ModelConfig, engine: EngineConfig, shard: ShardingContext) -> list | None:

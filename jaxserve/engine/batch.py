@@ -62,6 +62,9 @@ class StepBatch:
     history: TokenHistory | None = None
     # [T]: each token's LoRA adapter slot (0: none; padding 0); None when LoRA is off.
     lora_slots: np.ndarray | None = None
+    # [T]: for an image's token, the row of its embedding in the image encoder's buffer
+    # (multimodal/); else -1. None for a text-only model.
+    image_rows: np.ndarray | None = None
 
 
 class BucketKey(NamedTuple):
@@ -153,6 +156,9 @@ class BatchBuilder:
     # Batches carry each token's LoRA adapter slot (`StepBatch.lora_slots`, from
     # `Sequence.lora_slot`).
     lora: bool = False
+    # Batches carry each image token's row of embeddings (`StepBatch.image_rows`, from
+    # `Sequence.images`).
+    images: bool = False
     _open_masks: dict[int, np.ndarray] = dataclasses.field(default_factory=dict, repr=False)
     # Each sequence's page-table row and sampling parameters, kept across steps.
     rows: PersistentBatch = dataclasses.field(init=False, repr=False)
@@ -263,6 +269,9 @@ class BatchBuilder:
             of_token, j = _segments(n)
             batch.lora_slots[t[of_token] + j] = np.array(
                 [q.lora_slot for q in seqs], np.int32)[of_token]
+        if batch.image_rows is not None:
+            for x in (x for x, q in enumerate(seqs) if q.images):
+                _place_images(batch.image_rows, seqs[x], int(t[x]), int(start[x]), int(n[x]))
         dest, seat = self._place_rows(batch, seats, row, local + n, rows, num_out, shift_row)
         for x in np.flatnonzero(ndrafts) if any_drafts else ():
             self._place_drafts(batch, scheduled[x], int(i[x]), int(t[x] + own[x]))
@@ -442,7 +451,19 @@ class BatchBuilder:
                 prompt_lens=np.zeros(r, i32),
             ) if history else None,
             lora_slots=np.zeros(t, i32) if self.lora else None,
+            image_rows=np.full(t, -1, i32) if self.images else None,
         )
+
+
+def _place_images(image_rows: np.ndarray, seq: Sequence, t: int, start: int, n: int
+                  ) -> None:
+    """The rows of the embeddings of `seq`'s image tokens among its chunk of `n` tokens
+    from position `start` (at token `t` of the batch)."""
+    for span in seq.images:
+        lo, hi = max(span.start, start), min(span.end, start + n)
+        if lo < hi:
+            assert span.slots is not None, "an image's tokens scheduled without its rows"
+            image_rows[t + lo - start:t + hi - start] = span.slots[lo - span.start:hi - span.start]
 
 
 def _copied(x):

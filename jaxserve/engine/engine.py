@@ -24,8 +24,10 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import compile_cache
 from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.kv_memory import pages_per_seq, pool_pages
-from jaxserve.engine.loader import load
+from jaxserve.engine.loader import Vision, load
 from jaxserve.engine.lora import LoraManager, LoRARequest
+from jaxserve.engine.multimodal.images import Images
+from jaxserve.engine.multimodal.inputs import ImageInput
 from jaxserve.engine.output_text import OutputText
 from jaxserve.engine.request import PLACEHOLDER, Request, Sequence, check_params, check_prompt
 from jaxserve.engine.runner import ModelRunner, fetch
@@ -82,7 +84,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, graphdef, params,
                  tokenizer: Tokenizer | None, shard: ShardingContext, broadcaster=None,
-                 speculative: SpeculativeModels | None = None):
+                 speculative: SpeculativeModels | None = None, vision: Vision | None = None):
         spec = speculative or SpeculativeModels()
         self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
         # Turn tokens into text and check stop strings in step() (OutputText); whoever
@@ -110,13 +112,25 @@ class Engine:
                                           jnp.dtype(config.dtype),
                                           shard.rules.kv_head_replicas)
         lora_bytes = stacks_bytes(lora_stacks)
+        # A vision-language model's images (multimodal/; None: text only).
+        self.images = None
+        if model_config.vision is not None:
+            if vision is None:
+                raise ValueError("a vision-language model needs its vision tower's weights")
+            if broadcaster is not None:
+                raise ValueError("images on several hosts are not supported yet")
+            self.images = Images(model_config.vision, vision.params, vision.processor,
+                                 config.mm_encoder_cache_tokens,
+                                 (config.limit_mm_per_prompt or {}).get("image"),
+                                 config.max_num_batched_tokens, config.dtype, shard.sharding(()))
         num_pages = pool_pages(  # per data shard
             config, model_config, shard, self.max_model_len, kv_dtype,
             spec.page_bytes(model_config, config.page_size, kv_dtype, config.dtype),
             spec.reserved_bytes(config.max_num_seqs, model_config.vocab_size) + lora_bytes)
         self.num_pages = num_pages * shard.data_shards
         self.scheduler = Scheduler(SchedulerConfig.of_engine(
-            config, self.max_model_len, num_pages, shard.data_shards), self.loras)
+            config, self.max_model_len, num_pages, shard.data_shards), self.loras,
+            self.images.cache if self.images is not None else None)
         spec.check(model_config)
         self.builder = BatchBuilder(
             token_buckets=config.token_buckets, max_num_seqs=config.max_num_seqs,
@@ -127,14 +141,15 @@ class Engine:
             num_speculative_tokens=spec.num_drafts, tree=bool(spec.tree),
             sampled_drafts=spec.sampled_drafts,
             layout=spec.layout(config.max_num_seqs, config.async_scheduling),
-            lora=self.loras is not None)
+            lora=self.loras is not None, images=self.images is not None)
         # Several decode steps per program: not with speculative decoding (its steps
         # verify drafts) nor on several hosts (the others follow single steps).
         decode_steps = (config.num_scheduler_steps
                         if spec.config is None and broadcaster is None else 1)
         self.runner = ModelRunner(graphdef, self._laid_out(params, shard), shard, self.builder,
                                   model_config, kv_dtype, broadcaster, spec.medusa,
-                                  spec.features_from, decode_steps, lora_stacks)
+                                  spec.features_from, decode_steps, lora_stacks,
+                                  self.images.encoder if self.images is not None else None)
         self.speculator = spec.speculator(config, self.runner, self.scheduler,
                                           self.max_model_len, self.running_requests,
                                           self._laid_out)
@@ -168,15 +183,18 @@ class Engine:
         skip_absent_accelerators()  # before JAX starts its platforms
         m = load(config, random_weights_preset)
         return cls(m.config, m.model_config, m.graphdef, m.params, m.tokenizer, m.shard,
-                   broadcaster, m.speculative)
+                   broadcaster, m.speculative, m.vision)
 
     # ----------------------------------------------------------------- requests
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, priority: int = 0,
-                    lora_request: LoRARequest | None = None) -> list[int]:
-        """Queue a request (with `lora_request`: under that LoRA adapter); returns its
-        prompt token ids. Bad input raises ValueError."""
+                    lora_request: LoRARequest | None = None,
+                    images: list | None = None) -> list[int]:
+        """Queue a request (with `lora_request`: under that LoRA adapter; with `images`,
+        PIL images, image file bytes or `prepare_images`' outputs, one per placeholder
+        in the prompt); returns its prompt token ids, each image's placeholder standing
+        for its tokens. Bad input raises ValueError."""
         params = params or SamplingParams()
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
@@ -184,6 +202,11 @@ class Engine:
             self.add_lora(lora_request)
         check_params(params, self.model_config.vocab_size, self.tokenizer is not None)
         token_ids = self._prompt_ids(prompt)
+        spans = []
+        if images:
+            token_ids, spans = self._images().place(token_ids, self.prepare_images(images))
+            token_ids = check_prompt(token_ids, self.model_config.vocab_size,
+                                     self.max_model_len)
         room = self.max_model_len - len(token_ids)
         if params.max_tokens is not None and params.max_tokens > room:
             raise ValueError(
@@ -197,6 +220,7 @@ class Engine:
                        max_output_tokens=min(params.max_tokens or room, room))
         if lora_request is not None:
             seq.lora, seq.cache_root = lora_request, lora_request.cache_root
+        seq.images = spans
         text = (OutputText(self.tokenizer, token_ids, params, self.eos_token_ids,
                            self.stream_text)
                 if self.detokenize and self.tokenizer is not None else None)
@@ -204,6 +228,20 @@ class Engine:
         self._num_sampled_apart += params.needs_history
         self.scheduler.add(seq)
         return token_ids
+
+    def prepare_images(self, images: list) -> list[ImageInput]:
+        """A request's images decoded, checked and processed for the vision tower
+        (ValueError naming a bad one); touches no engine state, so any thread may call it
+        (a server prepares images off the engine's thread)."""
+        if not isinstance(images, (list, tuple)):
+            images = [images]
+        return self._images().prepare(images)
+
+    def _images(self) -> Images:
+        if self.images is None:
+            raise ValueError("this model takes no images (it is not a vision-language "
+                             "model)")
+        return self.images
 
     def add_lora(self, lora_request: LoRARequest, adapter=None) -> None:
         """Read an adapter into host memory (checked against the model; ValueError), or
@@ -276,7 +314,8 @@ class Engine:
             num_overlapped_steps=self.num_overlapped_steps,
             steps_in_flight=int(self._inflight is not None),
             speculation=stats.snapshot() if stats is not None else None,
-            lora_running=self.loras.running() if self.loras is not None else None)
+            lora_running=self.loras.running() if self.loras is not None else None,
+            images=self.images.stats() if self.images is not None else None)
 
     def expert_load(self) -> np.ndarray | None:
         """`[MoE layers, num_experts]`: how many tokens (prompt and generated) each expert
@@ -300,6 +339,8 @@ class Engine:
     def warmup(self, progress: bool = True) -> None:
         self.runner.warmup(progress)
         self.speculator.warmup(progress)
+        if self.images is not None:
+            self.images.warmup()
 
     def step(self) -> list[StepOutput]:
         """Run one step; return the requests that produced tokens or finished.
@@ -357,6 +398,8 @@ class Engine:
                     req.text.apply_whole(out, seq.output_token_ids[:known])
                 outputs.append(out)
         self.speculator.recover()
+        if self.images is not None:
+            self.images.recover()
         if self.runner.recover():
             for allocator in self.scheduler.allocators:
                 allocator.reset_prefix_cache()
@@ -406,7 +449,11 @@ class Engine:
         if self.loras is not None:  # adapters given slots for this step
             for slot, adapter in self.loras.take_uploads():
                 self.runner.load_lora(slot, adapter)
+        if self.images is not None:  # images given rows for this step
+            self.images.upload()
         batch, key = self.builder.build(schedule, pending)
+        if self.images is not None:
+            self.images.done(schedule.scheduled)
         speculation = self.speculator.dispatching(schedule, batch)
         if prev is not None:
             self.num_overlapped_steps += not _is_ready(prev.out)

@@ -13,9 +13,11 @@ import jax.numpy as jnp
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.speculative.setup import SpeculativeModels
 from jaxserve.loading import converted, gguf
-from jaxserve.loading.safetensors import load_checkpoint, random_params
+from jaxserve.loading.safetensors import checkpoint_tensors, load_checkpoint, random_params
 from jaxserve.loading.source import open_checkpoint
+from jaxserve.loading.image_processor import load_image_processor
 from jaxserve.loading.tokenizer import Tokenizer
+from jaxserve.loading.vision import VisionTensors
 from sharding.mesh import make_mesh
 from sharding.rules import ShardingContext, model_sharding
 
@@ -29,6 +31,13 @@ class Loaded:
     tokenizer: Tokenizer | None
     shard: ShardingContext
     speculative: SpeculativeModels | None = None
+    vision: Vision | None = None  # a vision-language model's image side
+
+
+@dataclasses.dataclass
+class Vision:
+    params: Any  # the tower's and projector's (models/vision/), on the mesh
+    processor: Any  # images -> pixels (loading/image_processor.py)
 
 
 def load(config: EngineConfig, random_weights_preset: str | None = None) -> Loaded:
@@ -37,10 +46,13 @@ def load(config: EngineConfig, random_weights_preset: str | None = None) -> Load
     sharding/rules.py) say; with `random_weights_preset` (a YAML model preset) random
     weights instead, and no tokenizer."""
     mesh = make_mesh(config.mesh)
+    vision = None
     dtype = jnp.dtype(config.dtype)
     options = config.model_options
     if random_weights_preset is not None:
-        model_config = ModelConfig.from_file(random_weights_preset)
+        # Random weights for the language model only (a preset's vision side is ignored).
+        model_config = dataclasses.replace(ModelConfig.from_file(random_weights_preset),
+                                           vision=None)
         shard = model_sharding(mesh, config.sharding, model_config)
         graphdef, params = random_params(model_config, dtype, shard, seed=config.seed,
                                          options=options)
@@ -55,6 +67,9 @@ def load(config: EngineConfig, random_weights_preset: str | None = None) -> Load
                          "tokenizer) or a GGUF file")
     if converted.is_converted(model_dir):
         model_config = ModelConfig.from_file(model_dir)
+        if model_config.vision is not None:
+            raise ValueError(f"{model_dir}: converted vision-language checkpoints are not "
+                             "supported; serve the Hugging Face directory")
         shard = model_sharding(mesh, config.sharding, model_config)
         config = dataclasses.replace(
             config, **converted.served_settings(model_dir, config.quantization))
@@ -66,9 +81,20 @@ def load(config: EngineConfig, random_weights_preset: str | None = None) -> Load
         shard = model_sharding(mesh, config.sharding, model_config)
         config = dataclasses.replace(config, **ckpt.settings)
         options = config.model_options
+        tensors, split = ckpt.tensors, None
+        if model_config.vision is not None:
+            if ckpt.method is not None:
+                raise ValueError(f"a vision-language checkpoint quantized by its makers "
+                                 f"({ckpt.method}) is not supported yet")
+            split = VisionTensors(model_config.vision)
+            tensors = split.text(checkpoint_tensors(model_dir))
         graphdef, params = load_checkpoint(model_dir, model_config, dtype, shard, options,
-                                           ckpt.tensors)
+                                           tensors)
+        if split is not None:
+            vision = Vision(split.params(dtype, shard.sharding(())),
+                            load_image_processor(model_dir, model_config.vision.image_size))
     tokenizer = Tokenizer.from_pretrained(model_dir)
     speculative = SpeculativeModels.load(config.speculative_config, model_config, shard,
                                          config.sharding, dtype, options)
-    return Loaded(config, model_config, graphdef, params, tokenizer, shard, speculative)
+    return Loaded(config, model_config, graphdef, params, tokenizer, shard, speculative,
+                  vision)

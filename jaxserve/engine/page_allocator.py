@@ -31,14 +31,15 @@ PageHash = bytes
 # The parent of a sequence's first page is its `cache_root` (b"" without an adapter).
 
 
-def hash_page(parent: PageHash, tokens: list[int]) -> PageHash:
-    """Content hash of one full page given the hash of the page before it.
+def hash_page(parent: PageHash, tokens: list[int], extra: bytes = b"") -> PageHash:
+    """Content hash of one full page given the hash of the page before it (`extra`: what
+    else its K/V depend on: the images among its tokens, Sequence.image_key).
 
     A cryptographic digest rather than Python's `hash()`: tuple hashes of ints are cheap to
     collide on purpose, and a collision here would let one request read another's K/V.
     """
     data = array.array("q", tokens).tobytes()
-    return hashlib.blake2b(parent + data, digest_size=16).digest()
+    return hashlib.blake2b(parent + data + extra, digest_size=16).digest()
 
 
 @dataclasses.dataclass
@@ -241,7 +242,8 @@ class PageAllocator:
         while len(hashes) < num_pages:
             j = len(hashes)
             parent = hashes[-1] if hashes else seq.cache_root
-            hashes.append(hash_page(parent, seq.tokens(j * ps, (j + 1) * ps)))
+            extra = seq.image_key(j * ps, (j + 1) * ps) if seq.images else b""
+            hashes.append(hash_page(parent, seq.tokens(j * ps, (j + 1) * ps), extra))
         return hashes
 
     def _find_cached_pages(self, seq: Sequence) -> list[int]:

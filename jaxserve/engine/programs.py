@@ -33,7 +33,7 @@ FEATURE_AXES = ("pages", None)  # an EAGLE feature cache [slots, F]: split as th
 def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch: StepBatch,
             carry: jax.Array, expert_load: jax.Array | None,
             medusa: MedusaHeads | None = None, features: jax.Array | None = None,
-            lora: list | None = None, *,
+            lora: list | None = None, images: jax.Array | None = None, *,
             features_from: tuple[int, ...] = (), layout: CarryLayout, page_size: int,
             verifies: bool = True) -> tuple[KVCache, jax.Array, jax.Array | None,
                                             jax.Array | None, jax.Array | None, jax.Array]:
@@ -55,12 +55,15 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
     Last, the token id at each sampled row `[R]` (the sampling records the acceptance of
     drafts from them: `record_acceptance`). `lora`: the LoRA adapters' stacks
     (models/lora.py), each token using the slot `batch.lora_slots` gives it; None without.
+    `images`: the image encoder's buffer of embeddings (multimodal/encoder.py), which
+    tokens with a `batch.image_rows` entry read; None for a text-only model.
     """
     model = nnx.merge(graphdef, params)
     input_ids, batch = resolve_pending(batch, carry, layout, page_size, verifies)
     (hidden, kv_caches, new_features), sown = nnx.capture(model.run, nnx.Intermediate)(
         input_ids, batch.positions, kv_caches, batch.attn, expert_load is not None,
-        features_from, LoraInputs.of(lora, batch.lora_slots) if lora is not None else None)
+        features_from, LoraInputs.of(lora, batch.lora_slots) if lora is not None else None,
+        (images, batch.image_rows) if images is not None else None)
     if expert_load is not None:  # MoE layers' counts, in layer order
         sown = sorted(nnx.to_flat_state(sown), key=lambda kv: kv[0])
         counts = [v.get_value()[0] for _, v in sown]
@@ -244,7 +247,7 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
     features = shard.sharding(FEATURE_AXES)
     heads = jax.tree.map(lambda x: x.sharding, medusa) if medusa is not None else replicated
     inputs = (param_shardings, cache_shardings, replicated, replicated, replicated, heads,
-              features, replicated)  # the last: LoRA stacks (models/lora.py)
+              features, replicated, replicated)  # LoRA stacks, image embeddings
     slots = shard.rules.spec(("pages",))  # each data shard's moves, a block of its own
     move = move_slots
     if shard.mesh.size > 1:  # every device moves its own pages' slots of its own heads

@@ -72,6 +72,15 @@ class Sequence:
     lora: Any = None
     lora_slot: int = 0
     cache_root: bytes = b""
+    # Its prompt's images (multimodal/inputs.py's ImageSpans, in prompt order).
+    images: list = dataclasses.field(default_factory=list)
+
+    def image_key(self, start: int, stop: int) -> bytes:
+        """What, beyond token ids, tells tokens [start, stop) apart from others: the hash
+        and offset of each image overlapping them (b"" for none). The prefix cache keys
+        pages by it, so two images never share K/V."""
+        return b"".join(span.image.hash + (start - span.start).to_bytes(8, "little", signed=True)
+                        for span in self.images if span.start < stop and span.end > start)
 
     @property
     def num_tokens(self) -> int:

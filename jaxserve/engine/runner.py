@@ -38,7 +38,7 @@ class ModelRunner:
     def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, shard: ShardingContext,
                  builder: BatchBuilder, cfg: ModelConfig, kv_dtype, broadcaster=None,
                  medusa: MedusaHeads | None = None, features_from: tuple[int, ...] = (),
-                 decode_steps: int = 1, lora: list | None = None):
+                 decode_steps: int = 1, lora: list | None = None, images=None):
         self.graphdef = graphdef
         self.params = params
         self.param_leaves = jax.tree.leaves(params)
@@ -88,6 +88,9 @@ class ModelRunner:
         # step still in flight may read the stacks a load replaces (a copy per load, which
         # is rare: only an adapter without a slot needs one).
         self.lora = None
+        # The image encoder (multimodal/encoder.py), whose buffer of embeddings the
+        # forward pass reads; None for a text-only model.
+        self.images = images
         self._kv_replicas, self._head_dim = shard.rules.kv_head_replicas, cfg.head_dim
         if lora is not None:
             self.lora = self.zeros(jax.tree.map(
@@ -313,7 +316,7 @@ class ModelRunner:
     def _forward(self, batch: StepBatch, program: tuple) -> None:
         inputs = self._pack(dataclasses.replace(batch, sampling=None, history=None))
         args = (self.param_leaves, self.kv_caches, inputs, self.carry, self.expert_load,
-                self.medusa, self.features, self.lora)
+                self.medusa, self.features, self.lora, self._image_buffer())
         (self.kv_caches, self._logits, self.expert_load, self.guesses,
          self.features, self._row_tokens) = self._run(program,
                                                       self._programs.forward[program[-1]], args)
@@ -348,7 +351,10 @@ class ModelRunner:
         forward = self._programs.forward[self.programs(key)[0][-1]]
         return forward.lower(self.param_leaves, self.kv_caches, batch, self.carry,
                              self.expert_load, self.medusa, self.features,
-                             self.lora).compile()
+                             self.lora, self._image_buffer()).compile()
+
+    def _image_buffer(self) -> jax.Array | None:
+        return self.images.buffer if self.images is not None else None
 
     @property
     def num_compiled(self) -> int:

@@ -40,6 +40,7 @@ from jaxserve.engine.speculative.drafts import NO_DRAFTS, Drafts
 if TYPE_CHECKING:
     from jaxserve.config import EngineConfig
     from jaxserve.engine.lora import LoraManager
+    from jaxserve.engine.multimodal.encoder_cache import EncoderCache
 
 POLICIES = ("fcfs", "priority")
 
@@ -124,10 +125,14 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting queue, the running list and the page allocator."""
 
-    def __init__(self, config: SchedulerConfig, adapters: LoraManager | None = None):
+    def __init__(self, config: SchedulerConfig, adapters: LoraManager | None = None,
+                 images: EncoderCache | None = None):
         self.config = config
         # LoRA adapters' device slots (engine/lora.py): a step holds at most max_loras.
         self.adapters = adapters
+        # The image embeddings' rows (multimodal/encoder_cache.py): a seq is admitted
+        # with rows for its images.
+        self.images = images
         self.allocators = [PageAllocator(config.num_pages, config.page_size,
                                          config.enable_prefix_caching)
                            for _ in range(config.data_shards)]
@@ -350,11 +355,15 @@ class Scheduler:
                                             f"be read again: {type(e).__name__}: {e}"))
                     self.finish(seq, "error")
                     continue
+            if seq.images and not self.images.can_acquire(seq):
+                break  # the image rows are held by running seqs' prompts
             data_shard = self._place(seq, budgets, seats)
             if data_shard is None:
                 break  # head of line waits for pages; running seqs are not preempted for it
             if self.adapters is not None:
                 self.adapters.acquire(seq)
+            if seq.images:  # those past its cached prefix
+                self.images.acquire(seq)
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_at is None:
@@ -392,9 +401,11 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         """Free `seq`'s pages in its shard and forget its lookups in the others (and its
-        adapter's slot)."""
+        adapter's slot, its images' rows)."""
         if self.adapters is not None:
             self.adapters.release(seq)
+        if seq.images:
+            self.images.release(seq)
         for d, alloc in enumerate(self.allocators):
             if d == seq.data_shard:
                 alloc.free(seq)

@@ -4,6 +4,7 @@ so they never reach into the scheduler, the runner or the speculator."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from jaxserve.engine.speculative.stats import SpeculationStats
 
@@ -22,6 +23,7 @@ class EngineStatus:
     steps_in_flight: int  # dispatched and not yet collected (0 or 1)
     speculation: SpeculationStats | None  # None without speculative decoding
     lora_running: dict[str, int] | None = None  # running requests per LoRA adapter; None: off
+    images: Any = None  # a vision-language model's ImageStats (multimodal/images.py); else None
 
     @property
     def prefix_hit_rate(self) -> float:

@@ -222,16 +222,24 @@ class Transformer(nnx.Module):
 
     def run(self, input_ids: jax.Array, positions: jax.Array, kv_caches: KVCache,
             meta: AttentionMetadata, router_stats: bool = False,
-            features_from: tuple[int, ...] = (), lora: LoraInputs | None = None
+            features_from: tuple[int, ...] = (), lora: LoraInputs | None = None,
+            images: tuple[jax.Array, jax.Array] | None = None
             ) -> tuple[jax.Array, KVCache, jax.Array | None]:
         """`__call__`, and the features an EAGLE head reads (None when `features_from` is
         empty): the residual stream entering each layer of `features_from`, side by side,
         where index num_layers stands for the final hidden state after the last norm.
-        `lora`: adapter stacks and the step's tokens' slots (models/lora.py), or None."""
+        `lora`: adapter stacks and the step's tokens' slots (models/lora.py), or None.
+        `images`: (`[slots, hidden]` image embeddings, `[T]` each token's row there or -1):
+        a token with a row takes that embedding instead of its own (after Gemma's scaling,
+        as transformers merges them)."""
         shard = self.shard
         x = embedding(self.embed, input_ids)
         if self.cfg.scale_embeddings:  # sqrt(hidden), rounded to the weights' dtype (as HF)
             x = x * jnp.asarray(self.cfg.hidden_size**0.5, x.dtype)
+        if images is not None:
+            embeds, index = images
+            x = jnp.where((index >= 0)[:, None], embeds[jnp.maximum(index, 0)].astype(x.dtype),
+                          x)
         x = shard.constrain(x, RESIDUAL_AXES)
         rows = real_tokens(meta, shard)
         lora_impl = delta_impl(rows is not None, rows_impl(self.options, rows) is None)

@@ -1,0 +1,102 @@
+"""An engine's images, end to end: decoding and processing a request's images (`prepare`,
+any thread), placing them in its prompt (`place`), encoding those newly given rows before
+the step that reads them (`upload`) and letting go of them once the prompt is computed
+past them (`done`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from PIL import Image
+
+from jaxserve.config import VisionConfig
+from jaxserve.engine.multimodal.encoder import ImageEncoder
+from jaxserve.engine.multimodal.encoder_cache import EncoderCache
+from jaxserve.engine.multimodal.inputs import (
+    ImageInput, ImageSpan, open_image, place_images, process_image)
+
+# With no mm_encoder_cache_tokens: rows for this many images (at least one step's tokens).
+DEFAULT_CACHED_IMAGES = 8
+
+
+@dataclasses.dataclass
+class ImageStats:
+    images_encoded: int  # images the tower encoded
+    encoder_cache_hits: int  # images a request found already encoded
+    encoder_seconds: float  # host time dispatching encodes
+    encoder_cache_used_tokens: int
+    encoder_cache_tokens: int
+
+
+class Images:
+    def __init__(self, cfg: VisionConfig, params, processor: Callable[[Image.Image], np.ndarray],
+                 num_slots: int | None, max_per_prompt: int | None, min_slots: int, dtype,
+                 sharding):
+        self.cfg = cfg
+        self.processor = processor
+        self.max_per_prompt = max_per_prompt
+        if num_slots is None:
+            num_slots = max(min_slots, DEFAULT_CACHED_IMAGES * cfg.tokens_per_image)
+        self.cache = EncoderCache(num_slots)
+        if self.cache.pages_for(cfg.tokens_per_image) > self.cache.num_pages:
+            raise ValueError(f"mm_encoder_cache_tokens ({num_slots}) cannot hold one image "
+                             f"({cfg.tokens_per_image} tokens)")
+        self.encoder = ImageEncoder(cfg, params, self.cache.num_slots, dtype, sharding)
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.cache.num_slots * self.cfg.text_hidden_size * \
+            jnp.dtype(self.encoder.buffer.dtype).itemsize
+
+    def prepare(self, images: Sequence) -> list[ImageInput]:
+        """A request's images (PIL images, encoded bytes, uint8 arrays or ImageInputs
+        already) as the tower reads them; ValueError naming the bad one. Touches no
+        engine state: any thread may call it."""
+        if self.max_per_prompt is not None and len(images) > self.max_per_prompt:
+            raise ValueError(f"{len(images)} images in one prompt; at most "
+                             f"{self.max_per_prompt} are allowed (limit_mm_per_prompt)")
+        out = []
+        for i, image in enumerate(images):
+            if not isinstance(image, ImageInput):
+                image = process_image(open_image(image, f"image {i}"), self.processor, self.cfg)
+            out.append(image)
+        if not self.cache.fits(out):
+            raise ValueError(f"the prompt's {len(out)} images need more rows than the "
+                             f"encoder cache has ({self.cache.num_slots} tokens); raise "
+                             "mm_encoder_cache_tokens")
+        return out
+
+    def place(self, token_ids: list[int], images: list[ImageInput]
+              ) -> tuple[list[int], list[ImageSpan]]:
+        return place_images(token_ids, images, self.cfg)
+
+    def upload(self) -> None:
+        """Encode the images the scheduler just gave rows."""
+        for image, rows in self.cache.take_uploads():
+            self.encoder.encode(image, rows)
+
+    def done(self, scheduled) -> None:
+        """Let go of the images of the scheduled seqs whose prompts this step computes
+        past them (their K/V hold them from now on)."""
+        for s in scheduled:
+            seq = s.seq
+            if seq.images and s.start + s.num_new_tokens >= seq.images[-1].end:
+                self.cache.release(seq)
+
+    def warmup(self) -> None:
+        self.encoder.warmup()
+
+    def recover(self) -> None:
+        """After a failed step (every running seq ended): if the buffer was lost, so are
+        the cached images."""
+        if self.encoder.buffer.is_deleted():
+            self.encoder.recover()
+            self.cache.forget_idle()
+
+    def stats(self) -> ImageStats:
+        c = self.cache
+        return ImageStats(c.num_encoded, c.num_hits, self.encoder.seconds, c.num_used_slots,
+                          c.num_slots)

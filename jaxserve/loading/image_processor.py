@@ -1,0 +1,136 @@
+"""Images to the pixel arrays a vision tower reads, as Hugging Face's image processors make
+them (their Pillow backends: transformers' `*ImageProcessorPil`), with numpy and Pillow.
+
+CLIP's (LLaVA): RGB (transparency composited on white), the shortest edge resized to
+`size["shortest_edge"]` (bicubic, the long edge truncated to an integer), a centre crop of
+`crop_size`, pixels scaled by 1/255 and normalised by the mean and std, channels first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClipImageProcessor:
+    shortest_edge: int | None = 224  # None: resize to (height, width)
+    height: int = 224  # of the resize when shortest_edge is None
+    width: int = 224
+    crop_height: int = 224
+    crop_width: int = 224
+    do_resize: bool = True
+    do_center_crop: bool = True
+    do_rescale: bool = True
+    do_normalize: bool = True
+    do_convert_rgb: bool = True
+    rescale_factor: float = 1 / 255
+    mean: tuple[float, ...] = OPENAI_CLIP_MEAN
+    std: tuple[float, ...] = OPENAI_CLIP_STD
+    resample: int = Image.Resampling.BICUBIC
+
+    @classmethod
+    def from_config(cls, config: dict) -> "ClipImageProcessor":
+        size = config.get("size", {"shortest_edge": 224})
+        if isinstance(size, int):
+            size = {"shortest_edge": size}
+        crop = config.get("crop_size", {"height": 224, "width": 224})
+        if isinstance(crop, int):
+            crop = {"height": crop, "width": crop}
+        if config.get("use_square_size") and "shortest_edge" in size:
+            size = {"height": size["shortest_edge"], "width": size["shortest_edge"]}
+        return cls(
+            shortest_edge=size.get("shortest_edge"), height=size.get("height", 224),
+            width=size.get("width", 224), crop_height=crop["height"], crop_width=crop["width"],
+            do_resize=config.get("do_resize", True),
+            do_center_crop=config.get("do_center_crop", True),
+            do_rescale=config.get("do_rescale", True),
+            do_normalize=config.get("do_normalize", True),
+            do_convert_rgb=config.get("do_convert_rgb", True),
+            rescale_factor=config.get("rescale_factor", 1 / 255),
+            mean=tuple(config.get("image_mean", OPENAI_CLIP_MEAN)),
+            std=tuple(config.get("image_std", OPENAI_CLIP_STD)),
+            resample=config.get("resample", Image.Resampling.BICUBIC))
+
+    @property
+    def output_size(self) -> tuple[int, int]:
+        if self.do_center_crop:
+            return self.crop_height, self.crop_width
+        if self.shortest_edge is None:
+            return self.height, self.width
+        raise ValueError("a shortest-edge resize without a centre crop makes images of "
+                         "varying sizes, which this model's tower cannot take")
+
+    def __call__(self, image: Image.Image) -> np.ndarray:
+        """`[3, H, W]` float32 pixels."""
+        if self.do_convert_rgb:
+            image = to_rgb(image)
+        if self.do_resize:
+            image = image.resize(self._resized(image.size)[::-1], resample=self.resample)
+        x = np.moveaxis(np.asarray(image), -1, 0) if image.mode != "L" else \
+            np.asarray(image)[None]
+        if self.do_center_crop:
+            x = center_crop(x, self.crop_height, self.crop_width)
+        if self.do_rescale:
+            x = (x.astype(np.float64) * self.rescale_factor).astype(np.float32)
+        if self.do_normalize:
+            mean = np.asarray(self.mean, np.float32)[:, None, None]
+            std = np.asarray(self.std, np.float32)[:, None, None]
+            x = ((x - mean) / std).astype(np.float32)
+        return x.astype(np.float32)
+
+    def _resized(self, size: tuple[int, int]) -> tuple[int, int]:
+        """(height, width) after the resize, from PIL's (width, height)."""
+        if self.shortest_edge is None:
+            return self.height, self.width
+        w, h = size
+        short, long = (w, h) if w <= h else (h, w)
+        new_long = int(self.shortest_edge * long / short)
+        return (new_long, self.shortest_edge) if w <= h else (self.shortest_edge, new_long)
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """RGB, any transparency composited onto white (transformers' convert_to_rgb)."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        image = image.convert("RGBA")
+        background = Image.new("RGBA", image.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, image).convert("RGB")
+    return image.convert("RGB")
+
+
+def center_crop(x: np.ndarray, height: int, width: int) -> np.ndarray:
+    """The centre `[C, height, width]` of `[C, H, W]`, zero-padded where it is smaller
+    (transformers' center_crop)."""
+    _, h, w = x.shape
+    if h < height or w < width:
+        top, left = max(0, (height - h) // 2), max(0, (width - w) // 2)
+        padded = np.zeros((x.shape[0], max(h, height), max(w, width)), x.dtype)
+        padded[:, top:top + h, left:left + w] = x
+        x, h, w = padded, padded.shape[1], padded.shape[2]
+    top, left = (h - height) // 2, (w - width) // 2
+    return x[:, top:top + height, left:left + width]
+
+
+def load_image_processor(model_dir: str | Path, image_size: int) -> ClipImageProcessor:
+    """The image processor a checkpoint directory describes: in preprocessor_config.json
+    (the hub's files), or under "image_processor" in processor_config.json (transformers
+    5's `save_pretrained`); with neither, CLIP's resized and cropped to `image_size`."""
+    path = Path(model_dir) / "preprocessor_config.json"
+    if path.exists():
+        config = json.loads(path.read_text())
+    else:
+        path = Path(model_dir) / "processor_config.json"
+        config = (json.loads(path.read_text()).get("image_processor") if path.exists()
+                  else None) or {"size": {"shortest_edge": image_size},
+                                 "crop_size": {"height": image_size, "width": image_size}}
+    kind = config.get("image_processor_type", "CLIPImageProcessor")
+    if not kind.startswith("CLIPImageProcessor"):
+        raise ValueError(f"{path}: image processor {kind!r} is not supported (CLIP's is)")
+    return ClipImageProcessor.from_config(config)

@@ -1,0 +1,96 @@
+"""A vision-language checkpoint's tensors: the language model's under the names a text
+checkpoint uses (loading/safetensors.py reads them), the vision tower's and projector's
+gathered into the tower's parameter pytree (models/vision/).
+
+Three layouts are read alike: the hub's (`language_model.model.layers...`,
+`vision_tower.vision_model.encoder...`), transformers 5's `save_pretrained` (the tower
+without `vision_model`), and transformers' own module names (`model.language_model.layers...`,
+`model.vision_tower...`, `model.multi_modal_projector...`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import jax
+import numpy as np
+
+from jaxserve.config import VisionConfig
+from jaxserve.models.vision.clip import ClipLayer, ClipParams
+from jaxserve.models.vision.llava import LlavaParams
+
+_TEXT = re.compile(r"(?:model\.)?language_model\.(?:(model)\.)?(.+)")
+_TOWER = re.compile(r"(?:model\.)?vision_tower\.(?:vision_model\.)?(.+)")
+_PROJECTOR = re.compile(r"(?:model\.)?multi_modal_projector\.(.+)")
+
+
+class VisionTensors:
+    """Splits a checkpoint's tensors: `text(tensors)` passes the language model's on,
+    renamed; the vision side's are kept (memory-mapped) for `params`."""
+
+    def __init__(self, cfg: VisionConfig):
+        self.cfg = cfg
+        self.kept: dict[str, np.ndarray] = {}
+
+    def text(self, tensors: Iterable[tuple[str, np.ndarray]]
+             ) -> Iterator[tuple[str, np.ndarray]]:
+        for name, x in tensors:
+            if m := _TOWER.fullmatch(name):
+                self.kept["tower." + m.group(1)] = x
+            elif m := _PROJECTOR.fullmatch(name):
+                self.kept["projector." + m.group(1)] = x
+            elif m := _TEXT.fullmatch(name):
+                rest = m.group(2)
+                yield (rest if rest.startswith("lm_head.") else "model." + rest), x
+            else:  # lm_head.weight at the top (transformers' module names)
+                yield name, x
+
+    def params(self, dtype, sharding: jax.sharding.Sharding) -> LlavaParams:
+        """The tower and projector in our layout, placed with `sharding`; a missing or
+        misshapen tensor raises ValueError naming it."""
+        cfg, d = self.cfg, self.cfg.hidden_size
+
+        def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
+            if name not in self.kept:
+                raise ValueError(f"the checkpoint lacks the vision tensor {name!r}")
+            x = np.asarray(self.kept[name])
+            if x.shape != shape:
+                raise ValueError(f"vision tensor {name!r} has shape {x.shape}, the config "
+                                 f"expects {shape}")
+            return x
+
+        def layer(i: int) -> ClipLayer:
+            p = f"tower.encoder.layers.{i}."
+            attn = p + "self_attn."
+            return ClipLayer(
+                ln1_w=get(p + "layer_norm1.weight", (d,)), ln1_b=get(p + "layer_norm1.bias", (d,)),
+                qkv_w=np.stack([get(f"{attn}{x}_proj.weight", (d, d)).T for x in "qkv"], 1),
+                qkv_b=np.stack([get(f"{attn}{x}_proj.bias", (d,)) for x in "qkv"]),
+                out_w=get(attn + "out_proj.weight", (d, d)).T,
+                out_b=get(attn + "out_proj.bias", (d,)),
+                ln2_w=get(p + "layer_norm2.weight", (d,)), ln2_b=get(p + "layer_norm2.bias", (d,)),
+                fc1_w=get(p + "mlp.fc1.weight", (cfg.intermediate_size, d)).T,
+                fc1_b=get(p + "mlp.fc1.bias", (cfg.intermediate_size,)),
+                fc2_w=get(p + "mlp.fc2.weight", (d, cfg.intermediate_size)).T,
+                fc2_b=get(p + "mlp.fc2.bias", (d,)))
+
+        ps = cfg.patch_size
+        tower = ClipParams(
+            patch_w=get("tower.embeddings.patch_embedding.weight", (d, 3, ps, ps))
+            .reshape(d, -1).T,
+            class_embedding=get("tower.embeddings.class_embedding", (d,)),
+            positions=get("tower.embeddings.position_embedding.weight", (cfg.num_patches + 1, d)),
+            pre_ln_w=get("tower.pre_layrnorm.weight", (d,)),
+            pre_ln_b=get("tower.pre_layrnorm.bias", (d,)),
+            layers=[layer(i) for i in range(cfg.layers_used)])
+        t, f = cfg.text_hidden_size, d * len(cfg.feature_layers)
+        bias = cfg.projector_bias
+        params = LlavaParams(
+            tower=tower,
+            linear_1_w=get("projector.linear_1.weight", (t, f)).T,
+            linear_1_b=get("projector.linear_1.bias", (t,)) if bias else None,
+            linear_2_w=get("projector.linear_2.weight", (t, t)).T,
+            linear_2_b=get("projector.linear_2.bias", (t,)) if bias else None)
+        self.kept.clear()
+        return jax.tree.map(lambda x: jax.device_put(np.asarray(x, dtype), sharding), params)

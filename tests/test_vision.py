@@ -1,0 +1,304 @@
+"""Vision-language models (LLaVA) against transformers: the image processor, the vision
+tower, and whole requests with images (greedy tokens and logprobs), batched with text,
+with chunked prefill, prefix-cache hits, the encoder cache and preemption."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from jaxserve import LLM, SamplingParams
+
+IMAGE_TOKEN = 259  # the byte tokenizer's next id: `<image>`
+TOKENS_PER_IMAGE = 16  # (56 / 14) ** 2 patches, the class token dropped
+# LLaVA's chat template (llava-hf's, without the `{% generation %}` markers).
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}"
+    "{{ message['role'].upper() + ': '}}{% endif %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] + ' '}}{% endfor %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
+
+
+def _processor_kwargs():
+    return dict(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    """(directory, torch model, HF processor): a random tiny LLaVA (CLIP tower of 3 layers,
+    features of layer -2, Llama of 2 layers) saved with its processor by transformers."""
+    import torch
+    import transformers as tf
+    from tokenizers import AddedToken, Tokenizer
+
+    from jaxserve.demo import write_byte_tokenizer
+
+    path = tmp_path_factory.mktemp("llava")
+    vision = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                 num_attention_heads=4, image_size=56, patch_size=14,
+                                 initializer_range=0.2)
+    text = tf.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          initializer_range=0.1, bos_token_id=0, eos_token_id=1,
+                          max_position_embeddings=256)
+    cfg = tf.LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
+                         initializer_range=0.1)
+    torch.manual_seed(0)
+    model = tf.LlavaForConditionalGeneration(cfg).eval()
+    model.save_pretrained(path)
+    write_byte_tokenizer(path)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken("<image>", special=True, normalized=False)])
+    tok.save(str(path / "tokenizer.json"))
+    assert tok.token_to_id("<image>") == IMAGE_TOKEN
+    tokenizer = tf.PreTrainedTokenizerFast.from_pretrained(path)
+    processor = tf.LlavaProcessor(image_processor=tf.CLIPImageProcessorPil(**_processor_kwargs()),
+                                  tokenizer=tokenizer, patch_size=14,
+                                  vision_feature_select_strategy="default",
+                                  chat_template=LLAVA_TEMPLATE, image_token="<image>",
+                                  num_additional_image_tokens=1)  # the class token
+    processor.save_pretrained(path)
+    return path, model, processor
+
+
+@pytest.fixture(scope="module")
+def llm(llava):
+    """Chunks of 32 tokens (so images are split across steps), pages of 4 tokens."""
+    return LLM(model=str(llava[0]), dtype="float32", max_num_seqs=4,
+               max_num_batched_tokens=32, page_size=4, num_pages=160, max_model_len=128)
+
+
+def _image(seed: int, h: int, w: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((h, w, 3)) * 255).astype(np.uint8))
+
+
+def _hf_greedy(llava, ids: list[int], images: list[Image.Image], n: int) -> list[int]:
+    """transformers' greedy tokens for a prompt with its image tokens expanded."""
+    import torch
+
+    _, model, processor = llava
+    kwargs = {}
+    if images:
+        pixels = processor.image_processor(images=images, return_tensors="np")["pixel_values"]
+        kwargs["pixel_values"] = torch.tensor(pixels)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             pad_token_id=1, **kwargs)
+    return out[0, len(ids):].tolist()
+
+
+def _expanded(prompt: list[int]) -> list[int]:
+    return [t for x in prompt for t in ([x] * TOKENS_PER_IMAGE if x == IMAGE_TOKEN else [x])]
+
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+def test_image_processor_matches_transformers():
+    from transformers import CLIPImageProcessorPil
+
+    from jaxserve.loading.image_processor import ClipImageProcessor
+
+    rng = np.random.default_rng(0)
+    for h, w, mode in [(70, 90, "RGB"), (120, 40, "RGBA"), (30, 30, "L"), (20, 100, "P"),
+                       (336, 500, "RGB")]:
+        channels = 4 if mode == "RGBA" else 3
+        image = Image.fromarray((rng.random((h, w, channels)) * 255).astype(np.uint8))
+        image = image.convert(mode)
+        for kwargs in (_processor_kwargs(), dict(size={"shortest_edge": 64},
+                                                 crop_size={"height": 40, "width": 48})):
+            want = CLIPImageProcessorPil(**kwargs)(images=[image],
+                                                   return_tensors="np")["pixel_values"][0]
+            got = ClipImageProcessor.from_config(kwargs)(image)
+            np.testing.assert_array_equal(got, want)
+
+
+def test_vision_tower_matches_transformers(llava):
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from jaxserve.config import ModelConfig
+    from jaxserve.loading.safetensors import checkpoint_tensors
+    from jaxserve.loading.vision import VisionTensors
+    from jaxserve.models.vision.llava import embed_images
+
+    path, model, _ = llava
+    cfg = ModelConfig.from_file(path)
+    assert cfg.vision.tokens_per_image == TOKENS_PER_IMAGE and cfg.vision.layers_used == 2
+    split = VisionTensors(cfg.vision)
+    names = [name for name, _ in split.text(checkpoint_tensors(path))]
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" in names
+    params = split.params(jnp.float32, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    pixels = np.random.default_rng(0).standard_normal((2, 3, 56, 56)).astype(np.float32)
+    with torch.no_grad():
+        want = model.model.get_image_features(torch.tensor(pixels))
+    want = getattr(want, "pooler_output", want)
+    want = np.stack([np.asarray(x) for x in want]).reshape(2, TOKENS_PER_IMAGE, -1)
+    got = np.asarray(embed_images(params, jnp.asarray(pixels), cfg.vision))
+    assert np.abs(want).max() > 0.1  # the features are not vanishingly small
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_requests_with_images_match_transformers(llm, llava):
+    """One image, two images of different sizes, text only and another image, batched
+    together in 32-token chunks: each request's greedy tokens are transformers'."""
+    a, b, c = _image(1, 80, 60), _image(2, 50, 90), _image(3, 120, 120)
+    cases = [([0, 40, 41, IMAGE_TOKEN, 42, 43], [a]),
+             ([0, 50, IMAGE_TOKEN, 51, 52, IMAGE_TOKEN, 53], [b, c]),
+             ([0, 60, 61, 62, 63, 64, 65], []),
+             ([0, IMAGE_TOKEN, 70, 71], [c])]
+    prompts = [{"prompt_token_ids": p, "multi_modal_data": {"image": imgs}}
+               for p, imgs in cases]
+    outs = llm.generate(prompts, GREEDY)
+    for (prompt, images), out in zip(cases, outs):
+        assert out.prompt_token_ids == _expanded(prompt)
+        assert out.outputs[0].token_ids == _hf_greedy(llava, _expanded(prompt), images, 10)
+    # The image matters: the same prompt with another image continues otherwise.
+    other = llm.generate({"prompt_token_ids": cases[0][0], "multi_modal_data": {"image": b}},
+                         GREEDY)[0]
+    assert other.outputs[0].token_ids != outs[0].outputs[0].token_ids
+    assert other.outputs[0].token_ids == _hf_greedy(llava, _expanded(cases[0][0]), [b], 10)
+
+
+def test_logprobs_match_transformers(llm, llava):
+    """Every generated position's top-5 logprobs are transformers' (float32; 2e-4)."""
+    import torch
+
+    _, model, processor = llava
+    image = _image(4, 64, 64)
+    prompt = [0, 33, IMAGE_TOKEN, 34, 35]
+    out = llm.generate({"prompt_token_ids": prompt, "multi_modal_data": {"image": image}},
+                       SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
+                                      logprobs=5))[0].outputs[0]
+    ids = _expanded(prompt) + out.token_ids
+    pixels = torch.tensor(processor.image_processor(images=[image],
+                                                    return_tensors="np")["pixel_values"])
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), pixel_values=pixels).logits[0].float()
+    want = torch.log_softmax(logits, -1)[len(ids) - 5:len(ids) - 1].numpy()
+    for position, got in zip(want, out.logprobs):
+        top = np.argsort(-position)[:5]
+        assert [t for t in got if got[t].rank is not None and got[t].rank <= 5] == top.tolist()
+        np.testing.assert_allclose([got[t].logprob for t in top], position[top], atol=2e-4)
+
+
+def test_repeated_image_hits_the_prefix_and_encoder_caches(llm, llava):
+    engine = llm.engine
+    image = _image(5, 70, 70)
+    prompt = [0] + [80 + i for i in range(12)] + [IMAGE_TOKEN, 81, 82, 83]
+    first = llm.generate({"prompt_token_ids": prompt, "multi_modal_data": {"image": image}},
+                         GREEDY)[0]
+    before = engine.status().images
+    again = llm.generate({"prompt_token_ids": prompt, "multi_modal_data": {"image": image}},
+                         GREEDY)[0]
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    # Pages over the image are cached: all but the last page's tokens come from the cache.
+    assert again.num_cached_tokens >= 12 + TOKENS_PER_IMAGE
+    # Its last token (position 28, past the 7 whole cached pages) read the image's
+    # embeddings from the encoder cache: the tower did not run again.
+    assert engine.status().images.images_encoded == before.images_encoded
+    # The same image after other text: no prefix hit past the text, the encoder's output
+    # is found in its cache (not encoded again), and the tokens are still transformers'.
+    before = engine.status().images
+    moved = [0, 90, 91, IMAGE_TOKEN, 81, 82, 83]
+    out = llm.generate({"prompt_token_ids": moved, "multi_modal_data": {"image": image}},
+                       GREEDY)[0]
+    after = engine.status().images
+    assert after.images_encoded == before.images_encoded
+    assert after.encoder_cache_hits == before.encoder_cache_hits + 1
+    assert out.outputs[0].token_ids == _hf_greedy(llava, _expanded(moved), [image], 10)
+    # Another image in the same place is no prefix hit over the image's pages.
+    other = llm.generate({"prompt_token_ids": prompt,
+                          "multi_modal_data": {"image": _image(6, 70, 70)}}, GREEDY)[0]
+    assert other.num_cached_tokens <= 12
+    assert engine.status().images.images_encoded == after.images_encoded + 1
+
+
+def test_chat_with_image_parts_matches_the_processor(llm, llava):
+    """LLM.chat with a base64 PNG: the prompt is the HF processor's, tokens transformers'."""
+    _, _, processor = llava
+    image = _image(7, 90, 50)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": "What is it?"}]}]
+    out = llm.chat(messages, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    hf_messages = [{"role": "user", "content": [{"type": "image"},
+                                                {"type": "text", "text": "What is it?"}]}]
+    text = processor.apply_chat_template(hf_messages, add_generation_prompt=True)
+    want = processor(text=text, images=[image], return_tensors="np",
+                     add_special_tokens=False)["input_ids"][0].tolist()
+    assert out.prompt_token_ids == want
+    assert out.outputs[0].token_ids == _hf_greedy(llava, want, [image], 6)
+
+
+def test_bad_images_fail_alone(llm):
+    engine = llm.engine
+    bad = [(b"not an image", "image 0 is not an image"),
+           (np.zeros((4, 4), np.float32), "uint8"),
+           ("a string", "must be a PIL image")]
+    for image, message in bad:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request("bad", [0, IMAGE_TOKEN, 5], GREEDY, images=[image])
+    with pytest.raises(ValueError, match="1 image placeholder"):
+        engine.add_request("bad", [0, IMAGE_TOKEN, 5], GREEDY,
+                           images=[_image(1, 9, 9), _image(2, 9, 9)])
+    with pytest.raises(ValueError, match="at most"):
+        from jaxserve.engine.multimodal.inputs import open_image
+        open_image(_image(1, 9, 9), max_pixels=80)
+    with pytest.raises(ValueError, match="not an image"):
+        llm.chat([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:text/plain;base64,aGk="}}]}])
+    with pytest.raises(ValueError, match="not allowed"):
+        llm.chat([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}])
+    assert not engine.has_unfinished() and engine.scheduler.num_used_pages == 0 or \
+        engine.scheduler.num_waiting == 0
+    good = llm.generate({"prompt_token_ids": [0, IMAGE_TOKEN, 5],
+                         "multi_modal_data": {"image": _image(1, 9, 9)}}, GREEDY)[0]
+    assert len(good.outputs[0].token_ids) == 10
+
+
+def test_no_compile_after_warmup(llm):
+    """Everything above (images of many sizes, chunks, text) ran the programs compiled at
+    warm-up."""
+    assert llm.engine.runner.compiles_after_warmup == 0
+    assert llm.engine.images.encoder.compiles_after_warmup == 0
+
+
+def test_preemption_with_images(llava):
+    """A pool too small for all four requests at once: preempted requests recompute their
+    images' tokens (the encoder cache or the tower again) and still match."""
+    llm = LLM(model=str(llava[0]), dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
+              page_size=4, num_pages=32, max_model_len=64, enable_prefix_caching=False)
+    cases = [([0, 40 + i, IMAGE_TOKEN, 41 + i], [_image(10 + i, 60 + 7 * i, 60)])
+             for i in range(4)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p, "multi_modal_data": {"image": imgs}}
+                         for p, imgs in cases], params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for (prompt, images), out in zip(cases, outs):
+        assert out.outputs[0].token_ids == _hf_greedy(llava, _expanded(prompt), images, 24)
+    assert llm.engine.scheduler.num_used_pages == 0
+    assert llm.engine.images.cache.num_used_slots <= 4 * TOKENS_PER_IMAGE
+
+
+def test_processor_files_are_read(llava):
+    """The saved processor's files are what the loader reads (a guard on the fixture)."""
+    path = llava[0]
+    config = json.loads((path / "processor_config.json").read_text())["image_processor"]
+    assert config["crop_size"] == {"height": 56, "width": 56}
+    assert (path / "chat_template.jinja").exists()
