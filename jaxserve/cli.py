@@ -66,6 +66,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the largest adapter rank taken (default 16)")
     g.add_argument("--max-cpu-loras", type=positive_int, default=None,
                    help="adapters kept in host memory (default --max-loras)")
+    g.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                   help='the most images one prompt may carry, as vLLM\'s: e.g. '
+                        '\'{"image": 2}\' (default: as many as the encoder cache holds)')
+    g.add_argument("--mm-encoder-cache-tokens", type=positive_int, default=None,
+                   metavar="N", help="rows of image embeddings kept on the device (default: "
+                                     "8 images' worth, at least --max-num-batched-tokens)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM\'s: e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\' (docs/speculative.md)')
@@ -143,6 +149,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                                 args.speculative_config),
         "enable_lora": True if args.enable_lora else None, "max_loras": args.max_loras,
         "max_lora_rank": args.max_lora_rank, "max_cpu_loras": args.max_cpu_loras,
+        "limit_mm_per_prompt": parse_json_object("--limit-mm-per-prompt",
+                                                 args.limit_mm_per_prompt),
+        "mm_encoder_cache_tokens": args.mm_encoder_cache_tokens,
     }
     if args.config:
         return EngineConfig.from_yaml(args.config, **overrides)
@@ -181,6 +190,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from jaxserve.demo import DEMO_NOTICE
     from jaxserve.engine import broadcast
+    from jaxserve.loading.media import MediaPolicy
     from server.app import serve
     from server.engine_core import EngineProcess, EngineThread, build_engine
     from server.security import Security
@@ -226,7 +236,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              model_name=args.served_model_name or name,
                              http_port=None if args.no_http else args.http_port,
                              max_prompt_bytes=args.max_prompt_bytes, security=security,
-                             tool_call_parser=args.tool_call_parser))
+                             tool_call_parser=args.tool_call_parser,
+                             media=MediaPolicy(tuple(args.allowed_media_domains or ()),
+                                               args.allowed_local_media_path)))
     if dist is not None and code != 0:
         multihost.exit_now(code)
     return code
@@ -362,6 +374,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                      help="LoRA adapters (PEFT directories) served as models of these names "
                           "(with --enable-lora)")
+    srv.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                     help="hosts (and their subdomains) chat messages' http(s) image URLs "
+                          "may name; without it only data: URLs are read")
+    srv.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                     help="file:// image URLs must lie under this directory (without it "
+                          "they are refused)")
     srv.add_argument("--served-model-name", default=None,
                      help="the model name clients send (default: the --model path, or "
                           "'demo')")

@@ -68,10 +68,11 @@ class LLM:
             c, chat_template=chat_template, tokenize=False,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message, tools=tools,
-            **(chat_template_kwargs or {})) for c, _ in conversations]
+            **(chat_template_kwargs or {})) for c, _, _ in conversations]
         prompts = [{"prompt_token_ids": tokenizer.encode(t, add_special_tokens=False),
-                    "multi_modal_data": {"image": images}}
-                   for t, (_, images) in zip(texts, conversations)]
+                    "multi_modal_data": {"image": self.engine.prepare_images(images, names)
+                                         if images else []}}
+                   for t, (_, images, names) in zip(texts, conversations)]
         results = self.generate(prompts, sampling_params, use_tqdm)
         for result, text in zip(results, texts):
             result.prompt = text

@@ -20,6 +20,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from jaxserve.engine.multimodal.inputs import ImagePreparer
+from jaxserve.loading.media import MediaPolicy
 from server.async_engine import AsyncEngine
 from server.engine_core import EngineProcess, EngineThread
 from server.http_server import HTTPServer
@@ -64,21 +66,35 @@ def request_bytes_limit(max_prompt_bytes: int) -> int:
     return 2 * max_prompt_bytes + 2**20
 
 
+def image_bytes_limit(images: ImagePreparer | None, media: MediaPolicy) -> int:
+    """What a request's images may add to it: as many as a prompt may carry (4 when
+    unlimited), each of the most bytes an image may have, in base64; 0 for a text model."""
+    if images is None:
+        return 0
+    count = images.max_per_prompt if images.max_per_prompt is not None else 4
+    return count * (media.max_bytes * 4 // 3 + 4)
+
+
 async def serve(core: EngineProcess | EngineThread, host: str = "127.0.0.1", port: int = 50051,
                 grace_s: float = 30.0, model_name: str = "",
                 http_port: int | None = 8000, max_prompt_bytes: int | None = None,
-                security: Security | None = None, tool_call_parser: str | None = None) -> int:
+                security: Security | None = None, tool_call_parser: str | None = None,
+                media: MediaPolicy = MediaPolicy()) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code. `core`: the engine loop,
     loaded and not started (it warms up when started). `http_port` None: gRPC only.
     `max_prompt_bytes` (default from max_model_len) bounds prompt text before tokenizing,
     and gRPC messages and HTTP bodies to what such a prompt needs. `security`: TLS and API
     keys for both servers (server/security.py). `tool_call_parser`: the format tool calls
-    are read in for tool_choice "auto" (server/tool_parsers.py)."""
+    are read in for tool_choice "auto" (server/tool_parsers.py). `media`: where chat
+    messages' images may be read from (loading/media.py); a vision-language model's
+    requests may also be larger by its images (`image_bytes_limit`)."""
     security = security or Security()
     security.check_bind(host)
     metrics = Metrics(model_name)
-    async_engine = AsyncEngine(core, metrics=metrics, max_prompt_bytes=max_prompt_bytes)
-    request_limit = request_bytes_limit(async_engine.max_prompt_bytes)
+    async_engine = AsyncEngine(core, metrics=metrics, max_prompt_bytes=max_prompt_bytes,
+                               media=media)
+    request_limit = request_bytes_limit(async_engine.max_prompt_bytes) + image_bytes_limit(
+        async_engine.info.images, media)
     grpc_server = GrpcServer(async_engine, model_name, security, request_limit, host, port)
     await grpc_server.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
     await grpc_server.server.start()

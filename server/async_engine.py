@@ -26,9 +26,11 @@ from collections.abc import AsyncIterator
 
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.lora import LoRARequest
+from jaxserve.engine.multimodal.inputs import ImageInput, ImagePreparer, place_images
 from jaxserve.engine.output_text import OutputText
 from jaxserve.engine.request import check_prompt_length
 from jaxserve.engine.structured_output import GrammarCompiler
+from jaxserve.loading.media import MediaPolicy, take_images
 from jaxserve.outputs import StepOutput
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from server.engine_core import QueueFullError  # noqa: F401 - the servers catch it
@@ -62,11 +64,21 @@ def _encode(tokenizer, text: str, add_special_tokens: bool, limit: int) -> list[
     return tokenizer.encode(text, add_special_tokens)
 
 
-def _encode_chat(tokenizer, messages: list[dict], limit: int, template_args: dict) -> list[int]:
+def _encode_chat(tokenizer, messages: list[dict], limit: int, template_args: dict,
+                 media: MediaPolicy, images: ImagePreparer | None
+                 ) -> tuple[list[int], list[ImageInput]]:
     if tokenizer is None:
         raise ValueError("messages: this model has no tokenizer, so no chat template")
+    messages, raw, names = take_images(messages, media)
+    if raw and images is None:
+        raise ValueError("messages: this model takes no images (it is not a "
+                         "vision-language model)")
     text = tokenizer.apply_chat_template(messages, tokenize=False, **template_args)
-    return _encode(tokenizer, text, False, limit)
+    ids = _encode(tokenizer, text, False, limit)
+    if not raw:
+        return ids, []
+    prepared = images(raw, names)
+    return place_images(ids, prepared, images.cfg)[0], prepared  # placeholders expanded
 
 
 @dataclasses.dataclass(eq=False)
@@ -102,7 +114,7 @@ class AsyncEngine:
     def __init__(self, core: EngineProcess | EngineThread | Engine, max_waiting: int = 1024,
                  rate_window_s: float = 10.0, metrics: Metrics | None = None,
                  max_prompt_bytes: int | None = None, tokenizer_threads: int = 2,
-                 stream_interval: int = 1):
+                 stream_interval: int = 1, media: MediaPolicy = MediaPolicy()):
         if isinstance(core, Engine):
             core = EngineThread(core, max_waiting, stream_interval=stream_interval)
         self.core = core
@@ -119,6 +131,7 @@ class AsyncEngine:
         self.metrics = metrics
         self.max_prompt_bytes = max_prompt_bytes or default_max_prompt_bytes(
             self.info.max_model_len)
+        self.media = media  # where chat messages' images may come from
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
             tokenizer_threads, thread_name_prefix="tokenizer")
         self._call_ids = itertools.count(1)
@@ -164,8 +177,10 @@ class AsyncEngine:
         return self.error is None and self.core.is_alive
 
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                  lora_request: LoRARequest | None = None) -> AsyncIterator[StepOutput]:
-        """Admit the request (under `lora_request`'s adapter, when given; ValueError or
+                  lora_request: LoRARequest | None = None, images: list[ImageInput] = ()
+                  ) -> AsyncIterator[StepOutput]:
+        """Admit the request (under `lora_request`'s adapter, when given; with `images`,
+        `encode_chat`'s, for its placeholders; ValueError or
         QueueFullError if it cannot be), then return the stream of its outputs. A text
         prompt is tokenized, and a structured-output constraint compiled, in the worker
         pool first.
@@ -185,7 +200,8 @@ class AsyncEngine:
         stream = _Stream(request_id, next(self._call_ids), self._future(), asyncio.Queue(),
                          times, params)
         self._pending[stream.call] = stream
-        self.core.send(("add", request_id, stream.call, prompt, params, lora_request))
+        self.core.send(("add", request_id, stream.call, prompt, params, lora_request,
+                        list(images)))
         try:
             await stream.admitted
         except asyncio.CancelledError:
@@ -227,11 +243,23 @@ class AsyncEngine:
         return await self._in_pool(_encode, self.info.tokenizer, text, add_special_tokens,
                                    self.max_prompt_bytes)
 
-    async def encode_chat(self, messages: list[dict], **template_args) -> list[int]:
-        """A conversation rendered with the chat template and tokenized, in the tokenizer
-        pool (ChatTemplateError, a ValueError, when it cannot be rendered)."""
+    async def encode_chat(self, messages: list[dict], **template_args
+                          ) -> tuple[list[int], list[ImageInput]]:
+        """A conversation rendered with the chat template and tokenized (each image's
+        placeholder standing for its tokens), and its images (read as `media` allows,
+        decoded and processed for the vision tower), in the tokenizer pool; ValueError
+        (ChatTemplateError, a bad image) when it cannot be."""
         return await self._in_pool(_encode_chat, self.info.tokenizer, messages,
-                                   self.max_prompt_bytes, template_args)
+                                   self.max_prompt_bytes, template_args, self.media,
+                                   self.info.images)
+
+    async def prepare_images(self, images: list) -> list[ImageInput]:
+        """Images (file bytes) decoded and processed for the vision tower, in the
+        tokenizer pool; ValueError for a bad one, or for a model that takes none."""
+        if self.info.images is None:
+            raise ValueError("images: this model takes no images (it is not a "
+                             "vision-language model)")
+        return await self._in_pool(self.info.images, images)
 
     async def compile_constraint(self, constraint: StructuredOutputsParams) -> None:
         """Compile (and check: ValueError) a structured-output constraint in the tokenizer

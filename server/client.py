@@ -24,21 +24,32 @@ CHANNEL_OPTIONS = [
 Prompt = str | list[int] | list[dict]
 
 
-def make_request(prompt: Prompt, request_id: str = "", lora_name: str = "", **sampling
-                 ) -> pb.GenerateRequest:
+def make_request(prompt: Prompt, request_id: str = "", lora_name: str = "",
+                 images: list[bytes] = (), **sampling) -> pb.GenerateRequest:
     """A GenerateRequest from a prompt (text, token ids, or a conversation: a list of
-    {"role", "content"} messages for the model's chat template) and SamplingParams fields;
-    `lora_name`: a LoRA adapter the server serves (empty: the base model)."""
+    {"role", "content"} messages for the model's chat template, content a string or a list
+    of {"type": "text", "text": str} and {"type": "image", "image": image file bytes}
+    parts) and SamplingParams fields; `lora_name`: a LoRA adapter the server serves
+    (empty: the base model); `images`: a text or token-id prompt's, one per image
+    placeholder."""
     req = pb.GenerateRequest(request_id=request_id, sampling=pb.SamplingParams(**sampling),
-                             lora_name=lora_name)
+                             lora_name=lora_name, images=list(images))
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and isinstance(prompt[0], dict):
-        req.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"])
-                                     for m in prompt)
+        req.messages.messages.extend(_message(m) for m in prompt)
     else:
         req.token_ids.ids.extend(prompt)
     return req
+
+
+def _message(m: dict) -> pb.ChatMessage:
+    content = m["content"]
+    if isinstance(content, str):
+        return pb.ChatMessage(role=m["role"], content=content)
+    return pb.ChatMessage(role=m["role"], parts=[
+        pb.ContentPart(image=p["image"]) if p.get("type") == "image"
+        else pb.ContentPart(text=p["text"]) for p in content])
 
 
 class _BearerKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):

@@ -12,7 +12,7 @@ servers' event loop, gRPC's callbacks and the text work; the servers' process th
 starts a JAX backend.
 
 Commands (front -> core):
-    ("add", rid, call, prompt_ids, params, lora)
+    ("add", rid, call, prompt_ids, params, lora, images)
     ("abort", rid, call)        call None: whichever call runs `rid`; the caller gets an
                                 "abort" output
     ("stopped", rid, call)      the front found a stop string: end it, no output
@@ -47,6 +47,7 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.broadcast import PING_INTERVAL_S
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.lora import LoRARequest
+from jaxserve.engine.multimodal.inputs import ImagePreparer
 from jaxserve.engine.status import EngineStatus
 from jaxserve.outputs import StepOutput
 
@@ -75,6 +76,7 @@ class EngineInfo:
     lora_enabled: bool
     adapters: dict[str, LoRARequest]  # served at load (--lora-modules)
     multi_host: bool
+    images: ImagePreparer | None = None  # a vision-language model's (None: text only)
 
     @classmethod
     def of(cls, engine: Engine) -> EngineInfo:
@@ -83,7 +85,8 @@ class EngineInfo:
                    engine.eos_token_ids, engine.num_pages,
                    {k: int(v) for k, v in engine.mesh.shape.items()}, loras is not None,
                    {name: loras.get(name) for name in loras.names} if loras is not None else {},
-                   engine.broadcaster is not None)
+                   engine.broadcaster is not None,
+                   engine.images.preparer if engine.images is not None else None)
 
 
 @dataclasses.dataclass
@@ -244,13 +247,14 @@ class EngineCore:
         else:
             raise ValueError(f"unknown engine command {kind!r}")
 
-    def _add(self, rid: str, call: int, prompt: list[int], params, lora) -> None:
+    def _add(self, rid: str, call: int, prompt: list[int], params, lora, images=()) -> None:
         if self.engine.scheduler.num_waiting >= self.max_waiting:
             self.send(("admitted", call, None, QueueFullError(
                 f"the waiting queue is full ({self.max_waiting} requests); retry later")))
             return
         try:
-            ids = self.engine.add_request(rid, prompt, params, lora_request=lora)
+            ids = self.engine.add_request(rid, prompt, params, lora_request=lora,
+                                          images=list(images))
         except ValueError as e:
             self.send(("admitted", call, None, e))
             return

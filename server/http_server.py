@@ -61,9 +61,10 @@ class Job:
 
     def __init__(self, async_engine: AsyncEngine, base_id: str,
                  requests: list[tuple[list[int], SamplingParams]],
-                 lora: LoRARequest | None = None):
+                 lora: LoRARequest | None = None, images: list | None = None):
         self.async_engine = async_engine
         self.lora = lora
+        self.images = images or []  # every request's (their prompt's images)
         self.id = base_id
         self.requests = [(f"{base_id}-{i}", prompt, p) for i, (prompt, p) in enumerate(requests)]
         self.streams: list[AsyncIterator[StepOutput]] = []
@@ -98,7 +99,8 @@ class Job:
         """Queue these requests at once (the engine thread admits them between the same
         two steps); the first error is raised after all have answered."""
         results = await asyncio.gather(
-            *(self.async_engine.add(*self.requests[i], self.lora) for i in indices),
+            *(self.async_engine.add(*self.requests[i], self.lora, self.images)
+              for i in indices),
             return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
@@ -363,16 +365,17 @@ class HTTPServer:
         except tool_calling.ToolChoiceError as e:
             raise oai.APIError(400, str(e), e.param) from e
         try:
-            ids = await self.async_engine.encode_chat(
+            ids, images = await self.async_engine.encode_chat(
                 req.messages, chat_template=req.chat_template,
                 add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
                 continue_final_message=req.continue_final_message, tools=tools,
                 **(req.chat_template_kwargs or {}))
-        except ValueError as e:  # ChatTemplateError, or over --max-prompt-bytes
+        except ValueError as e:  # ChatTemplateError, a bad image, over --max-prompt-bytes
             raise oai.APIError(400, str(e), "messages") from e
         params = await self._sampling_params(req, req.max_completion_tokens or req.max_tokens,
                                              logprobs, plan)
-        job = Job(self.async_engine, oai.new_id("chatcmpl"), [(ids, p) for p in params], lora)
+        job = Job(self.async_engine, oai.new_id("chatcmpl"), [(ids, p) for p in params], lora,
+                  images)
         await self._start(request, job)
         rid = job.id
         if req.stream:
@@ -591,7 +594,7 @@ class HTTPServer:
         self._tokenizer()
         try:
             if body.messages is not None:
-                ids = await self.async_engine.encode_chat(
+                ids, _ = await self.async_engine.encode_chat(
                     body.messages, add_generation_prompt=body.add_generation_prompt)
             elif body.prompt is not None:
                 ids = await self.async_engine.encode(body.prompt, body.add_special_tokens)

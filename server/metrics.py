@@ -162,6 +162,27 @@ class _EngineCollector:
             for name, n in sorted(status.lora_running.items()):
                 running.add_metric([self.model_name, name], n)
             yield running
+        if status.images is not None:
+            yield from self._images(labels, status.images)
+
+    @staticmethod
+    def _images(labels: list[str], stats):
+        """A vision-language model's images (multimodal/images.py's ImageStats)."""
+        for name, doc, value in (
+                ("mm_images_encoded", "Images the vision tower encoded.",
+                 stats.images_encoded),
+                ("mm_encoder_cache_hits", "Images a request found already encoded (the "
+                 "encoder cache).", stats.encoder_cache_hits),
+                ("mm_encoder_seconds", "Host time spent dispatching the vision tower.",
+                 stats.encoder_seconds)):
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            counter.add_metric(labels, value)
+            yield counter
+        usage = GaugeMetricFamily(PREFIX + "mm_encoder_cache_usage_perc", "Fraction of the "
+                                  "encoder cache's rows holding images (0-1).",
+                                  labels=["model_name"])
+        usage.add_metric(labels, stats.encoder_cache_used_tokens / stats.encoder_cache_tokens)
+        yield usage
 
     @staticmethod
     def _speculation(labels: list[str], stats: SpeculationStats):

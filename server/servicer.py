@@ -68,7 +68,9 @@ def chat_from_proto(chat: pb.Chat) -> tuple[list[dict], dict]:
     """A Chat prompt as (messages, chat template arguments); ValueError names a bad field."""
     messages = []
     for m in chat.messages:
-        message = {"role": m.role, "content": m.content}
+        message = {"role": m.role, "content": [
+            {"type": "text", "text": p.text} if p.WhichOneof("part") == "text" else
+            {"type": "image", "image": p.image} for p in m.parts] if m.parts else m.content}
         if m.name:
             message["name"] = m.name
         if m.tool_call_id:
@@ -127,14 +129,19 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                     f"is served (have: {sorted(self.async_engine.adapters)})")
         try:
             params = sampling_from_proto(request.sampling)
+            images = list(request.images)
             if which == "messages":
+                if images:
+                    raise ValueError("images: a chat prompt carries its images in its "
+                                     "messages' parts")
                 messages, template_args = chat_from_proto(request.messages)
-                prompt = await self.async_engine.encode_chat(messages, **template_args)
-            elif which == "text":
-                prompt = await self.async_engine.encode(request.text)
+                prompt, images = await self.async_engine.encode_chat(messages, **template_args)
             else:
-                prompt = list(request.token_ids.ids)
-            outputs = await self.async_engine.add(rid, prompt, params, lora)
+                prompt = (await self.async_engine.encode(request.text) if which == "text"
+                          else list(request.token_ids.ids))
+                if images:
+                    images = await self.async_engine.prepare_images(images)
+            outputs = await self.async_engine.add(rid, prompt, params, lora, images)
         except ValueError as e:  # never admitted
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFullError as e:

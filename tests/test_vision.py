@@ -247,7 +247,7 @@ def test_chat_with_image_parts_matches_the_processor(llm, llava):
 
 def test_bad_images_fail_alone(llm):
     engine = llm.engine
-    bad = [(b"not an image", "image 0 is not an image"),
+    bad = [(b"not an image", "image 0 is not an image file"),
            (np.zeros((4, 4), np.float32), "uint8"),
            ("a string", "must be a PIL image")]
     for image, message in bad:
@@ -302,3 +302,74 @@ def test_processor_files_are_read(llava):
     config = json.loads((path / "processor_config.json").read_text())["image_processor"]
     assert config["crop_size"] == {"height": 56, "width": 56}
     assert (path / "chat_template.jinja").exists()
+
+
+def test_openai_client_against_jaxserve_serve(llava, llm, tmp_path):
+    """The `openai` package sends base64 images to `jaxserve serve`: the answer is the
+    offline engine's (streamed or not), usage counts the image's tokens, /metrics counts
+    the images; each bad image is a 400 naming it, and the server goes on. gRPC carries
+    image bytes (a chat's parts, or a token prompt's images): the same tokens."""
+    import grpc
+    import httpx
+    import openai
+
+    from server.client import Client
+    from serverproc import running_server
+
+    image = _image(8, 64, 48)
+    buffer = io.BytesIO()
+    image.save(buffer, format="JPEG")
+    url = "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "Describe"}, {"type": "image_url", "image_url": {"url": url}}]}]
+    want = llm.chat(messages, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
+    with running_server(llava[0], tmp_path / "server.log", "--limit-mm-per-prompt",
+                        '{"image": 1}') as (target, proc):
+        client = openai.OpenAI(base_url=proc.http_url + "/v1", api_key="none", max_retries=0)
+        model = str(llava[0])
+        params = dict(model=model, messages=messages, max_tokens=8, temperature=0,
+                      extra_body={"ignore_eos": True})
+        got = client.chat.completions.create(**params)
+        assert got.choices[0].message.content == want.outputs[0].text
+        assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+        stream = client.chat.completions.create(**params, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == \
+            want.outputs[0].text
+        png = io.BytesIO()
+        Image.new("RGB", (20000, 20000)).save(png, format="PNG")  # 400 MP: a bomb
+        bomb = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+        bad = {"not an image": "data:image/png;base64," + base64.b64encode(b"junk").decode(),
+               "media type is 'text/plain'": "data:text/plain;base64,aGk=",
+               "not valid base64": "data:image/png;base64,@@@",
+               "pixels; at most": bomb,
+               "not allowed": "https://example.com/cat.png",
+               "local image files": "file:///etc/passwd"}
+        for message, bad_url in bad.items():
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(**{**params, "messages": [{"role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": bad_url}}]}]})
+            assert message in str(e.value) and "content[0]" in str(e.value)
+        with pytest.raises(openai.BadRequestError, match="at most 1"):
+            client.chat.completions.create(**{**params, "messages": [{"role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": url}}] * 2}]})
+        again = client.chat.completions.create(**params)
+        assert again.choices[0].message.content == want.outputs[0].text
+        grpc_client = Client(target)
+        sampling = dict(max_tokens=8, temperature=0, ignore_eos=True)
+        chat = [{"role": "user", "content": [{"type": "text", "text": "Describe"},
+                                             {"type": "image", "image": buffer.getvalue()}]}]
+        assert grpc_client.complete(chat, **sampling)[0] == want.outputs[0].token_ids
+        assert grpc_client.complete(want.prompt_token_ids, images=[buffer.getvalue()],
+                                    **sampling)[0] == want.outputs[0].token_ids
+        with pytest.raises(grpc.RpcError) as e:
+            grpc_client.complete(want.prompt_token_ids, images=[b"junk"], **sampling)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "image 0 is not an image file" in e.value.details()
+        grpc_client.close()
+        metrics = {line.split("{")[0]: float(line.split()[-1])
+                   for line in httpx.get(proc.http_url + "/metrics").text.splitlines()
+                   if line and not line.startswith("#")}
+        # Four requests with the image, encoded once: the later ones found every page
+        # covering it in the prefix cache, so neither the tower nor its cache was needed.
+        assert metrics["jaxserve:mm_images_encoded_total"] == 1.0
+        assert metrics["jaxserve:mm_encoder_cache_hits_total"] == 0.0

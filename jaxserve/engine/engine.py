@@ -229,13 +229,15 @@ class Engine:
         self.scheduler.add(seq)
         return token_ids
 
-    def prepare_images(self, images: list) -> list[ImageInput]:
+    def prepare_images(self, images: list, names: list[str] | None = None
+                       ) -> list[ImageInput]:
         """A request's images decoded, checked and processed for the vision tower
-        (ValueError naming a bad one); touches no engine state, so any thread may call it
-        (a server prepares images off the engine's thread)."""
+        (ValueError naming a bad one, by `names`: where each came from); touches no engine
+        state, so any thread may call it (a server prepares images off the engine's
+        thread)."""
         if not isinstance(images, (list, tuple)):
             images = [images]
-        return self._images().prepare(images)
+        return self._images().prepare(images, names)
 
     def _images(self) -> Images:
         if self.images is None:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-MAX_IMAGE_BYTES = 32 * 1024 * 1024
+MAX_IMAGE_BYTES = 16 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,10 +102,11 @@ def _data_url(url: str, what: str, max_bytes: int) -> bytes:
 
 
 def take_images(messages: Sequence[Any], policy: MediaPolicy = MediaPolicy()
-                ) -> tuple[list, list]:
+                ) -> tuple[list, list, list[str]]:
     """(the messages with each image part as `{"type": "image"}`, the images in order:
-    image file bytes, or PIL images as given). ValueError naming a bad part."""
-    out, images = [], []
+    image file bytes, or PIL images as given, and where each was: "messages[i].content[j]").
+    ValueError naming a bad part."""
+    out, images, names = [], [], []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list):
@@ -129,5 +130,6 @@ def take_images(messages: Sequence[Any], policy: MediaPolicy = MediaPolicy()
                 parts.append(part)
                 continue
             parts.append({"type": "image"})
+            names.append(what)
         out.append({**message, "content": parts})
-    return out, images
+    return out, images, names

@@ -16,7 +16,7 @@ from jaxserve.config import VisionConfig
 from jaxserve.engine.multimodal.encoder import ImageEncoder
 from jaxserve.engine.multimodal.encoder_cache import EncoderCache
 from jaxserve.engine.multimodal.inputs import (
-    ImageInput, ImageSpan, open_image, place_images, process_image)
+    ImageInput, ImagePreparer, ImageSpan, place_images)
 
 # With no mm_encoder_cache_tokens: rows for this many images (at least one step's tokens).
 DEFAULT_CACHED_IMAGES = 8
@@ -36,8 +36,7 @@ class Images:
                  num_slots: int | None, max_per_prompt: int | None, min_slots: int, dtype,
                  sharding):
         self.cfg = cfg
-        self.processor = processor
-        self.max_per_prompt = max_per_prompt
+        self.preparer = ImagePreparer(cfg, processor, max_per_prompt)
         if num_slots is None:
             num_slots = max(min_slots, DEFAULT_CACHED_IMAGES * cfg.tokens_per_image)
         self.cache = EncoderCache(num_slots)
@@ -51,18 +50,12 @@ class Images:
         return self.cache.num_slots * self.cfg.text_hidden_size * \
             jnp.dtype(self.encoder.buffer.dtype).itemsize
 
-    def prepare(self, images: Sequence) -> list[ImageInput]:
+    def prepare(self, images: Sequence, names: Sequence[str] | None = None
+                ) -> list[ImageInput]:
         """A request's images (PIL images, encoded bytes, uint8 arrays or ImageInputs
         already) as the tower reads them; ValueError naming the bad one. Touches no
         engine state: any thread may call it."""
-        if self.max_per_prompt is not None and len(images) > self.max_per_prompt:
-            raise ValueError(f"{len(images)} images in one prompt; at most "
-                             f"{self.max_per_prompt} are allowed (limit_mm_per_prompt)")
-        out = []
-        for i, image in enumerate(images):
-            if not isinstance(image, ImageInput):
-                image = process_image(open_image(image, f"image {i}"), self.processor, self.cfg)
-            out.append(image)
+        out = self.preparer(images, names)
         if not self.cache.fits(out):
             raise ValueError(f"the prompt's {len(out)} images need more rows than the "
                              f"encoder cache has ({self.cache.num_slots} tokens); raise "

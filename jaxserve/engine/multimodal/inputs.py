@@ -51,8 +51,12 @@ def open_image(data, what: str = "image", max_pixels: int = MAX_IMAGE_PIXELS) ->
     elif isinstance(data, (bytes, bytearray, memoryview)):
         try:
             image = Image.open(io.BytesIO(bytes(data)))
-        except (OSError, Image.DecompressionBombError) as e:
-            raise ValueError(f"{what} is not an image Pillow can read: {e}") from None
+        except Image.DecompressionBombError:  # Pillow's own limit, far over ours
+            raise ValueError(f"{what} has too many pixels; at most {max_pixels} are "
+                             "accepted") from None
+        except OSError:
+            raise ValueError(f"{what} is not an image file Pillow can read (PNG, JPEG, WebP, "
+                             "GIF, BMP, ...)") from None
     elif isinstance(data, np.ndarray):
         if data.dtype != np.uint8 or data.ndim not in (2, 3) or \
                 (data.ndim == 3 and data.shape[-1] not in (1, 3, 4)):
@@ -83,6 +87,29 @@ def process_image(image: Image.Image, processor: Callable[[Image.Image], np.ndar
                          "model")
     digest = hashlib.blake2b(repr(pixels.shape).encode() + pixels.tobytes(), digest_size=16)
     return ImageInput(pixels, digest.digest(), cfg.tokens_per_image)
+
+
+@dataclasses.dataclass(frozen=True)
+class ImagePreparer:
+    """Turns a request's images into ImageInputs (`__call__`): all a server needs of the
+    model to do it off the engine's thread (or process)."""
+
+    cfg: VisionConfig
+    processor: Callable[[Image.Image], np.ndarray]
+    max_per_prompt: int | None = None  # limit_mm_per_prompt["image"]
+
+    def __call__(self, images: Sequence, names: Sequence[str] | None = None
+                 ) -> list[ImageInput]:
+        """PIL images, image file bytes, uint8 arrays or ImageInputs already, as the tower
+        reads them; ValueError naming the bad one (as `names` does: where each came from;
+        default "image i")."""
+        if self.max_per_prompt is not None and len(images) > self.max_per_prompt:
+            raise ValueError(f"{len(images)} images in one prompt; at most "
+                             f"{self.max_per_prompt} are allowed (limit_mm_per_prompt)")
+        names = names or [f"image {i}" for i in range(len(images))]
+        return [image if isinstance(image, ImageInput) else
+                process_image(open_image(image, name), self.processor, self.cfg)
+                for image, name in zip(images, names)]
 
 
 def place_images(token_ids: list[int], images: Sequence[ImageInput], cfg: VisionConfig
