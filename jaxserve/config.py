@@ -259,6 +259,74 @@ class VisionConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class QwenVisionConfig:
+    """Qwen2.5-VL's image side ("qwen2_5_vl"): a ViT over patches of `patch_size` pixels
+    (two frames of a still image: `temporal_patch_size`), with 2-D rotary positions, RMSNorm
+    and SwiGLU, attention within windows of `window_size` pixels but in the layers
+    `fullatt_block_indexes` (over the whole image), then `spatial_merge_size`^2
+    neighbouring patches merged into one token by an MLP. An image of any size (resized
+    to multiples of patch x merge pixels) is (H / 28) x (W / 28) tokens; the language
+    model places them with M-RoPE (ModelConfig.mrope_section)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    text_hidden_size: int
+    image_token_id: int
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    window_size: int = 112
+    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
+    hidden_act: str = "silu"
+    rope_theta: float = 10000.0
+    family: str = "qwen2_5_vl"
+
+    def __post_init__(self) -> None:
+        unit = self.patch_size * self.spatial_merge_size
+        if self.window_size % unit or self.window_size < unit:
+            raise ValueError(f"window_size {self.window_size} must be a multiple of "
+                             f"patch_size x spatial_merge_size ({unit})")
+        if self.hidden_act != "silu":
+            raise ValueError(f"Qwen2.5-VL vision hidden_act {self.hidden_act!r} is not "
+                             "supported (silu is)")
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per patch: 3 channels x frames x patch^2."""
+        return 3 * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def window_patches(self) -> int:
+        """Patches in a whole window."""
+        return (self.window_size // self.patch_size) ** 2
+
+    def num_params(self) -> int:
+        e, m, t = self.hidden_size, self.intermediate_size, self.text_hidden_size
+        u = e * self.spatial_merge_size ** 2
+        layer = 3 * e * e + 3 * e + e * e + e + 3 * e * m + 2 * m + e + 2 * e
+        return self.patch_dim * e + self.num_layers * layer + e + u * u + u + u * t + t
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], text_hidden_size: int) -> "QwenVisionConfig":
+        v = hf.get("vision_config") or {}
+        rope = v.get("rope_parameters") or {}
+        return cls(
+            hidden_size=v.get("hidden_size", 1280), intermediate_size=v.get("intermediate_size", 3420),
+            num_layers=v.get("depth", 32), num_heads=v.get("num_heads", 16),
+            text_hidden_size=v.get("out_hidden_size", text_hidden_size),
+            image_token_id=hf.get("image_token_id", 151655),
+            patch_size=v.get("patch_size", 14),
+            temporal_patch_size=v.get("temporal_patch_size", 2),
+            spatial_merge_size=v.get("spatial_merge_size", 2),
+            window_size=v.get("window_size", 112),
+            fullatt_block_indexes=tuple(v.get("fullatt_block_indexes", (7, 15, 23, 31))),
+            hidden_act=v.get("hidden_act", "silu"),
+            rope_theta=float(rope.get("rope_theta", 10000.0)))
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """The shape of a decoder-only transformer (the families of models/transformer.py)."""
 
@@ -306,7 +374,10 @@ class ModelConfig:
     # Per layer: whether its feed-forward is the experts (else the dense MLP).
     sparse_layers: tuple[bool, ...] = ()
     # A vision-language model's image side (None: text only).
-    vision: VisionConfig | None = None
+    vision: VisionConfig | QwenVisionConfig | None = None
+    # M-RoPE (Qwen2.5-VL): the rotary frequencies split in sections, each turned by its
+    # own position stream (time, height, width); () for the usual 1-D rope.
+    mrope_section: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -387,6 +458,19 @@ class ModelConfig:
             return dataclasses.replace(
                 lm, architecture=(hf.get("architectures") or ["LlavaForConditionalGeneration"])[0],
                 vision=VisionConfig.from_llava(hf, lm.hidden_size))
+        if model_type == "qwen2_5_vl":  # the text config nested (transformers 5) or flat
+            text = {**(hf.get("text_config") or hf), "model_type": "qwen2"}
+            text.pop("vision_config", None)
+            rope = {**(text.get("rope_scaling") or {}), **(text.get("rope_parameters") or {})}
+            section = tuple(rope.get("mrope_section", ()))
+            lm = cls.from_hf(text)
+            if sum(section) * 2 != lm.head_dim:
+                raise ValueError(f"mrope_section {section} must sum to head_dim / 2 "
+                                 f"({lm.head_dim // 2})")
+            return dataclasses.replace(
+                lm, model_type="qwen2_5_vl",
+                architecture=(hf.get("architectures") or ["Qwen2_5_VLForConditionalGeneration"])[0],
+                vision=QwenVisionConfig.from_hf(hf, lm.hidden_size), mrope_section=section)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
@@ -527,6 +611,8 @@ def _rope(params: dict[str, Any], scaling: dict[str, Any], theta: float
     theta = params.pop("rope_theta", theta)
     merged = {**scaling, **params}
     rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if merged.pop("mrope_section", None) is not None and rope_type in ("mrope", "default"):
+        rope_type = merged["rope_type"] = "default"  # M-RoPE: ModelConfig.mrope_section
     if rope_type not in ("default", "linear", "llama3"):
         raise ValueError(f"rope scaling type {rope_type!r} is not supported")
     fields = {f.name for f in dataclasses.fields(RopeScaling)}

@@ -100,9 +100,22 @@ def gated_activation(gate: jax.Array, up: jax.Array, act: str, *,
     return call(gate, up, _rows(rows, gate.shape[0]), act=np.int64(NATIVE_ACTS[act]))[0]
 
 
-def rope_reference(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate `x[T, H, D]` by position, in the 'rotate half' layout of HF checkpoints."""
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+def rope_freqs(positions: jax.Array, inv_freq: np.ndarray, sections: tuple[int, ...] = ()
+               ) -> jax.Array:
+    """The angles `[T, D/2]`: each position times each frequency; with M-RoPE `sections`
+    (Qwen2.5-VL) `positions` is `[3, T]` and the i-th run of `sections[i]` frequencies
+    turns by stream i (time, height, width)."""
+    if sections:
+        stream = np.repeat(np.arange(len(sections)), sections)  # each frequency's stream
+        return positions.astype(jnp.float32).T[:, stream] * jnp.asarray(inv_freq)[None, :]
+    return positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+
+
+def rope_reference(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray,
+                   sections: tuple[int, ...] = ()) -> jax.Array:
+    """Rotate `x[T, H, D]` by position, in the 'rotate half' layout of HF checkpoints
+    (M-RoPE with `sections`: `rope_freqs`)."""
+    freqs = rope_freqs(positions, inv_freq, sections)
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     cos = jnp.cos(emb).astype(x.dtype)[:, None, :]
     sin = jnp.sin(emb).astype(x.dtype)[:, None, :]
@@ -112,8 +125,8 @@ def rope_reference(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> 
 
 
 def rope(q: jax.Array, k: jax.Array, positions: jax.Array, inv_freq: np.ndarray, *,
-         rows: jax.Array | int | None = None, impl: str | None = None
-         ) -> tuple[jax.Array, jax.Array]:
+         rows: jax.Array | int | None = None, impl: str | None = None,
+         sections: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array]:
     """`rope_reference` of q `[T, Hq, D]` and of k `[T, Hk, D]`; `rows` and `impl` as for
     rms_norm (the native kernel takes 3-D f32/bf16 q and k of one dtype)."""
     takes = q.ndim == k.ndim == 3 and q.dtype == k.dtype and q.shape[2] % 2 == 0
@@ -121,8 +134,9 @@ def rope(q: jax.Array, k: jax.Array, positions: jax.Array, inv_freq: np.ndarray,
         if impl == "cpu":
             raise ValueError(f"rope: q {q.shape} {q.dtype} and k {k.shape} {k.dtype} must "
                              "be [T, heads, D] of one float dtype, D even")
-        return rope_reference(q, positions, inv_freq), rope_reference(k, positions, inv_freq)
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+        return (rope_reference(q, positions, inv_freq, sections),
+                rope_reference(k, positions, inv_freq, sections))
+    freqs = rope_freqs(positions, inv_freq, sections)
     call = jax.ffi.ffi_call("jaxserve_rope", (jax.ShapeDtypeStruct(q.shape, q.dtype),
                                               jax.ShapeDtypeStruct(k.shape, k.dtype)))
     return tuple(call(q, k, jnp.cos(freqs), jnp.sin(freqs), _rows(rows, q.shape[0])))

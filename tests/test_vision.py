@@ -373,3 +373,173 @@ def test_openai_client_against_jaxserve_serve(llava, llm, tmp_path):
         # covering it in the prefix cache, so neither the tower nor its cache was needed.
         assert metrics["jaxserve:mm_images_encoded_total"] == 1.0
         assert metrics["jaxserve:mm_encoder_cache_hits_total"] == 0.0
+
+
+# ------------------------------------------------------------------- Qwen2.5-VL
+
+VISION_START, IMAGE_PAD, VISION_END = 259, 260, 261
+QWEN_PIXELS = dict(min_pixels=56 * 56, max_pixels=28 * 28 * 40)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """(directory, torch model, HF image processor): a random tiny Qwen2.5-VL (a ViT of 3
+    layers, windows of 2 x 2 merged tokens, layer 1 over the whole image; M-RoPE sections
+    2/3/3 of a 16-wide head) saved by transformers with its image processor."""
+    import torch
+    import transformers as tf
+    from tokenizers import AddedToken, Tokenizer
+
+    from jaxserve.demo import write_byte_tokenizer
+
+    path = tmp_path_factory.mktemp("qwen2_5_vl")
+    vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4,
+                  out_hidden_size=64, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
+                  initializer_range=0.2)
+    text = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                 "mrope_section": [2, 3, 3]},
+                initializer_range=0.1, bos_token_id=0, eos_token_id=1)
+    cfg = tf.Qwen2_5_VLConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_PAD,
+                              video_token_id=262, vision_start_token_id=VISION_START,
+                              vision_end_token_id=VISION_END)
+    torch.manual_seed(0)
+    model = tf.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    model.save_pretrained(path)
+    write_byte_tokenizer(path)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (
+        "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")])
+    tok.save(str(path / "tokenizer.json"))
+    processor = tf.Qwen2VLImageProcessorPil(**QWEN_PIXELS)
+    processor.save_pretrained(path)
+    return path, model, processor
+
+
+@pytest.fixture(scope="module")
+def qwen_llm(qwen):
+    return LLM(model=str(qwen[0]), dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
+               page_size=4, num_pages=192, max_model_len=160)
+
+
+def _qwen_prompt(text_before: list[int], n_images: int, after: list[int]) -> list[int]:
+    image = [VISION_START, IMAGE_PAD, VISION_END]
+    return [0, *text_before, *image * n_images, *after]
+
+
+def _qwen_expanded(qwen, prompt: list[int], images) -> tuple[list[int], dict]:
+    """The prompt as Qwen2.5-VL's processor writes it (each <|image_pad|> repeated for its
+    image's merged tokens) and the model's image inputs (transformers' own processor)."""
+    import torch
+
+    if not images:
+        return prompt, {}
+    out = qwen[2](images=images, return_tensors="pt")
+    counts = iter((out["image_grid_thw"].prod(-1) // 4).tolist())
+    ids = [t for x in prompt for t in ([x] * next(counts) if x == IMAGE_PAD else [x])]
+    mm = torch.tensor([[int(t == IMAGE_PAD) for t in ids]])
+    return ids, dict(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"],
+                     mm_token_type_ids=mm)
+
+
+def _qwen_greedy(qwen, prompt: list[int], images, n: int) -> list[int]:
+    import torch
+
+    ids, kwargs = _qwen_expanded(qwen, prompt, images)
+    with torch.no_grad():
+        out = qwen[1].generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                               attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                               pad_token_id=1, **kwargs)
+    return out[0, len(ids):].tolist()
+
+
+def test_qwen_image_processor_matches_transformers():
+    from transformers import Qwen2VLImageProcessorPil
+
+    from jaxserve.loading.image_processor import QwenImageProcessor
+
+    rng = np.random.default_rng(0)
+    for h, w in [(70, 90), (120, 40), (30, 30), (300, 500), (57, 200)]:
+        image = Image.fromarray((rng.random((h, w, 3)) * 255).astype(np.uint8))
+        want = Qwen2VLImageProcessorPil(**QWEN_PIXELS)(images=[image], return_tensors="np")
+        patches, grid = QwenImageProcessor(**QWEN_PIXELS)(image)
+        assert [1, *grid] == want["image_grid_thw"][0].tolist()
+        np.testing.assert_array_equal(patches, want["pixel_values"])
+
+
+def test_qwen_vision_tower_and_rope_index_match_transformers(qwen):
+    """The ViT (windows laid out by the host, padded to a bucket) on images of several
+    grids, and M-RoPE's positions of a prompt with two images."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from jaxserve.config import ModelConfig
+    from jaxserve.loading.safetensors import checkpoint_tensors
+    from jaxserve.loading.vision import VisionTensors
+    from jaxserve.models.vision import qwen2_5_vl
+
+    path, model, _ = qwen
+    cfg = ModelConfig.from_file(path)
+    assert cfg.mrope_section == (2, 3, 3) and cfg.vision.window_patches == 16
+    split = VisionTensors(cfg.vision)
+    list(split.text(checkpoint_tensors(path)))
+    params = split.params(jnp.float32, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    rng = np.random.default_rng(0)
+    for gh, gw in [(4, 4), (6, 10), (12, 8), (2, 14)]:
+        patches = rng.standard_normal((gh * gw, cfg.vision.patch_dim)).astype(np.float32)
+        with torch.no_grad():
+            want = model.model.visual(torch.tensor(patches),
+                                      grid_thw=torch.tensor([[1, gh, gw]])).pooler_output.numpy()
+        lay = qwen2_5_vl.layout(gh, gw, cfg.vision)
+        lay = qwen2_5_vl.layout(gh, gw, cfg.vision, lay.num_windows(cfg.vision) + 3)  # padded
+        x = np.where(lay.valid[:, None], patches[np.maximum(lay.patch, 0)], 0)
+        out = np.asarray(qwen2_5_vl.embed_image(params, jnp.asarray(x),
+                                                jnp.asarray(lay.positions),
+                                                jnp.asarray(lay.valid), cfg.vision))
+        got = np.zeros_like(want)
+        got[lay.token[lay.token >= 0]] = out[lay.token >= 0]
+        assert sorted(lay.token[lay.token >= 0]) == list(range(len(want)))
+        assert np.abs(want).max() > 1.0
+        # float32 through 3 layers and the merger, outputs up to ~6: 2e-6 of the largest.
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+    images = [_image(1, 80, 60), _image(2, 50, 150)]
+    ids, kwargs = _qwen_expanded(qwen, _qwen_prompt([40], 2, [41, 42]), images)
+    want, delta = model.model.get_rope_index(
+        torch.tensor([ids]), kwargs["mm_token_type_ids"], kwargs["image_grid_thw"])
+    starts = [i for i, t in enumerate(ids) if t == IMAGE_PAD and ids[i - 1] == VISION_START]
+    grids = [tuple(g[1:]) for g in kwargs["image_grid_thw"].tolist()]
+    offsets, got_delta = qwen2_5_vl.rope_offsets(len(ids), list(zip(starts, grids)), cfg.vision)
+    np.testing.assert_array_equal(offsets + np.arange(len(ids)), want[:, 0].numpy())
+    assert got_delta == int(delta)
+
+
+def test_qwen_requests_match_transformers(qwen, qwen_llm):
+    """Images of different sizes (one and two per prompt), text only, batched in 32-token
+    chunks; a repeated image hits the prefix cache; another image changes the tokens; no
+    program compiles after warm-up."""
+    a, b, c = _image(1, 80, 60), _image(2, 50, 150), _image(3, 120, 120)
+    cases = [(_qwen_prompt([40], 2, [41, 42]), [a, b]),
+             (_qwen_prompt([50, 51], 1, [52]), [c]),
+             (_qwen_prompt([60, 61, 62, 63], 0, [64]), []),
+             (_qwen_prompt([], 1, [70, 71, 72]), [b])]
+    outs = qwen_llm.generate([{"prompt_token_ids": p, "multi_modal_data": {"image": imgs}}
+                              for p, imgs in cases], GREEDY)
+    for (prompt, images), out in zip(cases, outs):
+        assert out.prompt_token_ids == _qwen_expanded(qwen, prompt, images)[0]
+        assert out.outputs[0].token_ids == _qwen_greedy(qwen, prompt, images, 10)
+    again = qwen_llm.generate({"prompt_token_ids": cases[0][0],
+                               "multi_modal_data": {"image": [a, b]}}, GREEDY)[0]
+    assert again.outputs[0].token_ids == outs[0].outputs[0].token_ids
+    assert again.num_cached_tokens > len(again.prompt_token_ids) - 8
+    other = qwen_llm.generate({"prompt_token_ids": cases[1][0],
+                               "multi_modal_data": {"image": [a]}}, GREEDY)[0]
+    assert other.outputs[0].token_ids != outs[1].outputs[0].token_ids
+    assert other.outputs[0].token_ids == _qwen_greedy(qwen, cases[1][0], [a], 10)
+    engine = qwen_llm.engine
+    # 40 merged tokens at most: 20 windows for a 1 x 40 image (the widest), 32 a bucket.
+    assert engine.images.encoder.buckets == [1, 2, 4, 8, 16, 32]
+    assert engine.runner.compiles_after_warmup == 0
+    assert engine.images.encoder.compiles_after_warmup == 0

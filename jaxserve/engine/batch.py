@@ -65,6 +65,9 @@ class StepBatch:
     # [T]: for an image's token, the row of its embedding in the image encoder's buffer
     # (multimodal/); else -1. None for a text-only model.
     image_rows: np.ndarray | None = None
+    # [3, T]: M-RoPE (Qwen2.5-VL): what each token's time, height and width positions add
+    # to its position (Sequence.rope_offsets); None for the usual rope.
+    rope_offsets: np.ndarray | None = None
 
 
 class BucketKey(NamedTuple):
@@ -159,6 +162,8 @@ class BatchBuilder:
     # Batches carry each image token's row of embeddings (`StepBatch.image_rows`, from
     # `Sequence.images`).
     images: bool = False
+    # Batches carry M-RoPE offsets (`StepBatch.rope_offsets`).
+    mrope: bool = False
     _open_masks: dict[int, np.ndarray] = dataclasses.field(default_factory=dict, repr=False)
     # Each sequence's page-table row and sampling parameters, kept across steps.
     rows: PersistentBatch = dataclasses.field(init=False, repr=False)
@@ -272,6 +277,9 @@ class BatchBuilder:
         if batch.image_rows is not None:
             for x in (x for x, q in enumerate(seqs) if q.images):
                 _place_images(batch.image_rows, seqs[x], int(t[x]), int(start[x]), int(n[x]))
+                if batch.rope_offsets is not None:
+                    batch.rope_offsets[:, t[x]:t[x] + n[x]] = seqs[x].rope_offsets_at(
+                        int(start[x]), int(n[x]))
         dest, seat = self._place_rows(batch, seats, row, local + n, rows, num_out, shift_row)
         for x in np.flatnonzero(ndrafts) if any_drafts else ():
             self._place_drafts(batch, scheduled[x], int(i[x]), int(t[x] + own[x]))
@@ -452,6 +460,7 @@ class BatchBuilder:
             ) if history else None,
             lora_slots=np.zeros(t, i32) if self.lora else None,
             image_rows=np.full(t, -1, i32) if self.images else None,
+            rope_offsets=np.zeros((3, t), i32) if self.mrope else None,
         )
 
 

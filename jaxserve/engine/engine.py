@@ -141,7 +141,8 @@ class Engine:
             num_speculative_tokens=spec.num_drafts, tree=bool(spec.tree),
             sampled_drafts=spec.sampled_drafts,
             layout=spec.layout(config.max_num_seqs, config.async_scheduling),
-            lora=self.loras is not None, images=self.images is not None)
+            lora=self.loras is not None, images=self.images is not None,
+            mrope=bool(model_config.mrope_section))
         # Several decode steps per program: not with speculative decoding (its steps
         # verify drafts) nor on several hosts (the others follow single steps).
         decode_steps = (config.num_scheduler_steps
@@ -202,9 +203,10 @@ class Engine:
             self.add_lora(lora_request)
         check_params(params, self.model_config.vocab_size, self.tokenizer is not None)
         token_ids = self._prompt_ids(prompt)
-        spans = []
+        spans, rope = [], (None, 0)
         if images:
-            token_ids, spans = self._images().place(token_ids, self.prepare_images(images))
+            token_ids, spans, *rope = self._images().place(token_ids,
+                                                           self.prepare_images(images))
             token_ids = check_prompt(token_ids, self.model_config.vocab_size,
                                      self.max_model_len)
         room = self.max_model_len - len(token_ids)
@@ -221,6 +223,7 @@ class Engine:
         if lora_request is not None:
             seq.lora, seq.cache_root = lora_request, lora_request.cache_root
         seq.images = spans
+        seq.rope_offsets, seq.rope_delta = rope
         text = (OutputText(self.tokenizer, token_ids, params, self.eos_token_ids,
                            self.stream_text)
                 if self.detokenize and self.tokenizer is not None else None)

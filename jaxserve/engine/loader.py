@@ -92,7 +92,8 @@ def load(config: EngineConfig, random_weights_preset: str | None = None) -> Load
                                            tensors)
         if split is not None:
             vision = Vision(split.params(dtype, shard.sharding(())),
-                            load_image_processor(model_dir, model_config.vision.image_size))
+                            load_image_processor(model_dir, getattr(model_config.vision,
+                                                                    "image_size", None)))
     tokenizer = Tokenizer.from_pretrained(model_dir)
     speculative = SpeculativeModels.load(config.speculative_config, model_config, shard,
                                          config.sharding, dtype, options)

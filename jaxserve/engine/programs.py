@@ -60,8 +60,11 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
     """
     model = nnx.merge(graphdef, params)
     input_ids, batch = resolve_pending(batch, carry, layout, page_size, verifies)
+    positions = batch.positions
+    if batch.rope_offsets is not None:  # M-RoPE: each stream's positions
+        positions = positions[None] + batch.rope_offsets
     (hidden, kv_caches, new_features), sown = nnx.capture(model.run, nnx.Intermediate)(
-        input_ids, batch.positions, kv_caches, batch.attn, expert_load is not None,
+        input_ids, positions, kv_caches, batch.attn, expert_load is not None,
         features_from, LoraInputs.of(lora, batch.lora_slots) if lora is not None else None,
         (images, batch.image_rows) if images is not None else None)
     if expert_load is not None:  # MoE layers' counts, in layer order

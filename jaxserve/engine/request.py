@@ -12,6 +12,8 @@ import enum
 import logging
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from jaxserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -74,6 +76,19 @@ class Sequence:
     cache_root: bytes = b""
     # Its prompt's images (multimodal/inputs.py's ImageSpans, in prompt order).
     images: list = dataclasses.field(default_factory=list)
+    # M-RoPE (Qwen2.5-VL) with images: `[3, prompt tokens]` offsets of each prompt token's
+    # time, height and width positions from its position, and the offset of every token
+    # after the prompt (None: none, all offsets 0).
+    rope_offsets: np.ndarray | None = None
+    rope_delta: int = 0
+
+    def rope_offsets_at(self, start: int, n: int) -> np.ndarray:
+        """`[3, n]` offsets of tokens [start, start + n)."""
+        out = np.full((3, n), self.rope_delta, np.int32)
+        if self.rope_offsets is not None:
+            prompt = self.rope_offsets[:, start:start + n]
+            out[:, :prompt.shape[1]] = prompt
+        return out
 
     def image_key(self, start: int, stop: int) -> bytes:
         """What, beyond token ids, tells tokens [start, stop) apart from others: the hash

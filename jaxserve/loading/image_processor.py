@@ -4,12 +4,19 @@ them (their Pillow backends: transformers' `*ImageProcessorPil`), with numpy and
 CLIP's (LLaVA): RGB (transparency composited on white), the shortest edge resized to
 `size["shortest_edge"]` (bicubic, the long edge truncated to an integer), a centre crop of
 `crop_size`, pixels scaled by 1/255 and normalised by the mean and std, channels first.
+
+Qwen2-VL's (Qwen2.5-VL): RGB, resized (bicubic) to the nearest multiples of patch x merge
+pixels with between `min_pixels` and `max_pixels` in all (`smart_resize`), scaled and
+normalised, then cut into patches of `temporal_patch_size` frames (a still image
+repeated) x patch x patch pixels, 2 x 2 merge units row-major, each unit's patches
+row-major: `[patches, 3 x frames x patch^2]` and the grid (rows, columns) of patches.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -96,6 +103,79 @@ class ClipImageProcessor:
         return (new_long, self.shortest_edge) if w <= h else (self.shortest_edge, new_long)
 
 
+@dataclasses.dataclass(frozen=True)
+class QwenImageProcessor:
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    do_rescale: bool = True
+    do_normalize: bool = True
+    rescale_factor: float = 1 / 255
+    mean: tuple[float, ...] = OPENAI_CLIP_MEAN
+    std: tuple[float, ...] = OPENAI_CLIP_STD
+    resample: int = Image.Resampling.BICUBIC
+
+    @classmethod
+    def from_config(cls, config: dict) -> "QwenImageProcessor":
+        size = config.get("size") or {}
+        return cls(
+            min_pixels=config.get("min_pixels") or size.get("shortest_edge", 56 * 56),
+            max_pixels=config.get("max_pixels") or size.get("longest_edge", 28 * 28 * 1280),
+            patch_size=config.get("patch_size", 14),
+            temporal_patch_size=config.get("temporal_patch_size", 2),
+            merge_size=config.get("merge_size", 2),
+            do_rescale=config.get("do_rescale", True),
+            do_normalize=config.get("do_normalize", True),
+            rescale_factor=config.get("rescale_factor", 1 / 255),
+            mean=tuple(config.get("image_mean", OPENAI_CLIP_MEAN)),
+            std=tuple(config.get("image_std", OPENAI_CLIP_STD)),
+            resample=config.get("resample", Image.Resampling.BICUBIC))
+
+    def __call__(self, image: Image.Image) -> tuple[np.ndarray, tuple[int, int]]:
+        """(`[patches, 3 x frames x patch^2]` float32, (rows, columns) of patches)."""
+        image = to_rgb(image)
+        h, w = smart_resize(image.height, image.width, self.patch_size * self.merge_size,
+                            self.min_pixels, self.max_pixels)
+        image = image.resize((w, h), resample=self.resample)
+        x = np.moveaxis(np.asarray(image), -1, 0)
+        if self.do_rescale:
+            x = (x.astype(np.float64) * self.rescale_factor).astype(np.float32)
+        if self.do_normalize:
+            mean = np.asarray(self.mean, np.float32)[:, None, None]
+            std = np.asarray(self.std, np.float32)[:, None, None]
+            x = ((x - mean) / std).astype(np.float32)
+        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        gh, gw = h // p, w // p
+        x = x.astype(np.float32).reshape(3, gh // m, m, p, gw // m, m, p)
+        x = x.transpose(1, 4, 2, 5, 0, 3, 6)  # units, then patches within, then (c, y, x)
+        x = np.broadcast_to(x[:, :, :, :, :, None], (*x.shape[:5], t, p, p))
+        return np.ascontiguousarray(x.reshape(gh * gw, 3 * t * p * p)), (gh, gw)
+
+    @property
+    def max_patches(self) -> int:
+        return self.max_pixels // self.patch_size ** 2
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int
+                 ) -> tuple[int, int]:
+    """Qwen2-VL's: the size nearest (height, width) in multiples of `factor`, with its
+    pixels within [min_pixels, max_pixels], the aspect ratio kept as well as may be."""
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"the image's aspect ratio is over 200 ({width}x{height})")
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
     """RGB, any transparency composited onto white (transformers' convert_to_rgb)."""
     if "A" in image.getbands() or image.info.get("transparency") is not None:
@@ -118,19 +198,27 @@ def center_crop(x: np.ndarray, height: int, width: int) -> np.ndarray:
     return x[:, top:top + height, left:left + width]
 
 
-def load_image_processor(model_dir: str | Path, image_size: int) -> ClipImageProcessor:
+def load_image_processor(model_dir: str | Path, image_size: int | None
+                         ) -> ClipImageProcessor | QwenImageProcessor:
     """The image processor a checkpoint directory describes: in preprocessor_config.json
     (the hub's files), or under "image_processor" in processor_config.json (transformers
-    5's `save_pretrained`); with neither, CLIP's resized and cropped to `image_size`."""
+    5's `save_pretrained`); with neither, CLIP's resized and cropped to `image_size` (None:
+    Qwen2-VL's defaults)."""
     path = Path(model_dir) / "preprocessor_config.json"
     if path.exists():
         config = json.loads(path.read_text())
     else:
         path = Path(model_dir) / "processor_config.json"
-        config = (json.loads(path.read_text()).get("image_processor") if path.exists()
-                  else None) or {"size": {"shortest_edge": image_size},
-                                 "crop_size": {"height": image_size, "width": image_size}}
+        config = json.loads(path.read_text()).get("image_processor") if path.exists() else None
+    if config is None and image_size is None:
+        config = {"image_processor_type": "Qwen2VLImageProcessor"}
+    elif config is None:
+        config = {"size": {"shortest_edge": image_size},
+                  "crop_size": {"height": image_size, "width": image_size}}
     kind = config.get("image_processor_type", "CLIPImageProcessor")
+    if kind.startswith("Qwen2VLImageProcessor"):
+        return QwenImageProcessor.from_config(config)
     if not kind.startswith("CLIPImageProcessor"):
-        raise ValueError(f"{path}: image processor {kind!r} is not supported (CLIP's is)")
+        raise ValueError(f"{path}: image processor {kind!r} is not supported (CLIP's and "
+                         "Qwen2-VL's are)")
     return ClipImageProcessor.from_config(config)

@@ -3,9 +3,10 @@ checkpoint uses (loading/safetensors.py reads them), the vision tower's and proj
 gathered into the tower's parameter pytree (models/vision/).
 
 Three layouts are read alike: the hub's (`language_model.model.layers...`,
-`vision_tower.vision_model.encoder...`), transformers 5's `save_pretrained` (the tower
-without `vision_model`), and transformers' own module names (`model.language_model.layers...`,
-`model.vision_tower...`, `model.multi_modal_projector...`).
+`vision_tower.vision_model.encoder...`; Qwen2.5-VL's `model.layers...`, `visual...`),
+transformers 5's `save_pretrained` (the tower without `vision_model`), and transformers'
+own module names (`model.language_model.layers...`, `model.vision_tower...`,
+`model.visual...`, `model.multi_modal_projector...`).
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from collections.abc import Iterable, Iterator
 import jax
 import numpy as np
 
-from jaxserve.config import VisionConfig
+from jaxserve.config import QwenVisionConfig, VisionConfig
 from jaxserve.models.vision.clip import ClipLayer, ClipParams
 from jaxserve.models.vision.llava import LlavaParams
+from jaxserve.models.vision.qwen2_5_vl import QwenVisionLayer, QwenVisionParams
 
 _TEXT = re.compile(r"(?:model\.)?language_model\.(?:(model)\.)?(.+)")
-_TOWER = re.compile(r"(?:model\.)?vision_tower\.(?:vision_model\.)?(.+)")
+_TOWER = re.compile(r"(?:model\.)?(?:vision_tower\.(?:vision_model\.)?|visual\.)(.+)")
 _PROJECTOR = re.compile(r"(?:model\.)?multi_modal_projector\.(.+)")
 
 
@@ -29,7 +31,7 @@ class VisionTensors:
     """Splits a checkpoint's tensors: `text(tensors)` passes the language model's on,
     renamed; the vision side's are kept (memory-mapped) for `params`."""
 
-    def __init__(self, cfg: VisionConfig):
+    def __init__(self, cfg: VisionConfig | QwenVisionConfig):
         self.cfg = cfg
         self.kept: dict[str, np.ndarray] = {}
 
@@ -46,19 +48,53 @@ class VisionTensors:
             else:  # lm_head.weight at the top (transformers' module names)
                 yield name, x
 
-    def params(self, dtype, sharding: jax.sharding.Sharding) -> LlavaParams:
+    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self.kept:
+            raise ValueError(f"the checkpoint lacks the vision tensor {name!r}")
+        x = np.asarray(self.kept[name])
+        if x.shape != shape:
+            raise ValueError(f"vision tensor {name!r} has shape {x.shape}, the config "
+                             f"expects {shape}")
+        return x
+
+    def params(self, dtype, sharding: jax.sharding.Sharding) -> LlavaParams | QwenVisionParams:
         """The tower and projector in our layout, placed with `sharding`; a missing or
         misshapen tensor raises ValueError naming it."""
-        cfg, d = self.cfg, self.cfg.hidden_size
+        params = (self._qwen() if isinstance(self.cfg, QwenVisionConfig) else self._llava())
+        self.kept.clear()
+        return jax.tree.map(lambda x: jax.device_put(np.asarray(x, dtype), sharding), params)
 
-        def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
-            if name not in self.kept:
-                raise ValueError(f"the checkpoint lacks the vision tensor {name!r}")
-            x = np.asarray(self.kept[name])
-            if x.shape != shape:
-                raise ValueError(f"vision tensor {name!r} has shape {x.shape}, the config "
-                                 f"expects {shape}")
-            return x
+    def _qwen(self) -> QwenVisionParams:
+        cfg, get, d = self.cfg, self.get, self.cfg.hidden_size
+        m, u = cfg.intermediate_size, d * cfg.spatial_merge_size ** 2
+
+        def layer(i: int) -> QwenVisionLayer:
+            p = f"tower.blocks.{i}."
+            return QwenVisionLayer(
+                norm1=get(p + "norm1.weight", (d,)),
+                qkv_w=get(p + "attn.qkv.weight", (3 * d, d)).T.reshape(d, 3, d),
+                qkv_b=get(p + "attn.qkv.bias", (3 * d,)).reshape(3, d),
+                proj_w=get(p + "attn.proj.weight", (d, d)).T, proj_b=get(p + "attn.proj.bias", (d,)),
+                norm2=get(p + "norm2.weight", (d,)),
+                gate_w=get(p + "mlp.gate_proj.weight", (m, d)).T,
+                gate_b=get(p + "mlp.gate_proj.bias", (m,)),
+                up_w=get(p + "mlp.up_proj.weight", (m, d)).T, up_b=get(p + "mlp.up_proj.bias", (m,)),
+                down_w=get(p + "mlp.down_proj.weight", (d, m)).T,
+                down_b=get(p + "mlp.down_proj.bias", (d,)))
+
+        t, ps = cfg.text_hidden_size, cfg.patch_size
+        return QwenVisionParams(
+            patch_w=get("tower.patch_embed.proj.weight",
+                        (d, 3, cfg.temporal_patch_size, ps, ps)).reshape(d, -1).T,
+            layers=[layer(i) for i in range(cfg.num_layers)],
+            merger_norm=get("tower.merger.ln_q.weight", (d,)),
+            merger_1_w=get("tower.merger.mlp.0.weight", (u, u)).T,
+            merger_1_b=get("tower.merger.mlp.0.bias", (u,)),
+            merger_2_w=get("tower.merger.mlp.2.weight", (t, u)).T,
+            merger_2_b=get("tower.merger.mlp.2.bias", (t,)))
+
+    def _llava(self) -> LlavaParams:
+        cfg, get, d = self.cfg, self.get, self.cfg.hidden_size
 
         def layer(i: int) -> ClipLayer:
             p = f"tower.encoder.layers.{i}."
@@ -86,11 +122,9 @@ class VisionTensors:
             layers=[layer(i) for i in range(cfg.layers_used)])
         t, f = cfg.text_hidden_size, d * len(cfg.feature_layers)
         bias = cfg.projector_bias
-        params = LlavaParams(
+        return LlavaParams(
             tower=tower,
             linear_1_w=get("projector.linear_1.weight", (t, f)).T,
             linear_1_b=get("projector.linear_1.bias", (t,)) if bias else None,
             linear_2_w=get("projector.linear_2.weight", (t, t)).T,
             linear_2_b=get("projector.linear_2.bias", (t,)) if bias else None)
-        self.kept.clear()
-        return jax.tree.map(lambda x: jax.device_put(np.asarray(x, dtype), sharding), params)

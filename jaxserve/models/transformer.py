@@ -130,7 +130,8 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps, cfg.norm_offset)
             k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps, cfg.norm_offset)
-        q, k = rope(q, k, positions, inv_freq, rows=rows, impl=rows_impl(self.options, rows))
+        q, k = rope(q, k, positions, inv_freq, rows=rows, impl=rows_impl(self.options, rows),
+                    sections=cfg.mrope_section)
         q = shard.constrain(q, Q_AXES)
         k, v = shard.constrain(k, NEW_KV_AXES), shard.constrain(v, NEW_KV_AXES)
         out, kv = paged_attention(q, k, v, kv, meta, shard, self.options,

@@ -1,8 +1,13 @@
-"""The vision tower on the device: one jitted program per image shape (LLaVA's towers take
-one size), compiled at warm-up, that encodes an image and writes its embeddings into the
-rows the encoder cache gave it, in the buffer the step reads them from (`buffer`,
-`[num_slots, hidden]`, replicated). The buffer is donated to each encode and replaced:
-steps dispatched before read the version they were given."""
+"""The vision tower on the device: one jitted program per bucket of image shapes, compiled
+at warm-up, that encodes an image and writes its embeddings into the rows the encoder
+cache gave it, in the buffer the step reads them from (`buffer`, `[num_slots, hidden]`,
+replicated). The buffer is donated to each encode and replaced: steps dispatched before
+read the version they were given.
+
+LLaVA's towers take one image size: one program. Qwen2.5-VL's take any size: an image's
+patches are laid out in windows (models/vision/qwen2_5_vl.py's `layout`), padded to a
+power-of-two count of windows, so a program per power of two up to the largest image the
+processor makes (`max_pixels`) covers every size."""
 
 from __future__ import annotations
 
@@ -14,31 +19,56 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import VisionConfig
+from jaxserve.config import QwenVisionConfig, VisionConfig
 from jaxserve.engine.multimodal.inputs import ImageInput
-from jaxserve.models.vision.llava import embed_images
+from jaxserve.models.vision import llava, qwen2_5_vl
 
 log = logging.getLogger(__name__)
 
 
-def encode_into(params, buffer: jax.Array, pixels: jax.Array, rows: jax.Array, *,
-                cfg: VisionConfig) -> jax.Array:
+def _encode_llava(params, buffer: jax.Array, pixels: jax.Array, rows: jax.Array, *,
+                  cfg: VisionConfig) -> jax.Array:
     """`buffer` with the embeddings of the image `pixels` (`[3, S, S]`) at `rows`."""
-    embeds = embed_images(params, pixels[None], cfg)[0]
+    embeds = llava.embed_images(params, pixels[None], cfg)[0]
     return buffer.at[rows].set(embeds.astype(buffer.dtype), mode="drop")
 
 
+def _encode_qwen(params, buffer: jax.Array, patches: jax.Array, positions: jax.Array,
+                 valid: jax.Array, rows: jax.Array, *, cfg: QwenVisionConfig) -> jax.Array:
+    """`buffer` with the embeddings of an image's laid-out patches at `rows` (one per
+    merged output row; out of range for padding)."""
+    embeds = qwen2_5_vl.embed_image(params, patches, positions, valid, cfg)
+    return buffer.at[rows].set(embeds.astype(buffer.dtype), mode="drop")
+
+
+def window_buckets(cfg: QwenVisionConfig, max_patches: int) -> list[int]:
+    """Powers of two up to the most windows an image of at most `max_patches` patches
+    (of any aspect ratio) lays out in."""
+    m = cfg.spatial_merge_size
+    side = cfg.window_size // cfg.patch_size // m
+    units = max_patches // (m * m)
+    most = max(-(-h // side) * -(-(units // h) // side) for h in range(1, units + 1))
+    buckets = [1]
+    while buckets[-1] < most:
+        buckets.append(buckets[-1] * 2)
+    return buckets
+
+
 class ImageEncoder:
-    def __init__(self, cfg: VisionConfig, params, num_slots: int, dtype, sharding):
+    def __init__(self, cfg: VisionConfig | QwenVisionConfig, params, num_slots: int, dtype,
+                 sharding, max_patches: int | None = None):
         self.cfg = cfg
         self.params = params
         self._abstract = jax.ShapeDtypeStruct((num_slots, cfg.text_hidden_size),
                                               jnp.dtype(dtype), sharding=sharding)
         self.buffer = self._zeros()
-        self._sharding = sharding
-        self._encode = jax.jit(functools.partial(encode_into, cfg=cfg), donate_argnums=(1,),
+        self.qwen = isinstance(cfg, QwenVisionConfig)
+        encode = _encode_qwen if self.qwen else _encode_llava
+        self._encode = jax.jit(functools.partial(encode, cfg=cfg), donate_argnums=(1,),
                                out_shardings=sharding)
-        self.warmed_up = False
+        # The shapes compiled for: Qwen2.5-VL's window counts (one program for LLaVA).
+        self.buckets = window_buckets(cfg, max_patches) if self.qwen else [0]
+        self._compiled: dict[int, object] = {}
         self.compiles_after_warmup = 0
         self.seconds = 0.0  # host time spent dispatching encodes (not the device's)
 
@@ -47,25 +77,52 @@ class ImageEncoder:
         return jax.jit(lambda: jnp.zeros(a.shape, a.dtype), out_shardings=a.sharding)()
 
     def warmup(self) -> None:
-        """Compile the encode program (on an image of zeros, written nowhere)."""
-        size = self.cfg.image_size
-        self.buffer = self._encode(self.params, self.buffer, np.zeros((3, size, size),
-                                                                      np.float32),
-                                   np.full(self.cfg.tokens_per_image, self._abstract.shape[0],
-                                           np.int32))
-        jax.block_until_ready(self.buffer)
-        self._compiled = self._encode._cache_size()
-        self.warmed_up = True
+        """Compile every bucket's program (ahead of time: nothing runs)."""
+        for bucket in self.buckets:
+            if bucket not in self._compiled:
+                args = jax.device_put(self._empty(bucket), self._abstract.sharding)
+                self._compiled[bucket] = self._encode.lower(self.params, self.buffer,
+                                                            *args).compile()
+
+    def _empty(self, bucket: int) -> tuple[np.ndarray, ...]:
+        nowhere = self._abstract.shape[0]
+        if not self.qwen:
+            size = self.cfg.image_size
+            return (np.zeros((3, size, size), np.float32),
+                    np.full(self.cfg.tokens_per_image, nowhere, np.int32))
+        n = bucket * self.cfg.window_patches
+        return (np.zeros((n, self.cfg.patch_dim), np.float32), np.zeros((n, 2), np.int32),
+                np.zeros(n, np.bool_),
+                np.full(n // self.cfg.spatial_merge_size ** 2, nowhere, np.int32))
+
+    def _inputs(self, image: ImageInput, rows: np.ndarray) -> tuple[int, tuple]:
+        """(bucket, program inputs) of an image whose tokens' rows are `rows`."""
+        if not self.qwen:
+            return 0, (image.pixels, rows)
+        cfg = self.cfg
+        windows = qwen2_5_vl.layout(*image.grid, cfg).num_windows(cfg)
+        bucket = next((b for b in self.buckets if b >= windows), None)
+        if bucket is None:
+            raise ValueError(f"an image of {windows} windows is larger than the largest "
+                             f"compiled ({self.buckets[-1]})")
+        lay = qwen2_5_vl.layout(*image.grid, cfg, bucket)
+        patches = np.where(lay.valid[:, None], image.pixels[np.maximum(lay.patch, 0)], 0)
+        dest = np.where(lay.token >= 0, rows[np.maximum(lay.token, 0)],
+                        self._abstract.shape[0]).astype(np.int32)
+        return bucket, (patches.astype(np.float32), lay.positions, lay.valid, dest)
 
     def encode(self, image: ImageInput, rows: np.ndarray) -> None:
         """Start encoding `image` into `rows` (the step after reads them)."""
         start = time.perf_counter()
-        self.buffer = self._encode(self.params, self.buffer, image.pixels, rows)
-        if self.warmed_up and self._encode._cache_size() != self._compiled:
-            self.compiles_after_warmup += 1
-            self._compiled = self._encode._cache_size()
-            log.warning("compiled the vision tower after warm-up (image %s)",
-                        image.pixels.shape)
+        bucket, args = self._inputs(image, rows)
+        args = jax.device_put(args, self._abstract.sharding)
+        program = self._compiled.get(bucket)
+        if program is None:
+            self.compiles_after_warmup += bool(self._compiled)
+            log.warning("compiling the vision tower for bucket %d (not warmed up)", bucket)
+            program = self._compiled[bucket] = self._encode.lower(
+                self.params, self.buffer, *args).compile()
+        self.buffer = program(self.params, self.buffer, *args)
         self.seconds += time.perf_counter() - start
 
     def recover(self) -> None:

@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 from PIL import Image
 
-from jaxserve.config import VisionConfig
+from jaxserve.config import QwenVisionConfig, VisionConfig
 from jaxserve.engine.multimodal.encoder import ImageEncoder
 from jaxserve.engine.multimodal.encoder_cache import EncoderCache
-from jaxserve.engine.multimodal.inputs import (
-    ImageInput, ImagePreparer, ImageSpan, place_images)
+from jaxserve.engine.multimodal.inputs import ImageInput, ImagePreparer, ImageSpan, place_images
+from jaxserve.models.vision import qwen2_5_vl
 
 # With no mm_encoder_cache_tokens: rows for this many images (at least one step's tokens).
 DEFAULT_CACHED_IMAGES = 8
@@ -37,13 +37,17 @@ class Images:
                  sharding):
         self.cfg = cfg
         self.preparer = ImagePreparer(cfg, processor, max_per_prompt)
+        max_patches = getattr(processor, "max_patches", None)  # images of any size
+        most = (max_patches // cfg.spatial_merge_size ** 2 if max_patches is not None
+                else cfg.tokens_per_image)  # tokens of the largest image
         if num_slots is None:
-            num_slots = max(min_slots, DEFAULT_CACHED_IMAGES * cfg.tokens_per_image)
+            num_slots = max(min_slots, DEFAULT_CACHED_IMAGES * most)
         self.cache = EncoderCache(num_slots)
-        if self.cache.pages_for(cfg.tokens_per_image) > self.cache.num_pages:
-            raise ValueError(f"mm_encoder_cache_tokens ({num_slots}) cannot hold one image "
-                             f"({cfg.tokens_per_image} tokens)")
-        self.encoder = ImageEncoder(cfg, params, self.cache.num_slots, dtype, sharding)
+        if self.cache.pages_for(most) > self.cache.num_pages:
+            raise ValueError(f"mm_encoder_cache_tokens ({num_slots}) cannot hold the largest "
+                             f"image ({most} tokens)")
+        self.encoder = ImageEncoder(cfg, params, self.cache.num_slots, dtype, sharding,
+                                    max_patches)
 
     @property
     def buffer_bytes(self) -> int:
@@ -63,8 +67,16 @@ class Images:
         return out
 
     def place(self, token_ids: list[int], images: list[ImageInput]
-              ) -> tuple[list[int], list[ImageSpan]]:
-        return place_images(token_ids, images, self.cfg)
+              ) -> tuple[list[int], list[ImageSpan], np.ndarray | None, int]:
+        """A prompt with its images' placeholders expanded, where the images lie, and with
+        M-RoPE, its tokens' offsets and the delta after it (Sequence.rope_offsets; else
+        None, 0). ValueError when the images do not fit the placeholders."""
+        token_ids, spans = place_images(token_ids, images, self.cfg)
+        if not isinstance(self.cfg, QwenVisionConfig):
+            return token_ids, spans, None, 0
+        offsets, delta = qwen2_5_vl.rope_offsets(
+            len(token_ids), [(s.start, s.image.grid) for s in spans], self.cfg)
+        return token_ids, spans, offsets, delta
 
     def upload(self) -> None:
         """Encode the images the scheduler just gave rows."""

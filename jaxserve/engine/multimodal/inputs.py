@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from PIL import Image
 
-from jaxserve.config import VisionConfig
+from jaxserve.config import QwenVisionConfig, VisionConfig
 
 # Images larger than this many pixels are refused before they are decoded.
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
@@ -20,12 +20,15 @@ MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class ImageInput:
-    """One image as the tower reads it: `[3, H, W]` float32 pixels and their content
-    hash (which keys the encoder cache and the prefix cache's pages)."""
+    """One image as the tower reads it: float32 pixels (`[3, H, W]`; Qwen2.5-VL's
+    `[patches, patch_dim]` with their `grid` of rows and columns), its content hash
+    (which keys the encoder cache and the prefix cache's pages) and how many tokens
+    stand for it in a prompt."""
 
     pixels: np.ndarray
     hash: bytes
     num_tokens: int
+    grid: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -78,15 +81,22 @@ def open_image(data, what: str = "image", max_pixels: int = MAX_IMAGE_PIXELS) ->
 
 
 def process_image(image: Image.Image, processor: Callable[[Image.Image], np.ndarray],
-                  cfg: VisionConfig) -> ImageInput:
-    pixels = np.ascontiguousarray(processor(image), np.float32)
-    expected = (3, cfg.image_size, cfg.image_size)
-    if pixels.shape != expected:
-        raise ValueError(f"the image processor made pixels {pixels.shape}, the vision tower "
-                         f"reads {expected}: its preprocessor_config.json does not fit the "
-                         "model")
-    digest = hashlib.blake2b(repr(pixels.shape).encode() + pixels.tobytes(), digest_size=16)
-    return ImageInput(pixels, digest.digest(), cfg.tokens_per_image)
+                  cfg: VisionConfig | QwenVisionConfig) -> ImageInput:
+    out = processor(image)
+    if isinstance(cfg, QwenVisionConfig):  # patches and their grid
+        pixels, grid = out
+        num_tokens = grid[0] * grid[1] // cfg.spatial_merge_size ** 2
+    else:
+        pixels, grid, num_tokens = out, None, cfg.tokens_per_image
+        expected = (3, cfg.image_size, cfg.image_size)
+        if pixels.shape != expected:
+            raise ValueError(f"the image processor made pixels {pixels.shape}, the vision "
+                             f"tower reads {expected}: its preprocessor_config.json does not "
+                             "fit the model")
+    pixels = np.ascontiguousarray(pixels, np.float32)
+    digest = hashlib.blake2b(repr((pixels.shape, grid)).encode() + pixels.tobytes(),
+                             digest_size=16)
+    return ImageInput(pixels, digest.digest(), num_tokens, grid)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +104,7 @@ class ImagePreparer:
     """Turns a request's images into ImageInputs (`__call__`): all a server needs of the
     model to do it off the engine's thread (or process)."""
 
-    cfg: VisionConfig
+    cfg: VisionConfig | QwenVisionConfig
     processor: Callable[[Image.Image], np.ndarray]
     max_per_prompt: int | None = None  # limit_mm_per_prompt["image"]
 
@@ -112,37 +122,33 @@ class ImagePreparer:
                 for image, name in zip(images, names)]
 
 
-def place_images(token_ids: list[int], images: Sequence[ImageInput], cfg: VisionConfig
-                 ) -> tuple[list[int], list[ImageSpan]]:
+def place_images(token_ids: list[int], images: Sequence[ImageInput],
+                 cfg: VisionConfig | QwenVisionConfig) -> tuple[list[int], list[ImageSpan]]:
     """The prompt with each image's placeholder standing for its tokens, and where they
-    lie. A placeholder is one `image_token_id` (expanded here) or already a run of
-    `tokens_per_image` of them (as transformers' processors write prompts); their number
-    must be the images'."""
-    token, n = cfg.image_token_id, cfg.tokens_per_image
-    runs, i = [], 0
+    lie. A placeholder is one `image_token_id` (expanded here) or already a run of as many
+    as the image has tokens (as transformers' processors write prompts), in the images'
+    order; their number must be the images'."""
+    token = cfg.image_token_id
+    out, spans, i, k = [], [], 0, 0
     while i < len(token_ids):
-        if token_ids[i] == token:
-            j = i
-            while j < len(token_ids) and token_ids[j] == token:
-                j += 1
-            runs.append((i, j - i))
-            i = j
-        else:
+        if token_ids[i] != token:
+            out.append(token_ids[i])
             i += 1
-    if n > 1 and any(length not in (1, n) for _, length in runs):
-        # Runs of several whole placeholders, back to back.
-        runs = [(s + k * n, n) for s, length in runs for k in range(length // n)] \
-            if all(length % n == 0 for _, length in runs) else None
-        if runs is None:
-            raise ValueError(f"the prompt's image placeholders (token {token}) must each be "
-                             f"one token or a run of {n}")
-    if len(runs) != len(images):
-        raise ValueError(f"the prompt has {len(runs)} image placeholder(s) (token {token}) "
-                         f"for {len(images)} image(s)")
-    out, spans, last = [], [], 0
-    for (start, length), image in zip(runs, images):
-        out += token_ids[last:start]
-        spans.append(ImageSpan(image, len(out)))
-        out += [token] * n
-        last = start + length
-    return out + token_ids[last:], spans
+            continue
+        run = i
+        while run < len(token_ids) and token_ids[run] == token:
+            run += 1
+        while i < run:  # placeholders back to back: each one token or a whole image's
+            if k == len(images):
+                raise ValueError(f"the prompt has more image placeholders (token {token}) "
+                                 f"than the {len(images)} image(s) given")
+            n = images[k].num_tokens
+            step = n if run - i >= n else 1
+            spans.append(ImageSpan(images[k], len(out)))
+            out += [token] * n
+            i += step
+            k += 1
+    if k != len(images):
+        raise ValueError(f"the prompt has {k} image placeholder(s) (token {token}) for "
+                         f"{len(images)} image(s)")
+    return out, spans
