@@ -57,6 +57,10 @@ def format_plan(p: dict) -> str:
              f"{_gib(p['analytic_weight_bytes'])} "
              f"(ratio {p['weight_bytes'] / p['analytic_weight_bytes']:.3f})"),
         ]
+    if p.get("vision_bytes"):
+        rows.append((f"vision tower per {unit}",
+                     f"{_gib(p['vision_bytes'])} ({p['vision_params'] / 1e6:.0f}M parameters "
+                     "and the encoder cache's default rows, replicated)"))
     if p.get("lora_bytes"):
         rows.append((f"LoRA adapters per {unit}",
                      f"{_gib(p['lora_bytes'])} ({p['max_loras']} slots of rank "

@@ -305,7 +305,8 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
     # says nothing about a GPU's, so there the shapes and shardings are.
     weights = compiled_weights if platform == "tpu" and ok else analytic
     temp = max((b["temp_bytes"] for b in ok), default=0)
-    fit_tokens = max(0, (hbm - weights - lora - temp) // kv_per_token)  # per data shard
+    vision = vision_bytes(cfg, jnp.dtype(dtype), max_num_batched_tokens)
+    fit_tokens = max(0, (hbm - weights - lora - vision - temp) // kv_per_token)  # per shard
     wanted = max_num_seqs // data * max_model_len
     return {
         "model_params": cfg.num_params(), "target": target, "platform": platform,
@@ -316,12 +317,25 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
         "kv_heads_per_chip": kv_heads_per_chip(cfg, shard),
         "temp_bytes": temp, "kv_tokens_that_fit": fit_tokens, "lora_bytes": lora,
         "max_loras": max_loras, "max_lora_rank": max_lora_rank,
+        "vision_params": cfg.vision.num_params() if cfg.vision is not None else 0,
+        "vision_bytes": vision,
         "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
         "wanted_kv_tokens": wanted,
         "fits": len(ok) == len(buckets) and fit_tokens >= wanted,
         "attention": _kernels_used(platform, tpu_kernels, quantization, max_loras > 0),
         "buckets": buckets,
     }
+
+
+def vision_bytes(cfg: ModelConfig, dtype, max_num_batched_tokens: int) -> int:
+    """A vision-language model's image side on every chip (replicated): its tower and
+    projector, and the encoder cache's default rows (8 of the largest images: LLaVA's
+    fixed count, Qwen2.5-VL's at its processor's default max_pixels, 1280 tokens)."""
+    if cfg.vision is None:
+        return 0
+    most = getattr(cfg.vision, "tokens_per_image", 1280)
+    rows = max(max_num_batched_tokens, 8 * most)
+    return (cfg.vision.num_params() + rows * cfg.vision.text_hidden_size) * dtype.itemsize
 
 
 def _kernels_used(platform: str, tpu_kernels: int, quantization: str | None,
