@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -259,6 +260,72 @@ class VisionConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class Gemma3VisionConfig:
+    """Gemma 3's image side ("gemma3"): a SigLIP ViT (no class token, learned positions,
+    pre-norm layers with biases, tanh-gelu, a final LayerNorm) over `image_size` pixels,
+    its patches average-pooled to `tokens_per_image` soft tokens, RMSNorm'd (1 + w) and
+    projected into the language model; the language model attends bidirectionally among
+    one image's tokens. A prompt marks an image by `boi_token_id` (<start_of_image>), which
+    the processor writes out as "\n\n<start_of_image>" + soft tokens + "<end_of_image>\n\n"."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    image_size: int
+    patch_size: int
+    text_hidden_size: int
+    image_token_id: int  # <image_soft_token>
+    tokens_per_image: int = 256
+    boi_token_id: int = 255999
+    eoi_token_id: int = 256000
+    layer_norm_eps: float = 1e-6
+    hidden_act: str = "gelu_pytorch_tanh"
+    family: str = "gemma3"
+
+    def __post_init__(self) -> None:
+        side = math.isqrt(self.tokens_per_image)
+        if side * side != self.tokens_per_image or (self.image_size // self.patch_size) % side:
+            raise ValueError(f"mm_tokens_per_image {self.tokens_per_image} must be a square "
+                             f"whose side divides the {self.image_size // self.patch_size} "
+                             "patches per side")
+        if self.hidden_act not in VISION_ACTIVATIONS:
+            raise ValueError(f"vision hidden_act {self.hidden_act!r} is not supported")
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def pool(self) -> int:
+        """Patches per side pooled into one soft token's side."""
+        return self.image_size // self.patch_size // math.isqrt(self.tokens_per_image)
+
+    def num_params(self) -> int:
+        e, m, p = self.hidden_size, self.intermediate_size, self.patch_size
+        layer = 4 * e * e + 4 * e + 2 * e * m + m + e + 4 * e
+        return (3 * p * p * e + e + self.num_patches * e + self.num_layers * layer + 2 * e
+                + e + e * self.text_hidden_size)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], text_hidden_size: int) -> "Gemma3VisionConfig":
+        v = {"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
+             "num_attention_heads": 16, "image_size": 896, "patch_size": 14,
+             "layer_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh",
+             **(hf.get("vision_config") or {})}
+        return cls(
+            hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"],
+            num_layers=v["num_hidden_layers"], num_heads=v["num_attention_heads"],
+            image_size=v["image_size"], patch_size=v["patch_size"],
+            text_hidden_size=text_hidden_size,
+            image_token_id=hf.get("image_token_index", hf.get("image_token_id", 262144)),
+            tokens_per_image=hf.get("mm_tokens_per_image", 256),
+            boi_token_id=hf.get("boi_token_index", 255999),
+            eoi_token_id=hf.get("eoi_token_index", 256000),
+            layer_norm_eps=v["layer_norm_eps"], hidden_act=v["hidden_act"])
+
+
+@dataclasses.dataclass(frozen=True)
 class QwenVisionConfig:
     """Qwen2.5-VL's image side ("qwen2_5_vl"): a ViT over patches of `patch_size` pixels
     (two frames of a still image: `temporal_patch_size`), with 2-D rotary positions, RMSNorm
@@ -374,7 +441,7 @@ class ModelConfig:
     # Per layer: whether its feed-forward is the experts (else the dense MLP).
     sparse_layers: tuple[bool, ...] = ()
     # A vision-language model's image side (None: text only).
-    vision: VisionConfig | QwenVisionConfig | None = None
+    vision: VisionConfig | QwenVisionConfig | Gemma3VisionConfig | None = None
     # M-RoPE (Qwen2.5-VL): the rotary frequencies split in sections, each turned by its
     # own position stream (time, height, width); () for the usual 1-D rope.
     mrope_section: tuple[int, ...] = ()
@@ -458,6 +525,13 @@ class ModelConfig:
             return dataclasses.replace(
                 lm, architecture=(hf.get("architectures") or ["LlavaForConditionalGeneration"])[0],
                 vision=VisionConfig.from_llava(hf, lm.hidden_size))
+        if model_type == "gemma3":
+            text = {"model_type": "gemma3_text", **(hf.get("text_config") or {})}
+            text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", True))
+            lm = cls.from_hf(text)
+            return dataclasses.replace(
+                lm, architecture=(hf.get("architectures") or ["Gemma3ForConditionalGeneration"])[0],
+                vision=Gemma3VisionConfig.from_hf(hf, lm.hidden_size))
         if model_type == "qwen2_5_vl":  # the text config nested (transformers 5) or flat
             text = {**(hf.get("text_config") or hf), "model_type": "qwen2"}
             text.pop("vision_config", None)

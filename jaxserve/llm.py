@@ -69,7 +69,9 @@ class LLM:
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message, tools=tools,
             **(chat_template_kwargs or {})) for c, _, _ in conversations]
-        prompts = [{"prompt_token_ids": tokenizer.encode(t, add_special_tokens=False),
+        prompts = [{"prompt_token_ids": tokenizer.encode(
+                        self.engine.images.preparer.expand_text(t) if images else t,
+                        add_special_tokens=False),
                     "multi_modal_data": {"image": self.engine.prepare_images(images, names)
                                          if images else []}}
                    for t, (_, images, names) in zip(texts, conversations)]

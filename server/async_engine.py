@@ -74,7 +74,7 @@ def _encode_chat(tokenizer, messages: list[dict], limit: int, template_args: dic
         raise ValueError("messages: this model takes no images (it is not a "
                          "vision-language model)")
     text = tokenizer.apply_chat_template(messages, tokenize=False, **template_args)
-    ids = _encode(tokenizer, text, False, limit)
+    ids = _encode(tokenizer, images.expand_text(text) if raw else text, False, limit)
     if not raw:
         return ids, []
     prepared = images(raw, names)

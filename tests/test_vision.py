@@ -543,3 +543,147 @@ def test_qwen_requests_match_transformers(qwen, qwen_llm):
     assert engine.images.encoder.buckets == [1, 2, 4, 8, 16, 32]
     assert engine.runner.compiles_after_warmup == 0
     assert engine.images.encoder.compiles_after_warmup == 0
+
+
+def test_vision_parameter_counts_match_transformers(llava, qwen):
+    """`jaxserve plan` counts the image side: LLaVA's tower up to its feature layer and
+    its projector, Qwen2.5-VL's whole ViT and merger, as transformers holds them."""
+    from jaxserve.config import ModelConfig
+
+    llava_cfg = ModelConfig.from_file(llava[0]).vision
+    used = [f"layers.{i}." for i in range(llava_cfg.layers_used)]
+    want = sum(v.numel() for k, v in llava[1].state_dict().items()
+               if ("vision_tower" in k and "post_layernorm" not in k
+                   and ("layers." not in k or any(u in k for u in used)))
+               or "multi_modal_projector" in k)
+    assert llava_cfg.num_params() == want
+    qwen_cfg = ModelConfig.from_file(qwen[0]).vision
+    assert qwen_cfg.num_params() == sum(v.numel() for k, v in qwen[1].state_dict().items()
+                                        if "visual." in k)
+
+
+# ----------------------------------------------------------------------- Gemma 3
+
+BOI, EOI, SOFT = 259, 260, 261
+GEMMA_SOFT_TOKENS = 4
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    """(directory, torch model, HF image processor): a random tiny Gemma 3 (a SigLIP tower of
+    2 layers at 56 px, pooled to 4 soft tokens; Gemma 3 text with a sliding layer of
+    window 8 and a global one) saved by transformers with its image processor. The
+    projector's weights are drawn larger than transformers' init (zeros and ones) so that
+    images move the logits."""
+    import torch
+    import transformers as tf
+    from tokenizers import AddedToken, Tokenizer
+
+    from jaxserve.demo import write_byte_tokenizer
+
+    path = tmp_path_factory.mktemp("gemma3")
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, image_size=56, patch_size=14, vision_use_head=False)
+    text = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16,
+                max_position_embeddings=256, bos_token_id=0, eos_token_id=1,
+                initializer_range=0.3)
+    cfg = tf.Gemma3Config(vision_config=vision, text_config=text,
+                          mm_tokens_per_image=GEMMA_SOFT_TOKENS, boi_token_index=BOI,
+                          eoi_token_index=EOI, image_token_index=SOFT, initializer_range=0.2)
+    torch.manual_seed(0)
+    model = tf.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        model.model.multi_modal_projector.mm_soft_emb_norm.weight.normal_()
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_()
+    model.save_pretrained(path)
+    write_byte_tokenizer(path)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (
+        "<start_of_image>", "<end_of_image>", "<image_soft_token>")])
+    tok.save(str(path / "tokenizer.json"))
+    processor = tf.Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
+    processor.save_pretrained(path)
+    return path, model, processor
+
+
+def _gemma_logprobs(gemma, ids: list[int], images, whole: bool = True):
+    """transformers' last-position log-probabilities (`whole` False: image tokens
+    attending causally, as if the bidirectional mask were missing)."""
+    import torch
+
+    _, model, processor = gemma
+    kwargs = {}
+    if images:
+        kwargs["pixel_values"] = processor(images=images, return_tensors="pt")["pixel_values"]
+        kwargs["token_type_ids"] = torch.tensor([[int(whole and t == SOFT) for t in ids]])
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), **kwargs).logits[0, -1]
+    return torch.log_softmax(logits.float(), -1).numpy()
+
+
+def test_gemma3_processor_and_tower_match_transformers(gemma):
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from jaxserve.config import ModelConfig
+    from jaxserve.loading.image_processor import load_image_processor
+    from jaxserve.loading.safetensors import checkpoint_tensors
+    from jaxserve.loading.vision import VisionTensors
+    from jaxserve.models.vision.gemma3 import embed_images
+
+    path, model, processor = gemma
+    ours = load_image_processor(path, 56)
+    rng = np.random.default_rng(0)
+    for h, w, mode in [(80, 60, "RGB"), (50, 150, "RGBA"), (56, 56, "L")]:
+        image = Image.fromarray((rng.random((h, w, 3)) * 255).astype(np.uint8)).convert(mode)
+        want = processor(images=[image], return_tensors="np")["pixel_values"][0]
+        np.testing.assert_array_equal(ours(image), want)
+    cfg = ModelConfig.from_file(path)
+    assert cfg.vision.pool == 2 and cfg.tie_word_embeddings
+    split = VisionTensors(cfg.vision)
+    list(split.text(checkpoint_tensors(path)))
+    params = split.params(jnp.float32, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    pixels = rng.standard_normal((2, 3, 56, 56)).astype(np.float32)
+    with torch.no_grad():
+        want = model.model.get_image_features(torch.tensor(pixels))
+    want = getattr(want, "pooler_output", want)
+    want = np.stack([np.asarray(x) for x in want]).reshape(2, GEMMA_SOFT_TOKENS, -1)
+    got = np.asarray(embed_images(params, jnp.asarray(pixels), cfg.vision))
+    assert np.abs(want).max() > 1.0
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
+def test_gemma3_requests_see_images_whole(gemma):
+    """A text prompt with two <start_of_image> markers (written out as Gemma 3's processor
+    does), in 8-token chunks that would otherwise end inside an image, batched with a text
+    request: the first token's log-probabilities are transformers' with the image tokens
+    attending to each other (and measurably not its causal-only ones), greedy tokens too."""
+    path = gemma[0]
+    llm = LLM(model=str(path), dtype="float32", max_num_seqs=4, max_num_batched_tokens=8,
+              page_size=4, num_pages=96, max_model_len=128)
+    images = [_image(1, 80, 60), _image(2, 50, 150)]
+    text = "ab<start_of_image>cd<start_of_image>e"
+    image_text = ("\n\n<start_of_image>" + "<image_soft_token>" * GEMMA_SOFT_TOKENS
+                  + "<end_of_image>\n\n")
+    want_ids = llm.get_tokenizer().encode(text.replace("<start_of_image>", image_text))
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logprobs=5)
+    outs = llm.generate([{"prompt": text, "multi_modal_data": {"image": images}},
+                         "plain text, no image"], params)
+    out = outs[0]
+    assert out.prompt_token_ids == want_ids
+    want = _gemma_logprobs(gemma, want_ids, images)
+    causal = _gemma_logprobs(gemma, want_ids, images, whole=False)
+    got = out.outputs[0].logprobs[0]
+    top = np.argsort(-want)[:5]
+    assert [t for t in got if got[t].rank is not None] == top.tolist()
+    errors = [abs(got[t].logprob - want[t]) for t in top]
+    assert max(errors) < 1e-4
+    assert np.abs(causal - want)[top].max() > 100 * max(errors)  # the mask matters here
+    text_out = outs[1].outputs[0].logprobs[0]
+    text_want = _gemma_logprobs(gemma, outs[1].prompt_token_ids, [])
+    assert max(abs(e.logprob - text_want[t]) for t, e in text_out.items()
+               if e.rank is not None) < 1e-4
+    assert llm.engine.runner.compiles_after_warmup == 0

@@ -164,6 +164,9 @@ class BatchBuilder:
     images: bool = False
     # Batches carry M-RoPE offsets (`StepBatch.rope_offsets`).
     mrope: bool = False
+    # Images are seen whole: batches carry each image token's image end
+    # (`AttentionMetadata.image_end`; Gemma 3).
+    whole_images: bool = False
     _open_masks: dict[int, np.ndarray] = dataclasses.field(default_factory=dict, repr=False)
     # Each sequence's page-table row and sampling parameters, kept across steps.
     rows: PersistentBatch = dataclasses.field(init=False, repr=False)
@@ -276,7 +279,8 @@ class BatchBuilder:
                 [q.lora_slot for q in seqs], np.int32)[of_token]
         if batch.image_rows is not None:
             for x in (x for x, q in enumerate(seqs) if q.images):
-                _place_images(batch.image_rows, seqs[x], int(t[x]), int(start[x]), int(n[x]))
+                _place_images(batch.image_rows, seqs[x], int(t[x]), int(start[x]), int(n[x]),
+                              batch.attn.image_end)
                 if batch.rope_offsets is not None:
                     batch.rope_offsets[:, t[x]:t[x] + n[x]] = seqs[x].rope_offsets_at(
                         int(start[x]), int(n[x]))
@@ -434,6 +438,7 @@ class BatchBuilder:
                 # No tree unless one is laid out: every sequence's tree starts past its end.
                 tree_start=np.full(s, np.iinfo(i32).max, i32) if key.tree else None,
                 tree_mask=np.zeros(t, i32) if key.tree else None,
+                image_end=np.full(t, -1, i32) if self.whole_images else None,
             ),
             sampling=SamplingArrays(
                 temperature=np.zeros(r, np.float32),
@@ -464,15 +469,19 @@ class BatchBuilder:
         )
 
 
-def _place_images(image_rows: np.ndarray, seq: Sequence, t: int, start: int, n: int
-                  ) -> None:
+def _place_images(image_rows: np.ndarray, seq: Sequence, t: int, start: int, n: int,
+                  image_end: np.ndarray | None = None) -> None:
     """The rows of the embeddings of `seq`'s image tokens among its chunk of `n` tokens
-    from position `start` (at token `t` of the batch)."""
+    from position `start` (at token `t` of the batch), and with `image_end` (images seen
+    whole) each one's image's last position."""
     for span in seq.images:
         lo, hi = max(span.start, start), min(span.end, start + n)
         if lo < hi:
             assert span.slots is not None, "an image's tokens scheduled without its rows"
             image_rows[t + lo - start:t + hi - start] = span.slots[lo - span.start:hi - span.start]
+            if image_end is not None:
+                assert hi == span.end, "an image seen whole split across steps"
+                image_end[t + lo - start:t + hi - start] = span.end - 1
 
 
 def _copied(x):

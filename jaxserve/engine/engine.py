@@ -122,7 +122,8 @@ class Engine:
             self.images = Images(model_config.vision, vision.params, vision.processor,
                                  config.mm_encoder_cache_tokens,
                                  (config.limit_mm_per_prompt or {}).get("image"),
-                                 config.max_num_batched_tokens, config.dtype, shard.sharding(()))
+                                 config.max_num_batched_tokens, config.dtype, shard.sharding(()),
+                                 _token_text(tokenizer))
         num_pages = pool_pages(  # per data shard
             config, model_config, shard, self.max_model_len, kv_dtype,
             spec.page_bytes(model_config, config.page_size, kv_dtype, config.dtype),
@@ -142,7 +143,8 @@ class Engine:
             sampled_drafts=spec.sampled_drafts,
             layout=spec.layout(config.max_num_seqs, config.async_scheduling),
             lora=self.loras is not None, images=self.images is not None,
-            mrope=bool(model_config.mrope_section))
+            mrope=bool(model_config.mrope_section),
+            whole_images=self.images is not None and self.images.whole)
         # Several decode steps per program: not with speculative decoding (its steps
         # verify drafts) nor on several hosts (the others follow single steps).
         decode_steps = (config.num_scheduler_steps
@@ -202,6 +204,8 @@ class Engine:
         if lora_request is not None:
             self.add_lora(lora_request)
         check_params(params, self.model_config.vocab_size, self.tokenizer is not None)
+        if images and isinstance(prompt, str):  # Gemma 3: its image markers written out
+            prompt = self._images().preparer.expand_text(prompt)
         token_ids = self._prompt_ids(prompt)
         spans, rope = [], (None, 0)
         if images:
@@ -224,6 +228,7 @@ class Engine:
             seq.lora, seq.cache_root = lora_request, lora_request.cache_root
         seq.images = spans
         seq.rope_offsets, seq.rope_delta = rope
+        seq.whole_images = bool(spans) and self.images.whole
         text = (OutputText(self.tokenizer, token_ids, params, self.eos_token_ids,
                            self.stream_text)
                 if self.detokenize and self.tokenizer is not None else None)
@@ -563,3 +568,10 @@ class Engine:
         else:
             self.speculator.commit(s, out_index, rows, later, speculation)
         return out
+
+
+def _token_text(tokenizer: Tokenizer | None):
+    """A token id's text (special tokens too), or None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    return lambda token: tokenizer.decode([token], skip_special_tokens=False)

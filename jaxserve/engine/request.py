@@ -81,6 +81,18 @@ class Sequence:
     # after the prompt (None: none, all offsets 0).
     rope_offsets: np.ndarray | None = None
     rope_delta: int = 0
+    # Its images are seen whole (Gemma 3: their tokens attend to each other), so a chunk
+    # of its prompt never ends inside one (`chunk`).
+    whole_images: bool = False
+
+    def chunk(self, start: int, n: int) -> int:
+        """How many of `n` tokens from `start` a step may compute: all, unless they end
+        inside an image seen whole, then those before it (0: none fit yet)."""
+        if self.whole_images:
+            for span in self.images:
+                if span.start < start + n < span.end:
+                    return max(0, span.start - start)
+        return n
 
     def rope_offsets_at(self, start: int, n: int) -> np.ndarray:
         """`[3, n]` offsets of tokens [start, start + n)."""

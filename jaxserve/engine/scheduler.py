@@ -318,7 +318,8 @@ class Scheduler:
             seq = self.running[i]
             data_shard = seq.data_shard
             n = self._num_to_compute(seq, budgets[data_shard], len(drafts.get(seq, ())))
-            if n <= 0:  # the data shard's budget is spent
+            n = seq.chunk(seq.num_computed_tokens, n)
+            if n <= 0:  # the data shard's budget is spent (or an image does not fit it)
                 i += 1
                 continue
             scheduled = True
@@ -369,7 +370,8 @@ class Scheduler:
             if seq.first_scheduled_at is None:
                 seq.first_scheduled_at = time.monotonic()
             self.running.append(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budgets[data_shard])
+            n = seq.chunk(seq.num_computed_tokens,
+                          min(seq.num_tokens - seq.num_computed_tokens, budgets[data_shard]))
             out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, n))
             budgets[data_shard] -= n
             seats[data_shard] -= 1
@@ -381,8 +383,8 @@ class Scheduler:
                   for d in range(len(self.allocators)) if budgets[d] > 0 and seats[d] > 0}
         order = sorted(cached, key=lambda d: (-cached[d], -self.allocators[d].num_free_pages, d))
         for d in order:
-            n = min(seq.num_tokens - cached[d], budgets[d])
-            if self.allocators[d].allocate_prompt(seq, n):
+            n = seq.chunk(cached[d], min(seq.num_tokens - cached[d], budgets[d]))
+            if n > 0 and self.allocators[d].allocate_prompt(seq, n):
                 assert seq.num_computed_tokens == cached[d]
                 seq.data_shard = d
                 for other in self.allocators:

@@ -5,6 +5,9 @@ CLIP's (LLaVA): RGB (transparency composited on white), the shortest edge resize
 `size["shortest_edge"]` (bicubic, the long edge truncated to an integer), a centre crop of
 `crop_size`, pixels scaled by 1/255 and normalised by the mean and std, channels first.
 
+Gemma 3's (SigLIP's): CLIP's steps with a square bilinear resize, no crop, mean and std
+0.5.
+
 Qwen2-VL's (Qwen2.5-VL): RGB, resized (bicubic) to the nearest multiples of patch x merge
 pixels with between `min_pixels` and `max_pixels` in all (`smart_resize`), scaled and
 normalised, then cut into patches of `temporal_patch_size` frames (a still image
@@ -218,7 +221,15 @@ def load_image_processor(model_dir: str | Path, image_size: int | None
     kind = config.get("image_processor_type", "CLIPImageProcessor")
     if kind.startswith("Qwen2VLImageProcessor"):
         return QwenImageProcessor.from_config(config)
+    if kind.startswith(("Gemma3ImageProcessor", "SiglipImageProcessor")):
+        if config.get("do_pan_and_scan"):
+            raise ValueError(f"{path}: do_pan_and_scan (Gemma 3's crops) is not supported")
+        # A square resize (bilinear), no crop, mean and std 0.5 (ImageNet's "standard").
+        return ClipImageProcessor.from_config({
+            "do_center_crop": False, "resample": Image.Resampling.BILINEAR,
+            "image_mean": (0.5, 0.5, 0.5), "image_std": (0.5, 0.5, 0.5),
+            "size": {"height": 224, "width": 224}, **config})
     if not kind.startswith("CLIPImageProcessor"):
-        raise ValueError(f"{path}: image processor {kind!r} is not supported (CLIP's and "
-                         "Qwen2-VL's are)")
+        raise ValueError(f"{path}: image processor {kind!r} is not supported (CLIP's, "
+                         "Gemma 3's and Qwen2-VL's are)")
     return ClipImageProcessor.from_config(config)

@@ -17,8 +17,9 @@ from collections.abc import Iterable, Iterator
 import jax
 import numpy as np
 
-from jaxserve.config import QwenVisionConfig, VisionConfig
+from jaxserve.config import Gemma3VisionConfig, QwenVisionConfig, VisionConfig
 from jaxserve.models.vision.clip import ClipLayer, ClipParams
+from jaxserve.models.vision.gemma3 import Gemma3VisionParams
 from jaxserve.models.vision.llava import LlavaParams
 from jaxserve.models.vision.qwen2_5_vl import QwenVisionLayer, QwenVisionParams
 
@@ -31,7 +32,7 @@ class VisionTensors:
     """Splits a checkpoint's tensors: `text(tensors)` passes the language model's on,
     renamed; the vision side's are kept (memory-mapped) for `params`."""
 
-    def __init__(self, cfg: VisionConfig | QwenVisionConfig):
+    def __init__(self, cfg: VisionConfig | QwenVisionConfig | Gemma3VisionConfig):
         self.cfg = cfg
         self.kept: dict[str, np.ndarray] = {}
 
@@ -60,7 +61,8 @@ class VisionTensors:
     def params(self, dtype, sharding: jax.sharding.Sharding) -> LlavaParams | QwenVisionParams:
         """The tower and projector in our layout, placed with `sharding`; a missing or
         misshapen tensor raises ValueError naming it."""
-        params = (self._qwen() if isinstance(self.cfg, QwenVisionConfig) else self._llava())
+        params = (self._qwen() if isinstance(self.cfg, QwenVisionConfig) else
+                  self._gemma3() if isinstance(self.cfg, Gemma3VisionConfig) else self._llava())
         self.kept.clear()
         return jax.tree.map(lambda x: jax.device_put(np.asarray(x, dtype), sharding), params)
 
@@ -93,25 +95,36 @@ class VisionTensors:
             merger_2_w=get("tower.merger.mlp.2.weight", (t, u)).T,
             merger_2_b=get("tower.merger.mlp.2.bias", (t,)))
 
+    def _clip_layer(self, i: int) -> ClipLayer:
+        """Layer i of a CLIP or SigLIP tower."""
+        get, d, m = self.get, self.cfg.hidden_size, self.cfg.intermediate_size
+        p = f"tower.encoder.layers.{i}."
+        attn = p + "self_attn."
+        return ClipLayer(
+            ln1_w=get(p + "layer_norm1.weight", (d,)), ln1_b=get(p + "layer_norm1.bias", (d,)),
+            qkv_w=np.stack([get(f"{attn}{x}_proj.weight", (d, d)).T for x in "qkv"], 1),
+            qkv_b=np.stack([get(f"{attn}{x}_proj.bias", (d,)) for x in "qkv"]),
+            out_w=get(attn + "out_proj.weight", (d, d)).T,
+            out_b=get(attn + "out_proj.bias", (d,)),
+            ln2_w=get(p + "layer_norm2.weight", (d,)), ln2_b=get(p + "layer_norm2.bias", (d,)),
+            fc1_w=get(p + "mlp.fc1.weight", (m, d)).T, fc1_b=get(p + "mlp.fc1.bias", (m,)),
+            fc2_w=get(p + "mlp.fc2.weight", (d, m)).T, fc2_b=get(p + "mlp.fc2.bias", (d,)))
+
+    def _gemma3(self) -> Gemma3VisionParams:
+        cfg, get, d, ps = self.cfg, self.get, self.cfg.hidden_size, self.cfg.patch_size
+        return Gemma3VisionParams(
+            patch_w=get("tower.embeddings.patch_embedding.weight", (d, 3, ps, ps))
+            .reshape(d, -1).T,
+            patch_b=get("tower.embeddings.patch_embedding.bias", (d,)),
+            positions=get("tower.embeddings.position_embedding.weight", (cfg.num_patches, d)),
+            layers=[self._clip_layer(i) for i in range(cfg.num_layers)],
+            post_ln_w=get("tower.post_layernorm.weight", (d,)),
+            post_ln_b=get("tower.post_layernorm.bias", (d,)),
+            soft_norm=get("projector.mm_soft_emb_norm.weight", (d,)),
+            projection=get("projector.mm_input_projection_weight", (d, cfg.text_hidden_size)))
+
     def _llava(self) -> LlavaParams:
-        cfg, get, d = self.cfg, self.get, self.cfg.hidden_size
-
-        def layer(i: int) -> ClipLayer:
-            p = f"tower.encoder.layers.{i}."
-            attn = p + "self_attn."
-            return ClipLayer(
-                ln1_w=get(p + "layer_norm1.weight", (d,)), ln1_b=get(p + "layer_norm1.bias", (d,)),
-                qkv_w=np.stack([get(f"{attn}{x}_proj.weight", (d, d)).T for x in "qkv"], 1),
-                qkv_b=np.stack([get(f"{attn}{x}_proj.bias", (d,)) for x in "qkv"]),
-                out_w=get(attn + "out_proj.weight", (d, d)).T,
-                out_b=get(attn + "out_proj.bias", (d,)),
-                ln2_w=get(p + "layer_norm2.weight", (d,)), ln2_b=get(p + "layer_norm2.bias", (d,)),
-                fc1_w=get(p + "mlp.fc1.weight", (cfg.intermediate_size, d)).T,
-                fc1_b=get(p + "mlp.fc1.bias", (cfg.intermediate_size,)),
-                fc2_w=get(p + "mlp.fc2.weight", (d, cfg.intermediate_size)).T,
-                fc2_b=get(p + "mlp.fc2.bias", (d,)))
-
-        ps = cfg.patch_size
+        cfg, get, d, ps = self.cfg, self.get, self.cfg.hidden_size, self.cfg.patch_size
         tower = ClipParams(
             patch_w=get("tower.embeddings.patch_embedding.weight", (d, 3, ps, ps))
             .reshape(d, -1).T,
@@ -119,7 +132,7 @@ class VisionTensors:
             positions=get("tower.embeddings.position_embedding.weight", (cfg.num_patches + 1, d)),
             pre_ln_w=get("tower.pre_layrnorm.weight", (d,)),
             pre_ln_b=get("tower.pre_layrnorm.bias", (d,)),
-            layers=[layer(i) for i in range(cfg.layers_used)])
+            layers=[self._clip_layer(i) for i in range(cfg.layers_used)])
         t, f = cfg.text_hidden_size, d * len(cfg.feature_layers)
         bias = cfg.projector_bias
         return LlavaParams(

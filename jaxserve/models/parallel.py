@@ -174,17 +174,18 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple[jax.Arra
     whole = all(n == 1 or a in manual for a, n in shard.mesh.shape.items())
     write_impl = None if whole else "xla"
 
-    def local(q, k, v, kv, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, tree):
+    def local(q, k, v, kv, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, tree,
+              image_end):
         kv = write_kv(kv[0], kv[1], k, v, slot_mapping, *kv[2:], impl=write_impl)
         scales = dict(k_scales=kv[2], v_scales=kv[3]) if len(kv) == 4 else {}
         out = ragged_paged_attention(q, kv[0], kv[1], kv_lens, page_indices, cu_q_lens,
                                      num_seqs[0], impl=impl, interpret=options.interpret,
-                                     tree_start=tree[0], tree_mask=tree[1], **scales,
-                                     **kwargs)
+                                     tree_start=tree[0], tree_mask=tree[1],
+                                     image_end=image_end, **scales, **kwargs)
         return out, kv
 
     args = (q, k, v, kv, meta.slot_mapping, meta.kv_lens, meta.page_indices, meta.cu_q_lens,
-            meta.num_seqs, (meta.tree_start, meta.tree_mask))
+            meta.num_seqs, (meta.tree_start, meta.tree_mask), meta.image_end)
     if not manual:
         return local(*args)
     spec = lambda axes: _only(shard.rules.spec(axes), manual)  # noqa: E731
@@ -193,7 +194,7 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple[jax.Arra
     return jax.shard_map(
         local, mesh=shard.mesh, axis_names=manual, check_vma=False,
         in_specs=(spec(Q_AXES), spec(NEW_KV_AXES), spec(NEW_KV_AXES), kv_specs, token_spec,
-                  seq_spec, seq_spec, seq_spec, seq_spec, (seq_spec, token_spec)),
+                  seq_spec, seq_spec, seq_spec, seq_spec, (seq_spec, token_spec), token_spec),
         out_specs=(spec(Q_AXES), kv_specs))(*args)
 
 

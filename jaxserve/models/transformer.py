@@ -68,6 +68,9 @@ class AttentionMetadata:
     # where each sequence's tree starts and each token's tree mask (the kernels' args).
     tree_start: jax.Array | None = None  # [S]
     tree_mask: jax.Array | None = None  # [T]
+    # Images seen whole (Gemma 3): for a token inside one, the position of its last token
+    # (the image's tokens see each other); -1 elsewhere. None for other models.
+    image_end: jax.Array | None = None  # [T]
 
     # With D data shards (1 without data parallelism), every array is D equal blocks, one
     # per shard, in the shard's own terms: token offsets within its T/D tokens, slots and

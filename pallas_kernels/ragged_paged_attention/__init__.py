@@ -10,7 +10,10 @@ K/V writer: kv_cache.py. Work items: work_items.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import cpu as native
 from pallas_kernels.platform import GPU_PLATFORMS, current_platform
@@ -36,12 +39,16 @@ def default_impl(platform: str | None = None) -> str:
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            sm_scale: float, sliding_window: int | None = None,
                            soft_cap: float | None = None, k_scales=None, v_scales=None,
-                           tree_start=None, tree_mask=None,
+                           tree_start=None, tree_mask=None, image_end=None,
                            impl: str | None = None, interpret: bool = False,
                            **block_sizes) -> jax.Array:
     """Causal attention of ragged queries over paged K/V (and, with `tree_start` and
-    `tree_mask`, trees of speculative tokens whose nodes see their ancestors only):
+    `tree_mask`, trees of speculative tokens whose nodes see their ancestors only; with
+    `image_end`, images whose tokens see each other):
     `[T, num_q_heads, head_dim]` in q's dtype, zeros for padding queries.
+
+    Only the reference reads `image_end` yet: another `impl` runs as asked for a step
+    without image tokens, and the reference for one with them (`lax.cond`).
 
     The arguments are described in work_items.AttentionInputs; `impl` is one of IMPLS (None:
     by platform). `block_sizes` are the backend's overrides (pages_per_block,
@@ -50,7 +57,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     x = AttentionInputs.validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
                                  num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
                                  soft_cap=soft_cap, k_scales=k_scales, v_scales=v_scales,
-                                 tree_start=tree_start, tree_mask=tree_mask)
+                                 tree_start=tree_start, tree_mask=tree_mask,
+                                 image_end=image_end)
     if impl is None:
         impl = default_impl()
         if impl == "cpu":
@@ -58,6 +66,15 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
             impl = "cpu" if cpu.supports(x) else "reference"
     if impl == "reference":
         return reference.ragged_paged_attention(x, **block_sizes)
+    if x.image_end is not None:
+        plain = dataclasses.replace(x, image_end=None)
+        return jax.lax.cond(jnp.any(x.image_end >= 0),
+                            lambda: reference.ragged_paged_attention(x),
+                            lambda: _kernel(plain, impl, interpret, block_sizes))
+    return _kernel(x, impl, interpret, block_sizes)
+
+
+def _kernel(x: AttentionInputs, impl: str, interpret: bool, block_sizes: dict) -> jax.Array:
     if impl == "tpu":
         from pallas_kernels.ragged_paged_attention import tpu
         return tpu.ragged_paged_attention(x, interpret=interpret, **block_sizes)

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.ragged_paged_attention.kv_cache import as_bits, as_values
 from pallas_kernels.ragged_paged_attention.work_items import (
-    MASKED, AttentionInputs, BlockPlan, WorkItems, default_queries_per_block, gather_queries,
-    gather_tree_masks, plan_blocks, scatter_outputs, tree_visible)
+    MASKED, AttentionInputs, BlockPlan, WorkItems, default_queries_per_block, gather_image_ends,
+    gather_queries, gather_tree_masks, plan_blocks, scatter_outputs, tree_visible)
 
 KV_TOKENS_PER_BLOCK = 128
 PREFILL_ITEMS_PER_PASS = 4
@@ -61,6 +61,10 @@ def _attend(x: AttentionInputs, plan: BlockPlan, items: WorkItems) -> jax.Array:
     qi = qi.transpose(1, 0, 2, 3)  # [W, Hkv, rows, D]: batch dims first for XLA
     row_pos = items.q_pos[:, None] + jnp.arange(rows, dtype=jnp.int32) // group
     row_pos = row_pos[:, None, :]  # [W, 1, rows]
+    # The last key each row sees: itself, or the end of the image it is in.
+    row_last = row_pos
+    if x.image_end is not None:
+        row_last = jnp.maximum(row_pos, gather_image_ends(x, items)[:, None, :])
     kv_len = items.kv_len[:, None, None]
     if x.tree:  # each row's tree mask, its item's tree start: [W, 1, rows, 1], [W, 1, 1, 1]
         row_mask = gather_tree_masks(x, items)[:, None, :, None]
@@ -83,7 +87,7 @@ def _attend(x: AttentionInputs, plan: BlockPlan, items: WorkItems) -> jax.Array:
         if x.soft_cap is not None:
             s = x.soft_cap * jnp.tanh(s / x.soft_cap)
         k_pos = b * block * page_size + jnp.arange(block * page_size, dtype=jnp.int32)
-        visible = (k_pos <= row_pos[..., None]) & (k_pos < kv_len[..., None])
+        visible = (k_pos <= row_last[..., None]) & (k_pos < kv_len[..., None])
         if x.sliding_window is not None:
             visible &= k_pos > row_pos[..., None] - x.sliding_window
         if x.tree:

@@ -53,6 +53,11 @@ class AttentionInputs:
     every parent before its children; tree_start >= kv_len: no tree), and tree_mask `[T]`
     int32, each query's nodes it may see (bit j: node j; its ancestors and itself). Keys
     before a tree stay visible as usual; a query sees a node only if its bit is set.
+
+    Images seen whole (Gemma 3: bidirectional attention among an image's tokens):
+    image_end `[T]` int32, for a query inside an image the position of that image's last
+    token, which it sees with every token of the image before it (the rest of the step
+    writes them first); -1 elsewhere. A sliding window still counts back from the query.
     """
 
     q: jax.Array
@@ -69,6 +74,7 @@ class AttentionInputs:
     sm_scale: float = dataclasses.field(metadata=dict(static=True))
     sliding_window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     soft_cap: float | None = dataclasses.field(default=None, metadata=dict(static=True))
+    image_end: jax.Array | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -111,14 +117,14 @@ class AttentionInputs:
     def validate(cls, q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                  sm_scale: float, sliding_window: int | None = None,
                  soft_cap: float | None = None, k_scales=None, v_scales=None,
-                 tree_start=None, tree_mask=None) -> "AttentionInputs":
+                 tree_start=None, tree_mask=None, image_end=None) -> "AttentionInputs":
         """The inputs as arrays, or a ValueError saying which shape or dtype is wrong."""
         args = [jnp.asarray(a) for a in (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
                                          num_seqs)]
         optional = [None if a is None else jnp.asarray(a)
                     for a in (k_scales, v_scales, tree_start, tree_mask)]
         x = cls(*args, *optional, sm_scale=sm_scale, sliding_window=sliding_window,
-                soft_cap=soft_cap)
+                soft_cap=soft_cap, image_end=None if image_end is None else jnp.asarray(image_end))
         _check(x)
         return x
 
@@ -165,6 +171,10 @@ def _check(x: AttentionInputs) -> None:
                                ("tree_mask", x.tree_mask, (x.num_tokens,))):
             need(a.shape == shape and a.dtype == jnp.int32,
                  f"{name} must be int32 {list(shape)}, got {a.dtype} {list(a.shape)}")
+    if x.image_end is not None:
+        need(x.image_end.shape == (x.num_tokens,) and x.image_end.dtype == jnp.int32,
+             f"image_end must be int32 [{x.num_tokens}], got {x.image_end.dtype} "
+             f"{list(x.image_end.shape)}")
 
 
 MAX_TREE_NODES = 32  # bits of an int32 tree_mask
@@ -329,6 +339,13 @@ def gather_tree_masks(x: AttentionInputs, items: WorkItems, rows: int | None = N
     if rows is not None and rows > mask.shape[1]:
         mask = jnp.pad(mask, ((0, 0), (0, rows - mask.shape[1])))
     return mask
+
+
+def gather_image_ends(x: AttentionInputs, items: WorkItems) -> jax.Array:
+    """Each item's rows' image ends, `[W, rows]` laid out as gather_queries lays out the
+    rows; -1 for padding rows."""
+    ends = x.image_end[jnp.minimum(items.token, x.num_tokens - 1)]
+    return jnp.repeat(jnp.where(items.token < x.num_tokens, ends, -1), x.group, axis=1)
 
 
 def scatter_outputs(result: jax.Array, out: jax.Array, items: WorkItems, group: int

@@ -4,7 +4,7 @@ cache gave it, in the buffer the step reads them from (`buffer`, `[num_slots, hi
 replicated). The buffer is donated to each encode and replaced: steps dispatched before
 read the version they were given.
 
-LLaVA's towers take one image size: one program. Qwen2.5-VL's take any size: an image's
+LLaVA's and Gemma 3's towers take one image size: one program. Qwen2.5-VL's take any size: an image's
 patches are laid out in windows (models/vision/qwen2_5_vl.py's `layout`), padded to a
 power-of-two count of windows, so a program per power of two up to the largest image the
 processor makes (`max_pixels`) covers every size."""
@@ -19,17 +19,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import QwenVisionConfig, VisionConfig
+from jaxserve.config import Gemma3VisionConfig, QwenVisionConfig, VisionConfig
 from jaxserve.engine.multimodal.inputs import ImageInput
-from jaxserve.models.vision import llava, qwen2_5_vl
+from jaxserve.models.vision import gemma3, llava, qwen2_5_vl
 
 log = logging.getLogger(__name__)
 
 
-def _encode_llava(params, buffer: jax.Array, pixels: jax.Array, rows: jax.Array, *,
-                  cfg: VisionConfig) -> jax.Array:
-    """`buffer` with the embeddings of the image `pixels` (`[3, S, S]`) at `rows`."""
-    embeds = llava.embed_images(params, pixels[None], cfg)[0]
+def _encode_fixed(params, buffer: jax.Array, pixels: jax.Array, rows: jax.Array, *,
+                  cfg: VisionConfig | Gemma3VisionConfig) -> jax.Array:
+    """`buffer` with the embeddings of the image `pixels` (`[3, S, S]`) at `rows`: LLaVA's
+    or Gemma 3's towers (one image size)."""
+    embed = gemma3.embed_images if isinstance(cfg, Gemma3VisionConfig) else llava.embed_images
+    embeds = embed(params, pixels[None], cfg)[0]
     return buffer.at[rows].set(embeds.astype(buffer.dtype), mode="drop")
 
 
@@ -63,7 +65,7 @@ class ImageEncoder:
                                               jnp.dtype(dtype), sharding=sharding)
         self.buffer = self._zeros()
         self.qwen = isinstance(cfg, QwenVisionConfig)
-        encode = _encode_qwen if self.qwen else _encode_llava
+        encode = _encode_qwen if self.qwen else _encode_fixed
         self._encode = jax.jit(functools.partial(encode, cfg=cfg), donate_argnums=(1,),
                                out_shardings=sharding)
         # The shapes compiled for: Qwen2.5-VL's window counts (one program for LLaVA).

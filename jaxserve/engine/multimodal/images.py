@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 from PIL import Image
 
-from jaxserve.config import QwenVisionConfig, VisionConfig
+from jaxserve.config import Gemma3VisionConfig, QwenVisionConfig, VisionConfig
 from jaxserve.engine.multimodal.encoder import ImageEncoder
 from jaxserve.engine.multimodal.encoder_cache import EncoderCache
-from jaxserve.engine.multimodal.inputs import ImageInput, ImagePreparer, ImageSpan, place_images
+from jaxserve.engine.multimodal.inputs import (
+    ImageInput, ImagePreparer, ImageSpan, image_text, place_images)
 from jaxserve.models.vision import qwen2_5_vl
 
 # With no mm_encoder_cache_tokens: rows for this many images (at least one step's tokens).
@@ -33,21 +34,28 @@ class ImageStats:
 
 class Images:
     def __init__(self, cfg: VisionConfig, params, processor: Callable[[Image.Image], np.ndarray],
-                 num_slots: int | None, max_per_prompt: int | None, min_slots: int, dtype,
-                 sharding):
+                 num_slots: int | None, max_per_prompt: int | None, max_num_batched_tokens: int,
+                 dtype,
+                 sharding, token_text: Callable[[int], str] | None = None):
         self.cfg = cfg
-        self.preparer = ImagePreparer(cfg, processor, max_per_prompt)
+        self.preparer = ImagePreparer(cfg, processor, max_per_prompt,
+                                      image_text(cfg, token_text) if token_text else None)
         max_patches = getattr(processor, "max_patches", None)  # images of any size
         most = (max_patches // cfg.spatial_merge_size ** 2 if max_patches is not None
                 else cfg.tokens_per_image)  # tokens of the largest image
         if num_slots is None:
-            num_slots = max(min_slots, DEFAULT_CACHED_IMAGES * most)
+            num_slots = max(max_num_batched_tokens, DEFAULT_CACHED_IMAGES * most)
         self.cache = EncoderCache(num_slots)
         if self.cache.pages_for(most) > self.cache.num_pages:
             raise ValueError(f"mm_encoder_cache_tokens ({num_slots}) cannot hold the largest "
                              f"image ({most} tokens)")
         self.encoder = ImageEncoder(cfg, params, self.cache.num_slots, dtype, sharding,
                                     max_patches)
+        # Gemma 3's images are seen whole: a step computes all of an image's tokens.
+        self.whole = isinstance(cfg, Gemma3VisionConfig)
+        if self.whole and most > max_num_batched_tokens:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must hold an image's "
+                             f"{most} tokens (Gemma 3 computes an image in one step)")
 
     @property
     def buffer_bytes(self) -> int:

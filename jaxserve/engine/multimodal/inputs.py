@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from PIL import Image
 
-from jaxserve.config import QwenVisionConfig, VisionConfig
+from jaxserve.config import Gemma3VisionConfig, QwenVisionConfig, VisionConfig
 
 # Images larger than this many pixels are refused before they are decoded.
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
@@ -81,7 +81,7 @@ def open_image(data, what: str = "image", max_pixels: int = MAX_IMAGE_PIXELS) ->
 
 
 def process_image(image: Image.Image, processor: Callable[[Image.Image], np.ndarray],
-                  cfg: VisionConfig | QwenVisionConfig) -> ImageInput:
+                  cfg: VisionConfig | QwenVisionConfig | Gemma3VisionConfig) -> ImageInput:
     out = processor(image)
     if isinstance(cfg, QwenVisionConfig):  # patches and their grid
         pixels, grid = out
@@ -104,9 +104,16 @@ class ImagePreparer:
     """Turns a request's images into ImageInputs (`__call__`): all a server needs of the
     model to do it off the engine's thread (or process)."""
 
-    cfg: VisionConfig | QwenVisionConfig
+    cfg: VisionConfig | QwenVisionConfig | Gemma3VisionConfig
     processor: Callable[[Image.Image], np.ndarray]
     max_per_prompt: int | None = None  # limit_mm_per_prompt["image"]
+    # Gemma 3: what an image's marker in prompt text (<start_of_image>) is written out as,
+    # as its processor does before tokenizing (None: nothing to write out).
+    image_text: tuple[str, str] | None = None
+
+    def expand_text(self, text: str) -> str:
+        """Prompt text with each image's marker written out (Gemma 3), else as it is."""
+        return text if self.image_text is None else text.replace(*self.image_text)
 
     def __call__(self, images: Sequence, names: Sequence[str] | None = None
                  ) -> list[ImageInput]:
@@ -122,8 +129,20 @@ class ImagePreparer:
                 for image, name in zip(images, names)]
 
 
+def image_text(cfg: VisionConfig | QwenVisionConfig | Gemma3VisionConfig, token_text
+               ) -> tuple[str, str] | None:
+    """Gemma 3's (marker, what it stands for) in prompt text: "\n\n<start_of_image>",
+    the soft tokens and "<end_of_image>\n\n" (`token_text`: an id's text); else None."""
+    if not isinstance(cfg, Gemma3VisionConfig):
+        return None
+    boi, soft, eoi = (token_text(t) for t in (cfg.boi_token_id, cfg.image_token_id,
+                                               cfg.eoi_token_id))
+    return boi, f"\n\n{boi}{soft * cfg.tokens_per_image}{eoi}\n\n"
+
+
 def place_images(token_ids: list[int], images: Sequence[ImageInput],
-                 cfg: VisionConfig | QwenVisionConfig) -> tuple[list[int], list[ImageSpan]]:
+                 cfg: VisionConfig | QwenVisionConfig | Gemma3VisionConfig
+                 ) -> tuple[list[int], list[ImageSpan]]:
     """The prompt with each image's placeholder standing for its tokens, and where they
     lie. A placeholder is one `image_token_id` (expanded here) or already a run of as many
     as the image has tokens (as transformers' processors write prompts), in the images'
