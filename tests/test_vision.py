@@ -687,3 +687,54 @@ def test_gemma3_requests_see_images_whole(gemma):
     assert max(abs(e.logprob - text_want[t]) for t, e in text_out.items()
                if e.rank is not None) < 1e-4
     assert llm.engine.runner.compiles_after_warmup == 0
+
+
+# ------------------------------------------- with quantized weights, with grammars
+
+
+def test_image_request_with_a_json_schema(llm):
+    """Structured output with an image: every output parses and keeps to the schema (the
+    `jsonschema` package's check), and the image still changes the answer."""
+    import jsonschema
+
+    from jaxserve.sampling_params import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    params = SamplingParams(max_tokens=60, temperature=0,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    texts = []
+    for seed in (11, 12):
+        out = llm.generate({"prompt_token_ids": [0, 40, IMAGE_TOKEN, 41],
+                            "multi_modal_data": {"image": _image(seed, 60, 60)}}, params)[0]
+        assert out.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+        texts.append(out.outputs[0].text)
+    assert texts[0] != texts[1]
+
+
+def test_image_requests_with_int8_weights(llava):
+    """The language model's linear layers quantized to int8 at load (the tower stays
+    float): greedy tokens equal transformers' on the same weights rounded the same way
+    (per output channel, symmetric: w = round(w / s) * s, s = max|w| / 127)."""
+    import copy
+
+    import torch
+
+    path, model, processor = llava
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in rounded.named_parameters():
+            if "language_model" in name and name.endswith("proj.weight"):
+                scale = p.abs().amax(dim=1, keepdim=True) / 127  # [out, 1]: per channel
+                p.copy_(torch.round(p / scale) * scale)
+    llm = LLM(model=str(path), dtype="float32", quantization="int8", max_num_seqs=4,
+              max_num_batched_tokens=32, page_size=4, num_pages=96, max_model_len=96)
+    cases = [([0, 40, 41, IMAGE_TOKEN, 42, 43], [_image(1, 80, 60)]),
+             ([0, IMAGE_TOKEN, 50, IMAGE_TOKEN, 51], [_image(2, 50, 90), _image(3, 70, 70)])]
+    outs = llm.generate([{"prompt_token_ids": p, "multi_modal_data": {"image": i}}
+                         for p, i in cases], GREEDY)
+    for (prompt, images), out in zip(cases, outs):
+        assert out.outputs[0].token_ids == _hf_greedy((path, rounded, processor),
+                                                      _expanded(prompt), images, 10)
