@@ -420,8 +420,9 @@ def qwen(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def qwen_llm(qwen):
+    """Up to 4 decode steps per program: M-RoPE's offsets ride along the device's steps."""
     return LLM(model=str(qwen[0]), dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
-               page_size=4, num_pages=192, max_model_len=160)
+               page_size=4, num_pages=192, max_model_len=160, num_scheduler_steps=4)
 
 
 def _qwen_prompt(text_before: list[int], n_images: int, after: list[int]) -> list[int]:
@@ -539,6 +540,7 @@ def test_qwen_requests_match_transformers(qwen, qwen_llm):
     assert other.outputs[0].token_ids != outs[1].outputs[0].token_ids
     assert other.outputs[0].token_ids == _qwen_greedy(qwen, cases[1][0], [a], 10)
     engine = qwen_llm.engine
+    assert engine.num_multi_steps > 0
     # 40 merged tokens at most: 20 windows for a 1 x 40 image (the widest), 32 a bucket.
     assert engine.images.encoder.buckets == [1, 2, 4, 8, 16, 32]
     assert engine.runner.compiles_after_warmup == 0

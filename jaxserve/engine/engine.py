@@ -119,6 +119,9 @@ class Engine:
                 raise ValueError("a vision-language model needs its vision tower's weights")
             if broadcaster is not None:
                 raise ValueError("images on several hosts are not supported yet")
+            if spec.config is not None:
+                raise ValueError("speculative decoding with a vision-language model is not "
+                                 "supported yet")
             self.images = Images(model_config.vision, vision.params, vision.processor,
                                  config.mm_encoder_cache_tokens,
                                  (config.limit_mm_per_prompt or {}).get("image"),
@@ -127,7 +130,8 @@ class Engine:
         num_pages = pool_pages(  # per data shard
             config, model_config, shard, self.max_model_len, kv_dtype,
             spec.page_bytes(model_config, config.page_size, kv_dtype, config.dtype),
-            spec.reserved_bytes(config.max_num_seqs, model_config.vocab_size) + lora_bytes)
+            spec.reserved_bytes(config.max_num_seqs, model_config.vocab_size) + lora_bytes
+            + (self.images.buffer_bytes if self.images is not None else 0))
         self.num_pages = num_pages * shard.data_shards
         self.scheduler = Scheduler(SchedulerConfig.of_engine(
             config, self.max_model_len, num_pages, shard.data_shards), self.loras,
