@@ -112,7 +112,8 @@ class Engine:
                                           jnp.dtype(config.dtype),
                                           shard.rules.kv_head_replicas)
         lora_bytes = stacks_bytes(lora_stacks)
-        # A vision-language model's images (multimodal/; None: text only).
+        # A vision-language model's images (multimodal/; None: text only). Made before the
+        # KV pool is sized, so the device memory left counts its tower and buffer.
         self.images = None
         if model_config.vision is not None:
             if vision is None:
@@ -130,8 +131,7 @@ class Engine:
         num_pages = pool_pages(  # per data shard
             config, model_config, shard, self.max_model_len, kv_dtype,
             spec.page_bytes(model_config, config.page_size, kv_dtype, config.dtype),
-            spec.reserved_bytes(config.max_num_seqs, model_config.vocab_size) + lora_bytes
-            + (self.images.buffer_bytes if self.images is not None else 0))
+            spec.reserved_bytes(config.max_num_seqs, model_config.vocab_size) + lora_bytes)
         self.num_pages = num_pages * shard.data_shards
         self.scheduler = Scheduler(SchedulerConfig.of_engine(
             config, self.max_model_len, num_pages, shard.data_shards), self.loras,

@@ -50,10 +50,6 @@ class EncoderCache:
         unique = {image.hash: image for image in images}
         return sum(self.pages_for(i.num_tokens) for i in unique.values()) <= self.num_pages
 
-    def _needed(self, seq: Sequence) -> list[ImageInput]:
-        """The images of `seq` past its computed tokens (those before are in its KV)."""
-        return [span.image for span in seq.images if span.end > seq.num_computed_tokens]
-
     def can_acquire(self, seq: Sequence) -> bool:
         """Whether `seq`'s images (all of them: its cached prefix is not known yet) have
         rows or can get them, evicting images nobody holds."""
@@ -86,7 +82,10 @@ class EncoderCache:
 
     def release(self, seq: Sequence) -> None:
         """Let go of `seq`'s images (none held: nothing happens)."""
-        for h in self._holding.pop(seq, ()):
+        held = self._holding.pop(seq, None)
+        if held is None:
+            return
+        for h in held:
             entry = self._entries[h]
             entry.holders -= 1
             if entry.holders == 0:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-import jax.numpy as jnp
 import numpy as np
 from PIL import Image
 
@@ -32,11 +31,18 @@ class ImageStats:
     encoder_cache_tokens: int
 
 
+VisionConfigs = VisionConfig | QwenVisionConfig | Gemma3VisionConfig
+
+
 class Images:
-    def __init__(self, cfg: VisionConfig, params, processor: Callable[[Image.Image], np.ndarray],
+    """`num_slots`: the encoder cache's rows (None: DEFAULT_CACHED_IMAGES of the largest
+    image, at least `max_num_batched_tokens`); `max_per_prompt`: images a prompt may carry
+    (None: no limit but the cache's); `token_text`: a token id's text (Gemma 3's image
+    markers are written out with it)."""
+
+    def __init__(self, cfg: VisionConfigs, params, processor: Callable[[Image.Image], np.ndarray],
                  num_slots: int | None, max_per_prompt: int | None, max_num_batched_tokens: int,
-                 dtype,
-                 sharding, token_text: Callable[[int], str] | None = None):
+                 dtype, sharding, token_text: Callable[[int], str] | None = None):
         self.cfg = cfg
         self.preparer = ImagePreparer(cfg, processor, max_per_prompt,
                                       image_text(cfg, token_text) if token_text else None)
@@ -54,13 +60,8 @@ class Images:
         # Gemma 3's images are seen whole: a step computes all of an image's tokens.
         self.whole = isinstance(cfg, Gemma3VisionConfig)
         if self.whole and most > max_num_batched_tokens:
-            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must hold an image's "
-                             f"{most} tokens (Gemma 3 computes an image in one step)")
-
-    @property
-    def buffer_bytes(self) -> int:
-        return self.cache.num_slots * self.cfg.text_hidden_size * \
-            jnp.dtype(self.encoder.buffer.dtype).itemsize
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must hold an "
+                             f"image's {most} tokens (Gemma 3 computes an image in one step)")
 
     def prepare(self, images: Sequence, names: Sequence[str] | None = None
                 ) -> list[ImageInput]:
