@@ -740,3 +740,124 @@ def test_image_requests_with_int8_weights(llava):
     for (prompt, images), out in zip(cases, outs):
         assert out.outputs[0].token_ids == _hf_greedy((path, rounded, processor),
                                                       _expanded(prompt), images, 10)
+
+
+def test_hub_and_module_layouts_load_alike(llava, tmp_path):
+    """The hub's tensor names (`language_model.model.*`, `vision_tower.vision_model.*`) and
+    transformers' module names (`model.language_model.*`, `model.vision_tower.*`,
+    `model.multi_modal_projector.*`, top-level `lm_head`) give the same model."""
+    import shutil
+
+    import jax
+    import jax.numpy as jnp
+    from safetensors.numpy import load_file, save_file
+
+    from jaxserve.config import ModelConfig
+    from jaxserve.loading.safetensors import checkpoint_tensors
+    from jaxserve.loading.vision import VisionTensors
+
+    path = llava[0]
+    saved = load_file(str(path / "model.safetensors"))
+    assert any(k.startswith("vision_tower.encoder.") for k in saved)  # transformers 5's
+
+    def hub(name: str) -> str:
+        return name.replace("vision_tower.", "vision_tower.vision_model.", 1)
+
+    def module(name: str) -> str:
+        if name.startswith("language_model.lm_head"):
+            return name[len("language_model."):]
+        return "model." + name.replace("language_model.model.", "language_model.", 1)
+
+    cfg = ModelConfig.from_file(path)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    results = []
+    for label, rename in (("saved", lambda n: n), ("hub", hub), ("module", module)):
+        out = tmp_path / label
+        shutil.copytree(path, out)
+        save_file({rename(k): v for k, v in saved.items()}, str(out / "model.safetensors"))
+        split = VisionTensors(cfg.vision)
+        text = dict(split.text(checkpoint_tensors(out)))
+        params = split.params(jnp.float32, device)
+        results.append((sorted(text), jax.tree.leaves(params)))
+    for names, leaves in results[1:]:
+        assert names == results[0][0]
+        for a, b in zip(leaves, results[0][1]):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_images_from_allowed_urls_and_files(llm, tmp_path):
+    """An http URL on an allowed host (a local server) and a file under the allowed path
+    give the same answer as the same image inline; a redirect to another host, a host or
+    path not allowed are refused."""
+    import http.server
+    import threading
+
+    from jaxserve.loading.media import MediaPolicy
+
+    image = _image(21, 64, 64)
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    (tmp_path / "cat.png").write_bytes(png.getvalue())
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the http.server API
+            if self.path == "/away":
+                self.send_response(302)
+                self.send_header("Location", "http://localhost:1/cat.png")
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.end_headers()
+            self.wfile.write(png.getvalue())
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+
+    def ask(url: str, policy: MediaPolicy) -> list[int]:
+        messages = [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "hi"}]}]
+        return llm.chat(messages, GREEDY, media=policy)[0].outputs[0].token_ids
+
+    try:
+        inline = ask("data:image/png;base64," + base64.b64encode(png.getvalue()).decode(),
+                     MediaPolicy())
+        allowed = MediaPolicy(allowed_domains=("127.0.0.1",),
+                              allowed_local_path=str(tmp_path))
+        assert ask(f"{base}/cat.png", allowed) == inline
+        assert ask(f"file://{tmp_path}/cat.png", allowed) == inline
+        for url, policy, message in (
+                (f"{base}/away", allowed, "redirects to a host that is not allowed"),
+                (f"{base}/cat.png", MediaPolicy(), "not allowed"),
+                (f"file://{tmp_path}/../cat.png", allowed, "outside the allowed"),
+                ("file:///etc/hostname", allowed, "outside the allowed")):
+            with pytest.raises(ValueError, match=message):
+                ask(url, policy)
+    finally:
+        server.shutdown()
+
+
+def test_qwen_logprobs_match_transformers(qwen, qwen_llm):
+    """Every generated position's top-5 logprobs, after two images of different sizes, are
+    transformers' (float32; 1e-4)."""
+    import torch
+
+    images = [_image(4, 90, 60), _image(5, 40, 120)]
+    prompt = _qwen_prompt([33], 2, [34, 35])
+    out = qwen_llm.generate({"prompt_token_ids": prompt, "multi_modal_data": {"image": images}},
+                            SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
+                                           logprobs=5))[0].outputs[0]
+    ids, kwargs = _qwen_expanded(qwen, prompt, images)
+    full = ids + out.token_ids
+    kwargs["mm_token_type_ids"] = torch.tensor([[int(t == IMAGE_PAD) for t in full]])
+    with torch.no_grad():
+        logits = qwen[1](torch.tensor([full]), **kwargs).logits[0].float()
+    want = torch.log_softmax(logits, -1)[len(ids) - 1:len(full) - 1].numpy()
+    for position, got in zip(want, out.logprobs):
+        top = np.argsort(-position)[:5]
+        assert [t for t in got if got[t].rank is not None] == top.tolist()
+        np.testing.assert_allclose([got[t].logprob for t in top], position[top], atol=1e-4)
