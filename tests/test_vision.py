@@ -279,6 +279,7 @@ def test_no_compile_after_warmup(llm):
     assert llm.engine.images.encoder.compiles_after_warmup == 0
 
 
+@pytest.mark.slow  # an engine (or a server) of its own
 def test_preemption_with_images(llava):
     """A pool too small for all four requests at once: preempted requests recompute their
     images' tokens (the encoder cache or the tower again) and still match."""
@@ -304,6 +305,7 @@ def test_processor_files_are_read(llava):
     assert (path / "chat_template.jinja").exists()
 
 
+@pytest.mark.slow  # an engine (or a server) of its own
 def test_openai_client_against_jaxserve_serve(llava, llm, tmp_path):
     """The `openai` package sends base64 images to `jaxserve serve`: the answer is the
     offline engine's (streamed or not), usage counts the image's tokens, /metrics counts
@@ -716,6 +718,7 @@ def test_image_request_with_a_json_schema(llm):
     assert texts[0] != texts[1]
 
 
+@pytest.mark.slow  # an engine (or a server) of its own
 def test_image_requests_with_int8_weights(llava):
     """The language model's linear layers quantized to int8 at load (the tower stays
     float): greedy tokens equal transformers' on the same weights rounded the same way
