@@ -34,8 +34,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
 
-from jaxserve.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, ModelConfig, ModelOptions
+from jaxserve.config import (
+    KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, Gemma3VisionConfig, ModelConfig, ModelOptions)
 from jaxserve.engine.batch import BatchBuilder, BucketKey
+from jaxserve.engine.multimodal.images import DEFAULT_CACHED_IMAGES
 from jaxserve.engine.kv_memory import abstract_kv_cache, kv_page_bytes, pages_per_seq
 from jaxserve.engine.packing import pack
 from jaxserve.engine.programs import jit_programs
@@ -85,7 +87,9 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
     builder = BatchBuilder(engine.token_buckets, engine.max_num_seqs, engine.page_size,
                            num_pages, pages_per_seq(max_len, engine.page_size), max_len,
                            cfg.eos_token_ids, cfg.vocab_size, shard.data_shards,
-                           lora=engine.enable_lora)
+                           lora=engine.enable_lora, images=cfg.vision is not None,
+                           mrope=bool(cfg.mrope_section),
+                           whole_images=isinstance(cfg.vision, Gemma3VisionConfig))
     caches = abstract_kv_cache(cfg, num_pages * shard.data_shards, engine.page_size,
                                jnp.dtype(engine.kv_storage_dtype), shard)
     replicated = shard.sharding(())
@@ -101,8 +105,13 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
         layers = sum(cfg.sparse_layers)
         load = (jax.ShapeDtypeStruct((layers, cfg.num_experts), jnp.int32, sharding=replicated)
                 if layers else None)
+        images = None  # the image encoder's buffer of embeddings (replicated)
+        if cfg.vision is not None:
+            images = jax.ShapeDtypeStruct(
+                (encoder_rows(cfg, engine.max_num_batched_tokens), cfg.vision.text_hidden_size),
+                jnp.dtype(engine.dtype), sharding=replicated)
         return fn.lower(jax.tree.leaves(params), caches, batch, carry, load, None, None,
-                        lora_stacks(cfg, engine, shard), None).compile()  # no Medusa, EAGLE, images
+                        lora_stacks(cfg, engine, shard), images).compile()  # no Medusa, EAGLE
 
 
 def lora_stacks(cfg: ModelConfig, engine: EngineConfig, shard: ShardingContext) -> list | None:
@@ -300,7 +309,10 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
     analytic = _analytic_weight_bytes(cfg, jnp.dtype(dtype), shard, engine.model_options)
     ok = [b for b in buckets.values() if "error" not in b]
     lora = stacks_bytes(lora_stacks(cfg, engine, shard))  # on every chip
-    compiled_weights = ok[0]["argument_bytes"] - nominal_kv - lora if ok else None
+    # The step's arguments: weights, the nominal KV pool, LoRA stacks, the image buffer.
+    buffer = (encoder_rows(cfg, max_num_batched_tokens) * cfg.vision.text_hidden_size
+              * jnp.dtype(dtype).itemsize if cfg.vision is not None else 0)
+    compiled_weights = ok[0]["argument_bytes"] - nominal_kv - lora - buffer if ok else None
     # On a TPU the compiled size is the truth (it includes tile padding); XLA:CPU's layout
     # says nothing about a GPU's, so there the shapes and shardings are.
     weights = compiled_weights if platform == "tpu" and ok else analytic
@@ -327,14 +339,20 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
     }
 
 
+def encoder_rows(cfg: ModelConfig, max_num_batched_tokens: int) -> int:
+    """The encoder cache's default rows (multimodal/images.py): DEFAULT_CACHED_IMAGES of
+    the largest image (LLaVA's and Gemma 3's fixed count, Qwen2.5-VL's at its processor's
+    default max_pixels, 1280 tokens), at least a step's tokens."""
+    most = getattr(cfg.vision, "tokens_per_image", 1280)
+    return max(max_num_batched_tokens, DEFAULT_CACHED_IMAGES * most)
+
+
 def vision_bytes(cfg: ModelConfig, dtype, max_num_batched_tokens: int) -> int:
     """A vision-language model's image side on every chip (replicated): its tower and
-    projector, and the encoder cache's default rows (8 of the largest images: LLaVA's
-    fixed count, Qwen2.5-VL's at its processor's default max_pixels, 1280 tokens)."""
+    projector, and the encoder cache's default rows."""
     if cfg.vision is None:
         return 0
-    most = getattr(cfg.vision, "tokens_per_image", 1280)
-    rows = max(max_num_batched_tokens, 8 * most)
+    rows = encoder_rows(cfg, max_num_batched_tokens)
     return (cfg.vision.num_params() + rows * cfg.vision.text_hidden_size) * dtype.itemsize
 
 
