@@ -5,6 +5,7 @@ with chunked prefill, prefix-cache hits, the encoder cache and preemption."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 
@@ -13,6 +14,7 @@ import pytest
 from PIL import Image
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.config import ModelConfig
 
 IMAGE_TOKEN = 259  # the byte tokenizer's next id: `<image>`
 TOKENS_PER_IMAGE = 16  # (56 / 14) ** 2 patches, the class token dropped
@@ -864,3 +866,26 @@ def test_qwen_logprobs_match_transformers(qwen, qwen_llm):
         top = np.argsort(-position)[:5]
         assert [t for t in got if got[t].rank is not None] == top.tolist()
         np.testing.assert_allclose([got[t].logprob for t in top], position[top], atol=1e-4)
+
+
+@pytest.mark.slow  # compiles for a TPU
+@pytest.mark.parametrize("family", ["qwen", "gemma"])
+def test_plan_counts_the_image_side_and_compiles_its_steps(family, request):
+    """`jaxserve plan` of a vision-language model compiles the step the engine runs (M-RoPE
+    offsets; Gemma 3's image ends, its attention behind a lax.cond with the Mosaic kernel)
+    for a TPU, weights as the text model's, and takes the tower and the encoder buffer out
+    of the KV cache's share."""
+    from sharding.planner import encoder_rows, plan_target
+
+    cfg = ModelConfig.from_file(request.getfixturevalue(family)[0])
+    text = dataclasses.replace(cfg, vision=None, mrope_section=())
+    small = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32)
+    with_images = plan_target(cfg, "v5e:1x1", **small)
+    without = plan_target(text, "v5e:1x1", **small)
+    assert all("error" not in b for b in with_images["buckets"].values())
+    want = (cfg.vision.num_params() + encoder_rows(cfg, 32) * cfg.vision.text_hidden_size) * 2
+    assert with_images["vision_bytes"] == want and without["vision_bytes"] == 0
+    assert with_images["weight_bytes"] == without["weight_bytes"]
+    p = with_images  # its own step's temporaries (M-RoPE's differ from plain rope's)
+    assert p["kv_tokens_that_fit"] == (p["hbm_bytes"] - p["weight_bytes"] - want
+                                       - p["temp_bytes"]) // p["kv_bytes_per_token"]
