@@ -137,10 +137,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 messages, template_args = chat_from_proto(request.messages)
                 prompt, images = await self.async_engine.encode_chat(messages, **template_args)
             else:
-                prompt = (await self.async_engine.encode(request.text) if which == "text"
-                          else list(request.token_ids.ids))
                 if images:
                     images = await self.async_engine.prepare_images(images)
+                text = request.text
+                if images and which == "text":  # Gemma 3: its image markers written out
+                    text = self.info.images.expand_text(text)
+                prompt = (await self.async_engine.encode(text) if which == "text"
+                          else list(request.token_ids.ids))
             outputs = await self.async_engine.add(rid, prompt, params, lora, images)
         except ValueError as e:  # never admitted
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
