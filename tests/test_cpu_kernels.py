@@ -761,6 +761,7 @@ def run_python(code: str, **env) -> subprocess.CompletedProcess:
                           text=True, timeout=600, env={**os.environ, **env})
 
 
+@pytest.mark.slow  # ~30-60 s on a 2-core machine
 def test_fresh_process_builds_into_empty_cache(tmp_path):
     result = run_python("""
         import jax.numpy as jnp

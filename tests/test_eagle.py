@@ -223,6 +223,7 @@ def embedding_head(target) -> Eagle1:
     return head
 
 
+@pytest.mark.slow  # ~30-60 s on a 2-core machine
 def test_sampled_drafts_follow_the_target_distribution(checkpoints, prompts, tmp_path):
     """Sampled requests' drafts are drawn from the head's distribution (temperature 1 and
     top-k 3 applied to it) and verified by rejection sampling. A head whose distribution

@@ -37,6 +37,7 @@ def assert_png(path):
     assert len(data) > 10_000, len(data)  # axes, bars, labels: not an empty canvas
 
 
+@pytest.mark.slow  # ~30-60 s on a 2-core machine
 def test_compare_two_tpu_slices_in_one_table(preset, tmp_path, capsys):
     """2 and 4 v5e chips in one table, one row each: tensor parallelism halves weights and
     KV per chip (8 KV heads split 2 and 4 ways); 4 chips as 2 data-parallel groups of 2
@@ -144,6 +145,7 @@ def test_lora_slots_are_counted_on_every_chip_and_come_out_of_the_kv_cache(prese
     assert base["lora_bytes"] == 0
 
 
+@pytest.mark.slow  # ~30-60 s on a 2-core machine
 def test_tpu_steps_with_lora_adapters_compile_on_one_chip_and_on_a_mesh(preset, capsys):
     """On one v5e chip the deltas are our Pallas grouped-matmul kernels (two per projection
     and layer beside the attention's); on 2 chips with TP, XLA's ragged_dot partitioned
