@@ -30,6 +30,35 @@ OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 @dataclasses.dataclass(frozen=True)
+class PixelScaling:
+    """The processors' last steps: pixels times `rescale_factor` (in float64, as
+    transformers), then (x - mean) / std per channel; float32 `[C, H, W]`."""
+
+    do_rescale: bool = True
+    do_normalize: bool = True
+    rescale_factor: float = 1 / 255
+    mean: tuple[float, ...] = OPENAI_CLIP_MEAN
+    std: tuple[float, ...] = OPENAI_CLIP_STD
+
+    @classmethod
+    def from_config(cls, config: dict) -> "PixelScaling":
+        return cls(do_rescale=config.get("do_rescale", True),
+                   do_normalize=config.get("do_normalize", True),
+                   rescale_factor=config.get("rescale_factor", 1 / 255),
+                   mean=tuple(config.get("image_mean", OPENAI_CLIP_MEAN)),
+                   std=tuple(config.get("image_std", OPENAI_CLIP_STD)))
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        if self.do_rescale:
+            x = (x.astype(np.float64) * self.rescale_factor).astype(np.float32)
+        if self.do_normalize:
+            mean = np.asarray(self.mean, np.float32)[:, None, None]
+            std = np.asarray(self.std, np.float32)[:, None, None]
+            x = ((x - mean) / std).astype(np.float32)
+        return x.astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
 class ClipImageProcessor:
     shortest_edge: int | None = 224  # None: resize to (height, width)
     height: int = 224  # of the resize when shortest_edge is None
@@ -38,12 +67,8 @@ class ClipImageProcessor:
     crop_width: int = 224
     do_resize: bool = True
     do_center_crop: bool = True
-    do_rescale: bool = True
-    do_normalize: bool = True
     do_convert_rgb: bool = True
-    rescale_factor: float = 1 / 255
-    mean: tuple[float, ...] = OPENAI_CLIP_MEAN
-    std: tuple[float, ...] = OPENAI_CLIP_STD
+    scaling: PixelScaling = PixelScaling()
     resample: int = Image.Resampling.BICUBIC
 
     @classmethod
@@ -61,12 +86,8 @@ class ClipImageProcessor:
             width=size.get("width", 224), crop_height=crop["height"], crop_width=crop["width"],
             do_resize=config.get("do_resize", True),
             do_center_crop=config.get("do_center_crop", True),
-            do_rescale=config.get("do_rescale", True),
-            do_normalize=config.get("do_normalize", True),
             do_convert_rgb=config.get("do_convert_rgb", True),
-            rescale_factor=config.get("rescale_factor", 1 / 255),
-            mean=tuple(config.get("image_mean", OPENAI_CLIP_MEAN)),
-            std=tuple(config.get("image_std", OPENAI_CLIP_STD)),
+            scaling=PixelScaling.from_config(config),
             resample=config.get("resample", Image.Resampling.BICUBIC))
 
     @property
@@ -88,13 +109,7 @@ class ClipImageProcessor:
             np.asarray(image)[None]
         if self.do_center_crop:
             x = center_crop(x, self.crop_height, self.crop_width)
-        if self.do_rescale:
-            x = (x.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        if self.do_normalize:
-            mean = np.asarray(self.mean, np.float32)[:, None, None]
-            std = np.asarray(self.std, np.float32)[:, None, None]
-            x = ((x - mean) / std).astype(np.float32)
-        return x.astype(np.float32)
+        return self.scaling(x)
 
     def _resized(self, size: tuple[int, int]) -> tuple[int, int]:
         """(height, width) after the resize, from PIL's (width, height)."""
@@ -113,11 +128,7 @@ class QwenImageProcessor:
     patch_size: int = 14
     temporal_patch_size: int = 2
     merge_size: int = 2
-    do_rescale: bool = True
-    do_normalize: bool = True
-    rescale_factor: float = 1 / 255
-    mean: tuple[float, ...] = OPENAI_CLIP_MEAN
-    std: tuple[float, ...] = OPENAI_CLIP_STD
+    scaling: PixelScaling = PixelScaling()
     resample: int = Image.Resampling.BICUBIC
 
     @classmethod
@@ -129,11 +140,7 @@ class QwenImageProcessor:
             patch_size=config.get("patch_size", 14),
             temporal_patch_size=config.get("temporal_patch_size", 2),
             merge_size=config.get("merge_size", 2),
-            do_rescale=config.get("do_rescale", True),
-            do_normalize=config.get("do_normalize", True),
-            rescale_factor=config.get("rescale_factor", 1 / 255),
-            mean=tuple(config.get("image_mean", OPENAI_CLIP_MEAN)),
-            std=tuple(config.get("image_std", OPENAI_CLIP_STD)),
+            scaling=PixelScaling.from_config(config),
             resample=config.get("resample", Image.Resampling.BICUBIC))
 
     def __call__(self, image: Image.Image) -> tuple[np.ndarray, tuple[int, int]]:
@@ -142,13 +149,7 @@ class QwenImageProcessor:
         h, w = smart_resize(image.height, image.width, self.patch_size * self.merge_size,
                             self.min_pixels, self.max_pixels)
         image = image.resize((w, h), resample=self.resample)
-        x = np.moveaxis(np.asarray(image), -1, 0)
-        if self.do_rescale:
-            x = (x.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        if self.do_normalize:
-            mean = np.asarray(self.mean, np.float32)[:, None, None]
-            std = np.asarray(self.std, np.float32)[:, None, None]
-            x = ((x - mean) / std).astype(np.float32)
+        x = self.scaling(np.moveaxis(np.asarray(image), -1, 0))
         p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
         gh, gw = h // p, w // p
         x = x.astype(np.float32).reshape(3, gh // m, m, p, gw // m, m, p)

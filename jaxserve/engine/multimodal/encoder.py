@@ -47,9 +47,8 @@ def window_buckets(cfg: QwenVisionConfig, max_patches: int) -> list[int]:
     """Powers of two up to the most windows an image of at most `max_patches` patches
     (of any aspect ratio) lays out in."""
     m = cfg.spatial_merge_size
-    side = cfg.window_size // cfg.patch_size // m
     units = max_patches // (m * m)
-    most = max(-(-h // side) * -(-(units // h) // side) for h in range(1, units + 1))
+    most = max(qwen2_5_vl.count_windows(h * m, units // h * m, cfg) for h in range(1, units + 1))
     buckets = [1]
     while buckets[-1] < most:
         buckets.append(buckets[-1] * 2)
@@ -102,7 +101,7 @@ class ImageEncoder:
         if not self.qwen:
             return 0, (image.pixels, rows)
         cfg = self.cfg
-        windows = qwen2_5_vl.layout(*image.grid, cfg).num_windows(cfg)
+        windows = qwen2_5_vl.count_windows(*image.grid, cfg)
         bucket = next((b for b in self.buckets if b >= windows), None)
         if bucket is None:
             raise ValueError(f"an image of {windows} windows is larger than the largest "

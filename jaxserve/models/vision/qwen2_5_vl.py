@@ -125,6 +125,17 @@ class Layout:
 
 
 
+def window_side(cfg: QwenVisionConfig) -> int:
+    """Merged tokens per side of a window."""
+    return cfg.window_size // cfg.patch_size // cfg.spatial_merge_size
+
+
+def count_windows(grid_h: int, grid_w: int, cfg: QwenVisionConfig) -> int:
+    """The windows an image of `grid_h` x `grid_w` patches is cut into."""
+    m, side = cfg.spatial_merge_size, window_side(cfg)
+    return -(-(grid_h // m) // side) * -(-(grid_w // m) // side)
+
+
 def layout(grid_h: int, grid_w: int, cfg: QwenVisionConfig, num_windows: int | None = None
            ) -> Layout:
     """The layout of an image of `grid_h` x `grid_w` patches (the processor's order: 2 x 2
@@ -133,7 +144,7 @@ def layout(grid_h: int, grid_w: int, cfg: QwenVisionConfig, num_windows: int | N
     `window_patches` rows each, then to `num_windows` windows (default: as many as it
     has). HF's window index, position ids and their reverse permutation, as arrays."""
     m = cfg.spatial_merge_size
-    side = cfg.window_size // cfg.patch_size // m  # merge units per window side
+    side = window_side(cfg)
     lh, lw = grid_h // m, grid_w // m
     units = np.arange(lh * lw).reshape(lh, lw)
     nh, nw = -(-lh // side), -(-lw // side)
