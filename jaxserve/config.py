@@ -146,6 +146,43 @@ class SpeculativeConfig:
         return cls(**data)
 
 
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefilling on one engine and decoding on another (docs/disaggregation.md), shaped
+    like vLLM's `kv_transfer_config`. `kv_role` "kv_producer": the engine prefills, and a
+    request added with `remote_decode` ends after its first token with its prompt's K/V
+    handed out; "kv_consumer": it decodes requests added `prefilled` (their K/V and
+    first token made elsewhere); "kv_both": either. The page programs of the role compile
+    at warm-up."""
+
+    kv_role: str = "kv_both"
+
+    def __post_init__(self) -> None:
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_transfer_config: kv_role must be one of {KV_ROLES}, got "
+                             f"{self.kv_role!r}")
+
+    @property
+    def produces(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def consumes(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "KVTransferConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unknown keys {unknown}; known: "
+                             f"{sorted(known)}")
+        return cls(**data)
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """Rotary embedding frequency scaling: 'default', 'linear' or 'llama3'."""
@@ -749,7 +786,10 @@ class EngineConfig:
     A vision-language model keeps its images' embeddings in an encoder cache of
     `mm_encoder_cache_tokens` rows (None: room for 8 images, at least
     `max_num_batched_tokens`) and takes at most `limit_mm_per_prompt["image"]` images per
-    prompt (None: as many as the cache holds at once).
+    prompt (None: as many as the cache holds at once). `devices` picks the mesh's devices
+    by their index in `jax.devices()` (None: the first ones), so that two engines of one
+    process can sit on devices of their own; `kv_transfer_config` (a KVTransferConfig or
+    its dict) makes the engine one side of prefill/decode disaggregation.
     """
 
     model: str | None = None
@@ -784,11 +824,24 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     mm_encoder_cache_tokens: int | None = None
     limit_mm_per_prompt: dict[str, int] | None = None
+    devices: tuple[int, ...] | None = None
+    kv_transfer_config: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):
             object.__setattr__(self, "speculative_config",
                                SpeculativeConfig.from_dict(self.speculative_config))
+        if isinstance(self.kv_transfer_config, dict):
+            object.__setattr__(self, "kv_transfer_config",
+                               KVTransferConfig.from_dict(self.kv_transfer_config))
+        if self.devices is not None:
+            devices = tuple(self.devices)
+            if not devices or len(set(devices)) != len(devices) or not all(
+                    isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                    for d in devices):
+                raise ValueError(f"devices must list distinct device indices (>= 0), got "
+                                 f"{self.devices!r}")
+            object.__setattr__(self, "devices", devices)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens",

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from jaxserve.config import EngineConfig
+from jaxserve.engine.disaggregated import DisaggregatedEngine
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.lora import LoRARequest
 from jaxserve.loading.media import MediaPolicy, take_images
@@ -30,14 +31,24 @@ class LLM:
     "dp", "dp+tp", "dp+tp+sp"). All step buckets compile here. `enable_lora=True`
     (with `max_loras`, `max_lora_rank`, `max_cpu_loras`) serves LoRA adapters, named per
     request by `generate(..., lora_request=LoRARequest(name, int_id, path))`.
+    `prefill` and `decode` (EngineConfig fields over the common ones, e.g. `{"devices":
+    [0, 1, 2, 3], "mesh": {"model": 4}}`) prefill on one engine and decode on another
+    (engine/disaggregated.py).
     """
 
-    def __init__(self, model: str | None = None, *, warmup: bool = True, **engine_args):
+    def __init__(self, model: str | None = None, *, warmup: bool = True,
+                 prefill: dict | None = None, decode: dict | None = None, **engine_args):
         known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
-        unknown = sorted(set(engine_args) - known)
-        if unknown:
-            raise ValueError(f"unknown LLM arguments {unknown}; known: {sorted(known)}")
-        self.engine = Engine.from_config(EngineConfig(model=model, **engine_args))
+        for args in (engine_args, prefill or {}, decode or {}):
+            unknown = sorted(set(args) - known)
+            if unknown:
+                raise ValueError(f"unknown LLM arguments {unknown}; known: {sorted(known)}")
+        if prefill is not None or decode is not None:
+            self.engine = DisaggregatedEngine.from_config(
+                EngineConfig(model=model, **{**engine_args, **(prefill or {})}),
+                EngineConfig(model=model, **{**engine_args, **(decode or {})}))
+        else:
+            self.engine = Engine.from_config(EngineConfig(model=model, **engine_args))
         self.engine.stream_text = False  # generate returns whole outputs
         self._ids = itertools.count()
         if warmup:

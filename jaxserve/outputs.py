@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 @dataclasses.dataclass
@@ -27,6 +28,9 @@ class StepOutput:
     num_cached_tokens: int = 0
     first_scheduled_at: float | None = None  # time.monotonic() when it first ran (queue time)
     error: str | None = None  # finish_reason "error": what failed
+    # A prefill engine's request that decodes elsewhere (Engine.add_request's
+    # remote_decode): its prompt's K/V (engine/kv_transfer.py's KVPages), on its last output.
+    kv_pages: Any = None
 
     @staticmethod
     def merge(outputs: list[StepOutput]) -> StepOutput:

@@ -248,7 +248,7 @@ class EngineCore:
             raise ValueError(f"unknown engine command {kind!r}")
 
     def _add(self, rid: str, call: int, prompt: list[int], params, lora, images=()) -> None:
-        if self.engine.scheduler.num_waiting >= self.max_waiting:
+        if self.engine.num_waiting >= self.max_waiting:
             self.send(("admitted", call, None, QueueFullError(
                 f"the waiting queue is full ({self.max_waiting} requests); retry later")))
             return

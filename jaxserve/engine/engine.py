@@ -24,6 +24,7 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import compile_cache
 from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.kv_memory import pages_per_seq, pool_pages
+from jaxserve.engine.kv_transfer import Prefilled
 from jaxserve.engine.loader import Vision, load
 from jaxserve.engine.lora import LoraManager, LoRARequest
 from jaxserve.engine.multimodal.images import Images
@@ -100,6 +101,17 @@ class Engine:
         self.eos_token_ids = tuple(sorted(set(eos)))
         self.shard = shard
         self.broadcaster = broadcaster  # multi-host process 0's (broadcast.py)
+        # Prefill/decode disaggregation (kv_transfer.py): this engine's side, or None.
+        self.kv_transfer = config.kv_transfer_config
+        if self.kv_transfer is not None:
+            unsupported = [what for what, on in (
+                ("several hosts", broadcaster is not None),
+                ("speculative decoding", spec.config is not None),
+                ("LoRA adapters", config.enable_lora),
+                ("a vision-language model", model_config.vision is not None)) if on]
+            if unsupported:
+                raise ValueError(f"prefill/decode disaggregation (kv_transfer_config) with "
+                                 f"{unsupported[0]} is not supported yet")
         kv_dtype = pool_dtype(config.kv_storage_dtype, config.kernel_impl or default_impl())
         # LoRA adapters (engine/lora.py): where they are, and their device stacks' shapes.
         self.loras, lora_stacks = None, None
@@ -166,6 +178,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._num_sampled_apart = 0  # requests whose params.needs_history
         self._failed: list[StepOutput] = []  # requests the scheduler could not admit
+        self._num_prefilled = 0  # requests whose moved K/V wait to be written (`_write_kv`)
         self._rng = random.Random(config.seed)
         self._inflight: InFlightStep | None = None
         self._expert_load = self.runner.expert_load  # as of the last collected step
@@ -197,11 +210,18 @@ class Engine:
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, priority: int = 0,
                     lora_request: LoRARequest | None = None,
-                    images: list | None = None) -> list[int]:
+                    images: list | None = None, remote_decode: bool = False,
+                    prefilled: Prefilled | None = None) -> list[int]:
         """Queue a request (with `lora_request`: under that LoRA adapter; with `images`,
         PIL images, image file bytes or `prepare_images`' outputs, one per placeholder
         in the prompt); returns its prompt token ids, each image's placeholder standing
-        for its tokens. Bad input raises ValueError."""
+        for its tokens. Bad input raises ValueError.
+
+        Prefill/decode disaggregation (kv_transfer_config): `remote_decode` (a producer)
+        computes the prompt and samples the first token only; unless that token ends the
+        request, its last output carries the prompt's K/V (`StepOutput.kv_pages`) for a
+        decode engine, which takes them as `prefilled` (a consumer) with that token and
+        the request's params (its seed too), and decodes on from the second token."""
         params = params or SamplingParams()
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
@@ -217,6 +237,8 @@ class Engine:
                                                            self.prepare_images(images))
             token_ids = check_prompt(token_ids, self.model_config.vocab_size,
                                      self.max_model_len)
+        if remote_decode or prefilled is not None:
+            self._check_kv_role(remote_decode, prefilled, token_ids)
         room = self.max_model_len - len(token_ids)
         if params.max_tokens is not None and params.max_tokens > room:
             raise ValueError(
@@ -226,8 +248,23 @@ class Engine:
             params = dataclasses.replace(params, seed=self._rng.randrange(2**32))
         grammar = (self.grammars.matcher(params.structured_outputs)
                    if params.structured_outputs is not None else None)
+        limit = min(params.max_tokens or room, room)
+        # A prefill engine's request stops after its first token (the decode goes on
+        # elsewhere), unless it has only one.
+        remote_decode = remote_decode and limit > 1
         seq = Sequence(request_id, token_ids, params=params, priority=priority,
-                       max_output_tokens=min(params.max_tokens or room, room))
+                       max_output_tokens=1 if remote_decode else limit,
+                       remote_decode=remote_decode)
+        if prefilled is not None:
+            if limit <= 1:
+                raise ValueError("a prefilled request needs max_tokens > 1: its first token "
+                                 "is already made")
+            if grammar is not None and not grammar.consume_token(prefilled.first_token):
+                raise ValueError(f"prefilled first token {prefilled.first_token} breaks the "
+                                 f"request's grammar: {grammar.get_error()}")
+            seq.output_token_ids = [prefilled.first_token]
+            seq.prefilled = self.runner.pages.placed(prefilled.kv)  # the copy starts here
+            self._num_prefilled += 1
         if lora_request is not None:
             seq.lora, seq.cache_root = lora_request, lora_request.cache_root
         seq.images = spans
@@ -236,10 +273,35 @@ class Engine:
         text = (OutputText(self.tokenizer, token_ids, params, self.eos_token_ids,
                            self.stream_text)
                 if self.detokenize and self.tokenizer is not None else None)
+        if text is not None and prefilled is not None:
+            text.skip([prefilled.first_token])  # its text came from the prefill engine
         self._requests[request_id] = Request(seq, text, grammar)
         self._num_sampled_apart += params.needs_history
         self.scheduler.add(seq)
         return token_ids
+
+    def _check_kv_role(self, remote_decode: bool, prefilled: Prefilled | None,
+                       token_ids: list[int]) -> None:
+        """ValueError unless this engine takes the request's side of disaggregation and
+        its moved K/V fit (kv_transfer.py)."""
+        role = self.kv_transfer
+        if remote_decode and prefilled is not None:
+            raise ValueError("a request is either prefilled here for a remote decode "
+                             "(remote_decode) or decoded here (prefilled), not both")
+        if role is None or (remote_decode and not role.produces) or (
+                prefilled is not None and not role.consumes):
+            want = "kv_producer" if remote_decode else "kv_consumer"
+            raise ValueError(f"this engine is not a {want}: start it with "
+                             f"kv_transfer_config {{\"kv_role\": \"{want}\"}} (or kv_both)")
+        if prefilled is not None:
+            self.runner.pages.check(prefilled.kv, self.runner.kv_caches)
+            if prefilled.kv.num_tokens != len(token_ids):
+                raise ValueError(f"prefilled K/V holds {prefilled.kv.num_tokens} tokens, the "
+                                 f"prompt has {len(token_ids)}")
+            first = prefilled.first_token
+            if not isinstance(first, int) or not 0 <= first < self.model_config.vocab_size:
+                raise ValueError(f"prefilled first token {first!r} is outside the vocabulary "
+                                 f"[0, {self.model_config.vocab_size})")
 
     def prepare_images(self, images: list, names: list[str] | None = None
                        ) -> list[ImageInput]:
@@ -304,10 +366,22 @@ class Engine:
         req = self._requests.pop(request_id, None)
         if req is not None:
             self._num_sampled_apart -= req.seq.params.needs_history
+            if req.seq.prefilled is not None:  # its moved K/V never written
+                req.seq.prefilled = None
+                self._num_prefilled -= 1
         return req
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def num_prefilled_waiting(self) -> int:
+        """Requests added prefilled whose moved K/V are not in pages yet."""
+        return self._num_prefilled
 
     @property
     def num_requests(self) -> int:
@@ -352,6 +426,8 @@ class Engine:
 
     def warmup(self, progress: bool = True) -> None:
         self.runner.warmup(progress)
+        if self.kv_transfer is not None:
+            self.runner.kv_caches = self.runner.pages.warmup(self.runner.kv_caches)
         self.speculator.warmup(progress)
         if self.images is not None:
             self.images.warmup()
@@ -460,6 +536,8 @@ class Engine:
                     num_prompt_tokens=seq.num_prompt_tokens, error=message))
         if schedule.is_empty:
             return None
+        if self._num_prefilled:
+            self._write_kv(schedule)
         if self.loras is not None:  # adapters given slots for this step
             for slot, adapter in self.loras.take_uploads():
                 self.runner.load_lora(slot, adapter)
@@ -485,7 +563,30 @@ class Engine:
         self.num_steps += 1
         for s in step.sampling:  # as many as the step can emit (`_append` keeps those it does)
             s.seq.output_token_ids.extend([PLACEHOLDER] * s.width)
+            if s.seq.remote_decode:  # its prompt is computed: read its pages out
+                self._read_kv(s.seq)
         return step
+
+    def _write_kv(self, schedule: SchedulerOutput) -> None:
+        """Write the moved K/V of the seqs admitted prefilled into their pages, before
+        the step that reads them (pages this engine's prefix cache had are left)."""
+        size = self.config.page_size
+        for s in schedule.scheduled:
+            seq = s.seq
+            if seq.prefilled is not None:
+                kv, seq.prefilled = seq.prefilled, None
+                self._num_prefilled -= 1
+                cached, n = seq.num_cached_tokens // size, -(-kv.num_tokens // size)
+                self.runner.write_pages(kv, seq.data_shard,
+                                        [None] * cached + seq.page_ids[cached:n])
+
+    def _read_kv(self, seq: Sequence) -> None:
+        """Start reading a remote_decode seq's prompt pages out, as the step computing its
+        last chunk is dispatched (`_append` hands them out with its first token)."""
+        n = -(-seq.num_prompt_tokens // self.config.page_size)
+        req = self._requests[seq.request_id]
+        req.kv_pages = self.runner.read_pages(seq.data_shard, seq.page_ids[:n],
+                                              seq.num_prompt_tokens)
 
     def _dispatch_sample(self, step: InFlightStep) -> None:
         """Sample a step sampled apart, now that every token before it is on the host:
@@ -567,6 +668,8 @@ class Engine:
         elif text is not None and out.finished:
             text.apply_whole(out, outputs[:index + 1])
         if out.finished:
+            if seq.remote_decode and out.finish_reason == "length":  # decoded elsewhere
+                out.kv_pages = req.kv_pages
             self.scheduler.finish(seq, out.finish_reason)
             self._pop(seq.request_id)
         else:

@@ -5,9 +5,11 @@ speculative method's models."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from jaxserve.config import EngineConfig, ModelConfig
@@ -34,6 +36,19 @@ class Loaded:
     vision: Vision | None = None  # a vision-language model's image side
 
 
+def _devices(config: EngineConfig) -> list | None:
+    """The devices `config.devices` names (None: the mesh takes the first ones)."""
+    if config.devices is None:
+        return None
+    everything = jax.devices()
+    size = math.prod((config.mesh or {}).values())
+    if len(config.devices) != size or max(config.devices) >= len(everything):
+        raise ValueError(f"devices {list(config.devices)}: the mesh {config.mesh or {}} takes "
+                         f"{size} of this process's {len(everything)} devices (0-"
+                         f"{len(everything) - 1})")
+    return [everything[d] for d in config.devices]
+
+
 @dataclasses.dataclass
 class Vision:
     params: Any  # the tower's and projector's (models/vision/), on the mesh
@@ -45,7 +60,7 @@ def load(config: EngineConfig, random_weights_preset: str | None = None) -> Load
     `config.mesh` ({"data": d, "model": m}) and `config.sharding` (a strategy of
     sharding/rules.py) say; with `random_weights_preset` (a YAML model preset) random
     weights instead, and no tokenizer."""
-    mesh = make_mesh(config.mesh)
+    mesh = make_mesh(config.mesh, _devices(config))
     vision = None
     dtype = jnp.dtype(config.dtype)
     options = config.model_options

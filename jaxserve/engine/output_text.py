@@ -61,6 +61,13 @@ class OutputText:
             self.decode_logprobs(out.new_logprobs)
         return stop is not None
 
+    def skip(self, token_ids: Sequence[int]) -> None:
+        """Tokens of the output whose text was handed back elsewhere (the first token of a
+        request prefilled on another engine): decoded, so that the text after them comes
+        out right, and not handed back again."""
+        self.add(token_ids, None)
+        self.emitted = len(self.text)
+
     def apply_whole(self, out: StepOutput, token_ids: Sequence[int]) -> None:
         """A deferred request's end: `out`, its last output, gets the text of its whole
         output `token_ids` (in place), decoded at once: two decodes for the request

@@ -84,6 +84,12 @@ class Sequence:
     # Its images are seen whole (Gemma 3: their tokens attend to each other), so a chunk
     # of its prompt never ends inside one (`chunk`).
     whole_images: bool = False
+    # Prefill/decode disaggregation (kv_transfer.py). `remote_decode`: the seq ends after
+    # its first token and its prompt's K/V are handed out (a prefill engine's). `prefilled`:
+    # its prompt's K/V, made elsewhere, written into its pages when it is admitted (then
+    # None: after a preemption it computes them itself).
+    remote_decode: bool = False
+    prefilled: Any = None
 
     def chunk(self, start: int, n: int) -> int:
         """How many of `n` tokens from `start` a step may compute: all, unless they end
@@ -108,6 +114,11 @@ class Sequence:
         pages by it, so two images never share K/V."""
         return b"".join(span.image.hash + (start - span.start).to_bytes(8, "little", signed=True)
                         for span in self.images if span.start < stop and span.end > start)
+
+    @property
+    def num_prefilled_tokens(self) -> int:
+        """Tokens whose K/V arrive with the seq (0: none)."""
+        return self.prefilled.num_tokens if self.prefilled is not None else 0
 
     @property
     def num_tokens(self) -> int:
@@ -153,6 +164,8 @@ class Request:
     seq: Sequence
     text: OutputText | None = None
     grammar: llguidance.LLMatcher | None = None
+    # A remote_decode seq's prompt K/V (kv_transfer.KVPages), read as its prompt is done.
+    kv_pages: Any = None
 
     @property
     def max_tokens(self) -> int:

@@ -21,6 +21,7 @@ from jaxserve.engine.broadcast import FORWARD, SAMPLE, STEP
 from jaxserve.engine.compile_cache import counting_hits
 from jaxserve.engine.executable_cache import ExecutableCache, one_device
 from jaxserve.engine.kv_memory import abstract_kv_cache
+from jaxserve.engine.kv_transfer import KVPages, PageMover
 from jaxserve.engine.packing import pack
 from jaxserve.engine.programs import FEATURE_AXES, jit_programs
 from jaxserve.engine.sampler import SampleOutput
@@ -50,6 +51,10 @@ class ModelRunner:
         self._abstract_kv = abstract_kv_cache(cfg, builder.num_pages * builder.data_shards,
                                               builder.page_size, kv_dtype, shard)
         self.kv_caches: KVCache = self.zeros(self._abstract_kv)
+        # A request's pages read out and written in (prefill/decode disaggregation).
+        self.pages = PageMover(shard, jax.tree.map(lambda x: x.sharding, self._abstract_kv),
+                               cfg.num_layers, shard.rules.kv_head_replicas,
+                               builder.num_pages, builder.pages_per_seq)
         # Decode steps a program may run (`dispatch_steps`; 1: one step per program).
         self.decode_steps = decode_steps
         self._programs = jit_programs(graphdef, params,
@@ -312,6 +317,14 @@ class ModelRunner:
     def _move(self, src: np.ndarray, dst: np.ndarray) -> None:
         args = (self.kv_caches, self.features, src, dst)
         self.kv_caches, self.features = self._run(("move",), self._programs.move, args)
+
+    def read_pages(self, data_shard: int, page_ids: list[int], num_tokens: int) -> KVPages:
+        """Start reading a sequence's pages out of the KV cache (kv_transfer.py)."""
+        return self.pages.read(self.kv_caches, data_shard, page_ids, num_tokens)
+
+    def write_pages(self, kv: KVPages, data_shard: int, page_ids: list[int | None]) -> None:
+        """Start writing moved pages into the KV cache (kv_transfer.py)."""
+        self.kv_caches = self.pages.write(self.kv_caches, kv, data_shard, page_ids)
 
     def _forward(self, batch: StepBatch, program: tuple) -> None:
         inputs = self._pack(dataclasses.replace(batch, sampling=None, history=None))

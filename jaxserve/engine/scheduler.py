@@ -383,9 +383,12 @@ class Scheduler:
                   for d in range(len(self.allocators)) if budgets[d] > 0 and seats[d] > 0}
         order = sorted(cached, key=lambda d: (-cached[d], -self.allocators[d].num_free_pages, d))
         for d in order:
-            n = seq.chunk(cached[d], min(seq.num_tokens - cached[d], budgets[d]))
-            if n > 0 and self.allocators[d].allocate_prompt(seq, n):
+            # Tokens whose K/V came with the seq (prefilled elsewhere) count as computed.
+            start = max(cached[d], seq.num_prefilled_tokens)
+            n = seq.chunk(start, min(seq.num_tokens - start, budgets[d]))
+            if n > 0 and self.allocators[d].allocate_prompt(seq, start - cached[d] + n):
                 assert seq.num_computed_tokens == cached[d]
+                seq.num_computed_tokens = start
                 seq.data_shard = d
                 for other in self.allocators:
                     if other is not self.allocators[d]:

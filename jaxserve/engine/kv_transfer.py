@@ -1,0 +1,155 @@
+"""A request's prompt K/V moved between engines: prefill on one, decode on another
+(prefill/decode disaggregation; docs/disaggregation.md).
+
+The prefill engine reads the pages that hold a request's prompt out of its KV cache into
+one array per cache entry (K, V, and their scales when the cache is quantized), all
+layers at once: `[layers, kv_heads, pages, page_size(, head_dim)]`, each KV head once
+(a tensor-parallel cache that stores a head on several devices gives one copy). That is
+the form that travels, as stored (int8 / fp8 pages with their float32 scales). The
+decode engine places it on its own mesh (`KVPages.placed`), writes it into the pages it
+gave the request (each head as many times as its own cache stores it) and decodes on.
+Page counts are padded to a few buckets so that both programs compile at warm-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxserve.models.parallel import KV_CACHE_AXES
+
+
+@dataclasses.dataclass
+class KVPages:
+    """The K/V of a request's first `num_tokens` tokens: per cache entry an array
+    `[layers, kv_heads, pages, page_size(, head_dim)]` (device arrays of either engine,
+    or numpy arrays that came over a wire); pages past the tokens' are padding."""
+
+    entries: tuple[Any, ...]
+    num_tokens: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in self.entries)
+
+
+@dataclasses.dataclass
+class Prefilled:
+    """What a decode engine is given of a request prefilled elsewhere: its prompt's K/V
+    and the first token the prefill sampled."""
+
+    first_token: int
+    kv: KVPages
+
+
+def page_buckets(max_pages: int) -> list[int]:
+    """The page counts the programs compile for: powers of two below `max_pages` (the
+    most one sequence holds), then it."""
+    out, n = [], 1
+    while n < max_pages:
+        out.append(n)
+        n *= 2
+    return out + [max_pages]
+
+
+class PageMover:
+    """Reads a request's pages out of an engine's KV cache (`read`) and writes moved ones
+    into it (`write`). `cache_shardings` is the cache's (per layer, per entry), `replicas`
+    the copies of each KV head it stores (sharding/rules.py: kv_head_replicas),
+    `pool_pages` the pages of each data shard's pool."""
+
+    def __init__(self, shard, cache_shardings, num_layers: int, replicas: int,
+                 pool_pages: int, max_pages: int):
+        self.replicas = replicas
+        self.pool_pages = pool_pages
+        self._drop = pool_pages * shard.data_shards  # past the last page: not written
+        self.buckets = page_buckets(max_pages)
+        self.num_layers = num_layers
+        # Moved pages on this mesh: KV heads split as the cache splits them when each
+        # device holds whole heads, else whole on every device (each takes its own).
+        heads = shard.rules.spec(KV_CACHE_AXES)[0] if replicas == 1 else None
+        self._placement = lambda ndim: NamedSharding(  # noqa: E731
+            shard.mesh, PartitionSpec(None, heads, *[None] * (ndim - 2)))
+        self._read = jax.jit(functools.partial(_read_pages, replicas=replicas))
+        self._write = jax.jit(functools.partial(_write_pages, replicas=replicas),
+                              donate_argnums=(0,), out_shardings=cache_shardings)
+
+    def bucket(self, num_pages: int) -> int:
+        for b in self.buckets:
+            if b >= num_pages:
+                return b
+        raise ValueError(f"{num_pages} pages: more than one sequence holds "
+                         f"({self.buckets[-1]})")
+
+    def read(self, kv_caches, data_shard: int, page_ids: list[int], num_tokens: int
+             ) -> KVPages:
+        """Start reading pages `page_ids` of data shard `data_shard` (those holding the
+        first `num_tokens` tokens); the steps dispatched before have written them, and
+        those after may reuse them (the device runs in order)."""
+        size = self.bucket(len(page_ids))
+        idx = np.zeros(size, np.int32)
+        idx[:len(page_ids)] = np.asarray(page_ids) + data_shard * self.pool_pages
+        return KVPages(tuple(self._read(kv_caches, idx)), num_tokens)
+
+    def placed(self, kv: KVPages) -> KVPages:
+        """`kv` on this engine's mesh, laid out for `write` (a copy started, from another
+        mesh or from the host)."""
+        return KVPages(tuple(jax.device_put(x, self._placement(x.ndim)) for x in kv.entries),
+                       kv.num_tokens)
+
+    def write(self, kv_caches, kv: KVPages, data_shard: int, page_ids: list[int | None]):
+        """The caches with page j of `kv` written into `page_ids[j]` of data shard
+        `data_shard` (None: left alone, e.g. a page this engine's prefix cache had)."""
+        size = kv.entries[0].shape[2]
+        idx = np.full(size, self._drop, np.int32)
+        for j, page in enumerate(page_ids):
+            if page is not None:
+                idx[j] = page + data_shard * self.pool_pages
+        return self._write(kv_caches, idx, kv.entries)
+
+    def check(self, kv: KVPages, abstract_kv) -> None:
+        """ValueError unless `kv` fits this engine's cache: entries, layers, heads, page
+        size, head size and dtypes."""
+        layer = abstract_kv[0]
+        if len(kv.entries) != len(layer):
+            raise ValueError(f"moved K/V has {len(kv.entries)} entries per layer, this "
+                             f"engine's cache {len(layer)} (one stores quantized K/V with "
+                             "scales, the other not): give both the same kv_cache_dtype")
+        for x, c in zip(kv.entries, layer):
+            want = (self.num_layers, c.shape[0] // self.replicas, *c.shape[2:])
+            got = (x.shape[0], x.shape[1], *x.shape[3:])
+            if got != want or jnp.dtype(x.dtype) != jnp.dtype(c.dtype):
+                raise ValueError(
+                    f"moved K/V pages are {x.dtype}{list(got)} (layers, kv heads, page "
+                    f"size, head size), this engine's {jnp.dtype(c.dtype)}{list(want)}: "
+                    "both engines must serve the same model with the same page_size and "
+                    "kv_cache_dtype")
+            if x.shape[2] not in self.buckets:
+                raise ValueError(f"moved K/V has {x.shape[2]} pages; expected one of "
+                                 f"{self.buckets}")
+
+    def warmup(self, kv_caches):
+        """Compile both programs for every bucket (each runs once on page 0, reading it
+        and writing back what it read: no content changes). Returns the caches."""
+        for size in self.buckets:
+            pages = self.read(kv_caches, 0, [0] * size, 1)
+            kv_caches = self.write(kv_caches, self.placed(pages), 0, [0] + [None] * (size - 1))
+        return kv_caches
+
+
+def _read_pages(kv_caches, idx, *, replicas: int):
+    return [jnp.stack([layer[e][::replicas, idx] for layer in kv_caches])
+            for e in range(len(kv_caches[0]))]
+
+
+def _write_pages(kv_caches, idx, entries, *, replicas: int):
+    return [tuple(c.at[:, idx].set(jnp.repeat(x[i], replicas, axis=0).astype(c.dtype),
+                                   mode="drop")
+                  for c, x in zip(layer, entries))
+            for i, layer in enumerate(kv_caches)]

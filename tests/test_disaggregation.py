@@ -1,0 +1,186 @@
+"""Prefill/decode disaggregation in one process: a request prefilled on one engine and
+decoded on another gives one engine's tokens, text and logprobs; pages come back on both
+sides whatever happens to it.
+
+Here both engines sit on the one CPU device (separate KV pools, separate programs); over
+8 emulated devices with different strategies per side the check runs in its own process
+(tests/disaggregation_check.py, slow).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.engine.kv_transfer import KVPages, Prefilled, page_buckets
+
+ENGINE = dict(dtype="float32", max_model_len=128, page_size=4, max_num_seqs=4,
+              max_num_batched_tokens=32, token_buckets=(8, 32))
+
+
+@pytest.fixture(scope="module")
+def model(checkpoints):
+    return str(checkpoints("llama8")[0])
+
+
+@pytest.fixture(scope="module")
+def single(model):
+    return LLM(model, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def pd(model):
+    # The decode side's pool is small enough (34 pages of 4 tokens) that the batch below
+    # preempts there: a request handed over is recomputed by the decode engine then.
+    return LLM(model, prefill={"num_pages": 120}, decode={"num_pages": 34}, **ENGINE)
+
+
+def _batch(single):
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 320, size=n).tolist() for n in (5, 17, 30, 43, 61, 9, 26)]
+    base = single.generate([prompts[2]], SamplingParams(temperature=0, max_tokens=24,
+                                                        ignore_eos=True))[0].outputs[0]
+    stop = base.text[6:9]  # a stop string a few tokens in
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=14, temperature=0.9, seed=11, logprobs=3),
+              SamplingParams(max_tokens=24, temperature=0, stop=[stop], ignore_eos=True),
+              SamplingParams(max_tokens=1, temperature=0),
+              SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=5,
+                             repetition_penalty=1.3),
+              SamplingParams(max_tokens=9, temperature=0, stop_token_ids=[base.token_ids[0]]),
+              SamplingParams(max_tokens=18, temperature=1.0, top_k=20, seed=2,
+                             ignore_eos=True)]
+    prompts[5] = prompts[2]  # its first token is the stop token: ends on the prefill side
+    return prompts, params
+
+
+def _outputs(results):
+    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
+             o.outputs[0].stop_reason) for o in results]
+
+
+def test_tokens_text_and_logprobs_match_one_engine(single, pd):
+    prompts, params = _batch(single)
+    want = single.generate(prompts, params)
+    got = pd.generate(prompts, params)
+    assert _outputs(got) == _outputs(want)
+    assert got[2].outputs[0].finish_reason == "stop" and got[3].outputs[0].token_ids
+    for w, g in zip(want[1].outputs[0].logprobs, got[1].outputs[0].logprobs):
+        assert w.keys() == g.keys()
+        assert all(abs(w[t].logprob - g[t].logprob) < 1e-5 for t in w)
+    e = pd.engine
+    # Every request but the one-token one and the one its first token stopped moved over.
+    assert e.num_handoffs == 5 and e.handoff_bytes > 0
+    assert e.decode.status().num_preemptions > 0  # a handed-over request recomputed
+    for side in (e.prefill, e.decode):
+        assert side.status().num_used_pages == 0
+        assert side.runner.compiles_after_warmup == 0
+        side.scheduler.allocators[0].check_invariants()
+    assert e.decode.num_prefilled_waiting == 0 and not e.has_unfinished()
+
+
+def test_prefix_cache_on_the_prefill_side(single, pd):
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(3, 320, size=40).tolist()
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    before = pd.engine.prefill.status().prefix_hits
+    first, again = pd.generate([prompt], p), pd.generate([prompt + [7, 8]], p)
+    assert pd.engine.prefill.status().prefix_hits - before >= 36  # 9 pages of the prompt
+    assert _outputs(first + again) == _outputs(single.generate([prompt, prompt + [7, 8]], p))
+
+
+def test_aborts_free_pages_on_both_sides(pd):
+    e = pd.engine
+    rng = np.random.default_rng(9)
+    for i in range(6):
+        e.add_request(f"abort-{i}", rng.integers(3, 320, size=30).tolist(),
+                      SamplingParams(max_tokens=40, ignore_eos=True))
+    seen = set()
+    for _ in range(40):  # until some decode and some still wait for their prefill
+        seen |= {o.request_id for o in e.step()}
+        if e.decode.num_requests >= 2:
+            break
+    assert e.decode.num_requests >= 2 and e.prefill.num_requests >= 1
+    for i in range(6):
+        assert e.abort_request(f"abort-{i}")
+    assert not e.abort_request("abort-0") and not e.has_unfinished()
+    for _ in range(3):  # a step in flight when they were aborted lands
+        e.step()
+    for side in (e.prefill, e.decode):
+        assert side.status().num_used_pages == 0 and side.num_requests == 0
+    assert e.decode.num_prefilled_waiting == 0
+
+
+def test_moved_pages_must_fit_the_decode_engine(pd):
+    """A decode engine refuses K/V it cannot hold, and one that is not a consumer any."""
+    e = pd.engine
+    prompt = list(range(3, 23))
+    p = SamplingParams(max_tokens=4)
+    entries = [np.asarray(x) for x in e.prefill.runner.read_pages(0, [0] * 5, 20).entries]
+    ok = KVPages(tuple(entries), 20)
+    with pytest.raises(ValueError, match="not a kv_producer"):
+        e.decode.add_request("x", prompt, p, remote_decode=True)
+    with pytest.raises(ValueError, match="not a kv_consumer"):
+        e.prefill.add_request("x", prompt, p, prefilled=Prefilled(5, ok))
+    with pytest.raises(ValueError, match="holds 20 tokens, the prompt has 19"):
+        e.decode.add_request("x", prompt[:19], p, prefilled=Prefilled(5, ok))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        e.decode.add_request("x", prompt, p, prefilled=Prefilled(10**6, ok))
+    with pytest.raises(ValueError, match="same page_size"):
+        e.decode.add_request("x", prompt, p, prefilled=Prefilled(
+            5, KVPages(tuple(x[:, :, :, :2] for x in entries), 20)))
+    with pytest.raises(ValueError, match="float16.* this engine's float32"):
+        e.decode.add_request("x", prompt, p, prefilled=Prefilled(
+            5, KVPages(tuple(x.astype(np.float16) for x in entries), 20)))
+    with pytest.raises(ValueError, match="max_tokens > 1"):
+        e.decode.add_request("x", prompt, SamplingParams(max_tokens=1),
+                             prefilled=Prefilled(5, ok))
+    # Host arrays (as from another process) are taken as they are.
+    e.decode.add_request("x", prompt, p, prefilled=Prefilled(5, ok))
+    assert e.decode.num_prefilled_waiting == 1
+    assert e.decode.abort_request("x") and e.decode.num_prefilled_waiting == 0
+    assert e.decode.status().num_used_pages == 0
+
+
+def test_page_buckets():
+    assert page_buckets(32) == [1, 2, 4, 8, 16, 32]
+    assert page_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert page_buckets(1) == [1]
+
+
+@pytest.mark.slow
+def test_two_meshes_of_8_devices_match_one_device(checkpoints, tmp_path):
+    """Prefill on devices 0-3 and decode on 4-7 under pairs of strategies (TP to DP+TP,
+    DP to TP, TP=2 to TP=4+SP with the KV heads stored twice, int8 KV): greedy and seeded
+    tokens equal one engine's on one device; no page left on either side."""
+    path, _ = checkpoints("llama8")
+    out = tmp_path / "runs.json"
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    script = Path(__file__).parent / "disaggregation_check.py"
+    proc = subprocess.run([sys.executable, str(script), str(path), str(out)],
+                          env={**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"},
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    runs = json.loads(out.read_text())
+    # int8 K/V changes the logprobs (the tiny model's tokens stay the same): the int8
+    # pairs give the int8 engine's, so the quantized pages and their scales moved as stored.
+    int8, floats = runs["one device int8 kv"]["logprobs"], runs["one device"]["logprobs"]
+    assert max(abs(a - b) for a, b in zip(int8, floats)) > 1e-3
+    pairs = [name for name in runs if "->" in name]
+    assert len(pairs) == 4
+    for name in pairs:
+        run = runs[name]
+        base = runs["one device int8 kv" if "int8" in name else "one device"]
+        assert run["tokens"] == base["tokens"], name
+        assert max(abs(a - b) for a, b in zip(run["logprobs"], base["logprobs"])) < 1e-4, name
+        assert run["used_pages"] == [0, 0] and run["compiles_after_warmup"] == 0, name
+        assert run["handoffs"] == 5, name
+        assert run["decode_devices"] == [4, 5, 6, 7], name
+        assert set(run["prefill_devices"]) <= {0, 1, 2, 3}, name
