@@ -7,8 +7,9 @@ the step computing its last chunk is dispatched), then handed to the second with
 first token and its prompt's K/V, which `jax.device_put` copies to the decode mesh in the
 decode cache's layout (kv_transfer.py) while the prefill engine goes on with the next
 prompts; the decode engine writes them into pages of its own when it admits the request
-and decodes from the second token on. Long prompts then never stall the decoding
-streams, and each side is sized and sharded for its own work.
+and decodes from the second token on. The prefill engine steps on a thread of its own
+(`_PrefillLoop`), so the decode engine's steps never wait for a prompt's: long prompts
+never stall the decoding streams, and each side is sized and sharded for its own work.
 
 It answers what the servers and the offline `LLM` ask of an `Engine` (add_request, step,
 abort_request, status, ...): text and stop strings are made here, over the whole output,
@@ -19,7 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import random
+import threading
+import weakref
+from collections.abc import Callable
 
 from jaxserve.config import EngineConfig, KVTransferConfig
 from jaxserve.engine.engine import Engine
@@ -30,6 +35,51 @@ from jaxserve.outputs import StepOutput
 from jaxserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+class _PrefillLoop:
+    """The prefill engine, stepped on a thread of its own while it has requests. Other
+    threads reach the engine through `call` (under the lock); the thread waits for the
+    device outside it, so a call waits for a step's host work only. Each step's outputs
+    go to `outputs`. It pauses while `paused()` (the decode side is full)."""
+
+    def __init__(self, engine: Engine, paused: Callable[[], bool]):
+        self.engine = engine
+        self.outputs: queue.SimpleQueue[list[StepOutput]] = queue.SimpleQueue()
+        self._paused = paused
+        self._lock = threading.Condition()
+        self._stopped = False
+        threading.Thread(target=self._run, name="prefill-engine", daemon=True).start()
+
+    def call(self, fn: Callable, *args, **kwargs):
+        with self._lock:
+            out = fn(*args, **kwargs)
+            self._lock.notify()
+            return out
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            self._lock.notify()
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._lock:
+                while not self._stopped and (not engine.has_unfinished() or self._paused()):
+                    # Paused: the decode side admits requests without telling this thread.
+                    self._lock.wait(timeout=0.005 if engine.has_unfinished() else None)
+                if self._stopped:
+                    return
+            engine.wait_for_device()
+            with self._lock:
+                try:
+                    outputs = engine.step()
+                except Exception as error:  # its requests fail; the loop goes on
+                    log.exception("prefill step failed")
+                    outputs = engine.fail_step(error)
+            if outputs:
+                self.outputs.put(outputs)
 
 
 @dataclasses.dataclass
@@ -60,6 +110,10 @@ class DisaggregatedEngine:
         self.images = None
         self._requests: dict[str, _Request] = {}
         self._rng = random.Random(seed)
+        self._prefill = _PrefillLoop(prefill, lambda: (decode.num_prefilled_waiting
+                                                       >= decode.config.max_num_seqs))
+        # The thread holds the engines, not this object: it stops when this goes.
+        self.close = weakref.finalize(self, self._prefill.stop)
         self.num_handoffs = 0  # requests handed from prefill to decode
         self.handoff_bytes = 0  # of K/V moved with them
 
@@ -96,8 +150,8 @@ class DisaggregatedEngine:
         params = params or SamplingParams()
         if params.seed is None:  # one stream over both engines
             params = dataclasses.replace(params, seed=self._rng.randrange(2**32))
-        token_ids = self.prefill.add_request(request_id, prompt, params, priority,
-                                             remote_decode=True)
+        token_ids = self._prefill.call(self.prefill.add_request, request_id, prompt, params,
+                                       priority, remote_decode=True)
         tokenizer = self.tokenizer
         text = (OutputText(tokenizer, token_ids, params, self.eos_token_ids)
                 if self.detokenize and tokenizer is not None else None)
@@ -108,7 +162,10 @@ class DisaggregatedEngine:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
-        (self.decode if req.decoding else self.prefill).abort_request(request_id)
+        if req.decoding:
+            self.decode.abort_request(request_id)
+        else:  # (one whose first token is on its way is dropped when it lands)
+            self._prefill.call(self.prefill.abort_request, request_id)
         return True
 
     def has_unfinished(self) -> bool:
@@ -151,21 +208,28 @@ class DisaggregatedEngine:
         self.decode.warmup(progress)
 
     def step(self) -> list[StepOutput]:
-        """A step of each engine: the prefill engine's first tokens (their K/V handed to
-        the decode engine), then the decode engine's tokens. The prefill engine waits
-        while the decode engine holds a full batch of handed-over requests it has not
-        admitted yet (their K/V wait on its devices, outside its pool)."""
-        outputs = []
-        if self.decode.num_prefilled_waiting < self.decode.config.max_num_seqs:
-            outputs += [self._handoff(out) if out.kv_pages is not None else self._text(out)
-                        for out in self.prefill.step()]
+        """The prefill engine's outputs since the last call (first tokens, their requests
+        handed to the decode engine), then a step of the decode engine. With nothing to
+        decode it waits a little for the prefill side. The prefill engine pauses while
+        the decode engine holds a full batch of handed-over requests it has not admitted
+        yet (their K/V wait on its devices, outside its pool)."""
+        batches = []
+        if not self.decode.has_unfinished():
+            try:
+                batches.append(self._prefill.outputs.get(timeout=0.05))
+            except queue.Empty:
+                pass
+        while not self._prefill.outputs.empty():
+            batches.append(self._prefill.outputs.get())
+        outputs = [self._handoff(out) if out.kv_pages is not None else self._text(out)
+                   for batch in batches for out in batch]
         outputs += [self._text(out) for out in self.decode.step()]
         return outputs
 
     def fail_step(self, error: BaseException) -> list[StepOutput]:
-        """After `step()` raised: both engines end their running requests (Engine.fail_step)."""
-        return [self._text(out)
-                for out in self.prefill.fail_step(error) + self.decode.fail_step(error)]
+        """After `step()` raised: the decode engine ends its running requests
+        (Engine.fail_step; the prefill engine's steps fail on its own thread alike)."""
+        return [self._text(out) for out in self.decode.fail_step(error)]
 
     def _handoff(self, out: StepOutput) -> StepOutput:
         """A prefilled request's first token: its text made (a stop string in it ends the

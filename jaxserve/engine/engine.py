@@ -432,6 +432,14 @@ class Engine:
         if self.images is not None:
             self.images.warmup()
 
+    def wait_for_device(self) -> None:
+        """Wait until the step in flight (if any) has its outputs, changing nothing: the
+        next `step()` then spends only host time. Another thread may call it while no
+        `step()` runs (DisaggregatedEngine waits so, outside its lock)."""
+        inflight = self._inflight
+        if inflight is not None and inflight.out is not None:
+            jax.block_until_ready(inflight.out)
+
     def step(self) -> list[StepOutput]:
         """Run one step; return the requests that produced tokens or finished.
 
