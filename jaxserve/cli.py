@@ -75,6 +75,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM\'s: e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\' (docs/speculative.md)')
+    g.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help='one side of prefill/decode disaggregation, as vLLM\'s: '
+                        '\'{"kv_role": "kv_producer"}\' (a prefill server; "kv_port": N '
+                        'for its K/V service) or \'{"kv_role": "kv_consumer"}\' (a decode '
+                        'server); `jaxserve router` in front (docs/disaggregation.md)')
 
 
 def parse_mesh(text: str | None) -> dict[str, int] | None:
@@ -152,6 +157,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "limit_mm_per_prompt": parse_json_object("--limit-mm-per-prompt",
                                                  args.limit_mm_per_prompt),
         "mm_encoder_cache_tokens": args.mm_encoder_cache_tokens,
+        "kv_transfer_config": parse_json_object("--kv-transfer-config",
+                                                args.kv_transfer_config),
     }
     if args.config:
         return EngineConfig.from_yaml(args.config, **overrides)
@@ -242,6 +249,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if dist is not None and code != 0:
         multihost.exit_now(code)
     return code
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from server.router import Router
+
+    asyncio.run(Router(args.prefill, args.decode, args.timeout).serve(args.host, args.port))
+    return 0
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -486,6 +502,19 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--mesh", default=None, metavar="data=D,model=M",
                       help="devices to hold the weights while converting (default: one)")
     conv.set_defaults(func=cmd_convert)
+
+    rt = sub.add_parser("router", help="one OpenAI HTTP endpoint in front of prefill and "
+                                       "decode servers (docs/disaggregation.md)")
+    rt.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                    help="prefill servers' HTTP addresses (serve --kv-transfer-config "
+                         "'{\"kv_role\": \"kv_producer\"}')")
+    rt.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                    help="decode servers' HTTP addresses (kv_role kv_consumer)")
+    rt.add_argument("--host", default="127.0.0.1")
+    rt.add_argument("--port", type=int, default=8080)
+    rt.add_argument("--timeout", type=float, default=600.0,
+                    help="seconds a request may take on a server")
+    rt.set_defaults(func=cmd_router)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)

@@ -159,11 +159,29 @@ class KVTransferConfig:
     at warm-up."""
 
     kv_role: str = "kv_both"
+    # Servers (server/kv_transfer.py): a producer serves its handed-off K/V on
+    # `kv_host`:`kv_port` (0: a free port), named to decode servers as
+    # `kv_advertise_host` (default kv_host):port, held `kv_hold_seconds` for them to pull,
+    # streamed in chunks of `kv_chunk_bytes`; a consumer gives a pull `kv_pull_timeout`
+    # seconds.
+    kv_host: str = "127.0.0.1"
+    kv_port: int = 0
+    kv_advertise_host: str | None = None
+    kv_hold_seconds: float = 30.0
+    kv_chunk_bytes: int = 4 << 20
+    kv_pull_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         if self.kv_role not in KV_ROLES:
             raise ValueError(f"kv_transfer_config: kv_role must be one of {KV_ROLES}, got "
                              f"{self.kv_role!r}")
+        for name in ("kv_hold_seconds", "kv_pull_timeout", "kv_chunk_bytes"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"kv_transfer_config: {name} must be positive, got "
+                                 f"{getattr(self, name)!r}")
+        if not isinstance(self.kv_port, int) or not 0 <= self.kv_port < 65536:
+            raise ValueError(f"kv_transfer_config: kv_port must be a port number (0: any "
+                             f"free one), got {self.kv_port!r}")
 
     @property
     def produces(self) -> bool:

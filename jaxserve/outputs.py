@@ -31,6 +31,8 @@ class StepOutput:
     # A prefill engine's request that decodes elsewhere (Engine.add_request's
     # remote_decode): its prompt's K/V (engine/kv_transfer.py's KVPages), on its last output.
     kv_pages: Any = None
+    # A server's: where a decode server pulls those K/V from (server/kv_transfer.py).
+    kv_transfer_params: dict | None = None
 
     @staticmethod
     def merge(outputs: list[StepOutput]) -> StepOutput:

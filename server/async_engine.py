@@ -91,6 +91,7 @@ class _Stream:
     params: SamplingParams
     prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
     text: OutputText | None = None  # the request's text so far
+    first_token: int | None = None  # prefilled elsewhere: its first token (text made there)
 
 
 def _settle(fut: asyncio.Future, result=None, error: BaseException | None = None) -> None:
@@ -177,11 +178,12 @@ class AsyncEngine:
         return self.error is None and self.core.is_alive
 
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                  lora_request: LoRARequest | None = None, images: list[ImageInput] = ()
-                  ) -> AsyncIterator[StepOutput]:
+                  lora_request: LoRARequest | None = None, images: list[ImageInput] = (),
+                  kv_transfer_params: dict | None = None) -> AsyncIterator[StepOutput]:
         """Admit the request (under `lora_request`'s adapter, when given; with `images`,
-        `encode_chat`'s, for its placeholders; ValueError or
-        QueueFullError if it cannot be), then return the stream of its outputs. A text
+        `encode_chat`'s, for its placeholders; with `kv_transfer_params`, one side of
+        prefill/decode disaggregation: engine_core.py; ValueError, QueueFullError or
+        KVTransferError if it cannot be), then return the stream of its outputs. A text
         prompt is tokenized, and a structured-output constraint compiled, in the worker
         pool first.
 
@@ -199,9 +201,11 @@ class AsyncEngine:
         self._check_running()
         stream = _Stream(request_id, next(self._call_ids), self._future(), asyncio.Queue(),
                          times, params)
+        if kv_transfer_params and kv_transfer_params.get("do_remote_prefill"):
+            stream.first_token = kv_transfer_params["first_token"]
         self._pending[stream.call] = stream
         self.core.send(("add", request_id, stream.call, prompt, params, lora_request,
-                        list(images)))
+                        list(images), kv_transfer_params))
         try:
             await stream.admitted
         except asyncio.CancelledError:
@@ -422,7 +426,12 @@ class AsyncEngine:
         if stream.text is None:
             stream.text = OutputText(tokenizer, stream.prompt_token_ids, stream.params,
                                      self.info.eos_token_ids)
+            if stream.first_token is not None:
+                stream.text.skip([stream.first_token])
         finished_by_engine = out.finished
-        if stream.text.apply(out) and not finished_by_engine:  # a stop string
+        if out.kv_transfer_params is not None:  # its text goes on on the decode server
+            if stream.text.apply_unfinished(out):  # a stop string ended it here
+                out.kv_transfer_params = None
+        elif stream.text.apply(out) and not finished_by_engine:  # a stop string
             self.core.send(("stopped", stream.request_id, stream.call))
         return out

@@ -12,7 +12,12 @@ servers' event loop, gRPC's callbacks and the text work; the servers' process th
 starts a JAX backend.
 
 Commands (front -> core):
-    ("add", rid, call, prompt_ids, params, lora, images)
+    ("add", rid, call, prompt_ids, params, lora, images, kv_transfer_params)
+                                kv_transfer_params (None: an ordinary request):
+                                {"do_remote_decode": true}: prefill only, its K/V held for
+                                a decode server (its last output's kv_transfer_params name
+                                them); {"do_remote_prefill": true, ...a prefill's}: pulled
+                                on a thread first, then added ("prefilled")
     ("abort", rid, call)        call None: whichever call runs `rid`; the caller gets an
                                 "abort" output
     ("stopped", rid, call)      the front found a stop string: end it, no output
@@ -43,13 +48,14 @@ import signal
 import threading
 import time
 
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import EngineConfig, KVTransferConfig, ModelConfig
 from jaxserve.engine.broadcast import PING_INTERVAL_S
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.lora import LoRARequest
 from jaxserve.engine.multimodal.inputs import ImagePreparer
 from jaxserve.engine.status import EngineStatus
 from jaxserve.outputs import StepOutput
+from server.kv_transfer import KVSender, KVTransferError, pull
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +101,11 @@ class EngineSnapshot:
 
     status: EngineStatus
     routers: list  # Engine.router_statistics(): (layer, tokens per expert, imbalance)
+    kv: KVStats | None = None  # prefill/decode disaggregation's transfers (None: off)
 
     @classmethod
-    def of(cls, engine: Engine) -> EngineSnapshot:
-        return cls(engine.status(), engine.router_statistics())
+    def of(cls, engine: Engine, kv: KVStats | None = None) -> EngineSnapshot:
+        return cls(engine.status(), engine.router_statistics(), kv)
 
     @classmethod
     def idle(cls, info: EngineInfo) -> EngineSnapshot:
@@ -126,6 +133,18 @@ class _Call:
     num_prompt_tokens: int
     held: list[StepOutput] = dataclasses.field(default_factory=list)
     num_held: int | None = None
+    prompt_ids: list[int] | None = None  # a remote_decode request's (sent with its K/V)
+
+
+@dataclasses.dataclass
+class KVStats:
+    """A decode server's pulls of K/V (and a prefill server's sends, SenderStats)."""
+
+    pulled: int = 0
+    pulled_bytes: int = 0
+    pull_seconds: float = 0.0
+    failed: int = 0
+    sender: object = None  # server/kv_transfer.py's SenderStats of a producer
 
 
 class EngineCore:
@@ -145,6 +164,17 @@ class EngineCore:
         self._calls: dict[str, _Call] = {}  # by request id
         self._stopping = False
         self._last_ping = time.monotonic()
+        # Prefill/decode disaggregation: a producer's held K/V and their service; the
+        # requests whose K/V a consumer is pulling (rid -> call).
+        role: KVTransferConfig | None = engine.kv_transfer
+        self.kv_stats = KVStats() if role is not None else None
+        self.kv_sender = (KVSender(role.kv_host, role.kv_port, role.kv_advertise_host,
+                                   role.kv_hold_seconds, role.kv_chunk_bytes)
+                          if role is not None and role.produces else None)
+        if self.kv_sender is not None:
+            self.kv_stats.sender = self.kv_sender.stats
+            log.info("K/V transfers served on %s", self.kv_sender.address)
+        self._pulling: dict[str, int] = {}
 
     def run(self, warmup: bool) -> None:
         try:
@@ -212,6 +242,8 @@ class EngineCore:
         kind = cmd[0]
         if kind == "add":
             self._add(*cmd[1:])
+        elif kind == "prefilled":
+            self._add_prefilled(*cmd[1:])
         elif kind == "abort":
             self._abort(cmd[1], cmd[2])
         elif kind == "stopped":
@@ -241,28 +273,82 @@ class EngineCore:
             _, name, reply = cmd
             self.send(("reply", reply, self.engine.remove_lora(name), None))
         elif kind == "snapshot":
-            self.send(("reply", cmd[1], EngineSnapshot.of(self.engine), None))
+            self.send(("reply", cmd[1], EngineSnapshot.of(self.engine, self.kv_stats), None))
         elif kind == "stop":
             self._stopping = True
+            if self.kv_sender is not None:
+                self.kv_sender.stop()
         else:
             raise ValueError(f"unknown engine command {kind!r}")
 
-    def _add(self, rid: str, call: int, prompt: list[int], params, lora, images=()) -> None:
+    def _add(self, rid: str, call: int, prompt: list[int], params, lora, images=(),
+             kv: dict | None = None) -> None:
         if self.engine.num_waiting >= self.max_waiting:
             self.send(("admitted", call, None, QueueFullError(
                 f"the waiting queue is full ({self.max_waiting} requests); retry later")))
             return
+        remote_decode = bool(kv and kv.get("do_remote_decode"))
+        if kv and kv.get("do_remote_prefill"):
+            if self.kv_stats is None:
+                self.send(("admitted", call, None, ValueError(
+                    "kv_transfer_params: this server is not a kv_consumer")))
+                return
+            self._pulling[rid] = call
+            threading.Thread(target=self._pull, args=(rid, call, prompt, params, kv),
+                             name="kv-pull", daemon=True).start()
+            return
         try:
             ids = self.engine.add_request(rid, prompt, params, lora_request=lora,
-                                          images=list(images))
+                                          images=list(images), remote_decode=remote_decode)
         except ValueError as e:
             self.send(("admitted", call, None, e))
             return
+        self._calls[rid] = _Call(call, len(ids), prompt_ids=ids if remote_decode else None)
+        self.send(("admitted", call, ids, None))
+
+    def _pull(self, rid: str, call: int, prompt: list[int], params, kv: dict) -> None:
+        """A worker thread: pull a request's K/V from its prefill server (the engine keeps
+        stepping), then hand it to the loop."""
+        try:
+            prefilled, prompt_ids, seconds = pull(kv, self.engine.kv_transfer.kv_pull_timeout)
+            result = (prefilled, prompt_ids, seconds)
+        except (KVTransferError, KeyError, ValueError) as e:
+            result = e if not isinstance(e, KeyError) else ValueError(
+                f"kv_transfer_params: missing {e}; pass on a prefill response's")
+        self.inbox.put(("prefilled", rid, call, prompt, params, result))
+
+    def _add_prefilled(self, rid: str, call: int, prompt: list[int], params, result) -> None:
+        """Add a request whose K/V were pulled (or fail it with why they were not)."""
+        if self._pulling.pop(rid, None) != call:
+            return  # aborted while pulling: its K/V are dropped
+        stats = self.kv_stats
+        if isinstance(result, Exception):
+            stats.failed += 1
+            self.send(("admitted", call, None, result))
+            return
+        prefilled, prompt_ids, seconds = result
+        try:
+            if prompt_ids != list(prompt):
+                raise ValueError("kv_transfer_params: the prompt's token ids differ from "
+                                 "those the prefill server computed; send the decode "
+                                 "server the same request")
+            ids = self.engine.add_request(rid, prompt, params, prefilled=prefilled)
+        except ValueError as e:
+            stats.failed += 1
+            self.send(("admitted", call, None, e))
+            return
+        stats.pulled += 1
+        stats.pulled_bytes += prefilled.kv.nbytes
+        stats.pull_seconds += seconds
         self._calls[rid] = _Call(call, len(ids))
         self.send(("admitted", call, ids, None))
 
     def _abort(self, rid: str, call: int | None) -> bool:
         """Abort `rid` (only if `call` runs it, unless None); its caller gets an output."""
+        if rid in self._pulling and call in (None, self._pulling[rid]):
+            self.send(("admitted", self._pulling.pop(rid), None,
+                       ValueError("aborted while its K/V were pulled")))
+            return True
         entry = self._calls.get(rid)
         if entry is None or (call is not None and entry.call != call):
             return False
@@ -277,6 +363,11 @@ class EngineCore:
         if self.stream_interval > 1:
             outputs = self._grouped(outputs)
         for out in outputs:
+            if out.kv_pages is not None:  # held here until its decode server pulls it
+                entry = self._calls[out.request_id]
+                out.kv_transfer_params = self.kv_sender.hold(
+                    out.kv_pages, entry.prompt_ids, out.new_token_ids[0])
+                out.kv_pages = None
             if out.finished:
                 self._calls.pop(out.request_id, None)
         self.send(("outputs", outputs, step))

@@ -37,6 +37,7 @@ from jaxserve.sampling_params import SamplingParams
 from server import openai_protocol as oai
 from server import tool_calling
 from server.async_engine import AsyncEngine, QueueFullError
+from server.kv_transfer import KVTransferError
 from server.metrics import CONTENT_TYPE, Metrics
 from server.security import Security
 from server.tool_parsers import ToolParser
@@ -54,6 +55,7 @@ class Choice:
     stop_reason: str | int | None = None
     started: bool = False
     offset: int = 0  # completions' text_offset of the next token (token texts, echo included)
+    kv_transfer_params: dict | None = None  # a prefill's, for the decode server
 
 
 class Job:
@@ -61,9 +63,11 @@ class Job:
 
     def __init__(self, async_engine: AsyncEngine, base_id: str,
                  requests: list[tuple[list[int], SamplingParams]],
-                 lora: LoRARequest | None = None, images: list | None = None):
+                 lora: LoRARequest | None = None, images: list | None = None,
+                 kv_transfer_params: dict | None = None):
         self.async_engine = async_engine
         self.lora = lora
+        self.kv_transfer_params = kv_transfer_params  # (one request: oai.kv_transfer_params)
         self.images = images or []  # every request's (their prompt's images)
         self.id = base_id
         self.requests = [(f"{base_id}-{i}", prompt, p) for i, (prompt, p) in enumerate(requests)]
@@ -99,7 +103,8 @@ class Job:
         """Queue these requests at once (the engine thread admits them between the same
         two steps); the first error is raised after all have answered."""
         results = await asyncio.gather(
-            *(self.async_engine.add(*self.requests[i], self.lora, self.images)
+            *(self.async_engine.add(*self.requests[i], self.lora, self.images,
+                                    self.kv_transfer_params)
               for i in indices),
             return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -344,6 +349,9 @@ class HTTPServer:
             await job.start()
         except QueueFullError as e:
             raise oai.APIError(429, str(e), type_="rate_limit_exceeded") from e
+        except KVTransferError as e:  # the prefill server went away, or its K/V expired
+            raise oai.APIError(503, str(e), "kv_transfer_params",
+                               type_="service_unavailable") from e
         except ValueError as e:
             raise oai.bad_request(e, "messages") from e
 
@@ -375,7 +383,7 @@ class HTTPServer:
         params = await self._sampling_params(req, req.max_completion_tokens or req.max_tokens,
                                              logprobs, plan)
         job = Job(self.async_engine, oai.new_id("chatcmpl"), [(ids, p) for p in params], lora,
-                  images)
+                  images, oai.kv_transfer_params(req, 1))
         await self._start(request, job)
         rid = job.id
         if req.stream:
@@ -391,7 +399,8 @@ class HTTPServer:
              "logprobs": {"content": [x for part in c.logprobs for x in part]}
              if logprobs is not None else None, "stop_reason": c.stop_reason}
             for i, c in enumerate(choices)],
-            usage=oai.usage(len(ids), sum(c.num_tokens for c in choices)))
+            usage=oai.usage(len(ids), sum(c.num_tokens for c in choices)),
+            **_kv_transfer(choices))
 
     @staticmethod
     def _chat_message(c: Choice, plan: tool_calling.ToolPlan | None) -> dict:
@@ -467,7 +476,8 @@ class HTTPServer:
             raise oai.APIError(400, str(e), "prompt") from e
         params = await self._sampling_params(req, req.max_tokens, req.logprobs)
         job = Job(self.async_engine, oai.new_id("cmpl"),
-                  [(p, params[i]) for p in ids for i in range(req.n)], lora)
+                  [(p, params[i]) for p in ids for i in range(req.n)], lora,
+                  kv_transfer_params=oai.kv_transfer_params(req, len(ids)))
         await self._start(request, job)
         rid = job.id
         echoes = [""] * len(job.requests)
@@ -489,7 +499,8 @@ class HTTPServer:
              if req.logprobs is not None else None,
              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             for i, c in enumerate(choices)],
-            usage=oai.usage(num_prompt_tokens, sum(c.num_tokens for c in choices)))
+            usage=oai.usage(num_prompt_tokens, sum(c.num_tokens for c in choices)),
+            **_kv_transfer(choices))
 
     async def _completion_stream(self, request: Request, req: oai.CompletionRequest, job: Job,
                                  rid: str, echoes: list[str], num_prompt_tokens: int
@@ -547,6 +558,8 @@ class HTTPServer:
             c.logprobs.append(logprobs(out))
         if out.finished:
             c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+        if out.kv_transfer_params is not None:
+            c.kv_transfer_params = out.kv_transfer_params
 
     async def models(self):
         base = {"id": self.model_name, "object": "model", "created": self.created,
@@ -656,6 +669,13 @@ class _Uvicorn(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):
         yield
+
+
+def _kv_transfer(choices: list[Choice]) -> dict:
+    """A prefill response's `kv_transfer_params` (vLLM's field): where its decode server
+    pulls its K/V, with its first token; none when the request ended here."""
+    kv = choices[0].kv_transfer_params if len(choices) == 1 else None
+    return {"kv_transfer_params": kv} if kv is not None else {}
 
 
 def _merge(parts: list[dict]) -> dict:

@@ -164,6 +164,38 @@ class _EngineCollector:
             yield running
         if status.images is not None:
             yield from self._images(labels, status.images)
+        if self.snapshot.kv is not None:
+            yield from self._kv_transfer(labels, self.snapshot.kv)
+
+    @staticmethod
+    def _kv_transfer(labels: list[str], kv):
+        """Prefill/decode disaggregation (engine_core.py's KVStats; a prefill server's
+        SenderStats): K/V pulled here, and held and sent here."""
+        counters = [("kv_transfer_pulled", "Requests whose K/V this server pulled.", kv.pulled),
+                    ("kv_transfer_pulled_bytes", "Bytes of K/V pulled.", kv.pulled_bytes),
+                    ("kv_transfer_pull_seconds", "Seconds spent pulling K/V.", kv.pull_seconds),
+                    ("kv_transfer_failed", "Requests whose K/V could not be pulled (or "
+                     "added).", kv.failed)]
+        sender = kv.sender
+        if sender is not None:
+            counters += [("kv_transfer_sent", "Requests whose K/V a decode server pulled "
+                          "from here.", sender.sent),
+                         ("kv_transfer_sent_bytes", "Bytes of K/V sent.", sender.sent_bytes),
+                         ("kv_transfer_send_seconds", "Seconds spent sending K/V.",
+                          sender.send_seconds),
+                         ("kv_transfer_expired", "Requests whose K/V no decode server "
+                          "pulled within kv_hold_seconds (released).", sender.expired)]
+            for name, doc, value in (
+                    ("kv_transfer_held", "Requests whose K/V wait here to be pulled.",
+                     sender.held),
+                    ("kv_transfer_held_bytes", "Bytes of K/V held here.", sender.held_bytes)):
+                gauge = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+                gauge.add_metric(labels, value)
+                yield gauge
+        for name, doc, value in counters:
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            counter.add_metric(labels, value)
+            yield counter
 
     @staticmethod
     def _images(labels: list[str], stats):

@@ -98,6 +98,10 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extras
+    # Prefill/decode disaggregation (docs/disaggregation.md): {"do_remote_decode": true}
+    # to a prefill server; a prefill response's, with "do_remote_prefill": true, to a
+    # decode server.
+    kv_transfer_params: dict[str, Any] | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -260,6 +264,32 @@ class CompletionRequest(_Request):
 
 
 # ----------------------------------------------------------------------- responses
+
+def kv_transfer_params(req: _Request, num_prompts: int) -> dict | None:
+    """The request's kv_transfer_params, checked (APIError 400 naming what is wrong)."""
+    kv = req.kv_transfer_params
+    if not kv:
+        return None
+    field = "kv_transfer_params"
+    if req.n != 1 or num_prompts != 1:
+        raise APIError(400, "kv_transfer_params: a disaggregated request has one prompt "
+                            "and n = 1", field)
+    if bool(kv.get("do_remote_decode")) == bool(kv.get("do_remote_prefill")):
+        raise APIError(400, "kv_transfer_params: set one of do_remote_decode (to a prefill "
+                            "server) and do_remote_prefill (to a decode server)", field)
+    if kv.get("do_remote_decode") and req.stream:
+        raise APIError(400, "kv_transfer_params: a prefill (do_remote_decode) request is "
+                            "not streamed", field)
+    if kv.get("do_remote_prefill"):
+        wrong = [k for k, kind in (("transfer_id", str), ("remote_address", str),
+                                   ("first_token", int))
+                 if not isinstance(kv.get(k), kind) or isinstance(kv.get(k), bool)]
+        if wrong:
+            raise APIError(400, f"kv_transfer_params: {wrong[0]} missing or of the wrong "
+                                "type; pass on a prefill response's kv_transfer_params",
+                           field)
+    return kv
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"

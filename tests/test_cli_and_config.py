@@ -22,19 +22,20 @@ def help_text(capsys, *argv: str) -> str:
 def test_help_lists_every_command_and_its_flags(capsys):
     """`jaxserve --help` names every command, and each command's help its own flags, with
     the choices taken from the one list of each (strategies, dtypes, quantizations)."""
-    assert "{generate,serve,client,plan,convert,bench}" in help_text(capsys)
+    assert "{generate,serve,client,plan,convert,router,bench}" in help_text(capsys)
     flags = {
         ("serve",): ["--port", "--mesh",
                      "--sharding {tp,tp+sp,dp,dp+tp,dp+tp+sp,ep,tp+ep,dp+ep,dp+tp+ep}",
                      "--dtype {bfloat16,float32}", "--quantization {int8,int4,fp8}",
                      "--kv-cache-dtype {auto,int8,fp8}", "--random-weights", "--coordinator",
                      "--grace", "--http-port", "--no-http", "--served-model-name",
-                     "--stream-interval"],
+                     "--stream-interval", "--kv-transfer-config"],
         ("generate",): ["--prompt", "--max-tokens", "--temperature", "--stop", "--model"],
         ("client",): ["{generate,chat,status,info}", "--target"],
         ("plan",): ["--topology", "--target", "--compare", "--strategy", "--plot"],
         ("convert",): ["--out", "--quantization"],
         ("bench", "serve"): ["--request-rate", "--max-concurrency"],
+        ("router",): ["--prefill", "--decode", "--port"],
     }
     for argv, expected in flags.items():
         text = " ".join(help_text(capsys, *argv).split())

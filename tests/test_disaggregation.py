@@ -78,12 +78,24 @@ def test_tokens_text_and_logprobs_match_one_engine(single, pd):
     e = pd.engine
     # Every request but the one-token one and the one its first token stopped moved over.
     assert e.num_handoffs == 5 and e.handoff_bytes > 0
-    assert e.decode.status().num_preemptions > 0  # a handed-over request recomputed
     for side in (e.prefill, e.decode):
         assert side.status().num_used_pages == 0
         assert side.runner.compiles_after_warmup == 0
         side.scheduler.allocators[0].check_invariants()
     assert e.decode.num_prefilled_waiting == 0 and not e.has_unfinished()
+
+
+def test_decode_side_preemption_recomputes(single, pd):
+    """Two long requests outgrow the decode pool (34 pages: 25 each at the end): one is
+    preempted there and recomputed by the decode engine, with the same tokens."""
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(3, 320, size=60).tolist() for _ in range(2)]
+    params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.7, seed=1, ignore_eos=True)]
+    before = pd.engine.decode.status().num_preemptions
+    assert _outputs(pd.generate(prompts, params)) == _outputs(single.generate(prompts, params))
+    assert pd.engine.decode.status().num_preemptions > before
+    assert pd.engine.decode.status().num_used_pages == 0
 
 
 def test_prefix_cache_on_the_prefill_side(single, pd):
@@ -147,6 +159,24 @@ def test_moved_pages_must_fit_the_decode_engine(pd):
     assert e.decode.num_prefilled_waiting == 1
     assert e.decode.abort_request("x") and e.decode.num_prefilled_waiting == 0
     assert e.decode.status().num_used_pages == 0
+
+
+def test_config_checks():
+    from jaxserve.config import EngineConfig, KVTransferConfig
+
+    assert EngineConfig(kv_transfer_config={"kv_role": "kv_consumer"}).kv_transfer_config == \
+        KVTransferConfig("kv_consumer")
+    for bad, match in (({"kv_role": "prefill"}, "kv_role must be one of"),
+                       ({"kv_rol": "kv_producer"}, "unknown keys"),
+                       ({"kv_hold_seconds": 0}, "kv_hold_seconds must be positive"),
+                       ({"kv_port": 70000}, "kv_port must be a port")):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(kv_transfer_config=bad)
+    for devices in ((), (0, 0), (-1,), (True,)):
+        with pytest.raises(ValueError, match="distinct device indices"):
+            EngineConfig(devices=devices)
+    with pytest.raises(ValueError, match="takes 2 of this process's 1 devices"):
+        LLM(None, devices=[0, 1], mesh={"model": 2}, warmup=False)
 
 
 def test_page_buckets():

@@ -239,7 +239,7 @@ class DisaggregatedEngine:
         if req is None:
             return out
         out.finished, out.finish_reason = False, None
-        if req.text is not None and req.text.apply(out):
+        if req.text is not None and req.text.apply(out):  # a stop string in its text
             del self._requests[out.request_id]
             return out
         try:

@@ -671,13 +671,15 @@ class Engine:
             num_cached_tokens=seq.num_cached_tokens, first_scheduled_at=seq.first_scheduled_at,
             error=error)
         text = req.text
-        if text is not None and not text.deferred:
+        if out.finished and seq.remote_decode and out.finish_reason == "length":
+            out.kv_pages = req.kv_pages  # decoded elsewhere, its text goes on there
+            if text is not None and text.apply_unfinished(out):  # a stop string after all
+                out.kv_pages = None
+        elif text is not None and not text.deferred:
             text.apply(out)
         elif text is not None and out.finished:
             text.apply_whole(out, outputs[:index + 1])
         if out.finished:
-            if seq.remote_decode and out.finish_reason == "length":  # decoded elsewhere
-                out.kv_pages = req.kv_pages
             self.scheduler.finish(seq, out.finish_reason)
             self._pop(seq.request_id)
         else:

@@ -63,10 +63,21 @@ class OutputText:
 
     def skip(self, token_ids: Sequence[int]) -> None:
         """Tokens of the output whose text was handed back elsewhere (the first token of a
-        request prefilled on another engine): decoded, so that the text after them comes
-        out right, and not handed back again."""
+        request prefilled on another engine, whose text was made as an unfinished
+        request's: `apply_unfinished`): decoded, so that the text after them comes out
+        right, and not handed back again."""
         self.add(token_ids, None)
-        self.emitted = len(self.text)
+
+    def apply_unfinished(self, out: StepOutput) -> bool:
+        """`apply` for a request that goes on elsewhere (a prefill engine's, handed to a
+        decode engine): its text as if it had not finished, so that text held back (the
+        start of a UTF-8 character or of a stop string) is the decode side's to emit.
+        Returns whether a stop string ended it after all."""
+        finished = out.finished
+        out.finished = False
+        stopped = self.apply(out)
+        out.finished = finished or stopped
+        return stopped
 
     def apply_whole(self, out: StepOutput, token_ids: Sequence[int]) -> None:
         """A deferred request's end: `out`, its last output, gets the text of its whole

@@ -1,0 +1,421 @@
+"""`jaxserve router`: one OpenAI-compatible HTTP endpoint in front of prefill servers and
+decode servers (docs/disaggregation.md).
+
+Each request to /v1/completions or /v1/chat/completions goes first to a prefill server
+(`jaxserve serve --kv-transfer-config '{"kv_role": "kv_producer"}'`), unstreamed, with
+`kv_transfer_params: {"do_remote_decode": true}`: it computes the prompt, samples the
+first token and holds the prompt's K/V, named in its response's `kv_transfer_params`.
+Unless that token ended the request (its response is then the answer), the request goes
+on to a decode server (`kv_role: kv_consumer`) with those params: it pulls the K/V from
+the prefill server and decodes from the second token on, streamed or not as the client
+asked. The client gets one response: the first token's text, then the decode server's.
+
+Picking servers: a prefill server by prefix-cache affinity (the one that last took a
+request starting the same way, unless it has 2 more requests in flight than the least
+busy), else the least busy; a decode server by the fewest requests in flight. A prefill
+server that cannot be reached, answers 5xx, or fails while its K/V are pulled (the decode
+server answers 503 for `kv_transfer_params`) is marked down for a while and the request
+tried once more on another one; with none left the client gets 502 saying what failed.
+Requests with `n` > 1 or tools are refused (400): the decode server would parse tool calls
+from its part of the text only.
+
+GET /health is 200 while a prefill and a decode server answer their /health; /metrics has
+the requests, the time to first token split into prefill, transfer (the decode server's
+pull and admission) and first decode, and the retries; /v1/models is a decode server's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import hashlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest)
+
+from server.metrics import CONTENT_TYPE, PREFIX, TTFT_BUCKETS
+
+log = logging.getLogger(__name__)
+
+AFFINITY_SLACK = 2  # in-flight requests a prefix's server may have over the least busy's
+DOWN_SECONDS = 5.0  # a failed server is skipped this long (unless none is left)
+AFFINITY_ENTRIES = 4096
+
+
+@dataclasses.dataclass(eq=False)
+class Upstream:
+    url: str
+    role: str  # "prefill" | "decode"
+    in_flight: int = 0
+    down_until: float = 0.0
+    healthy: bool = True  # its last /health answer
+
+    @property
+    def up(self) -> bool:
+        return self.healthy and time.monotonic() >= self.down_until
+
+
+class _RouterError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.param = status, param
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": str(self), "type": "router_error",
+                                       "param": self.param, "code": self.status}},
+                            status_code=self.status)
+
+
+class Router:
+    def __init__(self, prefill: list[str], decode: list[str], timeout: float = 600.0):
+        if not prefill or not decode:
+            raise ValueError("the router needs at least one prefill and one decode server")
+        self.prefill = [Upstream(u.rstrip("/"), "prefill") for u in prefill]
+        self.decode = [Upstream(u.rstrip("/"), "decode") for u in decode]
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0))
+        self._affinity: collections.OrderedDict[bytes, Upstream] = collections.OrderedDict()
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(PREFIX + "router_requests", "requests by outcome",
+                                ["outcome"], registry=r)
+        self.retries = Counter(PREFIX + "router_prefill_retries",
+                               "requests tried again on another prefill server", registry=r)
+        self.handoffs = Counter(PREFIX + "router_handoffs",
+                                "requests decoded on a decode server", registry=r)
+        self.phase = Histogram(PREFIX + "router_ttft_phase_seconds",
+                               "time to first token, by phase: prefill (the prefill "
+                               "server's answer), transfer (the decode server pulling the "
+                               "K/V and admitting), first_decode (to its first token)",
+                               ["phase"], buckets=TTFT_BUCKETS, registry=r)
+        self.ttft = Histogram(PREFIX + "router_time_to_first_token_seconds",
+                              "from the request to its first token", buckets=TTFT_BUCKETS,
+                              registry=r)
+        self.up = Gauge(PREFIX + "router_upstream_up", "1 while a server answers /health",
+                        ["role", "url"], registry=r)
+        self.app = self._app()
+        self._health_task: asyncio.Task | None = None
+
+    # ---------------------------------------------------------------- picking
+
+    def _key(self, body: dict) -> bytes:
+        """What requests that share a prefix have in common: the start of the prompt."""
+        prompt = body.get("messages", body.get("prompt"))
+        return hashlib.blake2b(json.dumps(prompt, sort_keys=True)[:1024].encode(),
+                               digest_size=16).digest()
+
+    def _pick_prefill(self, key: bytes, tried: set) -> Upstream | None:
+        candidates = [u for u in self.prefill if u not in tried and u.up] or \
+            [u for u in self.prefill if u not in tried]
+        if not candidates:
+            return None
+        least = min(candidates, key=lambda u: u.in_flight)
+        preferred = self._affinity.get(key)
+        if preferred in candidates and preferred.in_flight <= least.in_flight + AFFINITY_SLACK:
+            return preferred
+        return least
+
+    def _pick_decode(self) -> Upstream:
+        candidates = [u for u in self.decode if u.up] or self.decode
+        return min(candidates, key=lambda u: u.in_flight)
+
+    def _remember(self, key: bytes, server: Upstream) -> None:
+        self._affinity[key] = server
+        self._affinity.move_to_end(key)
+        while len(self._affinity) > AFFINITY_ENTRIES:
+            self._affinity.popitem(last=False)
+
+    # --------------------------------------------------------------- requests
+
+    async def handle(self, request: Request, path: str):
+        start = time.monotonic()
+        try:
+            body = await request.json()
+        except ValueError:
+            return _RouterError(400, "the body is not JSON").response()
+        if not isinstance(body, dict):
+            return _RouterError(400, "the body must be a JSON object").response()
+        if body.get("n", 1) != 1:
+            return _RouterError(400, "the router serves n = 1 only", "n").response()
+        if body.get("tools"):
+            return _RouterError(400, "tools are not served through the router yet",
+                                "tools").response()
+        if body.get("kv_transfer_params"):
+            return _RouterError(400, "kv_transfer_params is the router's to set",
+                                "kv_transfer_params").response()
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        try:
+            response = await self._route(body, path, headers, start)
+        except _RouterError as e:
+            self.requests.labels("error").inc()
+            return e.response()
+        return response
+
+    async def _route(self, body: dict, path: str, headers: dict, start: float):
+        key, tried = self._key(body), set()
+        stream = bool(body.get("stream"))
+        while True:
+            server = self._pick_prefill(key, tried)
+            if server is None:
+                raise _RouterError(502, "no prefill server could take the request: "
+                                   + "; ".join(sorted(self._failures)))
+            tried.add(server)
+            if len(tried) > 1:
+                self.retries.inc()
+            first = await self._prefill(server, body, path, headers)
+            if first is None:
+                continue  # that server failed: the next one
+            self._remember(key, server)
+            self.phase.labels("prefill").observe(time.monotonic() - start)
+            kv = first.get("kv_transfer_params")
+            if kv is None:  # the request ended on the prefill server
+                self.requests.labels("prefill_only").inc()
+                self.ttft.observe(time.monotonic() - start)
+                return _as_stream(first, path) if stream else JSONResponse(first)
+            decode = self._pick_decode()
+            result = await self._decode(decode, server, body, first, kv, path, headers,
+                                        stream, start)
+            if result is not None:
+                self.handoffs.inc()
+                return result
+
+    @property
+    def _failures(self) -> set[str]:
+        return {f"{u.url} is down" for u in self.prefill if not u.up}
+
+    async def _prefill(self, server: Upstream, body: dict, path: str, headers: dict
+                       ) -> dict | None:
+        """The prefill server's answer (None: it failed, marked down), or the client's
+        error from it (raised)."""
+        req = {**body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+        req.pop("stream_options", None)
+        server.in_flight += 1
+        try:
+            r = await self.client.post(server.url + path, json=req, headers=headers)
+        except httpx.HTTPError as e:
+            self._down(server, e)
+            return None
+        finally:
+            server.in_flight -= 1
+        if r.status_code >= 500:
+            self._down(server, f"{r.status_code} {r.text[:200]}")
+            return None
+        if r.status_code != 200:  # the request's own fault: the client's answer
+            raise _RouterError(r.status_code, _message(r), _param(r))
+        return r.json()
+
+    def _down(self, server: Upstream, why) -> None:
+        log.warning("%s server %s failed (%s); skipped for %g s", server.role, server.url,
+                    why, DOWN_SECONDS)
+        server.down_until = time.monotonic() + DOWN_SECONDS
+
+    async def _decode(self, decode: Upstream, prefill: Upstream, body: dict, first: dict,
+                      kv: dict, path: str, headers: dict, stream: bool, start: float):
+        """The decode server's answer joined to the first token (None: the K/V could not
+        be pulled from `prefill`, now marked down: try another)."""
+        req = {**body, "kv_transfer_params": {**kv, "do_remote_prefill": True}}
+        sent = time.monotonic()
+        decode.in_flight += 1
+        released = False
+        try:
+            upstream = await self.client.send(
+                self.client.build_request("POST", decode.url + path, json=req,
+                                          headers=headers), stream=True)
+        except httpx.HTTPError as e:
+            decode.in_flight -= 1
+            self._down(decode, e)
+            raise _RouterError(502, f"the decode server at {decode.url} failed: {e}") from e
+        try:
+            if upstream.status_code != 200:
+                await upstream.aread()
+                if upstream.status_code == 503 and _param(upstream) == "kv_transfer_params":
+                    self._down(prefill, _message(upstream))
+                    return None
+                raise _RouterError(upstream.status_code, _message(upstream), _param(upstream))
+            self.phase.labels("transfer").observe(time.monotonic() - sent)
+            if not stream:
+                await upstream.aread()
+                self.ttft.observe(time.monotonic() - start)
+                self.requests.labels("ok").inc()
+                return JSONResponse(_joined(first, upstream.json(), path))
+            released = True
+            return StreamingResponse(self._relay(first, upstream, decode, path, start),
+                                     media_type="text/event-stream")
+        finally:
+            if not released:
+                decode.in_flight -= 1
+                await upstream.aclose()
+
+    async def _relay(self, first: dict, upstream: httpx.Response, decode: Upstream,
+                     path: str, start: float) -> AsyncIterator[str]:
+        """The first token's chunk, then the decode server's stream (its own opening
+        role chunk dropped, its usage counting the first token)."""
+        chat = path.endswith("chat/completions")
+        got_first = False
+        try:
+            self.ttft.observe(time.monotonic() - start)
+            yield from_chunks(_first_chunk(first, chat))
+            async for line in upstream.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data != "[DONE]":
+                    chunk = json.loads(data)
+                    if chat and _role_only(chunk):
+                        continue
+                    chunk["id"] = first["id"]
+                    if chunk.get("usage"):
+                        chunk["usage"] = _add_usage(chunk["usage"], first["usage"])
+                    if not got_first and chunk.get("choices"):
+                        got_first = True
+                        self.phase.labels("first_decode").observe(time.monotonic() - start)
+                    data = json.dumps(chunk)
+                yield f"data: {data}\n\n"
+            self.requests.labels("ok").inc()
+        finally:
+            decode.in_flight -= 1
+            await upstream.aclose()
+
+    # ------------------------------------------------------------------ app
+
+    def _app(self) -> FastAPI:
+        app = FastAPI(title="jaxserve router")
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await self.handle(request, "/v1/completions")
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            return await self.handle(request, "/v1/chat/completions")
+
+        @app.get("/v1/models")
+        async def models():
+            r = await self.client.get(self._pick_decode().url + "/v1/models")
+            return JSONResponse(r.json(), status_code=r.status_code)
+
+        @app.get("/health")
+        async def health():
+            ok = any(u.healthy for u in self.prefill) and any(u.healthy for u in self.decode)
+            return Response(status_code=200 if ok else 503)
+
+        @app.get("/metrics")
+        async def metrics():
+            return Response(generate_latest(self.registry), media_type=CONTENT_TYPE)
+
+        return app
+
+    async def check_health(self, interval: float = 2.0) -> None:
+        """Ask every server's /health, forever."""
+        while True:
+            for u in self.prefill + self.decode:
+                try:
+                    r = await self.client.get(u.url + "/health", timeout=2.0)
+                    u.healthy = r.status_code == 200
+                except httpx.HTTPError:
+                    u.healthy = False
+                self.up.labels(u.role, u.url).set(int(u.healthy))
+            await asyncio.sleep(interval)
+
+    async def serve(self, host: str, port: int) -> None:
+        self._health_task = asyncio.create_task(self.check_health())
+        server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port,
+                                              log_level="warning"))
+        log.info("router on http://%s:%d: prefill %s, decode %s", host, port,
+                 [u.url for u in self.prefill], [u.url for u in self.decode])
+        try:
+            await server.serve()
+        finally:
+            self._health_task.cancel()
+            await self.client.aclose()
+
+
+def from_chunks(chunks: list[dict]) -> str:
+    return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks)
+
+
+def _message(r: httpx.Response) -> str:
+    try:
+        return r.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return r.text[:500]
+
+
+def _param(r: httpx.Response) -> str | None:
+    try:
+        return r.json()["error"].get("param")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _role_only(chunk: dict) -> bool:
+    """A chat stream's opening chunk: the role and no text."""
+    choices = chunk.get("choices") or []
+    return bool(choices) and choices[0].get("delta", {}).get("role") is not None and \
+        not choices[0]["delta"].get("content") and choices[0].get("finish_reason") is None
+
+
+def _add_usage(usage: dict, first: dict) -> dict:
+    """The decode server's usage with the prefill server's first token counted."""
+    done = usage["completion_tokens"] + first["completion_tokens"]
+    return {**usage, "completion_tokens": done, "total_tokens": usage["prompt_tokens"] + done}
+
+
+def _joined(first: dict, rest: dict, path: str) -> dict:
+    """One response from the prefill server's (the first token) and the decode server's
+    (the others)."""
+    a, b = first["choices"][0], rest["choices"][0]
+    if path.endswith("chat/completions"):
+        choice = {**b, "message": {**b["message"], "content": (a["message"]["content"] or "")
+                                   + (b["message"]["content"] or "")}}
+        if a.get("logprobs") and b.get("logprobs"):
+            choice["logprobs"] = {"content": a["logprobs"]["content"]
+                                  + b["logprobs"]["content"]}
+    else:
+        choice = {**b, "text": a["text"] + b["text"]}
+        if a.get("logprobs") and b.get("logprobs"):
+            shift = len(a["text"])
+            choice["logprobs"] = {
+                k: a["logprobs"][k] + ([o + shift for o in b["logprobs"][k]]
+                                       if k == "text_offset" else b["logprobs"][k])
+                for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    out = {**rest, "id": first["id"], "choices": [choice],
+           "usage": _add_usage(rest["usage"], first["usage"])}
+    out.pop("kv_transfer_params", None)
+    return out
+
+
+def _first_chunk(first: dict, chat: bool) -> list[dict]:
+    """The prefill server's answer (its first token) as stream chunks."""
+    c = first["choices"][0]
+    base = {"id": first["id"], "created": first["created"], "model": first["model"]}
+    if chat:
+        return [{**base, "object": "chat.completion.chunk", "choices": [{
+            "index": 0, "delta": {"role": "assistant", "content": c["message"]["content"]},
+            "logprobs": c.get("logprobs"), "finish_reason": None}]}]
+    return [{**base, "object": "text_completion", "choices": [{
+        "index": 0, "text": c["text"], "logprobs": c.get("logprobs"),
+        "finish_reason": None}]}]
+
+
+def _as_stream(first: dict, path: str) -> StreamingResponse:
+    """A request that ended on the prefill server, for a client that asked for a stream."""
+    chat = path.endswith("chat/completions")
+    chunks = _first_chunk(first, chat)
+    c = first["choices"][0]
+    last = {**chunks[0], "choices": [{**chunks[0]["choices"][0], "finish_reason":
+                                      c["finish_reason"], "stop_reason": c.get("stop_reason")}]}
+    if chat:
+        last["choices"][0]["delta"] = {}
+    else:
+        last["choices"][0]["text"] = ""
+    text = from_chunks(chunks + [last]) + "data: [DONE]\n\n"
+    return StreamingResponse(iter([text]), media_type="text/event-stream")

@@ -1,0 +1,204 @@
+"""Prefill and decode servers behind `jaxserve router`, each a process of its own: the
+`openai` package gets one server's answers through the router; K/V that no decode server
+pulls are released after kv_hold_seconds; a prefill server killed while its K/V stream out
+fails that request alone (503 naming the transfer), leaves no page taken, and the router
+goes on with the prefill servers left.
+
+Slow (five processes start): CI runs it with the slow set.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from serverproc import free_port, running_server
+
+pytestmark = pytest.mark.slow
+
+PRODUCER = '{"kv_role": "kv_producer", "kv_hold_seconds": 4}'
+# The prefill server that is killed streams its K/V in 1 KiB chunks, 0.3 s apart.
+SLOW_PRODUCER = '{"kv_role": "kv_producer", "kv_chunk_bytes": 1024}'
+CONSUMER = '{"kv_role": "kv_consumer"}'
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    m = re.search(rf"^jaxserve:{name}(?:_total)?{{[^}}]*}} (\S+)$", text, re.M)
+    assert m, f"{name} not in {url}/metrics"
+    return float(m.group(1))
+
+
+@contextlib.contextmanager
+def _router(prefill: list[str], decode: list[str], log_path):
+    port = free_port()
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "jaxserve", "router", "--prefill",
+                                 *prefill, "--decode", *decode, "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            time.sleep(0.2)
+        else:
+            raise TimeoutError(open(log_path).read())
+        yield url
+    finally:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def cluster(checkpoints, tmp_path_factory):
+    model = checkpoints("llama8")[0]
+    logs = tmp_path_factory.mktemp("pd")
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for name, flags, env in (
+                ("single", (), {}), ("prefill", ("--kv-transfer-config", PRODUCER), {}),
+                ("slow prefill", ("--kv-transfer-config", SLOW_PRODUCER),
+                 {"JAXSERVE_TEST_KV_CHUNK_DELAY_S": "0.3"}),
+                ("decode", ("--kv-transfer-config", CONSUMER), {})):
+            with _env(env):
+                servers[name] = stack.enter_context(
+                    running_server(model, logs / f"{name}.log", *flags))[1]
+        router = stack.enter_context(_router([servers["prefill"].http_url],
+                                             [servers["decode"].http_url], logs / "router.log"))
+        yield servers, router, logs
+
+
+@contextlib.contextmanager
+def _env(extra: dict):
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_router_answers_as_one_server(cluster):
+    servers, router, _ = cluster
+    one, pd = _client(servers["single"].http_url), _client(router)
+    model = one.models.list().data[0].id
+    cases = [dict(prompt="a prompt of several tokens", max_tokens=16, temperature=0,
+                  extra_body={"ignore_eos": True}),
+             dict(prompt="sampled with a seed", max_tokens=12, temperature=0.9, seed=7,
+                  extra_body={"ignore_eos": True}),
+             dict(prompt="top-p and penalties", max_tokens=10, temperature=0.8, top_p=0.9,
+                  seed=3, frequency_penalty=0.5, extra_body={"ignore_eos": True}),
+             dict(prompt="one token only", max_tokens=1, temperature=0),
+             dict(prompt="with logprobs", max_tokens=6, temperature=0, logprobs=2,
+                  extra_body={"ignore_eos": True})]
+    for kw in cases:
+        want = one.completions.create(model=model, **kw)
+        got = pd.completions.create(model=model, **kw)
+        w, g = want.choices[0], got.choices[0]
+        assert (g.text, g.finish_reason) == (w.text, w.finish_reason), kw
+        assert got.usage.completion_tokens == want.usage.completion_tokens
+        if kw.get("logprobs"):
+            assert g.logprobs.tokens == w.logprobs.tokens
+            assert g.logprobs.text_offset == w.logprobs.text_offset
+            assert max(abs(a - b) for a, b in zip(g.logprobs.token_logprobs,
+                                                  w.logprobs.token_logprobs)) < 1e-4
+        streamed = "".join(c.choices[0].text for c in pd.completions.create(
+            model=model, stream=True, **kw) if c.choices)
+        assert streamed == w.text, kw
+    messages = [{"role": "user", "content": "hello, who are you?"}]
+    for kw in (dict(max_tokens=12, temperature=0), dict(max_tokens=9, temperature=1.0, seed=5)):
+        want = one.chat.completions.create(model=model, messages=messages, **kw)
+        got = pd.chat.completions.create(model=model, messages=messages, **kw)
+        assert got.choices[0].message.content == want.choices[0].message.content
+        chunks = list(pd.chat.completions.create(model=model, messages=messages, stream=True,
+                                                 stream_options={"include_usage": True}, **kw))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+            want.choices[0].message.content
+        assert chunks[-1].usage.completion_tokens == want.usage.completion_tokens
+    # Every handed-off request's K/V were pulled; none left held, no page left taken.
+    prefill, decode = servers["prefill"].http_url, servers["decode"].http_url
+    assert _metric(prefill, "kv_transfer_sent") == _metric(decode, "kv_transfer_pulled") > 0
+    assert _metric(decode, "kv_transfer_pulled_bytes") > 0
+    assert _metric(prefill, "kv_transfer_held") == 0
+    for url in (prefill, decode):
+        assert _metric(url, "kv_cache_usage_perc") == 0
+    text = httpx.get(router + "/metrics").text
+    assert 'jaxserve:router_ttft_phase_seconds_count{phase="transfer"}' in text
+    with pytest.raises(openai.BadRequestError, match="n = 1"):
+        pd.completions.create(model=model, prompt="x", max_tokens=2, n=2)
+
+
+def test_kv_never_pulled_is_released(cluster):
+    servers, _, _ = cluster
+    prefill, decode = servers["prefill"].http_url, servers["decode"].http_url
+    expired = _metric(prefill, "kv_transfer_expired")
+    r = httpx.post(prefill + "/v1/completions", json={
+        "prompt": "nobody pulls these pages", "max_tokens": 8, "temperature": 0,
+        "ignore_eos": True, "kv_transfer_params": {"do_remote_decode": True}}).json()
+    kv = r["kv_transfer_params"]
+    assert r["usage"]["completion_tokens"] == 1 and kv["num_prompt_tokens"] > 0
+    assert _metric(prefill, "kv_transfer_held") == 1
+    assert _metric(prefill, "kv_cache_usage_perc") == 0  # held on the host, not in pages
+    deadline = time.monotonic() + 20
+    while _metric(prefill, "kv_transfer_held") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _metric(prefill, "kv_transfer_expired") == expired + 1
+    assert _metric(prefill, "kv_transfer_held_bytes") == 0
+    late = httpx.post(decode + "/v1/completions", json={
+        "prompt": "nobody pulls these pages", "max_tokens": 8, "temperature": 0,
+        "ignore_eos": True, "kv_transfer_params": {**kv, "do_remote_prefill": True}})
+    assert late.status_code == 503
+    assert "not pulled within kv_hold_seconds" in late.json()["error"]["message"]
+    assert _metric(decode, "kv_cache_usage_perc") == 0
+
+
+def test_prefill_killed_mid_transfer(cluster):
+    """The slow prefill server dies while a decode server pulls from it: that request
+    fails with 503 naming the transfer, the decode server keeps no page and serves on,
+    and a router that lists the dead server first still answers (the other one)."""
+    servers, _, logs = cluster
+    slow, decode = servers["slow prefill"], servers["decode"].http_url
+    body = {"prompt": "a prompt whose pages stream out slowly " * 2, "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True}
+    kv = httpx.post(slow.http_url + "/v1/completions", json={
+        **body, "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
+    failed = _metric(decode, "kv_transfer_failed")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, decode + "/v1/completions",
+                              json={**body, "kv_transfer_params": {**kv,
+                                                                   "do_remote_prefill": True}},
+                              timeout=60)
+        time.sleep(1.5)  # a few chunks in
+        assert not pending.done()
+        slow.kill()
+        r = pending.result()
+    assert r.status_code == 503, r.text
+    assert kv["transfer_id"] in r.json()["error"]["message"]
+    assert _metric(decode, "kv_transfer_failed") == failed + 1
+    assert _metric(decode, "kv_cache_usage_perc") == 0
+    assert _metric(decode, "num_requests_running") == 0
+    with _router([slow.http_url, servers["prefill"].http_url], [decode],
+                 logs / "router2.log") as url:
+        got = _client(url).completions.create(
+            model=_client(decode).models.list().data[0].id, prompt=body["prompt"],
+            max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        assert got.usage.completion_tokens == 6
