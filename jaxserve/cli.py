@@ -256,7 +256,9 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     from server.router import Router
 
-    asyncio.run(Router(args.prefill, args.decode, args.timeout).serve(args.host, args.port))
+    router = Router(args.prefill, args.decode, args.timeout, args.prefill_grpc,
+                    args.decode_grpc)
+    asyncio.run(router.serve(args.host, args.port, args.grpc_port))
     return 0
 
 
@@ -510,8 +512,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "'{\"kv_role\": \"kv_producer\"}')")
     rt.add_argument("--decode", nargs="+", required=True, metavar="URL",
                     help="decode servers' HTTP addresses (kv_role kv_consumer)")
+    rt.add_argument("--prefill-grpc", nargs="+", default=None, metavar="HOST:PORT",
+                    help="the prefill servers' gRPC targets, in --prefill's order (for "
+                         "--grpc-port)")
+    rt.add_argument("--decode-grpc", nargs="+", default=None, metavar="HOST:PORT",
+                    help="the decode servers' gRPC targets, in --decode's order")
     rt.add_argument("--host", default="127.0.0.1")
-    rt.add_argument("--port", type=int, default=8080)
+    rt.add_argument("--port", type=int, default=8080, help="the OpenAI HTTP API's port")
+    rt.add_argument("--grpc-port", type=int, default=None,
+                    help="also serve jaxserve.v1.Inference on this port")
     rt.add_argument("--timeout", type=float, default=600.0,
                     help="seconds a request may take on a server")
     rt.set_defaults(func=cmd_router)

@@ -122,7 +122,9 @@ class KVSender:
                           f"no K/V held under transfer id {transfer_id!r}: already pulled, "
                           f"or not pulled within kv_hold_seconds ({self.hold_seconds:g} s)")
         start = time.monotonic()
-        entries = [np.ascontiguousarray(np.asarray(x)) for x in held.kv.entries]
+        # Only the pages that hold the prompt (the read was padded to a bucket).
+        pages = -(-held.kv.num_tokens // held.kv.entries[0].shape[3])
+        entries = [np.ascontiguousarray(np.asarray(x)[:, :, :pages]) for x in held.kv.entries]
         header = {"num_tokens": held.kv.num_tokens, "prompt_token_ids": held.prompt_token_ids,
                   "first_token": held.first_token,
                   "entries": [{"shape": list(x.shape), "dtype": x.dtype.name} for x in entries]}
@@ -150,6 +152,25 @@ class KVSender:
                     self.stats.expired += 1
                     log.warning("K/V of transfer %s not pulled within %g s: released",
                                 transfer_id, self.hold_seconds)
+
+
+def check_params(kv) -> dict:
+    """A request's kv_transfer_params (ValueError saying what is wrong): one of
+    {"do_remote_decode": true} (to a prefill server) and a prefill's answer with
+    "do_remote_prefill": true (to a decode server)."""
+    if not isinstance(kv, dict):
+        raise ValueError("kv_transfer_params: must be a JSON object")
+    if bool(kv.get("do_remote_decode")) == bool(kv.get("do_remote_prefill")):
+        raise ValueError("kv_transfer_params: set one of do_remote_decode (to a prefill "
+                         "server) and do_remote_prefill (to a decode server)")
+    if kv.get("do_remote_prefill"):
+        wrong = [k for k, kind in (("transfer_id", str), ("remote_address", str),
+                                   ("first_token", int))
+                 if not isinstance(kv.get(k), kind) or isinstance(kv.get(k), bool)]
+        if wrong:
+            raise ValueError(f"kv_transfer_params: {wrong[0]} missing or of the wrong type; "
+                             "pass on a prefill's kv_transfer_params")
+    return kv
 
 
 def pull(params: dict, timeout: float) -> tuple[Prefilled, list[int], float]:

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.outputs import Logprob, StepOutput
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
+from server.kv_transfer import check_params
 
 MAX_N = 128
 
@@ -274,20 +275,13 @@ def kv_transfer_params(req: _Request, num_prompts: int) -> dict | None:
     if req.n != 1 or num_prompts != 1:
         raise APIError(400, "kv_transfer_params: a disaggregated request has one prompt "
                             "and n = 1", field)
-    if bool(kv.get("do_remote_decode")) == bool(kv.get("do_remote_prefill")):
-        raise APIError(400, "kv_transfer_params: set one of do_remote_decode (to a prefill "
-                            "server) and do_remote_prefill (to a decode server)", field)
+    try:
+        check_params(kv)
+    except ValueError as e:
+        raise APIError(400, str(e), field) from e
     if kv.get("do_remote_decode") and req.stream:
         raise APIError(400, "kv_transfer_params: a prefill (do_remote_decode) request is "
                             "not streamed", field)
-    if kv.get("do_remote_prefill"):
-        wrong = [k for k, kind in (("transfer_id", str), ("remote_address", str),
-                                   ("first_token", int))
-                 if not isinstance(kv.get(k), kind) or isinstance(kv.get(k), bool)]
-        if wrong:
-            raise APIError(400, f"kv_transfer_params: {wrong[0]} missing or of the wrong "
-                                "type; pass on a prefill response's kv_transfer_params",
-                           field)
     return kv
 
 

@@ -22,6 +22,11 @@ from its part of the text only.
 GET /health is 200 while a prefill and a decode server answer their /health; /metrics has
 the requests, the time to first token split into prefill, transfer (the decode server's
 pull and admission) and first decode, and the retries; /v1/models is a decode server's.
+
+With `grpc_port` (and each server's gRPC target) the router also serves jaxserve.v1's
+Inference service: Generate goes the same way over the servers' gRPC APIs
+(`kv_transfer_params_json`), GetModelInfo and Tokenize are a decode server's, Abort goes
+to every server, GetServerStatus sums theirs; gRPC health is SERVING while it runs.
 """
 
 from __future__ import annotations
@@ -33,16 +38,21 @@ import hashlib
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 
+import grpc
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
 
 from server.metrics import CONTENT_TYPE, PREFIX, TTFT_BUCKETS
+from server.protos.jaxserve.v1 import inference_pb2 as pb
+from server.protos.jaxserve.v1 import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +65,17 @@ AFFINITY_ENTRIES = 4096
 class Upstream:
     url: str
     role: str  # "prefill" | "decode"
+    grpc_target: str | None = None  # its gRPC API (host:port), for the router's gRPC face
     in_flight: int = 0
     down_until: float = 0.0
     healthy: bool = True  # its last /health answer
+    _stub: pb_grpc.InferenceStub | None = None
+
+    @property
+    def stub(self) -> pb_grpc.InferenceStub:
+        if self._stub is None:
+            self._stub = pb_grpc.InferenceStub(grpc.aio.insecure_channel(self.grpc_target))
+        return self._stub
 
     @property
     def up(self) -> bool:
@@ -76,11 +94,20 @@ class _RouterError(Exception):
 
 
 class Router:
-    def __init__(self, prefill: list[str], decode: list[str], timeout: float = 600.0):
+    def __init__(self, prefill: list[str], decode: list[str], timeout: float = 600.0,
+                 prefill_grpc: list[str] | None = None, decode_grpc: list[str] | None = None):
         if not prefill or not decode:
             raise ValueError("the router needs at least one prefill and one decode server")
-        self.prefill = [Upstream(u.rstrip("/"), "prefill") for u in prefill]
-        self.decode = [Upstream(u.rstrip("/"), "decode") for u in decode]
+        for urls, targets, name in ((prefill, prefill_grpc, "prefill"),
+                                    (decode, decode_grpc, "decode")):
+            if targets is not None and len(targets) != len(urls):
+                raise ValueError(f"give each {name} server's gRPC target, in the order of "
+                                 f"their URLs ({len(urls)}), got {len(targets)}")
+        self.prefill = [Upstream(u.rstrip("/"), "prefill", g)
+                        for u, g in zip(prefill, prefill_grpc or [None] * len(prefill))]
+        self.decode = [Upstream(u.rstrip("/"), "decode", g)
+                       for u, g in zip(decode, decode_grpc or [None] * len(decode))]
+        self.timeout = timeout
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0))
         self._affinity: collections.OrderedDict[bytes, Upstream] = collections.OrderedDict()
         self.registry = CollectorRegistry()
@@ -325,17 +352,158 @@ class Router:
                 self.up.labels(u.role, u.url).set(int(u.healthy))
             await asyncio.sleep(interval)
 
-    async def serve(self, host: str, port: int) -> None:
+    async def serve(self, host: str, port: int, grpc_port: int | None = None) -> None:
         self._health_task = asyncio.create_task(self.check_health())
         server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port,
                                               log_level="warning"))
         log.info("router on http://%s:%d: prefill %s, decode %s", host, port,
                  [u.url for u in self.prefill], [u.url for u in self.decode])
+        grpc_server = None
+        if grpc_port is not None:
+            if any(u.grpc_target is None for u in self.prefill + self.decode):
+                raise ValueError("the router's gRPC face needs every server's gRPC target "
+                                 "(--prefill-grpc, --decode-grpc)")
+            grpc_server = grpc.aio.server()
+            pb_grpc.add_InferenceServicer_to_server(RouterServicer(self), grpc_server)
+            checks = health.aio.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(checks, grpc_server)
+            grpc_server.add_insecure_port(f"{host}:{grpc_port}")
+            await grpc_server.start()
+            await checks.set("", health_pb2.HealthCheckResponse.SERVING)
+            log.info("router's gRPC on %s:%d", host, grpc_port)
         try:
             await server.serve()
         finally:
             self._health_task.cancel()
+            if grpc_server is not None:
+                await grpc_server.stop(1)
             await self.client.aclose()
+
+
+# Codes that say a server failed (not the request): the router tries another.
+_SERVER_FAULTS = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
+                  grpc.StatusCode.UNKNOWN)
+
+
+class RouterServicer(pb_grpc.InferenceServicer):
+    """jaxserve.v1.Inference over the servers' gRPC APIs (see the module docstring)."""
+
+    def __init__(self, router: Router):
+        self.router = router
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        r = self.router
+        if request.kv_transfer_params_json:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "kv_transfer_params_json is the router's to set")
+        start = time.monotonic()
+        rid = request.request_id or uuid.uuid4().hex
+        which = request.WhichOneof("prompt")
+        key = hashlib.blake2b(getattr(request, which).SerializeToString()[:1024]
+                              if which in ("token_ids", "messages")
+                              else request.text[:1024].encode(), digest_size=16).digest() \
+            if which else b""
+        tried: set[Upstream] = set()
+        while True:
+            server = r._pick_prefill(key, tried)
+            if server is None:
+                r.requests.labels("error").inc()
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    "no prefill server could take the request: "
+                                    + "; ".join(sorted(r._failures)))
+            tried.add(server)
+            if len(tried) > 1:
+                r.retries.inc()
+            first = pb.GenerateRequest()
+            first.CopyFrom(request)
+            first.request_id = rid
+            first.kv_transfer_params_json = json.dumps({"do_remote_decode": True})
+            server.in_flight += 1
+            try:
+                answer = [x async for x in server.stub.Generate(first, timeout=r.timeout)]
+            except grpc.aio.AioRpcError as e:
+                if e.code() in _SERVER_FAULTS:
+                    r._down(server, f"{e.code().name}: {e.details()}")
+                    continue
+                r.requests.labels("error").inc()
+                await context.abort(e.code(), e.details())
+            finally:
+                server.in_flight -= 1
+            r._remember(key, server)
+            r.phase.labels("prefill").observe(time.monotonic() - start)
+            done = answer[-1].complete
+            if not done.kv_transfer_params_json:  # the request ended on the prefill server
+                r.requests.labels("prefill_only").inc()
+                r.ttft.observe(time.monotonic() - start)
+                for x in answer:
+                    yield x
+                return
+            decode = r._pick_decode()
+            rest = pb.GenerateRequest()
+            rest.CopyFrom(first)
+            rest.kv_transfer_params_json = json.dumps(
+                {**json.loads(done.kv_transfer_params_json), "do_remote_prefill": True})
+            sent = time.monotonic()
+            decode.in_flight += 1
+            call = decode.stub.Generate(rest, timeout=r.timeout)
+            try:
+                try:
+                    head = await call.read()
+                except grpc.aio.AioRpcError as e:
+                    if e.code() == grpc.StatusCode.UNAVAILABLE and "K/V" in (e.details() or ""):
+                        r._down(server, e.details())  # its prefill server failed: again
+                        continue
+                    r.requests.labels("error").inc()
+                    await context.abort(e.code(), f"the decode server at {decode.url}: "
+                                                  f"{e.details()}")
+                r.phase.labels("transfer").observe(time.monotonic() - sent)
+                r.ttft.observe(time.monotonic() - start)
+                r.handoffs.inc()
+                for x in answer[:-1]:  # the first token's chunk
+                    yield x
+                x = head
+                while x is not grpc.aio.EOF:
+                    if x.HasField("complete"):
+                        usage = x.complete.usage
+                        usage.completion_tokens += done.usage.completion_tokens
+                    yield x
+                    x = await call.read()
+                r.requests.labels("ok").inc()
+                return
+            finally:
+                decode.in_flight -= 1
+                call.cancel()
+
+    async def GetModelInfo(self, request, context):
+        return await self.router._pick_decode().stub.GetModelInfo(request)
+
+    async def Tokenize(self, request, context):
+        try:
+            return await self.router._pick_decode().stub.Tokenize(request)
+        except grpc.aio.AioRpcError as e:
+            await context.abort(e.code(), e.details())
+
+    async def Abort(self, request, context):
+        total = 0
+        for u in self.router.prefill + self.router.decode:
+            try:
+                total += (await u.stub.Abort(request, timeout=5)).num_aborted
+            except grpc.aio.AioRpcError:
+                pass
+        return pb.AbortResponse(num_aborted=total)
+
+    async def GetServerStatus(self, request, context):
+        out = pb.ServerStatus()
+        for u in self.router.prefill + self.router.decode:
+            try:
+                s = await u.stub.GetServerStatus(request, timeout=5)
+            except grpc.aio.AioRpcError:
+                continue
+            for name in ("running_requests", "waiting_requests", "kv_pages_used",
+                         "kv_pages_total", "tokens_per_second", "total_generated_tokens",
+                         "steps"):
+                setattr(out, name, getattr(out, name) + getattr(s, name))
+        return out
 
 
 def from_chunks(chunks: list[dict]) -> str:

@@ -12,6 +12,7 @@ from jaxserve.engine.speculative.stats import SpeculationStats
 from jaxserve.outputs import StepOutput
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from server.async_engine import AsyncEngine, QueueFullError
+from server.kv_transfer import KVTransferError, check_params
 from server.security import Security, caller_key
 from server.protos.jaxserve.v1 import inference_pb2 as pb
 from server.protos.jaxserve.v1 import inference_pb2_grpc as pb_grpc
@@ -51,16 +52,17 @@ def structured_from_proto(so: pb.StructuredOutputs) -> StructuredOutputsParams:
                                    disable_any_whitespace=not so.allow_any_whitespace)
 
 
-def _json_field(value: str, field: str, kind: type):
-    """An optional JSON-encoded field of a Chat message (ValueError naming it)."""
+def _json_field(value: str, field: str, kind: type, of: str = "messages."):
+    """An optional JSON-encoded field (of a Chat message unless `of` says; ValueError
+    naming it)."""
     if not value:
         return None
     try:
         decoded = json.loads(value)
     except ValueError as e:
-        raise ValueError(f"messages.{field}: not valid JSON ({e})") from e
+        raise ValueError(f"{of}{field}: not valid JSON ({e})") from e
     if not isinstance(decoded, kind):
-        raise ValueError(f"messages.{field}: must be a JSON {kind.__name__}")
+        raise ValueError(f"{of}{field}: must be a JSON {kind.__name__}")
     return decoded
 
 
@@ -129,6 +131,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                     f"is served (have: {sorted(self.async_engine.adapters)})")
         try:
             params = sampling_from_proto(request.sampling)
+            kv = (check_params(_json_field(request.kv_transfer_params_json,
+                                           "kv_transfer_params_json", dict, ""))
+                  if request.kv_transfer_params_json else None)
             images = list(request.images)
             if which == "messages":
                 if images:
@@ -144,11 +149,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     text = self.info.images.expand_text(text)
                 prompt = (await self.async_engine.encode(text) if which == "text"
                           else list(request.token_ids.ids))
-            outputs = await self.async_engine.add(rid, prompt, params, lora, images)
+            outputs = await self.async_engine.add(rid, prompt, params, lora, images, kv)
         except ValueError as e:  # never admitted
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFullError as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except KVTransferError as e:  # its prefill server went away, or its K/V expired
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         completion = 0
         self.owners[rid] = caller_key.get()
         try:
@@ -160,11 +167,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     yield pb.GenerateResponse(request_id=rid, chunk=chunk_from_output(out))
                 if out.finished:
                     stop = out.stop_reason if isinstance(out.stop_reason, str) else ""
+                    kv_out = (json.dumps(out.kv_transfer_params)
+                              if out.kv_transfer_params is not None else "")
                     yield pb.GenerateResponse(request_id=rid, complete=pb.Complete(
                         finish_reason=out.finish_reason, matched_stop=stop,
                         usage=pb.Usage(prompt_tokens=out.num_prompt_tokens,
                                        completion_tokens=completion,
-                                       cached_tokens=out.num_cached_tokens)))
+                                       cached_tokens=out.num_cached_tokens),
+                        kv_transfer_params_json=kv_out))
         finally:  # the client cancelled, left or ran out of deadline: abort this call's request
             self.owners.pop(rid, None)
             await outputs.aclose()

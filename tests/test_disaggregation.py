@@ -135,12 +135,17 @@ def test_moved_pages_must_fit_the_decode_engine(pd):
     e = pd.engine
     prompt = list(range(3, 23))
     p = SamplingParams(max_tokens=4)
-    entries = [np.asarray(x) for x in e.prefill.runner.read_pages(0, [0] * 5, 20).entries]
+    # As a server sends them: the 5 pages of the 20 tokens (the read pads to 8).
+    entries = [np.asarray(x)[:, :, :5]
+               for x in e.prefill.runner.read_pages(0, [0] * 5, 20).entries]
     ok = KVPages(tuple(entries), 20)
     with pytest.raises(ValueError, match="not a kv_producer"):
         e.decode.add_request("x", prompt, p, remote_decode=True)
     with pytest.raises(ValueError, match="not a kv_consumer"):
         e.prefill.add_request("x", prompt, p, prefilled=Prefilled(5, ok))
+    with pytest.raises(ValueError, match="4 pages for 20 tokens"):
+        e.decode.add_request("x", prompt, p, prefilled=Prefilled(
+            5, KVPages(tuple(x[:, :, :4] for x in entries), 20)))
     with pytest.raises(ValueError, match="holds 20 tokens, the prompt has 19"):
         e.decode.add_request("x", prompt[:19], p, prefilled=Prefilled(5, ok))
     with pytest.raises(ValueError, match="outside the vocabulary"):

@@ -17,11 +17,14 @@ import subprocess
 import sys
 import time
 
+import grpc
 import httpx
 import openai
 import pytest
 
 from serverproc import free_port, running_server
+from server.protos.jaxserve.v1 import inference_pb2 as pb
+from server.protos.jaxserve.v1 import inference_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -39,13 +42,20 @@ def _metric(url: str, name: str) -> float:
 
 
 @contextlib.contextmanager
-def _router(prefill: list[str], decode: list[str], log_path):
-    port = free_port()
+def _router(prefill: list[str], decode: list[str], log_path, grpc_targets=None):
+    """The router's URL (and with `grpc_targets`, (prefill, decode) gRPC targets, its gRPC
+    face on `url.grpc`)."""
+    port, grpc_port = free_port(), free_port()
+    flags = []
+    if grpc_targets is not None:
+        flags = ["--prefill-grpc", *grpc_targets[0], "--decode-grpc", *grpc_targets[1],
+                 "--grpc-port", str(grpc_port)]
     with open(log_path, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "jaxserve", "router", "--prefill",
-                                 *prefill, "--decode", *decode, "--port", str(port)],
+                                 *prefill, "--decode", *decode, "--port", str(port), *flags],
                                 stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    url = _Url(f"http://127.0.0.1:{port}")
+    url.grpc = f"127.0.0.1:{grpc_port}"
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -60,22 +70,28 @@ def _router(prefill: list[str], decode: list[str], log_path):
         proc.kill()
 
 
+class _Url(str):
+    grpc: str
+
+
 @pytest.fixture(scope="module")
 def cluster(checkpoints, tmp_path_factory):
     model = checkpoints("llama8")[0]
     logs = tmp_path_factory.mktemp("pd")
     with contextlib.ExitStack() as stack:
-        servers = {}
+        servers, targets = {}, {}
         for name, flags, env in (
                 ("single", (), {}), ("prefill", ("--kv-transfer-config", PRODUCER), {}),
                 ("slow prefill", ("--kv-transfer-config", SLOW_PRODUCER),
                  {"JAXSERVE_TEST_KV_CHUNK_DELAY_S": "0.3"}),
                 ("decode", ("--kv-transfer-config", CONSUMER), {})):
             with _env(env):
-                servers[name] = stack.enter_context(
-                    running_server(model, logs / f"{name}.log", *flags))[1]
-        router = stack.enter_context(_router([servers["prefill"].http_url],
-                                             [servers["decode"].http_url], logs / "router.log"))
+                targets[name], servers[name] = stack.enter_context(
+                    running_server(model, logs / f"{name}.log", *flags))
+                servers[name].grpc = targets[name]
+        router = stack.enter_context(_router(
+            [servers["prefill"].http_url], [servers["decode"].http_url], logs / "router.log",
+            ([targets["prefill"]], [targets["decode"]])))
         yield servers, router, logs
 
 
@@ -145,6 +161,36 @@ def test_router_answers_as_one_server(cluster):
     assert 'jaxserve:router_ttft_phase_seconds_count{phase="transfer"}' in text
     with pytest.raises(openai.BadRequestError, match="n = 1"):
         pd.completions.create(model=model, prompt="x", max_tokens=2, n=2)
+
+
+def _generate(target: str, **request) -> tuple[list[int], str, pb.Complete]:
+    with grpc.insecure_channel(target) as channel:
+        responses = list(pb_grpc.InferenceStub(channel).Generate(
+            pb.GenerateRequest(**request), timeout=120))
+    ids = [t for r in responses if r.HasField("chunk") for t in r.chunk.token_ids]
+    text = "".join(r.chunk.text for r in responses if r.HasField("chunk"))
+    return ids, text, responses[-1].complete
+
+
+def test_router_grpc_answers_as_one_server(cluster):
+    servers, router, _ = cluster
+    cases = [dict(text="tokens over gRPC", sampling=pb.SamplingParams(
+                 temperature=0, max_tokens=14, ignore_eos=True)),
+             dict(token_ids=pb.TokenIds(ids=list(range(5, 40))), sampling=pb.SamplingParams(
+                 temperature=0.9, seed=21, max_tokens=10, ignore_eos=True, logprobs=2)),
+             dict(messages=pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")]),
+                  sampling=pb.SamplingParams(temperature=0, max_tokens=8)),
+             dict(text="one", sampling=pb.SamplingParams(temperature=0, max_tokens=1))]
+    for request in cases:
+        want = _generate(servers["single"].grpc, **request)
+        got = _generate(router.grpc, **request)
+        assert got[:2] == want[:2], request
+        assert (got[2].finish_reason, got[2].usage.completion_tokens) == \
+            (want[2].finish_reason, want[2].usage.completion_tokens)
+        assert not got[2].kv_transfer_params_json
+    with pytest.raises(grpc.RpcError) as e:
+        _generate(router.grpc, text="x", kv_transfer_params_json="{}")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_kv_never_pulled_is_released(cluster):

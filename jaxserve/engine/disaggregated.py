@@ -130,10 +130,11 @@ class DisaggregatedEngine:
         elif set(prefill.devices) & set(decode.devices):
             log.warning("prefill and decode engines share devices %s",
                         sorted(set(prefill.devices) & set(decode.devices)))
-        role = lambda r: dataclasses.replace(  # noqa: E731
-            r[0], kv_transfer_config=KVTransferConfig(r[1]))
-        return cls(Engine.from_config(role((prefill, "kv_producer"))),
-                   Engine.from_config(role((decode, "kv_consumer"))), decode.seed)
+        producer = dataclasses.replace(prefill,
+                                       kv_transfer_config=KVTransferConfig("kv_producer"))
+        consumer = dataclasses.replace(decode,
+                                       kv_transfer_config=KVTransferConfig("kv_consumer"))
+        return cls(Engine.from_config(producer), Engine.from_config(consumer), decode.seed)
 
     # ----------------------------------------------------------------- requests
 

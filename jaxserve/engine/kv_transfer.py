@@ -99,8 +99,13 @@ class PageMover:
 
     def placed(self, kv: KVPages) -> KVPages:
         """`kv` on this engine's mesh, laid out for `write` (a copy started, from another
-        mesh or from the host)."""
-        return KVPages(tuple(jax.device_put(x, self._placement(x.ndim)) for x in kv.entries),
+        mesh or from the host; host arrays padded to a bucket's pages first)."""
+        entries = kv.entries
+        size = self.bucket(entries[0].shape[2])
+        if isinstance(entries[0], np.ndarray) and entries[0].shape[2] != size:
+            entries = [np.pad(x, [(0, 0), (0, 0), (0, size - x.shape[2])]
+                              + [(0, 0)] * (x.ndim - 3)) for x in entries]
+        return KVPages(tuple(jax.device_put(x, self._placement(x.ndim)) for x in entries),
                        kv.num_tokens)
 
     def write(self, kv_caches, kv: KVPages, data_shard: int, page_ids: list[int | None]):
@@ -130,9 +135,10 @@ class PageMover:
                     f"size, head size), this engine's {jnp.dtype(c.dtype)}{list(want)}: "
                     "both engines must serve the same model with the same page_size and "
                     "kv_cache_dtype")
-            if x.shape[2] not in self.buckets:
-                raise ValueError(f"moved K/V has {x.shape[2]} pages; expected one of "
-                                 f"{self.buckets}")
+            if x.shape[2] * x.shape[3] < kv.num_tokens or x.shape[2] > self.buckets[-1]:
+                raise ValueError(f"moved K/V has {x.shape[2]} pages for {kv.num_tokens} "
+                                 f"tokens; this engine holds at most {self.buckets[-1]} "
+                                 "pages a sequence")
 
     def warmup(self, kv_caches):
         """Compile both programs for every bucket (each runs once on page 0, reading it
