@@ -168,6 +168,7 @@ def main() -> None:
           f"({wire['pages']} pages) in {wire['ms']:.1f} ms = {wire['gb_per_s']:.2f} GB/s")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1, default=str))
+    pd.close()
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ class KVSender:
 
     def stop(self) -> None:
         self._stop.set()
-        self._server.stop(0)
+        self._server.stop(0).wait()
 
     def _pull(self, request: bytes, context: grpc.ServicerContext):
         transfer_id = request.decode("utf-8", "replace")

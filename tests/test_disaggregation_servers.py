@@ -159,6 +159,12 @@ def test_router_answers_as_one_server(cluster):
         assert _metric(url, "kv_cache_usage_perc") == 0
     text = httpx.get(router + "/metrics").text
     assert 'jaxserve:router_ttft_phase_seconds_count{phase="transfer"}' in text
+    # The prefix cache works on the prefill side: a prompt again finds its pages there.
+    hits = _metric(prefill, "prefix_cache_hits")
+    long = "a prompt long enough to fill several pages of four tokens " * 2
+    for _ in range(2):
+        pd.completions.create(model=model, prompt=long, max_tokens=3, temperature=0)
+    assert _metric(prefill, "prefix_cache_hits") - hits >= 100
     with pytest.raises(openai.BadRequestError, match="n = 1"):
         pd.completions.create(model=model, prompt="x", max_tokens=2, n=2)
 
