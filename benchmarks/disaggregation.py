@@ -50,7 +50,7 @@ from jaxserve import SamplingParams  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.engine.disaggregated import DisaggregatedEngine  # noqa: E402
 from jaxserve.engine.engine import Engine  # noqa: E402
-from server.kv_transfer import KVSender, pull  # noqa: E402
+from server.kv_transfer import KVPuller, KVSender  # noqa: E402
 
 STREAMS, STREAM_TOKENS = 4, 96
 LONG_PROMPTS, LONG_TOKENS, LONG_NEW, EVERY = 8, 768, 8, 3
@@ -106,19 +106,23 @@ def transfer_time(engine: DisaggregatedEngine) -> dict:
             "pages_moved": kv.entries[0].shape[2], "pages_used": n}
 
 
-def grpc_transfer_time(engine: DisaggregatedEngine) -> dict:
-    """The servers' path for the same K/V: read out, copied to the host, streamed over
-    gRPC on localhost (server/kv_transfer.py) and landed in host arrays on the other
-    side (the decode server then copies them to its device, not timed here)."""
+def server_transfer_time(engine: DisaggregatedEngine, connector: str) -> dict:
+    """The servers' paths for the same K/V (server/kv_transfer.py), on localhost: "grpc"
+    reads them out, copies them to the host, streams them over gRPC and lands them in
+    host arrays (the decode server then copies them to its device, not timed here);
+    "jax" gathers them to one device and pulls them with jax.experimental.transfer onto
+    the decode device (the header still over gRPC)."""
     prefill = engine.prefill
     n = -(-LONG_TOKENS // prefill.config.page_size)
-    sender = KVSender("127.0.0.1", 0, None, 60.0, 4 << 20)
+    sender = KVSender("127.0.0.1", 0, None, 60.0, 4 << 20, connector)
+    puller = KVPuller(engine.decode.mesh.devices.flat[0])
     times, nbytes = [], 0
     try:
         for _ in range(6):
             t = time.perf_counter()
             kv = prefill.runner.read_pages(0, list(range(n)), LONG_TOKENS)
-            prefilled, _, _ = pull(sender.hold(kv, list(range(LONG_TOKENS)), 0), 60.0)
+            prefilled, _, _ = puller.pull(sender.hold(kv, list(range(LONG_TOKENS)), 0), 60.0)
+            jax.block_until_ready(prefilled.kv.entries)
             times.append(time.perf_counter() - t)
             nbytes = prefilled.kv.nbytes
     finally:
@@ -144,14 +148,14 @@ def main() -> None:
         for name, engine in (("colocated", colocated), ("disaggregated", pd)):
             rounds[name].append(run_round(engine, r))
     moved = transfer_time(pd)
-    wire = grpc_transfer_time(pd)
+    wire = {c: server_transfer_time(pd, c) for c in ("grpc", "jax")}
     result = {
         "date": datetime.date.today().isoformat(), "machine": platform.processor()
         or platform.machine(), "cpus": os.cpu_count(), "rounds": args.rounds,
         "setups": {name: {k: spread([x[k] for x in rs]) for k in rs[0]}
                    for name, rs in rounds.items()},
         "handoffs": pd.num_handoffs, "bytes_per_handoff": pd.handoff_bytes / pd.num_handoffs,
-        "transfer": moved, "grpc_transfer": wire}
+        "transfer": moved, "server_transfer": wire}
     print(f"\n{STREAMS} streams x {STREAM_TOKENS} tokens; a {LONG_TOKENS}-token prompt every "
           f"{EVERY} steps ({LONG_PROMPTS}); medians of {args.rounds} rounds [min-max]\n")
     print("| setup | TPOT p50 ms | TPOT p99 ms | round s |")
@@ -164,8 +168,9 @@ def main() -> None:
           f"(pages padded to a bucket); one {LONG_TOKENS}-token prompt's K/V alone: "
           f"{moved['bytes'] / 2**20:.2f} MiB ({moved['pages_used']} pages, "
           f"{moved['pages_moved']} moved) in {moved['ms']:.1f} ms = {moved['gb_per_s']:.2f} GB/s")
-    print(f"servers' path (gRPC on localhost, host to host): {wire['bytes'] / 2**20:.2f} MiB "
-          f"({wire['pages']} pages) in {wire['ms']:.1f} ms = {wire['gb_per_s']:.2f} GB/s")
+    for connector, w in wire.items():
+        print(f"servers' path, kv_connector {connector} (localhost): {w['bytes'] / 2**20:.2f} "
+              f"MiB in {w['ms']:.1f} ms = {w['gb_per_s']:.2f} GB/s")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1, default=str))
     pd.close()

@@ -147,6 +147,7 @@ class SpeculativeConfig:
 
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_CONNECTORS = ("grpc", "jax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,11 +160,15 @@ class KVTransferConfig:
     at warm-up."""
 
     kv_role: str = "kv_both"
-    # Servers (server/kv_transfer.py): a producer serves its handed-off K/V on
+    # Servers (server/kv_transfer.py): `kv_connector` "grpc" moves K/V as bytes over
+    # gRPC through host memory (any two machines); "jax" device to device with
+    # jax.experimental.transfer (the producer's choice; consumers take either). A
+    # producer serves its handed-off K/V on
     # `kv_host`:`kv_port` (0: a free port), named to decode servers as
     # `kv_advertise_host` (default kv_host):port, held `kv_hold_seconds` for them to pull,
     # streamed in chunks of `kv_chunk_bytes`; a consumer gives a pull `kv_pull_timeout`
     # seconds.
+    kv_connector: str = "grpc"
     kv_host: str = "127.0.0.1"
     kv_port: int = 0
     kv_advertise_host: str | None = None
@@ -175,6 +180,9 @@ class KVTransferConfig:
         if self.kv_role not in KV_ROLES:
             raise ValueError(f"kv_transfer_config: kv_role must be one of {KV_ROLES}, got "
                              f"{self.kv_role!r}")
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"kv_transfer_config: kv_connector must be one of "
+                             f"{KV_CONNECTORS}, got {self.kv_connector!r}")
         for name in ("kv_hold_seconds", "kv_pull_timeout", "kv_chunk_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"kv_transfer_config: {name} must be positive, got "

@@ -55,7 +55,7 @@ from jaxserve.engine.lora import LoRARequest
 from jaxserve.engine.multimodal.inputs import ImagePreparer
 from jaxserve.engine.status import EngineStatus
 from jaxserve.outputs import StepOutput
-from server.kv_transfer import KVSender, KVTransferError, pull
+from server.kv_transfer import KVPuller, KVSender, KVTransferError
 
 log = logging.getLogger(__name__)
 
@@ -169,8 +169,11 @@ class EngineCore:
         role: KVTransferConfig | None = engine.kv_transfer
         self.kv_stats = KVStats() if role is not None else None
         self.kv_sender = (KVSender(role.kv_host, role.kv_port, role.kv_advertise_host,
-                                   role.kv_hold_seconds, role.kv_chunk_bytes)
+                                   role.kv_hold_seconds, role.kv_chunk_bytes,
+                                   role.kv_connector)
                           if role is not None and role.produces else None)
+        self.kv_puller = (KVPuller(engine.mesh.devices.flat[0])
+                          if role is not None and role.consumes else None)
         if self.kv_sender is not None:
             self.kv_stats.sender = self.kv_sender.stats
             log.info("K/V transfers served on %s", self.kv_sender.address)
@@ -289,7 +292,7 @@ class EngineCore:
             return
         remote_decode = bool(kv and kv.get("do_remote_decode"))
         if kv and kv.get("do_remote_prefill"):
-            if self.kv_stats is None:
+            if self.kv_puller is None:
                 self.send(("admitted", call, None, ValueError(
                     "kv_transfer_params: this server is not a kv_consumer")))
                 return
@@ -310,7 +313,8 @@ class EngineCore:
         """A worker thread: pull a request's K/V from its prefill server (the engine keeps
         stepping), then hand it to the loop."""
         try:
-            prefilled, prompt_ids, seconds = pull(kv, self.engine.kv_transfer.kv_pull_timeout)
+            prefilled, prompt_ids, seconds = self.kv_puller.pull(
+                kv, self.engine.kv_transfer.kv_pull_timeout)
             result = (prefilled, prompt_ids, seconds)
         except (KVTransferError, KeyError, ValueError) as e:
             result = e if not isinstance(e, KeyError) else ValueError(

@@ -1,5 +1,5 @@
-"""A prefill server's handed-off K/V, streamed to a decode server over gRPC
-(docs/disaggregation.md).
+"""A prefill server's handed-off K/V, moved to a decode server (docs/disaggregation.md):
+streamed as bytes over gRPC, or device to device with jax.experimental.transfer.
 
 The prefill server's engine process keeps each handed-off request's prompt K/V
 (engine/kv_transfer.py's KVPages: one array per cache entry, all layers) in host memory,
@@ -13,13 +13,23 @@ side, whose request fails alone. The bytes travel as stored (int8 / fp8 pages wi
 scales): this path works between any two machines; its bandwidth is in
 benchmarks/RESULTS.md.
 
+With `kv_connector: "jax"` the K/V stay on the prefill server's device (gathered to one
+device of its mesh) in a `jax.experimental.transfer` server, and the gRPC stream carries
+the header alone, naming that server and the arrays' number: the decode server pulls them
+onto one device of its own (`KVPuller`), device to device where the platform can (TPU,
+GPU; on a CPU too), then lays them out on its mesh. K/V never asked for are drained by
+pulling them back (the transfer API has no cancel); ones whose header went out stay with
+the transfer server until that decode server pulls them.
+
 The service is registered by hand (raw bytes in and out, no generated stubs): a method
 with one string in and a stream of byte chunks out needs none.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -29,6 +39,7 @@ import uuid
 from concurrent import futures
 
 import grpc
+import jax
 import numpy as np
 
 from jaxserve.engine.kv_transfer import KVPages, Prefilled
@@ -54,6 +65,7 @@ class _Held:
     prompt_token_ids: list[int]
     first_token: int
     deadline: float
+    number: int | None = None  # its arrays' in the jax transfer server (kv_connector "jax")
 
 
 @dataclasses.dataclass
@@ -70,8 +82,18 @@ class KVSender:
     """A producer's held K/V and the gRPC service its decode servers pull them from."""
 
     def __init__(self, host: str, port: int, advertise: str | None, hold_seconds: float,
-                 chunk_bytes: int):
+                 chunk_bytes: int, connector: str = "grpc"):
         self.hold_seconds, self.chunk_bytes = hold_seconds, chunk_bytes
+        self._transfer = None  # kv_connector "jax": the transfer server holding the arrays
+        if connector == "jax":
+            from jax.experimental import transfer
+
+            self._transfer = transfer.start_transfer_server(
+                jax.devices()[0].client, f"{host}:0", [f"{host}:0"])
+            port_ = self._transfer.address().rsplit(":", 1)[1]
+            self._transfer_address = f"{advertise or host}:{port_}"
+            self._drain = self._transfer.connect(self._transfer.address())
+            self._numbers = itertools.count(1)
         self._held: dict[str, _Held] = {}
         self._lock = threading.Lock()
         self.stats = SenderStats()
@@ -89,14 +111,22 @@ class KVSender:
         threading.Thread(target=self._expire_loop, name="kv-expire", daemon=True).start()
 
     def hold(self, kv: KVPages, prompt_token_ids: list[int], first_token: int) -> dict:
-        """Keep `kv` (device arrays: their copy to the host starts now) for a decode server
-        to pull; returns the `kv_transfer_params` that name it."""
-        for x in kv.entries:
-            x.copy_to_host_async()
+        """Keep `kv` (device arrays: their copy to the host starts now, or with the jax
+        connector their gather to one device) for a decode server to pull; returns the
+        `kv_transfer_params` that name it."""
+        number = None
+        if self._transfer is None:
+            for x in kv.entries:
+                x.copy_to_host_async()
+        else:
+            device = min(kv.entries[0].sharding.device_set, key=lambda d: d.id)
+            kv = KVPages(tuple(jax.device_put(x, device) for x in kv.entries), kv.num_tokens)
+            number = next(self._numbers)
+            self._transfer.await_pull(number, list(kv.entries))
         transfer_id = uuid.uuid4().hex
         with self._lock:
             self._held[transfer_id] = _Held(kv, list(prompt_token_ids), first_token,
-                                            time.monotonic() + self.hold_seconds)
+                                            time.monotonic() + self.hold_seconds, number)
             self.stats.held += 1
             self.stats.held_bytes += kv.nbytes
         return {"transfer_id": transfer_id, "remote_address": self.address,
@@ -122,6 +152,15 @@ class KVSender:
                           f"no K/V held under transfer id {transfer_id!r}: already pulled, "
                           f"or not pulled within kv_hold_seconds ({self.hold_seconds:g} s)")
         start = time.monotonic()
+        if held.number is not None:  # the decode server pulls the arrays from the device
+            yield json.dumps({
+                "num_tokens": held.kv.num_tokens, "prompt_token_ids": held.prompt_token_ids,
+                "first_token": held.first_token,
+                "entries": [{"shape": list(x.shape), "dtype": x.dtype.name}
+                            for x in held.kv.entries],
+                "jax": {"address": self._transfer_address, "number": held.number}}).encode()
+            self._count_sent(held, start)
+            return
         # Only the pages that hold the prompt (the read was padded to a bucket).
         pages = -(-held.kv.num_tokens // held.kv.entries[0].shape[3])
         entries = [np.ascontiguousarray(np.asarray(x)[:, :, :pages]) for x in held.kv.entries]
@@ -137,6 +176,9 @@ class KVSender:
                 yield bytes(data[i:i + self.chunk_bytes])
         # (The puller reads to the end of the stream, so this runs before it adds the
         # request.)
+        self._count_sent(held, start)
+
+    def _count_sent(self, held: _Held, start: float) -> None:
         with self._lock:
             self.stats.sent += 1
             self.stats.sent_bytes += held.kv.nbytes
@@ -148,7 +190,13 @@ class KVSender:
             with self._lock:
                 late = [t for t, h in self._held.items() if h.deadline < now]
             for transfer_id in late:
-                if self.release(transfer_id) is not None:
+                held = self.release(transfer_id)
+                if held is not None:
+                    if held.number is not None:  # the transfer server lets go once pulled
+                        specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                                 for x in held.kv.entries]
+                        threading.Thread(target=self._drain.pull, args=(held.number, specs),
+                                         name="kv-drain", daemon=True).start()
                     self.stats.expired += 1
                     log.warning("K/V of transfer %s not pulled within %g s: released",
                                 transfer_id, self.hold_seconds)
@@ -173,35 +221,88 @@ def check_params(kv) -> dict:
     return kv
 
 
-def pull(params: dict, timeout: float) -> tuple[Prefilled, list[int], float]:
-    """Pull a request's K/V named by a prefill server's `kv_transfer_params` (host
-    arrays); returns them with the prompt's token ids and the seconds the pull took.
-    KVTransferError when it cannot."""
-    address, transfer_id = params["remote_address"], params["transfer_id"]
-    start = time.monotonic()
-    try:
-        with grpc.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
-            stream = channel.unary_stream(PULL)(transfer_id.encode(), timeout=timeout)
-            header = json.loads(next(stream))
-            entries = []
-            for spec in header["entries"]:
-                x = np.empty(spec["shape"], np.dtype(spec["dtype"]))
-                data, filled = memoryview(x.reshape(-1).view(np.uint8)), 0
-                while filled < len(data):
-                    chunk = next(stream)
-                    data[filled:filled + len(chunk)] = chunk
-                    filled += len(chunk)
-                entries.append(x)
-            for _ in stream:  # to its end: the sender counts it sent
-                raise KVTransferError(f"the prefill server at {address} sent more K/V "
-                                      f"bytes for transfer {transfer_id} than it announced")
-    except grpc.RpcError as e:
-        raise KVTransferError(f"pulling the K/V of transfer {transfer_id} from the prefill "
-                              f"server at {address} failed: {e.code().name}: "
-                              f"{e.details()}") from e
-    except StopIteration as e:
-        raise KVTransferError(f"the prefill server at {address} ended the K/V of transfer "
-                              f"{transfer_id} early") from e
-    kv = KVPages(tuple(entries), header["num_tokens"])
-    return (Prefilled(header["first_token"], kv), header["prompt_token_ids"],
-            time.monotonic() - start)
+class KVPuller:
+    """A decode server's side: pulls K/V named by prefill servers' `kv_transfer_params`,
+    over gRPC or, when the header says so, through a jax transfer server of its own (made
+    at the first such pull) onto `device`."""
+
+    def __init__(self, device):
+        self.device = device
+        self._transfer = None
+        self._connections: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    def pull(self, params: dict, timeout: float) -> tuple[Prefilled, list[int], float]:
+        """A request's K/V (host arrays, or arrays on `device`), its prompt's token ids and
+        the seconds the pull took; KVTransferError when it cannot."""
+        address, transfer_id = params["remote_address"], params["transfer_id"]
+        start = time.monotonic()
+        try:
+            with grpc.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
+                stream = channel.unary_stream(PULL)(transfer_id.encode(), timeout=timeout)
+                header = json.loads(next(stream))
+                if "jax" in header:
+                    entries = self._pull_devices(header, timeout, transfer_id)
+                else:
+                    entries = _read_bytes(stream, header, address, transfer_id)
+                for _ in stream:  # to its end: the sender counts it sent
+                    raise KVTransferError(f"the prefill server at {address} sent more K/V "
+                                          f"for transfer {transfer_id} than it announced")
+        except grpc.RpcError as e:
+            raise KVTransferError(f"pulling the K/V of transfer {transfer_id} from the "
+                                  f"prefill server at {address} failed: {e.code().name}: "
+                                  f"{e.details()}") from e
+        except StopIteration as e:
+            raise KVTransferError(f"the prefill server at {address} ended the K/V of "
+                                  f"transfer {transfer_id} early") from e
+        kv = KVPages(tuple(entries), header["num_tokens"])
+        return (Prefilled(header["first_token"], kv), header["prompt_token_ids"],
+                time.monotonic() - start)
+
+    def _pull_devices(self, header: dict, timeout: float, transfer_id: str) -> list:
+        """The arrays from the prefill server's jax transfer server, on `device` (a
+        thread waits for them: a pull from a server that died may never return)."""
+        from jax.experimental import transfer
+
+        address = header["jax"]["address"]
+        with self._lock:
+            if self._transfer is None:
+                self._transfer = transfer.start_transfer_server(
+                    self.device.client, "0.0.0.0:0", ["0.0.0.0:0"])
+            connection = self._connections.get(address)
+            if connection is None:
+                connection = self._connections[address] = self._transfer.connect(address)
+        sharding = jax.sharding.SingleDeviceSharding(self.device)
+        specs = [jax.ShapeDtypeStruct(e["shape"], jax.numpy.dtype(e["dtype"]),
+                                      sharding=sharding) for e in header["entries"]]
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-jax-pull")
+        try:
+            arrays = pool.submit(lambda: jax.block_until_ready(
+                connection.pull(header["jax"]["number"], specs))).result(timeout)
+        except concurrent.futures.TimeoutError as e:
+            raise KVTransferError(f"the K/V of transfer {transfer_id} did not arrive from "
+                                  f"{address} within {timeout:g} s") from e
+        except Exception as e:  # noqa: BLE001 - the transfer library's own errors
+            raise KVTransferError(f"pulling the K/V of transfer {transfer_id} from {address} "
+                                  f"failed: {type(e).__name__}: {e}") from e
+        finally:
+            pool.shutdown(wait=False)
+        return list(arrays)
+
+
+def _read_bytes(stream, header: dict, address: str, transfer_id: str) -> list[np.ndarray]:
+    """The entries' bytes that follow a header, as host arrays (address and transfer_id:
+    for errors)."""
+    entries = []
+    for spec in header["entries"]:
+        x = np.empty(spec["shape"], jax.numpy.dtype(spec["dtype"]))
+        data, filled = memoryview(x.reshape(-1).view(np.uint8)), 0
+        while filled < len(data):
+            chunk = next(stream)
+            if filled + len(chunk) > len(data):
+                raise KVTransferError(f"the prefill server at {address} sent more K/V for "
+                                      f"transfer {transfer_id} than it announced")
+            data[filled:filled + len(chunk)] = chunk
+            filled += len(chunk)
+        entries.append(x)
+    return entries

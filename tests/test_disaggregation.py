@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -182,6 +183,43 @@ def test_config_checks():
             EngineConfig(devices=devices)
     with pytest.raises(ValueError, match="takes 2 of this process's 1 devices"):
         LLM(None, devices=[0, 1], mesh={"model": 2}, warmup=False)
+
+
+@pytest.mark.parametrize("connector", ["grpc", "jax"])
+def test_kv_service_moves_pages_as_stored(pd, connector):
+    """The servers' K/V service (server/kv_transfer.py) in one process: what the puller
+    gets is what was read out (only the prompt's pages over gRPC; the bucket through
+    jax.experimental.transfer), with the prompt and first token; a transfer is gone once
+    pulled, and one never pulled is released after hold_seconds."""
+    from server.kv_transfer import KVPuller, KVSender, KVTransferError
+
+    e = pd.engine
+    sender = KVSender("127.0.0.1", 0, None, 1.0, 1000, connector)
+    puller = KVPuller(e.decode.mesh.devices.flat[0])
+    try:
+        kv = e.prefill.runner.read_pages(0, [3, 1, 4, 1, 5], 18)  # 5 pages, 18 tokens
+        want = [np.asarray(x) for x in kv.entries]
+        params = sender.hold(kv, list(range(18)), 42)
+        assert sender.stats.held == 1 and sender.stats.held_bytes > 0
+        prefilled, prompt, seconds = puller.pull(params, 30)
+        assert prompt == list(range(18)) and prefilled.first_token == 42 and seconds > 0
+        got = [np.asarray(x) for x in prefilled.kv.entries]
+        pages = 5 if connector == "grpc" else 8
+        assert [g.shape[2] for g in got] == [pages] * len(got)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w[:, :, :pages])
+        assert sender.stats.sent == 1 and sender.stats.held == 0
+        with pytest.raises(KVTransferError, match="NOT_FOUND.*already pulled"):
+            puller.pull(params, 30)
+        late = sender.hold(e.prefill.runner.read_pages(0, [2], 3), [1, 2, 3], 7)
+        deadline = time.monotonic() + 10
+        while sender.stats.held and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sender.stats.expired == 1 and sender.stats.held_bytes == 0
+        with pytest.raises(KVTransferError, match="not pulled within kv_hold_seconds"):
+            puller.pull(late, 30)
+    finally:
+        sender.stop()
 
 
 def test_page_buckets():

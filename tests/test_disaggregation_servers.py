@@ -1,8 +1,9 @@
 """Prefill and decode servers behind `jaxserve router`, each a process of its own: the
-`openai` package gets one server's answers through the router; K/V that no decode server
-pulls are released after kv_hold_seconds; a prefill server killed while its K/V stream out
-fails that request alone (503 naming the transfer), leaves no page taken, and the router
-goes on with the prefill servers left.
+`openai` package (and a gRPC client) gets one server's answers through the router, the K/V
+moved by jax.experimental.transfer; K/V that no decode server pulls are released after
+kv_hold_seconds; a prefill server killed while its K/V stream out over gRPC fails that
+request alone (503 naming the transfer), leaves no page taken, and the router goes on with
+the prefill servers left.
 
 Slow (five processes start): CI runs it with the slow set.
 """
@@ -28,8 +29,9 @@ from server.protos.jaxserve.v1 import inference_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
 
-PRODUCER = '{"kv_role": "kv_producer", "kv_hold_seconds": 4}'
-# The prefill server that is killed streams its K/V in 1 KiB chunks, 0.3 s apart.
+# The router's prefill server moves K/V device to device (jax.experimental.transfer);
+# the one that is killed streams them as bytes over gRPC, 1 KiB chunks 0.3 s apart.
+PRODUCER = '{"kv_role": "kv_producer", "kv_hold_seconds": 4, "kv_connector": "jax"}'
 SLOW_PRODUCER = '{"kv_role": "kv_producer", "kv_chunk_bytes": 1024}'
 CONSUMER = '{"kv_role": "kv_consumer"}'
 
