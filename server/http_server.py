@@ -56,6 +56,7 @@ class Choice:
     started: bool = False
     offset: int = 0  # completions' text_offset of the next token (token texts, echo included)
     kv_transfer_params: dict | None = None  # a prefill's, for the decode server
+    first_scheduled_at: float | None = None  # when the engine first ran it (monotonic)
 
 
 class Job:
@@ -68,6 +69,7 @@ class Job:
         self.async_engine = async_engine
         self.lora = lora
         self.kv_transfer_params = kv_transfer_params  # (one request: oai.kv_transfer_params)
+        self.created = time.monotonic()
         self.images = images or []  # every request's (their prompt's images)
         self.id = base_id
         self.requests = [(f"{base_id}-{i}", prompt, p) for i, (prompt, p) in enumerate(requests)]
@@ -394,13 +396,12 @@ class HTTPServer:
             async for i, out in job.outputs():
                 self._accumulate(choices[i], out, None if logprobs is None else (
                     lambda o: oai.chat_logprobs(o, logprobs, self._token_text)))
-        return oai.envelope(rid, "chat.completion", self._model(job), [
+        return _answer(job, choices, oai.envelope(rid, "chat.completion", self._model(job), [
             {"index": i, **self._chat_message(c, plan),
              "logprobs": {"content": [x for part in c.logprobs for x in part]}
              if logprobs is not None else None, "stop_reason": c.stop_reason}
             for i, c in enumerate(choices)],
-            usage=oai.usage(len(ids), sum(c.num_tokens for c in choices)),
-            **_kv_transfer(choices))
+            usage=oai.usage(len(ids), sum(c.num_tokens for c in choices))))
 
     @staticmethod
     def _chat_message(c: Choice, plan: tool_calling.ToolPlan | None) -> dict:
@@ -494,13 +495,12 @@ class HTTPServer:
             async for i, out in job.outputs():
                 self._accumulate(choices[i], out, None if req.logprobs is None else (
                     lambda o: self._completion_logprobs(choices[i], o, req.logprobs)))
-        return oai.envelope(rid, "text_completion", self._model(job), [
+        return _answer(job, choices, oai.envelope(rid, "text_completion", self._model(job), [
             {"index": i, "text": c.text, "logprobs": _merge(c.logprobs)
              if req.logprobs is not None else None,
              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             for i, c in enumerate(choices)],
-            usage=oai.usage(num_prompt_tokens, sum(c.num_tokens for c in choices)),
-            **_kv_transfer(choices))
+            usage=oai.usage(num_prompt_tokens, sum(c.num_tokens for c in choices))))
 
     async def _completion_stream(self, request: Request, req: oai.CompletionRequest, job: Job,
                                  rid: str, echoes: list[str], num_prompt_tokens: int
@@ -560,6 +560,8 @@ class HTTPServer:
             c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
         if out.kv_transfer_params is not None:
             c.kv_transfer_params = out.kv_transfer_params
+        if c.first_scheduled_at is None:
+            c.first_scheduled_at = out.first_scheduled_at
 
     async def models(self):
         base = {"id": self.model_name, "object": "model", "created": self.created,
@@ -671,11 +673,23 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
-def _kv_transfer(choices: list[Choice]) -> dict:
-    """A prefill response's `kv_transfer_params` (vLLM's field): where its decode server
-    pulls its K/V, with its first token; none when the request ended here."""
-    kv = choices[0].kv_transfer_params if len(choices) == 1 else None
-    return {"kv_transfer_params": kv} if kv is not None else {}
+QUEUE_HEADER = "x-jaxserve-queue-seconds"
+
+
+def _answer(job: Job, choices: list[Choice], body: dict) -> dict | JSONResponse:
+    """A whole response; a prefill server's (do_remote_decode) with `kv_transfer_params`
+    (vLLM's field: where its decode server pulls its K/V, and its first token; none when
+    the request ended here) and the seconds it queued here in a header (the router's TTFT
+    phases)."""
+    kv = job.kv_transfer_params
+    if not (kv and kv.get("do_remote_decode")):
+        return body
+    c = choices[0]
+    if c.kv_transfer_params is not None:
+        body["kv_transfer_params"] = c.kv_transfer_params
+    queued = (max(c.first_scheduled_at - job.created, 0.0)
+              if c.first_scheduled_at is not None else 0.0)
+    return JSONResponse(body, headers={QUEUE_HEADER: f"{queued:.6f}"})
 
 
 def _merge(parts: list[dict]) -> dict:

@@ -20,8 +20,9 @@ Requests with `n` > 1 or tools are refused (400): the decode server would parse 
 from its part of the text only.
 
 GET /health is 200 while a prefill and a decode server answer their /health; /metrics has
-the requests, the time to first token split into prefill, transfer (the decode server's
-pull and admission) and first decode, and the retries; /v1/models is a decode server's.
+the requests, the time to first token split into queue and prefill (on the prefill
+server), transfer (the decode server's pull and admission) and first decode, and the
+retries; /v1/models is a decode server's.
 
 With `grpc_port` (and each server's gRPC target) the router also serves jaxserve.v1's
 Inference service: Generate goes the same way over the servers' gRPC APIs
@@ -50,6 +51,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
 
+from server.http_server import QUEUE_HEADER
 from server.metrics import CONTENT_TYPE, PREFIX, TTFT_BUCKETS
 from server.protos.jaxserve.v1 import inference_pb2 as pb
 from server.protos.jaxserve.v1 import inference_pb2_grpc as pb_grpc
@@ -119,9 +121,10 @@ class Router:
         self.handoffs = Counter(PREFIX + "router_handoffs",
                                 "requests decoded on a decode server", registry=r)
         self.phase = Histogram(PREFIX + "router_ttft_phase_seconds",
-                               "time to first token, by phase: prefill (the prefill "
-                               "server's answer), transfer (the decode server pulling the "
-                               "K/V and admitting), first_decode (to its first token)",
+                               "time to first token, by phase: queue (waiting on the "
+                               "prefill server, HTTP only), prefill (the rest of its "
+                               "answer), transfer (the decode server pulling the K/V and "
+                               "admitting), first_decode (to its first token)",
                                ["phase"], buckets=TTFT_BUCKETS, registry=r)
         self.ttft = Histogram(PREFIX + "router_time_to_first_token_seconds",
                               "from the request to its first token", buckets=TTFT_BUCKETS,
@@ -197,11 +200,13 @@ class Router:
             tried.add(server)
             if len(tried) > 1:
                 self.retries.inc()
-            first = await self._prefill(server, body, path, headers)
-            if first is None:
+            answer = await self._prefill(server, body, path, headers)
+            if answer is None:
                 continue  # that server failed: the next one
+            first, queued = answer
             self._remember(key, server)
-            self.phase.labels("prefill").observe(time.monotonic() - start)
+            self.phase.labels("queue").observe(queued)
+            self.phase.labels("prefill").observe(max(time.monotonic() - start - queued, 0.0))
             kv = first.get("kv_transfer_params")
             if kv is None:  # the request ended on the prefill server
                 self.requests.labels("prefill_only").inc()
@@ -219,9 +224,9 @@ class Router:
         return {f"{u.url} is down" for u in self.prefill if not u.up}
 
     async def _prefill(self, server: Upstream, body: dict, path: str, headers: dict
-                       ) -> dict | None:
-        """The prefill server's answer (None: it failed, marked down), or the client's
-        error from it (raised)."""
+                       ) -> tuple[dict, float] | None:
+        """The prefill server's answer and the seconds the request queued there (None: it
+        failed, marked down), or the client's error from it (raised)."""
         req = {**body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
         req.pop("stream_options", None)
         server.in_flight += 1
@@ -237,7 +242,7 @@ class Router:
             return None
         if r.status_code != 200:  # the request's own fault: the client's answer
             raise _RouterError(r.status_code, _message(r), _param(r))
-        return r.json()
+        return r.json(), float(r.headers.get(QUEUE_HEADER, 0.0))
 
     def _down(self, server: Upstream, why) -> None:
         log.warning("%s server %s failed (%s); skipped for %g s", server.role, server.url,
