@@ -662,3 +662,28 @@ def test_rollback_after_a_tree_moves_the_accepted_nodes_into_their_positions():
     seq.output_token_ids.append(11)
     assert sched.rollback(seq, [0]) == [] and seq.num_computed_tokens == 10
     assert sched.rollback(seq) == []
+
+
+def test_prefilled_seq_is_admitted_with_its_prompt_computed():
+    """A seq whose prompt's K/V came from a prefill engine (Sequence.prefilled) gets pages
+    for its prompt and first token and computes only that token; one whose prompt's first
+    pages this pool caches keeps them (a hit), the rest arrive."""
+    class Moved:  # what the scheduler reads of engine/kv_transfer.py's KVPages
+        num_tokens = 10
+
+    sched = Scheduler(config(page_size=4))
+    plain = Sequence("plain", list(range(1, 11)), max_output_tokens=4)
+    sched.add(plain)
+    out = sched.schedule()
+    assert [(s.start, s.num_new_tokens) for s in out.scheduled] == [(0, 10)]
+    plain.output_token_ids.append(5)
+    sched.cache_pages(out)
+    moved = Sequence("moved", list(range(1, 11)), output_token_ids=[5], max_output_tokens=4)
+    moved.prefilled = Moved()
+    sched.add(moved)
+    out = sched.schedule()
+    by_id = {s.seq.request_id: s for s in out.scheduled}
+    assert (by_id["moved"].start, by_id["moved"].num_new_tokens) == (10, 1)
+    assert len(moved.page_ids) == 3 and moved.num_computed_tokens == 11
+    assert moved.num_cached_tokens == 8  # the first 2 pages: plain's, from the prefix cache
+    assert moved.page_ids[:2] == plain.page_ids[:2] and by_id["moved"].samples
