@@ -129,8 +129,11 @@ class KVSender:
                                             time.monotonic() + self.hold_seconds, number)
             self.stats.held += 1
             self.stats.held_bytes += kv.nbytes
+        moved = kv.nbytes if number is not None else kv.nbytes * _pages(kv) // \
+            kv.entries[0].shape[2]
         return {"transfer_id": transfer_id, "remote_address": self.address,
-                "first_token": first_token, "num_prompt_tokens": kv.num_tokens}
+                "first_token": first_token, "num_prompt_tokens": kv.num_tokens,
+                "num_bytes": moved}
 
     def release(self, transfer_id: str) -> _Held | None:
         with self._lock:
@@ -162,7 +165,7 @@ class KVSender:
             self._count_sent(held, start)
             return
         # Only the pages that hold the prompt (the read was padded to a bucket).
-        pages = -(-held.kv.num_tokens // held.kv.entries[0].shape[3])
+        pages = _pages(held.kv)
         entries = [np.ascontiguousarray(np.asarray(x)[:, :, :pages]) for x in held.kv.entries]
         header = {"num_tokens": held.kv.num_tokens, "prompt_token_ids": held.prompt_token_ids,
                   "first_token": held.first_token,
@@ -200,6 +203,11 @@ class KVSender:
                     self.stats.expired += 1
                     log.warning("K/V of transfer %s not pulled within %g s: released",
                                 transfer_id, self.hold_seconds)
+
+
+def _pages(kv: KVPages) -> int:
+    """The pages that hold `kv`'s tokens (the rest pad a bucket)."""
+    return -(-kv.num_tokens // kv.entries[0].shape[3])
 
 
 def check_params(kv) -> dict:

@@ -126,6 +126,10 @@ class Router:
                                "answer), transfer (the decode server pulling the K/V and "
                                "admitting), first_decode (to its first token)",
                                ["phase"], buckets=TTFT_BUCKETS, registry=r)
+        self.transfer_bytes = Histogram(PREFIX + "router_kv_transfer_bytes",
+                                        "bytes of K/V each handed-off request moved",
+                                        buckets=[2 ** k for k in range(10, 36, 2)],
+                                        registry=r)
         self.ttft = Histogram(PREFIX + "router_time_to_first_token_seconds",
                               "from the request to its first token", buckets=TTFT_BUCKETS,
                               registry=r)
@@ -217,6 +221,7 @@ class Router:
                                         stream, start)
             if result is not None:
                 self.handoffs.inc()
+                self.transfer_bytes.observe(kv.get("num_bytes", 0))
                 return result
 
     @property
@@ -464,6 +469,8 @@ class RouterServicer(pb_grpc.InferenceServicer):
                 r.phase.labels("transfer").observe(time.monotonic() - sent)
                 r.ttft.observe(time.monotonic() - start)
                 r.handoffs.inc()
+                r.transfer_bytes.observe(
+                    json.loads(done.kv_transfer_params_json).get("num_bytes", 0))
                 for x in answer[:-1]:  # the first token's chunk
                     yield x
                 x = head

@@ -201,6 +201,8 @@ def test_kv_service_moves_pages_as_stored(pd, connector):
         want = [np.asarray(x) for x in kv.entries]
         params = sender.hold(kv, list(range(18)), 42)
         assert sender.stats.held == 1 and sender.stats.held_bytes > 0
+        assert params["num_bytes"] == sum(x.nbytes for x in want) * (5 if connector == "grpc"
+                                                                     else 8) // 8
         prefilled, prompt, seconds = puller.pull(params, 30)
         assert prompt == list(range(18)) and prefilled.first_token == 42 and seconds > 0
         got = [np.asarray(x) for x in prefilled.kv.entries]

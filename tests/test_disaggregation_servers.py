@@ -160,6 +160,7 @@ def test_router_answers_as_one_server(cluster):
     for url in (prefill, decode):
         assert _metric(url, "kv_cache_usage_perc") == 0
     text = httpx.get(router + "/metrics").text
+    assert "jaxserve:router_kv_transfer_bytes_count" in text
     for phase in ("queue", "prefill", "transfer", "first_decode"):
         assert f'jaxserve:router_ttft_phase_seconds_count{{phase="{phase}"}}' in text
     # The prefix cache works on the prefill side: a prompt again finds its pages there.
