@@ -277,14 +277,16 @@ class Router:
                     self._down(prefill, _message(upstream))
                     return None
                 raise _RouterError(upstream.status_code, _message(upstream), _param(upstream))
-            self.phase.labels("transfer").observe(time.monotonic() - sent)
+            admitted = time.monotonic()
+            self.phase.labels("transfer").observe(admitted - sent)
             if not stream:
                 await upstream.aread()
                 self.ttft.observe(time.monotonic() - start)
                 self.requests.labels("ok").inc()
                 return JSONResponse(_joined(first, upstream.json(), path))
             released = True
-            return StreamingResponse(self._relay(first, upstream, decode, path, start),
+            return StreamingResponse(self._relay(first, upstream, decode, path, start,
+                                                 admitted),
                                      media_type="text/event-stream")
         finally:
             if not released:
@@ -292,9 +294,11 @@ class Router:
                 await upstream.aclose()
 
     async def _relay(self, first: dict, upstream: httpx.Response, decode: Upstream,
-                     path: str, start: float) -> AsyncIterator[str]:
+                     path: str, start: float, admitted: float) -> AsyncIterator[str]:
         """The first token's chunk, then the decode server's stream (its own opening
-        role chunk dropped, its usage counting the first token)."""
+        role chunk dropped, its usage counting the first token). The first token goes
+        once the decode server has its K/V (an error before then is still an HTTP status
+        the router can act on)."""
         chat = path.endswith("chat/completions")
         got_first = False
         try:
@@ -313,7 +317,7 @@ class Router:
                         chunk["usage"] = _add_usage(chunk["usage"], first["usage"])
                     if not got_first and chunk.get("choices"):
                         got_first = True
-                        self.phase.labels("first_decode").observe(time.monotonic() - start)
+                        self.phase.labels("first_decode").observe(time.monotonic() - admitted)
                     data = json.dumps(chunk)
                 yield f"data: {data}\n\n"
             self.requests.labels("ok").inc()
