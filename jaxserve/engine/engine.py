@@ -179,6 +179,7 @@ class Engine:
         self._num_sampled_apart = 0  # requests whose params.needs_history
         self._failed: list[StepOutput] = []  # requests the scheduler could not admit
         self._num_prefilled = 0  # requests whose moved K/V wait to be written (`_write_kv`)
+        self._num_remote_decode = 0  # requests whose pages are read out (`_read_kv`)
         self._rng = random.Random(config.seed)
         self._inflight: InFlightStep | None = None
         self._expert_load = self.runner.expert_load  # as of the last collected step
@@ -277,6 +278,7 @@ class Engine:
             text.skip([prefilled.first_token])  # its text came from the prefill engine
         self._requests[request_id] = Request(seq, text, grammar)
         self._num_sampled_apart += params.needs_history
+        self._num_remote_decode += remote_decode
         self.scheduler.add(seq)
         return token_ids
 
@@ -366,6 +368,7 @@ class Engine:
         req = self._requests.pop(request_id, None)
         if req is not None:
             self._num_sampled_apart -= req.seq.params.needs_history
+            self._num_remote_decode -= req.seq.remote_decode
             if req.seq.prefilled is not None:  # its moved K/V never written
                 req.seq.prefilled = None
                 self._num_prefilled -= 1
@@ -571,8 +574,10 @@ class Engine:
         self.num_steps += 1
         for s in step.sampling:  # as many as the step can emit (`_append` keeps those it does)
             s.seq.output_token_ids.extend([PLACEHOLDER] * s.width)
-            if s.seq.remote_decode:  # its prompt is computed: read its pages out
-                self._read_kv(s.seq)
+        if self._num_remote_decode:  # their prompts computed: read their pages out
+            for s in step.sampling:
+                if s.seq.remote_decode:
+                    self._read_kv(s.seq)
         return step
 
     def _write_kv(self, schedule: SchedulerOutput) -> None:
