@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 
 # The router's prefill server moves K/V device to device (jax.experimental.transfer);
 # the one that is killed streams them as bytes over gRPC, 1 KiB chunks 0.3 s apart.
-PRODUCER = '{"kv_role": "kv_producer", "kv_hold_seconds": 4, "kv_connector": "jax"}'
+PRODUCER = '{"kv_role": "kv_producer", "kv_hold_seconds": 8, "kv_connector": "jax"}'
 SLOW_PRODUCER = '{"kv_role": "kv_producer", "kv_chunk_bytes": 1024}'
 CONSUMER = '{"kv_role": "kv_consumer"}'
 
@@ -213,8 +213,8 @@ def test_kv_never_pulled_is_released(cluster):
     kv = r["kv_transfer_params"]
     assert r["usage"]["completion_tokens"] == 1 and kv["num_prompt_tokens"] > 0
     assert _metric(prefill, "kv_transfer_held") == 1
-    assert _metric(prefill, "kv_cache_usage_perc") == 0  # held on the host, not in pages
-    deadline = time.monotonic() + 20
+    assert _metric(prefill, "kv_cache_usage_perc") == 0  # held outside the pool
+    deadline = time.monotonic() + 30
     while _metric(prefill, "kv_transfer_held") and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _metric(prefill, "kv_transfer_expired") == expired + 1

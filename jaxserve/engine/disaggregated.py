@@ -49,7 +49,8 @@ class _PrefillLoop:
         self._paused = paused
         self._lock = threading.Condition()
         self._stopped = False
-        threading.Thread(target=self._run, name="prefill-engine", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="prefill-engine", daemon=True)
+        self._thread.start()
 
     def call(self, fn: Callable, *args, **kwargs):
         with self._lock:
@@ -58,9 +59,13 @@ class _PrefillLoop:
             return out
 
     def stop(self) -> None:
+        """End the thread and wait for it (at exit too: a thread still running JAX's code
+        while the interpreter shuts down aborts the process)."""
         with self._lock:
             self._stopped = True
             self._lock.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=30)
 
     def _run(self) -> None:
         engine = self.engine
