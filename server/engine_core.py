@@ -312,13 +312,10 @@ class EngineCore:
     def _pull(self, rid: str, call: int, prompt: list[int], params, kv: dict) -> None:
         """A worker thread: pull a request's K/V from its prefill server (the engine keeps
         stepping), then hand it to the loop."""
-        try:
-            prefilled, prompt_ids, seconds = self.kv_puller.pull(
-                kv, self.engine.kv_transfer.kv_pull_timeout)
-            result = (prefilled, prompt_ids, seconds)
-        except (KVTransferError, KeyError, ValueError) as e:
-            result = e if not isinstance(e, KeyError) else ValueError(
-                f"kv_transfer_params: missing {e}; pass on a prefill response's")
+        try:  # (the fronts checked the params: server/kv_transfer.py's check_params)
+            result = self.kv_puller.pull(kv, self.engine.kv_transfer.kv_pull_timeout)
+        except (KVTransferError, ValueError) as e:
+            result = e
         self.inbox.put(("prefilled", rid, call, prompt, params, result))
 
     def _add_prefilled(self, rid: str, call: int, prompt: list[int], params, result) -> None:

@@ -146,16 +146,26 @@ class Router:
         return hashlib.blake2b(json.dumps(prompt, sort_keys=True)[:1024].encode(),
                                digest_size=16).digest()
 
-    def _pick_prefill(self, key: bytes, tried: set) -> Upstream | None:
+    def _next_prefill(self, key: bytes, tried: set) -> Upstream | None:
+        """The prefill server to try next (added to `tried`; a second try counted), None
+        when every one has been tried."""
         candidates = [u for u in self.prefill if u not in tried and u.up] or \
             [u for u in self.prefill if u not in tried]
         if not candidates:
             return None
         least = min(candidates, key=lambda u: u.in_flight)
         preferred = self._affinity.get(key)
-        if preferred in candidates and preferred.in_flight <= least.in_flight + AFFINITY_SLACK:
-            return preferred
-        return least
+        server = (preferred if preferred in candidates
+                  and preferred.in_flight <= least.in_flight + AFFINITY_SLACK else least)
+        tried.add(server)
+        if len(tried) > 1:
+            self.retries.inc()
+        return server
+
+    def _handed_off(self, kv: dict) -> None:
+        """Count a request the decode server took, and the K/V bytes it moved."""
+        self.handoffs.inc()
+        self.transfer_bytes.observe(kv.get("num_bytes", 0))
 
     def _pick_decode(self) -> Upstream:
         candidates = [u for u in self.decode if u.up] or self.decode
@@ -197,13 +207,10 @@ class Router:
         key, tried = self._key(body), set()
         stream = bool(body.get("stream"))
         while True:
-            server = self._pick_prefill(key, tried)
+            server = self._next_prefill(key, tried)
             if server is None:
                 raise _RouterError(502, "no prefill server could take the request: "
                                    + "; ".join(sorted(self._failures)))
-            tried.add(server)
-            if len(tried) > 1:
-                self.retries.inc()
             answer = await self._prefill(server, body, path, headers)
             if answer is None:
                 continue  # that server failed: the next one
@@ -220,8 +227,7 @@ class Router:
             result = await self._decode(decode, server, body, first, kv, path, headers,
                                         stream, start)
             if result is not None:
-                self.handoffs.inc()
-                self.transfer_bytes.observe(kv.get("num_bytes", 0))
+                self._handed_off(kv)
                 return result
 
     @property
@@ -419,15 +425,12 @@ class RouterServicer(pb_grpc.InferenceServicer):
             if which else b""
         tried: set[Upstream] = set()
         while True:
-            server = r._pick_prefill(key, tried)
+            server = r._next_prefill(key, tried)
             if server is None:
                 r.requests.labels("error").inc()
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
                                     "no prefill server could take the request: "
                                     + "; ".join(sorted(r._failures)))
-            tried.add(server)
-            if len(tried) > 1:
-                r.retries.inc()
             first = pb.GenerateRequest()
             first.CopyFrom(request)
             first.request_id = rid
@@ -455,8 +458,8 @@ class RouterServicer(pb_grpc.InferenceServicer):
             decode = r._pick_decode()
             rest = pb.GenerateRequest()
             rest.CopyFrom(first)
-            rest.kv_transfer_params_json = json.dumps(
-                {**json.loads(done.kv_transfer_params_json), "do_remote_prefill": True})
+            kv = json.loads(done.kv_transfer_params_json)
+            rest.kv_transfer_params_json = json.dumps({**kv, "do_remote_prefill": True})
             sent = time.monotonic()
             decode.in_flight += 1
             call = decode.stub.Generate(rest, timeout=r.timeout)
@@ -472,9 +475,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
                                                   f"{e.details()}")
                 r.phase.labels("transfer").observe(time.monotonic() - sent)
                 r.ttft.observe(time.monotonic() - start)
-                r.handoffs.inc()
-                r.transfer_bytes.observe(
-                    json.loads(done.kv_transfer_params_json).get("num_bytes", 0))
+                r._handed_off(kv)
                 for x in answer[:-1]:  # the first token's chunk
                     yield x
                 x = head

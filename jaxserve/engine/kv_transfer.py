@@ -13,6 +13,7 @@ Page counts are padded to a few buckets so that both programs compile at warm-up
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 from typing import Any
@@ -81,11 +82,12 @@ class PageMover:
                               donate_argnums=(0,), out_shardings=cache_shardings)
 
     def bucket(self, num_pages: int) -> int:
-        for b in self.buckets:
-            if b >= num_pages:
-                return b
-        raise ValueError(f"{num_pages} pages: more than one sequence holds "
-                         f"({self.buckets[-1]})")
+        """The smallest bucket that holds `num_pages` pages."""
+        i = bisect.bisect_left(self.buckets, num_pages)
+        if i == len(self.buckets):
+            raise ValueError(f"{num_pages} pages: more than one sequence holds "
+                             f"({self.buckets[-1]})")
+        return self.buckets[i]
 
     def read(self, kv_caches, data_shard: int, page_ids: list[int], num_tokens: int
              ) -> KVPages:
