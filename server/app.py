@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from jaxserve.engine.multimodal.inputs import ImagePreparer
 from jaxserve.loading.media import MediaPolicy
 from server.async_engine import AsyncEngine
-from server.engine_core import EngineProcess, EngineThread
+from server.engine_core import EngineProcess, EngineThread, freeze_heap_now
 from server.http_server import HTTPServer
 from server.jetstream import OrchestratorServicer
 from server.metrics import Metrics
@@ -115,6 +115,7 @@ async def serve(core: EngineProcess | EngineThread, host: str = "127.0.0.1", por
         http.ready = True
     log.info("ready: serving %s on %s%s", model_name or "model", grpc_server.address,
              f" and http://{host}:{http_port}" if http is not None else "")
+    freeze_heap_now()
     await _serve_until_signalled(async_engine, grpc_server)
     await _drain(async_engine, grpc_server, http, http_task, grace_s)
     log.info("stopped")

@@ -39,7 +39,9 @@ transformers = pytest.importorskip("transformers")
 spm = pytest.importorskip("sentencepiece")
 tokenizers = pytest.importorskip("tokenizers")
 
+from jaxserve.engine.output_text import OutputText  # noqa: E402
 from jaxserve.loading.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
+from jaxserve.sampling_params import SamplingParams  # noqa: E402
 
 TRAINING_TEXT = (
     "The quick brown fox jumps over the lazy dog. Hello world! hello there, world. "
@@ -451,6 +453,33 @@ def test_a_whole_output_at_once_decodes_as_the_oracle(cases, name, skip):
                 assert detok.text == got
 
 
+@pytest.mark.parametrize("name", ALL_CASES)
+def test_a_stream_in_groups_of_tokens_decodes_as_the_oracle(cases, name):
+    """`extend` with a few tokens at a time (how OutputText takes an output of several
+    tokens: a server's stream interval, multi-step decoding), the groups cut anywhere,
+    inside characters too: the joined chunks are the oracle's text, none holds a U+FFFD of
+    a character still to be completed, and after each group the text is what the tokens
+    one at a time give (a group ending inside a character holds back only that one)."""
+    case = cases[name]
+    rng = random.Random(2)
+    for text in DETOK_TEXTS:
+        ids = case.ours.encode(text)
+        for split in range(len(ids) + 1):
+            detok = IncrementalDetokenizer(case.ours, ids[:split])
+            one_by_one = IncrementalDetokenizer(case.ours, ids[:split])
+            chunks, i = [], split
+            while i < len(ids):
+                n = rng.randint(1, 5)
+                chunks.append(detok.extend(ids[i:i + n]))
+                for token in ids[i:i + n]:
+                    one_by_one.add(token)
+                assert detok.text == one_by_one.text, (text, split, i, n)
+                i += n
+            assert not any("\ufffd" in c for c in chunks), (text, split, chunks)
+            expected = _expected_stream(case.oracle_decode, ids[:split], ids[split:], True)
+            assert "".join(chunks) == expected == detok.text, (text, split)
+
+
 @pytest.mark.parametrize("name", [n for n in ALL_CASES if n not in ("llama2_json", "sp_unigram")])
 @pytest.mark.parametrize("skip", [True, False])
 def test_stream_with_special_tokens_in_the_output(cases, name, skip):
@@ -487,6 +516,56 @@ def test_stream_matches_full_decode_on_random_ids(cases, name, skip):
             assert expected.startswith(text), (prompt, output)
         else:
             assert text == expected, (prompt, output)
+
+
+def _output_text(tok: Tokenizer, prompt: list[int], output: list[int], groups: list[int],
+                 stop: list[str], min_tokens: int = 0, ends_in_eos: bool = False
+                 ) -> tuple[str, str | None, int]:
+    """OutputText fed `output` in groups of `groups[i]` tokens (cycled; the last ends it:
+    "length", or "stop" by the EOS it ends with): (its text, the stop string that ended
+    it, the tokens it took)."""
+    text = OutputText(tok, prompt, SamplingParams(stop=stop, min_tokens=min_tokens),
+                      [tok.eos_token_id])
+    chunks, used, i, g = [], 0, 0, 0
+    while i < len(output):
+        group = output[i:i + groups[g % len(groups)]]
+        i, g = i + len(group), g + 1
+        end = None if i < len(output) else "stop" if ends_in_eos else "length"
+        chunk, matched, took = text.add(group, end)
+        chunks.append(chunk)
+        used += took
+        if matched is not None:
+            return "".join(chunks), matched, used
+    return "".join(chunks), None, used
+
+
+@pytest.mark.parametrize("name", ["bytelevel", "llama_json"])
+def test_output_text_in_groups_stops_where_the_oracle_text_first_holds_the_stop(cases, name):
+    """An output handed to OutputText a few tokens at a time (as the servers' stream
+    interval and multi-step decoding hand it over) ends at the first token after which the
+    oracle's text holds the stop string, with the text before it; without a match, with the
+    oracle's whole text (an ending EOS adds none). Min-tokens: the same as one token at a
+    time."""
+    case = cases[name]
+    tok, rng = case.ours, random.Random(3)
+    eos = tok.eos_token_id
+    for text in DETOK_TEXTS:
+        ids = tok.encode(text, add_special_tokens=False)
+        prompt, output = ids[:2], ids[2:]
+        full = _expected_stream(case.oracle_decode, prompt, output, True)
+        for _ in range(6):
+            groups = [rng.randint(1, 6) for _ in range(4)]
+            k = rng.randrange(len(full) - 2)
+            stop = full[k:k + rng.randint(1, 3)]
+            first = next(t for t in range(1, len(output) + 1)
+                         if stop in _expected_stream(case.oracle_decode, prompt, output[:t], True))
+            got = _output_text(tok, prompt, output, groups, [stop, "\x00never"])
+            assert got == (full[:full.index(stop)], stop, first), (text, groups, stop)
+            assert _output_text(tok, prompt, output + [eos], groups, ["\x00never"],
+                                ends_in_eos=True) == (full, None, len(output) + 1)
+            for min_tokens in (0, 3, 7):
+                assert (_output_text(tok, prompt, output, groups, [stop], min_tokens)
+                        == _output_text(tok, prompt, output, [1], [stop], min_tokens))
 
 
 def _word_piece(tok: Tokenizer) -> tuple[int, str]:

@@ -101,17 +101,28 @@ class OutputText:
         skip_special_tokens=False does not end in EOS) and is not matched against the
         stop strings."""
         stop_token = self._ends_in_stop_token(token_ids, finish_reason, stop_reason)
-        stop = None
-        last, used = len(token_ids) - 1, 0
-        for i, token in enumerate(token_ids):
-            self.num_tokens += 1
-            used = i + 1
-            if i == last and stop_token:
-                break
-            self.text += self._detok.add(token)
-            stop = self._find_stop()
-            if stop is not None:
-                break
+        texts = token_ids[:-1] if stop_token else token_ids  # the tokens that add text
+        # Decoded together (two decodes, not two per token). The text only grows, so a stop
+        # string that one of the tokens completes is in the group's text: then the tokens go
+        # again one by one, to find the one that completes it.
+        mark = self._detok.checkpoint()
+        text = self.text + self._detok.extend(texts) if texts else self.text
+        stop, used = None, len(token_ids)
+        if texts and self._stop_possible(text, len(self.text), self.num_tokens + len(texts)):
+            self._detok.rewind(mark)
+            for i, token in enumerate(texts):
+                self.num_tokens += 1
+                since = len(self.text)
+                self.text += self._detok.add(token)
+                stop = self._find_stop(since)
+                if stop is not None:
+                    used = i + 1
+                    break
+            else:
+                self.num_tokens += len(token_ids) - len(texts)
+        else:
+            self.text = text
+            self.num_tokens += len(token_ids)
         if stop is None and finish_reason is not None:
             self.text += self._detok.flush()
         ended = stop is not None or finish_reason is not None
@@ -126,11 +137,19 @@ class OutputText:
         return finish_reason == "stop" and bool(token_ids) and (
             token_ids[-1] == stop_reason or token_ids[-1] in self._eos)
 
-    def _find_stop(self) -> str | None:
+    def _stop_possible(self, text: str, since: int, num_tokens: int) -> bool:
+        """Whether a stop string ends in `text` after its first `since` characters (the
+        output's text with tokens added, `num_tokens` tokens by then)."""
+        return num_tokens >= self._params.min_tokens and any(
+            text.find(stop, max(0, since - len(stop) + 1)) >= 0 for stop in self._params.stop)
+
+    def _find_stop(self, since: int) -> str | None:
+        """The first stop string that ends in the text after its first `since` characters
+        (the text of the token just added), once min_tokens are out; the text cut there."""
         if self.num_tokens < self._params.min_tokens:
             return None
         for stop in self._params.stop:
-            idx = self.text.find(stop, max(0, self.emitted - len(stop)))
+            idx = self.text.find(stop, max(0, since - len(stop) + 1))
             if idx >= 0:
                 self.text = self.text[:idx]
                 return stop

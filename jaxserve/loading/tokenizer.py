@@ -404,7 +404,7 @@ class Tokenizer:
         return self._backend.token_bytes()
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        if skip_special_tokens:
+        if skip_special_tokens and not self._special_ids.isdisjoint(ids):  # a C loop
             ids = [i for i in ids if i not in self._special_ids]
         return self._backend.decode(ids)
 
@@ -611,7 +611,9 @@ class IncrementalDetokenizer:
 
     def extend(self, token_ids: Sequence[int]) -> str:
         """Appends generated tokens; returns the text they made final ("" if none yet).
-        Several at once cost two decodes, as one does."""
+        Several at once cost two decodes, as one does, unless they end inside a character:
+        then they go one by one, so that the text before that character is not held back
+        with it."""
         self._tokens.extend(token_ids)
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         full_text = self._decode(self._prefix_offset, len(self._tokens))
@@ -625,12 +627,26 @@ class IncrementalDetokenizer:
         if start == len(full_text) or full_text.endswith(_REPLACEMENT_CHAR):
             # Nothing new (e.g. a skipped special token), or a character still incomplete:
             # keep the window, so the next token is decoded in the same context.
+            if len(token_ids) > 1 and start < len(full_text):
+                del self._tokens[len(self._tokens) - len(token_ids):]
+                return "".join([self.extend((token,)) for token in token_ids])
             return ""
         new_text = full_text[start:]
         self._prefix_offset = self._boundary
         self._read_offset = self._boundary = len(self._tokens)
         self._text += new_text
         return new_text
+
+    def checkpoint(self) -> tuple[int, int, int, int, int]:
+        """The state, for `rewind`."""
+        return (len(self._tokens), self._prefix_offset, self._read_offset, self._boundary,
+                len(self._text))
+
+    def rewind(self, mark: tuple[int, int, int, int, int]) -> None:
+        """Back to the state `checkpoint` returned: the tokens added since forgotten."""
+        n, self._prefix_offset, self._read_offset, self._boundary, chars = mark
+        del self._tokens[n:]
+        self._text = self._text[:chars]
 
     def flush(self) -> str:
         """At the end of generation: the held-back bytes of an unfinished character, as U+FFFD.
