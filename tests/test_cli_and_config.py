@@ -175,6 +175,7 @@ def test_mesh_and_sharding_settings(tmp_path):
                         page_size=4, num_pages=16, data_shards=2)
 
 
+@pytest.mark.slow  # two server starts, ~45 s
 def test_a_second_start_reads_every_step_program_from_the_compilation_cache(tmp_path):
     """`jaxserve generate` twice with the same settings: the first compiles the buckets
     into the default cache folder (under JAXSERVE_CACHE, keyed by jaxserve and JAX version

@@ -509,8 +509,9 @@ def make_moe_checkpoint(float_dir: Path, out: Path, method: str, group: int, bit
     return tuple(dirs)
 
 
-@pytest.mark.parametrize("arch, method, bits", [("qwen2_moe", "gptq", 4), ("mixtral", "awq", 4),
-                                                ("qwen3_moe", "gptq", 8)])
+@pytest.mark.parametrize("arch, method, bits", [  # ~12 s each: two run with the slow tests
+    ("qwen2_moe", "gptq", 4), pytest.param("mixtral", "awq", 4, marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", "gptq", 8, marks=pytest.mark.slow)])
 def test_moe_experts_served_as_stored(prompts, tmp_path, arch, method, bits):
     """A MoE checkpoint whose every expert (and Qwen2-MoE's shared expert) is quantized:
     the experts are stacked as stored (int4 / int8 with zero points, groups of 32) and the

@@ -23,7 +23,7 @@ def greedy(llm, prompts):
 
 
 @pytest.mark.parametrize("impl,quant", [
-    ("tpu", {}),
+    pytest.param("tpu", {}, marks=pytest.mark.slow),  # ~17 s; the kernels' own tests cover it
     ("tpu", dict(quantization="int8", kv_cache_dtype="int8")),
     ("gpu", dict(quantization="int4", kv_cache_dtype="fp8")),
 ])

@@ -319,6 +319,7 @@ def test_a_draft_equal_to_the_target_accepts_every_token(self_drafted, want, pro
     check_clean(self_drafted)
 
 
+@pytest.mark.slow  # ~22 s: another model compiled
 def test_a_draft_of_another_architecture_gives_the_target_tokens(checkpoints, base, want,
                                                                   prompts):
     """A Qwen3 draft for the Llama target (same vocabulary): most guesses are wrong; the
@@ -351,6 +352,7 @@ def test_draft_model_steps_run_async(checkpoints, base, want, prompts):
     check_clean(llm)
 
 
+@pytest.mark.slow  # ~19 s: two draft engines compiled
 def test_sampled_drafts_async_and_stepwise_agree(checkpoints, prompts):
     """Guesses drawn from a Qwen3 draft's distribution (its keys: each row's output
     number, moved back with the rows by the drafts rejected) give the same seeded tokens
