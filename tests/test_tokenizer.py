@@ -430,9 +430,10 @@ def test_stream_matches_full_decode_at_every_split_point(cases, name):
 @pytest.mark.parametrize("name", ALL_CASES)
 @pytest.mark.parametrize("skip", [True, False])
 def test_a_whole_output_at_once_decodes_as_the_oracle(cases, name, skip):
-    """`extend` with a whole output, then `flush` (how a request decoded at its end gets its
-    text: OutputText with stream False): the text decode(prompt + output) adds to the
-    prompt's, split inside characters and with special tokens, as the oracle decodes it."""
+    """`finish` with a whole output (how a request decoded at its end gets its text:
+    OutputText with stream False), and `extend` then `flush`: the text decode(prompt +
+    output) adds to the prompt's, split inside characters and with special tokens, as the
+    oracle decodes it."""
     case = cases[name]
     tok = case.ours
     specials = [tok.bos_token_id, tok.eos_token_id]
@@ -446,11 +447,12 @@ def test_a_whole_output_at_once_decodes_as_the_oracle(cases, name, skip):
             for output in (ids[split:], ids[split:] + specials):
                 if not output:
                     continue
+                expected = _expected_stream(case.oracle_decode, ids[:split], output, skip)
                 detok = IncrementalDetokenizer(tok, ids[:split], skip_special_tokens=skip)
-                got = detok.extend(output) + detok.flush()
-                assert got == _expected_stream(case.oracle_decode, ids[:split], output, skip), (
-                    text, split)
-                assert detok.text == got
+                got = detok.finish(output)
+                assert got == expected == detok.text, (text, split)
+                detok = IncrementalDetokenizer(tok, ids[:split], skip_special_tokens=skip)
+                assert detok.extend(output) + detok.flush() == expected, (text, split)
 
 
 @pytest.mark.parametrize("name", ALL_CASES)

@@ -1,12 +1,13 @@
-"""The text of one request's output: detokenized token by token, checked for stop strings.
+"""The text of one request's output: detokenized an output (one or more tokens) at a time,
+checked for stop strings.
 
 The engine only decides what ends a request at the token level (EOS, stop token ids,
 length). Turning tokens into text is host work with no part in the next step, so it can
-run anywhere: `Engine` runs it inline for the offline `LLM`, and the servers run it on a
-thread of their own (server/async_engine.py), so the engine thread only schedules and
-samples. Both call `OutputText.apply` on each output, so text and stop strings come out
-the same either way. A caller that wants only the whole text (the offline `LLM`) has a
-request without stop strings (or logprobs) decoded once, when it ends (`stream` False).
+run anywhere: `Engine` runs it inline for the offline `LLM`, and the servers run it on
+their event loop (server/async_engine.py), out of the engine's process. Both call
+`OutputText.apply` on each output, so text and stop strings come out the same either way.
+A caller that wants only the whole text (the offline `LLM`) has a request without stop
+strings (or logprobs) decoded once, when it ends (`stream` False).
 """
 
 from __future__ import annotations
@@ -86,8 +87,7 @@ class OutputText:
         token id adds no text."""
         stop_token = self._ends_in_stop_token(token_ids, out.finish_reason, out.stop_reason)
         self.num_tokens = len(token_ids)
-        self.text = (self._detok.extend(token_ids[:-1] if stop_token else token_ids)
-                     + self._detok.flush())
+        self.text = self._detok.finish(token_ids[:-1] if stop_token else token_ids)
         self.emitted = len(self.text)
         out.new_text = self.text
 

@@ -609,11 +609,11 @@ class IncrementalDetokenizer:
         """Appends one generated token; returns the text it made final ("" if none yet)."""
         return self.extend((token_id,))
 
-    def extend(self, token_ids: Sequence[int]) -> str:
+    def extend(self, token_ids: Sequence[int], one_by_one: bool = True) -> str:
         """Appends generated tokens; returns the text they made final ("" if none yet).
         Several at once cost two decodes, as one does, unless they end inside a character:
-        then they go one by one, so that the text before that character is not held back
-        with it."""
+        then (`one_by_one`) they go one by one, so that the text before that character is
+        not held back with it."""
         self._tokens.extend(token_ids)
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         full_text = self._decode(self._prefix_offset, len(self._tokens))
@@ -627,7 +627,7 @@ class IncrementalDetokenizer:
         if start == len(full_text) or full_text.endswith(_REPLACEMENT_CHAR):
             # Nothing new (e.g. a skipped special token), or a character still incomplete:
             # keep the window, so the next token is decoded in the same context.
-            if len(token_ids) > 1 and start < len(full_text):
+            if one_by_one and len(token_ids) > 1 and start < len(full_text):
                 del self._tokens[len(self._tokens) - len(token_ids):]
                 return "".join([self.extend((token,)) for token in token_ids])
             return ""
@@ -636,6 +636,10 @@ class IncrementalDetokenizer:
         self._read_offset = self._boundary = len(self._tokens)
         self._text += new_text
         return new_text
+
+    def finish(self, token_ids: Sequence[int]) -> str:
+        """The last tokens: `extend` then `flush`, in two decodes (or four)."""
+        return self.extend(token_ids, one_by_one=False) + self.flush()
 
     def checkpoint(self) -> tuple[int, int, int, int, int]:
         """The state, for `rewind`."""
