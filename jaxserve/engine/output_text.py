@@ -105,10 +105,11 @@ class OutputText:
         # Decoded together (two decodes, not two per token). The text only grows, so a stop
         # string that one of the tokens completes is in the group's text: then the tokens go
         # again one by one, to find the one that completes it.
-        mark = self._detok.checkpoint()
+        mark = self._detok.checkpoint() if self._params.stop else None
         text = self.text + self._detok.extend(texts) if texts else self.text
         stop, used = None, len(token_ids)
-        if texts and self._stop_possible(text, len(self.text), self.num_tokens + len(texts)):
+        if (texts and self.num_tokens + len(texts) >= self._params.min_tokens
+                and _first_stop(self._params.stop, text, len(self.text)) is not None):
             self._detok.rewind(mark)
             for i, token in enumerate(texts):
                 self.num_tokens += 1
@@ -137,26 +138,30 @@ class OutputText:
         return finish_reason == "stop" and bool(token_ids) and (
             token_ids[-1] == stop_reason or token_ids[-1] in self._eos)
 
-    def _stop_possible(self, text: str, since: int, num_tokens: int) -> bool:
-        """Whether a stop string ends in `text` after its first `since` characters (the
-        output's text with tokens added, `num_tokens` tokens by then)."""
-        return num_tokens >= self._params.min_tokens and any(
-            text.find(stop, max(0, since - len(stop) + 1)) >= 0 for stop in self._params.stop)
-
     def _find_stop(self, since: int) -> str | None:
         """The first stop string that ends in the text after its first `since` characters
         (the text of the token just added), once min_tokens are out; the text cut there."""
         if self.num_tokens < self._params.min_tokens:
             return None
-        for stop in self._params.stop:
-            idx = self.text.find(stop, max(0, since - len(stop) + 1))
-            if idx >= 0:
-                self.text = self.text[:idx]
-                return stop
-        return None
+        found = _first_stop(self._params.stop, self.text, since)
+        if found is None:
+            return None
+        stop, idx = found
+        self.text = self.text[:idx]
+        return stop
 
     def decode_logprobs(self, logprobs: list[dict[int, Logprob]]) -> None:
         """Fill in each candidate's `decoded_token`."""
         for top in logprobs:
             for token, lp in top.items():
                 lp.decoded_token = self._tokenizer.decode([token], skip_special_tokens=False)
+
+
+def _first_stop(stops: Sequence[str], text: str, since: int) -> tuple[str, int] | None:
+    """The first of `stops` (in their order) that ends in `text` after its first `since`
+    characters, and where it starts; None if none does."""
+    for stop in stops:
+        idx = text.find(stop, max(0, since - len(stop) + 1))
+        if idx >= 0:
+            return stop, idx
+    return None
