@@ -1,9 +1,9 @@
-"""The GPU attention kernel's launch choices, swept at benchmarks/kernels.py's shapes.
+"""The GPU attention kernel's launch choices, swept at benchmarks/kernel_speed.py's shapes.
 
 For each case (decode 64 x 2048 and 4 x 8192, bf16 and int8 KV; prefill 512 at 512) every
 combination of num_warps, num_stages, pages_per_block (key tile 64 or 128 tokens with
 16-token pages) and, for the small batch, num_kv_splits is compiled, checked against the
-reference (max abs diff) and timed as kernels.py times (median of 20 samples of 10 calls).
+reference (max abs diff) and timed as kernel_speed.py times (median of 20 samples of 10 calls).
 Prints one table per case, fastest first, beside the bandwidth floor; the chosen rows go
 to the table in pallas_kernels/ragged_paged_attention/gpu.py.
 
@@ -18,7 +18,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 
-from kernels import (AttentionCase, attention_args, attention_fn, build_attention_batch, machine,
+from kernel_speed import (AttentionCase, attention_args, attention_fn, build_attention_batch, machine,
                      median_ms, page_size_for)
 from offline_throughput import measure_bandwidth
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention

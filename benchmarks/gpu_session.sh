@@ -8,7 +8,7 @@
 #   engine       the engine end to end on the GPU against transformers (test_parity.py)
 #   engine-more  the engine's, quantized engine's and MoE tests on the GPU
 #   suite        the rest of the default test suite on the GPU
-#   bench        benchmarks/kernels.py --full, attention and quantized matmul
+#   bench        benchmarks/kernel_speed.py --full, attention and quantized matmul
 #   offline      benchmarks/offline_throughput.py on a Llama-3-8B-shaped random bf16 model
 #   forward      benchmarks/forward_step.py: that model's forward pass alone (no engine)
 #   sweep        benchmarks/gpu_attention_sweep.py: the attention kernel's launch choices
@@ -78,7 +78,7 @@ jaxlib.__version__, 'triton', triton.__version__, 'torch', torch.__version__); p
         --ignore tests/test_quantized_engine.py --ignore tests/test_moe.py \
         --ignore tests/test_tpu_aot.py ;;
     bench)
-      step bench 240 python3 benchmarks/kernels.py --full --only attention,quantized
+      step bench 240 python3 benchmarks/kernel_speed.py --full --only attention,quantized
       sed -n '/^|/p;/target/p' "$OUT/bench.log" | tail -80 ;;
     forward)
       checkpoint_8b

@@ -505,7 +505,7 @@ def _vllm_subprocess(python: Path, env: dict, mode: str, log_name: str, spec: di
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(spec, f)
         f.flush()
-        # -P: benchmarks/ off sys.path, where kernels.py would shadow the `kernels` package
+        # -P: benchmarks/ off sys.path, so none of its scripts shadows a package vLLM imports
         out = _run([python, "-P", Path(__file__).resolve(), mode, f.name], log_name, env=env,
                    timeout=3600)
     (line,) = [x for x in out.splitlines() if x.startswith("RESULT ")]

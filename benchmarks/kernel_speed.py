@@ -60,7 +60,7 @@ kernel faster than the bf16 dot for M <= 16 and int4 (W4A16) faster than int8; o
 a CPU, the CPU kernels' targets: decode attention >= 40% of the floor, dense M = 1 >= 80%
 of it (f32 and bf16), bf16 M = 512 >= 600 GFLOP/s and faster than XLA at M = 64 and 512.
 
-    python benchmarks/kernels.py [--full] [--impl tpu|gpu|cpu|none] [--iters N]
+    python benchmarks/kernel_speed.py [--full] [--impl tpu|gpu|cpu|none] [--iters N]
                                  [--only attention,quantized,dense,moe]
 """
 
