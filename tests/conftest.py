@@ -8,9 +8,10 @@ import time
 
 # Tests run on the CPU (Pallas kernels in interpret mode). XLA:CPU spends 0.1-0.4 s of
 # LLVM time per fusion on these 2-core machines; optimisation level 0 halves compile time
-# without changing results, and a per-run persistent cache lets engines with the same
-# shapes share compiled programs (servers the tests start use it too, through the
-# environment, and leave the user's cache alone). Benchmarks use neither.
+# without changing results, and a per-run persistent cache (one per pytest-xdist worker)
+# lets engines with the same shapes share compiled programs (servers the tests start use
+# it too, through the environment, and leave the user's cache alone). Benchmarks use
+# neither.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxserve-test-xla-")
