@@ -18,8 +18,8 @@ import itertools
 import jax
 import jax.numpy as jnp
 
-from kernel_speed import (AttentionCase, attention_args, attention_fn, build_attention_batch, machine,
-                     median_ms, page_size_for)
+from kernel_speed import (AttentionCase, attention_args, attention_fn, build_attention_batch,
+                          machine, median_ms, page_size_for)
 from offline_throughput import measure_bandwidth
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
