@@ -20,7 +20,7 @@ Peers in the same run (benchmarks/peers.py builds or installs them once): vLLM's
 time per step, no sampling or detokenizing). --skip-peers leaves them out.
 
     python benchmarks/host_overhead.py [--rounds 3] [--counts 1,16,64,256] [--skip-peers]
-        [--json out.json] [--pack auto|on|off]
+        [--json out.json] [--pack auto|on|off] [--fuse on|off]
 """
 
 from __future__ import annotations
@@ -173,9 +173,14 @@ def main() -> None:
     ap.add_argument("--pack", choices=["auto", "on", "off"], default="auto",
                     help="step programs' host inputs in one transfer (jaxserve/engine/"
                          "packing.py; auto: on accelerators only)")
+    ap.add_argument("--fuse", choices=["on", "off"], default="on",
+                    help="a decode bucket's forward pass and sampling in one program "
+                         "(runner.ModelRunner.fuses; off: two programs a step)")
     args = ap.parse_args()
     if args.pack != "auto":
         runner_module.packs_inputs = lambda: args.pack == "on"
+    if args.fuse == "off":
+        runner_module.ModelRunner.fuses = lambda self, key: False
     counts = [int(x) for x in args.counts.split(",")]
     model_dir = peers.checkpoint(PRESET, dtype="float32")
     spec = peers.Concurrency(prompts(max(counts)), counts, NEW_TOKENS, args.rounds)

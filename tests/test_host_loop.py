@@ -123,9 +123,48 @@ def test_packed_inputs_give_the_same_tokens_in_two_arrays_a_call(path, prompts,
 
         runner._run = counting_run
         assert summary(llm.generate(batch, params)) == want
-        for program in ("forward", "sample") + (("steps",) if steps > 1 else ()):
+        for program in ("forward", "sample", "step") + (("steps",) if steps > 1 else ()):
             assert host_arrays[program] > 0, program
             assert host_arrays[program, "arrays"] == 2 * host_arrays[program], program
+
+
+def test_a_decode_step_is_one_program_with_the_two_programs_tokens(path, prompts,
+                                                                   monkeypatch):
+    """Without penalties or a grammar, every step of a bucket that decodes (up to the one
+    holding a token per sequence) is one program, its forward pass and sampling fused,
+    and every kind of request gets the tokens, text and logprobs of the two programs."""
+    params = [p for p in mixed_params() if not p.needs_history]
+    batch = [prompts[i % len(prompts)] for i in range(len(params))]
+
+    def run() -> tuple[list, collections.Counter]:
+        llm = LLM(path, **ENGINE)
+        runner, programs = llm.engine.runner, collections.Counter()
+        run_program = runner._run
+        decode_tokens = runner.builder.bucket(ENGINE["max_num_seqs"], False).tokens
+
+        def counting_run(program, fn, args):
+            # forward and step programs: whether their bucket holds a step of decodes
+            decodes = program[0] != "sample" and program[1] <= decode_tokens
+            programs[program[0], decodes] += 1
+            return run_program(program, fn, args)
+
+        runner._run = counting_run
+        outs = llm.generate(batch, params)
+        return summary(outs) + [o.outputs[0].logprobs for o in outs], programs
+
+    fused, programs = run()
+    assert programs["step", True] > 0 and programs["forward", True] == 0
+    assert programs["forward", False] == programs["sample", False] > 0  # prefills alone
+    monkeypatch.setattr(runner_module.ModelRunner, "fuses", lambda self, key: False)
+    two, programs = run()
+    assert programs["step", False] == 0 and programs["forward", True] > 0
+    assert fused[:len(params)] == two[:len(params)]
+    for got, want in zip(fused[len(params):], two[len(params):]):
+        assert (got is None) == (want is None)
+        for g, w in zip(got or [], want or []):
+            assert g.keys() == w.keys()
+            assert [x.logprob for x in g.values()] == pytest.approx(
+                [x.logprob for x in w.values()], abs=1e-5)
 
 
 def test_the_check_catches_a_hidden_wait(path, monkeypatch):

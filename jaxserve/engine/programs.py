@@ -2,7 +2,8 @@
 the carry (the device array of the last step's tokens), jitted with fixed layouts.
 
 `forward` runs the model over a ragged batch and leaves logits at the rows it samples;
-`sample_step` samples them; `decode_steps` runs several decode steps in one program.
+`sample_step` samples them; `forward_and_sample` is both in one program; `decode_steps`
+runs several decode steps in one program.
 `ModelRunner` (runner.py) holds the device state they run on and dispatches them.
 """
 
@@ -188,14 +189,14 @@ class StepPrograms(NamedTuple):
     """The jitted programs of a step: its `forward` pass (KV cache and logits, which stay
     on the device), then `sample_step`. Every step runs both; a step whose sampling waits
     for the host (penalties, grammars: see `Engine.step`) dispatches the second later.
-    `move` (`move_slots` per device) runs after a step whose trees accepted nodes outside
-    the slots of their positions.
-    (One program for both measured slower on a CPU: a 64-sequence bucket's prefill step
-    27-34 ms against 23 ms for the two, one decode step alike, and workload (b) of
-    benchmarks/offline_throughput.py 747-799 against 800-834 tokens/s, bf16.)"""
+    `step` is both in one program (`forward_and_sample`), which a bucket of at most one
+    token per sequence without histories runs when nothing samples apart
+    (ModelRunner.programs). `move` (`move_slots` per device) runs after a step whose trees
+    accepted nodes outside the slots of their positions."""
 
     forward: dict[bool, Callable]  # by `verifies` (ModelRunner.programs)
     sample: dict[bool, Callable]
+    step: dict[bool, Callable]
     move: Callable
     steps: Callable | None = None  # `decode_steps` (None: one step per program)
 
@@ -208,6 +209,25 @@ def sample_packed(logits: jax.Array, inputs: Packed | tuple, carry: jax.Array,
     sampling, history, num_rows = unpack(inputs)
     return sample_step(logits, sampling, history, carry, num_rows, draft_probs, row_tokens,
                        **kwargs)
+
+
+def forward_and_sample(graphdef: nnx.GraphDef, params, kv_caches: KVCache,
+                       inputs: Packed | tuple, carry: jax.Array, expert_load: jax.Array | None,
+                       medusa: MedusaHeads | None, features: jax.Array | None,
+                       lora: list | None, images: jax.Array | None,
+                       draft_probs: jax.Array | None, *, layout: CarryLayout,
+                       verifies: bool = True, **kwargs):
+    """`forward`, then `sample_step` on its logits, in one program: one launch a step, and
+    the logits never leave it. `inputs` (packed or not): the batch without its sampling
+    arrays and history, then (sampling, history, num_rows). Returns the KV cache, the
+    samples, the carry, the expert load, Medusa's guesses and the feature cache."""
+    batch, (sampling, history, num_rows) = unpack(inputs)
+    kv_caches, logits, expert_load, guesses, features, row_tokens = forward(
+        graphdef, params, kv_caches, batch, carry, expert_load, medusa, features, lora,
+        images, layout=layout, verifies=verifies, **kwargs)
+    out, carry = sample_step(logits, sampling, history, carry, num_rows, draft_probs,
+                             row_tokens, layout=layout, verifies=verifies)
+    return kv_caches, out, carry, expert_load, guesses, features
 
 
 def on_param_leaves(graphdef: nnx.GraphDef, params, fn: Callable) -> Callable:
@@ -259,17 +279,23 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
         move = jax.shard_map(move_slots, mesh=shard.mesh, check_vma=False,
                              in_specs=(*io, slots, slots), out_specs=io)
 
-    def jitted(verifies: bool) -> tuple[Callable, Callable]:
-        step = functools.partial(forward_packed, features_from=features_from, layout=layout,
-                                 page_size=page_size, verifies=verifies)
-        return (jax.jit(on_param_leaves(graphdef, params, step), donate_argnums=(1, 6),
-                        in_shardings=inputs,
+    def jitted(verifies: bool) -> tuple[Callable, Callable, Callable]:
+        static = dict(features_from=features_from, layout=layout, page_size=page_size,
+                      verifies=verifies)
+        return (jax.jit(on_param_leaves(graphdef, params,
+                                        functools.partial(forward_packed, **static)),
+                        donate_argnums=(1, 6), in_shardings=inputs,
                         out_shardings=(cache_shardings, logits_sharding, replicated,
                                        replicated, features, replicated)),
                 jax.jit(functools.partial(sample_packed, layout=layout, verifies=verifies),
                         in_shardings=(logits_sharding, replicated, replicated, replicated,
                                       replicated),
-                        out_shardings=(replicated, replicated)))
+                        out_shardings=(replicated, replicated)),
+                jax.jit(on_param_leaves(graphdef, params,
+                                        functools.partial(forward_and_sample, **static)),
+                        donate_argnums=(1, 6), in_shardings=inputs + (replicated,),
+                        out_shardings=(cache_shardings, replicated, replicated, replicated,
+                                       replicated, features)))
 
     verify = jitted(True)
     plain = jitted(False) if layout.overlap else verify  # else `verifies` changes nothing
@@ -287,6 +313,7 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
             compiler_options={"xla_disable_hlo_passes": "while-loop-invariant-code-motion"})
     return StepPrograms(
         forward={False: plain[0], True: verify[0]}, sample={False: plain[1], True: verify[1]},
+        step={False: plain[2], True: verify[2]},
         move=jax.jit(move, donate_argnums=(0, 1),
                      in_shardings=(cache_shardings, features, replicated, replicated),
                      out_shardings=(cache_shardings, features)),

@@ -62,8 +62,8 @@ class ModelRunner:
                                       shard, builder.layout, builder.page_size, features_from,
                                       medusa, decode_steps)
         # Programs compiled, by (program, shape): ("forward", T, S, R, tree, verifies),
-        # ("sample", R, history, verifies), ("move",) (`programs`),
-        # ("steps", T, S, decode_steps) (`steps_program`).
+        # ("sample", R, history, verifies), ("step", T, S, R, tree, verifies), ("move",)
+        # (`programs`), ("steps", T, S, decode_steps) (`steps_program`).
         self._executables: dict[tuple, Callable] = {}
         self._cache = ExecutableCache.for_process(repr((str(graphdef), features_from)))
         self._from_cache = 0  # programs the caches gave
@@ -153,14 +153,30 @@ class ModelRunner:
         return lost
 
     def programs(self, key: BucketKey) -> list[tuple]:
-        """The programs a bucket's steps run: its forward pass and its sampling. Where
+        """The programs a bucket's steps run: its forward pass and its sampling, and where
+        the bucket `fuses` both in one (`dispatch` runs that; a step sampled apart the
+        two). Where
         steps with drafts run async (`CarryLayout.overlap`), a bucket without drafts has programs
         of its own (`verifies` False) that neither move sequences back nor search for
         accepted drafts: they cost a draft model's plain steps (speculation turned off for
         a large batch, prefills) what speculation off's do."""
         verifies = bool(key.drafts) or not self.builder.layout.overlap
-        return [("forward", key.tokens, key.seqs, key.rows, key.tree, verifies),
-                ("sample", key.rows, key.history, verifies)]
+        programs = [("forward", key.tokens, key.seqs, key.rows, key.tree, verifies),
+                    ("sample", key.rows, key.history, verifies)]
+        if self.fuses(key):
+            programs.append(("step", key.tokens, key.seqs, key.rows, key.tree, verifies))
+        return programs
+
+    def fuses(self, key: BucketKey) -> bool:
+        """Whether a whole step of the bucket (`dispatch`) is one program, its forward pass
+        and its sampling together (programs.forward_and_sample): the buckets a step of
+        decodes alone may take (up to the one holding a token for each of max_num_seqs
+        sequences) without histories, where a step is short and a launch less is worth
+        its compilation. (Bigger buckets keep two: a 64-sequence prefill step of
+        smollm2-135m took 27-34 ms on a CPU as one program against 23 ms as two.)"""
+        b = self.builder
+        return not key.history and key.tokens <= b.bucket(b.max_num_seqs // b.data_shards,
+                                                          False).tokens
 
     def warmup(self, progress: bool = True) -> None:
         """Compile every program of every bucket now, so nothing compiles while serving,
@@ -184,6 +200,8 @@ class ModelRunner:
         for key, program in bar:
             if program[0] == "forward":
                 self._forward(self.builder.empty(key), program)
+            elif program[0] == "step":
+                self._step(self.builder.empty(key), program)
             elif program[0] == "steps":
                 self.dispatch_steps(self.builder.empty(key), key, 1)
             elif program[0] == "sample":
@@ -233,11 +251,13 @@ class ModelRunner:
         device arrays, without waiting.
 
         Placeholder tokens of the batch read the previous dispatched step's samples."""
-        forward, sample = self.programs(key)
+        programs = self.programs(key)
         if self.broadcaster is not None:
             self.broadcaster.send(STEP, batch, key)
-        self._forward(batch, forward)
-        return self._sample(batch, sample)
+        if len(programs) == 3:
+            return self._step(batch, programs[2])
+        self._forward(batch, programs[0])
+        return self._sample(batch, programs[1])
 
     def dispatch_forward(self, batch: StepBatch, key: BucketKey) -> None:
         """Start the step's forward pass; its logits wait on the device for
@@ -335,6 +355,16 @@ class ModelRunner:
                                                       self._programs.forward[program[-1]], args)
         self._logits_dtype = self._logits.dtype
 
+    def _step(self, batch: StepBatch, program: tuple) -> SampleOutput:
+        batch.sampling.grammar_mask = self._grammar_mask(batch.sampling.grammar_mask)
+        inputs = self._pack((dataclasses.replace(batch, sampling=None, history=None),
+                             (batch.sampling, batch.history, batch.num_rows)))
+        args = (self.param_leaves, self.kv_caches, inputs, self.carry, self.expert_load,
+                self.medusa, self.features, self.lora, self._image_buffer(), self.draft_probs)
+        (self.kv_caches, out, self.carry, self.expert_load, self.guesses,
+         self.features) = self._run(program, self._programs.step[program[-1]], args)
+        return out
+
     def _sample(self, batch: StepBatch, program: tuple) -> SampleOutput:
         logits, self._logits = self._logits, None
         batch.sampling.grammar_mask = self._grammar_mask(batch.sampling.grammar_mask)
@@ -348,7 +378,10 @@ class ModelRunner:
         kept there (no transfer). Always a device array, as at warm-up: a numpy array in
         its place would miss jit's fast dispatch path (~30 ms a step for this model on a
         CPU). On several hosts every process decides alike (they see the same mask):
-        putting a host array on the global devices is itself a collective."""
+        putting a host array on the global devices is itself a collective. A mask already
+        on the device (a batch dispatched again) is taken as it is."""
+        if isinstance(mask, jax.Array):
+            return mask
         if mask is not self.builder.open_mask(mask.shape[0]) and not (mask == -1).all():
             return jax.device_put(mask, self.shard.sharding(()))
         if mask.shape[0] not in self._open_masks:
