@@ -66,10 +66,10 @@ def only_explicit_fetches():
 
     fetch = engine_module.fetch
 
-    def explicit_fetch(out):
+    def explicit_fetch(*args):
         fetching.on = True
         try:
-            return fetch(out)
+            return fetch(*args)
         finally:
             fetching.on = False
 

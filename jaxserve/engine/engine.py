@@ -177,6 +177,7 @@ class Engine:
         self.masks = MaskFiller()
         self._requests: dict[str, Request] = {}
         self._num_sampled_apart = 0  # requests whose params.needs_history
+        self._num_logprobs = 0  # requests that ask for logprobs (else a step's ids alone)
         self._failed: list[StepOutput] = []  # requests the scheduler could not admit
         self._num_prefilled = 0  # requests whose moved K/V wait to be written (`_write_kv`)
         self._num_remote_decode = 0  # requests whose pages are read out (`_read_kv`)
@@ -278,6 +279,7 @@ class Engine:
             text.skip([prefilled.first_token])  # its text came from the prefill engine
         self._requests[request_id] = Request(seq, text, grammar)
         self._num_sampled_apart += params.needs_history
+        self._num_logprobs += params.logprobs is not None
         self._num_remote_decode += remote_decode
         self.scheduler.add(seq)
         return token_ids
@@ -368,6 +370,7 @@ class Engine:
         req = self._requests.pop(request_id, None)
         if req is not None:
             self._num_sampled_apart -= req.seq.params.needs_history
+            self._num_logprobs -= req.seq.params.logprobs is not None
             self._num_remote_decode -= req.seq.remote_decode
             if req.seq.prefilled is not None:  # its moved K/V never written
                 req.seq.prefilled = None
@@ -622,7 +625,7 @@ class Engine:
         """Wait for a dispatched step; hand its tokens to the requests still running.
         `later`: the step dispatched after it, in flight (its seqs' counts follow this
         step's)."""
-        sampled = fetch(step.out)
+        sampled = fetch(step.out, self._num_logprobs > 0)
         stride = 0
         if step.steps > 1:  # [steps, R]: the token of seq row r's step i at i x R + r
             stride = sampled.token_ids.shape[1]

@@ -407,20 +407,31 @@ class ModelRunner:
         return len(self._executables)
 
 
-def fetch(out: SampleOutput) -> SampleOutput:
+def fetch(out: SampleOutput, logprobs: bool = True) -> SampleOutput:
     """Wait for a dispatched step's outputs and copy them to the host (they are replicated:
     on several hosts, this process's copy): on an accelerator in one explicit transfer
     (`jax.device_get`, which jax's transfer guard allows); on a CPU, where they already are
-    host memory, as views (device_get costs ~35 us more a step there)."""
-    leaves, treedef = jax.tree.flatten(out)
-    shards = [x.addressable_data(0) for x in leaves]
+    host memory, as views (device_get costs ~35 us more a step there). `logprobs` False:
+    the token ids alone (the logprob fields None), when no request asks for logprobs.
+
+    (On a 2-core Zen 3, a batch-1 step's fresh outputs: all four through
+    `addressable_data` 111 us, the token ids alone 44 us, and as a view of the array
+    itself 17 us.)"""
+    leaves = ([out.token_ids, out.logprob, out.top_ids, out.top_logprobs] if logprobs
+              else [out.token_ids])
+    shards = leaves if _one_process() else [x.addressable_data(0) for x in leaves]
     host = [np.asarray(x) for x in shards] if _on_cpu() else jax.device_get(shards)
-    return jax.tree.unflatten(treedef, host)
+    return SampleOutput(*host) if logprobs else SampleOutput(host[0], None, None, None)
 
 
 @functools.cache
 def _on_cpu() -> bool:
     return jax.default_backend() == "cpu"
+
+
+@functools.cache
+def _one_process() -> bool:
+    return jax.process_count() == 1
 
 
 def packs_inputs() -> bool:
