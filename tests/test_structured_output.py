@@ -143,7 +143,7 @@ def test_masks_are_filled_while_the_forward_pass_runs(llm, prompts, monkeypatch)
     fill = engine.masks.fill
     monkeypatch.setattr(engine.masks, "fill", lambda *a: events.append("mask") or fill(*a))
     fetch = engine_module.fetch
-    monkeypatch.setattr(engine_module, "fetch", lambda out: events.append("collect") or fetch(out))
+    monkeypatch.setattr(engine_module, "fetch", lambda *a: events.append("collect") or fetch(*a))
     params = [SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=c)
               for c in (CONSTRAINTS["regex"], CONSTRAINTS["json"])]
     params.append(SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
