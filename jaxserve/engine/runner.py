@@ -153,13 +153,13 @@ class ModelRunner:
         return lost
 
     def programs(self, key: BucketKey) -> list[tuple]:
-        """The programs a bucket's steps run: its forward pass and its sampling, and where
-        the bucket `fuses` both in one (`dispatch` runs that; a step sampled apart the
-        two). Where
-        steps with drafts run async (`CarryLayout.overlap`), a bucket without drafts has programs
-        of its own (`verifies` False) that neither move sequences back nor search for
-        accepted drafts: they cost a draft model's plain steps (speculation turned off for
-        a large batch, prefills) what speculation off's do."""
+        """The programs a bucket's steps run: its forward pass and its sampling, then, if
+        the bucket `fuses`, both in one (which `dispatch` runs; a step sampled apart runs
+        the two). Where steps with drafts run async (`CarryLayout.overlap`), a bucket
+        without drafts has programs of its own (`verifies` False) that neither move
+        sequences back nor search for accepted drafts: they cost a draft model's plain
+        steps (speculation turned off for a large batch, prefills) what speculation
+        off's do."""
         verifies = bool(key.drafts) or not self.builder.layout.overlap
         programs = [("forward", key.tokens, key.seqs, key.rows, key.tree, verifies),
                     ("sample", key.rows, key.history, verifies)]
@@ -251,13 +251,13 @@ class ModelRunner:
         device arrays, without waiting.
 
         Placeholder tokens of the batch read the previous dispatched step's samples."""
-        programs = self.programs(key)
+        forward, sample, *fused = self.programs(key)
         if self.broadcaster is not None:
             self.broadcaster.send(STEP, batch, key)
-        if len(programs) == 3:
-            return self._step(batch, programs[2])
-        self._forward(batch, programs[0])
-        return self._sample(batch, programs[1])
+        if fused:
+            return self._step(batch, fused[0])
+        self._forward(batch, forward)
+        return self._sample(batch, sample)
 
     def dispatch_forward(self, batch: StepBatch, key: BucketKey) -> None:
         """Start the step's forward pass; its logits wait on the device for
