@@ -85,6 +85,17 @@ def only_explicit_fetches():
         engine_module.fetch = fetch
 
 
+def watch_programs(runner, record) -> None:
+    """Call `record(program, args)` for every step program the runner runs."""
+    run = runner._run
+
+    def recording_run(program, fn, args):
+        record(program, args)
+        return run(program, fn, args)
+
+    runner._run = recording_run
+
+
 @pytest.mark.parametrize("steps", [1, 4])
 def test_steps_never_wait_for_the_device_implicitly(path, prompts, steps):
     """Steps (one per program and four per program) of every kind of request where only
@@ -112,16 +123,14 @@ def test_packed_inputs_give_the_same_tokens_in_two_arrays_a_call(path, prompts,
     monkeypatch.setattr(runner_module, "packs_inputs", lambda: True)
     for steps, want in zip((1, 4), plain):
         llm = LLM(path, num_scheduler_steps=steps, **ENGINE)
-        runner, host_arrays = llm.engine.runner, collections.Counter()
-        run = runner._run
+        host_arrays = collections.Counter()
 
-        def counting_run(program, fn, args):
+        def record(program, args):
             host_arrays[program[0]] += 1
             host_arrays[program[0], "arrays"] += sum(isinstance(x, np.ndarray)
                                                      for x in jax.tree.leaves(args))
-            return run(program, fn, args)
 
-        runner._run = counting_run
+        watch_programs(llm.engine.runner, record)
         assert summary(llm.generate(batch, params)) == want
         for program in ("forward", "sample", "step") + (("steps",) if steps > 1 else ()):
             assert host_arrays[program] > 0, program
@@ -138,17 +147,14 @@ def test_a_decode_step_is_one_program_with_the_two_programs_tokens(path, prompts
 
     def run() -> tuple[list, collections.Counter]:
         llm = LLM(path, **ENGINE)
-        runner, programs = llm.engine.runner, collections.Counter()
-        run_program = runner._run
-        decode_tokens = runner.builder.bucket(ENGINE["max_num_seqs"], False).tokens
+        programs = collections.Counter()
+        decode_tokens = llm.engine.builder.bucket(ENGINE["max_num_seqs"], False).tokens
 
-        def counting_run(program, fn, args):
+        def record(program, args):
             # forward and step programs: whether their bucket holds a step of decodes
-            decodes = program[0] != "sample" and program[1] <= decode_tokens
-            programs[program[0], decodes] += 1
-            return run_program(program, fn, args)
+            programs[program[0], program[0] != "sample" and program[1] <= decode_tokens] += 1
 
-        runner._run = counting_run
+        watch_programs(llm.engine.runner, record)
         outs = llm.generate(batch, params)
         return summary(outs) + [o.outputs[0].logprobs for o in outs], programs
 

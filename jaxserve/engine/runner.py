@@ -45,6 +45,9 @@ class ModelRunner:
         self.param_leaves = jax.tree.leaves(params)
         self.shard = shard
         self.builder = builder
+        # The tokens of the largest bucket a step of decodes alone takes (`fuses`).
+        self._decode_tokens = builder.bucket(builder.max_num_seqs // builder.data_shards,
+                                             False).tokens
         self.kv_dtype = kv_dtype
         # The programs' host inputs: packed in one transfer (packing.py), or as they are.
         self._pack = pack if packs_inputs() else _as_is
@@ -174,9 +177,7 @@ class ModelRunner:
         sequences) without histories, where a step is short and a launch less is worth
         its compilation. (Bigger buckets keep two: a 64-sequence prefill step of
         smollm2-135m took 27-34 ms on a CPU as one program against 23 ms as two.)"""
-        b = self.builder
-        return not key.history and key.tokens <= b.bucket(b.max_num_seqs // b.data_shards,
-                                                          False).tokens
+        return not key.history and key.tokens <= self._decode_tokens
 
     def warmup(self, progress: bool = True) -> None:
         """Compile every program of every bucket now, so nothing compiles while serving,
@@ -347,31 +348,35 @@ class ModelRunner:
         self.kv_caches = self.pages.write(self.kv_caches, kv, data_shard, page_ids)
 
     def _forward(self, batch: StepBatch, program: tuple) -> None:
-        inputs = self._pack(dataclasses.replace(batch, sampling=None, history=None))
-        args = (self.param_leaves, self.kv_caches, inputs, self.carry, self.expert_load,
-                self.medusa, self.features, self.lora, self._image_buffer())
+        inputs = self._pack(_forward_inputs(batch))
         (self.kv_caches, self._logits, self.expert_load, self.guesses,
-         self.features, self._row_tokens) = self._run(program,
-                                                      self._programs.forward[program[-1]], args)
+         self.features, self._row_tokens) = self._run(
+            program, self._programs.forward[program[-1]], self._forward_args(inputs))
         self._logits_dtype = self._logits.dtype
 
     def _step(self, batch: StepBatch, program: tuple) -> SampleOutput:
-        batch.sampling.grammar_mask = self._grammar_mask(batch.sampling.grammar_mask)
-        inputs = self._pack((dataclasses.replace(batch, sampling=None, history=None),
-                             (batch.sampling, batch.history, batch.num_rows)))
-        args = (self.param_leaves, self.kv_caches, inputs, self.carry, self.expert_load,
-                self.medusa, self.features, self.lora, self._image_buffer(), self.draft_probs)
+        inputs = self._pack((_forward_inputs(batch), self._sampling_inputs(batch)))
         (self.kv_caches, out, self.carry, self.expert_load, self.guesses,
-         self.features) = self._run(program, self._programs.step[program[-1]], args)
+         self.features) = self._run(program, self._programs.step[program[-1]],
+                                    self._forward_args(inputs) + (self.draft_probs,))
         return out
 
     def _sample(self, batch: StepBatch, program: tuple) -> SampleOutput:
         logits, self._logits = self._logits, None
-        batch.sampling.grammar_mask = self._grammar_mask(batch.sampling.grammar_mask)
-        inputs = self._pack((batch.sampling, batch.history, batch.num_rows))
+        inputs = self._pack(self._sampling_inputs(batch))
         args = (logits, inputs, self.carry, self.draft_probs, self._row_tokens)
         out, self.carry = self._run(program, self._programs.sample[program[-1]], args)
         return out
+
+    def _forward_args(self, inputs) -> tuple:
+        """A forward pass's arguments (`forward_packed`'s, after the graph and params)."""
+        return (self.param_leaves, self.kv_caches, inputs, self.carry, self.expert_load,
+                self.medusa, self.features, self.lora, self._image_buffer())
+
+    def _sampling_inputs(self, batch: StepBatch) -> tuple:
+        """The sampling's host inputs (its grammar mask on the device)."""
+        batch.sampling.grammar_mask = self._grammar_mask(batch.sampling.grammar_mask)
+        return batch.sampling, batch.history, batch.num_rows
 
     def _grammar_mask(self, mask: np.ndarray) -> jax.Array:
         """The batch's grammar mask on the device; one that allows everything is the copy
@@ -392,12 +397,9 @@ class ModelRunner:
     def compiled(self, key: BucketKey) -> jax.stages.Compiled:
         """The compiled forward pass of a bucket (every collective and kernel of its step
         is there), for reading its HLO (compiles it again)."""
-        batch = self._pack(dataclasses.replace(self.builder.empty(key), sampling=None,
-                                               history=None))
+        batch = self._pack(_forward_inputs(self.builder.empty(key)))
         forward = self._programs.forward[self.programs(key)[0][-1]]
-        return forward.lower(self.param_leaves, self.kv_caches, batch, self.carry,
-                             self.expert_load, self.medusa, self.features,
-                             self.lora, self._image_buffer()).compile()
+        return forward.lower(*self._forward_args(batch)).compile()
 
     def _image_buffer(self) -> jax.Array | None:
         return self.images.buffer if self.images is not None else None
@@ -405,6 +407,11 @@ class ModelRunner:
     @property
     def num_compiled(self) -> int:
         return len(self._executables)
+
+
+def _forward_inputs(batch: StepBatch) -> StepBatch:
+    """The batch a forward pass takes: without its sampling arrays and history."""
+    return dataclasses.replace(batch, sampling=None, history=None)
 
 
 def fetch(out: SampleOutput, logprobs: bool = True) -> SampleOutput:
