@@ -5,6 +5,7 @@ device, chains of drafts, two data shards). No JAX compile."""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import numpy as np
@@ -80,7 +81,7 @@ def reference_layout(b: BatchBuilder, out: SchedulerOutput, pending: dict, key) 
     it gathered from seats), as a dict of arrays."""
     d, t_, s_, r_ = b.data_shards, key.tokens, key.seqs, key.rows
     st, ss, sr = t_ // d, s_ // d, r_ // d
-    ref = b.empty(key)
+    ref = copy.deepcopy(b.empty(key))  # its templates are read-only
     counts, ends, rows = [0] * d, [0] * d, [0] * d
     for sched in out.scheduled:
         seq, start, n = sched.seq, sched.start, sched.num_new_tokens
@@ -202,3 +203,45 @@ def test_random_schedules_match_the_per_sequence_layout(data_shards, k):
             np.testing.assert_array_equal(getattr(batch.sampling, field),
                                           getattr(ref.sampling, field), err_msg=field)
         assert batch.sampling.banned_ids.shape[1] == MAX_STOP_TOKEN_IDS
+
+
+def _arrays(batch) -> dict[str, np.ndarray]:
+    """A batch's arrays by field path (its parts' fields too)."""
+    out = {}
+    for name, v in vars(batch).items():
+        if isinstance(v, np.ndarray):
+            out[name] = v
+        elif v is not None and hasattr(v, "__dataclass_fields__"):
+            out.update({f"{name}.{k}": x for k, x in _arrays(v).items()})
+    return out
+
+
+@pytest.mark.parametrize("data_shards,k", [(1, 2), (2, 3)])
+def test_a_batch_writes_only_arrays_of_its_own(data_shards, k):
+    """A dispatched batch's arrays may be the device's own (a CPU program reads numpy
+    arguments in place, while it runs): no later batch may write into them. Each batch's
+    written arrays are new; the rest are the bucket's read-only templates, which stay
+    all-padding."""
+    rng = random.Random(7)
+    b = builder(data_shards, k=k)
+    kept, seen = [], set()
+    for step in range(40):
+        out, pending = random_schedule(rng, data_shards, k, step)
+        if not out.scheduled:
+            continue
+        batch, key = b.build(out, pending)
+        kept.append(batch)  # (alive, so no id is reused)
+        template = _arrays(b._empty[key])
+        for name, x in _arrays(batch).items():
+            if x.flags.writeable:
+                assert id(x) not in seen, f"{name} written into an earlier batch's array"
+                seen.add(id(x))
+            else:
+                assert x is template[name], name
+    assert kept
+    for key, template in b._empty.items():
+        fresh = _arrays(b._make_empty(key))
+        for name, x in _arrays(template).items():
+            np.testing.assert_array_equal(x, fresh[name], err_msg=name)
+            with pytest.raises(ValueError, match="read-only"):
+                x[...] = 0

@@ -255,34 +255,37 @@ class BatchBuilder:
             s.row = r
         attn, sampling = batch.attn, batch.sampling
         counts = np.bincount(shard, minlength=d) if d > 1 else [len(seqs)]
-        attn.num_seqs[:] = counts
-        batch.num_rows[:] = np.bincount(shard, rows, d) if d > 1 else rows.sum()
+        writable(attn, "num_seqs")[:] = counts
+        writable(batch, "num_rows")[:] = np.bincount(shard, rows, d) if d > 1 else rows.sum()
+        cu_q_lens = writable(attn, "cu_q_lens")
         if d == 1:
-            attn.cu_q_lens[1:len(seqs) + 1] = local + n
+            cu_q_lens[1:len(seqs) + 1] = local + n
         else:
-            attn.cu_q_lens[shard * (shard_s + 1) + ordinal + 1] = local + n
+            cu_q_lens[shard * (shard_s + 1) + ordinal + 1] = local + n
         for k in range(d):
             block = k * (shard_s + 1)
-            attn.cu_q_lens[block + counts[k] + 1:block + shard_s + 1] = tokens[k]
-        attn.kv_lens[i] = start + n
-        attn.page_indices[i] = self.rows.page_table[seats]
+            cu_q_lens[block + counts[k] + 1:block + shard_s + 1] = tokens[k]
+        writable(attn, "kv_lens")[i] = start + n
+        writable(attn, "page_indices")[i] = self.rows.page_table[seats]
         shift_row = np.where(pend[:, 1] > 0, pend[:, 0], -1) if pending_drafts else None
         if shift_row is not None:
-            batch.shift_row[i] = shift_row
+            writable(batch, "shift_row")[i] = shift_row
         t = shard * shard_t + local  # the seq's first token in the batch
         own = n - ndrafts  # the chunk's tokens that are the seq's own
         self._place_tokens(batch, scheduled, seats, t, start, n, own, pend, num_tokens,
                            pending_drafts)
         if batch.lora_slots is not None:  # every token of a seq's chunk, drafts too
             of_token, j = _segments(n)
-            batch.lora_slots[t[of_token] + j] = np.array(
+            writable(batch, "lora_slots")[t[of_token] + j] = np.array(
                 [q.lora_slot for q in seqs], np.int32)[of_token]
         if batch.image_rows is not None:
             for x in (x for x, q in enumerate(seqs) if q.images):
-                _place_images(batch.image_rows, seqs[x], int(t[x]), int(start[x]), int(n[x]),
-                              batch.attn.image_end)
+                _place_images(writable(batch, "image_rows"), seqs[x], int(t[x]),
+                              int(start[x]), int(n[x]),
+                              attn.image_end if attn.image_end is None
+                              else writable(attn, "image_end"))
                 if batch.rope_offsets is not None:
-                    batch.rope_offsets[:, t[x]:t[x] + n[x]] = seqs[x].rope_offsets_at(
+                    writable(batch, "rope_offsets")[:, t[x]:t[x] + n[x]] = seqs[x].rope_offsets_at(
                         int(start[x]), int(n[x]))
         dest, seat = self._place_rows(batch, seats, row, local + n, rows, num_out, shift_row)
         for x in np.flatnonzero(ndrafts) if any_drafts else ():
@@ -290,7 +293,7 @@ class BatchBuilder:
         # Stop tokens banned from the rows sampling an output before min_tokens.
         banned = sampling.output_index[dest] < self.rows.min_tokens[seat]
         if banned.any():
-            sampling.banned_ids[dest[banned]] = self.rows.banned_ids[seat[banned]]
+            writable(sampling, "banned_ids")[dest[banned]] = self.rows.banned_ids[seat[banned]]
         return batch, key
 
     def _place_tokens(self, batch: StepBatch, scheduled: list[ScheduledSeq],
@@ -302,8 +305,8 @@ class BatchBuilder:
         the device lie). Drafts' ids are `_place_drafts`'."""
         of_token, j = _segments(n)
         dest, pos = t[of_token] + j, start[of_token] + j
-        batch.positions[dest] = pos
-        batch.attn.slot_mapping[dest] = (
+        writable(batch, "positions")[dest] = pos
+        writable(batch.attn, "slot_mapping")[dest] = (
             self.rows.page_table[seats[of_token], pos // self.page_size] * self.page_size
             + pos % self.page_size)
         ids = np.fromiter(itertools.chain.from_iterable(
@@ -312,7 +315,7 @@ class BatchBuilder:
         if len(ids) < len(dest):  # drafts follow some seqs' own tokens
             is_own = j < own[of_token]
             dest, pos, of_token = dest[is_own], pos[is_own], of_token[is_own]
-        batch.input_ids[dest] = ids
+        writable(batch, "input_ids")[dest] = ids
         on_device = ids == PLACEHOLDER
         if on_device.any():
             of = np.arange(len(n))[of_token][on_device]
@@ -331,11 +334,12 @@ class BatchBuilder:
         a = batch.sampling
         of_row, j = _segments(rows)
         dest, seat = first_row[of_row] + j, seats[of_row]
-        batch.sample_index[dest] = (end - rows)[of_row] + j
-        self.rows.gather_sampling(a, dest, seat)
-        a.output_index[dest] = num_out[of_row] + j
+        writable(batch, "sample_index")[dest] = (end - rows)[of_row] + j
+        for name, values in self.rows.sampling_columns(seat):
+            writable(a, name)[dest] = values
+        writable(a, "output_index")[dest] = num_out[of_row] + j
         if shift_row is not None:
-            a.shift_row[dest] = shift_row[of_row]
+            writable(a, "shift_row")[dest] = shift_row[of_row]
         return dest, seat
 
     def _pending_tokens(self, batch: StepBatch, dest: np.ndarray, pos: np.ndarray,
@@ -351,12 +355,12 @@ class BatchBuilder:
         assert (first >= 0).all(), "a token on the device without a pending step"
         sample = self.layout.bonus + first if self.layout.overlap else first
         if not pending_drafts:  # only a seq's newest token can be on the device
-            batch.prev_index[dest] = sample
+            writable(batch, "prev_index")[dest] = sample
             return
         newest = pos == num_tokens - 1
         assert (newest | (pend[:, 1] > 0) & (pos == num_tokens - 2)).all(), (
             "only the newest tokens of a seq can be still on the device")
-        batch.prev_index[dest] = np.where(newest, sample, self.layout.last + first)
+        writable(batch, "prev_index")[dest] = np.where(newest, sample, self.layout.last + first)
 
     def _place_drafts(self, batch: StepBatch, sched: ScheduledSeq, i: int, t: int) -> None:
         """A seq's drafts after its own tokens (from token `t`; `i` its index among the
@@ -365,24 +369,24 @@ class BatchBuilder:
         and where sampled drafts' distributions lie."""
         drafts, r, n = sched.drafts, sched.row, len(sched.drafts)
         if drafts.on_device:
-            batch.prev_index[t:t + n] = drafts.device_index
+            writable(batch, "prev_index")[t:t + n] = drafts.device_index
         else:
-            batch.input_ids[t:t + n] = drafts.tokens
+            writable(batch, "input_ids")[t:t + n] = drafts.tokens
         if drafts.parents is None:
-            batch.sampling.group_drafts[r] = n
+            writable(batch.sampling, "group_drafts")[r] = n
         else:  # a tree: its nodes' own positions and masks, and each node's depth ahead
             depth = np.asarray(trees.depths(drafts.parents))
             root = sched.start + sched.num_new_tokens - n - 1  # the seq's last token's
-            batch.positions[t:t + n] = root + depth
-            batch.attn.tree_start[i] = root + 1
-            batch.attn.tree_mask[t:t + n] = trees.masks(drafts.parents)
-            batch.sampling.output_index[r + 1:r + 1 + n] = \
+            writable(batch, "positions")[t:t + n] = root + depth
+            writable(batch.attn, "tree_start")[i] = root + 1
+            writable(batch.attn, "tree_mask")[t:t + n] = trees.masks(drafts.parents)
+            writable(batch.sampling, "output_index")[r + 1:r + 1 + n] = \
                 len(sched.seq.output_token_ids) + depth
         if (self.sampled_drafts and drafts.on_device and drafts.parents is None
                 and sched.seq.params.temperature > 0):
             # Draft j's distribution: SampledDrafts row max_num_seqs x j + r.
-            batch.sampling.draft_index[r:r + n] = (np.asarray(drafts.device_index)
-                                                   - self.max_num_seqs)
+            writable(batch.sampling, "draft_index")[r:r + n] = (
+                np.asarray(drafts.device_index) - self.max_num_seqs)
 
     @staticmethod
     def fill_history(batch: StepBatch, out: SchedulerOutput) -> None:
@@ -397,8 +401,8 @@ class BatchBuilder:
             for j in range(1 + len(drafts)):
                 tokens = sched.seq.token_ids[:own] + [
                     drafts.tokens[i] for i in trees.path(drafts.tree, j - 1)]
-                batch.history.tokens[sched.row + j, :len(tokens)] = tokens
-                batch.history.prompt_lens[sched.row + j] = sched.seq.num_prompt_tokens
+                writable(batch.history, "tokens")[sched.row + j, :len(tokens)] = tokens
+                writable(batch.history, "prompt_lens")[sched.row + j] = sched.seq.num_prompt_tokens
 
     def open_mask(self, num_rows: int) -> np.ndarray:
         """The grammar mask of a batch without grammars: one shared, read-only array per
@@ -411,11 +415,15 @@ class BatchBuilder:
         return self._open_masks[num_rows]
 
     def empty(self, key: BucketKey) -> StepBatch:
-        """An all-padding batch of the bucket's shapes (also used to compile it): a copy of
-        one made once per bucket (its read-only arrays shared)."""
+        """An all-padding batch of the bucket's shapes (also used to compile it). Its
+        arrays are the bucket's templates, made once, read-only and shared by every batch
+        of the bucket: whoever fills a field takes a copy of it first (`writable`). A
+        batch copies the fields its step writes only (a decode: 11 of ~30; copying all
+        of them cost ~30 us a step), and never writes into an array an earlier batch
+        holds: a CPU program may read its numpy arguments in place while it runs."""
         if key not in self._empty:
-            self._empty[key] = self._make_empty(key)
-        return _copied(self._empty[key])
+            self._empty[key] = _read_only(self._make_empty(key))
+        return _shallow(self._empty[key])
 
     def _make_empty(self, key: BucketKey) -> StepBatch:
         t, s, history = key.tokens, key.seqs, key.history
@@ -484,18 +492,41 @@ def _place_images(image_rows: np.ndarray, seq: Sequence, t: int, start: int, n: 
                 image_end[t + lo - start:t + hi - start] = span.end - 1
 
 
-def _copied(x):
-    """A copy of a dataclass of numpy arrays (nested), its read-only arrays shared."""
-    y = object.__new__(type(x))
-    fields = y.__dict__
-    for name, v in x.__dict__.items():
-        if isinstance(v, np.ndarray):
-            fields[name] = v.copy() if v.flags.writeable else v
-        elif dataclasses.is_dataclass(v):
-            fields[name] = _copied(v)
-        else:
-            fields[name] = v
+def writable(obj, name: str) -> np.ndarray:
+    """The array field `name` of `obj` (a batch or one of its parts), to write into: the
+    object's own copy, taken now if the field still is a shared template (read-only)."""
+    x = getattr(obj, name)
+    if not x.flags.writeable:
+        x = x.copy()
+        setattr(obj, name, x)
+    return x
+
+
+def _shallow(batch: StepBatch) -> StepBatch:
+    """A new StepBatch (and new parts: attention metadata, sampling arrays, history)
+    holding the same arrays as `batch`."""
+    y = _clone(batch)
+    y.attn = _clone(batch.attn)
+    y.sampling = _clone(batch.sampling)
+    if batch.history is not None:
+        y.history = _clone(batch.history)
     return y
+
+
+def _clone(x):
+    y = object.__new__(type(x))
+    y.__dict__.update(x.__dict__)
+    return y
+
+
+def _read_only(x):
+    """`x` (a dataclass of numpy arrays, nested) with all its arrays made read-only."""
+    for v in x.__dict__.values():
+        if isinstance(v, np.ndarray):
+            v.flags.writeable = False
+        elif dataclasses.is_dataclass(v):
+            _read_only(v)
+    return x
 
 
 def _segments(lengths: np.ndarray) -> tuple[np.ndarray | slice, np.ndarray | int]:

@@ -92,13 +92,12 @@ class PersistentBatch:
         """Whether a sequence of `seats` uses penalties."""
         return self._num_set["penalties"] > 0 and bool(self.penalties[seats].any())
 
-    def gather_sampling(self, a, rows: np.ndarray, seats: np.ndarray) -> None:
-        """Copy the sampling parameters of `seats` into rows `rows` of the SamplingArrays
-        `a` (made with every row a seat without a sequence's: only the columns some seat
-        sets are copied)."""
+    def sampling_columns(self, seats: np.ndarray):
+        """(name, values of `seats`) of each SamplingArrays column some seat sets (the
+        others hold a seat without a sequence's values everywhere)."""
         for name in SAMPLING_COLUMNS:
             if self._num_set[name]:
-                getattr(a, name)[rows] = getattr(self, name)[seats]
+                yield name, getattr(self, name)[seats]
 
     def _take(self, seq: Sequence, batch: list[Sequence]) -> int:
         if not self._free:

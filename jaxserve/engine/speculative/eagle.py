@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxserve.engine.batch import BucketKey, StepBatch
+from jaxserve.engine.batch import BucketKey, StepBatch, writable
 from jaxserve.engine.programs import sampled_rows
 from jaxserve.engine.request import PLACEHOLDER, Sequence
 from jaxserve.engine.runner import ModelRunner
@@ -231,7 +231,8 @@ class EagleProposer(DeviceProposer):
             # Pair p's input is token p + 1 (all on the host: speculating steps are synced).
             last = (sched.row // shard_r) * shard_t + batch.sample_index[sched.row]
             seq, start, n = sched.seq, sched.start, sched.num_new_tokens
-            batch.input_ids[last - n + 1:last + 1] = seq.token_ids[start + 1:start + n + 1]
+            writable(batch, "input_ids")[last - n + 1:last + 1] = \
+                seq.token_ids[start + 1:start + n + 1]
             limits[sched.row] = want.get(i, 1) - 1
         self.run(batch, key, limits)
         for i, sched in first:
