@@ -277,7 +277,9 @@ class Engine:
                 if self.detokenize and self.tokenizer is not None else None)
         if text is not None and prefilled is not None:
             text.skip([prefilled.first_token])  # its text came from the prefill engine
-        self._requests[request_id] = Request(seq, text, grammar)
+        self._requests[request_id] = Request(
+            seq, frozenset(params.stop_token_ids) | frozenset(
+                () if params.ignore_eos else self.eos_token_ids), text, grammar)
         self._num_sampled_apart += params.needs_history
         self._num_logprobs += params.logprobs is not None
         self._num_remote_decode += remote_decode
@@ -642,22 +644,22 @@ class Engine:
             req = requests.get(s.seq.request_id)
             if req is not None and req.seq is s.seq:  # not aborted or finished meanwhile
                 rows = (self.speculator.accepted_rows(s, sampled.token_ids) if s.drafts.tokens
-                        else [s.row + i * stride for i in range(s.steps)] if stride
-                        else [s.row])
+                        else range(s.row, s.row + s.steps * stride, stride) if stride
+                        else (s.row,))
                 outputs.append(self._append(req, sampled, token_ids, s, rows,
                                             following.get(s.seq), step.speculation))
         self.speculator.collected()
         return outputs
 
     def _append(self, req: Request, sampled: SampleOutput, token_ids: list[int],
-                s: ScheduledSeq, rows: list[int], later: ScheduledSeq | None, speculation
-                ) -> StepOutput:
+                s: ScheduledSeq, rows: tuple[int, ...] | range | list[int],
+                later: ScheduledSeq | None, speculation) -> StepOutput:
         """Put the samples of `rows` (`s`'s tokens of the step, `token_ids` all the step's
         samples) in the seq's first PLACEHOLDERs, up to the first that ends the request (a
         stop string included); the speculator then drops the PLACEHOLDERs left (drafts
         rejected). `later`: `s`'s seq in the step dispatched after this one, in flight."""
         seq, params = req.seq, req.seq.params
-        out_index = seq.num_known_tokens - seq.num_prompt_tokens  # this step's first
+        out_index = seq.num_known_outputs  # this step's first
         finish = stop_reason = error = None
         outputs = seq.output_token_ids
         tokens, logprobs = [], [] if params.logprobs is not None else None
@@ -690,7 +692,7 @@ class Engine:
         if out.finished:
             self.scheduler.finish(seq, out.finish_reason)
             self._pop(seq.request_id)
-        else:
+        elif speculation is not None:
             self.speculator.commit(s, out_index, rows, later, speculation)
         return out
 

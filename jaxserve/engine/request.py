@@ -145,14 +145,23 @@ class Sequence:
     @property
     def num_known_tokens(self) -> int:
         """Tokens before the first PLACEHOLDER (those of steps in flight come last)."""
-        out, n = self.output_token_ids, len(self.output_token_ids)
+        return len(self.prompt_token_ids) + self.num_known_outputs
+
+    @property
+    def num_known_outputs(self) -> int:
+        """Outputs before the first PLACEHOLDER."""
+        out = self.output_token_ids
+        n = len(out)
         while n and out[n - 1] == PLACEHOLDER:
             n -= 1
-        return len(self.prompt_token_ids) + n
+        return n
 
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+_GOES_ON = (None, None, None)  # Request.check_stop's answer for a request that goes on
 
 
 @dataclasses.dataclass(eq=False)
@@ -162,6 +171,9 @@ class Request:
     structured_outputs."""
 
     seq: Sequence
+    # The token ids that end it once it has min_tokens outputs: its stop_token_ids, and
+    # EOS unless it ignores it.
+    stop_ids: frozenset[int]
     text: OutputText | None = None
     grammar: llguidance.LLMatcher | None = None
     # A remote_decode seq's prompt K/V (kv_transfer.KVPages), read as its prompt is done.
@@ -177,7 +189,12 @@ class Request:
         """Whether the request ends with `token`, its `num_outputs`-th output: (finish
         reason, stop reason, error); its grammar advances past the token. Stop strings are
         OutputText's to find."""
-        params, grammar = self.seq.params, self.grammar
+        seq, grammar = self.seq, self.grammar
+        if (grammar is None and token not in self.stop_ids
+                and num_outputs < seq.max_output_tokens
+                and len(seq.prompt_token_ids) + num_outputs < max_model_len):
+            return _GOES_ON  # (most tokens of most requests: nothing more to look at)
+        params = seq.params
         if grammar is not None and not grammar.consume_token(token):
             return "error", None, (f"structured output: token {token} breaks the grammar: "
                                    f"{grammar.get_error()}")

@@ -85,7 +85,7 @@ class SchedulerConfig:
             )
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     start: int  # = seq.num_computed_tokens when scheduled: first position of this chunk
@@ -313,7 +313,7 @@ class Scheduler:
         data shard) when pages run out. Takes the tokens from `budgets`, one per data
         shard. With `steps` > 1 each seq's pages reach as far as that many decode steps
         write."""
-        i = 0
+        i, page_size = 0, self.config.page_size
         while i < len(self.running):
             seq = self.running[i]
             data_shard = seq.data_shard
@@ -323,8 +323,9 @@ class Scheduler:
                 i += 1
                 continue
             scheduled = True
-            allocator = self.allocators[data_shard]
-            while not allocator.allocate_more(seq, seq.num_computed_tokens + n + steps - 1):
+            allocator, need = self.allocators[data_shard], seq.num_computed_tokens + n + steps - 1
+            while (need > len(seq.page_ids) * page_size  # (most steps: within its pages)
+                   and not allocator.allocate_more(seq, need)):
                 victim = self._pick_victim(data_shard)
                 j = self.running.index(victim)
                 budgets[data_shard] += self._preempt(victim, out)
