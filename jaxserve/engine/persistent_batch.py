@@ -135,29 +135,31 @@ class PersistentBatch:
         self._free = list(range(capacity - 1, old - 1, -1)) + self._free
 
     def _write_params(self, seat: int, p: SamplingParams) -> None:
+        """Write `p` into the seat's columns: a list is a row of a 2-D column, padded with
+        its empty value. The columns set are told by the values themselves (comparing the
+        written rows in numpy cost ~75 us a request)."""
         self._params[seat] = p
-        self.temperature[seat] = p.temperature
-        self.top_k[seat] = max(p.top_k, 0)
-        self.top_p[seat] = p.top_p
-        self.min_p[seat] = p.min_p
-        self.presence_penalty[seat] = p.presence_penalty
-        self.frequency_penalty[seat] = p.frequency_penalty
-        self.repetition_penalty[seat] = p.repetition_penalty
-        self.seed[seat] = p.seed
-        self.logprobs[seat] = p.logprobs is not None
-        self.bias_ids[seat] = -1
-        self.bias_values[seat] = 0.0
-        if p.logit_bias:
-            self.bias_ids[seat, :len(p.logit_bias)] = list(p.logit_bias)
-            self.bias_values[seat, :len(p.logit_bias)] = list(p.logit_bias.values())
         banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
-        self.banned_ids[seat] = -1
-        self.banned_ids[seat, :min(len(banned), MAX_STOP_TOKEN_IDS)] = \
-            banned[:MAX_STOP_TOKEN_IDS]
-        self.min_tokens[seat] = p.min_tokens
-        self.penalties[seat] = p.uses_penalties
-        self._count(seat, frozenset(name for name, empty in _EMPTY.items()
-                                    if np.any(getattr(self, name)[seat] != empty)))
+        values = {
+            "temperature": p.temperature, "top_k": max(p.top_k, 0), "top_p": p.top_p,
+            "min_p": p.min_p, "presence_penalty": p.presence_penalty,
+            "frequency_penalty": p.frequency_penalty,
+            "repetition_penalty": p.repetition_penalty, "seed": p.seed,
+            "logprobs": p.logprobs is not None, "bias_ids": list(p.logit_bias),
+            "bias_values": list(p.logit_bias.values()),
+            "banned_ids": banned[:MAX_STOP_TOKEN_IDS], "min_tokens": p.min_tokens,
+            "penalties": p.uses_penalties}
+        for name, value in values.items():
+            column = getattr(self, name)
+            if isinstance(value, list):
+                column[seat] = _EMPTY[name]
+                column[seat, :len(value)] = value
+            else:
+                column[seat] = value
+        self._count(seat, frozenset(
+            name for name, value in values.items()
+            if (any(v != _EMPTY[name] for v in value) if isinstance(value, list)
+                else value != _EMPTY[name])))
 
     def _count(self, seat: int, columns: frozenset[str]) -> None:
         for name in self._set[seat]:
