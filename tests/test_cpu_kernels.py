@@ -818,9 +818,15 @@ def test_round_trip_diagnostic():
 
 def test_pair_flops_diagnostic():
     """Two threads' floating-point rate over one's: near 1 (one core's SMT threads) to near 2
-    (two cores); a ratio of rates, not a time nor its inverse."""
-    ratio = native.pair_flops_ratio(iters=100_000, rounds=3)
-    assert 0.6 < ratio < 2.6, ratio
+    (two cores); a ratio of rates, not a time nor its inverse. A timing on a machine the
+    other test worker shares: read up to three times (one read of a parallel run landed at
+    3.4, the other worker having taken the core while one thread was timed alone)."""
+    ratios = []
+    for _ in range(3):
+        ratios.append(native.pair_flops_ratio(iters=100_000, rounds=3))
+        if 0.6 < ratios[-1] < 2.6:
+            break
+    assert 0.6 < ratios[-1] < 2.6, ratios
 
 
 def test_the_serving_library_leaves_the_diagnostics_out():
