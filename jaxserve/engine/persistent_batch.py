@@ -149,17 +149,19 @@ class PersistentBatch:
             "bias_values": list(p.logit_bias.values()),
             "banned_ids": banned[:MAX_STOP_TOKEN_IDS], "min_tokens": p.min_tokens,
             "penalties": p.uses_penalties}
+        columns_set = set()
         for name, value in values.items():
-            column = getattr(self, name)
+            column, empty = getattr(self, name), _EMPTY[name]
             if isinstance(value, list):
-                column[seat] = _EMPTY[name]
+                column[seat] = empty
                 column[seat, :len(value)] = value
+                is_set = any(v != empty for v in value)
             else:
                 column[seat] = value
-        self._count(seat, frozenset(
-            name for name, value in values.items()
-            if (any(v != _EMPTY[name] for v in value) if isinstance(value, list)
-                else value != _EMPTY[name])))
+                is_set = value != empty
+            if is_set:
+                columns_set.add(name)
+        self._count(seat, frozenset(columns_set))
 
     def _count(self, seat: int, columns: frozenset[str]) -> None:
         for name in self._set[seat]:
