@@ -32,7 +32,8 @@ else AVX2+FMA, else plain C++):
   rows as 8 (bf16) or 4 (f32) streams side by side); more rows pack 16 weight rows at a
   time into a float32 panel [K][16] (transposed, bf16 widened once; each panel once per
   call) and run 6 x 16 register tiles (12 accumulators, an element of x broadcast) over
-  every row of x against it, in blocks of 48 rows, K in slices of 256 that stay in L1.
+  every row of x against it, in blocks of 48 rows, K in slices of 256 that stay in L1
+  (float32 with K up to 256: the tiles written straight into y).
   [K, N] weights are generic loops, which is why `faster_than_xla` sends those to XLA's
   dot.
 The weight is never required in a packed layout: without `packed_w`, any packing is per
