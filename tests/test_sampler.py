@@ -151,6 +151,41 @@ def test_only_the_real_rows_are_sampled(num_rows, chunk_above, monkeypatch):
     assert np.asarray(every.token_ids)[8:].any()
 
 
+@pytest.mark.parametrize("touched", [None, "bias", "ban", "grammar", "logprobs"])
+def test_a_greedy_batch_past_the_chunk_size(touched, monkeypatch):
+    """Logits past CHUNK_ABOVE_BYTES: a greedy batch of untouched rows without logprobs is
+    sampled in one piece, any other in chunks of 8 rows; either way each row's token is
+    numpy's argmax of its logits after the one row's bias, ban or grammar mask, and a
+    row's logprob (when asked) is its log-softmax's."""
+    monkeypatch.setattr(sampler, "CHUNK_ABOVE_BYTES", 0)
+    rng = np.random.default_rng(7)
+    logits = rng.standard_normal((32, 300)).astype(np.float32)
+    want = logits.argmax(axis=1)
+    kw = dict(temperature=np.zeros(32), logprobs=np.zeros(32, bool))
+    if touched == "bias":
+        kw["bias_ids"] = np.full((32, MAX_LOGIT_BIAS), -1)
+        kw["bias_ids"][3, 0], kw["bias_values"] = 7, np.zeros((32, MAX_LOGIT_BIAS))
+        kw["bias_values"][3, 0] = 100.0
+        want[3] = 7
+    elif touched == "ban":
+        kw["banned_ids"] = np.full((32, MAX_STOP_TOKEN_IDS), -1)
+        kw["banned_ids"][3, 0] = want[3]
+        want[3] = np.argsort(logits[3])[-2]
+    elif touched == "grammar":
+        kw["grammar_mask"] = np.full((32, 32), -1)
+        kw["grammar_mask"][3] = 0
+        kw["grammar_mask"][3, 5] = 1 << 9  # token 169 only
+        want[3] = 169
+    elif touched == "logprobs":
+        kw["logprobs"][3] = True
+    out = jax.jit(lambda *a: sample(*a))(jnp.asarray(logits), arrays(32, **kw), None,
+                                         jnp.int32(32))
+    np.testing.assert_array_equal(np.asarray(out.token_ids), want)
+    if touched == "logprobs":
+        logp = jax.nn.log_softmax(logits[3])
+        np.testing.assert_allclose(float(out.logprob[3]), logp[want[3]], rtol=1e-6)
+
+
 def test_greedy_bans_and_logprobs():
     logits = np.array([[0.0, 3.0, 1.0, 2.0], [5.0, 1.0, 0.0, 0.0]], np.float32)
     banned = np.full((2, MAX_STOP_TOKEN_IDS), -1, np.int32)

@@ -261,10 +261,25 @@ def _sample_in_chunks(raw_logits: jax.Array, p: SamplingArrays, history: TokenHi
     s, rows = raw_logits.shape[0], ROW_TIERS[-1]
     if s <= rows or s % rows or raw_logits.size * 4 <= CHUNK_ABOVE_BYTES:  # float32 bytes
         return _sample(raw_logits, p, history, drafts)
-    chunks = jax.tree.map(lambda a: a.reshape(s // rows, rows, *a.shape[1:]),
-                          (raw_logits, p, history))
-    out = jax.lax.map(lambda operands: _sample(*operands, drafts), chunks)
-    return jax.tree.map(lambda a: a.reshape(s, *a.shape[2:]), out)
+
+    def in_chunks(operands):
+        chunks = jax.tree.map(lambda a: a.reshape(s // rows, rows, *a.shape[1:]), operands)
+        out = jax.lax.map(lambda operands: _sample(*operands, drafts), chunks)
+        return jax.tree.map(lambda a: a.reshape(s, *a.shape[2:]), out)
+
+    if history is not None:
+        return in_chunks((raw_logits, p, history))
+    # A greedy batch of untouched rows without logprobs writes no [S, V] temporaries: in
+    # one piece (64 rows at a 49k vocabulary: 1.1 -> 0.8 ms).
+    whole = ~jnp.any(p.temperature > 0) & ~jnp.any(p.logprobs) & _untouched(p)
+    return jax.lax.cond(whole, lambda operands: _sample(*operands, drafts), in_chunks,
+                        (raw_logits, p, history))
+
+
+def _untouched(p: SamplingArrays) -> jax.Array:
+    """Whether no row has a grammar mask, a logit bias or banned tokens (bool scalar)."""
+    return ~(jnp.any(p.grammar_mask != -1) | jnp.any(p.bias_ids >= 0)
+             | jnp.any(p.banned_ids >= 0))
 
 
 def _keys(p: SamplingArrays, ahead: int | jax.Array = 0, stream: int = 0) -> jax.Array:
@@ -354,11 +369,14 @@ def _sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | No
     # the scatter, the masked copy, and the masked raw logits for logprobs, which are now
     # made only when a row asks for them: 10-15 ms of a 64-row greedy sample, 4 ms after.)
     raw_logits = raw_logits.astype(jnp.float32)
-    logits = bias_and_ban(apply_grammar_mask(raw_logits, p.grammar_mask), p)
-    logits = logits if history is None else apply_penalties(logits, p, history)
-    greedy_ids = first_argmax(logits)
 
-    def draw(logits):
+    def adjusted(raw_logits):
+        logits = bias_and_ban(apply_grammar_mask(raw_logits, p.grammar_mask), p)
+        return logits if history is None else apply_penalties(logits, p, history)
+
+    def draw(raw_logits):
+        logits = adjusted(raw_logits)
+        greedy_ids = first_argmax(logits)
         weights = _weights(logits, p)
         # Inverse CDF: the first token whose cumulative probability passes the row's one
         # uniform draw. Gumbel noise per token (argmax of logits + noise) picks from the same
@@ -375,7 +393,16 @@ def _sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | No
             drawn = jax.lax.cond(jnp.any(p.draft_index >= 0), verify, lambda x: x, drawn)
         return jnp.where(p.temperature > 0, drawn, greedy_ids)
 
-    token_ids = jax.lax.cond(jnp.any(p.temperature > 0), draw, lambda _: greedy_ids, logits)
+    def greedy(raw_logits):
+        # A batch where no row has a grammar, a logit bias, banned tokens or penalties
+        # takes the argmax of the raw logits: the mask's select and the scatter wrote the
+        # whole [S, V] for nothing (256 rows at a 2048 vocabulary: 0.34 -> 0.28 ms on a CPU).
+        if history is not None:
+            return first_argmax(adjusted(raw_logits))
+        return jax.lax.cond(_untouched(p), first_argmax, lambda x: first_argmax(adjusted(x)),
+                            raw_logits)
+
+    token_ids = jax.lax.cond(jnp.any(p.temperature > 0), draw, greedy, raw_logits)
     s, k = raw_logits.shape[0], min(MAX_LOGPROBS, raw_logits.shape[1])
 
     def with_logprobs(_):  # of the model's distribution as the grammar mask leaves it
