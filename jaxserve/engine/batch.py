@@ -36,6 +36,8 @@ from jaxserve.engine.speculative import drafts as trees
 from jaxserve.models.transformer import AttentionMetadata
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 
+_NO_PENDING = (-1, 0)  # a seq without a step in flight: first row -1, no drafts
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -220,12 +222,13 @@ class BatchBuilder:
         d, scheduled, pending = self.data_shards, out.scheduled, pending or {}
         seqs = [s.seq for s in scheduled]
         seats = self.rows.seats(seqs)
-        cols = np.array([(s.start, s.num_new_tokens, len(s.drafts.tokens), q.data_shard,
-                          len(q.output_token_ids), q.num_tokens)
-                         for s, q in zip(scheduled, seqs)], np.int64).reshape(-1, 6)
-        start, n, ndrafts, shard, num_out, num_tokens = cols.T
-        # Each seq's pending step: its first row there and its drafts (-1, 0: none).
-        pend = np.array([pending.get(q, (-1, 0)) for q in seqs], np.int64).reshape(-1, 2)
+        # With each seq's pending step: its first row there and its drafts (-1, 0: none).
+        cols = np.fromiter(itertools.chain.from_iterable(
+            (s.start, s.num_new_tokens, len(s.drafts.tokens), q.data_shard,
+             len(q.output_token_ids), len(q.prompt_token_ids)) + pending.get(q, _NO_PENDING)
+            for s, q in zip(scheduled, seqs)), np.int64, 8 * len(seqs)).reshape(-1, 8)
+        start, n, ndrafts, shard, num_out, num_prompt = cols[:, :6].T
+        num_tokens, pend = num_out + num_prompt, cols[:, 6:]
         decodes = out.num_batched_tokens == len(scheduled)  # a token each: no drafts
         any_drafts = not decodes and bool(ndrafts.any())
         history = not self.draft_model and self.rows.any_penalties(seats)
@@ -309,9 +312,13 @@ class BatchBuilder:
         writable(batch.attn, "slot_mapping")[dest] = (
             self.rows.page_table[seats[of_token], pos // self.page_size] * self.page_size
             + pos % self.page_size)
-        ids = np.fromiter(itertools.chain.from_iterable(
-            s.seq.tokens(s.start, s.start + m) for s, m in zip(scheduled, own.tolist())),
-            np.int64, int(own.sum()))
+        if len(dest) == len(scheduled):  # a token each (decodes)
+            ids = np.fromiter((s.seq.token_at(s.start) for s in scheduled), np.int64,
+                              len(scheduled))
+        else:
+            ids = np.fromiter(itertools.chain.from_iterable(
+                s.seq.tokens(s.start, s.start + m) for s, m in zip(scheduled, own.tolist())),
+                np.int64, int(own.sum()))
         if len(ids) < len(dest):  # drafts follow some seqs' own tokens
             is_own = j < own[of_token]
             dest, pos, of_token = dest[is_own], pos[is_own], of_token[is_own]

@@ -138,6 +138,11 @@ class Sequence:
             return output[start - n:stop - n]
         return prompt[start:] + output[:stop - n]
 
+    def token_at(self, i: int) -> int:
+        """`token_ids[i]` (0 <= i < num_tokens)."""
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
