@@ -270,7 +270,7 @@ def _sample_in_chunks(raw_logits: jax.Array, p: SamplingArrays, history: TokenHi
     if history is not None:
         return in_chunks((raw_logits, p, history))
     # A greedy batch of untouched rows without logprobs writes no [S, V] temporaries: in
-    # one piece (64 rows at a 49k vocabulary: 1.1 -> 0.8 ms).
+    # one piece (64 rows at a 49k vocabulary: 1.1 -> 0.9 ms).
     whole = ~jnp.any(p.temperature > 0) & ~jnp.any(p.logprobs) & _untouched(p)
     return jax.lax.cond(whole, lambda operands: _sample(*operands, drafts), in_chunks,
                         (raw_logits, p, history))
