@@ -1131,14 +1131,18 @@ JS_AVX2 void Avx2NkPanels(const Mm& a, const float* xf, int64_t n0, int64_t nn) 
   for (int64_t c0 = n0; c0 < n0 + nn; c0 += kAvx2PanelCols) {
     const int64_t cols = std::min<int64_t>(kAvx2PanelCols, n0 + nn - c0);
     PackAvx2Panel<T>(w + c0 * K, K, cols, panel);
-    bool direct = false;
-    if constexpr (std::is_same_v<T, float>) direct = K <= kAvx2PanelDepth && cols == kAvx2PanelCols;
+    bool direct = false;  // tiles written into y
+    if constexpr (std::is_same_v<T, float>)
+      direct = K <= kAvx2PanelDepth && cols == kAvx2PanelCols;
     for (int64_t m0 = 0; m0 < a.m; m0 += kAvx2RowBlock) {
       const int64_t rows = std::min(kAvx2RowBlock, a.m - m0);
       float* acc = panel + a.k * kAvx2PanelCols;  // [kAvx2RowBlock][16]
       int64_t ld = kAvx2PanelCols;
       if constexpr (std::is_same_v<T, float>) {
-        if (direct) acc = y + m0 * a.n + c0, ld = a.n;
+        if (direct) {
+          acc = y + m0 * a.n + c0;
+          ld = a.n;
+        }
       }
       for (int64_t k0 = 0; k0 < K; k0 += kAvx2PanelDepth) {
         const int64_t kn = std::min(kAvx2PanelDepth, K - k0);
