@@ -1115,8 +1115,9 @@ JS_AVX2 JS_INLINE void Avx2PanelTile(const float* x, int64_t ldx, const float* p
 // K in blocks whose slice of the panel (256 x 16 float32: 16 KiB) and of 6 rows of x
 // (6 KiB) stay in L1; partial sums of a block of rows in a float32 buffer. A float32
 // matmul whose K is one block and whose panel is 16 whole columns writes its tiles into y
-// (no buffer, no scalar copy): with K 64 the copy took as long as the FMAs ([256, 64] x
-// [2048, 64] on a 2-core AVX2 EPYC: 1.09 -> 0.59 ms, XLA's dot 0.48-0.62).
+// (no buffer, no scalar copy): with K 64 the copy was a large share of a tile ([256, 64] x
+// [2048, 64] on a 2-core AVX2 EPYC, 10th percentile of 40 runs, 3 alternations: 0.61-1.13
+// -> 0.42-0.70 ms; XLA's dot 0.48-0.76).
 constexpr int64_t kAvx2PanelDepth = 256;
 
 template <typename T>
