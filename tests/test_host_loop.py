@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import threading
 
 import jax
@@ -14,6 +15,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine import engine as engine_module
 from jaxserve.engine import runner as runner_module
+from jaxserve.engine.request import Request
 from jaxserve.sampling_params import StructuredOutputsParams
 
 ENGINE = dict(dtype="float32", max_model_len=128, page_size=4, max_num_seqs=4,
@@ -171,6 +173,54 @@ def test_a_decode_step_is_one_program_with_the_two_programs_tokens(path, prompts
             assert g.keys() == w.keys()
             assert [x.logprob for x in g.values()] == pytest.approx(
                 [x.logprob for x in w.values()], abs=1e-5)
+
+
+def test_plain_tokens_collected_as_append_collects_them(path, prompts, monkeypatch):
+    """`Engine._collect` hands most tokens of requests with nothing but their tokens to
+    look at (no logprobs, grammar or streamed text: `Request.plain`) to their requests
+    without `_append`: every step's outputs are those `_append` makes of every token."""
+    params = mixed_params() + [SamplingParams(temperature=1.0, seed=11, max_tokens=40),
+                               SamplingParams(temperature=0.0, max_tokens=1)]
+    batch = [prompts[i % len(prompts)] for i in range(len(params) + 1)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    stop_id = []
+
+    def run() -> tuple[list, list, int]:
+        llm = LLM(path, **ENGINE)
+        # A greedy request that ends at a stop token id: its 7th output (both runs ask
+        # first, so that request ids and cached prefixes match).
+        first = llm.generate([batch[-1]], greedy)[0].outputs[0].token_ids
+        stop_id[:] = stop_id or [first[6]]
+        stopping = dataclasses.replace(greedy, stop_token_ids=stop_id)
+        engine, steps, appended = llm.engine, [], collections.Counter()
+        collect, append = engine._collect, engine._append
+
+        def recording_collect(step, later=None):
+            outs = collect(step, later)
+            steps.append([dataclasses.replace(o, first_scheduled_at=None) for o in outs])
+            return outs
+
+        def counting_append(*args):
+            appended["calls"] += 1
+            return append(*args)
+
+        monkeypatch.setattr(engine, "_collect", recording_collect)
+        monkeypatch.setattr(engine, "_append", counting_append)
+        return summary(llm.generate(batch, params + [stopping])), steps, appended["calls"]
+
+    plain, plain_steps, plain_appends = run()
+    assert plain[-1][2:] == ("stop", stop_id[0])
+    post_init = Request.__post_init__
+
+    def never_plain(self):
+        post_init(self)
+        self.plain = False
+
+    monkeypatch.setattr(Request, "__post_init__", never_plain)
+    every, every_steps, every_appends = run()
+    assert plain == every and plain_steps == every_steps
+    assert every_appends == sum(map(len, every_steps))
+    assert plain_appends < every_appends - 60  # the plain requests' tokens but their last
 
 
 def test_the_check_catches_a_hidden_wait(path, monkeypatch):

@@ -640,14 +640,30 @@ class Engine:
         following = ({s.seq: s for s in later.schedule.scheduled}
                      if later is not None and step.speculation is not None else {})
         token_ids = sampled.token_ids.tolist()  # one copy to Python ints for all rows
+        plain = not stride and step.speculation is None  # one row a seq, no drafts
         for s in step.sampling:
-            req = requests.get(s.seq.request_id)
-            if req is not None and req.seq is s.seq:  # not aborted or finished meanwhile
-                rows = (self.speculator.accepted_rows(s, sampled.token_ids) if s.drafts.tokens
-                        else range(s.row, s.row + s.steps * stride, stride) if stride
-                        else (s.row,))
-                outputs.append(self._append(req, sampled, token_ids, s, rows,
-                                            following.get(s.seq), step.speculation))
+            seq = s.seq
+            req = requests.get(seq.request_id)
+            if req is None or req.seq is not seq:  # aborted or finished meanwhile
+                continue
+            if plain and req.plain:
+                # Most tokens of most requests: one token that does not end it, and
+                # nothing else to look at (what `_append` and check_stop come to then;
+                # max_output_tokens leaves the prompt room within max_model_len).
+                token, outs = token_ids[s.row], seq.output_token_ids
+                index = seq.num_known_outputs
+                if token not in req.stop_ids and index + 1 < seq.max_output_tokens:
+                    outs[index] = token
+                    outputs.append(StepOutput(
+                        seq.request_id, [token], "", None, False, None, None,
+                        len(seq.prompt_token_ids), seq.num_cached_tokens,
+                        seq.first_scheduled_at))
+                    continue
+            rows = (self.speculator.accepted_rows(s, sampled.token_ids) if s.drafts.tokens
+                    else range(s.row, s.row + s.steps * stride, stride) if stride
+                    else (s.row,))
+            outputs.append(self._append(req, sampled, token_ids, s, rows,
+                                        following.get(seq), step.speculation))
         self.speculator.collected()
         return outputs
 

@@ -183,6 +183,15 @@ class Request:
     grammar: llguidance.LLMatcher | None = None
     # A remote_decode seq's prompt K/V (kv_transfer.KVPages), read as its prompt is done.
     kv_pages: Any = None
+    # Nothing but its tokens to look at while it runs: no grammar, no logprobs, its text
+    # (if any) decoded when it ends, not a remote_decode seq (`Engine._collect` hands it
+    # most tokens without `_append`).
+    plain: bool = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.plain = (self.grammar is None and self.seq.params.logprobs is None
+                      and (self.text is None or self.text.deferred)
+                      and not self.seq.remote_decode)
 
     @property
     def max_tokens(self) -> int:
