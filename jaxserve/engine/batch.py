@@ -233,8 +233,9 @@ class BatchBuilder:
         any_drafts = not decodes and bool(ndrafts.any())
         history = not self.draft_model and self.rows.any_penalties(seats)
         # A seq whose pending step had drafts moves back by those rejected: only a bucket
-        # with drafts does that (programs.forward's `verifies`).
-        pending_drafts = any(drafts for _, drafts in pending.values())
+        # with drafts does that (programs.forward's `verifies`). (Seqs of the pending step
+        # not scheduled now need nothing.)
+        pending_drafts = bool(pend[:, 1].any()) if pending else False
         tokens = np.bincount(shard, n, d) if d > 1 else n.sum(keepdims=True)
         key = self.bucket(int(tokens.max()), history, any_drafts or pending_drafts)
         batch = self.empty(key)
