@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 from collections.abc import Sequence
 
 from tqdm import tqdm
@@ -49,7 +50,10 @@ class LLM:
                 EngineConfig(model=model, **{**engine_args, **(decode or {})}))
         else:
             self.engine = Engine.from_config(EngineConfig(model=model, **engine_args))
-        self.engine.stream_text = False  # generate returns whole outputs
+        # generate returns whole outputs: no text made per step, and a plain request's
+        # tokens handed out with its first and its last output only.
+        self.engine.stream_text = False
+        self.engine.stream_interval = sys.maxsize
         self._ids = itertools.count()
         if warmup:
             self.engine.warmup()

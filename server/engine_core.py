@@ -151,13 +151,15 @@ class KVStats:
 class EngineCore:
     """Runs the engine: steps while it has requests, handling commands between steps.
     `stream_interval`: a request's outputs are sent when they hold that many tokens (its
-    first and last at once), merged into one."""
+    first and last at once), merged into one: a plain request's tokens are held back by the
+    engine itself (Engine.stream_interval: no StepOutput made for each), the others' here."""
 
     def __init__(self, engine: Engine, send, max_waiting: int = 1024, stream_interval: int = 1):
         if stream_interval < 1:
             raise ValueError("stream_interval must be at least 1")
         self.engine = engine
         engine.detokenize = False  # the front makes the text
+        engine.stream_interval = stream_interval
         self.send = send  # one event to the front
         self.max_waiting = max_waiting
         self.stream_interval = stream_interval
@@ -359,8 +361,9 @@ class EngineCore:
         if entry is None or (call is not None and entry.call != call):
             return False
         del self._calls[rid]
+        held = self.engine.held_tokens(rid)
         self.engine.abort_request(rid)
-        aborted = StepOutput(rid, [], "", None, True, "abort",
+        aborted = StepOutput(rid, held, "", None, True, "abort",
                              num_prompt_tokens=entry.num_prompt_tokens)
         self.send(("outputs", [StepOutput.merge(entry.held + [aborted])], None))
         return True

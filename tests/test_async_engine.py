@@ -177,6 +177,41 @@ def test_a_stream_interval_sends_tokens_in_groups_with_the_offline_text(llm, pro
     assert llm.engine.scheduler.num_used_pages == 0
 
 
+def test_an_aborted_stream_gets_the_tokens_the_engine_held_back(llm, prompts, monkeypatch):
+    """With a stream interval the engine holds a plain request's newest tokens back; an
+    abort sends them with the "abort" output: the caller gets every token made before it
+    (a prefix of what the request would have made)."""
+    params = SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True)
+    want = llm.generate([prompts[2]], params)[0].outputs[0].token_ids
+    made = []  # the request's known outputs when the abort reaches the engine
+    abort = llm.engine.abort_request
+
+    def recording_abort(request_id):
+        if (req := llm.engine._requests.get(request_id)) is not None:
+            made.append(req.seq.num_known_outputs)
+        return abort(request_id)
+
+    monkeypatch.setattr(llm.engine, "abort_request", recording_abort)
+
+    async def main():
+        async_engine = AsyncEngine(llm.engine, stream_interval=8)
+        async_engine.start()
+        try:
+            stream = await async_engine.add("held", prompts[2], params)
+            outs = [await anext(stream), await anext(stream)]  # its first, then 8
+            async_engine.abort("held")
+            return outs + await collect(stream)
+        finally:
+            async_engine.stop()
+
+    outs = asyncio.run(main())
+    tokens = [t for o in outs for t in o.new_token_ids]
+    assert [len(o.new_token_ids) for o in outs[:2]] == [1, 8]
+    assert outs[-1].finish_reason == "abort" and len(made) == 1
+    assert 9 <= made[0] < 90 and tokens == want[:made[0]]
+    assert llm.engine.scheduler.num_used_pages == 0
+
+
 @pytest.mark.parametrize("consume_kv_cache", [True, False])
 def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(llm, prompts,
                                                                  consume_kv_cache):

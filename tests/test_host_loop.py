@@ -187,6 +187,7 @@ def test_plain_tokens_collected_as_append_collects_them(path, prompts, monkeypat
 
     def run() -> tuple[list, list, int]:
         llm = LLM(path, **ENGINE)
+        llm.engine.stream_interval = 1  # every token in the step that makes it
         # A greedy request that ends at a stop token id: its 7th output (both runs ask
         # first, so that request ids and cached prefixes match).
         first = llm.generate([batch[-1]], greedy)[0].outputs[0].token_ids
@@ -221,6 +222,48 @@ def test_plain_tokens_collected_as_append_collects_them(path, prompts, monkeypat
     assert plain == every and plain_steps == every_steps
     assert every_appends == sum(map(len, every_steps))
     assert plain_appends < every_appends - 60  # the plain requests' tokens but their last
+
+
+@pytest.mark.parametrize("interval", [1, 5])
+def test_plain_tokens_held_back_go_out_in_groups(path, prompts, monkeypatch, interval):
+    """`Engine.stream_interval` k: a plain request's tokens go out with its first output,
+    then k at a time, the rest with its last; `held_tokens` are exactly those not out yet;
+    other requests' go out each step. Outputs joined, every request gets the tokens and
+    results of an engine handing out every token (the offline LLM holds all to the end)."""
+    params = mixed_params() + [SamplingParams(temperature=1.0, seed=11, max_tokens=40),
+                               SamplingParams(temperature=0.0, max_tokens=1)]
+    batch = [prompts[i % len(prompts)] for i in range(len(params))]
+    llm = LLM(path, **ENGINE)
+    want = summary(llm.generate(batch, params))  # (the LLM's own: held to the end)
+    engine = llm.engine
+    engine.stream_interval = interval
+    got: dict[str, list] = collections.defaultdict(list)
+    step = engine.step
+
+    def recording_step():
+        outs = step()
+        for o in outs:
+            got[o.request_id].append(o)
+        for req in engine.running_requests():  # held: known outputs not out yet
+            out = [t for o in got[req.seq.request_id] for t in o.new_token_ids]
+            assert out + engine.held_tokens(req.seq.request_id) == \
+                req.seq.output_token_ids[:req.seq.num_known_outputs]
+        return outs
+
+    monkeypatch.setattr(engine, "step", recording_step)
+    assert summary(llm.generate(batch, params)) == want
+    plain = [not p.logprobs and p.structured_outputs is None and not p.stop for p in params]
+    held = 0
+    for (tokens, *_), outs, is_plain in zip(want, got.values(), plain):
+        assert [t for o in outs for t in o.new_token_ids] == tokens
+        sizes = [len(o.new_token_ids) for o in outs]
+        if is_plain and len(tokens) > 1:
+            assert sizes[0] == 1 and all(n == interval for n in sizes[1:-1])
+            assert 1 <= sizes[-1] <= interval
+            held += len(tokens) - len(sizes)
+        else:  # a token a step (a stop string's text may wait for more)
+            assert all(n <= 1 for n in sizes) and sum(sizes) == len(tokens)
+    assert (held > 40) == (interval > 1)
 
 
 def test_the_check_catches_a_hidden_wait(path, monkeypatch):

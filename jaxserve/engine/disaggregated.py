@@ -105,6 +105,7 @@ class DisaggregatedEngine:
         prefill.detokenize = decode.detokenize = False  # made here, over the whole output
         self.detokenize = True
         self.stream_text = True  # (streamed either way: text is made here, per step)
+        self.stream_interval = 1  # (likewise: every token as it comes)
         self.tokenizer = decode.tokenizer
         self.model_config = decode.model_config
         self.config = decode.config
@@ -173,6 +174,9 @@ class DisaggregatedEngine:
         else:  # (one whose first token is on its way is dropped when it lands)
             self._prefill.call(self.prefill.abort_request, request_id)
         return True
+
+    def held_tokens(self, request_id: str) -> list[int]:
+        return []  # none: each token goes out in the step that makes it
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)

@@ -95,6 +95,11 @@ class Engine:
         # which returns whole outputs) decodes a request without stop strings or logprobs
         # once, at its end.
         self.stream_text = True
+        # A plain request's tokens (`Request.plain`) are handed out once this many are
+        # new, with its first and its last (the servers' --stream-interval; the offline
+        # LLM, which returns whole outputs, holds them to the end): fewer StepOutputs to
+        # make and to read. Its other tokens go out in the step that makes them.
+        self.stream_interval = 1
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         # The tokenizer's list gathers its own EOS, generation_config.json's and config.json's.
         eos = tokenizer.eos_token_ids if tokenizer is not None else model_config.eos_token_ids
@@ -367,6 +372,12 @@ class Engine:
         self.scheduler.abort(request_id)
         return True
 
+    def held_tokens(self, request_id: str) -> list[int]:
+        """A running request's tokens held back by `stream_interval` (in no output yet):
+        whoever aborts it and answers its caller sends them."""
+        req = self._requests.get(request_id)
+        return req.unreported() if req is not None else []
+
     def _pop(self, request_id: str) -> Request | None:
         """Forget a request (finished, aborted or failed); None if unknown."""
         req = self._requests.pop(request_id, None)
@@ -496,12 +507,11 @@ class Engine:
             req = self._pop(seq.request_id)
             self.scheduler.abort(seq.request_id)
             if req is not None:
-                out = StepOutput(seq.request_id, [], "", None, True, "error",
+                out = StepOutput(seq.request_id, req.unreported(), "", None, True, "error",
                                  num_prompt_tokens=seq.num_prompt_tokens,
                                  num_cached_tokens=seq.num_cached_tokens, error=message)
                 if req.text is not None and req.text.deferred:  # the text so far
-                    known = seq.num_known_tokens - seq.num_prompt_tokens
-                    req.text.apply_whole(out, seq.output_token_ids[:known])
+                    req.text.apply_whole(out, seq.output_token_ids[:seq.num_known_outputs])
                 outputs.append(out)
         self.speculator.recover()
         if self.images is not None:
@@ -546,9 +556,9 @@ class Engine:
         steps = self._decode_steps()
         schedule = self.scheduler.schedule(steps, drafts)
         for seq, message in schedule.failed:  # each fails alone (finished, pages freed)
-            if self._pop(seq.request_id) is not None:
+            if (req := self._pop(seq.request_id)) is not None:
                 self._failed.append(StepOutput(
-                    seq.request_id, [], "", None, True, "error",
+                    seq.request_id, req.unreported(), "", None, True, "error",
                     num_prompt_tokens=seq.num_prompt_tokens, error=message))
         if schedule.is_empty:
             return None
@@ -641,6 +651,7 @@ class Engine:
                      if later is not None and step.speculation is not None else {})
         token_ids = sampled.token_ids.tolist()  # one copy to Python ints for all rows
         plain = not stride and step.speculation is None  # one row a seq, no drafts
+        interval = self.stream_interval
         for s in step.sampling:
             seq = s.seq
             req = requests.get(seq.request_id)
@@ -654,9 +665,13 @@ class Engine:
                 index = seq.num_known_outputs
                 if token not in req.stop_ids and index + 1 < seq.max_output_tokens:
                     outs[index] = token
+                    reported = req.num_reported
+                    if index and index - reported + 1 < interval:
+                        continue  # held back (stream_interval)
+                    req.num_reported = index + 1
                     outputs.append(StepOutput(
-                        seq.request_id, [token], "", None, False, None, None,
-                        len(seq.prompt_token_ids), seq.num_cached_tokens,
+                        seq.request_id, outs[reported:index + 1], "", None, False, None,
+                        None, len(seq.prompt_token_ids), seq.num_cached_tokens,
                         seq.first_scheduled_at))
                     continue
             rows = (self.speculator.accepted_rows(s, sampled.token_ids) if s.drafts.tokens
@@ -678,7 +693,8 @@ class Engine:
         out_index = seq.num_known_outputs  # this step's first
         finish = stop_reason = error = None
         outputs = seq.output_token_ids
-        tokens, logprobs = [], [] if params.logprobs is not None else None
+        tokens = outputs[req.num_reported:out_index]  # those held back (stream_interval)
+        logprobs = [] if params.logprobs is not None else None
         for index, i in enumerate(rows, out_index):
             token = token_ids[i]
             assert outputs[index] == PLACEHOLDER
@@ -690,6 +706,7 @@ class Engine:
                                                         self.max_model_len)
             if finish is not None:
                 break
+        req.num_reported += len(tokens)
         out = StepOutput(
             request_id=seq.request_id, new_token_ids=tokens, new_text="",
             new_logprobs=logprobs, finished=finish is not None, finish_reason=finish,
