@@ -86,6 +86,27 @@ def test_tokens_text_and_logprobs_match_one_engine(single, pd):
     assert e.decode.num_prefilled_waiting == 0 and not e.has_unfinished()
 
 
+def test_a_decode_side_hands_out_its_first_token_at_once(single, pd, monkeypatch):
+    """A stream interval on the decode side holds a request's tokens back after the first
+    it makes (the request's second: its first came with it), which goes at once."""
+    prompts, _ = _batch(single)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = single.generate(prompts[:2], params)
+    decode, sizes = pd.engine.decode, {}
+    step = decode.step
+
+    def recording_step():
+        outs = step()
+        for o in outs:
+            sizes.setdefault(o.request_id, []).append(len(o.new_token_ids))
+        return outs
+
+    monkeypatch.setattr(decode, "stream_interval", 4)
+    monkeypatch.setattr(decode, "step", recording_step)
+    assert _outputs(pd.generate(prompts[:2], params)) == _outputs(want)
+    assert list(sizes.values()) == [[1, 4, 4, 4, 4, 2]] * 2
+
+
 def test_decode_side_preemption_recomputes(single, pd):
     """Two long requests outgrow the decode pool (34 pages: 25 each at the end): one is
     preempted there and recomputed by the decode engine, with the same tokens."""

@@ -666,8 +666,8 @@ class Engine:
                 if token not in req.stop_ids and index + 1 < seq.max_output_tokens:
                     outs[index] = token
                     reported = req.num_reported
-                    if index and index - reported + 1 < interval:
-                        continue  # held back (stream_interval)
+                    if index > req.num_brought and index - reported + 1 < interval:
+                        continue  # held back (stream_interval); its first goes at once
                     req.num_reported = index + 1
                     outputs.append(StepOutput(
                         seq.request_id, outs[reported:index + 1], "", None, False, None,

@@ -187,16 +187,17 @@ class Request:
     # (if any) decoded when it ends, not a remote_decode seq (`Engine._collect` hands it
     # most tokens without `_append`).
     plain: bool = dataclasses.field(init=False)
-    # Its outputs handed out so far (in StepOutputs, or before it came: a decode side's
-    # first token, which its prefill made): a plain request's newer tokens may be held
-    # back (Engine.stream_interval) and go out with a later output.
+    # The outputs it came with (a decode side's first token, which its prefill made), and
+    # its outputs handed out so far (those, then in StepOutputs): a plain request's newer
+    # tokens may be held back (Engine.stream_interval) and go out with a later output.
+    num_brought: int = dataclasses.field(init=False)
     num_reported: int = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.plain = (self.grammar is None and self.seq.params.logprobs is None
                       and (self.text is None or self.text.deferred)
                       and not self.seq.remote_decode)
-        self.num_reported = len(self.seq.output_token_ids)
+        self.num_brought = self.num_reported = len(self.seq.output_token_ids)
 
     def unreported(self) -> list[int]:
         """Its known outputs in no StepOutput yet (held back by Engine.stream_interval)."""
