@@ -96,9 +96,10 @@ class Engine:
         # once, at its end.
         self.stream_text = True
         # A plain request's tokens (`Request.plain`) are handed out once this many are
-        # new, with its first and its last (the servers' --stream-interval; the offline
-        # LLM, which returns whole outputs, holds them to the end): fewer StepOutputs to
-        # make and to read. Its other tokens go out in the step that makes them.
+        # new, and with the first it makes here and its last (the servers'
+        # --stream-interval; the offline LLM, which returns whole outputs, holds them to
+        # the end): fewer StepOutputs to make and to read. Other requests' tokens go out
+        # in the step that makes them.
         self.stream_interval = 1
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         # The tokenizer's list gathers its own EOS, generation_config.json's and config.json's.
