@@ -254,7 +254,8 @@ def test_plain_tokens_held_back_go_out_in_groups(path, prompts, monkeypatch, int
     assert summary(llm.generate(batch, params)) == want
     plain = [not p.logprobs and p.structured_outputs is None and not p.stop for p in params]
     held = 0
-    for (tokens, *_), outs, is_plain in zip(want, got.values(), plain):
+    in_order = [got[rid] for rid in sorted(got, key=int)]  # (the LLM numbers its requests)
+    for (tokens, *_), outs, is_plain in zip(want, in_order, plain, strict=True):
         assert [t for o in outs for t in o.new_token_ids] == tokens
         sizes = [len(o.new_token_ids) for o in outs]
         if is_plain and len(tokens) > 1:
