@@ -260,7 +260,7 @@ def test_plain_tokens_held_back_go_out_in_groups(path, prompts, monkeypatch, int
         sizes = [len(o.new_token_ids) for o in outs]
         if is_plain and len(tokens) > 1:
             assert sizes[0] == 1 and all(n == interval for n in sizes[1:-1])
-            assert 1 <= sizes[-1] <= interval
+            assert 0 < sizes[-1] <= interval
             held += len(tokens) - len(sizes)
         else:  # a token a step (a stop string's text may wait for more)
             assert all(n <= 1 for n in sizes) and sum(sizes) == len(tokens)
