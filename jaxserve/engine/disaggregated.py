@@ -175,9 +175,6 @@ class DisaggregatedEngine:
             self._prefill.call(self.prefill.abort_request, request_id)
         return True
 
-    def held_tokens(self, request_id: str) -> list[int]:
-        return []  # none: each token goes out in the step that makes it
-
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 

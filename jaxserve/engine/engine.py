@@ -694,7 +694,7 @@ class Engine:
         out_index = seq.num_known_outputs  # this step's first
         finish = stop_reason = error = None
         outputs = seq.output_token_ids
-        tokens = outputs[req.num_reported:out_index]  # those held back (stream_interval)
+        tokens = req.unreported()  # those held back (stream_interval)
         logprobs = [] if params.logprobs is not None else None
         for index, i in enumerate(rows, out_index):
             token = token_ids[i]
