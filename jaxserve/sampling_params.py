@@ -168,6 +168,12 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def samples_full(self) -> bool:
+        """Whether its sampling needs top-k / top-p's sort or logprobs (sampler.FULL:
+        where the host settles the sampling's branches, ModelRunner.branch_free)."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.logprobs is not None
+
+    @property
     def needs_history(self) -> bool:
         """Its sampling needs every token it has so far on the host (penalties, a grammar
         mask): its steps are sampled apart, after the step before is collected."""

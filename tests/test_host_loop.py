@@ -300,3 +300,45 @@ def test_whole_output_text_is_the_streamed_text(path, prompts):
     for (tokens, text, *_), p in zip(whole, params):
         if p.skip_special_tokens:
             assert text == tok.decode(tokens, skip_special_tokens=True)
+
+
+def test_branch_free_programs_give_the_tokens_of_the_branching_ones(path, prompts,
+                                                                   monkeypatch):
+    """Where the host settles the sampling's branches (ModelRunner.branch_free, as on a
+    GPU, where XLA waits on the host for each lax.cond and for each round of a loop of
+    unknown count): every kind of request gets the tokens, text and logprobs of the
+    branching programs, at one and four decode steps per program. The compiled programs
+    (XLA's HLO) hold no conditional and only loops of a known count; the steps whose rows
+    ask for top-k, top-p or logprobs run the FULL sampling program."""
+    params = [
+        SamplingParams(temperature=0.6, top_p=0.8, seed=1, max_tokens=21, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=19, logprobs=0, ignore_eos=True),
+        *mixed_params(), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)]
+    batch = [prompts[i % len(prompts)] for i in range(len(params))]
+
+    def run(steps: int) -> tuple[list, collections.Counter, LLM]:
+        llm = LLM(path, num_scheduler_steps=steps, **ENGINE)
+        programs = collections.Counter()
+        watch_programs(llm.engine.runner, lambda program, args: programs.update(
+            [program[0] if program[0] != "sample" else ("sample", program[-1])]))
+        outs = llm.generate(batch, params)
+        return summary(outs) + [o.outputs[0].logprobs for o in outs], programs, llm
+
+    want = [run(steps)[0] for steps in (1, 4)]
+    monkeypatch.setattr(runner_module, "branch_free", lambda: True)
+    for steps, expected in zip((1, 4), want):
+        got, programs, llm = run(steps)
+        assert got[:len(params)] == expected[:len(params)]
+        for g, w in zip(got[len(params):], expected[len(params):]):
+            assert (g is None) == (w is None)
+            for a, b in zip(g or [], w or []):
+                assert a.keys() == b.keys()
+                assert [x.logprob for x in a.values()] == pytest.approx(
+                    [x.logprob for x in b.values()], abs=1e-5)
+        assert programs["sample", True] > 0 and programs["sample", False] > 0
+        assert programs["step"] > 0 and programs["steps" if steps > 1 else "step"] > 0
+        for program, executable in llm.engine.runner._executables.items():
+            text = executable.as_text()
+            assert " conditional(" not in text, program
+            loops = [line for line in text.splitlines() if " while(" in line]
+            assert all("known_trip_count" in line for line in loops), program

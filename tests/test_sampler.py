@@ -413,3 +413,57 @@ def test_greedy_rows_ignore_their_drafts_distributions():
     out = sample(logits, arrays(n, temperature=np.zeros(n), draft_index=np.arange(n)), None,
                  drafts=SampledDrafts(drafts, q))
     assert np.asarray(out.token_ids).tolist() == [0] * n
+
+
+def _branches(fn, *args) -> int:
+    """How many lax.cond / lax.switch the program of `fn(*args)` holds (StableHLO)."""
+    text = jax.jit(fn).lower(*args).as_text()
+    return text.count("stablehlo.case") + text.count("stablehlo.if")
+
+
+@pytest.mark.parametrize("asks", [False, True])
+def test_static_sampling_picks_what_the_device_branches_pick(asks):
+    """sampler.Static, a GPU's programs (ModelRunner.branch_free): no lax.cond (XLA:GPU
+    waits on the host for each), and the tokens and logprobs of the lax.cond path: FULL
+    for any rows (top-k, top-p and logprobs asked or not), FAST for rows that ask for
+    none of those three; greedy rows take numpy's argmax of their adjusted logits."""
+    n, v = 16, 300
+    rng = np.random.default_rng(11)
+    logits = jnp.asarray(rng.standard_normal((n, v)).astype(np.float32) * 2)
+    bias_ids = np.full((n, MAX_LOGIT_BIAS), -1)
+    bias_values = np.zeros((n, MAX_LOGIT_BIAS))
+    bias_ids[2, 0], bias_values[2, 0] = 17, 50.0
+    banned = np.full((n, MAX_STOP_TOKEN_IDS), -1)
+    banned[4, 0] = int(np.argmax(np.asarray(logits)[4]))
+    mask = np.full((n, 32), -1)
+    mask[5] = 0
+    mask[5, 3] = 0b1010  # tokens 97 and 99
+    kw = dict(temperature=rng.choice([0.0, 0.7, 1.3], n), seed=rng.integers(0, 99, n),
+              min_p=rng.choice([0.0, 0.05], n), bias_ids=bias_ids, bias_values=bias_values,
+              banned_ids=banned, grammar_mask=mask)
+    kw["temperature"][[2, 4, 5]] = 0.0  # greedy rows with a bias, a ban, a grammar
+    if asks:
+        kw.update(top_k=rng.choice([0, 5], n), top_p=rng.choice([1.0, 0.8], n),
+                  logprobs=rng.choice([False, True], n))
+    else:
+        kw.update(logprobs=np.zeros(n, bool))
+    p = arrays(n, **kw)
+    want = jax.jit(sample)(logits, p, None, jnp.int32(n))
+    static = sampler.FULL if asks else sampler.FAST
+    got = jax.jit(lambda *a: sample(*a, static=static))(logits, p, None, jnp.int32(n))
+    for name in ("token_ids", "top_ids"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)),
+                                      np.asarray(getattr(want, name)))
+    for name in ("logprob", "top_logprobs"):
+        np.testing.assert_allclose(np.asarray(getattr(got, name)),
+                                   np.asarray(getattr(want, name)), rtol=1e-6)
+    adjusted = np.asarray(logits).copy()
+    adjusted[2, 17] += 50.0
+    adjusted[4, banned[4, 0]] = -np.inf
+    adjusted[5, [t for t in range(v) if t not in (97, 99)]] = -np.inf
+    greedy = np.asarray(kw["temperature"]) == 0
+    np.testing.assert_array_equal(np.asarray(got.token_ids)[greedy],
+                                  adjusted.argmax(axis=1)[greedy])
+    assert np.asarray(got.logprob).any() == asks
+    assert _branches(lambda *a: sample(*a, static=static), logits, p, None, jnp.int32(n)) == 0
+    assert _branches(sample, logits, p, None, jnp.int32(n)) > 0

@@ -534,19 +534,22 @@ class Engine:
         prefill goes first), samples without its token history on the host (no
         grammar, penalties, or stop tokens banned until min_tokens), and has room for
         them all (max_tokens, max_model_len): the steps' tokens then come back together,
-        and a sequence that stops early has computed (and discards) the rest."""
-        steps = self.runner.decode_steps
+        and a sequence that stops early has computed (and discards) the rest. Where the
+        runner is `branch_free` (a GPU), all of them or 1, and 1 when a request's
+        sampling needs more than the program's `FAST` (top-k, top-p, logprobs)."""
+        most = steps = self.runner.decode_steps
         if steps == 1 or self.scheduler.prefills_next:
             return 1
+        branch_free = self.runner.branch_free
         for req in self.running_requests():
-            if req.samples_from_host:
+            if req.samples_from_host or (branch_free and req.seq.params.samples_full):
                 return 1
             seq = req.seq
             left = min(req.max_tokens - len(seq.output_token_ids),
                        self.max_model_len - seq.num_tokens)
             if left > 0:  # else the steps in flight end it: not scheduled
                 steps = min(steps, left)
-        return steps
+        return 1 if branch_free and steps < most else steps
 
     def _dispatch(self, prev: InFlightStep | None) -> InFlightStep | None:
         """Schedule the next step, build its batch and start it (only its forward pass

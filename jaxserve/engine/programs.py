@@ -19,7 +19,8 @@ from flax import nnx
 
 from jaxserve.engine.batch import CarryLayout, StepBatch
 from jaxserve.engine.packing import Packed, unpack
-from jaxserve.engine.sampler import SampledDrafts, SampleOutput, SamplingArrays, TokenHistory, sample
+from jaxserve.engine.sampler import (
+    FAST, FULL, SampledDrafts, SampleOutput, SamplingArrays, Static, TokenHistory, sample)
 from jaxserve.engine.slots import position_slots
 from jaxserve.engine.speculative.device import (
     move_slots, record_acceptance, resolve_pending, shift_sampling, write_features)
@@ -93,8 +94,8 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
 
 def sample_step(logits: jax.Array, sampling: SamplingArrays, history: TokenHistory | None,
                 carry: jax.Array, num_rows: jax.Array, draft_probs: jax.Array | None,
-                row_tokens: jax.Array, *, layout: CarryLayout, verifies: bool = True
-                ) -> tuple[SampleOutput, jax.Array]:
+                row_tokens: jax.Array, *, layout: CarryLayout, verifies: bool = True,
+                static: Static | None = None) -> tuple[SampleOutput, jax.Array]:
     """Sample one token per row; returns them also written into the `carry` (laid out as
     `layout` says: its first rows, and with `layout.overlap` the acceptance of the step's
     chains, `record_acceptance`, from the forward pass's `row_tokens`), where the next
@@ -103,7 +104,8 @@ def sample_step(logits: jax.Array, sampling: SamplingArrays, history: TokenHisto
     real rows only (under data parallelism each shard's rows are a block of their own:
     all rows). `draft_probs` (BatchBuilder.sampled_drafts; else None): the distributions
     the guesses in `carry` were drawn from, in their order. `verifies` False: a
-    bucket without drafts (no sequence of it moves back, none verifies)."""
+    bucket without drafts (no sequence of it moves back, none verifies). `static`: what
+    the sampling settles when compiled (sampler.Static; None: on the device)."""
     drafts = None
     if draft_probs is not None:
         drafts = SampledDrafts(
@@ -112,7 +114,7 @@ def sample_step(logits: jax.Array, sampling: SamplingArrays, history: TokenHisto
     if verifies:
         sampling = shift_sampling(sampling, carry, layout)
     out = sample(logits, sampling, history, num_rows[0] if num_rows.shape[0] == 1 else None,
-                 drafts)
+                 drafts, static)
     n = min(out.token_ids.shape[0], layout.guesses_end)
     carry = carry.at[:n].set(out.token_ids[:n])
     if layout.overlap:
@@ -146,21 +148,25 @@ def next_decode(batch: StepBatch, token_ids: jax.Array, page_size: int) -> StepB
 def decode_steps(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache,
                  batch: StepBatch, carry: jax.Array, expert_load: jax.Array | None,
                  num_steps: jax.Array, lora: list | None = None, *, steps: int,
-                 layout: CarryLayout, page_size: int
+                 layout: CarryLayout, page_size: int, branch_free: bool = False
                  ) -> tuple[KVCache, SampleOutput, jax.Array, jax.Array | None]:
     """`num_steps` (<= `steps`) decode steps of a batch of decoding sequences in one
     program: each a forward pass and its sampling (`forward`, `sample_step`), the next
     feeding each sequence its sample (`next_decode`). The host gives every sequence pages
     for all of them and reads the tokens back once (Engine: `num_scheduler_steps`);
     outputs are `[steps, R]` (step i's samples at i; those past `num_steps` zeros), the
-    last step's samples in `carry` as after one step."""
+    last step's samples in `carry` as after one step. `branch_free` (ModelRunner's): the
+    loop runs `steps` times whatever `num_steps` says (the host asks for no fewer), a
+    loop of a known count that XLA:GPU runs without reading a predicate back each time,
+    and the sampling is `FAST` (no row of it asks for top-k, top-p or logprobs)."""
     def one(kv, batch, prev, load):
         inputs = dataclasses.replace(batch, sampling=None, history=None)
         kv, logits, load, _, _, row_tokens = forward(
             graphdef, params, kv, inputs, prev, load, lora=lora, layout=layout,
             page_size=page_size, verifies=False)
         out, prev = sample_step(logits, batch.sampling, None, prev, batch.num_rows, None,
-                                row_tokens, layout=layout, verifies=False)
+                                row_tokens, layout=layout, verifies=False,
+                                static=FAST if branch_free else None)
         return kv, out, prev, load
 
     out = jax.eval_shape(one, kv_caches, batch, carry, expert_load)[1]
@@ -173,7 +179,8 @@ def decode_steps(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache,
         return kv, next_decode(batch, out.token_ids, page_size), prev, load, outs
 
     kv_caches, _, carry, expert_load, outs = jax.lax.fori_loop(
-        0, num_steps, step, (kv_caches, batch, carry, expert_load, outs))
+        0, steps if branch_free else num_steps, step,
+        (kv_caches, batch, carry, expert_load, outs))
     return kv_caches, outs, carry, expert_load
 
 
@@ -195,7 +202,7 @@ class StepPrograms(NamedTuple):
     accepted nodes outside the slots of their positions."""
 
     forward: dict[bool, Callable]  # by `verifies` (ModelRunner.programs)
-    sample: dict[bool, Callable]
+    sample: dict[tuple[bool, bool], Callable]  # by `verifies` and `full` (branch-free: FULL)
     step: dict[bool, Callable]
     move: Callable
     steps: Callable | None = None  # `decode_steps` (None: one step per program)
@@ -216,7 +223,7 @@ def forward_and_sample(graphdef: nnx.GraphDef, params, kv_caches: KVCache,
                        medusa: MedusaHeads | None, features: jax.Array | None,
                        lora: list | None, images: jax.Array | None,
                        draft_probs: jax.Array | None, *, layout: CarryLayout,
-                       verifies: bool = True, **kwargs):
+                       verifies: bool = True, static: Static | None = None, **kwargs):
     """`forward`, then `sample_step` on its logits, in one program: one launch a step, and
     the logits never leave it. `inputs` (packed or not): the batch without its sampling
     arrays and history, then (sampling, history, num_rows). Returns the KV cache, the
@@ -226,7 +233,7 @@ def forward_and_sample(graphdef: nnx.GraphDef, params, kv_caches: KVCache,
         graphdef, params, kv_caches, batch, carry, expert_load, medusa, features, lora,
         images, layout=layout, verifies=verifies, **kwargs)
     out, carry = sample_step(logits, sampling, history, carry, num_rows, draft_probs,
-                             row_tokens, layout=layout, verifies=verifies)
+                             row_tokens, layout=layout, verifies=verifies, static=static)
     return kv_caches, out, carry, expert_load, guesses, features
 
 
@@ -256,14 +263,17 @@ def decode_steps_packed(graphdef: nnx.GraphDef, params, kv_caches: KVCache,
 
 def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: ShardingContext,
                  layout: CarryLayout, page_size: int, features_from: tuple[int, ...] = (),
-                 medusa: MedusaHeads | None = None, max_decode_steps: int = 1) -> StepPrograms:
+                 medusa: MedusaHeads | None = None, max_decode_steps: int = 1,
+                 branch_free: bool = False) -> StepPrograms:
     """The programs, jitted with fixed layouts in and out (params, KV cache and Medusa
     heads as given, logits as the model leaves them, batch and samples replicated, an
     EAGLE feature cache split as the pages are), so the donated caches and params never
     reshard. They take the parameters as their flat list of leaves (`on_param_leaves`),
     and the batch's host arrays as one argument, packed on accelerators (packing.py):
     `forward` its batch, `sample` its (sampling, history, num_rows), `steps` its (batch,
-    num_steps)."""
+    num_steps). `branch_free` (ModelRunner's, on a GPU): the sampling settles its
+    branches when compiled (sampler.Static): `step` and `steps` sample `FAST`, and the
+    `sample` programs come in two, `FAST` and `FULL` (`full`)."""
     param_shardings = [x.sharding for x in jax.tree.leaves(params)]
     replicated = shard.sharding(())
     logits_sharding = shard.sharding(("seqs", "vocab"))
@@ -279,7 +289,15 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
         move = jax.shard_map(move_slots, mesh=shard.mesh, check_vma=False,
                              in_specs=(*io, slots, slots), out_specs=io)
 
-    def jitted(verifies: bool) -> tuple[Callable, Callable, Callable]:
+    def sampling(verifies: bool, full: bool) -> Callable:
+        return jax.jit(functools.partial(sample_packed, layout=layout, verifies=verifies,
+                                         static=(FULL if full else FAST) if branch_free
+                                         else None),
+                       in_shardings=(logits_sharding, replicated, replicated, replicated,
+                                     replicated),
+                       out_shardings=(replicated, replicated))
+
+    def jitted(verifies: bool) -> tuple[Callable, dict, Callable]:
         static = dict(features_from=features_from, layout=layout, page_size=page_size,
                       verifies=verifies)
         return (jax.jit(on_param_leaves(graphdef, params,
@@ -287,12 +305,11 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
                         donate_argnums=(1, 6), in_shardings=inputs,
                         out_shardings=(cache_shardings, logits_sharding, replicated,
                                        replicated, features, replicated)),
-                jax.jit(functools.partial(sample_packed, layout=layout, verifies=verifies),
-                        in_shardings=(logits_sharding, replicated, replicated, replicated,
-                                      replicated),
-                        out_shardings=(replicated, replicated)),
-                jax.jit(on_param_leaves(graphdef, params,
-                                        functools.partial(forward_and_sample, **static)),
+                {(verifies, full): sampling(verifies, full)
+                 for full in ((False, True) if branch_free else (False,))},
+                jax.jit(on_param_leaves(graphdef, params, functools.partial(
+                            forward_and_sample, static=FAST if branch_free else None,
+                            **static)),
                         donate_argnums=(1, 6), in_shardings=inputs + (replicated,),
                         out_shardings=(cache_shardings, replicated, replicated, replicated,
                                        replicated, features)))
@@ -307,12 +324,13 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
         steps = jax.jit(
             on_param_leaves(graphdef, params, functools.partial(
                 decode_steps_packed, steps=max_decode_steps, layout=layout,
-                page_size=page_size)),
+                page_size=page_size, branch_free=branch_free)),
             donate_argnums=(1,), in_shardings=inputs[:3] + (replicated,) * 3,
             out_shardings=(cache_shardings, replicated, replicated, replicated),
             compiler_options={"xla_disable_hlo_passes": "while-loop-invariant-code-motion"})
     return StepPrograms(
-        forward={False: plain[0], True: verify[0]}, sample={False: plain[1], True: verify[1]},
+        forward={False: plain[0], True: verify[0]},
+        sample={**{(False, full): fn for (_, full), fn in plain[1].items()}, **verify[1]},
         step={False: plain[2], True: verify[2]},
         move=jax.jit(move, donate_argnums=(0, 1),
                      in_shardings=(cache_shardings, features, replicated, replicated),

@@ -60,15 +60,18 @@ class ModelRunner:
                                builder.num_pages, builder.pages_per_seq)
         # Decode steps a program may run (`dispatch_steps`; 1: one step per program).
         self.decode_steps = decode_steps
+        # The sampling's branches settled by the host, not by lax.conds (`branch_free`).
+        self.branch_free = branch_free()
         self._programs = jit_programs(graphdef, params,
                                       jax.tree.map(lambda x: x.sharding, self._abstract_kv),
                                       shard, builder.layout, builder.page_size, features_from,
-                                      medusa, decode_steps)
+                                      medusa, decode_steps, self.branch_free)
         # Programs compiled, by (program, shape): ("forward", T, S, R, tree, verifies),
-        # ("sample", R, history, verifies), ("step", T, S, R, tree, verifies), ("move",)
-        # (`programs`), ("steps", T, S, decode_steps) (`steps_program`).
+        # ("sample", R, history, verifies, full), ("step", T, S, R, tree, verifies),
+        # ("move",) (`programs`), ("steps", T, S, decode_steps) (`steps_program`).
         self._executables: dict[tuple, Callable] = {}
-        self._cache = ExecutableCache.for_process(repr((str(graphdef), features_from)))
+        self._cache = ExecutableCache.for_process(
+            repr((str(graphdef), features_from, self.branch_free)))
         self._from_cache = 0  # programs the caches gave
         self.warmed_up = False
         self.compiles_after_warmup = 0
@@ -156,19 +159,40 @@ class ModelRunner:
         return lost
 
     def programs(self, key: BucketKey) -> list[tuple]:
-        """The programs a bucket's steps run: its forward pass and its sampling, then, if
-        the bucket `fuses`, both in one (which `dispatch` runs; a step sampled apart runs
-        the two). Where steps with drafts run async (`CarryLayout.overlap`), a bucket
-        without drafts has programs of its own (`verifies` False) that neither move
-        sequences back nor search for accepted drafts: they cost a draft model's plain
-        steps (speculation turned off for a large batch, prefills) what speculation
-        off's do."""
-        verifies = bool(key.drafts) or not self.builder.layout.overlap
-        programs = [("forward", key.tokens, key.seqs, key.rows, key.tree, verifies),
-                    ("sample", key.rows, key.history, verifies)]
+        """The programs a bucket's steps run: its forward pass and its sampling (`FAST`
+        and `FULL` where `branch_free`: `sample_program`), then, if the bucket `fuses`,
+        both in one (which `dispatch` runs; a step sampled apart runs the two). Where
+        steps with drafts run async (`CarryLayout.overlap`), a bucket without drafts has
+        programs of its own (`verifies` False) that neither move sequences back nor
+        search for accepted drafts: they cost a draft model's plain steps (speculation
+        turned off for a large batch, prefills) what speculation off's do."""
+        programs = [self.forward_program(key), self.sample_program(key, False)]
+        if self.branch_free:
+            programs.append(self.sample_program(key, True))
         if self.fuses(key):
-            programs.append(("step", key.tokens, key.seqs, key.rows, key.tree, verifies))
+            programs.append(("step", *programs[0][1:]))
         return programs
+
+    def _verifies(self, key: BucketKey) -> bool:
+        return bool(key.drafts) or not self.builder.layout.overlap
+
+    def forward_program(self, key: BucketKey) -> tuple:
+        return ("forward", key.tokens, key.seqs, key.rows, key.tree, self._verifies(key))
+
+    def sample_program(self, key: BucketKey, full: bool) -> tuple:
+        """A bucket's sampling program; `full` (where `branch_free`; else False): the one
+        for rows that ask for top-k, top-p or logprobs (sampler.FULL)."""
+        return ("sample", key.rows, key.history, self._verifies(key),
+                full and self.branch_free)
+
+    def samples_full(self, batch: StepBatch) -> bool:
+        """Whether a row of the batch asks for what only the `FULL` sampling has (top-k,
+        top-p, logprobs), where `branch_free`: such a step runs its forward pass and its
+        sampling as two programs, not the `FAST` fused one. Reads the batch's host
+        arrays (padding rows ask for nothing)."""
+        p = batch.sampling
+        return self.branch_free and bool(
+            (p.top_k > 0).any() or (p.top_p < 1.0).any() or p.logprobs.any())
 
     def fuses(self, key: BucketKey) -> bool:
         """Whether a whole step of the bucket (`dispatch`) is one program, its forward pass
@@ -252,27 +276,27 @@ class ModelRunner:
         device arrays, without waiting.
 
         Placeholder tokens of the batch read the previous dispatched step's samples."""
-        forward, sample, *fused = self.programs(key)
         if self.broadcaster is not None:
             self.broadcaster.send(STEP, batch, key)
-        if fused:
-            return self._step(batch, fused[0])
-        self._forward(batch, forward)
-        return self._sample(batch, sample)
+        full = self.samples_full(batch)
+        if self.fuses(key) and not full:
+            return self._step(batch, ("step", *self.forward_program(key)[1:]))
+        self._forward(batch, self.forward_program(key))
+        return self._sample(batch, self.sample_program(key, full))
 
     def dispatch_forward(self, batch: StepBatch, key: BucketKey) -> None:
         """Start the step's forward pass; its logits wait on the device for
         `dispatch_sample`, which must come next (after any host work)."""
         if self.broadcaster is not None:
             self.broadcaster.send(FORWARD, batch, key)
-        self._forward(batch, self.programs(key)[0])
+        self._forward(batch, self.forward_program(key))
 
     def dispatch_sample(self, batch: StepBatch, key: BucketKey) -> SampleOutput:
         """Sample from the last `dispatch_forward`'s logits with the batch's sampling
         arrays and history (filled since)."""
         if self.broadcaster is not None:
             self.broadcaster.send(SAMPLE, batch, key)
-        return self._sample(batch, self.programs(key)[1])
+        return self._sample(batch, self.sample_program(key, self.samples_full(batch)))
 
     def steps_program(self, key: BucketKey) -> tuple:
         return ("steps", key.tokens, key.seqs, self.decode_steps)
@@ -365,7 +389,7 @@ class ModelRunner:
         logits, self._logits = self._logits, None
         inputs = self._pack(self._sampling_inputs(batch))
         args = (logits, inputs, self.carry, self.draft_probs, self._row_tokens)
-        out, self.carry = self._run(program, self._programs.sample[program[-1]], args)
+        out, self.carry = self._run(program, self._programs.sample[program[-2:]], args)
         return out
 
     def _forward_args(self, inputs) -> tuple:
@@ -398,7 +422,7 @@ class ModelRunner:
         """The compiled forward pass of a bucket (every collective and kernel of its step
         is there), for reading its HLO (compiles it again)."""
         batch = self._pack(_forward_inputs(self.builder.empty(key)))
-        forward = self._programs.forward[self.programs(key)[0][-1]]
+        forward = self._programs.forward[self._verifies(key)]
         return forward.lower(*self._forward_args(batch)).compile()
 
     def _image_buffer(self) -> jax.Array | None:
@@ -439,6 +463,17 @@ def _on_cpu() -> bool:
 @functools.cache
 def _one_process() -> bool:
     return jax.process_count() == 1
+
+
+def branch_free() -> bool:
+    """Whether the step programs leave out `lax.cond`s on the device's data, the host
+    picking the program instead (sampler.Static, programs.decode_steps): on a GPU, where
+    XLA runs a `lax.cond` by copying its predicate to the host and waiting for it, and a
+    loop of a count not known when compiled likewise each time round. A program holding
+    one returns to its caller only when the device gets there: on an H200 (2026-12-04,
+    Llama-3-8B shape, bf16) a batch-1 step's call returned after 9.1 ms, the step's whole
+    time, and no step was queued behind another."""
+    return jax.default_backend() == "gpu"
 
 
 def packs_inputs() -> bool:

@@ -11,6 +11,7 @@ for them (zeros otherwise).
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,26 @@ ROW_TIERS = (1, 8)
 CHUNK_ABOVE_BYTES = 4 << 20
 
 _NEG_INF = -jnp.inf
+
+
+class Static(NamedTuple):
+    """What a program's sampling settles when it is compiled, not on the device. Without
+    one (None) the sampling branches on the rows' parameters with `lax.cond`s (greedy or
+    drawn, a grammar mask or bias or not, top-k / top-p's sort, logprobs, the row tiers),
+    which cost XLA:CPU and TPU nothing when a branch is skipped; XLA:GPU runs a
+    `lax.cond` by copying its predicate to the host and waiting for it (its
+    ConditionalThunk), so a program holding one returns to its caller only when the
+    device has reached it, and no step is queued behind another. There the host picks
+    the program instead (ModelRunner.branch_free): every row's draw and greedy pick are
+    computed and each row takes its own; `sorts` False leaves out top-k / top-p (no row
+    may ask for them) and `logprobs` False the logprobs (zeros; no row may ask)."""
+
+    sorts: bool
+    logprobs: bool
+
+
+FAST = Static(sorts=False, logprobs=False)  # greedy, temperature, min-p, bias, masks
+FULL = Static(sorts=True, logprobs=True)  # also top-k, top-p and logprobs
 
 
 @jax.tree_util.register_dataclass
@@ -126,14 +147,15 @@ def bias_and_ban(logits: jax.Array, p: SamplingArrays) -> jax.Array:
     return logits.at[rows, ids].add(values, mode="drop")
 
 
-def filter_logits(logits: jax.Array, p: SamplingArrays, top: jax.Array | None = None
-                  ) -> jax.Array:
+def filter_logits(logits: jax.Array, p: SamplingArrays, top: jax.Array | None = None,
+                  sorts: bool | None = None) -> jax.Array:
     """Mask (to -inf) tokens outside top-k, outside the top-p nucleus, or below min-p.
 
     Each is a per-row threshold on the logits; one `where` applies them all. Only top-k /
     top-p need a sort, under a `lax.cond` that returns the `[S]` thresholds (a cond that
     returned the `[S, V]` logits would copy them even when it does nothing). `top`: each
-    row's maximum, if the caller has it (no filter removes it)."""
+    row's maximum, if the caller has it (no filter removes it). `sorts` (Static.sorts):
+    sort or not whatever the rows ask; None: the `lax.cond`."""
     s, v = logits.shape
 
     def top_k_top_p(logits):
@@ -149,8 +171,11 @@ def filter_logits(logits: jax.Array, p: SamplingArrays, top: jax.Array | None = 
         last = jnp.sum(keep, axis=-1) - 1
         return jnp.maximum(kth[:, 0], jnp.take_along_axis(sorted_desc, last[:, None], -1)[:, 0])
 
-    needs_sort = jnp.any((p.top_k > 0) & (p.top_k < v)) | jnp.any(p.top_p < 1.0)
-    cut = jax.lax.cond(needs_sort, top_k_top_p, lambda _: jnp.full(s, _NEG_INF), logits)
+    if sorts is None:
+        needs_sort = jnp.any((p.top_k > 0) & (p.top_k < v)) | jnp.any(p.top_p < 1.0)
+        cut = jax.lax.cond(needs_sort, top_k_top_p, lambda _: jnp.full(s, _NEG_INF), logits)
+    else:
+        cut = top_k_top_p(logits) if sorts else jnp.full(s, _NEG_INF)
     # min-p: p_t >= min_p * p_max  <=>  logit_t >= logit_max + log(min_p) (the softmax's
     # normaliser cancels); log(0) = -inf keeps everything.
     top = row_max(logits) if top is None else top
@@ -219,8 +244,8 @@ def inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
 
 
 def sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | None,
-           num_rows: jax.Array | None = None, drafts: SampledDrafts | None = None
-           ) -> SampleOutput:
+           num_rows: jax.Array | None = None, drafts: SampledDrafts | None = None,
+           static: Static | None = None) -> SampleOutput:
     """Pick one token per row of `raw_logits[S, V]` (float32, or the model's dtype: then
     widened to float32 here, only the rows sampled).
 
@@ -230,11 +255,12 @@ def sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | Non
     sequences holding one prefill samples 1 row, not 64 (9 ms of a 33 ms step on a CPU at
     a 49k vocabulary). Every row is sampled on its own (its seed and output index), so
     the real rows' tokens do not depend on the tier. `drafts`: those the rows with a
-    `draft_index` verify (`verify_drafts`)."""
+    `draft_index` verify (`verify_drafts`). `static`: what is settled when compiled
+    (`Static`; then every row is sampled, no tier picked on the device)."""
     s = raw_logits.shape[0]
     tiers = [t for t in ROW_TIERS if t < s]
-    if num_rows is None or not tiers:
-        return _sample(raw_logits, p, history, drafts)
+    if num_rows is None or not tiers or static is not None:
+        return _sample(raw_logits, p, history, drafts, static)
 
     def first(rows: int):
         def run(operands):
@@ -295,13 +321,13 @@ def _uniform(keys: jax.Array) -> jax.Array:
     return jnp.maximum(jax.vmap(jax.random.uniform)(keys), jnp.finfo(jnp.float32).tiny)
 
 
-def _weights(logits: jax.Array, p: SamplingArrays) -> jax.Array:
+def _weights(logits: jax.Array, p: SamplingArrays, sorts: bool | None = None) -> jax.Array:
     """Each row's sampling distribution, unnormalised (the maximum's weight 1):
     temperature (a greedy row's taken as 1), then top-k, top-p and min-p."""
     temp = jnp.where(p.temperature > 0, p.temperature, 1.0)
     scaled = logits / temp[:, None]
     top = row_max(scaled)  # also the filtered rows' maximum: one pass for both
-    return jnp.exp(filter_logits(scaled, p, top) - top[:, None])
+    return jnp.exp(filter_logits(scaled, p, top, sorts) - top[:, None])
 
 
 def verify_drafts(weights: jax.Array, q: jax.Array, drafts: jax.Array, u: jax.Array,
@@ -362,7 +388,8 @@ def bias_and_ban_columns(logits: jax.Array, p: SamplingArrays, columns: jax.Arra
 
 
 def _sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | None,
-            drafts: SampledDrafts | None = None) -> SampleOutput:
+            drafts: SampledDrafts | None = None, static: Static | None = None
+            ) -> SampleOutput:
     # The grammar mask rules tokens out whatever the bias adds (-inf plus a finite bias
     # stays -inf), so it goes first: its output is a new array, which the bias's scatter
     # then updates in place. (Mask last, XLA:CPU wrote the logits three times: a copy for
@@ -377,7 +404,7 @@ def _sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | No
     def draw(raw_logits):
         logits = adjusted(raw_logits)
         greedy_ids = first_argmax(logits)
-        weights = _weights(logits, p)
+        weights = _weights(logits, p, None if static is None else static.sorts)
         # Inverse CDF: the first token whose cumulative probability passes the row's one
         # uniform draw. Gumbel noise per token (argmax of logits + noise) picks from the same
         # distribution but costs 64 x 49k random numbers a step: ~6x the time on a CPU.
@@ -390,7 +417,8 @@ def _sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | No
                                      _uniform(_keys(p, stream=1)))
                 return jnp.where(p.draft_index >= 0, kept, drawn)
 
-            drawn = jax.lax.cond(jnp.any(p.draft_index >= 0), verify, lambda x: x, drawn)
+            drawn = (verify(drawn) if static is not None else
+                     jax.lax.cond(jnp.any(p.draft_index >= 0), verify, lambda x: x, drawn))
         return jnp.where(p.temperature > 0, drawn, greedy_ids)
 
     def greedy(raw_logits):
@@ -402,7 +430,10 @@ def _sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | No
         return jax.lax.cond(_untouched(p), first_argmax, lambda x: first_argmax(adjusted(x)),
                             raw_logits)
 
-    token_ids = jax.lax.cond(jnp.any(p.temperature > 0), draw, greedy, raw_logits)
+    if static is not None:  # each row's draw and greedy pick, each row taking its own
+        token_ids = draw(raw_logits)
+    else:
+        token_ids = jax.lax.cond(jnp.any(p.temperature > 0), draw, greedy, raw_logits)
     s, k = raw_logits.shape[0], min(MAX_LOGPROBS, raw_logits.shape[1])
 
     def with_logprobs(_):  # of the model's distribution as the grammar mask leaves it
@@ -415,8 +446,11 @@ def _sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | No
         return (jnp.zeros(s, jnp.float32), jnp.zeros((s, k), jnp.int32),
                 jnp.zeros((s, k), jnp.float32))
 
-    chosen, top_ids, top_logprobs = jax.lax.cond(jnp.any(p.logprobs), with_logprobs, without,
-                                                 None)
+    if static is not None:
+        chosen, top_ids, top_logprobs = (with_logprobs if static.logprobs else without)(None)
+    else:
+        chosen, top_ids, top_logprobs = jax.lax.cond(jnp.any(p.logprobs), with_logprobs,
+                                                     without, None)
     return SampleOutput(token_ids, chosen, top_ids, top_logprobs)
 
 

@@ -244,13 +244,11 @@ def ragged_paged_attention(x: AttentionInputs, *, pages_per_block: int | None = 
         num_blocks = plan.num_blocks * (block // kind_block)
         splits = num_kv_splits or default_num_kv_splits(x.num_kv_heads * items.num_items,
                                                         num_blocks)
-        shape = (x.num_kv_heads, items.num_items, rows, x.head_dim)
-        result = jax.lax.cond(
-            items.num_real() > 0,
-            lambda items=items, rows=rows, splits=splits, kind_block=kind_block, launch=launch:
-                _call(x, plan.page_indices, items, kind_block, rows, splits, interpret,
-                      num_warps or default_num_warps(rows), num_stages or launch.num_stages),
-            lambda shape=shape: jnp.zeros(shape, x.q.dtype))
+        # Launched even when no item of the kind is real (its programs end at once): a
+        # lax.cond on num_real() would be two waits for the device per layer, XLA:GPU
+        # copying each predicate to the host (jaxserve/engine/runner.py, branch_free).
+        result = _call(x, plan.page_indices, items, kind_block, rows, splits, interpret,
+                       num_warps or default_num_warps(rows), num_stages or launch.num_stages)
         out = scatter_outputs(out, result, items, x.group)
     return out
 
