@@ -12,8 +12,11 @@
 #   offline      benchmarks/offline_throughput.py on a Llama-3-8B-shaped random bf16 model
 #   forward      benchmarks/forward_step.py: that model's forward pass alone (no engine)
 #   sweep        benchmarks/gpu_attention_sweep.py: the attention kernel's launch choices
+#   dispatch     benchmarks/gpu_dispatch.py: the 8B model's host time inside each step's
+#                call and the steps queued behind a running one (one and 8 steps a program)
 #   hostloop     benchmarks/host_overhead.py (tiny model, no peers) with the step's host
-#                inputs packed in one transfer and not (jaxserve/engine/packing.py)
+#                inputs packed in one transfer and not (jaxserve/engine/packing.py); on an
+#                H200 its tiny model's 32 programs compile in ~2.5 minutes per run
 # Each step has a time limit (SIGINT, so pytest still prints what failed) and a log. The
 # Python packages the device's image lacks travel as wheels in .whl, and the 8B model's
 # tokenizer in .tok8b (both ignored by git, named in the call's carry): see
@@ -89,12 +92,16 @@ jaxlib.__version__, 'triton', triton.__version__, 'torch', torch.__version__); p
       step offline 300 python3 benchmarks/offline_throughput.py --preset \
         configs/models/llama3-8b.yaml --dtype bfloat16 --skip-hf --skip-llamacpp --skip-vllm --skip-restarts
       sed -n '/^|/p' "$OUT/offline.log" | tail -40 ;;
+    dispatch)
+      checkpoint_8b
+      step dispatch 300 python3 benchmarks/gpu_dispatch.py
+      sed -n '/^[|-]/p' "$OUT/dispatch.log" ;;
     sweep)
       step sweep 130 python3 benchmarks/gpu_attention_sweep.py
       sed -n '/^[|#]/p' "$OUT/sweep.log" | awk '/^#/{n=0} {if (n++ < 8) print}' ;;
     hostloop)
       for pack in on off; do
-        step "hostloop-$pack" 300 python3 benchmarks/host_overhead.py --skip-peers --rounds 2 \
+        step "hostloop-$pack" 300 python3 benchmarks/host_overhead.py --skip-peers --rounds 1 \
           --pack "$pack"
         sed -n '/^|/p' "$OUT/hostloop-$pack.log"
       done ;;
