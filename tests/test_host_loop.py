@@ -342,3 +342,49 @@ def test_branch_free_programs_give_the_tokens_of_the_branching_ones(path, prompt
             assert " conditional(" not in text, program
             loops = [line for line in text.splitlines() if " while(" in line]
             assert all("known_trip_count" in line for line in loops), program
+
+
+def _device_branches(jaxpr) -> collections.Counter:
+    """The lax.conds and loops of a traced count (`while`; a loop of a static count is a
+    `scan`) in a program, not counting a kernel's own (its pallas_call runs on the
+    device)."""
+    found = collections.Counter()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("cond", "while"):
+            found[eqn.primitive.name] += 1
+        if eqn.primitive.name != "pallas_call":
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                found += _device_branches(sub)
+    return found
+
+
+@pytest.mark.parametrize("branch_free", [False, True])
+def test_a_gpus_step_programs_hold_no_branch_on_device_data(path, monkeypatch, branch_free):
+    """The step programs a GPU runs, GPU attention kernels and all, traced on this CPU
+    (never compiled): where the runner is branch_free (as on a GPU) none holds a lax.cond
+    or a loop of a traced count, each of which XLA:GPU runs by waiting on the host for a
+    predicate; the branching programs (a CPU's, a TPU's) do hold them."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.engine import Engine
+
+    monkeypatch.setattr(runner_module, "branch_free", lambda: branch_free)
+    engine = Engine.from_config(EngineConfig(model=path, kernel_impl="gpu",
+                                             num_scheduler_steps=4, **ENGINE))
+    runner, found = engine.runner, {}
+
+    def trace(program, fn, args):
+        traced = fn.trace(*args)
+        found[program] = _device_branches(traced.jaxpr.jaxpr)
+        return jax.tree.map(lambda x: jax.numpy.zeros(x.shape, x.dtype), traced.out_info)
+
+    runner._run = trace
+    runner.warmup(progress=False)
+    kinds = {program[0] for program in found}
+    assert kinds == {"forward", "sample", "step", "steps"}
+    if branch_free:
+        assert sum(found.values(), collections.Counter()) == {}, found
+        assert {program[-1] for program in found if program[0] == "sample"} == {False, True}
+    else:
+        for kind in ("sample", "step", "steps"):  # the sampler's conds
+            assert all(found[p]["cond"] for p in found if p[0] == kind), kind
+        assert all(found[p]["while"] for p in found if p[0] == "steps")
