@@ -19,8 +19,8 @@
 #                H200 its tiny model's 32 programs compile in ~2.5 minutes per run
 # Each step has a time limit (SIGINT, so pytest still prints what failed) and a log. The
 # Python packages the device's image lacks travel as wheels in .whl, and the 8B model's
-# tokenizer in .tok8b (both ignored by git, named in the call's carry): see
-# benchmarks/history/2026-11-21-to-29.md "GPU bring-up" for the commands that make them.
+# tokenizer in .tok8b (both ignored by git, named in the call's carry):
+# `bash benchmarks/gpu_carry.sh` makes them here.
 #   bash benchmarks/gpu_session.sh env kernels engine bench
 set -uo pipefail
 OUT=${OUT:-gpu-out}
