@@ -6,8 +6,10 @@ only when the device has run up to the program's last `lax.cond` or loop of unkn
 (XLA:GPU copies their predicates to the host and waits), and then no step is queued behind
 another; `ModelRunner.branch_free` keeps both out of the step programs there. One engine
 (offline_throughput.py's settings, num_scheduler_steps 8, a preset's random checkpoint,
-bf16); workloads (a) 1 request x 256 new tokens and (b) 64 x (128-token prompt + 128),
-each with one decode step per program (the multi-step rule turned off) and with 8, twice.
+bf16); workloads (a) 1 request x 256 new tokens, (b) 64 x (128-token prompt + 128), greedy,
+and (c) as (b) sampled at temperature 0.7 with top-p 0.9 (on a GPU: a forward pass and
+the FULL sampling, its sort, a step), each with one decode step per program (the
+multi-step rule turned off) and with 8, twice.
 Per kind of program: calls, median and largest host ms inside the call.
 
     JAX_PLATFORMS=cuda python benchmarks/gpu_dispatch.py [--preset configs/models/llama3-8b.yaml]
@@ -61,10 +63,12 @@ def main() -> None:
     prompt_a = [rng.integers(100, vocab, 32).tolist()]
     prompts_b = [rng.integers(100, vocab, 128).tolist() for _ in range(64)]
 
-    def workload(prompts: list[list[int]], new_tokens: int) -> tuple[float, float, int, int]:
+    def workload(prompts: list[list[int]], new_tokens: int, top_p: float = 1.0
+                 ) -> tuple[float, float, int, int]:
         calls.clear()
         steps, queued = engine.num_steps, engine.num_overlapped_steps
-        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=0.0 if top_p == 1.0 else 0.7, top_p=top_p,
+                                seed=0, max_tokens=new_tokens, ignore_eos=True)
         t0 = time.perf_counter()
         for i, p in enumerate(prompts):
             engine.add_request(f"{t0}-{i}", p, params)
@@ -79,8 +83,10 @@ def main() -> None:
     for steps in (1, 8, 1, 8):
         engine._decode_steps = (lambda: 1) if steps == 1 else multi_step
         workload(prompt_a, 8)  # warm
-        for name, prompts, new in (("(a) 1 x 256", prompt_a, 256), ("(b) 64 x 128", prompts_b, 128)):
-            t0, first, n, queued = workload(prompts, new)
+        for name, prompts, new, top_p in (("(a) 1 x 256", prompt_a, 256, 1.0),
+                                          ("(b) 64 x 128", prompts_b, 128, 1.0),
+                                          ("(c) 64 x 128, top-p 0.9", prompts_b, 128, 0.9)):
+            t0, first, n, queued = workload(prompts, new, top_p)
             end = time.perf_counter()
             result = (f"{1e3 * (end - first) / (new - 1):.2f} ms a token" if len(prompts) == 1
                       else f"{len(prompts) * new / (end - t0):.0f} tok/s")
