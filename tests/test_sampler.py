@@ -467,3 +467,34 @@ def test_static_sampling_picks_what_the_device_branches_pick(asks):
     assert np.asarray(got.logprob).any() == asks
     assert _branches(lambda *a: sample(*a, static=static), logits, p, None, jnp.int32(n)) == 0
     assert _branches(sample, logits, p, None, jnp.int32(n)) > 0
+
+
+def test_native_top_k_top_p_cut_is_the_sorts():
+    """The CPU's native threshold (jaxserve_top_k_top_p_cut, a quickselect on mass, no
+    sort) equals the one from each row sorted by XLA, over flat and peaked rows, ties,
+    masked (-inf) tokens and every kind of top-k and top-p; with top_p 1 (off, as a
+    padding row's) it is numpy's k-th largest value."""
+    from pallas_kernels import cpu as native
+
+    if not native.available():
+        pytest.skip(f"native CPU kernels unavailable: {native.unavailable_reason()}")
+    rng = np.random.default_rng(3)
+    n, v = 240, 700
+    logits = (rng.standard_normal((n, v)) * rng.choice([0.3, 3.0, 12.0], n)[:, None]
+              ).astype(np.float32)
+    logits[::7] = np.round(logits[::7])  # many ties
+    logits[::5, rng.integers(0, v, 300)] = -np.inf  # a grammar's or a ban's masked tokens
+    top_k = rng.choice([0, 1, 2, 5, 50, v - 1, v, v + 3], n).astype(np.int32)
+    top_p = rng.choice([1.0, 0.999, 0.9, 0.5, 0.1, 0.01], n).astype(np.float32)
+    call = jax.ffi.ffi_call("jaxserve_top_k_top_p_cut", jax.ShapeDtypeStruct((n,), jnp.float32))
+    got = np.asarray(jax.jit(call)(logits, top_k, top_p))
+    want = np.asarray(jax.jit(sampler.top_k_top_p_by_sort)(logits, top_k, top_p))
+    nucleus = top_p < 1.0
+    np.testing.assert_array_equal(got[nucleus], want[nucleus])
+    # top_p 1 is off: the k-th value. (The sort's float32 cumulative sum reaches 1.0
+    # before a peaked row's tail, whose tokens, each below float32's resolution of the
+    # mass, it then drops.)
+    k = np.where((top_k > 0) & (top_k < v), top_k, v)
+    kth = -np.sort(-logits, axis=1)[np.arange(n), k - 1]
+    np.testing.assert_array_equal(got[~nucleus], kth[~nucleus])
+    assert len(np.unique(got)) > n // 2  # the rows' cuts differ: not one value for all

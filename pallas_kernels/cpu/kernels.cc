@@ -15,9 +15,11 @@
 //                                    (LoRA adapters of a mixed batch).
 //   jaxserve_quantized_matmul        y = x @ W for a few rows, W int8 or int4 (groups, zero
 //                                    points) as pallas_kernels/quantized_matmul stores it.
+//   jaxserve_top_k_top_p_cut         each row's top-k / top-p threshold (the sampler's
+//                                    filter_logits), without sorting the rows.
 //
 // One translation unit: this file holds the FFI handlers and includes each kernel's
-// header (common.h, matmul.h, rows.h, attention.h, lora.h, quantized.h), so the kernels share
+// header (common.h, matmul.h, rows.h, attention.h, lora.h, quantized.h, sampling.h), so the kernels share
 // one thread pool.
 // The benchmarks' diagnostics are a library of their own (diagnostics.cc).
 //
@@ -29,6 +31,7 @@
 #include "attention.h"
 #include "lora.h"
 #include "quantized.h"
+#include "sampling.h"
 
 namespace jaxserve {
 namespace {
@@ -311,6 +314,23 @@ ffi::Error RopeImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
   return ffi::Error::Success();
 }
 
+ffi::Error TopKTopPCutImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
+                           ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::F32> top_p,
+                           ffi::Result<ffi::Buffer<ffi::F32>> cut) {
+  const auto d = logits.dimensions();
+  if (d.size() != 2 || d[1] < 1)
+    return ffi::Error::InvalidArgument("jaxserve_top_k_top_p_cut: logits must be [S, V]");
+  const int64_t s = d[0];
+  if (top_k.element_count() != static_cast<size_t>(s) ||
+      top_p.element_count() != static_cast<size_t>(s) ||
+      cut->element_count() != static_cast<size_t>(s))
+    return ffi::Error::InvalidArgument("jaxserve_top_k_top_p_cut: top_k, top_p, cut [S]");
+  Runner run(&pool);
+  TopKTopPCuts(run, logits.typed_data(), s, d[1], top_k.typed_data(), top_p.typed_data(),
+               cut->typed_data());
+  return ffi::Error::Success();
+}
+
 // LoRA: x [T, K], slots [T] (1-based; 0: no adapter), then (y_i [T, N_i], A_i [G, K, R],
 // B_i [G, R, N_i]) per module; results y_i (aliased to the inputs y_i).
 ffi::Error LoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> slots,
@@ -481,6 +501,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveLora, jaxserve::LoraImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveTopKTopPCut, jaxserve::TopKTopPCutImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 // Instruction-set control for tests: the level the kernels run at (0 scalar, 1 AVX2+FMA,
 // 2 AVX-512, 3 AVX-512 + BF16), capped at what the CPU has. Returns the level now in force.
