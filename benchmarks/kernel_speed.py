@@ -31,6 +31,9 @@ token, weighted by zeros where not chosen; reads every expert once), XLA's ragge
 (the platform's kernel; on a CPU its loop over the experts with tokens). Floor: the
 weights of the distinct experts the batch chose, divided by the bandwidth.
 
+Sampling: top-p 0.9's threshold per row (sampler.filter_logits) of random logits, 1 x
+49152, 64 x 2048 and 64 x 49152: XLA's sort of every row against the CPU's native cut.
+
 Every row is timed for the reference (pure JAX) and for the platform's kernel ("tpu" on
 TPU, "gpu" on GPU, "cpu" -- pallas_kernels/cpu, the native kernels -- on a CPU where they
 build; --impl forces one, "none" times the reference only). There are no quantized-matmul
@@ -61,7 +64,7 @@ a CPU, the CPU kernels' targets: decode attention >= 40% of the floor, dense M =
 of it (f32 and bf16), bf16 M = 512 >= 600 GFLOP/s and faster than XLA at M = 64 and 512.
 
     python benchmarks/kernel_speed.py [--full] [--impl tpu|gpu|cpu|none] [--iters N]
-                                 [--only attention,quantized,dense,moe]
+                                 [--only attention,quantized,dense,moe,sampling]
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from offline_throughput import measure_bandwidth, measure_matmul
+from jaxserve.engine.sampler import top_k_top_p_by_sort
 from jaxserve.huge_pages import restart_with_huge_pages
 from jaxserve.models.moe import grouped_glu
 from pallas_kernels import cpu as native
@@ -109,7 +113,7 @@ CPU_GEMV_TARGET = 0.80  # CPU: dense matmul at M = 1, fraction of the bandwidth 
 CPU_BF16_GFLOPS_TARGET = 600.0  # CPU: bf16 dense matmul at M = 512
 # (name, experts, hidden, expert intermediate, top-k) of one MoE layer.
 MOE_LAYERS = [("Qwen3-30B-A3B", 128, 2048, 768, 8), ("Mixtral-8x7B", 8, 4096, 14336, 2)]
-SECTIONS = ("attention", "quantized", "dense", "moe")
+SECTIONS = ("attention", "quantized", "dense", "moe", "sampling")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -500,6 +504,41 @@ def moe_table(rows: list[Row]) -> str:
     return markdown(header, body)
 
 
+def sampling_rows(impl: str | None, bandwidth: float, iters: int) -> list[Row]:
+    """Top-p 0.9's threshold per row (the sampler's filter_logits) of random normal logits
+    at temperature 0.7 (a flat row: most of the vocabulary in the nucleus, the kernel's
+    worst case), [rows, vocab] for 1 and 64 rows of smollm2-135m's 49152 and 64 of 2048:
+    XLA's sort of every row (ref_ms) and the CPU's native cut (kernel_ms, no sort)."""
+    rows = []
+    for r, v in ((1, SMOLLM2_VOCAB), (64, 2048), (64, SMOLLM2_VOCAB)):
+        logits = jax.random.normal(jax.random.PRNGKey(SEED + r + v), (r, v)) / 0.7
+        top_k, top_p = jnp.zeros(r, jnp.int32), jnp.full(r, 0.9, jnp.float32)
+        ref = jax.jit(top_k_top_p_by_sort)
+        nbytes = logits.size * 4
+        row = Row(f"top-p 0.9 cut {r} x {v}", nbytes, 1e3 * nbytes / bandwidth,
+                  median_ms(lambda: ref(logits, top_k, top_p), iters))  # noqa: B023
+        if impl == "cpu":
+            call = jax.jit(jax.ffi.ffi_call("jaxserve_top_k_top_p_cut",
+                                            jax.ShapeDtypeStruct((r,), jnp.float32)))
+            row.kernel_ms = median_ms(lambda: call(logits, top_k, top_p), iters)  # noqa: B023
+            row.max_diff = float(jnp.abs(call(logits, top_k, top_p)
+                                         - ref(logits, top_k, top_p)).max())
+        else:
+            row.kernel_note = "n/a (a CPU kernel)" if impl else "reference only"
+        rows.append(row)
+    return rows
+
+
+def sampling_table(rows: list[Row]) -> str:
+    header = ["row", "logits MB", "bw floor ms", "sort ms", "kernel ms", "kernel speedup",
+              "kernel % floor", "max abs diff"]
+    body = [[r.name, f"{r.bytes_moved / 1e6:.2f}", f"{r.floor_ms:.4f}", f"{r.ref_ms:.3f}",
+             *([f"{r.kernel_ms:.3f}", f"{r.ref_ms / r.kernel_ms:.1f}x",
+                pct(r.floor_ms, r.kernel_ms), f"{r.max_diff:.2g}"]
+               if r.kernel_ms is not None else [r.kernel_note, "", "", ""])] for r in rows]
+    return markdown(header, body)
+
+
 def dense_shapes() -> list[tuple[str, int, int]]:
     """(name, K, N) of smollm2-135m's matmuls, per layer, and its LM head; the weights are
     timed as [N, K], the layout the engine keeps them in on one CPU device."""
@@ -778,6 +817,7 @@ def main() -> None:
     matmuls = matmul_rows(on_cpu, args.full, impl, bandwidth, iters) if "quantized" in sections else []
     dense = dense_rows(impl, bandwidth, iters) if "dense" in sections else []
     moe = moe_rows(on_cpu, args.full, impl, bandwidth, iters) if "moe" in sections else []
+    sampling = sampling_rows(impl, bandwidth, iters) if "sampling" in sections else []
 
     print_header(args, impl, platform_name, bandwidth, flops_rate, flops_dtype, flops_by, iters,
                  time.perf_counter() - start)
@@ -788,7 +828,8 @@ def main() -> None:
             (dense, "dense matmul (smollm2-135m shapes; time per call in a chain of dependent "
                     "calls)", dense_table),
             (moe, "mixture-of-experts layer (the experts of one layer, routing given)",
-             moe_table)):
+             moe_table),
+            (sampling, "sampling: top-k / top-p thresholds (float32 logits)", sampling_table)):
         if rows:
             print(f"### {title}\n\n{table(rows)}\n")
     if impl == "cpu" and attention and dense:
