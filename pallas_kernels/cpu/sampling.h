@@ -1,7 +1,7 @@
 // Sampling's top-k / top-p cut per row (jaxserve/engine/sampler.py, filter_logits): the
 // value below which a row's tokens are masked, found without sorting the row. XLA:CPU
 // sorts with a call of the comparator per comparison: top-p over 64 rows of a 49k
-// vocabulary took it 674 ms, one row 11 ms.
+// vocabulary took it 674 ms, one row 11 ms (a 2-core Xeon).
 #pragma once
 
 #include <algorithm>
