@@ -44,6 +44,23 @@ def summary(outs) -> list[tuple]:
              o.outputs[0].stop_reason) for o in outs]
 
 
+def with_logprobs(outs) -> list:
+    """`summary`, then each request's logprobs."""
+    return summary(outs) + [o.outputs[0].logprobs for o in outs]
+
+
+def assert_same_outputs(got: list, want: list, n: int) -> None:
+    """Two `with_logprobs` of n requests: the same tokens, text and finish, and logprobs
+    for the same tokens, equal to float32 rounding."""
+    assert got[:n] == want[:n]
+    for g, w in zip(got[n:], want[n:]):
+        assert (g is None) == (w is None)
+        for a, b in zip(g or [], w or []):
+            assert a.keys() == b.keys()
+            assert [x.logprob for x in a.values()] == pytest.approx(
+                [x.logprob for x in b.values()], abs=1e-5)
+
+
 # What reads a device array's value on the host (each waits for the device to compute it).
 READS = ("__array__", "__int__", "__float__", "__bool__", "__index__", "__complex__", "item",
          "tolist", "block_until_ready")
@@ -157,8 +174,7 @@ def test_a_decode_step_is_one_program_with_the_two_programs_tokens(path, prompts
             programs[program[0], program[0] != "sample" and program[1] <= decode_tokens] += 1
 
         watch_programs(llm.engine.runner, record)
-        outs = llm.generate(batch, params)
-        return summary(outs) + [o.outputs[0].logprobs for o in outs], programs
+        return with_logprobs(llm.generate(batch, params)), programs
 
     fused, programs = run()
     assert programs["step", True] > 0 and programs["forward", True] == 0
@@ -166,13 +182,7 @@ def test_a_decode_step_is_one_program_with_the_two_programs_tokens(path, prompts
     monkeypatch.setattr(runner_module.ModelRunner, "fuses", lambda self, key: False)
     two, programs = run()
     assert programs["step", False] == 0 and programs["forward", True] > 0
-    assert fused[:len(params)] == two[:len(params)]
-    for got, want in zip(fused[len(params):], two[len(params):]):
-        assert (got is None) == (want is None)
-        for g, w in zip(got or [], want or []):
-            assert g.keys() == w.keys()
-            assert [x.logprob for x in g.values()] == pytest.approx(
-                [x.logprob for x in w.values()], abs=1e-5)
+    assert_same_outputs(fused, two, len(params))
 
 
 def test_plain_tokens_collected_as_append_collects_them(path, prompts, monkeypatch):
@@ -321,20 +331,13 @@ def test_branch_free_programs_give_the_tokens_of_the_branching_ones(path, prompt
         programs = collections.Counter()
         watch_programs(llm.engine.runner, lambda program, args: programs.update(
             [program[0] if program[0] != "sample" else ("sample", program[-1])]))
-        outs = llm.generate(batch, params)
-        return summary(outs) + [o.outputs[0].logprobs for o in outs], programs, llm
+        return with_logprobs(llm.generate(batch, params)), programs, llm
 
     want = [run(steps)[0] for steps in (1, 4)]
     monkeypatch.setattr(runner_module, "branch_free", lambda: True)
     for steps, expected in zip((1, 4), want):
         got, programs, llm = run(steps)
-        assert got[:len(params)] == expected[:len(params)]
-        for g, w in zip(got[len(params):], expected[len(params):]):
-            assert (g is None) == (w is None)
-            for a, b in zip(g or [], w or []):
-                assert a.keys() == b.keys()
-                assert [x.logprob for x in a.values()] == pytest.approx(
-                    [x.logprob for x in b.values()], abs=1e-5)
+        assert_same_outputs(got, expected, len(params))
         assert programs["sample", True] > 0 and programs["sample", False] > 0
         assert programs["step"] > 0 and programs["steps" if steps > 1 else "step"] > 0
         for program, executable in llm.engine.runner._executables.items():
