@@ -170,7 +170,7 @@ class ModelRunner:
         if self.branch_free:
             programs.append(self.sample_program(key, True))
         if self.fuses(key):
-            programs.append(("step", *programs[0][1:]))
+            programs.append(self.step_program(key))
         return programs
 
     def _verifies(self, key: BucketKey) -> bool:
@@ -178,6 +178,9 @@ class ModelRunner:
 
     def forward_program(self, key: BucketKey) -> tuple:
         return ("forward", key.tokens, key.seqs, key.rows, key.tree, self._verifies(key))
+
+    def step_program(self, key: BucketKey) -> tuple:
+        return ("step", *self.forward_program(key)[1:])
 
     def sample_program(self, key: BucketKey, full: bool) -> tuple:
         """A bucket's sampling program; `full` (where `branch_free`; else False): the one
@@ -280,7 +283,7 @@ class ModelRunner:
             self.broadcaster.send(STEP, batch, key)
         full = self.samples_full(batch)
         if self.fuses(key) and not full:
-            return self._step(batch, ("step", *self.forward_program(key)[1:]))
+            return self._step(batch, self.step_program(key))
         self._forward(batch, self.forward_program(key))
         return self._sample(batch, self.sample_program(key, full))
 
