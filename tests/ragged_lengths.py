@@ -38,3 +38,21 @@ def draw_trees(rng, kv_lens: list[int], q_lens: list[int], max_nodes: int = 32
         masks += mask
         parents.append(parent)
     return starts, masks, parents
+
+
+def draw_images(rng, kv_lens: list[int], q_lens: list[int]) -> list[int]:
+    """Images among a batch's new tokens, each whole in its step as the engine schedules
+    them: image_end per token (the position of its image's last token; -1 outside
+    images). Most sequences with three or more new tokens hold one or two images of 2 to
+    16 tokens, which may start at the first new token or end at the last."""
+    ends = []
+    for kv, q in zip(kv_lens, q_lens):
+        end = [-1] * q
+        if q >= 3 and rng.random() < 0.8:
+            cuts = sorted(rng.choice(q + 1, size=4, replace=False).tolist())
+            for a, b in (cuts[:2], cuts[2:])[:int(rng.integers(1, 3))]:
+                b = min(b, a + 16)
+                if b - a >= 2:
+                    end[a:b] = [kv - q + b - 1] * (b - a)
+        ends += end
+    return ends

@@ -47,8 +47,9 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
     `image_end`, images whose tokens see each other):
     `[T, num_q_heads, head_dim]` in q's dtype, zeros for padding queries.
 
-    Only the reference reads `image_end` yet: another `impl` runs as asked for a step
-    without image tokens, and the reference for one with them (`lax.cond`).
+    The reference and the GPU kernel read `image_end`; another `impl` runs as asked for a
+    step without image tokens, and the reference for one with them (`lax.cond`: on a GPU
+    a wait for the host, so the GPU kernel takes images itself).
 
     The arguments are described in work_items.AttentionInputs; `impl` is one of IMPLS (None:
     by platform). `block_sizes` are the backend's overrides (pages_per_block,
@@ -66,7 +67,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
             impl = "cpu" if cpu.supports(x) else "reference"
     if impl == "reference":
         return reference.ragged_paged_attention(x, **block_sizes)
-    if x.image_end is not None:
+    if x.image_end is not None and impl != "gpu":
         plain = dataclasses.replace(x, image_end=None)
         return jax.lax.cond(jnp.any(x.image_end >= 0),
                             lambda: reference.ragged_paged_attention(x),

@@ -14,9 +14,11 @@ tokens) still make one key tile. Blocks wholly before the sliding window or past
 last query are skipped. A quantized cache (int8 / fp8) is loaded as stored and converted to
 q's dtype in registers: the per-token K scales multiply the scores, the V scales the
 probabilities. Speculative trees: each item's tree start and its rows' tree masks are
-operands too, masking the scores beside causality. Dots take q's dtype with float32
-accumulation (bf16 probabilities before P·V when q is bf16; IEEE float32, not Triton's
-TF32 default, when q is float32).
+operands too, masking the scores beside causality. Images whose tokens see each other
+(Gemma 3): each row's image end is an operand, the last key it sees the later of its own
+position and that end, and an item walks its blocks up to its rows' latest image end.
+Dots take q's dtype with float32 accumulation (bf16 probabilities before P·V when q is
+bf16; IEEE float32, not Triton's TF32 default, when q is float32).
 
 Block-size rule (no device query, so it is the same when lowering ahead of time). Triton
 tensors are powers of two and its dot needs every dimension >= 16:
@@ -65,7 +67,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.ragged_paged_attention.kv_cache import BITS
 from pallas_kernels.ragged_paged_attention.work_items import (
     MASKED, AttentionInputs, WorkItems, default_queries_per_block, gather_queries,
-    gather_tree_masks, plan_blocks, scatter_outputs, tree_visible, visible_blocks)
+    gather_image_ends, gather_tree_masks, plan_blocks, scatter_outputs, tree_visible,
+    visible_blocks)
 from pallas_kernels.tiling import is_power_of_2, next_power_of_2
 
 MIN_TILE = 16  # smallest dimension Triton's dot accepts
@@ -128,13 +131,16 @@ def _kernel(seq_ref, q_pos_ref, num_q_ref, kv_len_ref,  # [W] each: item metadat
             q_ref,  # [rows, head_dim]: this item's queries of this KV head
             k_ref, v_ref,  # [num_pages, page_size, head_dim]: this KV head's pages
             *rest, sm_scale, sliding_window, soft_cap, group, pages_per_block, quantized,
-            num_splits, tree):
+            num_splits, tree, images):
     # rest: ts_ref [W] and tm_ref [rows] (each item's tree start and its rows' tree masks,
-    # trees only), ks_ref, vs_ref [num_pages, page_size] (this head's scales, quantized
-    # caches only), then the outputs: o_ref [rows, head_dim], or with KV splits acc_ref
-    # [rows, head_dim] and m_ref, l_ref [rows] (this split's unnormalised partials, f32).
+    # trees only), ie_ref [rows] (its rows' image ends, -1 outside images; images only),
+    # ks_ref, vs_ref [num_pages, page_size] (this head's scales, quantized caches only),
+    # then the outputs: o_ref [rows, head_dim], or with KV splits acc_ref [rows, head_dim]
+    # and m_ref, l_ref [rows] (this split's unnormalised partials, f32).
     if tree:
         ts_ref, tm_ref, *rest = rest
+    if images:
+        ie_ref, *rest = rest
     if quantized:
         ks_ref, vs_ref, *out_refs = rest
     else:
@@ -146,6 +152,13 @@ def _kernel(seq_ref, q_pos_ref, num_q_ref, kv_len_ref,  # [W] each: item metadat
     seq, q_pos, num_q, kv_len = seq_ref[w], q_pos_ref[w], num_q_ref[w], kv_len_ref[w]
 
     first, last = visible_blocks(q_pos, num_q, kv_len, block_tokens, sliding_window)
+    row_pos = q_pos + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) // group
+    row_last = row_pos  # the last key a row sees: itself, or the end of its image
+    if images:  # an image may end past the item's last query
+        image_end = ie_ref[...]
+        row_last = jnp.maximum(row_pos, image_end)
+        end = jnp.minimum(kv_len, image_end.max() + 1)
+        last = jnp.maximum(last, (end + block_tokens - 1) // block_tokens)
     if num_splits > 1:  # this program's contiguous share of the item's blocks
         per_split = (last - first + num_splits - 1) // num_splits
         first = jnp.minimum(first + pl.program_id(2) * per_split, last)
@@ -155,7 +168,6 @@ def _kernel(seq_ref, q_pos_ref, num_q_ref, kv_len_ref,  # [W] each: item metadat
     compute_dtype = q.dtype
     # float32 dots must be IEEE: Triton's default for float32 is TF32 (10-bit mantissa).
     precision = jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
-    row_pos = q_pos + jax.lax.broadcasted_iota(jnp.int32, (rows,), 0) // group
     token = jax.lax.broadcasted_iota(jnp.int32, (block_tokens,), 0)
     page_in_block, row_in_page = token // page_size, token % page_size
 
@@ -173,7 +185,7 @@ def _kernel(seq_ref, q_pos_ref, num_q_ref, kv_len_ref,  # [W] each: item metadat
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         k_pos = b * block_tokens + token
-        visible = (k_pos[None, :] <= row_pos[:, None]) & (k_pos[None, :] < kv_len)
+        visible = (k_pos[None, :] <= row_last[:, None]) & (k_pos[None, :] < kv_len)
         if sliding_window is not None:
             visible &= k_pos[None, :] > row_pos[:, None] - sliding_window
         if tree:
@@ -271,6 +283,9 @@ def _call(x: AttentionInputs, page_indices: jax.Array, items: WorkItems, pages_p
     if x.tree:  # each item's tree start, each row's tree mask
         in_specs += [_whole((num_items,)), pl.BlockSpec((None, rows), lambda h, w, *_: (w, 0))]
         operands += [x.tree_start[items.seq], gather_tree_masks(x, items, rows)]
+    if x.image_end is not None:  # each row's image end
+        in_specs.append(pl.BlockSpec((None, rows), lambda h, w, *_: (w, 0)))
+        operands.append(gather_image_ends(x, items, rows))
     if x.quantized:
         scales_spec = pl.BlockSpec((None, num_pages, page_size), lambda h, *_: (h, 0, 0))
         in_specs += [scales_spec, scales_spec]
@@ -293,7 +308,7 @@ def _call(x: AttentionInputs, page_indices: jax.Array, items: WorkItems, pages_p
     kernel = functools.partial(
         _kernel, sm_scale=x.sm_scale, sliding_window=x.sliding_window, soft_cap=x.soft_cap,
         group=x.group, pages_per_block=pages_per_block, quantized=x.quantized,
-        num_splits=splits, tree=x.tree)
+        num_splits=splits, tree=x.tree, images=x.image_end is not None)
     out = pl.pallas_call(
         kernel,
         grid=grid,

@@ -341,11 +341,15 @@ def gather_tree_masks(x: AttentionInputs, items: WorkItems, rows: int | None = N
     return mask
 
 
-def gather_image_ends(x: AttentionInputs, items: WorkItems) -> jax.Array:
+def gather_image_ends(x: AttentionInputs, items: WorkItems, rows: int | None = None
+                      ) -> jax.Array:
     """Each item's rows' image ends, `[W, rows]` laid out as gather_queries lays out the
-    rows; -1 for padding rows."""
+    rows; -1 for padding rows and rows past `bq * group`."""
     ends = x.image_end[jnp.minimum(items.token, x.num_tokens - 1)]
-    return jnp.repeat(jnp.where(items.token < x.num_tokens, ends, -1), x.group, axis=1)
+    ends = jnp.repeat(jnp.where(items.token < x.num_tokens, ends, -1), x.group, axis=1)
+    if rows is not None and rows > ends.shape[1]:
+        ends = jnp.pad(ends, ((0, 0), (0, rows - ends.shape[1])), constant_values=-1)
+    return ends
 
 
 def scatter_outputs(result: jax.Array, out: jax.Array, items: WorkItems, group: int
