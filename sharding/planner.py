@@ -97,9 +97,9 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
                          inputs)  # its two buffers (packing.py)
     # The forward pass: every weight, cache page, kernel and collective of the step (its
-    # sampling is a small replicated program of its own).
+    # sampling is a small replicated program of its own); no heads, verifying.
     fn = jit_programs(graphdef, params, jax.tree.map(lambda x: x.sharding, caches),
-                      shard, builder.layout, engine.page_size).forward[True]
+                      shard, builder.layout, engine.page_size).forward[False, True]
     carry = jax.ShapeDtypeStruct((builder.layout.size,), jnp.int32, sharding=replicated)
     with no_persistent_cache(), jax.default_device(devices[0]):
         layers = sum(cfg.sparse_layers)

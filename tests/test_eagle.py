@@ -4,6 +4,7 @@ of the same tokens, and the output is the target's whatever they guess."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import json
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 import transformers as tf
 
+from device_branches import gpu_programs
 from eagle_reference import Eagle1, Eagle3, drafts, tree_drafts, write_head
 from jaxserve import LLM
 from test_speculative import (  # noqa: F401 - base, target and want are fixtures
@@ -118,6 +120,25 @@ def test_drafts_are_the_published_heads_and_tokens_the_targets(checkpoints, head
     check_against_reference(seen, module, checkpoints("llama")[1],
                             (2,) if version == 1 else tuple(AUX))
     check_clean(llm)
+
+
+@pytest.mark.parametrize("branch_free", [False, True])
+def test_a_gpus_eagle_programs_hold_no_branch_on_device_data(checkpoints, head, version,
+                                                            branch_free, monkeypatch):
+    """EAGLE's rounds, drawing sampled requests' guesses, traced as a GPU compiles them:
+    where branch_free, the host picks the program with top-k and top-p's sort or without
+    and none holds a branch; else each round's draw is a lax.cond."""
+    found = gpu_programs(monkeypatch, branch_free, model=str(checkpoints("llama")[0]),
+                         **ENGINE, speculative_config={
+                             "method": "eagle3" if version == 3 else "eagle",
+                             "model": str(head[1]), "num_speculative_tokens": K,
+                             "disable_by_batch_size": None})
+    proposals = {p: n for p, n in found.items() if p[0] == "propose"}
+    if branch_free:
+        assert sum(found.values(), collections.Counter()) == {}, found
+        assert set(proposals) == {("propose", False), ("propose", True)}
+    else:
+        assert set(proposals) == {("propose", None)} and proposals["propose", None]["cond"]
 
 
 def test_trees_are_the_published_heads_top_guesses(checkpoints, head, version, want,

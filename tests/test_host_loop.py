@@ -17,6 +17,7 @@ from jaxserve.engine import engine as engine_module
 from jaxserve.engine import runner as runner_module
 from jaxserve.engine.request import Request
 from jaxserve.sampling_params import StructuredOutputsParams
+from device_branches import gpu_programs
 
 ENGINE = dict(dtype="float32", max_model_len=128, page_size=4, max_num_seqs=4,
               max_num_batched_tokens=64, token_buckets=(16, 64))
@@ -347,41 +348,13 @@ def test_branch_free_programs_give_the_tokens_of_the_branching_ones(path, prompt
             assert all("known_trip_count" in line for line in loops), program
 
 
-def _device_branches(jaxpr) -> collections.Counter:
-    """The lax.conds and loops of a traced count (`while`; a loop of a static count is a
-    `scan`) in a program, not counting a kernel's own (its pallas_call runs on the
-    device)."""
-    found = collections.Counter()
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("cond", "while"):
-            found[eqn.primitive.name] += 1
-        if eqn.primitive.name != "pallas_call":
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                found += _device_branches(sub)
-    return found
-
-
 @pytest.mark.parametrize("branch_free", [False, True])
 def test_a_gpus_step_programs_hold_no_branch_on_device_data(path, monkeypatch, branch_free):
     """The step programs a GPU runs, GPU attention kernels and all, traced on this CPU
     (never compiled): where the runner is branch_free (as on a GPU) none holds a lax.cond
     or a loop of a traced count, each of which XLA:GPU runs by waiting on the host for a
     predicate; the branching programs (a CPU's, a TPU's) do hold them."""
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine.engine import Engine
-
-    monkeypatch.setattr(runner_module, "branch_free", lambda: branch_free)
-    engine = Engine.from_config(EngineConfig(model=path, kernel_impl="gpu",
-                                             num_scheduler_steps=4, **ENGINE))
-    runner, found = engine.runner, {}
-
-    def trace(program, fn, args):
-        traced = fn.trace(*args)
-        found[program] = _device_branches(traced.jaxpr.jaxpr)
-        return jax.tree.map(lambda x: jax.numpy.zeros(x.shape, x.dtype), traced.out_info)
-
-    runner._run = trace
-    runner.warmup(progress=False)
+    found = gpu_programs(monkeypatch, branch_free, model=path, num_scheduler_steps=4, **ENGINE)
     kinds = {program[0] for program in found}
     assert kinds == {"forward", "sample", "step", "steps"}
     if branch_free:
@@ -391,3 +364,20 @@ def test_a_gpus_step_programs_hold_no_branch_on_device_data(path, monkeypatch, b
         for kind in ("sample", "step", "steps"):  # the sampler's conds
             assert all(found[p]["cond"] for p in found if p[0] == kind), kind
         assert all(found[p]["while"] for p in found if p[0] == "steps")
+
+
+@pytest.mark.parametrize("branch_free", [False, True])
+def test_a_gpus_draft_model_programs_hold_no_branch_on_device_data(path, monkeypatch,
+                                                                   branch_free):
+    """A draft model's rounds that draw sampled requests' guesses: where branch_free, the
+    host picks the program with top-k and top-p's sort or without (sampler.draw_drafts),
+    and none holds a branch; else each round's draw is a lax.cond on the rows'
+    temperatures."""
+    found = gpu_programs(monkeypatch, branch_free, model=path, **ENGINE, speculative_config={
+        "model": path, "num_speculative_tokens": 3, "disable_by_batch_size": None})
+    proposals = {p: n for p, n in found.items() if p[0] == "propose"}
+    if branch_free:
+        assert sum(found.values(), collections.Counter()) == {}, found
+        assert set(proposals) == {("propose", False), ("propose", True)}
+    else:
+        assert set(proposals) == {("propose", None)} and proposals["propose", None]["cond"]

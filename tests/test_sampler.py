@@ -469,6 +469,33 @@ def test_static_sampling_picks_what_the_device_branches_pick(asks):
     assert _branches(sample, logits, p, None, jnp.int32(n)) > 0
 
 
+@pytest.mark.parametrize("asks", [False, True], ids=["fast", "sorts"])
+def test_drafts_drawn_without_branches_are_the_branching_ones(asks):
+    """draw_drafts with `sorts` settled by the host (a GPU's proposers: no lax.cond): the
+    sampled rows' guesses and distributions of the lax.cond path (top-k and top-p rows
+    with `sorts`, none without); greedy rows' guesses the argmax. A batch of greedy rows
+    only draws the same guesses."""
+    n, v = 12, 300
+    rng = np.random.default_rng(5)
+    logits = jnp.asarray(rng.standard_normal((n, v)).astype(np.float32) * 2)
+    kw = dict(temperature=rng.choice([0.0, 0.7, 1.3], n), seed=rng.integers(0, 99, n),
+              min_p=rng.choice([0.0, 0.05], n), output_index=rng.integers(0, 9, n))
+    if asks:
+        kw.update(top_k=rng.choice([0, 5], n), top_p=rng.choice([1.0, 0.8], n))
+    for p in (arrays(n, **kw), arrays(n, **{**kw, "temperature": np.zeros(n)})):
+        want_ids, want_q = jax.jit(draw_drafts, static_argnums=2)(logits, p, 1)
+        got_ids, got_q = jax.jit(lambda *a: draw_drafts(*a, 1, sorts=asks))(logits, p)
+        np.testing.assert_array_equal(np.asarray(got_ids), np.asarray(want_ids))
+        sampled = np.asarray(p.temperature) > 0
+        np.testing.assert_allclose(np.asarray(got_q)[sampled], np.asarray(want_q)[sampled],
+                                   rtol=1e-6)
+        np.testing.assert_array_equal(np.asarray(got_ids)[~sampled],
+                                      np.asarray(logits).argmax(axis=1)[~sampled])
+    assert sampled.sum() == 0 and np.asarray(arrays(n, **kw).temperature).sum() > 0
+    assert _branches(lambda *a: draw_drafts(*a, 1, sorts=asks), logits, p) == 0
+    assert _branches(lambda *a: draw_drafts(*a, 1), logits, p) > 0
+
+
 def test_native_top_k_top_p_cut_is_the_sorts():
     """The CPU's native threshold (jaxserve_top_k_top_p_cut, a quickselect on mass, no
     sort) equals the one from each row sorted by XLA, over flat and peaked rows, ties,

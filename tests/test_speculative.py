@@ -4,6 +4,7 @@ model's distribution (transformers' probabilities, a chi-square test)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
 
@@ -426,6 +427,35 @@ def test_sampled_drafts_take_the_requests_logit_bias(self_drafted, prompts):
     check_clean(self_drafted)
 
 
+def test_branch_free_drafts_are_drawn_as_the_target_samples(self_drafted, checkpoints,
+                                                             prompts, monkeypatch):
+    """Where the programs are branch-free (a GPU's; forced here), the host picks the
+    draft's program with top-k and top-p's sort for a batch whose rows ask for them and
+    without for one that does not: the target drafting for itself keeps every guess (a
+    guess drawn without the request's top-k or top-p would not always be), and the
+    outputs are those of the branching programs."""
+    from jaxserve.engine import runner as runner_module
+
+    kinds = [{"top_k": 3}, {"top_p": 0.6}, {}, {"temperature": 0.0}]
+    params = [SamplingParams(**{"temperature": 1.0, **kinds[i % 4]}, seed=i, max_tokens=12,
+                             ignore_eos=True) for i in range(12)]
+    plain = [p for p in params if p.top_k <= 0 and p.top_p == 1.0]  # no sort asked
+    batches = [([prompts[0]] * 12, params), ([prompts[1]] * len(plain), plain)]
+    want = [tokens(self_drafted.generate(*batch)) for batch in batches]
+    monkeypatch.setattr(runner_module, "branch_free", lambda: True)
+    llm = draft_llm(checkpoints, "llama")
+    ran = collections.Counter()
+    programs = llm.engine.speculator.proposer._rounds
+    for sorts, fn in list(programs.items()):
+        programs[sorts] = lambda *a, fn=fn, sorts=sorts: (ran.update([sorts]), fn(*a))[1]
+    stats = fresh_counters(llm)
+    got = [tokens(llm.generate(*batch)) for batch in batches]
+    assert len(batches[1][1]) == 6 and got == want
+    assert ran[True] > 0 and ran[False] > 0
+    assert stats.num_proposed > 100 and stats.accepted == stats.proposed
+    check_clean(llm)
+
+
 def test_draft_model_with_preemption_chunks_and_prefix_hits(checkpoints, want, prompts):
     llm = draft_llm(checkpoints, "llama", max_num_batched_tokens=16, token_buckets=(16,),
                     num_pages=40)
@@ -500,6 +530,39 @@ def test_medusa_gives_the_target_tokens(request, heads, base, want, prompts):
                               ignore_eos=True) for s in range(4)]
     assert tokens(llm.generate(prompts, sampled)) == tokens(base.generate(prompts, sampled))
     check_clean(llm)
+
+
+def test_medusa_on_a_gpu_runs_its_heads_in_the_steps_that_propose(
+        checkpoints, tmp_path, monkeypatch, medusa_llm, want, prompts):
+    """Where the runner is branch-free (as on a GPU; forced here), the host picks the
+    forward pass with Medusa's heads for a step that proposes and the one without for a
+    step that does not (a prefill), where a CPU or TPU skips them by a lax.cond: the same
+    tokens, the same guesses accepted. Traced as a GPU compiles them, no program holds a
+    branch on the device."""
+    from jaxserve.engine import runner as runner_module
+    from device_branches import gpu_programs
+
+    config = {**dataclasses.asdict(medusa_llm.engine.speculator.config),
+              "disable_by_batch_size": 8}  # prefill steps do not speculate
+    base = LLM(str(checkpoints("llama")[0]), **ENGINE, speculative_config=config)
+    monkeypatch.setattr(runner_module, "branch_free", lambda: True)
+    llm = LLM(str(checkpoints("llama")[0]), **ENGINE, speculative_config=config)
+    heads = collections.Counter()
+    original = llm.engine.runner._run
+    llm.engine.runner._run = lambda program, fn, args: (
+        heads.update([program[-2]]) if program[0] in ("forward", "step") else None,
+        original(program, fn, args))[1]
+    got, expected = [], []
+    for engine, out in ((llm, got), (base, expected)):
+        stats = medusa_speculating(engine)
+        out += [tokens(engine.generate(prompts, GREEDY)), stats.accepted, stats.proposed]
+    assert got == expected and got[0] == want and sum(got[1]) > 0
+    assert heads[True] > 0 and heads[False] > 0  # both kinds of step ran
+    assert llm.engine.runner.compiles_after_warmup == 0
+    found = gpu_programs(monkeypatch, True, model=str(checkpoints("llama")[0]), **ENGINE,
+                         speculative_config=config)
+    assert {p[-2] for p in found if p[0] == "forward"} == {False, True}
+    assert sum(found.values(), collections.Counter()) == {}, found
 
 
 @pytest.mark.parametrize("arch, config, message", [

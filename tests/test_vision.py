@@ -5,6 +5,7 @@ with chunked prefill, prefix-cache hits, the encoder cache and preemption."""
 from __future__ import annotations
 
 import base64
+import collections
 import dataclasses
 import io
 import json
@@ -662,14 +663,22 @@ def test_gemma3_processor_and_tower_match_transformers(gemma):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
 
 
-def test_gemma3_requests_see_images_whole(gemma):
+@pytest.mark.parametrize("gpu", [False, True], ids=["", "gpu-kernel-branch-free"])
+def test_gemma3_requests_see_images_whole(gemma, gpu, monkeypatch):
     """A text prompt with two <start_of_image> markers (written out as Gemma 3's processor
     does), in 8-token chunks that would otherwise end inside an image, batched with a text
     request: the first token's log-probabilities are transformers' with the image tokens
-    attending to each other (and measurably not its causal-only ones), greedy tokens too."""
+    attending to each other (and measurably not its causal-only ones), greedy tokens too.
+    `gpu`: as a GPU runs it (interpreted here), the GPU attention kernel taking the images
+    itself and the programs branch-free."""
+    from jaxserve.engine import runner as runner_module
+
     path = gemma[0]
+    if gpu:
+        monkeypatch.setattr(runner_module, "branch_free", lambda: True)
     llm = LLM(model=str(path), dtype="float32", max_num_seqs=4, max_num_batched_tokens=8,
-              page_size=4, num_pages=96, max_model_len=128)
+              page_size=4, num_pages=96, max_model_len=128,
+              **(dict(kernel_impl="gpu", interpret_kernels=True) if gpu else {}))
     images = [_image(1, 80, 60), _image(2, 50, 150)]
     text = "ab<start_of_image>cd<start_of_image>e"
     image_text = ("\n\n<start_of_image>" + "<image_soft_token>" * GEMMA_SOFT_TOKENS
@@ -693,6 +702,13 @@ def test_gemma3_requests_see_images_whole(gemma):
     assert max(abs(e.logprob - text_want[t]) for t, e in text_out.items()
                if e.rank is not None) < 1e-4
     assert llm.engine.runner.compiles_after_warmup == 0
+    if gpu:  # traced as a GPU compiles them: no program holds a branch on the device
+        from device_branches import gpu_programs
+
+        found = gpu_programs(monkeypatch, True, model=str(path), dtype="float32",
+                             max_num_seqs=4, max_num_batched_tokens=8, page_size=4,
+                             num_pages=96, max_model_len=128)
+        assert found and not sum(found.values(), collections.Counter()), found
 
 
 # ------------------------------------------- with quantized weights, with grammars

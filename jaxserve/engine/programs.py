@@ -37,7 +37,8 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
             medusa: MedusaHeads | None = None, features: jax.Array | None = None,
             lora: list | None = None, images: jax.Array | None = None, *,
             features_from: tuple[int, ...] = (), layout: CarryLayout, page_size: int,
-            verifies: bool = True) -> tuple[KVCache, jax.Array, jax.Array | None,
+            verifies: bool = True, branch_free: bool = False
+            ) -> tuple[KVCache, jax.Array, jax.Array | None,
                                             jax.Array | None, jax.Array | None, jax.Array]:
     """One forward pass over a ragged batch: float32 logits `[R, vocab]` at the tokens the
     batch samples (`batch.sample_index`: each sequence's last token, and the tokens
@@ -51,8 +52,9 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
     `expert_load` (`[sparse layers, num_experts]`, None for a dense model) counts the real
     tokens each expert has taken since start; returned with this step's added. `medusa`: Medusa heads, whose guesses
     `[R, heads, top]` at the sampled rows come back fourth when `batch.propose` (zeros when
-    not; None without heads). `features`: an EAGLE head's feature cache (`[slots, F]`, see
-    `write_features`), returned with every real token's features (the layers
+    not; None without heads; `branch_free`: whenever heads are given, the host passing
+    None for a step that does not propose). `features`: an EAGLE head's feature cache
+    (`[slots, F]`, see `write_features`), returned with every real token's features (the layers
     `features_from`, Transformer.__call__) written at its KV slot; None without a head.
     Last, the token id at each sampled row `[R]` (the sampling records the acceptance of
     drafts from them: `record_acceptance`). `lora`: the LoRA adapters' stacks
@@ -80,7 +82,9 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
     logits = model.logits(rows, rows=batch.num_rows[0] if data_shards == 1 else None,
                           dtype=None)
     guesses = None
-    if medusa is not None:
+    if medusa is not None and branch_free:
+        guesses = medusa_tokens(model.final_norm(rows), medusa)
+    elif medusa is not None:
         guesses = jax.lax.cond(
             batch.propose, lambda: medusa_tokens(model.final_norm(rows), medusa),
             lambda: jnp.zeros((rows.shape[0], medusa.lm_heads.shape[0], medusa.top),
@@ -201,9 +205,9 @@ class StepPrograms(NamedTuple):
     (ModelRunner.programs). `move` (`move_slots` per device) runs after a step whose trees
     accepted nodes outside the slots of their positions."""
 
-    forward: dict[bool, Callable]  # by `verifies` (ModelRunner.programs)
+    forward: dict[tuple[bool, bool], Callable]  # by `heads` and `verifies` (ModelRunner.programs)
     sample: dict[tuple[bool, bool], Callable]  # by `verifies` and `full` (branch-free: FULL)
-    step: dict[bool, Callable]
+    step: dict[tuple[bool, bool], Callable]
     move: Callable
     steps: Callable | None = None  # `decode_steps` (None: one step per program)
 
@@ -261,6 +265,15 @@ def decode_steps_packed(graphdef: nnx.GraphDef, params, kv_caches: KVCache,
                         lora, **kwargs)
 
 
+def head_kinds(medusa: MedusaHeads | None, branch_free: bool) -> tuple[bool, ...]:
+    """Whether the forward passes run Medusa's heads (`forward`'s `heads`): with heads
+    always (a step that does not propose skips them on the device), and where
+    `branch_free` also not (the host picks by whether the step proposes)."""
+    if medusa is None:
+        return (False,)
+    return (False, True) if branch_free else (True,)
+
+
 def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: ShardingContext,
                  layout: CarryLayout, page_size: int, features_from: tuple[int, ...] = (),
                  medusa: MedusaHeads | None = None, max_decode_steps: int = 1,
@@ -273,7 +286,8 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
     `forward` its batch, `sample` its (sampling, history, num_rows), `steps` its (batch,
     num_steps). `branch_free` (ModelRunner's, on a GPU): the sampling settles its
     branches when compiled (sampler.Static): `step` and `steps` sample `FAST`, and the
-    `sample` programs come in two, `FAST` and `FULL` (`full`)."""
+    `sample` programs come in two, `FAST` and `FULL` (`full`); Medusa's heads run in the
+    `forward` and `step` programs they are given to (`forward`)."""
     param_shardings = [x.sharding for x in jax.tree.leaves(params)]
     replicated = shard.sharding(())
     logits_sharding = shard.sharding(("seqs", "vocab"))
@@ -297,25 +311,27 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
                                      replicated),
                        out_shardings=(replicated, replicated))
 
-    def jitted(verifies: bool) -> tuple[Callable, dict, Callable]:
+    def jitted(verifies: bool, heads: bool) -> tuple[Callable, Callable]:
         static = dict(features_from=features_from, layout=layout, page_size=page_size,
-                      verifies=verifies)
+                      verifies=verifies, branch_free=branch_free)
+        ins = inputs if heads else inputs[:5] + (replicated,) + inputs[6:]  # medusa None
         return (jax.jit(on_param_leaves(graphdef, params,
                                         functools.partial(forward_packed, **static)),
-                        donate_argnums=(1, 6), in_shardings=inputs,
+                        donate_argnums=(1, 6), in_shardings=ins,
                         out_shardings=(cache_shardings, logits_sharding, replicated,
                                        replicated, features, replicated)),
-                {(verifies, full): sampling(verifies, full)
-                 for full in ((False, True) if branch_free else (False,))},
                 jax.jit(on_param_leaves(graphdef, params, functools.partial(
                             forward_and_sample, static=FAST if branch_free else None,
                             **static)),
-                        donate_argnums=(1, 6), in_shardings=inputs + (replicated,),
+                        donate_argnums=(1, 6), in_shardings=ins + (replicated,),
                         out_shardings=(cache_shardings, replicated, replicated, replicated,
                                        replicated, features)))
 
-    verify = jitted(True)
-    plain = jitted(False) if layout.overlap else verify  # else `verifies` changes nothing
+    # `verifies` False only where the layout overlaps (else it changes nothing); with
+    # Medusa's heads, and without them where the host settles whether a step proposes.
+    verifies_kinds = (False, True) if layout.overlap else (True,)
+    passes = {(heads, verifies): jitted(verifies, heads)
+              for verifies in verifies_kinds for heads in head_kinds(medusa, branch_free)}
     steps = None
     if max_decode_steps > 1:
         # XLA's loop-invariant code motion would hoist the embedding gather's widening of
@@ -329,9 +345,10 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
             out_shardings=(cache_shardings, replicated, replicated, replicated),
             compiler_options={"xla_disable_hlo_passes": "while-loop-invariant-code-motion"})
     return StepPrograms(
-        forward={False: plain[0], True: verify[0]},
-        sample={**{(False, full): fn for (_, full), fn in plain[1].items()}, **verify[1]},
-        step={False: plain[2], True: verify[2]},
+        forward={kind: fns[0] for kind, fns in passes.items()},
+        sample={(verifies, full): sampling(verifies, full) for verifies in verifies_kinds
+                for full in ((False, True) if branch_free else (False,))},
+        step={kind: fns[1] for kind, fns in passes.items()},
         move=jax.jit(move, donate_argnums=(0, 1),
                      in_shardings=(cache_shardings, features, replicated, replicated),
                      out_shardings=(cache_shardings, features)),

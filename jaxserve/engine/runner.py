@@ -24,7 +24,7 @@ from jaxserve.engine.kv_memory import abstract_kv_cache
 from jaxserve.engine.kv_transfer import KVPages, PageMover
 from jaxserve.engine.packing import pack
 from jaxserve.engine.programs import FEATURE_AXES, jit_programs
-from jaxserve.engine.sampler import SampleOutput
+from jaxserve.engine.sampler import SampleOutput, asks_sort
 from jaxserve.models.medusa import MedusaHeads
 from jaxserve.models.transformer import KVCache
 from sharding.rules import ShardingContext
@@ -166,21 +166,28 @@ class ModelRunner:
         programs of its own (`verifies` False) that neither move sequences back nor
         search for accepted drafts: they cost a draft model's plain steps (speculation
         turned off for a large batch, prefills) what speculation off's do."""
-        programs = [self.forward_program(key), self.sample_program(key, False)]
+        proposes = (False, True) if self.medusa is not None and self.branch_free else (True,)
+        programs = [self.forward_program(key, p) for p in proposes]
+        programs.append(self.sample_program(key, False))
         if self.branch_free:
             programs.append(self.sample_program(key, True))
         if self.fuses(key):
-            programs.append(self.step_program(key))
+            programs += [self.step_program(key, p) for p in proposes]
         return programs
 
     def _verifies(self, key: BucketKey) -> bool:
         return bool(key.drafts) or not self.builder.layout.overlap
 
-    def forward_program(self, key: BucketKey) -> tuple:
-        return ("forward", key.tokens, key.seqs, key.rows, key.tree, self._verifies(key))
+    def forward_program(self, key: BucketKey, proposes: bool = True) -> tuple:
+        """A bucket's forward pass; `proposes`: whether the step may propose (its
+        `batch.propose`), which picks the program with Medusa's heads or without where
+        `branch_free` (programs.head_kinds)."""
+        heads = self.medusa is not None and (proposes or not self.branch_free)
+        return ("forward", key.tokens, key.seqs, key.rows, key.tree, heads,
+                self._verifies(key))
 
-    def step_program(self, key: BucketKey) -> tuple:
-        return ("step", *self.forward_program(key)[1:])
+    def step_program(self, key: BucketKey, proposes: bool = True) -> tuple:
+        return ("step", *self.forward_program(key, proposes)[1:])
 
     def sample_program(self, key: BucketKey, full: bool) -> tuple:
         """A bucket's sampling program; `full` (where `branch_free`; else False): the one
@@ -194,8 +201,7 @@ class ModelRunner:
         sampling as two programs, not the `FAST` fused one. Reads the batch's host
         arrays (padding rows ask for nothing)."""
         p = batch.sampling
-        return self.branch_free and bool(
-            (p.top_k > 0).any() or (p.top_p < 1.0).any() or p.logprobs.any())
+        return self.branch_free and (asks_sort(p) or bool(p.logprobs.any()))
 
     def fuses(self, key: BucketKey) -> bool:
         """Whether a whole step of the bucket (`dispatch`) is one program, its forward pass
@@ -281,10 +287,10 @@ class ModelRunner:
         Placeholder tokens of the batch read the previous dispatched step's samples."""
         if self.broadcaster is not None:
             self.broadcaster.send(STEP, batch, key)
-        full = self.samples_full(batch)
+        full, proposes = self.samples_full(batch), bool(batch.propose)
         if self.fuses(key) and not full:
-            return self._step(batch, self.step_program(key))
-        self._forward(batch, self.forward_program(key))
+            return self._step(batch, self.step_program(key, proposes))
+        self._forward(batch, self.forward_program(key, proposes))
         return self._sample(batch, self.sample_program(key, full))
 
     def dispatch_forward(self, batch: StepBatch, key: BucketKey) -> None:
@@ -292,7 +298,7 @@ class ModelRunner:
         `dispatch_sample`, which must come next (after any host work)."""
         if self.broadcaster is not None:
             self.broadcaster.send(FORWARD, batch, key)
-        self._forward(batch, self.forward_program(key))
+        self._forward(batch, self.forward_program(key, bool(batch.propose)))
 
     def dispatch_sample(self, batch: StepBatch, key: BucketKey) -> SampleOutput:
         """Sample from the last `dispatch_forward`'s logits with the batch's sampling
@@ -378,14 +384,14 @@ class ModelRunner:
         inputs = self._pack(_forward_inputs(batch))
         (self.kv_caches, self._logits, self.expert_load, self.guesses,
          self.features, self._row_tokens) = self._run(
-            program, self._programs.forward[program[-1]], self._forward_args(inputs))
+            program, self._programs.forward[program[-2:]], self._forward_args(inputs, program))
         self._logits_dtype = self._logits.dtype
 
     def _step(self, batch: StepBatch, program: tuple) -> SampleOutput:
         inputs = self._pack((_forward_inputs(batch), self._sampling_inputs(batch)))
         (self.kv_caches, out, self.carry, self.expert_load, self.guesses,
-         self.features) = self._run(program, self._programs.step[program[-1]],
-                                    self._forward_args(inputs) + (self.draft_probs,))
+         self.features) = self._run(program, self._programs.step[program[-2:]],
+                                    self._forward_args(inputs, program) + (self.draft_probs,))
         return out
 
     def _sample(self, batch: StepBatch, program: tuple) -> SampleOutput:
@@ -395,10 +401,12 @@ class ModelRunner:
         out, self.carry = self._run(program, self._programs.sample[program[-2:]], args)
         return out
 
-    def _forward_args(self, inputs) -> tuple:
-        """A forward pass's arguments (`forward_packed`'s, after the graph and params)."""
+    def _forward_args(self, inputs, program: tuple) -> tuple:
+        """A forward pass's arguments (`forward_packed`'s, after the graph and params) for
+        a `forward_program` or `step_program` (Medusa's heads if it runs them)."""
         return (self.param_leaves, self.kv_caches, inputs, self.carry, self.expert_load,
-                self.medusa, self.features, self.lora, self._image_buffer())
+                self.medusa if program[-2] else None, self.features, self.lora,
+                self._image_buffer())
 
     def _sampling_inputs(self, batch: StepBatch) -> tuple:
         """The sampling's host inputs (its grammar mask on the device)."""
@@ -425,8 +433,9 @@ class ModelRunner:
         """The compiled forward pass of a bucket (every collective and kernel of its step
         is there), for reading its HLO (compiles it again)."""
         batch = self._pack(_forward_inputs(self.builder.empty(key)))
-        forward = self._programs.forward[self._verifies(key)]
-        return forward.lower(*self._forward_args(batch)).compile()
+        program = self.forward_program(key)
+        forward = self._programs.forward[program[-2:]]
+        return forward.lower(*self._forward_args(batch, program)).compile()
 
     def _image_buffer(self) -> jax.Array | None:
         return self.images.buffer if self.images is not None else None

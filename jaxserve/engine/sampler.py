@@ -51,6 +51,12 @@ FAST = Static(sorts=False, logprobs=False)  # greedy, temperature, min-p, bias, 
 FULL = Static(sorts=True, logprobs=True)  # also top-k, top-p and logprobs
 
 
+def asks_sort(p: SamplingArrays) -> bool:
+    """Whether a row of a batch's sampling arrays (on the host) asks for top-k or top-p,
+    which only a `Static` with `sorts` applies (padding rows ask for nothing)."""
+    return bool((p.top_k > 0).any() or (p.top_p < 1.0).any())
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplingArrays:
@@ -371,8 +377,8 @@ DRAFT_STREAM = 2  # a proposer's draws' keys (`_keys`); 1 is the residual's
 
 
 def draw_drafts(logits: jax.Array, p: SamplingArrays, ahead: int | jax.Array,
-                columns: jax.Array | None = None, vocab: int | None = None
-                ) -> tuple[jax.Array, jax.Array]:
+                columns: jax.Array | None = None, vocab: int | None = None,
+                sorts: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """A proposer's guess per row of its `logits` `[S, V]` for the row's output number
     output_index + `ahead`, and the distribution it is drawn from `[S, V]`: the argmax
     for a greedy row (its distribution unused: zeros when no row samples); for a sampled
@@ -383,15 +389,20 @@ def draw_drafts(logits: jax.Array, p: SamplingArrays, ahead: int | jax.Array,
     often the target keeps a guess, never what it outputs), with keys of their own
     (DRAFT_STREAM), so `verify_drafts` sees a draft independent of its own draws.
     `columns` `[V]`: the target's token id of each column, for a proposer with a
-    vocabulary of its own (EAGLE-3's) within the target's `vocab`; None: the target's."""
+    vocabulary of its own (EAGLE-3's) within the target's `vocab`; None: the target's.
+    `sorts` (as `Static.sorts`: settled by the host, where the programs are branch-free):
+    every row's draw computed (greedy rows' distributions too), with top-k and top-p or
+    without; None: on the device, by `lax.cond`s."""
     greedy = first_argmax(logits)
 
     def sampled(logits):
-        weights = _weights(bias_and_ban_columns(logits, p, columns, vocab), p)
+        weights = _weights(bias_and_ban_columns(logits, p, columns, vocab), p, sorts)
         drawn = inverse_cdf(weights, _uniform(_keys(p, ahead, DRAFT_STREAM)))
         probs = weights / weights.sum(axis=-1, keepdims=True)
         return jnp.where(p.temperature > 0, drawn, greedy), probs
 
+    if sorts is not None:
+        return sampled(logits)
     return jax.lax.cond(jnp.any(p.temperature > 0), sampled,
                         lambda logits: (greedy, jnp.zeros_like(logits)), logits)
 

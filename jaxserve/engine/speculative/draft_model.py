@@ -48,7 +48,7 @@ from jaxserve.engine.speculative.state import state_of
 
 def rounds(graphdef: nnx.GraphDef, params: nnx.State, kv_caches, batch: StepBatch,
            limits: jax.Array, probs: jax.Array | None, carry: jax.Array, *, k: int,
-           layout: CarryLayout, page_size: int, drop_slot: int
+           layout: CarryLayout, page_size: int, drop_slot: int, sorts: bool | None = None
            ) -> tuple[list, jax.Array, jax.Array | None]:
     """Round 1 of the draft model over `batch` (each sequence's new tokens, those still on
     the device read from the target's `carry`, laid out as `layout` says, and
@@ -56,7 +56,8 @@ def rounds(graphdef: nnx.GraphDef, params: nnx.State, kv_caches, batch: StepBatc
     then k - 1 rounds of one token per sequence, each its guess of the round before at
     the next position. Returns the cache, the guesses `[k, S]` and `probs`
     (`round_guesses`); sequence i writes K/V in its first `limits[i]` later rounds only
-    (the pages it holds)."""
+    (the pages it holds). `sorts`: how the draws settle top-k and top-p
+    (sampler.draw_drafts)."""
     model = nnx.merge(graphdef, params)
     input_ids, batch = resolve_pending(batch, carry, layout, page_size)
     sampling = (shift_sampling(batch.sampling, carry, layout)
@@ -67,14 +68,14 @@ def rounds(graphdef: nnx.GraphDef, params: nnx.State, kv_caches, batch: StepBatc
     max_num_seqs = layout.max_num_seqs
     hidden, kv_caches = model(input_ids, batch.positions, kv_caches, meta)
     logits = model.logits(sampled_rows(hidden, batch.sample_index, d), rows=rows)
-    ids, probs = round_guesses(logits, sampling, 0, probs, max_num_seqs)
+    ids, probs = round_guesses(logits, sampling, 0, probs, max_num_seqs, sorts=sorts)
 
     def round_(j, state):  # one token per sequence, the guess of the round before
         kv_caches, ids, out, probs = state
         pos, attn = round_metadata(meta, j, limits, page_size, drop_slot)
         hidden, kv_caches = model(ids, pos, kv_caches, attn)
         ids, probs = round_guesses(model.logits(hidden, rows=rows), sampling, j, probs,
-                                   max_num_seqs)
+                                   max_num_seqs, sorts=sorts)
         return kv_caches, ids, out.at[j].set(ids), probs
 
     out = jnp.zeros((k, s), jnp.int32).at[0].set(ids)
@@ -96,21 +97,26 @@ class DraftModel(DeviceProposer):
         self.runner = runner
         self.max_num_batched_tokens = max_num_batched_tokens
         layout = self.builder.layout
-        program = functools.partial(
-            rounds, k=k, layout=layout, page_size=self.builder.page_size,
-            drop_slot=self.builder.num_pages * self.builder.page_size)
-
-        def laid_out(*args):  # the guesses written into the target's carry
-            kv, out, probs = program(*args)
-            return kv, write_guesses(args[-1], out, layout), probs
-
         replicated = runner.shard.sharding(())
         caches = jax.tree.map(lambda x: x.sharding, runner.kv_caches)
-        self._rounds = jax.jit(
-            on_param_leaves(runner.graphdef, runner.params, laid_out), donate_argnums=(1, 4),
-            in_shardings=([x.sharding for x in jax.tree.leaves(runner.params)], caches,
-                          replicated, replicated, replicated, replicated),
-            out_shardings=(caches, replicated, replicated))
+
+        def jitted(sorts: bool | None):
+            program = functools.partial(
+                rounds, k=k, layout=layout, page_size=self.builder.page_size,
+                drop_slot=self.builder.num_pages * self.builder.page_size, sorts=sorts)
+
+            def laid_out(*args):  # the guesses written into the target's carry
+                kv, out, probs = program(*args)
+                return kv, write_guesses(args[-1], out, layout), probs
+
+            return jax.jit(
+                on_param_leaves(runner.graphdef, runner.params, laid_out),
+                donate_argnums=(1, 4),
+                in_shardings=([x.sharding for x in jax.tree.leaves(runner.params)], caches,
+                              replicated, replicated, replicated, replicated),
+                out_shardings=(caches, replicated, replicated))
+
+        self._rounds = {sorts: jitted(sorts) for sorts in self.sorts()}
 
     def recover(self) -> None:
         self.runner.recover()
@@ -142,9 +148,10 @@ class DraftModel(DeviceProposer):
                     self.builder.layout.guess(j, sched.row) for j in range(want[i])])
         return drafts
 
-    def _run(self, inputs: StepBatch, key: BucketKey, limits: np.ndarray) -> jax.Array:
+    def _run(self, inputs: StepBatch, key: BucketKey, limits: np.ndarray,
+             sorts: bool | None) -> jax.Array:
         runner = self.runner
-        runner.kv_caches, out, self.target.draft_probs = self._rounds(
+        runner.kv_caches, out, self.target.draft_probs = self._rounds[sorts](
             runner.param_leaves, runner.kv_caches, inputs, limits, self.target.draft_probs,
             self.target.carry)
         return out

@@ -62,15 +62,15 @@ from sharding.rules import ShardingContext
 def draft(graphdef: nnx.GraphDef, params: nnx.State, target_graphdef: nnx.GraphDef,
           target_params: nnx.State, kv: tuple, features: jax.Array, batch: StepBatch,
           limits: jax.Array, probs: jax.Array | None, *, rounds: int, max_num_seqs: int,
-          page_size: int, drop_slot: int, tree: tuple[tuple[int, ...], ...] | None = None
-          ) -> tuple[tuple, jax.Array, jax.Array | None]:
+          page_size: int, drop_slot: int, tree: tuple[tuple[int, ...], ...] | None = None,
+          sorts: bool | None = None) -> tuple[tuple, jax.Array, jax.Array | None]:
     """Round 1 over `batch` (each sequence's new pairs: its input ids are the tokens after
     their positions, the features are read from the target's `features` at their slots),
     then `rounds` more rounds of one token per sequence. Returns the cache, the guesses
     `[rounds + 1, S]` and `probs`; sequence i writes K/V in its first `limits[i]` extra
     rounds only (the pages it holds). With `probs` (the target's `draft_probs`), the
     sampled rows of `batch.sampling` draw their guesses (rounds.round_guesses); else every
-    guess is greedy.
+    guess is greedy; `sorts`: how the draws settle top-k and top-p (sampler.draw_drafts).
     With a `tree` (paths of ranks, parents first), the tree's rounds instead
     (`tree_rounds`), and its nodes' tokens `[nodes, S]`."""
     head: EagleHead = nnx.merge(graphdef, params)
@@ -91,7 +91,8 @@ def draft(graphdef: nnx.GraphDef, params: nnx.State, target_graphdef: nnx.GraphD
                              cu, seq_real, tree, page_size, drop_slot), probs)
 
     def guess(logits, j, probs):  # round j + 1's guesses as target ids; `probs` updated
-        return round_guesses(logits, batch.sampling, j, probs, max_num_seqs, head.to_target)
+        return round_guesses(logits, batch.sampling, j, probs, max_num_seqs, head.to_target,
+                             sorts)
 
     ids, probs = guess(logits, 0, probs)
 
@@ -183,23 +184,26 @@ class EagleProposer(DeviceProposer):
         target_tree, tree = jax.tree.structure(target.params), jax.tree.structure(params)
 
         layout = self.builder.layout
-
-        def on_leaves(target_leaves, leaves, *args):  # as programs.on_param_leaves, for both
-            *args, carry = args
-            kv, guesses, probs = program(
-                graphdef, jax.tree.unflatten(tree, leaves), target.graphdef,
-                jax.tree.unflatten(target_tree, target_leaves), *args)
-            return kv, write_guesses(carry, guesses, layout), probs
-
         replicated = shard.sharding(())
         kv_shardings = tuple(x.sharding for x in kv_abstract)
-        self._draft = jax.jit(
-            on_leaves, donate_argnums=(2, 6),
-            in_shardings=([x.sharding for x in target.param_leaves],
-                          [x.sharding for x in self._param_leaves], kv_shardings,
-                          target.features.sharding, replicated, replicated, replicated,
-                          replicated),
-            out_shardings=(kv_shardings, replicated, replicated))
+
+        def jitted(sorts: bool | None):
+            def on_leaves(target_leaves, leaves, *args):  # as programs.on_param_leaves
+                *args, carry = args
+                kv, guesses, probs = program(
+                    graphdef, jax.tree.unflatten(tree, leaves), target.graphdef,
+                    jax.tree.unflatten(target_tree, target_leaves), *args, sorts=sorts)
+                return kv, write_guesses(carry, guesses, layout), probs
+
+            return jax.jit(
+                on_leaves, donate_argnums=(2, 6),
+                in_shardings=([x.sharding for x in target.param_leaves],
+                              [x.sharding for x in self._param_leaves], kv_shardings,
+                              target.features.sharding, replicated, replicated, replicated,
+                              replicated),
+                out_shardings=(kv_shardings, replicated, replicated))
+
+        self._draft = {sorts: jitted(sorts) for sorts in self.sorts()}
 
     def _zero_kv(self) -> tuple:
         return ModelRunner.zeros(tuple(self._kv_abstract))
@@ -244,8 +248,9 @@ class EagleProposer(DeviceProposer):
                                [self.builder.layout.guess(j, sched.row) for j in nodes])
         return drafts
 
-    def _run(self, inputs: StepBatch, key: BucketKey, limits: np.ndarray) -> jax.Array:
-        self.kv, out, self.target.draft_probs = self._draft(
+    def _run(self, inputs: StepBatch, key: BucketKey, limits: np.ndarray,
+             sorts: bool | None) -> jax.Array:
+        self.kv, out, self.target.draft_probs = self._draft[sorts](
             self.target.param_leaves, self._param_leaves, self.kv, self.target.features,
             inputs, limits, self.target.draft_probs, self.target.carry)
         return out

@@ -13,6 +13,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.request import Sequence
+from jaxserve.engine.sampler import asks_sort
 from jaxserve.engine.scheduler import ScheduledSeq, Scheduler
 from jaxserve.engine.speculative import drafts as trees
 from jaxserve.engine.speculative.drafts import NO_DRAFTS, Drafts
@@ -60,12 +61,28 @@ class DeviceProposer(Proposer):
     def buckets(self) -> list[BucketKey]:
         return [b for b in self.builder.all_buckets() if not b.history]
 
+    def sorts(self) -> tuple[bool | None, ...]:
+        """The programs' kinds, by how their guesses' draws settle top-k and top-p
+        (sampler.draw_drafts' `sorts`): on the device (None); or, where the target's
+        programs are branch-free and guesses may be drawn, by the host: without (False)
+        and with (True, for a batch where a row asks for them: `sorts_for`)."""
+        if self.target.branch_free and self.target.draft_probs is not None:
+            return (False, True)
+        return (None,)
+
+    def sorts_for(self, inputs: StepBatch) -> bool | None:
+        """The kind of program (`sorts`) a batch's `program_inputs` run."""
+        if self.sorts() == (None,):
+            return None
+        return asks_sort(inputs.sampling)
+
     def warmup(self, progress: bool = True) -> None:
-        """Compile the program for every bucket (an all-padding batch writes nothing)."""
+        """Compile the programs for every bucket (an all-padding batch writes nothing)."""
         for key in self.buckets():
-            self._run(self.program_inputs(self.builder.empty(key)), key,
-                      np.zeros(key.seqs, np.int32))
-            self._ready.add(key)
+            for sorts in self.sorts():
+                self._run(self.program_inputs(self.builder.empty(key)), key,
+                          np.zeros(key.seqs, np.int32), sorts)
+                self._ready.add((key, sorts))
         self.warmed_up = True
 
     def run(self, batch: StepBatch, key: BucketKey, limits: np.ndarray) -> None:
@@ -73,19 +90,21 @@ class DeviceProposer(Proposer):
         target's next step reads them (the target runner's carry). On several hosts
         process 0 first has the others run it too (broadcast.py: every process joins the
         program's collectives). Counts a bucket compiled after warm-up."""
-        if key not in self._ready:
+        inputs = self.program_inputs(batch)
+        sorts = self.sorts_for(inputs)
+        if (key, sorts) not in self._ready:
             if self.warmed_up:
                 self.target.compiles_after_warmup += 1
-            self._ready.add(key)
-        inputs = self.program_inputs(batch)
+            self._ready.add((key, sorts))
         if self.target.broadcaster is not None:
             self.target.broadcaster.send_proposal(inputs, key, limits)
-        self.target.carry = self._run(inputs, key, limits)
+        self.target.carry = self._run(inputs, key, limits, sorts)
 
     @abc.abstractmethod
-    def _run(self, inputs: StepBatch, key: BucketKey, limits: np.ndarray) -> jax.Array:
-        """Start the program on `program_inputs`; returns the target's carry with its
-        guesses written in."""
+    def _run(self, inputs: StepBatch, key: BucketKey, limits: np.ndarray,
+             sorts: bool | None) -> jax.Array:
+        """Start the program of kind `sorts` on `program_inputs`; returns the target's
+        carry with its guesses written in."""
 
     def program_inputs(self, batch: StepBatch) -> StepBatch:
         """The batch as the program takes it: no history, and the sampling arrays (not

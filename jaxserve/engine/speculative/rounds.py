@@ -13,18 +13,18 @@ from jaxserve.models.transformer import AttentionMetadata
 
 
 def round_guesses(logits: jax.Array, sampling: SamplingArrays | None, j: int | jax.Array,
-                  probs: jax.Array | None, max_num_seqs: int, to_target=lambda ids: ids
-                  ) -> tuple[jax.Array, jax.Array | None]:
+                  probs: jax.Array | None, max_num_seqs: int, to_target=lambda ids: ids,
+                  sorts: bool | None = None) -> tuple[jax.Array, jax.Array | None]:
     """A proposer's round j + 1 (`j` 0-based) over its `logits` `[S, V']`: each row's
     guess as a target token id (`to_target` maps a draft vocabulary's), and `probs` (the
     target's `draft_probs`; None: every guess greedy) with the guesses' distributions
     (sampler.draw_drafts, spread over the target's vocabulary) at rows
-    max_num_seqs x j + r."""
+    max_num_seqs x j + r. `sorts`: draw_drafts'."""
     if probs is None:
         return to_target(first_argmax(logits)), None
     vocab = probs.shape[1]
     columns = None if logits.shape[1] == vocab else to_target(jnp.arange(logits.shape[1]))
-    ids, q = draw_drafts(logits, sampling, j, columns, vocab)
+    ids, q = draw_drafts(logits, sampling, j, columns, vocab, sorts)
     if columns is not None:  # a draft vocabulary's
         q = jnp.zeros((q.shape[0], vocab), q.dtype).at[:, columns].set(q)
     return to_target(ids), jax.lax.dynamic_update_slice(probs, q, (max_num_seqs * j, 0))
