@@ -176,36 +176,47 @@ def top_k_top_p_by_sort(logits: jax.Array, top_k: jax.Array, top_p: jax.Array
 
 def filter_logits(logits: jax.Array, p: SamplingArrays, top: jax.Array | None = None,
                   sorts: bool | None = None) -> jax.Array:
-    """Mask (to -inf) tokens outside top-k, outside the top-p nucleus, or below min-p.
+    """Mask (to -inf) tokens outside top-k, outside the top-p nucleus, or below min-p:
+    each a per-row threshold on the logits (`filter_cut`), one `where` applies them all.
+    `top`: each row's maximum, if the caller has it (no filter removes it)."""
+    top = row_max(logits) if top is None else top
+    cut = filter_cut(logits, p, top, sorts)
+    return jnp.where(logits >= cut[:, None], logits, _NEG_INF)
 
-    Each is a per-row threshold on the logits; one `where` applies them all. Only top-k /
-    top-p need a sort, under a `lax.cond` that returns the `[S]` thresholds (a cond that
-    returned the `[S, V]` logits would copy them even when it does nothing). `top`: each
-    row's maximum, if the caller has it (no filter removes it). `sorts` (Static.sorts):
-    sort or not whatever the rows ask; None: the `lax.cond`. On a CPU the thresholds come
-    from the native kernel (`jaxserve_top_k_top_p_cut`), which sorts no row: XLA:CPU's
-    sort took top-p over one row of a 49k vocabulary 11 ms, over 64 rows 674 ms (2-core
-    Xeon)."""
+
+def filter_cut(logits: jax.Array, p: SamplingArrays, top: jax.Array,
+               sorts: bool | None = None, temp: jax.Array | None = None) -> jax.Array:
+    """Each row's threshold `[S]` of top-k, top-p and min-p on `logits / temp[:, None]`
+    (`temp` None: on `logits`), whose row maxima are `top`: the tokens at or above it
+    stay.
+
+    Only top-k / top-p need a sort, under a `lax.cond` (on the thresholds; the scaled
+    logits are made inside it, so nothing of `[S, V]` is written when no row asks).
+    `sorts` (Static.sorts): sort or not whatever the rows ask; None: the `lax.cond`. On
+    a CPU the thresholds come from the native kernel (`jaxserve_top_k_top_p_cut`), which
+    sorts no row: XLA:CPU's sort took top-p over one row of a 49k vocabulary 11 ms, over
+    64 rows 674 ms (2-core Xeon)."""
     s, v = logits.shape
 
-    def top_k_top_p(logits):
+    def top_k_top_p(operands):
+        logits, temp = operands
+        scaled = logits if temp is None else logits / temp[:, None]
         if current_platform() == "cpu" and native.available():
             call = jax.ffi.ffi_call("jaxserve_top_k_top_p_cut",
                                     jax.ShapeDtypeStruct((s,), jnp.float32))
-            return call(logits.astype(jnp.float32), p.top_k.astype(jnp.int32),
+            return call(scaled.astype(jnp.float32), p.top_k.astype(jnp.int32),
                         p.top_p.astype(jnp.float32)).astype(logits.dtype)
-        return top_k_top_p_by_sort(logits, p.top_k, p.top_p)
+        return top_k_top_p_by_sort(scaled, p.top_k, p.top_p)
 
     if sorts is None:
         needs_sort = jnp.any((p.top_k > 0) & (p.top_k < v)) | jnp.any(p.top_p < 1.0)
-        cut = jax.lax.cond(needs_sort, top_k_top_p, lambda _: jnp.full(s, _NEG_INF), logits)
+        cut = jax.lax.cond(needs_sort, top_k_top_p, lambda _: jnp.full(s, _NEG_INF, top.dtype),
+                           (logits, temp))
     else:
-        cut = top_k_top_p(logits) if sorts else jnp.full(s, _NEG_INF)
+        cut = top_k_top_p((logits, temp)) if sorts else jnp.full(s, _NEG_INF, top.dtype)
     # min-p: p_t >= min_p * p_max  <=>  logit_t >= logit_max + log(min_p) (the softmax's
     # normaliser cancels); log(0) = -inf keeps everything.
-    top = row_max(logits) if top is None else top
-    cut = jnp.maximum(cut, top + jnp.log(p.min_p))
-    return jnp.where(logits >= cut[:, None], logits, _NEG_INF)
+    return jnp.maximum(cut, top + jnp.log(p.min_p))
 
 
 BLOCK = 128  # tokens per block of the two-level argmax and inverse CDF
@@ -238,7 +249,12 @@ def first_argmax(logits: jax.Array) -> jax.Array:
     that reach it, 1.8 ms, and 12 ms behind a mask (the maximum is broadcast into a
     full-size array); this, 0.4-0.6 ms."""
     blocks = _blocks(logits, _NEG_INF)
-    block = _first_max_index(blocks.max(axis=-1))
+    return _argmax_in_blocks(blocks, blocks.max(axis=-1))
+
+
+def _argmax_in_blocks(blocks: jax.Array, block_max: jax.Array) -> jax.Array:
+    """`first_argmax` of `_blocks(logits, -inf)`, whose blocks' maxima are `block_max`."""
+    block = _first_max_index(block_max)
     inner = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]
     return block * BLOCK + _first_max_index(inner)
 
@@ -252,9 +268,17 @@ def inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
     cumulative sum over block totals, then the token within it. A token of zero weight is
     never picked, whatever the rounding (the pick is at most the block's last token of
     positive weight, and that block is at most the last one of positive weight)."""
-    s = weights.shape[0]
-    blocks = _blocks(weights, 0.0)
-    block_cdf = jnp.cumsum(blocks.sum(axis=-1), axis=-1)  # [S, V / B]
+    return _inverse_cdf_in_blocks(_blocks(weights, 0.0), lambda x: x, u)
+
+
+def _inverse_cdf_in_blocks(blocks: jax.Array, weight, u: jax.Array) -> jax.Array:
+    """`inverse_cdf` of the weights `weight(blocks)` of `blocks` `[S, V / B, B]`
+    (`weight` elementwise, each row its own parameters, 0 for the padding): the blocks'
+    totals are summed as the weights are made, and only the picked block's are made
+    again, so no `[S, V]` array of weights is written (a draw over [64, 49152] on a CPU
+    read the logits three times and wrote them twice more)."""
+    s = blocks.shape[0]
+    block_cdf = jnp.cumsum(weight(blocks).sum(axis=-1), axis=-1)  # [S, V / B]
     target = u * block_cdf[:, -1]
     last_block = jnp.max(jnp.where(block_cdf > jnp.concatenate(
         [jnp.zeros((s, 1), block_cdf.dtype), block_cdf[:, :-1]], axis=-1),
@@ -262,7 +286,7 @@ def inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
     block = jnp.minimum(jnp.sum(block_cdf < target[:, None], axis=-1), last_block)
     before = jnp.where(block > 0, jnp.take_along_axis(
         block_cdf, jnp.maximum(block - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
-    inner = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]  # [S, B]
+    inner = weight(jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0])  # [S, B]
     last = jnp.max(jnp.where(inner > 0, jnp.arange(BLOCK), 0), axis=-1)
     within = jnp.sum(before[:, None] + jnp.cumsum(inner, axis=-1) < target[:, None], axis=-1)
     return (block * BLOCK + jnp.minimum(within, last)).astype(jnp.int32)
@@ -346,13 +370,36 @@ def _uniform(keys: jax.Array) -> jax.Array:
     return jnp.maximum(jax.vmap(jax.random.uniform)(keys), jnp.finfo(jnp.float32).tiny)
 
 
-def _weights(logits: jax.Array, p: SamplingArrays, sorts: bool | None = None) -> jax.Array:
-    """Each row's sampling distribution, unnormalised (the maximum's weight 1):
-    temperature (a greedy row's taken as 1), then top-k, top-p and min-p."""
+class Weights(NamedTuple):
+    """Each row's sampling distribution, unnormalised (its maximum's weight 1), as a
+    function of its logits: exp(l / temp - top) where l / temp is at or above the row's
+    `cut` (top-k, top-p, min-p), else 0 (`sampling_weights`)."""
+
+    temp: jax.Array  # [S]: a greedy row's taken as 1
+    top: jax.Array  # [S]: the row's maximum of l / temp
+    cut: jax.Array  # [S]
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """The weights of `x` `[S, ...]`, row s of it from row s's logits."""
+        rows = lambda a: a.reshape((-1,) + (1,) * (x.ndim - 1))  # noqa: E731
+        scaled = x / rows(self.temp)
+        return jnp.where(scaled >= rows(self.cut), jnp.exp(scaled - rows(self.top)), 0.0)
+
+
+def sampling_weights(logits: jax.Array, p: SamplingArrays, sorts: bool | None = None,
+                     top: jax.Array | None = None) -> Weights:
+    """The rows' `Weights`: temperature, then top-k, top-p and min-p (`filter_cut`).
+    `top`: the rows' maxima of `logits`, if the caller has them (the maximum of
+    l / temp is theirs / temp: dividing by a positive number keeps the order, rounded
+    too)."""
     temp = jnp.where(p.temperature > 0, p.temperature, 1.0)
-    scaled = logits / temp[:, None]
-    top = row_max(scaled)  # also the filtered rows' maximum: one pass for both
-    return jnp.exp(filter_logits(scaled, p, top, sorts) - top[:, None])
+    top = (row_max(logits) if top is None else top) / temp
+    return Weights(temp, top, filter_cut(logits, p, top, sorts, temp))
+
+
+def _weights(logits: jax.Array, p: SamplingArrays, sorts: bool | None = None) -> jax.Array:
+    """The rows' sampling weights `[S, V]` (`sampling_weights`)."""
+    return sampling_weights(logits, p, sorts)(logits)
 
 
 def verify_drafts(weights: jax.Array, q: jax.Array, drafts: jax.Array, u: jax.Array,
@@ -433,18 +480,23 @@ def _sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | No
 
     def draw(raw_logits):
         logits = adjusted(raw_logits)
-        greedy_ids = first_argmax(logits)
-        weights = _weights(logits, p, None if static is None else static.sorts)
+        # One pass over the logits for the blocks' maxima: the greedy pick's first level
+        # and the rows' maxima; one more for the weights' block totals.
+        blocks = _blocks(logits, _NEG_INF)
+        block_max = blocks.max(axis=-1)
+        greedy_ids = _argmax_in_blocks(blocks, block_max)
+        weights = sampling_weights(logits, p, None if static is None else static.sorts,
+                                   block_max.max(axis=-1))
         # Inverse CDF: the first token whose cumulative probability passes the row's one
         # uniform draw. Gumbel noise per token (argmax of logits + noise) picks from the same
         # distribution but costs 64 x 49k random numbers a step: ~6x the time on a CPU.
         u = _uniform(_keys(p))
-        drawn = inverse_cdf(weights, u)
+        drawn = _inverse_cdf_in_blocks(blocks, weights, u)
         if drafts is not None:  # rows verifying drawn drafts
             def verify(drawn):
                 index = jnp.maximum(p.draft_index, 0)
-                kept = verify_drafts(weights, drafts.probs[index], drafts.ids[index], u,
-                                     _uniform(_keys(p, stream=1)))
+                kept = verify_drafts(weights(logits), drafts.probs[index], drafts.ids[index],
+                                     u, _uniform(_keys(p, stream=1)))
                 return jnp.where(p.draft_index >= 0, kept, drawn)
 
             drawn = (verify(drawn) if static is not None else
