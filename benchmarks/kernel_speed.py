@@ -31,8 +31,10 @@ token, weighted by zeros where not chosen; reads every expert once), XLA's ragge
 (the platform's kernel; on a CPU its loop over the experts with tokens). Floor: the
 weights of the distinct experts the batch chose, divided by the bandwidth.
 
-Sampling: top-p 0.9's threshold per row (sampler.filter_logits) of random logits, 1 x
-49152, 64 x 2048 and 64 x 49152: XLA's sort of every row against the CPU's native cut.
+Sampling: top-p 0.9's threshold per row (sampler.filter_cut) of random logits, 1 x
+49152, 64 x 2048 and 64 x 49152: XLA's sort of every row against the CPU's native cut;
+then a whole step's draw (sampler.sample) at 1 and 64 x 49152 and 256 x 2048, greedy,
+temperature 0.7 and with top-p 0.9, and their ratios to greedy.
 
 Every row is timed for the reference (pure JAX) and for the platform's kernel ("tpu" on
 TPU, "gpu" on GPU, "cpu" -- pallas_kernels/cpu, the native kernels -- on a CPU where they
@@ -85,9 +87,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from offline_throughput import measure_bandwidth, measure_matmul
-from jaxserve.engine.sampler import top_k_top_p_by_sort
+from jaxserve.engine.sampler import SamplingArrays, sample, top_k_top_p_by_sort
 from jaxserve.huge_pages import restart_with_huge_pages
 from jaxserve.models.moe import grouped_glu
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from pallas_kernels import cpu as native
 from pallas_kernels.matmul import matmul
 from pallas_kernels.platform import GPU_PLATFORMS
@@ -529,6 +532,47 @@ def sampling_rows(impl: str | None, bandwidth: float, iters: int) -> list[Row]:
     return rows
 
 
+def draw_rows(iters: int) -> list[tuple[str, float, float, float]]:
+    """A whole step's sampling (`sampler.sample`, jitted, as a step samples its logits)
+    of random normal logits at 1 and 64 rows of smollm2-135m's vocabulary and 256 of the
+    tiny models' 2048: (shape, greedy ms, temperature 0.7 ms, temperature 0.7 with top-p
+    0.9 ms). Each row draws with its own seed."""
+    out = []
+    for r, v in ((1, SMOLLM2_VOCAB), (64, SMOLLM2_VOCAB), (256, 2048)):
+        logits = jax.random.normal(jax.random.PRNGKey(SEED + r + v), (r, v)) * 3
+        run = jax.jit(lambda x, p: sample(x, p, None, jnp.int32(r)).token_ids)  # noqa: B023
+        times = []
+        for temperature, top_p in ((0.0, 1.0), (0.7, 1.0), (0.7, 0.9)):
+            p = plain_sampling(r, v, temperature=temperature, top_p=top_p)
+            times.append(median_ms(lambda: run(logits, p), iters))  # noqa: B023
+        out.append((f"{r} x {v}", *times))
+    return out
+
+
+def plain_sampling(rows: int, vocab: int, **params) -> SamplingArrays:
+    """Sampling arrays of `rows` requests asking for nothing but `params` (each row its
+    own seed; no logprobs, grammar, bias or penalties)."""
+    full = lambda value, dtype, shape=(): np.full((rows, *shape), value, dtype)  # noqa: E731
+    return SamplingArrays(
+        temperature=full(params.get("temperature", 1.0), np.float32), top_k=full(0, np.int32),
+        top_p=full(params.get("top_p", 1.0), np.float32), min_p=full(0, np.float32),
+        presence_penalty=full(0, np.float32), frequency_penalty=full(0, np.float32),
+        repetition_penalty=full(1, np.float32), seed=np.arange(rows, dtype=np.uint32),
+        output_index=full(0, np.int32), banned_ids=full(-1, np.int32, (MAX_STOP_TOKEN_IDS,)),
+        logprobs=full(False, np.bool_), bias_ids=full(-1, np.int32, (MAX_LOGIT_BIAS,)),
+        bias_values=full(0, np.float32, (MAX_LOGIT_BIAS,)),
+        grammar_mask=full(-1, np.int32, (-(-vocab // 32),)), draft_index=full(-1, np.int32),
+        shift_row=full(-1, np.int32), group_drafts=full(0, np.int32))
+
+
+def draw_table(rows: list[tuple[str, float, float, float]]) -> str:
+    header = ["rows x vocab", "greedy ms", "temperature 0.7 ms", "+ top-p 0.9 ms",
+              "temperature / greedy", "top-p / greedy"]
+    body = [[name, f"{g:.3f}", f"{t:.3f}", f"{tp:.3f}", f"{t / g:.2f}x", f"{tp / g:.2f}x"]
+            for name, g, t, tp in rows]
+    return markdown(header, body)
+
+
 def sampling_table(rows: list[Row]) -> str:
     header = ["row", "logits MB", "bw floor ms", "sort ms", "kernel ms", "kernel speedup",
               "kernel % floor", "max abs diff"]
@@ -818,6 +862,7 @@ def main() -> None:
     dense = dense_rows(impl, bandwidth, iters) if "dense" in sections else []
     moe = moe_rows(on_cpu, args.full, impl, bandwidth, iters) if "moe" in sections else []
     sampling = sampling_rows(impl, bandwidth, iters) if "sampling" in sections else []
+    draws = draw_rows(iters) if "sampling" in sections else []
 
     print_header(args, impl, platform_name, bandwidth, flops_rate, flops_dtype, flops_by, iters,
                  time.perf_counter() - start)
@@ -829,7 +874,9 @@ def main() -> None:
                     "calls)", dense_table),
             (moe, "mixture-of-experts layer (the experts of one layer, routing given)",
              moe_table),
-            (sampling, "sampling: top-k / top-p thresholds (float32 logits)", sampling_table)):
+            (sampling, "sampling: top-k / top-p thresholds (float32 logits)", sampling_table),
+            (draws, "sampling: a whole step's draw (sampler.sample, float32 logits)",
+             draw_table)):
         if rows:
             print(f"### {title}\n\n{table(rows)}\n")
     if impl == "cpu" and attention and dense:

@@ -496,32 +496,44 @@ def test_drafts_drawn_without_branches_are_the_branching_ones(asks):
     assert _branches(lambda *a: draw_drafts(*a, 1), logits, p) > 0
 
 
-def test_native_top_k_top_p_cut_is_the_sorts():
-    """The CPU's native threshold (jaxserve_top_k_top_p_cut, a quickselect on mass, no
+@pytest.mark.parametrize("v", [700, 20000])
+def test_native_top_k_top_p_cut_is_the_sorts(v):
+    """The CPU's native threshold (jaxserve_top_k_top_p_cut: without top-k, the mass of
+    value bins then a quickselect in one bin; with it, a quickselect over the top k; no
     sort) equals the one from each row sorted by XLA, over flat and peaked rows, ties,
-    masked (-inf) tokens and every kind of top-k and top-p; with top_p 1 (off, as a
-    padding row's) it is numpy's k-th largest value."""
+    masked (-inf) tokens and every kind of top-k and top-p, at every instruction-set
+    level this CPU has; with top_p 1 (off, as a padding row's) it is numpy's k-th
+    largest value. Large rows: a flat row's nucleus crosses many tokens per bin."""
     from pallas_kernels import cpu as native
+    from test_cpu_kernels import machine_isas
 
     if not native.available():
         pytest.skip(f"native CPU kernels unavailable: {native.unavailable_reason()}")
     rng = np.random.default_rng(3)
-    n, v = 240, 700
+    n = 240 if v < 1000 else 24
     logits = (rng.standard_normal((n, v)) * rng.choice([0.3, 3.0, 12.0], n)[:, None]
               ).astype(np.float32)
     logits[::7] = np.round(logits[::7])  # many ties
-    logits[::5, rng.integers(0, v, 300)] = -np.inf  # a grammar's or a ban's masked tokens
-    top_k = rng.choice([0, 1, 2, 5, 50, v - 1, v, v + 3], n).astype(np.int32)
+    logits[::5, rng.integers(0, v, v // 2)] = -np.inf  # a grammar's or a ban's masked tokens
+    top_k = rng.choice([0, 0, 1, 2, 5, 50, v - 1, v, v + 3], n).astype(np.int32)
     top_p = rng.choice([1.0, 0.999, 0.9, 0.5, 0.1, 0.01], n).astype(np.float32)
-    call = jax.ffi.ffi_call("jaxserve_top_k_top_p_cut", jax.ShapeDtypeStruct((n,), jnp.float32))
-    got = np.asarray(jax.jit(call)(logits, top_k, top_p))
+    call = jax.jit(jax.ffi.ffi_call("jaxserve_top_k_top_p_cut",
+                                    jax.ShapeDtypeStruct((n,), jnp.float32)))
     want = np.asarray(jax.jit(sampler.top_k_top_p_by_sort)(logits, top_k, top_p))
     nucleus = top_p < 1.0
-    np.testing.assert_array_equal(got[nucleus], want[nucleus])
-    # top_p 1 is off: the k-th value. (The sort's float32 cumulative sum reaches 1.0
-    # before a peaked row's tail, whose tokens, each below float32's resolution of the
-    # mass, it then drops.)
     k = np.where((top_k > 0) & (top_k < v), top_k, v)
     kth = -np.sort(-logits, axis=1)[np.arange(n), k - 1]
-    np.testing.assert_array_equal(got[~nucleus], kth[~nucleus])
-    assert len(np.unique(got)) > n // 2  # the rows' cuts differ: not one value for all
+    isas = machine_isas()
+    try:
+        for isa in isas:
+            assert native.set_max_isa(isa) == isa
+            got = np.asarray(call(logits, top_k, top_p))
+            np.testing.assert_array_equal(got[nucleus], want[nucleus], err_msg=isa)
+            # top_p 1 is off: the k-th value. (The sort's float32 cumulative sum reaches
+            # 1.0 before a peaked row's tail, whose tokens, each below float32's
+            # resolution of the mass, it then drops.)
+            np.testing.assert_array_equal(got[~nucleus], kth[~nucleus], err_msg=isa)
+            assert len(np.unique(got)) > n // 2  # the rows' cuts differ
+    finally:
+        native.set_max_isa(isas[0])
+    assert {"scalar", "avx2"} <= set(isas) or not native.isa().startswith("avx")
