@@ -53,3 +53,16 @@ def gpu_programs(monkeypatch, branch_free: bool, **config) -> dict[tuple, collec
             programs[sorts] = _traced(fn, found, ("propose", sorts))
     engine.warmup(progress=False)
     return found
+
+
+def check_drawing_proposer(found: dict[tuple, collections.Counter], branch_free: bool) -> None:
+    """`gpu_programs`' findings for an engine whose proposer draws sampled requests'
+    guesses: where branch_free, two proposer programs the host picks between (with top-k
+    and top-p's sort, and without) and no branch in any program; else one, each round's
+    draw a lax.cond on the rows' temperatures."""
+    proposals = {p: n for p, n in found.items() if p[0] == "propose"}
+    if branch_free:
+        assert sum(found.values(), collections.Counter()) == {}, found
+        assert set(proposals) == {("propose", False), ("propose", True)}
+    else:
+        assert set(proposals) == {("propose", None)} and proposals["propose", None]["cond"]
