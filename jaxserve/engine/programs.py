@@ -54,8 +54,9 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
     `[R, heads, top]` at the sampled rows come back fourth when `batch.propose` (zeros when
     not; None without heads; `branch_free`: whenever heads are given, the host passing
     None for a step that does not propose). `features`: an EAGLE head's feature cache
-    (`[slots, F]`, see `write_features`), returned with every real token's features (the layers
-    `features_from`, Transformer.__call__) written at its KV slot; None without a head.
+    (`[slots, F]`, see `write_features`), returned with every real token's features (the
+    layers `features_from`, Transformer.__call__) written at its KV slot; None without a
+    head.
     Last, the token id at each sampled row `[R]` (the sampling records the acceptance of
     drafts from them: `record_acceptance`). `lora`: the LoRA adapters' stacks
     (models/lora.py), each token using the slot `batch.lora_slots` gives it; None without.
@@ -205,7 +206,8 @@ class StepPrograms(NamedTuple):
     (ModelRunner.programs). `move` (`move_slots` per device) runs after a step whose trees
     accepted nodes outside the slots of their positions."""
 
-    forward: dict[tuple[bool, bool], Callable]  # by `heads` and `verifies` (ModelRunner.programs)
+    forward: dict[tuple[bool, bool], Callable]  # by `heads` and `verifies` (head_kinds,
+    # ModelRunner.programs)
     sample: dict[tuple[bool, bool], Callable]  # by `verifies` and `full` (branch-free: FULL)
     step: dict[tuple[bool, bool], Callable]
     move: Callable
@@ -266,9 +268,9 @@ def decode_steps_packed(graphdef: nnx.GraphDef, params, kv_caches: KVCache,
 
 
 def head_kinds(medusa: MedusaHeads | None, branch_free: bool) -> tuple[bool, ...]:
-    """Whether the forward passes run Medusa's heads (`forward`'s `heads`): with heads
-    always (a step that does not propose skips them on the device), and where
-    `branch_free` also not (the host picks by whether the step proposes)."""
+    """Whether the forward passes run Medusa's heads (given `medusa`): with heads always
+    (a step that does not propose skips them on the device), and where `branch_free` also
+    not (the host picks by whether the step proposes: ModelRunner.heads_for)."""
     if medusa is None:
         return (False,)
     return (False, True) if branch_free else (True,)

@@ -23,7 +23,7 @@ from jaxserve.engine.executable_cache import ExecutableCache, one_device
 from jaxserve.engine.kv_memory import abstract_kv_cache
 from jaxserve.engine.kv_transfer import KVPages, PageMover
 from jaxserve.engine.packing import pack
-from jaxserve.engine.programs import FEATURE_AXES, jit_programs
+from jaxserve.engine.programs import FEATURE_AXES, head_kinds, jit_programs
 from jaxserve.engine.sampler import SampleOutput, asks_sort
 from jaxserve.models.medusa import MedusaHeads
 from jaxserve.models.transformer import KVCache
@@ -165,29 +165,34 @@ class ModelRunner:
         steps with drafts run async (`CarryLayout.overlap`), a bucket without drafts has
         programs of its own (`verifies` False) that neither move sequences back nor
         search for accepted drafts: they cost a draft model's plain steps (speculation
-        turned off for a large batch, prefills) what speculation off's do."""
-        proposes = (False, True) if self.medusa is not None and self.branch_free else (True,)
-        programs = [self.forward_program(key, p) for p in proposes]
+        turned off for a large batch, prefills) what speculation off's do. With Medusa's
+        heads where `branch_free`, forward passes with the heads and without
+        (`heads_for`)."""
+        heads = head_kinds(self.medusa, self.branch_free)
+        programs = [self.forward_program(key, h) for h in heads]
         programs.append(self.sample_program(key, False))
         if self.branch_free:
             programs.append(self.sample_program(key, True))
         if self.fuses(key):
-            programs += [self.step_program(key, p) for p in proposes]
+            programs += [self.step_program(key, h) for h in heads]
         return programs
 
     def _verifies(self, key: BucketKey) -> bool:
         return bool(key.drafts) or not self.builder.layout.overlap
 
-    def forward_program(self, key: BucketKey, proposes: bool = True) -> tuple:
-        """A bucket's forward pass; `proposes`: whether the step may propose (its
-        `batch.propose`), which picks the program with Medusa's heads or without where
-        `branch_free` (programs.head_kinds)."""
-        heads = self.medusa is not None and (proposes or not self.branch_free)
+    def forward_program(self, key: BucketKey, heads: bool) -> tuple:
+        """A bucket's forward pass, with Medusa's heads or without (`heads_for`)."""
         return ("forward", key.tokens, key.seqs, key.rows, key.tree, heads,
                 self._verifies(key))
 
-    def step_program(self, key: BucketKey, proposes: bool = True) -> tuple:
-        return ("step", *self.forward_program(key, proposes)[1:])
+    def step_program(self, key: BucketKey, heads: bool) -> tuple:
+        return ("step", *self.forward_program(key, heads)[1:])
+
+    def heads_for(self, batch: StepBatch) -> bool:
+        """Whether a step's forward pass runs Medusa's heads (programs.head_kinds): with
+        heads always (a step that does not propose skips them on the device), but where
+        `branch_free` only in a step that proposes (`batch.propose`, on the host)."""
+        return self.medusa is not None and (not self.branch_free or bool(batch.propose))
 
     def sample_program(self, key: BucketKey, full: bool) -> tuple:
         """A bucket's sampling program; `full` (where `branch_free`; else False): the one
@@ -287,10 +292,10 @@ class ModelRunner:
         Placeholder tokens of the batch read the previous dispatched step's samples."""
         if self.broadcaster is not None:
             self.broadcaster.send(STEP, batch, key)
-        full, proposes = self.samples_full(batch), bool(batch.propose)
+        full, heads = self.samples_full(batch), self.heads_for(batch)
         if self.fuses(key) and not full:
-            return self._step(batch, self.step_program(key, proposes))
-        self._forward(batch, self.forward_program(key, proposes))
+            return self._step(batch, self.step_program(key, heads))
+        self._forward(batch, self.forward_program(key, heads))
         return self._sample(batch, self.sample_program(key, full))
 
     def dispatch_forward(self, batch: StepBatch, key: BucketKey) -> None:
@@ -298,7 +303,7 @@ class ModelRunner:
         `dispatch_sample`, which must come next (after any host work)."""
         if self.broadcaster is not None:
             self.broadcaster.send(FORWARD, batch, key)
-        self._forward(batch, self.forward_program(key, bool(batch.propose)))
+        self._forward(batch, self.forward_program(key, self.heads_for(batch)))
 
     def dispatch_sample(self, batch: StepBatch, key: BucketKey) -> SampleOutput:
         """Sample from the last `dispatch_forward`'s logits with the batch's sampling
@@ -433,7 +438,7 @@ class ModelRunner:
         """The compiled forward pass of a bucket (every collective and kernel of its step
         is there), for reading its HLO (compiles it again)."""
         batch = self._pack(_forward_inputs(self.builder.empty(key)))
-        program = self.forward_program(key)
+        program = self.forward_program(key, self.medusa is not None)
         forward = self._programs.forward[program[-2:]]
         return forward.lower(*self._forward_args(batch, program)).compile()
 
