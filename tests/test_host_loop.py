@@ -366,6 +366,23 @@ def test_a_gpus_step_programs_hold_no_branch_on_device_data(path, monkeypatch, b
         assert all(found[p]["while"] for p in found if p[0] == "steps")
 
 
+@pytest.mark.parametrize("arch, lora", [("mixtral", False), ("gemma2", False),
+                                        ("llama", True)])
+def test_a_gpus_moe_soft_cap_and_lora_programs_hold_no_branch(checkpoints, monkeypatch,
+                                                               arch, lora):
+    """Experts, soft-capped attention and LoRA adapters (their deltas by the GPU's grouped
+    matmul, which a GPU picks by platform: forced here) as a GPU compiles them: no
+    program holds a lax.cond or a loop of a traced count. (The CPU's grouped matmul
+    skips idle adapter groups by a cond per group: 28 in each LoRA step program.)"""
+    import pallas_kernels.grouped_matmul as grouped
+
+    if lora:
+        monkeypatch.setattr(grouped, "choose_impl", lambda kind, group=1: "gpu")
+    found = gpu_programs(monkeypatch, True, model=str(checkpoints(arch)[0]), **ENGINE,
+                         enable_lora=lora)
+    assert found and sum(found.values(), collections.Counter()) == {}, found
+
+
 @pytest.mark.parametrize("branch_free", [False, True])
 def test_a_gpus_draft_model_programs_hold_no_branch_on_device_data(path, monkeypatch,
                                                                    branch_free):
