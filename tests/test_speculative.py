@@ -427,6 +427,7 @@ def test_sampled_drafts_take_the_requests_logit_bias(self_drafted, prompts):
     check_clean(self_drafted)
 
 
+@pytest.mark.slow  # a branch-free engine of its own (~25 s)
 def test_branch_free_drafts_are_drawn_as_the_target_samples(self_drafted, checkpoints,
                                                              prompts, monkeypatch):
     """Where the programs are branch-free (a GPU's; forced here), the host picks the
@@ -532,19 +533,20 @@ def test_medusa_gives_the_target_tokens(request, heads, base, want, prompts):
     check_clean(llm)
 
 
+@pytest.mark.slow  # a branch-free engine of its own (~25 s)
 def test_medusa_on_a_gpu_runs_its_heads_in_the_steps_that_propose(
-        checkpoints, tmp_path, monkeypatch, medusa_llm, want, prompts):
+        checkpoints, monkeypatch, medusa_llm, want, prompts):
     """Where the runner is branch-free (as on a GPU; forced here), the host picks the
     forward pass with Medusa's heads for a step that proposes and the one without for a
-    step that does not (a prefill), where a CPU or TPU skips them by a lax.cond: the same
-    tokens, the same guesses accepted. Traced as a GPU compiles them, no program holds a
-    branch on the device."""
+    step that does not (a prefill), where a CPU or TPU skips them by a lax.cond: the
+    target's tokens, guesses accepted (prompt 2 repeats a token, as in
+    test_medusa_gives_the_target_tokens). Traced as a GPU compiles them, no program
+    holds a branch on the device."""
     from jaxserve.engine import runner as runner_module
     from device_branches import gpu_programs
 
     config = {**dataclasses.asdict(medusa_llm.engine.speculator.config),
               "disable_by_batch_size": 8}  # prefill steps do not speculate
-    base = LLM(str(checkpoints("llama")[0]), **ENGINE, speculative_config=config)
     monkeypatch.setattr(runner_module, "branch_free", lambda: True)
     llm = LLM(str(checkpoints("llama")[0]), **ENGINE, speculative_config=config)
     heads = collections.Counter()
@@ -552,11 +554,9 @@ def test_medusa_on_a_gpu_runs_its_heads_in_the_steps_that_propose(
     llm.engine.runner._run = lambda program, fn, args: (
         heads.update([program[-2]]) if program[0] in ("forward", "step") else None,
         original(program, fn, args))[1]
-    got, expected = [], []
-    for engine, out in ((llm, got), (base, expected)):
-        stats = medusa_speculating(engine)
-        out += [tokens(engine.generate(prompts, GREEDY)), stats.accepted, stats.proposed]
-    assert got == expected and got[0] == want and sum(got[1]) > 0
+    stats = medusa_speculating(llm)
+    assert tokens(llm.generate(prompts, GREEDY)) == want
+    assert 0 < stats.num_accepted < stats.num_proposed and stats.accepted[2] > 0
     assert heads[True] > 0 and heads[False] > 0  # both kinds of step ran
     assert llm.engine.runner.compiles_after_warmup == 0
     found = gpu_programs(monkeypatch, True, model=str(checkpoints("llama")[0]), **ENGINE,

@@ -663,7 +663,8 @@ def test_gemma3_processor_and_tower_match_transformers(gemma):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("gpu", [False, True], ids=["", "gpu-kernel-branch-free"])
+@pytest.mark.parametrize("gpu", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["", "gpu-kernel-branch-free"])
 def test_gemma3_requests_see_images_whole(gemma, gpu, monkeypatch):
     """A text prompt with two <start_of_image> markers (written out as Gemma 3's processor
     does), in 8-token chunks that would otherwise end inside an image, batched with a text
