@@ -496,6 +496,27 @@ def test_drafts_drawn_without_branches_are_the_branching_ones(asks):
     assert _branches(lambda *a: draw_drafts(*a, 1), logits, p) > 0
 
 
+def test_native_top_p_cut_of_rows_without_a_finite_maximum():
+    """A row the grammar masked whole (every logit -inf), one with an inf and one with a
+    NaN: the native cut returns (no bin index from a NaN distance), -inf for the masked
+    row (every token kept: nothing to choose between), and a finite row beside them
+    keeps its cut."""
+    from pallas_kernels import cpu as native
+
+    if not native.available():
+        pytest.skip(f"native CPU kernels unavailable: {native.unavailable_reason()}")
+    v = 300
+    logits = np.tile(np.linspace(0.0, -20.0, v, dtype=np.float32), (4, 1))
+    logits[0] = -np.inf
+    logits[1, 5] = np.inf
+    logits[2, 7] = np.nan
+    top_k, top_p = np.zeros(4, np.int32), np.full(4, 0.5, np.float32)
+    call = jax.ffi.ffi_call("jaxserve_top_k_top_p_cut", jax.ShapeDtypeStruct((4,), jnp.float32))
+    got = np.asarray(jax.jit(call)(logits, top_k, top_p))
+    want = np.asarray(sampler.top_k_top_p_by_sort(logits[3:], top_k[3:], top_p[3:]))
+    assert got[0] == -np.inf and got[3] == want[0] > -20.0
+
+
 @pytest.mark.parametrize("v", [700, 20000])
 def test_native_top_k_top_p_cut_is_the_sorts(v):
     """The CPU's native threshold (jaxserve_top_k_top_p_cut: without top-k, the mass of

@@ -64,7 +64,9 @@ constexpr float kBinRange = 32.0f;
 constexpr float kBinScale = kBins / kBinRange;
 
 JS_INLINE int BinOf(float x, float top) {
-  return static_cast<int>(std::min(top - x, kBinRange * (1.0f - 1.0f / kBins)) * kBinScale);
+  constexpr float kLast = kBinRange * (1.0f - 1.0f / kBins);
+  const float d = top - x;
+  return static_cast<int>((d < kLast ? d : kLast) * kBinScale);  // NaN: the last bin
 }
 
 // The row's maximum and minimum, and each token's weight exp(x - top) (0 for a weight
@@ -93,7 +95,7 @@ JS_INLINE void GenericMaxMin(const float* x, int64_t v, float* top, float* low) 
 JS_INLINE void GenericWeights(const float* x, int64_t v, float top, float* w) {
   for (int64_t i = 0; i < v; ++i) {
     const float d = x[i] - top;
-    w[i] = d < -87.0f ? 0.0f : ExpF32(d);
+    w[i] = d >= -87.0f ? ExpF32(d) : 0.0f;  // NaN: 0
   }
 }
 
@@ -137,6 +139,7 @@ inline float TopPCut(const float* row, int64_t v, float top_p, CutScratch& s, in
     if (!(top_p < 1.0f)) return low;
     ScalarWeights(row, v, top, w.data());
   }
+  if (!std::isfinite(top)) return low;  // no finite maximum to weigh the row by
   s.bins.assign(kBins, 0.0);
   for (int64_t i = 0; i < v; ++i) s.bins[BinOf(row[i], top)] += w[i];
   double z = 0.0;
@@ -148,7 +151,7 @@ inline float TopPCut(const float* row, int64_t v, float top_p, CutScratch& s, in
   for (; b < kBins; ++b) {  // the token's bin (the next ones if its sums fall short)
     s.items.clear();
     for (int64_t i = 0; i < v; ++i)
-      if (BinOf(row[i], top) == b) s.items.push_back({row[i], w[i]});
+      if (BinOf(row[i], top) == b && row[i] == row[i]) s.items.push_back({row[i], w[i]});
     float cut;
     if (NucleusCut(s.items.data(), s.items.data() + s.items.size(), target, above, cut))
       return std::max(low, cut);
