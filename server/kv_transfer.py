@@ -135,12 +135,15 @@ class KVSender:
                 "first_token": first_token, "num_prompt_tokens": kv.num_tokens,
                 "num_bytes": moved}
 
-    def release(self, transfer_id: str) -> _Held | None:
+    def release(self, transfer_id: str, expired: bool = False) -> _Held | None:
+        """Let go of a held transfer (counted as expired when `expired`): the counts move
+        together under the lock, so a reader never sees one released but not counted."""
         with self._lock:
             held = self._held.pop(transfer_id, None)
             if held is not None:
                 self.stats.held -= 1
                 self.stats.held_bytes -= held.kv.nbytes
+                self.stats.expired += expired
             return held
 
     def stop(self) -> None:
@@ -193,14 +196,13 @@ class KVSender:
             with self._lock:
                 late = [t for t, h in self._held.items() if h.deadline < now]
             for transfer_id in late:
-                held = self.release(transfer_id)
+                held = self.release(transfer_id, expired=True)
                 if held is not None:
                     if held.number is not None:  # the transfer server lets go once pulled
                         specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                                  for x in held.kv.entries]
                         threading.Thread(target=self._drain.pull, args=(held.number, specs),
                                          name="kv-drain", daemon=True).start()
-                    self.stats.expired += 1
                     log.warning("K/V of transfer %s not pulled within %g s: released",
                                 transfer_id, self.hold_seconds)
 
