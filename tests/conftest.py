@@ -31,10 +31,14 @@ if ON_GPU:
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
-    """`-n auto` (pyproject.toml's addopts): one worker more than the cores. Workers wait
-    on servers, subprocesses and timers, and a file's tail runs alone; on a 2-core VM the
-    default run took 25.9 minutes on 2 workers, 17.7 on 3, 17.8 on 4 (2026-12-04)."""
-    return (os.cpu_count() or 1) + 1
+    """`-n auto` (pyproject.toml's addopts): for the default run one worker more than the
+    cores. Its workers wait on servers, subprocesses and timers, and a file's tail runs
+    alone: on a 2-core VM it took 25.9 minutes on 2 workers, 17.7 on 3, 17.8 on 4
+    (2026-12-04). The slow tests get one per core: their 8-device checks are subprocesses
+    that use every core themselves (on 3 workers, test_sharding's ran past its 900 s)."""
+    cores = os.cpu_count() or 1
+    slow_only = config.option.markexpr.replace("not slow", "").strip() == "slow"
+    return cores if slow_only else cores + 1
 
 
 def kernel_interpret(impl: str) -> bool:
