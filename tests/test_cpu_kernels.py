@@ -755,6 +755,36 @@ def test_lora_kernel_without_adapter_tokens_or_in_place_leaves_y_as_it_was():
     assert not np.isclose(np.asarray(out)[[1, 2, 4]], np.asarray(y)[[1, 2, 4]]).any()
 
 
+# ------------------------------------------------------------------------------ argmax
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_argmax_is_numpys(dtype, isa):
+    """jaxserve_argmax (the sampler's first_argmax on a CPU) against np.argmax of the same
+    values: ties (the first wins), rows of -inf, NaN (the first NaN, before or after the
+    maximum), vocabularies around the 8- and 16-lane and 64-token steps, and rows enough
+    to split over the threads."""
+    from jaxserve.engine.sampler import first_argmax
+
+    rng = np.random.default_rng(9)
+    for s, v in [(1, 1), (3, 7), (4, 16), (5, 17), (6, 63), (7, 64), (9, 65), (8, 300),
+                 (40, 2053)]:
+        x = rng.integers(-4, 4, size=(s, v)).astype(np.float32)  # many ties
+        x[0, -1] = 9.0  # the maximum in the row's last token
+        if s >= 4:
+            x[1, :] = -np.inf
+            x[2, v // 2] = np.nan
+            x[3, 0], x[3, -1] = np.nan, np.inf
+        if s >= 6 and v > 20:
+            x[4, 3], x[4, v - 2] = 50.0, np.nan  # a NaN after the maximum
+            x[5] = rng.standard_normal(v)  # no ties
+        values = jnp.asarray(x, dtype)
+        got = np.asarray(jax.jit(first_argmax)(values))
+        want = np.argmax(np.asarray(values, np.float32), axis=-1)
+        np.testing.assert_array_equal(got, want, err_msg=f"{s} x {v}")
+    text = jax.jit(first_argmax).lower(values).as_text()
+    assert "jaxserve_argmax" in text  # the native kernel, not XLA's argmax
+
+
 # -------------------------------------------------------------------------------- build
 
 def run_python(code: str, **env) -> subprocess.CompletedProcess:

@@ -12,7 +12,8 @@ from llguidance.numpy import apply_token_bitmask_inplace
 import jaxserve.engine.sampler as sampler
 from jaxserve.engine.sampler import (SampledDrafts, SamplingArrays, TokenHistory,
                                      apply_grammar_mask, apply_penalties, draw_drafts,
-                                     filter_logits, first_argmax, inverse_cdf, sample)
+                                     filter_logits, first_argmax, inverse_cdf, sample,
+                                     two_level_argmax)
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 
 
@@ -70,9 +71,11 @@ def test_temperature_sampling_follows_softmax():
     assert ((counts - wrong) ** 2 / wrong).sum() > 100
 
 
-def test_two_level_argmax_is_numpys_first_index_of_the_maximum():
+@pytest.mark.parametrize("argmax", [first_argmax, two_level_argmax])
+def test_argmax_is_numpys_first_index_of_the_maximum(argmax):
     """Across block edges (128 tokens), a vocabulary that is not a multiple of the block,
-    ties (the first wins, as np.argmax), -inf everywhere but one token."""
+    ties (the first wins, as np.argmax), -inf everywhere but one token. first_argmax is
+    the native kernel on a CPU (test_cpu_kernels.py tests it at every instruction set)."""
     rng = np.random.default_rng(7)
     v = 300
     logits = rng.integers(-3, 3, size=(8, v)).astype(np.float32)  # many ties
@@ -81,7 +84,7 @@ def test_two_level_argmax_is_numpys_first_index_of_the_maximum():
     logits[2, [127, 128]] = 9.0  # a tie across a block edge
     logits[3, :] = -np.inf
     logits[3, [5, 256]] = [-1.0, 2.0]
-    got = np.asarray(jax.jit(first_argmax)(jnp.asarray(logits)))
+    got = np.asarray(jax.jit(argmax)(jnp.asarray(logits)))
     np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
     assert got[2] == 127
 

@@ -1,16 +1,17 @@
 """Native CPU kernels: `kernels.cc` (the FFI handlers) with a header per kernel
-(`matmul.h`, `rows.h`, `attention.h`, `lora.h`) and what they share (`common.h`), built on
-first use and called through the XLA FFI.
+(`matmul.h`, `rows.h`, `attention.h`, `lora.h`, `quantized.h`, `sampling.h`) and what they
+share (`common.h`), built on first use and called through the XLA FFI.
 
 FFI targets for platform "cpu": `jaxserve_matmul` (float matmul, f32 or bf16),
 `jaxserve_ragged_paged_attention`, `jaxserve_write_kv` (new K/V into the paged cache, in
 place), `jaxserve_rms_norm`, `jaxserve_gated_act` and `jaxserve_rope` (row-wise ops on the
 real rows), `jaxserve_lora` (LoRA adapters' deltas, in place), `jaxserve_top_k_top_p_cut`
-(each row's top-k / top-p threshold for the sampler, `sampling.h`, without a sort);
+(each row's top-k / top-p threshold for the sampler, `sampling.h`, without a sort),
+`jaxserve_argmax` (each row's greedy pick, `sampling.h`);
 their Python faces are `pallas_kernels/matmul/cpu.py`,
 `pallas_kernels/ragged_paged_attention/cpu.py`, `.../kv_cache.py`,
 `pallas_kernels/rows.py`, `pallas_kernels/lora/cpu.py` and `jaxserve/engine/sampler.py`'s
-`filter_logits`.
+`filter_logits` and `first_argmax`.
 
 The shared library is compiled with the system C++ compiler (`$CXX`, else g++, else c++)
 into `<cache root>/cpu_kernels/<key>/`, where the cache root is `$JAXSERVE_CACHE` (default
@@ -61,7 +62,8 @@ TARGETS = {"jaxserve_matmul": "JaxserveMatmul",
            "jaxserve_rope": "JaxserveRope",
            "jaxserve_lora": "JaxserveLora",
            "jaxserve_quantized_matmul": "JaxserveQuantizedMatmul",
-           "jaxserve_top_k_top_p_cut": "JaxserveTopKTopPCut"}
+           "jaxserve_top_k_top_p_cut": "JaxserveTopKTopPCut",
+           "jaxserve_argmax": "JaxserveArgmax"}
 ISA_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}
 BUILD_TIMEOUT_S = 600
 

@@ -17,6 +17,7 @@
 //                                    points) as pallas_kernels/quantized_matmul stores it.
 //   jaxserve_top_k_top_p_cut         each row's top-k / top-p threshold (the sampler's
 //                                    filter_logits), without sorting the rows.
+//   jaxserve_argmax                  each row's greedy pick (the sampler's first_argmax).
 //
 // One translation unit: this file holds the FFI handlers and includes each kernel's
 // header (common.h, matmul.h, rows.h, attention.h, lora.h, quantized.h, sampling.h), so the kernels share
@@ -331,6 +332,28 @@ ffi::Error TopKTopPCutImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
   return ffi::Error::Success();
 }
 
+// Greedy picks: logits [S, V] (f32 or bf16) -> the first index of each row's maximum [S].
+ffi::Error ArgmaxImpl(ffi::ThreadPool pool, ffi::AnyBuffer logits,
+                      ffi::Result<ffi::Buffer<ffi::S32>> out) {
+  const auto d = logits.dimensions();
+  const ffi::DataType dt = logits.element_type();
+  if (d.size() != 2 || d[1] < 1)
+    return ffi::Error::InvalidArgument("jaxserve_argmax: logits must be [S, V]");
+  if (dt != ffi::DataType::F32 && dt != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("jaxserve_argmax: logits must be f32 or bf16");
+  if (out->element_count() != static_cast<size_t>(d[0]))
+    return ffi::Error::InvalidArgument("jaxserve_argmax: out must be [S]");
+  Runner run(&pool);
+  if (dt == ffi::DataType::F32) {
+    ArgmaxRows(run, static_cast<const float*>(logits.untyped_data()), d[0], d[1],
+               out->typed_data());
+  } else {
+    ArgmaxRows(run, static_cast<const uint16_t*>(logits.untyped_data()), d[0], d[1],
+               out->typed_data());
+  }
+  return ffi::Error::Success();
+}
+
 // LoRA: x [T, K], slots [T] (1-based; 0: no adapter), then (y_i [T, N_i], A_i [G, K, R],
 // B_i [G, R, N_i]) per module; results y_i (aliased to the inputs y_i).
 ffi::Error LoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> slots,
@@ -509,6 +532,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveTopKTopPCut, jaxserve::TopKTopPCutImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveArgmax, jaxserve::ArgmaxImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 // Instruction-set control for tests: the level the kernels run at (0 scalar, 1 AVX2+FMA,
 // 2 AVX-512, 3 AVX-512 + BF16), capped at what the CPU has. Returns the level now in force.

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -193,6 +194,161 @@ inline void TopKTopPCuts(const Runner& run, const float* logits, int64_t s, int6
   run.For(s, [&](int64_t r) {
     thread_local CutScratch scratch;
     cut[r] = TopKTopPCut(logits + r * v, v, top_k[r], top_p[r], scratch, isa);
+  });
+}
+
+// Greedy decoding's pick (jaxserve/engine/sampler.py, first_argmax): the first index of
+// each row's maximum, NaN above every number (np.argmax's order). XLA:CPU's two-level
+// argmax took 16-20% of a tiny model's whole decode step at 64-256 rows (2-core Xeon).
+// Two passes over a row, the second over what the first just read: its maximum and
+// whether it holds a NaN, then the first 16 (8) tokens holding the maximum.
+template <typename T>
+JS_INLINE float LoadLogit(const T* x, int64_t i) {
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    return Bf16ToF32(x[i]);
+  } else {
+    return x[i];
+  }
+}
+
+template <typename T>
+JS_INLINE int32_t FirstNan(const T* x, int64_t v) {
+  for (int64_t i = 0; i < v; ++i)
+    if (LoadLogit(x, i) != LoadLogit(x, i)) return static_cast<int32_t>(i);
+  return 0;
+}
+
+template <typename T>
+int32_t ScalarArgmax(const T* x, int64_t v) {
+  float top = LoadLogit(x, 0);
+  bool nan = false;
+  for (int64_t i = 0; i < v; ++i) {
+    const float y = LoadLogit(x, i);
+    top = y > top ? y : top;
+    nan |= y != y;
+  }
+  if (nan) return FirstNan(x, v);
+  for (int64_t i = 0; i < v; ++i)
+    if (LoadLogit(x, i) == top) return static_cast<int32_t>(i);
+  return 0;  // not reached: the maximum is one of the row's tokens
+}
+
+#if JS_X86
+// 16 logits from p (those past n read as -inf), float32 or bf16.
+template <typename T>
+JS_AVX512 JS_INLINE __m512 LoadLogits16(const T* p, int64_t n) {
+  const __mmask16 m = Mask16(n);
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    const __m512 y = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_mask_blend_ps(m, ninf, y);
+  } else {
+    return _mm512_mask_loadu_ps(ninf, m, p);
+  }
+}
+
+template <typename T>
+JS_AVX512 int32_t Avx512Argmax(const T* x, int64_t v) {
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  __m512 hi[4] = {ninf, ninf, ninf, ninf};
+  __mmask16 nan = 0;
+  int64_t i = 0;
+  for (; i + 64 <= v; i += 64)
+    JS_UNROLL for (int u = 0; u < 4; ++u) {
+      const __m512 y = LoadLogits16(x + i + 16 * u, 16);
+      hi[u] = _mm512_max_ps(y, hi[u]);  // a NaN y leaves hi as it was
+      nan |= _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
+    }
+  for (; i < v; i += 16) {
+    const __m512 y = LoadLogits16(x + i, v - i);
+    hi[0] = _mm512_max_ps(y, hi[0]);
+    nan |= _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q);
+  }
+  if (nan) return FirstNan(x, v);
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(
+      _mm512_max_ps(_mm512_max_ps(hi[0], hi[1]), _mm512_max_ps(hi[2], hi[3]))));
+  // Lanes past v read -inf: never before the row's first maximum, which is a real token.
+  for (i = 0; i < v; i += 16) {
+    const __mmask16 m = _mm512_cmp_ps_mask(LoadLogits16(x + i, v - i), top, _CMP_EQ_OQ);
+    if (m) return static_cast<int32_t>(i + __builtin_ctz(m));
+  }
+  return 0;
+}
+
+template <typename T>
+JS_AVX2 JS_INLINE __m256 LoadLogits8(const T* p) {
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm256_loadu_ps(p);
+  }
+}
+
+template <typename T>
+JS_AVX2 int32_t Avx2Argmax(const T* x, int64_t v) {
+  __m256 hi[4], nan = _mm256_setzero_ps();
+  JS_UNROLL for (int u = 0; u < 4; ++u) hi[u] = _mm256_set1_ps(-INFINITY);
+  const int64_t v8 = v / 8 * 8;
+  int64_t i = 0;
+  for (; i + 32 <= v8; i += 32)
+    JS_UNROLL for (int u = 0; u < 4; ++u) {
+      const __m256 y = LoadLogits8(x + i + 8 * u);
+      hi[u] = _mm256_max_ps(y, hi[u]);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(y, y, _CMP_UNORD_Q));
+    }
+  for (; i < v8; i += 8) {
+    const __m256 y = LoadLogits8(x + i);
+    hi[0] = _mm256_max_ps(y, hi[0]);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(y, y, _CMP_UNORD_Q));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(hi[0], hi[1]),
+                                       _mm256_max_ps(hi[2], hi[3])));
+  float top = -INFINITY;
+  for (float y : lanes) top = y > top ? y : top;
+  bool has_nan = _mm256_movemask_ps(nan) != 0;
+  for (; i < v; ++i) {
+    const float y = LoadLogit(x, i);
+    top = y > top ? y : top;
+    has_nan |= y != y;
+  }
+  if (has_nan) return FirstNan(x, v);
+  const __m256 t = _mm256_set1_ps(top);
+  for (i = 0; i < v8; i += 8) {
+    const int m = _mm256_movemask_ps(_mm256_cmp_ps(LoadLogits8(x + i), t, _CMP_EQ_OQ));
+    if (m) return static_cast<int32_t>(i + __builtin_ctz(m));
+  }
+  for (; i < v; ++i)
+    if (LoadLogit(x, i) == top) return static_cast<int32_t>(i);
+  return 0;
+}
+#endif
+
+// out[r] = the argmax of row r of logits [S, V] (float32, or bf16 as uint16_t), rows split
+// over the threads in runs of at least ~16k tokens (a thread's hand-off costs more than a
+// short row).
+template <typename T>
+inline void ArgmaxRows(const Runner& run, const T* logits, int64_t s, int64_t v, int32_t* out) {
+  const int isa = CurrentIsa();
+  const int64_t tasks = std::clamp<int64_t>(s * v / 16384, 1, std::min(s, run.threads()));
+  run.For(tasks, [&](int64_t t) {
+    for (int64_t r = s * t / tasks; r < s * (t + 1) / tasks; ++r) {
+      const T* row = logits + r * v;
+#if JS_X86
+      if (isa >= kAvx512) {
+        out[r] = Avx512Argmax(row, v);
+        continue;
+      }
+      if (isa >= kAvx2) {
+        out[r] = Avx2Argmax(row, v);
+        continue;
+      }
+#endif
+      (void)isa;
+      out[r] = ScalarArgmax(row, v);
+    }
   });
 }
 
