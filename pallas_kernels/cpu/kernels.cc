@@ -337,12 +337,9 @@ ffi::Error ArgmaxImpl(ffi::ThreadPool pool, ffi::AnyBuffer logits,
                       ffi::Result<ffi::Buffer<ffi::S32>> out) {
   const auto d = logits.dimensions();
   const ffi::DataType dt = logits.element_type();
-  if (d.size() != 2 || d[1] < 1)
-    return ffi::Error::InvalidArgument("jaxserve_argmax: logits must be [S, V]");
-  if (dt != ffi::DataType::F32 && dt != ffi::DataType::BF16)
-    return ffi::Error::InvalidArgument("jaxserve_argmax: logits must be f32 or bf16");
-  if (out->element_count() != static_cast<size_t>(d[0]))
-    return ffi::Error::InvalidArgument("jaxserve_argmax: out must be [S]");
+  if (d.size() != 2 || d[1] < 1 || (dt != ffi::DataType::F32 && dt != ffi::DataType::BF16) ||
+      out->element_count() != static_cast<size_t>(d[0]))
+    return ffi::Error::InvalidArgument("jaxserve_argmax: logits [S, V] f32 or bf16, out [S]");
   Runner run(&pool);
   if (dt == ffi::DataType::F32) {
     ArgmaxRows(run, static_cast<const float*>(logits.untyped_data()), d[0], d[1],
