@@ -331,6 +331,7 @@ JS_AVX2 int32_t Avx2Argmax(const T* x, int64_t v) {
 // short row).
 template <typename T>
 inline void ArgmaxRows(const Runner& run, const T* logits, int64_t s, int64_t v, int32_t* out) {
+  if (s <= 0) return;
   const int isa = CurrentIsa();
   const int64_t tasks = std::clamp<int64_t>(s * v / 16384, 1, std::min(s, run.threads()));
   run.For(tasks, [&](int64_t t) {
