@@ -761,13 +761,13 @@ def test_lora_kernel_without_adapter_tokens_or_in_place_leaves_y_as_it_was():
 def test_argmax_is_numpys(dtype, isa):
     """jaxserve_argmax (the sampler's first_argmax on a CPU) against np.argmax of the same
     values: ties (the first wins), rows of -inf, NaN (the first NaN, before or after the
-    maximum), vocabularies around the 8- and 16-lane and 64-token steps, and rows enough
-    to split over the threads."""
+    maximum), vocabularies around the 8- and 16-lane and 64-token steps, and tokens enough
+    (4.2M) to split the rows over the threads."""
     from jaxserve.engine.sampler import first_argmax
 
     rng = np.random.default_rng(9)
     for s, v in [(1, 1), (3, 7), (4, 16), (5, 17), (6, 63), (7, 64), (9, 65), (8, 300),
-                 (40, 2053)]:
+                 (40, 2053), (6, 700_001)]:
         x = rng.integers(-4, 4, size=(s, v)).astype(np.float32)  # many ties
         x[0, -1] = 9.0  # the maximum in the row's last token
         if s >= 4:
