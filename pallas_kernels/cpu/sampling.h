@@ -277,16 +277,6 @@ JS_AVX512 int32_t Avx512Argmax(const T* x, int64_t v) {
 }
 
 template <typename T>
-JS_AVX2 JS_INLINE __m256 LoadLogits8(const T* p) {
-  if constexpr (std::is_same_v<T, uint16_t>) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  } else {
-    return _mm256_loadu_ps(p);
-  }
-}
-
-template <typename T>
 JS_AVX2 int32_t Avx2Argmax(const T* x, int64_t v) {
   __m256 hi[4], nan = _mm256_setzero_ps();
   JS_UNROLL for (int u = 0; u < 4; ++u) hi[u] = _mm256_set1_ps(-INFINITY);
@@ -294,12 +284,12 @@ JS_AVX2 int32_t Avx2Argmax(const T* x, int64_t v) {
   int64_t i = 0;
   for (; i + 32 <= v8; i += 32)
     JS_UNROLL for (int u = 0; u < 4; ++u) {
-      const __m256 y = LoadLogits8(x + i + 8 * u);
+      const __m256 y = Avx2Load8(x + i + 8 * u);
       hi[u] = _mm256_max_ps(y, hi[u]);
       nan = _mm256_or_ps(nan, _mm256_cmp_ps(y, y, _CMP_UNORD_Q));
     }
   for (; i < v8; i += 8) {
-    const __m256 y = LoadLogits8(x + i);
+    const __m256 y = Avx2Load8(x + i);
     hi[0] = _mm256_max_ps(y, hi[0]);
     nan = _mm256_or_ps(nan, _mm256_cmp_ps(y, y, _CMP_UNORD_Q));
   }
@@ -317,7 +307,7 @@ JS_AVX2 int32_t Avx2Argmax(const T* x, int64_t v) {
   if (has_nan) return FirstNan(x, v);
   const __m256 t = _mm256_set1_ps(top);
   for (i = 0; i < v8; i += 8) {
-    const int m = _mm256_movemask_ps(_mm256_cmp_ps(LoadLogits8(x + i), t, _CMP_EQ_OQ));
+    const int m = _mm256_movemask_ps(_mm256_cmp_ps(Avx2Load8(x + i), t, _CMP_EQ_OQ));
     if (m) return static_cast<int32_t>(i + __builtin_ctz(m));
   }
   for (; i < v; ++i)
