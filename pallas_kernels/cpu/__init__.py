@@ -222,8 +222,8 @@ def round_trip_ns(trips: int = 20000, rounds: int = 5) -> float | None:
 
 def pair_flops_ratio(iters: int = 500_000, rounds: int = 3) -> float | None:
     """The floating-point rate of two threads running at once over one thread's alone (the
-    median of `rounds` pairs of timings, each ~20 ms on a 3.6 GHz Zen 4 core; alone: the
-    shorter of a timing before the pair and one after): about 2 on two cores, about 1 on
+    largest of `rounds` pairs of timings, each ~20 ms on a 3.6 GHz Zen 4 core; alone: the
+    shortest of a timing before each pair and one after the last): about 2 on two cores, about 1 on
     one core's two SMT threads, where compute-bound work gets no more from two threads
     than from one. On a VM whose vCPUs move, it says which placement a
     measurement ran in. None where round_trip_ns is None."""
