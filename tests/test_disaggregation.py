@@ -108,12 +108,15 @@ def test_a_decode_side_hands_out_its_first_token_at_once(single, pd, monkeypatch
 
 
 def test_decode_side_preemption_recomputes(single, pd):
-    """Two long requests outgrow the decode pool (34 pages: 25 each at the end): one is
-    preempted there and recomputed by the decode engine, with the same tokens."""
+    """Two requests outgrow the decode pool (34 pages: 29 each at the end): one is preempted
+    there and recomputed by the decode engine, with the same tokens. Their prompts fit one
+    prefill step together, so both reach the decode side at once, however the two engines'
+    threads are timed (with long prompts, a second handed over late found the pool full and
+    waited for the first to finish: a CI run saw no preemption)."""
     rng = np.random.default_rng(11)
-    prompts = [rng.integers(3, 320, size=60).tolist() for _ in range(2)]
-    params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=40, temperature=0.7, seed=1, ignore_eos=True)]
+    prompts = [rng.integers(3, 320, size=16).tolist() for _ in range(2)]
+    params = [SamplingParams(max_tokens=100, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=100, temperature=0.7, seed=1, ignore_eos=True)]
     before = pd.engine.decode.status().num_preemptions
     assert _outputs(pd.generate(prompts, params)) == _outputs(single.generate(prompts, params))
     assert pd.engine.decode.status().num_preemptions > before
