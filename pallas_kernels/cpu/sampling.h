@@ -12,6 +12,7 @@
 
 #include "common.h"
 #include "rows.h"  // ExpF32
+#include "simd.h"  // Exp8, Avx2Load8
 
 namespace jaxserve {
 namespace {
@@ -70,9 +71,9 @@ JS_INLINE int BinOf(float x, float top) {
   return static_cast<int>((d < kLast ? d : kLast) * kBinScale);  // NaN: the last bin
 }
 
-// The row's maximum and minimum, and each token's weight exp(x - top) (0 for a weight
-// under e^-87, -inf's included), into w: loops the compiler vectorises (ExpF32 is
-// branch-free), compiled for the baseline and for AVX2.
+// The row's maximum and minimum; each token's bin (BinOf) into bin and, with kWeights,
+// its weight exp(x - top) into w (0 for a weight under e^-87, -inf's included): the
+// baseline's loops, and AVX2's (eight tokens a step, Exp8).
 JS_INLINE void GenericMaxMin(const float* x, int64_t v, float* top, float* low) {
   float hi[16], lo[16];
   for (int l = 0; l < 16; ++l) hi[l] = lo[l] = x[0];
@@ -93,66 +94,116 @@ JS_INLINE void GenericMaxMin(const float* x, int64_t v, float* top, float* low) 
   }
 }
 
-JS_INLINE void GenericWeights(const float* x, int64_t v, float top, float* w) {
+template <bool kWeights>
+JS_INLINE void GenericBins(const float* x, int64_t v, float top, uint16_t* bin, float* w) {
   for (int64_t i = 0; i < v; ++i) {
-    const float d = x[i] - top;
-    w[i] = d >= -87.0f ? ExpF32(d) : 0.0f;  // NaN: 0
+    bin[i] = static_cast<uint16_t>(BinOf(x[i], top));
+    if constexpr (kWeights) {
+      const float d = x[i] - top;
+      w[i] = d >= -87.0f ? ExpF32(d) : 0.0f;  // NaN: 0
+    }
   }
 }
 
 void ScalarMaxMin(const float* x, int64_t v, float* top, float* low) {
   GenericMaxMin(x, v, top, low);
 }
-void ScalarWeights(const float* x, int64_t v, float top, float* w) {
-  GenericWeights(x, v, top, w);
+template <bool kWeights>
+void ScalarBins(const float* x, int64_t v, float top, uint16_t* bin, float* w) {
+  GenericBins<kWeights>(x, v, top, bin, w);
 }
 #if JS_X86
 JS_AVX2 void Avx2MaxMin(const float* x, int64_t v, float* top, float* low) {
   GenericMaxMin(x, v, top, low);
 }
-JS_AVX2 void Avx2Weights(const float* x, int64_t v, float top, float* w) {
-  GenericWeights(x, v, top, w);
+// (GCC does not vectorise GenericBins' loop: 4x slower than this at a 2048 vocabulary.)
+template <bool kWeights>
+JS_AVX2 void Avx2Bins(const float* x, int64_t v, float top, uint16_t* bin, float* w) {
+  constexpr float kLast = kBinRange * (1.0f - 1.0f / kBins);  // as BinOf's
+  const __m256 t = _mm256_set1_ps(top), floor = _mm256_set1_ps(-87.0f);
+  const __m256 last = _mm256_set1_ps(kLast), scale = _mm256_set1_ps(kBinScale);
+  const int64_t v8 = v / 8 * 8;
+  for (int64_t i = 0; i < v8; i += 8) {
+    const __m256 xi = _mm256_loadu_ps(x + i);
+    // min_ps(a, b) is a < b ? a : b: a NaN's to the last bin, as BinOf.
+    const __m256i b = _mm256_cvttps_epi32(
+        _mm256_mul_ps(_mm256_min_ps(_mm256_sub_ps(t, xi), last), scale));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(bin + i),
+                     _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+    if constexpr (kWeights) {  // d >= -87 (false for NaN): the weight, else 0
+      const __m256 d = _mm256_sub_ps(xi, t);
+      _mm256_storeu_ps(w + i, _mm256_and_ps(_mm256_cmp_ps(d, floor, _CMP_GE_OQ), Exp8(d)));
+    }
+  }
+  GenericBins<kWeights>(x + v8, v - v8, top, bin + v8, kWeights ? w + v8 : nullptr);
 }
 #endif
 
 struct CutScratch {
-  std::vector<float> buf;  // the row (top-k: its top k first), or its weights
+  std::vector<float> buf;  // the row's weights, or (top-k) its top k first
+  std::vector<float> ties;  // (top-k) the values in the k-th largest's bin
+  std::vector<uint16_t> bin;  // each token's bin
+  std::vector<double> bins;  // each bin's mass
+  std::vector<int32_t> counts;  // (top-k) each bin's tokens
   std::vector<Weighted> items;
-  std::vector<double> bins;
 };
+
+// The row's maximum and minimum, and each token's bin into s.bin (with kWeights, its
+// weight into s.buf). False when top_p is 1 (off): the minimum is all a top-p cut needs.
+template <bool kWeights>
+inline bool RowBins(const float* row, int64_t v, float top_p, CutScratch& s, int isa,
+                    float* top, float* low) {
+  s.bin.resize(v);
+  if constexpr (kWeights) s.buf.resize(v);
+  float* w = kWeights ? s.buf.data() : nullptr;
+#if JS_X86
+  if (isa >= kAvx2) {
+    Avx2MaxMin(row, v, top, low);
+    if (kWeights && !(top_p < 1.0f)) return false;
+    Avx2Bins<kWeights>(row, v, *top, s.bin.data(), w);
+    return true;
+  }
+#endif
+  (void)isa;
+  ScalarMaxMin(row, v, top, low);
+  if (kWeights && !(top_p < 1.0f)) return false;
+  ScalarBins<kWeights>(row, v, *top, s.bin.data(), w);
+  return true;
+}
 
 // A row's top-p cut without top-k (see kBins): the larger of its minimum and its nucleus's
 // last value.
 inline float TopPCut(const float* row, int64_t v, float top_p, CutScratch& s, int isa) {
   float top, low;
-  std::vector<float>& w = s.buf;
-  w.resize(v);
-#if JS_X86
-  if (isa >= kAvx2) {
-    Avx2MaxMin(row, v, &top, &low);
-    if (!(top_p < 1.0f)) return low;
-    Avx2Weights(row, v, top, w.data());
-  } else
-#endif
-  {
-    (void)isa;
-    ScalarMaxMin(row, v, &top, &low);
-    if (!(top_p < 1.0f)) return low;
-    ScalarWeights(row, v, top, w.data());
-  }
+  if (!RowBins<true>(row, v, top_p, s, isa, &top, &low)) return low;
   if (!std::isfinite(top)) return low;  // no finite maximum to weigh the row by
+  const uint16_t* bin = s.bin.data();
+  const float* w = s.buf.data();
   s.bins.assign(kBins, 0.0);
-  for (int64_t i = 0; i < v; ++i) s.bins[BinOf(row[i], top)] += w[i];
+  double* bins = s.bins.data();
+  for (int64_t i = 0; i < v; ++i) bins[bin[i]] += w[i];
+  // The bins' masses summed in groups of kGroup (four chains each: one chain through all
+  // 4096 took longer than the rest of a 2048-token row), the groups in order.
+  constexpr int kGroup = 64;
+  double group[kBins / kGroup];
   double z = 0.0;
-  for (double m : s.bins) z += m;
+  for (int g = 0; g < kBins / kGroup; ++g) {
+    double a[4] = {0.0, 0.0, 0.0, 0.0};
+    for (int i = g * kGroup; i < (g + 1) * kGroup; i += 4)
+      for (int l = 0; l < 4; ++l) a[l] += bins[i + l];
+    group[g] = (a[0] + a[1]) + (a[2] + a[3]);
+    z += group[g];
+  }
   const double target = double(top_p) * z;
-  double above = 0.0;  // the mass of the bins before b: below target
-  int b = 0;
-  while (b < kBins && above + s.bins[b] < target) above += s.bins[b++];
+  double above = 0.0;  // the mass of the groups, then the bins, before b: below target
+  int g = 0;
+  while (g < kBins / kGroup && above + group[g] < target) above += group[g++];
+  int b = g * kGroup;
+  while (b < kBins && above + bins[b] < target) above += bins[b++];
   for (; b < kBins; ++b) {  // the token's bin (the next ones if its sums fall short)
     s.items.clear();
     for (int64_t i = 0; i < v; ++i)
-      if (BinOf(row[i], top) == b && row[i] == row[i]) s.items.push_back({row[i], w[i]});
+      if (bin[i] == b && row[i] == row[i]) s.items.push_back({row[i], w[i]});
     float cut;
     if (NucleusCut(s.items.data(), s.items.data() + s.items.size(), target, above, cut))
       return std::max(low, cut);
@@ -163,17 +214,34 @@ inline float TopPCut(const float* row, int64_t v, float top_p, CutScratch& s, in
 // What sorting the row in descending order gives (sampler.top_k_top_p_by_sort): the
 // larger of its k-th value and the value of its last token whose mass before it, in the
 // top k renormalised, is below top_p (the first whose mass up to and with it reaches
-// top_p). The k-th value by nth_element, then NucleusCut over the top k.
+// top_p). The top k from the bins (kBins) counted: the tokens of the bins before the
+// k-th largest's, then nth_element over that bin's (the whole row when it is the last
+// bin); then NucleusCut over them.
 inline float TopKTopPCut(const float* row, int64_t v, int32_t top_k, float top_p,
                          CutScratch& s, int isa) {
   if (!(top_k > 0 && top_k < v)) return TopPCut(row, v, top_p, s, isa);
   const int64_t k = top_k;
+  float top, low;
+  RowBins<false>(row, v, top_p, s, isa, &top, &low);
+  const uint16_t* bin = s.bin.data();
+  s.counts.assign(kBins, 0);
+  for (int64_t i = 0; i < v; ++i) ++s.counts[bin[i]];
+  int64_t before = 0;  // the tokens in the bins before b: fewer than k
+  int b = 0;
+  while (before + s.counts[b] < k) before += s.counts[b++];
   std::vector<float>& buf = s.buf;
-  buf.assign(row, row + v);
-  std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.end(), std::greater<float>());
+  buf.clear();
+  s.ties.clear();
+  for (int64_t i = 0; i < v; ++i) {
+    if (bin[i] < b) buf.push_back(row[i]);
+    else if (bin[i] == b) s.ties.push_back(row[i]);
+  }
+  buf.insert(buf.end(), s.ties.begin(), s.ties.end());
+  std::nth_element(buf.begin() + before, buf.begin() + (k - 1), buf.end(),
+                   std::greater<float>());
   const float kth = buf[k - 1];  // buf[0, k): the top k, unordered
   if (!(top_p < 1.0f)) return kth;
-  const float top = *std::max_element(buf.begin(), buf.begin() + k);
+  top = *std::max_element(buf.begin(), buf.begin() + k);
   s.items.resize(k);
   double z = 0.0;
   for (int64_t i = 0; i < k; ++i) {
