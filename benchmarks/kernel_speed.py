@@ -510,15 +510,18 @@ def moe_table(rows: list[Row]) -> str:
 def sampling_rows(impl: str | None, bandwidth: float, iters: int) -> list[Row]:
     """Top-p 0.9's threshold per row (the sampler's filter_logits) of random normal logits
     at temperature 0.7 (a flat row: most of the vocabulary in the nucleus, the kernel's
-    worst case), [rows, vocab] for 1 and 64 rows of smollm2-135m's 49152 and 64 of 2048:
-    XLA's sort of every row (ref_ms) and the CPU's native cut (kernel_ms, no sort)."""
+    worst case), [rows, vocab] for 1 and 64 rows of smollm2-135m's 49152 and 64 of 2048,
+    and with top-k 50 too for 64 x 49152: XLA's sort of every row (ref_ms) and the CPU's
+    native cut (kernel_ms, no sort)."""
     rows = []
-    for r, v in ((1, SMOLLM2_VOCAB), (64, 2048), (64, SMOLLM2_VOCAB)):
+    for r, v, k in ((1, SMOLLM2_VOCAB, 0), (64, 2048, 0), (64, SMOLLM2_VOCAB, 0),
+                    (64, SMOLLM2_VOCAB, 50)):
         logits = jax.random.normal(jax.random.PRNGKey(SEED + r + v), (r, v)) / 0.7
-        top_k, top_p = jnp.zeros(r, jnp.int32), jnp.full(r, 0.9, jnp.float32)
+        top_k, top_p = jnp.full(r, k, jnp.int32), jnp.full(r, 0.9, jnp.float32)
         ref = jax.jit(top_k_top_p_by_sort)
         nbytes = logits.size * 4
-        row = Row(f"top-p 0.9 cut {r} x {v}", nbytes, 1e3 * nbytes / bandwidth,
+        name = f"top-p 0.9 cut {r} x {v}" if k == 0 else f"top-k {k}, top-p 0.9 cut {r} x {v}"
+        row = Row(name, nbytes, 1e3 * nbytes / bandwidth,
                   median_ms(lambda: ref(logits, top_k, top_p), iters))  # noqa: B023
         if impl == "cpu":
             call = jax.jit(jax.ffi.ffi_call("jaxserve_top_k_top_p_cut",
@@ -532,18 +535,19 @@ def sampling_rows(impl: str | None, bandwidth: float, iters: int) -> list[Row]:
     return rows
 
 
-def draw_rows(iters: int) -> list[tuple[str, float, float, float]]:
+def draw_rows(iters: int) -> list[tuple[str, float, float, float, float]]:
     """A whole step's sampling (`sampler.sample`, jitted, as a step samples its logits)
     of random normal logits at 1 and 64 rows of smollm2-135m's vocabulary and 256 of the
     tiny models' 2048: (shape, greedy ms, temperature 0.7 ms, temperature 0.7 with top-p
-    0.9 ms). Each row draws with its own seed."""
+    0.9 ms, and with top-k 50 too). Each row draws with its own seed."""
     out = []
     for r, v in ((1, SMOLLM2_VOCAB), (64, SMOLLM2_VOCAB), (256, 2048)):
         logits = jax.random.normal(jax.random.PRNGKey(SEED + r + v), (r, v)) * 3
         run = jax.jit(lambda x, p: sample(x, p, None, jnp.int32(r)).token_ids)  # noqa: B023
         times = []
-        for temperature, top_p in ((0.0, 1.0), (0.7, 1.0), (0.7, 0.9)):
-            p = plain_sampling(r, v, temperature=temperature, top_p=top_p)
+        for temperature, top_p, top_k in ((0.0, 1.0, 0), (0.7, 1.0, 0), (0.7, 0.9, 0),
+                                          (0.7, 0.9, 50)):
+            p = plain_sampling(r, v, temperature=temperature, top_p=top_p, top_k=top_k)
             times.append(median_ms(lambda: run(logits, p), iters))  # noqa: B023
         out.append((f"{r} x {v}", *times))
     return out
@@ -554,7 +558,8 @@ def plain_sampling(rows: int, vocab: int, **params) -> SamplingArrays:
     own seed; no logprobs, grammar, bias or penalties)."""
     full = lambda value, dtype, shape=(): np.full((rows, *shape), value, dtype)  # noqa: E731
     return SamplingArrays(
-        temperature=full(params.get("temperature", 1.0), np.float32), top_k=full(0, np.int32),
+        temperature=full(params.get("temperature", 1.0), np.float32),
+        top_k=full(params.get("top_k", 0), np.int32),
         top_p=full(params.get("top_p", 1.0), np.float32), min_p=full(0, np.float32),
         presence_penalty=full(0, np.float32), frequency_penalty=full(0, np.float32),
         repetition_penalty=full(1, np.float32), seed=np.arange(rows, dtype=np.uint32),
@@ -565,11 +570,11 @@ def plain_sampling(rows: int, vocab: int, **params) -> SamplingArrays:
         shift_row=full(-1, np.int32), group_drafts=full(0, np.int32))
 
 
-def draw_table(rows: list[tuple[str, float, float, float]]) -> str:
+def draw_table(rows: list[tuple[str, float, float, float, float]]) -> str:
     header = ["rows x vocab", "greedy ms", "temperature 0.7 ms", "+ top-p 0.9 ms",
-              "temperature / greedy", "top-p / greedy"]
-    body = [[name, f"{g:.3f}", f"{t:.3f}", f"{tp:.3f}", f"{t / g:.2f}x", f"{tp / g:.2f}x"]
-            for name, g, t, tp in rows]
+              "+ top-k 50 ms", "temperature / greedy", "top-p / greedy"]
+    body = [[name, f"{g:.3f}", f"{t:.3f}", f"{tp:.3f}", f"{tk:.3f}", f"{t / g:.2f}x",
+             f"{tp / g:.2f}x"] for name, g, t, tp, tk in rows]
     return markdown(header, body)
 
 
