@@ -64,11 +64,12 @@ inline bool NucleusCut(Weighted* lo, Weighted* hi, double target, double& above,
 constexpr int kBins = 4096;
 constexpr float kBinRange = 32.0f;
 constexpr float kBinScale = kBins / kBinRange;
+// How far below top the last bin starts.
+constexpr float kBinLast = kBinRange * (1.0f - 1.0f / kBins);
 
 JS_INLINE int BinOf(float x, float top) {
-  constexpr float kLast = kBinRange * (1.0f - 1.0f / kBins);
   const float d = top - x;
-  return static_cast<int>((d < kLast ? d : kLast) * kBinScale);  // NaN: the last bin
+  return static_cast<int>((d < kBinLast ? d : kBinLast) * kBinScale);  // NaN: the last bin
 }
 
 // The row's maximum and minimum; each token's bin (BinOf) into bin and, with kWeights,
@@ -119,9 +120,8 @@ JS_AVX2 void Avx2MaxMin(const float* x, int64_t v, float* top, float* low) {
 // (GCC 12 leaves GenericBins' loop scalar, with or without the weights.)
 template <bool kWeights>
 JS_AVX2 void Avx2Bins(const float* x, int64_t v, float top, uint16_t* bin, float* w) {
-  constexpr float kLast = kBinRange * (1.0f - 1.0f / kBins);  // as BinOf's
   const __m256 t = _mm256_set1_ps(top), floor = _mm256_set1_ps(-87.0f);
-  const __m256 last = _mm256_set1_ps(kLast), scale = _mm256_set1_ps(kBinScale);
+  const __m256 last = _mm256_set1_ps(kBinLast), scale = _mm256_set1_ps(kBinScale);
   const int64_t v8 = v / 8 * 8;
   for (int64_t i = 0; i < v8; i += 8) {
     const __m256 xi = _mm256_loadu_ps(x + i);
