@@ -516,19 +516,19 @@ def sampling_rows(impl: str | None, bandwidth: float, iters: int) -> list[Row]:
     rows = []
     for r, v, k in ((1, SMOLLM2_VOCAB, 0), (64, 2048, 0), (64, SMOLLM2_VOCAB, 0),
                     (64, SMOLLM2_VOCAB, 50)):
-        logits = jax.random.normal(jax.random.PRNGKey(SEED + r + v), (r, v)) / 0.7
-        top_k, top_p = jnp.full(r, k, jnp.int32), jnp.full(r, 0.9, jnp.float32)
-        ref = jax.jit(top_k_top_p_by_sort)
+        logits = jax.random.normal(jax.random.PRNGKey(SEED + r + v), (r, v))
+        args = (logits, jnp.full(r, 0.7, jnp.float32), jnp.full(r, k, jnp.int32),
+                jnp.full(r, 0.9, jnp.float32))  # logits, temperature, top_k, top_p
+        ref = jax.jit(lambda x, temp, k, p: top_k_top_p_by_sort(x / temp[:, None], k, p))
         nbytes = logits.size * 4
         name = f"top-p 0.9 cut {r} x {v}" if k == 0 else f"top-k {k}, top-p 0.9 cut {r} x {v}"
         row = Row(name, nbytes, 1e3 * nbytes / bandwidth,
-                  median_ms(lambda: ref(logits, top_k, top_p), iters))  # noqa: B023
+                  median_ms(lambda: ref(*args), iters))  # noqa: B023
         if impl == "cpu":
             call = jax.jit(jax.ffi.ffi_call("jaxserve_top_k_top_p_cut",
                                             jax.ShapeDtypeStruct((r,), jnp.float32)))
-            row.kernel_ms = median_ms(lambda: call(logits, top_k, top_p), iters)  # noqa: B023
-            row.max_diff = float(jnp.abs(call(logits, top_k, top_p)
-                                         - ref(logits, top_k, top_p)).max())
+            row.kernel_ms = median_ms(lambda: call(*args), iters)  # noqa: B023
+            row.max_diff = float(jnp.abs(call(*args) - ref(*args)).max())
         else:
             row.kernel_note = "n/a (a CPU kernel)" if impl else "reference only"
         rows.append(row)

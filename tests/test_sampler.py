@@ -515,7 +515,7 @@ def test_native_top_p_cut_of_rows_without_a_finite_maximum():
     logits[2, 7] = np.nan
     top_k, top_p = np.zeros(4, np.int32), np.full(4, 0.5, np.float32)
     call = jax.ffi.ffi_call("jaxserve_top_k_top_p_cut", jax.ShapeDtypeStruct((4,), jnp.float32))
-    got = np.asarray(jax.jit(call)(logits, top_k, top_p))
+    got = np.asarray(jax.jit(call)(logits, np.ones(4, np.float32), top_k, top_p))
     want = np.asarray(sampler.top_k_top_p_by_sort(logits[3:], top_k[3:], top_p[3:]))
     assert got[0] == -np.inf and got[3] == want[0] > -20.0
 
@@ -524,10 +524,12 @@ def test_native_top_p_cut_of_rows_without_a_finite_maximum():
 def test_native_top_k_top_p_cut_is_the_sorts(v):
     """The CPU's native threshold (jaxserve_top_k_top_p_cut: without top-k, the mass of
     value bins then a quickselect in one bin; with it, a quickselect over the top k; no
-    sort) equals the one from each row sorted by XLA, over flat and peaked rows, ties,
-    masked (-inf) tokens and every kind of top-k and top-p, at every instruction-set
-    level this CPU has; with top_p 1 (off, as a padding row's) it is numpy's k-th
-    largest value. Large rows: a flat row's nucleus crosses many tokens per bin."""
+    sort; the logits divided by the row's temperature as they are read) equals the one
+    from each row divided by XLA and sorted, over flat and peaked rows, ties, masked
+    (-inf) tokens, temperatures and every kind of top-k and top-p, at every
+    instruction-set level this CPU has; with top_p 1 (off, as a padding row's) it is
+    numpy's k-th largest value. Large rows: a flat row's nucleus crosses many tokens per
+    bin."""
     from pallas_kernels import cpu as native
     from test_cpu_kernels import machine_isas
 
@@ -541,17 +543,19 @@ def test_native_top_k_top_p_cut_is_the_sorts(v):
     logits[::5, rng.integers(0, v, v // 2)] = -np.inf  # a grammar's or a ban's masked tokens
     top_k = rng.choice([0, 0, 1, 2, 5, 50, v - 1, v, v + 3], n).astype(np.int32)
     top_p = rng.choice([1.0, 0.999, 0.9, 0.5, 0.1, 0.01], n).astype(np.float32)
+    temp = rng.choice([1.0, 1.0, 0.7, 0.05, 2.5], n).astype(np.float32)
     call = jax.jit(jax.ffi.ffi_call("jaxserve_top_k_top_p_cut",
                                     jax.ShapeDtypeStruct((n,), jnp.float32)))
-    want = np.asarray(jax.jit(sampler.top_k_top_p_by_sort)(logits, top_k, top_p))
+    scaled = np.asarray(jax.jit(lambda x, t: x / t[:, None])(logits, temp))  # as the sampler
+    want = np.asarray(jax.jit(sampler.top_k_top_p_by_sort)(scaled, top_k, top_p))
     nucleus = top_p < 1.0
     k = np.where((top_k > 0) & (top_k < v), top_k, v)
-    kth = -np.sort(-logits, axis=1)[np.arange(n), k - 1]
+    kth = -np.sort(-scaled, axis=1)[np.arange(n), k - 1]
     isas = machine_isas()
     try:
         for isa in isas:
             assert native.set_max_isa(isa) == isa
-            got = np.asarray(call(logits, top_k, top_p))
+            got = np.asarray(call(logits, temp, top_k, top_p))
             np.testing.assert_array_equal(got[nucleus], want[nucleus], err_msg=isa)
             # top_p 1 is off: the k-th value. (The sort's float32 cumulative sum reaches
             # 1.0 before a peaked row's tail, whose tokens, each below float32's
@@ -561,3 +565,56 @@ def test_native_top_k_top_p_cut_is_the_sorts(v):
     finally:
         native.set_max_isa(isas[0])
     assert {"scalar", "avx2"} <= set(isas) or not native.isa().startswith("avx")
+
+
+@pytest.mark.parametrize("v", [300, 5000])
+def test_native_draw_is_the_inverse_cdf_of_the_weights(v):
+    """The CPU's native draw (jaxserve_draw, `draw_from`) picks, for each row, the first
+    token whose cumulative weight reaches u times the row's total, as numpy's float64
+    cumsum and searchsorted over the sampler's Weights do, wherever u * total is not
+    within 1e-5 of a boundary (rounding); at u = 1 one at or past the last token of a
+    weight float32 resolves beside the row's total (the tail's smaller ones); never a
+    token of weight 0 (below the cut, masked, NaN, or under e^-87 of the row's top); at
+    every instruction-set level."""
+    from pallas_kernels import cpu as native
+    from test_cpu_kernels import machine_isas
+
+    if not native.available():
+        pytest.skip(f"native CPU kernels unavailable: {native.unavailable_reason()}")
+    rng = np.random.default_rng(5)
+    n = 200
+    logits = (rng.standard_normal((n, v)) * rng.choice([0.2, 2.0, 20.0], n)[:, None]
+              ).astype(np.float32)
+    logits[::4, rng.integers(0, v, v // 2)] = -np.inf
+    logits[1::9, 3] = np.nan
+    logits[2::11, 0] = logits[3::11, 256] = 80.0  # most of the weight on a block's first
+    temp = rng.choice([0.05, 0.7, 1.0, 3.0], n).astype(np.float32)
+    top = np.nanmax(logits, axis=1) / temp
+    cut = np.where(rng.random(n) < 0.5, -np.inf, top - rng.uniform(0, 6, n)).astype(np.float32)
+    u = np.maximum(rng.random(n), np.finfo(np.float32).tiny).astype(np.float32)
+    u[::10] = 1.0
+    q = np.asarray(jax.jit(lambda x, t: x / t[:, None])(logits, temp))  # as the sampler's
+    d = (q - top[:, None]).astype(np.float64)
+    weights = np.where((q >= cut[:, None]) & (d >= -87.0), np.exp(d), 0.0)  # e^-87: none
+    cdf = np.cumsum(weights, axis=1)
+    target = u * cdf[:, -1]
+    want = np.array([np.searchsorted(c, t) for c, t in zip(cdf, target)])
+    edges = np.concatenate([np.zeros((n, 1)), cdf], axis=1)
+    margin = np.abs(edges - target[:, None]).min(axis=1) / cdf[:, -1]
+    ends = u == 1.0
+    clear = (margin > 1e-5) & ~ends
+    assert clear.sum() > 0.8 * n
+    # u = 1: at or past the last token of a weight float32 resolves beside the total.
+    heavy = weights > 1e-6 * cdf[:, -1:]
+    last_heavy = v - 1 - np.argmax(heavy[:, ::-1], axis=1)
+    draw = jax.jit(lambda x, t, tp, c, u: sampler.draw_from(x, sampler.Weights(t, tp, c), u))
+    isas = machine_isas()
+    try:
+        for isa in isas:
+            assert native.set_max_isa(isa) == isa
+            got = np.asarray(draw(logits, temp, top.astype(np.float32), cut, u))
+            assert (weights[np.arange(n), got] > 0).all(), isa
+            np.testing.assert_array_equal(got[clear], want[clear], err_msg=isa)
+            assert (got[ends] >= last_heavy[ends]).all(), isa
+    finally:
+        native.set_max_isa(isas[0])

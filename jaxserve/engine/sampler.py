@@ -51,6 +51,12 @@ FAST = Static(sorts=False, logprobs=False)  # greedy, temperature, min-p, bias, 
 FULL = Static(sorts=True, logprobs=True)  # also top-k, top-p and logprobs
 
 
+def _native_cpu() -> bool:
+    """Whether the programs being traced run on a CPU with the native kernels
+    (pallas_kernels/cpu: the cut, the greedy pick and the draw)."""
+    return current_platform() == "cpu" and native.available()
+
+
 def asks_sort(p: SamplingArrays) -> bool:
     """Whether a row of a batch's sampling arrays (on the host) asks for top-k or top-p,
     which only a `Static` with `sorts` applies (padding rows ask for nothing)."""
@@ -200,12 +206,15 @@ def filter_cut(logits: jax.Array, p: SamplingArrays, top: jax.Array,
 
     def top_k_top_p(operands):
         logits, temp = operands
-        scaled = logits if temp is None else logits / temp[:, None]
-        if current_platform() == "cpu" and native.available():
+        if _native_cpu():  # it scales each logit as it reads it (as XLA's x / temp)
             call = jax.ffi.ffi_call("jaxserve_top_k_top_p_cut",
                                     jax.ShapeDtypeStruct((s,), jnp.float32))
-            return call(scaled.astype(jnp.float32), p.top_k.astype(jnp.int32),
-                        p.top_p.astype(jnp.float32)).astype(logits.dtype)
+            ones = jnp.ones(s, jnp.float32)
+            return call(logits.astype(jnp.float32),
+                        ones if temp is None else temp.astype(jnp.float32),
+                        p.top_k.astype(jnp.int32), p.top_p.astype(jnp.float32)
+                        ).astype(logits.dtype)
+        scaled = logits if temp is None else logits / temp[:, None]
         return top_k_top_p_by_sort(scaled, p.top_k, p.top_p)
 
     if sorts is None:
@@ -246,8 +255,7 @@ def first_argmax(logits: jax.Array) -> jax.Array:
     a NaN ranks above every number there, as in np.argmax); elsewhere `two_level_argmax`.
     A tiny model's fused decode step (vocabulary 2048, 2-core Xeon) took ~1.00 ms at 64
     rows with XLA's, ~0.86 with the native one; 256 rows 2.1 -> 1.9 ms."""
-    if current_platform() == "cpu" and native.available() and logits.dtype in (
-            jnp.float32, jnp.bfloat16):
+    if _native_cpu() and logits.dtype in (jnp.float32, jnp.bfloat16):
         call = jax.ffi.ffi_call("jaxserve_argmax",
                                 jax.ShapeDtypeStruct(logits.shape[:1], jnp.int32))
         return call(logits)
@@ -282,6 +290,20 @@ def inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
     never picked, whatever the rounding (the pick is at most the block's last token of
     positive weight, and that block is at most the last one of positive weight)."""
     return _inverse_cdf_in_blocks(_blocks(weights, 0.0), lambda x: x, u)
+
+
+def draw_from(logits: jax.Array, weights: Weights, u: jax.Array) -> jax.Array:
+    """Each row's draw from `weights(logits)` `[S, V]` with its uniform `u` `[S]`:
+    `inverse_cdf`'s pick, no array of weights written. On a CPU the native kernel
+    (`jaxserve_draw`: one pass summing the weights block by block, then the picked block
+    again); elsewhere `_inverse_cdf_in_blocks` (XLA:CPU: 1.6-1.8 ms over [64, 49152],
+    the kernel 0.8 with AVX-512, 1.2 with AVX2; 2-core Xeon)."""
+    if _native_cpu():
+        call = jax.ffi.ffi_call("jaxserve_draw",
+                                jax.ShapeDtypeStruct(logits.shape[:1], jnp.int32))
+        f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+        return call(f32(logits), f32(weights.temp), f32(weights.top), f32(weights.cut), f32(u))
+    return _inverse_cdf_in_blocks(_blocks(logits, _NEG_INF), weights, u)
 
 
 def _inverse_cdf_in_blocks(blocks: jax.Array, weight, u: jax.Array) -> jax.Array:
@@ -357,9 +379,12 @@ def _sample_in_chunks(raw_logits: jax.Array, p: SamplingArrays, history: TokenHi
 
     if history is not None:
         return in_chunks((raw_logits, p, history))
-    # A greedy batch of untouched rows without logprobs writes no [S, V] temporaries: in
-    # one piece (64 rows at a 49k vocabulary: 1.1 -> 0.9 ms).
-    whole = ~jnp.any(p.temperature > 0) & ~jnp.any(p.logprobs) & _untouched(p)
+    # A batch of untouched rows without logprobs writes no [S, V] temporaries when greedy,
+    # or on a CPU with the native kernels (their cut and draw keep what they need): in one
+    # piece (64 greedy rows at a 49k vocabulary: 1.1 -> 0.9 ms).
+    whole = ~jnp.any(p.logprobs) & _untouched(p)
+    if not _native_cpu():
+        whole &= ~jnp.any(p.temperature > 0)
     return jax.lax.cond(whole, lambda operands: _sample(*operands, drafts), in_chunks,
                         (raw_logits, p, history))
 
@@ -493,20 +518,22 @@ def _sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | No
         logits = bias_and_ban(apply_grammar_mask(raw_logits, p.grammar_mask), p)
         return logits if history is None else apply_penalties(logits, p, history)
 
-    def draw(raw_logits):
-        logits = adjusted(raw_logits)
-        # One pass over the logits for the blocks' maxima: the greedy pick's first level
-        # and the rows' maxima; one more for the weights' block totals.
-        blocks = _blocks(logits, _NEG_INF)
-        block_max = blocks.max(axis=-1)
-        greedy_ids = _argmax_in_blocks(blocks, block_max)
-        weights = sampling_weights(logits, p, None if static is None else static.sorts,
-                                   block_max.max(axis=-1))
+    def draw_adjusted(logits):
+        # One pass over the logits for the greedy pick and the rows' maxima (in XLA the
+        # blocks' maxima, the first level of both); one more for the weights' block totals.
+        if _native_cpu():
+            greedy_ids = first_argmax(logits)
+            top = jnp.take_along_axis(logits, greedy_ids[:, None], axis=-1)[:, 0]
+        else:
+            blocks = _blocks(logits, _NEG_INF)
+            block_max = blocks.max(axis=-1)
+            greedy_ids, top = _argmax_in_blocks(blocks, block_max), block_max.max(axis=-1)
+        weights = sampling_weights(logits, p, None if static is None else static.sorts, top)
         # Inverse CDF: the first token whose cumulative probability passes the row's one
         # uniform draw. Gumbel noise per token (argmax of logits + noise) picks from the same
         # distribution but costs 64 x 49k random numbers a step: ~6x the time on a CPU.
         u = _uniform(_keys(p))
-        drawn = _inverse_cdf_in_blocks(blocks, weights, u)
+        drawn = draw_from(logits, weights, u)
         if drafts is not None:  # rows verifying drawn drafts
             def verify(drawn):
                 index = jnp.maximum(p.draft_index, 0)
@@ -517,6 +544,14 @@ def _sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | No
             drawn = (verify(drawn) if static is not None else
                      jax.lax.cond(jnp.any(p.draft_index >= 0), verify, lambda x: x, drawn))
         return jnp.where(p.temperature > 0, drawn, greedy_ids)
+
+    def draw(raw_logits):
+        # As greedy's: untouched rows are drawn from their logits as they are (the mask's
+        # select and the scatter: 0.9 ms of a 64 x 49152 draw on a CPU, 4.7 ms in all).
+        if history is not None or static is not None:
+            return draw_adjusted(adjusted(raw_logits))
+        return jax.lax.cond(_untouched(p), lambda x: draw_adjusted(x.astype(jnp.float32)),
+                            lambda x: draw_adjusted(adjusted(x)), raw_logits)
 
     def greedy(raw_logits):
         # A batch where no row has a grammar, a logit bias, banned tokens or penalties

@@ -7,11 +7,12 @@ FFI targets for platform "cpu": `jaxserve_matmul` (float matmul, f32 or bf16),
 place), `jaxserve_rms_norm`, `jaxserve_gated_act` and `jaxserve_rope` (row-wise ops on the
 real rows), `jaxserve_lora` (LoRA adapters' deltas, in place), `jaxserve_top_k_top_p_cut`
 (each row's top-k / top-p threshold for the sampler, `sampling.h`, without a sort),
-`jaxserve_argmax` (each row's greedy pick, `sampling.h`);
+`jaxserve_argmax` (each row's greedy pick, `sampling.h`), `jaxserve_draw` (each sampled
+row's draw from its weights, `sampling.h`);
 their Python faces are `pallas_kernels/matmul/cpu.py`,
 `pallas_kernels/ragged_paged_attention/cpu.py`, `.../kv_cache.py`,
 `pallas_kernels/rows.py`, `pallas_kernels/lora/cpu.py` and `jaxserve/engine/sampler.py`'s
-`filter_logits` and `first_argmax`.
+`filter_logits`, `first_argmax` and `draw_from`.
 
 The shared library is compiled with the system C++ compiler (`$CXX`, else g++, else c++)
 into `<cache root>/cpu_kernels/<key>/`, where the cache root is `$JAXSERVE_CACHE` (default
@@ -68,7 +69,8 @@ TARGETS = {"jaxserve_matmul": "JaxserveMatmul",
            "jaxserve_lora": "JaxserveLora",
            "jaxserve_quantized_matmul": "JaxserveQuantizedMatmul",
            "jaxserve_top_k_top_p_cut": "JaxserveTopKTopPCut",
-           "jaxserve_argmax": "JaxserveArgmax"}
+           "jaxserve_argmax": "JaxserveArgmax",
+           "jaxserve_draw": "JaxserveDraw"}
 ISA_LEVELS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512_bf16": 3}
 BUILD_TIMEOUT_S = 600
 

@@ -15,9 +15,12 @@
 //                                    (LoRA adapters of a mixed batch).
 //   jaxserve_quantized_matmul        y = x @ W for a few rows, W int8 or int4 (groups, zero
 //                                    points) as pallas_kernels/quantized_matmul stores it.
-//   jaxserve_top_k_top_p_cut         each row's top-k / top-p threshold (the sampler's
-//                                    filter_logits), without sorting the rows.
+//   jaxserve_top_k_top_p_cut         each row's top-k / top-p threshold on its logits /
+//                                    temp (the sampler's filter_cut), without sorting the
+//                                    rows.
 //   jaxserve_argmax                  each row's greedy pick (the sampler's first_argmax).
+//   jaxserve_draw                    each sampled row's draw from its weights (the
+//                                    sampler's draw_from).
 //
 // One translation unit: this file holds the FFI handlers and includes each kernel's
 // header (common.h, matmul.h, rows.h, attention.h, lora.h, quantized.h, sampling.h), so the kernels share
@@ -316,19 +319,20 @@ ffi::Error RopeImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
 }
 
 ffi::Error TopKTopPCutImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
-                           ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::F32> top_p,
-                           ffi::Result<ffi::Buffer<ffi::F32>> cut) {
+                           ffi::Buffer<ffi::F32> temp, ffi::Buffer<ffi::S32> top_k,
+                           ffi::Buffer<ffi::F32> top_p, ffi::Result<ffi::Buffer<ffi::F32>> cut) {
   const auto d = logits.dimensions();
   if (d.size() != 2 || d[1] < 1)
     return ffi::Error::InvalidArgument("jaxserve_top_k_top_p_cut: logits must be [S, V]");
   const int64_t s = d[0];
-  if (top_k.element_count() != static_cast<size_t>(s) ||
+  if (temp.element_count() != static_cast<size_t>(s) ||
+      top_k.element_count() != static_cast<size_t>(s) ||
       top_p.element_count() != static_cast<size_t>(s) ||
       cut->element_count() != static_cast<size_t>(s))
-    return ffi::Error::InvalidArgument("jaxserve_top_k_top_p_cut: top_k, top_p, cut [S]");
+    return ffi::Error::InvalidArgument("jaxserve_top_k_top_p_cut: temp, top_k, top_p, cut [S]");
   Runner run(&pool);
-  TopKTopPCuts(run, logits.typed_data(), s, d[1], top_k.typed_data(), top_p.typed_data(),
-               cut->typed_data());
+  TopKTopPCuts(run, logits.typed_data(), s, d[1], temp.typed_data(), top_k.typed_data(),
+               top_p.typed_data(), cut->typed_data());
   return ffi::Error::Success();
 }
 
@@ -348,6 +352,23 @@ ffi::Error ArgmaxImpl(ffi::ThreadPool pool, ffi::AnyBuffer logits,
     ArgmaxRows(run, static_cast<const uint16_t*>(logits.untyped_data()), d[0], d[1],
                out->typed_data());
   }
+  return ffi::Error::Success();
+}
+
+// Sampled picks: logits [S, V] f32 and each row's temp, top, cut and u [S] -> [S].
+ffi::Error DrawImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> logits,
+                    ffi::Buffer<ffi::F32> temp, ffi::Buffer<ffi::F32> top,
+                    ffi::Buffer<ffi::F32> cut, ffi::Buffer<ffi::F32> u,
+                    ffi::Result<ffi::Buffer<ffi::S32>> out) {
+  const auto d = logits.dimensions();
+  const size_t s = d.size() == 2 ? static_cast<size_t>(d[0]) : 0;
+  if (d.size() != 2 || d[1] < 1 || temp.element_count() != s || top.element_count() != s ||
+      cut.element_count() != s || u.element_count() != s || out->element_count() != s)
+    return ffi::Error::InvalidArgument(
+        "jaxserve_draw: logits [S, V]; temp, top, cut, u and out [S]");
+  Runner run(&pool);
+  DrawRows(run, logits.typed_data(), d[0], d[1], temp.typed_data(), top.typed_data(),
+           cut.typed_data(), u.typed_data(), out->typed_data());
   return ffi::Error::Success();
 }
 
@@ -526,6 +547,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveTopKTopPCut, jaxserve::TopKTopPCutImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
@@ -534,6 +556,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveArgmax, jaxserve::ArgmaxImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveDraw, jaxserve::DrawImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
 
 // Instruction-set control for tests: the level the kernels run at (0 scalar, 1 AVX2+FMA,

@@ -1,7 +1,10 @@
 // Sampling's top-k / top-p cut per row (jaxserve/engine/sampler.py, filter_cut): the
-// value below which a row's tokens are masked, found without sorting the row. XLA:CPU
-// sorts with a call of the comparator per comparison: top-p over 64 rows of a 49k
-// vocabulary took it 674 ms, one row 11 ms (a 2-core Xeon).
+// value of the row's logits / temp below which its tokens are masked, found without
+// sorting the row. XLA:CPU sorts with a call of the comparator per comparison: top-p
+// over 64 rows of a 49k vocabulary took it 674 ms, one row 11 ms (a 2-core Xeon). Each
+// logit is scaled as it is read, times 1 / temp, which is how XLA computes
+// x / temp[:, None] (the same values, and no scaled copy of the logits written: that
+// took 1.9 ms of a 64 x 49152 top-p draw).
 #pragma once
 
 #include <algorithm>
@@ -72,9 +75,9 @@ JS_INLINE int BinOf(float x, float top) {
   return static_cast<int>((d < kBinLast ? d : kBinLast) * kBinScale);  // NaN: the last bin
 }
 
-// The row's maximum and minimum; each token's bin (BinOf) into bin and, with kWeights,
-// its weight exp(x - top) into w (0 for a weight under e^-87, -inf's included): the
-// baseline's loops, and AVX2's (eight tokens a step, Exp8).
+// The row's maximum and minimum; each token's bin (BinOf of x * inv, inv = 1 / temp)
+// into bin and, with kWeights, its weight exp(x * inv - top) into w (0 for a weight under
+// e^-87, -inf's included): the baseline's loops, and AVX2's (eight tokens a step, Exp8).
 JS_INLINE void GenericMaxMin(const float* x, int64_t v, float* top, float* low) {
   float hi[16], lo[16];
   for (int l = 0; l < 16; ++l) hi[l] = lo[l] = x[0];
@@ -96,11 +99,13 @@ JS_INLINE void GenericMaxMin(const float* x, int64_t v, float* top, float* low) 
 }
 
 template <bool kWeights>
-JS_INLINE void GenericBins(const float* x, int64_t v, float top, uint16_t* bin, float* w) {
+JS_INLINE void GenericBins(const float* x, int64_t v, float inv, float top, uint16_t* bin,
+                           float* w) {
   for (int64_t i = 0; i < v; ++i) {
-    bin[i] = static_cast<uint16_t>(BinOf(x[i], top));
+    const float q = x[i] * inv;
+    bin[i] = static_cast<uint16_t>(BinOf(q, top));
     if constexpr (kWeights) {
-      const float d = x[i] - top;
+      const float d = q - top;
       w[i] = d >= -87.0f ? ExpF32(d) : 0.0f;  // NaN: 0
     }
   }
@@ -110,8 +115,8 @@ void ScalarMaxMin(const float* x, int64_t v, float* top, float* low) {
   GenericMaxMin(x, v, top, low);
 }
 template <bool kWeights>
-void ScalarBins(const float* x, int64_t v, float top, uint16_t* bin, float* w) {
-  GenericBins<kWeights>(x, v, top, bin, w);
+void ScalarBins(const float* x, int64_t v, float inv, float top, uint16_t* bin, float* w) {
+  GenericBins<kWeights>(x, v, inv, top, bin, w);
 }
 #if JS_X86
 JS_AVX2 void Avx2MaxMin(const float* x, int64_t v, float* top, float* low) {
@@ -119,12 +124,14 @@ JS_AVX2 void Avx2MaxMin(const float* x, int64_t v, float* top, float* low) {
 }
 // (GCC 12 leaves GenericBins' loop scalar, with or without the weights.)
 template <bool kWeights>
-JS_AVX2 void Avx2Bins(const float* x, int64_t v, float top, uint16_t* bin, float* w) {
+JS_AVX2 void Avx2Bins(const float* x, int64_t v, float inv, float top, uint16_t* bin,
+                      float* w) {
   const __m256 t = _mm256_set1_ps(top), floor = _mm256_set1_ps(-87.0f);
+  const __m256 scale_x = _mm256_set1_ps(inv);
   const __m256 last = _mm256_set1_ps(kBinLast), scale = _mm256_set1_ps(kBinScale);
   const int64_t v8 = v / 8 * 8;
   for (int64_t i = 0; i < v8; i += 8) {
-    const __m256 xi = _mm256_loadu_ps(x + i);
+    const __m256 xi = _mm256_mul_ps(_mm256_loadu_ps(x + i), scale_x);
     // min_ps(a, b) is a < b ? a : b: a NaN's to the last bin, as BinOf.
     const __m256i b = _mm256_cvttps_epi32(
         _mm256_mul_ps(_mm256_min_ps(_mm256_sub_ps(t, xi), last), scale));
@@ -135,7 +142,7 @@ JS_AVX2 void Avx2Bins(const float* x, int64_t v, float top, uint16_t* bin, float
       _mm256_storeu_ps(w + i, _mm256_and_ps(_mm256_cmp_ps(d, floor, _CMP_GE_OQ), Exp8(d)));
     }
   }
-  GenericBins<kWeights>(x + v8, v - v8, top, bin + v8, kWeights ? w + v8 : nullptr);
+  GenericBins<kWeights>(x + v8, v - v8, inv, top, bin + v8, kWeights ? w + v8 : nullptr);
 }
 #endif
 
@@ -148,34 +155,39 @@ struct CutScratch {
   std::vector<Weighted> items;
 };
 
-// The row's maximum and minimum, and each token's bin into s.bin (with kWeights, its
-// weight into s.buf). False when top_p is 1 (off): the minimum is all a top-p cut needs.
+// The maximum and minimum of the row * inv, and each token's bin into s.bin (with
+// kWeights, its weight into s.buf). False when top_p is 1 (off): the minimum is all a
+// top-p cut needs. (x * inv, inv > 0, keeps the order of x, rounded too: the extremes
+// are those of the row, scaled.)
 template <bool kWeights>
-inline bool RowBins(const float* row, int64_t v, float top_p, CutScratch& s, int isa,
-                    float* top, float* low) {
+inline bool RowBins(const float* row, int64_t v, float inv, float top_p, CutScratch& s,
+                    int isa, float* top, float* low) {
   s.bin.resize(v);
   if constexpr (kWeights) s.buf.resize(v);
   float* w = kWeights ? s.buf.data() : nullptr;
 #if JS_X86
   if (isa >= kAvx2) {
     Avx2MaxMin(row, v, top, low);
+    *top *= inv, *low *= inv;
     if (kWeights && !(top_p < 1.0f)) return false;
-    Avx2Bins<kWeights>(row, v, *top, s.bin.data(), w);
+    Avx2Bins<kWeights>(row, v, inv, *top, s.bin.data(), w);
     return true;
   }
 #endif
   (void)isa;
   ScalarMaxMin(row, v, top, low);
+  *top *= inv, *low *= inv;
   if (kWeights && !(top_p < 1.0f)) return false;
-  ScalarBins<kWeights>(row, v, *top, s.bin.data(), w);
+  ScalarBins<kWeights>(row, v, inv, *top, s.bin.data(), w);
   return true;
 }
 
 // A row's top-p cut without top-k (see kBins): the larger of its minimum and its nucleus's
 // last value.
-inline float TopPCut(const float* row, int64_t v, float top_p, CutScratch& s, int isa) {
+inline float TopPCut(const float* row, int64_t v, float inv, float top_p, CutScratch& s,
+                     int isa) {
   float top, low;
-  if (!RowBins<true>(row, v, top_p, s, isa, &top, &low)) return low;
+  if (!RowBins<true>(row, v, inv, top_p, s, isa, &top, &low)) return low;
   if (!std::isfinite(top)) return low;  // no finite maximum to weigh the row by
   const uint16_t* bin = s.bin.data();
   const float* w = s.buf.data();
@@ -203,7 +215,7 @@ inline float TopPCut(const float* row, int64_t v, float top_p, CutScratch& s, in
   for (; b < kBins; ++b) {  // the token's bin (the next ones if its sums fall short)
     s.items.clear();
     for (int64_t i = 0; i < v; ++i)
-      if (bin[i] == b && row[i] == row[i]) s.items.push_back({row[i], w[i]});
+      if (bin[i] == b && row[i] == row[i]) s.items.push_back({row[i] * inv, w[i]});
     float cut;
     if (NucleusCut(s.items.data(), s.items.data() + s.items.size(), target, above, cut))
       return std::max(low, cut);
@@ -217,12 +229,12 @@ inline float TopPCut(const float* row, int64_t v, float top_p, CutScratch& s, in
 // top_p). The top k from the bins (kBins) counted: the tokens of the bins before the
 // k-th largest's, then nth_element over that bin's (the whole row when it is the last
 // bin); then NucleusCut over them.
-inline float TopKTopPCut(const float* row, int64_t v, int32_t top_k, float top_p,
+inline float TopKTopPCut(const float* row, int64_t v, float inv, int32_t top_k, float top_p,
                          CutScratch& s, int isa) {
-  if (!(top_k > 0 && top_k < v)) return TopPCut(row, v, top_p, s, isa);
+  if (!(top_k > 0 && top_k < v)) return TopPCut(row, v, inv, top_p, s, isa);
   const int64_t k = top_k;
   float top, low;
-  RowBins<false>(row, v, top_p, s, isa, &top, &low);
+  RowBins<false>(row, v, inv, top_p, s, isa, &top, &low);
   const uint16_t* bin = s.bin.data();
   s.counts.assign(kBins, 0);
   for (int64_t i = 0; i < v; ++i) ++s.counts[bin[i]];
@@ -233,8 +245,8 @@ inline float TopKTopPCut(const float* row, int64_t v, int32_t top_k, float top_p
   buf.clear();
   s.boundary.clear();
   for (int64_t i = 0; i < v; ++i) {
-    if (bin[i] < b) buf.push_back(row[i]);
-    else if (bin[i] == b) s.boundary.push_back(row[i]);
+    if (bin[i] < b) buf.push_back(row[i] * inv);
+    else if (bin[i] == b) s.boundary.push_back(row[i] * inv);
   }
   buf.insert(buf.end(), s.boundary.begin(), s.boundary.end());
   std::nth_element(buf.begin() + before, buf.begin() + (k - 1), buf.end(),
@@ -255,13 +267,15 @@ inline float TopKTopPCut(const float* row, int64_t v, int32_t top_k, float top_p
   return kth;  // the masses fell short of top_p by rounding: the top k kept
 }
 
-// cut[r] for each row r of logits [S, V] (float32), its top_k (0: off) and top_p.
+// cut[r] for each row r of logits [S, V] (float32) / its temp, its top_k (0: off) and
+// top_p.
 inline void TopKTopPCuts(const Runner& run, const float* logits, int64_t s, int64_t v,
-                         const int32_t* top_k, const float* top_p, float* cut) {
+                         const float* temp, const int32_t* top_k, const float* top_p,
+                         float* cut) {
   const int isa = CurrentIsa();
   run.For(s, [&](int64_t r) {
     thread_local CutScratch scratch;
-    cut[r] = TopKTopPCut(logits + r * v, v, top_k[r], top_p[r], scratch, isa);
+    cut[r] = TopKTopPCut(logits + r * v, v, 1.0f / temp[r], top_k[r], top_p[r], scratch, isa);
   });
 }
 
@@ -410,6 +424,139 @@ inline void ArgmaxRows(const Runner& run, const T* logits, int64_t s, int64_t v,
       (void)isa;
       out[r] = ScalarArgmax(row, v);
     }
+  });
+}
+
+
+// A sampled row's draw (jaxserve/engine/sampler.py, draw_from): the first token whose
+// cumulative weight reaches u * the row's total weight, where token i weighs
+// exp(q_i - top) if q_i = x_i / temp >= cut (and that exponent >= -87), else 0 (the
+// sampler's Weights; q_i as XLA computes it, x_i times 1 / temp, as the cut's); never a
+// token of weight 0. One pass
+// sums the weights block by block (kDrawBlock tokens), the blocks' sums then find the
+// token's block, whose weights are made again and scanned. XLA:CPU's two-level draw
+// (sampler._inverse_cdf_in_blocks) took 1.6-1.8 ms over 64 x 49152, this 0.8 (AVX-512)
+// or 1.2 (AVX2) on a 2-core Xeon.
+constexpr int64_t kDrawBlock = 256;
+
+// Weights of x[0, n) (n <= kDrawBlock) into w; returns their sum.
+JS_INLINE float GenericDrawWeights(const float* x, int64_t n, float inv, float top, float cut,
+                                   float* w) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float q = x[i] * inv, d = q - top;
+    w[i] = q >= cut && d >= -87.0f ? ExpF32(d) : 0.0f;  // NaN: 0
+    sum += w[i];
+  }
+  return sum;
+}
+
+float ScalarDrawWeights(const float* x, int64_t n, float inv, float top, float cut,
+                        float* w) {
+  return GenericDrawWeights(x, n, inv, top, cut, w);
+}
+
+#if JS_X86
+JS_AVX2 float Avx2DrawWeights(const float* x, int64_t n, float inv, float top, float cut,
+                              float* w) {
+  const __m256 t = _mm256_set1_ps(inv), tp = _mm256_set1_ps(top), c = _mm256_set1_ps(cut);
+  const __m256 floor = _mm256_set1_ps(-87.0f);
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  const int64_t n8 = n / 8 * 8;
+  int64_t i = 0;
+  for (; i < n8; i += 8) {
+    const __m256 q = _mm256_mul_ps(_mm256_loadu_ps(x + i), t), d = _mm256_sub_ps(q, tp);
+    const __m256 keep = _mm256_and_ps(_mm256_cmp_ps(q, c, _CMP_GE_OQ),
+                                      _mm256_cmp_ps(d, floor, _CMP_GE_OQ));
+    const __m256 wi = _mm256_and_ps(keep, Exp8(d));
+    _mm256_storeu_ps(w + i, wi);
+    acc[(i / 8) & 1] = _mm256_add_ps(acc[(i / 8) & 1], wi);
+  }
+  return Avx2Sum(_mm256_add_ps(acc[0], acc[1])) +
+         GenericDrawWeights(x + n8, n - n8, inv, top, cut, w + n8);
+}
+
+JS_AVX512 float Avx512DrawWeights(const float* x, int64_t n, float inv, float top, float cut,
+                                  float* w) {
+  const __m512 t = _mm512_set1_ps(inv), tp = _mm512_set1_ps(top), c = _mm512_set1_ps(cut);
+  const __m512 floor = _mm512_set1_ps(-87.0f);
+  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t i = 0; i < n; i += 16) {  // lanes past n: weight 0, not stored
+    const __mmask16 m = Mask16(n - i);
+    const __m512 q = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), t);
+    const __m512 d = _mm512_sub_ps(q, tp);
+    const __mmask16 keep = m & _mm512_cmp_ps_mask(q, c, _CMP_GE_OQ) &
+                           _mm512_cmp_ps_mask(d, floor, _CMP_GE_OQ);
+    const __m512 wi = _mm512_maskz_mov_ps(keep, Exp16(d));
+    _mm512_mask_storeu_ps(w + i, m, wi);
+    acc[(i / 16) & 1] = _mm512_add_ps(acc[(i / 16) & 1], wi);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+}
+#endif
+
+JS_INLINE float DrawWeights(const float* x, int64_t n, float inv, float top, float cut,
+                            float* w, int isa) {
+#if JS_X86
+  if (isa >= kAvx512) return Avx512DrawWeights(x, n, inv, top, cut, w);
+  if (isa >= kAvx2) return Avx2DrawWeights(x, n, inv, top, cut, w);
+#endif
+  (void)isa;
+  return ScalarDrawWeights(x, n, inv, top, cut, w);
+}
+
+// A row's draw; 0 when no token has weight (a row without a finite maximum).
+inline int32_t DrawRow(const float* x, int64_t v, float inv, float top, float cut, float u,
+                       std::vector<float>& sums, int isa) {
+  const int64_t blocks = (v + kDrawBlock - 1) / kDrawBlock;
+  sums.resize(blocks);
+  alignas(32) float w[kDrawBlock];
+  double total = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    sums[b] = DrawWeights(x + b * kDrawBlock, std::min(kDrawBlock, v - b * kDrawBlock), inv,
+                          top, cut, w, isa);
+    total += sums[b];
+  }
+  if (!(total > 0.0)) return 0;
+  const double target = double(u) * total;
+  // The first block whose cumulative sum reaches target (it has weight: target > 0); if
+  // rounding leaves them all short, the last block of weight.
+  int64_t block = -1;
+  double before = 0.0, before_block = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (sums[b] > 0.0f) {
+      block = b, before_block = before;
+      if (before + sums[b] >= target) break;
+    }
+    before += sums[b];
+  }
+  const int64_t first = block * kDrawBlock, n = std::min(kDrawBlock, v - first);
+  DrawWeights(x + first, n, inv, top, cut, w, isa);
+  // Likewise in the block: the first token reaching target, else its last of weight.
+  int64_t last = 0;
+  double cum = before_block;
+  for (int64_t i = 0; i < n; ++i) {
+    if (w[i] > 0.0f) {
+      last = i;
+      cum += w[i];
+      if (cum >= target) break;
+    }
+  }
+  return static_cast<int32_t>(first + last);
+}
+
+// out[r] = the draw of row r of logits [S, V] (float32) with its temp, top, cut and u;
+// rows split over the threads in runs of at least 1M tokens (as ArgmaxRows).
+inline void DrawRows(const Runner& run, const float* logits, int64_t s, int64_t v,
+                     const float* temp, const float* top, const float* cut, const float* u,
+                     int32_t* out) {
+  if (s <= 0) return;
+  const int isa = CurrentIsa();
+  const int64_t tasks = std::clamp<int64_t>(s * v / (1 << 20), 1, std::min(s, run.threads()));
+  run.For(tasks, [&](int64_t t) {
+    thread_local std::vector<float> sums;
+    for (int64_t r = s * t / tasks; r < s * (t + 1) / tasks; ++r)
+      out[r] = DrawRow(logits + r * v, v, 1.0f / temp[r], top[r], cut[r], u[r], sums, isa);
   });
 }
 
