@@ -524,12 +524,12 @@ def test_native_top_p_cut_of_rows_without_a_finite_maximum():
 def test_native_top_k_top_p_cut_is_the_sorts(v):
     """The CPU's native threshold (jaxserve_top_k_top_p_cut: without top-k, the mass of
     value bins then a quickselect in one bin; with it, a quickselect over the top k; no
-    sort; the logits divided by the row's temperature as they are read) equals the one
-    from each row divided by XLA and sorted, over flat and peaked rows, ties, masked
-    (-inf) tokens, temperatures and every kind of top-k and top-p, at every
-    instruction-set level this CPU has; with top_p 1 (off, as a padding row's) it is
-    numpy's k-th largest value. Large rows: a flat row's nucleus crosses many tokens per
-    bin."""
+    sort; the logits scaled by 1 / the row's temperature as they are read) equals the one
+    from each row divided by XLA (which computes x * (1 / temp)) and sorted, over flat
+    and peaked rows, ties, masked (-inf) tokens, temperatures and every kind of top-k and
+    top-p, at every instruction-set level this CPU has; with top_p 1 (off, as a padding
+    row's) it is numpy's k-th largest value. Large rows: a flat row's nucleus crosses
+    many tokens per bin."""
     from pallas_kernels import cpu as native
     from test_cpu_kernels import machine_isas
 

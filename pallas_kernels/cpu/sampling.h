@@ -487,11 +487,10 @@ inline void ArgmaxRows(const Runner& run, const T* logits, int64_t s, int64_t v,
 // cumulative weight reaches u * the row's total weight, where token i weighs
 // exp(q_i - top) if q_i = x_i / temp >= cut (and that exponent >= -87), else 0 (the
 // sampler's Weights; q_i as XLA computes it, x_i times 1 / temp, as the cut's); never a
-// token of weight 0. One pass
-// sums the weights block by block (kDrawBlock tokens), the blocks' sums then find the
-// token's block, whose weights are made again and scanned. XLA:CPU's two-level draw
-// (sampler._inverse_cdf_in_blocks) took 1.6-1.8 ms over 64 x 49152, this 0.8 (AVX-512)
-// or 1.2 (AVX2) on a 2-core Xeon.
+// token of weight 0. One pass sums the weights block by block (kDrawBlock tokens), the
+// blocks' sums then find the token's block, whose weights are made again and scanned.
+// XLA:CPU's two-level draw (sampler._inverse_cdf_in_blocks) took 1.6-1.8 ms over
+// 64 x 49152, this 0.8 (AVX-512) or 1.2 (AVX2) on a 2-core Xeon.
 constexpr int64_t kDrawBlock = 256;
 
 // Weights of x[0, n) (n <= kDrawBlock) into w; returns their sum.
