@@ -550,25 +550,7 @@ JS_SIMD JS_INLINE float ReduceAdd(V v) { return _mm512_reduce_add_ps(v); }
 JS_SIMD JS_INLINE float ReduceMax(V v) { return _mm512_reduce_max_ps(v); }
 JS_SIMD JS_INLINE V ReduceLanes(const V* acc) { return Reduce16(acc); }
 
-// e^x for x <= 0 (the softmax's only use): 2^n * e^r, |r| <= ln2/2, degree-7 Taylor
-// polynomial (truncation < 6e-9 relative), vscalefps for 2^n. Inputs below -100 give ~0.
-JS_SIMD JS_INLINE V Exp(V x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-100.0f));
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
+JS_SIMD JS_INLINE V Exp(V x) { return Exp16(x); }
 
 // cap * tanh(s / cap) = cap * sign(s) * (1 - e) / (1 + e), e = exp(-2 |s| / cap).
 JS_SIMD JS_INLINE V SoftCap(V s, float cap) {

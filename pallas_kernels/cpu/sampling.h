@@ -482,7 +482,6 @@ inline void ArgmaxRows(const Runner& run, const T* logits, int64_t s, int64_t v,
   });
 }
 
-
 // A sampled row's draw (jaxserve/engine/sampler.py, draw_from): the first token whose
 // cumulative weight reaches u * the row's total weight, where token i weighs
 // exp(q_i - top) if q_i = x_i / temp >= cut (and that exponent >= -87), else 0 (the
