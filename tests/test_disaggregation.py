@@ -136,17 +136,30 @@ def test_prefix_cache_on_the_prefill_side(single, pd):
 def test_aborts_free_pages_on_both_sides(pd):
     e = pd.engine
     rng = np.random.default_rng(9)
-    for i in range(6):
-        e.add_request(f"abort-{i}", rng.integers(3, 320, size=30).tolist(),
-                      SamplingParams(max_tokens=40, ignore_eos=True))
-    seen = set()
-    for _ in range(40):  # until some decode and some still wait for their prefill
-        seen |= {o.request_id for o in e.step()}
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+
+    def add(i):
+        e.add_request(f"abort-{i}", rng.integers(3, 320, size=30).tolist(), params)
+
+    for i in range(2):
+        add(i)
+    for _ in range(40):  # until both decode
+        e.step()
         if e.decode.num_requests >= 2:
             break
-    assert e.decode.num_requests >= 2 and e.prefill.num_requests >= 1
-    for i in range(6):
-        assert e.abort_request(f"abort-{i}")
+    assert e.decode.num_requests == 2
+
+    def add_more_and_abort_all():
+        # Under the prefill loop's lock (`call` holds it; it is reentrant): its thread
+        # starts no step meanwhile, so the four added wait for their prefill whatever
+        # the threads' timing.
+        for i in range(2, 6):
+            add(i)
+        assert e.prefill.num_requests == 4
+        for i in range(6):
+            assert e.abort_request(f"abort-{i}")
+
+    e._prefill.call(add_more_and_abort_all)
     assert not e.abort_request("abort-0") and not e.has_unfinished()
     for _ in range(3):  # a step in flight when they were aborted lands
         e.step()
