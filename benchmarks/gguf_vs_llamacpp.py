@@ -116,14 +116,9 @@ def llamacpp_runs(path: Path, args) -> dict:
     threads = ["-t", args.threads, "-tb", args.threads, "-b", 2048, "-ub", 512]
 
     def run(n: int) -> dict:
-        for attempt in range(4):  # its JSONL output is empty in ~1 run of 3 (exit 0)
-            try:
-                return peers._batched_bench(bin_dir, path, f"gguf-{n}", threads + [
-                    "-c", n * (PROMPT_LEN + NEW_TOKENS), "-npp", PROMPT_LEN,
-                    "-ntg", NEW_TOKENS, "-npl", n])
-            except peers.PeerError:
-                if attempt == 3:
-                    raise
+        return peers._batched_bench(bin_dir, path, f"gguf-{n}", threads + [
+            "-c", n * (PROMPT_LEN + NEW_TOKENS), "-npp", PROMPT_LEN, "-ntg", NEW_TOKENS,
+            "-npl", n])
 
     return {"one": lambda: 1e3 * run(1)["t_tg"] / NEW_TOKENS,
             "batch": lambda: args.batch * NEW_TOKENS / run(args.batch)["t"]}

@@ -295,12 +295,35 @@ def llamacpp_source() -> Path:
     return source
 
 
+# llama.cpp's logger is a singleton it never frees, whose worker thread does the printing:
+# a tool's last lines are lost when main returns before the worker has printed them
+# (ggml-org/llama.cpp#22142). llama-batched-bench's result line is one of them: through a
+# pipe it printed nothing in 11 runs of 12 on a 2-core Xeon VM (2026-12-05). The tool is
+# built with the worker joined (what is queued printed) before main returns.
+_FLUSH_LOG = "    common_log_pause(common_log_main());  // jaxserve: print what is queued\n"
+
+
+def _flush_log_at_exit(source: Path) -> Path:
+    """batched-bench.cpp with the flush before main's `return 0` (added once)."""
+    path = source / "tools" / "batched-bench" / "batched-bench.cpp"
+    text = path.read_text()
+    if _FLUSH_LOG not in text:
+        head, end, tail = text.rpartition("    return 0;\n}")
+        if not end:
+            raise PeerError(f"{path}: no `return 0;` closing main to flush the log before")
+        path.write_text(head + _FLUSH_LOG + end + tail)
+    return path
+
+
 def llamacpp_tools() -> Path:
     """The folder of the built llama-batched-bench and llama-bench."""
     source = llamacpp_source()
+    patched = _flush_log_at_exit(source)
     build = source.parent.parent.parent / "build"
     bin_dir = build / "bin"
-    if all((bin_dir / t).is_file() for t in _LLAMA_TOOLS):
+    batched = bin_dir / "llama-batched-bench"
+    if (all((bin_dir / t).is_file() for t in _LLAMA_TOOLS)
+            and batched.stat().st_mtime >= patched.stat().st_mtime):
         return bin_dir
     if not shutil.which("cmake"):
         raise PeerError("cmake is not installed")
@@ -393,20 +416,15 @@ def _spreads(runs: dict[str, list[float]]) -> dict:
     return {k: spread(v) for k, v in runs.items()}
 
 
-def _batched_bench(bin_dir: Path, model: Path, name: str, args: list,
-                   attempts: int = 10) -> dict:
-    """One llama-batched-bench run's JSONL result line. A run prints nothing at all (stdout
-    and stderr empty, exit status 0) one time in three to one in two on a 2-core VM (24
-    runs, 2026-12-03), so it is tried up to `attempts` times (4 left a 12-run table
-    without llama.cpp about one time in four)."""
-    for _ in range(attempts):
-        out = _run([bin_dir / "llama-batched-bench", "-m", model, *args,
-                    "--output-format", "jsonl"], f"llamacpp-batched-bench-{name}")
-        rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        if len(rows) == 1:
-            return rows[0]
-    raise PeerError(f"llama-batched-bench {name}: expected one result line, got {len(rows)} "
-                    f"in each of {attempts} runs")
+def _batched_bench(bin_dir: Path, model: Path, name: str, args: list) -> dict:
+    """One llama-batched-bench run's JSONL result line (printed since the tool flushes its
+    log before exiting: _FLUSH_LOG)."""
+    out = _run([bin_dir / "llama-batched-bench", "-m", model, *args, "--output-format", "jsonl"],
+               f"llamacpp-batched-bench-{name}")
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    if len(rows) != 1:
+        raise PeerError(f"llama-batched-bench {name}: expected one result line, got {len(rows)}")
+    return rows[0]
 
 
 # --------------------------------------------------------------------------------------
