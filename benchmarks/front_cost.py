@@ -16,6 +16,9 @@ prompt and `--output-len` tokens out, over one front, and reports the CPU (user 
 - jaxserve's gRPC and HTTP servers (`jaxserve serve`, the engine in a process of its own)
   on `--model` (default: host_overhead.py's tiny Llama, whose math costs next to nothing).
 - the offline LLM on the same model and requests (its one process).
+- with `--vllm`, vLLM's CPU build (benchmarks/peers.py) on the same checkpoint: its
+  OpenAI-compatible server at the same `--stream-interval` (the engine column: its engine
+  core's processes) and its offline LLM.
 
 The library rows pace their messages as an engine would: one ticker wakes every stream
 due each `--step-ms`. What the servers cost above the libraries' rows is jaxserve's own
@@ -195,17 +198,28 @@ async def drive(api: str, port: int, requests: int, concurrency: int, output_len
     return sum(r.output_tokens for r in results)
 
 
-def measure(api: str, port: int, args, pids: dict[str, int | None]) -> dict:
-    """A warm-up, then one timed run: requests/s, output tokens/s and each process's ms of
-    CPU a request (None where there is no such process)."""
+def measure(api: str, port: int, args, pids: dict[str, list[int]]) -> dict:
+    """A warm-up, then one timed run: requests/s, output tokens/s and each role's ms of
+    CPU a request, over its processes (None where it has none)."""
     asyncio.run(drive(api, port, args.concurrency, args.concurrency, args.output_len))
-    before = {k: hvg.cpu_seconds(p) if p else None for k, p in pids.items()}
-    start = time.perf_counter()
+
+    def cpu() -> dict:
+        return {k: sum(hvg.cpu_seconds(p) for p in ps) for k, ps in pids.items()}
+
+    before, start = cpu(), time.perf_counter()
     tokens = asyncio.run(drive(api, port, args.requests, args.concurrency, args.output_len))
-    elapsed = time.perf_counter() - start
-    ms = {k: None if before[k] is None else 1e3 * (hvg.cpu_seconds(p) - before[k]) / args.requests
-          for k, p in pids.items()}
+    elapsed, after = time.perf_counter() - start, cpu()
+    ms = {k: 1e3 * (after[k] - before[k]) / args.requests if pids[k] else None for k in pids}
     return {"rps": args.requests / elapsed, "tok_s": tokens / elapsed, **ms}
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc)."""
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        for child in open(f"/proc/{pid}/task/{task}/children").read().split():
+            out += [int(child), *descendants(int(child))]
+    return out
 
 
 def wait_port(port: int, timeout: float = 60) -> None:
@@ -235,7 +249,7 @@ def stub_rows(args, sizes: list[int]) -> list[tuple[str, dict]]:
         process = make(port)
         try:
             wait_port(port)
-            pids = {"server": process.pid, "engine": None, "client": os.getpid()}
+            pids = {"server": [process.pid], "engine": [], "client": [os.getpid()]}
             rows.append((name, measure(api, port, args, pids)))
         finally:
             process.kill()
@@ -253,8 +267,8 @@ def jaxserve_rows(args) -> list[tuple[str, dict]]:
     rows = []
     try:
         hvg.wait_ready(f"http://127.0.0.1:{http_port}", proc)
-        pids = {"server": proc.pid, "engine": hvg.engine_child(proc.pid),
-                "client": os.getpid()}
+        pids = {"server": [proc.pid], "engine": [hvg.engine_child(proc.pid)],
+                "client": [os.getpid()]}
         for name, api, port in (("jaxserve gRPC", "jaxserve", grpc_port),
                                 ("jaxserve HTTP (SSE)", "openai", http_port)):
             rows.append((name, measure(api, port, args, pids)))
@@ -291,6 +305,30 @@ print("OFFLINE", len(prompts) / elapsed, n / elapsed, 1e3 * used / len(prompts))
                            "client": None}
 
 
+def vllm_rows(args) -> list[tuple[str, dict]]:
+    """vLLM's OpenAI server and offline LLM on the same checkpoint, requests and settings."""
+    rows = []
+    port = hvg.free_port()
+    try:
+        with peers.vllm_server(Path(args.model), "float32", port, args.concurrency,
+                               args.stream_interval, os.cpu_count()) as proc:
+            pids = {"server": [proc.pid], "engine": descendants(proc.pid),
+                    "client": [os.getpid()]}
+            rows.append(("vLLM OpenAI server", measure("openai", port, args, pids)))
+    except peers.PeerError as e:
+        print(f"vLLM's server: not run ({e})")
+    offline, reason = peers.run_vllm_offline(Path(args.model), "float32",
+                                             prompts(args.requests), args.output_len,
+                                             args.concurrency, os.cpu_count())
+    if offline is None:
+        print(f"vLLM offline: not run ({reason})")
+    else:
+        rows.append(("vLLM offline LLM", {"rps": offline["requests_per_s"],
+                                          "tok_s": offline["tokens_per_s"], "server": None,
+                                          "engine": None, "client": None}))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -302,11 +340,16 @@ def main() -> None:
                     help="the library rows' engine step (jaxserve's at 256 streams: ~4 ms)")
     ap.add_argument("--model", help="the checkpoint jaxserve serves (default: the tiny "
                     "Llama of host_overhead.py)")
+    ap.add_argument("--vllm", action="store_true",
+                    help="also vLLM's OpenAI server and offline LLM (its CPU build, installed "
+                         "once by benchmarks/peers.py)")
     args = ap.parse_args()
     if args.model is None:
         args.model = peers.checkpoint("configs/models/tiny-llama.yaml", dtype="float32")
     sizes = message_sizes(args.output_len, args.stream_interval)
     rows = stub_rows(args, sizes) + jaxserve_rows(args) + [offline_row(args)]
+    if args.vllm:
+        rows += vllm_rows(args)
 
     print(f"\n{datetime.date.today().isoformat()}, {hvg.cpu_name()}, {os.cpu_count()} cores; "
           f"{args.requests} requests, {args.concurrency} at once, {PROMPT_LEN} tokens in / "
@@ -319,17 +362,20 @@ def main() -> None:
         parts = [r[k] for k in ("server", "engine", "client")]
         total = sum(p for p in parts if p is not None)
         cells = " | ".join("-" if p is None else f"{p:.3f}" for p in parts)
-        print(f"| {name} | {cells} | {total:.3f} | {r['rps']:.0f} | {r['tok_s']:.0f} | "
-              f"{1e3 * os.cpu_count() / total:.0f} |")
-    offline = rows[-1][1]
-    for name, r in rows:
-        if name.startswith("jaxserve"):
+        whole, most = ((f"{total:.3f}", f"{1e3 * os.cpu_count() / total:.0f}") if total
+                       else ("-", "-"))
+        print(f"| {name} | {cells} | {whole} | {r['rps']:.0f} | {r['tok_s']:.0f} | {most} |")
+    by_name = dict(rows)
+    for server, offline in (("jaxserve gRPC", "offline LLM"),
+                            ("jaxserve HTTP (SSE)", "offline LLM"),
+                            ("vLLM OpenAI server", "vLLM offline LLM")):
+        if server in by_name and offline in by_name:
+            r, o = by_name[server], by_name[offline]
             total = r["server"] + r["engine"] + r["client"]
-            print(f"\n{name}: {r['tok_s'] / offline['tok_s']:.2f} of the offline LLM's output "
+            print(f"\n{server}: {r['tok_s'] / o['tok_s']:.2f} of its offline LLM's output "
                   f"tokens/s; with every core busy at most "
-                  f"{1e3 * os.cpu_count() / total / offline['rps']:.2f}", end="")
+                  f"{1e3 * os.cpu_count() / total / o['rps']:.2f}", end="")
     print()
-
 
 if __name__ == "__main__":
     main()

