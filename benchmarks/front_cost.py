@@ -36,11 +36,13 @@ import json
 import multiprocessing
 import os
 import random
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import grpc
 from fastapi import Request  # a route's annotation: resolved in this module's globals
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,8 +97,6 @@ class Ticker:
 
 
 def _grpc_stub_server(port: int, sizes: list[int], step_s: float) -> None:
-    import grpc
-
     from server.protos.jaxserve.v1 import inference_pb2 as pb
     from server.protos.jaxserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -180,8 +180,6 @@ async def drive(api: str, port: int, requests: int, concurrency: int, output_len
                 ) -> int:
     """server/bench.py's clients (gRPC: jaxserve.v1's Generate; HTTP: streaming
     /v1/completions), `requests` of them, `concurrency` at once; the output tokens."""
-    import grpc
-
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     gate = asyncio.Semaphore(concurrency)
 
@@ -223,8 +221,6 @@ def descendants(pid: int) -> list[int]:
 
 
 def wait_port(port: int, timeout: float = 60) -> None:
-    import socket
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with socket.socket() as s:
