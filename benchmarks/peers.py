@@ -33,6 +33,7 @@ import functools
 import hashlib
 import json
 import os
+import platform
 import shutil
 import statistics
 import subprocess
@@ -318,25 +319,39 @@ def _flush_log_at_exit(source: Path) -> Path:
     return path
 
 
+# GGML_NATIVE builds ggml's AMX matmuls on a CPU that has AMX; on the 2-core Xeon VM they
+# crashed llama-batched-bench (SIGSEGV or SIGILL in ggml_backend_amx_mul_mat, a Q4_1
+# prefill, 2026-12-05) while the AVX-512 paths ran. Left out, as jaxserve's kernels leave
+# AMX out: both sides run AVX-512 (explicit -mno-* flags win over -march=native).
+_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
 def llamacpp_tools() -> Path:
-    """The folder of the built llama-batched-bench and llama-bench."""
+    """The folder of the built llama-batched-bench and llama-bench (built again when the
+    CMake arguments below change, or the patched batched-bench.cpp is newer)."""
     source = llamacpp_source()
     patched = _flush_log_at_exit(source)
     build = source.parent.parent.parent / "build"
     bin_dir = build / "bin"
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    no_amx = ([f"-DCMAKE_C_FLAGS={_NO_AMX}", f"-DCMAKE_CXX_FLAGS={_NO_AMX}"]
+              if platform.machine() in ("x86_64", "AMD64") else [])
+    args = ["-S", source, "-B", build, *generator, "-DCMAKE_BUILD_TYPE=Release",
+            "-DGGML_NATIVE=ON", "-DGGML_OPENMP=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+            "-DLLAMA_BUILD_TOOLS=ON", *no_amx]
+    stamp, wanted = build / "jaxserve-cmake-args.txt", " ".join(map(str, args))
     batched = bin_dir / "llama-batched-bench"
-    if (all((bin_dir / t).is_file() for t in _LLAMA_TOOLS)
+    if (all((bin_dir / t).is_file() for t in _LLAMA_TOOLS) and stamp.is_file()
+            and stamp.read_text() == wanted
             and batched.stat().st_mtime >= patched.stat().st_mtime):
         return bin_dir
     if not shutil.which("cmake"):
         raise PeerError("cmake is not installed")
-    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    _run(["cmake", "-S", source, "-B", build, *generator, "-DCMAKE_BUILD_TYPE=Release",
-          "-DGGML_NATIVE=ON", "-DGGML_OPENMP=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
-          "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
-          "-DLLAMA_BUILD_TOOLS=ON"], "llamacpp-cmake", nice=True)
+    _run(["cmake", *args], "llamacpp-cmake", nice=True)
     _run(["cmake", "--build", build, "-j", str(os.cpu_count() or 1), "--target", *_LLAMA_TOOLS],
          "llamacpp-build", nice=True)
+    stamp.write_text(wanted)
     return bin_dir
 
 
