@@ -301,9 +301,10 @@ def llamacpp_source() -> Path:
 
 # llama.cpp's logger is a singleton it never frees, whose worker thread does the printing:
 # a tool's last lines are lost when main returns before the worker has printed them
-# (ggml-org/llama.cpp#22142). llama-batched-bench's result line is one of them: through a
-# pipe it printed nothing in 11 runs of 12 on a 2-core Xeon VM (2026-12-05). The tool is
-# built with the worker joined (what is queued printed) before main returns.
+# (ggml-org/llama.cpp#22142). llama-batched-bench's result line is one of them: it printed
+# nothing in 5 runs of 6 through a pipe, 11 of 12 into a file, on a 2-core Xeon VM
+# (2026-12-05). The tool is built with the worker joined (what is queued printed) before
+# main returns: 12 of 12.
 _FLUSH_LOG = "    common_log_pause(common_log_main());  // jaxserve: print what is queued\n"
 
 
