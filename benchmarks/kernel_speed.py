@@ -38,11 +38,13 @@ temperature 0.7 and with top-p 0.9, and their ratios to greedy.
 
 Every row is timed for the reference (pure JAX) and for the platform's kernel ("tpu" on
 TPU, "gpu" on GPU, "cpu" -- pallas_kernels/cpu, the native kernels -- on a CPU where they
-build; --impl forces one, "none" times the reference only). There are no quantized-matmul
-kernels for CPU, so on a CPU those rows' kernel columns say "n/a (CPU)", as every kernel
-column does when the native kernels are unavailable. Attention and quantized-matmul times
-are the median of --iters calls after a compile and three warm-up calls, each ended by
-block_until_ready; dense-matmul times are the median of --iters chains divided by the
+build; --impl forces one, "none" times the reference only). On a CPU the quantized rows'
+kernel is the native one (int8, int4; fp8 has none: "n/a (CPU)", as every kernel column
+says when the native kernels are unavailable) on its values packed as the engine packs
+them (quantized_matmul.pack_strips), timed as a chain of calls over copies of the weight
+(at least 128 MB of them) like the dense rows. Attention and the other quantized-matmul
+times are the median of --iters calls after a compile and three warm-up calls, each ended
+by block_until_ready; chained times are the median of --iters chains divided by the
 chain's length.
 
 Floor: the bytes a row must move once (K and V of every context token, int8 scales
@@ -94,7 +96,9 @@ from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from pallas_kernels import cpu as native
 from pallas_kernels.matmul import matmul
 from pallas_kernels.platform import GPU_PLATFORMS
-from pallas_kernels.quantized_matmul import choose_impl, quantize, quantized_matmul
+from pallas_kernels.quantized_matmul import (
+    choose_impl, pack_strips, quantize, quantized_matmul)
+from pallas_kernels.quantized_matmul import cpu as quantized_cpu
 from pallas_kernels.ragged_paged_attention import quantize_kv, ragged_paged_attention, write_kv
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B, per layer
@@ -396,8 +400,10 @@ def weight_variants(k: int, n: int, seed: int) -> dict[str, tuple[jax.Array, ...
 
 def matmul_kernel_note(kind: str, impl: str | None) -> str:
     """Why a quantized row has no kernel timing, or "" when the kernel runs."""
-    if impl is None or impl == "cpu":
+    if impl is None or (impl == "cpu" and kind not in quantized_cpu.KINDS):
         return NA_CPU
+    if impl == "cpu":
+        return ""
     if choose_impl(kind, INT4_GROUP) != impl:
         return "n/a (no kernel for this format here)"
     return ""
@@ -432,12 +438,40 @@ def quantized_row(kind: str, x: jax.Array, weight: tuple[jax.Array, jax.Array], 
     row = Row(f"{kind} M={x.shape[0]} [{k}x{n}]", nbytes, 1e3 * nbytes / bandwidth,
               median_ms(lambda: ref(x, values, scales), iters), peer_ms=peer_ms,
               kernel_note=matmul_kernel_note(kind, impl))
-    if not row.kernel_note:
+    if row.kernel_note:
+        return row
+    if impl == "cpu":
+        row.kernel_ms, out = time_packed_chain(kind, x, values, scales, iters)
+    else:
         kernel = fn(impl)
         row.kernel_ms = median_ms(lambda: kernel(x, values, scales), iters)
-        diff = kernel(x, values, scales).astype(jnp.float32) - ref(x, values, scales).astype(jnp.float32)
-        row.max_diff = float(jnp.max(jnp.abs(diff)))
+        out = kernel(x, values, scales)
+    diff = out.astype(jnp.float32) - ref(x, values, scales).astype(jnp.float32)
+    row.max_diff = float(jnp.max(jnp.abs(diff)))
     return row
+
+
+def time_packed_chain(kind: str, x: jax.Array, values: jax.Array, scales: jax.Array,
+                      iters: int) -> tuple[float, jax.Array]:
+    """The native CPU kernel on packed values, as the engine runs it: (ms per call in a
+    chain over copies of the weight, at least DENSE_CHAIN_BYTES of them, each call
+    waiting on the one before; the first call's result)."""
+    packed = pack_strips(values)
+    copies = max(2, math.ceil(DENSE_CHAIN_BYTES / (values.nbytes + scales.nbytes)))
+    weights = [(jnp.array(packed, copy=True), jnp.array(scales, copy=True))
+               for _ in range(copies)]
+
+    @jax.jit
+    def chain(x, weights):
+        out = []
+        for v, s in weights:
+            y = quantized_matmul(x, v, s, kind=kind, impl="cpu", packed=True)
+            x, y = jax.lax.optimization_barrier((x, y))
+            out.append(y)
+        return out
+
+    ms = median_ms(lambda: chain(x, weights), iters) / copies
+    return ms, chain(x, weights[:1])[0]
 
 
 def moe_cases(on_cpu: bool, full: bool) -> list[tuple[tuple, int, str]]:

@@ -894,16 +894,32 @@ def test_quantized_matmul_kernel_against_float64(isa, dtype, case):
     against the exact product with the weight dequantized in float64 from the stored
     integers (an unpacker written here), on the real rows. The kernel sums x * u over the stored unsigned integers and
     subtracts (8 + z) * sum(x) per group, so its bound holds both sums' magnitudes."""
+    _check_quantized_matmul(dtype, case, packed=False)
+
+
+@pytest.mark.parametrize("case", [c for c in QMM_CASES if c[3] % 32 == 0],
+                         ids=lambda c: f"{c[4]}-g{c[5] or 'K'}{'-zp' if c[6] else ''}-m{c[0]}")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_quantized_matmul_kernel_on_packed_values(isa, dtype, case):
+    """The same products with the values packed in strips of 32 columns
+    (formats.pack_strips, the layout the engine gives them on a CPU): the float64 check
+    reads the row-major values the strips were made from."""
+    _check_quantized_matmul(dtype, case, packed=True)
+
+
+def _check_quantized_matmul(dtype, case, packed: bool) -> None:
     from pallas_kernels.quantized_matmul import cpu as qmm_cpu
-    from pallas_kernels.quantized_matmul.formats import quantize
+    from pallas_kernels.quantized_matmul.formats import pack_strips, quantize
 
     m, rows, k, n, kind, group, zp = case
     rng = np.random.default_rng(m * k + n)
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     w = rng.standard_normal((k, n)).astype(np.float32) + rng.uniform(-1, 1, (1, n)).astype(np.float32)
     values, scales = quantize(jnp.asarray(w), kind, group, zero_points=zp)
-    got = jax.jit(lambda x, v, s, r: qmm_cpu.quantized_matmul(x, v, s, kind=kind, rows=r))(
-        x, values, scales, jnp.int32(rows))
+    stored = pack_strips(values) if packed else values
+    got = jax.jit(lambda x, v, s, r: qmm_cpu.quantized_matmul(x, v, s, kind=kind, rows=r,
+                                                              packed=packed))(
+        x, stored, scales, jnp.int32(rows))
     assert got.dtype == dtype and got.shape == (m, n)
     v, s = np.asarray(values), np.asarray(scales, np.float64)
     s, z = (s[0], s[1]) if zp else (s, np.zeros_like(s))
@@ -926,6 +942,30 @@ def test_quantized_matmul_kernel_against_float64(isa, dtype, case):
     assert np.abs(exact[:rows]).max() > 100 * bound[:rows].max()
     err = np.abs(got - exact[:rows])
     assert np.all(err <= bound[:rows]), (err / bound[:rows]).max()
+
+
+def test_packed_values_past_the_kernel_take_the_reference_unpacked():
+    """More rows than the kernel takes (a prefill chunk) and every non-native
+    implementation read packed values unpacked: the same product as the row-major values;
+    the strips are the columns' bytes in strip order, and unpacking restores them."""
+    from pallas_kernels import quantized_matmul as qmm
+    from pallas_kernels.quantized_matmul.formats import pack_strips, quantize, unpack_strips
+
+    rng = np.random.default_rng(7)
+    w = jnp.asarray(rng.standard_normal((128, 96)), jnp.float32)
+    for kind in ("int8", "int4"):
+        values, scales = quantize(w, kind, 32)
+        packed = pack_strips(values)
+        v = np.asarray(values)
+        assert np.array_equal(np.asarray(packed).reshape(-1)[:v.shape[0] * 32],
+                              v[:, :32].reshape(-1))  # strip 0: every byte row's first 32
+        assert np.array_equal(np.asarray(unpack_strips(packed)), v)
+        x = jnp.asarray(rng.standard_normal((80, 128)), jnp.float32)
+        want = qmm.quantized_matmul(x, values, scales, kind=kind, impl="reference")
+        for impl in (None, "reference"):
+            got = jax.jit(lambda x, p, s: qmm.quantized_matmul(x, p, s, kind=kind, impl=impl,
+                                                               packed=True))(x, packed, scales)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_quantized_matmul_dispatch_on_a_cpu():

@@ -15,7 +15,8 @@ from pallas_kernels.matmul import default_impl as default_dense_impl
 from pallas_kernels.matmul import matmul as dense_matmul
 from pallas_kernels.matmul import matmuls as dense_matmuls
 from pallas_kernels.matmul import packed as packed_layout
-from pallas_kernels.quantized_matmul import quantized_matmul, quantized_shapes
+from pallas_kernels.quantized_matmul import (
+    pack_strips, packable, quantized_matmul, quantized_shapes)
 from pallas_kernels.rows import ACTIVATIONS, rms_norm_reference
 
 
@@ -46,6 +47,7 @@ def linear(in_shape: tuple[int, ...], out_shape: tuple[int, ...],
     pallas_kernels/quantized_matmul (K and N the flattened in and out dims; int4 with zero
     points `[2, K / G, N]`), each tagged with the logical axis of its leading in / out
     dim, which keeps whole heads on one shard; checkpoints overwrite the zeros at load.
+    The values are tagged `quantized` (`weights_for_native_matmul` packs them on a CPU).
     """
     if options.quantization is None:
         return param(in_shape + out_shape, in_axes + out_axes, dtype,
@@ -53,7 +55,8 @@ def linear(in_shape: tuple[int, ...], out_shape: tuple[int, ...],
     (vshape, vdtype), (sshape, sdtype) = quantized_shapes(
         math.prod(in_shape), math.prod(out_shape), options.quantization,
         options.quant_group_size, options.quant_zero_points)
-    values = nnx.Param(jnp.zeros(vshape, vdtype), logical_axes=(in_axes[0], out_axes[0]))
+    values = nnx.Param(jnp.zeros(vshape, vdtype), logical_axes=(in_axes[0], out_axes[0]),
+                       quantized=True)
     scale_axes = (in_axes[0] if sshape[-2] > 1 else None, out_axes[0])
     scales = nnx.Param(jnp.ones(sshape, sdtype),
                        logical_axes=(None,) * (len(sshape) - 2) + scale_axes)
@@ -76,10 +79,11 @@ def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_in: int,
     """Contract the last `n_in` dims of x with a weight made by `linear` (its values).
 
     A quantized weight runs the quantized-matmul kernel of `impl` (default: the options'
-    choice) on x flattened to `[tokens, K]` (on a CPU, the native kernel for a few `rows`). A float weight is one XLA dot, or on a CPU
-    the native matmul (pallas_kernels/matmul), which computes only the first `rows` tokens
-    (the real ones of a bucket-padded batch) and zeros the rest. A `transposed` float
-    weight is laid out out + in, and a `packed` one also packed
+    choice) on x flattened to `[tokens, K]` (on a CPU, the native kernel for a few `rows`);
+    `packed`: its values in that kernel's strips. A float weight is one XLA dot, or on a
+    CPU the native matmul (pallas_kernels/matmul), which computes only the first `rows`
+    tokens (the real ones of a bucket-padded batch) and zeros the rest. A `transposed`
+    float weight is laid out out + in, and a `packed` one also packed
     (`weights_for_native_matmul`).
     """
     lead = x.shape[: x.ndim - n_in]
@@ -97,7 +101,7 @@ def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_in: int,
         y = quantized_matmul(x2, w, scales, kind=options.quantization, impl=impl,
                              interpret=options.interpret and impl not in (None, "reference",
                                                                            "cpu"),
-                             rows=rows)
+                             rows=rows, packed=packed)
     return y.reshape(lead + out_shape)
 
 
@@ -123,7 +127,8 @@ def is_transposed(w: nnx.Param) -> bool:
 
 def is_packed(w: nnx.Param) -> bool:
     """Whether a float weight laid out out + in (or a tied embedding) is packed for the
-    native matmul (pallas_kernels/matmul/packed.py, `weights_for_native_matmul`)."""
+    native matmul (pallas_kernels/matmul/packed.py), or a quantized weight's values for the
+    native quantized kernel (`weights_for_native_matmul`)."""
     return bool(w.get_metadata().get("packed", False))
 
 
@@ -147,6 +152,10 @@ def weights_for_native_matmul(state: nnx.State, pack: bool | None = None) -> nnx
     lookups read the packed rows, `embedding`). Measured on smollm2-135m's layers (Zen 5
     EPYC, bf16 / float32): 32 rows 0.79-0.80x / 0.92-0.93x the time of `[N, K]`, 5 rows
     0.84-0.85x / 0.84-0.88x, one row 0.91x / 1.01-1.02x (docs/kernels.md).
+
+    The int8 / int4 values of quantized linear layers (N a multiple of 32) are packed in
+    strips of 32 columns, the quantized kernel's layout (quantized_matmul.pack_strips:
+    each of its tiles then reads one sequential stream); `pack=False` leaves them too.
     """
     def packs(n: int, k: int, dtype) -> bool:
         return ((packed_layout.worth_packing(dtype) if pack is None else pack)
@@ -155,6 +164,11 @@ def weights_for_native_matmul(state: nnx.State, pack: bool | None = None) -> nnx
     flat = nnx.to_flat_state(state)
     for _, var in flat:
         meta = var.get_metadata()
+        if meta.get("quantized"):
+            if pack is not False and not meta.get("packed") and packable(var.get_value()):
+                var.set_value(pack_strips(var.get_value()))
+                var.set_metadata(packed=True)
+            continue
         n_in = meta.get("n_in")
         if meta.get("tied_head") and not meta.get("packed"):  # [N, K] already
             value = var.get_value()

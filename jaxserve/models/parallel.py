@@ -57,7 +57,8 @@ def dense(x: jax.Array, w: nnx.Param, scales: nnx.Param | None, n_in: int,
                       impl=None if single else "reference", rows=rows,
                       transposed=is_transposed(w), packed=is_packed(w))
     if single:
-        return matmul(x, w[...], scales[...], n_in, out_shape, options, rows=rows)
+        return matmul(x, w[...], scales[...], n_in, out_shape, options, rows=rows,
+                      packed=is_packed(w))
     w_spec = shard.rules.spec(w.get_metadata()["logical_axes"])
     s_spec = shard.rules.spec(scales.get_metadata()["logical_axes"])
     k_axis, n_axis = w_spec

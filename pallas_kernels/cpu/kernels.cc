@@ -417,11 +417,12 @@ ffi::Error LoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32
 }
 
 // Quantized matmul: x [M, K] (f32 / bf16), num_rows, values (int8 [K, N] or uint8
-// [K/2, N]), scales f32 ([G', N], or [2, G', N] with zero points); y [M, N] in x's dtype,
-// rows >= num_rows unwritten.
+// [K/2, N]; `packed`: in strips of 32 columns, quantized.h), scales f32 ([G', N], or
+// [2, G', N] with zero points); y [M, N] in x's dtype, rows >= num_rows unwritten.
 ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
                                ffi::Buffer<ffi::S32> num_rows, ffi::AnyBuffer values,
-                               ffi::Buffer<ffi::F32> scales, ffi::Result<ffi::AnyBuffer> y) {
+                               ffi::Buffer<ffi::F32> scales, ffi::Result<ffi::AnyBuffer> y,
+                               bool packed) {
   auto bad = [](const std::string& what) {
     return ffi::Error::InvalidArgument("jaxserve_quantized_matmul: " + what);
   };
@@ -443,9 +444,10 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   if (num_rows.element_count() != 1) return bad("num_rows must be a scalar");
   const int64_t m = std::clamp<int64_t>(num_rows.typed_data()[0], 0, xd[0]);
   if (m > kQmmMaxRows) return bad("more rows than the kernel takes");
+  if (packed && n % kQmmCols) return bad("packed values need N a multiple of 32");
   Qmm q{nullptr, nullptr, values.untyped_data(), scales.typed_data(),
         zeros ? scales.typed_data() + groups * n : nullptr, y->untyped_data(), m, k, n,
-        k / groups, int4, dt == ffi::DataType::BF16};
+        k / groups, int4, dt == ffi::DataType::BF16, packed};
   std::vector<float> xf, sums;
   Runner run(&pool);
   QuantizedMatmul(run, x.untyped_data(), q, xf, sums);
@@ -462,7 +464,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantizedMatmul, jaxserve::QuantizedMatmul
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>());
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<bool>("packed"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmul, jaxserve::MatmulImpl,
                               ffi::Ffi::Bind()

@@ -7,7 +7,12 @@
 // - int8: values int8 [K, N], groups of G rows (G = K: per channel);
 // - int4: values uint8 [K/2, N], groups of G rows (byte row j of a group holds its row j in
 //   the low nibble and row j + G/2 in the high one, two's complement);
-// scales [K/G, N], or [2, K/G, N] with zero points z (w = (q - z) * scale).
+// scales [K/G, N], or [2, K/G, N] with zero points z (w = (q - z) * scale). The values may
+// be packed (Qmm::packed, quantized_matmul/formats.py's pack_strips, what the engine does
+// on one CPU device): each strip of kQmmCols columns holds its K' byte rows one after
+// another, so a tile reads one sequential stream. Row-major, a tile's rows are N bytes
+// apart, a line each, which the hardware prefetchers do not follow: one-row matmuls of
+// 1B / 8B-class layers read 2.2-3.7 GB/s on a 2-core Xeon, packed 19-23 (with AVX-512).
 // Each task owns kQmmTaskCols output columns and reads their bytes of every K row once per
 // pair of x rows, in memory order, converting them to float32 in registers: the weight
 // crosses memory quantized, which is the point on a bandwidth-bound CPU. Per group it
@@ -29,6 +34,11 @@ constexpr int64_t kQmmDirectRows = 2;  // up to this many rows convert straight 
 constexpr int64_t kQmmPanelRows = 128; // weight rows of a float panel (16 KiB: L1)
 constexpr int64_t kQmmCols = 32;       // columns of a register tile (4 x 8 lanes)
 constexpr int64_t kQmmTaskCols = 64;   // columns per task: one cache line of int8 per row
+// A direct tile's software prefetch, ahead of its reads: row-major, 16 rows (a line each,
+// N bytes apart); packed, 4 KiB of its strip (the best of 0.5 / 2 / 4 / 8 KiB on a 2-core
+// Xeon, one-row int8 / int4 matmuls of 16-58 MB: 17.8 / 21.3 / 22.6 / 20.6 GB/s int8).
+constexpr int64_t kQmmAheadRows = 16;
+constexpr int64_t kQmmAheadBytes = 4096;
 
 struct Qmm {
   const float* x;   // [m, k], float32 (converted once from bf16 when x is bf16)
@@ -39,16 +49,32 @@ struct Qmm {
   void* y;          // [m_all, n] in x's dtype
   int64_t m, k, n, group;
   bool int4, bf16;
+  bool packed;      // values in strips of kQmmCols columns (QmmRow)
 };
 
 JS_INLINE int64_t QmmGroups(const Qmm& q) { return q.k / q.group; }
 
+// Byte row 0 of column c (a multiple of kQmmCols for a packed weight) and the distance
+// between byte rows: [K', N] row-major, or packed: strip c / kQmmCols's K' rows of
+// kQmmCols bytes in a row, so that a tile's K' rows are one sequential stream.
+JS_INLINE int64_t QmmByteRows(const Qmm& q) { return q.int4 ? q.k / 2 : q.k; }
+JS_INLINE int64_t QmmStride(const Qmm& q) { return q.packed ? kQmmCols : q.n; }
+JS_INLINE int64_t QmmAhead(const Qmm& q) {  // a direct tile's prefetch distance in bytes
+  return q.packed ? kQmmAheadBytes : kQmmAheadRows * q.n;
+}
+template <typename B>
+JS_INLINE const B* QmmColumn(const Qmm& q, int64_t c) {
+  const B* w = static_cast<const B*>(q.w);
+  if (!q.packed) return w + c;
+  return w + (c / kQmmCols) * QmmByteRows(q) * kQmmCols + c % kQmmCols;
+}
+
 // The stored integer of row kk (within group g's rows) and column c, and its offset.
 JS_INLINE float QmmValue(const Qmm& q, int64_t kk, int64_t c) {
-  if (!q.int4) return static_cast<float>(static_cast<const int8_t*>(q.w)[kk * q.n + c]);
+  if (!q.int4) return static_cast<float>(QmmColumn<int8_t>(q, c)[kk * QmmStride(q)]);
   const int64_t g = kk / q.group, r = kk % q.group, half = q.group / 2;
   // Two's complement nibbles; ^ 8 makes each the unsigned u = q + 8.
-  const uint8_t b = static_cast<const uint8_t*>(q.w)[(g * half + r % half) * q.n + c] ^ 0x88;
+  const uint8_t b = QmmColumn<uint8_t>(q, c)[(g * half + r % half) * QmmStride(q)] ^ 0x88;
   return static_cast<float>(r < half ? (b & 0xF) : (b >> 4));
 }
 
@@ -100,7 +126,7 @@ JS_AVX2 JS_INLINE void QmmWiden(__m256i v, bool is_signed, __m256* out) {
 
 template <int R>
 JS_AVX2 void Avx2QmmTile(const Qmm& q, int64_t m0, int64_t c0, float (*acc)[kQmmCols]) {
-  const int64_t groups = QmmGroups(q), half = q.group / 2;
+  const int64_t groups = QmmGroups(q), half = q.group / 2, ld = QmmStride(q), ahead = QmmAhead(q);
   const __m256 offset = _mm256_set1_ps(q.int4 ? 8.0f : 0.0f);
   const __m256i nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x88));
   const float* x[R];
@@ -110,11 +136,12 @@ JS_AVX2 void Avx2QmmTile(const Qmm& q, int64_t m0, int64_t c0, float (*acc)[kQmm
     JS_UNROLL for (int r = 0; r < R; ++r)
       JS_UNROLL for (int c = 0; c < 4; ++c) p[r][c] = _mm256_setzero_ps();
     if (q.int4) {
-      const uint8_t* w = static_cast<const uint8_t*>(q.w) + g * half * q.n + c0;
+      const uint8_t* w = QmmColumn<uint8_t>(q, c0) + g * half * ld;
       const int64_t k0 = g * q.group;
       for (int64_t j = 0; j < half; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + j * ld + ahead), _MM_HINT_T0);
         const __m256i v = _mm256_xor_si256(  // two's complement nibbles -> u = q + 8
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * q.n)), flip);
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * ld)), flip);
         __m256 lo[4], hi[4];
         QmmWiden(_mm256_and_si256(v, nibble), false, lo);
         QmmWiden(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), false, hi);
@@ -125,11 +152,12 @@ JS_AVX2 void Avx2QmmTile(const Qmm& q, int64_t m0, int64_t c0, float (*acc)[kQmm
         }
       }
     } else {
-      const int8_t* w = static_cast<const int8_t*>(q.w) + g * q.group * q.n + c0;
+      const int8_t* w = QmmColumn<int8_t>(q, c0) + g * q.group * ld;
       const int64_t k0 = g * q.group;
       for (int64_t kk = 0; kk < q.group; ++kk) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + kk * ld + ahead), _MM_HINT_T0);
         __m256 wv[4];
-        QmmWiden(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kk * q.n)), true, wv);
+        QmmWiden(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + kk * ld)), true, wv);
         JS_UNROLL for (int r = 0; r < R; ++r) {
           const __m256 xb = _mm256_set1_ps(x[r][k0 + kk]);
           JS_UNROLL for (int c = 0; c < 4; ++c) p[r][c] = _mm256_fmadd_ps(xb, wv[c], p[r][c]);
@@ -155,13 +183,13 @@ JS_AVX2 void Avx2QmmTile(const Qmm& q, int64_t m0, int64_t c0, float (*acc)[kQmm
 // over the panel; the pairs' partial sums wait in memory between chunks.
 JS_AVX2 JS_INLINE void Avx2QmmPanel(const Qmm& q, int64_t g, int64_t j0, int64_t rows,
                                     int64_t c0, float (*panel)[kQmmCols]) {
-  const int64_t half = q.group / 2;
+  const int64_t half = q.group / 2, ld = QmmStride(q);
   if (q.int4) {
     const __m256i nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x88));
-    const uint8_t* w = static_cast<const uint8_t*>(q.w) + (g * half + j0) * q.n + c0;
+    const uint8_t* w = QmmColumn<uint8_t>(q, c0) + (g * half + j0) * ld;
     for (int64_t j = 0; j < rows; ++j) {
       const __m256i v = _mm256_xor_si256(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * q.n)), flip);
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * ld)), flip);
       __m256 lo[4], hi[4];
       QmmWiden(_mm256_and_si256(v, nibble), false, lo);
       QmmWiden(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), false, hi);
@@ -171,10 +199,10 @@ JS_AVX2 JS_INLINE void Avx2QmmPanel(const Qmm& q, int64_t g, int64_t j0, int64_t
       }
     }
   } else {
-    const int8_t* w = static_cast<const int8_t*>(q.w) + (g * q.group + j0) * q.n + c0;
+    const int8_t* w = QmmColumn<int8_t>(q, c0) + (g * q.group + j0) * ld;
     for (int64_t j = 0; j < rows; ++j) {
       __m256 wv[4];
-      QmmWiden(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * q.n)), true, wv);
+      QmmWiden(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * ld)), true, wv);
       JS_UNROLL for (int c = 0; c < 4; ++c) _mm256_storeu_ps(panel[j] + 8 * c, wv[c]);
     }
   }
@@ -252,13 +280,104 @@ JS_AVX2 void Avx2QmmCols(const Qmm& q, int64_t c0) {  // kQmmCols columns, every
   }
   for (int64_t r = 0; r < q.m; ++r) QmmStore<T>(q, r, c0, acc[r], kQmmCols);
 }
+
+// ---------------------------------------------------------------- AVX-512
+// The direct tile (up to kQmmDirectRows rows) with 16 lanes: each 16 stored bytes widen
+// to 16 int32 in one instruction (AVX2 spends four shuffles on 32), the bound of the AVX2
+// tile at one row (its widening port: int8 ~14, int4 ~9 GB/s on a 2-core Xeon). int4 keeps
+// the low and the high nibbles' products in accumulators of their own (two FMA chains).
+
+template <int R>
+JS_AVX512 void Avx512QmmTile(const Qmm& q, int64_t m0, int64_t c0, float (*acc)[kQmmCols]) {
+  const int64_t groups = QmmGroups(q), half = q.group / 2, ld = QmmStride(q), ahead = QmmAhead(q);
+  const __m512 offset = _mm512_set1_ps(q.int4 ? 8.0f : 0.0f);
+  const __m512i nibble = _mm512_set1_epi32(0x0F);
+  const __m128i flip = _mm_set1_epi8(static_cast<char>(0x88));
+  const float* x[R];
+  JS_UNROLL for (int r = 0; r < R; ++r) x[r] = q.x + (m0 + r) * q.k;
+  __m512 total[R][2];
+  JS_UNROLL for (int r = 0; r < R; ++r)
+    JS_UNROLL for (int c = 0; c < 2; ++c) total[r][c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 p[R][2], ph[R][2];
+    JS_UNROLL for (int r = 0; r < R; ++r)
+      JS_UNROLL for (int c = 0; c < 2; ++c) p[r][c] = ph[r][c] = _mm512_setzero_ps();
+    const int64_t k0 = g * q.group;
+    if (q.int4) {
+      const uint8_t* w = QmmColumn<uint8_t>(q, c0) + g * half * ld;
+      for (int64_t j = 0; j < half; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + j * ld + ahead), _MM_HINT_T0);
+        __m512 lo[2], hi[2];
+        JS_UNROLL for (int c = 0; c < 2; ++c) {  // u = q + 8 in each nibble, 0..255 a lane
+          const __m512i u = _mm512_cvtepu8_epi32(_mm_xor_si128(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * ld + 16 * c)), flip));
+          lo[c] = _mm512_cvtepi32_ps(_mm512_and_si512(u, nibble));
+          hi[c] = _mm512_cvtepi32_ps(_mm512_srli_epi32(u, 4));
+        }
+        JS_UNROLL for (int r = 0; r < R; ++r) {
+          const __m512 xl = _mm512_set1_ps(x[r][k0 + j]), xh = _mm512_set1_ps(x[r][k0 + half + j]);
+          JS_UNROLL for (int c = 0; c < 2; ++c) {
+            p[r][c] = _mm512_fmadd_ps(xl, lo[c], p[r][c]);
+            ph[r][c] = _mm512_fmadd_ps(xh, hi[c], ph[r][c]);
+          }
+        }
+      }
+    } else {
+      const int8_t* w = QmmColumn<int8_t>(q, c0) + g * q.group * ld;
+      for (int64_t kk = 0; kk < q.group; ++kk) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + kk * ld + ahead), _MM_HINT_T0);
+        __m512 wv[2];
+        JS_UNROLL for (int c = 0; c < 2; ++c)
+          wv[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kk * ld + 16 * c))));
+        JS_UNROLL for (int r = 0; r < R; ++r) {
+          const __m512 xb = _mm512_set1_ps(x[r][k0 + kk]);
+          JS_UNROLL for (int c = 0; c < 2; ++c) {
+            // alternate the two chains by row parity of k: int8 has no nibble halves
+            if (kk & 1) ph[r][c] = _mm512_fmadd_ps(xb, wv[c], ph[r][c]);
+            else p[r][c] = _mm512_fmadd_ps(xb, wv[c], p[r][c]);
+          }
+        }
+      }
+    }
+    JS_UNROLL for (int c = 0; c < 2; ++c) {
+      const int64_t col = g * q.n + c0 + 16 * c;
+      const __m512 s = _mm512_loadu_ps(q.s + col);
+      const __m512 z = q.z ? _mm512_add_ps(offset, _mm512_loadu_ps(q.z + col)) : offset;
+      JS_UNROLL for (int r = 0; r < R; ++r) {
+        const __m512 sum = _mm512_set1_ps(q.sx[(m0 + r) * groups + g]);
+        const __m512 part = _mm512_fnmadd_ps(z, sum, _mm512_add_ps(p[r][c], ph[r][c]));
+        total[r][c] = _mm512_fmadd_ps(part, s, total[r][c]);
+      }
+    }
+  }
+  JS_UNROLL for (int r = 0; r < R; ++r)
+    JS_UNROLL for (int c = 0; c < 2; ++c) _mm512_storeu_ps(acc[r] + 16 * c, total[r][c]);
+}
+
+template <typename T>
+JS_AVX512 void Avx512QmmCols(const Qmm& q, int64_t c0) {  // kQmmCols columns, <= 2 rows
+  float acc[2][kQmmCols];
+  if (q.m == 2) {
+    Avx512QmmTile<2>(q, 0, c0, acc);
+  } else {
+    Avx512QmmTile<1>(q, 0, c0, acc);
+  }
+  for (int64_t r = 0; r < q.m; ++r) QmmStore<T>(q, r, c0, acc[r], kQmmCols);
+}
 #endif  // JS_X86
 
 template <typename T>
 void QmmTask(const Qmm& q, int64_t task) {
   const int64_t c0 = task * kQmmTaskCols, nc = std::min(kQmmTaskCols, q.n - c0);
 #if JS_X86
-  if (CurrentIsa() >= 1) {
+  if (CurrentIsa() >= kAvx512 && q.m >= 1 && q.m <= kQmmDirectRows) {
+    int64_t c = 0;
+    for (; c + kQmmCols <= nc; c += kQmmCols) Avx512QmmCols<T>(q, c0 + c);
+    if (c < nc) GenericQmmCols<T>(q, c0 + c, nc - c);
+    return;
+  }
+  if (CurrentIsa() >= kAvx2) {
     int64_t c = 0;
     for (; c + kQmmCols <= nc; c += kQmmCols) Avx2QmmCols<T>(q, c0 + c);
     if (c < nc) GenericQmmCols<T>(q, c0 + c, nc - c);

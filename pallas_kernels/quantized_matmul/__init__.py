@@ -62,7 +62,8 @@ import jax
 from pallas_kernels.platform import GPU_PLATFORMS, current_platform
 from pallas_kernels.quantized_matmul import cpu, gpu, reference, tpu
 from pallas_kernels.quantized_matmul.formats import (
-    check_operands, dequantize, kernel_group, quantize, quantized_shapes)
+    check_operands, dequantize, kernel_group, pack_strips, packable, quantize, quantized_shapes,
+    unpack_strips)
 
 IMPLS = ("reference", "cpu", "tpu", "gpu")
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
@@ -98,7 +99,8 @@ def choose_impl(kind: str, group: int) -> str:
 
 def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind: str,
                      impl: str | None = None, interpret: bool = False,
-                     rows: jax.Array | None = None, **block_sizes: int) -> jax.Array:
+                     rows: jax.Array | None = None, packed: bool = False,
+                     **block_sizes: int) -> jax.Array:
     """`x[M, K] @ dequantize(values, scales)` -> `[M, N]` in x's dtype.
 
     impl: "reference", "cpu", "tpu", "gpu", or None to pick by platform (module doc).
@@ -106,6 +108,8 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
       leaves the others unwritten, every other implementation computes them.
     interpret: run a Pallas kernel in interpret mode (CPU tests); needs an explicit impl,
       since "whichever kernel this platform runs" is the reference on a CPU.
+    packed: values in the native CPU kernel's layout (formats.pack_strips; only where that
+      kernel runs, one CPU device); the other implementations unpack them first.
     block_sizes: block_m / block_n / block_k for the kernels (the reference ignores them).
     """
     k = check_operands(x, values, scales, kind)
@@ -116,7 +120,9 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
         if impl == "reference" and current_platform() == "cpu" and cpu.supports(x, kind):
             impl = "cpu"
     if impl == "cpu":
-        return cpu.quantized_matmul(x, values, scales, kind=kind, rows=rows)
+        return cpu.quantized_matmul(x, values, scales, kind=kind, rows=rows, packed=packed)
+    if packed:
+        values = unpack_strips(values)
     if impl == "reference":
         return reference.quantized_matmul(x, values, scales, kind=kind)
     if impl == "tpu":
@@ -129,4 +135,4 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
 
 
 __all__ = ["quantized_matmul", "quantize", "dequantize", "quantized_shapes", "choose_impl",
-           "current_platform", "gpu_converts_fp8"]
+           "current_platform", "gpu_converts_fp8", "pack_strips", "packable", "unpack_strips"]

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import cpu as native
 from pallas_kernels.quantized_matmul import reference
+from pallas_kernels.quantized_matmul.formats import unpack_strips
 
 TARGET = "jaxserve_quantized_matmul"
 KINDS = ("int8", "int4")
@@ -30,15 +31,18 @@ def supports(x: jax.Array, kind: str) -> bool:
 
 
 def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind: str,
-                     rows: jax.Array | None = None, **unused_kernel_options) -> jax.Array:
+                     rows: jax.Array | None = None, packed: bool = False,
+                     **unused_kernel_options) -> jax.Array:
     """`x[M, K] @ dequantize(values, scales)` -> `[M, N]` in x's dtype; the reference where
-    the kernel does not apply (`supports`)."""
+    the kernel does not apply (`supports`). `packed`: values in formats.pack_strips' layout
+    (the reference unpacks them)."""
     if not supports(x, kind):
-        return reference.quantized_matmul(x, values, scales, kind=kind)
+        return reference.quantized_matmul(x, unpack_strips(values) if packed else values,
+                                          scales, kind=kind)
     rows = jnp.asarray(x.shape[0] if rows is None else rows, jnp.int32).reshape(())
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], values.shape[1]),
                                                          x.dtype))
-    return call(x, rows, values, scales.astype(jnp.float32))
+    return call(x, rows, values, scales.astype(jnp.float32), packed=bool(packed))
 
 
 __all__ = ["MAX_ROWS", "quantized_matmul", "supports"]
