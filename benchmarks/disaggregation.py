@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # this tree's code, not the installed one
 
 from peers import checkpoint, spread  # noqa: E402
 

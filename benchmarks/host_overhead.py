@@ -41,7 +41,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# This tree's code, not whichever tree the virtualenv installed (a worktree of the code
+# before runs its own: `python /tmp/old/benchmarks/...`).
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 import peers  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402

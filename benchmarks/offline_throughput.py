@@ -69,7 +69,10 @@ import numpy as np
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-import peers
+# This tree's code, not whichever tree the virtualenv installed (a worktree of the code
+# before runs its own; kernel_speed.py imports this first).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import peers  # noqa: E402
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.huge_pages import THP_MODE, restart_with_huge_pages
