@@ -12,13 +12,14 @@
 // on one CPU device): each strip of kQmmCols columns holds its K' byte rows one after
 // another, so a tile reads one sequential stream. Row-major, a tile's rows are N bytes
 // apart, a line each, which the hardware prefetchers do not follow: one-row matmuls of
-// 1B / 8B-class layers read 2.2-3.7 GB/s on a 2-core Xeon, packed 19-23 (with AVX-512).
+// 1B / 8B-class layers read 2.2-3.7 GB/s on a 2-core Xeon, packed 18-21 (AVX-512).
 // Each task owns kQmmTaskCols output columns and reads their bytes of every K row once per
 // pair of x rows, in memory order, converting them to float32 in registers: the weight
 // crosses memory quantized, which is the point on a bandwidth-bound CPU. Per group it
 // accumulates p = sum_k x[k] * u[k] over the stored integers u (for int4 the nibbles made
-// unsigned, u = q + 8, by flipping their top bits) and adds (p - (offset + z) * sum_k x[k]) * scale, offset 8 for int4's nibbles
-// and 0 for int8, so a zero point costs one multiply-add per group, not per weight.
+// unsigned, u = q + 8, by flipping their top bits) and adds
+// (p - (offset + z) * sum_k x[k]) * scale, offset 8 for int4's nibbles and 0 for int8, so
+// a zero point costs one multiply-add per group, not per weight.
 // x is float32 or bfloat16 (read as float32); y is rounded once to x's dtype.
 
 #pragma once
@@ -49,7 +50,7 @@ struct Qmm {
   void* y;          // [m_all, n] in x's dtype
   int64_t m, k, n, group;
   bool int4, bf16;
-  bool packed;      // values in strips of kQmmCols columns (QmmRow)
+  bool packed;      // values in strips of kQmmCols columns (QmmColumn)
 };
 
 JS_INLINE int64_t QmmGroups(const Qmm& q) { return q.k / q.group; }
@@ -126,7 +127,8 @@ JS_AVX2 JS_INLINE void QmmWiden(__m256i v, bool is_signed, __m256* out) {
 
 template <int R>
 JS_AVX2 void Avx2QmmTile(const Qmm& q, int64_t m0, int64_t c0, float (*acc)[kQmmCols]) {
-  const int64_t groups = QmmGroups(q), half = q.group / 2, ld = QmmStride(q), ahead = QmmAhead(q);
+  const int64_t groups = QmmGroups(q), half = q.group / 2, ld = QmmStride(q);
+  const int64_t ahead = QmmAhead(q);
   const __m256 offset = _mm256_set1_ps(q.int4 ? 8.0f : 0.0f);
   const __m256i nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x88));
   const float* x[R];
@@ -283,13 +285,14 @@ JS_AVX2 void Avx2QmmCols(const Qmm& q, int64_t c0) {  // kQmmCols columns, every
 
 // ---------------------------------------------------------------- AVX-512
 // The direct tile (up to kQmmDirectRows rows) with 16 lanes: each 16 stored bytes widen
-// to 16 int32 in one instruction (AVX2 spends four shuffles on 32), the bound of the AVX2
-// tile at one row (its widening port: int8 ~14, int4 ~9 GB/s on a 2-core Xeon). int4 keeps
-// the low and the high nibbles' products in accumulators of their own (two FMA chains).
+// to 16 int32 in one instruction (AVX2 spends four shuffles on 32: its widening port bounds
+// its tile, packed int8 18-19 and int4 14-15 GB/s on a 2-core Xeon, AVX-512 19-21 and
+// 18-21). int4 keeps the low and the high nibbles' products in accumulators of their own.
 
 template <int R>
 JS_AVX512 void Avx512QmmTile(const Qmm& q, int64_t m0, int64_t c0, float (*acc)[kQmmCols]) {
-  const int64_t groups = QmmGroups(q), half = q.group / 2, ld = QmmStride(q), ahead = QmmAhead(q);
+  const int64_t groups = QmmGroups(q), half = q.group / 2, ld = QmmStride(q);
+  const int64_t ahead = QmmAhead(q);
   const __m512 offset = _mm512_set1_ps(q.int4 ? 8.0f : 0.0f);
   const __m512i nibble = _mm512_set1_epi32(0x0F);
   const __m128i flip = _mm_set1_epi8(static_cast<char>(0x88));
@@ -333,7 +336,7 @@ JS_AVX512 void Avx512QmmTile(const Qmm& q, int64_t m0, int64_t c0, float (*acc)[
         JS_UNROLL for (int r = 0; r < R; ++r) {
           const __m512 xb = _mm512_set1_ps(x[r][k0 + kk]);
           JS_UNROLL for (int c = 0; c < 2; ++c) {
-            // alternate the two chains by row parity of k: int8 has no nibble halves
+            // two chains, even and odd rows (as int4's two nibbles)
             if (kk & 1) ph[r][c] = _mm512_fmadd_ps(xb, wv[c], ph[r][c]);
             else p[r][c] = _mm512_fmadd_ps(xb, wv[c], p[r][c]);
           }
