@@ -901,9 +901,9 @@ def test_quantized_matmul_kernel_against_float64(isa, dtype, case):
                          ids=lambda c: f"{c[4]}-g{c[5] or 'K'}{'-zp' if c[6] else ''}-m{c[0]}")
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_quantized_matmul_kernel_on_packed_values(isa, dtype, case):
-    """The same products with the values packed in strips of 32 columns
+    """The same products with the values and scales packed in strips of 32 columns
     (formats.pack_strips, the layout the engine gives them on a CPU): the float64 check
-    reads the row-major values the strips were made from."""
+    reads the row-major arrays the strips were made from."""
     _check_quantized_matmul(dtype, case, packed=True)
 
 
@@ -916,10 +916,10 @@ def _check_quantized_matmul(dtype, case, packed: bool) -> None:
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     w = rng.standard_normal((k, n)).astype(np.float32) + rng.uniform(-1, 1, (1, n)).astype(np.float32)
     values, scales = quantize(jnp.asarray(w), kind, group, zero_points=zp)
-    stored = pack_strips(values) if packed else values
+    stored = (pack_strips(values), pack_strips(scales)) if packed else (values, scales)
     got = jax.jit(lambda x, v, s, r: qmm_cpu.quantized_matmul(x, v, s, kind=kind, rows=r,
                                                               packed=packed))(
-        x, stored, scales, jnp.int32(rows))
+        x, *stored, jnp.int32(rows))
     assert got.dtype == dtype and got.shape == (m, n)
     v, s = np.asarray(values), np.asarray(scales, np.float64)
     s, z = (s[0], s[1]) if zp else (s, np.zeros_like(s))
@@ -946,25 +946,32 @@ def _check_quantized_matmul(dtype, case, packed: bool) -> None:
 
 def test_packed_values_past_the_kernel_take_the_reference_unpacked():
     """More rows than the kernel takes (a prefill chunk) and every non-native
-    implementation read packed values unpacked: the same product as the row-major values;
-    the strips are the columns' bytes in strip order, and unpacking restores them."""
+    implementation read packed values and scales unpacked: the same product as the
+    row-major arrays; the strips are the columns' elements in strip order, plane by plane
+    for zero points' `[2, G', N]`, and unpacking restores them."""
     from pallas_kernels import quantized_matmul as qmm
     from pallas_kernels.quantized_matmul.formats import pack_strips, quantize, unpack_strips
 
     rng = np.random.default_rng(7)
     w = jnp.asarray(rng.standard_normal((128, 96)), jnp.float32)
-    for kind in ("int8", "int4"):
-        values, scales = quantize(w, kind, 32)
-        packed = pack_strips(values)
-        v = np.asarray(values)
+    for kind, zp in (("int8", False), ("int4", True)):
+        values, scales = quantize(w, kind, 32, zero_points=zp)
+        packed, packed_scales = pack_strips(values), pack_strips(scales)
+        v, sc = np.asarray(values), np.asarray(scales)
         assert np.array_equal(np.asarray(packed).reshape(-1)[:v.shape[0] * 32],
                               v[:, :32].reshape(-1))  # strip 0: every byte row's first 32
+        last, packed_last = (sc[1], np.asarray(packed_scales)[1]) if zp else (
+            sc, np.asarray(packed_scales))  # the zero points' plane, or the scales
+        assert np.array_equal(packed_last.reshape(-1)[:last.shape[0] * 32],
+                              last[:, :32].reshape(-1))
         assert np.array_equal(np.asarray(unpack_strips(packed)), v)
+        assert np.array_equal(np.asarray(unpack_strips(packed_scales)), sc)
         x = jnp.asarray(rng.standard_normal((80, 128)), jnp.float32)
         want = qmm.quantized_matmul(x, values, scales, kind=kind, impl="reference")
         for impl in (None, "reference"):
             got = jax.jit(lambda x, p, s: qmm.quantized_matmul(x, p, s, kind=kind, impl=impl,
-                                                               packed=True))(x, packed, scales)
+                                                               packed=True))(
+                x, packed, packed_scales)
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 

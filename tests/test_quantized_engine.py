@@ -42,16 +42,17 @@ def test_kernels_give_the_reference_engines_tokens(checkpoints, prompts, impl, q
                          ids=["int8", "int4"])
 def test_native_kernel_on_packed_weights_gives_the_reference_engines_tokens(
         checkpoints, prompts, quant):
-    """On a CPU the engine packs its quantized linear layers in the native kernel's strips
-    (layers.weights_for_native_matmul): decode through the native kernel on them, and
-    prefill through the reference on them unpacked, reproduce the pure-JAX engine's greedy
-    tokens on row-major weights."""
+    """On a CPU the engine packs its quantized linear layers (values and scales) in the
+    native kernel's strips (layers.weights_for_native_matmul): decode through the native
+    kernel on them, and prefill through the reference on them unpacked, reproduce the
+    pure-JAX engine's greedy tokens on row-major weights."""
     path, _ = checkpoints("llama")
     want = greedy(LLM(str(path), kernel_impl="reference", **ENGINE, **quant), prompts)
     llm = LLM(str(path), kernel_impl="cpu", **ENGINE, **quant)
     state = dict(nnx.to_flat_state(llm.engine.runner.params))
     q_proj = state[("layers", 0, "attn", "q_proj")]
     assert q_proj.get_metadata().get("packed") and q_proj[...].dtype in (jnp.int8, jnp.uint8)
+    assert state[("layers", 0, "attn", "q_proj_scales")].get_metadata().get("packed")
     assert greedy(llm, prompts) == want
 
 

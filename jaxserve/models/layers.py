@@ -17,6 +17,7 @@ from pallas_kernels.matmul import matmuls as dense_matmuls
 from pallas_kernels.matmul import packed as packed_layout
 from pallas_kernels.quantized_matmul import (
     pack_strips, packable, quantized_matmul, quantized_shapes)
+from pallas_kernels.quantized_matmul.formats import STRIP
 from pallas_kernels.rows import ACTIVATIONS, rms_norm_reference
 
 
@@ -47,7 +48,8 @@ def linear(in_shape: tuple[int, ...], out_shape: tuple[int, ...],
     pallas_kernels/quantized_matmul (K and N the flattened in and out dims; int4 with zero
     points `[2, K / G, N]`), each tagged with the logical axis of its leading in / out
     dim, which keeps whole heads on one shard; checkpoints overwrite the zeros at load.
-    The values are tagged `quantized` (`weights_for_native_matmul` packs them on a CPU).
+    The values are tagged `quantized` and int8 / int4 scales `quantized_scales`
+    (`weights_for_native_matmul` packs both on a CPU).
     """
     if options.quantization is None:
         return param(in_shape + out_shape, in_axes + out_axes, dtype,
@@ -59,7 +61,8 @@ def linear(in_shape: tuple[int, ...], out_shape: tuple[int, ...],
                        quantized=True)
     scale_axes = (in_axes[0] if sshape[-2] > 1 else None, out_axes[0])
     scales = nnx.Param(jnp.ones(sshape, sdtype),
-                       logical_axes=(None,) * (len(sshape) - 2) + scale_axes)
+                       logical_axes=(None,) * (len(sshape) - 2) + scale_axes,
+                       quantized_scales=options.quantization in ("int8", "int4"))
     return values, scales
 
 
@@ -153,9 +156,10 @@ def weights_for_native_matmul(state: nnx.State, pack: bool | None = None) -> nnx
     EPYC, bf16 / float32): 32 rows 0.79-0.80x / 0.92-0.93x the time of `[N, K]`, 5 rows
     0.84-0.85x / 0.84-0.88x, one row 0.91x / 1.01-1.02x (docs/kernels.md).
 
-    The int8 / int4 values of quantized linear layers (N a multiple of 32) are packed in
-    strips of 32 columns, the quantized kernel's layout (quantized_matmul.pack_strips:
-    each of its tiles then reads one sequential stream); `pack=False` leaves them too.
+    The int8 / int4 values and scales of quantized linear layers (N a multiple of 32) are
+    packed in strips of 32 columns, the quantized kernel's layout
+    (quantized_matmul.pack_strips: each of its tiles then reads sequential streams);
+    `pack=False` leaves them too.
     """
     def packs(n: int, k: int, dtype) -> bool:
         return ((packed_layout.worth_packing(dtype) if pack is None else pack)
@@ -164,9 +168,12 @@ def weights_for_native_matmul(state: nnx.State, pack: bool | None = None) -> nnx
     flat = nnx.to_flat_state(state)
     for _, var in flat:
         meta = var.get_metadata()
-        if meta.get("quantized"):
-            if pack is not False and not meta.get("packed") and packable(var.get_value()):
-                var.set_value(pack_strips(var.get_value()))
+        if meta.get("quantized") or meta.get("quantized_scales"):
+            value = var.get_value()  # values and their scales share N: both or neither
+            if (pack is not False and not meta.get("packed")
+                    and (packable(value) if meta.get("quantized")
+                         else value.shape[-1] % STRIP == 0)):
+                var.set_value(pack_strips(value))
                 var.set_metadata(packed=True)
             continue
         n_in = meta.get("n_in")

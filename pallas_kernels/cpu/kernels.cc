@@ -417,8 +417,8 @@ ffi::Error LoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32
 }
 
 // Quantized matmul: x [M, K] (f32 / bf16), num_rows, values (int8 [K, N] or uint8
-// [K/2, N]; `packed`: in strips of 32 columns, quantized.h), scales f32 ([G', N], or
-// [2, G', N] with zero points); y [M, N] in x's dtype, rows >= num_rows unwritten.
+// [K/2, N]), scales f32 ([G', N], or [2, G', N] with zero points), both in strips of 32
+// columns when `packed` (quantized.h); y [M, N] in x's dtype, rows >= num_rows unwritten.
 ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
                                ffi::Buffer<ffi::S32> num_rows, ffi::AnyBuffer values,
                                ffi::Buffer<ffi::F32> scales, ffi::Result<ffi::AnyBuffer> y,

@@ -8,9 +8,9 @@
 // - int4: values uint8 [K/2, N], groups of G rows (byte row j of a group holds its row j in
 //   the low nibble and row j + G/2 in the high one, two's complement);
 // scales [K/G, N], or [2, K/G, N] with zero points z (w = (q - z) * scale). The values may
-// be packed (Qmm::packed, quantized_matmul/formats.py's pack_strips, what the engine does
-// on one CPU device): each strip of kQmmCols columns holds its K' byte rows one after
-// another, so a tile reads one sequential stream. Row-major, a tile's rows are N bytes
+// be packed with their scales (Qmm::packed, quantized_matmul/formats.py's pack_strips, what
+// the engine does on one CPU device): each strip of kQmmCols columns holds its K' byte
+// rows (and its G' scale rows) one after another, so a tile reads sequential streams. Row-major, a tile's rows are N bytes
 // apart, a line each, which the hardware prefetchers do not follow: one-row matmuls of
 // 1B / 8B-class layers read 2.2-3.7 GB/s on a 2-core Xeon, packed 18-21 (AVX-512).
 // Each task owns kQmmTaskCols output columns and reads their bytes of every K row once per
@@ -63,6 +63,12 @@ JS_INLINE int64_t QmmStride(const Qmm& q) { return q.packed ? kQmmCols : q.n; }
 JS_INLINE int64_t QmmAhead(const Qmm& q) {  // a direct tile's prefetch distance in bytes
   return q.packed ? kQmmAheadBytes : kQmmAheadRows * q.n;
 }
+// Where group g's scale (and zero point) of column c is in its plane: [G', N] row-major,
+// or packed as the values are (a tile's scales one sequential stream).
+JS_INLINE int64_t QmmScaleAt(const Qmm& q, int64_t g, int64_t c) {
+  if (!q.packed) return g * q.n + c;
+  return (c / kQmmCols) * QmmGroups(q) * kQmmCols + g * kQmmCols + c % kQmmCols;
+}
 template <typename B>
 JS_INLINE const B* QmmColumn(const Qmm& q, int64_t c) {
   const B* w = static_cast<const B*>(q.w);
@@ -98,8 +104,9 @@ void GenericQmmCols(const Qmm& q, int64_t c0, int64_t nc) {
         for (int64_t c = 0; c < nc; ++c) part[c] += x[kk] * QmmValue(q, kk, c0 + c);
       const float sum = q.sx[m * QmmGroups(q) + g];
       for (int64_t c = 0; c < nc; ++c) {
-        const float z = offset + (q.z ? q.z[g * q.n + c0 + c] : 0.0f);
-        acc[c] += (part[c] - z * sum) * q.s[g * q.n + c0 + c];
+        const int64_t at = QmmScaleAt(q, g, c0 + c);
+        const float z = offset + (q.z ? q.z[at] : 0.0f);
+        acc[c] += (part[c] - z * sum) * q.s[at];
       }
     }
     QmmStore<T>(q, m, c0, acc, nc);
@@ -167,7 +174,7 @@ JS_AVX2 void Avx2QmmTile(const Qmm& q, int64_t m0, int64_t c0, float (*acc)[kQmm
       }
     }
     JS_UNROLL for (int c = 0; c < 4; ++c) {
-      const int64_t col = g * q.n + c0 + 8 * c;
+      const int64_t col = QmmScaleAt(q, g, c0 + 8 * c);  // 8 in a row, packed or not
       const __m256 s = _mm256_loadu_ps(q.s + col);
       const __m256 z = q.z ? _mm256_add_ps(offset, _mm256_loadu_ps(q.z + col)) : offset;
       JS_UNROLL for (int r = 0; r < R; ++r) {
@@ -258,7 +265,7 @@ JS_AVX2 void Avx2QmmPanels(const Qmm& q, int64_t c0, float (*acc)[kQmmCols]) {
     for (int64_t m = 0; m < q.m; ++m) {
       const float sum = q.sx[m * groups + g];
       for (int64_t c = 0; c < kQmmCols; ++c) {
-        const int64_t col = g * q.n + c0 + c;
+        const int64_t col = QmmScaleAt(q, g, c0 + c);
         const float z = offset + (q.z ? q.z[col] : 0.0f);
         acc[m][c] += (part[m][c] - z * sum) * q.s[col];
       }
@@ -344,7 +351,7 @@ JS_AVX512 void Avx512QmmTile(const Qmm& q, int64_t m0, int64_t c0, float (*acc)[
       }
     }
     JS_UNROLL for (int c = 0; c < 2; ++c) {
-      const int64_t col = g * q.n + c0 + 16 * c;
+      const int64_t col = QmmScaleAt(q, g, c0 + 16 * c);  // 16 in a row, packed or not
       const __m512 s = _mm512_loadu_ps(q.s + col);
       const __m512 z = q.z ? _mm512_add_ps(offset, _mm512_loadu_ps(q.z + col)) : offset;
       JS_UNROLL for (int r = 0; r < R; ++r) {

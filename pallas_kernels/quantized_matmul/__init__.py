@@ -108,8 +108,8 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
       leaves the others unwritten, every other implementation computes them.
     interpret: run a Pallas kernel in interpret mode (CPU tests); needs an explicit impl,
       since "whichever kernel this platform runs" is the reference on a CPU.
-    packed: values in the native CPU kernel's layout (formats.pack_strips; only where that
-      kernel runs, one CPU device); the other implementations unpack them first.
+    packed: values and scales in the native CPU kernel's layout (formats.pack_strips; only
+      where that kernel runs, one CPU device); the other implementations unpack them first.
     block_sizes: block_m / block_n / block_k for the kernels (the reference ignores them).
     """
     k = check_operands(x, values, scales, kind)
@@ -122,7 +122,7 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
     if impl == "cpu":
         return cpu.quantized_matmul(x, values, scales, kind=kind, rows=rows, packed=packed)
     if packed:
-        values = unpack_strips(values)
+        values, scales = unpack_strips(values), unpack_strips(scales)
     if impl == "reference":
         return reference.quantized_matmul(x, values, scales, kind=kind)
     if impl == "tpu":

@@ -34,11 +34,12 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
                      rows: jax.Array | None = None, packed: bool = False,
                      **unused_kernel_options) -> jax.Array:
     """`x[M, K] @ dequantize(values, scales)` -> `[M, N]` in x's dtype; the reference where
-    the kernel does not apply (`supports`). `packed`: values in formats.pack_strips' layout
-    (the reference unpacks them)."""
+    the kernel does not apply (`supports`). `packed`: values and scales in
+    formats.pack_strips' layout (the reference unpacks them)."""
     if not supports(x, kind):
-        return reference.quantized_matmul(x, unpack_strips(values) if packed else values,
-                                          scales, kind=kind)
+        if packed:
+            values, scales = unpack_strips(values), unpack_strips(scales)
+        return reference.quantized_matmul(x, values, scales, kind=kind)
     rows = jnp.asarray(x.shape[0] if rows is None else rows, jnp.int32).reshape(())
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], values.shape[1]),
                                                          x.dtype))

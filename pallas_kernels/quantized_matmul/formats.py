@@ -141,31 +141,33 @@ def quantize(w: jax.Array, kind: str, group_size: int | None = None,
     return values, scales
 
 
-# The native CPU kernel's packed layout (pallas_kernels/cpu/quantized.h): the byte rows
-# of each strip of STRIP columns one after another, so that the kernel's tile, which owns a
-# strip, reads its weight as one sequential stream. A row-major `[K', N]` weight (K' = K,
-# int4's K / 2) puts each of a tile's rows in another cache line, N bytes apart, which the
-# hardware prefetchers do not follow (docs/kernels.md has the numbers). STRIP is the
-# kernel's kQmmCols.
+# The native CPU kernel's packed layout (pallas_kernels/cpu/quantized.h): the rows of
+# each strip of STRIP columns one after another, for the values and for the scales (each
+# plane of `[2, G', N]`), so that the kernel's tile, which owns a strip, reads its weight
+# and its scales as sequential streams. Row-major `[K', N]` values (K' = K, int4's K / 2)
+# put each of a tile's rows in another cache line, N bytes apart, and its scales N floats
+# apart, which the hardware prefetchers do not follow (docs/kernels.md has the numbers).
+# STRIP is the kernel's kQmmCols.
 STRIP = 32
 
 
 def packable(values: jax.Array) -> bool:
-    """Whether an int8 / int4 weight's values can be packed: N a multiple of STRIP."""
+    """Whether an int8 / int4 weight (its values) can be packed: N a multiple of STRIP."""
     return (values.ndim == 2 and values.dtype in (jnp.int8, jnp.uint8)
             and values.shape[1] % STRIP == 0)
 
 
-def pack_strips(values: jax.Array) -> jax.Array:
-    """Values `[K', N]` in the packed layout (same shape, bytes reordered)."""
-    k, n = values.shape
-    return values.reshape(k, n // STRIP, STRIP).transpose(1, 0, 2).reshape(k, n)
+def pack_strips(a: jax.Array) -> jax.Array:
+    """Values `[K', N]` or scales `[G', N]` / `[2, G', N]` in the packed layout (the same
+    shape, each plane's elements reordered)."""
+    *lead, k, n = a.shape
+    return a.reshape(*lead, k, n // STRIP, STRIP).swapaxes(-3, -2).reshape(a.shape)
 
 
-def unpack_strips(values: jax.Array) -> jax.Array:
-    """`pack_strips` undone: the row-major `[K', N]` values."""
-    k, n = values.shape
-    return values.reshape(n // STRIP, k, STRIP).transpose(1, 0, 2).reshape(k, n)
+def unpack_strips(a: jax.Array) -> jax.Array:
+    """`pack_strips` undone: the row-major array."""
+    *lead, k, n = a.shape
+    return a.reshape(*lead, n // STRIP, k, STRIP).swapaxes(-3, -2).reshape(a.shape)
 
 
 def integers(values: jax.Array, kind: str, group: int) -> jax.Array:
