@@ -262,10 +262,11 @@ JS_AVX2 void Avx2QmmPanels(const Qmm& q, int64_t c0, float (*acc)[kQmmCols]) {
         }
       }
     }
+    const int64_t at = QmmScaleAt(q, g, c0);  // kQmmCols in a row, packed or not
     for (int64_t m = 0; m < q.m; ++m) {
       const float sum = q.sx[m * groups + g];
       for (int64_t c = 0; c < kQmmCols; ++c) {
-        const int64_t col = QmmScaleAt(q, g, c0 + c);
+        const int64_t col = at + c;
         const float z = offset + (q.z ? q.z[col] : 0.0f);
         acc[m][c] += (part[m][c] - z * sum) * q.s[col];
       }
