@@ -83,7 +83,7 @@ def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_in: int,
 
     A quantized weight runs the quantized-matmul kernel of `impl` (default: the options'
     choice) on x flattened to `[tokens, K]` (on a CPU, the native kernel for a few `rows`);
-    `packed`: its values in that kernel's strips. A float weight is one XLA dot, or on a
+    `packed`: its values and scales in that kernel's strips. A float weight is one XLA dot, or on a
     CPU the native matmul (pallas_kernels/matmul), which computes only the first `rows`
     tokens (the real ones of a bucket-padded batch) and zeros the rest. A `transposed`
     float weight is laid out out + in, and a `packed` one also packed
@@ -130,8 +130,8 @@ def is_transposed(w: nnx.Param) -> bool:
 
 def is_packed(w: nnx.Param) -> bool:
     """Whether a float weight laid out out + in (or a tied embedding) is packed for the
-    native matmul (pallas_kernels/matmul/packed.py), or a quantized weight's values for the
-    native quantized kernel (`weights_for_native_matmul`)."""
+    native matmul (pallas_kernels/matmul/packed.py), or a quantized weight's values (and
+    scales) for the native quantized kernel (`weights_for_native_matmul`)."""
     return bool(w.get_metadata().get("packed", False))
 
 
