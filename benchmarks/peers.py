@@ -278,7 +278,7 @@ def run_hf(model_dir: Path, dtype: str, w: Workloads) -> dict:
 # llama.cpp
 # --------------------------------------------------------------------------------------
 
-_LLAMA_TOOLS = ("llama-batched-bench", "llama-bench")
+_LLAMA_TOOLS = ("llama-batched-bench", "llama-bench", "llama-quantize")
 
 
 def llamacpp_source() -> Path:

@@ -61,15 +61,18 @@ def test_the_tokenizer_and_chat_template_are_transformers(smollm2, oracle_tokeni
 
 @pytest.mark.slow
 def test_greedy_tokens_equal_transformers_dequantized_model(smollm2, oracle_tokenizer):
-    """The Q4_1 file served as it is, float32: the prompt token ids and the greedy tokens
-    (up to 64, or <|im_end|>) of transformers' dequantized model, three chats of mixed
-    lengths in one batch."""
+    """The Q4_1 file served as it is (its linear layers kept as our int4 with zero points,
+    float32 activations): the prompt token ids and the greedy tokens (up to 64, or
+    <|im_end|>) of transformers' dequantized model, three chats of mixed lengths in one
+    batch."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from jaxserve import LLM, SamplingParams
 
     llm = LLM(str(smollm2), dtype="float32", max_model_len=512, max_num_seqs=4)
+    c = llm.engine.config
+    assert (c.quantization, c.quant_group_size, c.quant_zero_points) == ("int4", 32, True)
     outs = llm.chat(CHATS, SamplingParams(temperature=0.0, max_tokens=64))
     model = AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name,
                                                  dtype=torch.float32)
@@ -215,10 +218,12 @@ def add_tensor(w, gguf_name: str, x: np.ndarray, weight_type: str, heads: int | 
 
 
 def write_tiny_gguf(model, path: Path, weight_type: str, arch: str = "llama",
-                    pre: str = "default", sentencepiece: bool = False) -> dict:
+                    pre: str = "default", sentencepiece: bool = False,
+                    layer_types: dict[str, str] | None = None) -> dict:
     """The tiny `model` (Llama, Qwen2 or Qwen3) as llama.cpp's converter writes it (a
     Llama's q/k rows interleaved per head; norms and biases in F32), its linear layers and
-    embedding in `weight_type`; the demo's byte tokenizer (and one merge) as a GPT-2
+    embedding in `weight_type` (`layer_types`: another type for the linear layers of these
+    GGUF stems, as llama.cpp's Q4_K_M mixes Q4_K with Q6_K); the demo's byte tokenizer (and one merge) as a GPT-2
     vocabulary split by `pre`. Returns {HF name: the weight as the `gguf` package
     dequantizes it, in Hugging Face's row order}."""
     import gguf as gguf_package
@@ -260,7 +265,8 @@ def write_tiny_gguf(model, path: Path, weight_type: str, arch: str = "llama",
 
     def add(gguf_name: str, hf_name: str, x: np.ndarray, typed: bool):
         n = heads.get(hf_name.split(".")[-2]) if hf_name.endswith(".weight") else None
-        truth[hf_name] = add_tensor(w, gguf_name, x, weight_type if typed else "F32", n)
+        kind = (layer_types or {}).get(gguf_name.split(".")[-2], weight_type)
+        truth[hf_name] = add_tensor(w, gguf_name, x, kind if typed else "F32", n)
 
     state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     add("token_embd.weight", "model.embed_tokens.weight", state["model.embed_tokens.weight"],
@@ -289,43 +295,66 @@ def write_tiny_gguf(model, path: Path, weight_type: str, arch: str = "llama",
     return truth
 
 
+# What each file keeps its linear layers as (our quantization, group, zero points).
+KEPT = {"Q4_0": ("int4", 32, False), "Q4_1": ("int4", 32, True), "Q5_0": ("int8", 32, False),
+        "Q5_1": ("int8", 32, True), "Q8_0": ("int8", 32, False),
+        "Q2_K": ("int4", 16, True), "Q3_K": ("int4", 16, False), "Q4_K": ("int4", 32, True),
+        "Q5_K": ("int8", 32, True), "Q6_K": ("int8", 16, False)}
+OFFSETS = {"Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K"}  # types with a float offset per group
+
+
+def assert_linear_layers_are(loaded, truth: dict, num_layers: int, types: dict[str, str]):
+    """Every linear layer of `loaded` (kept quantized or float) holds the weights `truth`
+    (the `gguf` package's dequantization): exactly, or for a type with offsets up to the
+    float32 rounding of its zero points (-offset / scale; a few units in the last place of
+    the layer's largest |w|). `types`: each Hugging Face projection's GGUF type."""
+    from flax import nnx
+
+    from pallas_kernels.quantized_matmul.formats import dequantize
+
+    flat = dict(nnx.to_flat_state(loaded.params))
+    kind = loaded.config.quantization
+    for i in range(num_layers):
+        for hf in LINEAR_GGUF:
+            block, proj = ("attn" if hf.startswith("self_attn") else "mlp"), hf.split(".")[1]
+            path_ = ("layers", i, block, proj)
+            want = truth[f"model.layers.{i}.{hf}.weight"].T  # [K, N]
+            if kind:
+                scales = flat[path_[:-1] + (proj + "_scales",)][...]
+                got = np.asarray(dequantize(flat[path_][...], scales, kind))
+            else:  # laid out [N, K] (transposed) for the CPU kernels, or [K, N]
+                var = flat[path_]
+                got = var[...].reshape(want.shape[::-1]).T \
+                    if var.get_metadata().get("transposed") else var[...].reshape(want.shape)
+            if types[hf] in OFFSETS:
+                np.testing.assert_allclose(got, want, rtol=0, atol=np.abs(want).max() * 2**-21,
+                                           err_msg=f"{i} {hf}")
+            else:
+                np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{i} {hf}")
+
+
 @pytest.mark.parametrize("weight_type", WEIGHT_TYPES)
 def test_tiny_gguf_of_each_weight_type(checkpoints, prompts, tmp_path, weight_type):
-    """Every linear layer loads as the `gguf` package dequantizes it (Q4_0 kept as our int4
-    and Q8_0 as our int8, both in groups of 32, which dequantize to the same floats), and
-    greedy tokens equal transformers running those dequantized weights."""
+    """Every linear layer loads as the `gguf` package dequantizes it (the legacy types kept
+    quantized as stored: Q4_0 and Q4_1 as our int4, Q5_0, Q5_1 and Q8_0 as our int8, in
+    groups of 32, with zero points for Q4_1's and Q5_1's offsets), and greedy tokens equal
+    transformers running those dequantized weights."""
     import torch
 
     from conftest import hf_greedy
     from jaxserve import LLM, SamplingParams
     from jaxserve.config import EngineConfig
     from jaxserve.engine.loader import load
-    from pallas_kernels.quantized_matmul.formats import dequantize
 
     _, model = checkpoints("llama8")
     path = tmp_path / f"tiny-{weight_type}.gguf"
     truth = write_tiny_gguf(model, path, weight_type)
     loaded = load(EngineConfig(model=str(path), dtype="float32"))
-    kept = {"Q4_0": "int4", "Q8_0": "int8"}.get(weight_type)
-    assert (loaded.config.quantization, loaded.config.quant_group_size) == \
-        ((kept, 32) if kept else (None, None))
-    from flax import nnx
-    flat = dict(nnx.to_flat_state(loaded.params))
-    cfg = model.config
-    for i in range(cfg.num_hidden_layers):
-        for hf, g in LINEAR_GGUF.items():
-            block, proj = ("attn" if hf.startswith("self_attn") else "mlp"), hf.split(".")[1]
-            path_ = ("layers", i, block, proj)
-            want = truth[f"model.layers.{i}.{hf}.weight"].T  # [K, N]
-            if kept:
-                scales = flat[path_[:-1] + (proj + "_scales",)][...]
-                assert scales.shape == (want.shape[0] // 32, want.shape[1])
-                got = dequantize(flat[path_][...], scales, kept)
-            else:  # laid out [N, K] (transposed) for the CPU kernels, or [K, N]
-                var = flat[path_]
-                got = var[...].reshape(want.shape[::-1]).T \
-                    if var.get_metadata().get("transposed") else var[...].reshape(want.shape)
-            np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{i} {hf}")
+    c = loaded.config
+    assert (c.quantization, c.quant_group_size, c.quant_zero_points) == \
+        KEPT.get(weight_type, (None, None, False))
+    assert_linear_layers_are(loaded, truth, model.config.num_hidden_layers,
+                             dict.fromkeys(LINEAR_GGUF, weight_type))
     del loaded
     oracle = type(model)(model.config).eval()
     oracle.load_state_dict({k: torch.from_numpy(v) for k, v in truth.items()}, strict=False)
@@ -674,15 +703,21 @@ def test_gemma_and_moe_families(prompts, tmp_path, arch, weight_type):
         theirs.apply_chat_template(chat, tokenize=False)
 
 
-@pytest.mark.parametrize("weight_type", list(K_QUANT_SCALES))
-def test_k_quants_are_dequantized_as_the_gguf_package_does(prompts, tmp_path, weight_type):
+# llama.cpp's Q4_K_M mixes Q4_K with Q6_K (attn_v, half the ffn_down) and falls back to
+# Q5_0 where a layer's rows are not a multiple of 256: held as int8 in groups of 16.
+Q4_K_M = {"attn_v": "Q6_K", "ffn_down": "Q5_0"}
+
+
+@pytest.mark.parametrize("weight_type, layer_types, kept", [
+    *[(t, None, KEPT[t]) for t in K_QUANT_SCALES], ("Q4_K", Q4_K_M, ("int8", 16, True))])
+def test_k_quants_are_kept_as_stored(prompts, tmp_path, weight_type, layer_types, kept):
     """A 256-wide Llama (the K-quants' super-blocks are 256 values) whose linear layers and
-    embedding are K-quant blocks: every layer loads as the `gguf` package dequantizes it
-    (kept in float: no format of ours holds a K-quant exactly), and greedy tokens equal
-    transformers on those weights."""
+    embedding are K-quant blocks, one type or Q4_K_M's mix: the linear layers are kept
+    quantized in the format that holds all of the file's types, every one equal to the
+    `gguf` package's dequantization, and greedy tokens equal transformers on those
+    weights."""
     import torch
     import transformers as tf
-    from flax import nnx
 
     from conftest import VOCAB, hf_greedy
     from jaxserve import LLM, SamplingParams
@@ -697,15 +732,13 @@ def test_k_quants_are_dequantized_as_the_gguf_package_does(prompts, tmp_path, we
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(cfg).eval()
     path = tmp_path / f"tiny-{weight_type}.gguf"
-    truth = write_tiny_gguf(model, path, weight_type)
-    assert gguf.stored_settings(path) is None
+    truth = write_tiny_gguf(model, path, weight_type, layer_types=layer_types)
+    assert tuple(gguf.stored_settings(path).values()) == kept
     loaded = load(EngineConfig(model=str(path), dtype="float32"))
-    flat = dict(nnx.to_flat_state(loaded.params))
-    up = flat[("layers", 1, "mlp", "up_proj")]
     want = truth["model.layers.1.mlp.up_proj.weight"]
     assert np.all(np.isfinite(want)) and want.std() > 1e-3
-    got = up[...].T if up.get_metadata().get("transposed") else up[...]
-    np.testing.assert_array_equal(np.asarray(got).reshape(want.shape[::-1]), want.T)
+    types = {hf: (layer_types or {}).get(g, weight_type) for hf, g in LINEAR_GGUF.items()}
+    assert_linear_layers_are(loaded, truth, cfg.num_hidden_layers, types)
     del loaded
     oracle = tf.LlamaForCausalLM(cfg).eval()
     oracle.load_state_dict({k: torch.from_numpy(v) for k, v in truth.items()}, strict=False)

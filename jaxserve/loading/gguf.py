@@ -15,12 +15,14 @@ Settings a GGUF file does not carry follow llama.cpp's rules (Gemma's query scal
 architectures, yarn rope scaling) is refused at load, naming the field. The model config,
 the tokenizer (vocabulary, merges, control tokens, BOS/EOS, `add_bos`) and the chat
 template come from the file's metadata; the weights of every type the `gguf` package
-dequantizes (F32/F16/BF16, Q8_0, Q4_0/Q4_1, Q5_0/Q5_1, the K-quants) are dequantized to the
-engine's dtype as they are read, one tensor at a time (no float copy of the model on
-disk), except that a file whose every decoder linear layer is Q4_0 (or every one Q8_0),
-and that has no experts, keeps them as our int4 (int8) with groups of 32, which represents
-Q4_0 (Q8_0) exactly (`stored_settings`; `--quantization` given: dequantized and quantized
-our way). llama.cpp's converter stores attn_q and attn_k of its Llama (and Mixtral) with
+dequantizes (F32/F16/BF16, Q8_0, Q4_0/Q4_1, Q5_0/Q5_1, the K-quants, the IQ types) are
+dequantized to the engine's dtype as they are read, one tensor at a time (no float copy of
+the model on disk), except that a file whose every decoder linear layer is of the legacy or
+K-quant types (Q4_0 ... Q8_0, Q2_K ... Q6_K), and that has no experts, keeps them quantized
+in the one format of ours that holds all of its types as stored (gguf_blocks.py: a
+Q4_K_M file as int8 in groups of 16 with zero points, an all-Q4_0 file as int4 in groups
+of 32; `stored_settings`; `--quantization` given: dequantized and quantized our way). The
+embedding and the LM head are dequantized. llama.cpp's converter stores attn_q and attn_k of its Llama (and Mixtral) with
 each head's rotary halves interleaved; they are put back in Hugging Face's order.
 
 The tokenizer is written once, as tokenizer.json + tokenizer_config.json (and config.json)
@@ -31,6 +33,7 @@ of tests/test_gguf.py.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -39,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxserve.loading import gguf_blocks
 from jaxserve.loading.tokenizer import gpt2_byte_table
 
 # general.architecture -> (model_type, class); "llama" with experts is Mixtral.
@@ -255,10 +259,9 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-# The decoder's linear layers: kept quantized when every one of them is Q4_0, or Q8_0.
+# The decoder's linear layers: kept quantized when every one of them is of a type
+# gguf_blocks reads.
 _LINEAR_STEMS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-Q4_0, Q8_0 = 2, 8  # GGMLQuantizationType
-BLOCK = 32  # elements per Q4_0 / Q8_0 block: our group size
 
 
 def _is_linear(name: str) -> bool:
@@ -268,57 +271,34 @@ def _is_linear(name: str) -> bool:
             and parts[3] == "weight")
 
 
-def _stored_type(reader) -> int | None:
-    """Q4_0 or Q8_0 when every decoder linear layer of the file is of that type (and it
-    has no experts, whose stacks are dequantized: our grouped kernels take no groups of
+def _stored_format(reader) -> gguf_blocks.Format | None:
+    """Our format that holds every decoder linear layer of the file as stored
+    (gguf_blocks.common_format), or None: a layer of another type (float, the IQ types),
+    or experts (their stacks are dequantized: our grouped kernels take no groups of 16 or
     32)."""
     if any(t.name.split(".")[-2] in _EXPERT_STACKS for t in reader.tensors):
         return None
-    types = {int(t.tensor_type) for t in reader.tensors if _is_linear(t.name)}
-    return types.pop() if len(types) == 1 and types <= {Q4_0, Q8_0} else None
+    return gguf_blocks.common_format({int(t.tensor_type) for t in reader.tensors
+                                      if _is_linear(t.name)})
 
 
 def stored_settings(path: str | os.PathLike) -> dict | None:
     """The engine settings that keep the file's linear layers as stored, or None when they
-    are dequantized: Q4_0 (blocks of 32 4-bit values with a float16 scale d, w = (u - 8) *
-    d) is our int4 with groups of 32, exactly (q = u - 8, scale d); Q8_0 (blocks of 32
-    int8 values q with a float16 scale d, w = q * d) our int8 with groups of 32. Other
-    types have no exact equal among our formats (Q4_1's and the K-quants' float offsets,
-    the K-quants' two-level scales, 5- and 6-bit values), nor do files that mix types
-    across their linear layers, and are dequantized."""
-    kept = _stored_type(_reader(Path(path)))
-    if kept is None:
+    are dequantized (`_stored_format`)."""
+    fmt = _stored_format(_reader(Path(path)))
+    if fmt is None:
         return None
-    return dict(quantization="int4" if kept == Q4_0 else "int8", quant_group_size=BLOCK,
-                quant_zero_points=False)
-
-
-def _as_stored(data: np.ndarray, kind: int, n: int, k: int):
-    """Q4_0 rows `[N, K / 32 * 18]` bytes -> our int4 (values `[K / 2, N]`, scales
-    `[K / 32, N]`): a block's 16 bytes hold elements j (low nibble) and j + 16 (high) as
-    u = q + 8, our group of 32 rows' byte layout, so flipping each nibble's top bit
-    (u ^ 8 = q in two's complement) is the whole conversion. Q8_0 rows `[N, K / 32 * 34]`
-    bytes -> our int8 (values `[K, N]`, scales `[K / 32, N]`): the 32 bytes after each
-    scale are the block's int8 values as they are."""
-    from jaxserve.loading.prequantized import Prequantized
-
-    width = 18 if kind == Q4_0 else 34
-    blocks = np.asarray(data).reshape(n, k // BLOCK, width)
-    scales = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if kind == Q4_0:
-        values = (blocks[..., 2:] ^ 0x88).reshape(n, k // 2)
-    else:
-        values = blocks[..., 2:].view(np.int8).reshape(n, k)
-    return Prequantized(np.ascontiguousarray(values.T), np.ascontiguousarray(scales.T))
+    return dict(quantization=fmt.kind, quant_group_size=fmt.group,
+                quant_zero_points=fmt.zero_points)
 
 
 def tensors(reader, config: dict, keep: bool = False) -> Iterator[tuple[str, np.ndarray]]:
     """The weights as (Hugging Face name, float32 array), dequantized one at a time; with
-    `keep` (`stored_settings`), the Q4_0 / Q8_0 linear layers as our int4 / int8
+    `keep` (`stored_settings`), the linear layers in our format that holds them as stored
     (`Prequantized`)."""
     from gguf.quants import dequantize
 
-    kept = _stored_type(reader) if keep else None
+    kept = _stored_format(reader) if keep else None
     model_type = config["model_type"]
     for t in reader.tensors:
         name = _hf_name(t.name, model_type)
@@ -328,11 +308,13 @@ def tensors(reader, config: dict, keep: bool = False) -> Iterator[tuple[str, np.
         if model_type not in PERMUTED_QK or not name.endswith(".weight"):
             heads = None
         if kept is not None and _is_linear(t.name):
-            w = _as_stored(t.data, kept, *shape)
-            if heads:  # the interleaved rotary halves are columns N here
-                w.values = np.ascontiguousarray(_unpermute(w.values.T, heads).T)
-                w.scales = np.ascontiguousarray(_unpermute(w.scales.T, heads).T)
-            yield name, w
+            w = gguf_blocks.decode(t.data, int(t.tensor_type), *shape)
+            if heads:
+                w = dataclasses.replace(w, q=_unpermute(w.q, heads),
+                                        scales=_unpermute(w.scales, heads),
+                                        zeros=None if w.zeros is None
+                                        else _unpermute(w.zeros, heads))
+            yield name, gguf_blocks.as_ours(w, kept)
             continue
         w = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
         if heads:

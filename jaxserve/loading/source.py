@@ -3,8 +3,8 @@ and the engine settings its own quantization fixes. Serving, `jaxserve convert` 
 `jaxserve plan` all start here (our converted checkpoints aside: loading/converted.py).
 
 - a GGUF file: its metadata written out as files (gguf.metadata_dir), its tensors as the
-  `gguf` package reads them; all-Q4_0 linear layers kept as int4 unless a `quantization`
-  is asked for (gguf.stored_settings);
+  `gguf` package reads them; linear layers of the legacy and K-quant types kept quantized
+  as stored unless a `quantization` is asked for (gguf.stored_settings, gguf_blocks.py);
 - a Hugging Face directory with an AWQ, GPTQ or compressed-tensors `quantization_config`:
   its tensors repacked as stored (prequantized.py), with the settings that serve them;
 - anything else (a float checkpoint, a model preset): its config, nothing fixed.
