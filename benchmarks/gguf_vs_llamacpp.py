@@ -168,6 +168,9 @@ def main() -> int:
     kept = stored_settings(path)
     stored = kept and (f"{kept['quantization']} in groups of {kept['quant_group_size']}"
                        + (" with zero points" if kept["quant_zero_points"] else ""))
+    if kept and kept.get("lm_head_quantization"):
+        stored += (f", LM head {kept['lm_head_quantization']} in groups of "
+                   f"{kept['lm_head_group_size']}")
     rng = np.random.default_rng(0)
     # Token ids from the vocabulary's ordinary range: random text, the same for both.
     prompts = [rng.integers(1000, 40000, size=PROMPT_LEN).tolist() for _ in range(args.batch)]

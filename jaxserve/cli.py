@@ -45,6 +45,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "every layer's input width)")
     g.add_argument("--quant-zero-points", action="store_true",
                    help="int4 / int8: asymmetric groups with zero points (GPTQ's min-max)")
+    g.add_argument("--lm-head-quantization", choices=["int8", "int4"], default=None,
+                   help="quantize the LM head too (a tied one as a copy; a GGUF file's "
+                        "quantized head is kept as stored without it)")
+    g.add_argument("--lm-head-group-size", type=int, default=None, metavar="G",
+                   help="rows per scale group of the quantized LM head (int4 default 128, "
+                        "int8 default per output channel)")
     g.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=None,
                    help="KV cache storage: auto (the model dtype), int8 or fp8 (e4m3), with "
                         "a scale per token and head")
@@ -148,6 +154,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
         "quant_group_size": args.quant_group_size,
         "quant_zero_points": True if args.quant_zero_points else None,
+        "lm_head_quantization": args.lm_head_quantization,
+        "lm_head_group_size": args.lm_head_group_size,
         "kernel_impl": args.kernel_impl, "mesh": parse_mesh(args.mesh),
         "sharding": args.sharding, "compilation_cache_dir": args.compilation_cache_dir,
         "speculative_config": parse_json_object("--speculative-config",

@@ -766,7 +766,10 @@ class ModelOptions:
     own otherwise), with `quant_zero_points` when the checkpoint is asymmetric (AWQ, GPTQ;
     pallas_kernels/quantized_matmul), and with `quant_act_order` (GPTQ's desc_act) each
     linear layer's input permuted so that its groups are contiguous rows (`perm`
-    parameters, layers.act_order_perm)."""
+    parameters, layers.act_order_perm). `lm_head_quantization` ("int8" | "int4"; None:
+    the head in the model's dtype) quantizes the LM head on its own terms
+    (`lm_head_group_size`, `lm_head_zero_points`): a tied head is then a quantized copy of
+    the embedding, which lookups keep reading in float."""
 
     kernel_impl: str | None = None
     quantization: str | None = None
@@ -774,6 +777,16 @@ class ModelOptions:
     quant_group_size: int | None = None
     quant_zero_points: bool = False
     quant_act_order: bool = False
+    lm_head_quantization: str | None = None
+    lm_head_group_size: int | None = None
+    lm_head_zero_points: bool = False
+
+    def head_options(self) -> ModelOptions:
+        """The options the LM head's matmul runs with: its own quantization."""
+        return dataclasses.replace(self, quantization=self.lm_head_quantization,
+                                   quant_group_size=self.lm_head_group_size,
+                                   quant_zero_points=self.lm_head_zero_points,
+                                   quant_act_order=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -792,7 +805,10 @@ class EngineConfig:
     fp8 per output channel or by groups of `quant_group_size`, integers asymmetric with
     `quant_zero_points`. A checkpoint quantized by its makers (AWQ, GPTQ,
     compressed-tensors; our converted ones) sets these to its own at load, and
-    `quant_act_order` for GPTQ's act-order (desc_act) checkpoints. `kernel_impl` picks the attention and matmul kernels ("reference":
+    `quant_act_order` for GPTQ's act-order (desc_act) checkpoints. `lm_head_quantization`
+    ("int8" | "int4"), with `lm_head_group_size` and `lm_head_zero_points`, quantizes the
+    LM head too (a tied one: a quantized copy; lookups read the float embedding); a GGUF
+    file whose head is stored quantized sets them to hold it as stored. `kernel_impl` picks the attention and matmul kernels ("reference":
     pure JAX / XLA dots | "tpu" | "gpu" | "cpu": the native CPU kernels; None: by
     platform, the native ones on a CPU where they build); `interpret_kernels` runs the
     Pallas kernels in interpret mode (for testing them on CPU). `async_scheduling` dispatches each step
@@ -836,6 +852,9 @@ class EngineConfig:
     quant_group_size: int | None = None
     quant_zero_points: bool = False
     quant_act_order: bool = False
+    lm_head_quantization: str | None = None
+    lm_head_group_size: int | None = None
+    lm_head_zero_points: bool = False
     kernel_impl: str | None = None
     interpret_kernels: bool = False
     async_scheduling: bool = True
@@ -918,6 +937,17 @@ class EngineConfig:
                 self.quantization not in ("int4", "int8"):
             raise ValueError("quant_zero_points (asymmetric weights) and quant_act_order "
                              "describe integer weights; set quantization: int4 or int8")
+        if self.lm_head_quantization not in (None, "int8", "int4"):
+            raise ValueError(f"lm_head_quantization must be int8 or int4 (or unset), got "
+                             f"{self.lm_head_quantization!r}")
+        group = self.lm_head_group_size
+        if group is not None and (not isinstance(group, int) or group < 1 or (
+                self.lm_head_quantization == "int4" and group % 2)):
+            raise ValueError(f"lm_head_group_size must be a positive integer (even for int4), "
+                             f"or unset; got {group!r}")
+        if (group is not None or self.lm_head_zero_points) and self.lm_head_quantization is None:
+            raise ValueError("lm_head_group_size and lm_head_zero_points describe a quantized "
+                             "LM head; set lm_head_quantization: int8 or int4")
         if self.sharding not in STRATEGIES:
             raise ValueError(f"sharding must be one of {STRATEGIES}, got {self.sharding!r}")
         if self.mesh is not None:
@@ -941,7 +971,10 @@ class EngineConfig:
                             interpret=self.interpret_kernels,
                             quant_group_size=self.quant_group_size,
                             quant_zero_points=self.quant_zero_points,
-                            quant_act_order=self.quant_act_order)
+                            quant_act_order=self.quant_act_order,
+                            lm_head_quantization=self.lm_head_quantization,
+                            lm_head_group_size=self.lm_head_group_size,
+                            lm_head_zero_points=self.lm_head_zero_points)
 
     @property
     def kv_storage_dtype(self) -> str:

@@ -263,7 +263,8 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
          quantization: str | None = None, kv_cache_dtype_name: str = "auto",
          data_parallel: int = 2, max_loras: int = 0, max_lora_rank: int = 16,
          quant_group_size: int | None = None, quant_zero_points: bool = False,
-         quant_act_order: bool = False) -> dict:
+         quant_act_order: bool = False, lm_head_quantization: str | None = None,
+         lm_head_group_size: int | None = None, lm_head_zero_points: bool = False) -> dict:
     """Compile a decode and a prefill bucket for `target` (a TPU topology such as 'v5e:4x4',
     or a GPU target such as 'h100x8', whose CPU devices this process must have; see
     `plan_target`), and report per-chip memory, KV capacity, collectives and XLA's cost
@@ -278,7 +279,8 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
     `max_loras` > 0: the step carries that many LoRA adapter slots of `max_lora_rank`
     (replicated on every chip; `lora_bytes`), which the KV cache does without.
     `quant_group_size` / `quant_zero_points` / `quant_act_order`: integer weights as a
-    checkpoint stores them (AWQ, GPTQ, compressed-tensors, GGUF).
+    checkpoint stores them (AWQ, GPTQ, compressed-tensors, GGUF); `lm_head_*`: the LM head
+    quantized (EngineConfig's fields).
     """
     platform, devices, hbm = resolve_target(target)
     chips = len(devices)
@@ -288,7 +290,10 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
                           quantization=quantization, kv_cache_dtype=kv_cache_dtype_name,
                           quant_group_size=quant_group_size,
                           quant_zero_points=quant_zero_points,
-                          quant_act_order=quant_act_order, enable_lora=max_loras > 0,
+                          quant_act_order=quant_act_order,
+                          lm_head_quantization=lm_head_quantization,
+                          lm_head_group_size=lm_head_group_size,
+                          lm_head_zero_points=lm_head_zero_points, enable_lora=max_loras > 0,
                           max_loras=max(max_loras, 1),
                           max_lora_rank=max_lora_rank)
     data = chips if strategy == "dp" else data_parallel if strategy.startswith("dp") else 1

@@ -48,7 +48,10 @@ RUNS = [(None, "tp", {}, ""), ({"model": 2}, "tp", {}, ""), ({"model": 4}, "tp",
         (None, "tp", {"quantization": "int8"}, " int8"),
         ({"model": 2}, "tp+sp", {**KERNELS, "quantization": "int8"}, " int8 tp+sp tpu-kernels"),
         ({"data": 2, "model": 4}, "dp+tp", {**KERNELS, "quantization": "int8"},
-         " int8 dp+tp tpu-kernels")]
+         " int8 dp+tp tpu-kernels"),
+        (None, "tp", {"quantization": "int8", "lm_head_quantization": "int8"}, " int8 head"),
+        ({"model": 4}, "tp", {"quantization": "int8", "lm_head_quantization": "int8"},
+         " int8 head")]
 
 
 def all_gather_shapes(hlo: str) -> list[list[int]]:

@@ -222,7 +222,7 @@ def write_tiny_gguf(model, path: Path, weight_type: str, arch: str = "llama",
                     layer_types: dict[str, str] | None = None) -> dict:
     """The tiny `model` (Llama, Qwen2 or Qwen3) as llama.cpp's converter writes it (a
     Llama's q/k rows interleaved per head; norms and biases in F32), its linear layers and
-    embedding in `weight_type` (`layer_types`: another type for the linear layers of these
+    embedding and LM head in `weight_type` (`layer_types`: another type for the linear layers of these
     GGUF stems, as llama.cpp's Q4_K_M mixes Q4_K with Q6_K); the demo's byte tokenizer (and one merge) as a GPT-2
     vocabulary split by `pre`. Returns {HF name: the weight as the `gguf` package
     dequantizes it, in Hugging Face's row order}."""
@@ -273,7 +273,7 @@ def write_tiny_gguf(model, path: Path, weight_type: str, arch: str = "llama",
         True)
     add("output_norm.weight", "model.norm.weight", state["model.norm.weight"], False)
     if not cfg.tie_word_embeddings:
-        add("output.weight", "lm_head.weight", state["lm_head.weight"], False)
+        add("output.weight", "lm_head.weight", state["lm_head.weight"], True)
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}"
         add(f"blk.{i}.attn_norm.weight", f"{p}.input_layernorm.weight",
@@ -333,6 +333,30 @@ def assert_linear_layers_are(loaded, truth: dict, num_layers: int, types: dict[s
                 np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{i} {hf}")
 
 
+def assert_head_is(loaded, truth: dict, weight_type: str):
+    """The LM head kept as stored where its type allows (KEPT), holding the `gguf`
+    package's dequantization of `output` (a tied head: of `token_embd`); in float else."""
+    from flax import nnx
+
+    from pallas_kernels.quantized_matmul.formats import dequantize
+
+    kept = KEPT.get(weight_type)
+    c = loaded.config
+    assert (c.lm_head_quantization, c.lm_head_group_size, c.lm_head_zero_points) == \
+        (kept or (None, None, False))
+    if not kept:
+        return
+    flat = dict(nnx.to_flat_state(loaded.params))
+    got = np.asarray(dequantize(flat[("lm_head",)][...], flat[("lm_head_scales",)][...],
+                                kept[0]))
+    want = truth.get("lm_head.weight", truth["model.embed_tokens.weight"]).T
+    if weight_type in OFFSETS:
+        np.testing.assert_allclose(got, want, rtol=0, atol=np.abs(want).max() * 2**-21)
+    else:
+        np.testing.assert_array_equal(got, want)
+    assert flat[("embed",)][...].dtype == np.float32  # lookups: the float embedding
+
+
 @pytest.mark.parametrize("weight_type", WEIGHT_TYPES)
 def test_tiny_gguf_of_each_weight_type(checkpoints, prompts, tmp_path, weight_type):
     """Every linear layer loads as the `gguf` package dequantizes it (the legacy types kept
@@ -355,6 +379,7 @@ def test_tiny_gguf_of_each_weight_type(checkpoints, prompts, tmp_path, weight_ty
         KEPT.get(weight_type, (None, None, False))
     assert_linear_layers_are(loaded, truth, model.config.num_hidden_layers,
                              dict.fromkeys(LINEAR_GGUF, weight_type))
+    assert_head_is(loaded, truth, weight_type)
     del loaded
     oracle = type(model)(model.config).eval()
     oracle.load_state_dict({k: torch.from_numpy(v) for k, v in truth.items()}, strict=False)
@@ -733,12 +758,15 @@ def test_k_quants_are_kept_as_stored(prompts, tmp_path, weight_type, layer_types
     model = tf.LlamaForCausalLM(cfg).eval()
     path = tmp_path / f"tiny-{weight_type}.gguf"
     truth = write_tiny_gguf(model, path, weight_type, layer_types=layer_types)
-    assert tuple(gguf.stored_settings(path).values()) == kept
+    settings = gguf.stored_settings(path)
+    assert tuple(settings[k] for k in ("quantization", "quant_group_size",
+                                       "quant_zero_points")) == kept
     loaded = load(EngineConfig(model=str(path), dtype="float32"))
     want = truth["model.layers.1.mlp.up_proj.weight"]
     assert np.all(np.isfinite(want)) and want.std() > 1e-3
     types = {hf: (layer_types or {}).get(g, weight_type) for hf, g in LINEAR_GGUF.items()}
     assert_linear_layers_are(loaded, truth, cfg.num_hidden_layers, types)
+    assert_head_is(loaded, truth, weight_type)
     del loaded
     oracle = tf.LlamaForCausalLM(cfg).eval()
     oracle.load_state_dict({k: torch.from_numpy(v) for k, v in truth.items()}, strict=False)

@@ -87,3 +87,40 @@ def test_convert_then_serve_without_requantizing(arch, checkpoints, prompts, tmp
     with pytest.raises(ValueError, match="holds int8 weights"):
         LLM(str(out), quantization="int4", **ENGINE)
     assert main(["convert", "--model", str(path), "--out", str(out)]) == 2  # not empty
+
+
+# Heads whose quantization changes greedy tokens (32 and 9 of the 48 differ from the float
+# head's), so that a float head would fail.
+@pytest.mark.parametrize("arch, head", [
+    ("llama", dict(lm_head_quantization="int4", lm_head_group_size=32)),
+    ("qwen2", dict(lm_head_quantization="int8")),
+], ids=["untied-int4", "tied-int8"])
+def test_quantized_lm_head_gives_transformers_tokens_on_its_dequantized_weights(
+        arch, head, checkpoints, prompts):
+    """`lm_head_quantization` quantizes the LM head alone (a tied one as a copy: lookups
+    read the float embedding): greedy tokens equal transformers' with the head replaced
+    by the quantized head's dequantized weights and everything else as stored, on the
+    native CPU kernel (the head packed in its strips) and on the reference."""
+    import torch
+
+    from conftest import hf_greedy
+    from pallas_kernels.quantized_matmul.formats import dequantize, quantize
+
+    path, model = checkpoints(arch)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    w = state.get("lm_head.weight", state["model.embed_tokens.weight"]).numpy()  # [V, H]
+    kind, group = head["lm_head_quantization"], head.get("lm_head_group_size")
+    values, scales = quantize(w.T.astype(np.float32), kind, group)
+    state["lm_head.weight"] = torch.from_numpy(np.asarray(dequantize(values, scales, kind)).T
+                                               .copy())
+    cfg = type(model.config).from_dict({**model.config.to_dict(), "tie_word_embeddings": False})
+    oracle = type(model)(cfg).eval()
+    oracle.load_state_dict(state)
+    want = [hf_greedy(oracle, p, GREEDY.max_tokens) for p in prompts]
+    for impl in ("cpu", "reference"):
+        llm = LLM(str(path), kernel_impl=impl, **ENGINE, **head)
+        params = dict(nnx.to_flat_state(llm.engine.runner.params))
+        assert params[("lm_head",)][...].dtype == (jnp.int8 if kind == "int8" else jnp.uint8)
+        assert params[("embed",)][...].dtype == jnp.float32
+        assert bool(params[("lm_head",)].get_metadata().get("packed")) == (impl == "cpu")
+        assert greedy(llm, prompts) == want, impl

@@ -56,6 +56,12 @@ def test_quantized_matmul_kernels_per_device_match_one_device(runs, mesh):
         assert runs[mesh]["reduce_scatter_shapes"] == [[32, 64]] * 4
 
 
+def test_quantized_lm_head_on_a_mesh_matches_one_device(runs):
+    """An int8 LM head, its vocabulary split over `model` (the quantized matmul per device
+    under shard_map, no collective), gives one device's tokens and logprobs."""
+    compare_runs(runs["null int8 head"], runs['{"model": 4} int8 head'])
+
+
 @pytest.mark.parametrize("run", ['{"model": 2} tp', '{"data": 2, "model": 2} dp+tp',
                                  '{"model": 2} tp int8'])
 def test_speculative_decoding_matches_one_device(runs, run):

@@ -87,11 +87,12 @@ def load(config: EngineConfig, random_weights_preset: str | None = None) -> Load
                              "supported; serve the Hugging Face directory")
         shard = model_sharding(mesh, config.sharding, model_config)
         config = dataclasses.replace(
-            config, **converted.served_settings(model_dir, config.quantization))
+            config, **converted.served_settings(model_dir, config.quantization,
+                                                config.lm_head_quantization))
         options = config.model_options
         graphdef, params = converted.restore(model_dir, model_config, dtype, shard, options)
     else:  # a float checkpoint, a GGUF file, or one quantized by its makers (as stored)
-        ckpt = open_checkpoint(model_dir, config.quantization)
+        ckpt = open_checkpoint(model_dir, config.quantization, config.lm_head_quantization)
         model_dir, model_config = ckpt.model_dir, ckpt.config
         shard = model_sharding(mesh, config.sharding, model_config)
         config = dataclasses.replace(config, **ckpt.settings)

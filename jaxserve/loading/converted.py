@@ -81,6 +81,9 @@ def convert(model_dir: str | Path, out_dir: str | Path, dtype: str, quantization
                 "quant_group_size": options.quant_group_size,
                 "quant_zero_points": options.quant_zero_points,
                 "quant_act_order": options.quant_act_order,
+                "lm_head_quantization": options.lm_head_quantization,
+                "lm_head_group_size": options.lm_head_group_size,
+                "lm_head_zero_points": options.lm_head_zero_points,
                 "source": str(source.absolute()), "source_quantization": method}
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return out_dir
@@ -93,6 +96,10 @@ def restore(model_dir: str | Path, cfg: ModelConfig, dtype, shard: ShardingConte
     if options.quantization != manifest["quantization"]:
         raise ValueError(f"{model_dir} holds {manifest['quantization'] or 'unquantized'} weights;"
                          f" it cannot be served with quantization={options.quantization!r}")
+    if options.lm_head_quantization != manifest.get("lm_head_quantization"):
+        raise ValueError(f"{model_dir} holds its LM head "
+                         f"{manifest.get('lm_head_quantization') or 'unquantized'}; it cannot be "
+                         f"served with lm_head_quantization={options.lm_head_quantization!r}")
     graphdef, abstract = abstract_model(cfg, dtype, shard, options)
     replicas = shard.rules.kv_head_replicas
     flat = nnx.to_flat_state(abstract)
@@ -118,12 +125,16 @@ def restore(model_dir: str | Path, cfg: ModelConfig, dtype, shard: ShardingConte
     return graphdef, nnx.from_flat_state(flat)
 
 
-def served_settings(model_dir: str | Path, quantization: str | None) -> dict:
+def served_settings(model_dir: str | Path, quantization: str | None,
+                    lm_head_quantization: str | None = None) -> dict:
     """The engine settings a converted checkpoint is served with: its own quantization
-    (group size, zero points) unless the caller asked for another, which restore()
-    refuses."""
+    (group size, zero points) and its LM head's unless the caller asked for another, which
+    restore() refuses."""
     manifest = read_manifest(model_dir)
     return dict(quantization=quantization or manifest["quantization"],
                 quant_group_size=manifest.get("quant_group_size"),
                 quant_zero_points=manifest.get("quant_zero_points", False),
-                quant_act_order=manifest.get("quant_act_order", False))
+                quant_act_order=manifest.get("quant_act_order", False),
+                lm_head_quantization=lm_head_quantization or manifest.get("lm_head_quantization"),
+                lm_head_group_size=manifest.get("lm_head_group_size"),
+                lm_head_zero_points=manifest.get("lm_head_zero_points", False))

@@ -22,7 +22,9 @@ K-quant types (Q4_0 ... Q8_0, Q2_K ... Q6_K), and that has no experts, keeps the
 in the one format of ours that holds all of its types as stored (gguf_blocks.py: a
 Q4_K_M file as int8 in groups of 16 with zero points, an all-Q4_0 file as int4 in groups
 of 32; `stored_settings`; `--quantization` given: dequantized and quantized our way). The
-embedding and the LM head are dequantized. llama.cpp's converter stores attn_q and attn_k of its Llama (and Mixtral) with
+LM head of such a file is kept likewise, in the format that holds its own type (SmolLM2's
+tied Q8_0 head as int8 in groups of 32: a quantized copy of the embedding, which lookups
+read dequantized; `--lm-head-quantization` given: dequantized and quantized our way). llama.cpp's converter stores attn_q and attn_k of its Llama (and Mixtral) with
 each head's rotary halves interleaved; they are put back in Hugging Face's order.
 
 The tokenizer is written once, as tokenizer.json + tokenizer_config.json (and config.json)
@@ -282,23 +284,43 @@ def _stored_format(reader) -> gguf_blocks.Format | None:
                                       if _is_linear(t.name)})
 
 
-def stored_settings(path: str | os.PathLike) -> dict | None:
+def _head_format(reader) -> gguf_blocks.Format | None:
+    """Our format that holds the LM head as stored (`output`, or a tied head's
+    `token_embd`), or None: it is of another type."""
+    types = {t.name: int(t.tensor_type) for t in reader.tensors}
+    head = types.get("output.weight", types.get("token_embd.weight"))
+    return gguf_blocks.common_format({head})
+
+
+def stored_settings(path: str | os.PathLike, keep_head: bool = True) -> dict | None:
     """The engine settings that keep the file's linear layers as stored, or None when they
-    are dequantized (`_stored_format`)."""
-    fmt = _stored_format(_reader(Path(path)))
+    are dequantized (`_stored_format`); with them, unless not `keep_head`, the LM head's
+    when it is of a type we hold as stored (a tied head: a quantized copy of the embedding,
+    whose lookups read it dequantized)."""
+    reader = _reader(Path(path))
+    fmt = _stored_format(reader)
     if fmt is None:
         return None
-    return dict(quantization=fmt.kind, quant_group_size=fmt.group,
-                quant_zero_points=fmt.zero_points)
+    settings = dict(quantization=fmt.kind, quant_group_size=fmt.group,
+                    quant_zero_points=fmt.zero_points)
+    head = _head_format(reader) if keep_head else None
+    if head is not None:
+        settings.update(lm_head_quantization=head.kind, lm_head_group_size=head.group,
+                        lm_head_zero_points=head.zero_points)
+    return settings
 
 
-def tensors(reader, config: dict, keep: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+def tensors(reader, config: dict, keep: bool = False, keep_head: bool = True
+            ) -> Iterator[tuple[str, np.ndarray]]:
     """The weights as (Hugging Face name, float32 array), dequantized one at a time; with
     `keep` (`stored_settings`), the linear layers in our format that holds them as stored
-    (`Prequantized`)."""
+    (`Prequantized`), and unless not `keep_head` the LM head likewise where its type allows
+    ("lm_head.weight"; a tied head's besides the float embedding)."""
     from gguf.quants import dequantize
 
     kept = _stored_format(reader) if keep else None
+    head = _head_format(reader) if kept is not None and keep_head else None
+    head_name = "output.weight" if not config["tie_word_embeddings"] else "token_embd.weight"
     model_type = config["model_type"]
     for t in reader.tensors:
         name = _hf_name(t.name, model_type)
@@ -307,6 +329,11 @@ def tensors(reader, config: dict, keep: bool = False) -> Iterator[tuple[str, np.
                  "k_proj": config["num_key_value_heads"]}.get(name.split(".")[-2])
         if model_type not in PERMUTED_QK or not name.endswith(".weight"):
             heads = None
+        if head is not None and t.name == head_name:
+            w = gguf_blocks.decode(t.data, int(t.tensor_type), *shape)
+            yield "lm_head.weight", gguf_blocks.as_ours(w, head)
+            if t.name == "output.weight":
+                continue
         if kept is not None and _is_linear(t.name):
             w = gguf_blocks.decode(t.data, int(t.tensor_type), *shape)
             if heads:
@@ -489,8 +516,8 @@ def metadata_dir(path: str | os.PathLike) -> Path:
     return out
 
 
-def open_weights(path: str | os.PathLike, keep: bool = False
+def open_weights(path: str | os.PathLike, keep: bool = False, keep_head: bool = True
                  ) -> Iterator[tuple[str, np.ndarray]]:
     """The file's weights, as `tensors` yields them."""
     reader = _reader(Path(path))
-    return tensors(reader, hf_config(reader), keep)
+    return tensors(reader, hf_config(reader), keep, keep_head)

@@ -144,8 +144,10 @@ def _hf_to_ours(name: str, x: np.ndarray, cfg: ModelConfig, kv_replicas: int = 1
         return ("embed",), x, None
     if name == "model.norm.weight":
         return ("norm",), x, None
-    if name == "lm_head.weight":
-        return (None if cfg.tie_word_embeddings else (("lm_head",), x.T, None))
+    if name == "lm_head.weight":  # a tied head: ours only when the checkpoint's is quantized
+        if isinstance(x, Prequantized):
+            return ("lm_head",), x, None
+        return None if cfg.tie_word_embeddings else (("lm_head",), x.T, None)
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
     if not m:
         raise ValueError(f"unexpected tensor {name!r} in checkpoint")
@@ -234,11 +236,16 @@ def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype, shard: Shard
     expected = dict(nnx.to_flat_state(abstract))
     loaded: dict[tuple, jax.Array] = {}
     experts: dict[tuple, dict[int, np.ndarray]] = {}  # stacked parameters being gathered
+    # A quantized tied head: the embedding's copy, unless the checkpoint brings its own.
+    tied_head = cfg.tie_word_embeddings and _HEAD in expected
+    embedding = None
     if tensors is None:
         tensors = checkpoint_tensors(model_dir)
     for name, tensor in tensors:
         if _IGNORED.match(name):
             continue
+        if tied_head and name == "model.embed_tokens.weight":
+            embedding = tensor
         mapped = _hf_to_ours(name, tensor, cfg, shard.rules.kv_head_replicas)
         if mapped is None:
             continue
@@ -283,7 +290,10 @@ def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype, shard: Shard
                 f"tensor {name!r} has shape {tuple(tensor.shape)}; the config expects "
                 f"{tuple(var.shape)} after conversion"
             )
-        loaded.update(place_weight(path, array, expected, shard, options))
+        loaded.update(place_weight(path, array, expected, shard, _options_for(path, options)))
+    if tied_head and _HEAD not in loaded and embedding is not None:
+        loaded.update(place_weight(_HEAD, embedding.T, expected, shard,
+                                   options.head_options()))
     missing = sorted(".".join(map(str, p)) for p in expected if p not in loaded)
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks tensors for: {missing[:8]}"
@@ -312,15 +322,26 @@ def random_params(cfg: ModelConfig, dtype, shard: ShardingContext, seed: int = 0
             init = lambda k, s=var.shape, t=var.dtype: (0.02 * jax.random.normal(k, s)).astype(t)
         if _scales_path(path) in expected:
             values.update(place_weight(path, init(jax.random.fold_in(key, i)), expected, shard,
-                                       options))
+                                       _options_for(path, options)))
         else:
             sharding = shard.sharding(var.get_metadata()["logical_axes"])
             values[path] = jax.jit(init, out_shardings=sharding)(jax.random.fold_in(key, i))
+    if _HEAD in expected and _HEAD not in values:  # a quantized tied head
+        values.update(place_weight(_HEAD, values[("embed",)].T, expected, shard,
+                                   options.head_options()))
     for path, var in expected.items():  # act-order permutations: the identity
         if path[-1].endswith("_perm"):
             values[path] = jax.device_put(np.arange(var.shape[0], dtype=np.int32),
                                           shard.sharding(()))
     return graphdef, fill_state(abstract, values)
+
+
+_HEAD = ("lm_head",)
+
+
+def _options_for(path: tuple, options: ModelOptions) -> ModelOptions:
+    """The options a weight is quantized with: the LM head's own, or the layers'."""
+    return options.head_options() if path == _HEAD else options
 
 
 def _scales_path(path: tuple) -> tuple:

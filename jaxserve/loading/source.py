@@ -32,14 +32,17 @@ class Checkpoint:
     method: str | None  # "gguf", "awq", "gptq", "compressed-tensors" or None
 
 
-def open_checkpoint(model: str | Path, quantization: str | None) -> Checkpoint:
-    """`model` opened (module doc); `quantization`: what the caller asked for (a
-    checkpoint quantized by its makers refuses another)."""
+def open_checkpoint(model: str | Path, quantization: str | None,
+                    lm_head_quantization: str | None = None) -> Checkpoint:
+    """`model` opened (module doc); `quantization` and `lm_head_quantization`: what the
+    caller asked for (a checkpoint quantized by its makers refuses another; a GGUF file's
+    layers or head are then dequantized and quantized so)."""
     if gguf.is_gguf(model):
-        settings = (None if quantization else gguf.stored_settings(model)) or {}
+        keep_head = lm_head_quantization is None
+        settings = (None if quantization else gguf.stored_settings(model, keep_head)) or {}
         model_dir = gguf.metadata_dir(model)
         return Checkpoint(model_dir, ModelConfig.from_file(model_dir), settings,
-                          gguf.open_weights(model, keep=bool(settings)), "gguf")
+                          gguf.open_weights(model, bool(settings), keep_head), "gguf")
     model_dir = Path(model)
     config = ModelConfig.from_file(model_dir)
     stored = prequantized.read(model_dir) if model_dir.is_dir() else None

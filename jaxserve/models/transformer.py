@@ -26,7 +26,7 @@ from jaxserve.models.lora import ATTENTION_IN, LoraInputs, LoraLayer, delta_impl
 from jaxserve.models.mlp import MLP
 from jaxserve.models.moe import MoE
 from jaxserve.models.parallel import (
-    KV_CACHE_AXES, NEW_KV_AXES, Q_AXES, RESIDUAL_AXES, dense_group, paged_attention,
+    KV_CACHE_AXES, NEW_KV_AXES, Q_AXES, RESIDUAL_AXES, dense, dense_group, paged_attention,
     real_token_mask, real_tokens, row_parallel)
 from pallas_kernels.rows import rms_norm as rows_rms_norm
 from pallas_kernels.rows import rope
@@ -204,13 +204,18 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         self.shard = shard
         self.options = options
+        head_quantized = options.lm_head_quantization is not None
         self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype,
-                           tied_head=cfg.tie_word_embeddings)
+                           tied_head=cfg.tie_word_embeddings and not head_quantized)
         replicas = shard.rules.kv_head_replicas
         self.layers = nnx.List([Block(cfg, i, dtype, options, replicas)
                                 for i in range(cfg.num_layers)])
         self.norm = param((cfg.hidden_size,), ("embed",), dtype)
-        if not cfg.tie_word_embeddings:
+        if head_quantized:  # its own values and scales (a tied one: a copy of the embedding)
+            self.lm_head, self.lm_head_scales = linear(
+                (cfg.hidden_size,), (cfg.vocab_size,), ("embed",), ("vocab",), dtype,
+                options.head_options())
+        elif not cfg.tie_word_embeddings:
             self.lm_head = param((cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dtype,
                                  n_in=1)
 
@@ -276,13 +281,18 @@ class Transformer(nnx.Module):
         """The LM head alone (no norm before it) on `[N, hidden]`: `logits` after the
         final norm; an EAGLE-1 head's guesses straight from its output."""
         cfg = self.cfg
-        tied = cfg.tie_word_embeddings
-        impl = None if self.shard.mesh.size == 1 else "reference"  # XLA partitions the dot
         if cfg.final_logit_softcap:  # Gemma 2: the cap in float32
             dtype = jnp.float32
-        logits = lm_head(x, self.embed[...] if tied else self.lm_head[...],
-                         tied or is_transposed(self.lm_head), self.options, impl, rows, dtype,
-                         packed=is_packed(self.embed if tied else self.lm_head))
+        if self.options.lm_head_quantization is not None:
+            logits = dense(x, self.lm_head, self.lm_head_scales, 1, (cfg.vocab_size,),
+                           self.options.head_options(), self.shard, rows=rows)
+            logits = logits if dtype is None else logits.astype(dtype)
+        else:
+            tied = cfg.tie_word_embeddings
+            impl = None if self.shard.mesh.size == 1 else "reference"  # XLA partitions the dot
+            logits = lm_head(x, self.embed[...] if tied else self.lm_head[...],
+                             tied or is_transposed(self.lm_head), self.options, impl, rows,
+                             dtype, packed=is_packed(self.embed if tied else self.lm_head))
         if cfg.final_logit_softcap:
             logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
         return self.shard.constrain(logits, ("seqs", "vocab"))
