@@ -883,6 +883,8 @@ QMM_CASES = [  # m, num_rows, k, n, kind, group, zero points
     (8, 6, 384, 96, "int4", 64, True),
     (33, 33, 256, 200, "int8", None, True),  # per channel with zero points
     (64, 60, 512, 64, "int4", 256, True),  # a group of 256: two panels per group
+    (32, 32, 256, 96, "int8", 16, True),   # GGUF's Q4_K_M held: 8 groups a panel
+    (7, 7, 256, 64, "int4", 16, True),     # Q2_K's groups; AVX-512's row tails 4 + 2 + 1
 ]
 
 
@@ -892,8 +894,10 @@ QMM_CASES = [  # m, num_rows, k, n, kind, group, zero points
 def test_quantized_matmul_kernel_against_float64(isa, dtype, case):
     """x @ W for int8 and int4 (per channel or grouped, symmetric and with zero points)
     against the exact product with the weight dequantized in float64 from the stored
-    integers (an unpacker written here), on the real rows. The kernel sums x * u over the stored unsigned integers and
-    subtracts (8 + z) * sum(x) per group, so its bound holds both sums' magnitudes."""
+    integers (an unpacker written here), on the real rows. For one or two rows the kernel
+    sums x * u over the stored unsigned integers and subtracts (8 + z) * sum(x) per group;
+    for more it dequantizes u * s - (8 + z) * s first: the bound holds both terms'
+    magnitudes."""
     _check_quantized_matmul(dtype, case, packed=False)
 
 

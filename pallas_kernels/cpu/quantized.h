@@ -13,13 +13,14 @@
 // rows (and its G' scale rows) one after another, so a tile reads sequential streams. Row-major, a tile's rows are N bytes
 // apart, a line each, which the hardware prefetchers do not follow: one-row matmuls of
 // 1B / 8B-class layers read 2.2-3.7 GB/s on a 2-core Xeon, packed 18-21 (AVX-512).
-// Each task owns kQmmTaskCols output columns and reads their bytes of every K row once per
-// pair of x rows, in memory order, converting them to float32 in registers: the weight
-// crosses memory quantized, which is the point on a bandwidth-bound CPU. Per group it
-// accumulates p = sum_k x[k] * u[k] over the stored integers u (for int4 the nibbles made
-// unsigned, u = q + 8, by flipping their top bits) and adds
+// Each task owns kQmmTaskCols output columns and reads their bytes of every K row once,
+// in memory order, converting them to float32 in registers: the weight crosses memory
+// quantized, which is the point on a bandwidth-bound CPU. One or two rows of x (the direct
+// tiles) accumulate per group p = sum_k x[k] * u[k] over the stored integers u (for int4
+// the nibbles made unsigned, u = q + 8, by flipping their top bits) and add
 // (p - (offset + z) * sum_k x[k]) * scale, offset 8 for int4's nibbles and 0 for int8, so
-// a zero point costs one multiply-add per group, not per weight.
+// a zero point costs one multiply-add per group, not per weight. More rows dequantize a
+// panel of the weight once in L1 and run every row of x over it (the panels below).
 // x is float32 or bfloat16 (read as float32); y is rounded once to x's dtype.
 
 #pragma once
@@ -187,15 +188,43 @@ JS_AVX2 void Avx2QmmTile(const Qmm& q, int64_t m0, int64_t c0, float (*acc)[kQmm
   }
 }
 
-// More rows: each chunk of a group's rows (kQmmPanelRows weight rows by kQmmCols columns)
-// is converted once into a float32 panel in L1, then every pair of x rows runs its FMAs
-// over the panel; the pairs' partial sums wait in memory between chunks.
-JS_AVX2 JS_INLINE void Avx2QmmPanel(const Qmm& q, int64_t g, int64_t j0, int64_t rows,
-                                    int64_t c0, float (*panel)[kQmmCols]) {
-  const int64_t half = q.group / 2, ld = QmmStride(q);
+// More rows: each chunk of K (whole groups of up to kQmmPanelRows rows together, or
+// kQmmPanelRows rows of a larger group) is dequantized once into a float32 panel in L1,
+// w = u * scale - (offset + z) * scale, then every few rows of x run their FMAs over it,
+// their sums running over all of K in memory between chunks: no per-group epilogue (at
+// 32 rows of x and groups of 16 it cost two scalar operations a weight).
+// A chunk's panel rows are one or two runs of consecutive K rows (int4's halves of a large
+// group): (first panel row, rows, first K row).
+struct QmmRun {
+  int64_t at, rows, k;
+};
+
+JS_INLINE int64_t QmmChunks(const Qmm& q) {
+  const int64_t groups = QmmGroups(q);
+  if (q.group <= kQmmPanelRows) {
+    const int64_t per = kQmmPanelRows / q.group;
+    return (groups + per - 1) / per;
+  }
+  const int64_t span = q.int4 ? q.group / 2 : q.group, step = q.int4 ? kQmmPanelRows / 2
+                                                                        : kQmmPanelRows;
+  return groups * ((span + step - 1) / step);
+}
+
+// Byte rows j0 .. j0 + rows of group g, columns c0 + [0, kQmmCols), dequantized into
+// panel rows (int4: the low nibbles' rows, then the high ones' at panel + rows).
+JS_AVX2 JS_INLINE void Avx2QmmDequantize(const Qmm& q, int64_t g, int64_t j0, int64_t rows,
+                                         int64_t c0, float (*panel)[kQmmCols]) {
+  const int64_t ld = QmmStride(q), at = QmmScaleAt(q, g, c0);  // kQmmCols scales in a row
+  const __m256 offset = _mm256_set1_ps(q.int4 ? 8.0f : 0.0f);
+  __m256 scale[4], bias[4];
+  JS_UNROLL for (int c = 0; c < 4; ++c) {
+    scale[c] = _mm256_loadu_ps(q.s + at + 8 * c);
+    const __m256 z = q.z ? _mm256_add_ps(offset, _mm256_loadu_ps(q.z + at + 8 * c)) : offset;
+    bias[c] = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(z, scale[c]));
+  }
   if (q.int4) {
     const __m256i nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x88));
-    const uint8_t* w = QmmColumn<uint8_t>(q, c0) + (g * half + j0) * ld;
+    const uint8_t* w = QmmColumn<uint8_t>(q, c0) + (g * (q.group / 2) + j0) * ld;
     for (int64_t j = 0; j < rows; ++j) {
       const __m256i v = _mm256_xor_si256(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * ld)), flip);
@@ -203,8 +232,8 @@ JS_AVX2 JS_INLINE void Avx2QmmPanel(const Qmm& q, int64_t g, int64_t j0, int64_t
       QmmWiden(_mm256_and_si256(v, nibble), false, lo);
       QmmWiden(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), false, hi);
       JS_UNROLL for (int c = 0; c < 4; ++c) {
-        _mm256_storeu_ps(panel[j] + 8 * c, lo[c]);
-        _mm256_storeu_ps(panel[rows + j] + 8 * c, hi[c]);
+        _mm256_storeu_ps(panel[j] + 8 * c, _mm256_fmadd_ps(lo[c], scale[c], bias[c]));
+        _mm256_storeu_ps(panel[rows + j] + 8 * c, _mm256_fmadd_ps(hi[c], scale[c], bias[c]));
       }
     }
   } else {
@@ -212,15 +241,38 @@ JS_AVX2 JS_INLINE void Avx2QmmPanel(const Qmm& q, int64_t g, int64_t j0, int64_t
     for (int64_t j = 0; j < rows; ++j) {
       __m256 wv[4];
       QmmWiden(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * ld)), true, wv);
-      JS_UNROLL for (int c = 0; c < 4; ++c) _mm256_storeu_ps(panel[j] + 8 * c, wv[c]);
+      JS_UNROLL for (int c = 0; c < 4; ++c)
+        _mm256_storeu_ps(panel[j] + 8 * c, _mm256_fmadd_ps(wv[c], scale[c], bias[c]));
     }
   }
 }
 
-// part[r] += sum over the panel's rows i of x[r][xk[i]] * panel[i] for R rows of x.
+// Chunk i of columns c0.. into the panel; its runs into `runs`, their count returned.
+JS_AVX2 JS_INLINE int Avx2QmmChunk(const Qmm& q, int64_t i, int64_t c0,
+                                   float (*panel)[kQmmCols], QmmRun* runs) {
+  if (q.group <= kQmmPanelRows) {  // whole groups, in K's order
+    const int64_t per = kQmmPanelRows / q.group, g0 = i * per;
+    const int64_t ng = std::min(per, QmmGroups(q) - g0), span = q.int4 ? q.group / 2 : q.group;
+    for (int64_t g = g0; g < g0 + ng; ++g)
+      Avx2QmmDequantize(q, g, 0, span, c0, panel + (g - g0) * q.group);
+    runs[0] = {0, ng * q.group, g0 * q.group};
+    return 1;
+  }
+  const int64_t span = q.int4 ? q.group / 2 : q.group, step = q.int4 ? kQmmPanelRows / 2
+                                                                        : kQmmPanelRows;
+  const int64_t steps = (span + step - 1) / step, g = i / steps, j0 = (i % steps) * step;
+  const int64_t rows = std::min(step, span - j0), k0 = g * q.group;
+  Avx2QmmDequantize(q, g, j0, rows, c0, panel);
+  runs[0] = {0, rows, k0 + j0};
+  if (!q.int4) return 1;
+  runs[1] = {rows, rows, k0 + span + j0};  // the high nibbles: the group's second half
+  return 2;
+}
+
+// part[r] += sum over the panel's rows i of x[r][xk + i] * panel[i] for R rows of x.
 template <int R>
 JS_AVX2 JS_INLINE void Avx2QmmPanelRows(const float* const* x, const float (*panel)[kQmmCols],
-                                        int64_t rows, int64_t xk0, float (*part)[kQmmCols]) {
+                                        int64_t rows, int64_t xk, float (*part)[kQmmCols]) {
   __m256 p[R][4];
   JS_UNROLL for (int r = 0; r < R; ++r)
     JS_UNROLL for (int c = 0; c < 4; ++c) p[r][c] = _mm256_loadu_ps(part[r] + 8 * c);
@@ -228,7 +280,7 @@ JS_AVX2 JS_INLINE void Avx2QmmPanelRows(const float* const* x, const float (*pan
     __m256 w[4];
     JS_UNROLL for (int c = 0; c < 4; ++c) w[c] = _mm256_loadu_ps(panel[i] + 8 * c);
     JS_UNROLL for (int r = 0; r < R; ++r) {
-      const __m256 xb = _mm256_set1_ps(x[r][xk0 + i]);
+      const __m256 xb = _mm256_set1_ps(x[r][xk + i]);
       JS_UNROLL for (int c = 0; c < 4; ++c) p[r][c] = _mm256_fmadd_ps(xb, w[c], p[r][c]);
     }
   }
@@ -237,40 +289,19 @@ JS_AVX2 JS_INLINE void Avx2QmmPanelRows(const float* const* x, const float (*pan
 }
 
 JS_AVX2 void Avx2QmmPanels(const Qmm& q, int64_t c0, float (*acc)[kQmmCols]) {
-  const int64_t groups = QmmGroups(q), half = q.group / 2;
-  const int64_t step = q.int4 ? std::min(half, kQmmPanelRows / 2)
-                              : std::min(q.group, kQmmPanelRows);  // byte rows per panel
   alignas(32) float panel[kQmmPanelRows][kQmmCols];
-  float part[kQmmMaxRows][kQmmCols];
-  const float offset = q.int4 ? 8.0f : 0.0f;
-  for (int64_t g = 0; g < groups; ++g) {
-    std::memset(part, 0, sizeof(float) * kQmmCols * q.m);
-    const int64_t k0 = g * q.group, span = q.int4 ? half : q.group;
-    for (int64_t j0 = 0; j0 < span; j0 += step) {
-      const int64_t rows = std::min(step, span - j0);
-      Avx2QmmPanel(q, g, j0, rows, c0, panel);
+  QmmRun runs[2];
+  for (int64_t i = 0; i < QmmChunks(q); ++i) {
+    const int n = Avx2QmmChunk(q, i, c0, panel, runs);
+    for (int r = 0; r < n; ++r)
       for (int64_t m0 = 0; m0 < q.m; m0 += 2) {
         const float* x[2] = {q.x + m0 * q.k, q.x + std::min(m0 + 1, q.m - 1) * q.k};
-        // int4: the panel's first `rows` rows are x's k0 + j0 + i, the next `rows` its
-        // k0 + half + j0 + i.
         if (q.m - m0 >= 2) {
-          Avx2QmmPanelRows<2>(x, panel, rows, k0 + j0, part + m0);
-          if (q.int4) Avx2QmmPanelRows<2>(x, panel + rows, rows, k0 + half + j0, part + m0);
+          Avx2QmmPanelRows<2>(x, panel + runs[r].at, runs[r].rows, runs[r].k, acc + m0);
         } else {
-          Avx2QmmPanelRows<1>(x, panel, rows, k0 + j0, part + m0);
-          if (q.int4) Avx2QmmPanelRows<1>(x, panel + rows, rows, k0 + half + j0, part + m0);
+          Avx2QmmPanelRows<1>(x, panel + runs[r].at, runs[r].rows, runs[r].k, acc + m0);
         }
       }
-    }
-    const int64_t at = QmmScaleAt(q, g, c0);  // kQmmCols in a row, packed or not
-    for (int64_t m = 0; m < q.m; ++m) {
-      const float sum = q.sx[m * groups + g];
-      for (int64_t c = 0; c < kQmmCols; ++c) {
-        const int64_t col = at + c;
-        const float z = offset + (q.z ? q.z[col] : 0.0f);
-        acc[m][c] += (part[m][c] - z * sum) * q.s[col];
-      }
-    }
   }
 }
 
@@ -366,8 +397,63 @@ JS_AVX512 void Avx512QmmTile(const Qmm& q, int64_t m0, int64_t c0, float (*acc)[
     JS_UNROLL for (int c = 0; c < 2; ++c) _mm512_storeu_ps(acc[r] + 16 * c, total[r][c]);
 }
 
+// The panels' FMAs with 16 lanes: R (up to 8) rows of x by kQmmCols columns in 2R
+// registers, where AVX2's 16 registers hold 2 rows.
+template <int R>
+JS_AVX512 JS_INLINE void Avx512QmmPanelRows(const float* x, int64_t ldx,
+                                            const float (*panel)[kQmmCols], int64_t rows,
+                                            int64_t xk, float (*part)[kQmmCols]) {
+  __m512 p[R][2];
+  JS_UNROLL for (int r = 0; r < R; ++r)
+    JS_UNROLL for (int c = 0; c < 2; ++c) p[r][c] = _mm512_loadu_ps(part[r] + 16 * c);
+  for (int64_t i = 0; i < rows; ++i) {
+    const __m512 w0 = _mm512_loadu_ps(panel[i]), w1 = _mm512_loadu_ps(panel[i] + 16);
+    JS_UNROLL for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * ldx + xk + i]);
+      p[r][0] = _mm512_fmadd_ps(xb, w0, p[r][0]);
+      p[r][1] = _mm512_fmadd_ps(xb, w1, p[r][1]);
+    }
+  }
+  JS_UNROLL for (int r = 0; r < R; ++r)
+    JS_UNROLL for (int c = 0; c < 2; ++c) _mm512_storeu_ps(part[r] + 16 * c, p[r][c]);
+}
+
+template <int R>
+JS_AVX512 JS_INLINE void Avx512QmmPanelTail(const Qmm& q, int64_t m0, const float (*panel)[kQmmCols],
+                                            const QmmRun& run, float (*acc)[kQmmCols]) {
+  // The last q.m - m0 < 8 rows, R at a time.
+  if constexpr (R > 0) {
+    if (q.m - m0 >= R) {
+      Avx512QmmPanelRows<R>(q.x + m0 * q.k, q.k, panel + run.at, run.rows, run.k, acc + m0);
+      m0 += R;
+    }
+    Avx512QmmPanelTail<R / 2>(q, m0, panel, run, acc);
+  }
+}
+
+JS_AVX512 void Avx512QmmPanels(const Qmm& q, int64_t c0, float (*acc)[kQmmCols]) {
+  alignas(64) float panel[kQmmPanelRows][kQmmCols];
+  QmmRun runs[2];
+  for (int64_t i = 0; i < QmmChunks(q); ++i) {
+    const int n = Avx2QmmChunk(q, i, c0, panel, runs);
+    for (int r = 0; r < n; ++r) {
+      int64_t m0 = 0;
+      for (; m0 + 8 <= q.m; m0 += 8)
+        Avx512QmmPanelRows<8>(q.x + m0 * q.k, q.k, panel + runs[r].at, runs[r].rows,
+                              runs[r].k, acc + m0);
+      Avx512QmmPanelTail<4>(q, m0, panel, runs[r], acc);
+    }
+  }
+}
+
 template <typename T>
-JS_AVX512 void Avx512QmmCols(const Qmm& q, int64_t c0) {  // kQmmCols columns, <= 2 rows
+JS_AVX512 void Avx512QmmCols(const Qmm& q, int64_t c0) {  // kQmmCols columns, every row
+  if (q.m > kQmmDirectRows) {
+    float acc[kQmmMaxRows][kQmmCols] = {};
+    Avx512QmmPanels(q, c0, acc);
+    for (int64_t m = 0; m < q.m; ++m) QmmStore<T>(q, m, c0, acc[m], kQmmCols);
+    return;
+  }
   float acc[2][kQmmCols];
   if (q.m == 2) {
     Avx512QmmTile<2>(q, 0, c0, acc);
@@ -382,7 +468,7 @@ template <typename T>
 void QmmTask(const Qmm& q, int64_t task) {
   const int64_t c0 = task * kQmmTaskCols, nc = std::min(kQmmTaskCols, q.n - c0);
 #if JS_X86
-  if (CurrentIsa() >= kAvx512 && q.m >= 1 && q.m <= kQmmDirectRows) {
+  if (CurrentIsa() >= kAvx512 && q.m >= 1) {
     int64_t c = 0;
     for (; c + kQmmCols <= nc; c += kQmmCols) Avx512QmmCols<T>(q, c0 + c);
     if (c < nc) GenericQmmCols<T>(q, c0 + c, nc - c);
