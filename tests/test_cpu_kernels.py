@@ -885,6 +885,8 @@ QMM_CASES = [  # m, num_rows, k, n, kind, group, zero points
     (64, 60, 512, 64, "int4", 256, True),  # a group of 256: two panels per group
     (32, 32, 256, 96, "int8", 16, True),   # GGUF's Q4_K_M held: 8 groups a panel
     (7, 7, 256, 64, "int4", 16, True),     # Q2_K's groups; AVX-512's row tails 4 + 2 + 1
+    (150, 133, 256, 96, "int4", 32, True),  # a prefill chunk: blocks of 64, 64 and 5 rows
+    (100, 100, 128, 64, "int8", 16, False),
 ]
 
 
@@ -948,11 +950,10 @@ def _check_quantized_matmul(dtype, case, packed: bool) -> None:
     assert np.all(err <= bound[:rows]), (err / bound[:rows]).max()
 
 
-def test_packed_values_past_the_kernel_take_the_reference_unpacked():
-    """More rows than the kernel takes (a prefill chunk) and every non-native
-    implementation read packed values and scales unpacked: the same product as the
-    row-major arrays; the strips are the columns' elements in strip order, plane by plane
-    for zero points' `[2, G', N]`, and unpacking restores them."""
+def test_packed_values_read_by_the_reference_are_unpacked():
+    """Every non-native implementation reads packed values and scales unpacked: the same
+    product as the row-major arrays; the strips are the columns' elements in strip order,
+    plane by plane for zero points' `[2, G', N]`, and unpacking restores them."""
     from pallas_kernels import quantized_matmul as qmm
     from pallas_kernels.quantized_matmul.formats import pack_strips, quantize, unpack_strips
 
@@ -972,16 +973,15 @@ def test_packed_values_past_the_kernel_take_the_reference_unpacked():
         assert np.array_equal(np.asarray(unpack_strips(packed_scales)), sc)
         x = jnp.asarray(rng.standard_normal((80, 128)), jnp.float32)
         want = qmm.quantized_matmul(x, values, scales, kind=kind, impl="reference")
-        for impl in (None, "reference"):
-            got = jax.jit(lambda x, p, s: qmm.quantized_matmul(x, p, s, kind=kind, impl=impl,
-                                                               packed=True))(
-                x, packed, packed_scales)
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        got = jax.jit(lambda x, p, s: qmm.quantized_matmul(x, p, s, kind=kind,
+                                                           impl="reference", packed=True))(
+            x, packed, packed_scales)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_quantized_matmul_dispatch_on_a_cpu():
-    """On a CPU, int8 / int4 with up to 64 rows take the native kernel; more rows, fp8 and
-    a mesh's shards take the reference."""
+    """On a CPU, int8 / int4 take the native kernel at any row count (a prefill chunk in
+    blocks of 64); fp8 and a mesh's shards take the reference."""
     from pallas_kernels import quantized_matmul as qmm
     from pallas_kernels.quantized_matmul.formats import quantize
 
@@ -991,5 +991,5 @@ def test_quantized_matmul_dispatch_on_a_cpu():
             jnp.ones((m, 128), jnp.float32)).as_text()
         return "jaxserve_quantized_matmul" in text
 
-    assert targets(1, "int8") and targets(64, "int4")
-    assert not targets(65, "int8") and not targets(8, "fp8")
+    assert targets(1, "int8") and targets(64, "int4") and targets(300, "int8")
+    assert not targets(8, "fp8")

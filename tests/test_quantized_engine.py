@@ -43,9 +43,9 @@ def test_kernels_give_the_reference_engines_tokens(checkpoints, prompts, impl, q
 def test_native_kernel_on_packed_weights_gives_the_reference_engines_tokens(
         checkpoints, prompts, quant):
     """On a CPU the engine packs its quantized linear layers (values and scales) in the
-    native kernel's strips (layers.weights_for_native_matmul): decode through the native
-    kernel on them, and prefill through the reference on them unpacked, reproduce the
-    pure-JAX engine's greedy tokens on row-major weights."""
+    native kernel's strips (layers.weights_for_native_matmul): prefill chunks and decode
+    through the native kernel on them reproduce the pure-JAX engine's greedy tokens on
+    row-major weights."""
     path, _ = checkpoints("llama")
     want = greedy(LLM(str(path), kernel_impl="reference", **ENGINE, **quant), prompts)
     llm = LLM(str(path), kernel_impl="cpu", **ENGINE, **quant)

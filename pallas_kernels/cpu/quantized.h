@@ -1,9 +1,9 @@
 // Weight-only quantized matmul for few rows (jaxserve_quantized_matmul): see its FFI handler
 // in kernels.cc and pallas_kernels/quantized_matmul/cpu.py.
 //
-// y[m] = x[m] @ dequantize(W) for the real rows m < num_rows (at most kQmmMaxRows: decode
-// and draft verification; more rows are compute-bound and go to XLA's dot of the
-// dequantized weight). W is stored as pallas_kernels/quantized_matmul stores it:
+// y[m] = x[m] @ dequantize(W) for the real rows m < num_rows (decode, draft verification,
+// prefill chunks in blocks of kQmmMaxRows rows). W is stored as
+// pallas_kernels/quantized_matmul stores it:
 // - int8: values int8 [K, N], groups of G rows (G = K: per channel);
 // - int4: values uint8 [K/2, N], groups of G rows (byte row j of a group holds its row j in
 //   the low nibble and row j + G/2 in the high one, two's complement);
@@ -199,21 +199,21 @@ struct QmmRun {
   int64_t at, rows, k;
 };
 
-JS_INLINE int64_t QmmChunks(const Qmm& q) {
+JS_INLINE int64_t QmmChunks(const Qmm& q, int64_t panel_rows) {
   const int64_t groups = QmmGroups(q);
-  if (q.group <= kQmmPanelRows) {
-    const int64_t per = kQmmPanelRows / q.group;
+  if (q.group <= panel_rows) {
+    const int64_t per = panel_rows / q.group;
     return (groups + per - 1) / per;
   }
-  const int64_t span = q.int4 ? q.group / 2 : q.group, step = q.int4 ? kQmmPanelRows / 2
-                                                                        : kQmmPanelRows;
+  const int64_t span = q.int4 ? q.group / 2 : q.group, step = q.int4 ? panel_rows / 2
+                                                                        : panel_rows;
   return groups * ((span + step - 1) / step);
 }
 
 // Byte rows j0 .. j0 + rows of group g, columns c0 + [0, kQmmCols), dequantized into
-// panel rows (int4: the low nibbles' rows, then the high ones' at panel + rows).
+// panel rows (ldp floats apart; int4: the low nibbles' rows, then the high ones').
 JS_AVX2 JS_INLINE void Avx2QmmDequantize(const Qmm& q, int64_t g, int64_t j0, int64_t rows,
-                                         int64_t c0, float (*panel)[kQmmCols]) {
+                                         int64_t c0, float* panel, int64_t ldp) {
   const int64_t ld = QmmStride(q), at = QmmScaleAt(q, g, c0);  // kQmmCols scales in a row
   const __m256 offset = _mm256_set1_ps(q.int4 ? 8.0f : 0.0f);
   __m256 scale[4], bias[4];
@@ -232,8 +232,9 @@ JS_AVX2 JS_INLINE void Avx2QmmDequantize(const Qmm& q, int64_t g, int64_t j0, in
       QmmWiden(_mm256_and_si256(v, nibble), false, lo);
       QmmWiden(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), false, hi);
       JS_UNROLL for (int c = 0; c < 4; ++c) {
-        _mm256_storeu_ps(panel[j] + 8 * c, _mm256_fmadd_ps(lo[c], scale[c], bias[c]));
-        _mm256_storeu_ps(panel[rows + j] + 8 * c, _mm256_fmadd_ps(hi[c], scale[c], bias[c]));
+        _mm256_storeu_ps(panel + j * ldp + 8 * c, _mm256_fmadd_ps(lo[c], scale[c], bias[c]));
+        _mm256_storeu_ps(panel + (rows + j) * ldp + 8 * c,
+                         _mm256_fmadd_ps(hi[c], scale[c], bias[c]));
       }
     }
   } else {
@@ -242,27 +243,28 @@ JS_AVX2 JS_INLINE void Avx2QmmDequantize(const Qmm& q, int64_t g, int64_t j0, in
       __m256 wv[4];
       QmmWiden(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * ld)), true, wv);
       JS_UNROLL for (int c = 0; c < 4; ++c)
-        _mm256_storeu_ps(panel[j] + 8 * c, _mm256_fmadd_ps(wv[c], scale[c], bias[c]));
+        _mm256_storeu_ps(panel + j * ldp + 8 * c, _mm256_fmadd_ps(wv[c], scale[c], bias[c]));
     }
   }
 }
 
-// Chunk i of columns c0.. into the panel; its runs into `runs`, their count returned.
-JS_AVX2 JS_INLINE int Avx2QmmChunk(const Qmm& q, int64_t i, int64_t c0,
-                                   float (*panel)[kQmmCols], QmmRun* runs) {
-  if (q.group <= kQmmPanelRows) {  // whole groups, in K's order
-    const int64_t per = kQmmPanelRows / q.group, g0 = i * per;
+// Chunk i (of panels of panel_rows rows) of columns c0 .. c0 + kQmmCols into the panel
+// (ldp floats a row); its runs into `runs`, their count returned.
+JS_AVX2 JS_INLINE int Avx2QmmChunk(const Qmm& q, int64_t i, int64_t panel_rows, int64_t c0,
+                                   float* panel, int64_t ldp, QmmRun* runs) {
+  if (q.group <= panel_rows) {  // whole groups, in K's order
+    const int64_t per = panel_rows / q.group, g0 = i * per;
     const int64_t ng = std::min(per, QmmGroups(q) - g0), span = q.int4 ? q.group / 2 : q.group;
     for (int64_t g = g0; g < g0 + ng; ++g)
-      Avx2QmmDequantize(q, g, 0, span, c0, panel + (g - g0) * q.group);
+      Avx2QmmDequantize(q, g, 0, span, c0, panel + (g - g0) * q.group * ldp, ldp);
     runs[0] = {0, ng * q.group, g0 * q.group};
     return 1;
   }
-  const int64_t span = q.int4 ? q.group / 2 : q.group, step = q.int4 ? kQmmPanelRows / 2
-                                                                        : kQmmPanelRows;
+  const int64_t span = q.int4 ? q.group / 2 : q.group, step = q.int4 ? panel_rows / 2
+                                                                        : panel_rows;
   const int64_t steps = (span + step - 1) / step, g = i / steps, j0 = (i % steps) * step;
   const int64_t rows = std::min(step, span - j0), k0 = g * q.group;
-  Avx2QmmDequantize(q, g, j0, rows, c0, panel);
+  Avx2QmmDequantize(q, g, j0, rows, c0, panel, ldp);
   runs[0] = {0, rows, k0 + j0};
   if (!q.int4) return 1;
   runs[1] = {rows, rows, k0 + span + j0};  // the high nibbles: the group's second half
@@ -291,8 +293,8 @@ JS_AVX2 JS_INLINE void Avx2QmmPanelRows(const float* const* x, const float (*pan
 JS_AVX2 void Avx2QmmPanels(const Qmm& q, int64_t c0, float (*acc)[kQmmCols]) {
   alignas(32) float panel[kQmmPanelRows][kQmmCols];
   QmmRun runs[2];
-  for (int64_t i = 0; i < QmmChunks(q); ++i) {
-    const int n = Avx2QmmChunk(q, i, c0, panel, runs);
+  for (int64_t i = 0; i < QmmChunks(q, kQmmPanelRows); ++i) {
+    const int n = Avx2QmmChunk(q, i, kQmmPanelRows, c0, &panel[0][0], kQmmCols, runs);
     for (int r = 0; r < n; ++r)
       for (int64_t m0 = 0; m0 < q.m; m0 += 2) {
         const float* x[2] = {q.x + m0 * q.k, q.x + std::min(m0 + 1, q.m - 1) * q.k};
@@ -308,7 +310,8 @@ JS_AVX2 void Avx2QmmPanels(const Qmm& q, int64_t c0, float (*acc)[kQmmCols]) {
 template <typename T>
 JS_AVX2 void Avx2QmmCols(const Qmm& q, int64_t c0) {  // kQmmCols columns, every row
   if (q.m > kQmmDirectRows) {
-    float acc[kQmmMaxRows][kQmmCols] = {};
+    float acc[kQmmMaxRows][kQmmCols];
+    std::memset(acc, 0, sizeof(float) * kQmmCols * q.m);
     Avx2QmmPanels(q, c0, acc);
     for (int64_t m = 0; m < q.m; ++m) QmmStore<T>(q, m, c0, acc[m], kQmmCols);
     return;
@@ -397,63 +400,59 @@ JS_AVX512 void Avx512QmmTile(const Qmm& q, int64_t m0, int64_t c0, float (*acc)[
     JS_UNROLL for (int c = 0; c < 2; ++c) _mm512_storeu_ps(acc[r] + 16 * c, total[r][c]);
 }
 
-// The panels' FMAs with 16 lanes: R (up to 8) rows of x by kQmmCols columns in 2R
-// registers, where AVX2's 16 registers hold 2 rows.
+// The panels with 16 lanes: two strips (64 columns) at once, so that R = 6 rows of x by
+// 64 columns hold 24 of the 32 registers, the float matmul's tile: 24 FMAs to 4 loads of
+// the panel and 6 broadcasts of x (AVX2's 16 registers hold 2 rows by 32 columns).
+constexpr int64_t kQmmWide = 2 * kQmmCols;
+constexpr int64_t kQmmWideRows = 64;  // panel rows: 16 KiB, as AVX2's
+
 template <int R>
-JS_AVX512 JS_INLINE void Avx512QmmPanelRows(const float* x, int64_t ldx,
-                                            const float (*panel)[kQmmCols], int64_t rows,
-                                            int64_t xk, float (*part)[kQmmCols]) {
-  __m512 p[R][2];
+JS_AVX512 JS_INLINE void Avx512QmmPanelRows(const float* x, int64_t ldx, const float* panel,
+                                            int64_t rows, int64_t xk, float (*part)[kQmmWide]) {
+  __m512 p[R][4];
   JS_UNROLL for (int r = 0; r < R; ++r)
-    JS_UNROLL for (int c = 0; c < 2; ++c) p[r][c] = _mm512_loadu_ps(part[r] + 16 * c);
-  for (int64_t i = 0; i < rows; ++i) {
-    const __m512 w0 = _mm512_loadu_ps(panel[i]), w1 = _mm512_loadu_ps(panel[i] + 16);
+    JS_UNROLL for (int v = 0; v < 4; ++v) p[r][v] = _mm512_loadu_ps(part[r] + 16 * v);
+  int64_t i = 0;
+  do {  // rows >= 1; a do-while keeps GCC from spilling p every iteration (as F32KnTile)
+    __m512 w[4];
+    JS_UNROLL for (int v = 0; v < 4; ++v) w[v] = _mm512_loadu_ps(panel + i * kQmmWide + 16 * v);
     JS_UNROLL for (int r = 0; r < R; ++r) {
       const __m512 xb = _mm512_set1_ps(x[r * ldx + xk + i]);
-      p[r][0] = _mm512_fmadd_ps(xb, w0, p[r][0]);
-      p[r][1] = _mm512_fmadd_ps(xb, w1, p[r][1]);
+      JS_UNROLL for (int v = 0; v < 4; ++v) p[r][v] = _mm512_fmadd_ps(xb, w[v], p[r][v]);
     }
-  }
+  } while (++i < rows);
   JS_UNROLL for (int r = 0; r < R; ++r)
-    JS_UNROLL for (int c = 0; c < 2; ++c) _mm512_storeu_ps(part[r] + 16 * c, p[r][c]);
-}
-
-template <int R>
-JS_AVX512 JS_INLINE void Avx512QmmPanelTail(const Qmm& q, int64_t m0, const float (*panel)[kQmmCols],
-                                            const QmmRun& run, float (*acc)[kQmmCols]) {
-  // The last q.m - m0 < 8 rows, R at a time.
-  if constexpr (R > 0) {
-    if (q.m - m0 >= R) {
-      Avx512QmmPanelRows<R>(q.x + m0 * q.k, q.k, panel + run.at, run.rows, run.k, acc + m0);
-      m0 += R;
-    }
-    Avx512QmmPanelTail<R / 2>(q, m0, panel, run, acc);
-  }
-}
-
-JS_AVX512 void Avx512QmmPanels(const Qmm& q, int64_t c0, float (*acc)[kQmmCols]) {
-  alignas(64) float panel[kQmmPanelRows][kQmmCols];
-  QmmRun runs[2];
-  for (int64_t i = 0; i < QmmChunks(q); ++i) {
-    const int n = Avx2QmmChunk(q, i, c0, panel, runs);
-    for (int r = 0; r < n; ++r) {
-      int64_t m0 = 0;
-      for (; m0 + 8 <= q.m; m0 += 8)
-        Avx512QmmPanelRows<8>(q.x + m0 * q.k, q.k, panel + runs[r].at, runs[r].rows,
-                              runs[r].k, acc + m0);
-      Avx512QmmPanelTail<4>(q, m0, panel, runs[r], acc);
-    }
-  }
+    JS_UNROLL for (int v = 0; v < 4; ++v) _mm512_storeu_ps(part[r] + 16 * v, p[r][v]);
 }
 
 template <typename T>
-JS_AVX512 void Avx512QmmCols(const Qmm& q, int64_t c0) {  // kQmmCols columns, every row
-  if (q.m > kQmmDirectRows) {
-    float acc[kQmmMaxRows][kQmmCols] = {};
-    Avx512QmmPanels(q, c0, acc);
-    for (int64_t m = 0; m < q.m; ++m) QmmStore<T>(q, m, c0, acc[m], kQmmCols);
-    return;
+JS_AVX512 void Avx512QmmWideCols(const Qmm& q, int64_t c0) {  // kQmmWide columns, > 2 rows
+  alignas(64) float panel[kQmmWideRows * kQmmWide];
+  float acc[kQmmMaxRows][kQmmWide];
+  std::memset(acc, 0, sizeof(float) * kQmmWide * q.m);
+  QmmRun runs[2];
+  for (int64_t i = 0; i < QmmChunks(q, kQmmWideRows); ++i) {
+    Avx2QmmChunk(q, i, kQmmWideRows, c0 + kQmmCols, panel + kQmmCols, kQmmWide, runs);
+    const int n = Avx2QmmChunk(q, i, kQmmWideRows, c0, panel, kQmmWide, runs);
+    for (int r = 0; r < n; ++r) {
+      const float* at = panel + runs[r].at * kQmmWide;
+      const int64_t rows = runs[r].rows, xk = runs[r].k;
+      int64_t m0 = 0;
+      for (; m0 + 6 <= q.m; m0 += 6)
+        Avx512QmmPanelRows<6>(q.x + m0 * q.k, q.k, at, rows, xk, acc + m0);
+      const int64_t left = q.m - m0;  // 0-5: 4 + 1, 2 + 1
+      if (left >= 4) Avx512QmmPanelRows<4>(q.x + m0 * q.k, q.k, at, rows, xk, acc + m0);
+      if (left >= 4) m0 += 4;
+      if (q.m - m0 >= 2) Avx512QmmPanelRows<2>(q.x + m0 * q.k, q.k, at, rows, xk, acc + m0);
+      if (q.m - m0 >= 2) m0 += 2;
+      if (q.m - m0 == 1) Avx512QmmPanelRows<1>(q.x + m0 * q.k, q.k, at, rows, xk, acc + m0);
+    }
   }
+  for (int64_t m = 0; m < q.m; ++m) QmmStore<T>(q, m, c0, acc[m], kQmmWide);
+}
+
+template <typename T>
+JS_AVX512 void Avx512QmmCols(const Qmm& q, int64_t c0) {  // kQmmCols columns, <= 2 rows
   float acc[2][kQmmCols];
   if (q.m == 2) {
     Avx512QmmTile<2>(q, 0, c0, acc);
@@ -470,7 +469,12 @@ void QmmTask(const Qmm& q, int64_t task) {
 #if JS_X86
   if (CurrentIsa() >= kAvx512 && q.m >= 1) {
     int64_t c = 0;
-    for (; c + kQmmCols <= nc; c += kQmmCols) Avx512QmmCols<T>(q, c0 + c);
+    if (q.m > kQmmDirectRows) {
+      for (; c + kQmmWide <= nc; c += kQmmWide) Avx512QmmWideCols<T>(q, c0 + c);
+      for (; c + kQmmCols <= nc; c += kQmmCols) Avx2QmmCols<T>(q, c0 + c);
+    } else {
+      for (; c + kQmmCols <= nc; c += kQmmCols) Avx512QmmCols<T>(q, c0 + c);
+    }
     if (c < nc) GenericQmmCols<T>(q, c0 + c, nc - c);
     return;
   }
@@ -484,28 +488,56 @@ void QmmTask(const Qmm& q, int64_t task) {
   GenericQmmCols<T>(q, c0, nc);
 }
 
-// x_raw [m, k] in x's dtype -> q.x (float32) and each group's sums q.sx; then the tasks.
+// x_raw [m, k] in x's dtype -> q.x (float32) and each group's sums q.sx; then the tasks,
+// over blocks of at most kQmmMaxRows rows (a prefill chunk: each block dequantizes its
+// panels again, a few operations per 16 weights against 64 rows' FMAs).
 inline void QuantizedMatmul(Runner& run, const void* x_raw, Qmm q, std::vector<float>& xf,
                             std::vector<float>& sums) {
   const int64_t groups = QmmGroups(q);
-  xf.resize(q.m * q.k);
+  const float* x = static_cast<const float*>(x_raw);
+  if (q.bf16) {
+    xf.resize(q.m * q.k);
+    for (int64_t i = 0; i < q.m * q.k; ++i)
+      xf[i] = Bf16ToF32(static_cast<const uint16_t*>(x_raw)[i]);
+    x = xf.data();
+  }
+  // Tasks: kQmmTaskCols columns by a block of rows. Where the columns alone would leave
+  // threads idle (a small model's k / v: 3 tasks of 64 columns), the rows split further,
+  // in multiples of 6 (the AVX-512 panel tile), each block dequantizing its panels anew.
+  const int64_t col_tasks = (q.n + kQmmTaskCols - 1) / kQmmTaskCols, want = 4 * run.threads();
+  int64_t block = kQmmMaxRows;
+  if (q.m > kQmmDirectRows && col_tasks < want) {
+    const int64_t splits = std::min((want + col_tasks - 1) / col_tasks, (q.m + 5) / 6);
+    block = std::min(kQmmMaxRows, ((q.m + splits - 1) / splits + 5) / 6 * 6);
+  }
+  const int64_t blocks = (q.m + block - 1) / block;
+  const int64_t y_row = q.n * (q.bf16 ? 2 : 4);  // bytes
+  // Each group's sum of x, for the rows the direct tiles and the generic loops take (blocks
+  // of one or two rows; every row for a tail of N past whole strips, or without AVX2); the
+  // panels do without.
+  const bool all_rows = q.n % kQmmCols != 0 || CurrentIsa() < kAvx2;
   sums.assign(q.m * groups, 0.0f);
-  for (int64_t i = 0; i < q.m * q.k; ++i)
-    xf[i] = q.bf16 ? Bf16ToF32(static_cast<const uint16_t*>(x_raw)[i])
-                   : static_cast<const float*>(x_raw)[i];
-  for (int64_t m = 0; m < q.m; ++m)
+  for (int64_t m = 0; m < q.m; ++m) {
+    if (!all_rows && std::min(block, q.m - m / block * block) > kQmmDirectRows) continue;
     for (int64_t g = 0; g < groups; ++g) {
       float s = 0.0f;
-      for (int64_t kk = g * q.group; kk < (g + 1) * q.group; ++kk) s += xf[m * q.k + kk];
+      for (int64_t kk = g * q.group; kk < (g + 1) * q.group; ++kk) s += x[m * q.k + kk];
       sums[m * groups + g] = s;
     }
-  q.x = xf.data();
-  q.sx = sums.data();
-  const int64_t tasks = (q.n + kQmmTaskCols - 1) / kQmmTaskCols;
+  }
+  auto task = [&](int64_t t, auto out) {
+    const int64_t m0 = (t / col_tasks) * block;
+    Qmm b = q;
+    b.m = std::min(block, q.m - m0);
+    b.x = x + m0 * q.k;
+    b.sx = sums.data() + m0 * groups;
+    b.y = static_cast<char*>(q.y) + m0 * y_row;
+    QmmTask<decltype(out)>(b, t % col_tasks);
+  };
   if (q.bf16) {
-    run.For(tasks, [&](int64_t t) { QmmTask<uint16_t>(q, t); });
+    run.For(col_tasks * blocks, [&](int64_t t) { task(t, uint16_t{}); });
   } else {
-    run.For(tasks, [&](int64_t t) { QmmTask<float>(q, t); });
+    run.For(col_tasks * blocks, [&](int64_t t) { task(t, float{}); });
   }
 }
 

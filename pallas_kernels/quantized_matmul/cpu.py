@@ -1,12 +1,14 @@
 """Weight-only quantized matmul as a native CPU kernel (pallas_kernels/cpu/quantized.h,
-`jaxserve_quantized_matmul`) for few rows: decode steps and draft verifications.
+`jaxserve_quantized_matmul`): decode steps, draft verifications and prefill chunks.
 
 A CPU decode step is bound by the bytes of weight it reads; the kernel reads them as stored
 (int8, or int4 two per byte) and converts them in registers, where the reference
 dequantizes the whole weight to x's dtype in memory first (3x slower than float weights
-at batch 1: benchmarks/RESULTS.md). int8 and int4 (any even group, zero points too); fp8
-and more than MAX_ROWS rows take the reference. Rows at or past `rows` (the batch's real
-tokens) are left unwritten and cost nothing, as in the float kernel.
+at batch 1: benchmarks/RESULTS.md). Past two rows it dequantizes a panel of the weight in
+L1 at a time and runs the rows over it in blocks of 64, compute-bound like the float
+matmul. int8 and int4 (any even group, zero points too); fp8 takes the reference. Rows at
+or past `rows` (the batch's real tokens) are left unwritten and cost nothing, as in the
+float kernel.
 """
 
 from __future__ import annotations
@@ -21,13 +23,11 @@ from pallas_kernels.quantized_matmul.formats import unpack_strips
 TARGET = "jaxserve_quantized_matmul"
 KINDS = ("int8", "int4")
 DTYPES = ("float32", "bfloat16")
-MAX_ROWS = 64  # kQmmMaxRows
 
 
 def supports(x: jax.Array, kind: str) -> bool:
-    """Whether the kernel takes this call (its kinds, dtypes and row count) here."""
-    return (kind in KINDS and x.dtype.name in DTYPES and x.shape[0] <= MAX_ROWS
-            and native.available())
+    """Whether the kernel takes this call (its kinds and dtypes) here."""
+    return kind in KINDS and x.dtype.name in DTYPES and native.available()
 
 
 def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind: str,
@@ -46,4 +46,4 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
     return call(x, rows, values, scales.astype(jnp.float32), packed=bool(packed))
 
 
-__all__ = ["MAX_ROWS", "quantized_matmul", "supports"]
+__all__ = ["quantized_matmul", "supports"]
