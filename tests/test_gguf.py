@@ -221,11 +221,11 @@ def write_tiny_gguf(model, path: Path, weight_type: str, arch: str = "llama",
                     pre: str = "default", sentencepiece: bool = False,
                     layer_types: dict[str, str] | None = None) -> dict:
     """The tiny `model` (Llama, Qwen2 or Qwen3) as llama.cpp's converter writes it (a
-    Llama's q/k rows interleaved per head; norms and biases in F32), its linear layers and
-    embedding and LM head in `weight_type` (`layer_types`: another type for the linear layers of these
-    GGUF stems, as llama.cpp's Q4_K_M mixes Q4_K with Q6_K); the demo's byte tokenizer (and one merge) as a GPT-2
-    vocabulary split by `pre`. Returns {HF name: the weight as the `gguf` package
-    dequantizes it, in Hugging Face's row order}."""
+    Llama's q/k rows interleaved per head; norms and biases in F32), its linear layers,
+    embedding and LM head in `weight_type` (`layer_types`: another type for the linear
+    layers of these GGUF stems, as llama.cpp's Q4_K_M mixes Q4_K with Q6_K); the demo's
+    byte tokenizer (and one merge) as a GPT-2 vocabulary split by `pre`. Returns {HF name:
+    the weight as the `gguf` package dequantizes it, in Hugging Face's row order}."""
     import gguf as gguf_package
     from tokenizers import pre_tokenizers
 

@@ -24,8 +24,9 @@ Q4_K_M file as int8 in groups of 16 with zero points, an all-Q4_0 file as int4 i
 of 32; `stored_settings`; `--quantization` given: dequantized and quantized our way). The
 LM head of such a file is kept likewise, in the format that holds its own type (SmolLM2's
 tied Q8_0 head as int8 in groups of 32: a quantized copy of the embedding, which lookups
-read dequantized; `--lm-head-quantization` given: dequantized and quantized our way). llama.cpp's converter stores attn_q and attn_k of its Llama (and Mixtral) with
-each head's rotary halves interleaved; they are put back in Hugging Face's order.
+read dequantized; `--lm-head-quantization` given: dequantized and quantized our way).
+llama.cpp's converter stores attn_q and attn_k of its Llama (and Mixtral) with each head's
+rotary halves interleaved; they are put back in Hugging Face's order.
 
 The tokenizer is written once, as tokenizer.json + tokenizer_config.json (and config.json)
 in a cache directory named for the file, and read from there like any checkpoint's. It is
