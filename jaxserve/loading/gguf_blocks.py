@@ -121,8 +121,9 @@ def _q3_scales(scales: np.ndarray) -> np.ndarray:
 
 def _read(data: np.ndarray, kind: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None,
                                                 int]:
-    """Blocks `[B, size]` -> (u [B, block] int, s [B, block / g], b or None, centre c) with
-    w = s * (u - c) + b."""
+    """Blocks `[B, size]` -> (u [B, block] int, s [B, block / g], b or None, centre c):
+    w = s * u + b for the types with offsets b, else s * (u - c); q = u - c fits the bits
+    we keep."""
     f = np.float32
     if kind in (Q4_0, Q4_1, Q5_0, Q5_1):
         d = _f16(data[:, 0:2])[:, None]
