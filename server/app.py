@@ -89,30 +89,37 @@ async def serve(core: EngineProcess | EngineThread, host: str = "127.0.0.1", por
     messages' images may be read from (loading/media.py); a vision-language model's
     requests may also be larger by its images (`image_bytes_limit`)."""
     security = security or Security()
-    security.check_bind(host)
-    metrics = Metrics(model_name)
-    async_engine = AsyncEngine(core, metrics=metrics, max_prompt_bytes=max_prompt_bytes,
-                               media=media)
-    request_limit = request_bytes_limit(async_engine.max_prompt_bytes) + image_bytes_limit(
-        async_engine.info.images, media)
-    grpc_server = GrpcServer(async_engine, model_name, security, request_limit, host, port)
-    await grpc_server.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-    await grpc_server.server.start()
-    log.info("listening on %s%s%s (NOT_SERVING until warm-up ends)", grpc_server.address,
-             " with TLS" if security.tls else "", ", API keys required" if security.auth else "")
-    http = http_task = None
-    if http_port is not None:
-        http = HTTPServer(async_engine, model_name, metrics, max_body_bytes=request_limit,
-                          security=security,
-                          tool_parser=get_parser(tool_call_parser) if tool_call_parser else None)
-        http_task = await _start_http(http, host, http_port, grpc_server.server)
-        log.info("HTTP (OpenAI API) on %s://%s:%d (503 until warm-up ends)",
-                 "https" if security.tls else "http", host, http_port)
-    async_engine.start()
-    await async_engine.wait_ready()  # warm-up (compiling the step's programs)
-    await grpc_server.set_health(health_pb2.HealthCheckResponse.SERVING)
-    if http is not None:
-        http.ready = True
+    try:
+        security.check_bind(host)
+        metrics = Metrics(model_name)
+        async_engine = AsyncEngine(core, metrics=metrics, max_prompt_bytes=max_prompt_bytes,
+                                   media=media)
+        request_limit = request_bytes_limit(async_engine.max_prompt_bytes) + image_bytes_limit(
+            async_engine.info.images, media)
+        grpc_server = GrpcServer(async_engine, model_name, security, request_limit, host, port)
+        await grpc_server.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await grpc_server.server.start()
+        log.info("listening on %s%s%s (NOT_SERVING until warm-up ends)", grpc_server.address,
+                 " with TLS" if security.tls else "",
+                 ", API keys required" if security.auth else "")
+        http = http_task = None
+        if http_port is not None:
+            parser = get_parser(tool_call_parser) if tool_call_parser else None
+            http = HTTPServer(async_engine, model_name, metrics, max_body_bytes=request_limit,
+                              security=security, tool_parser=parser)
+            http_task = await _start_http(http, host, http_port, grpc_server.server)
+            log.info("HTTP (OpenAI API) on %s://%s:%d (503 until warm-up ends)",
+                     "https" if security.tls else "http", host, http_port)
+        async_engine.start()
+        await async_engine.wait_ready()  # warm-up (compiling the step's programs)
+        await grpc_server.set_health(health_pb2.HealthCheckResponse.SERVING)
+        if http is not None:
+            http.ready = True
+    except BaseException:
+        # The engine's child process ignores SIGTERM once loaded: stop it here, or this
+        # process would wait on it forever at exit (a port in use, a failed warm-up).
+        core.stop(5.0)
+        raise
     log.info("ready: serving %s on %s%s", model_name or "model", grpc_server.address,
              f" and http://{host}:{http_port}" if http is not None else "")
     freeze_heap_now()

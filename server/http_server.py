@@ -652,12 +652,19 @@ class HTTPServer:
                                 lifespan="off", timeout_graceful_shutdown=2,
                                 **self.security.uvicorn_ssl())
         self._server = _Uvicorn(config)
-        task = asyncio.create_task(self._server.serve())
+
+        async def run() -> None:
+            try:
+                await self._server.serve()
+            except SystemExit:  # uvicorn exits the process when it cannot bind the port
+                raise ValueError(f"HTTP: cannot bind {host}:{port} (in use?)") from None
+
+        task = asyncio.create_task(run())
         while not self._server.started and not task.done():
             await asyncio.sleep(0.01)
         if task.done():
             task.result()  # re-raise the bind error
-            raise OSError(f"cannot bind {host}:{port}")
+            raise ValueError(f"HTTP: cannot bind {host}:{port}")
         started.set()
         await task
 

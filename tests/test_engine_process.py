@@ -91,3 +91,27 @@ def test_a_dead_engine_ends_every_stream_and_turns_not_serving(checkpoints, tmp_
         client.close()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 1  # the engine failed: a non-zero exit
+
+
+def test_a_port_in_use_exits_with_a_clear_error(checkpoints, tmp_path):
+    """The HTTP port already taken: the server says so and exits 2 within seconds, its
+    engine child stopped (that child ignores SIGTERM once loaded: left alone, the front
+    process would wait on it at exit forever)."""
+    import socket
+    import subprocess
+    import sys
+
+    from serverproc import ENGINE_FLAGS, free_port
+
+    path, _ = checkpoints("llama")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "jaxserve", "serve", "--model", str(path),
+             "--port", str(free_port()), "--http-port", str(port), *ENGINE_FLAGS],
+            capture_output=True, text=True, timeout=120,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"cannot bind 127.0.0.1:{port}" in proc.stderr
