@@ -174,6 +174,24 @@ def test_engine_step_compiles_with_pallas_kernels(topology, quant):
     assert abs(args - expected) / expected < 0.03, (args, expected)  # + norms, channel scales
 
 
+@pytest.mark.slow
+def test_a_quantized_lm_head_runs_the_tpu_kernel():
+    """`lm_head_quantization`: the LM head is one more Mosaic matmul of the step, and the
+    chip holds it int8 (with a float32 scale per column) where it held bfloat16."""
+    cfg = dataclasses.replace(LLAMA3_8B_2L, vocab_size=1024)
+    chip = tpu_devices("v5e:2x2")[:1]
+    sizes = {}
+    for head in (None, "int8"):
+        engine = dataclasses.replace(ENGINE, max_model_len=1024, quantization="int8",
+                                     lm_head_quantization=head)
+        compiled = compile_step(cfg, engine, {"model": 1}, "tp", chip, PAGES, KEY)
+        kernels = compiled.as_text().count('custom_call_target="tpu_custom_call"')
+        assert kernels == cfg.num_layers * (2 + 7) + (head is not None)
+        sizes[head] = compiled.memory_analysis().argument_size_in_bytes
+    e, v = cfg.hidden_size, cfg.vocab_size
+    assert sizes[None] - sizes["int8"] == e * v * 2 - (e * v + 4 * v)
+
+
 @pytest.mark.parametrize("strategy,quantization", [("tp+sp", "int4"), ("tp", "int8")])
 def test_quantized_kernels_run_per_chip_on_a_mesh(devices, strategy, quantization):
     """On 4 v5e chips every linear layer runs our Mosaic matmul per chip under shard_map
