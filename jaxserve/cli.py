@@ -10,7 +10,8 @@ import logging
 import sys
 import time
 
-from jaxserve.config import DTYPES, KERNEL_IMPLS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
+from jaxserve.config import (
+    DTYPES, KERNEL_IMPLS, KV_CACHE_DTYPES, LM_HEAD_QUANTIZATIONS, QUANTIZATIONS, EngineConfig)
 from sharding.strategies import STRATEGIES
 
 
@@ -45,7 +46,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "every layer's input width)")
     g.add_argument("--quant-zero-points", action="store_true",
                    help="int4 / int8: asymmetric groups with zero points (GPTQ's min-max)")
-    g.add_argument("--lm-head-quantization", choices=["int8", "int4"], default=None,
+    g.add_argument("--lm-head-quantization", choices=list(LM_HEAD_QUANTIZATIONS),
+                   default=None,
                    help="quantize the LM head too (a tied one as a copy; a GGUF file's "
                         "quantized head is kept as stored without it)")
     g.add_argument("--lm-head-group-size", type=int, default=None, metavar="G",

@@ -27,7 +27,16 @@ DTYPES = ("bfloat16", "float32")
 KV_CACHE_DTYPES = {"auto": None, "int8": "int8", "fp8": "float8_e4m3fn"}
 KERNEL_IMPLS = ("reference", "tpu", "gpu", "cpu")
 QUANTIZATIONS = ("int8", "int4", "fp8")
+LM_HEAD_QUANTIZATIONS = ("int8", "int4")
 SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3")
+
+
+def _check_group(name: str, group, kind: str | None) -> None:
+    """A group size: a positive integer (even for int4), or unset."""
+    if group is not None and (not isinstance(group, int) or group < 1
+                              or (kind == "int4" and group % 2)):
+        raise ValueError(f"{name} must be a positive integer (even for int4), or unset; "
+                         f"got {group!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -927,24 +936,18 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} (or unset), "
                              f"got {self.quantization!r}")
         group = self.quant_group_size
-        if group is not None and (not isinstance(group, int) or group < 1
-                                  or (self.quantization == "int4" and group % 2)):
-            raise ValueError(f"quant_group_size must be a positive integer (even for int4), "
-                             f"or unset; got {group!r}")
+        _check_group("quant_group_size", group, self.quantization)
         if group is not None and self.quantization is None:
             raise ValueError("quant_group_size describes quantized weights; set quantization")
         if (self.quant_zero_points or self.quant_act_order) and \
                 self.quantization not in ("int4", "int8"):
             raise ValueError("quant_zero_points (asymmetric weights) and quant_act_order "
                              "describe integer weights; set quantization: int4 or int8")
-        if self.lm_head_quantization not in (None, "int8", "int4"):
-            raise ValueError(f"lm_head_quantization must be int8 or int4 (or unset), got "
-                             f"{self.lm_head_quantization!r}")
+        if self.lm_head_quantization not in (None, *LM_HEAD_QUANTIZATIONS):
+            raise ValueError(f"lm_head_quantization must be one of {LM_HEAD_QUANTIZATIONS} (or "
+                             f"unset), got {self.lm_head_quantization!r}")
         group = self.lm_head_group_size
-        if group is not None and (not isinstance(group, int) or group < 1 or (
-                self.lm_head_quantization == "int4" and group % 2)):
-            raise ValueError(f"lm_head_group_size must be a positive integer (even for int4), "
-                             f"or unset; got {group!r}")
+        _check_group("lm_head_group_size", group, self.lm_head_quantization)
         if (group is not None or self.lm_head_zero_points) and self.lm_head_quantization is None:
             raise ValueError("lm_head_group_size and lm_head_zero_points describe a quantized "
                              "LM head; set lm_head_quantization: int8 or int4")
