@@ -4,8 +4,9 @@ re-quantized: --weight-type Q4_0 / Q8_0, its linear layers' weights by the `gguf
 Q4_K_M / Q5_K_M / Q6_K, the whole file by llama.cpp's llama-quantize (its K-quant mixes,
 with its fallbacks where SmolLM2's rows of 576 are not a multiple of 256). Cached beside
 it. jaxserve keeps each file's linear layers as stored (jaxserve/loading/gguf_blocks.py:
-Q4_1 as int4 in groups of 32 with zero points, Q4_0 as int4, Q8_0 as int8, Q4_K_M as int8
-in groups of 16 with zero points, ...).
+each layer in the format of its type: Q4_1 as int4 in groups of 32 with zero points, Q4_0
+as int4, Q5_0 and Q8_0 as int8 in groups of 32, Q4_K as int4 in groups of 32 with zero
+points, Q6_K as int8 in groups of 16, ...).
 
 - batch 1: ms per decode token, 128 new tokens after a 64-token prompt;
 - batch N (default 32): output tokens per second for N prompts of 64 tokens, 128 new
@@ -30,6 +31,7 @@ samples nothing. Rounds are interleaved; each cell is the median [min-max].
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import os
@@ -166,8 +168,14 @@ def main() -> int:
     variants = args.variants or ("float32,float32/int8,float32/int4"
                                  if args.weight_type == "Q4_1" else "float32")
     kept = stored_settings(path)
-    stored = kept and (f"{kept['quantization']} in groups of {kept['quant_group_size']}"
-                       + (" with zero points" if kept["quant_zero_points"] else ""))
+    def fmt(kind, group, zero_points):
+        return f"{kind} in groups of {group}" + (" with zero points" if zero_points else "")
+
+    stored = kept and fmt(kept["quantization"], kept["quant_group_size"],
+                          kept["quant_zero_points"])
+    if kept and kept["quant_overrides"]:  # the layers of other types: how many in which
+        others = collections.Counter(fmt(*o[1:]) for o in kept["quant_overrides"])
+        stored += "".join(f"; {n} layers {f}" for f, n in sorted(others.items()))
     if kept and kept.get("lm_head_quantization"):
         stored += (f", LM head {kept['lm_head_quantization']} in groups of "
                    f"{kept['lm_head_group_size']}")

@@ -39,6 +39,30 @@ def _check_group(name: str, group, kind: str | None) -> None:
                          f"got {group!r}")
 
 
+def _check_overrides(overrides, quantization: str | None) -> tuple:
+    """`quant_overrides` as a tuple of (path, kind, group size, zero points) tuples (a YAML
+    file or a converted checkpoint's manifest gives lists), each entry validated."""
+    checked = []
+    for entry in overrides or ():
+        if isinstance(entry, (str, bytes)) or len(entry) != 4:
+            raise ValueError(f"quant_overrides entries are [path, kind, group size, zero "
+                             f"points], e.g. ['layers.3.mlp.down_proj', 'int8', 16, false]; "
+                             f"got {entry!r}")
+        path, kind, group, zero_points = entry
+        if not isinstance(path, str) or kind not in ("int8", "int4") or \
+                not isinstance(zero_points, bool):
+            raise ValueError(f"quant_overrides entry {list(entry)!r}: a parameter path, "
+                             f"'int8' or 'int4', a group size and true/false for zero points")
+        _check_group(f"quant_overrides {path!r}: the group size", group, kind)
+        checked.append((path, kind, group, zero_points))
+    if checked and quantization not in ("int8", "int4"):
+        raise ValueError("quant_overrides name layers held in another integer format than "
+                         "`quantization`'s; set quantization: int4 or int8")
+    if len({path for path, *_ in checked}) < len(checked):
+        raise ValueError("quant_overrides names a layer twice")
+    return tuple(checked)
+
+
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding, shaped like vLLM's `speculative_config`.
@@ -778,7 +802,10 @@ class ModelOptions:
     parameters, layers.act_order_perm). `lm_head_quantization` ("int8" | "int4"; None:
     the head in the model's dtype) quantizes the LM head on its own terms
     (`lm_head_group_size`, `lm_head_zero_points`): a tied head is then a quantized copy of
-    the embedding, which lookups keep reading in float."""
+    the embedding, which lookups keep reading in float. `quant_overrides` names the
+    linear layers held in another integer format than `quantization`'s (a GGUF file that
+    mixes block types, as Q4_K_M does): (parameter path, kind, group size, zero points).
+    A weight's kind is read from its values (layers.matmul), so the step needs no more."""
 
     kernel_impl: str | None = None
     quantization: str | None = None
@@ -789,13 +816,26 @@ class ModelOptions:
     lm_head_quantization: str | None = None
     lm_head_group_size: int | None = None
     lm_head_zero_points: bool = False
+    quant_overrides: tuple[tuple[str, str, int | None, bool], ...] = ()
 
     def head_options(self) -> ModelOptions:
         """The options the LM head's matmul runs with: its own quantization."""
         return dataclasses.replace(self, quantization=self.lm_head_quantization,
                                    quant_group_size=self.lm_head_group_size,
                                    quant_zero_points=self.lm_head_zero_points,
-                                   quant_act_order=False)
+                                   quant_act_order=False, quant_overrides=())
+
+    def weight_options(self, path: str | None) -> ModelOptions:
+        """The options the linear layer at `path` (its parameter path: "layers.3.attn.q_proj",
+        "lm_head"; None for a layer outside the model's decoder, e.g. an EAGLE head's) is
+        held and quantized with: the head's own, its entry of `quant_overrides`, or these."""
+        if path == "lm_head":
+            return self.head_options()
+        for name, kind, group, zero_points in self.quant_overrides:
+            if name == path:
+                return dataclasses.replace(self, quantization=kind, quant_group_size=group,
+                                           quant_zero_points=zero_points)
+        return self
 
 
 @dataclasses.dataclass(frozen=True)
@@ -817,7 +857,9 @@ class EngineConfig:
     `quant_act_order` for GPTQ's act-order (desc_act) checkpoints. `lm_head_quantization`
     ("int8" | "int4"), with `lm_head_group_size` and `lm_head_zero_points`, quantizes the
     LM head too (a tied one: a quantized copy; lookups read the float embedding); a GGUF
-    file whose head is stored quantized sets them to hold it as stored. `kernel_impl` picks the attention and matmul kernels ("reference":
+    file whose head is stored quantized sets them to hold it as stored, and one whose
+    layers mix block types sets `quant_overrides` (ModelOptions) for the layers of a
+    format other than the most common one's. `kernel_impl` picks the attention and matmul kernels ("reference":
     pure JAX / XLA dots | "tpu" | "gpu" | "cpu": the native CPU kernels; None: by
     platform, the native ones on a CPU where they build); `interpret_kernels` runs the
     Pallas kernels in interpret mode (for testing them on CPU). `async_scheduling` dispatches each step
@@ -864,6 +906,7 @@ class EngineConfig:
     lm_head_quantization: str | None = None
     lm_head_group_size: int | None = None
     lm_head_zero_points: bool = False
+    quant_overrides: tuple[tuple[str, str, int | None, bool], ...] = ()
     kernel_impl: str | None = None
     interpret_kernels: bool = False
     async_scheduling: bool = True
@@ -951,6 +994,8 @@ class EngineConfig:
         if (group is not None or self.lm_head_zero_points) and self.lm_head_quantization is None:
             raise ValueError("lm_head_group_size and lm_head_zero_points describe a quantized "
                              "LM head; set lm_head_quantization: int8 or int4")
+        object.__setattr__(self, "quant_overrides", _check_overrides(self.quant_overrides,
+                                                                     self.quantization))
         if self.sharding not in STRATEGIES:
             raise ValueError(f"sharding must be one of {STRATEGIES}, got {self.sharding!r}")
         if self.mesh is not None:
@@ -977,7 +1022,8 @@ class EngineConfig:
                             quant_act_order=self.quant_act_order,
                             lm_head_quantization=self.lm_head_quantization,
                             lm_head_group_size=self.lm_head_group_size,
-                            lm_head_zero_points=self.lm_head_zero_points)
+                            lm_head_zero_points=self.lm_head_zero_points,
+                            quant_overrides=self.quant_overrides)
 
     @property
     def kv_storage_dtype(self) -> str:

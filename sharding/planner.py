@@ -264,7 +264,8 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
          data_parallel: int = 2, max_loras: int = 0, max_lora_rank: int = 16,
          quant_group_size: int | None = None, quant_zero_points: bool = False,
          quant_act_order: bool = False, lm_head_quantization: str | None = None,
-         lm_head_group_size: int | None = None, lm_head_zero_points: bool = False) -> dict:
+         lm_head_group_size: int | None = None, lm_head_zero_points: bool = False,
+         quant_overrides: tuple = ()) -> dict:
     """Compile a decode and a prefill bucket for `target` (a TPU topology such as 'v5e:4x4',
     or a GPU target such as 'h100x8', whose CPU devices this process must have; see
     `plan_target`), and report per-chip memory, KV capacity, collectives and XLA's cost
@@ -279,8 +280,9 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
     `max_loras` > 0: the step carries that many LoRA adapter slots of `max_lora_rank`
     (replicated on every chip; `lora_bytes`), which the KV cache does without.
     `quant_group_size` / `quant_zero_points` / `quant_act_order`: integer weights as a
-    checkpoint stores them (AWQ, GPTQ, compressed-tensors, GGUF); `lm_head_*`: the LM head
-    quantized (EngineConfig's fields).
+    checkpoint stores them (AWQ, GPTQ, compressed-tensors, GGUF), `quant_overrides` the
+    layers a GGUF file holds in other formats; `lm_head_*`: the LM head quantized
+    (EngineConfig's fields).
     """
     platform, devices, hbm = resolve_target(target)
     chips = len(devices)
@@ -293,7 +295,8 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
                           quant_act_order=quant_act_order,
                           lm_head_quantization=lm_head_quantization,
                           lm_head_group_size=lm_head_group_size,
-                          lm_head_zero_points=lm_head_zero_points, enable_lora=max_loras > 0,
+                          lm_head_zero_points=lm_head_zero_points,
+                          quant_overrides=quant_overrides, enable_lora=max_loras > 0,
                           max_loras=max(max_loras, 1),
                           max_lora_rank=max_lora_rank)
     data = chips if strategy == "dp" else data_parallel if strategy.startswith("dp") else 1

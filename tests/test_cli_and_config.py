@@ -113,6 +113,23 @@ def test_engine_config_validation(tmp_path):
         EngineConfig(quantization="fp8", quant_zero_points=True)
     with pytest.raises(ValueError, match="describes quantized weights"):
         EngineConfig(quant_group_size=64)  # no quantization to group
+    # quant_overrides (a GGUF file's layers of other types; a manifest's lists become tuples)
+    down = ["layers.0.mlp.down_proj", "int8", 16, False]
+    cfg = EngineConfig(quantization="int4", quant_overrides=[down])
+    assert cfg.quant_overrides == (tuple(down),)
+    opts = cfg.model_options
+    assert opts.weight_options("layers.0.mlp.down_proj").quant_group_size == 16
+    assert opts.weight_options("layers.1.mlp.down_proj") is opts
+    with pytest.raises(ValueError, match="set quantization: int4 or int8"):
+        EngineConfig(quant_overrides=[down])
+    with pytest.raises(ValueError, match="'int8' or 'int4'"):
+        EngineConfig(quantization="int4", quant_overrides=[[down[0], "fp8", None, False]])
+    with pytest.raises(ValueError, match="group size must be a positive integer"):
+        EngineConfig(quantization="int8", quant_overrides=[[down[0], "int4", 15, False]])
+    with pytest.raises(ValueError, match="names a layer twice"):
+        EngineConfig(quantization="int4", quant_overrides=[down, down])
+    with pytest.raises(ValueError, match=r"entries are \[path, kind"):
+        EngineConfig(quantization="int4", quant_overrides=["layers.0.mlp.down_proj"])
 
 
 def test_int4_group_size_and_zero_points_flags():

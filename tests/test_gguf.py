@@ -307,21 +307,24 @@ def assert_linear_layers_are(loaded, truth: dict, num_layers: int, types: dict[s
     """Every linear layer of `loaded` (kept quantized or float) holds the weights `truth`
     (the `gguf` package's dequantization): exactly, or for a type with offsets up to the
     float32 rounding of its zero points (-offset / scale; a few units in the last place of
-    the layer's largest |w|). `types`: each Hugging Face projection's GGUF type."""
+    the layer's largest |w|). `types`: each Hugging Face projection's GGUF type; a kept
+    layer is in the format of its own type (KEPT)."""
     from flax import nnx
 
-    from pallas_kernels.quantized_matmul.formats import dequantize
+    from pallas_kernels.quantized_matmul.formats import dequantize, kind_of
 
     flat = dict(nnx.to_flat_state(loaded.params))
-    kind = loaded.config.quantization
     for i in range(num_layers):
         for hf in LINEAR_GGUF:
             block, proj = ("attn" if hf.startswith("self_attn") else "mlp"), hf.split(".")[1]
             path_ = ("layers", i, block, proj)
             want = truth[f"model.layers.{i}.{hf}.weight"].T  # [K, N]
-            if kind:
-                scales = flat[path_[:-1] + (proj + "_scales",)][...]
-                got = np.asarray(dequantize(flat[path_][...], scales, kind))
+            if loaded.config.quantization:
+                values, scales = flat[path_][...], flat[path_[:-1] + (proj + "_scales",)][...]
+                kind = kind_of(values)
+                held = (kind, want.shape[0] // scales.shape[-2], scales.ndim == 3)
+                assert held == KEPT[types[hf]], (i, hf, held)
+                got = np.asarray(dequantize(values, scales, kind))
             else:  # laid out [N, K] (transposed) for the CPU kernels, or [K, N]
                 var = flat[path_]
                 got = var[...].reshape(want.shape[::-1]).T \
@@ -391,21 +394,31 @@ def test_tiny_gguf_of_each_weight_type(checkpoints, prompts, tmp_path, weight_ty
                                                        for p in prompts[:2]]
 
 
-def test_plan_sizes_a_q4_0_file_as_stored(checkpoints, tmp_path, monkeypatch):
+@pytest.mark.parametrize("layer_types", [None, {"attn_v": "Q8_0", "ffn_down": "Q5_1"}])
+def test_plan_sizes_a_q4_0_file_as_stored(checkpoints, tmp_path, monkeypatch, layer_types):
     """`jaxserve plan --model file.gguf` plans a Q4_0 file's linear layers as int4 in
-    groups of 32, the layout the engine keeps them in."""
+    groups of 32 (a mix's other layers in their own formats): the weights' bytes of its
+    plan are those the engine holds."""
+    import jax
+
     import sharding.planner as planner
     from jaxserve.cli import main
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.loader import load
 
     _, model = checkpoints("llama8")
     path = tmp_path / "tiny-Q4_0.gguf"
-    write_tiny_gguf(model, path, "Q4_0")
-    seen = []
+    write_tiny_gguf(model, path, "Q4_0", layer_types=layer_types)
+    seen, plans = [], []
     monkeypatch.setattr(planner, "plan_target", lambda *a, **k: seen.append(k) or
-                        planner.plan(*a, **k))
+                        plans.append(planner.plan(*a, **k)) or plans[-1])
     assert main(["plan", "--model", str(path), "--target", "h100x1", "--max-model-len", "64",
-                 "--max-num-seqs", "4", "--max-num-batched-tokens", "16"]) == 0
+                 "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--dtype",
+                 "float32"]) == 0
     assert (seen[0]["quantization"], seen[0]["quant_group_size"]) == ("int4", 32)
+    assert len(seen[0]["quant_overrides"]) == (4 if layer_types else 0)
+    held = load(EngineConfig(model=str(path), dtype="float32")).params
+    assert plans[0]["analytic_weight_bytes"] == sum(x.nbytes for x in jax.tree.leaves(held))
 
 
 @pytest.mark.parametrize("arch, pre, weight_type", [("qwen2", "qwen2", "Q4_0"),
@@ -479,20 +492,26 @@ def test_sentencepiece_vocabulary_equals_transformers_conversion(checkpoints, tm
     assert out.prompt_token_ids == theirs.encode("abc Hello") and len(out.outputs[0].token_ids) == 4
 
 
-def test_convert_a_q4_0_file_keeps_its_int4(checkpoints, prompts, tmp_path):
+@pytest.mark.parametrize("layer_types", [None, {"attn_v": "Q8_0", "ffn_down": "Q5_1"}])
+def test_convert_a_q4_0_file_keeps_its_int4(checkpoints, prompts, tmp_path, layer_types):
     """`jaxserve convert --model file.gguf` writes our checkpoint with the file's Q4_0
-    layers as int4 in groups of 32 and its tokenizer; it serves the tokens the file does."""
+    layers as int4 in groups of 32 (and a mix's other layers in their own formats) and its
+    tokenizer; it serves the tokens the file does."""
     from jaxserve import LLM, SamplingParams
     from jaxserve.cli import main
 
     _, model = checkpoints("llama8")
     path = tmp_path / "tiny-Q4_0.gguf"
-    write_tiny_gguf(model, path, "Q4_0")
+    write_tiny_gguf(model, path, "Q4_0", layer_types=layer_types)
     out = tmp_path / "converted"
     assert main(["convert", "--model", str(path), "--out", str(out), "--dtype", "float32"]) == 0
     manifest = json.loads((out / "jaxserve.json").read_text())
     assert (manifest["quantization"], manifest["quant_group_size"],
             manifest["source_quantization"]) == ("int4", 32, "gguf")
+    layers = model.config.num_hidden_layers
+    overrides = [[f"layers.{i}.{p}", *KEPT[t]] for i in range(layers)
+                 for p, t in (("attn.v_proj", "Q8_0"), ("mlp.down_proj", "Q5_1"))]
+    assert manifest["quant_overrides"] == (overrides if layer_types else [])
     assert (out / "tokenizer.json").is_file()
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     engine = dict(dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
@@ -729,18 +748,23 @@ def test_gemma_and_moe_families(prompts, tmp_path, arch, weight_type):
 
 
 # llama.cpp's Q4_K_M mixes Q4_K with Q6_K (attn_v, half the ffn_down) and falls back to
-# Q5_0 where a layer's rows are not a multiple of 256: held as int8 in groups of 16.
+# Q5_0 where a layer's rows are not a multiple of 256: the Q4_K layers (most of them) set
+# the model's format, the others are held as int8 in groups of 16 and 32.
 Q4_K_M = {"attn_v": "Q6_K", "ffn_down": "Q5_0"}
+Q4_K_M_OVERRIDES = tuple((f"layers.{i}.{p}", *KEPT[t]) for i in range(2)
+                         for p, t in (("attn.v_proj", "Q6_K"), ("mlp.down_proj", "Q5_0")))
 
 
-@pytest.mark.parametrize("weight_type, layer_types, kept", [
-    *[(t, None, KEPT[t]) for t in K_QUANT_SCALES], ("Q4_K", Q4_K_M, ("int8", 16, True))])
-def test_k_quants_are_kept_as_stored(prompts, tmp_path, weight_type, layer_types, kept):
+@pytest.mark.parametrize("weight_type, layer_types, kept, overrides", [
+    *[(t, None, KEPT[t], ()) for t in K_QUANT_SCALES],
+    ("Q4_K", Q4_K_M, KEPT["Q4_K"], Q4_K_M_OVERRIDES)])
+def test_k_quants_are_kept_as_stored(prompts, tmp_path, weight_type, layer_types, kept,
+                                     overrides):
     """A 256-wide Llama (the K-quants' super-blocks are 256 values) whose linear layers and
-    embedding are K-quant blocks, one type or Q4_K_M's mix: the linear layers are kept
-    quantized in the format that holds all of the file's types, every one equal to the
-    `gguf` package's dequantization, and greedy tokens equal transformers on those
-    weights."""
+    embedding are K-quant blocks, one type or Q4_K_M's mix: each linear layer is kept
+    quantized in the format of its own type (a mix: the most common one for the model,
+    `quant_overrides` for the others), every one equal to the `gguf` package's
+    dequantization, and greedy tokens equal transformers on those weights."""
     import torch
     import transformers as tf
 
@@ -761,6 +785,7 @@ def test_k_quants_are_kept_as_stored(prompts, tmp_path, weight_type, layer_types
     settings = gguf.stored_settings(path)
     assert tuple(settings[k] for k in ("quantization", "quant_group_size",
                                        "quant_zero_points")) == kept
+    assert settings["quant_overrides"] == overrides
     loaded = load(EngineConfig(model=str(path), dtype="float32"))
     want = truth["model.layers.1.mlp.up_proj.weight"]
     assert np.all(np.isfinite(want)) and want.std() > 1e-3

@@ -18,10 +18,11 @@ template come from the file's metadata; the weights of every type the `gguf` pac
 dequantizes (F32/F16/BF16, Q8_0, Q4_0/Q4_1, Q5_0/Q5_1, the K-quants, the IQ types) are
 dequantized to the engine's dtype as they are read, one tensor at a time (no float copy of
 the model on disk), except that a file whose every decoder linear layer is of the legacy or
-K-quant types (Q4_0 ... Q8_0, Q2_K ... Q6_K), and that has no experts, keeps them quantized
-in the one format of ours that holds all of its types as stored (gguf_blocks.py: a
-Q4_K_M file as int8 in groups of 16 with zero points, an all-Q4_0 file as int4 in groups
-of 32; `stored_settings`; `--quantization` given: dequantized and quantized our way). The
+K-quant types (Q4_0 ... Q8_0, Q2_K ... Q6_K), and that has no experts, keeps them quantized,
+each layer in the format of ours that holds its type as stored (gguf_blocks.py: Q4_0 as
+int4 in groups of 32, Q4_K as int4 in groups of 32 with zero points, Q6_K as int8 in groups
+of 16; a Q4_K_M file's Q6_K layers are `quant_overrides` beside its Q4_K ones;
+`stored_settings`; `--quantization` given: dequantized and quantized our way). The
 LM head of such a file is kept likewise, in the format that holds its own type (SmolLM2's
 tied Q8_0 head as int8 in groups of 32: a quantized copy of the embedding, which lookups
 read dequantized; `--lm-head-quantization` given: dequantized and quantized our way).
@@ -36,6 +37,7 @@ of tests/test_gguf.py.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -274,15 +276,30 @@ def _is_linear(name: str) -> bool:
             and parts[3] == "weight")
 
 
-def _stored_format(reader) -> gguf_blocks.Format | None:
-    """Our format that holds every decoder linear layer of the file as stored
-    (gguf_blocks.common_format), or None: a layer of another type (float, the IQ types),
-    or experts (their stacks are dequantized: our grouped kernels take no groups of 16 or
-    32)."""
+def _stored_formats(reader) -> dict[str, gguf_blocks.Format] | None:
+    """Each decoder linear layer's format that holds it as stored (by tensor name), or
+    None: a layer of another type (float, the IQ types), or experts (their stacks are
+    dequantized: our grouped kernels take no groups of 16 or 32)."""
     if any(t.name.split(".")[-2] in _EXPERT_STACKS for t in reader.tensors):
         return None
-    return gguf_blocks.common_format({int(t.tensor_type) for t in reader.tensors
-                                      if _is_linear(t.name)})
+    formats = {t.name: gguf_blocks.stored_format(int(t.tensor_type))
+               for t in reader.tensors if _is_linear(t.name)}
+    if not formats or None in formats.values():
+        return None
+    return formats
+
+
+def _layers_format(formats: dict[str, gguf_blocks.Format]) -> gguf_blocks.Format:
+    """The format most of the layers are in: the model's `quantization`; the others are
+    its `quant_overrides`."""
+    return collections.Counter(formats.values()).most_common(1)[0][0]
+
+
+def _param_path(name: str) -> str:
+    """Our parameter path of a decoder linear layer's tensor ("blk.3.ffn_down.weight" ->
+    "layers.3.mlp.down_proj", as loading/safetensors maps its Hugging Face name)."""
+    _, layer, part, _ = name.split(".")
+    return f"layers.{layer}.{_LAYER_NAMES[part].replace('self_attn.', 'attn.')}"
 
 
 def _head_format(reader) -> gguf_blocks.Format | None:
@@ -290,20 +307,24 @@ def _head_format(reader) -> gguf_blocks.Format | None:
     `token_embd`), or None: it is of another type."""
     types = {t.name: int(t.tensor_type) for t in reader.tensors}
     head = types.get("output.weight", types.get("token_embd.weight"))
-    return gguf_blocks.common_format({head})
+    return None if head is None else gguf_blocks.stored_format(head)
 
 
 def stored_settings(path: str | os.PathLike, keep_head: bool = True) -> dict | None:
     """The engine settings that keep the file's linear layers as stored, or None when they
-    are dequantized (`_stored_format`); with them, unless not `keep_head`, the LM head's
-    when it is of a type we hold as stored (a tied head: a quantized copy of the embedding,
-    whose lookups read it dequantized)."""
+    are dequantized (`_stored_formats`): the most common layer format, and the layers of
+    others as `quant_overrides` (Q4_K_M's Q6_K layers among its Q4_K ones); with them,
+    unless not `keep_head`, the LM head's when it is of a type we hold as stored (a tied
+    head: a quantized copy of the embedding, whose lookups read it dequantized)."""
     reader = _reader(Path(path))
-    fmt = _stored_format(reader)
-    if fmt is None:
+    formats = _stored_formats(reader)
+    if formats is None:
         return None
+    fmt = _layers_format(formats)
+    overrides = tuple(sorted((_param_path(name), f.kind, f.group, f.zero_points)
+                             for name, f in formats.items() if f != fmt))
     settings = dict(quantization=fmt.kind, quant_group_size=fmt.group,
-                    quant_zero_points=fmt.zero_points)
+                    quant_zero_points=fmt.zero_points, quant_overrides=overrides)
     head = _head_format(reader) if keep_head else None
     if head is not None:
         settings.update(lm_head_quantization=head.kind, lm_head_group_size=head.group,
@@ -314,12 +335,12 @@ def stored_settings(path: str | os.PathLike, keep_head: bool = True) -> dict | N
 def tensors(reader, config: dict, keep: bool = False, keep_head: bool = True
             ) -> Iterator[tuple[str, np.ndarray]]:
     """The weights as (Hugging Face name, float32 array), dequantized one at a time; with
-    `keep` (`stored_settings`), the linear layers in our format that holds them as stored
+    `keep` (`stored_settings`), the linear layers each in our format that holds it as stored
     (`Prequantized`), and unless not `keep_head` the LM head likewise where its type allows
     ("lm_head.weight"; a tied head's besides the float embedding)."""
     from gguf.quants import dequantize
 
-    kept = _stored_format(reader) if keep else None
+    kept = _stored_formats(reader) if keep else None
     head = _head_format(reader) if kept is not None and keep_head else None
     head_name = "output.weight" if not config["tie_word_embeddings"] else "token_embd.weight"
     model_type = config["model_type"]
@@ -342,7 +363,7 @@ def tensors(reader, config: dict, keep: bool = False, keep_head: bool = True
                                         scales=_unpermute(w.scales, heads),
                                         zeros=None if w.zeros is None
                                         else _unpermute(w.zeros, heads))
-            yield name, gguf_blocks.as_ours(w, kept)
+            yield name, gguf_blocks.as_ours(w, kept[t.name])
             continue
         w = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
         if heads:

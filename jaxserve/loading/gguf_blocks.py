@@ -27,10 +27,10 @@ place of the group's largest |w|). A group with s = 0 and b != 0 (every weight b
 q = 0, z = -1, s = b.
 
 A file mixes types across its layers (Q4_K_M: Q4_K, Q6_K, and where a layer's rows are not a
-multiple of 256, Q5_0 or Q8_0), and our model holds one format for all its linear layers:
-`common_format` is the narrowest that holds all of a file's types (int4 when all fit 4 bits,
-else int8; the smallest group; zero points when any type has offsets), and `as_ours` puts
-each tensor in it (a group of 32's scale repeated over two groups of 16).
+multiple of 256, Q5_0 or Q8_0); each layer is held in its own type's format (`stored_format`:
+int4 or int8 as the table says, the type's group, zero points where it has offsets), and
+`as_ours` puts a tensor in a format (a wider one too: a group of 32's scale repeated over two
+groups of 16, zero points of 0 for a symmetric type).
 """
 
 from __future__ import annotations
@@ -71,14 +71,13 @@ class Format:
     zero_points: bool
 
 
-def common_format(types: set[int]) -> Format | None:
-    """The narrowest format that holds every one of `types` as stored; None when one of
-    them is not a type this module reads (floats, the IQ types): the file is dequantized."""
-    if not types or not types <= TYPES.keys():
+def stored_format(kind: int) -> Format | None:
+    """The format that holds a tensor of GGML type `kind` as stored; None when it is not a
+    type this module reads (floats, the IQ types): the tensor is dequantized."""
+    if kind not in TYPES:
         return None
-    specs = [TYPES[t] for t in types]
-    return Format("int4" if all(s.bits == 4 for s in specs) else "int8",
-                  min(s.group for s in specs), any(s.offsets for s in specs))
+    spec = TYPES[kind]
+    return Format("int4" if spec.bits == 4 else "int8", spec.group, spec.offsets)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:

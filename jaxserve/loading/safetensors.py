@@ -340,8 +340,8 @@ _HEAD = ("lm_head",)
 
 
 def _options_for(path: tuple, options: ModelOptions) -> ModelOptions:
-    """The options a weight is quantized with: the LM head's own, or the layers'."""
-    return options.head_options() if path == _HEAD else options
+    """The options a weight is quantized with (ModelOptions.weight_options)."""
+    return options.weight_options(".".join(map(str, path)))
 
 
 def _scales_path(path: tuple) -> tuple:

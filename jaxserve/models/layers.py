@@ -17,7 +17,7 @@ from pallas_kernels.matmul import matmuls as dense_matmuls
 from pallas_kernels.matmul import packed as packed_layout
 from pallas_kernels.quantized_matmul import (
     pack_strips, packable, quantized_matmul, quantized_shapes)
-from pallas_kernels.quantized_matmul.formats import STRIP
+from pallas_kernels.quantized_matmul.formats import STRIP, kind_of
 from pallas_kernels.rows import ACTIVATIONS, rms_norm_reference
 
 
@@ -81,10 +81,11 @@ def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_in: int,
            packed: bool = False) -> jax.Array:
     """Contract the last `n_in` dims of x with a weight made by `linear` (its values).
 
-    A quantized weight runs the quantized-matmul kernel of `impl` (default: the options'
-    choice) on x flattened to `[tokens, K]` (on a CPU, the native kernel for a few `rows`);
-    `packed`: its values and scales in that kernel's strips. A float weight is one XLA dot, or on a
-    CPU the native matmul (pallas_kernels/matmul), which computes only the first `rows`
+    A quantized weight (its kind read from its values: a model may hold layers in several
+    formats, ModelOptions.quant_overrides) runs the quantized-matmul kernel of `impl`
+    (default: the options' choice) on x flattened to `[tokens, K]` (on a CPU, the native
+    kernel); `packed`: its values and scales in that kernel's strips. A float weight is
+    one XLA dot, or on a CPU the native matmul (pallas_kernels/matmul), which computes only the first `rows`
     tokens (the real ones of a bucket-padded batch) and zeros the rest. A `transposed`
     float weight is laid out out + in, and a `packed` one also packed
     (`weights_for_native_matmul`).
@@ -101,7 +102,7 @@ def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_in: int,
                          packed_w=packed)
     else:
         impl = impl or options.kernel_impl
-        y = quantized_matmul(x2, w, scales, kind=options.quantization, impl=impl,
+        y = quantized_matmul(x2, w, scales, kind=kind_of(w), impl=impl,
                              interpret=options.interpret and impl not in (None, "reference",
                                                                            "cpu"),
                              rows=rows, packed=packed)

@@ -18,16 +18,19 @@ from sharding.rules import ShardingContext
 
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, options: ModelOptions,
-                 intermediate_size: int | None = None):
+                 intermediate_size: int | None = None, path: str | None = None):
         e, m = cfg.hidden_size, intermediate_size or cfg.intermediate_size
+        # Each projection's format (`path`: this module's parameter path in the decoder).
+        gate, up, down = (options.weight_options(path and f"{path}.{p}_proj")
+                          for p in ("gate", "up", "down"))
         self.gate_proj, self.gate_proj_scales = linear(
-            (e,), (m,), ("embed",), ("mlp",), dtype, options)
-        self.up_proj, self.up_proj_scales = linear((e,), (m,), ("embed",), ("mlp",), dtype, options)
+            (e,), (m,), ("embed",), ("mlp",), dtype, gate)
+        self.up_proj, self.up_proj_scales = linear((e,), (m,), ("embed",), ("mlp",), dtype, up)
         self.down_proj, self.down_proj_scales = linear(
-            (m,), (e,), ("mlp",), ("embed",), dtype, options)
-        self.gate_proj_perm = act_order_perm(e, options)  # act-order checkpoints, else None
-        self.up_proj_perm = act_order_perm(e, options)
-        self.down_proj_perm = act_order_perm(m, options)
+            (m,), (e,), ("mlp",), ("embed",), dtype, down)
+        self.gate_proj_perm = act_order_perm(e, gate)  # act-order checkpoints, else None
+        self.up_proj_perm = act_order_perm(e, up)
+        self.down_proj_perm = act_order_perm(m, down)
         self.options = options
         self.sizes = (e, m)
         self.act = cfg.hidden_act

@@ -85,23 +85,26 @@ class Attention(nnx.Module):
     caches just its own head."""
 
     def __init__(self, cfg: ModelConfig, layer: int, dtype, options: ModelOptions,
-                 kv_replicas: int = 1, in_features: int | None = None):
+                 kv_replicas: int = 1, in_features: int | None = None,
+                 path: str | None = None):
         e, d, hq = cfg.hidden_size, cfg.head_dim, cfg.num_heads
         hkv = cfg.num_kv_heads * kv_replicas
         x = in_features or e  # the input's width (an EAGLE-3 layer reads 2 x hidden)
+        # Each projection's format (`path`: this module's parameter path in the decoder).
+        q, k, v, o = (options.weight_options(path and f"{path}.{p}_proj") for p in "qkvo")
         self.q_proj, self.q_proj_scales = linear(
-            (x,), (hq, d), ("embed",), ("q_heads", "head_dim"), dtype, options)
+            (x,), (hq, d), ("embed",), ("q_heads", "head_dim"), dtype, q)
         self.k_proj, self.k_proj_scales = linear(
-            (x,), (hkv, d), ("embed",), ("cache_heads", "head_dim"), dtype, options)
+            (x,), (hkv, d), ("embed",), ("cache_heads", "head_dim"), dtype, k)
         self.v_proj, self.v_proj_scales = linear(
-            (x,), (hkv, d), ("embed",), ("cache_heads", "head_dim"), dtype, options)
+            (x,), (hkv, d), ("embed",), ("cache_heads", "head_dim"), dtype, v)
         self.o_proj, self.o_proj_scales = linear(
-            (hq, d), (e,), ("q_heads", "head_dim"), ("embed",), dtype, options)
+            (hq, d), (e,), ("q_heads", "head_dim"), ("embed",), dtype, o)
         # Act-order checkpoints: each projection's input permutation (None otherwise).
-        self.q_proj_perm = act_order_perm(x, options)
-        self.k_proj_perm = act_order_perm(x, options)
-        self.v_proj_perm = act_order_perm(x, options)
-        self.o_proj_perm = act_order_perm(hq * d, options)
+        self.q_proj_perm = act_order_perm(x, q)
+        self.k_proj_perm = act_order_perm(x, k)
+        self.v_proj_perm = act_order_perm(x, v)
+        self.o_proj_perm = act_order_perm(hq * d, o)
         if cfg.qkv_bias:
             self.q_bias = param((hq, d), ("q_heads", "head_dim"), dtype)
             self.k_bias = param((hkv, d), ("cache_heads", "head_dim"), dtype)
@@ -155,7 +158,8 @@ class Block(nnx.Module):
                  kv_replicas: int = 1):
         e = cfg.hidden_size
         self.input_norm = param((e,), ("embed",), dtype)
-        self.attn = Attention(cfg, layer, dtype, options, kv_replicas)
+        self.attn = Attention(cfg, layer, dtype, options, kv_replicas,
+                              path=f"layers.{layer}.attn")
         # Llama: the norm before the MLP. Gemma ("sandwich"): the norm of the attention's
         # output, and pre_mlp_norm / post_mlp_norm around the MLP.
         self.post_attn_norm = param((e,), ("embed",), dtype)
@@ -163,7 +167,7 @@ class Block(nnx.Module):
             self.pre_mlp_norm = param((e,), ("embed",), dtype)
             self.post_mlp_norm = param((e,), ("embed",), dtype)
         self.mlp = (MoE(cfg, dtype, options) if cfg.sparse_layers[layer]
-                    else MLP(cfg, dtype, options))
+                    else MLP(cfg, dtype, options, path=f"layers.{layer}.mlp"))
         self.eps = cfg.rms_norm_eps
         self.offset = cfg.norm_offset
         self.sandwich = cfg.sandwich_norms

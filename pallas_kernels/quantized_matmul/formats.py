@@ -23,6 +23,16 @@ def check_kind(kind: str) -> None:
         raise ValueError(f"unknown quantization kind {kind!r}: use one of {', '.join(KINDS)}")
 
 
+def kind_of(values: jax.Array) -> str:
+    """A quantized weight's kind, read from its values' dtype (int4: two to a uint8)."""
+    kinds = {jnp.dtype(jnp.int8): "int8", jnp.dtype(jnp.uint8): "int4",
+             jnp.dtype(FP8_DTYPE): "fp8"}
+    if jnp.dtype(values.dtype) not in kinds:
+        raise ValueError(f"quantized values must be int8, uint8 (int4) or {jnp.dtype(FP8_DTYPE)}; "
+                         f"got {values.dtype}")
+    return kinds[jnp.dtype(values.dtype)]
+
+
 def group_rows(k: int, kind: str, group_size: int | None = None) -> int:
     """The rows G per scale group actually used for a weight of K rows, validated.
 
