@@ -521,6 +521,45 @@ def test_convert_a_q4_0_file_keeps_its_int4(checkpoints, prompts, tmp_path, laye
     assert got == want
 
 
+def assert_experts_are(path: Path, truth: dict, cfg, weight_type: str, layer_types: dict):
+    """Each layer's experts' stacks (and a shared expert) held quantized in their own
+    type's format (KEPT), dequantizing to `truth` (the `gguf` package's dequantization;
+    transformers' fused experts: gate_up_proj `[E, 2I, H]`, down_proj `[E, H, I]`)."""
+    from flax import nnx
+
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.loader import load
+    from pallas_kernels.grouped_matmul.formats import dequantize
+    from pallas_kernels.quantized_matmul.formats import kind_of
+
+    flat = dict(nnx.to_flat_state(load(EngineConfig(model=str(path), dtype="float32")).params))
+    for i in range(cfg.num_hidden_layers):
+        experts = f"model.layers.{i}.mlp.experts"
+        gate_up = truth[f"{experts}.gate_up_proj"]
+        half = gate_up.shape[1] // 2
+        stacks = {"gate_proj": ("ffn_gate_exps", gate_up[:, :half]),
+                  "up_proj": ("ffn_up_exps", gate_up[:, half:]),
+                  "down_proj": ("ffn_down_exps", truth[f"{experts}.down_proj"])}
+        if "shared_expert_intermediate_size" in cfg:
+            stacks.update({f"shared_expert.{p}": (f"ffn_{p.split('_')[0]}_shexp",
+                                                  truth[f"model.layers.{i}.mlp.shared_expert."
+                                                        f"{p}.weight"])
+                           for p in ("gate_proj", "up_proj", "down_proj")})
+        for name, (stem, want) in stacks.items():
+            path_ = ("layers", i, "mlp", *name.split("."))
+            values, scales = flat[path_][...], flat[path_[:-1] + (path_[-1] + "_scales",)][...]
+            kind, k = kind_of(values), want.shape[-1]
+            held = (kind, k // scales.shape[-2], scales.ndim == values.ndim + 1)
+            gguf_type = layer_types.get(stem, weight_type)
+            assert held == KEPT[gguf_type], (i, name, held)
+            if values.ndim == 2:  # the shared expert: one [K, N] weight
+                values, scales = values[None], scales[None]
+            got = np.asarray(dequantize(values, scales, kind))
+            want = np.swapaxes(want.reshape(-1, *want.shape[-2:]), 1, 2)  # [E, K, N]
+            atol = np.abs(want).max() * 2**-21 if gguf_type in OFFSETS else 0
+            np.testing.assert_allclose(got, want, rtol=0, atol=atol, err_msg=f"{i} {name}")
+
+
 # --- Gemma 2 / 3 and the MoE families, written with the `gguf` package's own tensor names ---
 
 GEMMA_PIECES = ["▁", "a", "b", "c", "▁a", "ab", "▁ab", "bc", "abc", "▁abc", "H", "e", "l",
@@ -593,11 +632,12 @@ GGUF_ARCH = {"gemma2": "GEMMA2", "gemma3": "GEMMA3", "mixtral": "LLAMA",
              "qwen2_moe": "QWEN2MOE", "qwen3_moe": "QWEN3MOE"}
 
 
-def write_family_gguf(model, path: Path, weight_type: str) -> dict:
+def write_family_gguf(model, path: Path, weight_type: str,
+                      layer_types: dict[str, str] | None = None) -> dict:
     """`model` as llama.cpp's converter writes its family, tensor names from the `gguf`
     package's own map: Gemma's norms stored as 1 + weight, Mixtral's q/k interleaved, the
     experts' weights stacked [E, N, K]; linear layers, experts and the embedding in
-    `weight_type`. Returns the state dict (transformers' names) of the weights as the
+    `weight_type` (`layer_types`: another type for the tensors of these GGUF stems). Returns the state dict (transformers' names) of the weights as the
     `gguf` package dequantizes them (Gemma's norms: stored - 1, as transformers reads
     them)."""
     import gguf as gguf_package
@@ -657,7 +697,8 @@ def write_family_gguf(model, path: Path, weight_type: str) -> dict:
         n = heads.get(stem.split(".")[-1]) if hf_name.endswith(".weight") else None
         if gemma and hf_name.endswith("norm.weight"):
             x = x + 1
-        back = add_tensor(w, gguf_name, x, weight_type if typed else "F32", n)
+        kind = (layer_types or {}).get(gguf_name.split(".")[-2], weight_type)
+        back = add_tensor(w, gguf_name, x, kind if typed else "F32", n)
         if gemma and hf_name.endswith("norm.weight"):
             back = back - 1
         truth[hf_name] = back
@@ -692,16 +733,21 @@ def write_family_gguf(model, path: Path, weight_type: str) -> dict:
     return truth
 
 
-@pytest.mark.parametrize("arch, weight_type", [("gemma2", "Q8_0"), ("gemma3", "Q4_0"),
-                                               ("mixtral", "Q8_0"), ("qwen2_moe", "Q4_1"),
-                                               ("qwen3_moe", "F16")])
-def test_gemma_and_moe_families(prompts, tmp_path, arch, weight_type):
+# A Qwen2-MoE file whose experts' down stacks and shared expert's up are of other types.
+MOE_MIX = {"ffn_down_exps": "Q8_0", "ffn_up_shexp": "Q5_0"}
+
+
+@pytest.mark.parametrize("arch, weight_type, layer_types", [
+    ("gemma2", "Q8_0", None), ("gemma3", "Q4_0", None), ("mixtral", "Q8_0", None),
+    ("qwen2_moe", "Q4_1", None), ("qwen2_moe", "Q4_1", MOE_MIX), ("qwen3_moe", "F16", None)])
+def test_gemma_and_moe_families(prompts, tmp_path, arch, weight_type, layer_types):
     """Gemma 2 (soft-caps, alternating sliding window), Gemma 3 (q/k norms, one global
     layer in six with its own rope, linear rope scaling) and the MoE files (Mixtral as
     llama with experts, Qwen2-MoE's shared expert, Qwen3-MoE): the config read from the
     metadata serves the greedy tokens transformers gives on the `gguf` package's
-    dequantized weights; Gemma's SentencePiece vocabulary and chat template equal
-    transformers' conversion of the same file."""
+    dequantized weights, the experts' stacks kept quantized as stored (each in its own
+    type's format) and equal to that dequantization; Gemma's SentencePiece vocabulary and
+    chat template equal transformers' conversion of the same file."""
     import torch
     from transformers import AutoTokenizer
 
@@ -715,17 +761,18 @@ def test_gemma_and_moe_families(prompts, tmp_path, arch, weight_type):
     torch.manual_seed(0)
     model = cls(cfg).eval()
     path = tmp_path / f"tiny-{arch}.gguf"
-    truth = write_family_gguf(model, path, weight_type)
+    truth = write_family_gguf(model, path, weight_type, layer_types)
     oracle = cls(cfg).eval()
     missing, unexpected = oracle.load_state_dict(
         {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in truth.items()}, strict=False)
     assert not unexpected and all(m == "lm_head.weight" for m in missing), (missing, unexpected)
     oracle.tie_weights()
-    if arch.startswith("gemma"):  # kept as stored: Q8_0 as int8, Q4_0 as int4
-        assert gguf.stored_settings(path)["quantization"] == {"Q8_0": "int8", "Q4_0": "int4"}[
-            weight_type]
-    else:  # experts' stacks: dequantized
-        assert gguf.stored_settings(path) is None
+    # Kept as stored, the experts' stacks too (Q8_0 as int8, Q4_0 / Q4_1 as int4); F16
+    # dequantized.
+    settings = gguf.stored_settings(path)
+    assert (settings and settings["quantization"]) == (KEPT.get(weight_type) or [None])[0]
+    if "num_experts_per_tok" in cfg and weight_type in KEPT:
+        assert_experts_are(path, truth, cfg, weight_type, layer_types or {})
     llm = LLM(str(path), dtype="float32", max_model_len=64, page_size=4, max_num_seqs=4,
               max_num_batched_tokens=16, token_buckets=(16,))
     outs = llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=10,

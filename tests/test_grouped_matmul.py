@@ -29,8 +29,9 @@ from pallas_kernels.grouped_matmul.visits import num_visits, plan_visits
 SIZES = {"mixed": [5, 0, 19, 9], "one group takes all": [0, 0, 37, 0],
          "small groups": [1, 2, 3, 1], "all empty": [0, 0, 0, 0]}
 # Float, the three kinds, and the checkpoints' variants: "-g" group scales, "-zp" groups
-# with zero points (AWQ / GPTQ / compressed-tensors experts).
-KINDS = [None, "int8", "int4", "fp8", "int8-g", "int4-zp", "int8-zp"]
+# with zero points (AWQ / GPTQ / compressed-tensors experts), and GGUF's small groups
+# (a number: rows per group; Q4_K's int4 in 32s with zero points, Q6_K's int8 in 16s).
+KINDS = [None, "int8", "int4", "fp8", "int8-g", "int4-zp", "int8-zp", "int4-zp32", "int8-g16"]
 
 
 def base(kind):
@@ -48,10 +49,12 @@ def draw(rng, sizes, k: int, n: int, kind, group_size: int = 64):
     w = rng.standard_normal((len(sizes), k, n), dtype=np.float32)
     if kind is None:
         return x, jnp.asarray(w), None, jnp.asarray(sizes, jnp.int32)
-    zp = kind.endswith("zp")
+    zp = "zp" in kind
     if zp:  # off zero, so that the zero points differ from group to group
         w += rng.uniform(-2, 2, size=(len(sizes), 1, n)).astype(np.float32)
-    group = group_size if kind.startswith("int4") or "-" in kind else None
+    digits = kind.partition("-")[2].lstrip("gzp")  # "int4-zp32" -> "32"
+    group = (int(digits) if digits else
+             group_size if kind.startswith("int4") or "-" in kind else None)
     values, scales = formats.quantize(jnp.asarray(w), base(kind), group, zero_points=zp)
     return x, values, scales, jnp.asarray(sizes, jnp.int32)
 

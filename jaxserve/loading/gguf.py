@@ -18,8 +18,8 @@ template come from the file's metadata; the weights of every type the `gguf` pac
 dequantizes (F32/F16/BF16, Q8_0, Q4_0/Q4_1, Q5_0/Q5_1, the K-quants, the IQ types) are
 dequantized to the engine's dtype as they are read, one tensor at a time (no float copy of
 the model on disk), except that a file whose every decoder linear layer is of the legacy or
-K-quant types (Q4_0 ... Q8_0, Q2_K ... Q6_K), and that has no experts, keeps them quantized,
-each layer in the format of ours that holds its type as stored (gguf_blocks.py: Q4_0 as
+K-quant types (Q4_0 ... Q8_0, Q2_K ... Q6_K) keeps them quantized (the experts' stacks and a
+shared expert's too), each layer in the format of ours that holds its type as stored (gguf_blocks.py: Q4_0 as
 int4 in groups of 32, Q4_K as int4 in groups of 32 with zero points, Q6_K as int8 in groups
 of 16; a Q4_K_M file's Q6_K layers are `quant_overrides` beside its Q4_K ones;
 `stored_settings`; `--quantization` given: dequantized and quantized our way). The
@@ -264,9 +264,12 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-# The decoder's linear layers: kept quantized when every one of them is of a type
-# gguf_blocks reads.
-_LINEAR_STEMS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+# The decoder's linear layers (with the experts' stacks and a shared expert's
+# projections): kept quantized when every one of them is of a type gguf_blocks reads.
+_SHARED_EXPERT = {"ffn_gate_shexp": "gate_proj", "ffn_up_shexp": "up_proj",
+                  "ffn_down_shexp": "down_proj"}
+_LINEAR_STEMS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                 "ffn_down", *_EXPERT_STACKS, *_SHARED_EXPERT)
 
 
 def _is_linear(name: str) -> bool:
@@ -278,10 +281,7 @@ def _is_linear(name: str) -> bool:
 
 def _stored_formats(reader) -> dict[str, gguf_blocks.Format] | None:
     """Each decoder linear layer's format that holds it as stored (by tensor name), or
-    None: a layer of another type (float, the IQ types), or experts (their stacks are
-    dequantized: our grouped kernels take no groups of 16 or 32)."""
-    if any(t.name.split(".")[-2] in _EXPERT_STACKS for t in reader.tensors):
-        return None
+    None: a layer of another type (float, the IQ types)."""
     formats = {t.name: gguf_blocks.stored_format(int(t.tensor_type))
                for t in reader.tensors if _is_linear(t.name)}
     if not formats or None in formats.values():
@@ -297,8 +297,13 @@ def _layers_format(formats: dict[str, gguf_blocks.Format]) -> gguf_blocks.Format
 
 def _param_path(name: str) -> str:
     """Our parameter path of a decoder linear layer's tensor ("blk.3.ffn_down.weight" ->
-    "layers.3.mlp.down_proj", as loading/safetensors maps its Hugging Face name)."""
+    "layers.3.mlp.down_proj", as loading/safetensors maps its Hugging Face name; an
+    expert stack's is the MoE's stacked parameter, "layers.3.mlp.down_proj" too)."""
     _, layer, part, _ = name.split(".")
+    if part in _EXPERT_STACKS:
+        return f"layers.{layer}.mlp.{_EXPERT_STACKS[part]}"
+    if part in _SHARED_EXPERT:
+        return f"layers.{layer}.mlp.shared_expert.{_SHARED_EXPERT[part]}"
     return f"layers.{layer}.{_LAYER_NAMES[part].replace('self_attn.', 'attn.')}"
 
 
@@ -356,6 +361,11 @@ def tensors(reader, config: dict, keep: bool = False, keep_head: bool = True
             yield "lm_head.weight", gguf_blocks.as_ours(w, head)
             if t.name == "output.weight":
                 continue
+        if kept is not None and _is_linear(t.name) and "{expert}" in name:  # [E, N, K]
+            w = gguf_blocks.decode(t.data, int(t.tensor_type), shape[0] * shape[1], shape[2])
+            for j, one in enumerate(gguf_blocks.split(w, shape[0])):
+                yield name.format(expert=j), gguf_blocks.as_ours(one, kept[t.name])
+            continue
         if kept is not None and _is_linear(t.name):
             w = gguf_blocks.decode(t.data, int(t.tensor_type), *shape)
             if heads:

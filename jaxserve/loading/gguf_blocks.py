@@ -185,6 +185,13 @@ def decode(data: np.ndarray, kind: int, n: int, k: int) -> Decoded:
     return Decoded(q.reshape(n, k).astype(np.int8), s.astype(np.float32), z, spec.group)
 
 
+def split(t: Decoded, parts: int) -> list[Decoded]:
+    """A stack's rows (`[E * N, K]`, the experts' weights one after another) per expert."""
+    zeros = [None] * parts if t.zeros is None else np.split(t.zeros, parts)
+    return [Decoded(q, s, z, t.group) for q, s, z in
+            zip(np.split(t.q, parts), np.split(t.scales, parts), zeros)]
+
+
 def as_ours(t: Decoded, fmt: Format):
     """`t` in `fmt`: values `[K', N]` and scales `[K / G, N]` (`[2, K / G, N]` with zero
     points) as pallas_kernels/quantized_matmul reads them."""

@@ -30,6 +30,7 @@ from jaxserve.models.layers import activation, param
 from jaxserve.models.mlp import MLP
 from jaxserve.models.parallel import expert_parallel
 from pallas_kernels.grouped_matmul import grouped_matmul, quantized_shapes
+from pallas_kernels.quantized_matmul.formats import kind_of
 from sharding.rules import ShardingContext
 
 # Logical axes of the stacked expert weights (sharding/rules.py).
@@ -67,12 +68,13 @@ def route(x: jax.Array, router: jax.Array, top_k: int, normalize: bool,
 
 
 def grouped_glu(x: jax.Array, weights: jax.Array, experts: jax.Array, stacks: tuple,
-                act=jax.nn.silu, kind: str | None = None, impl: str | None = None,
+                act=jax.nn.silu, impl: str | None = None,
                 interpret: bool = False) -> jax.Array:
     """`sum_j weights[t, j] * expert_{experts[t, j]}(x[t])` for every token, each expert
     `down(act(x @ gate) * (x @ up))`, as grouped matmuls over the pairs sorted by expert
     (an expert no token chose is an empty group). `stacks` is (gate, gate scales, up, up
-    scales, down, down scales), the scales None for float stacks (`kind` None). Pairs
+    scales, down, down scales), the scales None for float stacks (a quantized stack's
+    kind is read from its values: a GGUF file may hold each in another format). Pairs
     whose expert is outside `[0, num_experts)` add nothing: another device holds that
     expert (expert parallelism), and sorted last they fall outside every group."""
     gate_w, gate_s, up_w, up_s, down_w, down_s = stacks
@@ -85,7 +87,8 @@ def grouped_glu(x: jax.Array, weights: jax.Array, experts: jax.Array, stacks: tu
     group_sizes = jnp.bincount(ids, length=num_experts + 1)[:num_experts].astype(jnp.int32)
 
     def project(rows, w, scales):
-        return grouped_matmul(rows, w, group_sizes, scales, kind=kind, impl=impl,
+        return grouped_matmul(rows, w, group_sizes, scales,
+                              kind=None if scales is None else kind_of(w), impl=impl,
                               interpret=interpret)
 
     rows = x[tokens]
@@ -98,18 +101,20 @@ def grouped_glu(x: jax.Array, weights: jax.Array, experts: jax.Array, stacks: tu
 class MoE(nnx.Module):
     """The sparse feed-forward block of one layer (see the module doc)."""
 
-    def __init__(self, cfg: ModelConfig, dtype, options: ModelOptions):
+    def __init__(self, cfg: ModelConfig, dtype, options: ModelOptions, path: str | None = None):
         e, m, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
         self.router = param((e, n), ("embed", None), dtype)
+        # Each stack's format (`path`: this module's parameter path in the decoder).
+        gate, up, down = (options.weight_options(path and f"{path}.{p}") for p in PROJECTIONS)
         self.gate_proj, self.gate_proj_scales = expert_stack(
-            (n, e, m), EXPERT_IN_AXES, dtype, options)
+            (n, e, m), EXPERT_IN_AXES, dtype, gate)
         self.up_proj, self.up_proj_scales = expert_stack(
-            (n, e, m), EXPERT_IN_AXES, dtype, options)
+            (n, e, m), EXPERT_IN_AXES, dtype, up)
         self.down_proj, self.down_proj_scales = expert_stack(
-            (n, m, e), EXPERT_OUT_AXES, dtype, options)
+            (n, m, e), EXPERT_OUT_AXES, dtype, down)
         if cfg.shared_expert_intermediate_size:
-            self.shared_expert = MLP(cfg, dtype, options,
-                                     cfg.shared_expert_intermediate_size)
+            self.shared_expert = MLP(cfg, dtype, options, cfg.shared_expert_intermediate_size,
+                                     path=path and f"{path}.shared_expert")
             self.shared_expert_gate = param((e, 1), ("embed", None), dtype)
         self.cfg = cfg
         self.options = options
@@ -136,7 +141,7 @@ class MoE(nnx.Module):
 
         def experts(x, weights, chosen, *stacks, first_expert=0):
             return grouped_glu(x, weights, chosen - first_expert, stacks,
-                               activation(cfg.hidden_act), options.quantization, impl,
+                               activation(cfg.hidden_act), impl,
                                options.interpret and impl in ("tpu", "gpu"))
 
         stacks = [getattr(self, name + suffix) for name in PROJECTIONS

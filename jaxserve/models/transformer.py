@@ -166,8 +166,8 @@ class Block(nnx.Module):
         if cfg.sandwich_norms:
             self.pre_mlp_norm = param((e,), ("embed",), dtype)
             self.post_mlp_norm = param((e,), ("embed",), dtype)
-        self.mlp = (MoE(cfg, dtype, options) if cfg.sparse_layers[layer]
-                    else MLP(cfg, dtype, options, path=f"layers.{layer}.mlp"))
+        mlp = MoE if cfg.sparse_layers[layer] else MLP
+        self.mlp = mlp(cfg, dtype, options, path=f"layers.{layer}.mlp")
         self.eps = cfg.rms_norm_eps
         self.offset = cfg.norm_offset
         self.sandwich = cfg.sandwich_norms
