@@ -77,6 +77,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import itertools
 import math
 import os
 import platform
@@ -92,6 +93,8 @@ from offline_throughput import measure_bandwidth, measure_matmul
 from jaxserve.engine.sampler import SamplingArrays, sample, top_k_top_p_by_sort
 from jaxserve.huge_pages import restart_with_huge_pages
 from jaxserve.models.moe import grouped_glu
+from pallas_kernels.grouped_matmul import dequantize as grouped_dequantize
+from pallas_kernels.grouped_matmul import quantize as grouped_quantize
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from pallas_kernels import cpu as native
 from pallas_kernels.matmul import matmul
@@ -497,11 +500,18 @@ def dense_loop_experts(x, weights, chosen, gate, up, down):
     return out.astype(x.dtype)
 
 
+# The experts' stacks: float, and int4 in groups of 32 with zero points (a GGUF file's
+# Q4_K or an AWQ checkpoint's experts, kept as stored).
+MOE_FORMATS = (None, ("int4", 32, True))
+
+
 def moe_rows(on_cpu: bool, full: bool, impl: str | None, bandwidth: float, iters: int) -> list[Row]:
-    """Dense loop (ref_ms), ragged_dot (peer_ms) and the grouped matmul (kernel_ms)."""
+    """Dense loop (ref_ms; of a quantized stack: on its dequantized weights), ragged_dot
+    (peer_ms) and the grouped matmul (kernel_ms)."""
     grouped = impl if impl in ("tpu", "gpu") else "cpu"
     rows = []
-    for (name, num_experts, hidden, inter, top_k), m, dtype in moe_cases(on_cpu, full):
+    for ((name, num_experts, hidden, inter, top_k), m, dtype), fmt in itertools.product(
+            moe_cases(on_cpu, full), MOE_FORMATS):
         keys = jax.random.split(jax.random.PRNGKey(SEED + m), 5)
         scale = 1 / math.sqrt(hidden)
         gate, up = (jax.random.normal(k, (num_experts, hidden, inter), dtype) * scale
@@ -512,12 +522,21 @@ def moe_rows(on_cpu: bool, full: bool, impl: str | None, bandwidth: float, iters
         weights, chosen = jax.lax.top_k(probs, top_k)
         weights = (weights / weights.sum(-1, keepdims=True)).astype(dtype)
         stacks = (gate, None, up, None, down, None)
+        label, per_weight = dtype, jnp.dtype(dtype).itemsize
+        if fmt is not None:
+            kind, group, zero_points = fmt
+            stacks = sum((grouped_quantize(w, kind, group, zero_points=zero_points)
+                          for w in (gate, up, down)), ())
+            gate, up, down = (grouped_dequantize(*stacks[i:i + 2], kind, dtype)
+                              for i in (0, 2, 4))
+            label = f"{dtype}, {kind} g{group}{' zp' if zero_points else ''} experts"
+            per_weight = (0.5 if kind == "int4" else 1) + 4 * (2 if zero_points else 1) / group
         loop = jax.jit(dense_loop_experts)
         variants = {i: jax.jit(functools.partial(grouped_glu, impl=i))
                     for i in ("reference", grouped)}
         active = len(np.unique(np.asarray(chosen)))
-        nbytes = active * 3 * hidden * inter * jnp.dtype(dtype).itemsize
-        row = Row(f"{name} M={m} {dtype}", nbytes, 1e3 * nbytes / bandwidth,
+        nbytes = int(active * 3 * hidden * inter * per_weight)
+        row = Row(f"{name} M={m} {label}", nbytes, 1e3 * nbytes / bandwidth,
                   median_ms(lambda: loop(x, weights, chosen, gate, up, down), iters),  # noqa: B023
                   peer_ms=median_ms(lambda: variants["reference"](x, weights, chosen, stacks),  # noqa: B023
                                     iters),
