@@ -805,7 +805,10 @@ class ModelOptions:
     the embedding, which lookups keep reading in float. `quant_overrides` names the
     linear layers held in another integer format than `quantization`'s (a GGUF file that
     mixes block types, as Q4_K_M does): (parameter path, kind, group size, zero points).
-    A weight's kind is read from its values (layers.matmul), so the step needs no more."""
+    A weight's kind is read from its values (layers.matmul), so the step needs no more.
+    `embed_from_lm_head`: a tied model holds no float embedding; token lookups dequantize
+    columns of its quantized LM head (layers.quantized_embedding). A GGUF file whose tied
+    head is kept as stored sets it: the head's values are the file's embedding."""
 
     kernel_impl: str | None = None
     quantization: str | None = None
@@ -817,6 +820,7 @@ class ModelOptions:
     lm_head_group_size: int | None = None
     lm_head_zero_points: bool = False
     quant_overrides: tuple[tuple[str, str, int | None, bool], ...] = ()
+    embed_from_lm_head: bool = False
 
     def head_options(self) -> ModelOptions:
         """The options the LM head's matmul runs with: its own quantization."""
@@ -859,7 +863,8 @@ class EngineConfig:
     LM head too (a tied one: a quantized copy; lookups read the float embedding); a GGUF
     file whose head is stored quantized sets them to hold it as stored, and one whose
     layers mix block types sets `quant_overrides` (ModelOptions) for the layers of a
-    format other than the most common one's. `kernel_impl` picks the attention and matmul kernels ("reference":
+    format other than the most common one's, and one whose tied head is kept
+    `embed_from_lm_head` (token lookups read the quantized head: no float embedding). `kernel_impl` picks the attention and matmul kernels ("reference":
     pure JAX / XLA dots | "tpu" | "gpu" | "cpu": the native CPU kernels; None: by
     platform, the native ones on a CPU where they build); `interpret_kernels` runs the
     Pallas kernels in interpret mode (for testing them on CPU). `async_scheduling` dispatches each step
@@ -907,6 +912,7 @@ class EngineConfig:
     lm_head_group_size: int | None = None
     lm_head_zero_points: bool = False
     quant_overrides: tuple[tuple[str, str, int | None, bool], ...] = ()
+    embed_from_lm_head: bool = False
     kernel_impl: str | None = None
     interpret_kernels: bool = False
     async_scheduling: bool = True
@@ -996,6 +1002,9 @@ class EngineConfig:
                              "LM head; set lm_head_quantization: int8 or int4")
         object.__setattr__(self, "quant_overrides", _check_overrides(self.quant_overrides,
                                                                      self.quantization))
+        if self.embed_from_lm_head and self.lm_head_quantization is None:
+            raise ValueError("embed_from_lm_head reads token embeddings from a quantized LM "
+                             "head; set lm_head_quantization: int8 or int4")
         if self.sharding not in STRATEGIES:
             raise ValueError(f"sharding must be one of {STRATEGIES}, got {self.sharding!r}")
         if self.mesh is not None:
@@ -1023,7 +1032,8 @@ class EngineConfig:
                             lm_head_quantization=self.lm_head_quantization,
                             lm_head_group_size=self.lm_head_group_size,
                             lm_head_zero_points=self.lm_head_zero_points,
-                            quant_overrides=self.quant_overrides)
+                            quant_overrides=self.quant_overrides,
+                            embed_from_lm_head=self.embed_from_lm_head)
 
     @property
     def kv_storage_dtype(self) -> str:

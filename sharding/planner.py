@@ -265,7 +265,7 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
          quant_group_size: int | None = None, quant_zero_points: bool = False,
          quant_act_order: bool = False, lm_head_quantization: str | None = None,
          lm_head_group_size: int | None = None, lm_head_zero_points: bool = False,
-         quant_overrides: tuple = ()) -> dict:
+         quant_overrides: tuple = (), embed_from_lm_head: bool = False) -> dict:
     """Compile a decode and a prefill bucket for `target` (a TPU topology such as 'v5e:4x4',
     or a GPU target such as 'h100x8', whose CPU devices this process must have; see
     `plan_target`), and report per-chip memory, KV capacity, collectives and XLA's cost
@@ -281,8 +281,8 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
     (replicated on every chip; `lora_bytes`), which the KV cache does without.
     `quant_group_size` / `quant_zero_points` / `quant_act_order`: integer weights as a
     checkpoint stores them (AWQ, GPTQ, compressed-tensors, GGUF), `quant_overrides` the
-    layers a GGUF file holds in other formats; `lm_head_*`: the LM head quantized
-    (EngineConfig's fields).
+    layers a GGUF file holds in other formats; `lm_head_*`: the LM head quantized,
+    `embed_from_lm_head` a tied one read by lookups too (EngineConfig's fields).
     """
     platform, devices, hbm = resolve_target(target)
     chips = len(devices)
@@ -296,7 +296,8 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
                           lm_head_quantization=lm_head_quantization,
                           lm_head_group_size=lm_head_group_size,
                           lm_head_zero_points=lm_head_zero_points,
-                          quant_overrides=quant_overrides, enable_lora=max_loras > 0,
+                          quant_overrides=quant_overrides,
+                          embed_from_lm_head=embed_from_lm_head, enable_lora=max_loras > 0,
                           max_loras=max(max_loras, 1),
                           max_lora_rank=max_lora_rank)
     data = chips if strategy == "dp" else data_parallel if strategy.startswith("dp") else 1

@@ -69,7 +69,8 @@ def shapes_of(hlo: str, op: str) -> list[list[int]]:
             for m in re.finditer(rf"= \w+\[([\d,]*)\][^ ]* {op}(-start)?\(", hlo)]
 
 
-def main(model_dir: str, out_path: str, moe_dir: str | None = None) -> None:
+def main(model_dir: str, out_path: str, moe_dir: str | None = None,
+         gguf_files: list[str] = ()) -> None:
     assert len(jax.devices()) == 8, jax.devices()
     rng = np.random.default_rng(1234)
     prompts = [rng.integers(3, 320, size=n).tolist() for n in (5, 17, 30, 43)]
@@ -88,6 +89,14 @@ def main(model_dir: str, out_path: str, moe_dir: str | None = None) -> None:
             "tokens": [o.outputs[0].token_ids for o in llm.generate(prompts, params)]}
     if moe_dir:
         results.update(moe_runs(moe_dir, prompts, params))
+    for path in gguf_files:  # files mixing block types: layers in several formats
+        for mesh, strategy in GGUF_RUNS + (GGUF_MOE_RUNS if "moe" in Path(path).name else []):
+            llm = LLM(path, mesh=mesh, sharding=strategy, **ENGINE)
+            results[f"gguf {Path(path).name} {json.dumps(mesh)} {strategy}"] = {
+                "tokens": [o.outputs[0].token_ids for o in llm.generate(prompts, params)],
+                "overrides": len(llm.engine.config.quant_overrides),
+                "embed_from_lm_head": llm.engine.config.embed_from_lm_head,
+                "leaked_pages": llm.engine.scheduler.num_used_pages}
     with open(out_path, "w") as f:
         json.dump(results, f)
 
@@ -267,5 +276,10 @@ MOE_RUNS = [(None, "tp", {}, ""), ({"model": 2}, "tp", {}, ""), ({"model": 4}, "
             ({"model": 8}, "ep", {}, ""), (None, "tp", {"quantization": "int4"}, " int4"),
             ({"model": 4}, "tp+ep", {**KERNELS, "quantization": "int4"}, " int4 tpu-kernels")]
 
+# {"model": 2}: the tiny models' row-split int4 layers (o_proj: K = 64, two groups of 32)
+# hold as many scale groups as devices.
+GGUF_RUNS = [(None, "tp"), ({"model": 2}, "tp"), ({"data": 2, "model": 2}, "dp+tp")]
+GGUF_MOE_RUNS = [({"model": 2}, "ep"), ({"model": 2}, "tp+ep")]
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)
+    main(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None, sys.argv[4:])

@@ -353,11 +353,26 @@ def assert_head_is(loaded, truth: dict, weight_type: str):
     got = np.asarray(dequantize(flat[("lm_head",)][...], flat[("lm_head_scales",)][...],
                                 kept[0]))
     want = truth.get("lm_head.weight", truth["model.embed_tokens.weight"]).T
-    if weight_type in OFFSETS:
-        np.testing.assert_allclose(got, want, rtol=0, atol=np.abs(want).max() * 2**-21)
-    else:
-        np.testing.assert_array_equal(got, want)
-    assert flat[("embed",)][...].dtype == np.float32  # lookups: the float embedding
+    atol = np.abs(want).max() * 2**-21 if weight_type in OFFSETS else 0
+    np.testing.assert_allclose(got, want, rtol=0, atol=atol)
+    tied = "lm_head.weight" not in truth
+    assert c.embed_from_lm_head == tied
+    if not tied:  # lookups: the float embedding
+        assert flat[("embed",)][...].dtype == np.float32
+        return
+    # Lookups read the head's columns (no float embedding), then packed as a CPU serves it.
+    import jax.numpy as jnp
+
+    from jaxserve.models.layers import is_packed, weights_for_native_matmul
+
+    assert ("embed",) not in flat
+    ids = np.asarray([0, 5, 3, 5, want.shape[1] - 1])
+    for pack in (False, True):
+        params = weights_for_native_matmul(loaded.params) if pack else loaded.params
+        model = nnx.merge(loaded.graphdef, params)
+        assert is_packed(model.lm_head) == pack
+        rows = np.asarray(model.embed_tokens(jnp.asarray(ids)))
+        np.testing.assert_allclose(rows, want.T[ids], rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("weight_type", WEIGHT_TYPES)
@@ -435,6 +450,8 @@ def test_tiny_gguf_families_and_their_text_splitting(checkpoints, prompts, tmp_p
 
     from conftest import hf_greedy
     from jaxserve import LLM, SamplingParams
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.loader import load
     from jaxserve.loading import gguf
     from jaxserve.loading.tokenizer import Tokenizer
 
@@ -448,6 +465,8 @@ def test_tiny_gguf_families_and_their_text_splitting(checkpoints, prompts, tmp_p
     assert not [m for m in missing if "rotary" not in m and m != "lm_head.weight"], missing
     if model.config.tie_word_embeddings:
         oracle.tie_weights()
+    # Qwen2's tied Q4_0 head: the lookups' only copy of the embedding.
+    assert_head_is(load(EngineConfig(model=str(path), dtype="float32")), truth, weight_type)
     llm = LLM(str(path), dtype="float32", max_model_len=64, page_size=4, max_num_seqs=4,
               max_num_batched_tokens=16, token_buckets=(16,))
     outs = llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=12,
@@ -492,17 +511,21 @@ def test_sentencepiece_vocabulary_equals_transformers_conversion(checkpoints, tm
     assert out.prompt_token_ids == theirs.encode("abc Hello") and len(out.outputs[0].token_ids) == 4
 
 
-@pytest.mark.parametrize("layer_types", [None, {"attn_v": "Q8_0", "ffn_down": "Q5_1"}])
-def test_convert_a_q4_0_file_keeps_its_int4(checkpoints, prompts, tmp_path, layer_types):
+@pytest.mark.parametrize("arch, layer_types", [("llama8", None),
+                                               ("llama8", {"attn_v": "Q8_0", "ffn_down": "Q5_1"}),
+                                               ("qwen2", None)])
+def test_convert_a_q4_0_file_keeps_its_int4(checkpoints, prompts, tmp_path, arch, layer_types):
     """`jaxserve convert --model file.gguf` writes our checkpoint with the file's Q4_0
-    layers as int4 in groups of 32 (and a mix's other layers in their own formats) and its
-    tokenizer; it serves the tokens the file does."""
+    layers as int4 in groups of 32 (a mix's other layers in their own formats; a tied
+    file's head as its only embedding) and its tokenizer; it serves the tokens the file
+    does."""
     from jaxserve import LLM, SamplingParams
     from jaxserve.cli import main
 
-    _, model = checkpoints("llama8")
+    _, model = checkpoints(arch)
     path = tmp_path / "tiny-Q4_0.gguf"
-    write_tiny_gguf(model, path, "Q4_0", layer_types=layer_types)
+    write_tiny_gguf(model, path, "Q4_0", arch="llama" if arch == "llama8" else arch,
+                    layer_types=layer_types)
     out = tmp_path / "converted"
     assert main(["convert", "--model", str(path), "--out", str(out), "--dtype", "float32"]) == 0
     manifest = json.loads((out / "jaxserve.json").read_text())
@@ -512,6 +535,7 @@ def test_convert_a_q4_0_file_keeps_its_int4(checkpoints, prompts, tmp_path, laye
     overrides = [[f"layers.{i}.{p}", *KEPT[t]] for i in range(layers)
                  for p, t in (("attn.v_proj", "Q8_0"), ("mlp.down_proj", "Q5_1"))]
     assert manifest["quant_overrides"] == (overrides if layer_types else [])
+    assert manifest["embed_from_lm_head"] == model.config.tie_word_embeddings
     assert (out / "tokenizer.json").is_file()
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     engine = dict(dtype="float32", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
@@ -735,6 +759,9 @@ def write_family_gguf(model, path: Path, weight_type: str,
 
 # A Qwen2-MoE file whose experts' down stacks and shared expert's up are of other types.
 MOE_MIX = {"ffn_down_exps": "Q8_0", "ffn_up_shexp": "Q5_0"}
+# Beside Q4_0 (int4 g32): int8 g32 and int8 g32 with zero points (test_sharding's mesh runs).
+GGUF_MESH_MIX = {"attn_v": "Q8_0", "ffn_down": "Q5_1", "ffn_down_exps": "Q5_1",
+                 "ffn_up_exps": "Q8_0", "ffn_gate_shexp": "Q8_0"}
 
 
 @pytest.mark.parametrize("arch, weight_type, layer_types", [

@@ -94,13 +94,17 @@ def test_convert_then_serve_without_requantizing(arch, checkpoints, prompts, tmp
 @pytest.mark.parametrize("arch, head", [
     ("llama", dict(lm_head_quantization="int4", lm_head_group_size=32)),
     ("qwen2", dict(lm_head_quantization="int8")),
-], ids=["untied-int4", "tied-int8"])
+    ("qwen2", dict(lm_head_quantization="int4", lm_head_group_size=16, lm_head_zero_points=True,
+                   embed_from_lm_head=True)),
+], ids=["untied-int4", "tied-int8", "tied-int4-lookups"])
 def test_quantized_lm_head_gives_transformers_tokens_on_its_dequantized_weights(
         arch, head, checkpoints, prompts):
     """`lm_head_quantization` quantizes the LM head alone (a tied one as a copy: lookups
-    read the float embedding): greedy tokens equal transformers' with the head replaced
-    by the quantized head's dequantized weights and everything else as stored, on the
-    native CPU kernel (the head packed in its strips) and on the reference."""
+    read the float embedding, or with `embed_from_lm_head` the quantized head's columns,
+    no float embedding held): greedy tokens equal transformers' with the head (and those
+    lookups' embedding) replaced by the quantized head's dequantized weights and
+    everything else as stored, on the native CPU kernel (the head packed in its strips)
+    and on the reference."""
     import torch
 
     from conftest import hf_greedy
@@ -110,9 +114,13 @@ def test_quantized_lm_head_gives_transformers_tokens_on_its_dequantized_weights(
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     w = state.get("lm_head.weight", state["model.embed_tokens.weight"]).numpy()  # [V, H]
     kind, group = head["lm_head_quantization"], head.get("lm_head_group_size")
-    values, scales = quantize(w.T.astype(np.float32), kind, group)
+    values, scales = quantize(w.T.astype(np.float32), kind, group,
+                              zero_points=head.get("lm_head_zero_points", False))
     state["lm_head.weight"] = torch.from_numpy(np.asarray(dequantize(values, scales, kind)).T
                                                .copy())
+    lookups = head.get("embed_from_lm_head", False)
+    if lookups:
+        state["model.embed_tokens.weight"] = state["lm_head.weight"].clone()
     cfg = type(model.config).from_dict({**model.config.to_dict(), "tie_word_embeddings": False})
     oracle = type(model)(cfg).eval()
     oracle.load_state_dict(state)
@@ -121,6 +129,7 @@ def test_quantized_lm_head_gives_transformers_tokens_on_its_dequantized_weights(
         llm = LLM(str(path), kernel_impl=impl, **ENGINE, **head)
         params = dict(nnx.to_flat_state(llm.engine.runner.params))
         assert params[("lm_head",)][...].dtype == (jnp.int8 if kind == "int8" else jnp.uint8)
-        assert params[("embed",)][...].dtype == jnp.float32
+        assert (("embed",) not in params) if lookups else \
+            params[("embed",)][...].dtype == jnp.float32
         assert bool(params[("lm_head",)].get_metadata().get("packed")) == (impl == "cpu")
         assert greedy(llm, prompts) == want, impl

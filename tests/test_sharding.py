@@ -21,13 +21,23 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def runs(checkpoints, tmp_path_factory):
-    path, _ = checkpoints("llama8")
+    import torch
+    from test_gguf import GGUF_MESH_MIX, family_config, write_family_gguf, write_tiny_gguf
+
+    path, model = checkpoints("llama8")
     moe, _ = checkpoints("qwen2_moe")
     out = tmp_path_factory.mktemp("tp") / "runs.json"
+    ggufs = [out.parent / "mix.gguf", out.parent / "moe-mix.gguf", out.parent / "tied.gguf"]
+    write_tiny_gguf(model, ggufs[0], "Q4_0", layer_types=GGUF_MESH_MIX)  # 3 formats
+    write_tiny_gguf(checkpoints("qwen2")[1], ggufs[2], "Q8_0", arch="qwen2")  # lookups: head
+    cls, cfg = family_config("qwen2_moe")  # rows of multiples of 32, as Q4_0 needs
+    torch.manual_seed(0)
+    write_family_gguf(cls(cfg).eval(), ggufs[1], "Q4_0", layer_types=GGUF_MESH_MIX)
     flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     script = Path(__file__).parent / "multidevice_check.py"
-    proc = subprocess.run([sys.executable, str(script), str(path), str(out), str(moe)], env=env,
+    proc = subprocess.run([sys.executable, str(script), str(path), str(out), str(moe),
+                           *map(str, ggufs)], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
@@ -60,6 +70,27 @@ def test_quantized_lm_head_on_a_mesh_matches_one_device(runs):
     """An int8 LM head, its vocabulary split over `model` (the quantized matmul per device
     under shard_map, no collective), gives one device's tokens and logprobs."""
     compare_runs(runs["null int8 head"], runs['{"model": 4} int8 head'])
+
+
+@pytest.mark.parametrize("run", ['mix.gguf {"model": 2} tp',
+                                 'mix.gguf {"data": 2, "model": 2} dp+tp',
+                                 'moe-mix.gguf {"model": 2} tp',
+                                 'moe-mix.gguf {"data": 2, "model": 2} dp+tp',
+                                 'moe-mix.gguf {"model": 2} ep', 'moe-mix.gguf {"model": 2} tp+ep',
+                                 'tied.gguf {"model": 2} tp',
+                                 'tied.gguf {"data": 2, "model": 2} dp+tp'])
+def test_gguf_files_on_a_mesh_match_one_device(runs, run):
+    """A GGUF file whose layers (experts' stacks too) are held in three formats (int4 in
+    groups of 32, int8 in groups of 32, int8 in groups of 32 with zero points; int4
+    row-split weights keep whole groups on each device), and a tied one whose token
+    lookups read its quantized head (vocabulary split over `model`): one device's greedy
+    tokens on tensor-, data- and expert-parallel meshes."""
+    name = run.split()[0]
+    one, sharded = runs[f"gguf {name} null tp"], runs[f"gguf {run}"]
+    assert one["overrides"] == sharded["overrides"]
+    assert (one["overrides"] > 0) == (name != "tied.gguf")
+    assert one["embed_from_lm_head"] == sharded["embed_from_lm_head"] == (name == "tied.gguf")
+    assert sharded["tokens"] == one["tokens"] and sharded["leaked_pages"] == 0
 
 
 @pytest.mark.parametrize("run", ['{"model": 2} tp', '{"data": 2, "model": 2} dp+tp',

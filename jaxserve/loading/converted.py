@@ -85,6 +85,7 @@ def convert(model_dir: str | Path, out_dir: str | Path, dtype: str, quantization
                 "lm_head_group_size": options.lm_head_group_size,
                 "lm_head_zero_points": options.lm_head_zero_points,
                 "quant_overrides": [list(o) for o in options.quant_overrides],
+                "embed_from_lm_head": options.embed_from_lm_head,
                 "source": str(source.absolute()), "source_quantization": method}
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return out_dir
@@ -139,4 +140,5 @@ def served_settings(model_dir: str | Path, quantization: str | None,
                 lm_head_quantization=lm_head_quantization or manifest.get("lm_head_quantization"),
                 lm_head_group_size=manifest.get("lm_head_group_size"),
                 lm_head_zero_points=manifest.get("lm_head_zero_points", False),
-                quant_overrides=tuple(tuple(o) for o in manifest.get("quant_overrides", ())))
+                quant_overrides=tuple(tuple(o) for o in manifest.get("quant_overrides", ())),
+                embed_from_lm_head=manifest.get("embed_from_lm_head", False))

@@ -24,8 +24,9 @@ int4 in groups of 32, Q4_K as int4 in groups of 32 with zero points, Q6_K as int
 of 16; a Q4_K_M file's Q6_K layers are `quant_overrides` beside its Q4_K ones;
 `stored_settings`; `--quantization` given: dequantized and quantized our way). The
 LM head of such a file is kept likewise, in the format that holds its own type (SmolLM2's
-tied Q8_0 head as int8 in groups of 32: a quantized copy of the embedding, which lookups
-read dequantized; `--lm-head-quantization` given: dequantized and quantized our way).
+tied Q8_0 head as int8 in groups of 32, which token lookups read too, dequantizing the
+columns they take: no float embedding; `--lm-head-quantization` given: dequantized and
+quantized our way, beside a float embedding).
 llama.cpp's converter stores attn_q and attn_k of its Llama (and Mixtral) with each head's
 rotary halves interleaved; they are put back in Hugging Face's order.
 
@@ -320,7 +321,8 @@ def stored_settings(path: str | os.PathLike, keep_head: bool = True) -> dict | N
     are dequantized (`_stored_formats`): the most common layer format, and the layers of
     others as `quant_overrides` (Q4_K_M's Q6_K layers among its Q4_K ones); with them,
     unless not `keep_head`, the LM head's when it is of a type we hold as stored (a tied
-    head: a quantized copy of the embedding, whose lookups read it dequantized)."""
+    head: the embedding as stored, which token lookups read too, dequantizing the columns
+    they take: `embed_from_lm_head`, no float embedding)."""
     reader = _reader(Path(path))
     formats = _stored_formats(reader)
     if formats is None:
@@ -333,8 +335,14 @@ def stored_settings(path: str | os.PathLike, keep_head: bool = True) -> dict | N
     head = _head_format(reader) if keep_head else None
     if head is not None:
         settings.update(lm_head_quantization=head.kind, lm_head_group_size=head.group,
-                        lm_head_zero_points=head.zero_points)
+                        lm_head_zero_points=head.zero_points,
+                        embed_from_lm_head=_tied(reader))
     return settings
+
+
+def _tied(reader) -> bool:
+    """Whether the file's LM head is its embedding (no `output` tensor)."""
+    return all(t.name != "output.weight" for t in reader.tensors)
 
 
 def tensors(reader, config: dict, keep: bool = False, keep_head: bool = True
@@ -342,7 +350,8 @@ def tensors(reader, config: dict, keep: bool = False, keep_head: bool = True
     """The weights as (Hugging Face name, float32 array), dequantized one at a time; with
     `keep` (`stored_settings`), the linear layers each in our format that holds it as stored
     (`Prequantized`), and unless not `keep_head` the LM head likewise where its type allows
-    ("lm_head.weight"; a tied head's besides the float embedding)."""
+    ("lm_head.weight"; a tied head's instead of the float embedding, which lookups then
+    read from it)."""
     from gguf.quants import dequantize
 
     kept = _stored_formats(reader) if keep else None
@@ -359,8 +368,7 @@ def tensors(reader, config: dict, keep: bool = False, keep_head: bool = True
         if head is not None and t.name == head_name:
             w = gguf_blocks.decode(t.data, int(t.tensor_type), *shape)
             yield "lm_head.weight", gguf_blocks.as_ours(w, head)
-            if t.name == "output.weight":
-                continue
+            continue
         if kept is not None and _is_linear(t.name) and "{expert}" in name:  # [E, N, K]
             w = gguf_blocks.decode(t.data, int(t.tensor_type), shape[0] * shape[1], shape[2])
             for j, one in enumerate(gguf_blocks.split(w, shape[0])):

@@ -246,6 +246,8 @@ def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype, shard: Shard
             continue
         if tied_head and name == "model.embed_tokens.weight":
             embedding = tensor
+            if ("embed",) not in expected:  # embed_from_lm_head: only the head holds it
+                continue
         mapped = _hf_to_ours(name, tensor, cfg, shard.rules.kv_head_replicas)
         if mapped is None:
             continue

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig, ModelOptions
-from jaxserve.models.layers import embedding, is_packed, is_transposed, lm_head, param, rms_norm
+from jaxserve.models.layers import is_packed, is_transposed, lm_head, param, rms_norm
 from jaxserve.models.mlp import MLP
 from jaxserve.models.parallel import RESIDUAL_AXES, dense, real_tokens
 from jaxserve.models.transformer import Attention, AttentionMetadata, Transformer
@@ -124,4 +124,4 @@ class EagleHead(nnx.Module):
 
 def embed(target: Transformer, ids: jax.Array) -> jax.Array:
     """The target's token embeddings (EAGLE shares them), unscaled as EAGLE reads them."""
-    return embedding(target.embed, ids)
+    return target.embed_tokens(ids)

@@ -17,7 +17,7 @@ from pallas_kernels.matmul import matmuls as dense_matmuls
 from pallas_kernels.matmul import packed as packed_layout
 from pallas_kernels.quantized_matmul import (
     pack_strips, packable, quantized_matmul, quantized_shapes)
-from pallas_kernels.quantized_matmul.formats import STRIP, kind_of
+from pallas_kernels.quantized_matmul.formats import STRIP, dequantize, kind_of
 from pallas_kernels.rows import ACTIVATIONS, rms_norm_reference
 
 
@@ -206,6 +206,31 @@ def embedding(table: nnx.Param, ids: jax.Array) -> jax.Array:
     if is_packed(table):
         return packed_layout.take_rows(table[...], ids)
     return table[...][ids]
+
+
+def quantized_embedding(values: nnx.Param, scales: nnx.Param, ids: jax.Array,
+                        dtype) -> jax.Array:
+    """Rows `ids` (`[T, K]` in `dtype`) of the table a quantized `[K, N]` weight holds
+    transposed: a tied embedding that only its quantized LM head holds
+    (ModelOptions.embed_from_lm_head), each looked-up column dequantized. Packed values
+    and scales (a CPU) are read in place; unpacked ones through a gather that XLA
+    partitions on a mesh (the head's vocabulary split: each device its columns)."""
+    v, s = values[...], scales[...]
+    if is_packed(values):
+        v, s = _packed_columns(v, ids), _packed_columns(s, ids)
+    else:
+        v, s = jnp.take(v, ids, axis=-1), jnp.take(s, ids, axis=-1)
+    return dequantize(v, s, kind_of(v), dtype).T
+
+
+def _packed_columns(a: jax.Array, ids: jax.Array) -> jax.Array:
+    """`a[..., ids]` of a `[..., K', N]` array stored in strips (pack_strips), gathered
+    from its flat planes: column c of strip c // STRIP, row r at (c // STRIP) K' STRIP +
+    r STRIP + c % STRIP."""
+    *lead, k, n = a.shape
+    offsets = ((ids // STRIP) * (k * STRIP) + ids % STRIP)[None, :] \
+        + (jnp.arange(k) * STRIP)[:, None]
+    return a.reshape(*lead, k * n)[..., offsets]
 
 
 def dense_impl(options: ModelOptions, impl: str | None = None) -> str:

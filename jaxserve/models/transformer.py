@@ -20,8 +20,8 @@ from flax import nnx
 
 from jaxserve.config import ModelConfig, ModelOptions
 from jaxserve.models.layers import (
-    act_order_perm, embedding, is_packed, is_transposed, linear, lm_head, param, rms_norm,
-    rope_inv_freq, rows_impl)
+    act_order_perm, embedding, is_packed, is_transposed, linear, lm_head, param,
+    quantized_embedding, rms_norm, rope_inv_freq, rows_impl)
 from jaxserve.models.lora import ATTENTION_IN, LoraInputs, LoraLayer, delta_impl
 from jaxserve.models.mlp import MLP
 from jaxserve.models.moe import MoE
@@ -208,9 +208,14 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         self.shard = shard
         self.options = options
+        self.dtype = jnp.dtype(dtype)
         head_quantized = options.lm_head_quantization is not None
-        self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype,
-                           tied_head=cfg.tie_word_embeddings and not head_quantized)
+        if options.embed_from_lm_head and not (head_quantized and cfg.tie_word_embeddings):
+            raise ValueError("embed_from_lm_head: token lookups read a tied, quantized LM head; "
+                             "this model's head is untied or not quantized")
+        if not options.embed_from_lm_head:  # else lookups read the quantized head
+            self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype,
+                               tied_head=cfg.tie_word_embeddings and not head_quantized)
         replicas = shard.rules.kv_head_replicas
         self.layers = nnx.List([Block(cfg, i, dtype, options, replicas)
                                 for i in range(cfg.num_layers)])
@@ -233,6 +238,12 @@ class Transformer(nnx.Module):
                                         lora=lora)
         return hidden, kv_caches
 
+    def embed_tokens(self, ids: jax.Array) -> jax.Array:
+        """The token embeddings of `ids` (`[T, hidden]`, before Gemma's scaling)."""
+        if self.options.embed_from_lm_head:
+            return quantized_embedding(self.lm_head, self.lm_head_scales, ids, self.dtype)
+        return embedding(self.embed, ids)
+
     def run(self, input_ids: jax.Array, positions: jax.Array, kv_caches: KVCache,
             meta: AttentionMetadata, router_stats: bool = False,
             features_from: tuple[int, ...] = (), lora: LoraInputs | None = None,
@@ -246,7 +257,7 @@ class Transformer(nnx.Module):
         a token with a row takes that embedding instead of its own (after Gemma's scaling,
         as transformers merges them)."""
         shard = self.shard
-        x = embedding(self.embed, input_ids)
+        x = self.embed_tokens(input_ids)
         if self.cfg.scale_embeddings:  # sqrt(hidden), rounded to the weights' dtype (as HF)
             x = x * jnp.asarray(self.cfg.hidden_size**0.5, x.dtype)
         if images is not None:

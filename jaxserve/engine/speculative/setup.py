@@ -171,9 +171,10 @@ def _load_draft(path: str, target: ModelConfig, mesh, strategy: str, dtype, opti
                          f"{draft_cfg.vocab_size} tokens, the target's {target.vocab_size}; "
                          "a draft must share the target's tokenizer")
     shard = model_sharding(mesh, strategy, draft_cfg)
-    # A float draft is quantized like the target; an act-order permutation and formats
-    # of single layers are the target checkpoint's own, not the draft's.
-    options = dataclasses.replace(options, quant_act_order=False, quant_overrides=())
+    # A float draft is quantized like the target; an act-order permutation, formats of
+    # single layers and lookups from the head are the target checkpoint's own.
+    options = dataclasses.replace(options, quant_act_order=False, quant_overrides=(),
+                                  embed_from_lm_head=False)
     graphdef, params = load_checkpoint(draft_dir, draft_cfg, dtype, shard, options)
     return draft_cfg, shard, graphdef, params
 
