@@ -864,7 +864,8 @@ class EngineConfig:
     file whose head is stored quantized sets them to hold it as stored, and one whose
     layers mix block types sets `quant_overrides` (ModelOptions) for the layers of a
     format other than the most common one's, and one whose tied head is kept
-    `embed_from_lm_head` (token lookups read the quantized head: no float embedding). `kernel_impl` picks the attention and matmul kernels ("reference":
+    `embed_from_lm_head` (token lookups read the quantized head: no float embedding).
+    `kernel_impl` picks the attention and matmul kernels ("reference":
     pure JAX / XLA dots | "tpu" | "gpu" | "cpu": the native CPU kernels; None: by
     platform, the native ones on a CPU where they build); `interpret_kernels` runs the
     Pallas kernels in interpret mode (for testing them on CPU). `async_scheduling` dispatches each step

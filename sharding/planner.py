@@ -129,7 +129,7 @@ def placed(abstract: nnx.State, shard: ShardingContext) -> nnx.State:
     """Abstract parameters with the shardings their logical axes get under `shard`."""
     flat = nnx.to_flat_state(abstract)
     for _, var in flat:
-        sharding = shard.sharding(var.get_metadata()["logical_axes"])
+        sharding = shard.param_sharding(var)
         var.set_value(jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=sharding))
     return nnx.from_flat_state(flat)
 
@@ -419,7 +419,7 @@ def _analytic_weight_bytes(cfg: ModelConfig, dtype, shard: ShardingContext,
     _, abstract = abstract_model(cfg, dtype, shard, options)
     total = 0
     for _, var in nnx.to_flat_state(abstract):
-        shape = shard.sharding(var.get_metadata()["logical_axes"]).shard_shape(var.shape)
+        shape = shard.param_sharding(var).shard_shape(var.shape)
         total += math.prod(shape) * jnp.dtype(var.dtype).itemsize
     return total
 

@@ -141,6 +141,18 @@ class ShardingContext:
     def sharding(self, logical_axes: tuple[str | None, ...]) -> NamedSharding:
         return NamedSharding(self.mesh, self.rules.spec(logical_axes))
 
+    def param_spec(self, var) -> PartitionSpec:
+        """A parameter's spec (an nnx variable, abstract or placed): its logical axes'
+        mesh axes, except that a dimension they do not divide is whole on every device (a
+        quantized weight's scale groups, fewer than the devices or not a multiple of
+        them: Qwen2.5-14B's 108 groups of 128 rows in down_proj on 8)."""
+        spec = self.rules.spec(var.get_metadata()["logical_axes"])
+        return PartitionSpec(*(None if axes is None or dim % self.axis_size(axes) else axes
+                               for axes, dim in zip(spec, var.shape)))
+
+    def param_sharding(self, var) -> NamedSharding:
+        return NamedSharding(self.mesh, self.param_spec(var))
+
     def constrain(self, x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
         """Pin an activation's layout; a no-op on one device."""
         if self.mesh.size == 1:

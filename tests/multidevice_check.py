@@ -276,9 +276,10 @@ MOE_RUNS = [(None, "tp", {}, ""), ({"model": 2}, "tp", {}, ""), ({"model": 4}, "
             ({"model": 8}, "ep", {}, ""), (None, "tp", {"quantization": "int4"}, " int4"),
             ({"model": 4}, "tp+ep", {**KERNELS, "quantization": "int4"}, " int4 tpu-kernels")]
 
-# {"model": 2}: the tiny models' row-split int4 layers (o_proj: K = 64, two groups of 32)
-# hold as many scale groups as devices.
-GGUF_RUNS = [(None, "tp"), ({"model": 2}, "tp"), ({"data": 2, "model": 2}, "dp+tp")]
+# {"model": 4}: the tiny models' row-split int4 o_proj (K = 64: two groups of 32) has
+# fewer scale groups than devices (its scales whole on each, the reference's dot).
+GGUF_RUNS = [(None, "tp"), ({"model": 2}, "tp"), ({"model": 4}, "tp"),
+             ({"data": 2, "model": 2}, "dp+tp")]
 GGUF_MOE_RUNS = [({"model": 2}, "ep"), ({"model": 2}, "tp+ep")]
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ def test_quantized_lm_head_on_a_mesh_matches_one_device(runs):
     compare_runs(runs["null int8 head"], runs['{"model": 4} int8 head'])
 
 
-@pytest.mark.parametrize("run", ['mix.gguf {"model": 2} tp',
+@pytest.mark.parametrize("run", ['mix.gguf {"model": 2} tp', 'mix.gguf {"model": 4} tp',
                                  'mix.gguf {"data": 2, "model": 2} dp+tp',
                                  'moe-mix.gguf {"model": 2} tp',
                                  'moe-mix.gguf {"data": 2, "model": 2} dp+tp',
@@ -82,7 +82,8 @@ def test_quantized_lm_head_on_a_mesh_matches_one_device(runs):
 def test_gguf_files_on_a_mesh_match_one_device(runs, run):
     """A GGUF file whose layers (experts' stacks too) are held in three formats (int4 in
     groups of 32, int8 in groups of 32, int8 in groups of 32 with zero points; int4
-    row-split weights keep whole groups on each device), and a tied one whose token
+    row-split weights keep whole groups on each device, or on 4 devices, fewer groups
+    than devices, hold their scales whole on each), and a tied one whose token
     lookups read its quantized head (vocabulary split over `model`): one device's greedy
     tokens on tensor-, data- and expert-parallel meshes."""
     name = run.split()[0]

@@ -107,7 +107,7 @@ def restore(model_dir: str | Path, cfg: ModelConfig, dtype, shard: ShardingConte
     flat = nnx.to_flat_state(abstract)
     repeat = {}  # k/v parameters: restored with one copy per head (replicated), then repeated
     for path, var in flat:
-        sharding = shard.sharding(var.get_metadata()["logical_axes"])
+        sharding = shard.param_sharding(var)
         shape = var.shape
         if is_kv_param(path) and replicas > 1:
             repeat[path] = sharding

@@ -19,9 +19,10 @@ dequantizes (F32/F16/BF16, Q8_0, Q4_0/Q4_1, Q5_0/Q5_1, the K-quants, the IQ type
 dequantized to the engine's dtype as they are read, one tensor at a time (no float copy of
 the model on disk), except that a file whose every decoder linear layer is of the legacy or
 K-quant types (Q4_0 ... Q8_0, Q2_K ... Q6_K) keeps them quantized (the experts' stacks and a
-shared expert's too), each layer in the format of ours that holds its type as stored (gguf_blocks.py: Q4_0 as
-int4 in groups of 32, Q4_K as int4 in groups of 32 with zero points, Q6_K as int8 in groups
-of 16; a Q4_K_M file's Q6_K layers are `quant_overrides` beside its Q4_K ones;
+shared expert's too), each layer in the format of ours that holds its type as stored
+(gguf_blocks.py: Q4_0 as int4 in groups of 32, Q4_K as int4 in groups of 32 with zero
+points, Q6_K as int8 in groups of 16; a Q4_K_M file's Q6_K layers are `quant_overrides`
+beside its Q4_K ones;
 `stored_settings`; `--quantization` given: dequantized and quantized our way). The
 LM head of such a file is kept likewise, in the format that holds its own type (SmolLM2's
 tied Q8_0 head as int8 in groups of 32, which token lookups read too, dequantizing the

@@ -326,7 +326,7 @@ def random_params(cfg: ModelConfig, dtype, shard: ShardingContext, seed: int = 0
             values.update(place_weight(path, init(jax.random.fold_in(key, i)), expected, shard,
                                        _options_for(path, options)))
         else:
-            sharding = shard.sharding(var.get_metadata()["logical_axes"])
+            sharding = shard.param_sharding(var)
             values[path] = jax.jit(init, out_shardings=sharding)(jax.random.fold_in(key, i))
     if _HEAD in expected and _HEAD not in values:  # a quantized tied head
         values.update(place_weight(_HEAD, values[("embed",)].T, expected, shard,
@@ -355,7 +355,7 @@ def place_weight(path: tuple, array, expected: dict, shard: ShardingContext,
     """One weight onto its devices: as is, or quantized (from float32) into values and
     scales where the model holds that layer quantized (as `options` say)."""
     var = expected[path]
-    sharding = shard.sharding(var.get_metadata()["logical_axes"])
+    sharding = shard.param_sharding(var)
     scales_path = _scales_path(path)
     if scales_path not in expected:
         # Each device's shard is read (from the memory-mapped file, through any transpose
@@ -363,7 +363,7 @@ def place_weight(path: tuple, array, expected: dict, shard: ShardingContext,
         return {path: jax.make_array_from_callback(
             tuple(var.shape), sharding, lambda index: np.asarray(array[index], dtype=var.dtype))}
     scales_var = expected[scales_path]
-    scales_sharding = shard.sharding(scales_var.get_metadata()["logical_axes"])
+    scales_sharding = shard.param_sharding(scales_var)
     if var.ndim == 3:  # a stack of experts' weights: each expert quantized on its own
         quantize_one = jax.jit(lambda w: quantize(w, options.quantization,
                                                   options.quant_group_size,
@@ -399,7 +399,7 @@ def place_prequantized(name: str, path: tuple, weight: Prequantized, expected: d
             want = "float" if var is None else f"{tuple(var.shape)} {var.dtype}"
             raise ValueError(f"quantized tensor {name!r} ({p[-1]}: {tuple(array.shape)} "
                              f"{array.dtype}) does not fit this model config: expected {want}")
-        sharding = shard.sharding(var.get_metadata()["logical_axes"])
+        sharding = shard.param_sharding(var)
         placed[p] = jax.make_array_from_callback(
             tuple(var.shape), sharding, lambda index, a=array: np.ascontiguousarray(a[index]))
     return placed

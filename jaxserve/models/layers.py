@@ -85,8 +85,9 @@ def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_in: int,
     formats, ModelOptions.quant_overrides) runs the quantized-matmul kernel of `impl`
     (default: the options' choice) on x flattened to `[tokens, K]` (on a CPU, the native
     kernel); `packed`: its values and scales in that kernel's strips. A float weight is
-    one XLA dot, or on a CPU the native matmul (pallas_kernels/matmul), which computes only the first `rows`
-    tokens (the real ones of a bucket-padded batch) and zeros the rest. A `transposed`
+    one XLA dot, or on a CPU the native matmul (pallas_kernels/matmul), which computes
+    only the first `rows` tokens (the real ones of a bucket-padded batch) and zeros the
+    rest. A `transposed`
     float weight is laid out out + in, and a `packed` one also packed
     (`weights_for_native_matmul`).
     """

@@ -43,8 +43,9 @@ def dense(x: jax.Array, w: nnx.Param, scales: nnx.Param | None, n_in: int,
     quantized-matmul kernel; on a mesh it runs per device under shard_map: a column-split
     weight (N over `model`) needs no collective, a row-split one (K over `model`) sums its
     partial products over `model`, reduce-scattering them over tokens when
-    `scatter_tokens` (sequence parallelism). Where an int4 weight's groups do not divide
-    over the devices, the reference (dequantize and dot) runs instead and XLA partitions it.
+    `scatter_tokens` (sequence parallelism). Where a row-split weight's scale groups do
+    not divide over the devices, the reference (dequantize and dot) runs instead and XLA
+    partitions it.
     `perm` (act-order checkpoints, layers.act_order_perm) permutes x's contracted
     features first (a gather; on a mesh XLA moves a row-split x's shards as it needs).
     """
@@ -59,13 +60,14 @@ def dense(x: jax.Array, w: nnx.Param, scales: nnx.Param | None, n_in: int,
     if single:
         return matmul(x, w[...], scales[...], n_in, out_shape, options, rows=rows,
                       packed=is_packed(w))
-    w_spec = shard.rules.spec(w.get_metadata()["logical_axes"])
-    s_spec = shard.rules.spec(scales.get_metadata()["logical_axes"])
+    w_spec, s_spec = shard.param_spec(w), shard.param_spec(scales)
     k_axis, n_axis = w_spec
-    # int4 packs each group's two halves into one byte row, so a K split must keep whole
-    # groups on each device (even a single group must not be cut).
+    # A K split needs the scale groups split alike, whole groups on each device (int4 packs
+    # each group's two halves into one byte row: even a single group must not be cut; 8-bit
+    # per-channel scales, one group, hold for any split); where they do not divide
+    # (ShardingContext.param_spec), XLA partitions the reference.
     int4 = w.dtype == jnp.uint8
-    if k_axis is not None and int4 and scales.shape[-2] % shard.axis_size(k_axis):
+    if k_axis is not None and (int4 or scales.shape[-2] > 1) and s_spec[-2] != k_axis:
         return matmul(x, w[...], scales[...], n_in, out_shape, options, impl="reference")
     lead = x.shape[: x.ndim - n_in]
     scatter = scatter_tokens and k_axis is not None
