@@ -36,6 +36,10 @@ Sampling: top-p 0.9's threshold per row (sampler.filter_cut) of random logits, 1
 then a whole step's draw (sampler.sample) at 1 and 64 x 49152 and 256 x 2048, greedy,
 temperature 0.7 and with top-p 0.9, and their ratios to greedy.
 
+Token embedding lookups of Llama-3-8B's table (1, 64, 512 ids): the bf16 table against
+the same table held int4 (groups of 32, zero points: an untied GGUF file's Q4_K
+`token_embd`) by rows, and as a tied quantized LM head's columns (`--only embedding`).
+
 Every row is timed for the reference (pure JAX) and for the platform's kernel ("tpu" on
 TPU, "gpu" on GPU, "cpu" -- pallas_kernels/cpu, the native kernels -- on a CPU where they
 build; --impl forces one, "none" times the reference only). On a CPU the quantized rows'
@@ -68,7 +72,7 @@ a CPU, the CPU kernels' targets: decode attention >= 40% of the floor, dense M =
 of it (f32 and bf16), bf16 M = 512 >= 600 GFLOP/s and faster than XLA at M = 64 and 512.
 
     python benchmarks/kernel_speed.py [--full] [--impl tpu|gpu|cpu|none] [--iters N]
-                                 [--only attention,quantized,dense,moe,sampling]
+                                 [--only attention,quantized,dense,moe,sampling,embedding]
 """
 
 from __future__ import annotations
@@ -92,6 +96,9 @@ import numpy as np
 from offline_throughput import measure_bandwidth, measure_matmul
 from jaxserve.engine.sampler import SamplingArrays, sample, top_k_top_p_by_sort
 from jaxserve.huge_pages import restart_with_huge_pages
+from flax import nnx
+
+from jaxserve.models.layers import quantized_embedding, quantized_rows
 from jaxserve.models.moe import grouped_glu
 from pallas_kernels.grouped_matmul import dequantize as grouped_dequantize
 from pallas_kernels.grouped_matmul import quantize as grouped_quantize
@@ -123,7 +130,7 @@ CPU_GEMV_TARGET = 0.80  # CPU: dense matmul at M = 1, fraction of the bandwidth 
 CPU_BF16_GFLOPS_TARGET = 600.0  # CPU: bf16 dense matmul at M = 512
 # (name, experts, hidden, expert intermediate, top-k) of one MoE layer.
 MOE_LAYERS = [("Qwen3-30B-A3B", 128, 2048, 768, 8), ("Mixtral-8x7B", 8, 4096, 14336, 2)]
-SECTIONS = ("attention", "quantized", "dense", "moe", "sampling")
+SECTIONS = ("attention", "quantized", "dense", "moe", "sampling", "embedding")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -588,6 +595,43 @@ def sampling_rows(impl: str | None, bandwidth: float, iters: int) -> list[Row]:
     return rows
 
 
+def embedding_rows(on_cpu: bool, iters: int) -> list[tuple[str, float, float, float]]:
+    """Token lookups of Llama-3-8B's embedding table [128256, 4096] (T random ids; 1, 64
+    and 512 tokens): (T, ms from the bf16 table, ms from the table held int4 in groups of
+    32 with zero points by rows (an untied GGUF file's Q4_K `token_embd`,
+    layers.quantized_rows), ms from the same values held as a tied LM head's columns
+    (layers.quantized_embedding; packed in the native kernel's strips on a CPU))."""
+    vocab, hidden = 128256, 4096
+    table = (0.02 * jax.random.normal(jax.random.PRNGKey(SEED), (vocab, hidden))).astype(
+        jnp.bfloat16)
+    values, scales = jax.jit(lambda t: quantize(t.T.astype(jnp.float32), "int4", 32,
+                                                zero_points=True))(table)
+    by_rows = (values.T, jnp.swapaxes(scales, -1, -2))
+    columns = (pack_strips(values), pack_strips(scales)) if on_cpu else (values, scales)
+    del values, scales
+    floats = jax.jit(lambda t, ids: t[ids])
+    rows = jax.jit(lambda v, s, ids: quantized_rows(nnx.Param(v), nnx.Param(s), ids,
+                                                    jnp.bfloat16))
+    head = jax.jit(lambda v, s, ids: quantized_embedding(nnx.Param(v, packed=on_cpu),
+                                                         nnx.Param(s), ids, jnp.bfloat16))
+    out = []
+    for t in (1, 64, 512):
+        ids = jnp.asarray(np.random.default_rng(SEED + t).integers(0, vocab, t), jnp.int32)
+        want = table[ids]
+        for fn, args in ((rows, by_rows), (head, columns)):  # the same rows, within int4's step
+            assert float(jnp.abs(fn(*args, ids) - want).max()) < 0.02, fn
+        out.append((str(t), median_ms(lambda: floats(table, ids), iters),  # noqa: B023
+                    median_ms(lambda: rows(*by_rows, ids), iters),  # noqa: B023
+                    median_ms(lambda: head(*columns, ids), iters)))  # noqa: B023
+    return out
+
+
+def embedding_table(rows: list[tuple[str, float, float, float]]) -> str:
+    header = ["tokens looked up", "bf16 table ms (1051 MB)", "int4 g32 zp by rows ms (394 MB)",
+              "int4 g32 zp, a tied head's columns ms"]
+    return markdown(header, [[t, f"{f:.3f}", f"{r:.3f}", f"{c:.3f}"] for t, f, r, c in rows])
+
+
 def draw_rows(iters: int) -> list[tuple[str, float, float, float, float]]:
     """A whole step's sampling (`sampler.sample`, jitted, as a step samples its logits)
     of random normal logits at 1 and 64 rows of smollm2-135m's vocabulary and 256 of the
@@ -921,6 +965,7 @@ def main() -> None:
     moe = moe_rows(on_cpu, args.full, impl, bandwidth, iters) if "moe" in sections else []
     sampling = sampling_rows(impl, bandwidth, iters) if "sampling" in sections else []
     draws = draw_rows(iters) if "sampling" in sections else []
+    lookups = embedding_rows(on_cpu, iters) if "embedding" in sections else []
 
     print_header(args, impl, platform_name, bandwidth, flops_rate, flops_dtype, flops_by, iters,
                  time.perf_counter() - start)
@@ -934,7 +979,9 @@ def main() -> None:
              moe_table),
             (sampling, "sampling: top-k / top-p thresholds (float32 logits)", sampling_table),
             (draws, "sampling: a whole step's draw (sampler.sample, float32 logits)",
-             draw_table)):
+             draw_table),
+            (lookups, "token embedding lookups (Llama-3-8B's table, bf16 out)",
+             embedding_table)):
         if rows:
             print(f"### {title}\n\n{table(rows)}\n")
     if impl == "cpu" and attention and dense:

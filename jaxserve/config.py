@@ -55,9 +55,10 @@ def _check_overrides(overrides, quantization: str | None) -> tuple:
                              f"'int8' or 'int4', a group size and true/false for zero points")
         _check_group(f"quant_overrides {path!r}: the group size", group, kind)
         checked.append((path, kind, group, zero_points))
-    if checked and quantization not in ("int8", "int4"):
+    if any(path != "embed" for path, *_ in checked) and quantization not in ("int8", "int4"):
         raise ValueError("quant_overrides name layers held in another integer format than "
-                         "`quantization`'s; set quantization: int4 or int8")
+                         "`quantization`'s; set quantization: int4 or int8 (only an 'embed' "
+                         "entry, a quantized embedding, stands without it)")
     if len({path for path, *_ in checked}) < len(checked):
         raise ValueError("quant_overrides names a layer twice")
     return tuple(checked)
@@ -806,6 +807,9 @@ class ModelOptions:
     linear layers held in another integer format than `quantization`'s (a GGUF file that
     mixes block types, as Q4_K_M does): (parameter path, kind, group size, zero points).
     A weight's kind is read from its values (layers.matmul), so the step needs no more.
+    An entry for "embed" holds an untied model's embedding quantized (as a `[hidden,
+    vocab]` weight whose columns lookups dequantize, layers.quantized_embedding; a GGUF
+    file's quantized `token_embd` as stored); without one the embedding is in the dtype.
     `embed_from_lm_head`: a tied model holds no float embedding; token lookups dequantize
     columns of its quantized LM head (layers.quantized_embedding). A GGUF file whose tied
     head is kept as stored sets it: the head's values are the file's embedding."""
@@ -832,13 +836,17 @@ class ModelOptions:
     def weight_options(self, path: str | None) -> ModelOptions:
         """The options the linear layer at `path` (its parameter path: "layers.3.attn.q_proj",
         "lm_head"; None for a layer outside the model's decoder, e.g. an EAGLE head's) is
-        held and quantized with: the head's own, its entry of `quant_overrides`, or these."""
+        held and quantized with: the head's own, its entry of `quant_overrides`, or these;
+        the embedding ("embed") is in the dtype unless an entry names it."""
         if path == "lm_head":
             return self.head_options()
         for name, kind, group, zero_points in self.quant_overrides:
             if name == path:
                 return dataclasses.replace(self, quantization=kind, quant_group_size=group,
                                            quant_zero_points=zero_points)
+        if path == "embed":  # in the dtype unless an entry names it
+            return dataclasses.replace(self, quantization=None, quant_group_size=None,
+                                       quant_zero_points=False)
         return self
 
 
@@ -863,7 +871,8 @@ class EngineConfig:
     LM head too (a tied one: a quantized copy; lookups read the float embedding); a GGUF
     file whose head is stored quantized sets them to hold it as stored, and one whose
     layers mix block types sets `quant_overrides` (ModelOptions) for the layers of a
-    format other than the most common one's, and one whose tied head is kept
+    format other than the most common one's (and for an untied quantized embedding, held
+    as stored: an "embed" entry), and one whose tied head is kept
     `embed_from_lm_head` (token lookups read the quantized head: no float embedding).
     `kernel_impl` picks the attention and matmul kernels ("reference":
     pure JAX / XLA dots | "tpu" | "gpu" | "cpu": the native CPU kernels; None: by

@@ -122,6 +122,10 @@ def test_engine_config_validation(tmp_path):
     assert opts.weight_options("layers.1.mlp.down_proj") is opts
     with pytest.raises(ValueError, match="set quantization: int4 or int8"):
         EngineConfig(quant_overrides=[down])
+    # The embedding: in the dtype unless an entry names it (which needs no quantization).
+    assert opts.weight_options("embed").quantization is None
+    embed = EngineConfig(quant_overrides=[["embed", "int8", None, False]]).model_options
+    assert (embed.quantization, embed.weight_options("embed").quantization) == (None, "int8")
     with pytest.raises(ValueError, match="'int8' or 'int4'"):
         EngineConfig(quantization="int4", quant_overrides=[[down[0], "fp8", None, False]])
     with pytest.raises(ValueError, match="group size must be a positive integer"):

@@ -336,9 +336,12 @@ def assert_linear_layers_are(loaded, truth: dict, num_layers: int, types: dict[s
                 np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{i} {hf}")
 
 
-def assert_head_is(loaded, truth: dict, weight_type: str):
+def assert_head_is(loaded, truth: dict, weight_type: str, embed_type: str | None = None):
     """The LM head kept as stored where its type allows (KEPT), holding the `gguf`
-    package's dequantization of `output` (a tied head: of `token_embd`); in float else."""
+    package's dequantization of `output` (a tied head: of `token_embd`); in float else.
+    Token lookups read the embedding as stored where its type (`embed_type`, default
+    `weight_type`) allows: a tied file's from its head, an untied one's from its own
+    quantized table (a `quant_overrides` entry "embed"), else a float table."""
     from flax import nnx
 
     from pallas_kernels.quantized_matmul.formats import dequantize
@@ -347,32 +350,41 @@ def assert_head_is(loaded, truth: dict, weight_type: str):
     c = loaded.config
     assert (c.lm_head_quantization, c.lm_head_group_size, c.lm_head_zero_points) == \
         (kept or (None, None, False))
-    if not kept:
-        return
     flat = dict(nnx.to_flat_state(loaded.params))
-    got = np.asarray(dequantize(flat[("lm_head",)][...], flat[("lm_head_scales",)][...],
-                                kept[0]))
-    want = truth.get("lm_head.weight", truth["model.embed_tokens.weight"]).T
-    atol = np.abs(want).max() * 2**-21 if weight_type in OFFSETS else 0
-    np.testing.assert_allclose(got, want, rtol=0, atol=atol)
     tied = "lm_head.weight" not in truth
-    assert c.embed_from_lm_head == tied
-    if not tied:  # lookups: the float embedding
-        assert flat[("embed",)][...].dtype == np.float32
+    embed = truth["model.embed_tokens.weight"]
+    if kept:
+        got = np.asarray(dequantize(flat[("lm_head",)][...], flat[("lm_head_scales",)][...],
+                                    kept[0]))
+        want = truth.get("lm_head.weight", embed).T
+        atol = np.abs(want).max() * 2**-21 if weight_type in OFFSETS else 0
+        np.testing.assert_allclose(got, want, rtol=0, atol=atol)
+    assert c.embed_from_lm_head == (tied and kept is not None)
+    embed_type = weight_type if tied else embed_type or weight_type
+    embed_kept = KEPT.get(embed_type)
+    if not tied:
+        assert [o for o in c.quant_overrides if o[0] == "embed"] == \
+            ([("embed", *embed_kept)] if embed_kept else [])
+    if not embed_kept:  # lookups: the float embedding
+        assert flat[("embed",)][...].dtype == np.float32 and ("embed_scales",) not in flat
         return
-    # Lookups read the head's columns (no float embedding), then packed as a CPU serves it.
+    # Lookups dequantize a quantized table's rows (no float embedding), a tied head's
+    # columns also packed as a CPU serves it.
     import jax.numpy as jnp
 
     from jaxserve.models.layers import is_packed, weights_for_native_matmul
 
-    assert ("embed",) not in flat
-    ids = np.asarray([0, 5, 3, 5, want.shape[1] - 1])
+    table = "lm_head" if tied else "embed"  # the head's columns, or a table's rows
+    assert (("embed",) in flat) == (not tied)
+    assert flat[(table,)][...].dtype in (np.int8, np.uint8)
+    atol = np.abs(embed).max() * 2**-21 if embed_type in OFFSETS else 0
+    ids = np.asarray([0, 5, 3, 5, embed.shape[0] - 1])
     for pack in (False, True):
         params = weights_for_native_matmul(loaded.params) if pack else loaded.params
         model = nnx.merge(loaded.graphdef, params)
-        assert is_packed(model.lm_head) == pack
+        assert is_packed(getattr(model, table)) == (pack and tied)
         rows = np.asarray(model.embed_tokens(jnp.asarray(ids)))
-        np.testing.assert_allclose(rows, want.T[ids], rtol=0, atol=atol)
+        np.testing.assert_allclose(rows, embed[ids], rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("weight_type", WEIGHT_TYPES)
@@ -431,7 +443,9 @@ def test_plan_sizes_a_q4_0_file_as_stored(checkpoints, tmp_path, monkeypatch, la
                  "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--dtype",
                  "float32"]) == 0
     assert (seen[0]["quantization"], seen[0]["quant_group_size"]) == ("int4", 32)
-    assert len(seen[0]["quant_overrides"]) == (4 if layer_types else 0)
+    # The layers of other types, and the untied Q4_0 embedding (held as int4 too).
+    assert len(seen[0]["quant_overrides"]) == (5 if layer_types else 1)
+    assert seen[0]["quant_overrides"][0] == ("embed", "int4", 32, False)
     held = load(EngineConfig(model=str(path), dtype="float32")).params
     assert plans[0]["analytic_weight_bytes"] == sum(x.nbytes for x in jax.tree.leaves(held))
 
@@ -534,7 +548,8 @@ def test_convert_a_q4_0_file_keeps_its_int4(checkpoints, prompts, tmp_path, arch
     layers = model.config.num_hidden_layers
     overrides = [[f"layers.{i}.{p}", *KEPT[t]] for i in range(layers)
                  for p, t in (("attn.v_proj", "Q8_0"), ("mlp.down_proj", "Q5_1"))]
-    assert manifest["quant_overrides"] == (overrides if layer_types else [])
+    embed = [] if model.config.tie_word_embeddings else [["embed", *KEPT["Q4_0"]]]
+    assert manifest["quant_overrides"] == embed + (overrides if layer_types else [])
     assert manifest["embed_from_lm_head"] == model.config.tie_word_embeddings
     assert (out / "tokenizer.json").is_file()
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -824,13 +839,16 @@ def test_gemma_and_moe_families(prompts, tmp_path, arch, weight_type, layer_type
 # llama.cpp's Q4_K_M mixes Q4_K with Q6_K (attn_v, half the ffn_down) and falls back to
 # Q5_0 where a layer's rows are not a multiple of 256: the Q4_K layers (most of them) set
 # the model's format, the others are held as int8 in groups of 16 and 32.
-Q4_K_M = {"attn_v": "Q6_K", "ffn_down": "Q5_0"}
-Q4_K_M_OVERRIDES = tuple((f"layers.{i}.{p}", *KEPT[t]) for i in range(2)
-                         for p, t in (("attn.v_proj", "Q6_K"), ("mlp.down_proj", "Q5_0")))
+# Its LM head is Q6_K, its embedding (untied: Llama 3's) Q4_K like most layers, held as
+# an override too (the embedding is float unless an entry names it).
+Q4_K_M = {"attn_v": "Q6_K", "ffn_down": "Q5_0", "output": "Q6_K"}
+Q4_K_M_OVERRIDES = (("embed", *KEPT["Q4_K"]),) + tuple(
+    (f"layers.{i}.{p}", *KEPT[t]) for i in range(2)
+    for p, t in (("attn.v_proj", "Q6_K"), ("mlp.down_proj", "Q5_0")))
 
 
 @pytest.mark.parametrize("weight_type, layer_types, kept, overrides", [
-    *[(t, None, KEPT[t], ()) for t in K_QUANT_SCALES],
+    *[(t, None, KEPT[t], (("embed", *KEPT[t]),)) for t in K_QUANT_SCALES],
     ("Q4_K", Q4_K_M, KEPT["Q4_K"], Q4_K_M_OVERRIDES)])
 def test_k_quants_are_kept_as_stored(prompts, tmp_path, weight_type, layer_types, kept,
                                      overrides):
@@ -865,7 +883,7 @@ def test_k_quants_are_kept_as_stored(prompts, tmp_path, weight_type, layer_types
     assert np.all(np.isfinite(want)) and want.std() > 1e-3
     types = {hf: (layer_types or {}).get(g, weight_type) for hf, g in LINEAR_GGUF.items()}
     assert_linear_layers_are(loaded, truth, cfg.num_hidden_layers, types)
-    assert_head_is(loaded, truth, weight_type)
+    assert_head_is(loaded, truth, (layer_types or {}).get("output", weight_type), weight_type)
     del loaded
     oracle = tf.LlamaForCausalLM(cfg).eval()
     oracle.load_state_dict({k: torch.from_numpy(v) for k, v in truth.items()}, strict=False)

@@ -133,3 +133,38 @@ def test_quantized_lm_head_gives_transformers_tokens_on_its_dequantized_weights(
             params[("embed",)][...].dtype == jnp.float32
         assert bool(params[("lm_head",)].get_metadata().get("packed")) == (impl == "cpu")
         assert greedy(llm, prompts) == want, impl
+
+
+def test_quantized_embedding_gives_transformers_tokens_on_its_dequantized_table(
+        checkpoints, prompts):
+    """An untied model's embedding held quantized (a `quant_overrides` entry "embed", which
+    a GGUF file's quantized `token_embd` sets; here alone, on a float checkpoint): no float
+    table is held, and greedy tokens equal transformers' with the embedding replaced by
+    the quantized table's dequantized values, on the native CPU kernels and the
+    reference. An override naming no layer is refused."""
+    import torch
+
+    from conftest import hf_greedy
+    from pallas_kernels.quantized_matmul.formats import dequantize, quantize
+
+    path, model = checkpoints("llama")
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    table = state["model.embed_tokens.weight"].numpy()  # [V, H]
+    values, scales = quantize(table.T.astype(np.float32), "int4", 16, zero_points=True)
+    state["model.embed_tokens.weight"] = torch.from_numpy(
+        np.asarray(dequantize(values, scales, "int4")).T.copy())
+    oracle = type(model)(model.config).eval()
+    oracle.load_state_dict(state)
+    want = [hf_greedy(oracle, p, GREEDY.max_tokens) for p in prompts]
+    float_oracle = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    assert want != float_oracle  # the quantization shows in the tokens
+    embed = dict(quant_overrides=[["embed", "int4", 16, True]])
+    for impl in ("cpu", "reference"):
+        llm = LLM(str(path), kernel_impl=impl, **ENGINE, **embed)
+        params = dict(nnx.to_flat_state(llm.engine.runner.params))
+        held = params[("embed",)][...]  # by rows: [vocab, hidden / 2] bytes
+        assert (held.dtype, held.shape) == (jnp.uint8, (table.shape[0], table.shape[1] // 2))
+        assert greedy(llm, prompts) == want, impl
+    with pytest.raises(ValueError, match=r"\['layers.9.mlp.down_proj'\], which are not"):
+        LLM(str(path), **ENGINE, quantization="int8",
+            quant_overrides=[["layers.9.mlp.down_proj", "int4", 32, False]])

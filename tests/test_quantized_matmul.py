@@ -170,6 +170,22 @@ def test_int4_packing_round_trip_against_numpy(rng):
     assert (byte & 0xF) == q[32 + 3, 7] & 0xF and (byte >> 4) == q[48 + 3, 7] & 0xF
 
 
+@pytest.mark.parametrize("kind, group, zp", [("int4", 32, True), ("int4", 16, False),
+                                             ("int8", 32, True), ("int8", None, False)])
+def test_dequantize_rows_against_numpy(rng, kind, group, zp):
+    """A weight held by rows (an embedding table: values `[N, K']`, scales `[(2,) N, G']`)
+    dequantizes to the numpy unpacking of its integers, minus zero points, times scales."""
+    w = rng.standard_normal((64, 24), dtype=np.float32)  # [K, N]
+    values, scales = formats.quantize(jnp.asarray(w), kind, group, zero_points=zp)
+    g = group or 64
+    q = numpy_unpack_int4(np.asarray(values), g) if kind == "int4" else np.asarray(values)
+    s = np.asarray(scales)
+    scale, zero = (s[0], s[1]) if zp else (s, np.zeros_like(s))
+    want = ((q.reshape(64 // g, g, 24) - zero[:, None]) * scale[:, None]).reshape(64, 24).T
+    got = formats.dequantize_rows(values.T, jnp.swapaxes(scales, -1, -2), kind)
+    np.testing.assert_array_equal(np.asarray(got), want.astype(np.float32))
+
+
 def test_int4_quantize_matches_numpy_rounding(rng):
     w = rng.standard_normal((256, 40), dtype=np.float32)
     values, scales = formats.quantize(jnp.asarray(w), "int4", group_size=128)

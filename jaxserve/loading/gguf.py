@@ -27,7 +27,9 @@ beside its Q4_K ones;
 LM head of such a file is kept likewise, in the format that holds its own type (SmolLM2's
 tied Q8_0 head as int8 in groups of 32, which token lookups read too, dequantizing the
 columns they take: no float embedding; `--lm-head-quantization` given: dequantized and
-quantized our way, beside a float embedding).
+quantized our way, beside a float embedding), and so is an untied file's embedding
+(Llama 3's Q4_K `token_embd` as int4 in groups of 32 with zero points: a `quant_overrides`
+entry "embed", held by rows; lookups dequantize the rows they take).
 llama.cpp's converter stores attn_q and attn_k of its Llama (and Mixtral) with each head's
 rotary halves interleaved; they are put back in Hugging Face's order.
 
@@ -309,6 +311,15 @@ def _param_path(name: str) -> str:
     return f"layers.{layer}.{_LAYER_NAMES[part].replace('self_attn.', 'attn.')}"
 
 
+def _embed_format(reader) -> gguf_blocks.Format | None:
+    """Our format that holds an untied file's embedding (`token_embd`) as stored, or None:
+    it is of another type, or the file is tied (its head holds the embedding)."""
+    if _tied(reader):
+        return None
+    types = {t.name: int(t.tensor_type) for t in reader.tensors}
+    return gguf_blocks.stored_format(types["token_embd.weight"])
+
+
 def _head_format(reader) -> gguf_blocks.Format | None:
     """Our format that holds the LM head as stored (`output`, or a tied head's
     `token_embd`), or None: it is of another type."""
@@ -323,16 +334,20 @@ def stored_settings(path: str | os.PathLike, keep_head: bool = True) -> dict | N
     others as `quant_overrides` (Q4_K_M's Q6_K layers among its Q4_K ones); with them,
     unless not `keep_head`, the LM head's when it is of a type we hold as stored (a tied
     head: the embedding as stored, which token lookups read too, dequantizing the columns
-    they take: `embed_from_lm_head`, no float embedding)."""
+    they take: `embed_from_lm_head`, no float embedding); an untied file's embedding as
+    stored where its type allows (an override for "embed")."""
     reader = _reader(Path(path))
     formats = _stored_formats(reader)
     if formats is None:
         return None
     fmt = _layers_format(formats)
-    overrides = tuple(sorted((_param_path(name), f.kind, f.group, f.zero_points)
-                             for name, f in formats.items() if f != fmt))
+    overrides = [(_param_path(name), f.kind, f.group, f.zero_points)
+                 for name, f in formats.items() if f != fmt]
+    embed = _embed_format(reader)
+    if embed is not None:  # held as stored, by rows: lookups dequantize the rows they take
+        overrides.append(("embed", embed.kind, embed.group, embed.zero_points))
     settings = dict(quantization=fmt.kind, quant_group_size=fmt.group,
-                    quant_zero_points=fmt.zero_points, quant_overrides=overrides)
+                    quant_zero_points=fmt.zero_points, quant_overrides=tuple(sorted(overrides)))
     head = _head_format(reader) if keep_head else None
     if head is not None:
         settings.update(lm_head_quantization=head.kind, lm_head_group_size=head.group,
@@ -357,6 +372,7 @@ def tensors(reader, config: dict, keep: bool = False, keep_head: bool = True
 
     kept = _stored_formats(reader) if keep else None
     head = _head_format(reader) if kept is not None and keep_head else None
+    embed = _embed_format(reader) if kept is not None else None
     head_name = "output.weight" if not config["tie_word_embeddings"] else "token_embd.weight"
     model_type = config["model_type"]
     for t in reader.tensors:
@@ -369,6 +385,10 @@ def tensors(reader, config: dict, keep: bool = False, keep_head: bool = True
         if head is not None and t.name == head_name:
             w = gguf_blocks.decode(t.data, int(t.tensor_type), *shape)
             yield "lm_head.weight", gguf_blocks.as_ours(w, head)
+            continue
+        if embed is not None and t.name == "token_embd.weight":
+            w = gguf_blocks.decode(t.data, int(t.tensor_type), *shape)
+            yield name, gguf_blocks.as_ours(w, embed)
             continue
         if kept is not None and _is_linear(t.name) and "{expert}" in name:  # [E, N, K]
             w = gguf_blocks.decode(t.data, int(t.tensor_type), shape[0] * shape[1], shape[2])

@@ -140,8 +140,10 @@ def _hf_to_ours(name: str, x: np.ndarray, cfg: ModelConfig, kv_replicas: int = 1
     k/v heads repeated `kv_replicas` times. `expert` is the index of an expert's weight
     in a stacked parameter (moe.MoE), else None."""
     e, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    if name == "model.embed_tokens.weight":
-        return ("embed",), x, None
+    if name == "model.embed_tokens.weight":  # quantized: held by rows (quantized_table)
+        if isinstance(x, Prequantized):
+            x = Prequantized(x.values.T, np.swapaxes(x.scales, -1, -2))
+        return _EMBED, x, None
     if name == "model.norm.weight":
         return ("norm",), x, None
     if name == "lm_head.weight":  # a tied head: ours only when the checkpoint's is quantized
@@ -219,9 +221,17 @@ class _Stacked:
 
 def abstract_model(cfg: ModelConfig, dtype, shard: ShardingContext,
                    options: ModelOptions = ModelOptions()) -> tuple[nnx.GraphDef, nnx.State]:
-    """The model's structure and parameter shapes, allocating nothing."""
+    """The model's structure and parameter shapes, allocating nothing. Refuses
+    `quant_overrides` that name no quantized weight of this model."""
     model = nnx.eval_shape(lambda: Transformer(cfg, dtype, shard=shard, options=options))
-    return nnx.split(model)
+    graphdef, state = nnx.split(model)
+    held = {".".join(map(str, path[:-1] + (path[-1].removesuffix("_scales"),)))
+            for path, _ in nnx.to_flat_state(state) if path[-1].endswith("_scales")}
+    unknown = [name for name, *_ in options.quant_overrides if name not in held]
+    if unknown:
+        raise ValueError(f"quant_overrides name {unknown}, which are not linear layers of this "
+                         f"model (e.g. 'layers.0.mlp.down_proj', 'embed')")
+    return graphdef, state
 
 
 def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype, shard: ShardingContext,
@@ -246,7 +256,7 @@ def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype, shard: Shard
             continue
         if tied_head and name == "model.embed_tokens.weight":
             embedding = tensor
-            if ("embed",) not in expected:  # embed_from_lm_head: only the head holds it
+            if _EMBED not in expected:  # embed_from_lm_head: only the head holds it
                 continue
         mapped = _hf_to_ours(name, tensor, cfg, shard.rules.kv_head_replicas)
         if mapped is None:
@@ -329,7 +339,7 @@ def random_params(cfg: ModelConfig, dtype, shard: ShardingContext, seed: int = 0
             sharding = shard.param_sharding(var)
             values[path] = jax.jit(init, out_shardings=sharding)(jax.random.fold_in(key, i))
     if _HEAD in expected and _HEAD not in values:  # a quantized tied head
-        values.update(place_weight(_HEAD, values[("embed",)].T, expected, shard,
+        values.update(place_weight(_HEAD, values[_EMBED].T, expected, shard,
                                    options.head_options()))
     for path, var in expected.items():  # act-order permutations: the identity
         if path[-1].endswith("_perm"):
@@ -338,7 +348,7 @@ def random_params(cfg: ModelConfig, dtype, shard: ShardingContext, seed: int = 0
     return graphdef, fill_state(abstract, values)
 
 
-_HEAD = ("lm_head",)
+_HEAD, _EMBED = ("lm_head",), ("embed",)
 
 
 def _options_for(path: tuple, options: ModelOptions) -> ModelOptions:
@@ -373,12 +383,16 @@ def place_weight(path: tuple, array, expected: dict, shard: ShardingContext,
         stacked = [np.stack(p) for p in zip(*parts)]  # values, scales: quantized, on the host
         return {p: jax.make_array_from_callback(tuple(a.shape), sh, lambda i, a=a: a[i])
                 for p, a, sh in zip((path, scales_path), stacked, (sharding, scales_sharding))}
-    n = scales_var.shape[-1]
-    quantize_2d = jax.jit(lambda w: quantize(w.reshape(-1, n), options.quantization,
-                                             options.quant_group_size,
-                                             options.quant_zero_points),
-                          out_shardings=(sharding, scales_sharding))
-    values, scales = quantize_2d(jnp.asarray(array, jnp.float32))
+    rows = path == _EMBED  # a table held by rows: a [hidden, vocab] weight's transposes
+    n = scales_var.shape[-2 if rows else -1]
+
+    def quantize_2d(w):
+        out = quantize(w.T if rows else w.reshape(-1, n), options.quantization,
+                       options.quant_group_size, options.quant_zero_points)
+        return tuple(jnp.swapaxes(a, -1, -2) for a in out) if rows else out
+
+    values, scales = jax.jit(quantize_2d, out_shardings=(sharding, scales_sharding))(
+        jnp.asarray(array, jnp.float32))
     return {path: values, scales_path: scales}
 
 

@@ -17,7 +17,7 @@ from pallas_kernels.matmul import matmuls as dense_matmuls
 from pallas_kernels.matmul import packed as packed_layout
 from pallas_kernels.quantized_matmul import (
     pack_strips, packable, quantized_matmul, quantized_shapes)
-from pallas_kernels.quantized_matmul.formats import STRIP, dequantize, kind_of
+from pallas_kernels.quantized_matmul.formats import STRIP, dequantize_rows, kind_of
 from pallas_kernels.rows import ACTIVATIONS, rms_norm_reference
 
 
@@ -63,6 +63,20 @@ def linear(in_shape: tuple[int, ...], out_shape: tuple[int, ...],
     scales = nnx.Param(jnp.ones(sshape, sdtype),
                        logical_axes=(None,) * (len(sshape) - 2) + scale_axes,
                        quantized_scales=options.quantization in ("int8", "int4"))
+    return values, scales
+
+
+def quantized_table(rows: int, width: int, dtype, options: ModelOptions
+                    ) -> tuple[nnx.Param, nnx.Param]:
+    """(values, scales) of an embedding table `[rows, width]` held quantized as
+    `options` say, by rows: the transposes of a `[width, rows]` linear weight's
+    (values `[rows, K']`, scales `[(2,) rows, width / G]`), so that a lookup reads each
+    row's values and scales contiguously (`quantized_rows`)."""
+    (vshape, vdtype), (sshape, sdtype) = quantized_shapes(
+        width, rows, options.quantization, options.quant_group_size, options.quant_zero_points)
+    values = nnx.Param(jnp.zeros(vshape[::-1], vdtype), logical_axes=("vocab", "embed"))
+    scales = nnx.Param(jnp.ones((*sshape[:-2], sshape[-1], sshape[-2]), sdtype),
+                       logical_axes=(None,) * (len(sshape) - 2) + ("vocab", None))
     return values, scales
 
 
@@ -221,7 +235,18 @@ def quantized_embedding(values: nnx.Param, scales: nnx.Param, ids: jax.Array,
         v, s = _packed_columns(v, ids), _packed_columns(s, ids)
     else:
         v, s = jnp.take(v, ids, axis=-1), jnp.take(s, ids, axis=-1)
-    return dequantize(v, s, kind_of(v), dtype).T
+    # The few columns taken, transposed to rows: dequantizing by rows is the fast way
+    # (a 512-token lookup of Llama 3's table took half the time of column order).
+    return dequantize_rows(v.T, jnp.swapaxes(s, -1, -2), kind_of(v), dtype)
+
+
+def quantized_rows(values: nnx.Param, scales: nnx.Param, ids: jax.Array,
+                   dtype) -> jax.Array:
+    """Rows `ids` (`[T, K]` in `dtype`) of a table held quantized by rows
+    (`quantized_table`: an untied embedding, quant_overrides' "embed"), dequantized."""
+    v, s = values[...], scales[...]
+    return dequantize_rows(jnp.take(v, ids, axis=0), jnp.take(s, ids, axis=-2), kind_of(v),
+                           dtype)
 
 
 def _packed_columns(a: jax.Array, ids: jax.Array) -> jax.Array:

@@ -21,7 +21,7 @@ from flax import nnx
 from jaxserve.config import ModelConfig, ModelOptions
 from jaxserve.models.layers import (
     act_order_perm, embedding, is_packed, is_transposed, linear, lm_head, param,
-    quantized_embedding, rms_norm, rope_inv_freq, rows_impl)
+    quantized_embedding, quantized_rows, quantized_table, rms_norm, rope_inv_freq, rows_impl)
 from jaxserve.models.lora import ATTENTION_IN, LoraInputs, LoraLayer, delta_impl
 from jaxserve.models.mlp import MLP
 from jaxserve.models.moe import MoE
@@ -213,9 +213,19 @@ class Transformer(nnx.Module):
         if options.embed_from_lm_head and not (head_quantized and cfg.tie_word_embeddings):
             raise ValueError("embed_from_lm_head: token lookups read a tied, quantized LM head; "
                              "this model's head is untied or not quantized")
-        if not options.embed_from_lm_head:  # else lookups read the quantized head
-            self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype,
-                               tied_head=cfg.tie_word_embeddings and not head_quantized)
+        embed_options = options.weight_options("embed")
+        if embed_options.quantization is not None:
+            if cfg.tie_word_embeddings:
+                raise ValueError("a quantized embedding (quant_overrides' 'embed') is an "
+                                 "untied model's; a tied one's is its quantized LM head "
+                                 "(embed_from_lm_head)")
+            self.embed, self.embed_scales = quantized_table(
+                cfg.vocab_size, cfg.hidden_size, dtype, embed_options)
+        else:
+            self.embed_scales = None
+            if not options.embed_from_lm_head:  # else lookups read the quantized head
+                self.embed = param((cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
+                                   dtype, tied_head=cfg.tie_word_embeddings and not head_quantized)
         replicas = shard.rules.kv_head_replicas
         self.layers = nnx.List([Block(cfg, i, dtype, options, replicas)
                                 for i in range(cfg.num_layers)])
@@ -242,6 +252,8 @@ class Transformer(nnx.Module):
         """The token embeddings of `ids` (`[T, hidden]`, before Gemma's scaling)."""
         if self.options.embed_from_lm_head:
             return quantized_embedding(self.lm_head, self.lm_head_scales, ids, self.dtype)
+        if self.embed_scales is not None:
+            return quantized_rows(self.embed, self.embed_scales, ids, self.dtype)
         return embedding(self.embed, ids)
 
     def run(self, input_ids: jax.Array, positions: jax.Array, kv_caches: KVCache,

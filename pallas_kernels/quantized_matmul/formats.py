@@ -108,11 +108,13 @@ def unpack_int4(values: jax.Array, group: int) -> jax.Array:
     """Bytes `[K // 2, N]` back to signed ints `[K, N]` (int32): the inverse of pack_int4."""
     half, n = values.shape
     v = values.astype(jnp.int32).reshape(2 * half // group, 1, group // 2, n)
-    # Shift the nibble to the top of the int32, then shift back arithmetically: that
-    # sign-extends two's complement without a branch.
-    low = (v << 28) >> 28
-    high = (v << 24) >> 28
-    return jnp.concatenate([low, high], axis=1).reshape(2 * half, n)
+    return jnp.concatenate(_nibbles(v), axis=1).reshape(2 * half, n)
+
+
+def _nibbles(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The signed low and high nibbles of int32 bytes: each shifted to the top of the
+    int32, then back arithmetically, which sign-extends two's complement without a branch."""
+    return (v << 28) >> 28, (v << 24) >> 28
 
 
 def quantize(w: jax.Array, kind: str, group_size: int | None = None,
@@ -200,6 +202,27 @@ def dequantize(values: jax.Array, scales: jax.Array, kind: str,
         scales, zeros = scales[0], scales[1]
         q = q - zeros[:, None, :]  # exact: small integers
     return (q * scales[:, None, :]).reshape(k, n).astype(dtype)
+
+
+def dequantize_rows(values: jax.Array, scales: jax.Array, kind: str,
+                    dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """`dequantize` of a weight held transposed, by rows: values `[N, K']` and scales
+    `[N, K / G]` (`[2, N, K / G]` with zero points) give the float `[N, K]` (an embedding
+    table's looked-up rows: each row's groups contiguous, so no transpose on the way)."""
+    check_kind(kind)
+    n, k = values.shape[0], values.shape[1] * (2 if kind == "int4" else 1)
+    groups = scales.shape[-1]
+    g = k // groups
+    if kind == "int4":
+        v = values.astype(jnp.int32).reshape(n, groups, 1, g // 2)
+        q = jnp.concatenate(_nibbles(v), axis=2).astype(jnp.float32)
+    else:
+        q = values.astype(jnp.float32)
+    q = q.reshape(n, groups, g)
+    if has_zero_points(scales):
+        scales, zeros = scales[0], scales[1]
+        q = q - zeros[..., None]
+    return (q * scales[..., None]).reshape(n, k).astype(dtype)
 
 
 def check_operands(x: jax.Array, values: jax.Array, scales: jax.Array, kind: str) -> int:
