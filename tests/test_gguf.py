@@ -170,11 +170,11 @@ def write_sentencepiece_vocab(w, vocab_size: int) -> None:
     w.add_add_bos_token(True)
 
 
-# The `gguf` package dequantizes the K-quants but cannot write them: tests write blocks of
-# random bytes with their float16 super-block scales (d, dmin) set to small values, at
-# these byte offsets of each block (ggml-common.h's block_q*_K layouts).
+# The `gguf` package dequantizes the K-quants and IQ4_NL / IQ4_XS but cannot write them:
+# tests write blocks of random bytes with their float16 (super-)block scales (d, dmin) set
+# to small values, at these byte offsets of each block (ggml-common.h's block layouts).
 K_QUANT_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
-                  "Q6_K": (208,)}
+                  "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 
 def random_k_quant(shape: tuple[int, int], weight_type: str) -> np.ndarray:
@@ -299,7 +299,8 @@ def write_tiny_gguf(model, path: Path, weight_type: str, arch: str = "llama",
 KEPT = {"Q4_0": ("int4", 32, False), "Q4_1": ("int4", 32, True), "Q5_0": ("int8", 32, False),
         "Q5_1": ("int8", 32, True), "Q8_0": ("int8", 32, False),
         "Q2_K": ("int4", 16, True), "Q3_K": ("int4", 16, False), "Q4_K": ("int4", 32, True),
-        "Q5_K": ("int8", 32, True), "Q6_K": ("int8", 16, False)}
+        "Q5_K": ("int8", 32, True), "Q6_K": ("int8", 16, False),
+        "IQ4_NL": ("int8", 32, False), "IQ4_XS": ("int8", 32, False)}
 OFFSETS = {"Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K"}  # types with a float offset per group
 
 

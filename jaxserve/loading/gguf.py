@@ -17,12 +17,12 @@ the tokenizer (vocabulary, merges, control tokens, BOS/EOS, `add_bos`) and the c
 template come from the file's metadata; the weights of every type the `gguf` package
 dequantizes (F32/F16/BF16, Q8_0, Q4_0/Q4_1, Q5_0/Q5_1, the K-quants, the IQ types) are
 dequantized to the engine's dtype as they are read, one tensor at a time (no float copy of
-the model on disk), except that a file whose every decoder linear layer is of the legacy or
-K-quant types (Q4_0 ... Q8_0, Q2_K ... Q6_K) keeps them quantized (the experts' stacks and a
-shared expert's too), each layer in the format of ours that holds its type as stored
-(gguf_blocks.py: Q4_0 as int4 in groups of 32, Q4_K as int4 in groups of 32 with zero
-points, Q6_K as int8 in groups of 16; a Q4_K_M file's Q6_K layers are `quant_overrides`
-beside its Q4_K ones;
+the model on disk), except that a file whose every decoder linear layer is of the legacy,
+K-quant or IQ4 types (Q4_0 ... Q8_0, Q2_K ... Q6_K, IQ4_NL, IQ4_XS) keeps them quantized
+(the experts' stacks and a shared expert's too), each layer in the format of ours that
+holds its type as stored (gguf_blocks.py: Q4_0 as int4 in groups of 32, Q4_K as int4 in
+groups of 32 with zero points, Q6_K as int8 in groups of 16, IQ4_XS's levels as int8 in
+groups of 32; a Q4_K_M file's Q6_K layers are `quant_overrides` beside its Q4_K ones;
 `stored_settings`; `--quantization` given: dequantized and quantized our way). The
 LM head of such a file is kept likewise, in the format that holds its own type (SmolLM2's
 tied Q8_0 head as int8 in groups of 32, which token lookups read too, dequantizing the
@@ -285,7 +285,7 @@ def _is_linear(name: str) -> bool:
 
 def _stored_formats(reader) -> dict[str, gguf_blocks.Format] | None:
     """Each decoder linear layer's format that holds it as stored (by tensor name), or
-    None: a layer of another type (float, the IQ types)."""
+    None: a layer of another type (float, the IQ types but IQ4_NL and IQ4_XS)."""
     formats = {t.name: gguf_blocks.stored_format(int(t.tensor_type))
                for t in reader.tensors if _is_linear(t.name)}
     if not formats or None in formats.values():

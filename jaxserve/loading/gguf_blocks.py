@@ -20,6 +20,13 @@ with offsets, zero points z = -c - b / s, so that w = (q - z) * s, our zero-poin
 | Q4_K | 4         | 32 | yes    | d sc u - dmin m (u in 0..15)        |
 | Q5_K | 8         | 32 | yes    | d sc u - dmin m (u in 0..31)        |
 | Q6_K | 8         | 16 | no     | d sc q (sc int8, q in -32..31)      |
+| IQ4_NL | 8       | 32 | no     | d L[u] (u in 0..15)                 |
+| IQ4_XS | 8       | 32 | no     | d (sc - 32) L[u] (u in 0..15)       |
+
+IQ4_NL and IQ4_XS store 4-bit indices into a fixed table L of 16 non-uniform levels
+(integers from -127 to 113, ggml's kvalues_iq4nl): no 4-bit affine format holds them, so
+they are held as int8, the levels themselves (exact; 8 bits a weight where the file
+spends 4.25-4.5; the other IQ types, lattice codebooks, are dequantized).
 
 The symmetric types are held exactly; the offsets' zero points are exact up to float32's
 rounding of b / s (w differs from the `gguf` package's s u + b by a few units in the last
@@ -42,6 +49,10 @@ import numpy as np
 # GGMLQuantizationType values.
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
+IQ4_NL, IQ4_XS = 20, 23
+# IQ4_NL's and IQ4_XS's levels (ggml-common.h's kvalues_iq4nl).
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
+                       113], np.int8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +71,8 @@ TYPES = {t: BlockType(*spec) for t, spec in {
     Q8_0: ("Q8_0", 32, 34, 8, 32, False),
     Q2_K: ("Q2_K", 256, 84, 4, 16, True), Q3_K: ("Q3_K", 256, 110, 4, 16, False),
     Q4_K: ("Q4_K", 256, 144, 4, 32, True), Q5_K: ("Q5_K", 256, 176, 8, 32, True),
-    Q6_K: ("Q6_K", 256, 210, 8, 16, False)}.items()}
+    Q6_K: ("Q6_K", 256, 210, 8, 16, False),
+    IQ4_NL: ("IQ4_NL", 32, 18, 8, 32, False), IQ4_XS: ("IQ4_XS", 256, 136, 8, 32, False)}.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +85,7 @@ class Format:
 
 def stored_format(kind: int) -> Format | None:
     """The format that holds a tensor of GGML type `kind` as stored; None when it is not a
-    type this module reads (floats, the IQ types): the tensor is dequantized."""
+    type this module reads (floats, the IQ types but IQ4's): the tensor is dequantized."""
     if kind not in TYPES:
         return None
     spec = TYPES[kind]
@@ -156,6 +168,13 @@ def _read(data: np.ndarray, kind: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
         ql, qh, d = data[:, :128], data[:, 128:192], _f16(data[:, 208:210])
         q = (_nibbles(ql, 64) | (_bits(qh, 2, 32) << 4)).astype(np.int8) - 32
         return q, d[:, None] * data[:, 192:208].view(np.int8).astype(f), None, 0
+    if kind == IQ4_NL:
+        return IQ4_LEVELS[_nibbles(data[:, 2:], 16)], _f16(data[:, 0:2])[:, None], None, 0
+    if kind == IQ4_XS:  # 8 groups' 6-bit scales: 4 low bits a nibble, 2 high bits a field
+        ls = _nibbles(data[:, 4:8], 1) | (_bits(data[:, 2:4], 2, 1) << 4)
+        d = _f16(data[:, 0:2])[:, None]
+        return (IQ4_LEVELS[_nibbles(data[:, 8:], 16)],
+                d * (ls.astype(np.int8) - np.int8(32)).astype(f), None, 0)
     raise ValueError(f"GGML type {kind} is not one gguf_blocks reads")
 
 
