@@ -425,6 +425,48 @@ def test_tpu_kernel_compiles_with_weights_quantized_in_hbm(chip, kind, m, k, n):
     assert "tpu_custom_call" in compiled.as_text()
 
 
+# GGUF files' formats (loading/gguf_blocks.py): Q4_0, Q4_1 / Q4_K, Q8_0 / IQ4_XS, Q5_1 / Q5_K,
+# Q6_K, Q2_K, Q3_K.
+GGUF_FORMATS = [("int4", 32, False), ("int4", 32, True), ("int8", 32, False), ("int8", 32, True),
+                ("int8", 16, False), ("int4", 16, True), ("int4", 16, False)]
+
+
+@pytest.mark.parametrize("kind, group, zp", GGUF_FORMATS)
+def test_tpu_kernel_compiles_for_gguf_groups(chip, kind, group, zp):
+    """Mosaic accepts the kernel with GGUF's small groups (16 and 32 rows: a dot per group)
+    at Llama-3-8B's up projection, weights read as stored (no dequantized copy)."""
+    from jax.sharding import SingleDeviceSharding
+
+    m, k, n = LLAMA3_8B_MLP[0]
+    (vs, vd), (ss, sd) = formats.quantized_shapes(k, n, kind, group, zp)
+    placed = SingleDeviceSharding(chip)
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16, sharding=placed),
+            jax.ShapeDtypeStruct(vs, vd, sharding=placed),
+            jax.ShapeDtypeStruct(ss, sd, sharding=placed))
+    compiled = compile_on_chip(
+        lambda x, v, s: qmm.quantized_matmul(x, v, s, kind=kind, impl="tpu"), args, chip)
+    weight_bytes = k * n // (2 if kind == "int4" else 1)
+    assert compiled.memory_analysis().temp_size_in_bytes < weight_bytes // 16
+    assert "tpu_custom_call" in compiled.as_text()
+
+
+@pytest.mark.parametrize("kind, group, zp", [f for f in GGUF_FORMATS
+                                             if gpu.supports(f[0], f[1])])
+def test_gpu_kernel_lowers_to_triton_for_gguf_groups(kind, group, zp):
+    """The Triton lowering takes the GGUF groups the GPU kernel supports (int4's groups of
+    16 are left to the reference: half a group is 8 rows, under a dot's least block)."""
+    m, k, n = LLAMA3_8B_MLP[0]
+    (vs, vd), (ss, sd) = formats.quantized_shapes(k, n, kind, group, zp)
+    fn = jax.jit(lambda x, v, s: gpu.quantized_matmul(x, v, s, kind=kind))
+    exported = jax.export.export(
+        fn, platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct(vs, vd),
+      jax.ShapeDtypeStruct(ss, sd))
+    assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+    assert exported.out_avals[0].shape == (m, n)
+
+
 def kernel_dot_precisions(fn, *args) -> list:
     """The precision of every dot in `fn`'s jaxpr, Pallas kernel bodies included."""
     def walk(jaxpr):
