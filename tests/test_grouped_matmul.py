@@ -171,13 +171,16 @@ def abstract(m, g, k, n, kind, sharding=None):
     sizes = jax.ShapeDtypeStruct((g,), jnp.int32, sharding=sharding)
     if kind is None:
         return x, jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16, sharding=sharding), sizes, None
+    digits = kind.partition("-")[2].lstrip("gzp")  # "int4-zp32": GGUF's groups of 32
     (vs, vd), (ss, sd) = formats.quantized_shapes(
-        g, k, n, base(kind), 128 if "-" in kind else None, zero_points=kind.endswith("zp"))
+        g, k, n, base(kind), int(digits) if digits else 128 if "-" in kind else None,
+        zero_points="zp" in kind)
     return (x, jax.ShapeDtypeStruct(vs, vd, sharding=sharding), sizes,
             jax.ShapeDtypeStruct(ss, sd, sharding=sharding))
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "int4-zp", "int8-zp", None], ids=str)
+@pytest.mark.parametrize("kind", ["int8", "int4", "int4-zp", "int8-zp", "int4-zp32", "int8-g16",
+                                  None], ids=str)
 def test_gpu_kernel_lowers_to_triton_for_mixtral(kind):
     from pallas_kernels.grouped_matmul import gpu
 
@@ -193,7 +196,8 @@ def test_gpu_kernel_lowers_to_triton_for_mixtral(kind):
     assert f"grid_y = {14336 // 128} : i32" in text
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "fp8", "int4-zp", "int8-zp", None], ids=str)
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8", "int4-zp", "int8-zp", "int4-zp32",
+                                  "int8-g16", None], ids=str)
 def test_tpu_kernel_compiles_with_the_stack_quantized_in_hbm(chip, kind):
     """Mosaic accepts the kernel on v5e and v6e at Mixtral's shapes, and the program's
     arguments are x, the stack as stored and its scales: no dequantized copy of an
