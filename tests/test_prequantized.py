@@ -102,7 +102,8 @@ def write_checkpoint(float_dir: Path, out: Path, tensors: dict, qconfig: dict, m
         if f.suffix != ".safetensors":
             shutil.copy2(f, out / f.name)
     state = {k: v.clone().contiguous() for k, v in model.state_dict().items()
-             if not any(f".{name}.weight" in k for name in LINEARS)}
+             if not any(f".{name}.weight" in k for name in LINEARS)
+             and k.removesuffix(".weight") + ".qweight" not in tensors}  # a quantized head
     save_file({**state, **tensors}, out / "model.safetensors")
     cfg = json.loads((out / "config.json").read_text())
     cfg["quantization_config"] = qconfig
@@ -126,14 +127,16 @@ def make_awq(float_dir: Path, out: Path, model, group: int) -> Path:
 
 
 def make_gptq(float_dir: Path, out: Path, model, group: int, sym: bool, v1: bool,
-              act_order: bool = False, bits: int = 4) -> Path:
+              act_order: bool = False, bits: int = 4, lm_head: bool = False) -> Path:
     """AutoGPTQ's layout: qweight [K / P, N] packed along K (P = 32 / bits), qzeros
     [K / G, N / P] along N (each zero point minus one in the v1 format, wrapping as
     AutoGPTQ's packing does), scales [K / G, N] float16, g_idx. With
     `act_order` (desc_act), the groups are taken in a random order of the K rows, as GPTQ
-    takes them by decreasing Hessian diagonal: g_idx[order[i]] = i // G."""
+    takes them by decreasing Hessian diagonal: g_idx[order[i]] = i // G. With `lm_head`
+    the LM head too (GPTQModel's `lm_head: true`)."""
     tensors = {}
-    for i, (name, lin) in enumerate(linears(model)):
+    heads = [("lm_head", model.lm_head)] if lm_head else []
+    for i, (name, lin) in enumerate([*linears(model), *heads]):
         w = lin.weight.data
         k = w.shape[1]
         order = torch.randperm(k, generator=torch.Generator().manual_seed(i)) if act_order \
@@ -152,7 +155,8 @@ def make_gptq(float_dir: Path, out: Path, model, group: int, sym: bool, v1: bool
         lin.weight.data = (u - u0[:, rows]).float() * scale[:, rows]
     return write_checkpoint(float_dir, out, tensors, {
         "quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order,
-        "sym": sym, "checkpoint_format": "gptq" if v1 else "gptq_v2"}, model)
+        "sym": sym, "checkpoint_format": "gptq" if v1 else "gptq_v2", "lm_head": lm_head},
+        model)
 
 
 def make_compressed_tensors(float_dir: Path, out: Path, model, weights: dict, fmt: str) -> Path:
@@ -240,6 +244,10 @@ CASES = {
     "gptq-8bit-asym-g32-v1": lambda d, o, m: make_gptq(d, o, m, 32, sym=False, v1=True,
                                                        bits=8),
     "gptq-8bit-sym-g64-v2": lambda d, o, m: make_gptq(d, o, m, 64, sym=True, v1=False, bits=8),
+    "gptq-asym-g32-v1-lm-head": lambda d, o, m: make_gptq(d, o, m, 32, sym=False, v1=True,
+                                                          lm_head=True),
+    "gptq-8bit-sym-g32-v2-lm-head": lambda d, o, m: make_gptq(d, o, m, 32, sym=True, v1=False,
+                                                              bits=8, lm_head=True),
     "ct-int8-channel": lambda d, o, m: make_compressed_tensors(d, o, m, dict(
         num_bits=8, type="int", symmetric=True, strategy="channel"), "pack-quantized"),
     "ct-int8-asym-g32": lambda d, o, m: make_compressed_tensors(d, o, m, dict(
@@ -292,6 +300,12 @@ def test_served_as_stored_equals_transformers_on_the_dequantized_weights(
     asymmetric = case.startswith("awq") or "asym" in case or "act-order" in case
     assert loaded.config.quant_zero_points == asymmetric
     assert_layers_equal_the_float_weights(loaded.params, model, kind_of(case))
+    head = dict(nnx.to_flat_state(loaded.params)).get(("lm_head_scales",))
+    assert (head is not None) == case.endswith("lm-head")  # GPTQ's quantized head as stored
+    if head is not None:
+        ours = dequantize(dict(nnx.to_flat_state(loaded.params))[("lm_head",)][...], head[...],
+                          kind_of(case), jnp.float32)
+        np.testing.assert_array_equal(np.asarray(ours), model.lm_head.weight.data.numpy().T)
     llm = LLM(str(qdir), **ENGINE)
     got = [o.outputs[0].token_ids for o in llm.generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))]
@@ -407,6 +421,8 @@ def test_what_is_not_served_is_refused_naming_the_field(float_model, tmp_path):
          r"modules_to_not_convert .*left unquantized"),
         (dict(quant_method="bitsandbytes"), r"quant_method = 'bitsandbytes'"),
         (dict(group_size=64), r"do not match group_size 64"),
+        (dict(lm_head=True, desc_act=True), r"lm_head = True: an act-order .*LM head"),
+        (dict(lm_head=True), r"lm_head.weight: a float LM head, yet .*lm_head is true"),
     ]:
         cfg = json.loads((qdir / "config.json").read_text())
         edit_config(qdir, **fields)

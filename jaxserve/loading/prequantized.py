@@ -21,7 +21,10 @@ What each becomes (K = in-features, N = out-features, G = the group size):
   `desc_act` (act-order) checkpoints, whose `g_idx` groups rows in another order: the rows
   sorted by group (stable), so that each group is contiguous as our int4 holds it, and the
   permutation kept (`perm`): the layer computes x[..., perm] @ W[perm] = x @ W, a gather
-  of x's features before the matmul (vLLM's GPTQ kernels do the same).
+  of x's features before the matmul (vLLM's GPTQ kernels do the same). `lm_head: true`
+  (GPTQModel's, AutoRound's): the LM head quantized likewise, held as stored
+  (`lm_head_quantization` and its group and zero points set to the layers'; an act-order
+  one is refused).
 - compressed-tensors, `pack-quantized` int weights (`weight_packed` int32 `[N, K * bits /
   32]`, values offset by 2^(bits-1); `weight_scale` `[N, K / G]` or `[N, 1]`;
   `weight_zero_point` packed along N when asymmetric): 4 bits -> int4, 8 bits -> int8
@@ -37,10 +40,10 @@ What each becomes (K = in-features, N = out-features, G = the group size):
   `weight_block_size` `[bn, bk]` (w = q * weight_scale_inv) -> fp8 in groups of bk rows,
   as the compressed-tensors blocks.
 
-Only the decoder's linear layers are quantized in our models (embeddings, norms, MoE
-routers and the LM head stay in the model's dtype), so a checkpoint that leaves one of them
-unquantized (`modules_to_not_convert`, `ignore`) or quantizes the LM head or the embedding
-is refused. A MoE layer's experts are read one by one and stacked as our grouped matmul's
+Otherwise only the decoder's linear layers are quantized in our models (embeddings, norms,
+MoE routers and the LM head stay in the model's dtype), so a checkpoint that leaves one of
+them unquantized (`modules_to_not_convert`, `ignore`) or quantizes the LM head (but GPTQ's)
+or the embedding is refused. A MoE layer's experts are read one by one and stacked as our grouped matmul's
 format (the same per-expert layouts; act-order experts are refused).
 """
 
@@ -81,6 +84,7 @@ class CheckpointQuantization:
     block_columns: int | None = None  # block-wise FP8: output columns sharing a scale
     gptq_v1: bool = False  # GPTQ zero points stored minus one
     act_order: bool = False  # GPTQ desc_act: rows grouped by g_idx, not k // G
+    lm_head: bool = False  # GPTQ `lm_head`: the LM head quantized like the layers
 
     def settings(self, quantization: str | None, cfg: ModelConfig) -> dict:
         """The engine settings (EngineConfig / ModelOptions fields) that serve it; asking
@@ -96,8 +100,12 @@ class CheckpointQuantization:
             # min(group, K)), rounded up to even. (int8's unset group is per channel.)
             k = max(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim)
             group = k + k % 2
-        return dict(quantization=self.kind, quant_group_size=group,
-                    quant_zero_points=self.zero_points, quant_act_order=self.act_order)
+        settings = dict(quantization=self.kind, quant_group_size=group,
+                        quant_zero_points=self.zero_points, quant_act_order=self.act_order)
+        if self.lm_head:
+            settings.update(lm_head_quantization=self.kind, lm_head_group_size=group,
+                            lm_head_zero_points=self.zero_points)
+        return settings
 
     @property
     def bits(self) -> int:
@@ -172,8 +180,12 @@ def _read_gptq(qc: dict) -> CheckpointQuantization:
     sym = qc.get("sym", True)
     group = _group(qc)
     act_order = bool(qc.get("desc_act")) and group is not None
+    lm_head = bool(qc.get("lm_head", False))
+    if lm_head and act_order:
+        raise _refuse("lm_head", True, "an act-order (desc_act) LM head is not supported; "
+                      "a checkpoint quantized with desc_act: false or lm_head: false is")
     return CheckpointQuantization("gptq", f"int{bits}", group, not sym,
-                                  gptq_v1=fmt == "gptq", act_order=act_order)
+                                  gptq_v1=fmt == "gptq", act_order=act_order, lm_head=lm_head)
 
 
 def _read_compressed_tensors(qc: dict) -> CheckpointQuantization:
@@ -395,6 +407,8 @@ _NEEDED = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros",
 # The dtype a compressed-tensors `weight` is stored in when it is quantized.
 _STORED = {"int8": (np.dtype(np.int8),), "fp8": (np.dtype(ml_dtypes.float8_e4m3fn),),
            "int4": ()}
+# A GPTQ checkpoint's quantized LM head (quantization_config.lm_head).
+_HEAD = re.compile(r"(lm_head)\.(qweight|qzeros|scales|g_idx)$")
 _QUANTIZED_PART = re.compile(r".*\.(qweight|qzeros|g_idx|weight_packed|weight_scale|"
                              r"weight_scale_inv|weight_zero_point|weight_shape)$")
 
@@ -411,7 +425,10 @@ def tensors(stream: Iterable[tuple[str, np.ndarray]], q: CheckpointQuantization
     """
     layers: dict[str, dict[str, np.ndarray]] = {}
     for name, array in stream:
-        m = _LINEAR.match(name)
+        m = _LINEAR.match(name) or (_HEAD.match(name) if q.lm_head else None)
+        if q.lm_head and name == "lm_head.weight":
+            raise ValueError(f"{name}: a float LM head, yet quantization_config.lm_head is "
+                             "true: the checkpoint contradicts itself")
         if m is None or m.group(2) == "bias":
             if _QUANTIZED_PART.match(name) or (
                     re.search(r"(embed_tokens|lm_head)\.weight$", name)
