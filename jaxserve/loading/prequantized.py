@@ -43,8 +43,8 @@ What each becomes (K = in-features, N = out-features, G = the group size):
 Otherwise only the decoder's linear layers are quantized in our models (embeddings, norms,
 MoE routers and the LM head stay in the model's dtype), so a checkpoint that leaves one of
 them unquantized (`modules_to_not_convert`, `ignore`) or quantizes the LM head (but GPTQ's)
-or the embedding is refused. A MoE layer's experts are read one by one and stacked as our grouped matmul's
-format (the same per-expert layouts; act-order experts are refused).
+or the embedding is refused. A MoE layer's experts are read one by one and stacked as our
+grouped matmul's format (the same per-expert layouts; act-order experts are refused).
 """
 
 from __future__ import annotations
