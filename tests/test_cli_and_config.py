@@ -122,6 +122,12 @@ def test_engine_config_validation(tmp_path):
     assert opts.weight_options("layers.1.mlp.down_proj") is opts
     with pytest.raises(ValueError, match="set quantization: int4 or int8"):
         EngineConfig(quant_overrides=[down])
+    # Kind null: the layer in the dtype (a GGUF file's float or IQ layers), with no group.
+    v = ["layers.0.attn.v_proj", None, None, False]
+    assert EngineConfig(quantization="int4", quant_overrides=[v]).model_options \
+        .weight_options(v[0]).quantization is None
+    with pytest.raises(ValueError, match="or null, null, false"):
+        EngineConfig(quantization="int4", quant_overrides=[[v[0], None, 32, False]])
     # The embedding: in the dtype unless an entry names it (which needs no quantization).
     assert opts.weight_options("embed").quantization is None
     embed = EngineConfig(quant_overrides=[["embed", "int8", None, False]]).model_options

@@ -174,7 +174,7 @@ def write_sentencepiece_vocab(w, vocab_size: int) -> None:
 # tests write blocks of random bytes with their float16 (super-)block scales (d, dmin) set
 # to small values, at these byte offsets of each block (ggml-common.h's block layouts).
 K_QUANT_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
-                  "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+                  "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,), "IQ3_S": (0,)}
 
 
 def random_k_quant(shape: tuple[int, int], weight_type: str) -> np.ndarray:
@@ -320,13 +320,14 @@ def assert_linear_layers_are(loaded, truth: dict, num_layers: int, types: dict[s
             block, proj = ("attn" if hf.startswith("self_attn") else "mlp"), hf.split(".")[1]
             path_ = ("layers", i, block, proj)
             want = truth[f"model.layers.{i}.{hf}.weight"].T  # [K, N]
-            if loaded.config.quantization:
+            if KEPT.get(types[hf]) and loaded.config.quantization:
                 values, scales = flat[path_][...], flat[path_[:-1] + (proj + "_scales",)][...]
                 kind = kind_of(values)
                 held = (kind, want.shape[0] // scales.shape[-2], scales.ndim == 3)
                 assert held == KEPT[types[hf]], (i, hf, held)
                 got = np.asarray(dequantize(values, scales, kind))
             else:  # laid out [N, K] (transposed) for the CPU kernels, or [K, N]
+                assert path_[:-1] + (proj + "_scales",) not in flat, (i, hf)
                 var = flat[path_]
                 got = var[...].reshape(want.shape[::-1]).T \
                     if var.get_metadata().get("transposed") else var[...].reshape(want.shape)
@@ -422,7 +423,8 @@ def test_tiny_gguf_of_each_weight_type(checkpoints, prompts, tmp_path, weight_ty
                                                        for p in prompts[:2]]
 
 
-@pytest.mark.parametrize("layer_types", [None, {"attn_v": "Q8_0", "ffn_down": "Q5_1"}])
+@pytest.mark.parametrize("layer_types", [None, {"attn_v": "Q8_0", "ffn_down": "Q5_1"},
+                                         {"attn_v": "F16", "ffn_down": "Q5_1"}])
 def test_plan_sizes_a_q4_0_file_as_stored(checkpoints, tmp_path, monkeypatch, layer_types):
     """`jaxserve plan --model file.gguf` plans a Q4_0 file's linear layers as int4 in
     groups of 32 (a mix's other layers in their own formats): the weights' bytes of its
@@ -528,6 +530,7 @@ def test_sentencepiece_vocabulary_equals_transformers_conversion(checkpoints, tm
 
 @pytest.mark.parametrize("arch, layer_types", [("llama8", None),
                                                ("llama8", {"attn_v": "Q8_0", "ffn_down": "Q5_1"}),
+                                               ("llama8", {"attn_v": "F16", "ffn_down": "Q5_1"}),
                                                ("qwen2", None)])
 def test_convert_a_q4_0_file_keeps_its_int4(checkpoints, prompts, tmp_path, arch, layer_types):
     """`jaxserve convert --model file.gguf` writes our checkpoint with the file's Q4_0
@@ -547,10 +550,12 @@ def test_convert_a_q4_0_file_keeps_its_int4(checkpoints, prompts, tmp_path, arch
     assert (manifest["quantization"], manifest["quant_group_size"],
             manifest["source_quantization"]) == ("int4", 32, "gguf")
     layers = model.config.num_hidden_layers
-    overrides = [[f"layers.{i}.{p}", *KEPT[t]] for i in range(layers)
-                 for p, t in (("attn.v_proj", "Q8_0"), ("mlp.down_proj", "Q5_1"))]
+    overrides = [[f"layers.{i}.{p}", *KEPT.get(layer_types[g], (None, None, False))]
+                 for i in range(layers) for p, g in (("attn.v_proj", "attn_v"),
+                                                     ("mlp.down_proj", "ffn_down"))] \
+        if layer_types else []
     embed = [] if model.config.tie_word_embeddings else [["embed", *KEPT["Q4_0"]]]
-    assert manifest["quant_overrides"] == embed + (overrides if layer_types else [])
+    assert manifest["quant_overrides"] == embed + overrides
     assert manifest["embed_from_lm_head"] == model.config.tie_word_embeddings
     assert (out / "tokenizer.json").is_file()
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -587,15 +592,24 @@ def assert_experts_are(path: Path, truth: dict, cfg, weight_type: str, layer_typ
                            for p in ("gate_proj", "up_proj", "down_proj")})
         for name, (stem, want) in stacks.items():
             path_ = ("layers", i, "mlp", *name.split("."))
-            values, scales = flat[path_][...], flat[path_[:-1] + (path_[-1] + "_scales",)][...]
-            kind, k = kind_of(values), want.shape[-1]
-            held = (kind, k // scales.shape[-2], scales.ndim == values.ndim + 1)
             gguf_type = layer_types.get(stem, weight_type)
+            want = np.swapaxes(want.reshape(-1, *want.shape[-2:]), 1, 2)  # [E, K, N]
+            scales_path = path_[:-1] + (path_[-1] + "_scales",)
+            if gguf_type not in KEPT:  # dequantized: a float stack, [E, N, K] if transposed
+                assert scales_path not in flat, (i, name)
+                var = flat[path_]
+                got = np.asarray(var[...]).reshape(-1, *var.shape[-2:])
+                if var.get_metadata().get("transposed"):
+                    got = np.swapaxes(got, 1, 2)
+                np.testing.assert_array_equal(got, want, err_msg=f"{i} {name}")
+                continue
+            values, scales = flat[path_][...], flat[scales_path][...]
+            kind, k = kind_of(values), want.shape[1]
+            held = (kind, k // scales.shape[-2], scales.ndim == values.ndim + 1)
             assert held == KEPT[gguf_type], (i, name, held)
             if values.ndim == 2:  # the shared expert: one [K, N] weight
                 values, scales = values[None], scales[None]
             got = np.asarray(dequantize(values, scales, kind))
-            want = np.swapaxes(want.reshape(-1, *want.shape[-2:]), 1, 2)  # [E, K, N]
             atol = np.abs(want).max() * 2**-21 if gguf_type in OFFSETS else 0
             np.testing.assert_allclose(got, want, rtol=0, atol=atol, err_msg=f"{i} {name}")
 
@@ -775,14 +789,19 @@ def write_family_gguf(model, path: Path, weight_type: str,
 
 # A Qwen2-MoE file whose experts' down stacks and shared expert's up are of other types.
 MOE_MIX = {"ffn_down_exps": "Q8_0", "ffn_up_shexp": "Q5_0"}
-# Beside Q4_0 (int4 g32): int8 g32 and int8 g32 with zero points (test_sharding's mesh runs).
+# One whose gate stacks and shared down are float (dequantized beside the kept others).
+MOE_FLOAT_MIX = {"ffn_down_exps": "Q8_0", "ffn_gate_exps": "F16", "ffn_down_shexp": "F16"}
+# Beside Q4_0 (int4 g32): int8 g32, int8 g32 with zero points and float layers
+# (test_sharding's mesh runs).
 GGUF_MESH_MIX = {"attn_v": "Q8_0", "ffn_down": "Q5_1", "ffn_down_exps": "Q5_1",
-                 "ffn_up_exps": "Q8_0", "ffn_gate_shexp": "Q8_0"}
+                 "ffn_up_exps": "Q8_0", "ffn_gate_shexp": "Q8_0", "attn_k": "F16",
+                 "ffn_gate_exps": "F16"}
 
 
 @pytest.mark.parametrize("arch, weight_type, layer_types", [
     ("gemma2", "Q8_0", None), ("gemma3", "Q4_0", None), ("mixtral", "Q8_0", None),
-    ("qwen2_moe", "Q4_1", None), ("qwen2_moe", "Q4_1", MOE_MIX), ("qwen3_moe", "F16", None)])
+    ("qwen2_moe", "Q4_1", None), ("qwen2_moe", "Q4_1", MOE_MIX),
+    ("qwen2_moe", "Q4_1", MOE_FLOAT_MIX), ("qwen3_moe", "F16", None)])
 def test_gemma_and_moe_families(prompts, tmp_path, arch, weight_type, layer_types):
     """Gemma 2 (soft-caps, alternating sliding window), Gemma 3 (q/k norms, one global
     layer in six with its own rope, linear rope scaling) and the MoE files (Mixtral as
@@ -848,9 +867,18 @@ Q4_K_M_OVERRIDES = (("embed", *KEPT["Q4_K"]),) + tuple(
     for p, t in (("attn.v_proj", "Q6_K"), ("mlp.down_proj", "Q5_0")))
 
 
+# A mix whose v is float and down an IQ type we do not hold (IQ3_S): those are held in the
+# dtype (overrides of kind None), the others kept.
+FLOAT_MIX = {"attn_v": "F16", "ffn_down": "IQ3_S"}
+FLOAT_MIX_OVERRIDES = (("embed", *KEPT["Q4_K"]),) + tuple(
+    (f"layers.{i}.{p}", None, None, False) for i in range(2)
+    for p in ("attn.v_proj", "mlp.down_proj"))
+
+
 @pytest.mark.parametrize("weight_type, layer_types, kept, overrides", [
-    *[(t, None, KEPT[t], (("embed", *KEPT[t]),)) for t in K_QUANT_SCALES],
-    ("Q4_K", Q4_K_M, KEPT["Q4_K"], Q4_K_M_OVERRIDES)])
+    *[(t, None, KEPT[t], (("embed", *KEPT[t]),)) for t in K_QUANT_SCALES if t in KEPT],
+    ("Q4_K", Q4_K_M, KEPT["Q4_K"], Q4_K_M_OVERRIDES),
+    ("Q4_K", FLOAT_MIX, KEPT["Q4_K"], FLOAT_MIX_OVERRIDES)], ids=str)
 def test_k_quants_are_kept_as_stored(prompts, tmp_path, weight_type, layer_types, kept,
                                      overrides):
     """A 256-wide Llama (the K-quants' super-blocks are 256 values) whose linear layers and

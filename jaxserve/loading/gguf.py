@@ -17,13 +17,14 @@ the tokenizer (vocabulary, merges, control tokens, BOS/EOS, `add_bos`) and the c
 template come from the file's metadata; the weights of every type the `gguf` package
 dequantizes (F32/F16/BF16, Q8_0, Q4_0/Q4_1, Q5_0/Q5_1, the K-quants, the IQ types) are
 dequantized to the engine's dtype as they are read, one tensor at a time (no float copy of
-the model on disk), except that a file whose every decoder linear layer is of the legacy,
-K-quant or IQ4 types (Q4_0 ... Q8_0, Q2_K ... Q6_K, IQ4_NL, IQ4_XS) keeps them quantized
-(the experts' stacks and a shared expert's too), each layer in the format of ours that
-holds its type as stored (gguf_blocks.py: Q4_0 as int4 in groups of 32, Q4_K as int4 in
-groups of 32 with zero points, Q6_K as int8 in groups of 16, IQ4_XS's levels as int8 in
-groups of 32; a Q4_K_M file's Q6_K layers are `quant_overrides` beside its Q4_K ones;
-`stored_settings`; `--quantization` given: dequantized and quantized our way). The
+the model on disk), except that the decoder linear layers of the legacy, K-quant and IQ4
+types (Q4_0 ... Q8_0, Q2_K ... Q6_K, IQ4_NL, IQ4_XS) are kept quantized (the experts'
+stacks and a shared expert's too), each layer in the format of ours that holds its type as
+stored (gguf_blocks.py: Q4_0 as int4 in groups of 32, Q4_K as int4 in groups of 32 with
+zero points, Q6_K as int8 in groups of 16, IQ4_XS's levels as int8 in groups of 32; a
+Q4_K_M file's Q6_K layers are `quant_overrides` beside its Q4_K ones, and a layer of
+another type, float or IQ, an override held in the dtype; `stored_settings`;
+`--quantization` given: all dequantized and quantized our way). The
 LM head of such a file is kept likewise, in the format that holds its own type (SmolLM2's
 tied Q8_0 head as int8 in groups of 32, which token lookups read too, dequantizing the
 columns they take: no float embedding; `--lm-head-quantization` given: dequantized and
@@ -269,7 +270,7 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 # The decoder's linear layers (with the experts' stacks and a shared expert's
-# projections): kept quantized when every one of them is of a type gguf_blocks reads.
+# projections): each kept quantized when it is of a type gguf_blocks reads.
 _SHARED_EXPERT = {"ffn_gate_shexp": "gate_proj", "ffn_up_shexp": "up_proj",
                   "ffn_down_shexp": "down_proj"}
 _LINEAR_STEMS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
@@ -283,20 +284,21 @@ def _is_linear(name: str) -> bool:
             and parts[3] == "weight")
 
 
-def _stored_formats(reader) -> dict[str, gguf_blocks.Format] | None:
-    """Each decoder linear layer's format that holds it as stored (by tensor name), or
-    None: a layer of another type (float, the IQ types but IQ4_NL and IQ4_XS)."""
+def _stored_formats(reader) -> dict[str, gguf_blocks.Format | None] | None:
+    """Each decoder linear layer's format that holds it as stored (by tensor name; None: a
+    layer of another type, float or the IQ types but IQ4_NL and IQ4_XS, dequantized), or
+    None when no layer is of a type we hold."""
     formats = {t.name: gguf_blocks.stored_format(int(t.tensor_type))
                for t in reader.tensors if _is_linear(t.name)}
-    if not formats or None in formats.values():
+    if not any(formats.values()):
         return None
     return formats
 
 
-def _layers_format(formats: dict[str, gguf_blocks.Format]) -> gguf_blocks.Format:
-    """The format most of the layers are in: the model's `quantization`; the others are
-    its `quant_overrides`."""
-    return collections.Counter(formats.values()).most_common(1)[0][0]
+def _layers_format(formats: dict[str, gguf_blocks.Format | None]) -> gguf_blocks.Format:
+    """The format most of the quantized layers are in: the model's `quantization`; the
+    others (and the dequantized layers) are its `quant_overrides`."""
+    return collections.Counter(f for f in formats.values() if f).most_common(1)[0][0]
 
 
 def _param_path(name: str) -> str:
@@ -331,7 +333,8 @@ def _head_format(reader) -> gguf_blocks.Format | None:
 def stored_settings(path: str | os.PathLike, keep_head: bool = True) -> dict | None:
     """The engine settings that keep the file's linear layers as stored, or None when they
     are dequantized (`_stored_formats`): the most common layer format, and the layers of
-    others as `quant_overrides` (Q4_K_M's Q6_K layers among its Q4_K ones); with them,
+    others as `quant_overrides` (Q4_K_M's Q6_K layers among its Q4_K ones; a float or IQ
+    layer's entry, kind None, holds it dequantized in the dtype); with them,
     unless not `keep_head`, the LM head's when it is of a type we hold as stored (a tied
     head: the embedding as stored, which token lookups read too, dequantizing the columns
     they take: `embed_from_lm_head`, no float embedding); an untied file's embedding as
@@ -341,7 +344,8 @@ def stored_settings(path: str | os.PathLike, keep_head: bool = True) -> dict | N
     if formats is None:
         return None
     fmt = _layers_format(formats)
-    overrides = [(_param_path(name), f.kind, f.group, f.zero_points)
+    overrides = [(_param_path(name), *((f.kind, f.group, f.zero_points) if f
+                                       else (None, None, False)))
                  for name, f in formats.items() if f != fmt]
     embed = _embed_format(reader)
     if embed is not None:  # held as stored, by rows: lookups dequantize the rows they take
@@ -390,12 +394,12 @@ def tensors(reader, config: dict, keep: bool = False, keep_head: bool = True
             w = gguf_blocks.decode(t.data, int(t.tensor_type), *shape)
             yield name, gguf_blocks.as_ours(w, embed)
             continue
-        if kept is not None and _is_linear(t.name) and "{expert}" in name:  # [E, N, K]
+        if kept and kept.get(t.name) and "{expert}" in name:  # [E, N, K]
             w = gguf_blocks.decode(t.data, int(t.tensor_type), shape[0] * shape[1], shape[2])
             for j, one in enumerate(gguf_blocks.split(w, shape[0])):
                 yield name.format(expert=j), gguf_blocks.as_ours(one, kept[t.name])
             continue
-        if kept is not None and _is_linear(t.name):
+        if kept and kept.get(t.name):
             w = gguf_blocks.decode(t.data, int(t.tensor_type), *shape)
             if heads:
                 w = dataclasses.replace(w, q=_unpermute(w.q, heads),

@@ -222,12 +222,13 @@ class _Stacked:
 def abstract_model(cfg: ModelConfig, dtype, shard: ShardingContext,
                    options: ModelOptions = ModelOptions()) -> tuple[nnx.GraphDef, nnx.State]:
     """The model's structure and parameter shapes, allocating nothing. Refuses
-    `quant_overrides` that name no quantized weight of this model."""
+    `quant_overrides` that name no weight of this model (a quantized entry: no quantized
+    one)."""
     model = nnx.eval_shape(lambda: Transformer(cfg, dtype, shard=shard, options=options))
     graphdef, state = nnx.split(model)
-    held = {".".join(map(str, path[:-1] + (path[-1].removesuffix("_scales"),)))
-            for path, _ in nnx.to_flat_state(state) if path[-1].endswith("_scales")}
-    unknown = [name for name, *_ in options.quant_overrides if name not in held]
+    names = {".".join(map(str, path)) for path, _ in nnx.to_flat_state(state)}
+    unknown = [name for name, kind, *_ in options.quant_overrides
+               if (name + "_scales" if kind else name) not in names]
     if unknown:
         raise ValueError(f"quant_overrides name {unknown}, which are not linear layers of this "
                          f"model (e.g. 'layers.0.mlp.down_proj', 'embed')")
