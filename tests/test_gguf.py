@@ -170,11 +170,12 @@ def write_sentencepiece_vocab(w, vocab_size: int) -> None:
     w.add_add_bos_token(True)
 
 
-# The `gguf` package dequantizes the K-quants and IQ4_NL / IQ4_XS but cannot write them:
+# The `gguf` package dequantizes the K-quants and the IQ types but cannot write them:
 # tests write blocks of random bytes with their float16 (super-)block scales (d, dmin) set
 # to small values, at these byte offsets of each block (ggml-common.h's block layouts).
 K_QUANT_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
-                  "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,), "IQ3_S": (0,)}
+                  "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,), "IQ2_XXS": (0,),
+                  "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,), "IQ1_S": (0,)}
 
 
 def random_k_quant(shape: tuple[int, int], weight_type: str) -> np.ndarray:
@@ -300,7 +301,10 @@ KEPT = {"Q4_0": ("int4", 32, False), "Q4_1": ("int4", 32, True), "Q5_0": ("int8"
         "Q5_1": ("int8", 32, True), "Q8_0": ("int8", 32, False),
         "Q2_K": ("int4", 16, True), "Q3_K": ("int4", 16, False), "Q4_K": ("int4", 32, True),
         "Q5_K": ("int8", 32, True), "Q6_K": ("int8", 16, False),
-        "IQ4_NL": ("int8", 32, False), "IQ4_XS": ("int8", 32, False)}
+        "IQ4_NL": ("int8", 32, False), "IQ4_XS": ("int8", 32, False),
+        "IQ2_XXS": ("int8", 32, False), "IQ2_XS": ("int8", 16, False),
+        "IQ2_S": ("int8", 16, False), "IQ3_XXS": ("int8", 32, False),
+        "IQ3_S": ("int8", 32, False)}
 OFFSETS = {"Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K"}  # types with a float offset per group
 
 
@@ -867,9 +871,9 @@ Q4_K_M_OVERRIDES = (("embed", *KEPT["Q4_K"]),) + tuple(
     for p, t in (("attn.v_proj", "Q6_K"), ("mlp.down_proj", "Q5_0")))
 
 
-# A mix whose v is float and down an IQ type we do not hold (IQ3_S): those are held in the
+# A mix whose v is float and down an IQ type we do not hold (IQ1_S): those are held in the
 # dtype (overrides of kind None), the others kept.
-FLOAT_MIX = {"attn_v": "F16", "ffn_down": "IQ3_S"}
+FLOAT_MIX = {"attn_v": "F16", "ffn_down": "IQ1_S"}
 FLOAT_MIX_OVERRIDES = (("embed", *KEPT["Q4_K"]),) + tuple(
     (f"layers.{i}.{p}", None, None, False) for i in range(2)
     for p in ("attn.v_proj", "mlp.down_proj"))

@@ -26,7 +26,17 @@ with offsets, zero points z = -c - b / s, so that w = (q - z) * s, our zero-poin
 IQ4_NL and IQ4_XS store 4-bit indices into a fixed table L of 16 non-uniform levels
 (integers from -127 to 113, ggml's kvalues_iq4nl): no 4-bit affine format holds them, so
 they are held as int8, the levels themselves (exact; 8 bits a weight where the file
-spends 4.25-4.5; the other IQ types, lattice codebooks, are dequantized).
+spends 4.25-4.5).
+
+The lattice types store each 4 or 8 weights as an index into a codebook of points with
+small integer coordinates (ggml's iq2xxs_grid ...: 8, 25, 43 for IQ2; up to 62 for
+IQ3_XXS; odd 1-15 for IQ3_S), signs, and a scale per group: w = db * grid * sign, with db
+from the block's float16 d and a 4-bit sub-scale ls (IQ2_XXS, IQ2_XS, IQ2_S: d (0.5 + ls)
+/ 4; IQ3_XXS: d (0.5 + ls) / 2; IQ3_S: d (1 + 2 ls)). Each product is exact in float32, so
+the integers grid * sign are recovered from the `gguf` package's dequantization divided by
+db (and checked) and held as int8 in groups of 32 (IQ2_XS and IQ2_S: 16): exact, 8 bits a
+weight where the file spends 2.06-3.44. IQ1_S and IQ1_M (a +-1/8 offset per point) are
+dequantized.
 
 The symmetric types are held exactly; the offsets' zero points are exact up to float32's
 rounding of b / s (w differs from the `gguf` package's s u + b by a few units in the last
@@ -50,6 +60,7 @@ import numpy as np
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
 IQ4_NL, IQ4_XS = 20, 23
+IQ2_XXS, IQ2_XS, IQ3_XXS, IQ3_S, IQ2_S = 16, 17, 18, 21, 22
 # IQ4_NL's and IQ4_XS's levels (ggml-common.h's kvalues_iq4nl).
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
                        113], np.int8)
@@ -72,7 +83,10 @@ TYPES = {t: BlockType(*spec) for t, spec in {
     Q2_K: ("Q2_K", 256, 84, 4, 16, True), Q3_K: ("Q3_K", 256, 110, 4, 16, False),
     Q4_K: ("Q4_K", 256, 144, 4, 32, True), Q5_K: ("Q5_K", 256, 176, 8, 32, True),
     Q6_K: ("Q6_K", 256, 210, 8, 16, False),
-    IQ4_NL: ("IQ4_NL", 32, 18, 8, 32, False), IQ4_XS: ("IQ4_XS", 256, 136, 8, 32, False)}.items()}
+    IQ4_NL: ("IQ4_NL", 32, 18, 8, 32, False), IQ4_XS: ("IQ4_XS", 256, 136, 8, 32, False),
+    IQ2_XXS: ("IQ2_XXS", 256, 66, 8, 32, False), IQ2_XS: ("IQ2_XS", 256, 74, 8, 16, False),
+    IQ2_S: ("IQ2_S", 256, 82, 8, 16, False), IQ3_XXS: ("IQ3_XXS", 256, 98, 8, 32, False),
+    IQ3_S: ("IQ3_S", 256, 110, 8, 32, False)}.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +99,7 @@ class Format:
 
 def stored_format(kind: int) -> Format | None:
     """The format that holds a tensor of GGML type `kind` as stored; None when it is not a
-    type this module reads (floats, the IQ types but IQ4's): the tensor is dequantized."""
+    type this module reads (floats, IQ1_S, IQ1_M): the tensor is dequantized."""
     if kind not in TYPES:
         return None
     spec = TYPES[kind]
@@ -175,7 +189,39 @@ def _read(data: np.ndarray, kind: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
         d = _f16(data[:, 0:2])[:, None]
         return (IQ4_LEVELS[_nibbles(data[:, 8:], 16)],
                 d * (ls.astype(np.int8) - np.int8(32)).astype(f), None, 0)
+    if kind in (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S):
+        return _lattice(data, kind), _lattice_scales(data, kind), None, 0
     raise ValueError(f"GGML type {kind} is not one gguf_blocks reads")
+
+
+def _lattice_scales(data: np.ndarray, kind: int) -> np.ndarray:
+    """The group scales db `[B, 256 / g]` of lattice-type blocks (module doc), computed in
+    float32 as ggml does."""
+    f = np.float32
+    d = _f16(data[:, 0:2])[:, None]
+    if kind == IQ2_XXS:  # the top nibble of each group's second 32-bit word
+        return d * (f(0.5) + (data[:, 2:66].reshape(-1, 8, 8)[:, :, 7] >> 4).astype(f)) * f(0.25)
+    if kind == IQ3_XXS:  # the top nibble of each group's word after the 64 index bytes
+        return d * (f(0.5) + (data[:, 66:98].reshape(-1, 8, 4)[:, :, 3] >> 4).astype(f)) \
+            * f(0.5)
+    if kind == IQ3_S:  # the last 4 bytes: a nibble a group, low first
+        return d * (1 + 2 * _nibbles(data[:, -4:], 1)).astype(f)
+    return d * (f(0.5) + _nibbles(data[:, -8:], 1).astype(f)) * f(0.25)  # IQ2_XS, IQ2_S
+
+
+def _lattice(data: np.ndarray, kind: int) -> np.ndarray:
+    """The signed integer coordinates `[B, 256]` of lattice-type blocks: the `gguf`
+    package's dequantization over each group's db, which must come out whole."""
+    from gguf.quants import dequantize
+
+    w = np.asarray(dequantize(data, kind), np.float32).reshape(len(data), -1)
+    s = np.repeat(_lattice_scales(data, kind), TYPES[kind].group, axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(s == 0, np.float32(0), np.rint(w / s))
+    if not np.array_equal(q * s, w):
+        raise ValueError(f"{TYPES[kind].name} blocks whose weights are not whole multiples "
+                         "of their group scales: not a layout gguf_blocks knows")
+    return q.astype(np.int8)
 
 
 @dataclasses.dataclass
