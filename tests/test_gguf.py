@@ -220,7 +220,8 @@ def add_tensor(w, gguf_name: str, x: np.ndarray, weight_type: str, heads: int | 
 
 def write_tiny_gguf(model, path: Path, weight_type: str, arch: str = "llama",
                     pre: str = "default", sentencepiece: bool = False,
-                    layer_types: dict[str, str] | None = None) -> dict:
+                    layer_types: dict[str, str] | None = None,
+                    rope_freqs: np.ndarray | None = None) -> dict:
     """The tiny `model` (Llama, Qwen2 or Qwen3) as llama.cpp's converter writes it (a
     Llama's q/k rows interleaved per head; norms and biases in F32), its linear layers,
     embedding and LM head in `weight_type` (`layer_types`: another type for the linear
@@ -270,6 +271,8 @@ def write_tiny_gguf(model, path: Path, weight_type: str, arch: str = "llama",
         truth[hf_name] = add_tensor(w, gguf_name, x, kind if typed else "F32", n)
 
     state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    if rope_freqs is not None:  # Llama 3's rope scaling, as llama.cpp's converter stores it
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     add("token_embd.weight", "model.embed_tokens.weight", state["model.embed_tokens.weight"],
         True)
     add("output_norm.weight", "model.norm.weight", state["model.norm.weight"], False)
@@ -500,6 +503,70 @@ def test_tiny_gguf_families_and_their_text_splitting(checkpoints, prompts, tmp_p
                  "4123 12312345"]:
         assert ours.encode(text, add_special_tokens=False) == \
             theirs.encode(text, add_special_tokens=False), text
+
+
+def converter_rope_factors(cfg) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors): the factors
+    each rotary frequency is divided by under a llama3 `rope_scaling`, written as the
+    `rope_freqs` tensor."""
+    import math
+
+    scaling, dim = cfg.rope_parameters, cfg.head_dim
+    freqs = 1.0 / (scaling["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = (scaling["factor"], scaling["low_freq_factor"],
+                         scaling["high_freq_factor"])
+    old = scaling["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
+def test_llama3_rope_scaling_from_the_rope_freqs_tensor(prompts, tmp_path):
+    """A Llama 3.1-style file (llama3 rope scaling stored as the converter's `rope_freqs`
+    factors, no scaling metadata): the config's rope_scaling is the model's own, and greedy
+    tokens equal transformers'; factors of no Llama 3 parameters are refused."""
+    import torch
+    import transformers as tf
+
+    from conftest import VOCAB, hf_greedy
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.loading import gguf
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    cfg = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=131072, bos_token_id=0, eos_token_id=1,
+                         rope_theta=500000.0, rope_scaling=dict(scaling))
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(cfg).eval()
+    factors = converter_rope_factors(cfg)
+    assert 1 < len(set(factors.tolist())) < len(factors)  # scaled, smoothed and left alone
+    path = tmp_path / "tiny-llama31.gguf"
+    truth = write_tiny_gguf(model, path, "Q8_0", rope_freqs=factors)
+    got = gguf.hf_config(gguf._reader(path))["rope_scaling"]
+    assert got == scaling
+    oracle = tf.LlamaForCausalLM(cfg).eval()
+    oracle.load_state_dict({k: torch.from_numpy(v) for k, v in truth.items()}, strict=False)
+    llm = LLM(str(path), dtype="float32", max_model_len=64, page_size=4, max_num_seqs=4,
+              max_num_batched_tokens=16, token_buckets=(16,))
+    outs = llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=8,
+                                                    ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(oracle, p, 8)
+                                                       for p in prompts[:2]]
+    bad = tmp_path / "bad.gguf"
+    write_tiny_gguf(model, bad, "Q8_0", rope_freqs=factors[::-1].copy())
+    with pytest.raises(ValueError, match="rope_freqs.weight: per-frequency rope factors"):
+        gguf.hf_config(gguf._reader(bad))
 
 
 def test_sentencepiece_vocabulary_equals_transformers_conversion(checkpoints, tmp_path):

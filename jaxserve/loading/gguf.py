@@ -11,7 +11,9 @@ regex ("llama-bpe", "qwen2" and their aliases, as transformers' GGUF loader name
 a SentencePiece BPE vocabulary (`tokenizer.ggml.model` "llama": Llama 2, Mistral,
 TinyLlama; merges implied by the scores, byte fallback; Gemma's variant by architecture).
 Settings a GGUF file does not carry follow llama.cpp's rules (Gemma's query scale, Gemma
-3's sliding-window pattern of 6 and local rope base of 10000). Anything else (other
+3's sliding-window pattern of 6 and local rope base of 10000); Llama 3.1-3.3's rope scaling,
+which the converter stores as per-frequency factors (`rope_freqs`), is read back as the
+llama3 `rope_scaling` that gives them. Anything else (other
 architectures, yarn rope scaling) is refused at load, naming the field. The model config,
 the tokenizer (vocabulary, merges, control tokens, BOS/EOS, `add_bos`) and the chat
 template come from the file's metadata; the weights of every type the `gguf` package
@@ -80,7 +82,7 @@ REGEX_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe":
                 "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "megrez": _QWEN2_SPLIT}
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 # Part of the metadata directory's cache key: bump it when what is written there changes.
-METADATA_VERSION = 3
+METADATA_VERSION = 4
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -163,7 +165,10 @@ def hf_config(reader) -> dict:
         "torch_dtype": "float32",
     }
     scaling = _field(reader, f"{arch}.rope.scaling.type")
-    if scaling == "linear":
+    llama3 = _llama3_rope(reader, config["rope_theta"], head_dim)
+    if llama3 is not None:
+        config["rope_scaling"] = llama3
+    elif scaling == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(
             _required(reader, f"{arch}.rope.scaling.factor"))}
     elif scaling not in (None, "none"):
@@ -180,6 +185,46 @@ def hf_config(reader) -> dict:
         if value is not None:
             config[f"{key}_token_id"] = int(value)
     return config
+
+
+# Llama 3's rope scaling parameters as released (Llama 3.1 to 3.3): original context,
+# low / high frequency factors; `_llama3_rope` tries these (and a few others) against a
+# file's factors.
+_LLAMA3_ROPES = [(original, low, high) for original in (8192, 4096, 16384, 32768)
+                 for low, high in ((1.0, 4.0), (1.0, 8.0), (2.0, 4.0), (2.0, 8.0))]
+
+
+def llama3_rope_factors(inv_freq: np.ndarray, factor: float, low: float, high: float,
+                        original: int) -> np.ndarray:
+    """What each rotary frequency is divided by under Llama 3's rope scaling (1 above
+    `original / high`'s wavelength, `factor` below `original / low`'s, smoothed between):
+    the `rope_freqs` llama.cpp's converter writes."""
+    wavelen = 2 * np.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    return np.where(wavelen < original / high, 1.0, np.where(
+        wavelen > original / low, factor, 1 / ((1 - smooth) / factor + smooth)))
+
+
+def _llama3_rope(reader, theta: float, head_dim: int) -> dict | None:
+    """Hugging Face's llama3 `rope_scaling` whose per-frequency factors are the file's
+    `rope_freqs` tensor (llama.cpp's converter writes the factors, not the parameters, for
+    Llama 3.1 and later), or None: no such tensor, or all factors 1."""
+    t = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if t is None:
+        return None
+    factors = np.asarray(t.data, np.float32).reshape(-1)
+    if np.all(factors == 1):
+        return None
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    factor = float(factors.max())
+    for original, low, high in _LLAMA3_ROPES:
+        if factors.shape == inv_freq.shape and np.allclose(
+                llama3_rope_factors(inv_freq, factor, low, high, original), factors,
+                rtol=1e-5, atol=0):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                    "high_freq_factor": high, "original_max_position_embeddings": original}
+    raise ValueError("rope_freqs.weight: per-frequency rope factors that are not Llama 3's "
+                     "rope scaling with the parameters Llama 3.1-3.3 use; not supported")
 
 
 def _moe_config(reader, arch: str, model_type: str, experts: int, names: set[str],
@@ -381,6 +426,8 @@ def tensors(reader, config: dict, keep: bool = False, keep_head: bool = True
     head_name = "output.weight" if not config["tie_word_embeddings"] else "token_embd.weight"
     model_type = config["model_type"]
     for t in reader.tensors:
+        if t.name == "rope_freqs.weight":  # Llama 3's rope scaling: in the config (hf_config)
+            continue
         name = _hf_name(t.name, model_type)
         shape = tuple(int(n) for n in reversed(t.shape))  # [N, K] ([E, N, K] for experts)
         heads = {"q_proj": config["num_attention_heads"],
