@@ -190,7 +190,8 @@ def _read(data: np.ndarray, kind: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
         return (IQ4_LEVELS[_nibbles(data[:, 8:], 16)],
                 d * (ls.astype(np.int8) - np.int8(32)).astype(f), None, 0)
     if kind in (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S):
-        return _lattice(data, kind), _lattice_scales(data, kind), None, 0
+        scales = _lattice_scales(data, kind)
+        return _lattice(data, kind, scales), scales, None, 0
     raise ValueError(f"GGML type {kind} is not one gguf_blocks reads")
 
 
@@ -209,13 +210,13 @@ def _lattice_scales(data: np.ndarray, kind: int) -> np.ndarray:
     return d * (f(0.5) + _nibbles(data[:, -8:], 1).astype(f)) * f(0.25)  # IQ2_XS, IQ2_S
 
 
-def _lattice(data: np.ndarray, kind: int) -> np.ndarray:
+def _lattice(data: np.ndarray, kind: int, scales: np.ndarray) -> np.ndarray:
     """The signed integer coordinates `[B, 256]` of lattice-type blocks: the `gguf`
-    package's dequantization over each group's db, which must come out whole."""
+    package's dequantization over each group's db (`scales`), which must come out whole."""
     from gguf.quants import dequantize
 
     w = np.asarray(dequantize(data, kind), np.float32).reshape(len(data), -1)
-    s = np.repeat(_lattice_scales(data, kind), TYPES[kind].group, axis=1)
+    s = np.repeat(scales, TYPES[kind].group, axis=1)
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.where(s == 0, np.float32(0), np.rint(w / s))
     if not np.array_equal(q * s, w):
