@@ -505,6 +505,24 @@ def test_tiny_gguf_families_and_their_text_splitting(checkpoints, prompts, tmp_p
             theirs.encode(text, add_special_tokens=False), text
 
 
+def assert_serves_oracle_tokens(path: Path, oracle, truth: dict, prompts: list[str],
+                                tokens: int = 8):
+    """The file served as it is gives the greedy tokens of `oracle` (a transformers model)
+    holding `truth` (the `gguf` package's dequantized weights)."""
+    import torch
+
+    from conftest import hf_greedy
+    from jaxserve import LLM, SamplingParams
+
+    oracle.load_state_dict({k: torch.from_numpy(v) for k, v in truth.items()}, strict=False)
+    llm = LLM(str(path), dtype="float32", max_model_len=64, page_size=4, max_num_seqs=4,
+              max_num_batched_tokens=16, token_buckets=(16,))
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=tokens,
+                                                ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(oracle, p, tokens)
+                                                       for p in prompts]
+
+
 def converter_rope_factors(cfg) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors): the factors
     each rotary frequency is divided by under a llama3 `rope_scaling`, written as the
@@ -536,8 +554,7 @@ def test_llama3_rope_scaling_from_the_rope_freqs_tensor(prompts, tmp_path):
     import torch
     import transformers as tf
 
-    from conftest import VOCAB, hf_greedy
-    from jaxserve import LLM, SamplingParams
+    from conftest import VOCAB
     from jaxserve.loading import gguf
 
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -555,14 +572,7 @@ def test_llama3_rope_scaling_from_the_rope_freqs_tensor(prompts, tmp_path):
     truth = write_tiny_gguf(model, path, "Q8_0", rope_freqs=factors)
     got = gguf.hf_config(gguf._reader(path))["rope_scaling"]
     assert got == scaling
-    oracle = tf.LlamaForCausalLM(cfg).eval()
-    oracle.load_state_dict({k: torch.from_numpy(v) for k, v in truth.items()}, strict=False)
-    llm = LLM(str(path), dtype="float32", max_model_len=64, page_size=4, max_num_seqs=4,
-              max_num_batched_tokens=16, token_buckets=(16,))
-    outs = llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=8,
-                                                    ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(oracle, p, 8)
-                                                       for p in prompts[:2]]
+    assert_serves_oracle_tokens(path, tf.LlamaForCausalLM(cfg).eval(), truth, prompts[:2])
     bad = tmp_path / "bad.gguf"
     write_tiny_gguf(model, bad, "Q8_0", rope_freqs=factors[::-1].copy())
     with pytest.raises(ValueError, match="rope_freqs.weight: per-frequency rope factors"):
@@ -960,8 +970,7 @@ def test_k_quants_are_kept_as_stored(prompts, tmp_path, weight_type, layer_types
     import torch
     import transformers as tf
 
-    from conftest import VOCAB, hf_greedy
-    from jaxserve import LLM, SamplingParams
+    from conftest import VOCAB
     from jaxserve.config import EngineConfig
     from jaxserve.engine.loader import load
     from jaxserve.loading import gguf
@@ -985,11 +994,4 @@ def test_k_quants_are_kept_as_stored(prompts, tmp_path, weight_type, layer_types
     assert_linear_layers_are(loaded, truth, cfg.num_hidden_layers, types)
     assert_head_is(loaded, truth, (layer_types or {}).get("output", weight_type), weight_type)
     del loaded
-    oracle = tf.LlamaForCausalLM(cfg).eval()
-    oracle.load_state_dict({k: torch.from_numpy(v) for k, v in truth.items()}, strict=False)
-    llm = LLM(str(path), dtype="float32", max_model_len=64, page_size=4, max_num_seqs=4,
-              max_num_batched_tokens=16, token_buckets=(16,))
-    outs = llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=8,
-                                                    ignore_eos=True))
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(oracle, p, 8)
-                                                       for p in prompts[:2]]
+    assert_serves_oracle_tokens(path, tf.LlamaForCausalLM(cfg).eval(), truth, prompts[:2])
