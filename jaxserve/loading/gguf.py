@@ -26,8 +26,7 @@ type as stored (gguf_blocks.py: Q4_0 as int4 in groups of 32, Q4_K as int4 in gr
 with zero points, Q6_K as int8 in groups of 16, IQ4_XS's levels and IQ3_S's lattice
 points as int8 in groups of 32; a Q4_K_M file's Q6_K layers are `quant_overrides` beside
 its Q4_K ones, and a layer of another type, float or IQ1, an override held in the dtype;
-`stored_settings`;
-`--quantization` given: all dequantized and quantized our way). The
+`stored_settings`; `--quantization` given: all dequantized and quantized our way). The
 LM head of such a file is kept likewise, in the format that holds its own type (SmolLM2's
 tied Q8_0 head as int8 in groups of 32, which token lookups read too, dequantizing the
 columns they take: no float embedding; `--lm-head-quantization` given: dequantized and
@@ -217,10 +216,9 @@ def _llama3_rope(reader, theta: float, head_dim: int) -> dict | None:
         return None
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     factor = float(factors.max())
-    for original, low, high in _LLAMA3_ROPES:
-        if factors.shape == inv_freq.shape and np.allclose(
-                llama3_rope_factors(inv_freq, factor, low, high, original), factors,
-                rtol=1e-5, atol=0):
+    for original, low, high in _LLAMA3_ROPES if factors.shape == inv_freq.shape else ():
+        if np.allclose(llama3_rope_factors(inv_freq, factor, low, high, original), factors,
+                       rtol=1e-5, atol=0):
             return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
                     "high_freq_factor": high, "original_max_position_embeddings": original}
     raise ValueError("rope_freqs.weight: per-frequency rope factors that are not Llama 3's "
@@ -332,8 +330,8 @@ def _is_linear(name: str) -> bool:
 
 def _stored_formats(reader) -> dict[str, gguf_blocks.Format | None] | None:
     """Each decoder linear layer's format that holds it as stored (by tensor name; None: a
-    layer of another type, float, IQ1_S or IQ1_M, dequantized), or
-    None when no layer is of a type we hold."""
+    layer of another type, float, IQ1_S or IQ1_M, dequantized), or None when no layer is
+    of a type we hold."""
     formats = {t.name: gguf_blocks.stored_format(int(t.tensor_type))
                for t in reader.tensors if _is_linear(t.name)}
     if not any(formats.values()):
@@ -359,21 +357,22 @@ def _param_path(name: str) -> str:
     return f"layers.{layer}.{_LAYER_NAMES[part].replace('self_attn.', 'attn.')}"
 
 
+def _format_of(reader, name: str) -> gguf_blocks.Format | None:
+    """Our format that holds tensor `name` as stored, or None: it is of another type."""
+    return gguf_blocks.stored_format(next(int(t.tensor_type) for t in reader.tensors
+                                          if t.name == name))
+
+
 def _embed_format(reader) -> gguf_blocks.Format | None:
     """Our format that holds an untied file's embedding (`token_embd`) as stored, or None:
     it is of another type, or the file is tied (its head holds the embedding)."""
-    if _tied(reader):
-        return None
-    types = {t.name: int(t.tensor_type) for t in reader.tensors}
-    return gguf_blocks.stored_format(types["token_embd.weight"])
+    return None if _tied(reader) else _format_of(reader, "token_embd.weight")
 
 
 def _head_format(reader) -> gguf_blocks.Format | None:
     """Our format that holds the LM head as stored (`output`, or a tied head's
     `token_embd`), or None: it is of another type."""
-    types = {t.name: int(t.tensor_type) for t in reader.tensors}
-    head = types.get("output.weight", types.get("token_embd.weight"))
-    return None if head is None else gguf_blocks.stored_format(head)
+    return _format_of(reader, "token_embd.weight" if _tied(reader) else "output.weight")
 
 
 def stored_settings(path: str | os.PathLike, keep_head: bool = True) -> dict | None:

@@ -101,8 +101,7 @@ def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_in: int,
     kernel); `packed`: its values and scales in that kernel's strips. A float weight is
     one XLA dot, or on a CPU the native matmul (pallas_kernels/matmul), which computes
     only the first `rows` tokens (the real ones of a bucket-padded batch) and zeros the
-    rest. A `transposed`
-    float weight is laid out out + in, and a `packed` one also packed
+    rest. A `transposed` float weight is laid out out + in, and a `packed` one also packed
     (`weights_for_native_matmul`).
     """
     lead = x.shape[: x.ndim - n_in]
