@@ -92,12 +92,11 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from offline_throughput import measure_bandwidth, measure_matmul
 from jaxserve.engine.sampler import SamplingArrays, sample, top_k_top_p_by_sort
 from jaxserve.huge_pages import restart_with_huge_pages
-from flax import nnx
-
 from jaxserve.models.layers import quantized_embedding, quantized_rows
 from jaxserve.models.moe import grouped_glu
 from pallas_kernels.grouped_matmul import dequantize as grouped_dequantize
