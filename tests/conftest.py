@@ -68,6 +68,8 @@ def _hf_config(arch: str):
     if arch == "llama8":  # 8 heads, 2 KV heads: tensor parallel up to 8 (KV replicated past 2)
         return tf.LlamaForCausalLM, tf.LlamaConfig(**{**common, "num_attention_heads": 8},
                                                    num_key_value_heads=2)
+    if arch == "nemo":  # Mistral Nemo's shape (a GGUF "llama"): head_dim != hidden / heads
+        return tf.LlamaForCausalLM, tf.LlamaConfig(**common, num_key_value_heads=2, head_dim=32)
     if arch == "mistral":  # sliding window (8) far smaller than the prompts
         return tf.MistralForCausalLM, tf.MistralConfig(
             **common, num_key_value_heads=2, sliding_window=8)

@@ -246,8 +246,9 @@ def write_tiny_gguf(model, path: Path, weight_type: str, arch: str = "llama",
                      else cfg.hidden_size // cfg.num_attention_heads)
     w.add_vocab_size(cfg.vocab_size)
     # Merges that cross the splits' boundaries differently: digits are one piece for GPT-2,
-    # runs of up to three for Llama 3, single digits for Qwen2.
-    merged = ["ĠĠ", "12", "123"]
+    # runs of up to three for Llama 3, single digits for Qwen2 and Tekken, which alone
+    # splits a word where lower case turns upper ("oW").
+    merged = ["ĠĠ", "12", "123", "oW"]
     tokens = ["<s>", "</s>", "<unk>"] + sorted(pre_tokenizers.ByteLevel.alphabet()) + merged
     tokens += [f"<extra_{i}>" for i in range(cfg.vocab_size - len(tokens))]
     if sentencepiece:
@@ -258,7 +259,7 @@ def write_tiny_gguf(model, path: Path, weight_type: str, arch: str = "llama",
         w.add_token_list(tokens)
         w.add_token_types([3, 3, 3] + [1] * (256 + len(merged))
                           + [4] * (cfg.vocab_size - 259 - len(merged)))
-        w.add_token_merges(["Ġ Ġ", "1 2", "12 3"])
+        w.add_token_merges(["Ġ Ġ", "1 2", "12 3", "o W"])
         w.add_bos_token_id(0)
         w.add_eos_token_id(1)
     heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads} \
@@ -462,13 +463,15 @@ def test_plan_sizes_a_q4_0_file_as_stored(checkpoints, tmp_path, monkeypatch, la
 
 @pytest.mark.parametrize("arch, pre, weight_type", [("qwen2", "qwen2", "Q4_0"),
                                                     ("qwen3", "qwen2", "Q8_0"),
-                                                    ("llama8", "llama-bpe", "Q5_1")])
+                                                    ("llama8", "llama-bpe", "Q5_1"),
+                                                    ("nemo", "tekken", "Q8_0")])
 def test_tiny_gguf_families_and_their_text_splitting(checkpoints, prompts, tmp_path, arch,
                                                      pre, weight_type):
     """Qwen2 (q/k/v biases beside Q4_0 weights kept as int4, tied embeddings) and Qwen3
-    (q/k norms) files, and Llama 3's splitting: greedy tokens equal transformers on the
-    `gguf` package's dequantized weights, and the tokenizer equals transformers'
-    conversion of the same file."""
+    (q/k norms) files, Llama 3's splitting, and a Mistral Nemo-like Llama (head_dim !=
+    hidden / heads, Tekken's splitting): greedy tokens equal transformers on the `gguf`
+    package's dequantized weights, and the tokenizer equals transformers' conversion of
+    the same file."""
     import torch
     from transformers import AutoTokenizer
 
@@ -480,7 +483,7 @@ def test_tiny_gguf_families_and_their_text_splitting(checkpoints, prompts, tmp_p
     from jaxserve.loading.tokenizer import Tokenizer
 
     _, model = checkpoints(arch)
-    family = "llama" if arch.startswith("llama") else arch
+    family = "llama" if arch in ("llama8", "nemo") else arch
     path = tmp_path / f"tiny-{arch}.gguf"
     truth = write_tiny_gguf(model, path, weight_type, arch=family, pre=pre)
     oracle = type(model)(model.config).eval()
@@ -500,7 +503,7 @@ def test_tiny_gguf_families_and_their_text_splitting(checkpoints, prompts, tmp_p
     ours = Tokenizer.from_pretrained(gguf.metadata_dir(path))
     theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
     for text in ["Hello  world, IT'S 4123 o'clock!\n\n  Tabs\tand  spaces", "  two  spaces",
-                 "4123 12312345"]:
+                 "4123 12312345", "HelloWorld fooWbar"]:
         assert ours.encode(text, add_special_tokens=False) == \
             theirs.encode(text, add_special_tokens=False), text
 

@@ -70,15 +70,22 @@ PERMUTED_QK = {"llama", "mixtral"}
 GEMMA = {"gemma2", "gemma3"}
 # Pre-tokenizers whose text splitting is GPT-2's own regex (ByteLevel's).
 GPT2_SPLITS = {"default", "gpt2", "smollm"}
-# The others this reads: the regex each vocabulary's merges were learned on (Llama 3's and
-# Qwen2's, as llama.cpp's `tokenizer.ggml.pre` names them), then byte-level spelling.
+# The others this reads: the regex each vocabulary's merges were learned on (Llama 3's,
+# Qwen2's and Tekken's, as llama.cpp's `tokenizer.ggml.pre` names them; transformers'
+# GGUF loader's table), then byte-level spelling.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Mistral's Tekken (Mistral Nemo, Mistral Small 3): words split at case changes, no
+# contractions, single digits.
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 REGEX_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
                 "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT,
-                "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "megrez": _QWEN2_SPLIT}
+                "pixtral": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+                "megrez": _QWEN2_SPLIT, "tekken": _TEKKEN_SPLIT}
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 # Part of the metadata directory's cache key: bump it when what is written there changes.
 METADATA_VERSION = 4
