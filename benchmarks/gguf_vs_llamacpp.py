@@ -7,8 +7,8 @@ IQ4_XS). Cached beside it. jaxserve keeps each file's linear layers as stored
 (jaxserve/loading/gguf_blocks.py: each layer in the format of its type: Q4_1 as int4 in
 groups of 32 with zero points, Q4_0 as int4, Q5_0 and Q8_0 as int8 in groups of 32, Q4_K
 as int4 in groups of 32 with zero points, Q6_K as int8 in groups of 16, IQ4_XS / IQ4_NL's
-levels and IQ3_M's IQ3_S lattice points as int8 in groups of 32, ...; a layer of a type
-it does not hold, float or IQ1, dequantized to float32).
+levels and IQ3_M's IQ3_S lattice points as int8 in groups of 32, ...; a float layer
+dequantized to float32).
 
 - batch 1: ms per decode token, 128 new tokens after a 64-token prompt;
 - batch N (default 32): output tokens per second for N prompts of 64 tokens, 128 new

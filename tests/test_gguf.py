@@ -172,10 +172,12 @@ def write_sentencepiece_vocab(w, vocab_size: int) -> None:
 
 # The `gguf` package dequantizes the K-quants and the IQ types but cannot write them:
 # tests write blocks of random bytes with their float16 (super-)block scales (d, dmin) set
-# to small values, at these byte offsets of each block (ggml-common.h's block layouts).
+# to small values, at these byte offsets of each block (ggml-common.h's block layouts;
+# IQ1_M's d: a nibble at the top of each of its last four 16-bit words).
 K_QUANT_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
                   "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,), "IQ2_XXS": (0,),
-                  "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,), "IQ1_S": (0,)}
+                  "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,), "IQ1_S": (0,),
+                  "IQ1_M": ()}
 
 
 def random_k_quant(shape: tuple[int, int], weight_type: str) -> np.ndarray:
@@ -190,6 +192,12 @@ def random_k_quant(shape: tuple[int, int], weight_type: str) -> np.ndarray:
     for offset in K_QUANT_SCALES[weight_type]:
         scale = rng.uniform(2e-4, 1e-3, (n, k // block)).astype(np.float16)
         data[..., offset:offset + 2] = scale[..., None].view(np.uint8)
+    if weight_type == "IQ1_M":
+        d = rng.uniform(2e-4, 1e-3, (n, k // block)).astype(np.float16).view(np.uint16)
+        words = data[..., 48:56].copy().view("<u2")
+        for i in range(4):
+            words[..., i] = (words[..., i] & 0x0FFF) | (((d >> 4 * i) & 0xF) << 12)
+        data[..., 48:56] = words.view(np.uint8)
     return data.reshape(n, -1)
 
 
@@ -308,7 +316,8 @@ KEPT = {"Q4_0": ("int4", 32, False), "Q4_1": ("int4", 32, True), "Q5_0": ("int8"
         "IQ4_NL": ("int8", 32, False), "IQ4_XS": ("int8", 32, False),
         "IQ2_XXS": ("int8", 32, False), "IQ2_XS": ("int8", 16, False),
         "IQ2_S": ("int8", 16, False), "IQ3_XXS": ("int8", 32, False),
-        "IQ3_S": ("int8", 32, False)}
+        "IQ3_S": ("int8", 32, False), "IQ1_S": ("int8", 32, False),
+        "IQ1_M": ("int8", 16, False)}
 OFFSETS = {"Q4_1", "Q5_1", "Q2_K", "Q4_K", "Q5_K"}  # types with a float offset per group
 
 
@@ -951,9 +960,9 @@ Q4_K_M_OVERRIDES = (("embed", *KEPT["Q4_K"]),) + tuple(
     for p, t in (("attn.v_proj", "Q6_K"), ("mlp.down_proj", "Q5_0")))
 
 
-# A mix whose v is float and down an IQ type we do not hold (IQ1_S): those are held in the
-# dtype (overrides of kind None), the others kept.
-FLOAT_MIX = {"attn_v": "F16", "ffn_down": "IQ1_S"}
+# A mix whose v and down are float (F16, BF16): those are held in the dtype (overrides of
+# kind None), the others kept.
+FLOAT_MIX = {"attn_v": "F16", "ffn_down": "BF16"}
 FLOAT_MIX_OVERRIDES = (("embed", *KEPT["Q4_K"]),) + tuple(
     (f"layers.{i}.{p}", None, None, False) for i in range(2)
     for p in ("attn.v_proj", "mlp.down_proj"))

@@ -20,12 +20,12 @@ template come from the file's metadata; the weights of every type the `gguf` pac
 dequantizes (F32/F16/BF16, Q8_0, Q4_0/Q4_1, Q5_0/Q5_1, the K-quants, the IQ types) are
 dequantized to the engine's dtype as they are read, one tensor at a time (no float copy of
 the model on disk), except that the decoder linear layers of the legacy, K-quant and IQ
-types but IQ1 (Q4_0 ... Q8_0, Q2_K ... Q6_K, IQ2_XXS ... IQ4_XS) are kept quantized (the
+types (Q4_0 ... Q8_0, Q2_K ... Q6_K, IQ1_S ... IQ4_XS) are kept quantized (the
 experts' stacks and a shared expert's too), each layer in the format of ours that holds its
 type as stored (gguf_blocks.py: Q4_0 as int4 in groups of 32, Q4_K as int4 in groups of 32
 with zero points, Q6_K as int8 in groups of 16, IQ4_XS's levels and IQ3_S's lattice
 points as int8 in groups of 32; a Q4_K_M file's Q6_K layers are `quant_overrides` beside
-its Q4_K ones, and a layer of another type, float or IQ1, an override held in the dtype;
+its Q4_K ones, and a float layer an override held in the dtype;
 `stored_settings`; `--quantization` given: all dequantized and quantized our way). The
 LM head of such a file is kept likewise, in the format that holds its own type (SmolLM2's
 tied Q8_0 head as int8 in groups of 32, which token lookups read too, dequantizing the
@@ -337,8 +337,7 @@ def _is_linear(name: str) -> bool:
 
 def _stored_formats(reader) -> dict[str, gguf_blocks.Format | None] | None:
     """Each decoder linear layer's format that holds it as stored (by tensor name; None: a
-    layer of another type, float, IQ1_S or IQ1_M, dequantized), or None when no layer is
-    of a type we hold."""
+    float layer, dequantized), or None when no layer is of a type we hold."""
     formats = {t.name: gguf_blocks.stored_format(int(t.tensor_type))
                for t in reader.tensors if _is_linear(t.name)}
     if not any(formats.values()):
@@ -385,7 +384,7 @@ def _head_format(reader) -> gguf_blocks.Format | None:
 def stored_settings(path: str | os.PathLike, keep_head: bool = True) -> dict | None:
     """The engine settings that keep the file's linear layers as stored, or None when they
     are dequantized (`_stored_formats`): the most common layer format, and the layers of
-    others as `quant_overrides` (Q4_K_M's Q6_K layers among its Q4_K ones; a float or IQ
+    others as `quant_overrides` (Q4_K_M's Q6_K layers among its Q4_K ones; a float
     layer's entry, kind None, holds it dequantized in the dtype); with them,
     unless not `keep_head`, the LM head's when it is of a type we hold as stored (a tied
     head: the embedding as stored, which token lookups read too, dequantizing the columns

@@ -35,8 +35,11 @@ from the block's float16 d and a 4-bit sub-scale ls (IQ2_XXS, IQ2_XS, IQ2_S: d (
 / 4; IQ3_XXS: d (0.5 + ls) / 2; IQ3_S: d (1 + 2 ls)). Each product is exact in float32, so
 the integers grid * sign are recovered from the `gguf` package's dequantization divided by
 db (and checked) and held as int8 in groups of 32 (IQ2_XS and IQ2_S: 16): exact, 8 bits a
-weight where the file spends 2.06-3.44. IQ1_S and IQ1_M (a +-1/8 offset per point) are
-dequantized.
+weight where the file spends 2.06-3.44. IQ1_S and IQ1_M's points have coordinates -1, 0, 1
+and an offset of +-1/8 per 8 points: w = d (1 + 2 ls) (grid +- 1/8), so db = d (1 + 2 ls)
+/ 8 and the integers are 8 grid +- 1 (+-1, +-7, +-9), held as int8 in groups of 32 (IQ1_M:
+16; its d spread over its scales' top nibbles): 8 bits a weight where the file spends
+1.56-1.75.
 
 The symmetric types are held exactly; the offsets' zero points are exact up to float32's
 rounding of b / s (w differs from the `gguf` package's s u + b by a few units in the last
@@ -61,6 +64,7 @@ Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
 IQ4_NL, IQ4_XS = 20, 23
 IQ2_XXS, IQ2_XS, IQ3_XXS, IQ3_S, IQ2_S = 16, 17, 18, 21, 22
+IQ1_S, IQ1_M = 19, 29
 # IQ4_NL's and IQ4_XS's levels (ggml-common.h's kvalues_iq4nl).
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
                        113], np.int8)
@@ -86,7 +90,8 @@ TYPES = {t: BlockType(*spec) for t, spec in {
     IQ4_NL: ("IQ4_NL", 32, 18, 8, 32, False), IQ4_XS: ("IQ4_XS", 256, 136, 8, 32, False),
     IQ2_XXS: ("IQ2_XXS", 256, 66, 8, 32, False), IQ2_XS: ("IQ2_XS", 256, 74, 8, 16, False),
     IQ2_S: ("IQ2_S", 256, 82, 8, 16, False), IQ3_XXS: ("IQ3_XXS", 256, 98, 8, 32, False),
-    IQ3_S: ("IQ3_S", 256, 110, 8, 32, False)}.items()}
+    IQ3_S: ("IQ3_S", 256, 110, 8, 32, False), IQ1_S: ("IQ1_S", 256, 50, 8, 32, False),
+    IQ1_M: ("IQ1_M", 256, 56, 8, 16, False)}.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +104,7 @@ class Format:
 
 def stored_format(kind: int) -> Format | None:
     """The format that holds a tensor of GGML type `kind` as stored; None when it is not a
-    type this module reads (floats, IQ1_S, IQ1_M): the tensor is dequantized."""
+    type this module reads (floats): the tensor is dequantized."""
     if kind not in TYPES:
         return None
     spec = TYPES[kind]
@@ -189,7 +194,7 @@ def _read(data: np.ndarray, kind: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
         d = _f16(data[:, 0:2])[:, None]
         return (IQ4_LEVELS[_nibbles(data[:, 8:], 16)],
                 d * (ls.astype(np.int8) - np.int8(32)).astype(f), None, 0)
-    if kind in (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S):
+    if kind in (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M):
         scales = _lattice_scales(data, kind)
         return _lattice(data, kind, scales), scales, None, 0
     raise ValueError(f"GGML type {kind} is not one gguf_blocks reads")
@@ -207,6 +212,15 @@ def _lattice_scales(data: np.ndarray, kind: int) -> np.ndarray:
             * f(0.5)
     if kind == IQ3_S:  # the last 4 bytes: a nibble a group, low first
         return d * (1 + 2 * _nibbles(data[:, -4:], 1)).astype(f)
+    if kind == IQ1_S:  # bits 12-14 of each group's 16-bit word after the index bytes
+        ls = (np.ascontiguousarray(data[:, 34:50]).view("<u2") >> 12) & 7
+        return d * (1 + 2 * ls).astype(f) * f(0.125)
+    if kind == IQ1_M:  # four 16-bit words: 3 bits a group of 16, d in their top nibbles
+        sc = np.ascontiguousarray(data[:, 48:56]).view("<u2")
+        top = (sc & 0xF000) >> np.array([12, 8, 4, 0], np.uint16)
+        d = np.bitwise_or.reduce(top, axis=1).view(np.float16).astype(f)
+        ls = (sc[:, :, None] >> np.array([0, 3, 6, 9], np.uint16)) & 7
+        return d[:, None] * (1 + 2 * ls.reshape(len(data), 16)).astype(f) * f(0.125)
     return d * (f(0.5) + _nibbles(data[:, -8:], 1).astype(f)) * f(0.25)  # IQ2_XS, IQ2_S
 
 
