@@ -145,6 +145,8 @@ class LLM:
                 out.text += step_out.new_text
                 if step_out.new_logprobs is not None:
                     out.logprobs.extend(step_out.new_logprobs)
+                if step_out.prompt_logprobs is not None:
+                    result.prompt_logprobs = step_out.prompt_logprobs
                 if step_out.finished:
                     out.finish_reason = step_out.finish_reason
                     out.stop_reason = step_out.stop_reason

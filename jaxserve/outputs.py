@@ -33,6 +33,9 @@ class StepOutput:
     kv_pages: Any = None
     # A server's: where a decode server pulls those K/V from (server/kv_transfer.py).
     kv_transfer_params: dict | None = None
+    # SamplingParams.prompt_logprobs, on the request's first output: None, then an entry
+    # per prompt token after the first (RequestOutput.prompt_logprobs).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @staticmethod
     def merge(outputs: list[StepOutput]) -> StepOutput:
@@ -47,7 +50,8 @@ class StepOutput:
             logprobs = [lp for o in outputs for lp in o.new_logprobs or ()]
         return dataclasses.replace(
             last, new_token_ids=[t for o in outputs for t in o.new_token_ids],
-            new_text="".join(o.new_text for o in outputs), new_logprobs=logprobs)
+            new_text="".join(o.new_text for o in outputs), new_logprobs=logprobs,
+            prompt_logprobs=outputs[0].prompt_logprobs)
 
 
 @dataclasses.dataclass
@@ -68,3 +72,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then each token's
+    # log-probability given those before it (with its rank) and the N most likely there.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

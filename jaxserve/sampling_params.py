@@ -79,7 +79,10 @@ class SamplingParams:
     filters off. Penalties follow vLLM: presence and frequency apply to generated tokens,
     repetition to prompt and generated tokens (1.0 = off). `seed` makes the request's
     tokens reproducible whatever else shares its batch. `logprobs=N` returns the sampled
-    token's log-probability and the N most likely tokens of the model's distribution.
+    token's log-probability and the N most likely tokens of the model's distribution;
+    `prompt_logprobs=N` the same for every prompt token after the first (its
+    log-probability given the tokens before it, and the N most likely there), as vLLM's
+    RequestOutput.prompt_logprobs: the prompt is computed whole (no prefix cache hit).
     `speculative` False keeps this request from speculative decoding when the engine
     has it on (its tokens are the same either way; docs/speculative.md).
     """
@@ -98,6 +101,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
@@ -145,10 +149,10 @@ class SamplingParams:
             bad("stop_token_ids", f"may hold at most {MAX_STOP_TOKEN_IDS - 8} ids")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**32):
             bad("seed", "must be an integer in [0, 2**32)")
-        if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        for field in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, field)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                bad(field, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
 
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             bad("logit_bias", f"may hold at most {MAX_LOGIT_BIAS} tokens")

@@ -57,6 +57,7 @@ class Choice:
     offset: int = 0  # completions' text_offset of the next token (token texts, echo included)
     kv_transfer_params: dict | None = None  # a prefill's, for the decode server
     first_scheduled_at: float | None = None  # when the engine first ran it (monotonic)
+    prompt_logprobs: list | None = None  # its prompt's (SamplingParams.prompt_logprobs)
 
 
 class Job:
@@ -396,12 +397,16 @@ class HTTPServer:
             async for i, out in job.outputs():
                 self._accumulate(choices[i], out, None if logprobs is None else (
                     lambda o: oai.chat_logprobs(o, logprobs, self._token_text)))
+        extra = {}
+        if req.prompt_logprobs is not None:  # vLLM's: the prompt's, once for all choices
+            extra["prompt_logprobs"] = oai.prompt_logprobs_json(choices[0].prompt_logprobs,
+                                                                self._token_text)
         return _answer(job, choices, oai.envelope(rid, "chat.completion", self._model(job), [
             {"index": i, **self._chat_message(c, plan),
              "logprobs": {"content": [x for part in c.logprobs for x in part]}
              if logprobs is not None else None, "stop_reason": c.stop_reason}
             for i, c in enumerate(choices)],
-            usage=oai.usage(len(ids), sum(c.num_tokens for c in choices))))
+            usage=oai.usage(len(ids), sum(c.num_tokens for c in choices)), **extra))
 
     @staticmethod
     def _chat_message(c: Choice, plan: tool_calling.ToolPlan | None) -> dict:
@@ -495,12 +500,30 @@ class HTTPServer:
             async for i, out in job.outputs():
                 self._accumulate(choices[i], out, None if req.logprobs is None else (
                     lambda o: self._completion_logprobs(choices[i], o, req.logprobs)))
-        return _answer(job, choices, oai.envelope(rid, "text_completion", self._model(job), [
-            {"index": i, "text": c.text, "logprobs": _merge(c.logprobs)
-             if req.logprobs is not None else None,
-             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-            for i, c in enumerate(choices)],
+
+        def choice(i: int, c: Choice) -> dict:
+            out = {"index": i, "text": c.text, "logprobs": None,
+                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            prompt = job.requests[i][1]
+            if req.logprobs is not None:
+                out["logprobs"] = _merge(self._echoed(req, prompt, c) + c.logprobs)
+            if req.prompt_logprobs is not None:
+                out["prompt_logprobs"] = oai.prompt_logprobs_json(c.prompt_logprobs,
+                                                                  self._token_text)
+            return out
+
+        return _answer(job, choices, oai.envelope(
+            rid, "text_completion", self._model(job), [choice(i, c) for i, c in
+                                                       enumerate(choices)],
             usage=oai.usage(num_prompt_tokens, sum(c.num_tokens for c in choices))))
+
+    def _echoed(self, req: oai.CompletionRequest, prompt: list[int], c: Choice) -> list[dict]:
+        """An echoed prompt's part of a choice's completion logprobs (`echo` with
+        `logprobs`; [] otherwise, or before its first output brings them)."""
+        if not (req.echo and req.logprobs is not None and c.prompt_logprobs is not None):
+            return []
+        return [oai.echoed_logprobs(prompt, c.prompt_logprobs, req.logprobs,
+                                    self._token_text)]
 
     async def _completion_stream(self, request: Request, req: oai.CompletionRequest, job: Job,
                                  rid: str, echoes: list[str], num_prompt_tokens: int
@@ -521,7 +544,10 @@ class HTTPServer:
                 choice = {"index": i, "text": text, "logprobs": None,
                           "finish_reason": c.finish_reason}
                 if req.logprobs is not None:
-                    choice["logprobs"] = self._completion_logprobs(c, out, req.logprobs)
+                    parts = [self._completion_logprobs(c, out, req.logprobs)]
+                    if out.prompt_logprobs is not None:  # its first: the echoed prompt's lead
+                        parts = self._echoed(req, job.requests[i][1], c) + parts
+                    choice["logprobs"] = _merge(parts)
                 if out.finished:
                     choice["stop_reason"] = c.stop_reason
                 yield self._sse(oai.envelope(rid, "text_completion", self._model(job), [choice],
@@ -562,6 +588,8 @@ class HTTPServer:
             c.kv_transfer_params = out.kv_transfer_params
         if c.first_scheduled_at is None:
             c.first_scheduled_at = out.first_scheduled_at
+        if out.prompt_logprobs is not None:
+            c.prompt_logprobs = out.prompt_logprobs
 
     async def models(self):
         base = {"id": self.model_name, "object": "model", "created": self.created,

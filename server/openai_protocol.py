@@ -117,6 +117,8 @@ class _Request(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     speculative: bool = True  # ours: false keeps the request from speculative decoding
+    # Each prompt token's logprob and the N most likely there (none for the first token).
+    prompt_logprobs: int | None = None
 
     def constraint_field(self) -> str | None:
         """The field the output constraint came in."""
@@ -162,6 +164,14 @@ class _Request(BaseModel):
         except ValueError as e:
             raise APIError(400, f"{field}: {e}", field) from None
 
+    def prompt_logprob_count(self) -> int | None:
+        """The prompt logprobs to compute (SamplingParams.prompt_logprobs): vLLM's
+        `prompt_logprobs`, which a stream does not carry (as vLLM)."""
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(400, "prompt_logprobs: not available when streaming",
+                           "prompt_logprobs")
+        return self.prompt_logprobs
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, index: int,
                         tool_constraint: StructuredOutputsParams | None = None,
                         skip_special_tokens: bool | None = None) -> SamplingParams:
@@ -184,7 +194,7 @@ class _Request(BaseModel):
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             seed=None if self.seed is None else (self.seed + index) % 2**32,
-            logprobs=logprobs, logit_bias=bias,
+            logprobs=logprobs, prompt_logprobs=self.prompt_logprob_count(), logit_bias=bias,
             skip_special_tokens=(self.skip_special_tokens if skip_special_tokens is None
                                  else skip_special_tokens),
             structured_outputs=self.structured(tool_constraint), speculative=self.speculative)
@@ -258,10 +268,14 @@ class CompletionRequest(_Request):
             raise APIError(400, "prompt: must not be empty", "prompt")
         if self.suffix:
             raise APIError(400, "suffix: this server does not do fill-in-the-middle", "suffix")
-        if self.echo and self.logprobs is not None:
-            raise APIError(400, "echo with logprobs needs prompt logprobs, which this server "
-                                "does not compute: ask for one of them", "echo")
         return prompts
+
+    def prompt_logprob_count(self) -> int | None:
+        """`echo` with `logprobs` N: the prompt's tokens' logprobs with N alternatives
+        lead the choice's (OpenAI's legacy completions); vLLM's `prompt_logprobs` too."""
+        counts = [c for c in (super().prompt_logprob_count(),
+                              self.logprobs if self.echo else None) if c is not None]
+        return max(counts) if counts else None
 
 
 # ----------------------------------------------------------------------- responses
@@ -314,6 +328,31 @@ def chat_logprobs(out: StepOutput, n: int, token_text) -> list[dict]:
     return [{**entry(t, e[t].logprob),
              "top_logprobs": [entry(i, lp) for i, lp in _top(e, n)]}
             for t, e in zip(out.new_token_ids, out.new_logprobs or [])]
+
+
+def prompt_logprobs_json(entries: list[dict[int, Logprob] | None], token_text) -> list:
+    """vLLM's `prompt_logprobs` of a response: null for the first prompt token, then each
+    token's entries by id (its own and the most likely), with logprob, rank and text."""
+    return [None if e is None else {
+        str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": token_text(t)}
+        for t, lp in e.items()} for e in entries]
+
+
+def echoed_logprobs(prompt: list[int], entries: list[dict[int, Logprob] | None], n: int,
+                    token_text) -> dict:
+    """The legacy completions `logprobs` object of an echoed prompt (`echo` with
+    `logprobs`): its tokens with their logprobs and top `n`, null for the first."""
+    tokens, offsets, offset = [], [], 0
+    for t in prompt:
+        tokens.append(token_text(t))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return {"tokens": tokens,
+            "token_logprobs": [None if e is None else e[t].logprob
+                               for t, e in zip(prompt, entries)],
+            "top_logprobs": [None if e is None else {token_text(i): lp for i, lp in _top(e, n)}
+                             for e in entries],
+            "text_offset": offsets}
 
 
 def completion_logprobs(out: StepOutput, n: int, token_text, offset: int) -> dict:

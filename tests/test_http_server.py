@@ -144,6 +144,53 @@ def test_logprobs_match_the_engine(server, client, llm):
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
 
 
+def test_echo_with_logprobs_and_prompt_logprobs(server, client, llm):
+    """`echo` with `logprobs` (OpenAI's legacy completions; how lm-evaluation-harness
+    scores a continuation): the prompt's tokens lead the choice's logprobs, null for the
+    first, with the engine's prompt logprobs, streamed or not; vLLM's `prompt_logprobs`
+    field (completions and chat) holds the same entries by token id."""
+    prompt, model = "Hello there, how are", str(server[2])
+    want = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3, logprobs=2,
+                                                 prompt_logprobs=2))[0]
+    ids, tok = want.prompt_token_ids, llm.get_tokenizer()
+    text = [tok.decode([t], skip_special_tokens=False) for t in ids + want.outputs[0].token_ids]
+    got = client.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0.0,
+                                    echo=True, logprobs=2, extra_body={"prompt_logprobs": 2})
+    choice = got.choices[0]
+    assert choice.text == prompt + want.outputs[0].text
+    lp = choice.logprobs
+    assert lp.tokens == text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    wanted = [want.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i] + [
+        e[t].logprob for t, e in zip(want.outputs[0].token_ids, want.outputs[0].logprobs)]
+    assert lp.token_logprobs[1:] == pytest.approx(wanted, abs=1e-5)
+    for top, mine in zip(lp.top_logprobs[1:len(ids)], want.prompt_logprobs[1:]):
+        best = sorted((e.rank, t) for t, e in mine.items())[:2]  # keyed by text, as OpenAI
+        wanted_top = {tok.decode([t], skip_special_tokens=False): mine[t].logprob
+                      for _, t in best}
+        assert top == pytest.approx(wanted_top, abs=1e-5)
+    assert lp.text_offset[:len(ids)] == [sum(map(len, text[:i])) for i in range(len(ids))]
+    by_id = got.model_dump()["choices"][0]["prompt_logprobs"]
+    assert by_id[0] is None and len(by_id) == len(ids)
+    for entry, mine in zip(by_id[1:], want.prompt_logprobs[1:]):
+        assert {int(t): e["rank"] for t, e in entry.items()} == {t: e.rank
+                                                                   for t, e in mine.items()}
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=3,
+                                            temperature=0.0, echo=True, logprobs=2,
+                                            stream=True))
+    parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == text
+    assert [x for p in parts for x in p.token_logprobs][1:] == pytest.approx(wanted, abs=1e-5)
+    chat = client.chat.completions.create(model=model, messages=CHAT, max_tokens=2,
+                                          temperature=0.0, extra_body={"prompt_logprobs": 1})
+    offline = llm.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1))
+    entries = chat.model_dump()["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(offline[0].prompt_token_ids)
+    for entry, mine, t in zip(entries[1:], offline[0].prompt_logprobs[1:],
+                              offline[0].prompt_token_ids[1:]):
+        assert entry[str(t)]["logprob"] == pytest.approx(mine[t].logprob, abs=1e-5)
+
+
 def test_stop_strings_and_logit_bias(server, client, llm):
     plain = client.completions.create(model=str(server[2]), prompt="Hello", max_tokens=10,
                                       temperature=0.0, extra_body={"ignore_eos": True})
@@ -183,7 +230,9 @@ def test_sse_wire_format(server):
     ("/v1/completions", {"prompt": "x", "max_tokens": 1000}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 300}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**7]}, 400, "stop_token_ids"),
-    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "prompt_logprobs": 1}, 400,
+     "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x" * 5000}, 400, "prompt"),  # over --max-prompt-bytes
     ("/v1/completions", {"prompt": [5] * 100_000}, 400, "prompt"),

@@ -17,6 +17,7 @@ import sys
 import time
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -30,15 +31,18 @@ pytestmark = pytest.mark.slow
 PROMPTS = [[5, 9, 200, 31, 17, 8, 99], [44, 45, 46, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
 
 
-def start_job(model_dir, tmp_path, mesh=("--mesh", "model=4"), extra=()):
-    """(leader, follower, target): `jaxserve serve` twice, as processes 0 and 1."""
+def start_job(model_dir, tmp_path, mesh=("--mesh", "model=4"), extra=(),
+              http_port: int | None = None):
+    """(leader, follower, target): `jaxserve serve` twice, as processes 0 and 1 (gRPC
+    only, unless `http_port`)."""
     coordinator, port = f"127.0.0.1:{free_port()}", free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"}
     procs = []
     for pid in (1, 0):
         cmd = [sys.executable, "-m", "jaxserve.cli", "serve", "--model", str(model_dir),
-               "--port", str(port), "--no-http", *ENGINE_FLAGS, *mesh, *extra,
+               "--port", str(port), *(("--http-port", str(http_port)) if http_port
+                                      else ("--no-http",)), *ENGINE_FLAGS, *mesh, *extra,
                "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(pid)]
         with open(tmp_path / f"process{pid}.log", "w") as out:
             procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env))
@@ -68,14 +72,24 @@ def health(target) -> int:
 @pytest.mark.parametrize("mesh", [("--mesh", "model=4"),
                                   ("--mesh", "data=2,model=2", "--sharding", "dp+tp")])
 def test_two_processes_serve_one_model(checkpoints, tmp_path, mesh):
-    """4-way TP over both processes, or 2 data shards (2-way TP each) over them."""
+    """4-way TP over both processes, or 2 data shards (2-way TP each) over them; prompt
+    logprobs (a step that scores its tokens) through the HTTP API too."""
     path, _ = checkpoints("llama8")
-    want = [o.outputs[0].token_ids for o in LLM(str(path), **ENGINE).generate(
+    llm = LLM(str(path), **ENGINE)
+    want = [o.outputs[0].token_ids for o in llm.generate(
         PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))]
-    leader, follower, target = start_job(path, tmp_path, mesh)
+    scored = llm.generate(PROMPTS[1], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    http_port = free_port()
+    leader, follower, target = start_job(path, tmp_path, mesh, http_port=http_port)
     try:
         client = Client(target)
         assert greedy(client) == want
+        got = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", timeout=60, json={
+            "prompt": PROMPTS[1], "max_tokens": 1, "echo": True, "logprobs": 1}).json()
+        logprobs = got["choices"][0]["logprobs"]["token_logprobs"][:len(PROMPTS[1])]
+        assert logprobs[0] is None and logprobs[1:] == pytest.approx(
+            [e[t].logprob for e, t in zip(scored.prompt_logprobs[1:], PROMPTS[1][1:])],
+            abs=1e-4)
         # A grammar mask goes to every process's devices (a collective both join).
         _, text, done = client.complete(PROMPTS[0], max_tokens=16, structured_outputs=(
             pb.StructuredOutputs(regex="[a-z]{2,4}-[0-9]")))

@@ -211,7 +211,7 @@ class BatchBuilder:
               pending: dict[Sequence, tuple[int, int]] | None = None
               ) -> tuple[StepBatch, BucketKey]:
         """The batch of a schedule; sets each scheduled seq's `row` in the step's sampled
-        outputs. `pending` has, for each seq whose newest tokens the step still in flight
+        outputs and its chunk's first `token` in the batch. `pending` has, for each seq whose newest tokens the step still in flight
         emits (PLACEHOLDERs), its first row in that step's outputs and its drafts there:
         the step reads the tokens from the device (the carry), and with drafts moves the
         seq's positions back by those rejected (`StepBatch.shift_row`).
@@ -255,8 +255,9 @@ class BatchBuilder:
                 first_row[mine] = _starts(rows[mine])
         i = shard * shard_s + ordinal  # the seq's index among the batch's
         row = shard * shard_r + first_row
-        for s, r in zip(scheduled, row.tolist()):
-            s.row = r
+        t = shard * shard_t + local  # the seq's first token in the batch
+        for s, r, first in zip(scheduled, row.tolist(), t.tolist()):
+            s.row, s.token = r, first
         attn, sampling = batch.attn, batch.sampling
         counts = np.bincount(shard, minlength=d) if d > 1 else [len(seqs)]
         writable(attn, "num_seqs")[:] = counts
@@ -274,7 +275,6 @@ class BatchBuilder:
         shift_row = np.where(pend[:, 1] > 0, pend[:, 0], -1) if pending_drafts else None
         if shift_row is not None:
             writable(batch, "shift_row")[i] = shift_row
-        t = shard * shard_t + local  # the seq's first token in the batch
         own = n - ndrafts  # the chunk's tokens that are the seq's own
         self._place_tokens(batch, scheduled, seats, t, start, n, own, pend, num_tokens,
                            pending_drafts)

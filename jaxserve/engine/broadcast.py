@@ -24,10 +24,11 @@ log = logging.getLogger(__name__)
 
 # STEP runs a whole step (forward, then sample); a step sampled apart is FORWARD, then
 # SAMPLE with the same batch (its sampling arrays filled in between:
-# ModelRunner.dispatch_forward / dispatch_sample). MOVE copies K/V between slots after a
-# tree step (ModelRunner.move). PROPOSE runs a draft model's or EAGLE's program on the
-# proposer's batch (proposers.DeviceProposer.run).
-STOP, STEP, PING, FORWARD, SAMPLE, MOVE, PROPOSE = range(7)
+# ModelRunner.dispatch_forward / dispatch_sample); SCORE is a FORWARD that scores its
+# tokens (prompt logprobs), its targets broadcast after the batch. MOVE copies K/V between
+# slots after a tree step (ModelRunner.move). PROPOSE runs a draft model's or EAGLE's
+# program on the proposer's batch (proposers.DeviceProposer.run).
+STOP, STEP, PING, FORWARD, SAMPLE, MOVE, PROPOSE, SCORE = range(8)
 PING_INTERVAL_S = 1.0
 
 
@@ -39,7 +40,12 @@ def _header(command: int, key: BucketKey = BucketKey(0, 0, False)) -> np.ndarray
 class StepBroadcaster:
     """Process 0's side: tells the followers what to run (ModelRunner.dispatch calls send)."""
 
-    def send(self, command: int, batch: StepBatch, key: BucketKey) -> None:
+    def send(self, command: int, batch: StepBatch, key: BucketKey,
+             score_targets: np.ndarray | None = None) -> None:
+        if score_targets is not None:
+            multihost_utils.broadcast_one_to_all(_header(SCORE, key))
+            multihost_utils.broadcast_one_to_all((batch, score_targets))
+            return
         multihost_utils.broadcast_one_to_all(_header(command, key))
         multihost_utils.broadcast_one_to_all(batch)
 
@@ -72,6 +78,11 @@ def follow(engine) -> None:
             run = {STEP: engine.runner.dispatch, FORWARD: engine.runner.dispatch_forward,
                    SAMPLE: engine.runner.dispatch_sample}[command]
             run(batch, key)
+        elif command == SCORE:
+            key = BucketKey(t, s, bool(history), drafts, bool(tree))
+            batch, targets = multihost_utils.broadcast_one_to_all(
+                (engine.builder.empty(key), np.zeros(key.tokens, np.int32)))
+            engine.runner.dispatch_forward(batch, key, targets)
         elif command == MOVE:
             engine.runner.move(*multihost_utils.broadcast_one_to_all(engine.runner.moves([])))
         elif command == PROPOSE:

@@ -32,7 +32,7 @@ from jaxserve.engine.multimodal.inputs import ImageInput
 from jaxserve.engine.output_text import OutputText
 from jaxserve.engine.request import PLACEHOLDER, Request, Sequence, check_params, check_prompt
 from jaxserve.engine.runner import ModelRunner, fetch
-from jaxserve.engine.sampler import SampleOutput, token_logprobs
+from jaxserve.engine.sampler import SampleOutput, prompt_token_logprobs, token_logprobs
 from jaxserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from jaxserve.engine.speculative.setup import SpeculativeModels
 from jaxserve.engine.status import EngineStatus
@@ -63,6 +63,10 @@ class InFlightStep:
     steps: int = 1  # decode steps in its program (runner.dispatch_steps: `out` is [steps, R])
     expert_load: jax.Array | None = None  # ModelRunner.expert_load as this step leaves it
     speculation: Any = None  # the speculator's record of it (Speculator.dispatching)
+    # Prompt logprobs (`Engine._score_targets`): the step's scores on the device, and for
+    # each chunk scored its request, first position, first token in the batch and length.
+    scores: Any = None
+    scored: list = dataclasses.field(default_factory=list)
 
     @functools.cached_property
     def sampling(self) -> list[ScheduledSeq]:
@@ -184,6 +188,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._num_sampled_apart = 0  # requests whose params.needs_history
         self._num_logprobs = 0  # requests that ask for logprobs (else a step's ids alone)
+        self._num_scoring = 0  # requests whose prompt logprobs are not handed out yet
         self._failed: list[StepOutput] = []  # requests the scheduler could not admit
         self._num_prefilled = 0  # requests whose moved K/V wait to be written (`_write_kv`)
         self._num_remote_decode = 0  # requests whose pages are read out (`_read_kv`)
@@ -247,6 +252,9 @@ class Engine:
                                      self.max_model_len)
         if remote_decode or prefilled is not None:
             self._check_kv_role(remote_decode, prefilled, token_ids)
+        if prefilled is not None and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs needs the prompt computed here; this request's "
+                             "K/V were prefilled elsewhere")
         room = self.max_model_len - len(token_ids)
         if params.max_tokens is not None and params.max_tokens > room:
             raise ValueError(
@@ -288,6 +296,7 @@ class Engine:
                 () if params.ignore_eos else self.eos_token_ids), text, grammar)
         self._num_sampled_apart += params.needs_history
         self._num_logprobs += params.logprobs is not None
+        self._num_scoring += params.prompt_logprobs is not None
         self._num_remote_decode += remote_decode
         self.scheduler.add(seq)
         return token_ids
@@ -385,6 +394,7 @@ class Engine:
         if req is not None:
             self._num_sampled_apart -= req.seq.params.needs_history
             self._num_logprobs -= req.seq.params.logprobs is not None
+            self._num_scoring -= req.prompt_scores is not None
             self._num_remote_decode -= req.seq.remote_decode
             if req.seq.prefilled is not None:  # its moved K/V never written
                 req.seq.prefilled = None
@@ -580,9 +590,12 @@ class Engine:
         if prev is not None:
             self.num_overlapped_steps += not _is_ready(prev.out)
         step = InFlightStep(schedule, None, batch, key, steps=steps)
+        targets = self._score_targets(step, key) if self._num_scoring else None
         if steps > 1:
             step.out = self.runner.dispatch_steps(batch, key, steps)
             self.num_multi_steps += steps
+        elif targets is not None:  # sampled next (`step`: `_dispatch_sample`)
+            step.scores = self.runner.dispatch_forward(batch, key, targets)
         elif self._num_sampled_apart and any(s.seq.params.needs_history
                                              for s in step.sampling):
             self.runner.dispatch_forward(batch, key)
@@ -598,6 +611,24 @@ class Engine:
                 if s.seq.remote_decode:
                     self._read_kv(s.seq)
         return step
+
+    def _score_targets(self, step: InFlightStep, key: BucketKey) -> np.ndarray | None:
+        """The step's tokens' targets for prompt logprobs (`ModelRunner.dispatch_forward`):
+        at each prompt token of a seq whose prompt is still to be scored, the prompt's next
+        token (the last prompt token has none: its next is the first output); None when no
+        chunk of the step has such a token."""
+        targets = None
+        for s in step.schedule.scheduled:
+            req = self._requests.get(s.seq.request_id)
+            num_prompt = s.seq.num_prompt_tokens
+            end = min(s.start + s.num_new_tokens, num_prompt - 1)
+            if req is None or req.prompt_scores is None or s.start >= end:
+                continue
+            if targets is None:
+                targets = np.zeros(key.tokens, np.int32)
+            targets[s.token:s.token + end - s.start] = s.seq.prompt_token_ids[s.start + 1:end + 1]
+            step.scored.append((req, s.start, s.token, end - s.start))
+        return targets
 
     def _write_kv(self, schedule: SchedulerOutput) -> None:
         """Write the moved K/V of the seqs admitted prefilled into their pages, before
@@ -642,6 +673,8 @@ class Engine:
         `later`: the step dispatched after it, in flight (its seqs' counts follow this
         step's)."""
         sampled = fetch(step.out, self._num_logprobs > 0)
+        if step.scores is not None:
+            self._take_scores(step)
         stride = 0
         if step.steps > 1:  # [steps, R]: the token of seq row r's step i at i x R + r
             stride = sampled.token_ids.shape[1]
@@ -686,6 +719,15 @@ class Engine:
         self.speculator.collected()
         return outputs
 
+    def _take_scores(self, step: InFlightStep) -> None:
+        """Put a step's prompt scores in their requests' `prompt_scores` (`Request`)."""
+        scores = jax.device_get(step.scores)
+        for req, start, first, n in step.scored:
+            rows = slice(first, first + n)
+            req.prompt_scores[start + 1:start + 1 + n] = zip(
+                scores.logprob[rows].tolist(), scores.rank[rows].tolist(),
+                scores.top_ids[rows].tolist(), scores.top_logprobs[rows].tolist())
+
     def _append(self, req: Request, sampled: SampleOutput, token_ids: list[int],
                 s: ScheduledSeq, rows: tuple[int, ...] | range | list[int],
                 later: ScheduledSeq | None, speculation) -> StepOutput:
@@ -717,6 +759,12 @@ class Engine:
             stop_reason=stop_reason, num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens, first_scheduled_at=seq.first_scheduled_at,
             error=error)
+        if req.prompt_scores is not None:  # its first output
+            out.prompt_logprobs = [None] + [
+                prompt_token_logprobs(score, token, params.prompt_logprobs)
+                for score, token in zip(req.prompt_scores[1:], seq.prompt_token_ids[1:])]
+            req.prompt_scores = None
+            self._num_scoring -= 1
         text = req.text
         if out.finished and seq.remote_decode and out.finish_reason == "length":
             out.kv_pages = req.kv_pages  # decoded elsewhere, its text goes on there

@@ -1,9 +1,10 @@
 """The step's jitted programs: pure functions of the parameters, the KV cache, the batch and
 the carry (the device array of the last step's tokens), jitted with fixed layouts.
 
-`forward` runs the model over a ragged batch and leaves logits at the rows it samples;
-`sample_step` samples them; `forward_and_sample` is both in one program; `decode_steps`
-runs several decode steps in one program.
+`forward` runs the model over a ragged batch and leaves logits at the rows it samples
+(and, given targets, scores every token of the batch: `prompt_scores`); `sample_step`
+samples them; `forward_and_sample` is both in one program; `decode_steps` runs several
+decode steps in one program.
 `ModelRunner` (runner.py) holds the device state they run on and dispatches them.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable, NamedTuple
 
 import jax
@@ -26,20 +28,52 @@ from jaxserve.engine.speculative.device import (
     move_slots, record_acceptance, resolve_pending, shift_sampling, write_features)
 from jaxserve.models.lora import LoraInputs
 from jaxserve.models.medusa import MedusaHeads, medusa_tokens
-from jaxserve.models.transformer import KVCache
+from jaxserve.models.transformer import KVCache, Transformer
+from jaxserve.sampling_params import MAX_LOGPROBS
 from sharding.rules import ShardingContext
 
 FEATURE_AXES = ("pages", None)  # an EAGLE feature cache [slots, F]: split as the pages are
+SCORE_BLOCK = 64  # tokens whose full-vocabulary logits `prompt_scores` holds at once
+
+
+class PromptScores(NamedTuple):
+    """Each token's distribution over the next one, scored against a target token (the
+    prompt's next; vLLM's prompt_logprobs): `[T]` and `[T, MAX_LOGPROBS]` arrays."""
+
+    logprob: jax.Array  # f32: the target's log-probability
+    rank: jax.Array  # i32: its rank, 1 = the most likely
+    top_ids: jax.Array  # i32: the most likely tokens, best first
+    top_logprobs: jax.Array  # f32: their log-probabilities
+
+
+def prompt_scores(model: Transformer, hidden: jax.Array, targets: jax.Array) -> PromptScores:
+    """The model's log-probabilities at every token of `hidden` (`[T, hidden]`, the last
+    layer's output), read at `targets` (`[T]`; any id where the host reads nothing), with
+    the rank and the top MAX_LOGPROBS: the full-vocabulary logits of SCORE_BLOCK tokens at a
+    time, never of the whole batch."""
+    t = hidden.shape[0]
+    block = math.gcd(t, SCORE_BLOCK)
+
+    def score(args):
+        x, target = args
+        logprobs = jax.nn.log_softmax(model.logits(x), axis=-1)
+        chosen = jnp.take_along_axis(logprobs, target[:, None], axis=1)[:, 0]
+        rank = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1, dtype=jnp.int32)
+        top_logprobs, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
+        return PromptScores(chosen, rank, top_ids.astype(jnp.int32), top_logprobs)
+
+    out = jax.lax.map(score, (hidden.reshape(t // block, block, -1),
+                              jnp.clip(targets, 0).reshape(t // block, block)))
+    return jax.tree.map(lambda x: x.reshape(t, *x.shape[2:]), out)
 
 
 def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch: StepBatch,
             carry: jax.Array, expert_load: jax.Array | None,
             medusa: MedusaHeads | None = None, features: jax.Array | None = None,
-            lora: list | None = None, images: jax.Array | None = None, *,
+            lora: list | None = None, images: jax.Array | None = None,
+            score_targets: jax.Array | None = None, *,
             features_from: tuple[int, ...] = (), layout: CarryLayout, page_size: int,
-            verifies: bool = True, branch_free: bool = False
-            ) -> tuple[KVCache, jax.Array, jax.Array | None,
-                                            jax.Array | None, jax.Array | None, jax.Array]:
+            verifies: bool = True, branch_free: bool = False) -> tuple:
     """One forward pass over a ragged batch: float32 logits `[R, vocab]` at the tokens the
     batch samples (`batch.sample_index`: each sequence's last token, and the tokens
     before it that verify drafts).
@@ -62,6 +96,8 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
     (models/lora.py), each token using the slot `batch.lora_slots` gives it; None without.
     `images`: the image encoder's buffer of embeddings (multimodal/encoder.py), which
     tokens with a `batch.image_rows` entry read; None for a text-only model.
+    `score_targets` (`[T]`, given): every token's distribution scored against it
+    (`prompt_scores`), returned seventh.
     """
     model = nnx.merge(graphdef, params)
     input_ids, batch = resolve_pending(batch, carry, layout, page_size, verifies)
@@ -94,7 +130,10 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
         features = write_features(features, new_features, batch.attn.slot_mapping, data_shards)
     row_tokens = jnp.take_along_axis(input_ids.reshape(data_shards, -1),
                                      batch.sample_index.reshape(data_shards, -1), 1)
-    return kv_caches, logits, expert_load, guesses, features, row_tokens.reshape(-1)
+    out = (kv_caches, logits, expert_load, guesses, features, row_tokens.reshape(-1))
+    if score_targets is not None:
+        out += (prompt_scores(model, hidden, score_targets),)
+    return out
 
 
 def sample_step(logits: jax.Array, sampling: SamplingArrays, history: TokenHistory | None,
@@ -210,6 +249,9 @@ class StepPrograms(NamedTuple):
     # ModelRunner.programs)
     sample: dict[tuple[bool, bool], Callable]  # by `verifies` and `full` (branch-free: FULL)
     step: dict[tuple[bool, bool], Callable]
+    # `forward` with its tokens scored (`prompt_scores`), for a step computing prompts that
+    # ask for their logprobs; by `heads` and `verifies`, compiled when first run.
+    score: dict[tuple[bool, bool], Callable]
     move: Callable
     steps: Callable | None = None  # `decode_steps` (None: one step per program)
 
@@ -313,21 +355,23 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
                                      replicated),
                        out_shardings=(replicated, replicated))
 
-    def jitted(verifies: bool, heads: bool) -> tuple[Callable, Callable]:
+    def jitted(verifies: bool, heads: bool) -> tuple[Callable, Callable, Callable]:
         static = dict(features_from=features_from, layout=layout, page_size=page_size,
                       verifies=verifies, branch_free=branch_free)
         ins = inputs if heads else inputs[:5] + (replicated,) + inputs[6:]  # medusa None
-        return (jax.jit(on_param_leaves(graphdef, params,
-                                        functools.partial(forward_packed, **static)),
-                        donate_argnums=(1, 6), in_shardings=ins,
-                        out_shardings=(cache_shardings, logits_sharding, replicated,
-                                       replicated, features, replicated)),
+        outs = (cache_shardings, logits_sharding, replicated, replicated, features, replicated)
+        forward_fn = on_param_leaves(graphdef, params, functools.partial(forward_packed,
+                                                                         **static))
+        return (jax.jit(forward_fn, donate_argnums=(1, 6), in_shardings=ins,
+                        out_shardings=outs),
                 jax.jit(on_param_leaves(graphdef, params, functools.partial(
                             forward_and_sample, static=FAST if branch_free else None,
                             **static)),
                         donate_argnums=(1, 6), in_shardings=ins + (replicated,),
                         out_shardings=(cache_shardings, replicated, replicated, replicated,
-                                       replicated, features)))
+                                       replicated, features)),
+                jax.jit(forward_fn, donate_argnums=(1, 6), in_shardings=ins + (replicated,),
+                        out_shardings=outs + (replicated,)))
 
     # `verifies` False only where the layout overlaps (else it changes nothing); with
     # Medusa's heads, and without them where the host settles whether a step proposes.
@@ -351,6 +395,7 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
         sample={(verifies, full): sampling(verifies, full) for verifies in verifies_kinds
                 for full in ((False, True) if branch_free else (False,))},
         step={kind: fns[1] for kind, fns in passes.items()},
+        score={kind: fns[2] for kind, fns in passes.items()},
         move=jax.jit(move, donate_argnums=(0, 1),
                      in_shardings=(cache_shardings, features, replicated, replicated),
                      out_shardings=(cache_shardings, features)),

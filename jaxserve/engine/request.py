@@ -116,6 +116,11 @@ class Sequence:
                         for span in self.images if span.start < stop and span.end > start)
 
     @property
+    def scores_prompt(self) -> bool:
+        """Whether its prompt tokens are scored (SamplingParams.prompt_logprobs)."""
+        return self.params is not None and self.params.prompt_logprobs is not None
+
+    @property
     def num_prefilled_tokens(self) -> int:
         """Tokens whose K/V arrive with the seq (0: none)."""
         return self.prefilled.num_tokens if self.prefilled is not None else 0
@@ -187,6 +192,10 @@ class Request:
     # (if any) decoded when it ends, not a remote_decode seq (`Engine._collect` hands it
     # most tokens without `_append`).
     plain: bool = dataclasses.field(init=False)
+    # Prompt logprobs (SamplingParams.prompt_logprobs) until its first output hands them
+    # out, then None: at each prompt position but the first, (logprob, rank, top ids, top
+    # logprobs) of the prompt's token there (None until a step scores it).
+    prompt_scores: list | None = dataclasses.field(init=False)
     # The outputs it came with (a decode side's first token, which its prefill made), and
     # its outputs handed out so far (those, then in StepOutputs): a plain request's newer
     # tokens may be held back (Engine.stream_interval) and go out with a later output.
@@ -194,9 +203,11 @@ class Request:
     num_reported: int = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
-        self.plain = (self.grammar is None and self.seq.params.logprobs is None
-                      and (self.text is None or self.text.deferred)
-                      and not self.seq.remote_decode)
+        seq = self.seq
+        self.plain = (self.grammar is None and seq.params.logprobs is None
+                      and not seq.scores_prompt and (self.text is None or self.text.deferred)
+                      and not seq.remote_decode)
+        self.prompt_scores = [None] * seq.num_prompt_tokens if seq.scores_prompt else None
         self.num_brought = self.num_reported = len(self.seq.output_token_ids)
 
     def unreported(self) -> list[int]:

@@ -23,7 +23,7 @@ from jaxserve.engine.executable_cache import ExecutableCache, one_device
 from jaxserve.engine.kv_memory import abstract_kv_cache
 from jaxserve.engine.kv_transfer import KVPages, PageMover
 from jaxserve.engine.packing import pack
-from jaxserve.engine.programs import FEATURE_AXES, head_kinds, jit_programs
+from jaxserve.engine.programs import FEATURE_AXES, PromptScores, head_kinds, jit_programs
 from jaxserve.engine.sampler import SampleOutput, asks_sort
 from jaxserve.models.medusa import MedusaHeads
 from jaxserve.models.transformer import KVCache
@@ -68,7 +68,8 @@ class ModelRunner:
                                       medusa, decode_steps, self.branch_free)
         # Programs compiled, by (program, shape): ("forward", T, S, R, tree, verifies),
         # ("sample", R, history, verifies, full), ("step", T, S, R, tree, verifies),
-        # ("move",) (`programs`), ("steps", T, S, decode_steps) (`steps_program`).
+        # ("move",) (`programs`), ("steps", T, S, decode_steps) (`steps_program`),
+        # ("score", T, S, R, tree, verifies) (`dispatch_forward`'s with targets).
         self._executables: dict[tuple, Callable] = {}
         self._cache = ExecutableCache.for_process(
             repr((str(graphdef), features_from, self.branch_free)))
@@ -271,7 +272,9 @@ class ModelRunner:
         executable = self._executables.get(program)
         if executable is not None:
             return executable(*args)
-        if self.warmed_up:
+        if program[0] == "score":  # compiled when a bucket's step first scores a prompt
+            log.info("compiling %s for prompt logprobs", program)
+        elif self.warmed_up:
             self.compiles_after_warmup += 1
             log.warning("compiling %s after warm-up: a bucket is missing", program)
         if not one_device():
@@ -298,12 +301,27 @@ class ModelRunner:
         self._forward(batch, self.forward_program(key, heads))
         return self._sample(batch, self.sample_program(key, full))
 
-    def dispatch_forward(self, batch: StepBatch, key: BucketKey) -> None:
+    def dispatch_forward(self, batch: StepBatch, key: BucketKey,
+                         score_targets: np.ndarray | None = None) -> PromptScores | None:
         """Start the step's forward pass; its logits wait on the device for
-        `dispatch_sample`, which must come next (after any host work)."""
+        `dispatch_sample`, which must come next (after any host work). Given
+        `score_targets` (`[T]`, the batch's tokens' next prompt tokens), it also scores
+        every token against its target (programs.prompt_scores) and returns the scores
+        (device arrays, not waited for)."""
         if self.broadcaster is not None:
-            self.broadcaster.send(FORWARD, batch, key)
-        self._forward(batch, self.forward_program(key, self.heads_for(batch)))
+            self.broadcaster.send(FORWARD, batch, key, score_targets)
+        program = self.forward_program(key, self.heads_for(batch))
+        if score_targets is None:
+            self._forward(batch, program)
+            return None
+        inputs = self._pack(_forward_inputs(batch))
+        program = ("score", *program[1:])
+        (self.kv_caches, self._logits, self.expert_load, self.guesses, self.features,
+         self._row_tokens, scores) = self._run(
+            program, self._programs.score[program[-2:]],
+            self._forward_args(inputs, program) + (score_targets,))
+        self._logits_dtype = self._logits.dtype
+        return scores
 
     def dispatch_sample(self, batch: StepBatch, key: BucketKey) -> SampleOutput:
         """Sample from the last `dispatch_forward`'s logits with the batch's sampling

@@ -580,6 +580,18 @@ def _sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | No
 MIN_LOGPROB = -9999.0
 
 
+def prompt_token_logprobs(score: tuple, token: int, n: int) -> dict[int, Logprob]:
+    """A prompt token's entry of prompt_logprobs from its score (logprob, rank, top ids,
+    top logprobs: Request.prompt_scores): the `n` most likely tokens with their logprobs
+    and ranks, and the prompt's `token` (first, when it is not among them)."""
+    logprob, rank, top_ids, top_logprobs = score
+    top = {t: Logprob(max(lp, MIN_LOGPROB), rank=r + 1)
+           for r, (t, lp) in enumerate(zip(top_ids[:n], top_logprobs[:n]))}
+    if token not in top:
+        top = {token: Logprob(max(logprob, MIN_LOGPROB), rank=rank), **top}
+    return top
+
+
 def token_logprobs(out: SampleOutput, i: int, token: int, n: int) -> dict[int, Logprob]:
     """Row `i`'s `n` most likely tokens with their logprobs and ranks, and the sampled
     `token`'s (first, when it is not among them)."""

@@ -100,6 +100,7 @@ class ScheduledSeq:
     # tokens): the step samples a row for each and one more, rows `row...row + len(drafts)`.
     drafts: Drafts = NO_DRAFTS
     row: int = -1  # its (first) row in the step's sampled outputs (BatchBuilder.build sets it)
+    token: int = -1  # its chunk's first token in the step's batch (likewise)
 
     @property
     def width(self) -> int:
