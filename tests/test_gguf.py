@@ -86,6 +86,19 @@ def test_greedy_tokens_equal_transformers_dequantized_model(smollm2, oracle_toke
         got = out.outputs[0].token_ids
         assert got == want, (oracle_tokenizer.decode(got), oracle_tokenizer.decode(want))
     assert "Paris" in outs[0].outputs[0].text  # a trained model, not random weights
+    # Scoring continuations (an eval's loglikelihood requests): transformers' prompt
+    # logprobs, and the true answer more likely than a false one.
+    prefix, scores = oracle_tokenizer.encode("The capital of France is"), {}
+    for answer in (" Paris", " Berlin"):
+        ids = oracle_tokenizer.encode("The capital of France is" + answer)
+        assert ids[:len(prefix)] == prefix
+        out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1).numpy()
+        got = [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], ids[1:])]
+        np.testing.assert_allclose(got, [lp[i, t] for i, t in enumerate(ids[1:])], atol=1e-4)
+        scores[answer] = sum(got[len(prefix) - 1:])
+    assert scores[" Paris"] > scores[" Berlin"] + 1
 
 
 def test_weights_are_dequantized_as_the_gguf_package_does(smollm2):
