@@ -9,7 +9,7 @@ import uuid
 import grpc
 
 from jaxserve.engine.speculative.stats import SpeculationStats
-from jaxserve.outputs import StepOutput
+from jaxserve.outputs import Logprob, StepOutput
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from server.async_engine import AsyncEngine, QueueFullError
 from server.kv_transfer import KVTransferError, check_params
@@ -39,6 +39,7 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
         structured_outputs=(structured_from_proto(s.structured_outputs)
                             if s.HasField("structured_outputs") else None),
         speculative=s.speculative if s.HasField("speculative") else True,
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
     )
 
 
@@ -87,13 +88,27 @@ def chat_from_proto(chat: pb.Chat) -> tuple[list[dict], dict]:
                           tools=_json_field(chat.tools_json, "tools_json", list))
 
 
-def chunk_from_output(out: StepOutput) -> pb.Chunk:
-    logprobs = []
-    for token, entries in zip(out.new_token_ids, out.new_logprobs or []):
-        top = [pb.TopLogprob(token_id=t, logprob=e.logprob) for t, e in entries.items()
-               if e.rank is not None]
-        logprobs.append(pb.TokenLogprobs(token_id=token, logprob=entries[token].logprob, top=top))
-    return pb.Chunk(token_ids=out.new_token_ids, text=out.new_text, logprobs=logprobs)
+def token_logprobs(token: int, entries: dict[int, Logprob], n: int) -> pb.TokenLogprobs:
+    """A token's logprob and rank, and the `n` most likely tokens with theirs."""
+    ranked = sorted((e.rank, t, e.logprob) for t, e in entries.items() if e.rank is not None)
+    return pb.TokenLogprobs(token_id=token, logprob=entries[token].logprob,
+                            rank=entries[token].rank or 0,
+                            top=[pb.TopLogprob(token_id=t, logprob=lp)
+                                 for _, t, lp in ranked[:n]])
+
+
+def chunk_from_output(out: StepOutput, params: SamplingParams,
+                      prompt: list[int] | None = None) -> pb.Chunk:
+    """A StepOutput as a Chunk (`params`: its request's); with the request's `prompt` ids,
+    its prompt logprobs too, on the output carrying them."""
+    logprobs = [token_logprobs(t, e, params.logprobs)
+                for t, e in zip(out.new_token_ids, out.new_logprobs or [])]
+    scored = []
+    if out.prompt_logprobs is not None and prompt is not None:
+        scored = [token_logprobs(t, e, params.prompt_logprobs)
+                  for t, e in zip(prompt[1:], out.prompt_logprobs[1:])]
+    return pb.Chunk(token_ids=out.new_token_ids, text=out.new_text, logprobs=logprobs,
+                    prompt_logprobs=scored)
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -164,7 +179,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     await context.abort(grpc.StatusCode.INTERNAL, f"the step failed: {out.error}")
                 completion += len(out.new_token_ids)
                 if out.new_token_ids or out.new_text:
-                    yield pb.GenerateResponse(request_id=rid, chunk=chunk_from_output(out))
+                    yield pb.GenerateResponse(request_id=rid,
+                                              chunk=chunk_from_output(out, params, prompt))
                 if out.finished:
                     stop = out.stop_reason if isinstance(out.stop_reason, str) else ""
                     kv_out = (json.dumps(out.kv_transfer_params)

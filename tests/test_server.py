@@ -77,6 +77,29 @@ def test_stream_equals_offline_api(server, client, prompts):
     assert client.tokenize("Hello, world") == want_text.prompt_token_ids
 
 
+def test_prompt_and_token_logprobs_over_grpc(server, client, prompts):
+    """The first chunk carries the prompt's logprobs (from its second token: each with its
+    rank and the top 2 there), every chunk its tokens' (top 3), as the offline API."""
+    llm = LLM(str(server[2]), **ENGINE)
+    params = dict(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3,
+                  prompt_logprobs=2)
+    want = llm.generate([prompts[1]], SamplingParams(**params))[0]
+    chunks = [m.chunk for m in client.generate(prompts[1], **params) if m.HasField("chunk")]
+    scored = chunks[0].prompt_logprobs
+    assert not any(c.prompt_logprobs for c in chunks[1:])
+    assert [s.token_id for s in scored] == prompts[1][1:]
+    for s, entries in zip(scored, want.prompt_logprobs[1:]):
+        assert s.logprob == pytest.approx(entries[s.token_id].logprob, abs=1e-5)
+        assert s.rank == entries[s.token_id].rank
+        assert [t.token_id for t in s.top] == sorted(
+            (t for t, e in entries.items() if e.rank <= 2), key=lambda t: entries[t].rank)
+    tokens = [lp for c in chunks for lp in c.logprobs]
+    assert [t.token_id for t in tokens] == want.outputs[0].token_ids
+    for t, entries in zip(tokens, want.outputs[0].logprobs):
+        assert t.logprob == pytest.approx(entries[t.token_id].logprob, abs=1e-5)
+        assert len(t.top) == 3 and t.rank == entries[t.token_id].rank
+
+
 def test_abort_and_cancel_free_every_page(server, client, prompts):
     long = dict(max_tokens=80, ignore_eos=True, temperature=0.0)
     stream = client.generate(prompts[3], request_id="to-abort", **long)
@@ -117,6 +140,7 @@ BAD = [
     (dict(max_tokens=0), "max_tokens"),
     (dict(max_tokens=1000), "max_model_len"),
     (dict(logprobs=99), "logprobs"),
+    (dict(prompt_logprobs=21), "prompt_logprobs"),
     (dict(temperature=float("inf")), "temperature"),
     (dict(repetition_penalty=float("inf")), "repetition_penalty"),
     (dict(top_p=float("nan")), "top_p"),
