@@ -265,6 +265,10 @@ class Router:
         """The decode server's answer joined to the first token (None: the K/V could not
         be pulled from `prefill`, now marked down: try another)."""
         req = {**body, "kv_transfer_params": {**kv, "do_remote_prefill": True}}
+        # The prompt's echo and logprobs came with the first token (`_joined`).
+        req.pop("prompt_logprobs", None)
+        if req.get("echo"):
+            req["echo"] = False
         sent = time.monotonic()
         decode.in_flight += 1
         released = False
@@ -460,6 +464,7 @@ class RouterServicer(pb_grpc.InferenceServicer):
             rest.CopyFrom(first)
             kv = json.loads(done.kv_transfer_params_json)
             rest.kv_transfer_params_json = json.dumps({**kv, "do_remote_prefill": True})
+            rest.sampling.ClearField("prompt_logprobs")  # the prefill server's first chunk had them
             sent = time.monotonic()
             decode.in_flight += 1
             call = decode.stub.Generate(rest, timeout=r.timeout)
@@ -572,8 +577,12 @@ def _joined(first: dict, rest: dict, path: str) -> dict:
                 k: a["logprobs"][k] + ([o + shift for o in b["logprobs"][k]]
                                        if k == "text_offset" else b["logprobs"][k])
                 for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    if "prompt_logprobs" in a:
+        choice["prompt_logprobs"] = a["prompt_logprobs"]
     out = {**rest, "id": first["id"], "choices": [choice],
            "usage": _add_usage(rest["usage"], first["usage"])}
+    if "prompt_logprobs" in first:  # a chat response's
+        out["prompt_logprobs"] = first["prompt_logprobs"]
     out.pop("kv_transfer_params", None)
     return out
 

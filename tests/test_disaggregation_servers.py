@@ -127,7 +127,9 @@ def test_router_answers_as_one_server(cluster):
                   seed=3, frequency_penalty=0.5, extra_body={"ignore_eos": True}),
              dict(prompt="one token only", max_tokens=1, temperature=0),
              dict(prompt="with logprobs", max_tokens=6, temperature=0, logprobs=2,
-                  extra_body={"ignore_eos": True})]
+                  extra_body={"ignore_eos": True}),
+             dict(prompt="echoed, scored", max_tokens=4, temperature=0, logprobs=1,
+                  echo=True, extra_body={"ignore_eos": True})]
     for kw in cases:
         want = one.completions.create(model=model, **kw)
         got = pd.completions.create(model=model, **kw)
@@ -137,11 +139,21 @@ def test_router_answers_as_one_server(cluster):
         if kw.get("logprobs"):
             assert g.logprobs.tokens == w.logprobs.tokens
             assert g.logprobs.text_offset == w.logprobs.text_offset
-            assert max(abs(a - b) for a, b in zip(g.logprobs.token_logprobs,
-                                                  w.logprobs.token_logprobs)) < 1e-4
+            assert g.logprobs.token_logprobs == pytest.approx(w.logprobs.token_logprobs,
+                                                              abs=1e-4)  # echo: None first
         streamed = "".join(c.choices[0].text for c in pd.completions.create(
             model=model, stream=True, **kw) if c.choices)
         assert streamed == w.text, kw
+    # vLLM's prompt_logprobs: the prefill server's, once (not asked of the decode server).
+    kw = dict(prompt="scored twice", max_tokens=3, temperature=0,
+              extra_body={"prompt_logprobs": 1})
+    want, got = (c.completions.create(model=model, **kw).model_dump()["choices"][0]
+                 for c in (one, pd))
+    assert got["text"] == want["text"] and len(got["prompt_logprobs"]) > 2
+    assert got["prompt_logprobs"][0] is None
+    for g, w in zip(got["prompt_logprobs"][1:], want["prompt_logprobs"][1:]):
+        assert g.keys() == w.keys()
+        assert all(abs(g[t]["logprob"] - w[t]["logprob"]) < 1e-4 for t in g)
     messages = [{"role": "user", "content": "hello, who are you?"}]
     for kw in (dict(max_tokens=12, temperature=0), dict(max_tokens=9, temperature=1.0, seed=5)):
         want = one.chat.completions.create(model=model, messages=messages, **kw)
@@ -190,7 +202,9 @@ def test_router_grpc_answers_as_one_server(cluster):
                  temperature=0.9, seed=21, max_tokens=10, ignore_eos=True, logprobs=2)),
              dict(messages=pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")]),
                   sampling=pb.SamplingParams(temperature=0, max_tokens=8)),
-             dict(text="one", sampling=pb.SamplingParams(temperature=0, max_tokens=1))]
+             dict(text="one", sampling=pb.SamplingParams(temperature=0, max_tokens=1)),
+             dict(text="scored over gRPC", sampling=pb.SamplingParams(
+                 temperature=0, max_tokens=6, prompt_logprobs=1))]
     for request in cases:
         want = _generate(servers["single"].grpc, **request)
         got = _generate(router.grpc, **request)
@@ -198,6 +212,11 @@ def test_router_grpc_answers_as_one_server(cluster):
         assert (got[2].finish_reason, got[2].usage.completion_tokens) == \
             (want[2].finish_reason, want[2].usage.completion_tokens)
         assert not got[2].kv_transfer_params_json
+    with grpc.insecure_channel(router.grpc) as channel:  # the prefill server's first chunk
+        chunks = [r.chunk for r in pb_grpc.InferenceStub(channel).Generate(
+            pb.GenerateRequest(**cases[-1]), timeout=120) if r.HasField("chunk")]
+    assert len(chunks[0].prompt_logprobs) > 1 and not any(c.prompt_logprobs
+                                                          for c in chunks[1:])
     with pytest.raises(grpc.RpcError) as e:
         _generate(router.grpc, text="x", kv_transfer_params_json="{}")
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
