@@ -74,11 +74,12 @@ def tpu_devices(topology: str) -> list:
 
 
 def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, int],
-                 strategy: str, devices: list, num_pages: int, key: BucketKey
-                 ) -> jax.stages.Compiled:
+                 strategy: str, devices: list, num_pages: int, key: BucketKey,
+                 scores: bool = False) -> jax.stages.Compiled:
     """Ahead-of-time compile of one step bucket, sharded over `devices`, with the engine's
     weight quantization, KV cache dtype and kernels (on a TPU: our Pallas kernels).
-    `num_pages` is the KV pool of each data shard."""
+    `num_pages` is the KV pool of each data shard. `scores`: the bucket's program that
+    also scores its tokens (prompt logprobs: programs.prompt_scores)."""
     shard = model_sharding(make_mesh(mesh_shape, devices=devices), strategy, cfg)
     graphdef, abstract = abstract_model(cfg, jnp.dtype(engine.dtype), shard,
                                         engine.model_options)
@@ -98,8 +99,11 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
                          inputs)  # its two buffers (packing.py)
     # The forward pass: every weight, cache page, kernel and collective of the step (its
     # sampling is a small replicated program of its own); no heads, verifying.
-    fn = jit_programs(graphdef, params, jax.tree.map(lambda x: x.sharding, caches),
-                      shard, builder.layout, engine.page_size).forward[False, True]
+    programs = jit_programs(graphdef, params, jax.tree.map(lambda x: x.sharding, caches),
+                            shard, builder.layout, engine.page_size)
+    fn = (programs.score if scores else programs.forward)[False, True]
+    targets = (jax.ShapeDtypeStruct((key.tokens,), jnp.int32, sharding=replicated),) \
+        if scores else ()
     carry = jax.ShapeDtypeStruct((builder.layout.size,), jnp.int32, sharding=replicated)
     with no_persistent_cache(), jax.default_device(devices[0]):
         layers = sum(cfg.sparse_layers)
@@ -111,7 +115,8 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
                 (encoder_rows(cfg, engine.max_num_batched_tokens), cfg.vision.text_hidden_size),
                 jnp.dtype(engine.dtype), sharding=replicated)
         return fn.lower(jax.tree.leaves(params), caches, batch, carry, load, None, None,
-                        lora_stacks(cfg, engine, shard), images).compile()  # no Medusa, EAGLE
+                        lora_stacks(cfg, engine, shard), images,
+                        *targets).compile()  # no Medusa, EAGLE
 
 
 def lora_stacks(cfg: ModelConfig, engine: EngineConfig, shard: ShardingContext) -> list | None:

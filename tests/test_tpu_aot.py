@@ -174,6 +174,25 @@ def test_engine_step_compiles_with_pallas_kernels(topology, quant):
     assert abs(args - expected) / expected < 0.03, (args, expected)  # + norms, channel scales
 
 
+def test_the_scoring_step_compiles_on_a_v5e_mesh(devices):
+    """Prompt logprobs' program (the step's forward pass scoring each of its 256 tokens
+    against Llama 3's 128k vocabulary, split over 4 chips) compiles with the attention
+    kernels, and its extra temporaries per chip are a small part of the batch's float32
+    logits (32.8 MB a chip; 1 MB measured)."""
+    cfg = dataclasses.replace(LLAMA3_8B_2L, vocab_size=128256)
+    key = BucketKey(tokens=256, seqs=8, history=False)
+    engine = dataclasses.replace(ENGINE, max_model_len=1024, max_num_batched_tokens=256,
+                                 token_buckets=(256,))
+    plain, scoring = (compile_step(cfg, engine, {"model": 4}, "tp", devices, PAGES, key,
+                                   scores=scores) for scores in (False, True))
+    assert scoring.as_text().count('custom_call_target="tpu_custom_call"') == \
+        plain.as_text().count('custom_call_target="tpu_custom_call"') == 2 * cfg.num_layers
+    extra = (scoring.memory_analysis().temp_size_in_bytes
+             - plain.memory_analysis().temp_size_in_bytes)
+    logits = key.tokens * cfg.vocab_size // 4 * 4
+    assert 0 < extra < logits / 8, (extra, logits)
+
+
 @pytest.mark.slow
 def test_a_quantized_lm_head_runs_the_tpu_kernel():
     """`lm_head_quantization`: the LM head is one more Mosaic matmul of the step, and the
