@@ -82,3 +82,22 @@ def test_a_one_token_prompt_and_bad_values(llm):
     for bad in (-1, 21, 1.5, True):
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
+
+
+def test_scored_beside_speculation_and_preemption(checkpoints, prompts):
+    """n-gram speculation and a page pool too small for the four sequences (preempted and
+    computed again): the scores are transformers' and the tokens those of a plain run."""
+    path, model = checkpoints("llama")
+    engine = dict(dtype="float32", max_model_len=128, page_size=4, max_num_seqs=4,
+                  max_num_batched_tokens=16, token_buckets=(16,))
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(str(path), **engine).generate(prompts, greedy)]
+    llm = LLM(str(path), **engine, num_pages=40, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None})
+    scored = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, prompt_logprobs=2)
+    outs = llm.generate(prompts, scored)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.engine.scheduler.num_preemptions > 0
+    for out, prompt in zip(outs, prompts):
+        assert_prompt_logprobs(out.prompt_logprobs, prompt, hf_logprobs(model, prompt), 2)
+    assert llm.engine.scheduler.allocator.num_used_pages == 0
