@@ -211,10 +211,11 @@ class BatchBuilder:
               pending: dict[Sequence, tuple[int, int]] | None = None
               ) -> tuple[StepBatch, BucketKey]:
         """The batch of a schedule; sets each scheduled seq's `row` in the step's sampled
-        outputs and its chunk's first `token` in the batch. `pending` has, for each seq whose newest tokens the step still in flight
-        emits (PLACEHOLDERs), its first row in that step's outputs and its drafts there:
-        the step reads the tokens from the device (the carry), and with drafts moves the
-        seq's positions back by those rejected (`StepBatch.shift_row`).
+        outputs and its chunk's first `token` in the batch. `pending` has, for each seq
+        whose newest tokens the step still in flight emits (PLACEHOLDERs), its first row in
+        that step's outputs and its drafts there: the step reads the tokens from the device
+        (the carry), and with drafts moves the seq's positions back by those rejected
+        (`StepBatch.shift_row`).
 
         Whole-array numpy over the schedule's columns: a Python loop per sequence only
         reads them (and their tokens: one for a decode); only sequences with drafts are

@@ -626,7 +626,8 @@ class Engine:
                 continue
             if targets is None:
                 targets = np.zeros(key.tokens, np.int32)
-            targets[s.token:s.token + end - s.start] = s.seq.prompt_token_ids[s.start + 1:end + 1]
+            targets[s.token:s.token + end - s.start] = \
+                s.seq.prompt_token_ids[s.start + 1:end + 1]
             step.scored.append((req, s.start, s.token, end - s.start))
         return targets
 

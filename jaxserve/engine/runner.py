@@ -310,18 +310,8 @@ class ModelRunner:
         (device arrays, not waited for)."""
         if self.broadcaster is not None:
             self.broadcaster.send(FORWARD, batch, key, score_targets)
-        program = self.forward_program(key, self.heads_for(batch))
-        if score_targets is None:
-            self._forward(batch, program)
-            return None
-        inputs = self._pack(_forward_inputs(batch))
-        program = ("score", *program[1:])
-        (self.kv_caches, self._logits, self.expert_load, self.guesses, self.features,
-         self._row_tokens, scores) = self._run(
-            program, self._programs.score[program[-2:]],
-            self._forward_args(inputs, program) + (score_targets,))
-        self._logits_dtype = self._logits.dtype
-        return scores
+        return self._forward(batch, self.forward_program(key, self.heads_for(batch)),
+                             score_targets)
 
     def dispatch_sample(self, batch: StepBatch, key: BucketKey) -> SampleOutput:
         """Sample from the last `dispatch_forward`'s logits with the batch's sampling
@@ -403,12 +393,19 @@ class ModelRunner:
         """Start writing moved pages into the KV cache (kv_transfer.py)."""
         self.kv_caches = self.pages.write(self.kv_caches, kv, data_shard, page_ids)
 
-    def _forward(self, batch: StepBatch, program: tuple) -> None:
+    def _forward(self, batch: StepBatch, program: tuple,
+                 score_targets: np.ndarray | None = None) -> PromptScores | None:
         inputs = self._pack(_forward_inputs(batch))
+        args = self._forward_args(inputs, program)
+        fn = self._programs.forward[program[-2:]]
+        if score_targets is not None:  # the bucket's forward pass that scores its tokens
+            fn, args = self._programs.score[program[-2:]], args + (score_targets,)
+            program = ("score", *program[1:])
+        out = self._run(program, fn, args)
         (self.kv_caches, self._logits, self.expert_load, self.guesses,
-         self.features, self._row_tokens) = self._run(
-            program, self._programs.forward[program[-2:]], self._forward_args(inputs, program))
+         self.features, self._row_tokens) = out[:6]
         self._logits_dtype = self._logits.dtype
+        return out[6] if score_targets is not None else None
 
     def _step(self, batch: StepBatch, program: tuple) -> SampleOutput:
         inputs = self._pack((_forward_inputs(batch), self._sampling_inputs(batch)))
