@@ -480,7 +480,8 @@ class HTTPServer:
                    for p in prompts]
         except ValueError as e:
             raise oai.APIError(400, str(e), "prompt") from e
-        params = await self._sampling_params(req, req.max_tokens, req.logprobs)
+        params = await self._sampling_params(req, 1 if req.scores_only else req.max_tokens,
+                                             req.logprobs)
         job = Job(self.async_engine, oai.new_id("cmpl"),
                   [(p, params[i]) for p in ids for i in range(req.n)], lora,
                   kv_transfer_params=oai.kv_transfer_params(req, len(ids)))
@@ -498,6 +499,7 @@ class HTTPServer:
         choices = [Choice(text=e, offset=len(e)) for e in echoes]
         async with _watching(request, job):
             async for i, out in job.outputs():
+                out = _shown(req, out)
                 self._accumulate(choices[i], out, None if req.logprobs is None else (
                     lambda o: self._completion_logprobs(choices[i], o, req.logprobs)))
 
@@ -533,7 +535,7 @@ class HTTPServer:
         choices = [Choice(offset=len(e)) for e in echoes]
         async with _watching(request, job), _errors_as_events() as errors:
             async for i, out in job.outputs():
-                c = choices[i]
+                out, c = _shown(req, out), choices[i]
                 text = out.new_text
                 if not c.started:
                     c.started = True
@@ -725,6 +727,15 @@ def _answer(job: Job, choices: list[Choice], body: dict) -> dict | JSONResponse:
     queued = (max(c.first_scheduled_at - job.created, 0.0)
               if c.first_scheduled_at is not None else 0.0)
     return JSONResponse(body, headers={QUEUE_HEADER: f"{queued:.6f}"})
+
+
+def _shown(req: oai.CompletionRequest, out: StepOutput) -> StepOutput:
+    """What a completion shows of an output: with `echo` and `max_tokens` 0 (vLLM's: the
+    prompt scored, nothing generated), not the one token the engine made for it."""
+    if not req.scores_only:
+        return out
+    return dataclasses.replace(out, new_token_ids=[], new_text="", new_logprobs=(
+        None if out.new_logprobs is None else []))
 
 
 def _merge(parts: list[dict]) -> dict:

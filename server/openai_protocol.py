@@ -270,6 +270,12 @@ class CompletionRequest(_Request):
             raise APIError(400, "suffix: this server does not do fill-in-the-middle", "suffix")
         return prompts
 
+    @property
+    def scores_only(self) -> bool:
+        """`echo` with `max_tokens` 0 (vLLM's): the prompt comes back, with its logprobs
+        if asked, and nothing generated (the engine makes one token, not shown)."""
+        return self.echo and self.max_tokens == 0
+
     def prompt_logprob_count(self) -> int | None:
         """`echo` with `logprobs` N: the prompt's tokens' logprobs with N alternatives
         lead the choice's (OpenAI's legacy completions); vLLM's `prompt_logprobs` too."""

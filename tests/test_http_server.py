@@ -175,6 +175,13 @@ def test_echo_with_logprobs_and_prompt_logprobs(server, client, llm):
     for entry, mine in zip(by_id[1:], want.prompt_logprobs[1:]):
         assert {int(t): e["rank"] for t, e in entry.items()} == {t: e.rank
                                                                    for t, e in mine.items()}
+    # max_tokens 0 with echo (vLLM's): the prompt scored, nothing generated.
+    scored = client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True,
+                                       logprobs=2)
+    assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
+    assert scored.choices[0].logprobs.tokens == text[:len(ids)]
+    assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(
+        wanted[:len(ids) - 1], abs=1e-5)
     chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=3,
                                             temperature=0.0, echo=True, logprobs=2,
                                             stream=True))
@@ -233,6 +240,7 @@ def test_sse_wire_format(server):
     ("/v1/completions", {"prompt": "x", "stream": True, "prompt_logprobs": 1}, 400,
      "prompt_logprobs"),
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),  # echo: scored
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x" * 5000}, 400, "prompt"),  # over --max-prompt-bytes
     ("/v1/completions", {"prompt": [5] * 100_000}, 400, "prompt"),
