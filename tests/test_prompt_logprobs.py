@@ -47,10 +47,15 @@ def llm(checkpoints):
                max_num_batched_tokens=16, token_buckets=(16,), enable_prefix_caching=True)
 
 
-def test_prompt_logprobs_match_transformers(llm, checkpoints, prompts):
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
+def test_prompt_logprobs_match_transformers(llm, checkpoints, prompts, arch):
     """Every prompt scored across its chunks, beside a request that asks for none (whose
-    greedy tokens are those of a batch without scoring)."""
-    _, model = checkpoints("llama")
+    greedy tokens are those of a batch without scoring): Llama 3, Qwen2 (its tied
+    embedding as the head), Gemma 2 (the final logit soft-cap)."""
+    path, model = checkpoints(arch)
+    if arch != "llama":
+        llm = LLM(str(path), dtype="float32", max_model_len=128, page_size=4,
+                  max_num_seqs=4, max_num_batched_tokens=16, token_buckets=(16,))
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     alone = llm.generate(prompts, greedy)
     scored = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=3)
