@@ -534,6 +534,20 @@ def run_vllm_offline(model_dir: Path, dtype: str, prompts: list[list[int]], new_
                              "new_tokens": new_tokens, "max_num_seqs": max_num_seqs})
 
 
+@peer
+def run_vllm_prompt_logprobs(model_dir: Path, dtype: str, rounds: list[list[list[int]]],
+                             counts: list[int | None], texts: list[list[int]],
+                             threads: int) -> dict:
+    """vllm.LLM.generate of each round's prompts, one new token, with `prompt_logprobs` of
+    each of `counts` (None: none) (this file's `vllm-prompt-logprobs`): prompt tokens/s per
+    count, each round; and the prompt logprobs of `texts`' tokens."""
+    python = vllm_python()
+    return _vllm_subprocess(python, _vllm_env(python, threads), "vllm-prompt-logprobs",
+                            "vllm-prompt-logprobs",
+                            {"model": str(model_dir), "dtype": dtype, "rounds": rounds,
+                             "counts": counts, "texts": texts})
+
+
 @contextlib.contextmanager
 def vllm_server(model_dir: Path, dtype: str, port: int, max_num_seqs: int,
                 stream_interval: int, threads: int, timeout: float = 600):
@@ -640,6 +654,35 @@ def _vllm_offline_worker(spec_path: str) -> None:
                                   "requests_per_s": len(prompts) / seconds}), flush=True)
 
 
+def _vllm_prompt_logprobs_worker(spec_path: str) -> None:
+    """run_vllm_prompt_logprobs's run (in the vLLM virtualenv); prints RESULT <json>."""
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    spec = json.loads(Path(spec_path).read_text())
+    llm = vllm.LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=512,
+                   max_num_seqs=32, max_num_batched_tokens=4096, seed=0,
+                   enable_prefix_caching=False)
+
+    def run(prompts, n):
+        params = vllm.SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=n)
+        return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                            use_tqdm=False)
+
+    rates = {str(n): [] for n in spec["counts"]}
+    for n in spec["counts"]:
+        run(spec["rounds"][0][:4], n)  # warm-up
+    for prompts in spec["rounds"]:
+        for n in spec["counts"]:
+            start = time.perf_counter()
+            run(prompts, n)
+            rates[str(n)].append(sum(map(len, prompts)) / (time.perf_counter() - start))
+    scored = [[o.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i]
+              for o, ids in zip(run(spec["texts"], 0), spec["texts"])]
+    print("RESULT " + json.dumps({"version": f"vllm {vllm.__version__}",
+                                  "prompt_tokens_per_s": rates, "texts": scored}), flush=True)
+
+
 def _vllm_worker(spec_path: str) -> None:
     """Runs A and B with vLLM (in the vLLM virtualenv) and prints RESULT <json>.
 
@@ -680,6 +723,8 @@ if __name__ == "__main__":  # vLLM spawns its engine process: it must not rerun 
         _vllm_concurrency_worker(sys.argv[2])
     elif sys.argv[1:2] == ["vllm-offline"]:
         _vllm_offline_worker(sys.argv[2])
+    elif sys.argv[1:2] == ["vllm-prompt-logprobs"]:
+        _vllm_prompt_logprobs_worker(sys.argv[2])
     else:
-        sys.exit(f"usage: {sys.argv[0]} vllm-worker|vllm-concurrency|vllm-offline SPEC.json "
-                 "(run by benchmarks/peers.py)")
+        sys.exit(f"usage: {sys.argv[0]} vllm-worker|vllm-concurrency|vllm-offline|"
+                 "vllm-prompt-logprobs SPEC.json (run by benchmarks/peers.py)")
