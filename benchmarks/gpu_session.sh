@@ -5,7 +5,8 @@
 #   attention    the attention kernel's tests alone (compiled, on the GPU)
 #   kernels      the GPU kernels' tests (attention, quantized and grouped matmul) compiled,
 #                not interpreted, against the reference on the GPU
-#   engine       the engine end to end on the GPU against transformers (test_parity.py)
+#   engine       the engine end to end on the GPU against transformers (test_parity.py,
+#                test_prompt_logprobs.py)
 #   engine-more  the engine's, quantized engine's and MoE tests on the GPU
 #   suite        the rest of the default test suite on the GPU
 #   bench        benchmarks/kernel_speed.py --full, attention and quantized matmul
@@ -70,7 +71,8 @@ jaxlib.__version__, 'triton', triton.__version__, 'torch', torch.__version__); p
         tests/test_grouped_matmul.py \
         tests/test_lora.py::test_grouped_delta_matches_the_token_by_token_reference -k "not tpu" ;;
     engine)
-      step engine 150 $PYTEST -v tests/test_parity.py -k "greedy_batch or (prompt_logits and kn)" ;;
+      step engine 150 $PYTEST -v tests/test_parity.py tests/test_prompt_logprobs.py \
+        -k "greedy_batch or (prompt_logits and kn) or prompt_logprobs_match" ;;
     engine-more)
       step engine-more 240 $PYTEST tests/test_engine.py tests/test_quantized_engine.py \
         tests/test_moe.py ;;
