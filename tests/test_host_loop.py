@@ -40,6 +40,10 @@ def mixed_params() -> list[SamplingParams]:
                 StructuredOutputsParams(regex="[a-c]{3,9}x")))]
 
 
+# A request whose prompt is scored (prompt logprobs: its steps run the `score` programs).
+SCORED = SamplingParams(temperature=0.0, max_tokens=12, prompt_logprobs=2, ignore_eos=True)
+
+
 def summary(outs) -> list[tuple]:
     return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
              o.outputs[0].stop_reason) for o in outs]
@@ -70,9 +74,10 @@ READS = ("__array__", "__int__", "__float__", "__bool__", "__index__", "__comple
 @contextlib.contextmanager
 def only_explicit_fetches():
     """Refuse every read of a device array's value except inside the engine's `fetch` (its
-    one explicit copy of a step's samples): jax's transfer guard does that on an
-    accelerator, but on the CPU platform device arrays are host memory and it lets every
-    read through, so the reads are refused here by hand as well."""
+    one explicit copy of a step's samples) and `fetch_scores` (a scoring step's prompt
+    scores): jax's transfer guard does that on an accelerator, but on the CPU platform
+    device arrays are host memory and it lets every read through, so the reads are refused
+    here by hand as well."""
     array_type = type(jax.numpy.zeros(1))
     fetching = threading.local()
     originals = {name: getattr(array_type, name) for name in READS}
@@ -84,25 +89,29 @@ def only_explicit_fetches():
             return originals[name](self, *args, **kwargs)
         return read
 
-    fetch = engine_module.fetch
+    fetches = {name: getattr(engine_module, name) for name in ("fetch", "fetch_scores")}
 
-    def explicit_fetch(*args):
-        fetching.on = True
-        try:
-            return fetch(*args)
-        finally:
-            fetching.on = False
+    def explicit(fetch):
+        def explicit_fetch(*args):
+            fetching.on = True
+            try:
+                return fetch(*args)
+            finally:
+                fetching.on = False
+        return explicit_fetch
 
     try:
         for name in READS:
             setattr(array_type, name, refuse(name))
-        engine_module.fetch = explicit_fetch
+        for name, fetch in fetches.items():
+            setattr(engine_module, name, explicit(fetch))
         with jax.transfer_guard_device_to_host("disallow"):
             yield
     finally:
         for name, fn in originals.items():
             setattr(array_type, name, fn)
-        engine_module.fetch = fetch
+        for name, fetch in fetches.items():
+            setattr(engine_module, name, fetch)
 
 
 def watch_programs(runner, record) -> None:
@@ -119,10 +128,10 @@ def watch_programs(runner, record) -> None:
 @pytest.mark.parametrize("steps", [1, 4])
 def test_steps_never_wait_for_the_device_implicitly(path, prompts, steps):
     """Steps (one per program and four per program) of every kind of request where only
-    the engine's explicit fetch of a step's samples reads device data on the host. Same
-    outputs as without the check."""
+    the engine's explicit fetches of a step's samples (and prompt scores) read device data
+    on the host. Same outputs as without the check."""
     llm = LLM(path, num_scheduler_steps=steps, **ENGINE)
-    params = mixed_params()
+    params = mixed_params() + [SCORED]
     batch = [prompts[i % len(prompts)] for i in range(len(params))]
     want = summary(llm.generate(batch, params))
     with only_explicit_fetches():
@@ -324,7 +333,8 @@ def test_branch_free_programs_give_the_tokens_of_the_branching_ones(path, prompt
     params = [
         SamplingParams(temperature=0.6, top_p=0.8, seed=1, max_tokens=21, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=19, logprobs=0, ignore_eos=True),
-        *mixed_params(), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)]
+        *mixed_params(), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+        SCORED]
     batch = [prompts[i % len(prompts)] for i in range(len(params))]
 
     def run(steps: int) -> tuple[list, collections.Counter, LLM]:

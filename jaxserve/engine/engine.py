@@ -31,7 +31,7 @@ from jaxserve.engine.multimodal.images import Images
 from jaxserve.engine.multimodal.inputs import ImageInput
 from jaxserve.engine.output_text import OutputText
 from jaxserve.engine.request import PLACEHOLDER, Request, Sequence, check_params, check_prompt
-from jaxserve.engine.runner import ModelRunner, fetch
+from jaxserve.engine.runner import ModelRunner, fetch, fetch_scores
 from jaxserve.engine.sampler import SampleOutput, prompt_token_logprobs, token_logprobs
 from jaxserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from jaxserve.engine.speculative.setup import SpeculativeModels
@@ -722,7 +722,7 @@ class Engine:
 
     def _take_scores(self, step: InFlightStep) -> None:
         """Put a step's prompt scores in their requests' `prompt_scores` (`Request`)."""
-        scores = jax.device_get(step.scores)
+        scores = fetch_scores(step.scores)
         for req, start, first, n in step.scored:
             rows = slice(first, first + n)
             req.prompt_scores[start + 1:start + 1 + n] = zip(

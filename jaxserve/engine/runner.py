@@ -487,6 +487,12 @@ def fetch(out: SampleOutput, logprobs: bool = True) -> SampleOutput:
     return SampleOutput(*host) if logprobs else SampleOutput(host[0], None, None, None)
 
 
+def fetch_scores(scores: PromptScores) -> PromptScores:
+    """A scoring step's prompt scores (`dispatch_forward`'s) on the host, in one explicit
+    transfer, as `fetch` takes its samples (called after it: nothing more to wait for)."""
+    return PromptScores(*jax.device_get(list(scores)))
+
+
 @functools.cache
 def _on_cpu() -> bool:
     return jax.default_backend() == "cpu"
