@@ -13,6 +13,12 @@ class Logprob:
     decoded_token: str | None = None
 
 
+def top_logprobs(entries: dict[int, Logprob], n: int) -> list[tuple[int, float]]:
+    """The `n` best ranked of a token's logprob entries, (token id, logprob), best first."""
+    ranked = sorted((e.rank, t, e.logprob) for t, e in entries.items() if e.rank is not None)
+    return [(t, lp) for _, t, lp in ranked[:n]]
+
+
 @dataclasses.dataclass
 class StepOutput:
     """New tokens of one request after one engine step (what a stream sends)."""

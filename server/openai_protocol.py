@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxserve.outputs import Logprob, StepOutput
+from jaxserve.outputs import Logprob, StepOutput, top_logprobs
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from server.kv_transfer import check_params
 
@@ -320,11 +320,6 @@ def envelope(id_: str, object_: str, model: str, choices: list, created: int | N
             "model": model, "choices": choices, **extra}
 
 
-def _top(entries: dict[int, Logprob], n: int) -> list[tuple[int, float]]:
-    ranked = sorted((e.rank, t, e.logprob) for t, e in entries.items() if e.rank is not None)
-    return [(t, lp) for _, t, lp in ranked[:n]]
-
-
 def chat_logprobs(out: StepOutput, n: int, token_text) -> list[dict]:
     """OpenAI's `logprobs.content` entries for the new tokens of `out`."""
     def entry(token: int, logprob: float) -> dict:
@@ -332,7 +327,7 @@ def chat_logprobs(out: StepOutput, n: int, token_text) -> list[dict]:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
     return [{**entry(t, e[t].logprob),
-             "top_logprobs": [entry(i, lp) for i, lp in _top(e, n)]}
+             "top_logprobs": [entry(i, lp) for i, lp in top_logprobs(e, n)]}
             for t, e in zip(out.new_token_ids, out.new_logprobs or [])]
 
 
@@ -356,7 +351,8 @@ def echoed_logprobs(prompt: list[int], entries: list[dict[int, Logprob] | None],
     return {"tokens": tokens,
             "token_logprobs": [None if e is None else e[t].logprob
                                for t, e in zip(prompt, entries)],
-            "top_logprobs": [None if e is None else {token_text(i): lp for i, lp in _top(e, n)}
+            "top_logprobs": [None if e is None else
+                             {token_text(i): lp for i, lp in top_logprobs(e, n)}
                              for e in entries],
             "text_offset": offsets}
 
@@ -369,7 +365,7 @@ def completion_logprobs(out: StepOutput, n: int, token_text, offset: int) -> dic
         text = token_text(t)
         tokens.append(text)
         token_logprobs.append(e[t].logprob)
-        top.append({token_text(i): lp for i, lp in _top(e, n)})
+        top.append({token_text(i): lp for i, lp in top_logprobs(e, n)})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,

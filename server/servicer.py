@@ -9,7 +9,7 @@ import uuid
 import grpc
 
 from jaxserve.engine.speculative.stats import SpeculationStats
-from jaxserve.outputs import Logprob, StepOutput
+from jaxserve.outputs import Logprob, StepOutput, top_logprobs
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from server.async_engine import AsyncEngine, QueueFullError
 from server.kv_transfer import KVTransferError, check_params
@@ -90,11 +90,10 @@ def chat_from_proto(chat: pb.Chat) -> tuple[list[dict], dict]:
 
 def token_logprobs(token: int, entries: dict[int, Logprob], n: int) -> pb.TokenLogprobs:
     """A token's logprob and rank, and the `n` most likely tokens with theirs."""
-    ranked = sorted((e.rank, t, e.logprob) for t, e in entries.items() if e.rank is not None)
     return pb.TokenLogprobs(token_id=token, logprob=entries[token].logprob,
                             rank=entries[token].rank or 0,
                             top=[pb.TopLogprob(token_id=t, logprob=lp)
-                                 for _, t, lp in ranked[:n]])
+                                 for t, lp in top_logprobs(entries, n)])
 
 
 def chunk_from_output(out: StepOutput, params: SamplingParams,

@@ -580,24 +580,27 @@ def _sample(raw_logits: jax.Array, p: SamplingArrays, history: TokenHistory | No
 MIN_LOGPROB = -9999.0
 
 
-def prompt_token_logprobs(score: tuple, token: int, n: int) -> dict[int, Logprob]:
-    """A prompt token's entry of prompt_logprobs from its score (logprob, rank, top ids,
-    top logprobs: Request.prompt_scores): the `n` most likely tokens with their logprobs
-    and ranks, and the prompt's `token` (first, when it is not among them)."""
-    logprob, rank, top_ids, top_logprobs = score
-    top = {t: Logprob(max(lp, MIN_LOGPROB), rank=r + 1)
+def _entries(token: int, logprob, rank, top_ids, top_logprobs, n: int
+             ) -> dict[int, Logprob]:
+    """The `n` most likely tokens with their logprobs and ranks, and `token`'s (first,
+    when it is not among them; `rank` a function giving its rank then)."""
+    top = {int(t): Logprob(max(float(lp), MIN_LOGPROB), rank=r + 1)
            for r, (t, lp) in enumerate(zip(top_ids[:n], top_logprobs[:n]))}
     if token not in top:
-        top = {token: Logprob(max(logprob, MIN_LOGPROB), rank=rank), **top}
+        top = {token: Logprob(max(float(logprob), MIN_LOGPROB), rank=rank()), **top}
     return top
+
+
+def prompt_token_logprobs(score: tuple, token: int, n: int) -> dict[int, Logprob]:
+    """A prompt token's entry of prompt_logprobs from its score (logprob, rank, top ids,
+    top logprobs: Request.prompt_scores)."""
+    logprob, rank, top_ids, top_logprobs = score
+    return _entries(token, logprob, lambda: rank, top_ids, top_logprobs, n)
 
 
 def token_logprobs(out: SampleOutput, i: int, token: int, n: int) -> dict[int, Logprob]:
-    """Row `i`'s `n` most likely tokens with their logprobs and ranks, and the sampled
-    `token`'s (first, when it is not among them)."""
-    top = {int(t): Logprob(max(float(lp), MIN_LOGPROB), rank=r + 1)
-           for r, (t, lp) in enumerate(zip(out.top_ids[i][:n], out.top_logprobs[i][:n]))}
-    if token not in top:
-        rank = next((r + 1 for r, t in enumerate(out.top_ids[i]) if t == token), None)
-        top = {token: Logprob(max(float(out.logprob[i]), MIN_LOGPROB), rank=rank), **top}
-    return top
+    """Row `i`'s entry for its sampled `token` (its rank known when among the top 20)."""
+    top_ids = out.top_ids[i]
+    return _entries(token, out.logprob[i],
+                    lambda: next((r + 1 for r, t in enumerate(top_ids) if t == token), None),
+                    top_ids, out.top_logprobs[i], n)
