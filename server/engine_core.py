@@ -50,7 +50,7 @@ import threading
 import time
 
 from jaxserve.config import EngineConfig, KVTransferConfig, ModelConfig
-from jaxserve.engine.broadcast import PING_INTERVAL_S
+from jaxserve.engine.broadcast import PING_INTERVAL_S, PING_TIMEOUT_S
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.lora import LoRARequest
 from jaxserve.engine.multimodal.inputs import ImagePreparer
@@ -229,12 +229,26 @@ class EngineCore:
 
     def _ping_followers(self) -> None:
         """Multi-host: an idle leader still checks its followers are alive (see
-        jaxserve/engine/broadcast.py); a dead one raises here and stops the loop."""
+        jaxserve/engine/broadcast.py); a dead one raises here and stops the loop. One that
+        has not answered in PING_TIMEOUT_S fails the loop from a timer: this thread still
+        waits in the collective, and stops if the ping ever returns."""
         broadcaster = self.engine.broadcaster
         now = time.monotonic()
-        if broadcaster is not None and now - self._last_ping >= PING_INTERVAL_S:
+        if broadcaster is None or now - self._last_ping < PING_INTERVAL_S:
+            return
+        timer = threading.Timer(PING_TIMEOUT_S, self._ping_timed_out)
+        timer.daemon = True
+        timer.start()
+        try:
             broadcaster.ping()
-            self._last_ping = now
+        finally:
+            timer.cancel()
+        self._last_ping = now
+
+    def _ping_timed_out(self) -> None:
+        self._stopping = True
+        self.send(("failed", TimeoutError(
+            f"the follower processes did not answer a ping in {PING_TIMEOUT_S:.0f} s")))
 
     def _drain(self, block: bool) -> None:
         try:

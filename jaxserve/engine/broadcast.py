@@ -7,8 +7,11 @@ the step's batch arrays; the followers run the same compiled step on them, so ev
 process joins the step's collectives. While idle, process 0 broadcasts a ping every
 `PING_INTERVAL_S`: a follower that died makes that collective (or the next step's) fail
 at once ("connection closed by peer"), the engine loop stops, and the server turns
-NOT_SERVING with the error in its log instead of hanging. A follower whose leader is
-gone exits the same way.
+NOT_SERVING with the error in its log instead of hanging. A follower that is alive but
+does not answer (a host off the network sends no FIN: the collective would wait until
+JAX's coordination service kills process 0 after its 100 s heartbeat timeout) is given up
+on when a ping has waited `PING_TIMEOUT_S`, the same way. A follower whose leader is gone
+exits the same way.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ log = logging.getLogger(__name__)
 # program on the proposer's batch (proposers.DeviceProposer.run).
 STOP, STEP, PING, FORWARD, SAMPLE, MOVE, PROPOSE, SCORE = range(8)
 PING_INTERVAL_S = 1.0
+PING_TIMEOUT_S = 20.0
 
 
 def _header(command: int, key: BucketKey = BucketKey(0, 0, False)) -> np.ndarray:
