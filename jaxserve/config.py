@@ -246,13 +246,22 @@ class KVTransferConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Rotary embedding frequency scaling: 'default', 'linear' or 'llama3'."""
+    """Rotary embedding frequency scaling: 'default', 'linear', 'llama3' or 'yarn' (YaRN:
+    `beta_fast` / `beta_slow` bound the frequencies interpolated by `factor`; the rotated
+    q and k are scaled by `attention_factor`, None: from `factor`, `mscale` and
+    `mscale_all_dim` as transformers' `_compute_yarn_parameters` infers it)."""
 
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
 
 
 # What config.json leaves out of a LLaVA checkpoint's nested configs takes transformers'
@@ -769,15 +778,15 @@ def _rope_from_hf(hf: dict[str, Any]
     params = dict(hf.get("rope_parameters") or {})
     if "full_attention" in params:
         sliding = params.get("sliding_attention")
-        full = _rope(params["full_attention"], {}, 10000.0)
-        return (*full, _rope(sliding, {}, 10000.0) if sliding else None)
+        full = _rope(params["full_attention"], {}, 10000.0, hf)
+        return (*full, _rope(sliding, {}, 10000.0, hf) if sliding else None)
     theta, scaling = _rope(params, dict(hf.get("rope_scaling") or {}),
-                           hf.get("rope_theta", 10000.0))
+                           hf.get("rope_theta", 10000.0), hf)
     local = hf.get("rope_local_base_freq")
     return theta, scaling, ((float(local), RopeScaling()) if local is not None else None)
 
 
-def _rope(params: dict[str, Any], scaling: dict[str, Any], theta: float
+def _rope(params: dict[str, Any], scaling: dict[str, Any], theta: float, hf: dict[str, Any]
           ) -> tuple[float, RopeScaling]:
     params = dict(params)
     theta = params.pop("rope_theta", theta)
@@ -785,8 +794,22 @@ def _rope(params: dict[str, Any], scaling: dict[str, Any], theta: float
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     if merged.pop("mrope_section", None) is not None and rope_type in ("mrope", "default"):
         rope_type = merged["rope_type"] = "default"  # M-RoPE: ModelConfig.mrope_section
-    if rope_type not in ("default", "linear", "llama3"):
+    if rope_type not in ("default", "linear", "llama3", "yarn"):
         raise ValueError(f"rope scaling type {rope_type!r} is not supported")
+    if merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial_rotary_factor < 1 (rotating part of each head) is not "
+                         "supported")
+    if rope_type in ("llama3", "yarn"):  # as transformers' standardize_rope_params
+        merged["original_max_position_embeddings"] = (
+            hf.get("original_max_position_embeddings")
+            or merged.get("original_max_position_embeddings")
+            or hf.get("max_position_embeddings", 4096))
+    if rope_type == "yarn" and merged.get("factor") is None:  # DeepSeek-V3's implicit one
+        merged["factor"] = (hf.get("max_position_embeddings", 4096)
+                            / merged["original_max_position_embeddings"])
+    for beta in ("beta_fast", "beta_slow"):  # null: the default
+        if merged.get(beta) is None:
+            merged.pop(beta, None)
     fields = {f.name for f in dataclasses.fields(RopeScaling)}
     kwargs = {k: v for k, v in merged.items() if k in fields and k != "rope_type"}
     return float(theta), RopeScaling(rope_type=rope_type, **kwargs)

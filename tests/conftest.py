@@ -76,6 +76,17 @@ def _hf_config(arch: str):
     if arch == "qwen2":  # q/k/v bias, MQA, tied embeddings
         return tf.Qwen2ForCausalLM, tf.Qwen2Config(
             **common, num_key_value_heads=1, tie_word_embeddings=True, use_sliding_window=False)
+    if arch == "qwen2_yarn":  # Qwen2.5's long-context YaRN (attention factor from factor)
+        return tf.Qwen2ForCausalLM, tf.Qwen2Config(
+            **common, num_key_value_heads=2, use_sliding_window=False,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                          "original_max_position_embeddings": 64})
+    if arch == "llama_yarn":  # every YaRN field: mscale ratio, own betas, no truncation
+        return tf.LlamaForCausalLM, tf.LlamaConfig(
+            **common, num_key_value_heads=2, rope_theta=20000.0,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 2.0,
+                          "mscale_all_dim": 0.5, "beta_fast": 16.0, "beta_slow": 2.0,
+                          "truncate": False, "original_max_position_embeddings": 64})
     if arch == "qwen3":  # q/k RMSNorm, head_dim != hidden / heads
         return tf.Qwen3ForCausalLM, tf.Qwen3Config(
             **common, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)

@@ -95,7 +95,13 @@ def test_hf_config_mapping(tmp_path):
     with pytest.raises(ValueError, match="model_type"):
         ModelConfig.from_hf({**hf, "model_type": "gpt2"})
     with pytest.raises(ValueError, match="rope scaling"):
-        ModelConfig.from_hf({**hf, "rope_scaling": {"type": "yarn", "factor": 4.0}})
+        ModelConfig.from_hf({**hf, "rope_scaling": {"type": "dynamic", "factor": 4.0}})
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        ModelConfig.from_hf({**hf, "partial_rotary_factor": 0.5})
+    yarn = ModelConfig.from_hf({**hf, "max_position_embeddings": 1024, "rope_scaling": {
+        "type": "yarn", "factor": None, "original_max_position_embeddings": 256,
+        "beta_fast": None}}).rope_scaling  # DeepSeek-V3's implicit factor, a null beta
+    assert (yarn.rope_type, yarn.factor, yarn.beta_fast) == ("yarn", 4.0, 32.0)
 
 
 def test_engine_config_validation(tmp_path):

@@ -145,11 +145,17 @@ def test_files_it_cannot_serve_are_refused_naming_the_field(tmp_path):
 
     with pytest.raises(ValueError, match="general.architecture 'deepseek2'"):
         gguf.metadata_dir(write("deepseek.gguf", "deepseek2"))
-    with pytest.raises(ValueError, match="llama.rope.scaling.type = 'yarn'"):
+    shape = dict(head_count=4, embedding_length=64, feed_forward_length=128,
+                 context_length=64, layer_norm_rms_eps=1e-5, token_list=["a"])
+    with pytest.raises(ValueError, match="llama.rope.scaling.type = 'longrope'"):
         gguf.hf_config(gguf._reader(write(
-            "yarn.gguf", "llama", head_count=4, embedding_length=64, feed_forward_length=128,
-            context_length=64, layer_norm_rms_eps=1e-5, token_list=["a"],
-            rope_scaling_type=gguf_package.RopeScalingType.YARN)))
+            "longrope.gguf", "llama", **shape,
+            rope_scaling_type=gguf_package.RopeScalingType.LONGROPE)))
+    with pytest.raises(ValueError, match="llama.rope.scaling.yarn_log_multiplier = 0.1"):
+        gguf.hf_config(gguf._reader(write(
+            "yarn.gguf", "llama", **shape, rope_scaling_type=gguf_package.RopeScalingType.YARN,
+            rope_scaling_factor=4.0, rope_scaling_orig_ctx_len=16,
+            rope_scaling_yarn_log_mul=0.1)))
 
 
 # --- tiny GGUF files written with the `gguf` package, one per weight type ---------------
@@ -242,12 +248,13 @@ def add_tensor(w, gguf_name: str, x: np.ndarray, weight_type: str, heads: int | 
 def write_tiny_gguf(model, path: Path, weight_type: str, arch: str = "llama",
                     pre: str = "default", sentencepiece: bool = False,
                     layer_types: dict[str, str] | None = None,
-                    rope_freqs: np.ndarray | None = None) -> dict:
+                    rope_freqs: np.ndarray | None = None, yarn: dict | None = None) -> dict:
     """The tiny `model` (Llama, Qwen2 or Qwen3) as llama.cpp's converter writes it (a
     Llama's q/k rows interleaved per head; norms and biases in F32), its linear layers,
     embedding and LM head in `weight_type` (`layer_types`: another type for the linear
     layers of these GGUF stems, as llama.cpp's Q4_K_M mixes Q4_K with Q6_K); the demo's
-    byte tokenizer (and one merge) as a GPT-2 vocabulary split by `pre`. Returns {HF name:
+    byte tokenizer (and one merge) as a GPT-2 vocabulary split by `pre`; `yarn`: the
+    model's YaRN rope_scaling, as the converter writes it. Returns {HF name:
     the weight as the `gguf` package dequantizes it, in Hugging Face's row order}."""
     import gguf as gguf_package
     from tokenizers import pre_tokenizers
@@ -266,6 +273,10 @@ def write_tiny_gguf(model, path: Path, weight_type: str, arch: str = "llama",
     w.add_key_length(cfg.head_dim if getattr(cfg, "head_dim", None)
                      else cfg.hidden_size // cfg.num_attention_heads)
     w.add_vocab_size(cfg.vocab_size)
+    if yarn is not None:
+        w.add_rope_scaling_type(gguf_package.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(yarn["factor"])
+        w.add_rope_scaling_orig_ctx_len(yarn["original_max_position_embeddings"])
     # Merges that cross the splits' boundaries differently: digits are one piece for GPT-2,
     # runs of up to three for Llama 3, single digits for Qwen2 and Tekken, which alone
     # splits a word where lower case turns upper ("oW").
@@ -602,6 +613,20 @@ def test_llama3_rope_scaling_from_the_rope_freqs_tensor(prompts, tmp_path):
     write_tiny_gguf(model, bad, "Q8_0", rope_freqs=factors[::-1].copy())
     with pytest.raises(ValueError, match="rope_freqs.weight: per-frequency rope factors"):
         gguf.hf_config(gguf._reader(bad))
+
+
+def test_yarn_rope_scaling_from_its_metadata(checkpoints, prompts, tmp_path):
+    """A Qwen2 file with YaRN's metadata (factor, original context) serves the greedy
+    tokens transformers gives its yarn rope_scaling."""
+    from jaxserve.loading import gguf
+
+    _, model = checkpoints("qwen2_yarn")
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    path = tmp_path / "tiny-qwen2-yarn.gguf"
+    truth = write_tiny_gguf(model, path, "Q8_0", arch="qwen2", pre="qwen2", yarn=scaling)
+    assert gguf.hf_config(gguf._reader(path))["rope_scaling"] == scaling
+    assert_serves_oracle_tokens(path, type(model)(model.config).eval(), truth, prompts[1:3],
+                                tokens=12)
 
 
 def test_sentencepiece_vocabulary_equals_transformers_conversion(checkpoints, tmp_path):

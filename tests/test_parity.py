@@ -115,6 +115,23 @@ def test_prompt_logits_match_transformers(arch, layout, checkpoints, prompts):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["qwen2_yarn", "llama_yarn"])
+def test_yarn_rope_matches_transformers(arch, checkpoints, prompts):
+    """YaRN's frequencies and attention factor: prompt logits (as loaded and as the engine
+    lays the weights out) and the engine's greedy tokens are transformers'."""
+    path, hf_model = checkpoints(arch)
+    assert ModelConfig.from_file(path).rope_scaling.rope_type == "yarn"
+    for laid_out in (False, True):
+        ours = ragged_prompt_logits(path, prompts, laid_out=laid_out, pack=laid_out)
+        for prompt, got in zip(prompts, ours):
+            with torch.no_grad():
+                want = hf_model(torch.tensor([prompt])).logits[0].numpy()
+            np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    _, outs = _generate(path, prompts[1:3], enable_prefix_caching=False)
+    assert [o.outputs[0].token_ids for o in outs] == [
+        hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts[1:3]]
+
+
 @pytest.fixture(scope="module")
 def hf_continuations(checkpoints, prompts):
     return {arch: [hf_greedy(checkpoints(arch)[1], p, NEW_TOKENS) for p in prompts]

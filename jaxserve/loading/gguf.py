@@ -13,8 +13,9 @@ TinyLlama; merges implied by the scores, byte fallback; Gemma's variant by archi
 Settings a GGUF file does not carry follow llama.cpp's rules (Gemma's query scale, Gemma
 3's sliding-window pattern of 6 and local rope base of 10000); Llama 3.1-3.3's rope scaling,
 which the converter stores as per-frequency factors (`rope_freqs`), is read back as the
-llama3 `rope_scaling` that gives them. Anything else (other
-architectures, yarn rope scaling) is refused at load, naming the field. The model config,
+llama3 `rope_scaling` that gives them, and YaRN's metadata (Qwen2.5 / Qwen3 files
+converted for long context) as the yarn one. Anything else (other architectures, other
+rope scalings) is refused at load, naming the field. The model config,
 the tokenizer (vocabulary, merges, control tokens, BOS/EOS, `add_bos`) and the chat
 template come from the file's metadata; the weights of every type the `gguf` package
 dequantizes (F32/F16/BF16, Q8_0, Q4_0/Q4_1, Q5_0/Q5_1, the K-quants, the IQ types) are
@@ -48,6 +49,7 @@ import collections
 import dataclasses
 import hashlib
 import json
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -177,9 +179,11 @@ def hf_config(reader) -> dict:
     elif scaling == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(
             _required(reader, f"{arch}.rope.scaling.factor"))}
+    elif scaling == "yarn":
+        config["rope_scaling"] = _yarn_rope(reader, arch)
     elif scaling not in (None, "none"):
-        raise ValueError(f"{arch}.rope.scaling.type = {scaling!r}: linear is the rope scaling "
-                         "supported in GGUF files yet")
+        raise ValueError(f"{arch}.rope.scaling.type = {scaling!r}: linear and yarn are the "
+                         "rope scalings supported in GGUF files")
     if arch in ("qwen2", "qwen3", "qwen2moe", "qwen3moe"):
         config["use_sliding_window"] = False
     if experts:
@@ -191,6 +195,34 @@ def hf_config(reader) -> dict:
         if value is not None:
             config[f"{key}_token_id"] = int(value)
     return config
+
+
+def _yarn_rope(reader, arch: str) -> dict:
+    """Hugging Face's yarn `rope_scaling` of a file's YaRN metadata. llama.cpp's YaRN
+    (ggml's rope_yarn) is transformers': frequencies ramped between beta_fast and
+    beta_slow turns over the original context (floor / ceil of their dimensions), rotations
+    scaled by 1 + 0.1 ln(factor) times `yarn_attn_factor` (1 unless the file says)."""
+    key = f"{arch}.rope.scaling"
+    scaling = {"rope_type": "yarn", "factor": float(_required(reader, f"{key}.factor")),
+               "original_max_position_embeddings": int(_required(
+                   reader, f"{key}.original_context_length"))}
+    for name in ("beta_fast", "beta_slow"):
+        value = _field(reader, f"{key}.yarn_{name}")
+        if value is not None:
+            scaling[name] = float(value)
+    # Settings with no transformers counterpart: only their neutral values are served
+    # (an ext_factor below 0 is llama.cpp's "unset": 1 for YaRN).
+    log_mul, ext = (_field(reader, f"{key}.{name}")
+                    for name in ("yarn_log_multiplier", "yarn_ext_factor"))
+    if log_mul is not None and float(log_mul) != 0.0:
+        raise ValueError(f"{key}.yarn_log_multiplier = {log_mul}: only 0 is supported")
+    if ext is not None and 0.0 <= float(ext) != 1.0:
+        raise ValueError(f"{key}.yarn_ext_factor = {ext}: only 1 is supported")
+    attn = _field(reader, f"{key}.yarn_attn_factor")
+    if attn is not None and float(attn) != 1.0:
+        mscale = 0.1 * math.log(scaling["factor"]) + 1.0 if scaling["factor"] > 1 else 1.0
+        scaling["attention_factor"] = float(attn) * mscale
+    return scaling
 
 
 # Llama 3's rope scaling parameters as released (Llama 3.1 to 3.3): original context,

@@ -292,15 +292,47 @@ def rows_impl(options: ModelOptions, rows: jax.Array | None) -> str | None:
     return None if rows is not None and dense_impl(options) == "cpu" else "reference"
 
 
+def rope_attention_factor(scaling: RopeScaling) -> float:
+    """What YaRN multiplies the rotated q and k by (1 for the other scalings): q.k, the
+    only use of either, by its square (Attention's softmax scale)."""
+    if scaling.rope_type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+
+    def mscale(scale: float = 1.0) -> float:
+        return 1.0 if scaling.factor <= 1 else 0.1 * scale * math.log(scaling.factor) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return mscale(scaling.mscale) / mscale(scaling.mscale_all_dim)
+    return mscale()
+
+
 def activation(name: str):
     """The MLP's gate activation by its config name: SwiGLU's silu, GeGLU's tanh gelu."""
     return ACTIVATIONS[name]
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
-    """Inverse frequencies of the rotary embedding, with 'linear' or 'llama3' scaling."""
+    """Inverse frequencies of the rotary embedding, with 'linear', 'llama3' or 'yarn'
+    scaling."""
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
     inv_freq = inv_freq.astype(np.float32)
+    if scaling.rope_type == "yarn":
+        # The slowest-turning frequencies (fewer than beta_slow turns over the original
+        # context) are interpolated by `factor`, those turning more than beta_fast times
+        # kept, a linear ramp between.
+        def dim_of(turns: float) -> float:
+            return head_dim * math.log(scaling.original_max_position_embeddings
+                                       / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
+        if scaling.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low)
+                       / ((high + 0.001 if low == high else high) - low), 0, 1)
+        return (inv_freq / scaling.factor * ramp + inv_freq * (1 - ramp)).astype(np.float32)
     if scaling.rope_type == "linear":
         return (inv_freq / scaling.factor).astype(np.float32)
     if scaling.rope_type == "llama3":

@@ -21,7 +21,8 @@ from flax import nnx
 from jaxserve.config import ModelConfig, ModelOptions
 from jaxserve.models.layers import (
     act_order_perm, embedding, is_packed, is_transposed, linear, lm_head, param,
-    quantized_embedding, quantized_rows, quantized_table, rms_norm, rope_inv_freq, rows_impl)
+    quantized_embedding, quantized_rows, quantized_table, rms_norm, rope_attention_factor,
+    rope_inv_freq, rows_impl)
 from jaxserve.models.lora import ATTENTION_IN, LoraInputs, LoraLayer, delta_impl
 from jaxserve.models.mlp import MLP
 from jaxserve.models.moe import MoE
@@ -118,6 +119,7 @@ class Attention(nnx.Module):
         self.options = options
         self.window = cfg.layer_window(layer)
         self.rope = cfg.layer_rope(layer)
+        self.sm_scale = cfg.sm_scale * rope_attention_factor(self.rope[1]) ** 2
         self.kv_heads = hkv
 
     def __call__(self, x, positions, kv, meta: AttentionMetadata, shard: ShardingContext,
@@ -141,7 +143,7 @@ class Attention(nnx.Module):
         q = shard.constrain(q, Q_AXES)
         k, v = shard.constrain(k, NEW_KV_AXES), shard.constrain(v, NEW_KV_AXES)
         out, kv = paged_attention(q, k, v, kv, meta, shard, self.options,
-                                  sm_scale=cfg.sm_scale, sliding_window=self.window,
+                                  sm_scale=self.sm_scale, sliding_window=self.window,
                                   soft_cap=cfg.attn_logit_softcap)
         attended = out
         out = row_parallel(out, self.o_proj, self.o_proj_scales, 2, (cfg.hidden_size,),
