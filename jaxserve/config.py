@@ -19,7 +19,7 @@ import yaml
 from pallas_kernels.ragged_paged_attention.work_items import MAX_TREE_NODES
 from sharding.strategies import MESH_AXES, STRATEGIES
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "mixtral", "qwen2_moe",
                          "qwen3_moe", "gemma2", "gemma3_text")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 DTYPES = ("bfloat16", "float32")

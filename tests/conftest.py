@@ -73,6 +73,9 @@ def _hf_config(arch: str):
     if arch == "mistral":  # sliding window (8) far smaller than the prompts
         return tf.MistralForCausalLM, tf.MistralConfig(
             **common, num_key_value_heads=2, sliding_window=8)
+    if arch == "phi3":  # fused qkv_proj and gate_up_proj, a sliding window on every layer
+        return tf.Phi3ForCausalLM, tf.Phi3Config(
+            **common, num_key_value_heads=2, sliding_window=8, pad_token_id=VOCAB - 1)
     if arch == "qwen2":  # q/k/v bias, MQA, tied embeddings
         return tf.Qwen2ForCausalLM, tf.Qwen2Config(
             **common, num_key_value_heads=1, tie_word_embeddings=True, use_sliding_window=False)

@@ -120,6 +120,24 @@ def test_a_mixed_batch_gives_each_request_what_peft_gives_it_alone(
     assert lora_llm.engine.num_multi_steps > multi
 
 
+def test_phi3_fused_targets_give_peft_tokens(checkpoints, prompts, tmp_path):
+    """PEFT adapters on Phi-3's fused qkv_proj and gate_up_proj (one A per fused module, its
+    B split among q/k/v or gate/up, as the base weight is) beside ones on o/down."""
+    path, base = checkpoints("phi3")
+    peft = {name: _save_adapter(base, tmp_path / name, rank, 2 * rank, False, targets, seed)
+            for name, rank, targets, seed in (
+                ("fused", 8, ["qkv_proj", "gate_up_proj"], 1),
+                ("all", 4, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], 2))}
+    llm = LLM(str(path), **ENGINE)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for i, (name, model) in enumerate(peft.items()):
+        outs = llm.generate(prompts, params,
+                            lora_request=LoRARequest(name, i + 1, str(tmp_path / name)))
+        want = [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
+        assert [o.outputs[0].token_ids for o in outs] == want, name
+        assert want != [hf_greedy(base, p, NEW_TOKENS) for p in prompts]
+
+
 def test_pages_are_never_shared_between_adapters(lora_llm, adapters):
     """The prefix cache keys pages by adapter: the same prompt under the base model and
     two adapters shares nothing; under one adapter again, its own pages are reused."""

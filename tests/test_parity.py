@@ -24,7 +24,7 @@ from jaxserve.models.transformer import AttentionMetadata, kv_cache_layout
 from sharding.mesh import make_mesh
 from sharding.rules import ShardingContext
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen2_moe",
+ARCHS = ["llama", "mistral", "phi3", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen2_moe",
          "qwen3_moe"]
 NEW_TOKENS = 32
 # Small buckets keep the number of compiled programs per engine low.

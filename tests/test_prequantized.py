@@ -43,13 +43,14 @@ ENGINE = dict(dtype="float32", max_model_len=64, page_size=4, max_num_seqs=4,
               max_num_batched_tokens=16, token_buckets=(16,))
 NEW_TOKENS = 16
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED = ("qkv_proj", "gate_up_proj")  # Phi-3's
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
 def linears(model):
     """(HF name prefix, nn.Linear) of every decoder linear layer."""
     for name, module in model.named_modules():
-        if name.split(".")[-1] in LINEARS:
+        if name.split(".")[-1] in LINEARS + FUSED:
             yield name, module
 
 
@@ -102,7 +103,7 @@ def write_checkpoint(float_dir: Path, out: Path, tensors: dict, qconfig: dict, m
         if f.suffix != ".safetensors":
             shutil.copy2(f, out / f.name)
     state = {k: v.clone().contiguous() for k, v in model.state_dict().items()
-             if not any(f".{name}.weight" in k for name in LINEARS)
+             if not any(f".{name}.weight" in k for name in LINEARS + FUSED)
              and k.removesuffix(".weight") + ".qweight" not in tensors}  # a quantized head
     save_file({**state, **tensors}, out / "model.safetensors")
     cfg = json.loads((out / "config.json").read_text())
@@ -307,6 +308,23 @@ def test_served_as_stored_equals_transformers_on_the_dequantized_weights(
                           kind_of(case), jnp.float32)
         np.testing.assert_array_equal(np.asarray(ours), model.lm_head.weight.data.numpy().T)
     llm = LLM(str(qdir), **ENGINE)
+    got = [o.outputs[0].token_ids for o in llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))]
+    assert got == [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
+
+
+@pytest.mark.parametrize("case", ["awq-g32", "gptq-act-order-g32"])
+def test_phi3_fused_layers_served_as_stored(case, float_model, tmp_path, prompts):
+    """Phi-3's quantized qkv_proj and gate_up_proj (one layer each as stored, act-order's
+    permutation shared by the pieces): q/k/v and gate/up are their columns, kept
+    quantized; greedy tokens equal transformers' on the dequantized weights."""
+    float_dir, model = float_model("phi3")
+    qdir = CASES[case](float_dir, tmp_path / case, model)
+    llm = LLM(str(qdir), **ENGINE)
+    assert llm.engine.config.quantization == "int4"
+    flat = dict(nnx.to_flat_state(llm.engine.runner.params))
+    assert ("layers", 0, "attn", "k_proj_scales") in flat
+    assert ("layers", 0, "mlp", "up_proj_scales") in flat
     got = [o.outputs[0].token_ids for o in llm.generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))]
     assert got == [hf_greedy(model, p, NEW_TOKENS) for p in prompts]

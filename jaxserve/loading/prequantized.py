@@ -63,7 +63,8 @@ from pallas_kernels.quantized_matmul.formats import pack_int4
 
 METHODS = ("awq", "gptq", "compressed-tensors", "fp8")
 AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # column of each nibble within a word
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "qkv_proj", "gate_up_proj")  # the last two: Phi-3's fused ones
 # The decoder's linear layers: attention, the MLP, a MoE layer's experts (Mixtral's w1 / w3 /
 # w2) and shared expert; not the router (`mlp.gate`), which stays float.
 _LINEAR = re.compile(

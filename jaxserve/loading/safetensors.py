@@ -37,6 +37,8 @@ _SAFETENSORS_DTYPES = {
 }
 # Buffers some checkpoints carry that the model recomputes.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# Phi-3's fused projections: q, k and v's rows in one; the MLP's gate's then up's.
+_FUSED = re.compile(r"(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -132,6 +134,40 @@ def unrepeat_kv_heads(x, path: tuple, replicas: int, head_dim: int):
         return x
     return _by_head(x, path, head_dim)[:, ::replicas].reshape(
         kv_heads_shape(x.shape, path, 1, replicas))
+
+
+def split_fused(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig
+                ) -> Iterator[tuple[str, np.ndarray]]:
+    """The tensors with each fused projection (Phi-3's `qkv_proj`, `gate_up_proj`) given as
+    the separate ones the other families store: views of its rows (a quantized one's
+    columns), nothing copied."""
+    for name, x in tensors:
+        m = _FUSED.match(name)
+        if m is None:
+            yield name, x
+            continue
+        prefix, fused, part = m.groups()
+        if fused == "self_attn.qkv_proj":
+            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            pieces = (("self_attn.q_proj", q), ("self_attn.k_proj", kv),
+                      ("self_attn.v_proj", kv))
+        else:
+            pieces = (("mlp.gate_proj", cfg.intermediate_size),
+                      ("mlp.up_proj", cfg.intermediate_size))
+        total = sum(n for _, n in pieces)
+        quantized = isinstance(x, Prequantized)
+        rows = (x.values.shape[-1], x.scales.shape[-1]) if quantized else (x.shape[0],)
+        if any(n != total for n in rows):
+            raise ValueError(f"tensor {name!r} ({rows[0]} outputs) does not fit this model "
+                             f"config: {' + '.join(str(n) for _, n in pieces)}")
+        start = 0
+        for piece, n in pieces:
+            if quantized:
+                yield f"{prefix}{piece}.{part}", Prequantized(
+                    x.values[..., start:start + n], x.scales[..., start:start + n], x.perm)
+            else:
+                yield f"{prefix}{piece}.{part}", x[start:start + n]
+            start += n
 
 
 def _hf_to_ours(name: str, x: np.ndarray, cfg: ModelConfig, kv_replicas: int = 1
@@ -252,7 +288,7 @@ def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype, shard: Shard
     embedding = None
     if tensors is None:
         tensors = checkpoint_tensors(model_dir)
-    for name, tensor in tensors:
+    for name, tensor in split_fused(tensors, cfg):
         if _IGNORED.match(name):
             continue
         if tied_head and name == "model.embed_tokens.weight":
