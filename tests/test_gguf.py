@@ -166,6 +166,9 @@ WEIGHT_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 LINEAR_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+# Phi-3's, fused as llama.cpp's converter keeps them (ffn_up: the gate's rows, then up's).
+PHI3_GGUF = {"self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+             "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
 SP_PIECES = ["▁", "a", "b", "c", "▁a", "ab", "▁ab", "bc", "abc", "▁abc", "H", "e", "l", "o",
@@ -273,6 +276,9 @@ def write_tiny_gguf(model, path: Path, weight_type: str, arch: str = "llama",
     w.add_key_length(cfg.head_dim if getattr(cfg, "head_dim", None)
                      else cfg.hidden_size // cfg.num_attention_heads)
     w.add_vocab_size(cfg.vocab_size)
+    if arch == "phi3":  # as llama.cpp's Phi3MiniModel writes them
+        w.add_sliding_window(cfg.sliding_window or 0)
+        w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     if yarn is not None:
         w.add_rope_scaling_type(gguf_package.RopeScalingType.YARN)
         w.add_rope_scaling_factor(yarn["factor"])
@@ -317,7 +323,7 @@ def write_tiny_gguf(model, path: Path, weight_type: str, arch: str = "llama",
             state[f"{p}.input_layernorm.weight"], False)
         add(f"blk.{i}.ffn_norm.weight", f"{p}.post_attention_layernorm.weight",
             state[f"{p}.post_attention_layernorm.weight"], False)
-        for hf, g in LINEAR_GGUF.items():
+        for hf, g in (PHI3_GGUF if arch == "phi3" else LINEAR_GGUF).items():
             add(f"blk.{i}.{g}.weight", f"{p}.{hf}.weight", state[f"{p}.{hf}.weight"], True)
             if f"{p}.{hf}.bias" in state:  # Qwen2's q/k/v biases
                 add(f"blk.{i}.{g}.bias", f"{p}.{hf}.bias", state[f"{p}.{hf}.bias"], False)
@@ -625,6 +631,36 @@ def test_yarn_rope_scaling_from_its_metadata(checkpoints, prompts, tmp_path):
     path = tmp_path / "tiny-qwen2-yarn.gguf"
     truth = write_tiny_gguf(model, path, "Q8_0", arch="qwen2", pre="qwen2", yarn=scaling)
     assert gguf.hf_config(gguf._reader(path))["rope_scaling"] == scaling
+    assert_serves_oracle_tokens(path, type(model)(model.config).eval(), truth, prompts[1:3],
+                                tokens=12)
+
+
+def test_phi3_fused_layers_kept_as_stored(checkpoints, prompts, tmp_path):
+    """A Phi-3 file (llama.cpp's fused attn_qkv and ffn_up, its sliding window, a
+    SentencePiece vocabulary) in Q4_0 with attn_qkv in Q8_0: each fused layer is split
+    into q/k/v or gate/up kept as stored (overrides named for the pieces), and greedy
+    tokens equal transformers' on the `gguf` package's dequantized weights."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.loader import load
+    from jaxserve.loading import gguf
+
+    _, model = checkpoints("phi3")
+    path = tmp_path / "tiny-phi3.gguf"
+    truth = write_tiny_gguf(model, path, "Q4_0", arch="phi3", sentencepiece=True,
+                            layer_types={"attn_qkv": "Q8_0"})
+    config = gguf.hf_config(gguf._reader(path))
+    assert (config["model_type"], config["sliding_window"]) == ("phi3", 8)
+    settings = gguf.stored_settings(path)
+    assert settings["quantization"] == "int4"
+    assert {p for p, kind, *_ in settings["quant_overrides"] if kind == "int8"} == {
+        f"layers.{i}.attn.{x}_proj" for i in range(2) for x in "qkv"}
+    loaded = load(EngineConfig(model=str(path), dtype="float32"))
+    flat = dict(nnx.to_flat_state(loaded.params))
+    assert flat[("layers", 0, "attn", "k_proj")][...].dtype == jnp.int8
+    assert flat[("layers", 0, "mlp", "up_proj")][...].dtype == jnp.uint8  # int4, 2 a byte
     assert_serves_oracle_tokens(path, type(model)(model.config).eval(), truth, prompts[1:3],
                                 tokens=12)
 

@@ -8,7 +8,6 @@ import copy
 import json
 import re
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -5,7 +5,9 @@ TinyLlama and the like; with `expert_count`, Mixtral), Qwen2 and Qwen3 (their q/
 q/k norms), Qwen2-MoE and Qwen3-MoE (experts stacked `[E, N, K]` in the file, split into
 one tensor per expert; Qwen2-MoE's shared expert), Gemma 2 and Gemma 3 (soft-caps, sliding
 layers, Gemma 3's local rope and linear rope scaling; llama.cpp stores their norms as
-1 + weight); with a byte-level BPE vocabulary (`tokenizer.ggml.model` "gpt2") split as
+1 + weight), Phi-3 (fused attn_qkv and ffn_up, split as they load; its sliding window,
+which transformers applies and llama.cpp ignores; not the 128k variants' LongRoPE); with a
+byte-level BPE vocabulary (`tokenizer.ggml.model` "gpt2") split as
 GPT-2 splits (`tokenizer.ggml.pre` "default", "gpt2", "smollm") or by Llama 3's or Qwen2's
 regex ("llama-bpe", "qwen2" and their aliases, as transformers' GGUF loader names them), or
 a SentencePiece BPE vocabulary (`tokenizer.ggml.model` "llama": Llama 2, Mistral,
@@ -65,7 +67,8 @@ ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwe
                  "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
                  "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
                  "gemma2": ("gemma2", "Gemma2ForCausalLM"),
-                 "gemma3": ("gemma3_text", "Gemma3ForCausalLM")}
+                 "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+                 "phi3": ("phi3", "Phi3ForCausalLM")}
 MIXTRAL = ("mixtral", "MixtralForCausalLM")
 # llama.cpp's converter interleaves q/k's rotary halves for these (its LlamaModel only).
 PERMUTED_QK = {"llama", "mixtral"}
@@ -97,8 +100,11 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
+    "attn_k_norm": "self_attn.k_norm", "attn_qkv": "self_attn.qkv_proj",
 }
+# Phi-3's fused projections (loading/safetensors.split_fused splits them): q, k, v; and
+# its ffn_up, the MLP's gate rows then up rows.
+_FUSED = {"attn_qkv": ("q_proj", "k_proj", "v_proj"), "ffn_up": ("gate_proj", "up_proj")}
 # Gemma's four norms a layer (llama.cpp's ffn_norm is the norm before the MLP).
 _GEMMA_NAMES = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
                 "ffn_norm": "pre_feedforward_layernorm",
@@ -184,8 +190,18 @@ def hf_config(reader) -> dict:
     elif scaling not in (None, "none"):
         raise ValueError(f"{arch}.rope.scaling.type = {scaling!r}: linear and yarn are the "
                          "rope scalings supported in GGUF files")
+    rotary = _field(reader, f"{arch}.rope.dimension_count")
+    if rotary is not None and int(rotary) != head_dim:
+        raise ValueError(f"{arch}.rope.dimension_count = {rotary} of head_dim {head_dim}: "
+                         "partial rotary embeddings are not supported")
+    if "rope_factors_long.weight" in names:
+        raise ValueError("rope_factors_long.weight: LongRoPE scaling (Phi-3's 128k "
+                         "variants) is not supported")
     if arch in ("qwen2", "qwen3", "qwen2moe", "qwen3moe"):
         config["use_sliding_window"] = False
+    if arch == "phi3":  # 0: none (Phi-4); llama.cpp ignores Phi-3's, transformers does not
+        config["sliding_window"] = int(_field(reader, f"{arch}.attention.sliding_window", 0)) \
+            or None
     if experts:
         config.update(_moe_config(reader, arch, model_type, experts, names, layers))
     if arch in GEMMA:
@@ -340,6 +356,8 @@ def _hf_name(name: str, model_type: str) -> str:
             return f"{layer}.{moe}.experts.{{expert}}.{proj}.{suffix}"
         if part in _MOE_NAMES:
             return f"{layer}.{_MOE_NAMES[part].replace('mlp', moe, 1)}.{suffix}"
+        if part == "ffn_up" and model_type == "phi3":
+            return f"{layer}.mlp.gate_up_proj.{suffix}"
         if part in _LAYER_NAMES:
             return f"{layer}.{_LAYER_NAMES[part]}.{suffix}"
     raise ValueError(f"tensor {name!r} of the GGUF file is not one this loader knows")
@@ -356,8 +374,8 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 # projections): each kept quantized when it is of a type gguf_blocks reads.
 _SHARED_EXPERT = {"ffn_gate_shexp": "gate_proj", "ffn_up_shexp": "up_proj",
                   "ffn_down_shexp": "down_proj"}
-_LINEAR_STEMS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
-                 "ffn_down", *_EXPERT_STACKS, *_SHARED_EXPERT)
+_LINEAR_STEMS = ("attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate",
+                 "ffn_up", "ffn_down", *_EXPERT_STACKS, *_SHARED_EXPERT)
 
 
 def _is_linear(name: str) -> bool:
@@ -383,16 +401,20 @@ def _layers_format(formats: dict[str, gguf_blocks.Format | None]) -> gguf_blocks
     return collections.Counter(f for f in formats.values() if f).most_common(1)[0][0]
 
 
-def _param_path(name: str) -> str:
-    """Our parameter path of a decoder linear layer's tensor ("blk.3.ffn_down.weight" ->
-    "layers.3.mlp.down_proj", as loading/safetensors maps its Hugging Face name; an
-    expert stack's is the MoE's stacked parameter, "layers.3.mlp.down_proj" too)."""
+def _param_paths(name: str, fused: bool) -> list[str]:
+    """Our parameter paths of a decoder linear layer's tensor ("blk.3.ffn_down.weight" ->
+    ["layers.3.mlp.down_proj"], as loading/safetensors maps its Hugging Face name; an
+    expert stack's is the MoE's stacked parameter, "layers.3.mlp.down_proj" too); a
+    `fused` file's (Phi-3) attn_qkv and ffn_up give those they are split into."""
     _, layer, part, _ = name.split(".")
     if part in _EXPERT_STACKS:
-        return f"layers.{layer}.mlp.{_EXPERT_STACKS[part]}"
+        return [f"layers.{layer}.mlp.{_EXPERT_STACKS[part]}"]
     if part in _SHARED_EXPERT:
-        return f"layers.{layer}.mlp.shared_expert.{_SHARED_EXPERT[part]}"
-    return f"layers.{layer}.{_LAYER_NAMES[part].replace('self_attn.', 'attn.')}"
+        return [f"layers.{layer}.mlp.shared_expert.{_SHARED_EXPERT[part]}"]
+    if fused and part in _FUSED:
+        block = "attn" if part == "attn_qkv" else "mlp"
+        return [f"layers.{layer}.{block}.{proj}" for proj in _FUSED[part]]
+    return [f"layers.{layer}.{_LAYER_NAMES[part].replace('self_attn.', 'attn.')}"]
 
 
 def _format_of(reader, name: str) -> gguf_blocks.Format | None:
@@ -427,9 +449,10 @@ def stored_settings(path: str | os.PathLike, keep_head: bool = True) -> dict | N
     if formats is None:
         return None
     fmt = _layers_format(formats)
-    overrides = [(_param_path(name), *((f.kind, f.group, f.zero_points) if f
-                                       else (None, None, False)))
-                 for name, f in formats.items() if f != fmt]
+    fused = _required(reader, "general.architecture") == "phi3"
+    overrides = [(path, *((f.kind, f.group, f.zero_points) if f else (None, None, False)))
+                 for name, f in formats.items() if f != fmt
+                 for path in _param_paths(name, fused)]
     embed = _embed_format(reader)
     if embed is not None:  # held as stored, by rows: lookups dequantize the rows they take
         overrides.append(("embed", embed.kind, embed.group, embed.zero_points))
