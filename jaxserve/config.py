@@ -246,10 +246,14 @@ class KVTransferConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Rotary embedding frequency scaling: 'default', 'linear', 'llama3' or 'yarn' (YaRN:
-    `beta_fast` / `beta_slow` bound the frequencies interpolated by `factor`; the rotated
-    q and k are scaled by `attention_factor`, None: from `factor`, `mscale` and
-    `mscale_all_dim` as transformers' `_compute_yarn_parameters` infers it)."""
+    """Rotary embedding frequency scaling: 'default', 'linear', 'llama3', 'yarn' or
+    'longrope'. YaRN: `beta_fast` / `beta_slow` bound the frequencies interpolated by
+    `factor`; the rotated q and k are scaled by `attention_factor` (None: from `factor`,
+    `mscale` and `mscale_all_dim`, as transformers' `_compute_yarn_parameters` infers it).
+    LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini): each frequency divided by its
+    `short_factor`, or its `long_factor` where `use_long_factor` (the engine's context is
+    longer than `original_max_position_embeddings`: ModelConfig.for_context), q and k
+    scaled by `attention_factor` (None: from `factor`, as `_compute_longrope_parameters`)."""
 
     rope_type: str = "default"
     factor: float = 1.0
@@ -262,6 +266,9 @@ class RopeScaling:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    use_long_factor: bool = False
 
 
 # What config.json leaves out of a LLaVA checkpoint's nested configs takes transformers'
@@ -552,6 +559,9 @@ class ModelConfig:
     # M-RoPE (Qwen2.5-VL): the rotary frequencies split in sections, each turned by its
     # own position stream (time, height, width); () for the usual 1-D rope.
     mrope_section: tuple[int, ...] = ()
+    # The fraction of each head's dimensions the rope turns (Phi-4-mini: 0.75; the first
+    # ones, the rest pass through).
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -569,6 +579,15 @@ class ModelConfig:
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
             )
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} must turn an "
+                             f"even number of each head's {self.head_dim} dimensions")
+        scaling = self.rope_scaling
+        if scaling.rope_type == "longrope" and not (
+                len(scaling.short_factor) == len(scaling.long_factor) == self.rotary_dim // 2):
+            raise ValueError(f"longrope short_factor ({len(scaling.short_factor)}) and "
+                             f"long_factor ({len(scaling.long_factor)}) need one entry per "
+                             f"rotary frequency ({self.rotary_dim // 2})")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -588,6 +607,23 @@ class ModelConfig:
         if self.sliding_rope_theta is not None and self.layer_window(layer):
             return self.sliding_rope_theta, self.sliding_rope_scaling
         return self.rope_theta, self.rope_scaling
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def for_context(self, max_model_len: int | None) -> "ModelConfig":
+        """This model served with contexts up to `max_model_len` (None: its
+        max_position_embeddings): LongRoPE's long factors then, for every position, when
+        that passes its original context (vLLM's choice; transformers switches with each
+        forward pass's length, which a KV cache cannot follow)."""
+        scaling = self.rope_scaling
+        if scaling.rope_type != "longrope":
+            return self
+        long = (max_model_len or self.max_position_embeddings) > \
+            scaling.original_max_position_embeddings
+        return dataclasses.replace(
+            self, rope_scaling=dataclasses.replace(scaling, use_long_factor=long))
 
     @property
     def sm_scale(self) -> float:
@@ -704,8 +740,11 @@ class ModelConfig:
             final_logit_softcap=hf.get("final_logit_softcapping"),
             sliding_rope_theta=sliding_rope[0] if sliding_rope else None,
             sliding_rope_scaling=sliding_rope[1] if sliding_rope else RopeScaling(),
+            partial_rotary_factor=float(
+                (hf.get("rope_parameters") or {}).get("partial_rotary_factor")
+                or hf.get("partial_rotary_factor") or 1.0),
             **moe,
-        )
+        ).for_context(None)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "ModelConfig":
@@ -794,19 +833,22 @@ def _rope(params: dict[str, Any], scaling: dict[str, Any], theta: float, hf: dic
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     if merged.pop("mrope_section", None) is not None and rope_type in ("mrope", "default"):
         rope_type = merged["rope_type"] = "default"  # M-RoPE: ModelConfig.mrope_section
-    if rope_type not in ("default", "linear", "llama3", "yarn"):
+    if rope_type == "su":  # LongRoPE's first name (Phi-3's early config.json files)
+        rope_type = "longrope"
+    if rope_type not in ("default", "linear", "llama3", "yarn", "longrope"):
         raise ValueError(f"rope scaling type {rope_type!r} is not supported")
-    if merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError("partial_rotary_factor < 1 (rotating part of each head) is not "
-                         "supported")
-    if rope_type in ("llama3", "yarn"):  # as transformers' standardize_rope_params
+    if rope_type in ("llama3", "yarn", "longrope"):  # transformers' standardize_rope_params
         merged["original_max_position_embeddings"] = (
             hf.get("original_max_position_embeddings")
             or merged.get("original_max_position_embeddings")
             or hf.get("max_position_embeddings", 4096))
-    if rope_type == "yarn" and merged.get("factor") is None:  # DeepSeek-V3's implicit one
+    if rope_type in ("yarn", "longrope") and merged.get("factor") is None:
+        # DeepSeek-V3's and Phi-3's implicit one
         merged["factor"] = (hf.get("max_position_embeddings", 4096)
                             / merged["original_max_position_embeddings"])
+    if rope_type == "longrope":
+        for name in ("short_factor", "long_factor"):
+            merged[name] = tuple(float(f) for f in merged[name])
     for beta in ("beta_fast", "beta_slow"):  # null: the default
         if merged.get(beta) is None:
             merged.pop(beta, None)

@@ -76,6 +76,12 @@ def _hf_config(arch: str):
     if arch == "phi3":  # fused qkv_proj and gate_up_proj, a sliding window on every layer
         return tf.Phi3ForCausalLM, tf.Phi3Config(
             **common, num_key_value_heads=2, sliding_window=8, pad_token_id=VOCAB - 1)
+    if arch == "phi3_longrope":  # Phi-3.5 / Phi-4-mini: LongRoPE past 32, half of a head turned
+        return tf.Phi3ForCausalLM, tf.Phi3Config(
+            **common, num_key_value_heads=2, pad_token_id=VOCAB - 1, partial_rotary_factor=0.5,
+            original_max_position_embeddings=32, rope_scaling={
+                "rope_type": "longrope", "short_factor": [1.0, 1.3, 1.7, 2.2],
+                "long_factor": [1.5, 3.0, 6.0, 11.0]})
     if arch == "qwen2":  # q/k/v bias, MQA, tied embeddings
         return tf.Qwen2ForCausalLM, tf.Qwen2Config(
             **common, num_key_value_heads=1, tie_word_embeddings=True, use_sliding_window=False)

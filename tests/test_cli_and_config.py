@@ -96,8 +96,17 @@ def test_hf_config_mapping(tmp_path):
         ModelConfig.from_hf({**hf, "model_type": "gpt2"})
     with pytest.raises(ValueError, match="rope scaling"):
         ModelConfig.from_hf({**hf, "rope_scaling": {"type": "dynamic", "factor": 4.0}})
-    with pytest.raises(ValueError, match="partial_rotary_factor"):
-        ModelConfig.from_hf({**hf, "partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.375 must turn an even"):
+        ModelConfig.from_hf({**hf, "partial_rotary_factor": 0.375})  # 3 of 8 dimensions
+    longrope = {"type": "su", "short_factor": [1.0, 2.0], "long_factor": [3.0, 4.0],
+                "original_max_position_embeddings": 64}
+    half = ModelConfig.from_hf({**hf, "partial_rotary_factor": 0.5, "rope_scaling": longrope})
+    assert (half.rotary_dim, half.rope_scaling.rope_type, half.rope_scaling.factor,
+            half.rope_scaling.use_long_factor) == (4, "longrope", 4096 / 64, True)
+    assert not half.for_context(64).rope_scaling.use_long_factor
+    with pytest.raises(ValueError, match=r"long_factor \(2\) need one entry per rotary "
+                                         r"frequency \(4\)"):
+        ModelConfig.from_hf({**hf, "rope_scaling": longrope})
     yarn = ModelConfig.from_hf({**hf, "max_position_embeddings": 1024, "rope_scaling": {
         "type": "yarn", "factor": None, "original_max_position_embeddings": 256,
         "beta_fast": None}}).rope_scaling  # DeepSeek-V3's implicit factor, a null beta

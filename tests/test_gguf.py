@@ -277,8 +277,20 @@ def write_tiny_gguf(model, path: Path, weight_type: str, arch: str = "llama",
                      else cfg.hidden_size // cfg.num_attention_heads)
     w.add_vocab_size(cfg.vocab_size)
     if arch == "phi3":  # as llama.cpp's Phi3MiniModel writes them
+        rope = cfg.rope_parameters
         w.add_sliding_window(cfg.sliding_window or 0)
-        w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+        w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        if rope.get("rope_type") == "longrope":
+            import math
+
+            scale = cfg.max_position_embeddings / cfg.original_max_position_embeddings
+            w.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(cfg.original_max_position_embeddings)))
+            for which in ("long", "short"):
+                w.add_tensor(f"rope_factors_{which}.weight",
+                             np.asarray(rope[f"{which}_factor"], np.float32))
     if yarn is not None:
         w.add_rope_scaling_type(gguf_package.RopeScalingType.YARN)
         w.add_rope_scaling_factor(yarn["factor"])
@@ -663,6 +675,25 @@ def test_phi3_fused_layers_kept_as_stored(checkpoints, prompts, tmp_path):
     assert flat[("layers", 0, "mlp", "up_proj")][...].dtype == jnp.uint8  # int4, 2 a byte
     assert_serves_oracle_tokens(path, type(model)(model.config).eval(), truth, prompts[1:3],
                                 tokens=12)
+
+
+def test_phi3_longrope_and_partial_rotary(checkpoints, prompts, tmp_path):
+    """A Phi-3.5 / Phi-4-mini-like file: LongRoPE as the converter's rope_factors_long /
+    _short tensors, half of each head turned (rope.dimension_count): the config is the
+    model's own, and a prompt past the original context decodes transformers' tokens."""
+    from jaxserve.loading import gguf
+
+    _, model = checkpoints("phi3_longrope")
+    path = tmp_path / "tiny-phi3-longrope.gguf"
+    truth = write_tiny_gguf(model, path, "Q8_0", arch="phi3", sentencepiece=True)
+    config = gguf.hf_config(gguf._reader(path))
+    rope = model.config.rope_parameters
+    assert config["partial_rotary_factor"] == 0.5
+    assert config["rope_scaling"] == {  # the factors as float32 stores them
+        "rope_type": "longrope", "original_max_position_embeddings": 32,
+        "attention_factor": pytest.approx((1 + np.log(8) / np.log(32)) ** 0.5, rel=1e-7),
+        **{k: pytest.approx(rope[k], rel=1e-7) for k in ("long_factor", "short_factor")}}
+    assert_serves_oracle_tokens(path, type(model)(model.config).eval(), truth, prompts[3:])
 
 
 def test_sentencepiece_vocabulary_equals_transformers_conversion(checkpoints, tmp_path):

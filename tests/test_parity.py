@@ -132,6 +132,26 @@ def test_yarn_rope_matches_transformers(arch, checkpoints, prompts):
         hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts[1:3]]
 
 
+def test_longrope_and_partial_rotary_match_transformers(checkpoints, prompts):
+    """Phi-3.5 / Phi-4-mini's rope: half of each head turned, by LongRoPE's short factors for an engine whose context fits the original
+    32 positions and by its long ones (every position) past it, as transformers does for a
+    sequence of that length; prompt logprobs and greedy tokens are transformers'."""
+    path, hf_model = checkpoints("phi3_longrope")
+    cfg = ModelConfig.from_file(path)
+    assert (cfg.rotary_dim, cfg.rope_scaling.use_long_factor) == (8, True)
+    for max_model_len, prompt in ((32, prompts[1]), (128, prompts[3])):
+        new = min(12, max_model_len - len(prompt))  # within the original 32, or past it
+        llm = LLM(str(path), **{**ENGINE, "max_model_len": max_model_len})
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=new,
+                                                    ignore_eos=True, prompt_logprobs=0))[0]
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([prompt])).logits[0]
+        want = torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1), prompt[1:]]
+        got = [entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], prompt[1:])]
+        np.testing.assert_allclose(got, want.numpy(), atol=1e-4)
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, new)
+
+
 @pytest.fixture(scope="module")
 def hf_continuations(checkpoints, prompts):
     return {arch: [hf_greedy(checkpoints(arch)[1], p, NEW_TOKENS) for p in prompts]

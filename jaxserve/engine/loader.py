@@ -67,7 +67,7 @@ def load(config: EngineConfig, random_weights_preset: str | None = None) -> Load
     if random_weights_preset is not None:
         # Random weights for the language model only (a preset's vision side is ignored).
         model_config = dataclasses.replace(ModelConfig.from_file(random_weights_preset),
-                                           vision=None)
+                                           vision=None).for_context(config.max_model_len)
         shard = model_sharding(mesh, config.sharding, model_config)
         graphdef, params = random_params(model_config, dtype, shard, seed=config.seed,
                                          options=options)
@@ -81,7 +81,7 @@ def load(config: EngineConfig, random_weights_preset: str | None = None) -> Load
                          "a Hugging Face checkpoint directory (config.json, *.safetensors, "
                          "tokenizer) or a GGUF file")
     if converted.is_converted(model_dir):
-        model_config = ModelConfig.from_file(model_dir)
+        model_config = ModelConfig.from_file(model_dir).for_context(config.max_model_len)
         if model_config.vision is not None:
             raise ValueError(f"{model_dir}: converted vision-language checkpoints are not "
                              "supported; serve the Hugging Face directory")
@@ -93,7 +93,7 @@ def load(config: EngineConfig, random_weights_preset: str | None = None) -> Load
         graphdef, params = converted.restore(model_dir, model_config, dtype, shard, options)
     else:  # a float checkpoint, a GGUF file, or one quantized by its makers (as stored)
         ckpt = open_checkpoint(model_dir, config.quantization, config.lm_head_quantization)
-        model_dir, model_config = ckpt.model_dir, ckpt.config
+        model_dir, model_config = ckpt.model_dir, ckpt.config.for_context(config.max_model_len)
         shard = model_sharding(mesh, config.sharding, model_config)
         config = dataclasses.replace(config, **ckpt.settings)
         options = config.model_options

@@ -6,7 +6,8 @@ q/k norms), Qwen2-MoE and Qwen3-MoE (experts stacked `[E, N, K]` in the file, sp
 one tensor per expert; Qwen2-MoE's shared expert), Gemma 2 and Gemma 3 (soft-caps, sliding
 layers, Gemma 3's local rope and linear rope scaling; llama.cpp stores their norms as
 1 + weight), Phi-3 (fused attn_qkv and ffn_up, split as they load; its sliding window,
-which transformers applies and llama.cpp ignores; not the 128k variants' LongRoPE); with a
+which transformers applies and llama.cpp ignores; LongRoPE from the rope_factors_long /
+_short tensors; a partial rope by rope.dimension_count); with a
 byte-level BPE vocabulary (`tokenizer.ggml.model` "gpt2") split as
 GPT-2 splits (`tokenizer.ggml.pre` "default", "gpt2", "smollm") or by Llama 3's or Qwen2's
 regex ("llama-bpe", "qwen2" and their aliases, as transformers' GGUF loader names them), or
@@ -190,13 +191,11 @@ def hf_config(reader) -> dict:
     elif scaling not in (None, "none"):
         raise ValueError(f"{arch}.rope.scaling.type = {scaling!r}: linear and yarn are the "
                          "rope scalings supported in GGUF files")
-    rotary = _field(reader, f"{arch}.rope.dimension_count")
-    if rotary is not None and int(rotary) != head_dim:
-        raise ValueError(f"{arch}.rope.dimension_count = {rotary} of head_dim {head_dim}: "
-                         "partial rotary embeddings are not supported")
+    rotary = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    if rotary != head_dim:  # Phi-4-mini turns 3/4 of each head
+        config["partial_rotary_factor"] = rotary / head_dim
     if "rope_factors_long.weight" in names:
-        raise ValueError("rope_factors_long.weight: LongRoPE scaling (Phi-3's 128k "
-                         "variants) is not supported")
+        config["rope_scaling"] = _longrope(reader, arch)
     if arch in ("qwen2", "qwen3", "qwen2moe", "qwen3moe"):
         config["use_sliding_window"] = False
     if arch == "phi3":  # 0: none (Phi-4); llama.cpp ignores Phi-3's, transformers does not
@@ -211,6 +210,25 @@ def hf_config(reader) -> dict:
         if value is not None:
             config[f"{key}_token_id"] = int(value)
     return config
+
+
+def _longrope(reader, arch: str) -> dict:
+    """Hugging Face's longrope `rope_scaling` of a Phi-3 file's LongRoPE (128k variants,
+    Phi-3.5, Phi-4-mini): the converter's `rope_factors_long` / `rope_factors_short`
+    tensors, original context and attention factor."""
+    factors = {t.name: np.asarray(t.data, np.float32).reshape(-1).tolist()
+               for t in reader.tensors if t.name.startswith("rope_factors_")}
+    if "rope_factors_short.weight" not in factors:
+        raise ValueError("rope_factors_long.weight without rope_factors_short.weight: "
+                         "LongRoPE needs both")
+    scaling = {"rope_type": "longrope", "long_factor": factors["rope_factors_long.weight"],
+               "short_factor": factors["rope_factors_short.weight"],
+               "original_max_position_embeddings": int(_required(
+                   reader, f"{arch}.rope.scaling.original_context_length"))}
+    attn = _field(reader, f"{arch}.rope.scaling.attn_factor")
+    if attn is not None:
+        scaling["attention_factor"] = float(attn)
+    return scaling
 
 
 def _yarn_rope(reader, arch: str) -> dict:
@@ -486,7 +504,8 @@ def tensors(reader, config: dict, keep: bool = False, keep_head: bool = True
     head_name = "output.weight" if not config["tie_word_embeddings"] else "token_embd.weight"
     model_type = config["model_type"]
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":  # Llama 3's rope scaling: in the config (hf_config)
+        if t.name in ("rope_freqs.weight", "rope_factors_long.weight",
+                      "rope_factors_short.weight"):  # rope scalings: in the config (hf_config)
             continue
         name = _hf_name(t.name, model_type)
         shape = tuple(int(n) for n in reversed(t.shape))  # [N, K] ([E, N, K] for experts)

@@ -293,12 +293,16 @@ def rows_impl(options: ModelOptions, rows: jax.Array | None) -> str | None:
 
 
 def rope_attention_factor(scaling: RopeScaling) -> float:
-    """What YaRN multiplies the rotated q and k by (1 for the other scalings): q.k, the
-    only use of either, by its square (Attention's softmax scale)."""
-    if scaling.rope_type != "yarn":
+    """What YaRN and LongRoPE multiply the rotated q and k by (1 for the other scalings;
+    a partial rope's other dimensions are left as they are)."""
+    if scaling.rope_type not in ("yarn", "longrope"):
         return 1.0
     if scaling.attention_factor is not None:
         return scaling.attention_factor
+    if scaling.rope_type == "longrope":
+        original = scaling.original_max_position_embeddings
+        return 1.0 if scaling.factor <= 1 else math.sqrt(
+            1 + math.log(scaling.factor) / math.log(original))
 
     def mscale(scale: float = 1.0) -> float:
         return 1.0 if scaling.factor <= 1 else 0.1 * scale * math.log(scaling.factor) + 1.0
@@ -314,10 +318,13 @@ def activation(name: str):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
-    """Inverse frequencies of the rotary embedding, with 'linear', 'llama3' or 'yarn'
-    scaling."""
+    """Inverse frequencies of the rotary embedding (`head_dim`: the dimensions it turns),
+    with 'linear', 'llama3', 'yarn' or 'longrope' scaling."""
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
     inv_freq = inv_freq.astype(np.float32)
+    if scaling.rope_type == "longrope":
+        factors = scaling.long_factor if scaling.use_long_factor else scaling.short_factor
+        return (inv_freq / np.asarray(factors, np.float32)).astype(np.float32)
     if scaling.rope_type == "yarn":
         # The slowest-turning frequencies (fewer than beta_slow turns over the original
         # context) are interpolated by `factor`, those turning more than beta_fast times

@@ -119,13 +119,13 @@ class Attention(nnx.Module):
         self.options = options
         self.window = cfg.layer_window(layer)
         self.rope = cfg.layer_rope(layer)
-        self.sm_scale = cfg.sm_scale * rope_attention_factor(self.rope[1]) ** 2
+        self.rope_factor = rope_attention_factor(self.rope[1])
         self.kv_heads = hkv
 
     def __call__(self, x, positions, kv, meta: AttentionMetadata, shard: ShardingContext,
                  rows: jax.Array | None = None, lora: LoraLayer | None = None):
         cfg = self.cfg
-        inv_freq = rope_inv_freq(cfg.head_dim, *self.rope)
+        inv_freq = rope_inv_freq(cfg.rotary_dim, *self.rope)
         hq, hkv, d = cfg.num_heads, self.kv_heads, cfg.head_dim
         q, k, v = dense_group(x, [(self.q_proj, self.q_proj_scales, (hq, d), self.q_proj_perm),
                                   (self.k_proj, self.k_proj_scales, (hkv, d), self.k_proj_perm),
@@ -138,12 +138,19 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps, cfg.norm_offset)
             k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps, cfg.norm_offset)
-        q, k = rope(q, k, positions, inv_freq, rows=rows, impl=rows_impl(self.options, rows),
-                    sections=cfg.mrope_section)
+        r = cfg.rotary_dim  # a partial rope turns each head's first r dimensions
+        q_rot, k_rot = rope(q[..., :r], k[..., :r], positions, inv_freq, rows=rows,
+                            impl=rows_impl(self.options, rows), sections=cfg.mrope_section)
+        if self.rope_factor != 1.0:  # YaRN's and LongRoPE's scale of what turned
+            q_rot, k_rot = q_rot * self.rope_factor, k_rot * self.rope_factor
+        if r < d:
+            q_rot = jnp.concatenate([q_rot, q[..., r:]], -1)
+            k_rot = jnp.concatenate([k_rot, k[..., r:]], -1)
+        q, k = q_rot, k_rot
         q = shard.constrain(q, Q_AXES)
         k, v = shard.constrain(k, NEW_KV_AXES), shard.constrain(v, NEW_KV_AXES)
         out, kv = paged_attention(q, k, v, kv, meta, shard, self.options,
-                                  sm_scale=self.sm_scale, sliding_window=self.window,
+                                  sm_scale=cfg.sm_scale, sliding_window=self.window,
                                   soft_cap=cfg.attn_logit_softcap)
         attended = out
         out = row_parallel(out, self.o_proj, self.o_proj_scales, 2, (cfg.hidden_size,),
