@@ -7,11 +7,10 @@ one tensor per expert; Qwen2-MoE's shared expert), Gemma 2 and Gemma 3 (soft-cap
 layers, Gemma 3's local rope and linear rope scaling; llama.cpp stores their norms as
 1 + weight), Phi-3 (fused attn_qkv and ffn_up, split as they load; its sliding window,
 which transformers applies and llama.cpp ignores; LongRoPE from the rope_factors_long /
-_short tensors; a partial rope by rope.dimension_count); with a
-byte-level BPE vocabulary (`tokenizer.ggml.model` "gpt2") split as
-GPT-2 splits (`tokenizer.ggml.pre` "default", "gpt2", "smollm") or by Llama 3's or Qwen2's
-regex ("llama-bpe", "qwen2" and their aliases, as transformers' GGUF loader names them), or
-a SentencePiece BPE vocabulary (`tokenizer.ggml.model` "llama": Llama 2, Mistral,
+_short tensors; a partial rope by rope.dimension_count); with a byte-level BPE vocabulary
+(`tokenizer.ggml.model` "gpt2") split as GPT-2 splits (`tokenizer.ggml.pre` "default",
+"gpt2", "smollm") or by Llama 3's or Qwen2's regex ("llama-bpe", "qwen2" and their
+aliases, as transformers' GGUF loader names them), or a SentencePiece BPE vocabulary (`tokenizer.ggml.model` "llama": Llama 2, Mistral,
 TinyLlama; merges implied by the scores, byte fallback; Gemma's variant by architecture).
 Settings a GGUF file does not carry follow llama.cpp's rules (Gemma's query scale, Gemma
 3's sliding-window pattern of 6 and local rope base of 10000); Llama 3.1-3.3's rope scaling,
@@ -60,6 +59,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve.loading import gguf_blocks
+from jaxserve.loading.safetensors import FUSED
 from jaxserve.loading.tokenizer import gpt2_byte_table
 
 # general.architecture -> (model_type, class); "llama" with experts is Mixtral.
@@ -103,9 +103,6 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm", "attn_qkv": "self_attn.qkv_proj",
 }
-# Phi-3's fused projections (loading/safetensors.split_fused splits them): q, k, v; and
-# its ffn_up, the MLP's gate rows then up rows.
-_FUSED = {"attn_qkv": ("q_proj", "k_proj", "v_proj"), "ffn_up": ("gate_proj", "up_proj")}
 # Gemma's four norms a layer (llama.cpp's ffn_norm is the norm before the MLP).
 _GEMMA_NAMES = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
                 "ffn_norm": "pre_feedforward_layernorm",
@@ -422,17 +419,17 @@ def _layers_format(formats: dict[str, gguf_blocks.Format | None]) -> gguf_blocks
 def _param_paths(name: str, fused: bool) -> list[str]:
     """Our parameter paths of a decoder linear layer's tensor ("blk.3.ffn_down.weight" ->
     ["layers.3.mlp.down_proj"], as loading/safetensors maps its Hugging Face name; an
-    expert stack's is the MoE's stacked parameter, "layers.3.mlp.down_proj" too); a
-    `fused` file's (Phi-3) attn_qkv and ffn_up give those they are split into."""
+    expert stack's is the MoE's stacked parameter, "layers.3.mlp.down_proj" too); a fused
+    projection's (attn_qkv; ffn_up of a `fused` file, Phi-3's) those it is split into."""
     _, layer, part, _ = name.split(".")
     if part in _EXPERT_STACKS:
         return [f"layers.{layer}.mlp.{_EXPERT_STACKS[part]}"]
     if part in _SHARED_EXPERT:
         return [f"layers.{layer}.mlp.shared_expert.{_SHARED_EXPERT[part]}"]
-    if fused and part in _FUSED:
-        block = "attn" if part == "attn_qkv" else "mlp"
-        return [f"layers.{layer}.{block}.{proj}" for proj in _FUSED[part]]
-    return [f"layers.{layer}.{_LAYER_NAMES[part].replace('self_attn.', 'attn.')}"]
+    block, proj = _LAYER_NAMES[part].replace("self_attn.", "attn.").split(".")
+    if fused and part == "ffn_up":  # Phi-3's: the gate's rows, then up's
+        proj = "gate_up_proj"
+    return [f"layers.{layer}.{block}.{piece}" for piece in FUSED.get(proj, (proj,))]
 
 
 def _format_of(reader, name: str) -> gguf_blocks.Format | None:

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.loading.safetensors import read_tensors
+from jaxserve.loading.safetensors import FUSED, read_tensors
 from jaxserve.models.lora import MODULES, dense_layers, module_shapes
 
 CONFIG = "adapter_config.json"
@@ -31,7 +31,6 @@ _TENSOR = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\."
     r"(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 _MLP = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
-_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 @dataclasses.dataclass
@@ -102,7 +101,7 @@ def load_adapter(path: str | Path, cfg: ModelConfig) -> Adapter:
             raise ValueError(f"adapter {path}: tensor {name!r} is not a LoRA weight of a "
                              f"supported module ({', '.join(MODULES)}, qkv_proj, gate_up_proj)")
         layer, module, which = int(m[1]), m[2], m[3]
-        if module not in shapes and module not in _FUSED:
+        if module not in shapes and module not in FUSED:
             raise ValueError(f"adapter {path}: tensor {name!r} targets {module!r}; supported: "
                              f"{', '.join(MODULES)}, qkv_proj, gate_up_proj")
         if not 0 <= layer < cfg.num_layers:
@@ -119,7 +118,7 @@ def load_adapter(path: str | Path, cfg: ModelConfig) -> Adapter:
             raise ValueError(f"adapter {path}: tensor {name!r} has no lora_"
                              f"{'B' if 'A' in ab else 'A'} partner")
         (a_name, a), (b_name, b) = ab["A"], ab["B"]
-        parts = _FUSED.get(module, (module,))
+        parts = FUSED.get(module, (module,))
         if not dense[layer] and module in _MLP:
             raise ValueError(f"adapter {path}: tensor {a_name!r} targets the MLP of MoE layer "
                              f"{layer}; adapters on experts are not supported")

@@ -38,7 +38,8 @@ _SAFETENSORS_DTYPES = {
 # Buffers some checkpoints carry that the model recomputes.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 # Phi-3's fused projections: q, k and v's rows in one; the MLP's gate's then up's.
-_FUSED = re.compile(r"(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.(weight|bias)$")
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_FUSED_NAME = re.compile(r"(model\.layers\.\d+\.\w+\.)(qkv_proj|gate_up_proj)\.(weight|bias)$")
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -141,19 +142,16 @@ def split_fused(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig
     """The tensors with each fused projection (Phi-3's `qkv_proj`, `gate_up_proj`) given as
     the separate ones the other families store: views of its rows (a quantized one's
     columns), nothing copied."""
+    sizes = {"q_proj": cfg.num_heads * cfg.head_dim, "k_proj": cfg.num_kv_heads * cfg.head_dim,
+             "v_proj": cfg.num_kv_heads * cfg.head_dim, "gate_proj": cfg.intermediate_size,
+             "up_proj": cfg.intermediate_size}
     for name, x in tensors:
-        m = _FUSED.match(name)
+        m = _FUSED_NAME.match(name)
         if m is None:
             yield name, x
             continue
         prefix, fused, part = m.groups()
-        if fused == "self_attn.qkv_proj":
-            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-            pieces = (("self_attn.q_proj", q), ("self_attn.k_proj", kv),
-                      ("self_attn.v_proj", kv))
-        else:
-            pieces = (("mlp.gate_proj", cfg.intermediate_size),
-                      ("mlp.up_proj", cfg.intermediate_size))
+        pieces = [(piece, sizes[piece]) for piece in FUSED[fused]]
         total = sum(n for _, n in pieces)
         quantized = isinstance(x, Prequantized)
         rows = (x.values.shape[-1], x.scales.shape[-1]) if quantized else (x.shape[0],)
