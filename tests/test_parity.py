@@ -24,8 +24,8 @@ from jaxserve.models.transformer import AttentionMetadata, kv_cache_layout
 from sharding.mesh import make_mesh
 from sharding.rules import ShardingContext
 
-ARCHS = ["llama", "mistral", "phi3", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen2_moe",
-         "qwen3_moe"]
+ARCHS = ["llama", "mistral", "phi3", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral",
+         "qwen2_moe", "qwen3_moe"]
 NEW_TOKENS = 32
 # Small buckets keep the number of compiled programs per engine low.
 ENGINE = dict(dtype="float32", max_model_len=128, page_size=4, max_num_seqs=4,
@@ -133,9 +133,10 @@ def test_yarn_rope_matches_transformers(arch, checkpoints, prompts):
 
 
 def test_longrope_and_partial_rotary_match_transformers(checkpoints, prompts):
-    """Phi-3.5 / Phi-4-mini's rope: half of each head turned, by LongRoPE's short factors for an engine whose context fits the original
-    32 positions and by its long ones (every position) past it, as transformers does for a
-    sequence of that length; prompt logprobs and greedy tokens are transformers'."""
+    """Phi-3.5 / Phi-4-mini's rope: half of each head turned, by LongRoPE's short factors
+    for an engine whose context fits the original 32 positions and by its long ones (every
+    position) past it, as transformers does for a sequence of that length; prompt
+    logprobs and greedy tokens are transformers'."""
     path, hf_model = checkpoints("phi3_longrope")
     cfg = ModelConfig.from_file(path)
     assert (cfg.rotary_dim, cfg.rope_scaling.use_long_factor) == (8, True)

@@ -10,8 +10,9 @@ which transformers applies and llama.cpp ignores; LongRoPE from the rope_factors
 _short tensors; a partial rope by rope.dimension_count); with a byte-level BPE vocabulary
 (`tokenizer.ggml.model` "gpt2") split as GPT-2 splits (`tokenizer.ggml.pre` "default",
 "gpt2", "smollm") or by Llama 3's or Qwen2's regex ("llama-bpe", "qwen2" and their
-aliases, as transformers' GGUF loader names them), or a SentencePiece BPE vocabulary (`tokenizer.ggml.model` "llama": Llama 2, Mistral,
-TinyLlama; merges implied by the scores, byte fallback; Gemma's variant by architecture).
+aliases, as transformers' GGUF loader names them), or a SentencePiece BPE vocabulary
+(`tokenizer.ggml.model` "llama": Llama 2, Mistral, TinyLlama; merges implied by the
+scores, byte fallback; Gemma's variant by architecture).
 Settings a GGUF file does not carry follow llama.cpp's rules (Gemma's query scale, Gemma
 3's sliding-window pattern of 6 and local rope base of 10000); Llama 3.1-3.3's rope scaling,
 which the converter stores as per-frequency factors (`rope_freqs`), is read back as the
