@@ -138,8 +138,9 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             q = rms_norm(q, self.q_norm[...], cfg.rms_norm_eps, cfg.norm_offset)
             k = rms_norm(k, self.k_norm[...], cfg.rms_norm_eps, cfg.norm_offset)
-        r = cfg.rotary_dim  # a partial rope turns each head's first r dimensions
-        q_rot, k_rot = rope(q[..., :r], k[..., :r], positions, inv_freq, rows=rows,
+        r = cfg.rotary_dim  # a partial rope turns each head's first r dimensions only
+        q_rot, k_rot = (q, k) if r == d else (q[..., :r], k[..., :r])
+        q_rot, k_rot = rope(q_rot, k_rot, positions, inv_freq, rows=rows,
                             impl=rows_impl(self.options, rows), sections=cfg.mrope_section)
         if self.rope_factor != 1.0:  # YaRN's and LongRoPE's scale of what turned
             q_rot, k_rot = q_rot * self.rope_factor, k_rot * self.rope_factor
