@@ -154,9 +154,9 @@ def split_fused(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig
         pieces = [(piece, sizes[piece]) for piece in FUSED[fused]]
         total = sum(n for _, n in pieces)
         quantized = isinstance(x, Prequantized)
-        rows = (x.values.shape[-1], x.scales.shape[-1]) if quantized else (x.shape[0],)
-        if any(n != total for n in rows):
-            raise ValueError(f"tensor {name!r} ({rows[0]} outputs) does not fit this model "
+        outputs = (x.values.shape[-1], x.scales.shape[-1]) if quantized else (x.shape[0],)
+        if any(n != total for n in outputs):
+            raise ValueError(f"tensor {name!r} ({outputs[0]} outputs) does not fit this model "
                              f"config: {' + '.join(str(n) for _, n in pieces)}")
         start = 0
         for piece, n in pieces:
