@@ -114,14 +114,15 @@ def server_transfer_time(engine: DisaggregatedEngine, connector: str) -> dict:
     the decode device (the header still over gRPC)."""
     prefill = engine.prefill
     n = -(-LONG_TOKENS // prefill.config.page_size)
-    sender = KVSender("127.0.0.1", 0, None, 60.0, 4 << 20, connector)
+    sender = KVSender(prefill.model_digest, "127.0.0.1", 0, None, 60.0, 4 << 20, connector)
     puller = KVPuller(engine.decode.mesh.devices.flat[0])
     times, nbytes = [], 0
     try:
         for _ in range(6):
             t = time.perf_counter()
             kv = prefill.runner.read_pages(0, list(range(n)), LONG_TOKENS)
-            prefilled, _, _ = puller.pull(sender.hold(kv, list(range(LONG_TOKENS)), 0), 60.0)
+            prefilled, _, _ = puller.pull(sender.hold(kv, list(range(LONG_TOKENS)), 0, None),
+                                          60.0)
             jax.block_until_ready(prefilled.kv.entries)
             times.append(time.perf_counter() - t)
             nbytes = prefilled.kv.nbytes

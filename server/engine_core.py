@@ -134,7 +134,9 @@ class _Call:
     num_prompt_tokens: int
     held: list[StepOutput] = dataclasses.field(default_factory=list)
     num_held: int | None = None
-    prompt_ids: list[int] | None = None  # a remote_decode request's (sent with its K/V)
+    # A remote_decode request's prompt and adapter name (sent with its K/V).
+    prompt_ids: list[int] | None = None
+    lora: str | None = None
 
 
 @dataclasses.dataclass
@@ -171,9 +173,9 @@ class EngineCore:
         # requests whose K/V a consumer is pulling (rid -> call).
         role: KVTransferConfig | None = engine.kv_transfer
         self.kv_stats = KVStats() if role is not None else None
-        self.kv_sender = (KVSender(role.kv_host, role.kv_port, role.kv_advertise_host,
-                                   role.kv_hold_seconds, role.kv_chunk_bytes,
-                                   role.kv_connector)
+        self.kv_sender = (KVSender(engine.model_digest, role.kv_host, role.kv_port,
+                                   role.kv_advertise_host, role.kv_hold_seconds,
+                                   role.kv_chunk_bytes, role.kv_connector)
                           if role is not None and role.produces else None)
         self.kv_puller = (KVPuller(engine.mesh.devices.flat[0])
                           if role is not None and role.consumes else None)
@@ -318,7 +320,7 @@ class EngineCore:
                     "kv_transfer_params: this server is not a kv_consumer")))
                 return
             self._pulling[rid] = call
-            threading.Thread(target=self._pull, args=(rid, call, prompt, params, kv),
+            threading.Thread(target=self._pull, args=(rid, call, prompt, params, lora, kv),
                              name="kv-pull", daemon=True).start()
             return
         try:
@@ -327,19 +329,21 @@ class EngineCore:
         except ValueError as e:
             self.send(("admitted", call, None, e))
             return
-        self._calls[rid] = _Call(call, len(ids), prompt_ids=ids if remote_decode else None)
+        self._calls[rid] = _Call(call, len(ids), prompt_ids=ids if remote_decode else None,
+                                 lora=lora.lora_name if remote_decode and lora else None)
         self.send(("admitted", call, ids, None))
 
-    def _pull(self, rid: str, call: int, prompt: list[int], params, kv: dict) -> None:
+    def _pull(self, rid: str, call: int, prompt: list[int], params, lora, kv: dict) -> None:
         """A worker thread: pull a request's K/V from its prefill server (the engine keeps
         stepping), then hand it to the loop."""
         try:  # (the fronts checked the params: server/kv_transfer.py's check_params)
             result = self.kv_puller.pull(kv, self.engine.kv_transfer.kv_pull_timeout)
         except (KVTransferError, ValueError) as e:
             result = e
-        self.inbox.put(("prefilled", rid, call, prompt, params, result))
+        self.inbox.put(("prefilled", rid, call, prompt, params, lora, result))
 
-    def _add_prefilled(self, rid: str, call: int, prompt: list[int], params, result) -> None:
+    def _add_prefilled(self, rid: str, call: int, prompt: list[int], params, lora,
+                       result) -> None:
         """Add a request whose K/V were pulled (or fail it with why they were not)."""
         if self._pulling.pop(rid, None) != call:
             return  # aborted while pulling: its K/V are dropped
@@ -354,7 +358,8 @@ class EngineCore:
                 raise ValueError("kv_transfer_params: the prompt's token ids differ from "
                                  "those the prefill server computed; send the decode "
                                  "server the same request")
-            ids = self.engine.add_request(rid, prompt, params, prefilled=prefilled)
+            ids = self.engine.add_request(rid, prompt, params, lora_request=lora,
+                                          prefilled=prefilled)
         except ValueError as e:
             stats.failed += 1
             self.send(("admitted", call, None, e))
@@ -389,7 +394,7 @@ class EngineCore:
             if out.kv_pages is not None:  # held here until its decode server pulls it
                 entry = self._calls[out.request_id]
                 out.kv_transfer_params = self.kv_sender.hold(
-                    out.kv_pages, entry.prompt_ids, out.new_token_ids[0])
+                    out.kv_pages, entry.prompt_ids, out.new_token_ids[0], entry.lora)
                 out.kv_pages = None
             if out.finished:
                 self._calls.pop(out.request_id, None)

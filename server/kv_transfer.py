@@ -6,7 +6,8 @@ The prefill server's engine process keeps each handed-off request's prompt K/V
 copied off the device as the request's first token comes back, for `kv_hold_seconds`,
 under a transfer id it names in the response (`kv_transfer_params`). A decode server's
 engine process pulls it by that id from `KVTransfer/Pull` (server streaming): a JSON
-header (the prompt's token ids, the first token, each entry's shape and dtype), then the
+header (the prompt's token ids, the first token, the prefill engine's model digest and
+the request's adapter, each entry's shape and dtype), then the
 entries' bytes in chunks of `kv_chunk_bytes`. A pulled, expired or unknown id is gone;
 a pull that breaks off (the prefill server died) raises KVTransferError on the decode
 side, whose request fails alone. The bytes travel as stored (int8 / fp8 pages with their
@@ -64,6 +65,7 @@ class _Held:
     kv: KVPages  # entries copying to the host (started), numpy once pulled
     prompt_token_ids: list[int]
     first_token: int
+    lora: str | None  # the adapter that computed them (None: the base model)
     deadline: float
     number: int | None = None  # its arrays' in the jax transfer server (kv_connector "jax")
 
@@ -81,8 +83,9 @@ class SenderStats:
 class KVSender:
     """A producer's held K/V and the gRPC service its decode servers pull them from."""
 
-    def __init__(self, host: str, port: int, advertise: str | None, hold_seconds: float,
-                 chunk_bytes: int, connector: str = "grpc"):
+    def __init__(self, model: str | None, host: str, port: int, advertise: str | None,
+                 hold_seconds: float, chunk_bytes: int, connector: str = "grpc"):
+        self.model = model  # the engine's model_digest, sent with every transfer
         self.hold_seconds, self.chunk_bytes = hold_seconds, chunk_bytes
         self._transfer = None  # kv_connector "jax": the transfer server holding the arrays
         if connector == "jax":
@@ -110,10 +113,11 @@ class KVSender:
         self._stop = threading.Event()
         threading.Thread(target=self._expire_loop, name="kv-expire", daemon=True).start()
 
-    def hold(self, kv: KVPages, prompt_token_ids: list[int], first_token: int) -> dict:
+    def hold(self, kv: KVPages, prompt_token_ids: list[int], first_token: int,
+             lora: str | None) -> dict:
         """Keep `kv` (device arrays: their copy to the host starts now, or with the jax
-        connector their gather to one device) for a decode server to pull; returns the
-        `kv_transfer_params` that name it."""
+        connector their gather to one device; computed under adapter `lora`) for a decode
+        server to pull; returns the `kv_transfer_params` that name it."""
         number = None
         if self._transfer is None:
             for x in kv.entries:
@@ -125,7 +129,7 @@ class KVSender:
             self._transfer.await_pull(number, list(kv.entries))
         transfer_id = uuid.uuid4().hex
         with self._lock:
-            self._held[transfer_id] = _Held(kv, list(prompt_token_ids), first_token,
+            self._held[transfer_id] = _Held(kv, list(prompt_token_ids), first_token, lora,
                                             time.monotonic() + self.hold_seconds, number)
             self.stats.held += 1
             self.stats.held_bytes += kv.nbytes
@@ -150,6 +154,12 @@ class KVSender:
         self._stop.set()
         self._server.stop(0).wait()
 
+    def _header(self, held: _Held, entries) -> dict:
+        """What a pull's stream starts with (the module doc), for `entries` to follow."""
+        return {"num_tokens": held.kv.num_tokens, "prompt_token_ids": held.prompt_token_ids,
+                "first_token": held.first_token, "model": self.model, "lora": held.lora,
+                "entries": [{"shape": list(x.shape), "dtype": x.dtype.name} for x in entries]}
+
     def _pull(self, request: bytes, context: grpc.ServicerContext):
         transfer_id = request.decode("utf-8", "replace")
         held = self.release(transfer_id)
@@ -159,21 +169,14 @@ class KVSender:
                           f"or not pulled within kv_hold_seconds ({self.hold_seconds:g} s)")
         start = time.monotonic()
         if held.number is not None:  # the decode server pulls the arrays from the device
-            yield json.dumps({
-                "num_tokens": held.kv.num_tokens, "prompt_token_ids": held.prompt_token_ids,
-                "first_token": held.first_token,
-                "entries": [{"shape": list(x.shape), "dtype": x.dtype.name}
-                            for x in held.kv.entries],
-                "jax": {"address": self._transfer_address, "number": held.number}}).encode()
+            yield json.dumps({**self._header(held, held.kv.entries), "jax": {
+                "address": self._transfer_address, "number": held.number}}).encode()
             self._count_sent(held, start)
             return
         # Only the pages that hold the prompt (the read was padded to a bucket).
         pages = _pages(held.kv)
         entries = [np.ascontiguousarray(np.asarray(x)[:, :, :pages]) for x in held.kv.entries]
-        header = {"num_tokens": held.kv.num_tokens, "prompt_token_ids": held.prompt_token_ids,
-                  "first_token": held.first_token,
-                  "entries": [{"shape": list(x.shape), "dtype": x.dtype.name} for x in entries]}
-        yield json.dumps(header).encode()
+        yield json.dumps(self._header(held, entries)).encode()
         for x in entries:
             data = memoryview(x.reshape(-1).view(np.uint8))
             for i in range(0, len(data), self.chunk_bytes):
@@ -266,8 +269,8 @@ class KVPuller:
             raise KVTransferError(f"the prefill server at {address} ended the K/V of "
                                   f"transfer {transfer_id} early") from e
         kv = KVPages(tuple(entries), header["num_tokens"])
-        return (Prefilled(header["first_token"], kv), header["prompt_token_ids"],
-                time.monotonic() - start)
+        return (Prefilled(header["first_token"], kv, header["model"], header["lora"]),
+                header["prompt_token_ids"], time.monotonic() - start)
 
     def _pull_devices(self, header: dict, timeout: float, transfer_id: str) -> list:
         """The arrays from the prefill server's jax transfer server, on `device` (a

@@ -197,8 +197,15 @@ def test_moved_pages_must_fit_the_decode_engine(pd):
     with pytest.raises(ValueError, match="max_tokens > 1"):
         e.decode.add_request("x", prompt, SamplingParams(max_tokens=1),
                              prefilled=Prefilled(5, ok))
+    # Computed by another model, or under an adapter this request does not name.
+    with pytest.raises(ValueError, match="computed by another model"):
+        e.decode.add_request("x", prompt, p, prefilled=Prefilled(5, ok, "0123456789abcdef"))
+    with pytest.raises(ValueError, match="under adapter 'sql', this request names None"):
+        e.decode.add_request("x", prompt, p, prefilled=Prefilled(
+            5, ok, e.prefill.model_digest, "sql"))
+    assert e.decode.status().num_used_pages == 0 and e.decode.num_prefilled_waiting == 0
     # Host arrays (as from another process) are taken as they are.
-    e.decode.add_request("x", prompt, p, prefilled=Prefilled(5, ok))
+    e.decode.add_request("x", prompt, p, prefilled=Prefilled(5, ok, e.prefill.model_digest))
     assert e.decode.num_prefilled_waiting == 1
     assert e.decode.abort_request("x") and e.decode.num_prefilled_waiting == 0
     assert e.decode.status().num_used_pages == 0
@@ -231,17 +238,18 @@ def test_kv_service_moves_pages_as_stored(pd, connector):
     from server.kv_transfer import KVPuller, KVSender, KVTransferError
 
     e = pd.engine
-    sender = KVSender("127.0.0.1", 0, None, 1.0, 1000, connector)
+    sender = KVSender(e.prefill.model_digest, "127.0.0.1", 0, None, 1.0, 1000, connector)
     puller = KVPuller(e.decode.mesh.devices.flat[0])
     try:
         kv = e.prefill.runner.read_pages(0, [3, 1, 4, 1, 5], 18)  # 5 pages, 18 tokens
         want = [np.asarray(x) for x in kv.entries]
-        params = sender.hold(kv, list(range(18)), 42)
+        params = sender.hold(kv, list(range(18)), 42, "an-adapter")
         assert sender.stats.held == 1 and sender.stats.held_bytes > 0
         assert params["num_bytes"] == sum(x.nbytes for x in want) * (5 if connector == "grpc"
                                                                      else 8) // 8
         prefilled, prompt, seconds = puller.pull(params, 30)
         assert prompt == list(range(18)) and prefilled.first_token == 42 and seconds > 0
+        assert (prefilled.model, prefilled.lora) == (e.decode.model_digest, "an-adapter")
         got = [np.asarray(x) for x in prefilled.kv.entries]
         pages = 5 if connector == "grpc" else 8
         assert [g.shape[2] for g in got] == [pages] * len(got)
@@ -250,7 +258,7 @@ def test_kv_service_moves_pages_as_stored(pd, connector):
         assert sender.stats.sent == 1 and sender.stats.held == 0
         with pytest.raises(KVTransferError, match="NOT_FOUND.*already pulled"):
             puller.pull(params, 30)
-        late = sender.hold(e.prefill.runner.read_pages(0, [2], 3), [1, 2, 3], 7)
+        late = sender.hold(e.prefill.runner.read_pages(0, [2], 3), [1, 2, 3], 7, None)
         deadline = time.monotonic() + 10
         while sender.stats.held and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -296,3 +304,41 @@ def test_two_meshes_of_8_devices_match_one_device(checkpoints, tmp_path):
         assert run["handoffs"] == 5, name
         assert run["decode_devices"] == [4, 5, 6, 7], name
         assert set(run["prefill_devices"]) <= {0, 1, 2, 3}, name
+
+
+def test_model_digest_tells_what_computes_the_kv_apart(checkpoints, tmp_path):
+    """Copies of a checkpoint agree; a fine-tune (every tensor moved a little, shapes and
+    config the same), another dtype or quantization, and LongRoPE's factors for another
+    max_model_len do not."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from jaxserve.config import EngineConfig, ModelConfig
+    from jaxserve.engine.kv_transfer import model_digest
+    from jaxserve.loading.digest import weights_digest
+
+    src = checkpoints("llama8")[0]
+    copy, tuned = shutil.copytree(src, tmp_path / "copy"), shutil.copytree(src, tmp_path / "t")
+    tensors = load_file(tuned / "model.safetensors")
+    rng = np.random.default_rng(0)
+    save_file({k: (v + 1e-3 * rng.standard_normal(v.shape)).astype(v.dtype)
+               for k, v in tensors.items()}, tuned / "model.safetensors", {"format": "pt"})
+    size = (tuned / "model.safetensors").stat().st_size
+    assert size == (src / "model.safetensors").stat().st_size  # (so the samples tell)
+    weights = weights_digest(src)
+    assert weights_digest(copy) == weights and weights_digest(tuned) != weights
+    with pytest.raises(ValueError, match="no weights files"):
+        weights_digest(tmp_path)
+
+    cfg = ModelConfig.from_file(src)
+    base = model_digest(EngineConfig(dtype="float32"), cfg, weights)
+    assert model_digest(EngineConfig(dtype="float32"), cfg, weights) == base
+    for other in (model_digest(EngineConfig(dtype="bfloat16"), cfg, weights),
+                  model_digest(EngineConfig(dtype="float32", quantization="int8"), cfg,
+                               weights),
+                  model_digest(EngineConfig(dtype="float32"), cfg, weights_digest(tuned))):
+        assert other != base
+    phi = ModelConfig.from_file(checkpoints("phi3_longrope")[0])
+    short, long = (model_digest(EngineConfig(), phi.for_context(n), weights) for n in (32, 128))
+    assert short != long == model_digest(EngineConfig(), phi.for_context(64), weights)

@@ -34,6 +34,7 @@ pytestmark = pytest.mark.slow
 PRODUCER = '{"kv_role": "kv_producer", "kv_hold_seconds": 8, "kv_connector": "jax"}'
 SLOW_PRODUCER = '{"kv_role": "kv_producer", "kv_chunk_bytes": 1024}'
 CONSUMER = '{"kv_role": "kv_consumer"}'
+ADAPTER = "ad"
 
 
 def _metric(url: str, name: str) -> float:
@@ -76,17 +77,36 @@ class _Url(str):
     grpc: str
 
 
+def _adapter(base, path) -> str:
+    """A PEFT LoRA adapter on every attention and MLP projection (K/V change with it)."""
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    get_peft_model(copy.deepcopy(base), LoraConfig(
+        r=8, lora_alpha=16, init_lora_weights=False, lora_dropout=0.0,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                        "down_proj"])).save_pretrained(path)
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def cluster(checkpoints, tmp_path_factory):
-    model = checkpoints("llama8")[0]
+    model, base = checkpoints("llama8")
     logs = tmp_path_factory.mktemp("pd")
+    # The single, prefill and decode servers serve an adapter (ADAPTER) beside the base.
+    lora = ("--enable-lora", "--max-lora-rank", "8", "--lora-modules",
+            f"{ADAPTER}={_adapter(base, tmp_path_factory.mktemp('adapter'))}")
     with contextlib.ExitStack() as stack:
         servers, targets = {}, {}
         for name, flags, env in (
-                ("single", (), {}), ("prefill", ("--kv-transfer-config", PRODUCER), {}),
+                ("single", lora, {}),
+                ("prefill", ("--kv-transfer-config", PRODUCER, *lora), {}),
                 ("slow prefill", ("--kv-transfer-config", SLOW_PRODUCER),
                  {"JAXSERVE_TEST_KV_CHUNK_DELAY_S": "0.3"}),
-                ("decode", ("--kv-transfer-config", CONSUMER), {})):
+                ("decode", ("--kv-transfer-config", CONSUMER, *lora), {})):
             with _env(env):
                 targets[name], servers[name] = stack.enter_context(
                     running_server(model, logs / f"{name}.log", *flags))
@@ -183,6 +203,27 @@ def test_router_answers_as_one_server(cluster):
     assert _metric(prefill, "prefix_cache_hits") - hits >= 100
     with pytest.raises(openai.BadRequestError, match="n = 1"):
         pd.completions.create(model=model, prompt="x", max_tokens=2, n=2)
+
+
+def test_router_answers_under_an_adapter_as_one_server(cluster):
+    """A request naming the adapter: prefilled under it (its K/V), decoded under it."""
+    servers, router, _ = cluster
+    one, pd = _client(servers["single"].http_url), _client(router)
+    base = one.models.list().data[0].id
+    kw = dict(prompt="an adapter's own words", max_tokens=16, temperature=0,
+              extra_body={"ignore_eos": True})
+    want = one.completions.create(model=ADAPTER, **kw).choices[0].text
+    assert want != one.completions.create(model=base, **kw).choices[0].text
+    assert pd.completions.create(model=ADAPTER, **kw).choices[0].text == want
+    messages = [{"role": "user", "content": "hello, who are you?"}]
+    want = one.chat.completions.create(model=ADAPTER, messages=messages, max_tokens=10,
+                                       temperature=0.9, seed=4)
+    got = pd.chat.completions.create(model=ADAPTER, messages=messages, max_tokens=10,
+                                     temperature=0.9, seed=4)
+    assert got.choices[0].message.content == want.choices[0].message.content
+    # An adapter the servers do not serve fails alone, with the model named.
+    with pytest.raises(openai.NotFoundError, match="nope"):
+        pd.completions.create(model="nope", prompt="x", max_tokens=2)
 
 
 def _generate(target: str, **request) -> tuple[list[int], str, pb.Complete]:

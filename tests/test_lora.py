@@ -137,6 +137,28 @@ def test_phi3_fused_targets_give_peft_tokens(checkpoints, prompts, tmp_path):
         assert want != [hf_greedy(base, p, NEW_TOKENS) for p in prompts]
 
 
+def test_prefill_and_decode_engines_give_peft_tokens(adapters, checkpoints, prompts):
+    """Prefill/decode disaggregation under adapters: the prefill engine computes the
+    prompt's K/V under the request's adapter (k_proj and v_proj change them), the decode
+    engine goes on under the same one; a batch mixing adapters and the base model."""
+    path, base = checkpoints("llama")
+    llm = LLM(str(path), prefill={"num_pages": 80}, decode={"num_pages": 80}, **ENGINE)
+    reqs = _requests(adapters)
+    names = [None, "all", "qv", "all"]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate(prompts, params, lora_request=[reqs.get(n) for n in names])
+    for prompt, name, out in zip(prompts, names, outs):
+        model = base if name is None else adapters[name][1]
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, NEW_TOKENS), name
+    pd = llm.engine
+    assert pd.num_handoffs == len(prompts)
+    assert pd.prefill.loras.names == pd.decode.loras.names == ["all", "qv"]
+    assert not any(hf_greedy(base, p, NEW_TOKENS) == o.outputs[0].token_ids
+                   for p, n, o in zip(prompts, names, outs) if n is not None)
+    for side in (pd.prefill, pd.decode):
+        assert side.status().num_used_pages == 0
+
+
 def test_pages_are_never_shared_between_adapters(lora_llm, adapters):
     """The prefix cache keys pages by adapter: the same prompt under the base model and
     two adapters shares nothing; under one adapter again, its own pages are reused."""

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from jaxserve.config import EngineConfig, KVTransferConfig
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.kv_transfer import Prefilled
+from jaxserve.engine.lora import LoRARequest
 from jaxserve.engine.output_text import OutputText
 from jaxserve.engine.status import EngineStatus
 from jaxserve.outputs import StepOutput
@@ -93,6 +94,7 @@ class _Request:
     params: SamplingParams
     priority: int
     text: OutputText | None
+    lora: LoRARequest | None  # its adapter, on both engines
     decoding: bool = False  # handed to the decode engine
 
 
@@ -112,7 +114,7 @@ class DisaggregatedEngine:
         self.max_model_len = decode.max_model_len
         self.eos_token_ids = decode.eos_token_ids
         self.broadcaster = None
-        self.loras = None
+        self.loras = decode.loras  # (the prefill engine registers the same ones)
         self.images = None
         self._requests: dict[str, _Request] = {}
         self._rng = random.Random(seed)
@@ -147,22 +149,22 @@ class DisaggregatedEngine:
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, priority: int = 0,
                     lora_request=None, images: list | None = None) -> list[int]:
-        """Queue a request on the prefill engine; returns its prompt token ids (ValueError
-        for bad input, as Engine.add_request)."""
-        if lora_request is not None or images:
-            raise ValueError("prefill/decode disaggregation serves no LoRA adapters or "
-                             "images yet")
+        """Queue a request on the prefill engine (under `lora_request`'s adapter on both
+        engines); returns its prompt token ids (ValueError for bad input, as
+        Engine.add_request)."""
+        if images:
+            raise ValueError("prefill/decode disaggregation serves no images yet")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         params = params or SamplingParams()
         if params.seed is None:  # one stream over both engines
             params = dataclasses.replace(params, seed=self._rng.randrange(2**32))
         token_ids = self._prefill.call(self.prefill.add_request, request_id, prompt, params,
-                                       priority, remote_decode=True)
+                                       priority, lora_request, remote_decode=True)
         tokenizer = self.tokenizer
         text = (OutputText(tokenizer, token_ids, params, self.eos_token_ids)
                 if self.detokenize and tokenizer is not None else None)
-        self._requests[request_id] = _Request(token_ids, params, priority, text)
+        self._requests[request_id] = _Request(token_ids, params, priority, text, lora_request)
         return token_ids
 
     def abort_request(self, request_id: str) -> bool:
@@ -251,7 +253,9 @@ class DisaggregatedEngine:
             return out
         try:
             self.decode.add_request(out.request_id, req.token_ids, req.params, req.priority,
-                                    prefilled=Prefilled(out.new_token_ids[0], kv))
+                                    req.lora, prefilled=Prefilled(
+                                        out.new_token_ids[0], kv, self.prefill.model_digest,
+                                        req.lora.lora_name if req.lora else None))
         except ValueError as e:
             out.finished, out.finish_reason, out.error = True, "error", str(e)
             del self._requests[out.request_id]

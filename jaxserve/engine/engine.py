@@ -24,7 +24,7 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import compile_cache
 from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
 from jaxserve.engine.kv_memory import pages_per_seq, pool_pages
-from jaxserve.engine.kv_transfer import Prefilled
+from jaxserve.engine.kv_transfer import Prefilled, model_digest
 from jaxserve.engine.loader import Vision, load
 from jaxserve.engine.lora import LoraManager, LoRARequest
 from jaxserve.engine.multimodal.images import Images
@@ -37,6 +37,7 @@ from jaxserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, 
 from jaxserve.engine.speculative.setup import SpeculativeModels
 from jaxserve.engine.status import EngineStatus
 from jaxserve.engine.structured_output import GrammarCompiler, MaskFiller
+from jaxserve.loading.digest import weights_digest
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.models.layers import dense_impl, weights_for_native_matmul
 from jaxserve.models.lora import abstract_stacks, stacks_bytes
@@ -113,11 +114,13 @@ class Engine:
         self.broadcaster = broadcaster  # multi-host process 0's (broadcast.py)
         # Prefill/decode disaggregation (kv_transfer.py): this engine's side, or None.
         self.kv_transfer = config.kv_transfer_config
+        # What this engine computes with (kv_transfer.model_digest; from_config sets it for
+        # disaggregation): a decode engine refuses K/V another model computed.
+        self.model_digest: str | None = None
         if self.kv_transfer is not None:
             unsupported = [what for what, on in (
                 ("several hosts", broadcaster is not None),
                 ("speculative decoding", spec.config is not None),
-                ("LoRA adapters", config.enable_lora),
                 ("a vision-language model", model_config.vision is not None)) if on]
             if unsupported:
                 raise ValueError(f"prefill/decode disaggregation (kv_transfer_config) with "
@@ -215,8 +218,13 @@ class Engine:
         compile_cache.enable(config.compilation_cache_dir)  # before anything compiles
         skip_absent_accelerators()  # before JAX starts its platforms
         m = load(config, random_weights_preset)
-        return cls(m.config, m.model_config, m.graphdef, m.params, m.tokenizer, m.shard,
-                   broadcaster, m.speculative, m.vision)
+        engine = cls(m.config, m.model_config, m.graphdef, m.params, m.tokenizer, m.shard,
+                     broadcaster, m.speculative, m.vision)
+        if config.kv_transfer_config is not None:
+            weights = (f"random weights of {random_weights_preset}, seed {config.seed}"
+                       if random_weights_preset is not None else weights_digest(m.config.model))
+            engine.model_digest = model_digest(m.config, m.model_config, weights)
+        return engine
 
     # ----------------------------------------------------------------- requests
 
@@ -251,7 +259,7 @@ class Engine:
             token_ids = check_prompt(token_ids, self.model_config.vocab_size,
                                      self.max_model_len)
         if remote_decode or prefilled is not None:
-            self._check_kv_role(remote_decode, prefilled, token_ids)
+            self._check_kv_role(remote_decode, prefilled, token_ids, lora_request)
         if prefilled is not None and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs needs the prompt computed here; this request's "
                              "K/V were prefilled elsewhere")
@@ -302,9 +310,10 @@ class Engine:
         return token_ids
 
     def _check_kv_role(self, remote_decode: bool, prefilled: Prefilled | None,
-                       token_ids: list[int]) -> None:
+                       token_ids: list[int], lora_request: LoRARequest | None) -> None:
         """ValueError unless this engine takes the request's side of disaggregation and
-        its moved K/V fit (kv_transfer.py)."""
+        its moved K/V fit (kv_transfer.py): this model and adapter computed them, and
+        they fit this engine's cache."""
         role = self.kv_transfer
         if remote_decode and prefilled is not None:
             raise ValueError("a request is either prefilled here for a remote decode "
@@ -315,6 +324,17 @@ class Engine:
             raise ValueError(f"this engine is not a {want}: start it with "
                              f"kv_transfer_config {{\"kv_role\": \"{want}\"}} (or kv_both)")
         if prefilled is not None:
+            if prefilled.model is not None and prefilled.model != self.model_digest:
+                raise ValueError(
+                    f"the K/V were computed by another model (digest {prefilled.model}; "
+                    f"this engine's is {self.model_digest}): the prefill and decode servers "
+                    "must load the same checkpoint with the same dtype, quantization and "
+                    "max_model_len")
+            lora = lora_request.lora_name if lora_request is not None else None
+            if prefilled.lora != lora:
+                raise ValueError(f"the K/V were computed under adapter {prefilled.lora!r}, "
+                                 f"this request names {lora!r}: send the decode server the "
+                                 "same request")
             self.runner.pages.check(prefilled.kv, self.runner.kv_caches)
             if prefilled.kv.num_tokens != len(token_ids):
                 raise ValueError(f"prefilled K/V holds {prefilled.kv.num_tokens} tokens, the "

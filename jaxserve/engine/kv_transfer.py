@@ -16,6 +16,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import hashlib
+import json
 from typing import Any
 
 import jax
@@ -42,11 +44,29 @@ class KVPages:
 
 @dataclasses.dataclass
 class Prefilled:
-    """What a decode engine is given of a request prefilled elsewhere: its prompt's K/V
-    and the first token the prefill sampled."""
+    """What a decode engine is given of a request prefilled elsewhere: its prompt's K/V,
+    the first token the prefill sampled, and what computed them: the prefill engine's
+    `model_digest` and the request's LoRA adapter there (None: the base model). A decode
+    engine refuses K/V another model or adapter computed (a `model` of None is not
+    checked)."""
 
     first_token: int
     kv: KVPages
+    model: str | None = None
+    lora: str | None = None
+
+
+def model_digest(config, model_config, weights: str) -> str:
+    """What an engine computes K/V and tokens with, as a short hex digest: `weights` (the
+    checkpoint's fingerprint: loading/digest.py), the model's config as served (its rope
+    for the context it serves), the weights' dtype and quantization."""
+    served = {"model": dataclasses.asdict(model_config), "weights": weights,
+              **{k: getattr(config, k) for k in (
+                  "dtype", "quantization", "quant_group_size", "quant_zero_points",
+                  "quant_act_order", "lm_head_quantization", "lm_head_group_size",
+                  "lm_head_zero_points", "quant_overrides", "embed_from_lm_head")}}
+    text = json.dumps(served, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def page_buckets(max_pages: int) -> list[int]:
