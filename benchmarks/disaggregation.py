@@ -121,8 +121,8 @@ def server_transfer_time(engine: DisaggregatedEngine, connector: str) -> dict:
         for _ in range(6):
             t = time.perf_counter()
             kv = prefill.runner.read_pages(0, list(range(n)), LONG_TOKENS)
-            prefilled, _, _ = puller.pull(sender.hold(kv, list(range(LONG_TOKENS)), 0, None),
-                                          60.0)
+            prefilled, _ = puller.pull(sender.hold(kv, list(range(LONG_TOKENS)), 0, None, []),
+                                       60.0)
             jax.block_until_ready(prefilled.kv.entries)
             times.append(time.perf_counter() - t)
             nbytes = prefilled.kv.nbytes

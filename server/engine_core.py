@@ -134,9 +134,11 @@ class _Call:
     num_prompt_tokens: int
     held: list[StepOutput] = dataclasses.field(default_factory=list)
     num_held: int | None = None
-    # A remote_decode request's prompt and adapter name (sent with its K/V).
+    # A remote_decode request's prompt, adapter name and images' hashes (sent with its
+    # K/V: what computed them).
     prompt_ids: list[int] | None = None
     lora: str | None = None
+    images: list[str] | None = None
 
 
 @dataclasses.dataclass
@@ -320,7 +322,8 @@ class EngineCore:
                     "kv_transfer_params: this server is not a kv_consumer")))
                 return
             self._pulling[rid] = call
-            threading.Thread(target=self._pull, args=(rid, call, prompt, params, lora, kv),
+            threading.Thread(target=self._pull,
+                             args=(rid, call, prompt, params, lora, images, kv),
                              name="kv-pull", daemon=True).start()
             return
         try:
@@ -329,20 +332,24 @@ class EngineCore:
         except ValueError as e:
             self.send(("admitted", call, None, e))
             return
-        self._calls[rid] = _Call(call, len(ids), prompt_ids=ids if remote_decode else None,
-                                 lora=lora.lora_name if remote_decode and lora else None)
+        self._calls[rid] = _Call(call, len(ids))
+        if remote_decode:
+            entry = self._calls[rid]
+            entry.prompt_ids, entry.lora = ids, lora.lora_name if lora else None
+            entry.images = [i.hash.hex() for i in images]
         self.send(("admitted", call, ids, None))
 
-    def _pull(self, rid: str, call: int, prompt: list[int], params, lora, kv: dict) -> None:
+    def _pull(self, rid: str, call: int, prompt: list[int], params, lora, images,
+              kv: dict) -> None:
         """A worker thread: pull a request's K/V from its prefill server (the engine keeps
         stepping), then hand it to the loop."""
         try:  # (the fronts checked the params: server/kv_transfer.py's check_params)
             result = self.kv_puller.pull(kv, self.engine.kv_transfer.kv_pull_timeout)
         except (KVTransferError, ValueError) as e:
             result = e
-        self.inbox.put(("prefilled", rid, call, prompt, params, lora, result))
+        self.inbox.put(("prefilled", rid, call, prompt, params, lora, images, result))
 
-    def _add_prefilled(self, rid: str, call: int, prompt: list[int], params, lora,
+    def _add_prefilled(self, rid: str, call: int, prompt: list[int], params, lora, images,
                        result) -> None:
         """Add a request whose K/V were pulled (or fail it with why they were not)."""
         if self._pulling.pop(rid, None) != call:
@@ -352,14 +359,10 @@ class EngineCore:
             stats.failed += 1
             self.send(("admitted", call, None, result))
             return
-        prefilled, prompt_ids, seconds = result
+        prefilled, seconds = result
         try:
-            if prompt_ids != list(prompt):
-                raise ValueError("kv_transfer_params: the prompt's token ids differ from "
-                                 "those the prefill server computed; send the decode "
-                                 "server the same request")
             ids = self.engine.add_request(rid, prompt, params, lora_request=lora,
-                                          prefilled=prefilled)
+                                          images=list(images), prefilled=prefilled)
         except ValueError as e:
             stats.failed += 1
             self.send(("admitted", call, None, e))
@@ -394,7 +397,8 @@ class EngineCore:
             if out.kv_pages is not None:  # held here until its decode server pulls it
                 entry = self._calls[out.request_id]
                 out.kv_transfer_params = self.kv_sender.hold(
-                    out.kv_pages, entry.prompt_ids, out.new_token_ids[0], entry.lora)
+                    out.kv_pages, entry.prompt_ids, out.new_token_ids[0], entry.lora,
+                    entry.images)
                 out.kv_pages = None
             if out.finished:
                 self._calls.pop(out.request_id, None)

@@ -6,8 +6,9 @@ The prefill server's engine process keeps each handed-off request's prompt K/V
 copied off the device as the request's first token comes back, for `kv_hold_seconds`,
 under a transfer id it names in the response (`kv_transfer_params`). A decode server's
 engine process pulls it by that id from `KVTransfer/Pull` (server streaming): a JSON
-header (the prompt's token ids, the first token, the prefill engine's model digest and
-the request's adapter, each entry's shape and dtype), then the
+header (the prompt's token ids, the first token, what computed them: the prefill
+engine's model digest, the request's adapter and images; each entry's shape and dtype),
+then the
 entries' bytes in chunks of `kv_chunk_bytes`. A pulled, expired or unknown id is gone;
 a pull that breaks off (the prefill server died) raises KVTransferError on the decode
 side, whose request fails alone. The bytes travel as stored (int8 / fp8 pages with their
@@ -63,9 +64,10 @@ class KVTransferError(RuntimeError):
 @dataclasses.dataclass
 class _Held:
     kv: KVPages  # entries copying to the host (started), numpy once pulled
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # as the engine expanded them (images' placeholders)
     first_token: int
     lora: str | None  # the adapter that computed them (None: the base model)
+    images: list[str]  # the prompt's images' hashes (hex)
     deadline: float
     number: int | None = None  # its arrays' in the jax transfer server (kv_connector "jax")
 
@@ -114,10 +116,11 @@ class KVSender:
         threading.Thread(target=self._expire_loop, name="kv-expire", daemon=True).start()
 
     def hold(self, kv: KVPages, prompt_token_ids: list[int], first_token: int,
-             lora: str | None) -> dict:
+             lora: str | None, images: list[str]) -> dict:
         """Keep `kv` (device arrays: their copy to the host starts now, or with the jax
-        connector their gather to one device; computed under adapter `lora`) for a decode
-        server to pull; returns the `kv_transfer_params` that name it."""
+        connector their gather to one device; computed under adapter `lora` from the prompt
+        and the images of those hashes) for a decode server to pull; returns the
+        `kv_transfer_params` that name it."""
         number = None
         if self._transfer is None:
             for x in kv.entries:
@@ -130,7 +133,8 @@ class KVSender:
         transfer_id = uuid.uuid4().hex
         with self._lock:
             self._held[transfer_id] = _Held(kv, list(prompt_token_ids), first_token, lora,
-                                            time.monotonic() + self.hold_seconds, number)
+                                            images, time.monotonic() + self.hold_seconds,
+                                            number)
             self.stats.held += 1
             self.stats.held_bytes += kv.nbytes
         moved = kv.nbytes if number is not None else kv.nbytes * _pages(kv) // \
@@ -158,7 +162,7 @@ class KVSender:
         """What a pull's stream starts with (the module doc), for `entries` to follow."""
         return {"num_tokens": held.kv.num_tokens, "prompt_token_ids": held.prompt_token_ids,
                 "first_token": held.first_token, "model": self.model, "lora": held.lora,
-                "entries": [{"shape": list(x.shape), "dtype": x.dtype.name} for x in entries]}
+                "images": held.images, "entries": [{"shape": list(x.shape), "dtype": x.dtype.name} for x in entries]}
 
     def _pull(self, request: bytes, context: grpc.ServicerContext):
         transfer_id = request.decode("utf-8", "replace")
@@ -245,9 +249,9 @@ class KVPuller:
         self._connections: dict[str, object] = {}
         self._lock = threading.Lock()
 
-    def pull(self, params: dict, timeout: float) -> tuple[Prefilled, list[int], float]:
-        """A request's K/V (host arrays, or arrays on `device`), its prompt's token ids and
-        the seconds the pull took; KVTransferError when it cannot."""
+    def pull(self, params: dict, timeout: float) -> tuple[Prefilled, float]:
+        """A request's K/V (host arrays, or arrays on `device`) with what computed them,
+        and the seconds the pull took; KVTransferError when it cannot."""
         address, transfer_id = params["remote_address"], params["transfer_id"]
         start = time.monotonic()
         try:
@@ -269,8 +273,9 @@ class KVPuller:
             raise KVTransferError(f"the prefill server at {address} ended the K/V of "
                                   f"transfer {transfer_id} early") from e
         kv = KVPages(tuple(entries), header["num_tokens"])
-        return (Prefilled(header["first_token"], kv, header["model"], header["lora"]),
-                header["prompt_token_ids"], time.monotonic() - start)
+        return (Prefilled(header["first_token"], kv, header["model"], header["lora"],
+                          header["prompt_token_ids"], header["images"]),
+                time.monotonic() - start)
 
     def _pull_devices(self, header: dict, timeout: float, transfer_id: str) -> list:
         """The arrays from the prefill server's jax transfer server, on `device` (a

@@ -1,4 +1,5 @@
-"""Start a real `jaxserve serve` process on a free localhost port for end-to-end tests."""
+"""Start a real `jaxserve serve` (or `jaxserve router`) process on a free localhost port for
+end-to-end tests."""
 
 from __future__ import annotations
 
@@ -122,3 +123,36 @@ def wait_idle(client, timeout: float = 10):
                 time.monotonic() > deadline:
             return status
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def running_router(prefill: list[str], decode: list[str], log_path, grpc_targets=None):
+    """Start `jaxserve router` over prefill and decode servers' URLs; yield its URL (and
+    with `grpc_targets`, (prefill, decode) gRPC targets, its gRPC face on `url.grpc`)."""
+    port, grpc_port = free_port(), free_port()
+    flags = []
+    if grpc_targets is not None:
+        flags = ["--prefill-grpc", *grpc_targets[0], "--decode-grpc", *grpc_targets[1],
+                 "--grpc-port", str(grpc_port)]
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "jaxserve", "router", "--prefill",
+                                 *prefill, "--decode", *decode, "--port", str(port), *flags],
+                                stdout=out, stderr=subprocess.STDOUT)
+    url = RouterUrl(f"http://127.0.0.1:{port}")
+    url.grpc = f"127.0.0.1:{grpc_port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            time.sleep(0.2)
+        else:
+            raise TimeoutError(open(log_path).read())
+        yield url
+    finally:
+        proc.kill()
+
+
+class RouterUrl(str):
+    grpc: str

@@ -203,9 +203,16 @@ def test_moved_pages_must_fit_the_decode_engine(pd):
     with pytest.raises(ValueError, match="under adapter 'sql', this request names None"):
         e.decode.add_request("x", prompt, p, prefilled=Prefilled(
             5, ok, e.prefill.model_digest, "sql"))
+    with pytest.raises(ValueError, match="prompt's token ids differ"):
+        e.decode.add_request("x", prompt, p, prefilled=Prefilled(
+            5, ok, token_ids=[7] + prompt[1:]))
+    with pytest.raises(ValueError, match="images differ"):
+        e.decode.add_request("x", prompt, p, prefilled=Prefilled(
+            5, ok, token_ids=prompt, images=["00ff"]))
     assert e.decode.status().num_used_pages == 0 and e.decode.num_prefilled_waiting == 0
     # Host arrays (as from another process) are taken as they are.
-    e.decode.add_request("x", prompt, p, prefilled=Prefilled(5, ok, e.prefill.model_digest))
+    e.decode.add_request("x", prompt, p, prefilled=Prefilled(
+        5, ok, e.prefill.model_digest, None, prompt, []))
     assert e.decode.num_prefilled_waiting == 1
     assert e.decode.abort_request("x") and e.decode.num_prefilled_waiting == 0
     assert e.decode.status().num_used_pages == 0
@@ -243,13 +250,14 @@ def test_kv_service_moves_pages_as_stored(pd, connector):
     try:
         kv = e.prefill.runner.read_pages(0, [3, 1, 4, 1, 5], 18)  # 5 pages, 18 tokens
         want = [np.asarray(x) for x in kv.entries]
-        params = sender.hold(kv, list(range(18)), 42, "an-adapter")
+        params = sender.hold(kv, list(range(18)), 42, "an-adapter", ["00ff"])
         assert sender.stats.held == 1 and sender.stats.held_bytes > 0
         assert params["num_bytes"] == sum(x.nbytes for x in want) * (5 if connector == "grpc"
                                                                      else 8) // 8
-        prefilled, prompt, seconds = puller.pull(params, 30)
-        assert prompt == list(range(18)) and prefilled.first_token == 42 and seconds > 0
-        assert (prefilled.model, prefilled.lora) == (e.decode.model_digest, "an-adapter")
+        prefilled, seconds = puller.pull(params, 30)
+        assert prefilled.token_ids == list(range(18)) and prefilled.first_token == 42
+        assert (prefilled.model, prefilled.lora, prefilled.images) == (
+            e.decode.model_digest, "an-adapter", ["00ff"]) and seconds > 0
         got = [np.asarray(x) for x in prefilled.kv.entries]
         pages = 5 if connector == "grpc" else 8
         assert [g.shape[2] for g in got] == [pages] * len(got)
@@ -258,7 +266,7 @@ def test_kv_service_moves_pages_as_stored(pd, connector):
         assert sender.stats.sent == 1 and sender.stats.held == 0
         with pytest.raises(KVTransferError, match="NOT_FOUND.*already pulled"):
             puller.pull(params, 30)
-        late = sender.hold(e.prefill.runner.read_pages(0, [2], 3), [1, 2, 3], 7, None)
+        late = sender.hold(e.prefill.runner.read_pages(0, [2], 3), [1, 2, 3], 7, None, [])
         deadline = time.monotonic() + 10
         while sender.stats.held and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -14,8 +14,6 @@ import concurrent.futures
 import contextlib
 import os
 import re
-import subprocess
-import sys
 import time
 
 import grpc
@@ -23,7 +21,7 @@ import httpx
 import openai
 import pytest
 
-from serverproc import free_port, running_server
+from serverproc import running_router, running_server
 from server.protos.jaxserve.v1 import inference_pb2 as pb
 from server.protos.jaxserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -42,39 +40,6 @@ def _metric(url: str, name: str) -> float:
     m = re.search(rf"^jaxserve:{name}(?:_total)?{{[^}}]*}} (\S+)$", text, re.M)
     assert m, f"{name} not in {url}/metrics"
     return float(m.group(1))
-
-
-@contextlib.contextmanager
-def _router(prefill: list[str], decode: list[str], log_path, grpc_targets=None):
-    """The router's URL (and with `grpc_targets`, (prefill, decode) gRPC targets, its gRPC
-    face on `url.grpc`)."""
-    port, grpc_port = free_port(), free_port()
-    flags = []
-    if grpc_targets is not None:
-        flags = ["--prefill-grpc", *grpc_targets[0], "--decode-grpc", *grpc_targets[1],
-                 "--grpc-port", str(grpc_port)]
-    with open(log_path, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "jaxserve", "router", "--prefill",
-                                 *prefill, "--decode", *decode, "--port", str(port), *flags],
-                                stdout=out, stderr=subprocess.STDOUT)
-    url = _Url(f"http://127.0.0.1:{port}")
-    url.grpc = f"127.0.0.1:{grpc_port}"
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            time.sleep(0.2)
-        else:
-            raise TimeoutError(open(log_path).read())
-        yield url
-    finally:
-        proc.kill()
-
-
-class _Url(str):
-    grpc: str
 
 
 def _adapter(base, path) -> str:
@@ -111,7 +76,7 @@ def cluster(checkpoints, tmp_path_factory):
                 targets[name], servers[name] = stack.enter_context(
                     running_server(model, logs / f"{name}.log", *flags))
                 servers[name].grpc = targets[name]
-        router = stack.enter_context(_router(
+        router = stack.enter_context(running_router(
             [servers["prefill"].http_url], [servers["decode"].http_url], logs / "router.log",
             ([targets["prefill"]], [targets["decode"]])))
         yield servers, router, logs
@@ -312,7 +277,7 @@ def test_prefill_killed_mid_transfer(cluster):
     assert _metric(decode, "kv_transfer_failed") == failed + 1
     assert _metric(decode, "kv_cache_usage_perc") == 0
     assert _metric(decode, "num_requests_running") == 0
-    with _router([slow.http_url, servers["prefill"].http_url], [decode],
+    with running_router([slow.http_url, servers["prefill"].http_url], [decode],
                  logs / "router2.log") as url:
         got = _client(url).completions.create(
             model=_client(decode).models.list().data[0].id, prompt=body["prompt"],

@@ -380,6 +380,60 @@ def test_openai_client_against_jaxserve_serve(llava, llm, tmp_path):
         assert metrics["jaxserve:mm_encoder_cache_hits_total"] == 0.0
 
 
+@pytest.mark.slow
+def test_prefill_and_decode_servers_with_an_image(llava, llm, tmp_path):
+    """Through `jaxserve router`, a chat with a base64 image: the prefill server runs the
+    tower, the decode server places the image and decodes the offline engine's text
+    without encoding it. A decode request with another image than the one its K/V were
+    computed from is refused, naming the images."""
+    import httpx
+    import openai
+
+    from serverproc import running_router, running_server
+
+    def data_url(image):
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+    def chat(image):
+        return [{"role": "user", "content": [{"type": "text", "text": "Describe"}, {
+            "type": "image_url", "image_url": {"url": data_url(image)}}]}]
+
+    image, other = _image(8, 64, 48), _image(9, 64, 48)  # the same number of tokens
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = llm.chat(chat(image), params)[0]
+    assert llm.chat(chat(other), params)[0].outputs[0].text != want.outputs[0].text
+    with running_server(llava[0], tmp_path / "prefill.log", "--kv-transfer-config",
+                        '{"kv_role": "kv_producer"}') as (_, prefill), \
+            running_server(llava[0], tmp_path / "decode.log", "--kv-transfer-config",
+                           '{"kv_role": "kv_consumer"}') as (_, decode), \
+            running_router([prefill.http_url], [decode.http_url],
+                           tmp_path / "router.log") as router:
+        client = openai.OpenAI(base_url=router + "/v1", api_key="none", max_retries=0)
+        body = dict(model=str(llava[0]), max_tokens=8, temperature=0,
+                    extra_body={"ignore_eos": True})
+        got = client.chat.completions.create(messages=chat(image), **body)
+        assert got.choices[0].message.content == want.outputs[0].text
+        assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+
+        def encoded(url):
+            text = httpx.get(url + "/metrics").text
+            return float(next(line.split()[-1] for line in text.splitlines()
+                              if line.startswith("jaxserve:mm_images_encoded_total")))
+
+        assert (encoded(prefill.http_url), encoded(decode.http_url)) == (1.0, 0.0)
+        request = {"model": str(llava[0]), "max_tokens": 8, "temperature": 0,
+                   "ignore_eos": True}
+        kv = httpx.post(prefill.http_url + "/v1/chat/completions", timeout=60, json={
+            **request, "messages": chat(other),
+            "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
+        r = httpx.post(decode.http_url + "/v1/chat/completions", timeout=60, json={
+            **request, "messages": chat(image),
+            "kv_transfer_params": {**kv, "do_remote_prefill": True}})
+        assert r.status_code == 400 and "images differ" in r.json()["error"]["message"]
+
+
 # ------------------------------------------------------------------- Qwen2.5-VL
 
 VISION_START, IMAGE_PAD, VISION_END = 259, 260, 261
@@ -550,6 +604,40 @@ def test_qwen_requests_match_transformers(qwen, qwen_llm):
     assert engine.images.encoder.buckets == [1, 2, 4, 8, 16, 32]
     assert engine.runner.compiles_after_warmup == 0
     assert engine.images.encoder.compiles_after_warmup == 0
+
+
+def test_qwen_prefill_and_decode_engines(qwen):
+    """Prefill/decode disaggregation with images: the prefill engine runs the tower and
+    computes the prompts' K/V, the decode engine places the same images (M-RoPE's
+    positions after them) and decodes transformers' tokens without encoding them. With a
+    decode pool that holds any one request but no two (24 pages of 4 tokens; each needs
+    16-18 by its end) and no prefix cache there, preempted requests recompute their
+    images through the decode engine's own tower."""
+    a, b, c = _image(1, 80, 60), _image(2, 50, 150), _image(3, 120, 120)
+    cases = [(_qwen_prompt([40], 2, [41, 42]), [a, b]),
+             (_qwen_prompt([50, 51], 1, [52]), [c]),
+             (_qwen_prompt([], 1, [70, 71, 72]), [b]),
+             (_qwen_prompt([60, 61, 62, 63], 0, [64]), [])]
+    engine = dict(model=str(qwen[0]), dtype="float32", max_num_seqs=4,
+                  max_num_batched_tokens=32, page_size=4, max_model_len=96,
+                  num_scheduler_steps=4)
+    for batch, new, decode, preempts in (
+            (cases, 24, {"num_pages": 192}, False),
+            (cases[:3], 48, {"num_pages": 24, "enable_prefix_caching": False}, True)):
+        llm = LLM(prefill={"num_pages": 192}, decode=decode, **engine)
+        outs = llm.generate([{"prompt_token_ids": p, "multi_modal_data": {"image": imgs}}
+                             for p, imgs in batch],
+                            SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
+        for (prompt, images), out in zip(batch, outs):
+            want = _qwen_greedy(qwen, prompt, images, new)
+            # (transformers stops at an EOS; the engine, ignoring it, goes on)
+            assert out.outputs[0].token_ids[:len(want)] == want
+        pd = llm.engine
+        assert pd.num_handoffs == len(batch) and pd.prefill.images.cache.num_encoded == 3
+        assert (pd.decode.scheduler.num_preemptions > 0) == preempts
+        assert (pd.decode.images.cache.num_encoded > 0) == preempts
+        for side in (pd.prefill, pd.decode):
+            assert side.status().num_used_pages == 0
 
 
 def test_vision_parameter_counts_match_transformers(llava, qwen):

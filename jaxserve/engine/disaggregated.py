@@ -90,7 +90,8 @@ class _PrefillLoop:
 
 @dataclasses.dataclass
 class _Request:
-    token_ids: list[int]
+    prompt: str | list[int]  # as the decode engine takes it (token ids, unless images)
+    images: list  # ImageInputs, prepared once for both engines
     params: SamplingParams
     priority: int
     text: OutputText | None
@@ -115,7 +116,7 @@ class DisaggregatedEngine:
         self.eos_token_ids = decode.eos_token_ids
         self.broadcaster = None
         self.loras = decode.loras  # (the prefill engine registers the same ones)
-        self.images = None
+        self.images = decode.images  # (its preparer serves both engines)
         self._requests: dict[str, _Request] = {}
         self._rng = random.Random(seed)
         self._prefill = _PrefillLoop(prefill, lambda: (decode.num_prefilled_waiting
@@ -150,22 +151,27 @@ class DisaggregatedEngine:
                     params: SamplingParams | None = None, priority: int = 0,
                     lora_request=None, images: list | None = None) -> list[int]:
         """Queue a request on the prefill engine (under `lora_request`'s adapter on both
-        engines); returns its prompt token ids (ValueError for bad input, as
-        Engine.add_request)."""
-        if images:
-            raise ValueError("prefill/decode disaggregation serves no images yet")
+        engines; with `images`, which the decode engine places alike: its M-RoPE positions
+        follow them, and a preemption there recomputes them); returns its prompt token ids
+        (ValueError for bad input, as Engine.add_request)."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         params = params or SamplingParams()
         if params.seed is None:  # one stream over both engines
             params = dataclasses.replace(params, seed=self._rng.randrange(2**32))
+        images = self.prepare_images(images) if images else []
         token_ids = self._prefill.call(self.prefill.add_request, request_id, prompt, params,
-                                       priority, lora_request, remote_decode=True)
+                                       priority, lora_request, images, remote_decode=True)
         tokenizer = self.tokenizer
         text = (OutputText(tokenizer, token_ids, params, self.eos_token_ids)
                 if self.detokenize and tokenizer is not None else None)
-        self._requests[request_id] = _Request(token_ids, params, priority, text, lora_request)
+        self._requests[request_id] = _Request(prompt if images else token_ids, images, params,
+                                              priority, text, lora_request)
         return token_ids
+
+    def prepare_images(self, images: list, names: list[str] | None = None) -> list:
+        """Engine.prepare_images (the decode engine's: both take its outputs)."""
+        return self.decode.prepare_images(images, names)
 
     def abort_request(self, request_id: str) -> bool:
         req = self._requests.pop(request_id, None)
@@ -252,8 +258,8 @@ class DisaggregatedEngine:
             del self._requests[out.request_id]
             return out
         try:
-            self.decode.add_request(out.request_id, req.token_ids, req.params, req.priority,
-                                    req.lora, prefilled=Prefilled(
+            self.decode.add_request(out.request_id, req.prompt, req.params, req.priority,
+                                    req.lora, req.images, prefilled=Prefilled(
                                         out.new_token_ids[0], kv, self.prefill.model_digest,
                                         req.lora.lora_name if req.lora else None))
         except ValueError as e:

@@ -120,8 +120,7 @@ class Engine:
         if self.kv_transfer is not None:
             unsupported = [what for what, on in (
                 ("several hosts", broadcaster is not None),
-                ("speculative decoding", spec.config is not None),
-                ("a vision-language model", model_config.vision is not None)) if on]
+                ("speculative decoding", spec.config is not None)) if on]
             if unsupported:
                 raise ValueError(f"prefill/decode disaggregation (kv_transfer_config) with "
                                  f"{unsupported[0]} is not supported yet")
@@ -259,7 +258,7 @@ class Engine:
             token_ids = check_prompt(token_ids, self.model_config.vocab_size,
                                      self.max_model_len)
         if remote_decode or prefilled is not None:
-            self._check_kv_role(remote_decode, prefilled, token_ids, lora_request)
+            self._check_kv_role(remote_decode, prefilled, token_ids, lora_request, spans)
         if prefilled is not None and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs needs the prompt computed here; this request's "
                              "K/V were prefilled elsewhere")
@@ -310,10 +309,11 @@ class Engine:
         return token_ids
 
     def _check_kv_role(self, remote_decode: bool, prefilled: Prefilled | None,
-                       token_ids: list[int], lora_request: LoRARequest | None) -> None:
+                       token_ids: list[int], lora_request: LoRARequest | None,
+                       spans: list) -> None:
         """ValueError unless this engine takes the request's side of disaggregation and
-        its moved K/V fit (kv_transfer.py): this model and adapter computed them, and
-        they fit this engine's cache."""
+        its moved K/V fit (kv_transfer.py): this model and adapter computed them from this
+        prompt and these images, and they fit this engine's cache."""
         role = self.kv_transfer
         if remote_decode and prefilled is not None:
             raise ValueError("a request is either prefilled here for a remote decode "
@@ -335,6 +335,13 @@ class Engine:
                 raise ValueError(f"the K/V were computed under adapter {prefilled.lora!r}, "
                                  f"this request names {lora!r}: send the decode server the "
                                  "same request")
+            for what, theirs, ours in (
+                    ("prompt's token ids", prefilled.token_ids, token_ids),
+                    ("images", prefilled.images, [s.image.hash.hex() for s in spans])):
+                if theirs is not None and theirs != ours:
+                    raise ValueError(f"the {what} differ from those the prefill engine "
+                                     "computed the K/V from; send the decode server the "
+                                     "same request")
             self.runner.pages.check(prefilled.kv, self.runner.kv_caches)
             if prefilled.kv.num_tokens != len(token_ids):
                 raise ValueError(f"prefilled K/V holds {prefilled.kv.num_tokens} tokens, the "

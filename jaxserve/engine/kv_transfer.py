@@ -45,15 +45,16 @@ class KVPages:
 @dataclasses.dataclass
 class Prefilled:
     """What a decode engine is given of a request prefilled elsewhere: its prompt's K/V,
-    the first token the prefill sampled, and what computed them: the prefill engine's
-    `model_digest` and the request's LoRA adapter there (None: the base model). A decode
-    engine refuses K/V another model or adapter computed (a `model` of None is not
-    checked)."""
+    the first token the prefill sampled, and what computed them, which the decode engine
+    checks against the request it is given (None: not checked): the prefill engine's
+    `model_digest`, the prompt's token ids as it expanded them, its images' hashes (hex)."""
 
     first_token: int
     kv: KVPages
     model: str | None = None
-    lora: str | None = None
+    lora: str | None = None  # the request's adapter (None: the base model; always checked)
+    token_ids: list[int] | None = None
+    images: list[str] | None = None
 
 
 def model_digest(config, model_config, weights: str) -> str:

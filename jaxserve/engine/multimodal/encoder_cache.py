@@ -51,10 +51,11 @@ class EncoderCache:
         return sum(self.pages_for(i.num_tokens) for i in unique.values()) <= self.num_pages
 
     def can_acquire(self, seq: Sequence) -> bool:
-        """Whether `seq`'s images (all of them: its cached prefix is not known yet) have
-        rows or can get them, evicting images nobody holds."""
-        missing = {i.hash: i for i in (s.image for s in seq.images)
-                   if i.hash not in self._entries}
+        """Whether `seq`'s images (all of them: its cached prefix is not known yet; none
+        that its K/V prefilled elsewhere hold) have rows or can get them, evicting images
+        nobody holds."""
+        missing = {s.image.hash: s.image for s in seq.images
+                   if s.end > seq.num_prefilled_tokens and s.image.hash not in self._entries}
         pages = sum(self.pages_for(i.num_tokens) for i in missing.values())
         idle = sum(len(self._entries[h].pages) for h in self._idle)
         return pages <= len(self._free) + idle
