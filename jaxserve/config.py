@@ -1014,6 +1014,18 @@ class EngineConfig:
         if isinstance(self.kv_transfer_config, dict):
             object.__setattr__(self, "kv_transfer_config",
                                KVTransferConfig.from_dict(self.kv_transfer_config))
+        role, spec = self.kv_transfer_config, self.speculative_config
+        if role is not None and spec is not None:
+            if not role.consumes:
+                raise ValueError("speculative decoding belongs to the decode engine (a "
+                                 "kv_producer samples one token a request): give "
+                                 "speculative_config to the decode side")
+            if spec.method in ("eagle", "eagle3"):
+                raise ValueError(f"{spec.method} speculative decoding is not supported with "
+                                 "prefill/decode disaggregation: its head reads the target's "
+                                 "hidden states over the prompt, which a decode engine does "
+                                 "not compute (n-gram, draft-model and Medusa speculation "
+                                 "are)")
         if self.devices is not None:
             devices = tuple(self.devices)
             if not devices or len(set(devices)) != len(devices) or not all(

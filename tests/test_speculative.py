@@ -518,6 +518,42 @@ def medusa_llm(checkpoints, tmp_path_factory):
         "disable_by_batch_size": None})
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "medusa"])
+def test_a_decode_engine_speculates_on_prefilled_requests(checkpoints, want, prompts,
+                                                           tmp_path, method):
+    """Prefill/decode disaggregation with speculation on the decode engine: it has the
+    prompts' K/V but never ran them, so a draft model catches up over each prompt itself
+    (the target drafting for itself: every guess right, which wrong draft K/V would
+    break) and Medusa heads wait for the first decode step's hidden state. Greedy tokens
+    are those of no speculation. A prefill engine with a speculative_config, or an EAGLE
+    head on a decode engine, is refused with the reason."""
+    config = {**SPEC, "method": method}
+    if method == "draft_model":
+        config["model"] = str(checkpoints("llama")[0])
+    if method == "medusa":
+        hf = checkpoints("llama")[1]
+        config["model"] = str(write_medusa(tmp_path, medusa_heads(
+            hf, heads=3, layers=1, seed=1, copy_lm_head=True), 1))
+    llm = LLM(str(checkpoints("llama")[0]), **ENGINE, prefill={},
+              decode={"speculative_config": config})
+    decode = llm.engine.decode
+    assert tokens(llm.generate(prompts, GREEDY)) == want
+    stats = decode.speculator.stats
+    assert llm.engine.num_handoffs == len(prompts) and stats.num_accepted > 0
+    if method == "draft_model":
+        assert stats.num_accepted == stats.num_proposed
+    for side in (llm.engine.prefill, decode):
+        assert side.runner.compiles_after_warmup == 0 and side.scheduler.num_used_pages == 0
+    if method != "ngram":
+        return
+    with pytest.raises(ValueError, match="give speculative_config to the decode side"):
+        LLM(str(checkpoints("llama")[0]), **ENGINE, prefill={"speculative_config": SPEC},
+            decode={}, warmup=False)
+    with pytest.raises(ValueError, match="eagle speculative decoding is not supported"):
+        LLM(str(checkpoints("llama")[0]), **ENGINE, prefill={}, warmup=False, decode={
+            "speculative_config": {**SPEC, "method": "eagle", "model": "unused"}})
+
+
 @pytest.mark.parametrize("heads", ["medusa_llm", "tree_llm"])
 def test_medusa_gives_the_target_tokens(request, heads, base, want, prompts):
     """The heads' own guesses, a chain of each head's top one or a tree of each head's top

@@ -117,13 +117,9 @@ class Engine:
         # What this engine computes with (kv_transfer.model_digest; from_config sets it for
         # disaggregation): a decode engine refuses K/V another model computed.
         self.model_digest: str | None = None
-        if self.kv_transfer is not None:
-            unsupported = [what for what, on in (
-                ("several hosts", broadcaster is not None),
-                ("speculative decoding", spec.config is not None)) if on]
-            if unsupported:
-                raise ValueError(f"prefill/decode disaggregation (kv_transfer_config) with "
-                                 f"{unsupported[0]} is not supported yet")
+        if self.kv_transfer is not None and broadcaster is not None:
+            raise ValueError("prefill/decode disaggregation (kv_transfer_config) with "
+                             "several hosts is not supported yet")
         kv_dtype = pool_dtype(config.kv_storage_dtype, config.kernel_impl or default_impl())
         # LoRA adapters (engine/lora.py): where they are, and their device stacks' shapes.
         self.loras, lora_stacks = None, None
