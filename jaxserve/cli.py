@@ -254,6 +254,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              http_port=None if args.no_http else args.http_port,
                              max_prompt_bytes=args.max_prompt_bytes, security=security,
                              tool_call_parser=args.tool_call_parser,
+                             reasoning_parser=args.reasoning_parser,
                              media=MediaPolicy(tuple(args.allowed_media_domains or ()),
                                                args.allowed_local_media_path)))
     if dist is not None and code != 0:
@@ -415,6 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
                      choices=["hermes", "llama3_json", "mistral"],
                      help="read tool calls in this format out of model output, for "
                           "tool_choice \"auto\" on /v1/chat/completions (docs/http.md)")
+    srv.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                     help="split a thinking model's <think> block from its chat answers "
+                          "into reasoning_content (docs/http.md)")
     srv.add_argument("--engine-thread", action="store_true",
                      help="run the engine loop on a thread of the server's process instead "
                           "of a process of its own (as multi-host's process 0 does); the "

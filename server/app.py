@@ -79,13 +79,14 @@ async def serve(core: EngineProcess | EngineThread, host: str = "127.0.0.1", por
                 grace_s: float = 30.0, model_name: str = "",
                 http_port: int | None = 8000, max_prompt_bytes: int | None = None,
                 security: Security | None = None, tool_call_parser: str | None = None,
-                media: MediaPolicy = MediaPolicy()) -> int:
+                media: MediaPolicy = MediaPolicy(), reasoning_parser: str | None = None) -> int:
     """Run until SIGTERM/SIGINT; returns the process exit code. `core`: the engine loop,
     loaded and not started (it warms up when started). `http_port` None: gRPC only.
     `max_prompt_bytes` (default from max_model_len) bounds prompt text before tokenizing,
     and gRPC messages and HTTP bodies to what such a prompt needs. `security`: TLS and API
     keys for both servers (server/security.py). `tool_call_parser`: the format tool calls
-    are read in for tool_choice "auto" (server/tool_parsers.py). `media`: where chat
+    are read in for tool_choice "auto" (server/tool_parsers.py); `reasoning_parser`: the
+    reasoning block split from chat answers (server/reasoning.py). `media`: where chat
     messages' images may be read from (loading/media.py); a vision-language model's
     requests may also be larger by its images (`image_bytes_limit`)."""
     security = security or Security()
@@ -106,7 +107,8 @@ async def serve(core: EngineProcess | EngineThread, host: str = "127.0.0.1", por
         if http_port is not None:
             parser = get_parser(tool_call_parser) if tool_call_parser else None
             http = HTTPServer(async_engine, model_name, metrics, max_body_bytes=request_limit,
-                              security=security, tool_parser=parser)
+                              security=security, tool_parser=parser,
+                              reasoning_parser=reasoning_parser)
             http_task = await _start_http(http, host, http_port, grpc_server.server)
             log.info("HTTP (OpenAI API) on %s://%s:%d (503 until warm-up ends)",
                      "https" if security.tls else "http", host, http_port)

@@ -35,7 +35,7 @@ from jaxserve.engine.lora import LoRARequest
 from jaxserve.outputs import StepOutput
 from jaxserve.sampling_params import SamplingParams
 from server import openai_protocol as oai
-from server import tool_calling
+from server import reasoning, tool_calling
 from server.async_engine import AsyncEngine, QueueFullError
 from server.kv_transfer import KVTransferError
 from server.metrics import CONTENT_TYPE, Metrics
@@ -251,9 +251,10 @@ class HTTPServer:
 
     def __init__(self, async_engine: AsyncEngine, model_name: str, metrics: Metrics,
                  max_body_bytes: int, security: Security | None = None,
-                 tool_parser: ToolParser | None = None):
+                 tool_parser: ToolParser | None = None, reasoning_parser: str | None = None):
         self.async_engine = async_engine
         self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser  # server/reasoning.py (None: off)
         self.info = async_engine.info
         self.model_name = model_name
         # LoRA adapters served under their own names (`model`), by name.
@@ -385,12 +386,16 @@ class HTTPServer:
             raise oai.APIError(400, str(e), "messages") from e
         params = await self._sampling_params(req, req.max_completion_tokens or req.max_tokens,
                                              logprobs, plan)
+        # With a reasoning parser: whether the prompt left a reasoning block open.
+        think = None if self.reasoning_parser is None else reasoning.opened_by(
+            self.info.tokenizer.decode(ids[-16:], skip_special_tokens=False))
         job = Job(self.async_engine, oai.new_id("chatcmpl"), [(ids, p) for p in params], lora,
                   images, oai.kv_transfer_params(req, 1))
         await self._start(request, job)
         rid = job.id
         if req.stream:
-            return StreamingResponse(self._chat_stream(request, req, job, rid, len(ids), plan),
+            return StreamingResponse(self._chat_stream(request, req, job, rid, len(ids), plan,
+                                                       think),
                                      media_type="text/event-stream")
         choices = [Choice() for _ in params]
         async with _watching(request, job):
@@ -402,32 +407,58 @@ class HTTPServer:
             extra["prompt_logprobs"] = oai.prompt_logprobs_json(choices[0].prompt_logprobs,
                                                                 self._token_text)
         return _answer(job, choices, oai.envelope(rid, "chat.completion", self._model(job), [
-            {"index": i, **self._chat_message(c, plan),
+            {"index": i, **self._chat_message(c, plan, think, req.include_reasoning),
              "logprobs": {"content": [x for part in c.logprobs for x in part]}
              if logprobs is not None else None, "stop_reason": c.stop_reason}
             for i, c in enumerate(choices)],
             usage=oai.usage(len(ids), sum(c.num_tokens for c in choices)), **extra))
 
     @staticmethod
-    def _chat_message(c: Choice, plan: tool_calling.ToolPlan | None) -> dict:
-        """A finished choice's message and finish_reason (tool calls read out of it)."""
-        if plan is None:
-            return {"message": {"role": "assistant", "content": c.text},
-                    "finish_reason": c.finish_reason}
-        content, calls = tool_calling.message(plan, c.text)
+    def _chat_message(c: Choice, plan: tool_calling.ToolPlan | None, think: bool | None,
+                      include_reasoning: bool) -> dict:
+        """A finished choice's message and finish_reason (its reasoning split off when
+        `think` is not None: server/reasoning.py; tool calls read out of the rest)."""
+        thought, content = (None, c.text) if think is None else reasoning.split(c.text, think)
+        calls = []
+        if plan is not None and content is not None:
+            content, calls = tool_calling.message(plan, content)
         message = {"role": "assistant", "content": content}
+        if thought is not None and include_reasoning:
+            message["reasoning_content"] = message["reasoning"] = thought
         if calls:
             message["tool_calls"] = calls
-        return {"message": message,
-                "finish_reason": tool_calling.finish_reason(plan, c.finish_reason, calls)}
+        reason = (c.finish_reason if plan is None
+                  else tool_calling.finish_reason(plan, c.finish_reason, calls))
+        return {"message": message, "finish_reason": reason}
 
     async def _chat_stream(self, request: Request, req: oai.ChatCompletionRequest, job: Job,
                            rid: str, num_prompt_tokens: int,
-                           plan: tool_calling.ToolPlan | None) -> AsyncIterator[str]:
+                           plan: tool_calling.ToolPlan | None,
+                           think: bool | None) -> AsyncIterator[str]:
         created, logprobs = int(time.time()), req.logprob_count()
         extra = {"usage": None} if req.include_usage else {}
         choices = [Choice() for _ in job.requests]
         tool_streams = [tool_calling.ToolStream(plan) if plan else None for _ in choices]
+        thoughts = [reasoning.ReasoningStream.after(think) if think is not None else None
+                    for _ in choices]
+
+        def deltas_of(i: int, out: StepOutput) -> list[dict]:
+            """A choice's new text as deltas: reasoning, then content or tool calls."""
+            tools, thought = tool_streams[i], thoughts[i]
+            pieces = [("content", out.new_text)] if thought is None else (
+                thought.feed(out.new_text) + (thought.finish() if out.finished else []))
+            deltas = []
+            for kind, text in pieces:
+                if kind == "reasoning":
+                    if req.include_reasoning:
+                        deltas.append({"reasoning_content": text, "reasoning": text})
+                elif tools is not None:
+                    deltas += tools.feed(text)
+                elif text:
+                    deltas.append({"content": text})
+            if tools is not None and out.finished:
+                deltas += tools.finish()
+            return deltas
 
         def chunk(i: int, delta: dict, out: StepOutput | None = None, finish=None) -> str:
             choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
@@ -447,7 +478,7 @@ class HTTPServer:
                     yield chunk(i, {"role": "assistant", "content": "" if tools is None
                                     or tools.plan.mode == "auto" else None})
                 self._accumulate(c, out)
-                if tools is None:
+                if tools is None and thoughts[i] is None:
                     # A chunk per step that made tokens, even when their text is held back
                     # (an unfinished UTF-8 character): clients see progress, as vLLM's do.
                     delta = ({"content": out.new_text} if out.new_text or out.new_token_ids
@@ -455,14 +486,14 @@ class HTTPServer:
                     if out.finished or delta:
                         yield chunk(i, delta, out, c.finish_reason)
                     continue
-                deltas = tools.feed(out.new_text) + (tools.finish() if out.finished else [])
+                deltas = deltas_of(i, out)
                 for j, delta in enumerate(deltas):
                     yield chunk(i, delta, out if j == 0 else None)
                 if not deltas and not out.finished and logprobs is not None:
                     yield chunk(i, {}, out)  # text held back; its tokens' logprobs go now
                 if out.finished:
-                    reason = tool_calling.finish_reason(plan, c.finish_reason,
-                                                        [None] * tools.num_calls)
+                    reason = c.finish_reason if tools is None else tool_calling.finish_reason(
+                        plan, c.finish_reason, [None] * tools.num_calls)
                     yield chunk(i, {}, None if deltas else out, reason)
         for event in self._stream_end(job, "chat.completion.chunk", created, errors,
                                       req.include_usage, num_prompt_tokens, choices):

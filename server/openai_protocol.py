@@ -238,6 +238,7 @@ class ChatCompletionRequest(_Request):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True  # vLLM's: False drops the reasoning (server/reasoning.py)
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template and the tool plan read them."""
