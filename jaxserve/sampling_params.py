@@ -11,6 +11,9 @@ from typing import Any
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 24  # stop_token_ids (<= 16) plus EOS ids
 MAX_LOGIT_BIAS = 32  # logit_bias entries per request
+# A thinking model's reasoning block (DeepSeek-R1, QwQ, Qwen3): StructuredOutputsParams'
+# `reasoning`, and the servers' --reasoning-parser (server/reasoning.py).
+REASONING_START, REASONING_END = "<think>", "</think>"
 
 
 @dataclasses.dataclass
@@ -27,6 +30,11 @@ class StructuredOutputsParams:
     JSON comes out compact (`", "` and `": "` separators, no other whitespace) unless
     `disable_any_whitespace` is False: free whitespace lets a model pad the output until
     max_tokens runs out.
+
+    `reasoning` leaves a thinking model's reasoning block free before the constraint
+    holds (the servers' --reasoning-parser sets it): "open" when the prompt opened the
+    block (free text up to REASONING_END first), "optional" when the output may open one
+    with REASONING_START; whitespace may follow the block.
     """
 
     json: dict[str, Any] | str | None = None
@@ -35,6 +43,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     disable_any_whitespace: bool = True
+    reasoning: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.json, str):
@@ -53,6 +62,9 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs.regex must be a string")
         if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar):
             raise ValueError("structured_outputs.grammar must be a non-empty string")
+        if self.reasoning not in (None, "open", "optional"):
+            raise ValueError(f"structured_outputs.reasoning must be 'open' or 'optional', "
+                             f"got {self.reasoning!r}")
         if self.choice is not None:
             if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(
                     isinstance(c, str) and c for c in self.choice):
@@ -68,7 +80,8 @@ class StructuredOutputsParams:
     def key(self) -> str:
         """What identifies the compiled constraint (for caching)."""
         value = getattr(self, self.kind)
-        return json.dumps([self.kind, value, self.disable_any_whitespace], sort_keys=True)
+        return json.dumps([self.kind, value, self.disable_any_whitespace, self.reasoning],
+                          sort_keys=True)
 
 
 @dataclasses.dataclass

@@ -328,11 +328,12 @@ class HTTPServer:
         return self.info.tokenizer.decode([token], skip_special_tokens=False)
 
     async def _sampling_params(self, req: oai._Request, max_tokens: int | None,
-                               logprobs: int | None, tools: tool_calling.ToolPlan | None = None
-                               ) -> list[SamplingParams]:
+                               logprobs: int | None, tools: tool_calling.ToolPlan | None = None,
+                               reasoning_block: str | None = None) -> list[SamplingParams]:
         """Each choice's params, with the output constraint compiled (in the tokenizer
         pool) so a bad one is a 400 naming the field it came in. A parsed tool call's
-        markers may be special tokens: they are kept in the text."""
+        markers may be special tokens: they are kept in the text. `reasoning_block`
+        (StructuredOutputsParams.reasoning): a block the constraint holds after."""
         try:
             params = [req.sampling_params(
                 max_tokens, logprobs, i, tools.constraint() if tools else None,
@@ -341,6 +342,9 @@ class HTTPServer:
         except ValueError as e:
             raise oai.bad_request(e) from e
         constraint = params[0].structured_outputs
+        if constraint is not None and reasoning_block is not None:
+            constraint = dataclasses.replace(constraint, reasoning=reasoning_block)
+            params = [dataclasses.replace(p, structured_outputs=constraint) for p in params]
         if constraint is not None:
             try:
                 await self.async_engine.compile_constraint(constraint)
@@ -384,11 +388,16 @@ class HTTPServer:
                 **(req.chat_template_kwargs or {}))
         except ValueError as e:  # ChatTemplateError, a bad image, over --max-prompt-bytes
             raise oai.APIError(400, str(e), "messages") from e
+        think = block = None  # (no reasoning parser)
+        if self.reasoning_parser is not None:
+            state = reasoning.prompt_state(
+                self.info.tokenizer.decode(ids[-16:], skip_special_tokens=False))
+            think = state == "open"  # the output starts inside a block
+            # An output constraint holds after the block, from the start if the prompt
+            # closed one.
+            block = {"open": "open", "closed": None, None: "optional"}[state]
         params = await self._sampling_params(req, req.max_completion_tokens or req.max_tokens,
-                                             logprobs, plan)
-        # With a reasoning parser: whether the prompt left a reasoning block open.
-        think = None if self.reasoning_parser is None else reasoning.opened_by(
-            self.info.tokenizer.decode(ids[-16:], skip_special_tokens=False))
+                                             logprobs, plan, block)
         job = Job(self.async_engine, oai.new_id("chatcmpl"), [(ids, p) for p in params], lora,
                   images, oai.kv_transfer_params(req, 1))
         await self._start(request, job)

@@ -10,20 +10,26 @@ the prompt left one open (the R1 and Qwen3-Thinking chat templates end the promp
 `<think>`); otherwise output that begins with `<think>` opens it, and output that does not
 is all content (Qwen3 with `enable_thinking: false`). Output that ends inside the block
 (max_tokens) is all reasoning, content null, streamed or not. Tool calls are read from the
-content only. A request's `include_reasoning: false` (vLLM's) drops the reasoning.
+content only, and an output constraint (response_format, guided_*, a required or named
+tool) holds after the block (StructuredOutputsParams.reasoning: from the first token
+when the prompt closed one, as vLLM's does). A request's `include_reasoning: false`
+(vLLM's) drops the reasoning.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-START, END = "<think>", "</think>"
+from jaxserve.sampling_params import REASONING_END as END
+from jaxserve.sampling_params import REASONING_START as START
 
 
-def opened_by(prompt_text: str) -> bool:
-    """Whether a prompt leaves a reasoning block open (its last START after its last
-    END)."""
-    return prompt_text.rfind(START) > prompt_text.rfind(END)
+def prompt_state(prompt_text: str) -> str | None:
+    """Where a prompt leaves the reasoning: "open" (its last marker is START: R1's and
+    Qwen3-Thinking's generation prompts), "closed" (END: Qwen3's with enable_thinking
+    false), None (no marker)."""
+    start, end = prompt_text.rfind(START), prompt_text.rfind(END)
+    return None if start == end else "open" if start > end else "closed"
 
 
 def split(text: str, opened: bool) -> tuple[str | None, str | None]:

@@ -26,7 +26,7 @@ def server(checkpoints, tmp_path_factory):
     path, _ = checkpoints("llama")
     log = tmp_path_factory.mktemp("http") / "server.log"
     with running_server(path, log, "--max-waiting", "500", "--tool-call-parser", "hermes",
-                        "--reasoning-parser", "qwen3", cold=True) as (target, proc):
+                        cold=True) as (target, proc):
         yield target, proc, path
 
 
@@ -563,50 +563,6 @@ def test_auto_tool_calls_are_parsed_by_the_servers_parser(server, client):
                                            extra_body={"ignore_eos": True})
     assert plain.choices[0].message.tool_calls is None
     assert plain.choices[0].finish_reason == "length"
-
-
-def test_reasoning_is_split_from_the_answer(server, client):
-    """--reasoning-parser qwen3: a <think> block the model writes first (forced here by a
-    regex, as a random model would not write one) comes back as reasoning_content (and
-    vLLM's `reasoning`), the rest as content; streamed, the same pieces; without it
-    (include_reasoning false) only the content; tool calls are read after the block."""
-    model = str(server[2])
-    body = dict(model=model, messages=ASK, max_tokens=60, seed=4)
-    forced = {"guided_regex": r"<think>[a-z ]{4,12}</think>[a-z]{2,8}"}
-    r = client.chat.completions.create(**body, extra_body=forced)
-    message = r.choices[0].message.model_dump()
-    thought, content = message["reasoning_content"], message["content"]
-    assert re.fullmatch(r"[a-z ]{4,12}", thought) and re.fullmatch(r"[a-z]{2,8}", content)
-    assert message["reasoning"] == thought
-    deltas = [c.choices[0].delta.model_dump() for c in client.chat.completions.create(
-        **body, stream=True, extra_body=forced) if c.choices]
-    assert "".join(d.get("reasoning_content") or "" for d in deltas) == thought
-    assert "".join(d["content"] or "" for d in deltas) == content
-    hidden = client.chat.completions.create(**body, extra_body={**forced,
-                                                                "include_reasoning": False})
-    assert hidden.choices[0].message.content == content
-    assert "reasoning_content" not in hidden.choices[0].message.model_dump()
-    # Output with no block is all content (no reasoning field), as before.
-    plain = client.chat.completions.create(**body, extra_body={"guided_regex": "[a-z]{3}"})
-    assert re.fullmatch("[a-z]{3}", plain.choices[0].message.content)
-    assert plain.choices[0].message.model_dump().get("reasoning_content") is None
-    calls = (r'<think>[a-z]{2,4}</think><tool_call>\{"name": "get_weather", "arguments": '
-             r'\{"city": "[a-z]{2,4}"\}\}</tool_call>')
-    body["max_tokens"] = 100  # (a byte tokenizer: a token a character)
-    r = client.chat.completions.create(**body, tools=[WEATHER_TOOL],
-                                       extra_body={"guided_regex": calls})
-    message = r.choices[0].message
-    assert r.choices[0].finish_reason == "tool_calls" and message.content is None
-    assert re.fullmatch(r"[a-z]{2,4}", message.model_dump()["reasoning_content"])
-    assert message.tool_calls[0].function.name == "get_weather"
-    stream = list(client.chat.completions.create(**body, tools=[WEATHER_TOOL], stream=True,
-                                                 extra_body={"guided_regex": calls}))
-    assert "".join(c.choices[0].delta.model_dump().get("reasoning_content") or ""
-                   for c in stream if c.choices) == message.model_dump()["reasoning_content"]
-    content, streamed_calls, finish = _accumulate_tool_calls(stream)
-    assert (content, finish) == ("", "tool_calls")
-    assert [(c["name"], c["arguments"]) for c in streamed_calls.values()] == [
-        ("get_weather", message.tool_calls[0].function.arguments)]
 
 
 @pytest.mark.parametrize("body, needle", [

@@ -122,6 +122,35 @@ def test_every_constrained_output_parses(llm, prompts):
     assert engine.scheduler.num_used_pages == 0
 
 
+@pytest.mark.parametrize("kind", list(CONSTRAINTS))
+def test_a_constraint_holds_after_a_free_reasoning_block(llm, prompts, kind):
+    """`reasoning` ("open": the prompt opened a block; "optional": the output may open
+    one): the reasoning is free text up to </think>, then the constraint holds (an
+    answer the engine wrote under the plain constraint, checked by its own oracle)."""
+    import dataclasses
+
+    plain = CONSTRAINTS[kind]
+    answer = llm.generate([prompts[1]], SamplingParams(
+        temperature=0.0, max_tokens=120, structured_outputs=plain))[0].outputs[0].text
+    check(kind, answer)
+    tokenizer, grammars = llm.get_tokenizer(), llm.engine.grammars
+    thought = 'some {"json": no} </b> <thin < / >\n'
+
+    def walk(mode: str, text: str) -> bool:
+        matcher = grammars.matcher(dataclasses.replace(plain, reasoning=mode))
+        return all(matcher.consume_token(t) for t in tokenizer.encode(
+            text, add_special_tokens=False)) and matcher.is_accepting()
+
+    assert walk("optional", f"<think>{thought}</think>\n\n{answer}")
+    assert walk("optional", answer)  # no block
+    assert walk("open", f"{thought}</think> {answer}")
+    for mode, text in [("optional", f"<think>{thought}</think>!{answer}"),
+                       ("open", f"{thought}</think>!"), ("open", thought),
+                       ("optional", f"{thought}</think>{answer}")]:
+        assert not walk(mode, text), (mode, text)
+    assert not walk(None, f"<think>{thought}</think>{answer}")  # without it: from the start
+
+
 def _parses_as_anything(text: str) -> bool:
     try:
         json.loads(text)
@@ -185,6 +214,7 @@ def test_bad_constraints_fail_at_add_naming_the_problem(llm, constraint, problem
     (dict(regex="a", choice=["a"]), "exactly one"),
     (dict(choice=[]), "non-empty list"),
     (dict(json="{not json"), "not valid JSON"),
+    (dict(regex="a", reasoning="closed"), "reasoning must be 'open' or 'optional'"),
 ])
 def test_constraint_fields_are_checked(fields, problem):
     with pytest.raises(ValueError, match=problem):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -30,7 +31,7 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 import numpy as np
 
 from jaxserve.loading.tokenizer import Tokenizer
-from jaxserve.sampling_params import StructuredOutputsParams
+from jaxserve.sampling_params import REASONING_END, REASONING_START, StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,24 @@ GRAMMAR_CACHE_SIZE = 256
 
 
 def grammar_source(c: StructuredOutputsParams) -> str:
-    """llguidance's grammar for a constraint (not yet checked)."""
+    """llguidance's grammar for a constraint (not yet checked), after a free reasoning
+    block when `c.reasoning` asks for one."""
+    source = _constraint_source(c)
+    if c.reasoning is None:
+        return source
+    # The constraint's grammars (a JSON TopLevelGrammar, or Lark text), the first renamed
+    # so that a Lark grammar of the block can refer to it (`@constraint`).
+    grammars = (json.loads(source)["grammars"] if source.lstrip().startswith("{")
+                else [{"lark_grammar": source}])
+    grammars[0] = {**grammars[0], "name": "constraint"}
+    block = "thought /[ \\t\\r\\n]*/"
+    start = (f"start: {block} @constraint" if c.reasoning == "open"
+             else f"start: ({json.dumps(REASONING_START)} {block})? @constraint")
+    thought = "thought[lazy]: /(?s:.*)" + re.escape(REASONING_END).replace("/", "\\/") + "/"
+    return json.dumps({"grammars": [{"lark_grammar": f"{start}\n{thought}\n"}, *grammars]})
+
+
+def _constraint_source(c: StructuredOutputsParams) -> str:
     if c.json is not None or c.json_object:
         schema = c.json if c.json is not None else {"type": "object"}
         options = ({"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
