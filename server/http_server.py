@@ -373,6 +373,13 @@ class HTTPServer:
         req = await self._body(request, oai.ChatCompletionRequest)
         lora = self._check_serving(req.model)
         self._tokenizer()  # 400 when the model has none
+        if self.reasoning_parser is not None and req.kv_transfer_params:
+            # The router joins the prefill server's first token with the decode server's
+            # text, and a marker may straddle them: neither server can split it alone.
+            raise oai.APIError(400, "kv_transfer_params: a server started with "
+                                    "--reasoning-parser does not serve prefill/decode "
+                                    "disaggregation yet; start it without one",
+                               "kv_transfer_params")
         logprobs = req.logprob_count()
         tools = req.tool_dicts()
         try:

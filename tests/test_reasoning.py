@@ -209,3 +209,12 @@ def test_a_constraint_holds_after_the_reasoning_block(server, client):
     choice = client.chat.completions.create(**body, **closed).choices[0]
     assert re.fullmatch("[a-z]{3}", choice.message.content)
     assert choice.message.model_dump().get("reasoning_content") is None
+
+
+def test_disaggregated_requests_are_refused(server):
+    """The router joins the first token's text with the rest, so a marker may straddle
+    the two servers: a reasoning parser refuses kv_transfer_params (400)."""
+    r = httpx.post(f"{server[0].http_url}/v1/chat/completions", json={
+        "model": server[1], "messages": ASK, "max_tokens": 4,
+        "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 400 and "--reasoning-parser" in r.json()["error"]["message"]
