@@ -236,7 +236,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             multihost.initialize(dist)
         leader = dist is None or dist.process_id == 0
         broadcaster = broadcast.StepBroadcaster() if dist is not None and leader else None
-        engine = build_engine(config, args.random_weights, lora_modules, broadcaster)
+        # (followers are sent the adapters' arrays by process 0: they read none)
+        engine = build_engine(config, args.random_weights, lora_modules if leader else (),
+                              broadcaster)
         if not leader:
             engine.warmup()
             logging.info("process %d: following process 0's steps", dist.process_id)

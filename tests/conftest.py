@@ -176,6 +176,28 @@ def prompts():
     return [rng.integers(3, VOCAB, size=n).tolist() for n in (5, 17, 30, 43)]
 
 
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                   "down_proj"]
+
+
+def save_peft_adapter(base, path, rank: int = 8, alpha: int = 16, rslora: bool = False,
+                      targets=ALL_PROJECTIONS, seed: int = 0):
+    """A random PEFT LoRA adapter over `base` (a transformers model), saved in `path`
+    with PEFT's own save_pretrained; returns the PEFT model."""
+    import copy
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(
+        r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=targets,
+        init_lora_weights=False, lora_dropout=0.0))
+    model.eval()
+    model.save_pretrained(path)
+    return model
+
+
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     """Greedy continuation by transformers' own incremental decoding (its KV cache)."""
     import torch

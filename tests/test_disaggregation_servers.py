@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 
+from conftest import save_peft_adapter
 from serverproc import running_router, running_server
 from server.protos.jaxserve.v1 import inference_pb2 as pb
 from server.protos.jaxserve.v1 import inference_pb2_grpc as pb_grpc
@@ -42,28 +43,14 @@ def _metric(url: str, name: str) -> float:
     return float(m.group(1))
 
 
-def _adapter(base, path) -> str:
-    """A PEFT LoRA adapter on every attention and MLP projection (K/V change with it)."""
-    import copy
-
-    import torch
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(0)
-    get_peft_model(copy.deepcopy(base), LoraConfig(
-        r=8, lora_alpha=16, init_lora_weights=False, lora_dropout=0.0,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                        "down_proj"])).save_pretrained(path)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def cluster(checkpoints, tmp_path_factory):
     model, base = checkpoints("llama8")
     logs = tmp_path_factory.mktemp("pd")
     # The single, prefill and decode servers serve an adapter (ADAPTER) beside the base.
-    lora = ("--enable-lora", "--max-lora-rank", "8", "--lora-modules",
-            f"{ADAPTER}={_adapter(base, tmp_path_factory.mktemp('adapter'))}")
+    adapter = tmp_path_factory.mktemp("adapter")
+    save_peft_adapter(base, adapter)  # every projection: K/V change with it
+    lora = ("--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"{ADAPTER}={adapter}")
     with contextlib.ExitStack() as stack:
         servers, targets = {}, {}
         for name, flags, env in (

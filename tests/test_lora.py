@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import hf_greedy, kernel_interpret
+from conftest import hf_greedy, kernel_interpret, save_peft_adapter
 from jaxserve import LLM, LoRARequest, SamplingParams
 from jaxserve.config import ModelConfig
 from jaxserve.loading.peft import load_adapter
@@ -60,19 +60,6 @@ def test_plan_sorts_tokens_by_slot_with_the_base_last():
     assert (np.asarray(p.order)[np.asarray(p.inverse)] == np.arange(6)).all()
 
 
-def _save_adapter(base, path, rank, alpha, rslora, targets, seed):
-    import torch
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    model = get_peft_model(copy.deepcopy(base), LoraConfig(
-        r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=targets,
-        init_lora_weights=False, lora_dropout=0.0))
-    model.eval()
-    model.save_pretrained(path)
-    return model
-
-
 @pytest.fixture(scope="module")
 def adapters(checkpoints, tmp_path_factory):
     """{name: (directory, PEFT model)} over the tiny Llama."""
@@ -80,7 +67,7 @@ def adapters(checkpoints, tmp_path_factory):
     out = {}
     for i, (name, spec) in enumerate(ADAPTERS.items()):
         out[name] = (tmp_path_factory.mktemp(f"lora-{name}"),)
-        out[name] += (_save_adapter(base, out[name][0], *spec, seed=10 + i),)
+        out[name] += (save_peft_adapter(base, out[name][0], *spec, seed=10 + i),)
     return out
 
 
@@ -123,7 +110,7 @@ def test_phi3_fused_targets_give_peft_tokens(checkpoints, prompts, tmp_path):
     """PEFT adapters on Phi-3's fused qkv_proj and gate_up_proj (one A per fused module, its
     B split among q/k/v or gate/up, as the base weight is) beside ones on o/down."""
     path, base = checkpoints("phi3")
-    peft = {name: _save_adapter(base, tmp_path / name, rank, 2 * rank, False, targets, seed)
+    peft = {name: save_peft_adapter(base, tmp_path / name, rank, 2 * rank, False, targets, seed)
             for name, rank, targets, seed in (
                 ("fused", 8, ["qkv_proj", "gate_up_proj"], 1),
                 ("all", 4, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], 2))}

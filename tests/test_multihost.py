@@ -21,8 +21,9 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from jaxserve import LLM, SamplingParams
+from jaxserve import LLM, LoRARequest, SamplingParams
 from jaxserve.engine.broadcast import PING_TIMEOUT_S
+from conftest import save_peft_adapter
 from test_eagle import make_head, write
 from serverproc import ENGINE, ENGINE_FLAGS, free_port, wait_serving
 from server.client import Client
@@ -136,6 +137,36 @@ def test_two_processes_speculate(checkpoints, tmp_path, method):
         assert status.speculation.proposed_tokens > 0
         if method == "draft_model":
             assert status.speculation.accepted_tokens == status.speculation.proposed_tokens
+        leader.send_signal(signal.SIGTERM)
+        assert leader.wait(timeout=60) == 0
+        assert follower.wait(timeout=60) == 0
+    finally:
+        for p in (leader, follower):
+            if p.poll() is None:
+                p.kill()
+
+
+def test_two_processes_serve_lora_adapters(checkpoints, tmp_path):
+    """4-way TP over both processes under a PEFT adapter: process 0 reads it and sends its
+    arrays to process 1 as it takes a device slot (one the follower never wrote would
+    make its shards of the delta zeros); the tokens are one process's under the adapter,
+    and the base model's beside it."""
+    path, base = checkpoints("llama8")
+    adapter = str(tmp_path / "adapter")
+    save_peft_adapter(base, adapter)
+    llm = LLM(str(path), **ENGINE, enable_lora=True, max_lora_rank=8)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(
+        PROMPTS, params, lora_request=LoRARequest("ad", 1, adapter))]
+    base_want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert want != base_want
+    leader, follower, target = start_job(path, tmp_path, extra=(
+        "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"ad={adapter}"))
+    try:
+        client = Client(target)
+        assert [client.complete(p, max_tokens=16, temperature=0.0, ignore_eos=True,
+                                lora_name="ad")[0] for p in PROMPTS] == want
+        assert greedy(client) == base_want
         leader.send_signal(signal.SIGTERM)
         assert leader.wait(timeout=60) == 0
         assert follower.wait(timeout=60) == 0

@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 # ModelRunner.dispatch_forward / dispatch_sample); SCORE is a FORWARD that scores its
 # tokens (prompt logprobs), its targets broadcast after the batch. MOVE copies K/V between
 # slots after a tree step (ModelRunner.move). PROPOSE runs a draft model's or EAGLE's
-# program on the proposer's batch (proposers.DeviceProposer.run).
-STOP, STEP, PING, FORWARD, SAMPLE, MOVE, PROPOSE, SCORE = range(8)
+# program on the proposer's batch (proposers.DeviceProposer.run). LORA writes a LoRA
+# adapter's arrays into a device slot (ModelRunner.load_lora: process 0 read the adapter).
+STOP, STEP, PING, FORWARD, SAMPLE, MOVE, PROPOSE, SCORE, LORA = range(9)
 PING_INTERVAL_S = 1.0
 PING_TIMEOUT_S = 20.0
 
@@ -60,6 +61,10 @@ class StepBroadcaster:
     def send_proposal(self, batch: StepBatch, key: BucketKey, limits: np.ndarray) -> None:
         multihost_utils.broadcast_one_to_all(_header(PROPOSE, key))
         multihost_utils.broadcast_one_to_all((batch, limits))
+
+    def send_lora(self, slot: int, arrays) -> None:
+        multihost_utils.broadcast_one_to_all(_header(LORA))
+        multihost_utils.broadcast_one_to_all((np.int32(slot), arrays))
 
     def ping(self) -> None:
         multihost_utils.broadcast_one_to_all(_header(PING))
@@ -96,3 +101,8 @@ def follow(engine) -> None:
                         np.zeros(key.seqs, np.int32))
             batch, limits = multihost_utils.broadcast_one_to_all(template)
             proposer.run(batch, key, limits)
+        elif command == LORA:
+            runner = engine.runner
+            slot, arrays = multihost_utils.broadcast_one_to_all(
+                (np.int32(0), runner.lora_slot_arrays(None)))
+            runner.write_lora_slot(int(slot), arrays)

@@ -124,8 +124,6 @@ class Engine:
         # LoRA adapters (engine/lora.py): where they are, and their device stacks' shapes.
         self.loras, lora_stacks = None, None
         if config.enable_lora:
-            if broadcaster is not None:
-                raise ValueError("LoRA adapters on several hosts are not supported yet")
             self.loras = LoraManager(model_config, config.max_loras, config.max_lora_rank,
                                      config.max_cpu_loras)
             lora_stacks = abstract_stacks(model_config, config.max_loras, config.max_lora_rank,

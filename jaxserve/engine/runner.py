@@ -255,7 +255,7 @@ class ModelRunner:
                 self._move(*self.moves([]))
             bar.set_postfix_str(f"{self._from_cache - before} from cache")
         if self.lora is not None and not self.warmed_up:  # compiles the slot writer
-            self.lora = self._set_lora(self.lora, np.int32(0), self._lora_slot(None))
+            self.lora = self._set_lora(self.lora, np.int32(0), self.lora_slot_arrays(None))
         jax.block_until_ready(self.carry)
         self.programs_from_cache = self._from_cache - before
         if todo:
@@ -338,10 +338,18 @@ class ModelRunner:
 
     def load_lora(self, slot: int, adapter) -> None:
         """Write an adapter (loading/peft.py's Adapter) into device slot `slot` (1 to
-        max_loras) of every stack; the steps dispatched before read the old contents."""
-        self.lora = self._set_lora(self.lora, np.int32(slot - 1), self._lora_slot(adapter))
+        max_loras) of every stack; the steps dispatched before read the old contents. On
+        several hosts process 0 sends the slot's arrays to the others first."""
+        arrays = self.lora_slot_arrays(adapter)
+        if self.broadcaster is not None:
+            self.broadcaster.send_lora(slot, arrays)
+        self.write_lora_slot(slot, arrays)
 
-    def _lora_slot(self, adapter) -> list[dict[str, tuple[np.ndarray, np.ndarray]]]:
+    def write_lora_slot(self, slot: int, arrays) -> None:
+        """`load_lora` with the slot's arrays made (`lora_slot_arrays`); a follower's."""
+        self.lora = self._set_lora(self.lora, np.int32(slot - 1), arrays)
+
+    def lora_slot_arrays(self, adapter) -> list[dict[str, tuple[np.ndarray, np.ndarray]]]:
         """One slot of every stack on the host: the adapter's A and B padded to the stacks'
         rank (k/v heads repeated as the model holds them), zeros where it has none."""
         out = []
