@@ -24,12 +24,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from jaxserve import LLM, LoRARequest, SamplingParams
 from jaxserve.engine.broadcast import PING_TIMEOUT_S
 from conftest import save_peft_adapter
+import test_vision
 from test_eagle import make_head, write
 from serverproc import ENGINE, ENGINE_FLAGS, free_port, wait_serving
 from server.client import Client
 from server.protos.jaxserve.v1 import inference_pb2 as pb
 
 pytestmark = pytest.mark.slow
+llava, qwen = test_vision.llava, test_vision.qwen  # (fixtures: vision-language checkpoints)
 PROMPTS = [[5, 9, 200, 31, 17, 8, 99], [44, 45, 46, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
 
 
@@ -167,6 +169,46 @@ def test_two_processes_serve_lora_adapters(checkpoints, tmp_path):
         assert [client.complete(p, max_tokens=16, temperature=0.0, ignore_eos=True,
                                 lora_name="ad")[0] for p in PROMPTS] == want
         assert greedy(client) == base_want
+        leader.send_signal(signal.SIGTERM)
+        assert leader.wait(timeout=60) == 0
+        assert follower.wait(timeout=60) == 0
+    finally:
+        for p in (leader, follower):
+            if p.poll() is None:
+                p.kill()
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen"])
+def test_two_processes_serve_images(request, family, tmp_path):
+    """4-way TP over both processes on a vision-language model: process 0 prepares each
+    image and sends the tower's inputs to process 1, and both run the tower (a process
+    left out would hang the collective; one that ran it on other inputs would change the
+    tokens). LLaVA's fixed-size images, Qwen2.5-VL's windows and M-RoPE."""
+    import io
+
+    from test_vision import IMAGE_PAD, IMAGE_TOKEN, _image, _qwen_prompt
+
+    path = request.getfixturevalue(family)[0]
+    images = [_image(3, 60, 80), _image(4, 90, 50)]
+    prompts = ([[0, 40, IMAGE_TOKEN, 41, 42], [0, 50, 51, IMAGE_TOKEN, 52]]
+               if family == "llava" else [_qwen_prompt([40], 1, [41]), _qwen_prompt([50], 1, [])])
+    assert IMAGE_PAD in prompts[0] or family == "llava"
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(str(path), **ENGINE).generate(
+        [{"prompt_token_ids": p, "multi_modal_data": {"image": i}}
+         for p, i in zip(prompts, images)], params)]
+    leader, follower, target = start_job(path, tmp_path)
+    try:
+        client = Client(target)
+        files = []
+        for image in images:
+            buffer = io.BytesIO()
+            image.save(buffer, format="PNG")
+            files.append(buffer.getvalue())
+        got = [client.complete(p, images=[f], max_tokens=12, temperature=0.0,
+                               ignore_eos=True, timeout=120)[0]
+               for p, f in zip(prompts, files)]
+        assert got == want
         leader.send_signal(signal.SIGTERM)
         assert leader.wait(timeout=60) == 0
         assert follower.wait(timeout=60) == 0

@@ -32,7 +32,9 @@ log = logging.getLogger(__name__)
 # slots after a tree step (ModelRunner.move). PROPOSE runs a draft model's or EAGLE's
 # program on the proposer's batch (proposers.DeviceProposer.run). LORA writes a LoRA
 # adapter's arrays into a device slot (ModelRunner.load_lora: process 0 read the adapter).
-STOP, STEP, PING, FORWARD, SAMPLE, MOVE, PROPOSE, SCORE, LORA = range(9)
+# ENCODE runs the vision tower on an image's inputs (ImageEncoder.encode), its bucket in
+# the header's token count.
+STOP, STEP, PING, FORWARD, SAMPLE, MOVE, PROPOSE, SCORE, LORA, ENCODE = range(10)
 PING_INTERVAL_S = 1.0
 PING_TIMEOUT_S = 20.0
 
@@ -65,6 +67,10 @@ class StepBroadcaster:
     def send_lora(self, slot: int, arrays) -> None:
         multihost_utils.broadcast_one_to_all(_header(LORA))
         multihost_utils.broadcast_one_to_all((np.int32(slot), arrays))
+
+    def send_encode(self, bucket: int, args: tuple) -> None:
+        multihost_utils.broadcast_one_to_all(_header(ENCODE, BucketKey(bucket, 0, False)))
+        multihost_utils.broadcast_one_to_all(args)
 
     def ping(self) -> None:
         multihost_utils.broadcast_one_to_all(_header(PING))
@@ -101,6 +107,9 @@ def follow(engine) -> None:
                         np.zeros(key.seqs, np.int32))
             batch, limits = multihost_utils.broadcast_one_to_all(template)
             proposer.run(batch, key, limits)
+        elif command == ENCODE:
+            encoder = engine.images.encoder
+            encoder.run(t, multihost_utils.broadcast_one_to_all(encoder.empty(t)))
         elif command == LORA:
             runner = engine.runner
             slot, arrays = multihost_utils.broadcast_one_to_all(

@@ -136,8 +136,6 @@ class Engine:
         if model_config.vision is not None:
             if vision is None:
                 raise ValueError("a vision-language model needs its vision tower's weights")
-            if broadcaster is not None:
-                raise ValueError("images on several hosts are not supported yet")
             if spec.config is not None:
                 raise ValueError("speculative decoding with a vision-language model is not "
                                  "supported yet")
@@ -145,7 +143,7 @@ class Engine:
                                  config.mm_encoder_cache_tokens,
                                  (config.limit_mm_per_prompt or {}).get("image"),
                                  config.max_num_batched_tokens, config.dtype, shard.sharding(()),
-                                 _token_text(tokenizer))
+                                 _token_text(tokenizer), broadcaster)
         num_pages = pool_pages(  # per data shard
             config, model_config, shard, self.max_model_len, kv_dtype,
             spec.page_bytes(model_config, config.page_size, kv_dtype, config.dtype),

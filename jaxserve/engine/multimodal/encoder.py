@@ -57,9 +57,11 @@ def window_buckets(cfg: QwenVisionConfig, max_patches: int) -> list[int]:
 
 class ImageEncoder:
     def __init__(self, cfg: VisionConfig | QwenVisionConfig, params, num_slots: int, dtype,
-                 sharding, max_patches: int | None = None):
+                 sharding, max_patches: int | None = None, broadcaster=None):
         self.cfg = cfg
         self.params = params
+        # Multi-host process 0's (broadcast.py): the others run each encode it starts.
+        self.broadcaster = broadcaster
         self._abstract = jax.ShapeDtypeStruct((num_slots, cfg.text_hidden_size),
                                               jnp.dtype(dtype), sharding=sharding)
         self.buffer = self._zeros()
@@ -81,11 +83,11 @@ class ImageEncoder:
         """Compile every bucket's program (ahead of time: nothing runs)."""
         for bucket in self.buckets:
             if bucket not in self._compiled:
-                args = jax.device_put(self._empty(bucket), self._abstract.sharding)
+                args = jax.device_put(self.empty(bucket), self._abstract.sharding)
                 self._compiled[bucket] = self._encode.lower(self.params, self.buffer,
                                                             *args).compile()
 
-    def _empty(self, bucket: int) -> tuple[np.ndarray, ...]:
+    def empty(self, bucket: int) -> tuple[np.ndarray, ...]:
         nowhere = self._abstract.shape[0]
         if not self.qwen:
             size = self.cfg.image_size
@@ -97,9 +99,10 @@ class ImageEncoder:
                 np.full(n // self.cfg.spatial_merge_size ** 2, nowhere, np.int32))
 
     def _inputs(self, image: ImageInput, rows: np.ndarray) -> tuple[int, tuple]:
-        """(bucket, program inputs) of an image whose tokens' rows are `rows`."""
+        """(bucket, program inputs) of an image whose tokens' rows are `rows` (as `_empty`
+        makes them: the other hosts' templates)."""
         if not self.qwen:
-            return 0, (image.pixels, rows)
+            return 0, (np.asarray(image.pixels, np.float32), np.asarray(rows, np.int32))
         cfg = self.cfg
         windows = qwen2_5_vl.count_windows(*image.grid, cfg)
         bucket = next((b for b in self.buckets if b >= windows), None)
@@ -110,12 +113,21 @@ class ImageEncoder:
         patches = np.where(lay.valid[:, None], image.pixels[np.maximum(lay.patch, 0)], 0)
         dest = np.where(lay.token >= 0, rows[np.maximum(lay.token, 0)],
                         self._abstract.shape[0]).astype(np.int32)
-        return bucket, (patches.astype(np.float32), lay.positions, lay.valid, dest)
+        return bucket, (patches.astype(np.float32), lay.positions.astype(np.int32),
+                        lay.valid.astype(np.bool_), dest)
 
     def encode(self, image: ImageInput, rows: np.ndarray) -> None:
-        """Start encoding `image` into `rows` (the step after reads them)."""
+        """Start encoding `image` into `rows` (the step after reads them); on several hosts
+        the others are sent the program's inputs first."""
         start = time.perf_counter()
         bucket, args = self._inputs(image, rows)
+        if self.broadcaster is not None:
+            self.broadcaster.send_encode(bucket, args)
+        self.run(bucket, args)
+        self.seconds += time.perf_counter() - start
+
+    def run(self, bucket: int, args: tuple) -> None:
+        """Run bucket `bucket`'s program on its inputs (`_inputs`); a follower's `encode`."""
         args = jax.device_put(args, self._abstract.sharding)
         program = self._compiled.get(bucket)
         if program is None:
@@ -124,7 +136,6 @@ class ImageEncoder:
             program = self._compiled[bucket] = self._encode.lower(
                 self.params, self.buffer, *args).compile()
         self.buffer = program(self.params, self.buffer, *args)
-        self.seconds += time.perf_counter() - start
 
     def recover(self) -> None:
         """After a failed step: a new buffer if the old one was consumed (the cache's

@@ -42,7 +42,8 @@ class Images:
 
     def __init__(self, cfg: VisionConfigs, params, processor: Callable[[Image.Image], np.ndarray],
                  num_slots: int | None, max_per_prompt: int | None, max_num_batched_tokens: int,
-                 dtype, sharding, token_text: Callable[[int], str] | None = None):
+                 dtype, sharding, token_text: Callable[[int], str] | None = None,
+                 broadcaster=None):
         self.cfg = cfg
         self.preparer = ImagePreparer(cfg, processor, max_per_prompt,
                                       image_text(cfg, token_text) if token_text else None)
@@ -56,7 +57,7 @@ class Images:
             raise ValueError(f"mm_encoder_cache_tokens ({num_slots}) cannot hold the largest "
                              f"image ({most} tokens)")
         self.encoder = ImageEncoder(cfg, params, self.cache.num_slots, dtype, sharding,
-                                    max_patches)
+                                    max_patches, broadcaster)
         # Gemma 3's images are seen whole: a step computes all of an image's tokens.
         self.whole = isinstance(cfg, Gemma3VisionConfig)
         if self.whole and most > max_num_batched_tokens:
