@@ -640,6 +640,33 @@ def test_qwen_prefill_and_decode_engines(qwen):
             assert side.status().num_used_pages == 0
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_qwen_requests_speculate(qwen, checkpoints, method):
+    """n-gram drafts, or a text model's (a Qwen2 of the same vocabulary, which sees the
+    images' placeholders as tokens), verified on requests with images: the draft tokens'
+    M-RoPE positions follow the images (a wrong offset changes the greedy tokens);
+    transformers' tokens."""
+    spec = {"method": method, "num_speculative_tokens": 3, "disable_by_batch_size": None}
+    if method == "draft_model":
+        spec["model"] = str(checkpoints("qwen2")[0])
+    llm = LLM(model=str(qwen[0]), dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
+              page_size=4, num_pages=192, max_model_len=160, speculative_config=spec)
+    a, b = _image(1, 80, 60), _image(2, 50, 150)
+    cases = [(_qwen_prompt([40], 2, [41, 42]), [a, b]), (_qwen_prompt([50, 51], 1, [52]), [b]),
+             (_qwen_prompt([60, 61, 62], 0, [64]), [])]
+    outs = llm.generate([{"prompt_token_ids": p, "multi_modal_data": {"image": imgs}}
+                         for p, imgs in cases], SamplingParams(max_tokens=24, temperature=0,
+                                                                 ignore_eos=True))
+    for (prompt, images), out in zip(cases, outs):
+        want = _qwen_greedy(qwen, prompt, images, 24)
+        assert out.outputs[0].token_ids[:len(want)] == want  # (transformers stops at EOS)
+    stats = llm.engine.speculator.stats
+    assert stats.num_proposed > 0  # (the random draft's guesses are all rejected)
+    assert stats.num_accepted > 0 or method == "draft_model"
+    assert llm.engine.scheduler.num_used_pages == 0
+    assert llm.engine.runner.compiles_after_warmup == 0
+
+
 def test_vision_parameter_counts_match_transformers(llava, qwen):
     """`jaxserve plan` counts the image side: LLaVA's tower up to its feature layer and
     its projector, Qwen2.5-VL's whole ViT and merger, as transformers holds them."""

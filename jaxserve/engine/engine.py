@@ -136,9 +136,10 @@ class Engine:
         if model_config.vision is not None:
             if vision is None:
                 raise ValueError("a vision-language model needs its vision tower's weights")
-            if spec.config is not None:
-                raise ValueError("speculative decoding with a vision-language model is not "
-                                 "supported yet")
+            if spec.config is not None and spec.config.method not in ("ngram", "draft_model"):
+                raise ValueError(f"{spec.config.method} speculative decoding with a "
+                                 "vision-language model is not supported yet (n-gram and "
+                                 "draft-model speculation are)")
             self.images = Images(model_config.vision, vision.params, vision.processor,
                                  config.mm_encoder_cache_tokens,
                                  (config.limit_mm_per_prompt or {}).get("image"),

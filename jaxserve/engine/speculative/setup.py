@@ -125,8 +125,11 @@ class SpeculativeModels:
         builder = target.builder
         if self.draft is not None:  # a runner of its own over the same pages
             draft_cfg, shard, graphdef, params = self.draft
+            # (a text model: it reads an image's placeholder tokens as tokens, at their
+            # plain positions)
             draft_builder = dataclasses.replace(builder, num_speculative_tokens=0,
-                                                draft_model=True)
+                                                draft_model=True, images=False, mrope=False,
+                                                whole_images=False)
             runner = ModelRunner(graphdef, laid_out(params, shard), shard, draft_builder,
                                  draft_cfg, target.kv_dtype)
             return DraftModel(runner, target, tokens, k)
