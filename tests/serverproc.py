@@ -156,3 +156,18 @@ def running_router(prefill: list[str], decode: list[str], log_path, grpc_targets
 
 class RouterUrl(str):
     grpc: str
+
+
+def accumulate_tool_calls(chunks) -> tuple[str, dict[int, dict], str]:
+    """What a streaming client assembles: content, tool calls by index, finish_reason."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for d in choice.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = d.id or call["id"]
+                call["name"] += (d.function.name or "") if d.function else ""
+                call["arguments"] += (d.function.arguments or "") if d.function else ""
+            finish = choice.finish_reason or finish
+    return content, calls, finish

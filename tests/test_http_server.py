@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from serverproc import ENGINE, running_server, wait_idle
+from serverproc import ENGINE, accumulate_tool_calls, running_server, wait_idle
 from server.client import Client
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
@@ -487,21 +487,6 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER_
 ASK = [{"role": "user", "content": "Weather?"}]
 
 
-def _accumulate_tool_calls(chunks) -> tuple[str, dict[int, dict], str]:
-    """What a streaming client assembles: content, tool calls by index, finish_reason."""
-    content, calls, finish = "", {}, None
-    for chunk in chunks:
-        for choice in chunk.choices:
-            content += choice.delta.content or ""
-            for d in choice.delta.tool_calls or []:
-                call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
-                call["id"] = d.id or call["id"]
-                call["name"] += (d.function.name or "") if d.function else ""
-                call["arguments"] += (d.function.arguments or "") if d.function else ""
-            finish = choice.finish_reason or finish
-    return content, calls, finish
-
-
 def test_required_and_named_tool_calls_through_openai(server, client):
     """On a random-weight model: `required` returns calls whose arguments validate against
     their tool's schema; a named function returns its arguments; both streamed too. (One
@@ -528,7 +513,7 @@ def test_required_and_named_tool_calls_through_openai(server, client):
         stream = client.chat.completions.create(model=model, messages=ASK, tools=tools,
                                                 tool_choice=choice, max_tokens=100, seed=5,
                                                 parallel_tool_calls=False, stream=True)
-        content, calls, finish = _accumulate_tool_calls(stream)
+        content, calls, finish = accumulate_tool_calls(stream)
         assert content == "" and calls and finish == ("tool_calls" if choice == "required"
                                                       else "stop")
         for call in calls.values():
@@ -554,7 +539,7 @@ def test_auto_tool_calls_are_parsed_by_the_servers_parser(server, client):
     stream = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER_TOOL],
                                             max_tokens=100, seed=4, stream=True,
                                             extra_body={"guided_regex": forced})
-    content, calls, finish = _accumulate_tool_calls(stream)
+    content, calls, finish = accumulate_tool_calls(stream)
     assert (content, finish) == ("Checking. ", "tool_calls")
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [
         ("get_weather", call.function.arguments)]

@@ -8,8 +8,9 @@ clear log (not hang), and a clean SIGTERM stops both.
 
 from __future__ import annotations
 
-import os
+import contextlib
 import json
+import os
 import re
 import signal
 import subprocess
@@ -62,6 +63,25 @@ def start_job(model_dir, tmp_path, mesh=("--mesh", "model=4"), extra=(),
     return leader, follower, target
 
 
+@contextlib.contextmanager
+def running_job(*args, **kw):
+    """`start_job`'s processes, killed at the end if a test left them running."""
+    leader, follower, target = start_job(*args, **kw)
+    try:
+        yield leader, follower, target
+    finally:
+        for p in (leader, follower):
+            if p.poll() is None:
+                p.kill()
+
+
+def stop_cleanly(leader, follower) -> None:
+    """SIGTERM to process 0: it tells the follower to stop, and both exit 0."""
+    leader.send_signal(signal.SIGTERM)
+    assert leader.wait(timeout=60) == 0
+    assert follower.wait(timeout=60) == 0
+
+
 def greedy(client, timeout=None):
     return [client.complete(p, max_tokens=16, temperature=0.0, ignore_eos=True,
                             timeout=timeout)[0] for p in PROMPTS]
@@ -84,8 +104,7 @@ def test_two_processes_serve_one_model(checkpoints, tmp_path, mesh):
         PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))]
     scored = llm.generate(PROMPTS[1], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
     http_port = free_port()
-    leader, follower, target = start_job(path, tmp_path, mesh, http_port=http_port)
-    try:
+    with running_job(path, tmp_path, mesh, http_port=http_port) as (leader, follower, target):
         client = Client(target)
         assert greedy(client) == want
         got = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", timeout=60, json={
@@ -101,14 +120,8 @@ def test_two_processes_serve_one_model(checkpoints, tmp_path, mesh):
         assert greedy(client) == want
         status = client.status()
         assert status.kv_pages_used == 0 and status.steps > 0
-        leader.send_signal(signal.SIGTERM)
-        assert leader.wait(timeout=60) == 0
-        assert follower.wait(timeout=60) == 0  # told to stop by process 0
+        stop_cleanly(leader, follower)  # told to stop by process 0
         assert "process 0 said stop" in (tmp_path / "process1.log").read_text()
-    finally:
-        for p in (leader, follower):
-            if p.poll() is None:
-                p.kill()
 
 
 @pytest.mark.parametrize("method", ["draft_model", "eagle"])
@@ -125,9 +138,8 @@ def test_two_processes_speculate(checkpoints, tmp_path, method):
     if method == "eagle":
         head = write(make_head(model, 1, seed=0), model, tmp_path / "head", torch_file=False)
         spec = {**spec, "method": "eagle", "model": str(head)}
-    leader, follower, target = start_job(path, tmp_path,
-                                         extra=("--speculative-config", json.dumps(spec)))
-    try:
+    with running_job(path, tmp_path, extra=("--speculative-config", json.dumps(spec))) as (
+            leader, follower, target):
         client = Client(target)
         assert greedy(client, timeout=120) == want  # a process left out would hang
         # Sampled guesses: drawn from the draft's distribution, kept by rejection sampling.
@@ -139,13 +151,7 @@ def test_two_processes_speculate(checkpoints, tmp_path, method):
         assert status.speculation.proposed_tokens > 0
         if method == "draft_model":
             assert status.speculation.accepted_tokens == status.speculation.proposed_tokens
-        leader.send_signal(signal.SIGTERM)
-        assert leader.wait(timeout=60) == 0
-        assert follower.wait(timeout=60) == 0
-    finally:
-        for p in (leader, follower):
-            if p.poll() is None:
-                p.kill()
+        stop_cleanly(leader, follower)
 
 
 def test_two_processes_serve_lora_adapters(checkpoints, tmp_path):
@@ -162,20 +168,13 @@ def test_two_processes_serve_lora_adapters(checkpoints, tmp_path):
         PROMPTS, params, lora_request=LoRARequest("ad", 1, adapter))]
     base_want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     assert want != base_want
-    leader, follower, target = start_job(path, tmp_path, extra=(
-        "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"ad={adapter}"))
-    try:
+    with running_job(path, tmp_path, extra=(
+        "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"ad={adapter}")) as (leader, follower, target):
         client = Client(target)
         assert [client.complete(p, max_tokens=16, temperature=0.0, ignore_eos=True,
                                 lora_name="ad")[0] for p in PROMPTS] == want
         assert greedy(client) == base_want
-        leader.send_signal(signal.SIGTERM)
-        assert leader.wait(timeout=60) == 0
-        assert follower.wait(timeout=60) == 0
-    finally:
-        for p in (leader, follower):
-            if p.poll() is None:
-                p.kill()
+        stop_cleanly(leader, follower)
 
 
 @pytest.mark.parametrize("family", ["llava", "qwen"])
@@ -197,8 +196,7 @@ def test_two_processes_serve_images(request, family, tmp_path):
     want = [o.outputs[0].token_ids for o in LLM(str(path), **ENGINE).generate(
         [{"prompt_token_ids": p, "multi_modal_data": {"image": i}}
          for p, i in zip(prompts, images)], params)]
-    leader, follower, target = start_job(path, tmp_path)
-    try:
+    with running_job(path, tmp_path) as (leader, follower, target):
         client = Client(target)
         files = []
         for image in images:
@@ -209,13 +207,7 @@ def test_two_processes_serve_images(request, family, tmp_path):
                                ignore_eos=True, timeout=120)[0]
                for p, f in zip(prompts, files)]
         assert got == want
-        leader.send_signal(signal.SIGTERM)
-        assert leader.wait(timeout=60) == 0
-        assert follower.wait(timeout=60) == 0
-    finally:
-        for p in (leader, follower):
-            if p.poll() is None:
-                p.kill()
+        stop_cleanly(leader, follower)
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])

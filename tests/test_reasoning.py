@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from serverproc import running_server
+from serverproc import accumulate_tool_calls, running_server
 from server import reasoning
 
 QWEN3 = (Path(__file__).parent / "chat_templates" / "qwen3.jinja").read_text()
@@ -117,20 +117,6 @@ def client(server):
     return openai.OpenAI(base_url=f"{server[0].http_url}/v1", api_key="unused", max_retries=0)
 
 
-def _accumulate_tool_calls(chunks) -> tuple[str, dict[int, dict], str]:
-    """What a streaming client assembles: content, tool calls by index, finish_reason."""
-    content, calls, finish = "", {}, None
-    for chunk in chunks:
-        for choice in chunk.choices:
-            content += choice.delta.content or ""
-            for d in choice.delta.tool_calls or []:
-                call = calls.setdefault(d.index, {"name": "", "arguments": ""})
-                call["name"] += (d.function.name or "") if d.function else ""
-                call["arguments"] += (d.function.arguments or "") if d.function else ""
-            finish = choice.finish_reason or finish
-    return content, calls, finish
-
-
 def _after(prefix: str) -> dict:
     """A chat whose prompt ends with the start of the assistant's turn `prefix`."""
     return dict(messages=ASK + [{"role": "assistant", "content": prefix}],
@@ -180,7 +166,7 @@ def test_reasoning_is_split_from_the_answer(server, client):
                                                  **extra(guided_regex=calls)))
     assert "".join(c.choices[0].delta.model_dump().get("reasoning_content") or ""
                    for c in stream if c.choices) == message.model_dump()["reasoning_content"]
-    content, streamed_calls, finish = _accumulate_tool_calls(stream)
+    content, streamed_calls, finish = accumulate_tool_calls(stream)
     assert (content, finish) == ("", "tool_calls")
     assert [(c["name"], c["arguments"]) for c in streamed_calls.values()] == [
         ("get_weather", message.tool_calls[0].function.arguments)]
