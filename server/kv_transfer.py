@@ -162,7 +162,8 @@ class KVSender:
         """What a pull's stream starts with (the module doc), for `entries` to follow."""
         return {"num_tokens": held.kv.num_tokens, "prompt_token_ids": held.prompt_token_ids,
                 "first_token": held.first_token, "model": self.model, "lora": held.lora,
-                "images": held.images, "entries": [{"shape": list(x.shape), "dtype": x.dtype.name} for x in entries]}
+                "images": held.images,
+                "entries": [{"shape": list(x.shape), "dtype": x.dtype.name} for x in entries]}
 
     def _pull(self, request: bytes, context: grpc.ServicerContext):
         transfer_id = request.decode("utf-8", "replace")

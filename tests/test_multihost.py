@@ -168,8 +168,8 @@ def test_two_processes_serve_lora_adapters(checkpoints, tmp_path):
         PROMPTS, params, lora_request=LoRARequest("ad", 1, adapter))]
     base_want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     assert want != base_want
-    with running_job(path, tmp_path, extra=(
-        "--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"ad={adapter}")) as (leader, follower, target):
+    lora = ("--enable-lora", "--max-lora-rank", "8", "--lora-modules", f"ad={adapter}")
+    with running_job(path, tmp_path, extra=lora) as (leader, follower, target):
         client = Client(target)
         assert [client.complete(p, max_tokens=16, temperature=0.0, ignore_eos=True,
                                 lora_name="ad")[0] for p in PROMPTS] == want
