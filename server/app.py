@@ -7,7 +7,8 @@ Start-up: once the model is loaded, both ports open, not ready (gRPC health NOT_
 HTTP /health 503, so probes see a live process), the step buckets compile, then both turn
 ready.
 SIGTERM/SIGINT: both stop accepting (UNAVAILABLE / 503), in-flight requests get `grace_s`
-seconds to finish, the rest are aborted, and the process exits 0.
+seconds to finish, the rest are aborted, and the process exits 0; during warm-up, both
+close and the engine is stopped (killed if it does not answer in 5 s), exit 0.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ async def serve(core: EngineProcess | EngineThread, host: str = "127.0.0.1", por
     messages' images may be read from (loading/media.py); a vision-language model's
     requests may also be larger by its images (`image_bytes_limit`)."""
     security = security or Security()
+    stop = _stop_on_signals()  # SIGTERM / SIGINT from now on, warm-up included
     try:
         security.check_bind(host)
         metrics = Metrics(model_name)
@@ -113,7 +115,20 @@ async def serve(core: EngineProcess | EngineThread, host: str = "127.0.0.1", por
             log.info("HTTP (OpenAI API) on %s://%s:%d (503 until warm-up ends)",
                      "https" if security.tls else "http", host, http_port)
         async_engine.start()
-        await async_engine.wait_ready()  # warm-up (compiling the step's programs)
+        # Warm-up (compiling the step's programs), unless a signal ends it first.
+        ready = asyncio.create_task(async_engine.wait_ready())
+        await asyncio.wait([ready, asyncio.create_task(stop.wait())],
+                           return_when=asyncio.FIRST_COMPLETED)
+        if not ready.done():
+            ready.cancel()
+            log.info("signalled during warm-up: stopping")
+            await grpc_server.server.stop(grace=None)
+            if http is not None:
+                http.shutdown()
+                await http_task
+            core.stop(5.0)
+            return 0
+        ready.result()  # raises what failed
         await grpc_server.set_health(health_pb2.HealthCheckResponse.SERVING)
         if http is not None:
             http.ready = True
@@ -125,7 +140,7 @@ async def serve(core: EngineProcess | EngineThread, host: str = "127.0.0.1", por
     log.info("ready: serving %s on %s%s", model_name or "model", grpc_server.address,
              f" and http://{host}:{http_port}" if http is not None else "")
     freeze_heap_now()
-    await _serve_until_signalled(async_engine, grpc_server)
+    await _serve_until_signalled(async_engine, grpc_server, stop)
     await _drain(async_engine, grpc_server, http, http_task, grace_s)
     log.info("stopped")
     return 0 if async_engine.error is None else 1
@@ -177,12 +192,18 @@ async def _start_http(http: HTTPServer, host: str, port: int, grpc_server) -> as
     return task
 
 
-async def _serve_until_signalled(async_engine: AsyncEngine, grpc_server: GrpcServer) -> None:
-    """Wait for SIGTERM or SIGINT; if the engine loop dies meanwhile, turn NOT_SERVING."""
+def _stop_on_signals() -> asyncio.Event:
+    """An event SIGTERM and SIGINT set (in place of asyncio's own Ctrl-C handling)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def _serve_until_signalled(async_engine: AsyncEngine, grpc_server: GrpcServer,
+                                 stop: asyncio.Event) -> None:
+    """Wait for `stop` (a signal); if the engine loop dies meanwhile, turn NOT_SERVING."""
     stop_task = asyncio.create_task(stop.wait())
     while not stop.is_set():
         await asyncio.wait([stop_task], timeout=1.0)

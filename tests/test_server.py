@@ -404,6 +404,38 @@ def test_serving_benchmark_counts(server, api, rate):
     assert r["server_mean_step_ms"] > 0 and r["server_mean_step_gap_ms"] >= 0
 
 
+def test_sigint_during_warm_up_stops_cleanly(checkpoints, tmp_path):
+    """Ctrl-C while the step programs compile (no compilation cache: seconds of warm-up)
+    closes both ports and stops the engine process: exit 0, never serving. (It used to
+    exit by KeyboardInterrupt after the program in flight, with a traceback; a server
+    started with SIGINT ignored, as a shell's background job, ignored it until ready.)"""
+    import os
+    import subprocess
+    import sys
+
+    from serverproc import ENGINE_FLAGS, free_port
+
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxserve", "serve", "--model", str(checkpoints("llama")[0]),
+             "--port", str(free_port()), "--http-port", str(free_port()), *ENGINE_FLAGS,
+             "--compilation-cache-dir", "off"],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    try:
+        deadline = time.monotonic() + 120
+        while "503 until warm-up ends" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0, log.read_text()[-2000:]
+        text = log.read_text()
+        assert "signalled during warm-up: stopping" in text and "ready: serving" not in text
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_sigterm_drains_and_exits_zero(server, client, prompts):
     """Last test of the module: SIGTERM with a request in flight."""
     target, proc, _ = server
