@@ -50,6 +50,7 @@ from jaxserve import SamplingParams  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.engine.disaggregated import DisaggregatedEngine  # noqa: E402
 from jaxserve.engine.engine import Engine  # noqa: E402
+from jaxserve.engine.kv_transfer import Prefilled  # noqa: E402
 from server.kv_transfer import KVPuller, KVSender  # noqa: E402
 
 STREAMS, STREAM_TOKENS = 4, 96
@@ -114,15 +115,15 @@ def server_transfer_time(engine: DisaggregatedEngine, connector: str) -> dict:
     the decode device (the header still over gRPC)."""
     prefill = engine.prefill
     n = -(-LONG_TOKENS // prefill.config.page_size)
-    sender = KVSender(prefill.model_digest, "127.0.0.1", 0, None, 60.0, 4 << 20, connector)
+    sender = KVSender("127.0.0.1", 0, None, 60.0, 4 << 20, connector)
     puller = KVPuller(engine.decode.mesh.devices.flat[0])
     times, nbytes = [], 0
     try:
         for _ in range(6):
             t = time.perf_counter()
             kv = prefill.runner.read_pages(0, list(range(n)), LONG_TOKENS)
-            prefilled, _ = puller.pull(sender.hold(kv, list(range(LONG_TOKENS)), 0, None, []),
-                                       60.0)
+            prefilled, _ = puller.pull(sender.hold(Prefilled(
+                0, kv, prefill.model_digest, None, list(range(LONG_TOKENS)), [])), 60.0)
             jax.block_until_ready(prefilled.kv.entries)
             times.append(time.perf_counter() - t)
             nbytes = prefilled.kv.nbytes

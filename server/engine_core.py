@@ -52,6 +52,7 @@ import time
 from jaxserve.config import EngineConfig, KVTransferConfig, ModelConfig
 from jaxserve.engine.broadcast import PING_INTERVAL_S, PING_TIMEOUT_S
 from jaxserve.engine.engine import Engine
+from jaxserve.engine.kv_transfer import Prefilled
 from jaxserve.engine.lora import LoRARequest
 from jaxserve.engine.multimodal.inputs import ImagePreparer
 from jaxserve.engine.status import EngineStatus
@@ -175,9 +176,9 @@ class EngineCore:
         # requests whose K/V a consumer is pulling (rid -> call).
         role: KVTransferConfig | None = engine.kv_transfer
         self.kv_stats = KVStats() if role is not None else None
-        self.kv_sender = (KVSender(engine.model_digest, role.kv_host, role.kv_port,
-                                   role.kv_advertise_host, role.kv_hold_seconds,
-                                   role.kv_chunk_bytes, role.kv_connector)
+        self.kv_sender = (KVSender(role.kv_host, role.kv_port, role.kv_advertise_host,
+                                   role.kv_hold_seconds, role.kv_chunk_bytes,
+                                   role.kv_connector)
                           if role is not None and role.produces else None)
         self.kv_puller = (KVPuller(engine.mesh.devices.flat[0])
                           if role is not None and role.consumes else None)
@@ -396,9 +397,9 @@ class EngineCore:
         for out in outputs:
             if out.kv_pages is not None:  # held here until its decode server pulls it
                 entry = self._calls[out.request_id]
-                out.kv_transfer_params = self.kv_sender.hold(
-                    out.kv_pages, entry.prompt_ids, out.new_token_ids[0], entry.lora,
-                    entry.images)
+                out.kv_transfer_params = self.kv_sender.hold(Prefilled(
+                    out.new_token_ids[0], out.kv_pages, self.engine.model_digest, entry.lora,
+                    entry.prompt_ids, entry.images))
                 out.kv_pages = None
             if out.finished:
                 self._calls.pop(out.request_id, None)

@@ -6,12 +6,11 @@ The prefill server's engine process keeps each handed-off request's prompt K/V
 copied off the device as the request's first token comes back, for `kv_hold_seconds`,
 under a transfer id it names in the response (`kv_transfer_params`). A decode server's
 engine process pulls it by that id from `KVTransfer/Pull` (server streaming): a JSON
-header (the prompt's token ids, the first token, what computed them: the prefill
-engine's model digest, the request's adapter and images; each entry's shape and dtype),
-then the
-entries' bytes in chunks of `kv_chunk_bytes`. A pulled, expired or unknown id is gone;
-a pull that breaks off (the prefill server died) raises KVTransferError on the decode
-side, whose request fails alone. The bytes travel as stored (int8 / fp8 pages with their
+header (the first token and what computed the K/V: the prefill engine's model digest,
+the request's adapter, the prompt's token ids and its images' hashes; each entry's shape
+and dtype), then the entries' bytes in chunks of `kv_chunk_bytes`. A pulled, expired or
+unknown id is gone; a pull that breaks off (the prefill server died) raises
+KVTransferError on the decode side, whose request fails alone. The bytes travel as stored (int8 / fp8 pages with their
 scales): this path works between any two machines; its bandwidth is in
 benchmarks/RESULTS.md.
 
@@ -61,15 +60,19 @@ class KVTransferError(RuntimeError):
     transfer expired, or the stream broke off)."""
 
 
+# What a transfer's header says of its K/V besides their arrays (Prefilled's fields).
+_SOURCE = ("first_token", "model", "lora", "token_ids", "images")
+
+
 @dataclasses.dataclass
 class _Held:
-    kv: KVPages  # entries copying to the host (started), numpy once pulled
-    prompt_token_ids: list[int]  # as the engine expanded them (images' placeholders)
-    first_token: int
-    lora: str | None  # the adapter that computed them (None: the base model)
-    images: list[str]  # the prompt's images' hashes (hex)
+    prefilled: Prefilled  # its kv's entries copying to the host (started), numpy once pulled
     deadline: float
     number: int | None = None  # its arrays' in the jax transfer server (kv_connector "jax")
+
+    @property
+    def kv(self) -> KVPages:
+        return self.prefilled.kv
 
 
 @dataclasses.dataclass
@@ -85,9 +88,8 @@ class SenderStats:
 class KVSender:
     """A producer's held K/V and the gRPC service its decode servers pull them from."""
 
-    def __init__(self, model: str | None, host: str, port: int, advertise: str | None,
-                 hold_seconds: float, chunk_bytes: int, connector: str = "grpc"):
-        self.model = model  # the engine's model_digest, sent with every transfer
+    def __init__(self, host: str, port: int, advertise: str | None, hold_seconds: float,
+                 chunk_bytes: int, connector: str = "grpc"):
         self.hold_seconds, self.chunk_bytes = hold_seconds, chunk_bytes
         self._transfer = None  # kv_connector "jax": the transfer server holding the arrays
         if connector == "jax":
@@ -115,13 +117,11 @@ class KVSender:
         self._stop = threading.Event()
         threading.Thread(target=self._expire_loop, name="kv-expire", daemon=True).start()
 
-    def hold(self, kv: KVPages, prompt_token_ids: list[int], first_token: int,
-             lora: str | None, images: list[str]) -> dict:
-        """Keep `kv` (device arrays: their copy to the host starts now, or with the jax
-        connector their gather to one device; computed under adapter `lora` from the prompt
-        and the images of those hashes) for a decode server to pull; returns the
-        `kv_transfer_params` that name it."""
-        number = None
+    def hold(self, prefilled: Prefilled) -> dict:
+        """Keep a request's K/V (device arrays: their copy to the host starts now, or with
+        the jax connector their gather to one device) and what computed them for a decode
+        server to pull; returns the `kv_transfer_params` that name them."""
+        kv, number = prefilled.kv, None
         if self._transfer is None:
             for x in kv.entries:
                 x.copy_to_host_async()
@@ -130,17 +130,17 @@ class KVSender:
             kv = KVPages(tuple(jax.device_put(x, device) for x in kv.entries), kv.num_tokens)
             number = next(self._numbers)
             self._transfer.await_pull(number, list(kv.entries))
+            prefilled = dataclasses.replace(prefilled, kv=kv)
         transfer_id = uuid.uuid4().hex
         with self._lock:
-            self._held[transfer_id] = _Held(kv, list(prompt_token_ids), first_token, lora,
-                                            images, time.monotonic() + self.hold_seconds,
+            self._held[transfer_id] = _Held(prefilled, time.monotonic() + self.hold_seconds,
                                             number)
             self.stats.held += 1
             self.stats.held_bytes += kv.nbytes
         moved = kv.nbytes if number is not None else kv.nbytes * _pages(kv) // \
             kv.entries[0].shape[2]
         return {"transfer_id": transfer_id, "remote_address": self.address,
-                "first_token": first_token, "num_prompt_tokens": kv.num_tokens,
+                "first_token": prefilled.first_token, "num_prompt_tokens": kv.num_tokens,
                 "num_bytes": moved}
 
     def release(self, transfer_id: str, expired: bool = False) -> _Held | None:
@@ -160,9 +160,8 @@ class KVSender:
 
     def _header(self, held: _Held, entries) -> dict:
         """What a pull's stream starts with (the module doc), for `entries` to follow."""
-        return {"num_tokens": held.kv.num_tokens, "prompt_token_ids": held.prompt_token_ids,
-                "first_token": held.first_token, "model": self.model, "lora": held.lora,
-                "images": held.images,
+        return {**{f: getattr(held.prefilled, f) for f in _SOURCE},
+                "num_tokens": held.kv.num_tokens,
                 "entries": [{"shape": list(x.shape), "dtype": x.dtype.name} for x in entries]}
 
     def _pull(self, request: bytes, context: grpc.ServicerContext):
@@ -274,8 +273,7 @@ class KVPuller:
             raise KVTransferError(f"the prefill server at {address} ended the K/V of "
                                   f"transfer {transfer_id} early") from e
         kv = KVPages(tuple(entries), header["num_tokens"])
-        return (Prefilled(header["first_token"], kv, header["model"], header["lora"],
-                          header["prompt_token_ids"], header["images"]),
+        return (Prefilled(kv=kv, **{f: header[f] for f in _SOURCE}),
                 time.monotonic() - start)
 
     def _pull_devices(self, header: dict, timeout: float, transfer_id: str) -> list:

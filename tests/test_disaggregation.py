@@ -245,12 +245,13 @@ def test_kv_service_moves_pages_as_stored(pd, connector):
     from server.kv_transfer import KVPuller, KVSender, KVTransferError
 
     e = pd.engine
-    sender = KVSender(e.prefill.model_digest, "127.0.0.1", 0, None, 1.0, 1000, connector)
+    sender = KVSender("127.0.0.1", 0, None, 1.0, 1000, connector)
     puller = KVPuller(e.decode.mesh.devices.flat[0])
     try:
         kv = e.prefill.runner.read_pages(0, [3, 1, 4, 1, 5], 18)  # 5 pages, 18 tokens
         want = [np.asarray(x) for x in kv.entries]
-        params = sender.hold(kv, list(range(18)), 42, "an-adapter", ["00ff"])
+        params = sender.hold(Prefilled(42, kv, e.prefill.model_digest, "an-adapter",
+                                       list(range(18)), ["00ff"]))
         assert sender.stats.held == 1 and sender.stats.held_bytes > 0
         assert params["num_bytes"] == sum(x.nbytes for x in want) * (5 if connector == "grpc"
                                                                      else 8) // 8
@@ -266,7 +267,7 @@ def test_kv_service_moves_pages_as_stored(pd, connector):
         assert sender.stats.sent == 1 and sender.stats.held == 0
         with pytest.raises(KVTransferError, match="NOT_FOUND.*already pulled"):
             puller.pull(params, 30)
-        late = sender.hold(e.prefill.runner.read_pages(0, [2], 3), [1, 2, 3], 7, None, [])
+        late = sender.hold(Prefilled(7, e.prefill.runner.read_pages(0, [2], 3)))
         deadline = time.monotonic() + 10
         while sender.stats.held and time.monotonic() < deadline:
             time.sleep(0.1)
