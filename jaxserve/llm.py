@@ -17,8 +17,9 @@ from jaxserve.loading.media import MediaPolicy, take_images
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
-# A prompt: text, token ids, or vLLM's dict of either with its images:
-# {"prompt": str | "prompt_token_ids": list[int], "multi_modal_data": {"image": image | [...]}}
+# A prompt: text, token ids, or vLLM's dict of either with its images and cache salt:
+# {"prompt": str | "prompt_token_ids": list[int], "multi_modal_data": {"image": image | [...]},
+#  "cache_salt": str}
 Prompt = str | list[int] | dict
 Conversation = list[dict]
 
@@ -124,8 +125,9 @@ class LLM:
         try:
             for prompt, p, prio, lora in zip(prompts, params, priority, loras):
                 rid = str(next(self._ids))
-                prompt, images = _prompt_and_images(prompt)
-                ids = self.engine.add_request(rid, prompt, p, prio, lora, images)
+                prompt, images, salt = _prompt_parts(prompt)
+                ids = self.engine.add_request(rid, prompt, p, prio, lora, images,
+                                              cache_salt=salt)
                 order.append(rid)
                 results[rid] = RequestOutput(
                     rid, prompt if isinstance(prompt, str) else None, ids,
@@ -157,17 +159,20 @@ class LLM:
         return [results[rid] for rid in order]
 
 
-def _prompt_and_images(prompt: Prompt) -> tuple[str | list[int], list]:
-    """A prompt's text or token ids, and its images (vLLM's prompt dicts)."""
+def _prompt_parts(prompt: Prompt) -> tuple[str | list[int], list, str | None]:
+    """A prompt's text or token ids, its images and its cache salt (vLLM's prompt
+    dicts)."""
     if not isinstance(prompt, dict):
-        return prompt, []
-    unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+        return prompt, [], None
+    unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "cache_salt"}
     data = prompt.get("multi_modal_data") or {}
     if unknown or not isinstance(data, dict) or set(data) - {"image"}:
-        raise ValueError("a prompt dict has 'prompt' or 'prompt_token_ids', and "
-                         "'multi_modal_data': {'image': an image or a list of them}")
+        raise ValueError("a prompt dict has 'prompt' or 'prompt_token_ids', and optionally "
+                         "'multi_modal_data': {'image': an image or a list of them} and "
+                         "'cache_salt'")
     text = prompt.get("prompt_token_ids", prompt.get("prompt"))
     if text is None:
         raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
     images = data.get("image", [])
-    return text, list(images) if isinstance(images, (list, tuple)) else [images]
+    return (text, list(images) if isinstance(images, (list, tuple)) else [images],
+            prompt.get("cache_salt"))

@@ -98,6 +98,8 @@ class SamplingParams:
     RequestOutput.prompt_logprobs: the prompt is computed whole (no prefix cache hit).
     `speculative` False keeps this request from speculative decoding when the engine
     has it on (its tokens are the same either way; docs/speculative.md).
+    `include_stop_str_in_output` keeps the stop string that ended the output in its text
+    (and the text of a stop token id that did), as vLLM's.
     """
 
     temperature: float = 1.0
@@ -119,6 +121,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     speculative: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -177,8 +180,9 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(
                 self.structured_outputs, StructuredOutputsParams):
             bad("structured_outputs", "must be a StructuredOutputsParams")
-        if not isinstance(self.speculative, bool):
-            bad("speculative", "must be true or false")
+        for field in ("speculative", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, field), bool):
+                bad(field, "must be true or false")
 
     @property
     def greedy(self) -> bool:

@@ -71,6 +71,41 @@ def test_stop_conditions(llm, prompts):
     assert (out.finish_reason, out.stop_reason) == ("stop", stop)
 
 
+def test_include_stop_str_in_output(llm, prompts):
+    """vLLM's include_stop_str_in_output: the stop string, or the stop token's text, stays
+    in the output; the tokens are the same."""
+    tokenizer = llm.get_tokenizer()
+    base = llm.generate([prompts[2]], SamplingParams(temperature=0.0, max_tokens=40,
+                                                    ignore_eos=True))[0].outputs[0]
+    text, stop = base.text, base.text[8:11]
+    kept, dropped = (llm.generate([prompts[2]], SamplingParams(
+        temperature=0.0, max_tokens=40, stop=[stop], include_stop_str_in_output=include))[0]
+        .outputs[0] for include in (True, False))
+    assert kept.text == text[:text.index(stop) + len(stop)] == dropped.text + stop
+    assert kept.token_ids == dropped.token_ids and kept.stop_reason == stop
+    stop_id = base.token_ids[6]
+    first = base.token_ids.index(stop_id)
+    kept = llm.generate([prompts[2]], SamplingParams(
+        temperature=0.0, max_tokens=40, stop_token_ids=[stop_id],
+        include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.token_ids == base.token_ids[:first + 1]
+    assert kept.text == tokenizer.decode(base.token_ids[:first + 1])
+    assert kept.text != tokenizer.decode(base.token_ids[:first])
+
+
+def test_cache_salt_shares_pages_only_within_a_salt(llm, prompts):
+    """A salted request hits the prefix cache only on pages computed under its own salt;
+    its tokens are the unsalted ones."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompt = prompts[3] + prompts[3]  # several full pages
+    runs = [llm.generate([{"prompt_token_ids": prompt, "cache_salt": salt}
+                          if salt else prompt], params)[0]
+            for salt in ("tenant-a", None, "tenant-b", "tenant-a", None)]
+    assert [r.num_cached_tokens for r in runs[:3]] == [0, 0, 0]
+    assert runs[3].num_cached_tokens > 0 and runs[4].num_cached_tokens > 0
+    assert len({tuple(tokens(r)) for r in runs}) == 1
+
+
 def test_eos_stops_unless_ignored(llm, prompts):
     """Make EOS certain by banning nothing and forcing it: stop_token_ids vs eos handled alike."""
     eos = llm.engine.eos_token_ids
@@ -150,6 +185,10 @@ def test_bad_arguments_raise_value_error(llm):
          "stop_token_ids"),
         (lambda: llm.chat([{"role": "user"}], chat_template="{{ messages[0].content + 1 }}"),
          "chat template"),
+        (lambda: llm.generate([[5, 6]], priority=[1]), "scheduling_policy 'priority'"),
+        (lambda: llm.generate([{"prompt_token_ids": [5, 6], "cache_salt": ""}]),
+         "cache_salt"),
+        (lambda: SamplingParams(include_stop_str_in_output=1), "include_stop_str_in_output"),
         (lambda: LLM("/nonexistent/dir", warmup=False), "not a directory"),
         (lambda: LLM(None, warmup=False, bogus=1), "unknown LLM arguments"),
     ]

@@ -96,6 +96,7 @@ class _Request:
     priority: int
     text: OutputText | None
     lora: LoRARequest | None  # its adapter, on both engines
+    cache_salt: str | None  # its prefix cache salt, on both engines
     decoding: bool = False  # handed to the decode engine
 
 
@@ -149,11 +150,12 @@ class DisaggregatedEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, priority: int = 0,
-                    lora_request=None, images: list | None = None) -> list[int]:
-        """Queue a request on the prefill engine (under `lora_request`'s adapter on both
-        engines; with `images`, which the decode engine places alike: its M-RoPE positions
-        follow them, and a preemption there recomputes them); returns its prompt token ids
-        (ValueError for bad input, as Engine.add_request)."""
+                    lora_request=None, images: list | None = None,
+                    cache_salt: str | None = None) -> list[int]:
+        """Queue a request on the prefill engine (under `lora_request`'s adapter and with
+        `cache_salt` on both engines; with `images`, which the decode engine places alike:
+        its M-RoPE positions follow them, and a preemption there recomputes them); returns
+        its prompt token ids (ValueError for bad input, as Engine.add_request)."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         params = params or SamplingParams()
@@ -161,12 +163,13 @@ class DisaggregatedEngine:
             params = dataclasses.replace(params, seed=self._rng.randrange(2**32))
         images = self.prepare_images(images) if images else []
         token_ids = self._prefill.call(self.prefill.add_request, request_id, prompt, params,
-                                       priority, lora_request, images, remote_decode=True)
+                                       priority, lora_request, images, remote_decode=True,
+                                       cache_salt=cache_salt)
         tokenizer = self.tokenizer
         text = (OutputText(tokenizer, token_ids, params, self.eos_token_ids)
                 if self.detokenize and tokenizer is not None else None)
         self._requests[request_id] = _Request(prompt if images else token_ids, images, params,
-                                              priority, text, lora_request)
+                                              priority, text, lora_request, cache_salt)
         return token_ids
 
     def prepare_images(self, images: list, names: list[str] | None = None) -> list:
@@ -261,7 +264,8 @@ class DisaggregatedEngine:
             self.decode.add_request(out.request_id, req.prompt, req.params, req.priority,
                                     req.lora, req.images, prefilled=Prefilled(
                                         out.new_token_ids[0], kv, self.prefill.model_digest,
-                                        req.lora.lora_name if req.lora else None))
+                                        req.lora.lora_name if req.lora else None),
+                                    cache_salt=req.cache_salt)
         except ValueError as e:
             out.finished, out.finish_reason, out.error = True, "error", str(e)
             del self._requests[out.request_id]

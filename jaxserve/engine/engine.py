@@ -30,7 +30,9 @@ from jaxserve.engine.lora import LoraManager, LoRARequest
 from jaxserve.engine.multimodal.images import Images
 from jaxserve.engine.multimodal.inputs import ImageInput
 from jaxserve.engine.output_text import OutputText
-from jaxserve.engine.request import PLACEHOLDER, Request, Sequence, check_params, check_prompt
+from jaxserve.engine.page_allocator import salted_root
+from jaxserve.engine.request import (PLACEHOLDER, Request, Sequence, check_params, check_priority,
+                                     check_prompt)
 from jaxserve.engine.runner import ModelRunner, fetch, fetch_scores
 from jaxserve.engine.sampler import SampleOutput, prompt_token_logprobs, token_logprobs
 from jaxserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
@@ -224,11 +226,15 @@ class Engine:
                     params: SamplingParams | None = None, priority: int = 0,
                     lora_request: LoRARequest | None = None,
                     images: list | None = None, remote_decode: bool = False,
-                    prefilled: Prefilled | None = None) -> list[int]:
+                    prefilled: Prefilled | None = None,
+                    cache_salt: str | None = None) -> list[int]:
         """Queue a request (with `lora_request`: under that LoRA adapter; with `images`,
         PIL images, image file bytes or `prepare_images`' outputs, one per placeholder
         in the prompt); returns its prompt token ids, each image's placeholder standing
-        for its tokens. Bad input raises ValueError.
+        for its tokens. Bad input raises ValueError. `priority` (lower first) needs
+        scheduling_policy "priority". `cache_salt` (vLLM's): its prompt's K/V pages are
+        shared through the prefix cache only with requests of the same salt, so a tenant
+        cannot learn another's prompts from how fast its own come back.
 
         Prefill/decode disaggregation (kv_transfer_config): `remote_decode` (a producer)
         computes the prompt and samples the first token only; unless that token ends the
@@ -238,6 +244,9 @@ class Engine:
         params = params or SamplingParams()
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
+        check_priority(priority, self.scheduler.config.policy)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt: must be a non-empty string")
         if lora_request is not None:
             self.add_lora(lora_request)
         check_params(params, self.model_config.vocab_size, self.tokenizer is not None)
@@ -283,6 +292,8 @@ class Engine:
             self._num_prefilled += 1
         if lora_request is not None:
             seq.lora, seq.cache_root = lora_request, lora_request.cache_root
+        if cache_salt is not None:
+            seq.cache_root = salted_root(seq.cache_root, cache_salt)
         seq.images = spans
         seq.rope_offsets, seq.rope_delta = rope
         seq.whole_images = bool(spans) and self.images.whole

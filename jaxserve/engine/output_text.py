@@ -37,7 +37,10 @@ class OutputText:
         self._eos = frozenset(eos_token_ids)
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids,
                                              params.skip_special_tokens)
-        self._hold = max(map(len, params.stop), default=1) - 1
+        # Text held back while it could still be a stop string's start (none when a stop
+        # string stays in the output: include_stop_str_in_output).
+        self._hold = (0 if params.include_stop_str_in_output
+                      else max(map(len, params.stop), default=1) - 1)
         self.text = ""
         self.emitted = 0
         self.num_tokens = 0
@@ -99,7 +102,7 @@ class OutputText:
         to the one that completed the stop string). A last token that ended it as EOS or
         a stop token id adds no text (vLLM's rule, so special-token text kept with
         skip_special_tokens=False does not end in EOS) and is not matched against the
-        stop strings."""
+        stop strings, unless include_stop_str_in_output."""
         stop_token = self._ends_in_stop_token(token_ids, finish_reason, stop_reason)
         texts = token_ids[:-1] if stop_token else token_ids  # the tokens that add text
         # Decoded together (two decodes, not two per token). The text only grows, so a stop
@@ -134,20 +137,24 @@ class OutputText:
 
     def _ends_in_stop_token(self, token_ids: Sequence[int], finish_reason: str | None,
                             stop_reason: str | int | None) -> bool:
-        """Whether the last of `token_ids` ended the request as EOS or a stop token id."""
+        """Whether the last of `token_ids` ended the request as EOS or a stop token id
+        and its text is left out (not include_stop_str_in_output)."""
+        if self._params.include_stop_str_in_output:
+            return False
         return finish_reason == "stop" and bool(token_ids) and (
             token_ids[-1] == stop_reason or token_ids[-1] in self._eos)
 
     def _find_stop(self, since: int) -> str | None:
         """The first stop string that ends in the text after its first `since` characters
-        (the text of the token just added), once min_tokens are out; the text cut there."""
+        (the text of the token just added), once min_tokens are out; the text cut there
+        (after it with include_stop_str_in_output)."""
         if self.num_tokens < self._params.min_tokens:
             return None
         found = _first_stop(self._params.stop, self.text, since)
         if found is None:
             return None
         stop, idx = found
-        self.text = self.text[:idx]
+        self.text = self.text[:idx + len(stop) * self._params.include_stop_str_in_output]
         return stop
 
     def decode_logprobs(self, logprobs: list[dict[int, Logprob]]) -> None:

@@ -28,7 +28,8 @@ from jaxserve.engine.request import Sequence
 
 PageHash = bytes
 
-# The parent of a sequence's first page is its `cache_root` (b"" without an adapter).
+# The parent of a sequence's first page is its `cache_root` (b"" without an adapter or a
+# cache salt).
 
 
 def hash_page(parent: PageHash, tokens: list[int], extra: bytes = b"") -> PageHash:
@@ -40,6 +41,12 @@ def hash_page(parent: PageHash, tokens: list[int], extra: bytes = b"") -> PageHa
     """
     data = array.array("q", tokens).tobytes()
     return hashlib.blake2b(parent + data + extra, digest_size=16).digest()
+
+
+def salted_root(root: bytes, salt: str) -> bytes:
+    """The cache root of a request with a cache salt (vLLM's `cache_salt`): its pages'
+    hashes chain from it, so only requests of the same salt (and adapter) share them."""
+    return hashlib.blake2b(root + b"salt\0" + salt.encode(), digest_size=16).digest()
 
 
 @dataclasses.dataclass

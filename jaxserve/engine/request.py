@@ -275,6 +275,17 @@ def check_params(params: SamplingParams, vocab_size: int, has_tokenizer: bool) -
                              f"[0, {vocab_size})")
 
 
+def check_priority(priority: int, policy: str) -> None:
+    """A request's priority (lower first) means something only under the priority
+    scheduling policy; elsewhere anything but 0 is refused, as vLLM does (ValueError)."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority: must be an integer, got {priority!r}")
+    if priority != 0 and policy != "priority":
+        raise ValueError(f"priority: {priority} asks for priority scheduling, and this "
+                         f"engine schedules {policy}; start it with scheduling_policy "
+                         "'priority' (--scheduling-policy priority) or send priority 0")
+
+
 def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
     """A prompt must leave room for one output token within max_model_len (ValueError)."""
     if num_tokens >= max_model_len:
