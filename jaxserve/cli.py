@@ -33,6 +33,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "powers of two up to --max-num-batched-tokens); fewer buckets start "
                         "faster, a batch pads up to the next one")
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=None,
+                   help="fcfs (default): requests run in arrival order; priority: a "
+                        "request's `priority` (lower first, then arrival) orders admission "
+                        "and preemption")
     g.add_argument("--num-scheduler-steps", type=int, default=None, metavar="N",
                    help="run up to N decode steps in one program while every request "
                         "decodes (default 1); tokens then stream N at a time")
@@ -153,6 +157,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "num_scheduler_steps": args.num_scheduler_steps,
         "token_buckets": parse_buckets(args.token_buckets), "seed": args.seed,
         "enable_prefix_caching": False if args.no_prefix_caching else None,
+        "scheduling_policy": args.scheduling_policy,
         "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
         "quant_group_size": args.quant_group_size,
         "quant_zero_points": True if args.quant_zero_points else None,

@@ -179,11 +179,13 @@ class AsyncEngine:
 
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                   lora_request: LoRARequest | None = None, images: list[ImageInput] = (),
-                  kv_transfer_params: dict | None = None) -> AsyncIterator[StepOutput]:
+                  kv_transfer_params: dict | None = None, priority: int = 0,
+                  cache_salt: str | None = None) -> AsyncIterator[StepOutput]:
         """Admit the request (under `lora_request`'s adapter, when given; with `images`,
         `encode_chat`'s, for its placeholders; with `kv_transfer_params`, one side of
-        prefill/decode disaggregation: engine_core.py; ValueError, QueueFullError or
-        KVTransferError if it cannot be), then return the stream of its outputs. A text
+        prefill/decode disaggregation: engine_core.py; `priority` and `cache_salt` as
+        Engine.add_request's; ValueError, QueueFullError or KVTransferError if it cannot
+        be), then return the stream of its outputs. A text
         prompt is tokenized, and a structured-output constraint compiled, in the worker
         pool first.
 
@@ -204,8 +206,10 @@ class AsyncEngine:
         if kv_transfer_params and kv_transfer_params.get("do_remote_prefill"):
             stream.first_token = kv_transfer_params["first_token"]
         self._pending[stream.call] = stream
-        self.core.send(("add", request_id, stream.call, prompt, params, lora_request,
-                        list(images), kv_transfer_params))
+        options = dict(lora_request=lora_request, images=list(images), priority=priority,
+                       cache_salt=cache_salt)
+        self.core.send(("add", request_id, stream.call, prompt, params, options,
+                        kv_transfer_params))
         try:
             await stream.admitted
         except asyncio.CancelledError:

@@ -25,15 +25,17 @@ Prompt = str | list[int] | list[dict]
 
 
 def make_request(prompt: Prompt, request_id: str = "", lora_name: str = "",
-                 images: list[bytes] = (), **sampling) -> pb.GenerateRequest:
+                 images: list[bytes] = (), priority: int = 0, cache_salt: str = "",
+                 **sampling) -> pb.GenerateRequest:
     """A GenerateRequest from a prompt (text, token ids, or a conversation: a list of
     {"role", "content"} messages for the model's chat template, content a string or a list
     of {"type": "text", "text": str} and {"type": "image", "image": image file bytes}
     parts) and SamplingParams fields; `lora_name`: a LoRA adapter the server serves
     (empty: the base model); `images`: a text or token-id prompt's, one per image
-    placeholder."""
+    placeholder; `priority` and `cache_salt` as GenerateRequest's."""
     req = pb.GenerateRequest(request_id=request_id, sampling=pb.SamplingParams(**sampling),
-                             lora_name=lora_name, images=list(images))
+                             lora_name=lora_name, images=list(images), priority=priority,
+                             cache_salt=cache_salt)
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and isinstance(prompt[0], dict):

@@ -12,7 +12,9 @@ servers' event loop, gRPC's callbacks and the text work; the servers' process th
 starts a JAX backend.
 
 Commands (front -> core):
-    ("add", rid, call, prompt_ids, params, lora, images, kv_transfer_params)
+    ("add", rid, call, prompt_ids, params, options, kv_transfer_params)
+                                options: Engine.add_request's keyword arguments
+                                (lora_request, images, priority, cache_salt);
                                 kv_transfer_params (None: an ordinary request):
                                 {"do_remote_decode": true}: prefill only, its K/V held for
                                 a decode server (its last output's kv_transfer_params name
@@ -310,7 +312,7 @@ class EngineCore:
         else:
             raise ValueError(f"unknown engine command {kind!r}")
 
-    def _add(self, rid: str, call: int, prompt: list[int], params, lora, images=(),
+    def _add(self, rid: str, call: int, prompt: list[int], params, options: dict,
              kv: dict | None = None) -> None:
         if self.engine.num_waiting >= self.max_waiting:
             self.send(("admitted", call, None, QueueFullError(
@@ -324,23 +326,23 @@ class EngineCore:
                 return
             self._pulling[rid] = call
             threading.Thread(target=self._pull,
-                             args=(rid, call, prompt, params, lora, images, kv),
+                             args=(rid, call, prompt, params, options, kv),
                              name="kv-pull", daemon=True).start()
             return
         try:
-            ids = self.engine.add_request(rid, prompt, params, lora_request=lora,
-                                          images=list(images), remote_decode=remote_decode)
+            ids = self.engine.add_request(rid, prompt, params, remote_decode=remote_decode,
+                                          **options)
         except ValueError as e:
             self.send(("admitted", call, None, e))
             return
         self._calls[rid] = _Call(call, len(ids))
         if remote_decode:
-            entry = self._calls[rid]
+            entry, lora = self._calls[rid], options.get("lora_request")
             entry.prompt_ids, entry.lora = ids, lora.lora_name if lora else None
-            entry.images = [i.hash.hex() for i in images]
+            entry.images = [i.hash.hex() for i in options.get("images", ())]
         self.send(("admitted", call, ids, None))
 
-    def _pull(self, rid: str, call: int, prompt: list[int], params, lora, images,
+    def _pull(self, rid: str, call: int, prompt: list[int], params, options: dict,
               kv: dict) -> None:
         """A worker thread: pull a request's K/V from its prefill server (the engine keeps
         stepping), then hand it to the loop."""
@@ -348,9 +350,9 @@ class EngineCore:
             result = self.kv_puller.pull(kv, self.engine.kv_transfer.kv_pull_timeout)
         except (KVTransferError, ValueError) as e:
             result = e
-        self.inbox.put(("prefilled", rid, call, prompt, params, lora, images, result))
+        self.inbox.put(("prefilled", rid, call, prompt, params, options, result))
 
-    def _add_prefilled(self, rid: str, call: int, prompt: list[int], params, lora, images,
+    def _add_prefilled(self, rid: str, call: int, prompt: list[int], params, options: dict,
                        result) -> None:
         """Add a request whose K/V were pulled (or fail it with why they were not)."""
         if self._pulling.pop(rid, None) != call:
@@ -362,8 +364,7 @@ class EngineCore:
             return
         prefilled, seconds = result
         try:
-            ids = self.engine.add_request(rid, prompt, params, lora_request=lora,
-                                          images=list(images), prefilled=prefilled)
+            ids = self.engine.add_request(rid, prompt, params, prefilled=prefilled, **options)
         except ValueError as e:
             stats.failed += 1
             self.send(("admitted", call, None, e))

@@ -50,6 +50,7 @@ class Choice:
 
     text: str = ""
     num_tokens: int = 0
+    token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -66,9 +67,11 @@ class Job:
     def __init__(self, async_engine: AsyncEngine, base_id: str,
                  requests: list[tuple[list[int], SamplingParams]],
                  lora: LoRARequest | None = None, images: list | None = None,
-                 kv_transfer_params: dict | None = None):
+                 kv_transfer_params: dict | None = None, priority: int = 0,
+                 cache_salt: str | None = None):
         self.async_engine = async_engine
         self.lora = lora
+        self.priority, self.cache_salt = priority, cache_salt
         self.kv_transfer_params = kv_transfer_params  # (one request: oai.kv_transfer_params)
         self.created = time.monotonic()
         self.images = images or []  # every request's (their prompt's images)
@@ -107,7 +110,7 @@ class Job:
         two steps); the first error is raised after all have answered."""
         results = await asyncio.gather(
             *(self.async_engine.add(*self.requests[i], self.lora, self.images,
-                                    self.kv_transfer_params)
+                                    self.kv_transfer_params, self.priority, self.cache_salt)
               for i in indices),
             return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -395,6 +398,7 @@ class HTTPServer:
                 **(req.chat_template_kwargs or {}))
         except ValueError as e:  # ChatTemplateError, a bad image, over --max-prompt-bytes
             raise oai.APIError(400, str(e), "messages") from e
+        ids = req.truncated(ids, self.info.max_model_len, bool(images))
         think = block = None  # (no reasoning parser)
         if self.reasoning_parser is not None:
             state = reasoning.prompt_state(
@@ -406,11 +410,11 @@ class HTTPServer:
         params = await self._sampling_params(req, req.max_completion_tokens or req.max_tokens,
                                              logprobs, plan, block)
         job = Job(self.async_engine, oai.new_id("chatcmpl"), [(ids, p) for p in params], lora,
-                  images, oai.kv_transfer_params(req, 1))
+                  images, oai.kv_transfer_params(req, 1), req.priority, req.cache_salt)
         await self._start(request, job)
         rid = job.id
         if req.stream:
-            return StreamingResponse(self._chat_stream(request, req, job, rid, len(ids), plan,
+            return StreamingResponse(self._chat_stream(request, req, job, rid, ids, plan,
                                                        think),
                                      media_type="text/event-stream")
         choices = [Choice() for _ in params]
@@ -422,10 +426,13 @@ class HTTPServer:
         if req.prompt_logprobs is not None:  # vLLM's: the prompt's, once for all choices
             extra["prompt_logprobs"] = oai.prompt_logprobs_json(choices[0].prompt_logprobs,
                                                                 self._token_text)
+        if req.return_token_ids:
+            extra["prompt_token_ids"] = ids
         return _answer(job, choices, oai.envelope(rid, "chat.completion", self._model(job), [
             {"index": i, **self._chat_message(c, plan, think, req.include_reasoning),
              "logprobs": {"content": [x for part in c.logprobs for x in part]}
-             if logprobs is not None else None, "stop_reason": c.stop_reason}
+             if logprobs is not None else None, "stop_reason": c.stop_reason,
+             **({"token_ids": c.token_ids} if req.return_token_ids else {})}
             for i, c in enumerate(choices)],
             usage=oai.usage(len(ids), sum(c.num_tokens for c in choices)), **extra))
 
@@ -448,7 +455,7 @@ class HTTPServer:
         return {"message": message, "finish_reason": reason}
 
     async def _chat_stream(self, request: Request, req: oai.ChatCompletionRequest, job: Job,
-                           rid: str, num_prompt_tokens: int,
+                           rid: str, prompt_ids: list[int],
                            plan: tool_calling.ToolPlan | None,
                            think: bool | None) -> AsyncIterator[str]:
         created, logprobs = int(time.time()), req.logprob_count()
@@ -476,15 +483,21 @@ class HTTPServer:
                 deltas += tools.finish()
             return deltas
 
-        def chunk(i: int, delta: dict, out: StepOutput | None = None, finish=None) -> str:
+        def chunk(i: int, delta: dict, out: StepOutput | None = None, finish=None,
+                  first: bool = False) -> str:
             choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
             if out is not None and logprobs is not None and out.new_token_ids:
                 choice["logprobs"] = {"content": oai.chat_logprobs(out, logprobs,
                                                                    self._token_text)}
             if finish is not None:
                 choice["stop_reason"] = choices[i].stop_reason
+            ids = {}
+            if req.return_token_ids:  # the prompt's in a choice's first chunk, then new ones
+                choice["token_ids"] = list(out.new_token_ids) if out is not None else []
+                if first:
+                    ids["prompt_token_ids"] = prompt_ids
             return self._sse(oai.envelope(rid, "chat.completion.chunk", self._model(job),
-                                          [choice], created, **extra))
+                                          [choice], created, **extra, **ids))
 
         async with _watching(request, job), _errors_as_events() as errors:
             async for i, out in job.outputs():
@@ -492,7 +505,7 @@ class HTTPServer:
                 if not c.started:
                     c.started = True
                     yield chunk(i, {"role": "assistant", "content": "" if tools is None
-                                    or tools.plan.mode == "auto" else None})
+                                    or tools.plan.mode == "auto" else None}, first=True)
                 self._accumulate(c, out)
                 if tools is None and thoughts[i] is None:
                     # A chunk per step that made tokens, even when their text is held back
@@ -505,14 +518,15 @@ class HTTPServer:
                 deltas = deltas_of(i, out)
                 for j, delta in enumerate(deltas):
                     yield chunk(i, delta, out if j == 0 else None)
-                if not deltas and not out.finished and logprobs is not None:
+                if not deltas and not out.finished and (logprobs is not None
+                                                        or req.return_token_ids):
                     yield chunk(i, {}, out)  # text held back; its tokens' logprobs go now
                 if out.finished:
                     reason = c.finish_reason if tools is None else tool_calling.finish_reason(
                         plan, c.finish_reason, [None] * tools.num_calls)
                     yield chunk(i, {}, None if deltas else out, reason)
         for event in self._stream_end(job, "chat.completion.chunk", created, errors,
-                                      req.include_usage, num_prompt_tokens, choices):
+                                      req.include_usage, len(prompt_ids), choices):
             yield event
 
     async def completions(self, request: Request):
@@ -527,11 +541,13 @@ class HTTPServer:
                    for p in prompts]
         except ValueError as e:
             raise oai.APIError(400, str(e), "prompt") from e
+        ids = [req.truncated(p, self.info.max_model_len, False) for p in ids]
         params = await self._sampling_params(req, 1 if req.scores_only else req.max_tokens,
                                              req.logprobs)
         job = Job(self.async_engine, oai.new_id("cmpl"),
                   [(p, params[i]) for p in ids for i in range(req.n)], lora,
-                  kv_transfer_params=oai.kv_transfer_params(req, len(ids)))
+                  kv_transfer_params=oai.kv_transfer_params(req, len(ids)),
+                  priority=req.priority, cache_salt=req.cache_salt)
         await self._start(request, job)
         rid = job.id
         echoes = [""] * len(job.requests)
@@ -559,6 +575,8 @@ class HTTPServer:
             if req.prompt_logprobs is not None:
                 out["prompt_logprobs"] = oai.prompt_logprobs_json(c.prompt_logprobs,
                                                                   self._token_text)
+            if req.return_token_ids:
+                out["prompt_token_ids"], out["token_ids"] = prompt, c.token_ids
             return out
 
         return _answer(job, choices, oai.envelope(
@@ -583,15 +601,20 @@ class HTTPServer:
         async with _watching(request, job), _errors_as_events() as errors:
             async for i, out in job.outputs():
                 out, c = _shown(req, out), choices[i]
-                text = out.new_text
-                if not c.started:
+                text, first = out.new_text, not c.started
+                if first:
                     c.started = True
                     text = echoes[i] + text
                 self._accumulate(c, out)
-                if not (text or out.finished or out.new_token_ids):
+                if not (text or out.finished or out.new_token_ids
+                        or first and req.return_token_ids):
                     continue
                 choice = {"index": i, "text": text, "logprobs": None,
                           "finish_reason": c.finish_reason}
+                if req.return_token_ids:  # the prompt's in a choice's first chunk
+                    if first:
+                        choice["prompt_token_ids"] = job.requests[i][1]
+                    choice["token_ids"] = list(out.new_token_ids)
                 if req.logprobs is not None:
                     parts = [self._completion_logprobs(c, out, req.logprobs)]
                     if out.prompt_logprobs is not None:  # its first: the echoed prompt's lead
@@ -629,6 +652,7 @@ class HTTPServer:
     def _accumulate(c: Choice, out: StepOutput, logprobs: Callable | None = None) -> None:
         c.text += out.new_text
         c.num_tokens += len(out.new_token_ids)
+        c.token_ids += out.new_token_ids
         if logprobs is not None and out.new_logprobs:
             c.logprobs.append(logprobs(out))
         if out.finished:

@@ -119,6 +119,36 @@ class _Request(BaseModel):
     speculative: bool = True  # ours: false keeps the request from speculative decoding
     # Each prompt token's logprob and the N most likely there (none for the first token).
     prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    # Lower is served first; anything but 0 needs --scheduling-policy priority.
+    priority: int = 0
+    # The prefix cache shares this request's K/V pages only with requests of this salt.
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    # The prompt's and each choice's token ids in the response (streamed: the prompt's in
+    # the first chunk, each chunk's new ones).
+    return_token_ids: bool = False
+    # Keep only the prompt's last N tokens (-1: as many as max_model_len allows).
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] = "left"
+
+    def truncated(self, ids: list[int], max_model_len: int, has_images: bool) -> list[int]:
+        """The prompt's token ids after `truncate_prompt_tokens` (vLLM's: the last N by
+        default, `truncation_side` "right" the first N). Not with images (their tokens
+        are counted only when the engine places them)."""
+        n = self.truncate_prompt_tokens
+        if n is None:
+            return ids
+        field = "truncate_prompt_tokens"
+        if has_images:
+            raise APIError(400, f"{field}: not available for a prompt with images", field)
+        if n == 0 or n >= max_model_len:
+            raise APIError(400, f"{field}: must be -1 or in [1, {max_model_len - 1}] (the "
+                                f"prompt must leave room for an output in max_model_len "
+                                f"{max_model_len}), got {n}", field)
+        n = max_model_len - 1 if n == -1 else n
+        if len(ids) <= n:
+            return ids
+        return ids[-n:] if self.truncation_side == "left" else ids[:n]
 
     def constraint_field(self) -> str | None:
         """The field the output constraint came in."""
@@ -195,6 +225,7 @@ class _Request(BaseModel):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             seed=None if self.seed is None else (self.seed + index) % 2**32,
             logprobs=logprobs, prompt_logprobs=self.prompt_logprob_count(), logit_bias=bias,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=(self.skip_special_tokens if skip_special_tokens is None
                                  else skip_special_tokens),
             structured_outputs=self.structured(tool_constraint), speculative=self.speculative)

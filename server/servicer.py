@@ -40,6 +40,7 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
                             if s.HasField("structured_outputs") else None),
         speculative=s.speculative if s.HasField("speculative") else True,
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+        include_stop_str_in_output=s.include_stop_str_in_output,
     )
 
 
@@ -163,7 +164,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     text = self.info.images.expand_text(text)
                 prompt = (await self.async_engine.encode(text) if which == "text"
                           else list(request.token_ids.ids))
-            outputs = await self.async_engine.add(rid, prompt, params, lora, images, kv)
+            outputs = await self.async_engine.add(rid, prompt, params, lora, images, kv,
+                                                  request.priority, request.cache_salt or None)
         except ValueError as e:  # never admitted
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except QueueFullError as e:

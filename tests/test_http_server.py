@@ -214,6 +214,70 @@ def test_stop_strings_and_logit_bias(server, client, llm):
     assert biased.choices[0].text == "QQQQ"
 
 
+def test_vllm_request_extras(server, client, grpc_client, llm, prompts):
+    """vLLM's request fields, each against the offline engine or the model's own tokenizer
+    (transformers'): include_stop_str_in_output, return_token_ids, truncate_prompt_tokens
+    and cache_salt."""
+    from transformers import AutoTokenizer
+
+    model, hf = str(server[2]), AutoTokenizer.from_pretrained(server[2])
+    greedy = dict(model=model, temperature=0.0, max_tokens=10)
+    plain = client.completions.create(prompt="Hello", extra_body={"ignore_eos": True},
+                                      **greedy).choices[0].text
+    stop = plain[3:5]
+    for stream in (False, True):
+        got = client.completions.create(prompt="Hello", stop=[stop], stream=stream, **greedy,
+                                        extra_body={"ignore_eos": True,
+                                                    "include_stop_str_in_output": True})
+        text = "".join(c.choices[0].text for c in got) if stream else got.choices[0].text
+        assert text == plain[:plain.index(stop) + len(stop)]
+
+    want = llm.generate([hf.apply_chat_template(CHAT, add_generation_prompt=True,
+                                                return_dict=False)],
+                        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0]
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    got = client.chat.completions.create(messages=CHAT, extra_body=extra, **greedy)
+    assert got.model_extra["prompt_token_ids"] == want.prompt_token_ids
+    assert got.choices[0].model_extra["token_ids"] == want.outputs[0].token_ids
+    chunks = list(client.chat.completions.create(messages=CHAT, stream=True, extra_body=extra,
+                                                 **greedy))
+    assert chunks[0].model_extra["prompt_token_ids"] == want.prompt_token_ids
+    assert all("prompt_token_ids" not in c.model_extra for c in chunks[1:])
+    assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == \
+        want.outputs[0].token_ids
+    want = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=10,
+                                                  ignore_eos=True))[0]
+    assert want.prompt_token_ids == hf("Hello")["input_ids"]
+    got = client.completions.create(prompt="Hello", extra_body=extra, **greedy).choices[0]
+    assert (got.model_extra["prompt_token_ids"], got.model_extra["token_ids"]) == (
+        want.prompt_token_ids, want.outputs[0].token_ids)
+    chunks = [c.choices[0].model_extra for c in client.completions.create(
+        prompt="Hello", stream=True, extra_body=extra, **greedy)]
+    assert chunks[0]["prompt_token_ids"] == want.prompt_token_ids
+    assert [t for c in chunks for t in c["token_ids"]] == want.outputs[0].token_ids
+
+    prompt = prompts[2]
+    for side, kept in (("left", prompt[-7:]), ("right", prompt[:7])):
+        got = client.completions.create(prompt=prompt, **greedy, extra_body={
+            "ignore_eos": True, "truncate_prompt_tokens": 7, "truncation_side": side})
+        want = llm.generate([kept], SamplingParams(temperature=0.0, max_tokens=10,
+                                                   ignore_eos=True))[0]
+        assert got.choices[0].text == want.outputs[0].text and got.usage.prompt_tokens == 7
+    whole = client.completions.create(prompt=prompt, **greedy, extra_body={
+        "ignore_eos": True, "truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == len(prompt)
+
+    salted = list(range(80, 110))  # 30 tokens: 7 full pages of 4, used by no other test
+    hits = []
+    for salt in ("tenant-a", "tenant-b", None, "tenant-a"):
+        wait_idle(grpc_client)
+        before = _scrape(server[1].http_url)["jaxserve:prefix_cache_hits_total"]
+        client.completions.create(prompt=salted, model=model, max_tokens=2,
+                                  extra_body={"cache_salt": salt} if salt else None)
+        hits.append(_scrape(server[1].http_url)["jaxserve:prefix_cache_hits_total"] - before)
+    assert hits == [0, 0, 0, 28]
+
+
 def test_sse_wire_format(server):
     body = {"prompt": "Hello", "max_tokens": 4, "stream": True, "temperature": 0.0}
     with httpx.stream("POST", f"{server[1].http_url}/v1/completions", json=body) as r:
@@ -245,6 +309,14 @@ def test_sse_wire_format(server):
     ("/v1/completions", {"prompt": "x" * 5000}, 400, "prompt"),  # over --max-prompt-bytes
     ("/v1/completions", {"prompt": [5] * 100_000}, 400, "prompt"),
     ("/v1/completions", b'{"prompt": "x", "temperature": 1e400}', 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "priority": 3}, 400, "priority"),  # fcfs here
+    ("/v1/completions", {"prompt": "x", "cache_salt": ""}, 400, "cache_salt"),
+    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, 400,
+     "truncate_prompt_tokens"),
+    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 128}, 400,
+     "truncate_prompt_tokens"),
+    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 3,
+                         "truncation_side": "middle"}, 400, "truncation_side"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
@@ -259,8 +331,10 @@ def test_bad_requests_fail_alone_with_openai_errors(server, client, path, body, 
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["message"] and error["type"]
-    ok = client.completions.create(model=str(server[2]), prompt="Hello", max_tokens=2)
-    assert ok.choices[0].text
+    ok = client.completions.create(model=str(server[2]), prompt="Hello", max_tokens=2,
+                                   extra_body={"ignore_eos": True})
+    # (its text may be empty: two random bytes of a tiny model can be half a character)
+    assert ok.usage.completion_tokens == 2 and ok.choices[0].finish_reason == "length"
 
 
 def test_malformed_and_oversized_bodies(server):
@@ -365,6 +439,54 @@ def test_50_clients_dropping_mid_stream_return_every_page(server, grpc_client):
     assert status.running_requests == 0 and status.waiting_requests == 0
     assert status.kv_pages_used == idle.kv_pages_used
     assert _scrape(server[1].http_url)["jaxserve:num_requests_running"] == 0
+
+
+def test_priority_scheduling_admits_lower_priority_first(checkpoints, tmp_path):
+    """--scheduling-policy priority: requests waiting for the one seat are admitted by their
+    `priority` (lower first), not by arrival. A long request holds the seat until the four
+    have queued, then leaves (its client disconnects)."""
+    import threading
+    import time
+
+    path, _ = checkpoints("llama")
+    with running_server(path, tmp_path / "server.log", "--scheduling-policy", "priority",
+                        "--max-num-seqs", "1", "--max-model-len", "2048") as (_, proc):
+        url = f"{proc.http_url}/v1/completions"
+        first_token: dict[str, float] = {}
+        release = threading.Event()
+
+        def run(name: str, max_tokens: int, priority: int, admitted: threading.Event):
+            body = {"prompt": [5, 6, 7], "max_tokens": max_tokens, "ignore_eos": True,
+                    "stream": True, "priority": priority}
+            with httpx.stream("POST", url, json=body, timeout=120) as r:
+                assert r.status_code == 200
+                admitted.set()  # the response starts once the engine queued it
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        first_token.setdefault(name, time.monotonic())
+                        if name == "seat" and release.is_set():
+                            return  # disconnects: the server aborts it
+
+        threads = []
+
+        def start(name: str, max_tokens: int, priority: int) -> None:
+            admitted = threading.Event()
+            threads.append(threading.Thread(target=run,
+                                            args=(name, max_tokens, priority, admitted)))
+            threads[-1].start()
+            assert admitted.wait(60)
+
+        start("seat", 2000, 0)
+        while "seat" not in first_token:
+            time.sleep(0.005)
+        for priority in (5, 3, 1, 0):  # arriving in this order, each runs 8 tokens
+            start(f"p{priority}", 8, priority)
+        assert threads[0].is_alive(), "the seat's request ended before the others queued"
+        release.set()
+        for t in threads:
+            t.join(120)
+        waited = sorted((first_token[f"p{p}"], p) for p in (5, 3, 1, 0))
+        assert [p for _, p in waited] == [0, 1, 3, 5]
 
 
 @pytest.mark.slow

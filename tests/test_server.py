@@ -267,6 +267,25 @@ def test_bad_inputs_fail_alone(server, client, prompts):
     assert len(ids) == 3 and done.finish_reason == "length"
 
 
+def test_stop_string_kept_cache_salt_and_priority_over_grpc(server, client):
+    """include_stop_str_in_output, cache_salt (a salt shares pages only with itself) and
+    priority (refused by a server that schedules fcfs) reach the engine over gRPC."""
+    greedy = dict(temperature=0.0, max_tokens=10, ignore_eos=True)
+    _, plain, _ = client.complete("Hello", **greedy)
+    stop = plain[3:5]
+    _, text, done = client.complete("Hello", stop=[stop], include_stop_str_in_output=True,
+                                    **greedy)
+    assert text == plain[:plain.index(stop) + len(stop)] and done.matched_stop == stop
+    prompt = list(range(120, 150))  # 30 tokens: 7 full pages of 4, used by no other test
+    cached = [client.complete(prompt, cache_salt=salt, max_tokens=2)[2].usage.cached_tokens
+              for salt in ("a", "b", "", "a", "")]
+    assert cached == [0, 0, 0, 28, 28]
+    with pytest.raises(grpc.RpcError) as e:
+        client.complete(prompt, priority=2, max_tokens=2)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "--scheduling-policy priority" in e.value.details()
+
+
 def test_structured_output_over_grpc(server, client, prompts):
     """A regex and a choice, greedy and sampled, beside a free request: each constrained
     output is what the constraint allows (re.fullmatch), on a random-weight model."""
