@@ -11,6 +11,7 @@ from typing import Any
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 24  # stop_token_ids (<= 16) plus EOS ids
 MAX_LOGIT_BIAS = 32  # logit_bias entries per request
+MAX_BAD_WORDS = 128  # bad_words per request (each checked on the host every step)
 # A thinking model's reasoning block (DeepSeek-R1, QwQ, Qwen3): StructuredOutputsParams'
 # `reasoning`, and the servers' --reasoning-parser (server/reasoning.py).
 REASONING_START, REASONING_END = "<think>", "</think>"
@@ -99,7 +100,9 @@ class SamplingParams:
     `speculative` False keeps this request from speculative decoding when the engine
     has it on (its tokens are the same either way; docs/speculative.md).
     `include_stop_str_in_output` keeps the stop string that ended the output in its text
-    (and the text of a stop token id that did), as vLLM's.
+    (and the text of a stop token id that did), as vLLM's. `allowed_token_ids`: only
+    these may be sampled; `bad_words`: words the output never writes (vLLM's rule:
+    engine/token_filters.py).
     """
 
     temperature: float = 1.0
@@ -122,6 +125,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     speculative: bool = True
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -129,6 +134,9 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        self.bad_words = list(dict.fromkeys(self.bad_words or ()))
         self.validate()
 
     def validate(self) -> None:
@@ -183,6 +191,14 @@ class SamplingParams:
         for field in ("speculative", "include_stop_str_in_output"):
             if not isinstance(getattr(self, field), bool):
                 bad(field, "must be true or false")
+        if self.allowed_token_ids is not None and not (
+                self.allowed_token_ids
+                and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            bad("bad_words", "must be a list of words (non-empty strings)")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            bad("bad_words", f"may hold at most {MAX_BAD_WORDS} words")
 
     @property
     def greedy(self) -> bool:
@@ -197,8 +213,15 @@ class SamplingParams:
     @property
     def needs_history(self) -> bool:
         """Its sampling needs every token it has so far on the host (penalties, a grammar
-        mask): its steps are sampled apart, after the step before is collected."""
-        return self.uses_penalties or self.structured_outputs is not None
+        mask, bad words) or a mask made there (allowed_token_ids): its steps are sampled
+        apart, after the step before is collected."""
+        return (self.uses_penalties or self.structured_outputs is not None
+                or self.filters_tokens)
+
+    @property
+    def filters_tokens(self) -> bool:
+        """Whether it has allowed_token_ids or bad_words (engine/token_filters.py)."""
+        return self.allowed_token_ids is not None or bool(self.bad_words)
 
     @property
     def uses_penalties(self) -> bool:

@@ -120,6 +120,8 @@ class _Request(BaseModel):
     # Each prompt token's logprob and the N most likely there (none for the first token).
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # words the output never writes
     # Lower is served first; anything but 0 needs --scheduling-policy priority.
     priority: int = 0
     # The prefix cache shares this request's K/V pages only with requests of this salt.
@@ -226,6 +228,7 @@ class _Request(BaseModel):
             seed=None if self.seed is None else (self.seed + index) % 2**32,
             logprobs=logprobs, prompt_logprobs=self.prompt_logprob_count(), logit_bias=bias,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             skip_special_tokens=(self.skip_special_tokens if skip_special_tokens is None
                                  else skip_special_tokens),
             structured_outputs=self.structured(tool_constraint), speculative=self.speculative)

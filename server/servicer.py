@@ -41,6 +41,8 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
         speculative=s.speculative if s.HasField("speculative") else True,
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
         include_stop_str_in_output=s.include_stop_str_in_output,
+        allowed_token_ids=list(s.allowed_token_ids) or None,
+        bad_words=list(s.bad_words),
     )
 
 

@@ -93,11 +93,48 @@ def test_include_stop_str_in_output(llm, prompts):
     assert kept.text != tokenizer.decode(base.token_ids[:first])
 
 
-def test_cache_salt_shares_pages_only_within_a_salt(llm, prompts):
+def test_allowed_token_ids_and_bad_words_match_transformers(llm, hf_model, prompts):
+    """vLLM's allowed_token_ids and bad_words against transformers' own logits processors
+    (prefix_allowed_tokens_fn, bad_words_ids), greedy; a logit bias (transformers'
+    sequence_bias) makes the words likely. A two-token bad word bans its second token
+    after its first only."""
+    tok = llm.get_tokenizer()
+    a, b, c = (tok.encode(x, add_special_tokens=False)[0] for x in "abc")
+    bias = {a: 6.0, b: 6.0, c: 3.0}
+    prompt = prompts[1]
+    assert prompt[-1] not in (a, b)  # (transformers matches a word's start in the prompt)
+
+    def ours(**kwargs):
+        return tokens(llm.generate([prompt], SamplingParams(
+            temperature=0.0, max_tokens=16, ignore_eos=True, logit_bias=bias, **kwargs))[0])
+
+    def theirs(**kwargs):
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16,
+                                do_sample=False, pad_token_id=0,
+                                sequence_bias={(t,): v for t, v in bias.items()}, **kwargs)
+        return out[0, len(prompt):].tolist()
+
+    free = ours()
+    assert free == theirs() and free[:2] == [a, b]
+    banned = ours(bad_words=["ab", " bb"])
+    assert banned == theirs(bad_words_ids=[[a, b], [b, b]]) != free
+    pairs = set(zip(banned, banned[1:]))
+    assert (a, b) not in pairs and (b, b) not in pairs and a in banned
+    assert ours(bad_words=["a"]) == theirs(bad_words_ids=[[a]]) != free
+    allowed = [50, 60, 70, 80, 90]
+    assert ours(allowed_token_ids=allowed) == theirs(
+        prefix_allowed_tokens_fn=lambda *_: allowed)
+    both = ours(allowed_token_ids=[a, b, c, 50], bad_words=["bb"])
+    assert both == theirs(prefix_allowed_tokens_fn=lambda *_: [a, b, c, 50],
+                          bad_words_ids=[[b, b]])
+    assert set(both) <= {a, b, c, 50} and (b, b) not in set(zip(both, both[1:]))
+
+
+def test_cache_salt_shares_pages_only_within_a_salt(llm):
     """A salted request hits the prefix cache only on pages computed under its own salt;
     its tokens are the unsalted ones."""
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    prompt = prompts[3] + prompts[3]  # several full pages
+    prompt = list(range(200, 240))  # 10 full pages no other test's prompt starts with
     runs = [llm.generate([{"prompt_token_ids": prompt, "cache_salt": salt}
                           if salt else prompt], params)[0]
             for salt in ("tenant-a", None, "tenant-b", "tenant-a", None)]
@@ -189,6 +226,12 @@ def test_bad_arguments_raise_value_error(llm):
         (lambda: llm.generate([{"prompt_token_ids": [5, 6], "cache_salt": ""}]),
          "cache_salt"),
         (lambda: SamplingParams(include_stop_str_in_output=1), "include_stop_str_in_output"),
+        (lambda: SamplingParams(allowed_token_ids=[]), "allowed_token_ids"),
+        (lambda: llm.generate([[5, 6]], SamplingParams(allowed_token_ids=[10**6])),
+         "allowed_token_ids"),
+        (lambda: SamplingParams(bad_words=[" "]), "bad_words"),
+        (lambda: llm.generate([[5, 6]], SamplingParams(allowed_token_ids=[67],
+                                                       bad_words=["a"])), "bad_words"),
         (lambda: LLM("/nonexistent/dir", warmup=False), "not a directory"),
         (lambda: LLM(None, warmup=False, bogus=1), "unknown LLM arguments"),
     ]

@@ -256,6 +256,19 @@ def test_vllm_request_extras(server, client, grpc_client, llm, prompts):
     assert chunks[0]["prompt_token_ids"] == want.prompt_token_ids
     assert [t for c in chunks for t in c["token_ids"]] == want.outputs[0].token_ids
 
+    tok = llm.get_tokenizer()
+    a, b = (tok.encode(x, add_special_tokens=False)[0] for x in "ab")
+    bias = {a: 6.0, b: 6.0}  # makes the words likely
+    for filters in ({"bad_words": ["ab", "bb"]}, {"allowed_token_ids": [50, 60, 70]}):
+        got = client.completions.create(prompt=prompts[2], logit_bias={str(t): v for t, v in
+                                                                       bias.items()},
+                                        extra_body={"ignore_eos": True, **filters}, **greedy)
+        want = llm.generate([prompts[2]], SamplingParams(
+            temperature=0.0, max_tokens=10, ignore_eos=True, logit_bias=bias, **filters))[0]
+        free = llm.generate([prompts[2]], SamplingParams(
+            temperature=0.0, max_tokens=10, ignore_eos=True, logit_bias=bias))[0]
+        assert got.choices[0].text == want.outputs[0].text != free.outputs[0].text
+
     prompt = prompts[2]
     for side, kept in (("left", prompt[-7:]), ("right", prompt[:7])):
         got = client.completions.create(prompt=prompt, **greedy, extra_body={
@@ -311,6 +324,9 @@ def test_sse_wire_format(server):
     ("/v1/completions", b'{"prompt": "x", "temperature": 1e400}', 400, "temperature"),
     ("/v1/completions", {"prompt": "x", "priority": 3}, 400, "priority"),  # fcfs here
     ("/v1/completions", {"prompt": "x", "cache_salt": ""}, 400, "cache_salt"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": [10**6]}, 400,
+     "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "x", "bad_words": [""]}, 400, "bad_words"),
     ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, 400,
      "truncate_prompt_tokens"),
     ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 128}, 400,

@@ -268,14 +268,23 @@ def test_bad_inputs_fail_alone(server, client, prompts):
 
 
 def test_stop_string_kept_cache_salt_and_priority_over_grpc(server, client):
-    """include_stop_str_in_output, cache_salt (a salt shares pages only with itself) and
-    priority (refused by a server that schedules fcfs) reach the engine over gRPC."""
+    """include_stop_str_in_output, allowed_token_ids, bad_words, cache_salt (a salt shares
+    pages only with itself) and priority (refused by a server that schedules fcfs) reach
+    the engine over gRPC."""
     greedy = dict(temperature=0.0, max_tokens=10, ignore_eos=True)
     _, plain, _ = client.complete("Hello", **greedy)
     stop = plain[3:5]
     _, text, done = client.complete("Hello", stop=[stop], include_stop_str_in_output=True,
                                     **greedy)
     assert text == plain[:plain.index(stop) + len(stop)] and done.matched_stop == stop
+    ids, _, _ = client.complete("Hello", allowed_token_ids=[50, 60, 70], **greedy)
+    assert set(ids) <= {50, 60, 70}
+    a, b = client.tokenize("ab", add_special_tokens=False)
+    words = client.complete("Hello", logit_bias={a: 6.0, b: 6.0}, **greedy)[1]
+    banned = client.complete("Hello", logit_bias={a: 6.0, b: 6.0}, bad_words=["ab", "bb"],
+                             **greedy)[1]
+    assert "ab" in words or "bb" in words
+    assert "ab" not in banned and "bb" not in banned and banned != words
     prompt = list(range(120, 150))  # 30 tokens: 7 full pages of 4, used by no other test
     cached = [client.complete(prompt, cache_salt=salt, max_tokens=2)[2].usage.cached_tokens
               for salt in ("a", "b", "", "a", "")]

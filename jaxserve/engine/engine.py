@@ -39,6 +39,7 @@ from jaxserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, 
 from jaxserve.engine.speculative.setup import SpeculativeModels
 from jaxserve.engine.status import EngineStatus
 from jaxserve.engine.structured_output import GrammarCompiler, MaskFiller
+from jaxserve.engine.token_filters import token_filter
 from jaxserve.loading.digest import weights_digest
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.models.layers import dense_impl, weights_for_native_matmul
@@ -273,6 +274,7 @@ class Engine:
             params = dataclasses.replace(params, seed=self._rng.randrange(2**32))
         grammar = (self.grammars.matcher(params.structured_outputs)
                    if params.structured_outputs is not None else None)
+        filters = token_filter(params, self.tokenizer, self.model_config.vocab_size)
         limit = min(params.max_tokens or room, room)
         # A prefill engine's request stops after its first token (the decode goes on
         # elsewhere), unless it has only one.
@@ -304,7 +306,7 @@ class Engine:
             text.skip([prefilled.first_token])  # its text came from the prefill engine
         self._requests[request_id] = Request(
             seq, frozenset(params.stop_token_ids) | frozenset(
-                () if params.ignore_eos else self.eos_token_ids), text, grammar)
+                () if params.ignore_eos else self.eos_token_ids), text, grammar, filter=filters)
         self._num_sampled_apart += params.needs_history
         self._num_logprobs += params.logprobs is not None
         self._num_scoring += params.prompt_logprobs is not None
@@ -685,17 +687,24 @@ class Engine:
 
     def _dispatch_sample(self, step: InFlightStep) -> None:
         """Sample a step sampled apart, now that every token before it is on the host:
-        fill its histories (penalties) and its grammar masks, then start the sampling."""
+        fill its histories (penalties) and its masks (grammars, token filters), then
+        start the sampling."""
         batch, key = step.batch, step.key
         if key.history:
             self.speculator.read_back(step.speculation)
             self.builder.fill_history(batch, step.schedule)
-        constrained = [(req.grammar, s.row) for s in step.sampling
-                       if (req := self._requests.get(s.seq.request_id)) is not None
-                       and req.seq is s.seq and req.grammar is not None]
-        if constrained:
-            batch.sampling.grammar_mask = self.masks.fill(constrained, key.rows,
-                                                           self.model_config.vocab_size)
+        masked = [(req, s.row) for s in step.sampling
+                  if (req := self._requests.get(s.seq.request_id)) is not None
+                  and req.seq is s.seq and (req.grammar is not None or req.filter is not None)]
+        if masked:
+            grammars = [(req.grammar, row) for req, row in masked if req.grammar is not None]
+            mask = (self.masks.fill(grammars, key.rows, self.model_config.vocab_size)
+                    if grammars else self.builder.open_mask(key.rows).copy())
+            for req, row in masked:
+                if req.filter is not None:
+                    seq = req.seq
+                    req.filter.restrict(mask[row], seq.output_token_ids[:seq.num_known_outputs])
+            batch.sampling.grammar_mask = mask
         step.out = self.runner.dispatch_sample(batch, key)
         step.batch = None
 

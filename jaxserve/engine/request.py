@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import llguidance
 
     from jaxserve.engine.output_text import OutputText
+    from jaxserve.engine.token_filters import TokenFilter
 
 
 log = logging.getLogger(__name__)
@@ -186,6 +187,8 @@ class Request:
     stop_ids: frozenset[int]
     text: OutputText | None = None
     grammar: llguidance.LLMatcher | None = None
+    # Its allowed_token_ids and bad_words as masks (engine/token_filters.py).
+    filter: TokenFilter | None = None
     # A remote_decode seq's prompt K/V (kv_transfer.KVPages), read as its prompt is done.
     kv_pages: Any = None
     # Nothing but its tokens to look at while it runs: no grammar, no logprobs, its text

@@ -178,14 +178,15 @@ class SpeculativeDecoding(Speculator):
         """Drafts for each decoding sequence, cut to the room it has left (drafts beyond
         room - 1 could never be emitted, nor a tree's nodes past room - 1 have a slot
         within max_model_len: its first room - 1 nodes are a tree too). Sequences with a
-        grammar do not speculate (their drafts would need the grammar advanced through
-        them), nor those whose request says not to."""
+        grammar or token filters do not speculate (their drafts would need the grammar
+        advanced through them, or the bad words matched against them), nor those whose
+        request says not to."""
         if not self.active:
             return {}
         entries = []
         for req in self.running():
             seq = req.seq
-            if (req.grammar is not None or not seq.params.speculative
+            if (req.grammar is not None or req.filter is not None or not seq.params.speculative
                     or seq.num_tokens - seq.num_computed_tokens != 1):
                 continue
             room = min(req.max_tokens - len(seq.output_token_ids),
