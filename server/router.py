@@ -323,6 +323,8 @@ class Router:
                     if chat and _role_only(chunk):
                         continue
                     chunk["id"] = first["id"]
+                    for choice in chunk.get("choices") or ():  # in the first chunk
+                        choice.pop("prompt_token_ids", None)
                     if chunk.get("usage"):
                         chunk["usage"] = _add_usage(chunk["usage"], first["usage"])
                     if not got_first and chunk.get("choices"):
@@ -579,6 +581,8 @@ def _joined(first: dict, rest: dict, path: str) -> dict:
                 for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
     if "prompt_logprobs" in a:
         choice["prompt_logprobs"] = a["prompt_logprobs"]
+    if "token_ids" in b:  # return_token_ids
+        choice["token_ids"] = a["token_ids"] + b["token_ids"]
     out = {**rest, "id": first["id"], "choices": [choice],
            "usage": _add_usage(rest["usage"], first["usage"])}
     if "prompt_logprobs" in first:  # a chat response's
@@ -591,13 +595,15 @@ def _first_chunk(first: dict, chat: bool) -> list[dict]:
     """The prefill server's answer (its first token) as stream chunks."""
     c = first["choices"][0]
     base = {"id": first["id"], "created": first["created"], "model": first["model"]}
+    ids = {k: c[k] for k in ("prompt_token_ids", "token_ids") if k in c}  # return_token_ids
     if chat:
-        return [{**base, "object": "chat.completion.chunk", "choices": [{
+        prompt = {"prompt_token_ids": first["prompt_token_ids"]} if ids else {}
+        return [{**base, "object": "chat.completion.chunk", **prompt, "choices": [{
             "index": 0, "delta": {"role": "assistant", "content": c["message"]["content"]},
-            "logprobs": c.get("logprobs"), "finish_reason": None}]}]
+            "logprobs": c.get("logprobs"), "finish_reason": None, **ids}]}]
     return [{**base, "object": "text_completion", "choices": [{
         "index": 0, "text": c["text"], "logprobs": c.get("logprobs"),
-        "finish_reason": None}]}]
+        "finish_reason": None, **ids}]}]
 
 
 def _as_stream(first: dict, path: str) -> StreamingResponse:

@@ -101,21 +101,30 @@ def test_router_answers_as_one_server(cluster):
              dict(prompt="with logprobs", max_tokens=6, temperature=0, logprobs=2,
                   extra_body={"ignore_eos": True}),
              dict(prompt="echoed, scored", max_tokens=4, temperature=0, logprobs=1,
-                  echo=True, extra_body={"ignore_eos": True})]
+                  echo=True, extra_body={"ignore_eos": True}),
+             dict(prompt="with token ids", max_tokens=6, temperature=0,
+                  extra_body={"ignore_eos": True, "return_token_ids": True})]
     for kw in cases:
         want = one.completions.create(model=model, **kw)
         got = pd.completions.create(model=model, **kw)
         w, g = want.choices[0], got.choices[0]
         assert (g.text, g.finish_reason) == (w.text, w.finish_reason), kw
+        assert g.model_extra == w.model_extra  # return_token_ids: the same ids
         assert got.usage.completion_tokens == want.usage.completion_tokens
         if kw.get("logprobs"):
             assert g.logprobs.tokens == w.logprobs.tokens
             assert g.logprobs.text_offset == w.logprobs.text_offset
             assert g.logprobs.token_logprobs == pytest.approx(w.logprobs.token_logprobs,
                                                               abs=1e-4)  # echo: None first
-        streamed = "".join(c.choices[0].text for c in pd.completions.create(
-            model=model, stream=True, **kw) if c.choices)
-        assert streamed == w.text, kw
+        chunks = [c for c in pd.completions.create(model=model, stream=True, **kw)
+                  if c.choices]
+        assert "".join(c.choices[0].text for c in chunks) == w.text, kw
+        if "token_ids" in w.model_extra:
+            assert chunks[0].choices[0].model_extra["prompt_token_ids"] == \
+                w.model_extra["prompt_token_ids"]
+            assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == \
+                w.model_extra["token_ids"]
+            assert all("prompt_token_ids" not in c.choices[0].model_extra for c in chunks[1:])
     # vLLM's prompt_logprobs: the prefill server's, once (not asked of the decode server).
     kw = dict(prompt="scored twice", max_tokens=3, temperature=0,
               extra_body={"prompt_logprobs": 1})
@@ -127,14 +136,23 @@ def test_router_answers_as_one_server(cluster):
         assert g.keys() == w.keys()
         assert all(abs(g[t]["logprob"] - w[t]["logprob"]) < 1e-4 for t in g)
     messages = [{"role": "user", "content": "hello, who are you?"}]
-    for kw in (dict(max_tokens=12, temperature=0), dict(max_tokens=9, temperature=1.0, seed=5)):
+    for kw in (dict(max_tokens=12, temperature=0), dict(max_tokens=9, temperature=1.0, seed=5),
+               dict(max_tokens=5, temperature=0, extra_body={"return_token_ids": True})):
         want = one.chat.completions.create(model=model, messages=messages, **kw)
         got = pd.chat.completions.create(model=model, messages=messages, **kw)
         assert got.choices[0].message.content == want.choices[0].message.content
+        assert (got.model_extra.get("prompt_token_ids"), got.choices[0].model_extra) == (
+            want.model_extra.get("prompt_token_ids"), want.choices[0].model_extra)
         chunks = list(pd.chat.completions.create(model=model, messages=messages, stream=True,
                                                  stream_options={"include_usage": True}, **kw))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
             want.choices[0].message.content
+        if "extra_body" in kw:
+            assert chunks[0].model_extra["prompt_token_ids"] == want.model_extra[
+                "prompt_token_ids"]
+            assert [t for c in chunks if c.choices
+                    for t in c.choices[0].model_extra.get("token_ids", [])] == \
+                want.choices[0].model_extra["token_ids"]
         assert chunks[-1].usage.completion_tokens == want.usage.completion_tokens
     # Every handed-off request's K/V were pulled; none left held, no page left taken.
     prefill, decode = servers["prefill"].http_url, servers["decode"].http_url
