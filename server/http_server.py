@@ -541,7 +541,10 @@ class HTTPServer:
                    for p in prompts]
         except ValueError as e:
             raise oai.APIError(400, str(e), "prompt") from e
-        ids = [req.truncated(p, self.info.max_model_len, False) for p in ids]
+        kept = [req.truncated(p, self.info.max_model_len, False) for p in ids]
+        # An echo shows the prompt as run: a truncated one decoded from what was kept.
+        prompts = [p if len(k) == len(i) else k for p, i, k in zip(prompts, ids, kept)]
+        ids = kept
         params = await self._sampling_params(req, 1 if req.scores_only else req.max_tokens,
                                              req.logprobs)
         job = Job(self.async_engine, oai.new_id("cmpl"),

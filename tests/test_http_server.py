@@ -279,6 +279,9 @@ def test_vllm_request_extras(server, client, grpc_client, llm, prompts):
     whole = client.completions.create(prompt=prompt, **greedy, extra_body={
         "ignore_eos": True, "truncate_prompt_tokens": -1})
     assert whole.usage.prompt_tokens == len(prompt)
+    echoed = client.completions.create(prompt="Hello there", echo=True, **greedy, extra_body={
+        "ignore_eos": True, "truncate_prompt_tokens": 4})
+    assert echoed.choices[0].text.startswith("here") and echoed.usage.prompt_tokens == 4
 
     salted = list(range(80, 110))  # 30 tokens: 7 full pages of 4, used by no other test
     hits = []

@@ -61,21 +61,21 @@ def token_filter(params: SamplingParams, tokenizer: Tokenizer | None,
     tokenizer or an allowed id outside the vocabulary."""
     if params.allowed_token_ids is None and not params.bad_words:
         return None
-    words = (int(vocab_size) + 31) // 32
+    width = (int(vocab_size) + 31) // 32  # int32 words of a packed mask row
     static = None
     if params.allowed_token_ids is not None:
         outside = [t for t in params.allowed_token_ids if t >= vocab_size]
         if outside:
             raise ValueError(f"allowed_token_ids: token id {outside[0]} is outside the "
                              f"vocabulary [0, {vocab_size})")
-        static = pack(params.allowed_token_ids, words)
+        static = pack(params.allowed_token_ids, width)
     sequences = []
     if params.bad_words:
         if tokenizer is None:
             raise ValueError("bad_words: need a tokenizer and this model has none")
         for ids in bad_word_ids(tokenizer, params.bad_words):
             if len(ids) == 1:
-                static = pack(range(vocab_size), words) if static is None else static
+                static = pack(range(vocab_size), width) if static is None else static
                 clear(static, ids[0])
             else:
                 sequences.append(ids)
@@ -84,9 +84,9 @@ def token_filter(params: SamplingParams, tokenizer: Tokenizer | None,
     return TokenFilter(static, sequences)
 
 
-def pack(token_ids, words: int) -> np.ndarray:
-    """A packed mask row `[words]` int32 allowing exactly `token_ids`."""
-    bits = np.zeros(words * 32, np.uint8)
+def pack(token_ids, width: int) -> np.ndarray:
+    """A packed mask row `[width]` int32 allowing exactly `token_ids`."""
+    bits = np.zeros(width * 32, np.uint8)
     bits[np.fromiter(token_ids, np.int64)] = 1
     return np.packbits(bits, bitorder="little").view(np.int32).copy()
 
