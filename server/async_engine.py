@@ -64,8 +64,8 @@ def _encode(tokenizer, text: str, add_special_tokens: bool, limit: int) -> list[
     return tokenizer.encode(text, add_special_tokens)
 
 
-def _encode_chat(tokenizer, messages: list[dict], limit: int, template_args: dict,
-                 media: MediaPolicy, images: ImagePreparer | None
+def _encode_chat(tokenizer, messages: list[dict], limit: int, add_special_tokens: bool,
+                 template_args: dict, media: MediaPolicy, images: ImagePreparer | None
                  ) -> tuple[list[int], list[ImageInput]]:
     if tokenizer is None:
         raise ValueError("messages: this model has no tokenizer, so no chat template")
@@ -74,7 +74,8 @@ def _encode_chat(tokenizer, messages: list[dict], limit: int, template_args: dic
         raise ValueError("messages: this model takes no images (it is not a "
                          "vision-language model)")
     text = tokenizer.apply_chat_template(messages, tokenize=False, **template_args)
-    ids = _encode(tokenizer, images.expand_text(text) if raw else text, False, limit)
+    ids = _encode(tokenizer, images.expand_text(text) if raw else text, add_special_tokens,
+                  limit)
     if not raw:
         return ids, []
     prepared = images(raw, names)
@@ -251,15 +252,16 @@ class AsyncEngine:
         return await self._in_pool(_encode, self.info.tokenizer, text, add_special_tokens,
                                    self.max_prompt_bytes)
 
-    async def encode_chat(self, messages: list[dict], **template_args
-                          ) -> tuple[list[int], list[ImageInput]]:
+    async def encode_chat(self, messages: list[dict], add_special_tokens: bool = False,
+                          **template_args) -> tuple[list[int], list[ImageInput]]:
         """A conversation rendered with the chat template and tokenized (each image's
-        placeholder standing for its tokens), and its images (read as `media` allows,
-        decoded and processed for the vision tower), in the tokenizer pool; ValueError
+        placeholder standing for its tokens; `add_special_tokens`: BOS etc. on top of
+        what the template writes), and its images (read as `media` allows, decoded and
+        processed for the vision tower), in the tokenizer pool; ValueError
         (ChatTemplateError, a bad image) when it cannot be."""
         return await self._in_pool(_encode_chat, self.info.tokenizer, messages,
-                                   self.max_prompt_bytes, template_args, self.media,
-                                   self.info.images)
+                                   self.max_prompt_bytes, add_special_tokens, template_args,
+                                   self.media, self.info.images)
 
     async def prepare_images(self, images: list) -> list[ImageInput]:
         """Images (file bytes) decoded and processed for the vision tower, in the

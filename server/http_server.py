@@ -330,6 +330,21 @@ class HTTPServer:
     def _token_text(self, token: int) -> str:
         return self.info.tokenizer.decode([token], skip_special_tokens=False)
 
+    @staticmethod
+    def _request_id(request: Request, req: oai._Request) -> str | None:
+        """The client's id for the request: its X-Request-Id header, else its
+        request_id field (vLLM's)."""
+        header = request.headers.get("x-request-id")
+        if header is not None and not 0 < len(header) <= 256:
+            raise oai.APIError(400, "X-Request-Id: must be 1 to 256 characters",
+                               "request_id")
+        return header or req.request_id
+
+    def _token_names(self, req: oai._Request) -> Callable[[int], str]:
+        """How logprobs name a token: its text, or "token_id:N" with vLLM's
+        return_tokens_as_token_ids (for tokens whose text is not valid UTF-8 alone)."""
+        return oai.token_id_name if req.return_tokens_as_token_ids else self._token_text
+
     async def _sampling_params(self, req: oai._Request, max_tokens: int | None,
                                logprobs: int | None, tools: tool_calling.ToolPlan | None = None,
                                reasoning_block: str | None = None) -> list[SamplingParams]:
@@ -392,9 +407,10 @@ class HTTPServer:
             raise oai.APIError(400, str(e), e.param) from e
         try:
             ids, images = await self.async_engine.encode_chat(
-                req.messages, chat_template=req.chat_template,
+                req.messages, req.add_special_tokens, chat_template=req.chat_template,
                 add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
                 continue_final_message=req.continue_final_message, tools=tools,
+                **({"documents": req.documents} if req.documents is not None else {}),
                 **(req.chat_template_kwargs or {}))
         except ValueError as e:  # ChatTemplateError, a bad image, over --max-prompt-bytes
             raise oai.APIError(400, str(e), "messages") from e
@@ -409,7 +425,8 @@ class HTTPServer:
             block = {"open": "open", "closed": None, None: "optional"}[state]
         params = await self._sampling_params(req, req.max_completion_tokens or req.max_tokens,
                                              logprobs, plan, block)
-        job = Job(self.async_engine, oai.new_id("chatcmpl"), [(ids, p) for p in params], lora,
+        job = Job(self.async_engine, oai.new_id("chatcmpl", self._request_id(request, req)),
+                  [(ids, p) for p in params], lora,
                   images, oai.kv_transfer_params(req, 1), req.priority, req.cache_salt)
         await self._start(request, job)
         rid = job.id
@@ -421,7 +438,7 @@ class HTTPServer:
         async with _watching(request, job):
             async for i, out in job.outputs():
                 self._accumulate(choices[i], out, None if logprobs is None else (
-                    lambda o: oai.chat_logprobs(o, logprobs, self._token_text)))
+                    lambda o: oai.chat_logprobs(o, logprobs, self._token_names(req))))
         extra = {}
         if req.prompt_logprobs is not None:  # vLLM's: the prompt's, once for all choices
             extra["prompt_logprobs"] = oai.prompt_logprobs_json(choices[0].prompt_logprobs,
@@ -429,7 +446,8 @@ class HTTPServer:
         if req.return_token_ids:
             extra["prompt_token_ids"] = ids
         return _answer(job, choices, oai.envelope(rid, "chat.completion", self._model(job), [
-            {"index": i, **self._chat_message(c, plan, think, req.include_reasoning),
+            {"index": i, **self._chat_message(c, plan, think, req.include_reasoning,
+                                              req.echoed()),
              "logprobs": {"content": [x for part in c.logprobs for x in part]}
              if logprobs is not None else None, "stop_reason": c.stop_reason,
              **({"token_ids": c.token_ids} if req.return_token_ids else {})}
@@ -438,13 +456,16 @@ class HTTPServer:
 
     @staticmethod
     def _chat_message(c: Choice, plan: tool_calling.ToolPlan | None, think: bool | None,
-                      include_reasoning: bool) -> dict:
+                      include_reasoning: bool, echoed: str = "") -> dict:
         """A finished choice's message and finish_reason (its reasoning split off when
-        `think` is not None: server/reasoning.py; tool calls read out of the rest)."""
+        `think` is not None: server/reasoning.py; tool calls read out of the rest;
+        `echoed` put before its content)."""
         thought, content = (None, c.text) if think is None else reasoning.split(c.text, think)
         calls = []
         if plan is not None and content is not None:
             content, calls = tool_calling.message(plan, content)
+        if echoed:
+            content = echoed + (content or "")
         message = {"role": "assistant", "content": content}
         if thought is not None and include_reasoning:
             message["reasoning_content"] = message["reasoning"] = thought
@@ -458,7 +479,7 @@ class HTTPServer:
                            rid: str, prompt_ids: list[int],
                            plan: tool_calling.ToolPlan | None,
                            think: bool | None) -> AsyncIterator[str]:
-        created, logprobs = int(time.time()), req.logprob_count()
+        created, logprobs, echoed = int(time.time()), req.logprob_count(), req.echoed()
         extra = {"usage": None} if req.include_usage else {}
         choices = [Choice() for _ in job.requests]
         tool_streams = [tool_calling.ToolStream(plan) if plan else None for _ in choices]
@@ -488,7 +509,7 @@ class HTTPServer:
             choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
             if out is not None and logprobs is not None and out.new_token_ids:
                 choice["logprobs"] = {"content": oai.chat_logprobs(out, logprobs,
-                                                                   self._token_text)}
+                                                                   self._token_names(req))}
             if finish is not None:
                 choice["stop_reason"] = choices[i].stop_reason
             ids = {}
@@ -506,6 +527,8 @@ class HTTPServer:
                     c.started = True
                     yield chunk(i, {"role": "assistant", "content": "" if tools is None
                                     or tools.plan.mode == "auto" else None}, first=True)
+                    if echoed:
+                        yield chunk(i, {"content": echoed})
                 self._accumulate(c, out)
                 if tools is None and thoughts[i] is None:
                     # A chunk per step that made tokens, even when their text is held back
@@ -537,7 +560,8 @@ class HTTPServer:
         if any(isinstance(p, str) for p in prompts):
             tokenizer = self._tokenizer()
         try:
-            ids = [await self.async_engine.encode(p) if isinstance(p, str) else p
+            ids = [await self.async_engine.encode(p, req.add_special_tokens)
+                   if isinstance(p, str) else p
                    for p in prompts]
         except ValueError as e:
             raise oai.APIError(400, str(e), "prompt") from e
@@ -547,7 +571,7 @@ class HTTPServer:
         ids = kept
         params = await self._sampling_params(req, 1 if req.scores_only else req.max_tokens,
                                              req.logprobs)
-        job = Job(self.async_engine, oai.new_id("cmpl"),
+        job = Job(self.async_engine, oai.new_id("cmpl", self._request_id(request, req)),
                   [(p, params[i]) for p in ids for i in range(req.n)], lora,
                   kv_transfer_params=oai.kv_transfer_params(req, len(ids)),
                   priority=req.priority, cache_salt=req.cache_salt)
@@ -567,7 +591,7 @@ class HTTPServer:
             async for i, out in job.outputs():
                 out = _shown(req, out)
                 self._accumulate(choices[i], out, None if req.logprobs is None else (
-                    lambda o: self._completion_logprobs(choices[i], o, req.logprobs)))
+                    lambda o: self._completion_logprobs(req, choices[i], o)))
 
         def choice(i: int, c: Choice) -> dict:
             out = {"index": i, "text": c.text, "logprobs": None,
@@ -593,7 +617,7 @@ class HTTPServer:
         if not (req.echo and req.logprobs is not None and c.prompt_logprobs is not None):
             return []
         return [oai.echoed_logprobs(prompt, c.prompt_logprobs, req.logprobs,
-                                    self._token_text)]
+                                    self._token_names(req))]
 
     async def _completion_stream(self, request: Request, req: oai.CompletionRequest, job: Job,
                                  rid: str, echoes: list[str], num_prompt_tokens: int
@@ -619,7 +643,7 @@ class HTTPServer:
                         choice["prompt_token_ids"] = job.requests[i][1]
                     choice["token_ids"] = list(out.new_token_ids)
                 if req.logprobs is not None:
-                    parts = [self._completion_logprobs(c, out, req.logprobs)]
+                    parts = [self._completion_logprobs(req, c, out)]
                     if out.prompt_logprobs is not None:  # its first: the echoed prompt's lead
                         parts = self._echoed(req, job.requests[i][1], c) + parts
                     choice["logprobs"] = _merge(parts)
@@ -646,8 +670,9 @@ class HTTPServer:
                 usage=oai.usage(num_prompt_tokens, sum(c.num_tokens for c in choices))))
         yield self._sse("[DONE]")
 
-    def _completion_logprobs(self, c: Choice, out: StepOutput, n: int) -> dict:
-        part = oai.completion_logprobs(out, n, self._token_text, c.offset)
+    def _completion_logprobs(self, req: oai.CompletionRequest, c: Choice,
+                             out: StepOutput) -> dict:
+        part = oai.completion_logprobs(out, req.logprobs, self._token_names(req), c.offset)
         c.offset += sum(len(t) for t in part["tokens"])
         return part
 

@@ -129,6 +129,10 @@ class _Request(BaseModel):
     # The prompt's and each choice's token ids in the response (streamed: the prompt's in
     # the first chunk, each chunk's new ones).
     return_token_ids: bool = False
+    # Logprobs name tokens "token_id:N" instead of their text.
+    return_tokens_as_token_ids: bool = False
+    # The response's id (after its "chatcmpl-" / "cmpl-"; the X-Request-Id header too).
+    request_id: str | None = Field(None, min_length=1, max_length=256)
     # Keep only the prompt's last N tokens (-1: as many as max_model_len allows).
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     truncation_side: Literal["left", "right"] = "left"
@@ -273,6 +277,11 @@ class ChatCompletionRequest(_Request):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True  # vLLM's: False drops the reasoning (server/reasoning.py)
+    # vLLM's: the new message starts with the last one's content when both are the
+    # assistant's (with continue_final_message: the whole message comes back).
+    echo: bool = False
+    add_special_tokens: bool = False  # BOS etc. on top of what the template writes
+    documents: list[dict[str, str]] | None = None  # for a RAG chat template
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template and the tool plan read them."""
@@ -282,6 +291,18 @@ class ChatCompletionRequest(_Request):
     def tool_choice_value(self) -> str | dict | None:
         choice = self.tool_choice
         return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
+
+    def echoed(self) -> str:
+        """What `echo` puts before each choice's content: the last message's text when it
+        is the assistant's ("" otherwise)."""
+        last = self.messages[-1] if self.echo and self.messages else {}
+        if last.get("role") != "assistant":
+            return ""
+        content = last.get("content") or ""
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content
+                              if isinstance(p, dict) and p.get("type") == "text")
+        return content if isinstance(content, str) else ""
 
     def logprob_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -295,6 +316,7 @@ class CompletionRequest(_Request):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: BOS etc. before a text prompt
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -340,8 +362,15 @@ def kv_transfer_params(req: _Request, num_prompts: int) -> dict | None:
     return kv
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, request_id: str | None = None) -> str:
+    """A response's id: the client's request_id (vLLM's field, or its X-Request-Id
+    header) after the prefix, else a random one."""
+    return f"{prefix}-{request_id or uuid.uuid4().hex}"
+
+
+def token_id_name(token: int) -> str:
+    """A token as return_tokens_as_token_ids names it in logprobs (vLLM's form)."""
+    return f"token_id:{token}"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -294,6 +294,60 @@ def test_vllm_request_extras(server, client, grpc_client, llm, prompts):
     assert hits == [0, 0, 0, 28]
 
 
+def test_vllm_chat_and_id_extras(server, client, llm):
+    """vLLM's request_id (or X-Request-Id) naming the response, return_tokens_as_token_ids,
+    add_special_tokens and documents (against transformers' own rendering and
+    tokenization) and chat echo."""
+    from transformers import AutoTokenizer
+
+    model, hf = str(server[2]), AutoTokenizer.from_pretrained(server[2])
+    greedy = dict(model=model, temperature=0.0, max_tokens=6)
+    got = client.chat.completions.create(messages=CHAT, **greedy,
+                                         extra_body={"request_id": "trace-17"})
+    assert got.id == "chatcmpl-trace-17"
+    got = client.completions.create(prompt="Hello", **greedy,
+                                    extra_headers={"X-Request-Id": "from-a-header"})
+    assert got.id == "cmpl-from-a-header"
+
+    extra = {"ignore_eos": True, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    got = client.chat.completions.create(messages=CHAT, logprobs=True, top_logprobs=2,
+                                         extra_body=extra, **greedy).choices[0]
+    ids = got.model_extra["token_ids"]
+    assert [e.token for e in got.logprobs.content] == [f"token_id:{t}" for t in ids]
+    assert all(t.token.startswith("token_id:") for e in got.logprobs.content
+               for t in e.top_logprobs)
+    got = client.completions.create(prompt="Hello", logprobs=1, extra_body=extra,
+                                    **greedy).choices[0]
+    assert got.logprobs.tokens == [f"token_id:{t}" for t in got.model_extra["token_ids"]]
+
+    template = ("{% for d in documents %}[{{ d.title }}] {{ d.text }}\n{% endfor %}"
+                "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    docs = [{"title": "a", "text": "first"}, {"title": "b", "text": "second"}]
+    text = hf.apply_chat_template(CHAT, chat_template=template, documents=docs,
+                                  tokenize=False)
+    for special in (False, True):
+        got = client.chat.completions.create(messages=CHAT, **greedy, extra_body={
+            "chat_template": template, "documents": docs, "add_special_tokens": special,
+            "return_token_ids": True})
+        assert got.model_extra["prompt_token_ids"] == hf(
+            text, add_special_tokens=special)["input_ids"]
+    got = client.completions.create(prompt="Hello", **greedy, extra_body={
+        "add_special_tokens": False, "return_token_ids": True}).choices[0]
+    assert got.model_extra["prompt_token_ids"] == hf("Hello", add_special_tokens=False)[
+        "input_ids"] != hf("Hello")["input_ids"]
+
+    started = CHAT + [{"role": "assistant", "content": "Hel"}]
+    kw = dict(messages=started, **greedy, extra_body={"continue_final_message": True,
+                                                      "ignore_eos": True})
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    kw["extra_body"]["echo"] = True
+    echoed = client.chat.completions.create(**kw).choices[0].message.content
+    assert echoed == "Hel" + plain
+    streamed = "".join(c.choices[0].delta.content or "" for c in
+                       client.chat.completions.create(stream=True, **kw))
+    assert streamed == echoed
+
+
 def test_sse_wire_format(server):
     body = {"prompt": "Hello", "max_tokens": 4, "stream": True, "temperature": 0.0}
     with httpx.stream("POST", f"{server[1].http_url}/v1/completions", json=body) as r:
@@ -330,6 +384,7 @@ def test_sse_wire_format(server):
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": [10**6]}, 400,
      "allowed_token_ids"),
     ("/v1/completions", {"prompt": "x", "bad_words": [""]}, 400, "bad_words"),
+    ("/v1/completions", {"prompt": "x", "request_id": ""}, 400, "request_id"),
     ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, 400,
      "truncate_prompt_tokens"),
     ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 128}, 400,
