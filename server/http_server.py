@@ -51,6 +51,7 @@ class Choice:
     text: str = ""
     num_tokens: int = 0
     token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_cached_tokens: int = 0  # its prompt's tokens read from the prefix cache
     logprobs: list = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -452,7 +453,7 @@ class HTTPServer:
              if logprobs is not None else None, "stop_reason": c.stop_reason,
              **({"token_ids": c.token_ids} if req.return_token_ids else {})}
             for i, c in enumerate(choices)],
-            usage=oai.usage(len(ids), sum(c.num_tokens for c in choices)), **extra))
+            usage=_usage([ids], choices), **extra))
 
     @staticmethod
     def _chat_message(c: Choice, plan: tool_calling.ToolPlan | None, think: bool | None,
@@ -549,7 +550,7 @@ class HTTPServer:
                         plan, c.finish_reason, [None] * tools.num_calls)
                     yield chunk(i, {}, None if deltas else out, reason)
         for event in self._stream_end(job, "chat.completion.chunk", created, errors,
-                                      req.include_usage, len(prompt_ids), choices):
+                                      req.include_usage, [prompt_ids], choices):
             yield event
 
     async def completions(self, request: Request):
@@ -581,10 +582,9 @@ class HTTPServer:
         if req.echo:
             texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
             echoes = [t for t in texts for _ in range(req.n)]
-        num_prompt_tokens = sum(len(p) for p in ids)
         if req.stream:
             return StreamingResponse(
-                self._completion_stream(request, req, job, rid, echoes, num_prompt_tokens),
+                self._completion_stream(request, req, job, rid, echoes, ids),
                 media_type="text/event-stream")
         choices = [Choice(text=e, offset=len(e)) for e in echoes]
         async with _watching(request, job):
@@ -609,7 +609,7 @@ class HTTPServer:
         return _answer(job, choices, oai.envelope(
             rid, "text_completion", self._model(job), [choice(i, c) for i, c in
                                                        enumerate(choices)],
-            usage=oai.usage(num_prompt_tokens, sum(c.num_tokens for c in choices))))
+            usage=_usage(ids, choices)))
 
     def _echoed(self, req: oai.CompletionRequest, prompt: list[int], c: Choice) -> list[dict]:
         """An echoed prompt's part of a choice's completion logprobs (`echo` with
@@ -620,7 +620,7 @@ class HTTPServer:
                                     self._token_names(req))]
 
     async def _completion_stream(self, request: Request, req: oai.CompletionRequest, job: Job,
-                                 rid: str, echoes: list[str], num_prompt_tokens: int
+                                 rid: str, echoes: list[str], prompts: list[list[int]]
                                  ) -> AsyncIterator[str]:
         created = int(time.time())
         extra = {"usage": None} if req.include_usage else {}
@@ -652,7 +652,7 @@ class HTTPServer:
                 yield self._sse(oai.envelope(rid, "text_completion", self._model(job), [choice],
                                              created, **extra))
         for event in self._stream_end(job, "text_completion", created, errors,
-                                      req.include_usage, num_prompt_tokens, choices):
+                                      req.include_usage, prompts, choices):
             yield event
 
     def _model(self, job: Job) -> str:
@@ -660,14 +660,14 @@ class HTTPServer:
         return job.lora.lora_name if job.lora is not None else self.model_name
 
     def _stream_end(self, job: Job, object_: str, created: int, errors: list[dict],
-                    include_usage: bool, num_prompt_tokens: int, choices: list[Choice]):
+                    include_usage: bool, prompts: list[list[int]], choices: list[Choice]):
         """A stream's last events: its errors, or the usage chunk if asked; then [DONE]."""
         for error in errors:
             yield self._sse(error)
         if include_usage and not errors:
             yield self._sse(oai.envelope(
                 job.id, object_, self._model(job), [], created,
-                usage=oai.usage(num_prompt_tokens, sum(c.num_tokens for c in choices))))
+                usage=_usage(prompts, choices)))
         yield self._sse("[DONE]")
 
     def _completion_logprobs(self, req: oai.CompletionRequest, c: Choice,
@@ -681,6 +681,7 @@ class HTTPServer:
         c.text += out.new_text
         c.num_tokens += len(out.new_token_ids)
         c.token_ids += out.new_token_ids
+        c.num_cached_tokens = out.num_cached_tokens
         if logprobs is not None and out.new_logprobs:
             c.logprobs.append(logprobs(out))
         if out.finished:
@@ -810,6 +811,14 @@ class _Uvicorn(uvicorn.Server):
 
 
 QUEUE_HEADER = "x-jaxserve-queue-seconds"
+
+
+def _usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
+    """A response's usage: each prompt's tokens once (its choices share them), what its
+    first choice read from the prefix cache (the others read the first's pages)."""
+    n = len(choices) // len(prompts)
+    return oai.usage(sum(map(len, prompts)), sum(c.num_tokens for c in choices),
+                     sum(c.num_cached_tokens for c in choices[::n]))
 
 
 def _answer(job: Job, choices: list[Choice], body: dict) -> dict | JSONResponse:

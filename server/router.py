@@ -556,9 +556,11 @@ def _role_only(chunk: dict) -> bool:
 
 
 def _add_usage(usage: dict, first: dict) -> dict:
-    """The decode server's usage with the prefill server's first token counted."""
+    """The decode server's usage with the prefill server's first token counted (and its
+    prompt's cached tokens: the prompt was computed there)."""
     done = usage["completion_tokens"] + first["completion_tokens"]
-    return {**usage, "completion_tokens": done, "total_tokens": usage["prompt_tokens"] + done}
+    return {**usage, "completion_tokens": done, "total_tokens": usage["prompt_tokens"] + done,
+            **{k: first[k] for k in ("prompt_tokens_details",) if k in first}}
 
 
 def _joined(first: dict, rest: dict, path: str) -> dict:

@@ -118,6 +118,7 @@ def test_n_choices_share_the_prompt_pages(server, client, grpc_client, llm):
     after = _scrape(server[1].http_url)
     hits = after["jaxserve:prefix_cache_hits_total"] - before["jaxserve:prefix_cache_hits_total"]
     assert hits == 2 * 28  # choices 1 and 2 reuse choice 0's full pages
+    assert got.usage.prompt_tokens_details.cached_tokens == 0  # the prompt's, once: new
     for i, choice in enumerate(got.choices):
         want = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=1.0, seed=9 + i,
                                                      ignore_eos=True))[0]
@@ -284,14 +285,19 @@ def test_vllm_request_extras(server, client, grpc_client, llm, prompts):
     assert echoed.choices[0].text.startswith("here") and echoed.usage.prompt_tokens == 4
 
     salted = list(range(80, 110))  # 30 tokens: 7 full pages of 4, used by no other test
-    hits = []
+    hits, cached = [], []
     for salt in ("tenant-a", "tenant-b", None, "tenant-a"):
         wait_idle(grpc_client)
         before = _scrape(server[1].http_url)["jaxserve:prefix_cache_hits_total"]
-        client.completions.create(prompt=salted, model=model, max_tokens=2,
-                                  extra_body={"cache_salt": salt} if salt else None)
+        got = client.completions.create(prompt=salted, model=model, max_tokens=2,
+                                        extra_body={"cache_salt": salt} if salt else None)
         hits.append(_scrape(server[1].http_url)["jaxserve:prefix_cache_hits_total"] - before)
-    assert hits == [0, 0, 0, 28]
+        cached.append(got.usage.prompt_tokens_details.cached_tokens)
+    assert hits == cached == [0, 0, 0, 28]  # (OpenAI's usage field: the prompt's hits)
+    chunks = list(client.completions.create(prompt=salted, model=model, max_tokens=2,
+                                            stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 28
 
 
 def test_vllm_chat_and_id_extras(server, client, llm):
