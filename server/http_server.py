@@ -37,12 +37,25 @@ from jaxserve.sampling_params import SamplingParams
 from server import openai_protocol as oai
 from server import reasoning, tool_calling
 from server.async_engine import AsyncEngine, QueueFullError
+from server.chat_deltas import ChatDeltas
 from server.kv_transfer import KVTransferError
 from server.metrics import CONTENT_TYPE, Metrics
 from server.security import Security
 from server.tool_parsers import ToolParser
 
 log = logging.getLogger(__name__)
+
+@dataclasses.dataclass
+class _ChatRun:
+    """A chat request admitted: its job, prompt ids, tool plan, where its output starts
+    (reasoning.prompt_state; None: no reasoning parser) and its logprobs count."""
+
+    job: Job
+    ids: list[int]
+    plan: tool_calling.ToolPlan | None
+    think: bool | None
+    logprobs: int | None
+
 
 @dataclasses.dataclass
 class Choice:
@@ -390,6 +403,34 @@ class HTTPServer:
 
     async def chat_completions(self, request: Request):
         req = await self._body(request, oai.ChatCompletionRequest)
+        run = await self._start_chat(request, req, "chatcmpl")
+        job, ids, plan, think, logprobs = run.job, run.ids, run.plan, run.think, run.logprobs
+        rid = job.id
+        if req.stream:
+            return StreamingResponse(self._chat_stream(request, req, job, rid, ids, plan,
+                                                       think),
+                                     media_type="text/event-stream")
+        choices = await self._collect(request, job, None if logprobs is None else (
+            lambda o: oai.chat_logprobs(o, logprobs, self._token_names(req))))
+        extra = {}
+        if req.prompt_logprobs is not None:  # vLLM's: the prompt's, once for all choices
+            extra["prompt_logprobs"] = oai.prompt_logprobs_json(choices[0].prompt_logprobs,
+                                                                self._token_text)
+        if req.return_token_ids:
+            extra["prompt_token_ids"] = ids
+        return _answer(job, choices, oai.envelope(rid, "chat.completion", self._model(job), [
+            {"index": i, **self._chat_message(c, plan, think, req.include_reasoning,
+                                              req.echoed()),
+             "logprobs": {"content": [x for part in c.logprobs for x in part]}
+             if logprobs is not None else None, "stop_reason": c.stop_reason,
+             **({"token_ids": c.token_ids} if req.return_token_ids else {})}
+            for i, c in enumerate(choices)],
+            usage=_usage([ids], choices), **extra))
+
+    async def _start_chat(self, request: Request, req: oai.ChatCompletionRequest,
+                          kind: str) -> _ChatRun:
+        """Render, tokenize and admit a chat request's choices (APIError when it cannot
+        be); `kind` prefixes its id."""
         lora = self._check_serving(req.model)
         self._tokenizer()  # 400 when the model has none
         if self.reasoning_parser is not None and req.kv_transfer_params:
@@ -426,34 +467,20 @@ class HTTPServer:
             block = {"open": "open", "closed": None, None: "optional"}[state]
         params = await self._sampling_params(req, req.max_completion_tokens or req.max_tokens,
                                              logprobs, plan, block)
-        job = Job(self.async_engine, oai.new_id("chatcmpl", self._request_id(request, req)),
+        job = Job(self.async_engine, oai.new_id(kind, self._request_id(request, req)),
                   [(ids, p) for p in params], lora,
                   images, oai.kv_transfer_params(req, 1), req.priority, req.cache_salt)
         await self._start(request, job)
-        rid = job.id
-        if req.stream:
-            return StreamingResponse(self._chat_stream(request, req, job, rid, ids, plan,
-                                                       think),
-                                     media_type="text/event-stream")
-        choices = [Choice() for _ in params]
+        return _ChatRun(job, ids, plan, think, logprobs)
+
+    async def _collect(self, request: Request, job: Job,
+                       logprobs: Callable | None = None) -> list[Choice]:
+        """Every choice of a job, run to its end (the job aborted if the client leaves)."""
+        choices = [Choice() for _ in job.requests]
         async with _watching(request, job):
             async for i, out in job.outputs():
-                self._accumulate(choices[i], out, None if logprobs is None else (
-                    lambda o: oai.chat_logprobs(o, logprobs, self._token_names(req))))
-        extra = {}
-        if req.prompt_logprobs is not None:  # vLLM's: the prompt's, once for all choices
-            extra["prompt_logprobs"] = oai.prompt_logprobs_json(choices[0].prompt_logprobs,
-                                                                self._token_text)
-        if req.return_token_ids:
-            extra["prompt_token_ids"] = ids
-        return _answer(job, choices, oai.envelope(rid, "chat.completion", self._model(job), [
-            {"index": i, **self._chat_message(c, plan, think, req.include_reasoning,
-                                              req.echoed()),
-             "logprobs": {"content": [x for part in c.logprobs for x in part]}
-             if logprobs is not None else None, "stop_reason": c.stop_reason,
-             **({"token_ids": c.token_ids} if req.return_token_ids else {})}
-            for i, c in enumerate(choices)],
-            usage=_usage([ids], choices), **extra))
+                self._accumulate(choices[i], out, logprobs)
+        return choices
 
     @staticmethod
     def _chat_message(c: Choice, plan: tool_calling.ToolPlan | None, think: bool | None,
@@ -483,27 +510,7 @@ class HTTPServer:
         created, logprobs, echoed = int(time.time()), req.logprob_count(), req.echoed()
         extra = {"usage": None} if req.include_usage else {}
         choices = [Choice() for _ in job.requests]
-        tool_streams = [tool_calling.ToolStream(plan) if plan else None for _ in choices]
-        thoughts = [reasoning.ReasoningStream.after(think) if think is not None else None
-                    for _ in choices]
-
-        def deltas_of(i: int, out: StepOutput) -> list[dict]:
-            """A choice's new text as deltas: reasoning, then content or tool calls."""
-            tools, thought = tool_streams[i], thoughts[i]
-            pieces = [("content", out.new_text)] if thought is None else (
-                thought.feed(out.new_text) + (thought.finish() if out.finished else []))
-            deltas = []
-            for kind, text in pieces:
-                if kind == "reasoning":
-                    if req.include_reasoning:
-                        deltas.append({"reasoning_content": text, "reasoning": text})
-                elif tools is not None:
-                    deltas += tools.feed(text)
-                elif text:
-                    deltas.append({"content": text})
-            if tools is not None and out.finished:
-                deltas += tools.finish()
-            return deltas
+        streams = [ChatDeltas(plan, think, req.include_reasoning) for _ in choices]
 
         def chunk(i: int, delta: dict, out: StepOutput | None = None, finish=None,
                   first: bool = False) -> str:
@@ -523,7 +530,7 @@ class HTTPServer:
 
         async with _watching(request, job), _errors_as_events() as errors:
             async for i, out in job.outputs():
-                c, tools = choices[i], tool_streams[i]
+                c, tools = choices[i], streams[i].tools
                 if not c.started:
                     c.started = True
                     yield chunk(i, {"role": "assistant", "content": "" if tools is None
@@ -531,7 +538,7 @@ class HTTPServer:
                     if echoed:
                         yield chunk(i, {"content": echoed})
                 self._accumulate(c, out)
-                if tools is None and thoughts[i] is None:
+                if streams[i].plain:
                     # A chunk per step that made tokens, even when their text is held back
                     # (an unfinished UTF-8 character): clients see progress, as vLLM's do.
                     delta = ({"content": out.new_text} if out.new_text or out.new_token_ids
@@ -539,7 +546,7 @@ class HTTPServer:
                     if out.finished or delta:
                         yield chunk(i, delta, out, c.finish_reason)
                     continue
-                deltas = deltas_of(i, out)
+                deltas = streams[i].feed(out)
                 for j, delta in enumerate(deltas):
                     yield chunk(i, delta, out if j == 0 else None)
                 if not deltas and not out.finished and (logprobs is not None
