@@ -35,7 +35,7 @@ from jaxserve.engine.lora import LoRARequest
 from jaxserve.outputs import StepOutput
 from jaxserve.sampling_params import SamplingParams
 from server import openai_protocol as oai
-from server import reasoning, tool_calling
+from server import reasoning, responses, tool_calling
 from server.async_engine import AsyncEngine, QueueFullError
 from server.chat_deltas import ChatDeltas
 from server.kv_transfer import KVTransferError
@@ -280,12 +280,15 @@ class HTTPServer:
         self.ready = False
         self.accepting = True
         self.created = int(time.time())
+        self.stored = responses.Store()  # the Responses API's stored responses
         app = FastAPI(title="jaxserve", version=jaxserve.__version__, docs_url=None,
                       redoc_url=None)
         app.add_exception_handler(oai.APIError, self._api_error)
         app.add_exception_handler(pydantic.ValidationError, self._validation_error)
         app.post("/v1/chat/completions")(self.chat_completions)
         app.post("/v1/completions")(self.completions)
+        app.post("/v1/responses")(self.responses)
+        app.get("/v1/responses/{response_id}")(self.get_response)
         app.get("/v1/models")(self.models)
         app.post("/v1/load_lora_adapter")(self.load_lora_adapter)
         app.post("/v1/unload_lora_adapter")(self.unload_lora_adapter)
@@ -559,6 +562,78 @@ class HTTPServer:
         for event in self._stream_end(job, "chat.completion.chunk", created, errors,
                                       req.include_usage, [prompt_ids], choices):
             yield event
+
+    async def responses(self, request: Request):
+        """OpenAI's Responses API over the chat pipeline (server/responses.py)."""
+        body = (await self._body(request, responses.ResponsesRequest)).checked()
+        messages = []
+        if body.previous_response_id is not None:
+            previous = self.stored.get(body.previous_response_id)
+            messages = previous.messages + responses.output_messages(previous.body["output"])
+        messages += responses.input_messages(body)
+        system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+        run = await self._start_chat(request, responses.chat_request(body, system + messages),
+                                     "resp")
+        rid, created = responses.new_id("resp"), float(int(time.time()))
+        if body.stream:
+            return StreamingResponse(self._responses_stream(request, body, run, messages, rid,
+                                                            created),
+                                     media_type="text/event-stream")
+        choices = await self._collect(request, run.job)
+        answer = self._chat_message(choices[0], run.plan, run.think, True)
+        message, finish = answer["message"], answer["finish_reason"]
+        status = responses.status_of(finish)[0]
+        out = responses.body(
+            body, rid, self._model(run.job), created,
+            responses.output_items(message, "incomplete" if status == "failed" else status),
+            finish, self._responses_usage(_usage([run.ids], choices),
+                                          message.get("reasoning_content")))
+        if body.store:
+            self.stored.put(rid, responses.Stored(messages, out))
+        return out
+
+    async def _responses_stream(self, request: Request, body: responses.ResponsesRequest,
+                                run: _ChatRun, messages: list[dict], rid: str,
+                                created: float) -> AsyncIterator[str]:
+        job, model, events = run.job, self._model(run.job), responses.Events()
+
+        def sse(event: dict) -> str:
+            return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+        start = responses.body(body, rid, model, created, [], None, None)
+        yield sse(events.event("response.created", response=start))
+        yield sse(events.event("response.in_progress", response=start))
+        deltas, c = ChatDeltas(run.plan, run.think), Choice()
+        async with _watching(request, job), _errors_as_events() as errors:
+            async for _, out in job.outputs():
+                self._accumulate(c, out)
+                for delta in deltas.feed(out):
+                    for event in events.feed(delta):
+                        yield sse(event)
+        finish = "error" if errors else c.finish_reason
+        for event in events.finish(responses.status_of(finish)[0]):
+            yield sse(event)
+        thought = "".join(part["text"] for item in events.output
+                          if item["type"] == "reasoning" for part in item["content"])
+        out = responses.body(body, rid, model, created, events.output, finish,
+                             self._responses_usage(_usage([run.ids], [c]), thought))
+        if errors:
+            out["error"] = {"code": "server_error", "message": errors[0]["error"]["message"]}
+        if body.store:
+            self.stored.put(rid, responses.Stored(messages, out))
+        yield sse(events.event(f"response.{out['status']}", response=out))
+
+    def _responses_usage(self, chat_usage: dict, reasoning_text: str | None) -> dict:
+        """The Responses API's usage: reasoning_tokens counts the reasoning's text in
+        tokens."""
+        config = self.info.config
+        return responses.usage(
+            chat_usage, len(self.info.tokenizer.encode(reasoning_text, False))
+            if reasoning_text else 0,
+            config.page_size if config.enable_prefix_caching else None)
+
+    async def get_response(self, response_id: str):
+        return self.stored.get(response_id, "response_id").body
 
     async def completions(self, request: Request):
         req = await self._body(request, oai.CompletionRequest)

@@ -765,3 +765,119 @@ def test_bad_tool_requests_are_400(server, body, needle):
                    json={"messages": ASK, "max_tokens": 4, **body})
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"], r.json()
+
+
+def _events(server, body: dict) -> list[dict]:
+    """A streamed /v1/responses' events, each checked against the openai package's types
+    (strict pydantic validation) and named by its SSE `event:` line."""
+    import pydantic
+    from openai.types.responses import ResponseStreamEvent
+
+    adapter, events = pydantic.TypeAdapter(ResponseStreamEvent), []
+    with httpx.stream("POST", f"{server[1].http_url}/v1/responses",
+                      json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        blocks = r.read().decode().strip().split("\n\n")
+    for block in blocks:
+        name, data = block.split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {event['type']}"
+        adapter.validate_python(event)
+        events.append(event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events
+
+
+def test_responses_api_answers_as_chat_completions(server, client):
+    """OpenAI's Responses API, read by the openai package (its Response type validates
+    the body strictly; its stream helper rebuilds the response from the events): the same
+    text and usage as chat completions over the same conversation; a stored response
+    continued by previous_response_id (instructions do not carry over) and retrieved; a
+    named function tool's call as a function_call item, its output sent back."""
+    from openai.types.responses import Response
+
+    model = str(server[2])
+    greedy = dict(model=model, temperature=0.0, max_output_tokens=8)
+
+    def chat(messages, **kw):
+        return client.chat.completions.create(model=model, messages=messages, temperature=0.0,
+                                              max_tokens=8, **kw).choices[0].message
+
+    raw = client.responses.with_raw_response.create(instructions="Be brief.",
+                                                    input="Hello there", **greedy)
+    got = Response.model_validate(raw.http_response.json())
+    assert got.output_text == chat(CHAT).content and got.status == "incomplete"
+    assert got.incomplete_details.reason == "max_output_tokens"
+    assert (got.usage.input_tokens, got.usage.output_tokens) == (
+        client.chat.completions.create(model=model, messages=CHAT, max_tokens=8).usage
+        .prompt_tokens, 8)
+    with client.responses.stream(instructions="Be brief.", input="Hello there",
+                                 **greedy) as stream:
+        last = list(stream)[-1]
+    assert last.type == "response.incomplete" and last.response.output_text == got.output_text
+    events = _events(server, {"instructions": "Be brief.", "input": "Hello there", **greedy})
+    kinds = [e["type"] for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.incomplete"]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") \
+        == got.output_text
+
+    second = client.responses.create(previous_response_id=got.id, input="And again?",
+                                     **greedy)
+    assert second.output_text == chat([CHAT[1], {"role": "assistant", "content":
+                                                 got.output_text},
+                                       {"role": "user", "content": "And again?"}]).content
+    assert client.responses.retrieve(got.id).output_text == got.output_text
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve("resp_0123")
+    unstored = client.responses.create(input="Hello there", store=False, **greedy)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+    tool = {"type": "function", **WEATHER_TOOL["function"]}
+    called = client.responses.create(input="Weather?", tools=[tool], max_output_tokens=60,
+                                     tool_choice={"type": "function", "name": "get_weather"},
+                                     model=model, temperature=0.0)
+    (call,) = called.output[1:] if called.output[0].type == "message" else called.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS["get_weather"])
+    with client.responses.stream(input="Weather?", tools=[tool], max_output_tokens=60,
+                                 tool_choice={"type": "function", "name": "get_weather"},
+                                 model=model, temperature=0.0) as stream:
+        final = stream.get_final_response()
+    assert final.status == "completed" and [
+        (i.type, i.name, i.arguments) for i in final.output] == [
+        ("function_call", "get_weather", call.arguments)]
+    streamed = _events(server, {"input": "Weather?", "tools": [tool], "max_output_tokens": 60,
+                                "tool_choice": {"type": "function", "name": "get_weather"},
+                                "temperature": 0.0})
+    done = [e["item"] for e in streamed if e["type"] == "response.output_item.done"]
+    assert [(i["type"], i["name"], i["arguments"]) for i in done
+            if i["type"] == "function_call"] == [("function_call", "get_weather",
+                                                  call.arguments)]
+    answer = client.responses.create(previous_response_id=called.id, input=[
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+        **greedy)
+    assert answer.output_text == chat([*ASK, {"role": "assistant", "content": None,
+                                              "tool_calls": [{
+                                                  "id": call.call_id, "type": "function",
+                                                  "function": {"name": "get_weather",
+                                                               "arguments": call.arguments}}]},
+                                       {"role": "tool", "tool_call_id": call.call_id,
+                                        "content": "sunny"}]).content
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"input": "x", "previous_response_id": "resp_nonexistent"}, 404,
+     "previous_response_id"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools"),
+    ({"input": "x", "background": True}, 400, "background"),
+    ({"input": [{"type": "computer_call"}]}, 400, "input"),
+    ({"input": "x", "text": {"format": {"type": "xml"}}}, 400, "text"),
+])
+def test_bad_responses_requests(server, body, status, param):
+    r = httpx.post(f"{server[1].http_url}/v1/responses", json=body)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
