@@ -134,10 +134,15 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
-        if self.allowed_token_ids is not None:
-            self.allowed_token_ids = list(self.allowed_token_ids)
-        self.bad_words = list(dict.fromkeys(self.bad_words or ()))
+        for field in ("allowed_token_ids", "bad_words"):
+            value = getattr(self, field)
+            if isinstance(value, (list, tuple)):
+                setattr(self, field, list(value))
+            elif value is not None:
+                raise ValueError(f"SamplingParams.{field} must be a list (got {value!r})")
+        self.bad_words = self.bad_words or []
         self.validate()
+        self.bad_words = list(dict.fromkeys(self.bad_words))
 
     def validate(self) -> None:
         """Raise ValueError naming the first field with a bad value."""

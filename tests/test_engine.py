@@ -124,6 +124,19 @@ def test_allowed_token_ids_and_bad_words_match_transformers(llm, hf_model, promp
     allowed = [50, 60, 70, 80, 90]
     assert ours(allowed_token_ids=allowed) == theirs(
         prefix_allowed_tokens_fn=lambda *_: allowed)
+    # With a grammar: both masks hold (its choice whose first letter is not allowed never
+    # comes).
+    from jaxserve.sampling_params import StructuredOutputsParams
+
+    choice = StructuredOutputsParams(choice=["ab", "cd"])
+    free = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4,
+                                                 structured_outputs=choice))[0].outputs[0].text
+    other = ({"ab", "cd"} - {free}).pop()
+    first = tok.encode(free[0], add_special_tokens=False)[0]
+    kept = llm.generate([prompt], SamplingParams(
+        temperature=0.0, max_tokens=4, structured_outputs=choice,
+        allowed_token_ids=[t for t in range(320) if t != first]))[0].outputs[0].text
+    assert kept == other
     both = ours(allowed_token_ids=[a, b, c, 50], bad_words=["bb"])
     assert both == theirs(prefix_allowed_tokens_fn=lambda *_: [a, b, c, 50],
                           bad_words_ids=[[b, b]])
@@ -230,6 +243,8 @@ def test_bad_arguments_raise_value_error(llm):
         (lambda: llm.generate([[5, 6]], SamplingParams(allowed_token_ids=[10**6])),
          "allowed_token_ids"),
         (lambda: SamplingParams(bad_words=[" "]), "bad_words"),
+        (lambda: SamplingParams(bad_words=[{"a": 1}]), "bad_words"),
+        (lambda: SamplingParams(allowed_token_ids=5), "allowed_token_ids"),
         (lambda: llm.generate([[5, 6]], SamplingParams(allowed_token_ids=[67],
                                                        bad_words=["a"])), "bad_words"),
         (lambda: LLM("/nonexistent/dir", warmup=False), "not a directory"),
