@@ -511,7 +511,6 @@ class HTTPServer:
                            plan: tool_calling.ToolPlan | None,
                            think: bool | None) -> AsyncIterator[str]:
         created, logprobs, echoed = int(time.time()), req.logprob_count(), req.echoed()
-        extra = {"usage": None} if req.include_usage else {}
         choices = [Choice() for _ in job.requests]
         streams = [ChatDeltas(plan, think, req.include_reasoning) for _ in choices]
 
@@ -529,7 +528,8 @@ class HTTPServer:
                 if first:
                     ids["prompt_token_ids"] = prompt_ids
             return self._sse(oai.envelope(rid, "chat.completion.chunk", self._model(job),
-                                          [choice], created, **extra, **ids))
+                                          [choice], created,
+                                          **_chunk_usage(req, [prompt_ids], choices), **ids))
 
         async with _watching(request, job), _errors_as_events() as errors:
             async for i, out in job.outputs():
@@ -705,7 +705,6 @@ class HTTPServer:
                                  rid: str, echoes: list[str], prompts: list[list[int]]
                                  ) -> AsyncIterator[str]:
         created = int(time.time())
-        extra = {"usage": None} if req.include_usage else {}
         choices = [Choice(offset=len(e)) for e in echoes]
         async with _watching(request, job), _errors_as_events() as errors:
             async for i, out in job.outputs():
@@ -732,7 +731,7 @@ class HTTPServer:
                 if out.finished:
                     choice["stop_reason"] = c.stop_reason
                 yield self._sse(oai.envelope(rid, "text_completion", self._model(job), [choice],
-                                             created, **extra))
+                                             created, **_chunk_usage(req, prompts, choices)))
         for event in self._stream_end(job, "text_completion", created, errors,
                                       req.include_usage, prompts, choices):
             yield event
@@ -901,6 +900,15 @@ def _usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
     n = len(choices) // len(prompts)
     return oai.usage(sum(map(len, prompts)), sum(c.num_tokens for c in choices),
                      sum(c.num_cached_tokens for c in choices[::n]))
+
+
+def _chunk_usage(req: oai._Request, prompts: list[list[int]], choices: list[Choice]) -> dict:
+    """A stream chunk's usage field: none, null (include_usage: the usage comes in a last
+    chunk of its own), or the usage so far (vLLM's continuous_usage_stats)."""
+    if not req.include_usage:
+        return {}
+    return {"usage": _usage(prompts, choices) if req.stream_options.continuous_usage_stats
+            else None}
 
 
 def _answer(job: Job, choices: list[Choice], body: dict) -> dict | JSONResponse:

@@ -51,6 +51,8 @@ def bad_request(e: Exception, default_param: str | None = None) -> APIError:
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (not null).
+    continuous_usage_stats: bool = False
 
 
 class JSONSchemaFormat(BaseModel):

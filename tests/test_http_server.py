@@ -298,6 +298,13 @@ def test_vllm_request_extras(server, client, grpc_client, llm, prompts):
                                             stream=True,
                                             stream_options={"include_usage": True}))
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 28
+    # vLLM's continuous_usage_stats: every chunk's usage so far, the last the whole.
+    chunks = list(client.completions.create(
+        prompt=salted, model=model, max_tokens=5, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 5 and chunks[-1].choices == []
+    assert all(c.usage.prompt_tokens == 30 for c in chunks)
 
 
 def test_vllm_chat_and_id_extras(server, client, llm):
