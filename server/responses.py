@@ -128,8 +128,9 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
                                         f"or assistant (got {item.get('role')!r})", "input")
             messages.append({"role": role, "content": _content(item.get("content"))})
         elif kind == "function_call":
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            call = {"id": _text(item, "call_id"), "type": "function",
+                    "function": {"name": _text(item, "name"),
+                                 "arguments": _text(item, "arguments")}}
             last = messages[-1] if messages else {}
             if last.get("role") == "assistant" and last.get("tool_calls"):
                 last["tool_calls"].append(call)  # parallel calls: one assistant turn
@@ -137,13 +138,22 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output")
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+            messages.append({"role": "tool", "tool_call_id": _text(item, "call_id"),
                              "content": output if isinstance(output, str) else _content(output)})
         elif kind != "reasoning":  # (a model's earlier reasoning is not shown to it again)
             raise oai.APIError(400, f"input: items of type {kind!r} are not served (message, "
                                     "function_call, function_call_output, reasoning are)",
                                "input")
     return messages
+
+
+def _text(item: dict, field: str) -> str:
+    """An input item's string field (APIError 400 if it has none)."""
+    value = item.get(field)
+    if not isinstance(value, str):
+        raise oai.APIError(400, f"input: a {item.get('type')} item needs a string "
+                                f"{field!r}", "input")
+    return value
 
 
 def _content(content: Any) -> Any:

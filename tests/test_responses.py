@@ -60,6 +60,8 @@ def test_input_items_become_chat_messages():
     (dict(top_logprobs=3), "top_logprobs"),
     (dict(input=[{"type": "message", "role": "tool", "content": "x"}]), "input"),
     (dict(input=[{"role": "user", "content": [{"type": "input_file"}]}]), "input"),
+    (dict(input=[{"type": "function_call", "name": "f", "arguments": "{}"}]), "input"),
+    (dict(input=[{"type": "function_call_output", "output": "x"}]), "input"),
 ])
 def test_what_is_not_served_is_a_400(kw, param):
     with pytest.raises(oai.APIError) as e:
