@@ -560,7 +560,7 @@ def _add_usage(usage: dict, first: dict) -> dict:
     prompt's cached tokens: the prompt was computed there)."""
     done = usage["completion_tokens"] + first["completion_tokens"]
     return {**usage, "completion_tokens": done, "total_tokens": usage["prompt_tokens"] + done,
-            **{k: first[k] for k in ("prompt_tokens_details",) if k in first}}
+            "prompt_tokens_details": first["prompt_tokens_details"]}
 
 
 def _joined(first: dict, rest: dict, path: str) -> dict:

@@ -695,7 +695,7 @@ class Engine:
             self.builder.fill_history(batch, step.schedule)
         masked = [(req, s.row) for s in step.sampling
                   if (req := self._requests.get(s.seq.request_id)) is not None
-                  and req.seq is s.seq and (req.grammar is not None or req.filter is not None)]
+                  and req.seq is s.seq and req.masks_tokens]
         if masked:
             grammars = [(req.grammar, row) for req, row in masked if req.grammar is not None]
             mask = (self.masks.fill(grammars, key.rows, self.model_config.vocab_size)

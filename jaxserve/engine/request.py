@@ -253,6 +253,11 @@ class Request:
         return finish, stop_reason, None
 
     @property
+    def masks_tokens(self) -> bool:
+        """Whether the host makes its sampling's token mask (a grammar, token filters)."""
+        return self.grammar is not None or self.filter is not None
+
+    @property
     def samples_from_host(self) -> bool:
         """Whether its next sample needs its tokens so far on the host: a grammar,
         penalties, or stop tokens banned until min_tokens (of those the host has)."""

@@ -75,7 +75,7 @@ def token_filter(params: SamplingParams, tokenizer: Tokenizer | None,
             raise ValueError("bad_words: need a tokenizer and this model has none")
         for ids in bad_word_ids(tokenizer, params.bad_words):
             if len(ids) == 1:
-                static = pack(range(vocab_size), width) if static is None else static
+                static = np.full(width, -1, np.int32) if static is None else static
                 clear(static, ids[0])
             else:
                 sequences.append(ids)

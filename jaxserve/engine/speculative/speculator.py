@@ -186,7 +186,7 @@ class SpeculativeDecoding(Speculator):
         entries = []
         for req in self.running():
             seq = req.seq
-            if (req.grammar is not None or req.filter is not None or not seq.params.speculative
+            if (req.masks_tokens or not seq.params.speculative
                     or seq.num_tokens - seq.num_computed_tokens != 1):
                 continue
             room = min(req.max_tokens - len(seq.output_token_ids),
