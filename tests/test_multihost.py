@@ -212,9 +212,13 @@ def test_two_processes_serve_images(request, family, tmp_path):
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
 def test_follower_failure_turns_the_server_not_serving(checkpoints, tmp_path, how):
-    """A follower that dies (its connections close: the next ping fails at once) or stops
-    answering (SIGSTOP: nothing closes, the ping would wait forever) turns the server
-    NOT_SERVING within PING_TIMEOUT_S, and SIGTERM then exits without waiting for it."""
+    """A follower that dies (its connections close: the next ping usually fails at once)
+    or stops answering (SIGSTOP: nothing closes, the ping would wait forever) turns the
+    server NOT_SERVING within PING_TIMEOUT_S, and SIGTERM then exits without waiting for
+    it. A dead follower's ping can also wait for the timeout: gloo (CPU collectives) may
+    fail one of process 0's two local participants and leave the other waiting on it
+    (seen about once in 15 kills; a stack dump shows the waiting thread in
+    gloo::allreduce's receive), so only the stopped follower must be the timeout's."""
     path, _ = checkpoints("llama8")
     leader, follower, target = start_job(path, tmp_path)
     try:
@@ -228,7 +232,8 @@ def test_follower_failure_turns_the_server_not_serving(checkpoints, tmp_path, ho
             time.sleep(0.5)
         log = (tmp_path / "process0.log").read_text()
         assert "a follower process is gone or unreachable" in log
-        assert ("did not answer a ping" in log) == (how == signal.SIGSTOP)
+        if how == signal.SIGSTOP:
+            assert "did not answer a ping" in log
         leader.send_signal(signal.SIGTERM)
         assert leader.wait(timeout=60) == 1  # exits, without waiting for the dead peer
     finally:

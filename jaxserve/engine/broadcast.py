@@ -5,13 +5,15 @@ global mesh, loading its own shards of the weights. Process 0 owns the scheduler
 servers. Before it runs a step it broadcasts a small header (command, bucket) and then
 the step's batch arrays; the followers run the same compiled step on them, so every
 process joins the step's collectives. While idle, process 0 broadcasts a ping every
-`PING_INTERVAL_S`: a follower that died makes that collective (or the next step's) fail
-at once ("connection closed by peer"), the engine loop stops, and the server turns
-NOT_SERVING with the error in its log instead of hanging. A follower that is alive but
-does not answer (a host off the network sends no FIN: the collective would wait until
+`PING_INTERVAL_S`: a follower that died usually makes that collective (or the next
+step's) fail at once ("connection closed by peer"), the engine loop stops, and the server
+turns NOT_SERVING with the error in its log instead of hanging. A follower that is alive
+but does not answer (a host off the network sends no FIN: the collective would wait until
 JAX's coordination service kills process 0 after its 100 s heartbeat timeout) is given up
-on when a ping has waited `PING_TIMEOUT_S`, the same way. A follower whose leader is gone
-exits the same way.
+on when a ping has waited `PING_TIMEOUT_S`, the same way; so is a dead one whose closed
+connection failed only one of process 0's local participants in the collective, leaving
+the others waiting on it (gloo, the CPU collectives, does this about once in 15 kills).
+A follower whose leader is gone exits the same way.
 """
 
 from __future__ import annotations
