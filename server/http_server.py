@@ -308,11 +308,7 @@ class HTTPServer:
         return JSONResponse(e.body(), status_code=e.status)
 
     async def _validation_error(self, request: Request, e: pydantic.ValidationError):
-        first = e.errors()[0]
-        where = ".".join(str(x) for x in first["loc"])
-        return await self._api_error(request, oai.APIError(
-            400, f"{where}: {first['msg']}" if where else first["msg"],
-            str(first["loc"][0]) if first["loc"] else None))
+        return await self._api_error(request, oai.invalid(e))
 
     async def _body(self, request: Request, model: type[pydantic.BaseModel]):
         try:
@@ -428,7 +424,7 @@ class HTTPServer:
              if logprobs is not None else None, "stop_reason": c.stop_reason,
              **({"token_ids": c.token_ids} if req.return_token_ids else {})}
             for i, c in enumerate(choices)],
-            usage=_usage([ids], choices), **extra))
+            usage=_usage([ids], choices), **extra), self._cache_page_size)
 
     async def _start_chat(self, request: Request, req: oai.ChatCompletionRequest,
                           kind: str) -> _ChatRun:
@@ -626,11 +622,15 @@ class HTTPServer:
     def _responses_usage(self, chat_usage: dict, reasoning_text: str | None) -> dict:
         """The Responses API's usage: reasoning_tokens counts the reasoning's text in
         tokens."""
-        config = self.info.config
         return responses.usage(
             chat_usage, len(self.info.tokenizer.encode(reasoning_text, False))
-            if reasoning_text else 0,
-            config.page_size if config.enable_prefix_caching else None)
+            if reasoning_text else 0, self._cache_page_size)
+
+    @property
+    def _cache_page_size(self) -> int:
+        """The page size, 0 when the prefix cache is off (responses.usage, PAGE_HEADER)."""
+        config = self.info.config
+        return config.page_size if config.enable_prefix_caching else 0
 
     async def get_response(self, response_id: str):
         return self.stored.get(response_id, "response_id").body
@@ -691,7 +691,7 @@ class HTTPServer:
         return _answer(job, choices, oai.envelope(
             rid, "text_completion", self._model(job), [choice(i, c) for i, c in
                                                        enumerate(choices)],
-            usage=_usage(ids, choices)))
+            usage=_usage(ids, choices)), self._cache_page_size)
 
     def _echoed(self, req: oai.CompletionRequest, prompt: list[int], c: Choice) -> list[dict]:
         """An echoed prompt's part of a choice's completion logprobs (`echo` with
@@ -892,6 +892,9 @@ class _Uvicorn(uvicorn.Server):
 
 
 QUEUE_HEADER = "x-jaxserve-queue-seconds"
+# A prefill server's page size when its prefix cache is on, else 0 (the router's Responses
+# usage counts the prompt's pages written to the cache with it).
+PAGE_HEADER = "x-jaxserve-prefix-cache-page-size"
 
 
 def _usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
@@ -911,11 +914,12 @@ def _chunk_usage(req: oai._Request, prompts: list[list[int]], choices: list[Choi
             else None}
 
 
-def _answer(job: Job, choices: list[Choice], body: dict) -> dict | JSONResponse:
+def _answer(job: Job, choices: list[Choice], body: dict, page_size: int
+            ) -> dict | JSONResponse:
     """A whole response; a prefill server's (do_remote_decode) with `kv_transfer_params`
     (vLLM's field: where its decode server pulls its K/V, and its first token; none when
-    the request ended here) and the seconds it queued here in a header (the router's TTFT
-    phases)."""
+    the request ended here), the seconds it queued here (the router's TTFT phases) and
+    `page_size` (PAGE_HEADER) in headers."""
     kv = job.kv_transfer_params
     if not (kv and kv.get("do_remote_decode")):
         return body
@@ -924,7 +928,8 @@ def _answer(job: Job, choices: list[Choice], body: dict) -> dict | JSONResponse:
         body["kv_transfer_params"] = c.kv_transfer_params
     queued = (max(c.first_scheduled_at - job.created, 0.0)
               if c.first_scheduled_at is not None else 0.0)
-    return JSONResponse(body, headers={QUEUE_HEADER: f"{queued:.6f}"})
+    return JSONResponse(body, headers={QUEUE_HEADER: f"{queued:.6f}",
+                                       PAGE_HEADER: str(page_size)})
 
 
 def _shown(req: oai.CompletionRequest, out: StepOutput) -> StepOutput:

@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jaxserve.outputs import Logprob, StepOutput, top_logprobs
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -34,6 +34,14 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+
+def invalid(e: ValidationError) -> APIError:
+    """A body that does not validate, as a 400 naming its first fault's field."""
+    first = e.errors()[0]
+    where = ".".join(str(x) for x in first["loc"])
+    return APIError(400, f"{where}: {first['msg']}" if where else first["msg"],
+                    str(first["loc"][0]) if first["loc"] else None)
 
 
 def bad_request(e: Exception, default_param: str | None = None) -> APIError:

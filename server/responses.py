@@ -194,6 +194,11 @@ def output_messages(output: list[dict]) -> list[dict]:
 
 def chat_request(req: ResponsesRequest, messages: list[dict]) -> oai.ChatCompletionRequest:
     """The chat completion request that answers `req` over `messages`."""
+    return oai.ChatCompletionRequest.model_validate(chat_body(req, messages))
+
+
+def chat_body(req: ResponsesRequest, messages: list[dict]) -> dict:
+    """`chat_request`'s JSON body (what the PD router sends on)."""
     body: dict[str, Any] = {
         "model": req.model, "messages": messages, "stream": req.stream,
         "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature,
@@ -226,8 +231,7 @@ def chat_request(req: ResponsesRequest, messages: list[dict]) -> oai.ChatComplet
             "strict": fmt.get("strict")}}
     elif fmt.get("type") != "text":
         raise oai.APIError(400, "text.format: text, json_object or json_schema", "text")
-    return oai.ChatCompletionRequest.model_validate(
-        {k: v for k, v in body.items() if v is not None})
+    return {k: v for k, v in body.items() if v is not None}
 
 
 def output_items(message: dict, status: str) -> list[dict]:
@@ -262,8 +266,8 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
             "arguments": arguments, "status": status}
 
 
-def usage(chat_usage: dict, reasoning_tokens: int, page_size: int | None) -> dict:
-    """A chat usage as the Responses API's; `page_size` None: no prefix cache (else the
+def usage(chat_usage: dict, reasoning_tokens: int, page_size: int) -> dict:
+    """A chat usage as the Responses API's; `page_size` 0: no prefix cache (else the
     prompt's full pages that were not read from it were written to it)."""
     prompt, cached = chat_usage["prompt_tokens"], chat_usage["prompt_tokens_details"][
         "cached_tokens"]

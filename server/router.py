@@ -19,6 +19,11 @@ tried once more on another one; with none left the client gets 502 saying what f
 Requests with `n` > 1 or tools are refused (400): the decode server would parse tool calls
 from its part of the text only.
 
+POST /v1/responses (OpenAI's Responses API) goes the chat route's way: the router turns
+it into a chat completion as a server does (server/responses.py), and the answer, or its
+stream, into a response or its events; it keeps the newest responses for
+previous_response_id and GET /v1/responses/{id} itself.
+
 GET /health is 200 while a prefill and a decode server answer their /health; /metrics has
 the requests, the time to first token split into queue and prefill (on the prefill
 server), transfer (the decode server's pull and admission) and first decode, and the
@@ -44,6 +49,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import httpx
+import pydantic
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -51,7 +57,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
 
-from server.http_server import QUEUE_HEADER
+from server import openai_protocol as oai
+from server import responses
+from server.http_server import PAGE_HEADER, QUEUE_HEADER
 from server.metrics import CONTENT_TYPE, PREFIX, TTFT_BUCKETS
 from server.protos.jaxserve.v1 import inference_pb2 as pb
 from server.protos.jaxserve.v1 import inference_pb2_grpc as pb_grpc
@@ -70,6 +78,7 @@ class Upstream:
     grpc_target: str | None = None  # its gRPC API (host:port), for the router's gRPC face
     in_flight: int = 0
     down_until: float = 0.0
+    page_size: int = 0  # a prefill server's prefix-cache page size (PAGE_HEADER), 0: off
     healthy: bool = True  # its last /health answer
     _stub: pb_grpc.InferenceStub | None = None
 
@@ -88,6 +97,10 @@ class _RouterError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
         self.status, self.param = status, param
+
+    @classmethod
+    def of(cls, e: oai.APIError) -> _RouterError:
+        return cls(e.status, e.message, e.param)
 
     def response(self) -> JSONResponse:
         return JSONResponse({"error": {"message": str(self), "type": "router_error",
@@ -135,6 +148,7 @@ class Router:
                               registry=r)
         self.up = Gauge(PREFIX + "router_upstream_up", "1 while a server answers /health",
                         ["role", "url"], registry=r)
+        self.stored = responses.Store()  # the Responses API's stored responses
         self.app = self._app()
         self._health_task: asyncio.Task | None = None
 
@@ -195,7 +209,7 @@ class Router:
         if body.get("kv_transfer_params"):
             return _RouterError(400, "kv_transfer_params is the router's to set",
                                 "kv_transfer_params").response()
-        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        headers = _auth(request)
         try:
             response = await self._route(body, path, headers, start)
         except _RouterError as e:
@@ -203,7 +217,9 @@ class Router:
             return e.response()
         return response
 
-    async def _route(self, body: dict, path: str, headers: dict, start: float):
+    async def _route(self, body: dict, path: str, headers: dict, start: float,
+                     used: dict | None = None):
+        """The answer (`used["prefill"]`: the prefill server that gave the first token)."""
         key, tried = self._key(body), set()
         stream = bool(body.get("stream"))
         while True:
@@ -216,13 +232,16 @@ class Router:
                 continue  # that server failed: the next one
             first, queued = answer
             self._remember(key, server)
+            if used is not None:
+                used["prefill"] = server
             self.phase.labels("queue").observe(queued)
             self.phase.labels("prefill").observe(max(time.monotonic() - start - queued, 0.0))
             kv = first.get("kv_transfer_params")
             if kv is None:  # the request ended on the prefill server
                 self.requests.labels("prefill_only").inc()
                 self.ttft.observe(time.monotonic() - start)
-                return _as_stream(first, path) if stream else JSONResponse(first)
+                return _as_stream(first, path, _include_usage(body)) if stream \
+                    else JSONResponse(first)
             decode = self._pick_decode()
             result = await self._decode(decode, server, body, first, kv, path, headers,
                                         stream, start)
@@ -253,6 +272,7 @@ class Router:
             return None
         if r.status_code != 200:  # the request's own fault: the client's answer
             raise _RouterError(r.status_code, _message(r), _param(r))
+        server.page_size = int(r.headers.get(PAGE_HEADER, 0))
         return r.json(), float(r.headers.get(QUEUE_HEADER, 0.0))
 
     def _down(self, server: Upstream, why) -> None:
@@ -337,6 +357,107 @@ class Router:
             decode.in_flight -= 1
             await upstream.aclose()
 
+    # -------------------------------------------------------------- responses
+
+    async def respond(self, request: Request):
+        """OpenAI's Responses API over the chat route (the module docstring)."""
+        start = time.monotonic()
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            return _RouterError(400, "the body is not JSON").response()
+        try:
+            if not isinstance(body, dict):
+                raise oai.APIError(400, "the body must be a JSON object")
+            req = responses.ResponsesRequest.model_validate(body).checked()
+            if req.tools:
+                raise oai.APIError(400, "tools are not served through the router yet",
+                                   "tools")
+            messages = []
+            if req.previous_response_id is not None:
+                previous = self.stored.get(req.previous_response_id)
+                messages = previous.messages + responses.output_messages(
+                    previous.body["output"])
+            messages += responses.input_messages(req)
+            system = [{"role": "system", "content": req.instructions}] \
+                if req.instructions else []
+            chat = responses.chat_body(req, system + messages)
+        except pydantic.ValidationError as e:
+            return _RouterError.of(oai.invalid(e)).response()
+        except oai.APIError as e:
+            return _RouterError.of(e).response()
+        if req.stream:
+            chat["stream_options"] = {"include_usage": True}
+        headers = _auth(request)
+        used: dict = {}
+        try:
+            answer = await self._route(chat, CHAT_PATH, headers, start, used)
+        except _RouterError as e:
+            self.requests.labels("error").inc()
+            return e.response()
+        rid, created = responses.new_id("resp"), float(int(time.time()))
+        page_size = used["prefill"].page_size
+        if req.stream:
+            return StreamingResponse(self._response_events(answer, req, messages, rid,
+                                                           created, page_size),
+                                     media_type="text/event-stream")
+        whole = json.loads(answer.body)
+        message, finish = whole["choices"][0]["message"], whole["choices"][0]["finish_reason"]
+        status = responses.status_of(finish)[0]
+        out = responses.body(
+            req, rid, whole["model"], created,
+            responses.output_items(message, "incomplete" if status == "failed" else status),
+            finish, responses.usage(whole["usage"], 0, page_size))
+        if req.store:
+            self.stored.put(rid, responses.Stored(messages, out))
+        return JSONResponse(out)
+
+    async def _response_events(self, answer: StreamingResponse,
+                               req: responses.ResponsesRequest, messages: list[dict],
+                               rid: str, created: float, page_size: int
+                               ) -> AsyncIterator[str]:
+        """The chat stream `answer` as the Responses API's events (no reasoning: a server
+        with a reasoning parser refuses kv_transfer_params)."""
+        events, model, finish, usage, error = responses.Events(), req.model, None, None, None
+
+        def sse(event: dict) -> str:
+            return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+        def opening() -> list[str]:
+            start = responses.body(req, rid, model, created, [], None, None)
+            return [sse(events.event("response.created", response=start)),
+                    sse(events.event("response.in_progress", response=start))]
+
+        chunks = _sse_data(answer.body_iterator)
+        try:
+            async for chunk in chunks:
+                if events.seq == 0:
+                    model = chunk.get("model", model)
+                    for text in opening():
+                        yield text
+                if "error" in chunk:
+                    error = chunk["error"]
+                for choice in chunk.get("choices") or ():
+                    for event in events.feed(choice.get("delta") or {}):
+                        yield sse(event)
+                    finish = choice.get("finish_reason") or finish
+                usage = chunk.get("usage") or usage
+        finally:
+            await chunks.aclose()
+        if events.seq == 0:
+            for text in opening():
+                yield text
+        finish = "error" if error else finish
+        for event in events.finish(responses.status_of(finish)[0]):
+            yield sse(event)
+        out = responses.body(req, rid, model, created, events.output, finish,
+                             responses.usage(usage, 0, page_size) if usage else None)
+        if error:
+            out["error"] = {"code": "server_error", "message": error.get("message", "")}
+        if req.store:
+            self.stored.put(rid, responses.Stored(messages, out))
+        yield sse(events.event(f"response.{out['status']}", response=out))
+
     # ------------------------------------------------------------------ app
 
     def _app(self) -> FastAPI:
@@ -346,9 +467,20 @@ class Router:
         async def completions(request: Request):
             return await self.handle(request, "/v1/completions")
 
-        @app.post("/v1/chat/completions")
+        @app.post(CHAT_PATH)
         async def chat(request: Request):
-            return await self.handle(request, "/v1/chat/completions")
+            return await self.handle(request, CHAT_PATH)
+
+        @app.post("/v1/responses")
+        async def responses_(request: Request):
+            return await self.respond(request)
+
+        @app.get("/v1/responses/{response_id}")
+        async def get_response(response_id: str):
+            try:
+                return JSONResponse(self.stored.get(response_id, "response_id").body)
+            except oai.APIError as e:
+                return _RouterError.of(e).response()
 
         @app.get("/v1/models")
         async def models():
@@ -530,8 +662,31 @@ class RouterServicer(pb_grpc.InferenceServicer):
         return out
 
 
+CHAT_PATH = "/v1/chat/completions"
+
+
 def from_chunks(chunks: list[dict]) -> str:
     return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks)
+
+
+async def _sse_data(texts: AsyncIterator[str]) -> AsyncIterator[dict]:
+    """The JSON of each `data:` line of a stream the router answers with."""
+    try:
+        async for text in texts:
+            for line in text.splitlines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    yield json.loads(line[len("data: "):])
+    finally:
+        await texts.aclose()
+
+
+def _auth(request: Request) -> dict:
+    """The request's headers the router passes on: its API key."""
+    return {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+
+
+def _include_usage(body: dict) -> bool:
+    return bool((body.get("stream_options") or {}).get("include_usage"))
 
 
 def _message(r: httpx.Response) -> str:
@@ -608,8 +763,9 @@ def _first_chunk(first: dict, chat: bool) -> list[dict]:
         "finish_reason": None, **ids}]}]
 
 
-def _as_stream(first: dict, path: str) -> StreamingResponse:
-    """A request that ended on the prefill server, for a client that asked for a stream."""
+def _as_stream(first: dict, path: str, include_usage: bool) -> StreamingResponse:
+    """A request that ended on the prefill server, for a client that asked for a stream
+    (`include_usage`: and its usage, in a last chunk)."""
     chat = path.endswith("chat/completions")
     chunks = _first_chunk(first, chat)
     c = first["choices"][0]
@@ -619,5 +775,6 @@ def _as_stream(first: dict, path: str) -> StreamingResponse:
         last["choices"][0]["delta"] = {}
     else:
         last["choices"][0]["text"] = ""
-    text = from_chunks(chunks + [last]) + "data: [DONE]\n\n"
+    usage = [{**chunks[0], "choices": [], "usage": first["usage"]}] if include_usage else []
+    text = from_chunks(chunks + [last] + usage) + "data: [DONE]\n\n"
     return StreamingResponse(iter([text]), media_type="text/event-stream")

@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from conftest import save_peft_adapter
-from serverproc import running_router, running_server
+from serverproc import ENGINE, running_router, running_server
 from server.protos.jaxserve.v1 import inference_pb2 as pb
 from server.protos.jaxserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -137,7 +137,8 @@ def test_router_answers_as_one_server(cluster):
         assert all(abs(g[t]["logprob"] - w[t]["logprob"]) < 1e-4 for t in g)
     messages = [{"role": "user", "content": "hello, who are you?"}]
     for kw in (dict(max_tokens=12, temperature=0), dict(max_tokens=9, temperature=1.0, seed=5),
-               dict(max_tokens=5, temperature=0, extra_body={"return_token_ids": True})):
+               dict(max_tokens=5, temperature=0, extra_body={"return_token_ids": True}),
+               dict(max_tokens=1, temperature=0)):  # ends on the prefill server
         want = one.chat.completions.create(model=model, messages=messages, **kw)
         got = pd.chat.completions.create(model=model, messages=messages, **kw)
         assert got.choices[0].message.content == want.choices[0].message.content
@@ -194,6 +195,53 @@ def test_router_answers_under_an_adapter_as_one_server(cluster):
     # An adapter the servers do not serve fails alone, with the model named.
     with pytest.raises(openai.NotFoundError, match="nope"):
         pd.completions.create(model="nope", prompt="x", max_tokens=2)
+
+
+def test_router_serves_the_responses_api(cluster):
+    """OpenAI's Responses API through the router: the single server's responses (text,
+    status, token counts) whole (the body validated by the openai package's Response
+    type) and streamed (each event by its event types; a request that ends with its first
+    token on the prefill server too), continued by previous_response_id and retrieved from
+    the router's store; the prompt's pages written to the prefill server's prefix cache
+    (its page size reaches the router); tools refused as on the chat route."""
+    from openai.types.responses import Response
+    from test_http_server import _events
+
+    servers, router, _ = cluster
+    one, pd = _client(servers["single"].http_url), _client(router)
+    model = one.models.list().data[0].id
+    for kw in (dict(max_output_tokens=8, temperature=0.0),
+               dict(max_output_tokens=10, temperature=0.9, extra_body={"seed": 5}),
+               dict(max_output_tokens=1, temperature=0.0)):
+        ask = dict(model=model, instructions="Be brief.", input="Hello there", **kw)
+        want = one.responses.create(**ask)
+        got = Response.model_validate(pd.responses.with_raw_response.create(**ask)
+                                      .http_response.json())
+        assert (got.output_text, got.status) == (want.output_text, want.status), kw
+        assert (got.usage.input_tokens, got.usage.output_tokens) == (
+            want.usage.input_tokens, want.usage.output_tokens)
+        details = got.usage.input_tokens_details
+        assert details.cached_tokens + details.cache_write_tokens == \
+            got.usage.input_tokens // ENGINE["page_size"] * ENGINE["page_size"]
+        body = {**{k: v for k, v in ask.items() if k != "extra_body"},
+                **kw.get("extra_body", {})}
+        events = _events(router, body)
+        assert "".join(e["delta"] for e in events
+                       if e["type"] == "response.output_text.delta") == want.output_text, kw
+        last = events[-1]
+        assert last["type"] == f"response.{want.status}"
+        assert last["response"]["usage"]["output_tokens"] == want.usage.output_tokens
+    second = dict(model=model, input="And again?", max_output_tokens=8, temperature=0.0)
+    assert pd.responses.create(previous_response_id=got.id, **second).output_text == \
+        one.responses.create(previous_response_id=want.id, **second).output_text
+    assert pd.responses.retrieve(got.id).output_text == got.output_text
+    with pytest.raises(openai.NotFoundError):
+        pd.responses.retrieve(want.id)  # the single server's, not the router's
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        pd.responses.create(model=model, input="x", tools=[{
+            "type": "function", "name": "f", "parameters": {"type": "object"}}])
+    r = httpx.post(router + "/v1/responses", json={"input": "x", "background": True})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "background")
 
 
 def _generate(target: str, **request) -> tuple[list[int], str, pb.Complete]:

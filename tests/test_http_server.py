@@ -774,15 +774,15 @@ def test_bad_tool_requests_are_400(server, body, needle):
     assert needle in r.json()["error"]["message"], r.json()
 
 
-def _events(server, body: dict) -> list[dict]:
+def _events(url: str, body: dict) -> list[dict]:
     """A streamed /v1/responses' events, each checked against the openai package's types
     (strict pydantic validation) and named by its SSE `event:` line."""
     import pydantic
     from openai.types.responses import ResponseStreamEvent
 
     adapter, events = pydantic.TypeAdapter(ResponseStreamEvent), []
-    with httpx.stream("POST", f"{server[1].http_url}/v1/responses",
-                      json={**body, "stream": True}, timeout=60) as r:
+    with httpx.stream("POST", f"{url}/v1/responses", json={**body, "stream": True},
+                      timeout=60) as r:
         assert r.status_code == 200
         blocks = r.read().decode().strip().split("\n\n")
     for block in blocks:
@@ -822,7 +822,8 @@ def test_responses_api_answers_as_chat_completions(server, client):
                                  **greedy) as stream:
         last = list(stream)[-1]
     assert last.type == "response.incomplete" and last.response.output_text == got.output_text
-    events = _events(server, {"instructions": "Be brief.", "input": "Hello there", **greedy})
+    events = _events(server[1].http_url, {"instructions": "Be brief.", "input": "Hello there",
+                                          **greedy})
     kinds = [e["type"] for e in events]
     assert kinds[:4] == ["response.created", "response.in_progress",
                          "response.output_item.added", "response.content_part.added"]
@@ -857,9 +858,9 @@ def test_responses_api_answers_as_chat_completions(server, client):
     assert final.status == "completed" and [
         (i.type, i.name, i.arguments) for i in final.output] == [
         ("function_call", "get_weather", call.arguments)]
-    streamed = _events(server, {"input": "Weather?", "tools": [tool], "max_output_tokens": 60,
-                                "tool_choice": {"type": "function", "name": "get_weather"},
-                                "temperature": 0.0})
+    streamed = _events(server[1].http_url, {
+        "input": "Weather?", "tools": [tool], "max_output_tokens": 60,
+        "tool_choice": {"type": "function", "name": "get_weather"}, "temperature": 0.0})
     done = [e["item"] for e in streamed if e["type"] == "response.output_item.done"]
     assert [(i["type"], i["name"], i["arguments"]) for i in done
             if i["type"] == "function_call"] == [("function_call", "get_weather",
