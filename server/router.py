@@ -27,7 +27,9 @@ previous_response_id and GET /v1/responses/{id} itself.
 GET /health is 200 while a prefill and a decode server answer their /health; /metrics has
 the requests, the time to first token split into queue and prefill (on the prefill
 server), transfer (the decode server's pull and admission) and first decode, and the
-retries; /v1/models is a decode server's.
+retries; /v1/models, /tokenize, /detokenize and /version are a decode server's. Loading
+or unloading a LoRA adapter (/v1/load_lora_adapter, /v1/unload_lora_adapter) goes to
+every server: a load that fails on one is undone on those it succeeded on.
 
 With `grpc_port` (and each server's gRPC target) the router also serves jaxserve.v1's
 Inference service: Generate goes the same way over the servers' gRPC APIs
@@ -458,6 +460,52 @@ class Router:
             self.stored.put(rid, responses.Stored(messages, out))
         yield sse(events.event(f"response.{out['status']}", response=out))
 
+    # ------------------------------------------------------- passed-on calls
+
+    async def _call(self, server: Upstream, request: Request, path: str | None = None
+                    ) -> httpx.Response:
+        """`request` (its method, body and API key) as `server` answers it, at `path`
+        (default: the request's); a server that cannot be reached answers 502."""
+        headers = {**_auth(request),
+                   "content-type": request.headers.get("content-type", "application/json")}
+        try:
+            return await self.client.request(request.method,
+                                             server.url + (path or request.url.path),
+                                             content=await request.body(), headers=headers)
+        except httpx.HTTPError as e:
+            self._down(server, e)
+            error = _RouterError(502, f"the {server.role} server at {server.url} failed: {e}")
+            return httpx.Response(502, content=error.response().body)
+
+    async def _load_everywhere(self, request: Request) -> Response:
+        """An adapter loaded on every server (both sides compute under it); where one
+        refuses or fails, unloaded again from those that took it, and that answer given
+        (naming the server)."""
+        servers = self.prefill + self.decode
+        answers = await asyncio.gather(*(self._call(u, request) for u in servers))
+        failed = [(u, a) for u, a in zip(servers, answers) if a.status_code != 200]
+        if not failed:
+            return _passed(answers[0])
+        took = [u for u, a in zip(servers, answers) if a.status_code == 200]
+        await asyncio.gather(*(self._call(u, request, "/v1/unload_lora_adapter")
+                               for u in took))
+        server, answer = failed[0]
+        undone = " (undone on the servers that had loaded it)" if took else ""
+        return _RouterError(answer.status_code, f"the {server.role} server at {server.url}: "
+                            f"{_message(answer)}{undone}", _param(answer)).response()
+
+    async def _unload_everywhere(self, request: Request) -> Response:
+        """An adapter unloaded from every server: 200 when it is gone from all of them and
+        one had it, 404 when none had it, else the first failure."""
+        servers = self.prefill + self.decode
+        answers = await asyncio.gather(*(self._call(u, request) for u in servers))
+        for server, answer in zip(servers, answers):
+            if answer.status_code not in (200, 404):
+                return _RouterError(answer.status_code, f"the {server.role} server at "
+                                    f"{server.url}: {_message(answer)}",
+                                    _param(answer)).response()
+        return _passed(next((a for a in answers if a.status_code == 200), answers[0]))
+
     # ------------------------------------------------------------------ app
 
     def _app(self) -> FastAPI:
@@ -483,9 +531,19 @@ class Router:
                 return _RouterError.of(e).response()
 
         @app.get("/v1/models")
-        async def models():
-            r = await self.client.get(self._pick_decode().url + "/v1/models")
-            return JSONResponse(r.json(), status_code=r.status_code)
+        @app.get("/version")
+        @app.post("/tokenize")
+        @app.post("/detokenize")
+        async def a_decode_servers(request: Request):
+            return _passed(await self._call(self._pick_decode(), request))
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request):
+            return await self._load_everywhere(request)
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request):
+            return await self._unload_everywhere(request)
 
         @app.get("/health")
         async def health():
@@ -701,6 +759,12 @@ def _param(r: httpx.Response) -> str | None:
         return r.json()["error"].get("param")
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def _passed(r: httpx.Response) -> Response:
+    """A server's answer, as the router's."""
+    return Response(r.content, status_code=r.status_code,
+                    media_type=r.headers.get("content-type"))
 
 
 def _role_only(chunk: dict) -> bool:

@@ -244,6 +244,55 @@ def test_router_serves_the_responses_api(cluster):
     assert (r.status_code, r.json()["error"]["param"]) == (400, "background")
 
 
+def test_router_loads_adapters_on_every_server(cluster, checkpoints, tmp_path):
+    """/v1/load_lora_adapter through the router loads on the prefill and the decode server
+    (the router's completions under it are then the single server's), unloads from both;
+    a load one server refuses is undone on the others; /tokenize, /detokenize and
+    /version are a decode server's."""
+    servers, router, logs = cluster
+    _, base = checkpoints("llama8")
+    save_peft_adapter(base, tmp_path, seed=3)
+    one, pd = _client(servers["single"].http_url), _client(router)
+    load = {"lora_name": "ad2", "lora_path": str(tmp_path)}
+    assert httpx.post(servers["single"].http_url + "/v1/load_lora_adapter",
+                      json=load).status_code == 200
+    r = httpx.post(router + "/v1/load_lora_adapter", json=load)
+    assert r.status_code == 200, r.text
+    for name in ("prefill", "decode"):
+        assert "ad2" in [m["id"] for m in httpx.get(
+            servers[name].http_url + "/v1/models").json()["data"]]
+    kw = dict(prompt="a second adapter", max_tokens=12, temperature=0,
+              extra_body={"ignore_eos": True})
+    want = one.completions.create(model="ad2", **kw).choices[0].text
+    assert want != one.completions.create(model=ADAPTER, **kw).choices[0].text
+    assert pd.completions.create(model="ad2", **kw).choices[0].text == want
+    r = httpx.post(router + "/v1/load_lora_adapter", json=load)  # the name is taken
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "lora_name")
+    assert httpx.post(router + "/v1/unload_lora_adapter",
+                      json={"lora_name": "ad2"}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        pd.completions.create(model="ad2", **kw)
+    assert httpx.post(router + "/v1/unload_lora_adapter",
+                      json={"lora_name": "ad2"}).status_code == 404
+    # The slow prefill server has no LoRA: a load it refuses is undone on the other.
+    with running_router([servers["prefill"].http_url], [servers["slow prefill"].http_url],
+                        logs / "router2.log") as other:
+        r = httpx.post(other + "/v1/load_lora_adapter", json={**load, "lora_name": "ad3"})
+        assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"]
+        assert servers["slow prefill"].http_url in r.json()["error"]["message"]
+        assert "ad3" not in [m["id"] for m in httpx.get(
+            servers["prefill"].http_url + "/v1/models").json()["data"]]
+    for path, body in (("/tokenize", {"prompt": "some words"}),
+                       ("/detokenize", {"tokens": [5, 6, 7]})):
+        got = httpx.post(router + path, json=body)
+        assert got.status_code == 200 and got.json() == httpx.post(
+            servers["single"].http_url + path, json=body).json()
+    bad = httpx.post(router + "/detokenize", json={"tokens": [10 ** 9]})
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "tokens")
+    assert httpx.get(router + "/version").json() == httpx.get(
+        servers["single"].http_url + "/version").json()
+
+
 def _generate(target: str, **request) -> tuple[list[int], str, pb.Complete]:
     with grpc.insecure_channel(target) as channel:
         responses = list(pb_grpc.InferenceStub(channel).Generate(
