@@ -2,6 +2,7 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
+from jaxserve.beam_search import BeamSearchParams
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -24,4 +25,5 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LoRARequest", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "BeamSearchParams", "RequestOutput",
+           "CompletionOutput"]

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
+from jaxserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from jaxserve.config import EngineConfig
 from jaxserve.engine.disaggregated import DisaggregatedEngine
 from jaxserve.engine.engine import Engine
@@ -157,6 +158,58 @@ class LLM:
                     bar.update()
         bar.close()
         return [results[rid] for rid in order]
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search` (jaxserve/beam_search.py): each prompt's
+        `params.beam_width` best sequences, best first, each with its `tokens` (the
+        prompt's, then its own), `cum_logprob` and `text` (all its tokens decoded). Text
+        or token-id prompts (a dict may carry a cache_salt; no images)."""
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        parts = [_prompt_parts(p) for p in prompts]
+        if any(images for _, images, _ in parts):
+            raise ValueError("beam search takes text or token-id prompts, without images")
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(parts))
+        step = params.step_params()
+        # The first step runs the prompts as given (the engine tokenizes text ones).
+        firsts = self.generate([_prompt_dict(p, salt) for p, _, salt in parts], step,
+                               lora_request=loras)
+        searches = []
+        for first in firsts:
+            search = BeamSearch(first.prompt_token_ids, params, self.engine.eos_token_ids)
+            search.advance([first.outputs[0].logprobs[0]])
+            searches.append(search)
+        bar = tqdm(total=params.max_tokens, desc="beam search", disable=not use_tqdm)
+        bar.update()
+        while not all(s.done for s in searches):
+            running = [(i, s) for i, s in enumerate(searches) if not s.done]
+            beams = [(i, beam) for i, s in running for beam in s.live]
+            outs = self.generate([_prompt_dict(beam.tokens, parts[i][2]) for i, beam in beams],
+                                 step, lora_request=[loras[i] for i, _ in beams])
+            at = 0
+            for _, search in running:
+                n = len(search.live)
+                search.advance([o.outputs[0].logprobs[0] for o in outs[at:at + n]])
+                at += n
+            bar.update()
+        bar.close()
+        tokenizer = self.engine.tokenizer
+        results = []
+        for search in searches:
+            best = search.best()
+            for beam in best:
+                beam.text = tokenizer.decode(beam.tokens, params.skip_special_tokens)
+            results.append(BeamSearchOutput(best))
+        return results
+
+
+def _prompt_dict(prompt: str | list[int], cache_salt: str | None) -> dict:
+    return {"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt,
+            **({"cache_salt": cache_salt} if cache_salt else {})}
 
 
 def _prompt_parts(prompt: Prompt) -> tuple[str | list[int], list, str | None]:

@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import jaxserve
+from jaxserve.beam_search import BeamSearch, BeamSearchParams
 from jaxserve.engine.lora import LoRARequest
 from jaxserve.outputs import StepOutput
 from jaxserve.sampling_params import SamplingParams
@@ -402,6 +403,8 @@ class HTTPServer:
 
     async def chat_completions(self, request: Request):
         req = await self._body(request, oai.ChatCompletionRequest)
+        if req.use_beam_search:
+            return await self._beam_chat(request, req)
         run = await self._start_chat(request, req, "chatcmpl")
         job, ids, plan, think, logprobs = run.job, run.ids, run.plan, run.think, run.logprobs
         rid = job.id
@@ -430,6 +433,19 @@ class HTTPServer:
                           kind: str) -> _ChatRun:
         """Render, tokenize and admit a chat request's choices (APIError when it cannot
         be); `kind` prefixes its id."""
+        lora, ids, images, plan, think, block = await self._chat_prompt(req)
+        params = await self._sampling_params(req, req.max_completion_tokens or req.max_tokens,
+                                             req.logprob_count(), plan, block)
+        job = Job(self.async_engine, oai.new_id(kind, self._request_id(request, req)),
+                  [(ids, p) for p in params], lora,
+                  images, oai.kv_transfer_params(req, 1), req.priority, req.cache_salt)
+        await self._start(request, job)
+        return _ChatRun(job, ids, plan, think, req.logprob_count())
+
+    async def _chat_prompt(self, req: oai.ChatCompletionRequest) -> tuple:
+        """A chat request rendered and tokenized: (its adapter, prompt ids, images, tool
+        plan, where its output starts (`think`: reasoning.prompt_state; None without a
+        reasoning parser), and the reasoning block its constraint holds after)."""
         lora = self._check_serving(req.model)
         self._tokenizer()  # 400 when the model has none
         if self.reasoning_parser is not None and req.kv_transfer_params:
@@ -439,7 +455,6 @@ class HTTPServer:
                                     "--reasoning-parser does not serve prefill/decode "
                                     "disaggregation yet; start it without one",
                                "kv_transfer_params")
-        logprobs = req.logprob_count()
         tools = req.tool_dicts()
         try:
             plan = tool_calling.plan(tools, req.tool_choice_value(), req.parallel_tool_calls,
@@ -464,13 +479,66 @@ class HTTPServer:
             # An output constraint holds after the block, from the start if the prompt
             # closed one.
             block = {"open": "open", "closed": None, None: "optional"}[state]
-        params = await self._sampling_params(req, req.max_completion_tokens or req.max_tokens,
-                                             logprobs, plan, block)
-        job = Job(self.async_engine, oai.new_id(kind, self._request_id(request, req)),
-                  [(ids, p) for p in params], lora,
-                  images, oai.kv_transfer_params(req, 1), req.priority, req.cache_salt)
-        await self._start(request, job)
-        return _ChatRun(job, ids, plan, think, logprobs)
+        return lora, ids, images, plan, think, block
+
+    async def _beam_chat(self, request: Request, req: oai.ChatCompletionRequest) -> dict:
+        """A chat completion by beam search (`use_beam_search`): the n best beams as its
+        choices."""
+        params = req.beam_search_params(req.max_completion_tokens or req.max_tokens or 1)
+        lora, ids, images, _, think, _ = await self._chat_prompt(req)
+        if images:
+            raise oai.APIError(400, "use_beam_search: not available with images", "messages")
+        if req.max_completion_tokens is None and req.max_tokens is None:
+            params = dataclasses.replace(params,
+                                         max_tokens=self.info.max_model_len - len(ids))
+        rid = oai.new_id("chatcmpl", self._request_id(request, req))
+        choices = await self._beam_search(request, req, rid, [ids], lora, params)
+        return oai.envelope(rid, "chat.completion", self._model_of(lora), [
+            {"index": i, **self._chat_message(c, None, think, req.include_reasoning,
+                                              req.echoed()),
+             "logprobs": None, "stop_reason": c.stop_reason,
+             **({"token_ids": c.token_ids} if req.return_token_ids else {})}
+            for i, c in enumerate(choices)],
+            usage=_usage([ids], choices),
+            **({"prompt_token_ids": ids} if req.return_token_ids else {}))
+
+    async def _beam_search(self, request: Request, req: oai._Request, rid: str,
+                           prompts: list[list[int]], lora: LoRARequest | None,
+                           params: BeamSearchParams) -> list[Choice]:
+        """Each prompt's n best beams, as choices (prompt by prompt, best first): every
+        step one job of each live beam's one-token request (jaxserve/beam_search.py)."""
+        searches = [BeamSearch(ids, params, self.info.eos_token_ids) for ids in prompts]
+        cached = [0] * len(prompts)
+        while not all(s.done for s in searches):
+            running = [(k, s) for k, s in enumerate(searches) if not s.done]
+            beams = [(k, b) for k, s in running for b in s.live]
+            job = Job(self.async_engine, f"{rid}-step{running[0][1].steps}",
+                      [(b.tokens, params.step_params()) for _, b in beams], lora,
+                      priority=req.priority, cache_salt=req.cache_salt)
+            await self._start(request, job)
+            outs = await self._collect(request, job, lambda o: o.new_logprobs[0])
+            failed = next((c for c in outs if c.finish_reason in ("abort", "error")), None)
+            if failed is not None:
+                raise oai.APIError(500 if failed.finish_reason == "error" else 503,
+                                   f"a beam search step ended with {failed.finish_reason}",
+                                   type_="server_error")
+            if running[0][1].steps == 0:
+                cached = [c.num_cached_tokens for c in outs]
+            at = 0
+            for _, search in running:
+                n = len(search.live)
+                search.advance([c.logprobs[0] for c in outs[at:at + n]])
+                at += n
+        tokenizer = self.info.tokenizer
+        choices = []
+        for search, hits in zip(searches, cached):
+            for beam in search.best():
+                own = search.generated(beam)
+                choices.append(Choice(
+                    text=tokenizer.decode(own, params.skip_special_tokens), num_tokens=len(own),
+                    token_ids=own, num_cached_tokens=hits, finish_reason=beam.finish_reason,
+                    stop_reason=beam.stop_reason))
+        return choices
 
     async def _collect(self, request: Request, job: Job,
                        logprobs: Callable | None = None) -> list[Choice]:
@@ -652,6 +720,8 @@ class HTTPServer:
         # An echo shows the prompt as run: a truncated one decoded from what was kept.
         prompts = [p if len(k) == len(i) else k for p, i, k in zip(prompts, ids, kept)]
         ids = kept
+        if req.use_beam_search:
+            return await self._beam_completion(request, req, prompts, ids, lora, tokenizer)
         params = await self._sampling_params(req, 1 if req.scores_only else req.max_tokens,
                                              req.logprobs)
         job = Job(self.async_engine, oai.new_id("cmpl", self._request_id(request, req)),
@@ -692,6 +762,31 @@ class HTTPServer:
             rid, "text_completion", self._model(job), [choice(i, c) for i, c in
                                                        enumerate(choices)],
             usage=_usage(ids, choices)), self._cache_page_size)
+
+    async def _beam_completion(self, request: Request, req: oai.CompletionRequest,
+                               prompts: list, ids: list[list[int]], lora: LoRARequest | None,
+                               tokenizer) -> dict:
+        """A completion by beam search (`use_beam_search`): each prompt's n best beams."""
+        params = req.beam_search_params(
+            req.max_tokens if req.max_tokens is not None
+            else self.info.max_model_len - max(map(len, ids)))
+        rid = oai.new_id("cmpl", self._request_id(request, req))
+        choices = await self._beam_search(request, req, rid, ids, lora, params)
+        n = params.beam_width
+
+        def choice(i: int, c: Choice) -> dict:
+            prompt = prompts[i // n]
+            echo = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)) \
+                if req.echo else ""
+            out = {"index": i, "text": echo + c.text, "logprobs": None,
+                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if req.return_token_ids:
+                out["prompt_token_ids"], out["token_ids"] = ids[i // n], c.token_ids
+            return out
+
+        return oai.envelope(rid, "text_completion", self._model_of(lora),
+                            [choice(i, c) for i, c in enumerate(choices)],
+                            usage=_usage(ids, choices))
 
     def _echoed(self, req: oai.CompletionRequest, prompt: list[int], c: Choice) -> list[dict]:
         """An echoed prompt's part of a choice's completion logprobs (`echo` with
@@ -737,8 +832,11 @@ class HTTPServer:
             yield event
 
     def _model(self, job: Job) -> str:
+        return self._model_of(job.lora)
+
+    def _model_of(self, lora: LoRARequest | None) -> str:
         """The `model` a response names: the adapter the request asked for, else the base."""
-        return job.lora.lora_name if job.lora is not None else self.model_name
+        return lora.lora_name if lora is not None else self.model_name
 
     def _stream_end(self, job: Job, object_: str, created: int, errors: list[dict],
                     include_usage: bool, prompts: list[list[int]], choices: list[Choice]):

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from jaxserve.beam_search import BeamSearchParams
 from jaxserve.outputs import Logprob, StepOutput, top_logprobs
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from server.kv_transfer import check_params
@@ -55,6 +56,15 @@ def bad_request(e: Exception, default_param: str | None = None) -> APIError:
     fields = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
     param = match.group(1) if match and match.group(1) in fields else default_param
     return APIError(400, message, param)
+
+
+# Fields beam search does not honour (a request setting one is refused).
+_NOT_WITH_BEAMS = (
+    "stream", "logprobs", "top_logprobs", "prompt_logprobs", "top_p", "top_k", "min_p",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "stop",
+    "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words", "response_format",
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "kv_transfer_params", "tools", "prompt_embeds")
 
 
 class StreamOptions(BaseModel):
@@ -146,6 +156,9 @@ class _Request(BaseModel):
     # Keep only the prompt's last N tokens (-1: as many as max_model_len allows).
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     truncation_side: Literal["left", "right"] = "left"
+    # vLLM's beam search (jaxserve/beam_search.py): `n` beams, the n best returned.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def truncated(self, ids: list[int], max_model_len: int, has_images: bool) -> list[int]:
         """The prompt's token ids after `truncate_prompt_tokens` (vLLM's: the last N by
@@ -217,6 +230,24 @@ class _Request(BaseModel):
             raise APIError(400, "prompt_logprobs: not available when streaming",
                            "prompt_logprobs")
         return self.prompt_logprobs
+
+    def beam_search_params(self, max_tokens: int) -> BeamSearchParams:
+        """`use_beam_search`'s params (`n` beams, greedy unless `temperature`); an
+        APIError naming a field that beam search would not honour (vLLM's ignores them)."""
+        fields = type(self).model_fields
+        for name in _NOT_WITH_BEAMS:
+            if name in fields and getattr(self, name) != fields[name].default:
+                raise APIError(400, f"{name}: not available with use_beam_search", name)
+        try:
+            return BeamSearchParams(
+                beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                temperature=self.temperature or 0.0, length_penalty=self.length_penalty,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens)
+        except ValueError as e:
+            name = "n" if "beam_width" in str(e) else bad_request(e).param
+            raise APIError(400, str(e).replace("beam_width", "n (the beam width)"),
+                           name) from e
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, index: int,
                         tool_constraint: StructuredOutputsParams | None = None,

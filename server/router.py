@@ -17,7 +17,8 @@ server that cannot be reached, answers 5xx, or fails while its K/V are pulled (t
 server answers 503 for `kv_transfer_params`) is marked down for a while and the request
 tried once more on another one; with none left the client gets 502 saying what failed.
 Requests with `n` > 1 or tools are refused (400): the decode server would parse tool calls
-from its part of the text only.
+from its part of the text only; so is beam search (each of its steps is a one-token
+request of every beam).
 
 POST /v1/responses (OpenAI's Responses API) goes the chat route's way: the router turns
 it into a chat completion as a server does (server/responses.py), and the answer, or its
@@ -205,6 +206,9 @@ class Router:
             return _RouterError(400, "the body must be a JSON object").response()
         if body.get("n", 1) != 1:
             return _RouterError(400, "the router serves n = 1 only", "n").response()
+        if body.get("use_beam_search"):
+            return _RouterError(400, "beam search is not served through the router",
+                                "use_beam_search").response()
         if body.get("tools"):
             return _RouterError(400, "tools are not served through the router yet",
                                 "tools").response()

@@ -174,6 +174,9 @@ def test_router_answers_as_one_server(cluster):
     assert _metric(prefill, "prefix_cache_hits") - hits >= 100
     with pytest.raises(openai.BadRequestError, match="n = 1"):
         pd.completions.create(model=model, prompt="x", max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match="beam search"):
+        pd.completions.create(model=model, prompt="x", max_tokens=2,
+                              extra_body={"use_beam_search": True})
 
 
 def test_router_answers_under_an_adapter_as_one_server(cluster):

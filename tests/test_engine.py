@@ -187,6 +187,38 @@ def test_logprobs_match_transformers(llm, hf_model, prompts):
         assert lp[tok].rank == 1
 
 
+def test_beam_search_matches_transformers(llm, hf_model, prompts):
+    """LLM.beam_search (vLLM's) is transformers' beam search with EOS out of play
+    (ignore_eos here, no eos_token_id there): the same beam_width sequences, best first,
+    with transformers' scores (its sum of log-probabilities over the generated length **
+    length_penalty)."""
+    import copy
+
+    from jaxserve import BeamSearchParams
+
+    config = copy.deepcopy(hf_model.generation_config)
+    config.eos_token_id = None
+    for width, penalty in ((3, 1.0), (4, 0.5)):
+        got = llm.beam_search([prompts[0], prompts[2]], BeamSearchParams(
+            beam_width=width, max_tokens=6, ignore_eos=True, length_penalty=penalty))
+        for prompt, out in zip([prompts[0], prompts[2]], got):
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                want = hf_model.generate(
+                    ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                    num_beams=width,
+                    num_return_sequences=width, do_sample=False, max_new_tokens=6,
+                    length_penalty=penalty, output_scores=True, return_dict_in_generate=True,
+                    pad_token_id=0)
+            assert [b.tokens for b in out.sequences] == want.sequences.tolist()
+            np.testing.assert_allclose([b.cum_logprob / 6 ** penalty for b in out.sequences],
+                                       want.sequences_scores.numpy(), atol=1e-4)
+            assert all(b.finish_reason == "length" for b in out.sequences)
+            tok = llm.get_tokenizer()
+            assert out.sequences[0].text == tok.decode(out.sequences[0].tokens,
+                                                       skip_special_tokens=True)
+
+
 def test_text_prompt_and_detokenized_output(llm):
     tok = llm.get_tokenizer()
     out = llm.generate("Hello, world", SamplingParams(temperature=0.0, max_tokens=10,

@@ -215,6 +215,65 @@ def test_stop_strings_and_logit_bias(server, client, llm):
     assert biased.choices[0].text == "QQQQ"
 
 
+def _hf_beams(model, prompt: list[int], width: int, max_new: int) -> list[list[int]]:
+    """transformers' beam search, EOS out of play: each beam's new tokens, best first."""
+    import copy
+
+    import torch
+
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = None
+    ids = torch.tensor([prompt])
+    with torch.no_grad():  # (the mask: pad_token_id 0 is also BOS here)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                             num_beams=width, num_return_sequences=width, do_sample=False,
+                             max_new_tokens=max_new, pad_token_id=0)
+    return [row[len(prompt):] for row in out.tolist()]
+
+
+def test_beam_search(server, client, checkpoints, prompts):
+    """vLLM's use_beam_search: the n best beams of transformers' beam search (EOS out of
+    play: ignore_eos) as choices, best first, for each prompt of a completion (echo too)
+    and for a chat's rendered prompt; usage counts every beam's tokens; a field beam
+    search would not honour, a stream, or n over 10 is a 400 naming it."""
+    from transformers import AutoTokenizer
+
+    hf = checkpoints("llama")[1]
+    tok = AutoTokenizer.from_pretrained(server[2])
+    model = str(server[2])
+    beams = dict(model=model, max_tokens=5, n=3,
+                 extra_body={"use_beam_search": True, "ignore_eos": True,
+                             "return_token_ids": True})
+    got = client.completions.create(prompt=[prompts[0], prompts[1]], **beams)
+    for k, prompt in enumerate([prompts[0], prompts[1]]):
+        want = _hf_beams(hf, prompt, 3, 5)
+        mine = got.choices[3 * k:3 * k + 3]
+        assert [c.model_extra["token_ids"] for c in mine] == want
+        assert [c.text for c in mine] == [tok.decode(w, skip_special_tokens=True)
+                                          for w in want]
+        assert all(c.finish_reason == "length" for c in mine)
+    assert got.usage.completion_tokens == 2 * 3 * 5
+    echoed = client.completions.create(prompt="Hello", echo=True, **beams)
+    ids = tok("Hello")["input_ids"]
+    assert [c.model_extra["token_ids"] for c in echoed.choices] == _hf_beams(hf, ids, 3, 5)
+    assert [c.text for c in echoed.choices] == [
+        "Hello" + tok.decode(w, skip_special_tokens=True) for w in _hf_beams(hf, ids, 3, 5)]
+
+    chat = client.chat.completions.create(messages=CHAT, **beams)
+    ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=False)
+    assert chat.model_extra["prompt_token_ids"] == ids
+    assert [c.model_extra["token_ids"] for c in chat.choices] == _hf_beams(hf, ids, 3, 5)
+    assert chat.usage.prompt_tokens == len(ids) and chat.usage.completion_tokens == 15
+
+    url = f"{server[1].http_url}/v1/completions"
+    for extra, param in (({"top_p": 0.5}, "top_p"), ({"stream": True}, "stream"),
+                         ({"logprobs": 2}, "logprobs"), ({"stop": ["x"]}, "stop"),
+                         ({"n": 11}, "n"), ({"max_tokens": 0}, "max_tokens")):
+        r = httpx.post(url, json={"prompt": "Hello", "use_beam_search": True, "n": 2,
+                                  "max_tokens": 4, **extra})
+        assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text
+
+
 def test_vllm_request_extras(server, client, grpc_client, llm, prompts):
     """vLLM's request fields, each against the offline engine or the model's own tokenizer
     (transformers'): include_stop_str_in_output, return_token_ids, truncate_prompt_tokens
