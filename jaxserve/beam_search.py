@@ -75,7 +75,11 @@ class BeamSearch:
     logprobs) until `done`; then `best()`."""
 
     def __init__(self, prompt_ids: list[int], params: BeamSearchParams,
-                 eos_token_ids: tuple[int, ...]):
+                 eos_token_ids: tuple[int, ...], max_model_len: int | None = None):
+        if max_model_len is not None and len(prompt_ids) + params.max_tokens > max_model_len:
+            raise ValueError(f"max_tokens: the prompt's {len(prompt_ids)} tokens and "
+                             f"max_tokens {params.max_tokens} pass max_model_len "
+                             f"{max_model_len}")
         self.prompt_len = len(prompt_ids)
         self.params, self.eos = params, frozenset(eos_token_ids)
         self.live = [BeamSearchSequence(list(prompt_ids))]

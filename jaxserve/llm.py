@@ -180,7 +180,8 @@ class LLM:
                                lora_request=loras)
         searches = []
         for first in firsts:
-            search = BeamSearch(first.prompt_token_ids, params, self.engine.eos_token_ids)
+            search = BeamSearch(first.prompt_token_ids, params, self.engine.eos_token_ids,
+                                self.engine.max_model_len)
             search.advance([first.outputs[0].logprobs[0]])
             searches.append(search)
         bar = tqdm(total=params.max_tokens, desc="beam search", disable=not use_tqdm)

@@ -434,13 +434,14 @@ class HTTPServer:
         """Render, tokenize and admit a chat request's choices (APIError when it cannot
         be); `kind` prefixes its id."""
         lora, ids, images, plan, think, block = await self._chat_prompt(req)
+        logprobs = req.logprob_count()
         params = await self._sampling_params(req, req.max_completion_tokens or req.max_tokens,
-                                             req.logprob_count(), plan, block)
+                                             logprobs, plan, block)
         job = Job(self.async_engine, oai.new_id(kind, self._request_id(request, req)),
                   [(ids, p) for p in params], lora,
                   images, oai.kv_transfer_params(req, 1), req.priority, req.cache_salt)
         await self._start(request, job)
-        return _ChatRun(job, ids, plan, think, req.logprob_count())
+        return _ChatRun(job, ids, plan, think, logprobs)
 
     async def _chat_prompt(self, req: oai.ChatCompletionRequest) -> tuple:
         """A chat request rendered and tokenized: (its adapter, prompt ids, images, tool
@@ -507,14 +508,17 @@ class HTTPServer:
                            params: BeamSearchParams) -> list[Choice]:
         """Each prompt's n best beams, as choices (prompt by prompt, best first): every
         step one job of each live beam's one-token request (jaxserve/beam_search.py)."""
-        searches = [BeamSearch(ids, params, self.info.eos_token_ids) for ids in prompts]
+        try:
+            searches = [BeamSearch(ids, params, self.info.eos_token_ids,
+                                   self.info.max_model_len) for ids in prompts]
+        except ValueError as e:
+            raise oai.APIError(400, str(e), "max_tokens") from e
         cached = [0] * len(prompts)
         while not all(s.done for s in searches):
-            running = [(k, s) for k, s in enumerate(searches) if not s.done]
-            beams = [(k, b) for k, s in running for b in s.live]
-            job = Job(self.async_engine, f"{rid}-step{running[0][1].steps}",
-                      [(b.tokens, params.step_params()) for _, b in beams], lora,
-                      priority=req.priority, cache_salt=req.cache_salt)
+            running = [s for s in searches if not s.done]
+            job = Job(self.async_engine, f"{rid}-step{running[0].steps}",
+                      [(b.tokens, params.step_params()) for s in running for b in s.live],
+                      lora, priority=req.priority, cache_salt=req.cache_salt)
             await self._start(request, job)
             outs = await self._collect(request, job, lambda o: o.new_logprobs[0])
             failed = next((c for c in outs if c.finish_reason in ("abort", "error")), None)
@@ -522,10 +526,10 @@ class HTTPServer:
                 raise oai.APIError(500 if failed.finish_reason == "error" else 503,
                                    f"a beam search step ended with {failed.finish_reason}",
                                    type_="server_error")
-            if running[0][1].steps == 0:
+            if running[0].steps == 0:
                 cached = [c.num_cached_tokens for c in outs]
             at = 0
-            for _, search in running:
+            for search in running:
                 n = len(search.live)
                 search.advance([c.logprobs[0] for c in outs[at:at + n]])
                 at += n

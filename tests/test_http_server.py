@@ -268,7 +268,8 @@ def test_beam_search(server, client, checkpoints, prompts):
     url = f"{server[1].http_url}/v1/completions"
     for extra, param in (({"top_p": 0.5}, "top_p"), ({"stream": True}, "stream"),
                          ({"logprobs": 2}, "logprobs"), ({"stop": ["x"]}, "stop"),
-                         ({"n": 11}, "n"), ({"max_tokens": 0}, "max_tokens")):
+                         ({"n": 11}, "n"), ({"max_tokens": 0}, "max_tokens"),
+                         ({"max_tokens": 500}, "max_tokens")):  # past max_model_len
         r = httpx.post(url, json={"prompt": "Hello", "use_beam_search": True, "n": 2,
                                   "max_tokens": 4, **extra})
         assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text
