@@ -634,26 +634,32 @@ class HTTPServer:
     async def responses(self, request: Request):
         """OpenAI's Responses API over the chat pipeline (server/responses.py)."""
         body = (await self._body(request, responses.ResponsesRequest)).checked()
+        if body.logprobs and self.reasoning_parser is not None:
+            raise oai.APIError(400, f"include: {responses.LOGPROBS} is not served by a "
+                                    "server started with --reasoning-parser", "include")
         messages = []
         if body.previous_response_id is not None:
             previous = self.stored.get(body.previous_response_id)
             messages = previous.messages + responses.output_messages(previous.body["output"])
         messages += responses.input_messages(body)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-        run = await self._start_chat(request, responses.chat_request(body, system + messages),
-                                     "resp")
+        chat = responses.chat_request(body, system + messages)
+        run = await self._start_chat(request, chat, "resp")
+        logprobs = (lambda o: oai.chat_logprobs(o, run.logprobs, self._token_names(chat))) \
+            if body.logprobs else None
         rid, created = responses.new_id("resp"), float(int(time.time()))
         if body.stream:
             return StreamingResponse(self._responses_stream(request, body, run, messages, rid,
-                                                            created),
+                                                            created, logprobs),
                                      media_type="text/event-stream")
-        choices = await self._collect(request, run.job)
+        choices = await self._collect(request, run.job, logprobs)
         answer = self._chat_message(choices[0], run.plan, run.think, True)
         message, finish = answer["message"], answer["finish_reason"]
         status = responses.status_of(finish)[0]
         out = responses.body(
             body, rid, self._model(run.job), created,
-            responses.output_items(message, "incomplete" if status == "failed" else status),
+            responses.output_items(message, "incomplete" if status == "failed" else status,
+                                   [x for part in choices[0].logprobs for x in part]),
             finish, self._responses_usage(_usage([run.ids], choices),
                                           message.get("reasoning_content")))
         if body.store:
@@ -662,7 +668,8 @@ class HTTPServer:
 
     async def _responses_stream(self, request: Request, body: responses.ResponsesRequest,
                                 run: _ChatRun, messages: list[dict], rid: str,
-                                created: float) -> AsyncIterator[str]:
+                                created: float, logprobs: Callable | None
+                                ) -> AsyncIterator[str]:
         job, model, events = run.job, self._model(run.job), responses.Events()
 
         def sse(event: dict) -> str:
@@ -675,6 +682,8 @@ class HTTPServer:
         async with _watching(request, job), _errors_as_events() as errors:
             async for _, out in job.outputs():
                 self._accumulate(c, out)
+                if logprobs is not None:
+                    events.add_logprobs(logprobs(out))
                 for delta in deltas.feed(out):
                     for event in events.feed(delta):
                         yield sse(event)

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from server import openai_protocol as oai
 
 MAX_STORED = 1024  # responses kept for previous_response_id and GET (oldest dropped)
+LOGPROBS = "message.output_text.logprobs"  # what `include` names for the text's logprobs
 
 
 class ResponsesRequest(BaseModel):
@@ -50,7 +51,11 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     background: bool = False
-    top_logprobs: int | None = None
+    # "message.output_text.logprobs" puts each output token's logprob (and the
+    # top_logprobs most likely there, 0..20; more than 0 asks for them too) in the output
+    # text; other values are ignored.
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     # vLLM's sampling extras
     top_k: int | None = None
     min_p: float | None = None
@@ -65,14 +70,20 @@ class ResponsesRequest(BaseModel):
     include_stop_str_in_output: bool = False
     structured_outputs: dict[str, Any] | None = None
 
+    @property
+    def logprobs(self) -> bool:
+        """Whether the text's logprobs are asked for (top_logprobs > 0 asks too)."""
+        return LOGPROBS in (self.include or ()) or bool(self.top_logprobs)
+
     def checked(self) -> ResponsesRequest:
         """APIError 400 for what this server does not serve."""
         if self.background:
             raise oai.APIError(400, "background: responses run in the foreground here; "
                                     "send background false", "background")
-        if self.top_logprobs:
-            raise oai.APIError(400, "top_logprobs: not served on /v1/responses; use "
-                                    "/v1/chat/completions for logprobs", "top_logprobs")
+        if self.logprobs and self.tools:
+            raise oai.APIError(400, "include: message.output_text.logprobs is not served "
+                                    "with tools (a call's tokens are not the text's)",
+                               "include")
         for tool in self.tools:
             if tool.get("type") != "function":
                 raise oai.APIError(400, f"tools: only function tools are served (got "
@@ -209,6 +220,8 @@ def chat_body(req: ResponsesRequest, messages: list[dict]) -> dict:
         "stop_token_ids": req.stop_token_ids,
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "structured_outputs": req.structured_outputs}
+    if req.logprobs:
+        body["logprobs"], body["top_logprobs"] = True, req.top_logprobs or 0
     if req.tools:
         body["tools"] = [{"type": "function", "function": {
             k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}}
@@ -234,13 +247,15 @@ def chat_body(req: ResponsesRequest, messages: list[dict]) -> dict:
     return {k: v for k, v in body.items() if v is not None}
 
 
-def output_items(message: dict, status: str) -> list[dict]:
-    """A finished chat message as output items: reasoning, message, function calls."""
+def output_items(message: dict, status: str, logprobs: list[dict] = ()) -> list[dict]:
+    """A finished chat message as output items: reasoning, message (its text's `logprobs`,
+    chat's entries), function calls."""
     items = []
     if message.get("reasoning_content") is not None:
         items.append(_reasoning_item(new_id("rs"), message["reasoning_content"], status))
     if message.get("content") is not None or not message.get("tool_calls"):
         items.append(_message_item(new_id("msg"), message.get("content") or "", status))
+        items[-1]["content"][0]["logprobs"] = list(logprobs)
     for call in message.get("tool_calls") or ():
         items.append(_call_item(new_id("fc"), call["id"], call["function"]["name"],
                                 call["function"]["arguments"], "completed"))
@@ -317,6 +332,12 @@ class Events:
         self.seq = 0
         self.output: list[dict] = []  # items so far, as they are now
         self._open: str | None = None  # "reasoning" | "message" | "call": the last item's
+        self._logprobs: list[dict] = []  # the text's, not yet sent with a delta
+
+    def add_logprobs(self, entries: list[dict]) -> None:
+        """Logprobs of output tokens (chat's entries): sent with the next text delta (the
+        text of a token may come a step later, held back), the rest when the text ends."""
+        self._logprobs += entries
 
     def event(self, kind: str, **fields) -> dict:
         self.seq += 1
@@ -352,10 +373,17 @@ class Events:
         item, index = self.output[-1], len(self.output) - 1
         item["content"][0]["text"] += text
         name = "reasoning_text" if kind == "reasoning" else "output_text"
-        fields = {} if kind == "reasoning" else {"logprobs": []}
+        fields = {} if kind == "reasoning" else {"logprobs": self._take_logprobs(item)}
         events.append(self.event(f"response.{name}.delta", item_id=item["id"],
                                  output_index=index, content_index=0, delta=text, **fields))
         return events
+
+    def _take_logprobs(self, item: dict) -> list[dict]:
+        """The pending logprobs, now the message `item`'s too."""
+        taken, self._logprobs = self._logprobs, []
+        part = item["content"][0]
+        part["logprobs"] = part["logprobs"] + taken  # (earlier events keep theirs)
+        return taken
 
     def _start(self, kind: str) -> list[dict]:
         """Close the open item and open a reasoning item or a message, with its one
@@ -393,7 +421,9 @@ class Events:
         else:
             part = item["content"][0]
             name = "reasoning_text" if self._open == "reasoning" else "output_text"
-            fields = {} if self._open == "reasoning" else {"logprobs": []}
+            if self._open == "message":
+                self._take_logprobs(item)
+            fields = {} if self._open == "reasoning" else {"logprobs": part["logprobs"]}
             events.append(self.event(f"response.{name}.done", item_id=item["id"],
                                      output_index=index, content_index=0,
                                      text=part["text"], **fields))

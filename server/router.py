@@ -408,11 +408,13 @@ class Router:
                                                            created, page_size),
                                      media_type="text/event-stream")
         whole = json.loads(answer.body)
-        message, finish = whole["choices"][0]["message"], whole["choices"][0]["finish_reason"]
+        choice = whole["choices"][0]
+        message, finish = choice["message"], choice["finish_reason"]
         status = responses.status_of(finish)[0]
         out = responses.body(
             req, rid, whole["model"], created,
-            responses.output_items(message, "incomplete" if status == "failed" else status),
+            responses.output_items(message, "incomplete" if status == "failed" else status,
+                                   (choice.get("logprobs") or {}).get("content") or []),
             finish, responses.usage(whole["usage"], 0, page_size))
         if req.store:
             self.stored.put(rid, responses.Stored(messages, out))
@@ -444,6 +446,7 @@ class Router:
                 if "error" in chunk:
                     error = chunk["error"]
                 for choice in chunk.get("choices") or ():
+                    events.add_logprobs((choice.get("logprobs") or {}).get("content") or [])
                     for event in events.feed(choice.get("delta") or {}):
                         yield sse(event)
                     finish = choice.get("finish_reason") or finish

@@ -234,6 +234,18 @@ def test_router_serves_the_responses_api(cluster):
         last = events[-1]
         assert last["type"] == f"response.{want.status}"
         assert last["response"]["usage"]["output_tokens"] == want.usage.output_tokens
+    # The text's logprobs: the prefill server's first token's joined to the decode's.
+    ask = dict(model=model, input="Hello there", max_output_tokens=6, temperature=0.0,
+               include=["message.output_text.logprobs"], top_logprobs=2)
+    lp_want, lp_got = ([x.model_dump() for x in c.responses.create(**ask).output[0]
+                        .content[0].logprobs] for c in (one, pd))
+    streamed = [x for e in _events(router, ask) if e["type"] == "response.output_text.delta"
+                for x in e["logprobs"]]
+    for lps in (lp_got, streamed):
+        assert [x["token"] for x in lps] == [x["token"] for x in lp_want]
+        assert len(lp_want) == 6
+        assert [x["logprob"] for x in lps] == pytest.approx([x["logprob"] for x in lp_want],
+                                                           abs=1e-4)
     second = dict(model=model, input="And again?", max_output_tokens=8, temperature=0.0)
     assert pd.responses.create(previous_response_id=got.id, **second).output_text == \
         one.responses.create(previous_response_id=want.id, **second).output_text

@@ -937,6 +937,43 @@ def test_responses_api_answers_as_chat_completions(server, client):
                                         "content": "sunny"}]).content
 
 
+def test_responses_logprobs_are_chat_completions(server, client):
+    """include ["message.output_text.logprobs"] with top_logprobs: the output text's
+    logprobs are chat completions' over the same conversation (tokens, logprobs, the top
+    alternatives), whole (the body validated by the openai package's Response type) and
+    streamed (each text delta carries its tokens'; together they are the done event's);
+    refused with tools."""
+    from openai.types.responses import Response
+
+    model = str(server[2])
+    want = client.chat.completions.create(
+        model=model, messages=CHAT, temperature=0.0, max_tokens=8, logprobs=True,
+        top_logprobs=2).choices[0].logprobs.model_dump()["content"]
+    ask = dict(model=model, instructions="Be brief.", input="Hello there", temperature=0.0,
+               max_output_tokens=8, include=["message.output_text.logprobs"], top_logprobs=2)
+    got = Response.model_validate(client.responses.with_raw_response.create(**ask)
+                                  .http_response.json())
+    lps = [x.model_dump() for x in got.output[0].content[0].logprobs]
+
+    def same(a: list[dict], b: list[dict]) -> None:
+        assert [x["token"] for x in a] == [x["token"] for x in b] and len(a) == 8
+        assert [x["logprob"] for x in a] == pytest.approx([x["logprob"] for x in b], abs=1e-5)
+        assert [[t["token"] for t in x["top_logprobs"]] for x in a] == \
+            [[t["token"] for t in x["top_logprobs"]] for x in b]
+        assert all(len(x["top_logprobs"]) == 2 for x in a)
+
+    same(lps, want)
+    events = _events(server[1].http_url, ask)
+    deltas = [x for e in events if e["type"] == "response.output_text.delta"
+              for x in e["logprobs"]]
+    done = next(e for e in events if e["type"] == "response.output_text.done")["logprobs"]
+    same(deltas, want)
+    same(done, want)
+    r = httpx.post(f"{server[1].http_url}/v1/responses", json={
+        **ask, "tools": [{"type": "function", "name": "f", "parameters": {}}]})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "include")
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"input": "x", "previous_response_id": "resp_nonexistent"}, 404,
      "previous_response_id"),

@@ -57,7 +57,7 @@ def test_input_items_become_chat_messages():
 @pytest.mark.parametrize("kw, param", [
     (dict(tools=[{"type": "file_search"}]), "tools"),
     (dict(background=True), "background"),
-    (dict(top_logprobs=3), "top_logprobs"),
+    (dict(top_logprobs=3, tools=[{"type": "function", "name": "f"}]), "include"),
     (dict(input=[{"type": "message", "role": "tool", "content": "x"}]), "input"),
     (dict(input=[{"role": "user", "content": [{"type": "input_file"}]}]), "input"),
     (dict(input=[{"type": "function_call", "name": "f", "arguments": "{}"}]), "input"),
