@@ -282,6 +282,7 @@ class HTTPServer:
         self.accepting = True
         self.created = int(time.time())
         self.stored = responses.Store()  # the Responses API's stored responses
+        self._background: set[asyncio.Task] = set()  # background responses running
         app = FastAPI(title="jaxserve", version=jaxserve.__version__, docs_url=None,
                       redoc_url=None)
         app.add_exception_handler(oai.APIError, self._api_error)
@@ -290,6 +291,7 @@ class HTTPServer:
         app.post("/v1/completions")(self.completions)
         app.post("/v1/responses")(self.responses)
         app.get("/v1/responses/{response_id}")(self.get_response)
+        app.post("/v1/responses/{response_id}/cancel")(self.cancel_response)
         app.get("/v1/models")(self.models)
         app.post("/v1/load_lora_adapter")(self.load_lora_adapter)
         app.post("/v1/unload_lora_adapter")(self.unload_lora_adapter)
@@ -544,11 +546,13 @@ class HTTPServer:
                     stop_reason=beam.stop_reason))
         return choices
 
-    async def _collect(self, request: Request, job: Job,
+    async def _collect(self, request: Request | None, job: Job,
                        logprobs: Callable | None = None) -> list[Choice]:
-        """Every choice of a job, run to its end (the job aborted if the client leaves)."""
+        """Every choice of a job, run to its end (the job aborted if the client of
+        `request` leaves; None: no client waits)."""
         choices = [Choice() for _ in job.requests]
-        async with _watching(request, job):
+        async with _watching(request, job) if request is not None else \
+                contextlib.nullcontext():
             async for i, out in job.outputs():
                 self._accumulate(choices[i], out, logprobs)
         return choices
@@ -652,6 +656,23 @@ class HTTPServer:
             return StreamingResponse(self._responses_stream(request, body, run, messages, rid,
                                                             created, logprobs),
                                      media_type="text/event-stream")
+        finished = self._response_done(body, run, messages, rid, created, logprobs,
+                                       None if body.background else request)
+        if not body.background:
+            return await finished
+        # Background (OpenAI's): answered now, in progress; GET reads it, cancel aborts it.
+        out = responses.body(body, rid, self._model(run.job), created, [], None, None)
+        self.stored.put(rid, responses.Stored(messages, out, run.job))
+        task = asyncio.create_task(finished)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return out
+
+    async def _response_done(self, body: responses.ResponsesRequest, run: _ChatRun,
+                             messages: list[dict], rid: str, created: float,
+                             logprobs: Callable | None, request: Request | None) -> dict:
+        """A response run to its end (with `request`: aborted if its client leaves; a
+        background one runs whoever waits), stored if asked."""
         choices = await self._collect(request, run.job, logprobs)
         answer = self._chat_message(choices[0], run.plan, run.think, True)
         message, finish = answer["message"], answer["finish_reason"]
@@ -662,9 +683,16 @@ class HTTPServer:
                                    [x for part in choices[0].logprobs for x in part]),
             finish, self._responses_usage(_usage([run.ids], choices),
                                           message.get("reasoning_content")))
+        if body.background and self.stored.cancelled(rid):
+            out["status"], out["incomplete_details"], out["error"] = "cancelled", None, None
         if body.store:
             self.stored.put(rid, responses.Stored(messages, out))
         return out
+
+    async def cancel_response(self, response_id: str):
+        """Cancel a background response: its request aborted, its status `cancelled`
+        (one already finished is returned as it is)."""
+        return self.stored.cancel(response_id)
 
     async def _responses_stream(self, request: Request, body: responses.ResponsesRequest,
                                 run: _ChatRun, messages: list[dict], rid: str,

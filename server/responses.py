@@ -77,9 +77,12 @@ class ResponsesRequest(BaseModel):
 
     def checked(self) -> ResponsesRequest:
         """APIError 400 for what this server does not serve."""
-        if self.background:
-            raise oai.APIError(400, "background: responses run in the foreground here; "
-                                    "send background false", "background")
+        if self.background and not self.store:
+            raise oai.APIError(400, "background: needs store true (the response is read back "
+                                    "with GET /v1/responses/{id})", "background")
+        if self.background and self.stream:
+            raise oai.APIError(400, "background: not served streamed; poll GET "
+                                    "/v1/responses/{id} instead", "background")
         if self.logprobs and self.tools:
             raise oai.APIError(400, "include: message.output_text.logprobs is not served "
                                     "with tools (a call's tokens are not the text's)",
@@ -98,6 +101,7 @@ class Stored:
 
     messages: list[dict]
     body: dict
+    job: Any = None  # a background response's while it runs (server/http_server.Job)
 
 
 class Store:
@@ -115,6 +119,23 @@ class Store:
                                     f"responses made with store true are kept, the newest "
                                     f"{self.capacity})", param, code="not_found")
         return stored
+
+    def cancel(self, response_id: str) -> dict:
+        """Cancel a background response that runs (its job aborted; its body says
+        `cancelled` from now on, and once it ends); one that ended is left as it is."""
+        stored = self.get(response_id, "response_id")
+        if not stored.body.get("background"):
+            raise oai.APIError(400, "only a response made with background true can be "
+                                    "cancelled", "response_id")
+        if stored.job is not None:
+            stored.job.abort()
+            stored.job = None
+            stored.body = {**stored.body, "status": "cancelled"}
+        return stored.body
+
+    def cancelled(self, response_id: str) -> bool:
+        stored = self._items.get(response_id)
+        return stored is not None and stored.body["status"] == "cancelled"
 
     def put(self, response_id: str, stored: Stored) -> None:
         self._items[response_id] = stored
@@ -320,7 +341,8 @@ def body(req: ResponsesRequest, response_id: str, model: str, created: float,
             "top_p": 1.0 if req.top_p is None else req.top_p,
             "tool_choice": req.tool_choice, "tools": req.tools,
             "text": req.text or {"format": {"type": "text"}}, "reasoning": req.reasoning,
-            "store": req.store, "truncation": "disabled", "usage": usage_, "user": req.user}
+            "store": req.store, "truncation": "disabled", "usage": usage_, "user": req.user,
+            "background": req.background}
 
 
 class Events:

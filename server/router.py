@@ -379,6 +379,9 @@ class Router:
             if req.tools:
                 raise oai.APIError(400, "tools are not served through the router yet",
                                    "tools")
+            if req.background:
+                raise oai.APIError(400, "background responses are not served through the "
+                                        "router", "background")
             messages = []
             if req.previous_response_id is not None:
                 previous = self.stored.get(req.previous_response_id)

@@ -974,11 +974,47 @@ def test_responses_logprobs_are_chat_completions(server, client):
     assert (r.status_code, r.json()["error"]["param"]) == (400, "include")
 
 
+def test_background_responses(server, client, grpc_client):
+    """background true (OpenAI's): answered at once, in progress; GET reads it until it
+    ends, with the foreground response's text; cancel aborts one that runs (status
+    cancelled, fewer tokens, no request left running) and leaves a finished one as it is;
+    background needs store and is not streamed (400)."""
+    import time
+
+    model = str(server[2])
+    ask = dict(model=model, input="Hello there", temperature=0.0, max_output_tokens=8)
+    want = client.responses.create(**ask)
+
+    def final(rid: str):
+        deadline = time.monotonic() + 30
+        while (got := client.responses.retrieve(rid)).usage is None:
+            assert time.monotonic() < deadline, got
+            time.sleep(0.05)
+        return got
+
+    bg = client.responses.create(background=True, **ask)
+    assert (bg.status, bg.background, bg.output) == ("in_progress", True, [])
+    done = final(bg.id)
+    assert (done.status, done.output_text) == (want.status, want.output_text)
+    assert client.responses.cancel(bg.id).status == done.status  # ended: left as it is
+    long = client.responses.create(background=True, **{**ask, "max_output_tokens": 100})
+    assert client.responses.cancel(long.id).status == "cancelled"
+    ended = final(long.id)
+    assert ended.status == "cancelled" and ended.usage.output_tokens < 100
+    assert wait_idle(grpc_client).running_requests == 0
+    with pytest.raises(openai.BadRequestError, match="only a response made with background"):
+        client.responses.cancel(want.id)
+    for extra in ({"store": False}, {"stream": True}):
+        r = httpx.post(f"{server[1].http_url}/v1/responses",
+                       json={"input": "x", "background": True, **extra})
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "background")
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"input": "x", "previous_response_id": "resp_nonexistent"}, 404,
      "previous_response_id"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools"),
-    ({"input": "x", "background": True}, 400, "background"),
+    ({"input": "x", "background": True, "store": False}, 400, "background"),
     ({"input": [{"type": "computer_call"}]}, 400, "input"),
     ({"input": "x", "text": {"format": {"type": "xml"}}}, 400, "text"),
 ])

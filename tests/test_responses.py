@@ -56,7 +56,8 @@ def test_input_items_become_chat_messages():
 
 @pytest.mark.parametrize("kw, param", [
     (dict(tools=[{"type": "file_search"}]), "tools"),
-    (dict(background=True), "background"),
+    (dict(background=True, store=False), "background"),
+    (dict(background=True, stream=True), "background"),
     (dict(top_logprobs=3, tools=[{"type": "function", "name": "f"}]), "include"),
     (dict(input=[{"type": "message", "role": "tool", "content": "x"}]), "input"),
     (dict(input=[{"role": "user", "content": [{"type": "input_file"}]}]), "input"),
