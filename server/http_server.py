@@ -644,6 +644,9 @@ class HTTPServer:
         messages = []
         if body.previous_response_id is not None:
             previous = self.stored.get(body.previous_response_id)
+            if previous.job is not None:
+                raise oai.APIError(400, "previous_response_id: that background response is "
+                                        "still in progress", "previous_response_id")
             messages = previous.messages + responses.output_messages(previous.body["output"])
         messages += responses.input_messages(body)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []

@@ -998,6 +998,8 @@ def test_background_responses(server, client, grpc_client):
     assert (done.status, done.output_text) == (want.status, want.output_text)
     assert client.responses.cancel(bg.id).status == done.status  # ended: left as it is
     long = client.responses.create(background=True, **{**ask, "max_output_tokens": 100})
+    with pytest.raises(openai.BadRequestError, match="still in progress"):
+        client.responses.create(previous_response_id=long.id, **ask)
     assert client.responses.cancel(long.id).status == "cancelled"
     ended = final(long.id)
     assert ended.status == "cancelled" and ended.usage.output_tokens < 100
