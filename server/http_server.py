@@ -666,10 +666,21 @@ class HTTPServer:
         # Background (OpenAI's): answered now, in progress; GET reads it, cancel aborts it.
         out = responses.body(body, rid, self._model(run.job), created, [], None, None)
         self.stored.put(rid, responses.Stored(messages, out, run.job))
-        task = asyncio.create_task(finished)
+        task = asyncio.create_task(self._in_background(finished, rid, messages, out))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return out
+
+    async def _in_background(self, finished, rid: str, messages: list[dict],
+                             started: dict) -> None:
+        """A background response's run; one that fails is stored `failed`, saying why."""
+        try:
+            await finished
+        except Exception as e:  # noqa: BLE001 - no client waits to be told
+            log.exception("background response %s failed", rid)
+            self.stored.put(rid, responses.Stored(messages, {
+                **started, "status": "failed",
+                "error": {"code": "server_error", "message": str(e)}}))
 
     async def _response_done(self, body: responses.ResponsesRequest, run: _ChatRun,
                              messages: list[dict], rid: str, created: float,

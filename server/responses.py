@@ -9,9 +9,11 @@ becomes output items: a `reasoning` item (its reasoning block, with --reasoning-
 a `message` with its `output_text`, and a `function_call` per tool call. Streamed, the
 chat deltas (server/chat_deltas.py) become the API's events: `response.created`, each
 item's `output_item.added`, its text's deltas and `.done` events, `output_item.done`,
-then `response.completed` (or `response.incomplete` at max_output_tokens). A response
+then `response.completed` (or `response.incomplete` at max_output_tokens). With
+`include: ["message.output_text.logprobs"]` the text carries chat's logprobs. A response
 with `store` (the default) is kept in memory, the newest MAX_STORED, for
-`previous_response_id` and GET.
+`previous_response_id` and GET; a `background` one is stored at once, in progress, with
+its job, which `POST /v1/responses/{id}/cancel` aborts.
 """
 
 from __future__ import annotations
