@@ -472,16 +472,17 @@ class Router:
 
     # ------------------------------------------------------- passed-on calls
 
-    async def _call(self, server: Upstream, request: Request, path: str | None = None
-                    ) -> httpx.Response:
-        """`request` (its method, body and API key) as `server` answers it, at `path`
+    async def _call(self, server: Upstream, request: Request, body: bytes,
+                    path: str | None = None) -> httpx.Response:
+        """`request` (its method and API key, with `body`: read once by the caller, as
+        concurrent reads of a request's body race) as `server` answers it, at `path`
         (default: the request's); a server that cannot be reached answers 502."""
         headers = {**_auth(request),
                    "content-type": request.headers.get("content-type", "application/json")}
         try:
             return await self.client.request(request.method,
                                              server.url + (path or request.url.path),
-                                             content=await request.body(), headers=headers)
+                                             content=body, headers=headers)
         except httpx.HTTPError as e:
             self._down(server, e)
             error = _RouterError(502, f"the {server.role} server at {server.url} failed: {e}")
@@ -491,13 +492,13 @@ class Router:
         """An adapter loaded on every server (both sides compute under it); where one
         refuses or fails, unloaded again from those that took it, and that answer given
         (naming the server)."""
-        servers = self.prefill + self.decode
-        answers = await asyncio.gather(*(self._call(u, request) for u in servers))
+        servers, body = self.prefill + self.decode, await request.body()
+        answers = await asyncio.gather(*(self._call(u, request, body) for u in servers))
         failed = [(u, a) for u, a in zip(servers, answers) if a.status_code != 200]
         if not failed:
             return _passed(answers[0])
         took = [u for u, a in zip(servers, answers) if a.status_code == 200]
-        await asyncio.gather(*(self._call(u, request, "/v1/unload_lora_adapter")
+        await asyncio.gather(*(self._call(u, request, body, "/v1/unload_lora_adapter")
                                for u in took))
         server, answer = failed[0]
         undone = " (undone on the servers that had loaded it)" if took else ""
@@ -507,8 +508,8 @@ class Router:
     async def _unload_everywhere(self, request: Request) -> Response:
         """An adapter unloaded from every server: 200 when it is gone from all of them and
         one had it, 404 when none had it, else the first failure."""
-        servers = self.prefill + self.decode
-        answers = await asyncio.gather(*(self._call(u, request) for u in servers))
+        servers, body = self.prefill + self.decode, await request.body()
+        answers = await asyncio.gather(*(self._call(u, request, body) for u in servers))
         for server, answer in zip(servers, answers):
             if answer.status_code not in (200, 404):
                 return _RouterError(answer.status_code, f"the {server.role} server at "
@@ -545,7 +546,8 @@ class Router:
         @app.post("/tokenize")
         @app.post("/detokenize")
         async def a_decode_servers(request: Request):
-            return _passed(await self._call(self._pick_decode(), request))
+            return _passed(await self._call(self._pick_decode(), request,
+                                            await request.body()))
 
         @app.post("/v1/load_lora_adapter")
         async def load_lora_adapter(request: Request):
