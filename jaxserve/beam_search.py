@@ -126,3 +126,19 @@ class BeamSearch:
     def generated(self, beam: BeamSearchSequence) -> list[int]:
         """A beam's own tokens (without the prompt)."""
         return beam.tokens[self.prompt_len:]
+
+
+def live_beams(searches: list[BeamSearch]) -> list[tuple[int, BeamSearchSequence]]:
+    """(search index, beam) of every live beam of the searches not done: one step's
+    one-token requests, in the order `advance_all` takes their logprobs."""
+    return [(i, beam) for i, s in enumerate(searches) if not s.done for beam in s.live]
+
+
+def advance_all(searches: list[BeamSearch], logprobs: list[dict[int, Logprob]]) -> None:
+    """A step of every search not done, from its live beams' logprobs (`live_beams`'
+    order)."""
+    at = 0
+    for search in [s for s in searches if not s.done]:
+        n = len(search.live)
+        search.advance(logprobs[at:at + n])
+        at += n

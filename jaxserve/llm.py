@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from jaxserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from jaxserve.beam_search import (BeamSearch, BeamSearchOutput, BeamSearchParams,
+                                  advance_all, live_beams)
 from jaxserve.config import EngineConfig
 from jaxserve.engine.disaggregated import DisaggregatedEngine
 from jaxserve.engine.engine import Engine
@@ -187,15 +188,10 @@ class LLM:
         bar = tqdm(total=params.max_tokens, desc="beam search", disable=not use_tqdm)
         bar.update()
         while not all(s.done for s in searches):
-            running = [(i, s) for i, s in enumerate(searches) if not s.done]
-            beams = [(i, beam) for i, s in running for beam in s.live]
+            beams = live_beams(searches)
             outs = self.generate([_prompt_dict(beam.tokens, parts[i][2]) for i, beam in beams],
                                  step, lora_request=[loras[i] for i, _ in beams])
-            at = 0
-            for _, search in running:
-                n = len(search.live)
-                search.advance([o.outputs[0].logprobs[0] for o in outs[at:at + n]])
-                at += n
+            advance_all(searches, [o.outputs[0].logprobs[0] for o in outs])
             bar.update()
         bar.close()
         tokenizer = self.engine.tokenizer

@@ -31,7 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import jaxserve
-from jaxserve.beam_search import BeamSearch, BeamSearchParams
+from jaxserve.beam_search import BeamSearch, BeamSearchParams, advance_all, live_beams
 from jaxserve.engine.lora import LoRARequest
 from jaxserve.outputs import StepOutput
 from jaxserve.sampling_params import SamplingParams
@@ -515,12 +515,12 @@ class HTTPServer:
                                    self.info.max_model_len) for ids in prompts]
         except ValueError as e:
             raise oai.APIError(400, str(e), "max_tokens") from e
-        cached = [0] * len(prompts)
+        cached, step = [0] * len(prompts), params.step_params()
         while not all(s.done for s in searches):
-            running = [s for s in searches if not s.done]
-            job = Job(self.async_engine, f"{rid}-step{running[0].steps}",
-                      [(b.tokens, params.step_params()) for s in running for b in s.live],
-                      lora, priority=req.priority, cache_salt=req.cache_salt)
+            first = searches[0].steps == 0
+            job = Job(self.async_engine, f"{rid}-step{max(s.steps for s in searches)}",
+                      [(b.tokens, step) for _, b in live_beams(searches)], lora,
+                      priority=req.priority, cache_salt=req.cache_salt)
             await self._start(request, job)
             outs = await self._collect(request, job, lambda o: o.new_logprobs[0])
             failed = next((c for c in outs if c.finish_reason in ("abort", "error")), None)
@@ -528,13 +528,9 @@ class HTTPServer:
                 raise oai.APIError(500 if failed.finish_reason == "error" else 503,
                                    f"a beam search step ended with {failed.finish_reason}",
                                    type_="server_error")
-            if running[0].steps == 0:
+            if first:
                 cached = [c.num_cached_tokens for c in outs]
-            at = 0
-            for search in running:
-                n = len(search.live)
-                search.advance([c.logprobs[0] for c in outs[at:at + n]])
-                at += n
+            advance_all(searches, [c.logprobs[0] for c in outs])
         tokenizer = self.info.tokenizer
         choices = []
         for search, hits in zip(searches, cached):
