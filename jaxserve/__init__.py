@@ -3,7 +3,9 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from jaxserve.beam_search import BeamSearchParams
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
+                              RequestOutput)
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
 try:
@@ -25,5 +27,5 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LoRARequest", "SamplingParams", "BeamSearchParams", "RequestOutput",
-           "CompletionOutput"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "BeamSearchParams", "PoolingParams",
+           "RequestOutput", "CompletionOutput", "EmbeddingRequestOutput", "EmbeddingOutput"]

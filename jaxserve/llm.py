@@ -16,7 +16,9 @@ from jaxserve.engine.disaggregated import DisaggregatedEngine
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.lora import LoRARequest
 from jaxserve.loading.media import MediaPolicy, take_images
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
+                              RequestOutput)
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
 # A prompt: text, token ids, or vLLM's dict of either with its images and cache salt:
@@ -106,10 +108,7 @@ class LLM:
         """Run every prompt to completion; results come back in the prompts' order.
         `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base
         model); the engine needs `enable_lora=True`."""
-        if isinstance(prompts, (str, dict)) or (
-                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         params = sampling_params or SamplingParams()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
@@ -117,29 +116,20 @@ class LLM:
         priority = list(priority) if priority is not None else [0] * len(prompts)
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
-        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
-                 else [lora_request] * len(prompts))
-        if len(loras) != len(prompts):
-            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
+        loras = _per_prompt(lora_request, len(prompts))
 
         results: dict[str, RequestOutput] = {}
-        order = []
-        try:
-            for prompt, p, prio, lora in zip(prompts, params, priority, loras):
-                rid = str(next(self._ids))
-                prompt, images, salt = _prompt_parts(prompt)
-                ids = self.engine.add_request(rid, prompt, p, prio, lora, images,
-                                              cache_salt=salt)
-                order.append(rid)
-                results[rid] = RequestOutput(
-                    rid, prompt if isinstance(prompt, str) else None, ids,
-                    [CompletionOutput(0, "", [], None, [] if p.logprobs is not None else None)],
-                    finished=False)
-        except ValueError:
-            for rid in order:
-                self.engine.abort_request(rid)
-            raise
 
+        def add(rid: str, i: int, prompt, images: list, salt: str | None) -> None:
+            p = params[i]
+            ids = self.engine.add_request(rid, prompt, p, priority[i], loras[i], images,
+                                          cache_salt=salt)
+            results[rid] = RequestOutput(
+                rid, prompt if isinstance(prompt, str) else None, ids,
+                [CompletionOutput(0, "", [], None, [] if p.logprobs is not None else None)],
+                finished=False)
+
+        order = self._add_all(prompts, add)
         bar = tqdm(total=len(order), desc="generating", disable=not use_tqdm)
         while self.engine.has_unfinished():
             for step_out in self.engine.step():
@@ -160,6 +150,56 @@ class LLM:
         bar.close()
         return [results[rid] for rid in order]
 
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | None = None, use_tqdm: bool = False,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+              ) -> list[EmbeddingRequestOutput]:
+        """vLLM's `LLM.embed`: each prompt's embedding (`outputs.embedding`, a list of
+        floats), the final hidden state at its last token after the last norm (last-token
+        pooling: jaxserve/pooling_params.py), L2-normalized unless `pooling_params` or the
+        checkpoint's sentence-transformers modules say not, in the prompts' order."""
+        if not isinstance(self.engine, Engine):
+            raise ValueError("embeddings run on one engine, not a prefill/decode pair")
+        prompts = _prompt_list(prompts)
+        pooling = pooling_params or PoolingParams()
+        loras = _per_prompt(lora_request, len(prompts))
+        results: dict[str, EmbeddingRequestOutput] = {}
+
+        def add(rid: str, i: int, prompt, images: list, salt: str | None) -> None:
+            ids = self.engine.add_request(rid, prompt, None, 0, loras[i], images,
+                                          cache_salt=salt, pooling=pooling)
+            results[rid] = EmbeddingRequestOutput(rid, ids, EmbeddingOutput([]), False)
+
+        order = self._add_all(prompts, add)
+        bar = tqdm(total=len(order), desc="embedding", disable=not use_tqdm)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finish_reason == "error":
+                    raise RuntimeError(f"request {out.request_id}: {out.error}")
+                if out.finished:
+                    result = results[out.request_id]
+                    result.outputs.embedding = out.embedding.tolist()
+                    result.finished = True
+                    bar.update()
+        bar.close()
+        return [results[rid] for rid in order]
+
+    def _add_all(self, prompts: list[Prompt], add) -> list[str]:
+        """Queue every prompt with `add(request id, index, text or token ids, images,
+        cache salt)`; their request ids in order. A bad one (ValueError) aborts those
+        queued before it."""
+        order = []
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = str(next(self._ids))
+                add(rid, i, *_prompt_parts(prompt))
+                order.append(rid)
+        except ValueError:
+            for rid in order:
+                self.engine.abort_request(rid)
+            raise
+        return order
+
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
                     lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -167,14 +207,10 @@ class LLM:
         `params.beam_width` best sequences, best first, each with its `tokens` (the
         prompt's, then its own), `cum_logprob` and `text` (all its tokens decoded). Text
         or token-id prompts (a dict may carry a cache_salt; no images)."""
-        if isinstance(prompts, (str, dict)) or (
-                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        parts = [_prompt_parts(p) for p in prompts]
+        parts = [_prompt_parts(p) for p in _prompt_list(prompts)]
         if any(images for _, images, _ in parts):
             raise ValueError("beam search takes text or token-id prompts, without images")
-        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
-                 else [lora_request] * len(parts))
+        loras = _per_prompt(lora_request, len(parts))
         step = params.step_params()
         # The first step runs the prompts as given (the engine tokenizes text ones).
         firsts = self.generate([_prompt_dict(p, salt) for p, _, salt in parts], step,
@@ -202,6 +238,24 @@ class LLM:
                 beam.text = tokenizer.decode(beam.tokens, params.skip_special_tokens)
             results.append(BeamSearchOutput(best))
         return results
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt or several, as a list of prompts."""
+    if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
+
+
+def _per_prompt(lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                n: int) -> list[LoRARequest | None]:
+    """Each of `n` prompts' LoRA adapter: one for all, or one per prompt."""
+    loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+             else [lora_request] * n)
+    if len(loras) != n:
+        raise ValueError(f"got {len(loras)} lora_requests for {n} prompts")
+    return loras
 
 
 def _prompt_dict(prompt: str | list[int], cache_salt: str | None) -> dict:

@@ -42,6 +42,8 @@ class StepOutput:
     # SamplingParams.prompt_logprobs, on the request's first output: None, then an entry
     # per prompt token after the first (RequestOutput.prompt_logprobs).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # An embedding request's (Engine.add_request's `pooling`): float32 `[dimensions]`.
+    embedding: Any = None
 
     @staticmethod
     def merge(outputs: list[StepOutput]) -> StepOutput:
@@ -81,3 +83,18 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: None for the first prompt token, then each token's
     # log-probability given those before it (with its rank) and the N most likely there.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclasses.dataclass
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s result for one prompt (vLLM's)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

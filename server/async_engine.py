@@ -32,6 +32,7 @@ from jaxserve.engine.request import check_prompt_length
 from jaxserve.engine.structured_output import GrammarCompiler
 from jaxserve.loading.media import MediaPolicy, take_images
 from jaxserve.outputs import StepOutput
+from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from server.engine_core import QueueFullError  # noqa: F401 - the servers catch it
 from server.engine_core import EngineInfo, EngineProcess, EngineSnapshot, EngineThread
@@ -181,12 +182,13 @@ class AsyncEngine:
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                   lora_request: LoRARequest | None = None, images: list[ImageInput] = (),
                   kv_transfer_params: dict | None = None, priority: int = 0,
-                  cache_salt: str | None = None) -> AsyncIterator[StepOutput]:
+                  cache_salt: str | None = None, pooling: PoolingParams | None = None
+                  ) -> AsyncIterator[StepOutput]:
         """Admit the request (under `lora_request`'s adapter, when given; with `images`,
         `encode_chat`'s, for its placeholders; with `kv_transfer_params`, one side of
-        prefill/decode disaggregation: engine_core.py; `priority` and `cache_salt` as
-        Engine.add_request's; ValueError, QueueFullError or KVTransferError if it cannot
-        be), then return the stream of its outputs. A text
+        prefill/decode disaggregation: engine_core.py; `priority`, `cache_salt` and
+        `pooling` (an embedding) as Engine.add_request's; ValueError, QueueFullError or
+        KVTransferError if it cannot be), then return the stream of its outputs. A text
         prompt is tokenized, and a structured-output constraint compiled, in the worker
         pool first.
 
@@ -208,7 +210,7 @@ class AsyncEngine:
             stream.first_token = kv_transfer_params["first_token"]
         self._pending[stream.call] = stream
         options = dict(lora_request=lora_request, images=list(images), priority=priority,
-                       cache_salt=cache_salt)
+                       cache_salt=cache_salt, pooling=pooling)
         self.core.send(("add", request_id, stream.call, prompt, params, options,
                         kv_transfer_params))
         try:

@@ -18,6 +18,7 @@ warming up or draining.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import json
@@ -34,6 +35,7 @@ import jaxserve
 from jaxserve.beam_search import BeamSearch, BeamSearchParams, advance_all, live_beams
 from jaxserve.engine.lora import LoRARequest
 from jaxserve.outputs import StepOutput
+from jaxserve.pooling_params import EMBEDDING_PARAMS, PoolingParams
 from jaxserve.sampling_params import SamplingParams
 from server import openai_protocol as oai
 from server import reasoning, responses, tool_calling
@@ -83,9 +85,9 @@ class Job:
                  requests: list[tuple[list[int], SamplingParams]],
                  lora: LoRARequest | None = None, images: list | None = None,
                  kv_transfer_params: dict | None = None, priority: int = 0,
-                 cache_salt: str | None = None):
+                 cache_salt: str | None = None, pooling: PoolingParams | None = None):
         self.async_engine = async_engine
-        self.lora = lora
+        self.lora, self.pooling = lora, pooling  # pooling: embeddings (Engine.add_request)
         self.priority, self.cache_salt = priority, cache_salt
         self.kv_transfer_params = kv_transfer_params  # (one request: oai.kv_transfer_params)
         self.created = time.monotonic()
@@ -125,7 +127,8 @@ class Job:
         two steps); the first error is raised after all have answered."""
         results = await asyncio.gather(
             *(self.async_engine.add(*self.requests[i], self.lora, self.images,
-                                    self.kv_transfer_params, self.priority, self.cache_salt)
+                                    self.kv_transfer_params, self.priority, self.cache_salt,
+                                    self.pooling)
               for i in indices),
             return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -289,6 +292,7 @@ class HTTPServer:
         app.add_exception_handler(pydantic.ValidationError, self._validation_error)
         app.post("/v1/chat/completions")(self.chat_completions)
         app.post("/v1/completions")(self.completions)
+        app.post("/v1/embeddings")(self.embeddings)
         app.post("/v1/responses")(self.responses)
         app.get("/v1/responses/{response_id}")(self.get_response)
         app.post("/v1/responses/{response_id}/cancel")(self.cancel_response)
@@ -386,7 +390,11 @@ class HTTPServer:
                 raise oai.APIError(400, str(e), req.constraint_field()) from e
         return params
 
-    async def _start(self, request: Request, job: Job) -> None:
+    async def _start(self, request: Request, job: Job, field: str = "messages",
+                     body: type[pydantic.BaseModel] | None = None) -> None:
+        """Admit a job's requests; an error as the status that says what to fix (a
+        ValueError a 400 naming its field of `body`'s (oai.bad_request), `field` when it
+        names none)."""
         try:
             await job.start()
         except QueueFullError as e:
@@ -395,7 +403,7 @@ class HTTPServer:
             raise oai.APIError(503, str(e), "kv_transfer_params",
                                type_="service_unavailable") from e
         except ValueError as e:
-            raise oai.bad_request(e, "messages") from e
+            raise oai.bad_request(e, field, body) from e
 
     @staticmethod
     def _sse(payload: dict | str) -> str:
@@ -813,6 +821,38 @@ class HTTPServer:
             rid, "text_completion", self._model(job), [choice(i, c) for i, c in
                                                        enumerate(choices)],
             usage=_usage(ids, choices)), self._cache_page_size)
+
+    async def embeddings(self, request: Request):
+        """OpenAI's embeddings: each input's last-token embedding (pooling_params.py)."""
+        req = await self._body(request, oai.EmbeddingRequest)
+        lora = self._check_serving(req.model)
+        inputs = req.inputs()
+        if any(isinstance(p, str) for p in inputs):
+            self._tokenizer()
+        try:
+            ids = [await self.async_engine.encode(p, req.add_special_tokens)
+                   if isinstance(p, str) else p for p in inputs]
+        except ValueError as e:
+            raise oai.APIError(400, str(e), "input") from e
+        ids = [req.truncated(p, self.info.max_model_len, False) for p in ids]
+        job = Job(self.async_engine, oai.new_id("embd", self._request_id(request, req)),
+                  [(p, EMBEDDING_PARAMS) for p in ids], lora, priority=req.priority,
+                  cache_salt=req.cache_salt, pooling=PoolingParams(req.dimensions,
+                                                                   req.normalize))
+        await self._start(request, job, "input", oai.EmbeddingRequest)
+        vectors = [None] * len(ids)
+        async with _watching(request, job):
+            async for i, out in job.outputs():
+                if out.finished:
+                    vectors[i] = out.embedding
+        data = [{"object": "embedding", "index": i,
+                 "embedding": (base64.b64encode(v.astype("<f4").tobytes()).decode()
+                               if req.encoding_format == "base64" else v.tolist())}
+                for i, v in enumerate(vectors)]
+        tokens = sum(map(len, ids))
+        return {"id": job.id, "object": "list", "created": int(time.time()),
+                "model": self._model(job), "data": data,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     async def _beam_completion(self, request: Request, req: oai.CompletionRequest,
                                prompts: list, ids: list[list[int]], lora: LoRARequest | None,

@@ -45,15 +45,17 @@ def invalid(e: ValidationError) -> APIError:
                     str(first["loc"][0]) if first["loc"] else None)
 
 
-def bad_request(e: Exception, default_param: str | None = None) -> APIError:
+def bad_request(e: Exception, default_param: str | None = None,
+                body: type[BaseModel] | None = None) -> APIError:
     """A ValueError from SamplingParams / the engine / the chat template as a 400 naming the
-    field it is about."""
+    field it is about (of `body`'s fields; None: chat's and completions')."""
     message = str(e)
     match = re.match(r"SamplingParams\.(\w+)", message)
-    if match is None and "max_tokens" in message:
+    if match is None and "max_tokens" in message and body is None:
         return APIError(400, message, "max_tokens")
     match = match or re.match(r"(\w+)[.:\s]", message)
-    fields = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
+    fields = (set(body.model_fields) if body is not None else
+              set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields))
     param = match.group(1) if match and match.group(1) in fields else default_param
     return APIError(400, message, param)
 
@@ -100,10 +102,37 @@ class StructuredOutputs(BaseModel):
     disable_any_whitespace: bool = True
 
 
-class _Request(BaseModel):
-    """Fields shared by chat and text completions."""
+class _Truncation(BaseModel):
+    """vLLM's prompt truncation fields (completions, chat, embeddings)."""
 
     model_config = ConfigDict(extra="ignore")
+
+    # Keep only the prompt's last N tokens (-1: as many as max_model_len allows).
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] = "left"
+
+    def truncated(self, ids: list[int], max_model_len: int, has_images: bool) -> list[int]:
+        """The prompt's token ids after `truncate_prompt_tokens` (vLLM's: the last N by
+        default, `truncation_side` "right" the first N). Not with images (their tokens
+        are counted only when the engine places them)."""
+        n = self.truncate_prompt_tokens
+        if n is None:
+            return ids
+        field = "truncate_prompt_tokens"
+        if has_images:
+            raise APIError(400, f"{field}: not available for a prompt with images", field)
+        if n == 0 or n >= max_model_len:
+            raise APIError(400, f"{field}: must be -1 or in [1, {max_model_len - 1}] (the "
+                                f"prompt must leave room for an output in max_model_len "
+                                f"{max_model_len}), got {n}", field)
+        n = max_model_len - 1 if n == -1 else n
+        if len(ids) <= n:
+            return ids
+        return ids[-n:] if self.truncation_side == "left" else ids[:n]
+
+
+class _Request(_Truncation):
+    """Fields shared by chat and text completions."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -153,31 +182,9 @@ class _Request(BaseModel):
     return_tokens_as_token_ids: bool = False
     # The response's id (after its "chatcmpl-" / "cmpl-"; the X-Request-Id header too).
     request_id: str | None = Field(None, min_length=1, max_length=256)
-    # Keep only the prompt's last N tokens (-1: as many as max_model_len allows).
-    truncate_prompt_tokens: int | None = Field(None, ge=-1)
-    truncation_side: Literal["left", "right"] = "left"
     # vLLM's beam search (jaxserve/beam_search.py): `n` beams, the n best returned.
     use_beam_search: bool = False
     length_penalty: float = 1.0
-
-    def truncated(self, ids: list[int], max_model_len: int, has_images: bool) -> list[int]:
-        """The prompt's token ids after `truncate_prompt_tokens` (vLLM's: the last N by
-        default, `truncation_side` "right" the first N). Not with images (their tokens
-        are counted only when the engine places them)."""
-        n = self.truncate_prompt_tokens
-        if n is None:
-            return ids
-        field = "truncate_prompt_tokens"
-        if has_images:
-            raise APIError(400, f"{field}: not available for a prompt with images", field)
-        if n == 0 or n >= max_model_len:
-            raise APIError(400, f"{field}: must be -1 or in [1, {max_model_len - 1}] (the "
-                                f"prompt must leave room for an output in max_model_len "
-                                f"{max_model_len}), got {n}", field)
-        n = max_model_len - 1 if n == -1 else n
-        if len(ids) <= n:
-            return ids
-        return ids[-n:] if self.truncation_side == "left" else ids[:n]
 
     def constraint_field(self) -> str | None:
         """The field the output constraint came in."""
@@ -380,6 +387,34 @@ class CompletionRequest(_Request):
         counts = [c for c in (super().prompt_logprob_count(),
                               self.logprobs if self.echo else None) if c is not None]
         return max(counts) if counts else None
+
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on an embeddings request's inputs
+
+
+class EmbeddingRequest(_Truncation):
+    """OpenAI's embeddings request, with vLLM's extra fields."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # Matryoshka models: the first N entries
+    user: str | None = None
+    add_special_tokens: bool = True  # BOS etc. before a text input
+    normalize: bool | None = None  # L2 norm 1 (None: as the model says; True without)
+    priority: int = 0
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    request_id: str | None = Field(None, min_length=1, max_length=256)
+
+    def inputs(self) -> list[str | list[int]]:
+        p = self.input
+        inputs = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        if not inputs or any(len(x) == 0 for x in inputs):
+            raise APIError(400, "input: must not be empty", "input")
+        if len(inputs) > MAX_EMBEDDING_INPUTS:
+            raise APIError(400, f"input: at most {MAX_EMBEDDING_INPUTS} inputs, got "
+                                f"{len(inputs)}", "input")
+        return inputs
 
 
 # ----------------------------------------------------------------------- responses

@@ -28,7 +28,8 @@ previous_response_id and GET /v1/responses/{id} itself.
 GET /health is 200 while a prefill and a decode server answer their /health; /metrics has
 the requests, the time to first token split into queue and prefill (on the prefill
 server), transfer (the decode server's pull and admission) and first decode, and the
-retries; /v1/models, /tokenize, /detokenize and /version are a decode server's. Loading
+retries; /v1/models, /v1/embeddings, /tokenize, /detokenize and /version are a decode
+server's. Loading
 or unloading a LoRA adapter (/v1/load_lora_adapter, /v1/unload_lora_adapter) goes to
 every server: a load that fails on one is undone on those it succeeded on.
 
@@ -543,6 +544,7 @@ class Router:
 
         @app.get("/v1/models")
         @app.get("/version")
+        @app.post("/v1/embeddings")
         @app.post("/tokenize")
         @app.post("/detokenize")
         async def a_decode_servers(request: Request):

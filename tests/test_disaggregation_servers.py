@@ -18,6 +18,7 @@ import time
 
 import grpc
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -262,8 +263,8 @@ def test_router_serves_the_responses_api(cluster):
 def test_router_loads_adapters_on_every_server(cluster, checkpoints, tmp_path):
     """/v1/load_lora_adapter through the router loads on the prefill and the decode server
     (the router's completions under it are then the single server's), unloads from both;
-    a load one server refuses is undone on the others; /tokenize, /detokenize and
-    /version are a decode server's."""
+    a load one server refuses is undone on the others; /tokenize, /detokenize,
+    /v1/embeddings and /version are a decode server's."""
     servers, router, logs = cluster
     _, base = checkpoints("llama8")
     save_peft_adapter(base, tmp_path, seed=3)
@@ -302,6 +303,11 @@ def test_router_loads_adapters_on_every_server(cluster, checkpoints, tmp_path):
         got = httpx.post(router + path, json=body)
         assert got.status_code == 200 and got.json() == httpx.post(
             servers["single"].http_url + path, json=body).json()
+    body = {"input": ["some words", "and more words"]}
+    got, want = (httpx.post(url + "/v1/embeddings", json=body).json()["data"]
+                 for url in (router, servers["single"].http_url))
+    np.testing.assert_allclose([d["embedding"] for d in got], [d["embedding"] for d in want],
+                               atol=1e-6)
     bad = httpx.post(router + "/detokenize", json={"tokens": [10 ** 9]})
     assert (bad.status_code, bad.json()["error"]["param"]) == (400, "tokens")
     assert httpx.get(router + "/version").json() == httpx.get(

@@ -64,7 +64,7 @@ def test_greedy_tokens_equal_transformers_dequantized_model(smollm2, oracle_toke
     """The Q4_1 file served as it is (its linear layers kept as our int4 with zero points,
     float32 activations): the prompt token ids and the greedy tokens (up to 64, or
     <|im_end|>) of transformers' dequantized model, three chats of mixed lengths in one
-    batch."""
+    batch; prompt logprobs and embeddings of the same model."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -99,6 +99,14 @@ def test_greedy_tokens_equal_transformers_dequantized_model(smollm2, oracle_toke
         np.testing.assert_allclose(got, [lp[i, t] for i, t in enumerate(ids[1:])], atol=1e-4)
         scores[answer] = sum(got[len(prefix) - 1:])
     assert scores[" Paris"] > scores[" Berlin"] + 1
+    # Embeddings (last-token pooling): transformers' final hidden state, normalized.
+    texts = ["The capital of France is Paris.", "JAX compiles Python for accelerators."]
+    for text, out in zip(texts, llm.embed(texts)):
+        ids = oracle_tokenizer.encode(text)
+        assert out.prompt_token_ids == ids
+        with torch.no_grad():
+            h = model.model(torch.tensor([ids])).last_hidden_state[0, -1].float().numpy()
+        np.testing.assert_allclose(out.outputs.embedding, h / np.linalg.norm(h), atol=1e-4)
 
 
 def test_weights_are_dequantized_as_the_gguf_package_does(smollm2):

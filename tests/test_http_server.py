@@ -11,11 +11,13 @@ import signal
 
 import httpx
 import jsonschema
+import numpy as np
 import openai
 import pytest
 
 from jaxserve import LLM, SamplingParams
 from serverproc import ENGINE, accumulate_tool_calls, running_server, wait_idle
+from test_embeddings import hf_last_hidden
 from server.client import Client
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
@@ -1024,3 +1026,45 @@ def test_bad_responses_requests(server, body, status, param):
     r = httpx.post(f"{server[1].http_url}/v1/responses", json=body)
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_embeddings_match_transformers(server, client, checkpoints):
+    """/v1/embeddings through the openai package (which asks for base64 and decodes it)
+    and as raw float JSON, text and token-id inputs: each input's last-token embedding as
+    transformers computes it, with the usage of its tokens."""
+    _, model = checkpoints("llama")
+    url = server[1].http_url
+    texts = ["Hello there", "The quick brown fox jumps over the lazy dog"]
+    ids = [httpx.post(f"{url}/tokenize", json={"prompt": t}).json()["tokens"] for t in texts]
+    got = client.embeddings.create(model=str(server[2]), input=texts)
+    assert [d.index for d in got.data] == [0, 1] and got.model == str(server[2])
+    for d, prompt in zip(got.data, ids):
+        np.testing.assert_allclose(d.embedding, hf_last_hidden(model, prompt), atol=2e-6)
+    assert got.usage.prompt_tokens == got.usage.total_tokens == sum(map(len, ids))
+    raw = httpx.post(f"{url}/v1/embeddings", json={
+        "input": [ids[1][-5:], ids[0]], "encoding_format": "float", "normalize": False,
+        "truncate_prompt_tokens": 5}).json()
+    assert raw["object"] == "list" and raw["id"].startswith("embd-")
+    assert [d["object"] for d in raw["data"]] == ["embedding"] * 2
+    for d, prompt in zip(raw["data"], [ids[1][-5:], ids[0][-5:]]):
+        np.testing.assert_allclose(d["embedding"], hf_last_hidden(model, prompt, False),
+                                   rtol=1e-5, atol=1e-5)
+    assert raw["usage"]["prompt_tokens"] == 10
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": []}, "input"),
+    ({"input": ""}, "input"),
+    ({"input": [[1, 2], []]}, "input"),
+    ({"input": "hi", "dimensions": 16}, "dimensions"),
+    ({"input": [5] * 128}, "input"),
+    ({"input": [5, 10 ** 6]}, "input"),
+    ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
+    ({"input": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+])
+def test_bad_embeddings_requests_are_400(server, client, body, param):
+    """A bad embeddings request fails alone, naming its field; the next is answered."""
+    r = httpx.post(f"{server[1].http_url}/v1/embeddings", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+    assert len(client.embeddings.create(model=str(server[2]), input="ok").data) == 1

@@ -97,12 +97,14 @@ def health(target) -> int:
                                   ("--mesh", "data=2,model=2", "--sharding", "dp+tp")])
 def test_two_processes_serve_one_model(checkpoints, tmp_path, mesh):
     """4-way TP over both processes, or 2 data shards (2-way TP each) over them; prompt
-    logprobs (a step that scores its tokens) through the HTTP API too."""
+    logprobs (a step that scores its tokens) and embeddings (one that returns its rows'
+    hidden states) through the HTTP API too."""
     path, _ = checkpoints("llama8")
     llm = LLM(str(path), **ENGINE)
     want = [o.outputs[0].token_ids for o in llm.generate(
         PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))]
     scored = llm.generate(PROMPTS[1], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    embedded = [o.outputs.embedding for o in llm.embed(PROMPTS)]
     http_port = free_port()
     with running_job(path, tmp_path, mesh, http_port=http_port) as (leader, follower, target):
         client = Client(target)
@@ -113,6 +115,10 @@ def test_two_processes_serve_one_model(checkpoints, tmp_path, mesh):
         assert logprobs[0] is None and logprobs[1:] == pytest.approx(
             [e[t].logprob for e, t in zip(scored.prompt_logprobs[1:], PROMPTS[1][1:])],
             abs=1e-4)
+        got = httpx.post(f"http://127.0.0.1:{http_port}/v1/embeddings", timeout=60,
+                         json={"input": PROMPTS, "encoding_format": "float"}).json()
+        for d, want_vector in zip(got["data"], embedded):
+            assert d["embedding"] == pytest.approx(want_vector, abs=1e-5)
         # A grammar mask goes to every process's devices (a collective both join).
         _, text, done = client.complete(PROMPTS[0], max_tokens=16, structured_outputs=(
             pb.StructuredOutputs(regex="[a-z]{2,4}-[0-9]")))

@@ -35,8 +35,10 @@ log = logging.getLogger(__name__)
 # program on the proposer's batch (proposers.DeviceProposer.run). LORA writes a LoRA
 # adapter's arrays into a device slot (ModelRunner.load_lora: process 0 read the adapter).
 # ENCODE runs the vision tower on an image's inputs (ImageEncoder.encode), its bucket in
-# the header's token count.
-STOP, STEP, PING, FORWARD, SAMPLE, MOVE, PROPOSE, SCORE, LORA, ENCODE = range(10)
+# the header's token count. POOL is a FORWARD that returns its rows' hidden states
+# (embeddings), POOL_SCORE one that also scores its tokens.
+STOP, STEP, PING, FORWARD, SAMPLE, MOVE, PROPOSE, SCORE, LORA, ENCODE, POOL, POOL_SCORE = \
+    range(12)
 PING_INTERVAL_S = 1.0
 PING_TIMEOUT_S = 20.0
 
@@ -50,11 +52,13 @@ class StepBroadcaster:
     """Process 0's side: tells the followers what to run (ModelRunner.dispatch calls send)."""
 
     def send(self, command: int, batch: StepBatch, key: BucketKey,
-             score_targets: np.ndarray | None = None) -> None:
+             score_targets: np.ndarray | None = None, pool: bool = False) -> None:
         if score_targets is not None:
-            multihost_utils.broadcast_one_to_all(_header(SCORE, key))
+            multihost_utils.broadcast_one_to_all(_header(POOL_SCORE if pool else SCORE, key))
             multihost_utils.broadcast_one_to_all((batch, score_targets))
             return
+        if pool:
+            command = POOL
         multihost_utils.broadcast_one_to_all(_header(command, key))
         multihost_utils.broadcast_one_to_all(batch)
 
@@ -95,11 +99,15 @@ def follow(engine) -> None:
             run = {STEP: engine.runner.dispatch, FORWARD: engine.runner.dispatch_forward,
                    SAMPLE: engine.runner.dispatch_sample}[command]
             run(batch, key)
-        elif command == SCORE:
+        elif command in (SCORE, POOL_SCORE):
             key = BucketKey(t, s, bool(history), drafts, bool(tree))
             batch, targets = multihost_utils.broadcast_one_to_all(
                 (engine.builder.empty(key), np.zeros(key.tokens, np.int32)))
-            engine.runner.dispatch_forward(batch, key, targets)
+            engine.runner.dispatch_forward(batch, key, targets, command == POOL_SCORE)
+        elif command == POOL:
+            key = BucketKey(t, s, bool(history), drafts, bool(tree))
+            batch = multihost_utils.broadcast_one_to_all(engine.builder.empty(key))
+            engine.runner.dispatch_forward(batch, key, pool=True)
         elif command == MOVE:
             engine.runner.move(*multihost_utils.broadcast_one_to_all(engine.runner.moves([])))
         elif command == PROPOSE:

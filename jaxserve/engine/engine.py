@@ -41,10 +41,12 @@ from jaxserve.engine.status import EngineStatus
 from jaxserve.engine.structured_output import GrammarCompiler, MaskFiller
 from jaxserve.engine.token_filters import token_filter
 from jaxserve.loading.digest import weights_digest
+from jaxserve.loading.pooling_config import ModelPooling, read_pooling
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.models.layers import dense_impl, weights_for_native_matmul
 from jaxserve.models.lora import abstract_stacks, stacks_bytes
 from jaxserve.outputs import StepOutput
+from jaxserve.pooling_params import EMBEDDING_PARAMS, PoolingParams, finish_embedding
 from jaxserve.sampling_params import SamplingParams
 from pallas_kernels.ragged_paged_attention import default_impl
 from pallas_kernels.ragged_paged_attention.kv_cache import pool_dtype
@@ -71,6 +73,10 @@ class InFlightStep:
     # each chunk scored its request, first position, first token in the batch and length.
     scores: Any = None
     scored: list = dataclasses.field(default_factory=list)
+    # Embeddings (`Engine._pooled_rows`): the step's rows' hidden states on the device, and
+    # each request whose prompt it ends with its row.
+    hidden: Any = None
+    pooled: list = dataclasses.field(default_factory=list)
 
     @functools.cached_property
     def sampling(self) -> list[ScheduledSeq]:
@@ -187,6 +193,9 @@ class Engine:
         self._num_sampled_apart = 0  # requests whose params.needs_history
         self._num_logprobs = 0  # requests that ask for logprobs (else a step's ids alone)
         self._num_scoring = 0  # requests whose prompt logprobs are not handed out yet
+        self._num_pooling = 0  # embedding requests not handed out yet
+        # How the checkpoint pools an embedding (from_config reads it; loading/pooling_config).
+        self.pooling = ModelPooling()
         self._failed: list[StepOutput] = []  # requests the scheduler could not admit
         self._num_prefilled = 0  # requests whose moved K/V wait to be written (`_write_kv`)
         self._num_remote_decode = 0  # requests whose pages are read out (`_read_kv`)
@@ -219,6 +228,8 @@ class Engine:
             weights = (f"random weights of {random_weights_preset}, seed {config.seed}"
                        if random_weights_preset is not None else weights_digest(m.config.model))
             engine.model_digest = model_digest(m.config, m.model_config, weights)
+        if random_weights_preset is None:
+            engine.pooling = read_pooling(m.config.model)
         return engine
 
     # ----------------------------------------------------------------- requests
@@ -228,7 +239,8 @@ class Engine:
                     lora_request: LoRARequest | None = None,
                     images: list | None = None, remote_decode: bool = False,
                     prefilled: Prefilled | None = None,
-                    cache_salt: str | None = None) -> list[int]:
+                    cache_salt: str | None = None,
+                    pooling: PoolingParams | None = None) -> list[int]:
         """Queue a request (with `lora_request`: under that LoRA adapter; with `images`,
         PIL images, image file bytes or `prepare_images`' outputs, one per placeholder
         in the prompt); returns its prompt token ids, each image's placeholder standing
@@ -241,8 +253,20 @@ class Engine:
         computes the prompt and samples the first token only; unless that token ends the
         request, its last output carries the prompt's K/V (`StepOutput.kv_pages`) for a
         decode engine, which takes them as `prefilled` (a consumer) with that token and
-        the request's params (its seed too), and decodes on from the second token."""
+        the request's params (its seed too), and decodes on from the second token.
+
+        `pooling` (an embedding request; `params` are not used): the prompt's last-token
+        hidden state after the final norm, finished as PoolingParams says, comes back
+        in its only output (`StepOutput.embedding`)."""
         params = params or SamplingParams()
+        if pooling is not None:
+            if self.pooling.unsupported is not None:
+                raise ValueError(f"embeddings: {self.pooling.unsupported}")
+            pooling.check(self.model_config.hidden_size, self.pooling.matryoshka)
+            if remote_decode or prefilled is not None:
+                raise ValueError("an embedding request is computed on one engine: not with "
+                                 "prefill/decode disaggregation")
+            params = EMBEDDING_PARAMS
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         check_priority(priority, self.scheduler.config.policy)
@@ -266,6 +290,10 @@ class Engine:
             raise ValueError("prompt_logprobs needs the prompt computed here; this request's "
                              "K/V were prefilled elsewhere")
         room = self.max_model_len - len(token_ids)
+        if pooling is not None and room < 1:
+            raise ValueError(f"prompt ({len(token_ids)} tokens): an embedding's input may "
+                             f"have at most {self.max_model_len - 1} tokens (max_model_len "
+                             f"{self.max_model_len} less one)")
         if params.max_tokens is not None and params.max_tokens > room:
             raise ValueError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
@@ -306,7 +334,9 @@ class Engine:
             text.skip([prefilled.first_token])  # its text came from the prefill engine
         self._requests[request_id] = Request(
             seq, frozenset(params.stop_token_ids) | frozenset(
-                () if params.ignore_eos else self.eos_token_ids), text, grammar, filter=filters)
+                () if params.ignore_eos else self.eos_token_ids), text, grammar, filter=filters,
+            pooling=pooling)
+        self._num_pooling += pooling is not None
         self._num_sampled_apart += params.needs_history
         self._num_logprobs += params.logprobs is not None
         self._num_scoring += params.prompt_logprobs is not None
@@ -428,6 +458,7 @@ class Engine:
             self._num_sampled_apart -= req.seq.params.needs_history
             self._num_logprobs -= req.seq.params.logprobs is not None
             self._num_scoring -= req.prompt_scores is not None
+            self._num_pooling -= req.pooling is not None
             self._num_remote_decode -= req.seq.remote_decode
             if req.seq.prefilled is not None:  # its moved K/V never written
                 req.seq.prefilled = None
@@ -624,11 +655,14 @@ class Engine:
             self.num_overlapped_steps += not _is_ready(prev.out)
         step = InFlightStep(schedule, None, batch, key, steps=steps)
         targets = self._score_targets(step, key) if self._num_scoring else None
+        if self._num_pooling:
+            step.pooled = self._pooled_rows(step)
         if steps > 1:
             step.out = self.runner.dispatch_steps(batch, key, steps)
             self.num_multi_steps += steps
-        elif targets is not None:  # sampled next (`step`: `_dispatch_sample`)
-            step.scores = self.runner.dispatch_forward(batch, key, targets)
+        elif targets is not None or step.pooled:  # sampled next (`_dispatch_sample`)
+            step.scores, step.hidden = self.runner.dispatch_forward(batch, key, targets,
+                                                                    bool(step.pooled))
         elif self._num_sampled_apart and any(s.seq.params.needs_history
                                              for s in step.sampling):
             self.runner.dispatch_forward(batch, key)
@@ -663,6 +697,13 @@ class Engine:
                 s.seq.prompt_token_ids[s.start + 1:end + 1]
             step.scored.append((req, s.start, s.token, end - s.start))
         return targets
+
+    def _pooled_rows(self, step: InFlightStep) -> list[tuple[Request, int]]:
+        """The embedding requests whose prompt the step ends (their one sample), each with
+        its row in the step's outputs: the row of its last prompt token."""
+        return [(req, s.row) for s in step.sampling
+                if (req := self._requests.get(s.seq.request_id)) is not None
+                and req.pooling is not None]
 
     def _write_kv(self, schedule: SchedulerOutput) -> None:
         """Write the moved K/V of the seqs admitted prefilled into their pages, before
@@ -716,6 +757,11 @@ class Engine:
         sampled = fetch(step.out, self._num_logprobs > 0)
         if step.scores is not None:
             self._take_scores(step)
+        if step.pooled:
+            hidden = jax.device_get(step.hidden)  # one explicit transfer, after the samples
+            for req, row in step.pooled:
+                req.embedding = finish_embedding(hidden[row], req.pooling,
+                                                 self.pooling.normalize)
         stride = 0
         if step.steps > 1:  # [steps, R]: the token of seq row r's step i at i x R + r
             stride = sampled.token_ids.shape[1]
@@ -806,6 +852,8 @@ class Engine:
                 for score, token in zip(req.prompt_scores[1:], seq.prompt_token_ids[1:])]
             req.prompt_scores = None
             self._num_scoring -= 1
+        if req.pooling is not None:  # its only output
+            out.embedding, req.embedding = req.embedding, None
         text = req.text
         if out.finished and seq.remote_decode and out.finish_reason == "length":
             out.kv_pages = req.kv_pages  # decoded elsewhere, its text goes on there

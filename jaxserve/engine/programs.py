@@ -2,7 +2,8 @@
 the carry (the device array of the last step's tokens), jitted with fixed layouts.
 
 `forward` runs the model over a ragged batch and leaves logits at the rows it samples
-(and, given targets, scores every token of the batch: `prompt_scores`); `sample_step`
+(and, given targets, scores every token of the batch: `prompt_scores`; with `pool`, returns
+those rows' final hidden states: embeddings); `sample_step`
 samples them; `forward_and_sample` is both in one program; `decode_steps` runs several
 decode steps in one program.
 `ModelRunner` (runner.py) holds the device state they run on and dispatches them.
@@ -73,7 +74,7 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
             lora: list | None = None, images: jax.Array | None = None,
             score_targets: jax.Array | None = None, *,
             features_from: tuple[int, ...] = (), layout: CarryLayout, page_size: int,
-            verifies: bool = True, branch_free: bool = False) -> tuple:
+            verifies: bool = True, branch_free: bool = False, pool: bool = False) -> tuple:
     """One forward pass over a ragged batch: float32 logits `[R, vocab]` at the tokens the
     batch samples (`batch.sample_index`: each sequence's last token, and the tokens
     before it that verify drafts).
@@ -97,7 +98,9 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
     `images`: the image encoder's buffer of embeddings (multimodal/encoder.py), which
     tokens with a `batch.image_rows` entry read; None for a text-only model.
     `score_targets` (`[T]`, given): every token's distribution scored against it
-    (`prompt_scores`), returned seventh.
+    (`prompt_scores`), returned seventh. `pool`: the sampled rows' hidden states after the
+    final norm, float32 `[R, hidden]`, returned last (a sequence's last prompt token's is
+    its last-token pooled embedding: Engine.add_request's `pooling`).
     """
     model = nnx.merge(graphdef, params)
     input_ids, batch = resolve_pending(batch, carry, layout, page_size, verifies)
@@ -133,6 +136,8 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
     out = (kv_caches, logits, expert_load, guesses, features, row_tokens.reshape(-1))
     if score_targets is not None:
         out += (prompt_scores(model, hidden, score_targets),)
+    if pool:
+        out += (model.final_norm(rows).astype(jnp.float32),)
     return out
 
 
@@ -252,6 +257,10 @@ class StepPrograms(NamedTuple):
     # `forward` with its tokens scored (`prompt_scores`), for a step computing prompts that
     # ask for their logprobs; by `heads` and `verifies`, compiled when first run.
     score: dict[tuple[bool, bool], Callable]
+    # `forward` returning its rows' hidden states too (`pool`), for a step ending prompts
+    # that ask for their embedding; by `heads`, `verifies` and whether it also scores (its
+    # targets last), compiled when first run.
+    pool: dict[tuple[bool, bool, bool], Callable]
     move: Callable
     steps: Callable | None = None  # `decode_steps` (None: one step per program)
 
@@ -355,13 +364,15 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
                                      replicated),
                        out_shardings=(replicated, replicated))
 
-    def jitted(verifies: bool, heads: bool) -> tuple[Callable, Callable, Callable]:
+    def jitted(verifies: bool, heads: bool) -> tuple[Callable, ...]:
         static = dict(features_from=features_from, layout=layout, page_size=page_size,
                       verifies=verifies, branch_free=branch_free)
         ins = inputs if heads else inputs[:5] + (replicated,) + inputs[6:]  # medusa None
         outs = (cache_shardings, logits_sharding, replicated, replicated, features, replicated)
         forward_fn = on_param_leaves(graphdef, params, functools.partial(forward_packed,
                                                                          **static))
+        pool_fn = on_param_leaves(graphdef, params, functools.partial(forward_packed,
+                                                                      pool=True, **static))
         return (jax.jit(forward_fn, donate_argnums=(1, 6), in_shardings=ins,
                         out_shardings=outs),
                 jax.jit(on_param_leaves(graphdef, params, functools.partial(
@@ -371,7 +382,11 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
                         out_shardings=(cache_shardings, replicated, replicated, replicated,
                                        replicated, features)),
                 jax.jit(forward_fn, donate_argnums=(1, 6), in_shardings=ins + (replicated,),
-                        out_shardings=outs + (replicated,)))
+                        out_shardings=outs + (replicated,)),
+                *(jax.jit(pool_fn, donate_argnums=(1, 6),
+                          in_shardings=ins + (replicated,) * scores,
+                          out_shardings=outs + (replicated,) * (1 + scores))
+                  for scores in (False, True)))
 
     # `verifies` False only where the layout overlaps (else it changes nothing); with
     # Medusa's heads, and without them where the host settles whether a step proposes.
@@ -396,6 +411,8 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
                 for full in ((False, True) if branch_free else (False,))},
         step={kind: fns[1] for kind, fns in passes.items()},
         score={kind: fns[2] for kind, fns in passes.items()},
+        pool={(*kind, scores): fns[3 + scores] for kind, fns in passes.items()
+              for scores in (False, True)},
         move=jax.jit(move, donate_argnums=(0, 1),
                      in_shardings=(cache_shardings, features, replicated, replicated),
                      out_shardings=(cache_shardings, features)),

@@ -191,6 +191,10 @@ class Request:
     filter: TokenFilter | None = None
     # A remote_decode seq's prompt K/V (kv_transfer.KVPages), read as its prompt is done.
     kv_pages: Any = None
+    # An embedding request's (Engine.add_request's `pooling`), and its embedding once the
+    # step ending its prompt is collected, until its output hands it out.
+    pooling: Any = None
+    embedding: Any = None
     # Nothing but its tokens to look at while it runs: no grammar, no logprobs, its text
     # (if any) decoded when it ends, not a remote_decode seq (`Engine._collect` hands it
     # most tokens without `_append`).
@@ -209,7 +213,7 @@ class Request:
         seq = self.seq
         self.plain = (self.grammar is None and seq.params.logprobs is None
                       and not seq.scores_prompt and (self.text is None or self.text.deferred)
-                      and not seq.remote_decode)
+                      and not seq.remote_decode and self.pooling is None)
         self.prompt_scores = [None] * seq.num_prompt_tokens if seq.scores_prompt else None
         self.num_brought = self.num_reported = len(self.seq.output_token_ids)
 

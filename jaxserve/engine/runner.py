@@ -69,7 +69,8 @@ class ModelRunner:
         # Programs compiled, by (program, shape): ("forward", T, S, R, tree, verifies),
         # ("sample", R, history, verifies, full), ("step", T, S, R, tree, verifies),
         # ("move",) (`programs`), ("steps", T, S, decode_steps) (`steps_program`),
-        # ("score", T, S, R, tree, verifies) (`dispatch_forward`'s with targets).
+        # ("score", T, S, R, tree, verifies) (`dispatch_forward`'s with targets),
+        # ("pool", T, S, R, tree, verifies, scores) (`dispatch_forward`'s with pool).
         self._executables: dict[tuple, Callable] = {}
         self._cache = ExecutableCache.for_process(
             repr((str(graphdef), features_from, self.branch_free)))
@@ -272,8 +273,9 @@ class ModelRunner:
         executable = self._executables.get(program)
         if executable is not None:
             return executable(*args)
-        if program[0] == "score":  # compiled when a bucket's step first scores a prompt
-            log.info("compiling %s for prompt logprobs", program)
+        if program[0] in ("score", "pool"):  # compiled when a bucket's step first needs it
+            log.info("compiling %s for %s", program,
+                     "prompt logprobs" if program[0] == "score" else "embeddings")
         elif self.warmed_up:
             self.compiles_after_warmup += 1
             log.warning("compiling %s after warm-up: a bucket is missing", program)
@@ -302,16 +304,18 @@ class ModelRunner:
         return self._sample(batch, self.sample_program(key, full))
 
     def dispatch_forward(self, batch: StepBatch, key: BucketKey,
-                         score_targets: np.ndarray | None = None) -> PromptScores | None:
+                         score_targets: np.ndarray | None = None, pool: bool = False
+                         ) -> tuple[PromptScores | None, jax.Array | None]:
         """Start the step's forward pass; its logits wait on the device for
         `dispatch_sample`, which must come next (after any host work). Given
         `score_targets` (`[T]`, the batch's tokens' next prompt tokens), it also scores
-        every token against its target (programs.prompt_scores) and returns the scores
-        (device arrays, not waited for)."""
+        every token against its target (programs.prompt_scores); with `pool`, it also
+        returns its sampled rows' final hidden states (`[R, hidden]` float32: a prompt's
+        last-token embedding). Both device arrays, not waited for; None where not asked."""
         if self.broadcaster is not None:
-            self.broadcaster.send(FORWARD, batch, key, score_targets)
+            self.broadcaster.send(FORWARD, batch, key, score_targets, pool)
         return self._forward(batch, self.forward_program(key, self.heads_for(batch)),
-                             score_targets)
+                             score_targets, pool)
 
     def dispatch_sample(self, batch: StepBatch, key: BucketKey) -> SampleOutput:
         """Sample from the last `dispatch_forward`'s logits with the batch's sampling
@@ -402,18 +406,24 @@ class ModelRunner:
         self.kv_caches = self.pages.write(self.kv_caches, kv, data_shard, page_ids)
 
     def _forward(self, batch: StepBatch, program: tuple,
-                 score_targets: np.ndarray | None = None) -> PromptScores | None:
+                 score_targets: np.ndarray | None = None, pool: bool = False
+                 ) -> tuple[PromptScores | None, jax.Array | None]:
         inputs = self._pack(_forward_inputs(batch))
         args = self._forward_args(inputs, program)
+        scores = score_targets is not None
         fn = self._programs.forward[program[-2:]]
-        if score_targets is not None:  # the bucket's forward pass that scores its tokens
-            fn, args = self._programs.score[program[-2:]], args + (score_targets,)
-            program = ("score", *program[1:])
+        if pool:  # the bucket's forward pass that returns its rows' hidden states
+            fn = self._programs.pool[(*program[-2:], scores)]
+            program = ("pool", *program[1:], scores)
+        elif scores:  # the bucket's forward pass that scores its tokens
+            fn, program = self._programs.score[program[-2:]], ("score", *program[1:])
+        if scores:
+            args += (score_targets,)
         out = self._run(program, fn, args)
         (self.kv_caches, self._logits, self.expert_load, self.guesses,
          self.features, self._row_tokens) = out[:6]
         self._logits_dtype = self._logits.dtype
-        return out[6] if score_targets is not None else None
+        return (out[6] if scores else None), (out[-1] if pool else None)
 
     def _step(self, batch: StepBatch, program: tuple) -> SampleOutput:
         inputs = self._pack((_forward_inputs(batch), self._sampling_inputs(batch)))

@@ -1,0 +1,68 @@
+"""How a checkpoint pools its hidden states into an embedding: its sentence-transformers
+modules (modules.json, 1_Pooling/config.json) and config.json's Matryoshka sizes.
+
+Without those files a decoder model is read as vLLM reads one as an embedding model: its
+last token, normalized."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+# sentence-transformers' Pooling config flags and what they pool.
+_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
+          "pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
+          "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
+          "pooling_mode_weightedmean_tokens": "weightedmean"}
+_ST = "sentence_transformers.models."
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPooling:
+    normalize: bool = True  # embeddings L2-normalized unless a request says otherwise
+    # The Matryoshka sizes config.json names (True: any, False: none; PoolingParams.check).
+    matryoshka: tuple[int, ...] | bool = False
+    # Why this checkpoint's embeddings cannot be made (None: they can).
+    unsupported: str | None = None
+
+
+def read_pooling(model_dir: str | Path | None) -> ModelPooling:
+    """The pooling of the checkpoint at `model_dir` (a directory; anything else, such as a
+    GGUF file or None, pools as a plain decoder model)."""
+    path = Path(model_dir) if model_dir is not None else None
+    if path is None or not path.is_dir():
+        return ModelPooling()
+    matryoshka: tuple[int, ...] | bool = False
+    config = path / "config.json"
+    if config.is_file():
+        hf = json.loads(config.read_text())
+        if hf.get("matryoshka_dimensions"):
+            matryoshka = tuple(int(d) for d in hf["matryoshka_dimensions"])
+        elif hf.get("is_matryoshka"):
+            matryoshka = True
+    modules = path / "modules.json"
+    if not modules.is_file():
+        return ModelPooling(matryoshka=matryoshka)
+    normalize, unsupported = False, None
+    for module in json.loads(modules.read_text()):
+        kind = module.get("type", "").removeprefix(_ST)
+        if kind == "Normalize":
+            normalize = True
+        elif kind == "Pooling":
+            mode = _pooling_mode(path / module.get("path", "") / "config.json")
+            if mode != "last":
+                unsupported = (f"the checkpoint pools by {mode} (its sentence-transformers "
+                               "Pooling module); jaxserve pools the last token only")
+        elif kind != "Transformer":
+            unsupported = (f"the checkpoint's sentence-transformers module {kind!r} is not "
+                           "run by jaxserve, which pools the last token only")
+    return ModelPooling(normalize, matryoshka, unsupported)
+
+
+def _pooling_mode(config: Path) -> str:
+    if not config.is_file():
+        return "mean"  # sentence-transformers' Pooling default
+    flags = json.loads(config.read_text())
+    on = [mode for key, mode in _MODES.items() if flags.get(key)]
+    return on[0] if len(on) == 1 else "+".join(on) or "mean"
