@@ -121,6 +121,17 @@ class Client:
         return list(self.stub.Tokenize(pb.TokenizeRequest(
             text=text, add_special_tokens=add_special_tokens)).ids)
 
+    def embed(self, inputs: list[str | list[int]], dimensions: int | None = None,
+              normalize: bool | None = None, lora_name: str = "",
+              timeout: float | None = None) -> list[list[float]]:
+        """Each input's (text or token ids) embedding (the Embed RPC)."""
+        items = [pb.EmbedInput(text=x) if isinstance(x, str)
+                 else pb.EmbedInput(token_ids=pb.TokenIds(ids=x)) for x in inputs]
+        response = self.stub.Embed(pb.EmbedRequest(
+            inputs=items, dimensions=dimensions, normalize=normalize, lora_name=lora_name),
+            timeout=timeout)
+        return [list(e.values) for e in response.embeddings]
+
     def info(self) -> pb.ModelInfo:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest())
 

@@ -35,7 +35,7 @@ every server: a load that fails on one is undone on those it succeeded on.
 
 With `grpc_port` (and each server's gRPC target) the router also serves jaxserve.v1's
 Inference service: Generate goes the same way over the servers' gRPC APIs
-(`kv_transfer_params_json`), GetModelInfo and Tokenize are a decode server's, Abort goes
+(`kv_transfer_params_json`), GetModelInfo, Tokenize and Embed are a decode server's, Abort goes
 to every server, GetServerStatus sums theirs; gRPC health is SERVING while it runs.
 """
 
@@ -708,6 +708,12 @@ class RouterServicer(pb_grpc.InferenceServicer):
     async def Tokenize(self, request, context):
         try:
             return await self.router._pick_decode().stub.Tokenize(request)
+        except grpc.aio.AioRpcError as e:
+            await context.abort(e.code(), e.details())
+
+    async def Embed(self, request, context):
+        try:
+            return await self.router._pick_decode().stub.Embed(request)
         except grpc.aio.AioRpcError as e:
             await context.abort(e.code(), e.details())
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -9,7 +10,9 @@ import uuid
 import grpc
 
 from jaxserve.engine.speculative.stats import SpeculationStats
+from jaxserve.engine.lora import LoRARequest
 from jaxserve.outputs import Logprob, StepOutput, top_logprobs
+from jaxserve.pooling_params import EMBEDDING_PARAMS, PoolingParams
 from jaxserve.sampling_params import SamplingParams, StructuredOutputsParams
 from server.async_engine import AsyncEngine, QueueFullError
 from server.kv_transfer import KVTransferError, check_params
@@ -113,6 +116,17 @@ def chunk_from_output(out: StepOutput, params: SamplingParams,
                     prompt_logprobs=scored)
 
 
+MAX_EMBED_INPUTS = 2048  # an Embed call's inputs (OpenAI's limit on /v1/embeddings')
+
+
+async def _last(stream) -> StepOutput:
+    """A request's last output."""
+    async for out in stream:
+        if out.finished:
+            return out
+    raise RuntimeError("the request's stream ended before its last output")
+
+
 class InferenceServicer(pb_grpc.InferenceServicer):
     """Requests go through the AsyncEngine; facts that do not change (model, tokenizer)
     are its EngineInfo, counters a snapshot the engine takes between steps."""
@@ -128,24 +142,33 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.accepting = True
         self.started = time.monotonic()
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def _check_up(self, context: grpc.aio.ServicerContext) -> None:
+        """UNAVAILABLE while shutting down or once the engine stopped."""
         if not self.accepting:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         if not self.async_engine.is_alive:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"the engine stopped ({self.async_engine.error})")
+
+    async def _lora(self, name: str, context: grpc.aio.ServicerContext) -> LoRARequest | None:
+        """The served adapter `name` names (None for ""); NOT_FOUND if none is."""
+        if not name:
+            return None
+        lora = self.async_engine.adapters.get(name)
+        if lora is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"lora_name: no LoRA adapter named {name!r} is served "
+                                f"(have: {sorted(self.async_engine.adapters)})")
+        return lora
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        await self._check_up(context)
         rid = request.request_id or uuid.uuid4().hex
         which = request.WhichOneof("prompt")
         if which is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "prompt: set one of text, token_ids or messages")
-        lora = None
-        if request.lora_name:
-            lora = self.async_engine.adapters.get(request.lora_name)
-            if lora is None:
-                await context.abort(grpc.StatusCode.NOT_FOUND,
-                                    f"lora_name: no LoRA adapter named {request.lora_name!r} "
-                                    f"is served (have: {sorted(self.async_engine.adapters)})")
+        lora = await self._lora(request.lora_name, context)
         try:
             params = sampling_from_proto(request.sampling)
             kv = (check_params(_json_field(request.kv_transfer_params_json,
@@ -197,6 +220,54 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         finally:  # the client cancelled, left or ran out of deadline: abort this call's request
             self.owners.pop(rid, None)
             await outputs.aclose()
+
+    async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
+        """Every input admitted as an embedding request (all or none), then their
+        embeddings; a client that leaves aborts them all."""
+        await self._check_up(context)
+        lora = await self._lora(request.lora_name, context)
+        rid = uuid.uuid4().hex
+        streams = []
+        try:
+            if not 1 <= len(request.inputs) <= MAX_EMBED_INPUTS:
+                raise ValueError(f"inputs: give 1 to {MAX_EMBED_INPUTS}, got "
+                                 f"{len(request.inputs)}")
+            special = (request.add_special_tokens if request.HasField("add_special_tokens")
+                       else True)
+            prompts = []
+            for i, item in enumerate(request.inputs):
+                which = item.WhichOneof("input")
+                prompt = (await self.async_engine.encode(item.text, special) if which == "text"
+                          else list(item.token_ids.ids) if which == "token_ids" else [])
+                if not prompt:
+                    raise ValueError(f"inputs[{i}]: empty; give text or token_ids")
+                prompts.append(prompt)
+            pooling = PoolingParams(
+                request.dimensions if request.HasField("dimensions") else None,
+                request.normalize if request.HasField("normalize") else None)
+            added = await asyncio.gather(
+                *(self.async_engine.add(f"embd-{rid}-{i}", p, EMBEDDING_PARAMS, lora,
+                                        priority=request.priority,
+                                        cache_salt=request.cache_salt or None, pooling=pooling)
+                  for i, p in enumerate(prompts)), return_exceptions=True)
+            streams = [a for a in added if not isinstance(a, BaseException)]
+            errors = [a for a in added if isinstance(a, BaseException)]
+            if errors:
+                raise errors[0]
+            outputs = await asyncio.gather(*(_last(s) for s in streams))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFullError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        finally:  # the client left, or one was refused: none runs on
+            for stream in streams:
+                await stream.aclose()
+        for out in outputs:
+            if out.finish_reason == "error":  # the engine step failed; the server goes on
+                await context.abort(grpc.StatusCode.INTERNAL, f"the step failed: {out.error}")
+        return pb.EmbedResponse(embeddings=[
+            pb.Embedding(values=out.embedding.tolist(), prompt_tokens=len(p))
+            for out, p in zip(outputs, prompts)])
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         ids = list(request.request_ids)

@@ -324,6 +324,8 @@ def _generate(target: str, **request) -> tuple[list[int], str, pb.Complete]:
 
 
 def test_router_grpc_answers_as_one_server(cluster):
+    """Generate through the router's gRPC is the single server's; Embed is a decode
+    server's."""
     servers, router, _ = cluster
     cases = [dict(text="tokens over gRPC", sampling=pb.SamplingParams(
                  temperature=0, max_tokens=14, ignore_eos=True)),
@@ -349,6 +351,14 @@ def test_router_grpc_answers_as_one_server(cluster):
     with pytest.raises(grpc.RpcError) as e:
         _generate(router.grpc, text="x", kv_transfer_params_json="{}")
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    embed = pb.EmbedRequest(inputs=[pb.EmbedInput(text="embedded over gRPC")])
+    answers = []
+    for target in (router.grpc, servers["single"].grpc):
+        with grpc.insecure_channel(target) as channel:
+            answers.append(pb_grpc.InferenceStub(channel).Embed(embed, timeout=60))
+    got, want = (a.embeddings[0] for a in answers)
+    assert got.prompt_tokens == want.prompt_tokens
+    np.testing.assert_allclose(got.values, want.values, atol=1e-6)
 
 
 def test_kv_never_pulled_is_released(cluster):

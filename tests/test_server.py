@@ -416,6 +416,39 @@ def test_model_info(server, client):
     assert dict(info.mesh_shape) == {"data": 1, "model": 1}
 
 
+def test_embed_matches_transformers(server, client, checkpoints):
+    """The Embed RPC: text and token-id inputs, each its last-token embedding as
+    transformers computes it (normalized, and raw with normalize false); a bad call fails
+    alone with the status that says what to fix."""
+    import numpy as np
+
+    from test_embeddings import hf_last_hidden
+
+    _, model = checkpoints("llama")
+    text = "Hello there"
+    ids = client.tokenize(text)
+    got = client.embed([text, [7, 8, 9, 10, 11]])
+    np.testing.assert_allclose(got[0], hf_last_hidden(model, ids), atol=2e-6)
+    np.testing.assert_allclose(got[1], hf_last_hidden(model, [7, 8, 9, 10, 11]), atol=2e-6)
+    raw = client.embed([[7, 8, 9, 10, 11]], normalize=False)[0]
+    np.testing.assert_allclose(raw, hf_last_hidden(model, [7, 8, 9, 10, 11], False),
+                               rtol=1e-5, atol=1e-5)
+    response = client.stub.Embed(pb.EmbedRequest(inputs=[pb.EmbedInput(text=text)]))
+    assert response.embeddings[0].prompt_tokens == len(ids)
+    for kw, code, needle in (
+            (dict(inputs=[]), grpc.StatusCode.INVALID_ARGUMENT, "inputs"),
+            (dict(inputs=[[]]), grpc.StatusCode.INVALID_ARGUMENT, "inputs[0]"),
+            (dict(inputs=["hi"], dimensions=16), grpc.StatusCode.INVALID_ARGUMENT,
+             "dimensions"),
+            (dict(inputs=[[5, 10 ** 6]]), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
+            (dict(inputs=["hi"], lora_name="nope"), grpc.StatusCode.NOT_FOUND, "lora_name")):
+        with pytest.raises(grpc.RpcError) as e:
+            client.embed(**kw, timeout=30)
+        assert e.value.code() == code and needle in e.value.details(), (kw, e.value)
+    assert len(client.embed(["still serving"])[0]) == model.config.hidden_size
+    assert wait_idle(client).kv_pages_used == 0
+
+
 @pytest.mark.parametrize("api,rate", [("jaxserve", float("inf")), ("jetstream", 50.0),
                                       ("openai", float("inf"))])
 def test_serving_benchmark_counts(server, api, rate):
@@ -473,3 +506,4 @@ def test_sigterm_drains_and_exits_zero(server, client, prompts):
     rest = list(stream)  # finishes within the grace period (or is aborted): never hangs
     assert rest[-1].HasField("complete")
     assert proc.wait(timeout=60) == 0
+

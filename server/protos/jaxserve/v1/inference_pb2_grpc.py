@@ -49,6 +49,11 @@ class InferenceStub:
                 request_serializer=server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/jaxserve.v1.Inference/Embed',
+                request_serializer=server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.EmbedResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/jaxserve.v1.Inference/GetModelInfo',
                 request_serializer=server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.GetModelInfoRequest.SerializeToString,
@@ -84,6 +89,14 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Each input's embedding: its last token's final hidden state after the last norm
+        (last-token pooling), L2-normalized unless asked or the checkpoint says not.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetModelInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -113,6 +126,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.TokenizeRequest.FromString,
                     response_serializer=server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.EmbedRequest.FromString,
+                    response_serializer=server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.EmbedResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -206,6 +224,33 @@ class Inference:
             '/jaxserve.v1.Inference/Tokenize',
             server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
             server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.Inference/Embed',
+            server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.EmbedRequest.SerializeToString,
+            server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
