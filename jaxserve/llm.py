@@ -155,9 +155,10 @@ class LLM:
               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
               ) -> list[EmbeddingRequestOutput]:
         """vLLM's `LLM.embed`: each prompt's embedding (`outputs.embedding`, a list of
-        floats), the final hidden state at its last token after the last norm (last-token
-        pooling: jaxserve/pooling_params.py), L2-normalized unless `pooling_params` or the
-        checkpoint's sentence-transformers modules say not, in the prompts' order."""
+        floats), the final hidden state at its last token after the last norm (or the
+        mean over its tokens, or its first token's, where the checkpoint's
+        sentence-transformers modules say so: jaxserve/pooling_params.py), L2-normalized
+        unless `pooling_params` or those modules say not, in the prompts' order."""
         if not isinstance(self.engine, Engine):
             raise ValueError("embeddings run on one engine, not a prefill/decode pair")
         prompts = _prompt_list(prompts)

@@ -1,8 +1,10 @@
 """What an embedding request asks (vLLM's PoolingParams), and its pooled vector finished.
 
-A request with pooling runs its prompt like any other and returns, instead of text, the
-final hidden state (after the last norm) at its last prompt token: last-token pooling, how
-decoder-only embedding models (Qwen3-Embedding, gte-Qwen2, e5-mistral) are read."""
+A request with pooling runs its prompt like any other and returns, instead of text, its
+tokens' final hidden states (after the last norm) pooled as the checkpoint says
+(loading/pooling_config.py): by default its last prompt token's, how decoder-only
+embedding models (Qwen3-Embedding, gte-Qwen2, e5-mistral) are read; or the mean over the
+prompt, or its first token's."""
 
 from __future__ import annotations
 

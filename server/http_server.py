@@ -823,7 +823,7 @@ class HTTPServer:
             usage=_usage(ids, choices)), self._cache_page_size)
 
     async def embeddings(self, request: Request):
-        """OpenAI's embeddings: each input's last-token embedding (pooling_params.py)."""
+        """OpenAI's embeddings: each input's embedding (pooling_params.py)."""
         req = await self._body(request, oai.EmbeddingRequest)
         lora = self._check_serving(req.model)
         inputs = req.inputs()

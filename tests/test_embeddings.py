@@ -106,7 +106,7 @@ def test_dimensions_need_a_matryoshka_model(llm, checkpoints, prompts, tmp_path)
 def _sentence_transformers_dir(path, tmp_path, pooling: dict, normalize: bool):
     """A copy of a checkpoint with sentence-transformers' module files, as its
     save() writes them."""
-    out = tmp_path / "st"
+    out = tmp_path
     shutil.copytree(path, out, dirs_exist_ok=True)
     modules = [{"idx": 0, "name": "0", "path": "",
                 "type": "sentence_transformers.models.Transformer"},
@@ -125,29 +125,78 @@ def _sentence_transformers_dir(path, tmp_path, pooling: dict, normalize: bool):
     return out
 
 
+def hf_hidden(model, prompt: list[int]) -> np.ndarray:
+    """transformers' final hidden states (after the last norm), `[len(prompt), hidden]`."""
+    with torch.no_grad():
+        return model.model(torch.tensor([prompt])).last_hidden_state[0].float().numpy()
+
+
 def test_sentence_transformers_modules(checkpoints, prompts, tmp_path):
     """A checkpoint's sentence-transformers modules decide: last-token pooling without a
-    Normalize module comes back unnormalized; mean pooling, or a module jaxserve does not
-    run, is refused with the reason."""
+    Normalize module comes back unnormalized; mean pooling averages every prompt token
+    across its chunks (none read from the prefix cache, a second request the same); CLS
+    pooling reads the first token; max pooling, or a module jaxserve does not run, is
+    refused with the reason."""
     path, model = checkpoints("llama")
-    last = _sentence_transformers_dir(path, tmp_path, {"pooling_mode_lasttoken": True}, False)
-    assert read_pooling(last).normalize is False and read_pooling(last).unsupported is None
+    last = _sentence_transformers_dir(path, tmp_path / "last", {"pooling_mode_lasttoken": True},
+                                      False)
+    pooling = read_pooling(last)
+    assert (pooling.kind, pooling.normalize, pooling.unsupported) == ("last", False, None)
     llm = LLM(str(last), **ENGINE)
     got = llm.embed(prompts[0])[0].outputs.embedding
     np.testing.assert_allclose(got, hf_last_hidden(model, prompts[0], False), rtol=1e-5,
                                atol=1e-5)
     got = llm.embed(prompts[0], PoolingParams(normalize=True))[0].outputs.embedding
     np.testing.assert_allclose(got, hf_last_hidden(model, prompts[0]), atol=2e-6)
-    mean = _sentence_transformers_dir(path, tmp_path, {"pooling_mode_mean_tokens": True}, True)
-    assert "pools by mean" in read_pooling(mean).unsupported
-    llm.engine.pooling = read_pooling(mean)
-    with pytest.raises(ValueError, match="pools by mean"):
+
+    mean = _sentence_transformers_dir(path, tmp_path / "mean",
+                                      {"pooling_mode_mean_tokens": True}, True)
+    assert read_pooling(mean).kind == "mean"
+    llm.engine.pooling = read_pooling(mean)  # (the same weights: no second engine)
+    for prompt in prompts:  # 5 to 43 tokens: one to three chunks of 16
+        want = hf_hidden(model, prompt).mean(0)
+        for _ in range(2):  # the second time its pages are in the prefix cache
+            got = llm.embed(prompt)[0].outputs.embedding
+            np.testing.assert_allclose(got, want / np.linalg.norm(want), atol=2e-6)
+    cls = _sentence_transformers_dir(path, tmp_path / "cls", {"pooling_mode_cls_token": True},
+                                     False)
+    llm.engine.pooling = read_pooling(cls)
+    got = llm.embed(prompts[3])[0].outputs.embedding
+    np.testing.assert_allclose(got, hf_hidden(model, prompts[3])[0], rtol=1e-5, atol=1e-5)
+
+    most = _sentence_transformers_dir(path, tmp_path / "max",
+                                      {"pooling_mode_max_tokens": True}, True)
+    assert "pools by max" in read_pooling(most).unsupported
+    llm.engine.pooling = read_pooling(most)
+    with pytest.raises(ValueError, match="pools by max"):
         llm.embed(prompts[0])
-    modules = json.loads((mean / "modules.json").read_text())
+    modules = json.loads((last / "modules.json").read_text())
     modules.insert(2, {"idx": 2, "name": "2", "path": "2_Dense",
                        "type": "sentence_transformers.models.Dense"})
-    (mean / "modules.json").write_text(json.dumps(modules))
-    (mean / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"pooling_mode_lasttoken": True}))
-    assert "'Dense'" in read_pooling(mean).unsupported
-    assert read_pooling(mean).normalize is True
+    (last / "modules.json").write_text(json.dumps(modules))
+    assert "'Dense'" in read_pooling(last).unsupported
+
+
+def test_a_preempted_mean_pooled_prompt_starts_over(checkpoints, tmp_path):
+    """A mean-pooled prompt preempted between its chunks (a KV pool too small for four
+    requests) is recomputed from its first token: its embedding is still the mean over
+    the prompt once."""
+    path, model = checkpoints("llama")
+    mean = _sentence_transformers_dir(path, tmp_path, {"pooling_mode_mean_tokens": True},
+                                      True)
+    llm = LLM(str(mean), **{**ENGINE, "max_model_len": 64, "num_pages": 16})
+    engine, rng = llm.engine, np.random.default_rng(5)
+    for i in range(3):
+        engine.add_request(f"g{i}", rng.integers(3, 200, size=6).tolist(),
+                           SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    prompt = rng.integers(3, 200, size=43).tolist()
+    engine.add_request("emb", prompt, pooling=PoolingParams())
+    seq = engine._requests["emb"].seq
+    got = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == "emb":
+                got = out.embedding
+    assert seq.num_preemptions > 0
+    want = hf_hidden(model, prompt).mean(0)
+    np.testing.assert_allclose(got, want / np.linalg.norm(want), atol=2e-6)

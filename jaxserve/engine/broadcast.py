@@ -35,8 +35,9 @@ log = logging.getLogger(__name__)
 # program on the proposer's batch (proposers.DeviceProposer.run). LORA writes a LoRA
 # adapter's arrays into a device slot (ModelRunner.load_lora: process 0 read the adapter).
 # ENCODE runs the vision tower on an image's inputs (ImageEncoder.encode), its bucket in
-# the header's token count. POOL is a FORWARD that returns its rows' hidden states
-# (embeddings), POOL_SCORE one that also scores its tokens.
+# the header's token count. POOL is a FORWARD that sums pool segments' hidden states
+# (embeddings), its segments broadcast after the batch; POOL_SCORE one that also scores its
+# tokens (its targets, then its segments).
 STOP, STEP, PING, FORWARD, SAMPLE, MOVE, PROPOSE, SCORE, LORA, ENCODE, POOL, POOL_SCORE = \
     range(12)
 PING_INTERVAL_S = 1.0
@@ -52,15 +53,14 @@ class StepBroadcaster:
     """Process 0's side: tells the followers what to run (ModelRunner.dispatch calls send)."""
 
     def send(self, command: int, batch: StepBatch, key: BucketKey,
-             score_targets: np.ndarray | None = None, pool: bool = False) -> None:
-        if score_targets is not None:
-            multihost_utils.broadcast_one_to_all(_header(POOL_SCORE if pool else SCORE, key))
-            multihost_utils.broadcast_one_to_all((batch, score_targets))
-            return
-        if pool:
-            command = POOL
+             score_targets: np.ndarray | None = None,
+             pool_segments: np.ndarray | None = None) -> None:
+        extras = tuple(x for x in (score_targets, pool_segments) if x is not None)
+        if extras:  # a FORWARD that scores, pools or both
+            command = (SCORE if pool_segments is None else POOL if score_targets is None
+                       else POOL_SCORE)
         multihost_utils.broadcast_one_to_all(_header(command, key))
-        multihost_utils.broadcast_one_to_all(batch)
+        multihost_utils.broadcast_one_to_all((batch, *extras) if extras else batch)
 
     def send_moves(self, src: np.ndarray, dst: np.ndarray) -> None:
         multihost_utils.broadcast_one_to_all(_header(MOVE))
@@ -99,15 +99,14 @@ def follow(engine) -> None:
             run = {STEP: engine.runner.dispatch, FORWARD: engine.runner.dispatch_forward,
                    SAMPLE: engine.runner.dispatch_sample}[command]
             run(batch, key)
-        elif command in (SCORE, POOL_SCORE):
+        elif command in (SCORE, POOL, POOL_SCORE):
             key = BucketKey(t, s, bool(history), drafts, bool(tree))
-            batch, targets = multihost_utils.broadcast_one_to_all(
-                (engine.builder.empty(key), np.zeros(key.tokens, np.int32)))
-            engine.runner.dispatch_forward(batch, key, targets, command == POOL_SCORE)
-        elif command == POOL:
-            key = BucketKey(t, s, bool(history), drafts, bool(tree))
-            batch = multihost_utils.broadcast_one_to_all(engine.builder.empty(key))
-            engine.runner.dispatch_forward(batch, key, pool=True)
+            template = np.zeros(key.tokens, np.int32)
+            batch, *extras = multihost_utils.broadcast_one_to_all(
+                (engine.builder.empty(key), *[template] * (1 + (command == POOL_SCORE))))
+            targets = extras[0] if command != POOL else None
+            segments = extras[-1] if command != SCORE else None
+            engine.runner.dispatch_forward(batch, key, targets, segments)
         elif command == MOVE:
             engine.runner.move(*multihost_utils.broadcast_one_to_all(engine.runner.moves([])))
         elif command == PROPOSE:

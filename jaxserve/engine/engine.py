@@ -73,9 +73,9 @@ class InFlightStep:
     # each chunk scored its request, first position, first token in the batch and length.
     scores: Any = None
     scored: list = dataclasses.field(default_factory=list)
-    # Embeddings (`Engine._pooled_rows`): the step's rows' hidden states on the device, and
-    # each request whose prompt it ends with its row.
-    hidden: Any = None
+    # Embeddings (`Engine._pool_segments`): the step's pool segments' sums on the device,
+    # and each chunk pooled its request, segment and whether it starts the prompt.
+    pool_sums: Any = None
     pooled: list = dataclasses.field(default_factory=list)
 
     @functools.cached_property
@@ -255,9 +255,10 @@ class Engine:
         decode engine, which takes them as `prefilled` (a consumer) with that token and
         the request's params (its seed too), and decodes on from the second token.
 
-        `pooling` (an embedding request; `params` are not used): the prompt's last-token
-        hidden state after the final norm, finished as PoolingParams says, comes back
-        in its only output (`StepOutput.embedding`)."""
+        `pooling` (an embedding request; `params` are not used): the prompt's final
+        hidden states (after the last norm) pooled as the checkpoint says (`self.pooling`:
+        its last token's by default), finished as PoolingParams says, come back in its
+        only output (`StepOutput.embedding`)."""
         params = params or SamplingParams()
         if pooling is not None:
             if self.pooling.unsupported is not None:
@@ -325,6 +326,7 @@ class Engine:
         if cache_salt is not None:
             seq.cache_root = salted_root(seq.cache_root, cache_salt)
         seq.images = spans
+        seq.whole_prompt = pooling is not None and self.pooling.kind != "last"
         seq.rope_offsets, seq.rope_delta = rope
         seq.whole_images = bool(spans) and self.images.whole
         text = (OutputText(self.tokenizer, token_ids, params, self.eos_token_ids,
@@ -655,14 +657,13 @@ class Engine:
             self.num_overlapped_steps += not _is_ready(prev.out)
         step = InFlightStep(schedule, None, batch, key, steps=steps)
         targets = self._score_targets(step, key) if self._num_scoring else None
-        if self._num_pooling:
-            step.pooled = self._pooled_rows(step)
+        segments = self._pool_segments(step, key) if self._num_pooling else None
         if steps > 1:
             step.out = self.runner.dispatch_steps(batch, key, steps)
             self.num_multi_steps += steps
-        elif targets is not None or step.pooled:  # sampled next (`_dispatch_sample`)
-            step.scores, step.hidden = self.runner.dispatch_forward(batch, key, targets,
-                                                                    bool(step.pooled))
+        elif targets is not None or segments is not None:  # sampled next (`_dispatch_sample`)
+            step.scores, step.pool_sums = self.runner.dispatch_forward(batch, key, targets,
+                                                                       segments)
         elif self._num_sampled_apart and any(s.seq.params.needs_history
                                              for s in step.sampling):
             self.runner.dispatch_forward(batch, key)
@@ -698,12 +699,28 @@ class Engine:
             step.scored.append((req, s.start, s.token, end - s.start))
         return targets
 
-    def _pooled_rows(self, step: InFlightStep) -> list[tuple[Request, int]]:
-        """The embedding requests whose prompt the step ends (their one sample), each with
-        its row in the step's outputs: the row of its last prompt token."""
-        return [(req, s.row) for s in step.sampling
-                if (req := self._requests.get(s.seq.request_id)) is not None
-                and req.pooling is not None]
+    def _pool_segments(self, step: InFlightStep, key: BucketKey) -> np.ndarray | None:
+        """The step's tokens' pool segments (`ModelRunner.dispatch_forward`): a segment for
+        each chunk of an embedding request's prompt the step computes, holding the tokens
+        its pooling reads there (the last prompt token, the first, or all: `self.pooling`),
+        the rest -1; None when no chunk has such a token. `step.pooled` lists them."""
+        segments, kind = None, self.pooling.kind
+        for s in step.schedule.scheduled:
+            req = self._requests.get(s.seq.request_id)
+            if req is None or req.pooling is None:
+                continue
+            end = s.start + s.num_new_tokens  # (an embedding request computes its prompt)
+            first, last = ((s.start, end) if kind == "mean" else (0, 1) if kind == "cls"
+                           else (s.seq.num_prompt_tokens - 1, s.seq.num_prompt_tokens))
+            first, last = max(first, s.start), min(last, end)
+            if first >= last:
+                continue
+            if segments is None:
+                segments = np.full(key.tokens, -1, np.int32)
+            segment = len(step.pooled)
+            segments[s.token + first - s.start:s.token + last - s.start] = segment
+            step.pooled.append((req, segment, s.start == 0))
+        return segments
 
     def _write_kv(self, schedule: SchedulerOutput) -> None:
         """Write the moved K/V of the seqs admitted prefilled into their pages, before
@@ -758,10 +775,10 @@ class Engine:
         if step.scores is not None:
             self._take_scores(step)
         if step.pooled:
-            hidden = jax.device_get(step.hidden)  # one explicit transfer, after the samples
-            for req, row in step.pooled:
-                req.embedding = finish_embedding(hidden[row], req.pooling,
-                                                 self.pooling.normalize)
+            sums = jax.device_get(step.pool_sums)  # one explicit transfer, after the samples
+            for req, segment, starts in step.pooled:  # (a recomputed prompt starts over)
+                req.pooled = sums[segment] if starts or req.pooled is None \
+                    else req.pooled + sums[segment]
         stride = 0
         if step.steps > 1:  # [steps, R]: the token of seq row r's step i at i x R + r
             stride = sampled.token_ids.shape[1]
@@ -853,7 +870,8 @@ class Engine:
             req.prompt_scores = None
             self._num_scoring -= 1
         if req.pooling is not None:  # its only output
-            out.embedding, req.embedding = req.embedding, None
+            pooled = req.pooled / (seq.num_prompt_tokens if self.pooling.kind == "mean" else 1)
+            out.embedding = finish_embedding(pooled, req.pooling, self.pooling.normalize)
         text = req.text
         if out.finished and seq.remote_decode and out.finish_reason == "length":
             out.kv_pages = req.kv_pages  # decoded elsewhere, its text goes on there

@@ -255,8 +255,9 @@ class PageAllocator:
 
     def _find_cached_pages(self, seq: Sequence) -> list[int]:
         """Page ids of the longest cached run of full pages at the start of `seq` (none
-        for a seq that scores its prompt: every prompt token is computed)."""
-        if not self.enable_prefix_caching or seq.scores_prompt:
+        for a seq that scores its prompt or pools all of it: every prompt token is
+        computed)."""
+        if not self.enable_prefix_caching or seq.scores_prompt or seq.whole_prompt:
             return []
         max_pages = (seq.num_tokens - 1) // self.page_size
         pages: list[int] = []

@@ -2,10 +2,10 @@
 the carry (the device array of the last step's tokens), jitted with fixed layouts.
 
 `forward` runs the model over a ragged batch and leaves logits at the rows it samples
-(and, given targets, scores every token of the batch: `prompt_scores`; with `pool`, returns
-those rows' final hidden states: embeddings); `sample_step`
-samples them; `forward_and_sample` is both in one program; `decode_steps` runs several
-decode steps in one program.
+(and, given targets, scores every token of the batch: `prompt_scores`; given pool
+segments, sums the final hidden states of each segment's tokens: embeddings);
+`sample_step` samples them; `forward_and_sample` is both in one program; `decode_steps`
+runs several decode steps in one program.
 `ModelRunner` (runner.py) holds the device state they run on and dispatches them.
 """
 
@@ -74,7 +74,8 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
             lora: list | None = None, images: jax.Array | None = None,
             score_targets: jax.Array | None = None, *,
             features_from: tuple[int, ...] = (), layout: CarryLayout, page_size: int,
-            verifies: bool = True, branch_free: bool = False, pool: bool = False) -> tuple:
+            verifies: bool = True, branch_free: bool = False,
+            pool_segments: jax.Array | None = None) -> tuple:
     """One forward pass over a ragged batch: float32 logits `[R, vocab]` at the tokens the
     batch samples (`batch.sample_index`: each sequence's last token, and the tokens
     before it that verify drafts).
@@ -98,9 +99,11 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
     `images`: the image encoder's buffer of embeddings (multimodal/encoder.py), which
     tokens with a `batch.image_rows` entry read; None for a text-only model.
     `score_targets` (`[T]`, given): every token's distribution scored against it
-    (`prompt_scores`), returned seventh. `pool`: the sampled rows' hidden states after the
-    final norm, float32 `[R, hidden]`, returned last (a sequence's last prompt token's is
-    its last-token pooled embedding: Engine.add_request's `pooling`).
+    (`prompt_scores`), returned seventh. `pool_segments` (`[T]`, given): each token's
+    segment in [0, R) or -1; returned last, each segment's sum of its tokens' hidden
+    states after the final norm, float32 `[R, hidden]` (embeddings: a segment is a
+    request's last prompt token, or its first, or a chunk of its prompt to average;
+    Engine._pool_segments).
     """
     model = nnx.merge(graphdef, params)
     input_ids, batch = resolve_pending(batch, carry, layout, page_size, verifies)
@@ -136,8 +139,9 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, kv_caches: KVCache, batch
     out = (kv_caches, logits, expert_load, guesses, features, row_tokens.reshape(-1))
     if score_targets is not None:
         out += (prompt_scores(model, hidden, score_targets),)
-    if pool:
-        out += (model.final_norm(rows).astype(jnp.float32),)
+    if pool_segments is not None:
+        out += (jax.ops.segment_sum(model.final_norm(hidden).astype(jnp.float32),
+                                    pool_segments, num_segments=rows.shape[0]),)
     return out
 
 
@@ -257,9 +261,10 @@ class StepPrograms(NamedTuple):
     # `forward` with its tokens scored (`prompt_scores`), for a step computing prompts that
     # ask for their logprobs; by `heads` and `verifies`, compiled when first run.
     score: dict[tuple[bool, bool], Callable]
-    # `forward` returning its rows' hidden states too (`pool`), for a step ending prompts
-    # that ask for their embedding; by `heads`, `verifies` and whether it also scores (its
-    # targets last), compiled when first run.
+    # `forward` summing its pool segments' hidden states too (`pool_segments`, its last
+    # argument), for a step computing prompts that ask for their embedding; by `heads`,
+    # `verifies` and whether it also scores (its targets before the segments), compiled
+    # when first run.
     pool: dict[tuple[bool, bool, bool], Callable]
     move: Callable
     steps: Callable | None = None  # `decode_steps` (None: one step per program)
@@ -306,6 +311,14 @@ def forward_packed(graphdef: nnx.GraphDef, params, kv_caches: KVCache,
                    batch: Packed | StepBatch, *args, **kwargs):
     """`forward` with its batch packed or not (packing.py)."""
     return forward(graphdef, params, kv_caches, unpack(batch), *args, **kwargs)
+
+
+def forward_pooled(graphdef: nnx.GraphDef, params, kv_caches: KVCache,
+                   batch: Packed | StepBatch, *args, **kwargs):
+    """`forward_packed` whose last argument is its `pool_segments`."""
+    *args, segments = args
+    return forward(graphdef, params, kv_caches, unpack(batch), *args, pool_segments=segments,
+                   **kwargs)
 
 
 def decode_steps_packed(graphdef: nnx.GraphDef, params, kv_caches: KVCache,
@@ -371,8 +384,8 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
         outs = (cache_shardings, logits_sharding, replicated, replicated, features, replicated)
         forward_fn = on_param_leaves(graphdef, params, functools.partial(forward_packed,
                                                                          **static))
-        pool_fn = on_param_leaves(graphdef, params, functools.partial(forward_packed,
-                                                                      pool=True, **static))
+        pool_fn = on_param_leaves(graphdef, params, functools.partial(forward_pooled,
+                                                                      **static))
         return (jax.jit(forward_fn, donate_argnums=(1, 6), in_shardings=ins,
                         out_shardings=outs),
                 jax.jit(on_param_leaves(graphdef, params, functools.partial(
@@ -384,7 +397,7 @@ def jit_programs(graphdef: nnx.GraphDef, params, cache_shardings, shard: Shardin
                 jax.jit(forward_fn, donate_argnums=(1, 6), in_shardings=ins + (replicated,),
                         out_shardings=outs + (replicated,)),
                 *(jax.jit(pool_fn, donate_argnums=(1, 6),
-                          in_shardings=ins + (replicated,) * scores,
+                          in_shardings=ins + (replicated,) * (1 + scores),
                           out_shardings=outs + (replicated,) * (1 + scores))
                   for scores in (False, True)))
 

@@ -91,6 +91,9 @@ class Sequence:
     # None: after a preemption it computes them itself).
     remote_decode: bool = False
     prefilled: Any = None
+    # Every prompt token is computed, none read from the prefix cache (an embedding that
+    # averages its prompt or reads its first token).
+    whole_prompt: bool = False
 
     def chunk(self, start: int, n: int) -> int:
         """How many of `n` tokens from `start` a step may compute: all, unless they end
@@ -191,10 +194,10 @@ class Request:
     filter: TokenFilter | None = None
     # A remote_decode seq's prompt K/V (kv_transfer.KVPages), read as its prompt is done.
     kv_pages: Any = None
-    # An embedding request's (Engine.add_request's `pooling`), and its embedding once the
-    # step ending its prompt is collected, until its output hands it out.
+    # An embedding request's (Engine.add_request's `pooling`), and the sum of its pooled
+    # tokens' hidden states so far (Engine._pool_segments), until its output hands it out.
     pooling: Any = None
-    embedding: Any = None
+    pooled: Any = None
     # Nothing but its tokens to look at while it runs: no grammar, no logprobs, its text
     # (if any) decoded when it ends, not a remote_decode seq (`Engine._collect` hands it
     # most tokens without `_append`).

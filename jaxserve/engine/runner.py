@@ -304,18 +304,20 @@ class ModelRunner:
         return self._sample(batch, self.sample_program(key, full))
 
     def dispatch_forward(self, batch: StepBatch, key: BucketKey,
-                         score_targets: np.ndarray | None = None, pool: bool = False
+                         score_targets: np.ndarray | None = None,
+                         pool_segments: np.ndarray | None = None
                          ) -> tuple[PromptScores | None, jax.Array | None]:
         """Start the step's forward pass; its logits wait on the device for
         `dispatch_sample`, which must come next (after any host work). Given
         `score_targets` (`[T]`, the batch's tokens' next prompt tokens), it also scores
-        every token against its target (programs.prompt_scores); with `pool`, it also
-        returns its sampled rows' final hidden states (`[R, hidden]` float32: a prompt's
-        last-token embedding). Both device arrays, not waited for; None where not asked."""
+        every token against its target (programs.prompt_scores); given `pool_segments`
+        (`[T]`, each token's segment or -1), it also sums each segment's final hidden
+        states (`[R, hidden]` float32: embeddings). Both device arrays, not waited for;
+        None where not asked."""
         if self.broadcaster is not None:
-            self.broadcaster.send(FORWARD, batch, key, score_targets, pool)
+            self.broadcaster.send(FORWARD, batch, key, score_targets, pool_segments)
         return self._forward(batch, self.forward_program(key, self.heads_for(batch)),
-                             score_targets, pool)
+                             score_targets, pool_segments)
 
     def dispatch_sample(self, batch: StepBatch, key: BucketKey) -> SampleOutput:
         """Sample from the last `dispatch_forward`'s logits with the batch's sampling
@@ -406,19 +408,19 @@ class ModelRunner:
         self.kv_caches = self.pages.write(self.kv_caches, kv, data_shard, page_ids)
 
     def _forward(self, batch: StepBatch, program: tuple,
-                 score_targets: np.ndarray | None = None, pool: bool = False
+                 score_targets: np.ndarray | None = None,
+                 pool_segments: np.ndarray | None = None
                  ) -> tuple[PromptScores | None, jax.Array | None]:
         inputs = self._pack(_forward_inputs(batch))
         args = self._forward_args(inputs, program)
-        scores = score_targets is not None
+        scores, pool = score_targets is not None, pool_segments is not None
         fn = self._programs.forward[program[-2:]]
-        if pool:  # the bucket's forward pass that returns its rows' hidden states
+        if pool:  # the bucket's forward pass that sums pool segments
             fn = self._programs.pool[(*program[-2:], scores)]
             program = ("pool", *program[1:], scores)
         elif scores:  # the bucket's forward pass that scores its tokens
             fn, program = self._programs.score[program[-2:]], ("score", *program[1:])
-        if scores:
-            args += (score_targets,)
+        args += (score_targets,) * scores + (pool_segments,) * pool
         out = self._run(program, fn, args)
         (self.kv_caches, self._logits, self.expert_load, self.guesses,
          self.features, self._row_tokens) = out[:6]

@@ -2,7 +2,8 @@
 modules (modules.json, 1_Pooling/config.json) and config.json's Matryoshka sizes.
 
 Without those files a decoder model is read as vLLM reads one as an embedding model: its
-last token, normalized."""
+last token, normalized. Pooling the last token, the first (CLS) or the mean of all is
+served; other modes, and modules after the pooling other than Normalize, are refused."""
 
 from __future__ import annotations
 
@@ -18,8 +19,12 @@ _MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
 _ST = "sentence_transformers.models."
 
 
+POOLED = ("last", "mean", "cls")  # the pooling modes served
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelPooling:
+    kind: str = "last"  # one of POOLED: the last prompt token's, the mean, or the first's
     normalize: bool = True  # embeddings L2-normalized unless a request says otherwise
     # The Matryoshka sizes config.json names (True: any, False: none; PoolingParams.check).
     matryoshka: tuple[int, ...] | bool = False
@@ -44,20 +49,21 @@ def read_pooling(model_dir: str | Path | None) -> ModelPooling:
     modules = path / "modules.json"
     if not modules.is_file():
         return ModelPooling(matryoshka=matryoshka)
-    normalize, unsupported = False, None
+    kind, normalize, unsupported = "last", False, None
     for module in json.loads(modules.read_text()):
-        kind = module.get("type", "").removeprefix(_ST)
-        if kind == "Normalize":
+        name = module.get("type", "").removeprefix(_ST)
+        if name == "Normalize":
             normalize = True
-        elif kind == "Pooling":
-            mode = _pooling_mode(path / module.get("path", "") / "config.json")
-            if mode != "last":
-                unsupported = (f"the checkpoint pools by {mode} (its sentence-transformers "
-                               "Pooling module); jaxserve pools the last token only")
-        elif kind != "Transformer":
-            unsupported = (f"the checkpoint's sentence-transformers module {kind!r} is not "
-                           "run by jaxserve, which pools the last token only")
-    return ModelPooling(normalize, matryoshka, unsupported)
+        elif name == "Pooling":
+            kind = _pooling_mode(path / module.get("path", "") / "config.json")
+            if kind not in POOLED:
+                unsupported = (f"the checkpoint pools by {kind} (its sentence-transformers "
+                               f"Pooling module); jaxserve pools by {', '.join(POOLED)}")
+        elif name != "Transformer":
+            unsupported = (f"the checkpoint's sentence-transformers module {name!r} is not "
+                           "run by jaxserve (it runs the model, its pooling and Normalize)")
+    return ModelPooling(kind if unsupported is None else "last", normalize, matryoshka,
+                        unsupported)
 
 
 def _pooling_mode(config: Path) -> str:

@@ -91,7 +91,8 @@ class InferenceServicer:
 
     def Embed(self, request, context):
         """Each input's embedding: its last token's final hidden state after the last norm
-        (last-token pooling), L2-normalized unless asked or the checkpoint says not.
+        (or the checkpoint's mean or CLS pooling), L2-normalized unless asked or the
+        checkpoint says not.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
