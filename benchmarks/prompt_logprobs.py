@@ -27,7 +27,6 @@ import os
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -35,7 +34,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import peers
 from jaxserve import LLM, SamplingParams
-from jaxserve.demo import cache_root, smollm2_gguf
 
 PROMPTS, PROMPT_LEN, HF_BATCH = 32, 128, 8
 TEXTS = ["The capital of France is Paris, and the capital of Germany is Berlin.",
@@ -53,24 +51,6 @@ def hf_scores(model, prompts: list[list[int]]) -> list[np.ndarray]:
     return out
 
 
-def float_checkpoint() -> Path:
-    """SmolLM2-135M-Instruct as a float32 Hugging Face directory, made once from the GGUF
-    file by transformers' GGUF loader."""
-    out = cache_root() / "models" / "SmolLM2-135M-Instruct-float32"
-    if not (out / "config.json").exists():
-        gguf = smollm2_gguf()
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                     dtype=torch.float32)
-        config = model.config
-        if hasattr(config, "quantization_config"):  # a model loaded from GGUF saves not
-            del config.quantization_config
-        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        plain.load_state_dict(model.state_dict())
-        plain.save_pretrained(out)
-        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
-    return out
-
-
 def summary(values: list[float]) -> str:
     return f"{statistics.median(values):.0f} [{min(values):.0f}-{max(values):.0f}]"
 
@@ -82,7 +62,7 @@ def main() -> None:
     args = ap.parse_args()
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
-    path = float_checkpoint()
+    path = peers.smollm2_float32()
     llm = LLM(str(path), dtype="float32", max_model_len=512, max_num_seqs=32,
               max_num_batched_tokens=512, enable_prefix_caching=True)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
