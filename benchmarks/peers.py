@@ -449,6 +449,11 @@ def run_llamacpp_concurrency(model_dir: Path, dtype: str, c: Concurrency) -> dic
             "counts": {n: _spreads(v) for n, v in by_n.items()}}
 
 
+def median_range(values: list[float]) -> str:
+    """Rounds' values as a table cell: "median [min-max]", whole numbers."""
+    return f"{statistics.median(values):.0f} [{min(values):.0f}-{max(values):.0f}]"
+
+
 def spread(xs: list[float]) -> dict:
     """Repeated rounds' values: their median, min, max and all of them."""
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "all": xs}

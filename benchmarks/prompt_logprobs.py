@@ -51,10 +51,6 @@ def hf_scores(model, prompts: list[list[int]]) -> list[np.ndarray]:
     return out
 
 
-def summary(values: list[float]) -> str:
-    return f"{statistics.median(values):.0f} [{min(values):.0f}-{max(values):.0f}]"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -104,7 +100,8 @@ def main() -> None:
     print("|---|---|---|")
     base = statistics.median(rates["jaxserve, no prompt logprobs"])
     for name, values in rates.items():
-        print(f"| {name} | {summary(values)} | {statistics.median(values) / base:.2f} |")
+        ratio = statistics.median(values) / base
+        print(f"| {name} | {peers.median_range(values)} | {ratio:.2f} |")
     for name, got in parity.items():
         worst = max(float(np.abs(np.array(g) - w).max()) for g, w in zip(got, want))
         print(f"\nparity: the largest |{name} - transformers| prompt logprob over "
