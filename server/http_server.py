@@ -826,17 +826,14 @@ class HTTPServer:
         """OpenAI's embeddings: each input's embedding (pooling_params.py)."""
         req = await self._body(request, oai.EmbeddingRequest)
         lora = self._check_serving(req.model)
-        inputs = req.inputs()
-        if any(isinstance(p, str) for p in inputs):
-            self._tokenizer()
-        try:
-            ids = [await self.async_engine.encode(p, req.add_special_tokens)
-                   if isinstance(p, str) else p for p in inputs]
-        except ValueError as e:
-            raise oai.APIError(400, str(e), "input") from e
-        ids = [req.truncated(p, self.info.max_model_len, False) for p in ids]
+        images = []
+        if req.messages is not None:
+            ids, images = await self._embedding_chat(req)
+        else:
+            ids = await self._embedding_inputs(req)
+        ids = [req.truncated(p, self.info.max_model_len, bool(images)) for p in ids]
         job = Job(self.async_engine, oai.new_id("embd", self._request_id(request, req)),
-                  [(p, EMBEDDING_PARAMS) for p in ids], lora, priority=req.priority,
+                  [(p, EMBEDDING_PARAMS) for p in ids], lora, images, priority=req.priority,
                   cache_salt=req.cache_salt, pooling=PoolingParams(req.dimensions,
                                                                    req.normalize))
         await self._start(request, job, "input", oai.EmbeddingRequest)
@@ -853,6 +850,34 @@ class HTTPServer:
         return {"id": job.id, "object": "list", "created": int(time.time()),
                 "model": self._model(job), "data": data,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    async def _embedding_inputs(self, req: oai.EmbeddingRequest) -> list[list[int]]:
+        """An embeddings request's `input`s as token ids."""
+        inputs = req.inputs()
+        if any(isinstance(p, str) for p in inputs):
+            self._tokenizer()
+        special = req.add_special_tokens is not False
+        try:
+            return [await self.async_engine.encode(p, special) if isinstance(p, str) else p
+                    for p in inputs]
+        except ValueError as e:
+            raise oai.APIError(400, str(e), "input") from e
+
+    async def _embedding_chat(self, req: oai.EmbeddingRequest) -> tuple[list[list[int]], list]:
+        """An embeddings request's `messages` rendered and tokenized (one prompt), and its
+        images."""
+        if req.input is not None:
+            raise oai.APIError(400, "input: set input or messages, not both", "input")
+        self._tokenizer()
+        try:
+            ids, images = await self.async_engine.encode_chat(
+                req.messages, bool(req.add_special_tokens), chat_template=req.chat_template,
+                add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+                continue_final_message=req.continue_final_message,
+                **(req.chat_template_kwargs or {}))
+        except ValueError as e:  # ChatTemplateError, a bad image, over --max-prompt-bytes
+            raise oai.APIError(400, str(e), "messages") from e
+        return [ids], images
 
     async def _beam_completion(self, request: Request, req: oai.CompletionRequest,
                                prompts: list, ids: list[list[int]], lora: LoRARequest | None,

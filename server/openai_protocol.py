@@ -393,20 +393,31 @@ MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on an embeddings request's inputs
 
 
 class EmbeddingRequest(_Truncation):
-    """OpenAI's embeddings request, with vLLM's extra fields."""
+    """OpenAI's embeddings request, with vLLM's extra fields (`messages` instead of
+    `input`: one conversation, rendered with the chat template, images included)."""
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = False  # (messages) as chat completions' fields
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None  # Matryoshka models: the first N entries
     user: str | None = None
-    add_special_tokens: bool = True  # BOS etc. before a text input
+    # BOS etc. before a text input (None: true), or on top of what the template writes
+    # for messages (None: false).
+    add_special_tokens: bool | None = None
     normalize: bool | None = None  # L2 norm 1 (None: as the model says; True without)
     priority: int = 0
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     request_id: str | None = Field(None, min_length=1, max_length=256)
 
     def inputs(self) -> list[str | list[int]]:
+        """The texts and token-id lists of `input` (APIError 400 for none)."""
+        if self.input is None:
+            raise APIError(400, "input: required (or messages)", "input")
         p = self.input
         inputs = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
         if not inputs or any(len(x) == 0 for x in inputs):

@@ -1052,6 +1052,27 @@ def test_embeddings_match_transformers(server, client, checkpoints):
     assert raw["usage"]["prompt_tokens"] == 10
 
 
+def test_embeddings_of_a_conversation(server, checkpoints):
+    """vLLM's `messages` instead of `input`: the conversation rendered by the chat template
+    as transformers renders it (no generation prompt unless asked), then embedded."""
+    import transformers
+
+    path, model = checkpoints("llama")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    url = f"{server[1].http_url}/v1/embeddings"
+    for extra in ({}, {"add_generation_prompt": True}):
+        ids = tokenizer.apply_chat_template(CHAT, tokenize=True, return_dict=True,
+                                            **extra)["input_ids"]
+        got = httpx.post(url, json={"messages": CHAT, **extra}).json()
+        assert got["usage"]["prompt_tokens"] == len(ids)
+        np.testing.assert_allclose(got["data"][0]["embedding"], hf_last_hidden(model, ids),
+                                   atol=2e-6)
+    both = httpx.post(url, json={"messages": CHAT, "input": "hi"})
+    assert (both.status_code, both.json()["error"]["param"]) == (400, "input")
+    bad = httpx.post(url, json={"messages": [{"role": "user", "content": 5}]})
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "messages")
+
+
 @pytest.mark.parametrize("body,param", [
     ({"input": []}, "input"),
     ({"input": ""}, "input"),

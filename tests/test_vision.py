@@ -196,6 +196,24 @@ def test_logprobs_match_transformers(llm, llava):
         np.testing.assert_allclose([got[t].logprob for t in top], position[top], atol=2e-4)
 
 
+def test_embeddings_with_an_image_match_transformers(llm, llava):
+    """An image prompt's last-token embedding (LLM.embed): transformers' last hidden state
+    of the language model over the prompt with the image's features in place."""
+    import torch
+
+    _, model, processor = llava
+    image = _image(5, 64, 64)
+    prompt = [0, 33, IMAGE_TOKEN, 34, 35]
+    got = llm.embed({"prompt_token_ids": prompt,
+                     "multi_modal_data": {"image": image}})[0].outputs.embedding
+    pixels = torch.tensor(processor.image_processor(images=[image],
+                                                    return_tensors="np")["pixel_values"])
+    with torch.no_grad():
+        h = model.model(input_ids=torch.tensor([_expanded(prompt)]),
+                        pixel_values=pixels).last_hidden_state[0, -1].numpy()
+    np.testing.assert_allclose(got, h / np.linalg.norm(h), atol=2e-5)
+
+
 def test_repeated_image_hits_the_prefix_and_encoder_caches(llm, llava):
     engine = llm.engine
     image = _image(5, 70, 70)
