@@ -225,7 +225,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     security = Security.from_args(args)  # bad files or an open address fail before loading
     security.check_bind(args.host)
     dist = multihost.DistributedConfig.from_args(args.coordinator, args.num_processes,
-                                                 args.process_id)
+                                                 args.process_id,
+                                                 args.distributed_heartbeat_timeout)
     if args.random_weights:
         name = f"{args.random_weights} (random weights)"
     else:
@@ -446,6 +447,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="processes in the job (env JAX_NUM_PROCESSES)")
     multi.add_argument("--process-id", type=int, default=None,
                        help="this process's index, 0 for the leader (env JAX_PROCESS_ID)")
+    multi.add_argument("--distributed-heartbeat-timeout", type=int, default=None,
+                       metavar="SECONDS",
+                       help="a process silent this long (dead, stopped, off the network, "
+                            "even mid-step) ends the whole job: process 0 aborts, so a "
+                            "supervisor restarts it (JAX's heartbeat timeout; default 100)")
     srv.set_defaults(func=cmd_serve)
 
     cli = sub.add_parser("client", help="call a running server")

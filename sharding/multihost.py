@@ -16,15 +16,22 @@ import jax
 log = logging.getLogger(__name__)
 
 
+# JAX's: a process that has sent no heartbeat for this long is dead to the coordination
+# service, which then ends every process of the job (process 0 aborts; the followers exit).
+HEARTBEAT_TIMEOUT_S = 100
+
+
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
     coordinator: str  # HOST:PORT of process 0's coordination service
     num_processes: int
     process_id: int
+    heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S
 
     @classmethod
     def from_args(cls, coordinator: str | None, num_processes: int | None,
-                  process_id: int | None) -> "DistributedConfig | None":
+                  process_id: int | None, heartbeat_timeout_s: int | None = None
+                  ) -> "DistributedConfig | None":
         """From the flags, else JAX's usual environment variables; None for one process."""
         coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
         num_processes = num_processes or _env_int("JAX_NUM_PROCESSES")
@@ -37,7 +44,12 @@ class DistributedConfig:
                              "JAX_PROCESS_ID)")
         if not 0 <= process_id < num_processes:
             raise ValueError(f"--process-id {process_id} must be in [0, {num_processes})")
-        return cls(coordinator, num_processes, process_id)
+        if heartbeat_timeout_s is None:
+            heartbeat_timeout_s = HEARTBEAT_TIMEOUT_S
+        if heartbeat_timeout_s < 2:
+            raise ValueError(f"--distributed-heartbeat-timeout {heartbeat_timeout_s}: give at "
+                             "least 2 seconds")
+        return cls(coordinator, num_processes, process_id, heartbeat_timeout_s)
 
 
 def exit_now(code: int) -> None:
@@ -56,7 +68,8 @@ def _env_int(name: str) -> int | None:
 def initialize(config: DistributedConfig) -> None:
     """Join the job; after this jax.devices() lists every process's devices."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU meshes only
-    jax.distributed.initialize(config.coordinator, config.num_processes, config.process_id)
+    jax.distributed.initialize(config.coordinator, config.num_processes, config.process_id,
+                               heartbeat_timeout_seconds=config.heartbeat_timeout_s)
     log.info("process %d of %d joined %s: %d devices, %d local", jax.process_index(),
              jax.process_count(), config.coordinator, jax.device_count(),
              jax.local_device_count())

@@ -246,3 +246,25 @@ def test_follower_failure_turns_the_server_not_serving(checkpoints, tmp_path, ho
         for p in (leader, follower):
             if p.poll() is None:
                 p.kill()
+
+
+def test_a_follower_stopped_mid_step_ends_the_job(checkpoints, tmp_path):
+    """A follower that stops answering while process 0 runs a step (no ping timer runs
+    then: process 0 waits in the step's collective) ends the job once JAX's heartbeat
+    timeout passes (--distributed-heartbeat-timeout): process 0 aborts and the call fails,
+    so a supervisor sees a dead process, not a hung one (JAX's default waits 100 s)."""
+    path, _ = checkpoints("llama8")
+    timeout = 6
+    with running_job(path, tmp_path, extra=("--distributed-heartbeat-timeout", str(timeout))
+                     ) as (leader, follower, target):
+        client = Client(target)
+        assert len(client.complete(PROMPTS[0], max_tokens=4, temperature=0.0,
+                                   ignore_eos=True)[0]) == 4
+        follower.send_signal(signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError):
+            client.complete(PROMPTS[1], max_tokens=16, temperature=0.0, ignore_eos=True,
+                            timeout=60)
+        assert leader.wait(timeout=60) != 0
+        assert time.monotonic() - start < PING_TIMEOUT_S + timeout
+        assert "stopped sending heartbeats" in (tmp_path / "process0.log").read_text()
