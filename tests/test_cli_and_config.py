@@ -246,3 +246,22 @@ def test_a_second_start_reads_every_step_program_from_the_compilation_cache(tmp_
     assert folder.name.startswith("jaxserve-") and "_jax-" in folder.name
     # The second start loaded them whole (executable_cache.py), not through tracing.
     assert len(list((folder / "jaxserve-executables").glob("*.bin"))) == programs
+
+
+def test_distributed_config_from_flags_and_environment(monkeypatch):
+    """Multi-host flags: all three or none (JAX's environment variables fill in), the
+    process id in range, JAX's heartbeat timeout by default and at least 2 s."""
+    from sharding.multihost import HEARTBEAT_TIMEOUT_S, DistributedConfig
+
+    for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(name, raising=False)
+    assert DistributedConfig.from_args(None, None, None) is None
+    config = DistributedConfig.from_args("h:1", 2, 1)
+    assert (config.process_id, config.heartbeat_timeout_s) == (1, HEARTBEAT_TIMEOUT_S)
+    assert DistributedConfig.from_args("h:1", 2, 0, 7).heartbeat_timeout_s == 7
+    monkeypatch.setenv("JAX_PROCESS_ID", "1")
+    assert DistributedConfig.from_args("h:1", 2, None).process_id == 1
+    for args, needle in ((("h:1", None, 0), "--num-processes"),
+                         (("h:1", 2, 2), "--process-id 2"), (("h:1", 2, 0, 1), "heartbeat")):
+        with pytest.raises(ValueError, match=needle):
+            DistributedConfig.from_args(*args)
