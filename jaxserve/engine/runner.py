@@ -70,7 +70,7 @@ class ModelRunner:
         # ("sample", R, history, verifies, full), ("step", T, S, R, tree, verifies),
         # ("move",) (`programs`), ("steps", T, S, decode_steps) (`steps_program`),
         # ("score", T, S, R, tree, verifies) (`dispatch_forward`'s with targets),
-        # ("pool", T, S, R, tree, verifies, scores) (`dispatch_forward`'s with pool).
+        # ("pool", T, S, R, tree, verifies, scores) (`dispatch_forward`'s with pool segments).
         self._executables: dict[tuple, Callable] = {}
         self._cache = ExecutableCache.for_process(
             repr((str(graphdef), features_from, self.branch_free)))
