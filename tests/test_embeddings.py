@@ -70,6 +70,7 @@ def test_embeddings_beside_generation_and_prompt_logprobs(llm, checkpoints, prom
     tokens = {rid: [t for o in os_ for t in o.new_token_ids] for rid, os_ in outs.items()}
     assert [tokens["gen0"], tokens["gen1"]] == alone
     assert len(outs["emb3"]) == 1 and outs["emb3"][0].finished
+    assert (outs["emb3"][0].new_token_ids, outs["emb3"][0].finish_reason) == ([], "stop")
     np.testing.assert_allclose(outs["emb3"][0].embedding, hf_last_hidden(model, prompts[3]),
                                atol=2e-6)
     assert all(o.embedding is None for rid in ("gen0", "gen1", "score2") for o in outs[rid])

@@ -531,17 +531,20 @@ def test_metrics_count_a_known_workload(server, client, grpc_client):
         client.completions.create(model=str(server[2]), prompt=[5] * n, max_tokens=4,
                                   extra_body={"ignore_eos": True})
     list(grpc_client.generate([7, 8, 9], max_tokens=2, ignore_eos=True))
+    client.embeddings.create(model=str(server[2]), input=[6] * 4)  # no token generated
     after = _scrape(url)
 
     def delta(name):
         return after.get(name, 0.0) - before.get(name, 0.0)
 
     assert delta('jaxserve:request_success_total{finished_reason="length"}') == 3
-    assert delta("jaxserve:prompt_tokens_total") == 3 + 5 + 3
+    assert delta('jaxserve:request_success_total{finished_reason="stop"}') == 1
+    assert delta("jaxserve:prompt_tokens_total") == 3 + 5 + 3 + 4
     assert delta("jaxserve:generation_tokens_total") == 4 + 4 + 2
-    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
-                      "request_queue_time_seconds", "request_prompt_tokens"):
-        assert delta(f"jaxserve:{histogram}_count") == 3, histogram
+    assert delta("jaxserve:time_to_first_token_seconds_count") == 3
+    for histogram in ("e2e_request_latency_seconds", "request_queue_time_seconds",
+                      "request_prompt_tokens"):
+        assert delta(f"jaxserve:{histogram}_count") == 4, histogram
     assert delta("jaxserve:time_per_output_token_seconds_count") >= 3
     assert delta("jaxserve:step_time_seconds_count") >= 4
     assert after["jaxserve:num_requests_running"] == 0

@@ -331,7 +331,8 @@ class Engine:
         seq.whole_images = bool(spans) and self.images.whole
         text = (OutputText(self.tokenizer, token_ids, params, self.eos_token_ids,
                            self.stream_text)
-                if self.detokenize and self.tokenizer is not None else None)
+                if self.detokenize and self.tokenizer is not None and pooling is None
+                else None)
         if text is not None and prefilled is not None:
             text.skip([prefilled.first_token])  # its text came from the prefill engine
         self._requests[request_id] = Request(
@@ -869,9 +870,10 @@ class Engine:
                 for score, token in zip(req.prompt_scores[1:], seq.prompt_token_ids[1:])]
             req.prompt_scores = None
             self._num_scoring -= 1
-        if req.pooling is not None:  # its only output
+        if req.pooling is not None:  # its only output: the embedding (its token discarded)
             pooled = req.pooled / (seq.num_prompt_tokens if self.pooling.kind == "mean" else 1)
             out.embedding = finish_embedding(pooled, req.pooling, self.pooling.normalize)
+            out.new_token_ids, out.finish_reason, out.stop_reason = [], "stop", None
         text = req.text
         if out.finished and seq.remote_decode and out.finish_reason == "length":
             out.kv_pages = req.kv_pages  # decoded elsewhere, its text goes on there
