@@ -767,14 +767,7 @@ class HTTPServer:
         lora = self._check_serving(req.model)
         prompts = req.prompts()
         tokenizer = self.info.tokenizer
-        if any(isinstance(p, str) for p in prompts):
-            tokenizer = self._tokenizer()
-        try:
-            ids = [await self.async_engine.encode(p, req.add_special_tokens)
-                   if isinstance(p, str) else p
-                   for p in prompts]
-        except ValueError as e:
-            raise oai.APIError(400, str(e), "prompt") from e
+        ids = await self._token_ids(prompts, req.add_special_tokens, "prompt")
         kept = [req.truncated(p, self.info.max_model_len, False) for p in ids]
         # An echo shows the prompt as run: a truncated one decoded from what was kept.
         prompts = [p if len(k) == len(i) else k for p, i, k in zip(prompts, ids, kept)]
@@ -830,7 +823,8 @@ class HTTPServer:
         if req.messages is not None:
             ids, images = await self._embedding_chat(req)
         else:
-            ids = await self._embedding_inputs(req)
+            ids = await self._token_ids(req.inputs(), req.add_special_tokens is not False,
+                                        "input")
         ids = [req.truncated(p, self.info.max_model_len, bool(images)) for p in ids]
         job = Job(self.async_engine, oai.new_id("embd", self._request_id(request, req)),
                   [(p, EMBEDDING_PARAMS) for p in ids], lora, images, priority=req.priority,
@@ -851,17 +845,17 @@ class HTTPServer:
                 "model": self._model(job), "data": data,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
-    async def _embedding_inputs(self, req: oai.EmbeddingRequest) -> list[list[int]]:
-        """An embeddings request's `input`s as token ids."""
-        inputs = req.inputs()
-        if any(isinstance(p, str) for p in inputs):
+    async def _token_ids(self, prompts: list[str | list[int]], add_special_tokens: bool,
+                         field: str) -> list[list[int]]:
+        """Prompts (texts or token ids) as token ids: the texts tokenized in the worker
+        pool (400 naming `field` when one cannot be, or the model has no tokenizer)."""
+        if any(isinstance(p, str) for p in prompts):
             self._tokenizer()
-        special = req.add_special_tokens is not False
         try:
-            return [await self.async_engine.encode(p, special) if isinstance(p, str) else p
-                    for p in inputs]
+            return [await self.async_engine.encode(p, add_special_tokens)
+                    if isinstance(p, str) else p for p in prompts]
         except ValueError as e:
-            raise oai.APIError(400, str(e), "input") from e
+            raise oai.APIError(400, str(e), field) from e
 
     async def _embedding_chat(self, req: oai.EmbeddingRequest) -> tuple[list[list[int]], list]:
         """An embeddings request's `messages` rendered and tokenized (one prompt), and its

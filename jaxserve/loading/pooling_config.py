@@ -17,8 +17,6 @@ _MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
           "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len",
           "pooling_mode_weightedmean_tokens": "weightedmean"}
 _ST = "sentence_transformers.models."
-
-
 POOLED = ("last", "mean", "cls")  # the pooling modes served
 
 
