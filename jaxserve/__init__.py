@@ -3,8 +3,9 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from jaxserve.beam_search import BeamSearchParams
-from jaxserve.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
-                              RequestOutput)
+from jaxserve.outputs import (ClassificationOutput, ClassificationRequestOutput,
+                              CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
+                              RequestOutput, ScoringOutput, ScoringRequestOutput)
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
@@ -28,4 +29,6 @@ def __getattr__(name):
 
 
 __all__ = ["LLM", "LoRARequest", "SamplingParams", "BeamSearchParams", "PoolingParams",
-           "RequestOutput", "CompletionOutput", "EmbeddingRequestOutput", "EmbeddingOutput"]
+           "RequestOutput", "CompletionOutput", "EmbeddingRequestOutput", "EmbeddingOutput",
+           "ClassificationRequestOutput", "ClassificationOutput", "ScoringRequestOutput",
+           "ScoringOutput"]

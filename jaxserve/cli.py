@@ -84,6 +84,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mm-encoder-cache-tokens", type=positive_int, default=None,
                    metavar="N", help="rows of image embeddings kept on the device (default: "
                                      "8 images' worth, at least --max-num-batched-tokens)")
+    g.add_argument("--hf-overrides", default=None, metavar="JSON",
+                   help="keys set over the checkpoint's config.json, as vLLM's: e.g. a "
+                        "reranker's head from LM head rows, '{\"classifier_from_token\": "
+                        "[\"no\", \"yes\"], \"method\": \"from_2_way_softmax\"}' "
+                        "(docs/http.md)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM\'s: e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\' (docs/speculative.md)')
@@ -167,6 +172,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "sharding": args.sharding, "compilation_cache_dir": args.compilation_cache_dir,
         "speculative_config": parse_json_object("--speculative-config",
                                                 args.speculative_config),
+        "hf_overrides": parse_json_object("--hf-overrides", args.hf_overrides),
         "enable_lora": True if args.enable_lora else None, "max_loras": args.max_loras,
         "max_lora_rank": args.max_lora_rank, "max_cpu_loras": args.max_cpu_loras,
         "limit_mm_per_prompt": parse_json_object("--limit-mm-per-prompt",

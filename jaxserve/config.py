@@ -723,7 +723,10 @@ class ModelConfig:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # A sequence classifier has no LM head: a pooling request's discarded token
+            # comes from its embedding's table (loading/classifier.py).
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False))
+            or (hf.get("architectures") or [""])[0].endswith("ForSequenceClassification"),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
@@ -747,8 +750,10 @@ class ModelConfig:
         ).for_context(None)
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike) -> "ModelConfig":
-        """Load from a checkpoint directory, a config.json, or a YAML preset."""
+    def from_file(cls, path: str | os.PathLike,
+                  overrides: dict[str, Any] | None = None) -> "ModelConfig":
+        """Load from a checkpoint directory, a config.json, or a YAML preset, with
+        `overrides` set over its top-level keys."""
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
@@ -756,7 +761,7 @@ class ModelConfig:
             raise ValueError(f"no model config at {path}")
         text = path.read_text()
         data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
-        return cls.from_hf(data)
+        return cls.from_hf({**data, **(overrides or {})})
 
 
 def _moe_from_hf(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
@@ -965,6 +970,8 @@ class EngineConfig:
     by their index in `jax.devices()` (None: the first ones), so that two engines of one
     process can sit on devices of their own; `kv_transfer_config` (a KVTransferConfig or
     its dict) makes the engine one side of prefill/decode disaggregation.
+    `hf_overrides` (vLLM's): keys set over the checkpoint's config.json (e.g. a
+    classification head from LM head rows: loading/classifier.py).
     """
 
     model: str | None = None
@@ -1006,6 +1013,7 @@ class EngineConfig:
     limit_mm_per_prompt: dict[str, int] | None = None
     devices: tuple[int, ...] | None = None
     kv_transfer_config: KVTransferConfig | None = None
+    hf_overrides: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):

@@ -7,6 +7,7 @@ import itertools
 import sys
 from collections.abc import Sequence
 
+import numpy as np
 from tqdm import tqdm
 
 from jaxserve.beam_search import (BeamSearch, BeamSearchOutput, BeamSearchParams,
@@ -16,8 +17,10 @@ from jaxserve.engine.disaggregated import DisaggregatedEngine
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.lora import LoRARequest
 from jaxserve.loading.media import MediaPolicy, take_images
-from jaxserve.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
-                              RequestOutput)
+from jaxserve import scoring
+from jaxserve.outputs import (ClassificationOutput, ClassificationRequestOutput,
+                              CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
+                              RequestOutput, ScoringOutput, ScoringRequestOutput)
 from jaxserve.pooling_params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
@@ -159,31 +162,76 @@ class LLM:
         mean over its tokens, or its first token's, where the checkpoint's
         sentence-transformers modules say so: jaxserve/pooling_params.py), L2-normalized
         unless `pooling_params` or those modules say not, in the prompts' order."""
-        if not isinstance(self.engine, Engine):
-            raise ValueError("embeddings run on one engine, not a prefill/decode pair")
-        prompts = _prompt_list(prompts)
         pooling = pooling_params or PoolingParams()
+        return [EmbeddingRequestOutput(rid, ids, EmbeddingOutput(v.tolist()))
+                for rid, ids, v in self._pool(_prompt_list(prompts), pooling, lora_request,
+                                              use_tqdm, "embedding")]
+
+    def classify(self, prompts: Prompt | Sequence[Prompt],
+                 pooling_params: PoolingParams | None = None, use_tqdm: bool = False,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[ClassificationRequestOutput]:
+        """vLLM's `LLM.classify`: each prompt's class probabilities (`outputs.probs`) from
+        the checkpoint's classification head (loading/classifier.py) at its last token;
+        raw logits with `PoolingParams(task="classify", use_activation=False)`."""
+        pooling = dataclasses.replace(pooling_params or PoolingParams(), task="classify")
+        return [ClassificationRequestOutput(rid, ids, ClassificationOutput(v.tolist()))
+                for rid, ids, v in self._pool(_prompt_list(prompts), pooling, lora_request,
+                                              use_tqdm, "classifying")]
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], /, *,
+              pooling_params: PoolingParams | None = None, use_tqdm: bool = False,
+              lora_request: LoRARequest | None = None, chat_template: str | None = None,
+              chat_template_kwargs: dict | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's `LLM.score`: a score (`outputs.score`) for each (query, document) pair of
+        1:1, 1:N or N:N texts, in `data_2`'s order: a cross-encoder's head output on the
+        pair as one prompt, or the cosine similarity of a bi-encoder's two embeddings
+        (jaxserve/scoring.py)."""
+        queries = [data_1] if isinstance(data_1, str) else list(data_1)
+        documents = [data_2] if isinstance(data_2, str) else list(data_2)
+        pairs = scoring.pairs(queries, documents)
+        params = pooling_params or PoolingParams()
+        tokenizer = self.engine.tokenizer
+        if scoring.cross_encodes(getattr(self.engine, "classifier", None)):
+            prompts = [scoring.pair_prompt(tokenizer, self.engine.classifier, q, d,
+                                           chat_template, chat_template_kwargs)
+                       for q, d in pairs]
+            pooled = self._pool(prompts, dataclasses.replace(params, task="classify"),
+                                lora_request, use_tqdm, "scoring")
+            return [ScoringRequestOutput(rid, ids, ScoringOutput(float(v[0])))
+                    for rid, ids, v in pooled]
+        texts = list(dict.fromkeys(q for q, _ in pairs)) + documents
+        pooled = self._pool(texts, params, lora_request, use_tqdm, "scoring")
+        query = {q: pooled[i] for i, q in enumerate(texts[:len(texts) - len(documents)])}
+        return [ScoringRequestOutput(rid, query[q][1] + ids,
+                                     ScoringOutput(scoring.cosine(query[q][2], v)))
+                for (q, _), (rid, ids, v) in zip(pairs, pooled[len(query):])]
+
+    def _pool(self, prompts: list[Prompt], pooling: PoolingParams,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+              use_tqdm: bool, desc: str) -> list[tuple[str, list[int], np.ndarray]]:
+        """Each prompt's (request id, prompt token ids, pooled vector), in order."""
+        if not isinstance(self.engine, Engine):
+            raise ValueError("pooling requests run on one engine, not a prefill/decode pair")
         loras = _per_prompt(lora_request, len(prompts))
-        results: dict[str, EmbeddingRequestOutput] = {}
+        ids: dict[str, list[int]] = {}
+        pooled: dict[str, np.ndarray] = {}
 
         def add(rid: str, i: int, prompt, images: list, salt: str | None) -> None:
-            ids = self.engine.add_request(rid, prompt, None, 0, loras[i], images,
-                                          cache_salt=salt, pooling=pooling)
-            results[rid] = EmbeddingRequestOutput(rid, ids, EmbeddingOutput([]), False)
+            ids[rid] = self.engine.add_request(rid, prompt, None, 0, loras[i], images,
+                                               cache_salt=salt, pooling=pooling)
 
         order = self._add_all(prompts, add)
-        bar = tqdm(total=len(order), desc="embedding", disable=not use_tqdm)
+        bar = tqdm(total=len(order), desc=desc, disable=not use_tqdm)
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 if out.finish_reason == "error":
                     raise RuntimeError(f"request {out.request_id}: {out.error}")
                 if out.finished:
-                    result = results[out.request_id]
-                    result.outputs.embedding = out.embedding.tolist()
-                    result.finished = True
+                    pooled[out.request_id] = out.pooled
                     bar.update()
         bar.close()
-        return [results[rid] for rid in order]
+        return [(rid, ids[rid], pooled[rid]) for rid in order]
 
     def _add_all(self, prompts: list[Prompt], add) -> list[str]:
         """Queue every prompt with `add(request id, index, text or token ids, images,

@@ -42,8 +42,9 @@ class StepOutput:
     # SamplingParams.prompt_logprobs, on the request's first output: None, then an entry
     # per prompt token after the first (RequestOutput.prompt_logprobs).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    # An embedding request's (Engine.add_request's `pooling`): float32 `[dimensions]`.
-    embedding: Any = None
+    # A pooling request's (Engine.add_request's `pooling`), float32: an embedding
+    # `[dimensions]`, or a classification's `[num_labels]` probabilities (or logits).
+    pooled: Any = None
 
     @staticmethod
     def merge(outputs: list[StepOutput]) -> StepOutput:
@@ -97,4 +98,39 @@ class EmbeddingRequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclasses.dataclass
+class ClassificationOutput:
+    probs: list[float]  # per label (raw logits when use_activation is False)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclasses.dataclass
+class ClassificationRequestOutput:
+    """`LLM.classify`'s result for one prompt (vLLM's)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+
+@dataclasses.dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclasses.dataclass
+class ScoringRequestOutput:
+    """`LLM.score`'s result for one pair (vLLM's): a cross-encoder's pair prompt, or a
+    bi-encoder's query tokens then document tokens."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
     finished: bool = True

@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from jaxserve import scoring
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.lora import LoRARequest
 from jaxserve.engine.multimodal.inputs import ImageInput, ImagePreparer, place_images
@@ -63,6 +64,14 @@ def _encode(tokenizer, text: str, add_special_tokens: bool, limit: int) -> list[
     if not text:
         raise ValueError("prompt is empty")
     return tokenizer.encode(text, add_special_tokens)
+
+
+def _encode_pair(tokenizer, classifier, query: str, document: str, chat_template: str | None,
+                 template_kwargs: dict, limit: int) -> list[int]:
+    if len(query.encode()) + len(document.encode()) > limit:
+        raise ValueError(_too_big(limit))
+    return scoring.pair_prompt(tokenizer, classifier, query, document, chat_template,
+                               template_kwargs)
 
 
 def _encode_chat(tokenizer, messages: list[dict], limit: int, add_special_tokens: bool,
@@ -252,6 +261,14 @@ class AsyncEngine:
         if len(text) > self.max_prompt_bytes:  # characters <= bytes: checked for free
             raise ValueError(_too_big(self.max_prompt_bytes))
         return await self._in_pool(_encode, self.info.tokenizer, text, add_special_tokens,
+                                   self.max_prompt_bytes)
+
+    async def encode_pair(self, query: str, document: str, chat_template: str | None = None,
+                          template_kwargs: dict | None = None) -> list[int]:
+        """A cross-encoder's prompt for a (query, document) pair (jaxserve/scoring.py), in
+        the tokenizer pool; ValueError when it cannot be made."""
+        return await self._in_pool(_encode_pair, self.info.tokenizer, self.info.classifier,
+                                   query, document, chat_template, template_kwargs or {},
                                    self.max_prompt_bytes)
 
     async def encode_chat(self, messages: list[dict], add_special_tokens: bool = False,

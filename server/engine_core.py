@@ -58,6 +58,7 @@ from jaxserve.engine.kv_transfer import Prefilled
 from jaxserve.engine.lora import LoRARequest
 from jaxserve.engine.multimodal.inputs import ImagePreparer
 from jaxserve.engine.status import EngineStatus
+from jaxserve.loading.classifier import Classifier
 from jaxserve.outputs import StepOutput
 from server.kv_transfer import KVPuller, KVSender, KVTransferError
 
@@ -87,6 +88,7 @@ class EngineInfo:
     adapters: dict[str, LoRARequest]  # served at load (--lora-modules)
     multi_host: bool
     images: ImagePreparer | None = None  # a vision-language model's (None: text only)
+    classifier: Classifier | None = None  # its classification head (loading/classifier.py)
 
     @classmethod
     def of(cls, engine: Engine) -> EngineInfo:
@@ -96,7 +98,8 @@ class EngineInfo:
                    {k: int(v) for k, v in engine.mesh.shape.items()}, loras is not None,
                    {name: loras.get(name) for name in loras.names} if loras is not None else {},
                    engine.broadcaster is not None,
-                   engine.images.preparer if engine.images is not None else None)
+                   engine.images.preparer if engine.images is not None else None,
+                   getattr(engine, "classifier", None))
 
 
 @dataclasses.dataclass

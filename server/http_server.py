@@ -26,12 +26,14 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
+import numpy as np
 import pydantic
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import jaxserve
+from jaxserve import scoring
 from jaxserve.beam_search import BeamSearch, BeamSearchParams, advance_all, live_beams
 from jaxserve.engine.lora import LoRARequest
 from jaxserve.outputs import StepOutput
@@ -293,6 +295,12 @@ class HTTPServer:
         app.post("/v1/chat/completions")(self.chat_completions)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/embeddings")(self.embeddings)
+        for path in ("/classify", "/v1/classify"):  # vLLM's, SGLang's
+            app.post(path)(self.classify)
+        for path in ("/score", "/v1/score"):
+            app.post(path)(self.score)
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            app.post(path)(self.rerank)
         app.post("/v1/responses")(self.responses)
         app.get("/v1/responses/{response_id}")(self.get_response)
         app.post("/v1/responses/{response_id}/cancel")(self.cancel_response)
@@ -818,32 +826,113 @@ class HTTPServer:
     async def embeddings(self, request: Request):
         """OpenAI's embeddings: each input's embedding (pooling_params.py)."""
         req = await self._body(request, oai.EmbeddingRequest)
-        lora = self._check_serving(req.model)
-        images = []
-        if req.messages is not None:
-            ids, images = await self._embedding_chat(req)
-        else:
-            ids = await self._token_ids(req.inputs(), req.add_special_tokens is not False,
-                                        "input")
-        ids = [req.truncated(p, self.info.max_model_len, bool(images)) for p in ids]
-        job = Job(self.async_engine, oai.new_id("embd", self._request_id(request, req)),
-                  [(p, EMBEDDING_PARAMS) for p in ids], lora, images, priority=req.priority,
-                  cache_salt=req.cache_salt, pooling=PoolingParams(req.dimensions,
-                                                                   req.normalize))
-        await self._start(request, job, "input", oai.EmbeddingRequest)
-        vectors = [None] * len(ids)
-        async with _watching(request, job):
-            async for i, out in job.outputs():
-                if out.finished:
-                    vectors[i] = out.embedding
+        job, ids, vectors = await self._pool(request, req, "embd", PoolingParams(
+            req.dimensions, req.normalize))
         data = [{"object": "embedding", "index": i,
                  "embedding": (base64.b64encode(v.astype("<f4").tobytes()).decode()
                                if req.encoding_format == "base64" else v.tolist())}
                 for i, v in enumerate(vectors)]
-        tokens = sum(map(len, ids))
         return {"id": job.id, "object": "list", "created": int(time.time()),
-                "model": self._model(job), "data": data,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+                "model": self._model(job), "data": data, "usage": _pooling_usage(ids)}
+
+    async def classify(self, request: Request):
+        """vLLM's /classify: each input's class probabilities (loading/classifier.py)."""
+        req = await self._body(request, oai.ClassificationRequest)
+        job, ids, vectors = await self._pool(request, req, "classify", PoolingParams(
+            task="classify", use_activation=req.use_activation))
+        labels = self.info.classifier.labels
+        data = [{"index": i, "label": labels[int(np.argmax(v))], "probs": v.tolist(),
+                 "num_classes": len(v)} for i, v in enumerate(vectors)]
+        return {"id": job.id, "object": "list", "created": int(time.time()),
+                "model": self._model(job), "data": data, "usage": _pooling_usage(ids)}
+
+    async def score(self, request: Request):
+        """vLLM's /score: a score for each (query, document) pair (jaxserve/scoring.py)."""
+        req = await self._body(request, oai.ScoreRequest)
+        job, ids, scores = await self._score(request, req, "score")
+        return {"id": job.id, "object": "list", "created": int(time.time()),
+                "model": self._model(job), "usage": _pooling_usage(ids),
+                "data": [{"index": i, "object": "score", "score": x}
+                         for i, x in enumerate(scores)]}
+
+    async def rerank(self, request: Request):
+        """vLLM's (Jina's, Cohere's) /rerank: the documents by their score for the query,
+        best first, the best `top_n` (0: all)."""
+        req = await self._body(request, oai.RerankRequest)
+        job, ids, scores = await self._score(request, req, "rerank")
+        documents = req.texts()[1]
+        best = sorted(range(len(scores)), key=lambda i: -scores[i])[:req.top_n or None]
+        return {"id": job.id, "model": self._model(job), "usage": _pooling_usage(ids),
+                "results": [{"index": i, "document": {"text": documents[i]},
+                             "relevance_score": scores[i]} for i in best]}
+
+    async def _pool(self, request: Request, req: oai._PoolingRequest, kind: str,
+                    pooling: PoolingParams) -> tuple[Job, list[list[int]], list]:
+        """Run an embeddings or classification request's inputs (or its messages): its
+        job, prompts' token ids and pooled vectors, in order."""
+        lora = self._check_serving(req.model)
+        images = []
+        if req.messages is not None:
+            ids, images = await self._pooling_chat(req)
+        else:
+            ids = await self._token_ids(req.inputs(), req.add_special_tokens is not False,
+                                        "input")
+        ids = [req.truncated(p, self.info.max_model_len, bool(images)) for p in ids]
+        return await self._run_pooling(request, req, kind, ids, pooling, lora, images,
+                                       "input")
+
+    async def _run_pooling(self, request: Request, req, kind: str, ids: list[list[int]],
+                           pooling: PoolingParams, lora: LoRARequest | None,
+                           images: list = (), field: str = "input"
+                           ) -> tuple[Job, list[list[int]], list]:
+        job = Job(self.async_engine, oai.new_id(kind, self._request_id(request, req)),
+                  [(p, EMBEDDING_PARAMS) for p in ids], lora, list(images),
+                  priority=req.priority, cache_salt=req.cache_salt, pooling=pooling)
+        await self._start(request, job, field, type(req))
+        vectors = [None] * len(ids)
+        async with _watching(request, job):
+            async for i, out in job.outputs():
+                if out.finished:
+                    vectors[i] = out.pooled
+        return job, ids, vectors
+
+    async def _score(self, request: Request, req: oai._ScoringRequest, kind: str
+                     ) -> tuple[Job, list[list[int]], list[float]]:
+        """A /score or /rerank request's pairs scored: by the model's classification head
+        on each pair as one prompt, or as the cosine similarity of their embeddings."""
+        lora = self._check_serving(req.model)
+        queries, documents = req.texts()
+        try:
+            pairs = scoring.pairs(queries, documents)
+        except ValueError as e:
+            raise oai.APIError(400, str(e)) from e
+        try:
+            cross = scoring.cross_encodes(self.info.classifier)
+        except ValueError as e:
+            raise oai.APIError(400, str(e), "model") from e
+        self._tokenizer()
+        if cross:
+            try:
+                ids = [await self.async_engine.encode_pair(q, d, req.chat_template,
+                                                           req.template_kwargs())
+                       for q, d in pairs]
+            except ValueError as e:
+                raise oai.bad_request(e, "chat_template" if req.chat_template else "query",
+                                      type(req)) from e
+            ids = [req.truncated(p, self.info.max_model_len, False) for p in ids]
+            job, ids, vectors = await self._run_pooling(
+                request, req, kind, ids, PoolingParams(task="classify",
+                                                       use_activation=req.use_activation),
+                lora)
+            return job, ids, [float(v[0]) for v in vectors]
+        texts = list(dict.fromkeys(q for q, _ in pairs)) + documents
+        ids = await self._token_ids(texts, True, "documents")
+        ids = [req.truncated(p, self.info.max_model_len, False) for p in ids]
+        job, ids, vectors = await self._run_pooling(request, req, kind, ids, PoolingParams(),
+                                                    lora)
+        n = len(texts) - len(documents)
+        query = {q: vectors[i] for i, q in enumerate(texts[:n])}
+        return job, ids, [scoring.cosine(query[q], v) for (q, _), v in zip(pairs, vectors[n:])]
 
     async def _token_ids(self, prompts: list[str | list[int]], add_special_tokens: bool,
                          field: str) -> list[list[int]]:
@@ -857,9 +946,9 @@ class HTTPServer:
         except ValueError as e:
             raise oai.APIError(400, str(e), field) from e
 
-    async def _embedding_chat(self, req: oai.EmbeddingRequest) -> tuple[list[list[int]], list]:
-        """An embeddings request's `messages` rendered and tokenized (one prompt), and its
-        images."""
+    async def _pooling_chat(self, req: oai._PoolingRequest) -> tuple[list[list[int]], list]:
+        """An embeddings or classification request's `messages` rendered and tokenized
+        (one prompt), and its images."""
         if req.input is not None:
             raise oai.APIError(400, "input: set input or messages, not both", "input")
         self._tokenizer()
@@ -1103,6 +1192,11 @@ QUEUE_HEADER = "x-jaxserve-queue-seconds"
 # A prefill server's page size when its prefix cache is on, else 0 (the router's Responses
 # usage counts the prompt's pages written to the cache with it).
 PAGE_HEADER = "x-jaxserve-prefix-cache-page-size"
+
+
+def _pooling_usage(prompts: list[list[int]]) -> dict:
+    tokens = sum(map(len, prompts))
+    return {"prompt_tokens": tokens, "total_tokens": tokens}
 
 
 def _usage(prompts: list[list[int]], choices: list[Choice]) -> dict:

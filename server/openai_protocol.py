@@ -389,12 +389,13 @@ class CompletionRequest(_Request):
         return max(counts) if counts else None
 
 
-MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on an embeddings request's inputs
+MAX_POOLING_INPUTS = 2048  # OpenAI's limit on an embeddings request's inputs (ours on all)
 
 
-class EmbeddingRequest(_Truncation):
-    """OpenAI's embeddings request, with vLLM's extra fields (`messages` instead of
-    `input`: one conversation, rendered with the chat template, images included)."""
+class _PoolingRequest(_Truncation):
+    """What embeddings and classification requests share (vLLM's): texts or token ids in
+    `input`, or `messages` instead: one conversation, rendered with the chat template,
+    images included."""
 
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]] | None = None
@@ -403,13 +404,10 @@ class EmbeddingRequest(_Truncation):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None  # Matryoshka models: the first N entries
     user: str | None = None
     # BOS etc. before a text input (None: true), or on top of what the template writes
     # for messages (None: false).
     add_special_tokens: bool | None = None
-    normalize: bool | None = None  # L2 norm 1 (None: as the model says; True without)
     priority: int = 0
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     request_id: str | None = Field(None, min_length=1, max_length=256)
@@ -422,10 +420,91 @@ class EmbeddingRequest(_Truncation):
         inputs = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
         if not inputs or any(len(x) == 0 for x in inputs):
             raise APIError(400, "input: must not be empty", "input")
-        if len(inputs) > MAX_EMBEDDING_INPUTS:
-            raise APIError(400, f"input: at most {MAX_EMBEDDING_INPUTS} inputs, got "
+        if len(inputs) > MAX_POOLING_INPUTS:
+            raise APIError(400, f"input: at most {MAX_POOLING_INPUTS} inputs, got "
                                 f"{len(inputs)}", "input")
         return inputs
+
+
+class EmbeddingRequest(_PoolingRequest):
+    """OpenAI's embeddings request, with vLLM's extra fields."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # Matryoshka models: the first N entries
+    normalize: bool | None = None  # L2 norm 1 (None: as the model says; True without)
+
+
+class ClassificationRequest(_PoolingRequest):
+    """vLLM's /classify: each input's class probabilities from the model's head."""
+
+    use_activation: bool | None = None  # False: the head's raw logits
+
+
+class _ScoringRequest(_Truncation):
+    """What /score and /rerank share (vLLM's fields; `chat_template` is ours: vLLM
+    takes it from the server's --chat-template). Texts only."""
+
+    model: str | None = None
+    user: str | None = None
+    use_activation: bool | None = None  # a cross-encoder's: False for its raw logit
+    chat_template: str | None = None  # renders [query, document] messages (scoring.py)
+    chat_template_kwargs: dict[str, Any] | None = None
+    instruction: str | None = None  # chat_template_kwargs' "instruction" (vLLM's)
+    priority: int = 0
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    request_id: str | None = Field(None, min_length=1, max_length=256)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.instruction is not None:
+            kwargs.setdefault("instruction", self.instruction)
+        return kwargs
+
+
+def _texts(value: str | list[str], field: str) -> list[str]:
+    texts = [value] if isinstance(value, str) else list(value)
+    if len(texts) > MAX_POOLING_INPUTS:
+        raise APIError(400, f"{field}: at most {MAX_POOLING_INPUTS} texts, got {len(texts)}",
+                       field)
+    if any(not t for t in texts):
+        raise APIError(400, f"{field}: a text must not be empty", field)
+    return texts
+
+
+class ScoreRequest(_ScoringRequest):
+    """vLLM's /score: a score for each (query, document) pair, 1:1, 1:N or N:N; the pair
+    named text_1 / text_2, queries / documents, queries / items or data_1 / data_2."""
+
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+    queries: str | list[str] | None = None
+    documents: str | list[str] | None = None
+    items: str | list[str] | None = None
+    data_1: str | list[str] | None = None
+    data_2: str | list[str] | None = None
+
+    def texts(self) -> tuple[list[str], list[str]]:
+        """(queries, documents); APIError 400 unless exactly one pair of fields is set."""
+        given = [(a, b) for a, b in (("text_1", "text_2"), ("queries", "documents"),
+                                     ("queries", "items"), ("data_1", "data_2"))
+                 if getattr(self, a) is not None and getattr(self, b) is not None]
+        if len(given) != 1:
+            raise APIError(400, "text_1 and text_2 (or queries and documents): give one pair "
+                                "of inputs", "text_1")
+        a, b = given[0]
+        return _texts(getattr(self, a), a), _texts(getattr(self, b), b)
+
+
+class RerankRequest(_ScoringRequest):
+    """vLLM's (Jina's, Cohere's) /rerank: the documents by their score for the query,
+    best first."""
+
+    query: str
+    documents: str | list[str]
+    top_n: int = Field(0, ge=0)  # the best N (0: all)
+
+    def texts(self) -> tuple[list[str], list[str]]:
+        return _texts(self.query, "query"), _texts(self.documents, "documents")
 
 
 # ----------------------------------------------------------------------- responses

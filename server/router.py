@@ -28,8 +28,8 @@ previous_response_id and GET /v1/responses/{id} itself.
 GET /health is 200 while a prefill and a decode server answer their /health; /metrics has
 the requests, the time to first token split into queue and prefill (on the prefill
 server), transfer (the decode server's pull and admission) and first decode, and the
-retries; /v1/models, /v1/embeddings, /tokenize, /detokenize and /version are a decode
-server's. Loading
+retries; /v1/models, /v1/embeddings, /classify, /score, /rerank (and their /v1/, /v2/
+paths), /tokenize, /detokenize and /version are a decode server's. Loading
 or unloading a LoRA adapter (/v1/load_lora_adapter, /v1/unload_lora_adapter) goes to
 every server: a load that fails on one is undone on those it succeeded on.
 
@@ -545,6 +545,13 @@ class Router:
         @app.get("/v1/models")
         @app.get("/version")
         @app.post("/v1/embeddings")
+        @app.post("/classify")
+        @app.post("/v1/classify")
+        @app.post("/score")
+        @app.post("/v1/score")
+        @app.post("/rerank")
+        @app.post("/v1/rerank")
+        @app.post("/v2/rerank")
         @app.post("/tokenize")
         @app.post("/detokenize")
         async def a_decode_servers(request: Request):

@@ -266,7 +266,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             if out.finish_reason == "error":  # the engine step failed; the server goes on
                 await context.abort(grpc.StatusCode.INTERNAL, f"the step failed: {out.error}")
         return pb.EmbedResponse(embeddings=[
-            pb.Embedding(values=out.embedding.tolist(), prompt_tokens=len(p))
+            pb.Embedding(values=out.pooled.tolist(), prompt_tokens=len(p))
             for out, p in zip(outputs, prompts)])
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:

@@ -264,7 +264,7 @@ def test_router_loads_adapters_on_every_server(cluster, checkpoints, tmp_path):
     """/v1/load_lora_adapter through the router loads on the prefill and the decode server
     (the router's completions under it are then the single server's), unloads from both;
     a load one server refuses is undone on the others; /tokenize, /detokenize,
-    /v1/embeddings and /version are a decode server's."""
+    /v1/embeddings, /rerank and /version are a decode server's."""
     servers, router, logs = cluster
     _, base = checkpoints("llama8")
     save_peft_adapter(base, tmp_path, seed=3)
@@ -308,6 +308,12 @@ def test_router_loads_adapters_on_every_server(cluster, checkpoints, tmp_path):
                  for url in (router, servers["single"].http_url))
     np.testing.assert_allclose([d["embedding"] for d in got], [d["embedding"] for d in want],
                                atol=1e-6)
+    body = {"query": "some words", "documents": ["and more words", "other text", "words"]}
+    got, want = (httpx.post(url + "/rerank", json=body).json()["results"]
+                 for url in (router, servers["single"].http_url))
+    assert [r["index"] for r in got] == [r["index"] for r in want]
+    np.testing.assert_allclose([r["relevance_score"] for r in got],
+                               [r["relevance_score"] for r in want], atol=1e-6)
     bad = httpx.post(router + "/detokenize", json={"tokens": [10 ** 9]})
     assert (bad.status_code, bad.json()["error"]["param"]) == (400, "tokens")
     assert httpx.get(router + "/version").json() == httpx.get(

@@ -71,9 +71,9 @@ def test_embeddings_beside_generation_and_prompt_logprobs(llm, checkpoints, prom
     assert [tokens["gen0"], tokens["gen1"]] == alone
     assert len(outs["emb3"]) == 1 and outs["emb3"][0].finished
     assert (outs["emb3"][0].new_token_ids, outs["emb3"][0].finish_reason) == ([], "stop")
-    np.testing.assert_allclose(outs["emb3"][0].embedding, hf_last_hidden(model, prompts[3]),
+    np.testing.assert_allclose(outs["emb3"][0].pooled, hf_last_hidden(model, prompts[3]),
                                atol=2e-6)
-    assert all(o.embedding is None for rid in ("gen0", "gen1", "score2") for o in outs[rid])
+    assert all(o.pooled is None for rid in ("gen0", "gen1", "score2") for o in outs[rid])
     assert_prompt_logprobs(outs["score2"][0].prompt_logprobs, prompts[2],
                            hf_logprobs(model, prompts[2]), 2)
     again = engine.add_request("emb3b", prompts[3], pooling=PoolingParams())
@@ -82,7 +82,7 @@ def test_embeddings_beside_generation_and_prompt_logprobs(llm, checkpoints, prom
     while not cached:
         cached = [o for o in engine.step() if o.request_id == "emb3b"]
     assert cached[0].num_cached_tokens == 40  # its full pages but the last token's
-    np.testing.assert_allclose(cached[0].embedding, outs["emb3"][0].embedding, atol=1e-6)
+    np.testing.assert_allclose(cached[0].pooled, outs["emb3"][0].pooled, atol=1e-6)
 
 
 def test_dimensions_need_a_matryoshka_model(llm, checkpoints, prompts, tmp_path):
@@ -197,7 +197,7 @@ def test_a_preempted_mean_pooled_prompt_starts_over(checkpoints, tmp_path):
     while engine.has_unfinished():
         for out in engine.step():
             if out.request_id == "emb":
-                got = out.embedding
+                got = out.pooled
     assert seq.num_preemptions > 0
     want = hf_hidden(model, prompt).mean(0)
     np.testing.assert_allclose(got, want / np.linalg.norm(want), atol=2e-6)

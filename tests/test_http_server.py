@@ -1055,6 +1055,29 @@ def test_embeddings_match_transformers(server, client, checkpoints):
     assert raw["usage"]["prompt_tokens"] == 10
 
 
+def test_scores_of_a_model_without_a_head_are_cosine_similarities(server, checkpoints):
+    """/score and /rerank on a model without a classification head: the cosine similarity
+    of the two texts' embeddings (transformers' last hidden states); /classify is a 400
+    naming the model; the usage counts the query's tokens once and each document's."""
+    _, model = checkpoints("llama")
+    url = server[1].http_url
+    query, docs = "a query", ["first document", "a query", "third"]
+    ids = {t: httpx.post(f"{url}/tokenize", json={"prompt": t}).json()["tokens"]
+           for t in [query, *docs]}
+    want = [float(hf_last_hidden(model, ids[query]) @ hf_last_hidden(model, ids[d]))
+            for d in docs]
+    got = httpx.post(f"{url}/score", json={"text_1": query, "text_2": docs}).json()
+    assert [d["score"] for d in got["data"]] == pytest.approx(want, abs=2e-6)
+    assert got["data"][1]["score"] == pytest.approx(1, abs=1e-6)
+    assert got["usage"]["prompt_tokens"] == sum(len(ids[t]) for t in [query, *docs])
+    ranked = httpx.post(f"{url}/rerank", json={"query": query, "documents": docs,
+                                               "top_n": 1}).json()["results"]
+    assert [(r["index"], r["document"]["text"]) for r in ranked] == [(1, "a query")]
+    r = httpx.post(f"{url}/classify", json={"input": "hello"})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "model")
+    assert "no classification head" in r.json()["error"]["message"]
+
+
 def test_embeddings_of_a_conversation(server, checkpoints):
     """vLLM's `messages` instead of `input`: the conversation rendered by the chat template
     as transformers renders it (no generation prompt unless asked), then embedded."""

@@ -41,7 +41,8 @@ from jaxserve.engine.status import EngineStatus
 from jaxserve.engine.structured_output import GrammarCompiler, MaskFiller
 from jaxserve.engine.token_filters import token_filter
 from jaxserve.loading.digest import weights_digest
-from jaxserve.loading.pooling_config import ModelPooling, read_pooling
+from jaxserve.loading.classifier import Classifier, read_classifier
+from jaxserve.loading.pooling_config import ModelPooling, read_hf_config, read_pooling
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.models.layers import dense_impl, weights_for_native_matmul
 from jaxserve.models.lora import abstract_stacks, stacks_bytes
@@ -194,8 +195,10 @@ class Engine:
         self._num_logprobs = 0  # requests that ask for logprobs (else a step's ids alone)
         self._num_scoring = 0  # requests whose prompt logprobs are not handed out yet
         self._num_pooling = 0  # embedding requests not handed out yet
-        # How the checkpoint pools an embedding (from_config reads it; loading/pooling_config).
+        # How the checkpoint pools an embedding, and its classification head (from_config
+        # reads them; loading/pooling_config.py, loading/classifier.py).
         self.pooling = ModelPooling()
+        self.classifier: Classifier | None = None
         self._failed: list[StepOutput] = []  # requests the scheduler could not admit
         self._num_prefilled = 0  # requests whose moved K/V wait to be written (`_write_kv`)
         self._num_remote_decode = 0  # requests whose pages are read out (`_read_kv`)
@@ -229,7 +232,9 @@ class Engine:
                        if random_weights_preset is not None else weights_digest(m.config.model))
             engine.model_digest = model_digest(m.config, m.model_config, weights)
         if random_weights_preset is None:
-            engine.pooling = read_pooling(m.config.model)
+            hf = {**read_hf_config(m.config.model), **(config.hf_overrides or {})}
+            engine.pooling = read_pooling(m.config.model, hf)
+            engine.classifier = read_classifier(m.config.model, hf, m.tokenizer)
         return engine
 
     # ----------------------------------------------------------------- requests
@@ -255,15 +260,21 @@ class Engine:
         decode engine, which takes them as `prefilled` (a consumer) with that token and
         the request's params (its seed too), and decodes on from the second token.
 
-        `pooling` (an embedding request; `params` are not used): the prompt's final
-        hidden states (after the last norm) pooled as the checkpoint says (`self.pooling`:
-        its last token's by default), finished as PoolingParams says, come back in its
-        only output (`StepOutput.embedding`)."""
+        `pooling` (an embedding or a classification; `params` are not used): the prompt's
+        final hidden states (after the last norm) pooled (an embedding's as the checkpoint
+        says, `self.pooling`: its last token's by default; a classification's last token's
+        through `self.classifier`), finished as PoolingParams says, come back in its only
+        output (`StepOutput.pooled`)."""
         params = params or SamplingParams()
+        if pooling is None and self.classifier is not None and not self.classifier.generates:
+            raise ValueError(f"model: {self.model_config.architecture} is a sequence "
+                             "classifier: it has no LM head to generate with; it serves "
+                             "classify, score and rerank requests (and embeddings)")
         if pooling is not None:
-            if self.pooling.unsupported is not None:
+            if self.pooling.unsupported is not None and pooling.task == "embed":
                 raise ValueError(f"embeddings: {self.pooling.unsupported}")
-            pooling.check(self.model_config.hidden_size, self.pooling.matryoshka)
+            pooling.check(self.model_config.hidden_size, self.pooling.matryoshka,
+                          self.classifier is not None)
             if remote_decode or prefilled is not None:
                 raise ValueError("an embedding request is computed on one engine: not with "
                                  "prefill/decode disaggregation")
@@ -326,7 +337,7 @@ class Engine:
         if cache_salt is not None:
             seq.cache_root = salted_root(seq.cache_root, cache_salt)
         seq.images = spans
-        seq.whole_prompt = pooling is not None and self.pooling.kind != "last"
+        seq.whole_prompt = pooling is not None and self._pool_kind(pooling) != "last"
         seq.rope_offsets, seq.rope_delta = rope
         seq.whole_images = bool(spans) and self.images.whole
         text = (OutputText(self.tokenizer, token_ids, params, self.eos_token_ids,
@@ -702,14 +713,15 @@ class Engine:
 
     def _pool_segments(self, step: InFlightStep, key: BucketKey) -> np.ndarray | None:
         """The step's tokens' pool segments (`ModelRunner.dispatch_forward`): a segment for
-        each chunk of an embedding request's prompt the step computes, holding the tokens
+        each chunk of a pooling request's prompt the step computes, holding the tokens
         its pooling reads there (the last prompt token, the first, or all: `self.pooling`),
         the rest -1; None when no chunk has such a token. `step.pooled` lists them."""
-        segments, kind = None, self.pooling.kind
+        segments = None
         for s in step.schedule.scheduled:
             req = self._requests.get(s.seq.request_id)
             if req is None or req.pooling is None:
                 continue
+            kind = self._pool_kind(req.pooling)
             end = s.start + s.num_new_tokens  # (an embedding request computes its prompt)
             first, last = ((s.start, end) if kind == "mean" else (0, 1) if kind == "cls"
                            else (s.seq.num_prompt_tokens - 1, s.seq.num_prompt_tokens))
@@ -722,6 +734,11 @@ class Engine:
             segments[s.token + first - s.start:s.token + last - s.start] = segment
             step.pooled.append((req, segment, s.start == 0))
         return segments
+
+    def _pool_kind(self, pooling: PoolingParams) -> str:
+        """Which of a prompt's tokens a pooling request reads: a classification its last,
+        an embedding as the checkpoint pools (loading/pooling_config.POOLED)."""
+        return "last" if pooling.task == "classify" else self.pooling.kind
 
     def _write_kv(self, schedule: SchedulerOutput) -> None:
         """Write the moved K/V of the seqs admitted prefilled into their pages, before
@@ -870,9 +887,12 @@ class Engine:
                 for score, token in zip(req.prompt_scores[1:], seq.prompt_token_ids[1:])]
             req.prompt_scores = None
             self._num_scoring -= 1
-        if req.pooling is not None:  # its only output: the embedding (its token discarded)
-            pooled = req.pooled / (seq.num_prompt_tokens if self.pooling.kind == "mean" else 1)
-            out.embedding = finish_embedding(pooled, req.pooling, self.pooling.normalize)
+        if req.pooling is not None:  # its only output: the pooled vector (its token discarded)
+            kind = self._pool_kind(req.pooling)
+            pooled = req.pooled / (seq.num_prompt_tokens if kind == "mean" else 1)
+            out.pooled = (self.classifier.classify(pooled, req.pooling.use_activation)
+                          if req.pooling.task == "classify" else
+                          finish_embedding(pooled, req.pooling, self.pooling.normalize))
             out.new_token_ids, out.finish_reason, out.stop_reason = [], "stop", None
         text = req.text
         if out.finished and seq.remote_decode and out.finish_reason == "length":

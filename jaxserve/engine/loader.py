@@ -81,7 +81,8 @@ def load(config: EngineConfig, random_weights_preset: str | None = None) -> Load
                          "a Hugging Face checkpoint directory (config.json, *.safetensors, "
                          "tokenizer) or a GGUF file")
     if converted.is_converted(model_dir):
-        model_config = ModelConfig.from_file(model_dir).for_context(config.max_model_len)
+        model_config = ModelConfig.from_file(model_dir, config.hf_overrides).for_context(
+            config.max_model_len)
         if model_config.vision is not None:
             raise ValueError(f"{model_dir}: converted vision-language checkpoints are not "
                              "supported; serve the Hugging Face directory")
@@ -92,7 +93,8 @@ def load(config: EngineConfig, random_weights_preset: str | None = None) -> Load
         options = config.model_options
         graphdef, params = converted.restore(model_dir, model_config, dtype, shard, options)
     else:  # a float checkpoint, a GGUF file, or one quantized by its makers (as stored)
-        ckpt = open_checkpoint(model_dir, config.quantization, config.lm_head_quantization)
+        ckpt = open_checkpoint(model_dir, config.quantization, config.lm_head_quantization,
+                               config.hf_overrides)
         model_dir, model_config = ckpt.model_dir, ckpt.config.for_context(config.max_model_len)
         shard = model_sharding(mesh, config.sharding, model_config)
         config = dataclasses.replace(config, **ckpt.settings)

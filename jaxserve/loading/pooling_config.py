@@ -30,20 +30,20 @@ class ModelPooling:
     unsupported: str | None = None
 
 
-def read_pooling(model_dir: str | Path | None) -> ModelPooling:
+def read_pooling(model_dir: str | Path | None, hf: dict | None = None) -> ModelPooling:
     """The pooling of the checkpoint at `model_dir` (a directory; anything else, such as a
-    GGUF file or None, pools as a plain decoder model)."""
+    GGUF file or None, pools as a plain decoder model); `hf`: its config.json as served
+    (with --hf-overrides; None: the file's)."""
     path = Path(model_dir) if model_dir is not None else None
     if path is None or not path.is_dir():
         return ModelPooling()
+    if hf is None:
+        hf = read_hf_config(path)
     matryoshka: tuple[int, ...] | bool = False
-    config = path / "config.json"
-    if config.is_file():
-        hf = json.loads(config.read_text())
-        if hf.get("matryoshka_dimensions"):
-            matryoshka = tuple(int(d) for d in hf["matryoshka_dimensions"])
-        elif hf.get("is_matryoshka"):
-            matryoshka = True
+    if hf.get("matryoshka_dimensions"):
+        matryoshka = tuple(int(d) for d in hf["matryoshka_dimensions"])
+    elif hf.get("is_matryoshka"):
+        matryoshka = True
     modules = path / "modules.json"
     if not modules.is_file():
         return ModelPooling(matryoshka=matryoshka)
@@ -62,6 +62,12 @@ def read_pooling(model_dir: str | Path | None) -> ModelPooling:
                            "run by jaxserve (it runs the model, its pooling and Normalize)")
     return ModelPooling(kind if unsupported is None else "last", normalize, matryoshka,
                         unsupported)
+
+
+def read_hf_config(model_dir: str | Path | None) -> dict:
+    """config.json of a checkpoint directory ({} for anything else)."""
+    path = Path(model_dir) / "config.json" if model_dir is not None else None
+    return json.loads(path.read_text()) if path is not None and path.is_file() else {}
 
 
 def _pooling_mode(config: Path) -> str:

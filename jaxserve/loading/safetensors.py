@@ -35,8 +35,9 @@ _SAFETENSORS_DTYPES = {
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
     "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
 }
-# Buffers some checkpoints carry that the model recomputes.
-_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# Buffers some checkpoints carry that the model recomputes, and a sequence classifier's
+# head (read apart: loading/classifier.py).
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$|score\.weight$")
 # Phi-3's fused projections: q, k and v's rows in one; the MLP's gate's then up's.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _FUSED_NAME = re.compile(r"(model\.layers\.\d+\.\w+\.)(qkv_proj|gate_up_proj)\.(weight|bias)$")

@@ -33,18 +33,20 @@ class Checkpoint:
 
 
 def open_checkpoint(model: str | Path, quantization: str | None,
-                    lm_head_quantization: str | None = None) -> Checkpoint:
+                    lm_head_quantization: str | None = None,
+                    hf_overrides: dict | None = None) -> Checkpoint:
     """`model` opened (module doc); `quantization` and `lm_head_quantization`: what the
     caller asked for (a checkpoint quantized by its makers refuses another; a GGUF file's
-    layers or head are then dequantized and quantized so)."""
+    layers or head are then dequantized and quantized so); `hf_overrides`: keys set over
+    its config.json."""
     if gguf.is_gguf(model):
         keep_head = lm_head_quantization is None
         settings = (None if quantization else gguf.stored_settings(model, keep_head)) or {}
         model_dir = gguf.metadata_dir(model)
-        return Checkpoint(model_dir, ModelConfig.from_file(model_dir), settings,
+        return Checkpoint(model_dir, ModelConfig.from_file(model_dir, hf_overrides), settings,
                           gguf.open_weights(model, bool(settings), keep_head), "gguf")
     model_dir = Path(model)
-    config = ModelConfig.from_file(model_dir)
+    config = ModelConfig.from_file(model_dir, hf_overrides)
     stored = prequantized.read(model_dir) if model_dir.is_dir() else None
     if stored is None:
         return Checkpoint(model_dir, config, {}, None, None)

@@ -63,6 +63,7 @@ class _Backend(Protocol):
     @property
     def default_eos_id(self) -> int | None: ...
     def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
+    def encode_pair(self, text: str, pair: str) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
     def id_to_token(self, token_id: int) -> str | None: ...
     def token_to_id(self, token: str) -> int | None: ...
@@ -114,6 +115,10 @@ class _HFBackend:
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_pair(self, text: str, pair: str) -> list[int]:
+        """The post-processor's pair template (transformers' `tokenizer(text, pair)`)."""
+        return self._tok.encode(text, pair, add_special_tokens=True).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         # Ids past the vocabulary (padded embedding rows) are dropped by `tokenizers`.
@@ -252,6 +257,10 @@ class _SentencePieceBackend:
         self._bos_id, self._eos_id = bos_id, eos_id
         self._add_bos = True if add_bos is None else add_bos
         self._add_eos = bool(add_eos)
+
+    def encode_pair(self, text: str, pair: str) -> list[int]:
+        """Each encoded with its specials, one after the other (LlamaTokenizer's pairs)."""
+        return self.encode(text, True) + self.encode(pair, True)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         ids: list[int] = []
@@ -394,6 +403,14 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._backend.encode(text, add_special_tokens)
+
+    def encode_pair(self, text: str, pair: str) -> list[int]:
+        """A text pair (a query and a document for a cross-encoder), special tokens as
+        the tokenizer places them around pairs."""
+        return self._backend.encode_pair(text, pair)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
 
     def tokenizer_json(self) -> str | None:
         """tokenizer.json's text (None for a sentencepiece model), for grammar engines."""
