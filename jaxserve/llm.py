@@ -210,7 +210,8 @@ class LLM:
     def _pool(self, prompts: list[Prompt], pooling: PoolingParams,
               lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
               use_tqdm: bool, desc: str) -> list[tuple[str, list[int], np.ndarray]]:
-        """Each prompt's (request id, prompt token ids, pooled vector), in order."""
+        """Each prompt's (request id, prompt token ids, pooled vector), in order;
+        RuntimeError when a step fails one (the others aborted)."""
         if not isinstance(self.engine, Engine):
             raise ValueError("pooling requests run on one engine, not a prefill/decode pair")
         loras = _per_prompt(lora_request, len(prompts))
@@ -225,7 +226,9 @@ class LLM:
         bar = tqdm(total=len(order), desc=desc, disable=not use_tqdm)
         while self.engine.has_unfinished():
             for out in self.engine.step():
-                if out.finish_reason == "error":
+                if out.finish_reason == "error":  # the others are aborted: none is left
+                    for rid in order:
+                        self.engine.abort_request(rid)
                     raise RuntimeError(f"request {out.request_id}: {out.error}")
                 if out.finished:
                     pooled[out.request_id] = out.pooled

@@ -201,3 +201,29 @@ def test_a_preempted_mean_pooled_prompt_starts_over(checkpoints, tmp_path):
     assert seq.num_preemptions > 0
     want = hf_hidden(model, prompt).mean(0)
     np.testing.assert_allclose(got, want / np.linalg.norm(want), atol=2e-6)
+
+
+def test_a_failed_request_leaves_no_other_behind(llm, prompts, monkeypatch):
+    """A request a step fails (finish_reason "error", e.g. an adapter that could not be
+    read) makes LLM.embed raise naming it, with the call's other requests aborted: none
+    left running, every page free, and the next call answers."""
+    from jaxserve.outputs import StepOutput
+
+    engine, real = llm.engine, llm.engine.step
+    seen: list[str] = []
+
+    def step():
+        outs = real()
+        if not seen and engine.has_unfinished():  # the first step: fail one request
+            rid = next(iter(engine._requests))
+            seen.append(rid)
+            return outs + [StepOutput(rid, [], "", None, True, "error", error="injected")]
+        return outs
+
+    monkeypatch.setattr(engine, "step", step)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.embed(prompts)
+    assert seen and not engine.has_unfinished()
+    assert engine.scheduler.allocator.num_used_pages == 0
+    monkeypatch.undo()
+    assert len(llm.embed(prompts[:2])) == 2
