@@ -588,6 +588,18 @@ def run_vllm_embed(model_dir: Path, dtype: str, rounds: list[list[list[int]]],
                              "texts": texts})
 
 
+@peer
+def run_vllm_score(model_dir: Path, dtype: str, rounds: list[tuple[str, list[str]]],
+                   pairs: list[tuple[str, str]], hf_overrides: dict, threads: int) -> dict:
+    """vllm.LLM.score of each round's (query, documents) (this file's `vllm-score`: the
+    causal LM converted to a sequence classifier by `hf_overrides`' LM-head rows): pair
+    tokens/s each round; and the scores of `pairs`."""
+    python = vllm_python()
+    return _vllm_subprocess(python, _vllm_env(python, threads), "vllm-score", "vllm-score",
+                            {"model": str(model_dir), "dtype": dtype, "rounds": rounds,
+                             "pairs": pairs, "hf_overrides": hf_overrides})
+
+
 @contextlib.contextmanager
 def vllm_server(model_dir: Path, dtype: str, port: int, max_num_seqs: int,
                 stream_interval: int, threads: int, timeout: float = 600):
@@ -748,6 +760,28 @@ def _vllm_embed_worker(spec_path: str) -> None:
                                   "prompt_tokens_per_s": rates, "texts": vectors}), flush=True)
 
 
+def _vllm_score_worker(spec_path: str) -> None:
+    """run_vllm_score's run (in the vLLM virtualenv); prints RESULT <json>."""
+    import vllm
+
+    spec = json.loads(Path(spec_path).read_text())
+    llm = vllm.LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=512,
+                   max_num_seqs=32, max_num_batched_tokens=4096, seed=0,
+                   enable_prefix_caching=False, runner="pooling", hf_overrides={
+                       "architectures": ["LlamaForSequenceClassification"],
+                       **spec["hf_overrides"]})
+    query, docs = spec["rounds"][0]
+    llm.score(query, docs[:4], use_tqdm=False)  # warm-up
+    rates = []
+    for query, docs in spec["rounds"]:
+        start = time.perf_counter()
+        outs = llm.score(query, docs, use_tqdm=False)
+        rates.append(sum(len(o.prompt_token_ids) for o in outs) / (time.perf_counter() - start))
+    scores = [llm.score(q, d, use_tqdm=False)[0].outputs.score for q, d in spec["pairs"]]
+    print("RESULT " + json.dumps({"version": f"vllm {vllm.__version__}",
+                                  "pair_tokens_per_s": rates, "scores": scores}), flush=True)
+
+
 def _vllm_worker(spec_path: str) -> None:
     """Runs A and B with vLLM (in the vLLM virtualenv) and prints RESULT <json>.
 
@@ -792,6 +826,9 @@ if __name__ == "__main__":  # vLLM spawns its engine process: it must not rerun 
         _vllm_prompt_logprobs_worker(sys.argv[2])
     elif sys.argv[1:2] == ["vllm-embed"]:
         _vllm_embed_worker(sys.argv[2])
+    elif sys.argv[1:2] == ["vllm-score"]:
+        _vllm_score_worker(sys.argv[2])
     else:
         sys.exit(f"usage: {sys.argv[0]} vllm-worker|vllm-concurrency|vllm-offline|"
-                 "vllm-prompt-logprobs|vllm-embed SPEC.json (run by benchmarks/peers.py)")
+                 "vllm-prompt-logprobs|vllm-embed|vllm-score SPEC.json (run by "
+                 "benchmarks/peers.py)")
