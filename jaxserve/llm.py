@@ -200,12 +200,13 @@ class LLM:
                                 lora_request, use_tqdm, "scoring")
             return [ScoringRequestOutput(rid, ids, ScoringOutput(float(v[0])))
                     for rid, ids, v in pooled]
-        texts = list(dict.fromkeys(q for q, _ in pairs)) + documents
+        texts = scoring.embedded_texts(pairs)
         pooled = self._pool(texts, params, lora_request, use_tqdm, "scoring")
-        query = {q: pooled[i] for i, q in enumerate(texts[:len(texts) - len(documents)])}
-        return [ScoringRequestOutput(rid, query[q][1] + ids,
-                                     ScoringOutput(scoring.cosine(query[q][2], v)))
-                for (q, _), (rid, ids, v) in zip(pairs, pooled[len(query):])]
+        ids = dict(zip(texts, (p[1] for p in pooled)))
+        scores = scoring.cosine_scores(pairs, [v for _, _, v in pooled])
+        return [ScoringRequestOutput(rid, ids[q] + doc_ids, ScoringOutput(score))
+                for (q, _), (rid, doc_ids, _), score in zip(pairs, pooled[-len(pairs):],
+                                                            scores)]
 
     def _pool(self, prompts: list[Prompt], pooling: PoolingParams,
               lora_request: LoRARequest | Sequence[LoRARequest | None] | None,

@@ -36,9 +36,22 @@ def cross_encodes(classifier: Classifier | None) -> bool:
     if classifier is None:
         return False
     if classifier.num_labels != 1:
-        raise ValueError(f"scoring needs a classification head of one label; this model's "
-                         f"has {classifier.num_labels}")
+        raise ValueError(f"model: scoring needs a classification head of one label; this "
+                         f"model's has {classifier.num_labels}")
     return True
+
+
+def embedded_texts(pairs: list[tuple[str, str]]) -> list[str]:
+    """What a bi-encoder embeds for `pairs`: each distinct query once, then every
+    document."""
+    return list(dict.fromkeys(q for q, _ in pairs)) + [d for _, d in pairs]
+
+
+def cosine_scores(pairs: list[tuple[str, str]], vectors: list) -> list[float]:
+    """The pairs' bi-encoder scores from the embeddings of `embedded_texts(pairs)`."""
+    queries = list(dict.fromkeys(q for q, _ in pairs))
+    of = dict(zip(queries, vectors))
+    return [cosine(of[q], v) for (q, _), v in zip(pairs, vectors[len(queries):])]
 
 
 def pair_prompt(tokenizer, classifier: Classifier, query: str, document: str,

@@ -22,7 +22,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from jaxserve import scoring
 from jaxserve.engine.engine import Engine
@@ -263,13 +263,24 @@ class AsyncEngine:
         return await self._in_pool(_encode, self.info.tokenizer, text, add_special_tokens,
                                    self.max_prompt_bytes)
 
-    async def encode_pair(self, query: str, document: str, chat_template: str | None = None,
-                          template_kwargs: dict | None = None) -> list[int]:
-        """A cross-encoder's prompt for a (query, document) pair (jaxserve/scoring.py), in
-        the tokenizer pool; ValueError when it cannot be made."""
-        return await self._in_pool(_encode_pair, self.info.tokenizer, self.info.classifier,
-                                   query, document, chat_template, template_kwargs or {},
-                                   self.max_prompt_bytes)
+    async def scoring_prompts(self, queries: list[str], documents: list[str],
+                              chat_template: str | None = None,
+                              template_kwargs: dict | None = None
+                              ) -> tuple[PoolingParams, list[list[int]], Callable]:
+        """What scores (query, document) pairs of 1:1, 1:N or N:N texts (jaxserve/
+        scoring.py), tokenized in the tokenizer pool: the pooling to run, its prompts, and
+        the function from their pooled vectors to the pairs' scores. ValueError when the
+        inputs or the model cannot be scored so."""
+        pairs = scoring.pairs(queries, documents)
+        if scoring.cross_encodes(self.info.classifier):
+            prompts = [await self._in_pool(_encode_pair, self.info.tokenizer,
+                                           self.info.classifier, q, d, chat_template,
+                                           template_kwargs or {}, self.max_prompt_bytes)
+                       for q, d in pairs]
+            return (PoolingParams(task="classify"), prompts,
+                    lambda vectors: [float(v[0]) for v in vectors])
+        prompts = [await self.encode(t) for t in scoring.embedded_texts(pairs)]
+        return PoolingParams(), prompts, lambda vectors: scoring.cosine_scores(pairs, vectors)
 
     async def encode_chat(self, messages: list[dict], add_special_tokens: bool = False,
                           **template_args) -> tuple[list[int], list[ImageInput]]:

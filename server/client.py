@@ -125,12 +125,28 @@ class Client:
               normalize: bool | None = None, lora_name: str = "",
               timeout: float | None = None) -> list[list[float]]:
         """Each input's (text or token ids) embedding (the Embed RPC)."""
-        items = [pb.EmbedInput(text=x) if isinstance(x, str)
-                 else pb.EmbedInput(token_ids=pb.TokenIds(ids=x)) for x in inputs]
         response = self.stub.Embed(pb.EmbedRequest(
-            inputs=items, dimensions=dimensions, normalize=normalize, lora_name=lora_name),
+            inputs=_inputs(inputs), dimensions=dimensions, normalize=normalize, lora_name=lora_name),
             timeout=timeout)
         return [list(e.values) for e in response.embeddings]
+
+    def classify(self, inputs: list[str | list[int]], use_activation: bool | None = None,
+                 lora_name: str = "", timeout: float | None = None
+                 ) -> list[pb.Classification]:
+        """Each input's class probabilities and label (the Classify RPC)."""
+        return list(self.stub.Classify(pb.ClassifyRequest(
+            inputs=_inputs(inputs), use_activation=use_activation, lora_name=lora_name),
+            timeout=timeout).classifications)
+
+    def score(self, queries: str | list[str], documents: list[str],
+              use_activation: bool | None = None, lora_name: str = "",
+              timeout: float | None = None) -> list[float]:
+        """Each (query, document) pair's score (the Score RPC), in the documents' order."""
+        queries = [queries] if isinstance(queries, str) else queries
+        response = self.stub.Score(pb.ScoreRequest(
+            queries=queries, documents=documents, use_activation=use_activation,
+            lora_name=lora_name), timeout=timeout)
+        return [s.score for s in response.scores]
 
     def info(self) -> pb.ModelInfo:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest())
@@ -140,6 +156,11 @@ class Client:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def _inputs(inputs: list[str | list[int]]) -> list[pb.EmbedInput]:
+    return [pb.EmbedInput(text=x) if isinstance(x, str)
+            else pb.EmbedInput(token_ids=pb.TokenIds(ids=x)) for x in inputs]
 
 
 class AsyncClient:

@@ -33,7 +33,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import jaxserve
-from jaxserve import scoring
 from jaxserve.beam_search import BeamSearch, BeamSearchParams, advance_all, live_beams
 from jaxserve.engine.lora import LoRARequest
 from jaxserve.outputs import StepOutput
@@ -902,37 +901,18 @@ class HTTPServer:
         on each pair as one prompt, or as the cosine similarity of their embeddings."""
         lora = self._check_serving(req.model)
         queries, documents = req.texts()
-        try:
-            pairs = scoring.pairs(queries, documents)
-        except ValueError as e:
-            raise oai.APIError(400, str(e)) from e
-        try:
-            cross = scoring.cross_encodes(self.info.classifier)
-        except ValueError as e:
-            raise oai.APIError(400, str(e), "model") from e
         self._tokenizer()
-        if cross:
-            try:
-                ids = [await self.async_engine.encode_pair(q, d, req.chat_template,
-                                                           req.template_kwargs())
-                       for q, d in pairs]
-            except ValueError as e:
-                raise oai.bad_request(e, "chat_template" if req.chat_template else "query",
-                                      type(req)) from e
-            ids = [req.truncated(p, self.info.max_model_len, False) for p in ids]
-            job, ids, vectors = await self._run_pooling(
-                request, req, kind, ids, PoolingParams(task="classify",
-                                                       use_activation=req.use_activation),
-                lora)
-            return job, ids, [float(v[0]) for v in vectors]
-        texts = list(dict.fromkeys(q for q, _ in pairs)) + documents
-        ids = await self._token_ids(texts, True, "documents")
+        try:
+            pooling, ids, to_scores = await self.async_engine.scoring_prompts(
+                queries, documents, req.chat_template, req.template_kwargs())
+        except ValueError as e:  # the inputs' shape, the model's head, the template
+            raise oai.bad_request(e, "chat_template" if req.chat_template else None,
+                                  type(req)) from e
         ids = [req.truncated(p, self.info.max_model_len, False) for p in ids]
-        job, ids, vectors = await self._run_pooling(request, req, kind, ids, PoolingParams(),
-                                                    lora)
-        n = len(texts) - len(documents)
-        query = {q: vectors[i] for i, q in enumerate(texts[:n])}
-        return job, ids, [scoring.cosine(query[q], v) for (q, _), v in zip(pairs, vectors[n:])]
+        pooling = dataclasses.replace(pooling, use_activation=req.use_activation) \
+            if pooling.task == "classify" else pooling
+        job, ids, vectors = await self._run_pooling(request, req, kind, ids, pooling, lora)
+        return job, ids, to_scores(vectors)
 
     async def _token_ids(self, prompts: list[str | list[int]], add_special_tokens: bool,
                          field: str) -> list[list[int]]:

@@ -35,7 +35,8 @@ every server: a load that fails on one is undone on those it succeeded on.
 
 With `grpc_port` (and each server's gRPC target) the router also serves jaxserve.v1's
 Inference service: Generate goes the same way over the servers' gRPC APIs
-(`kv_transfer_params_json`), GetModelInfo, Tokenize and Embed are a decode server's, Abort goes
+(`kv_transfer_params_json`), GetModelInfo, Tokenize, Embed, Classify and Score are a decode
+server's, Abort goes
 to every server, GetServerStatus sums theirs; gRPC health is SERVING while it runs.
 """
 
@@ -712,17 +713,24 @@ class RouterServicer(pb_grpc.InferenceServicer):
     async def GetModelInfo(self, request, context):
         return await self.router._pick_decode().stub.GetModelInfo(request)
 
-    async def Tokenize(self, request, context):
+    async def _a_decode_servers(self, method: str, request, context):
+        """A decode server's answer to `method` (its error as its status)."""
         try:
-            return await self.router._pick_decode().stub.Tokenize(request)
+            return await getattr(self.router._pick_decode().stub, method)(request)
         except grpc.aio.AioRpcError as e:
             await context.abort(e.code(), e.details())
 
+    async def Tokenize(self, request, context):
+        return await self._a_decode_servers("Tokenize", request, context)
+
     async def Embed(self, request, context):
-        try:
-            return await self.router._pick_decode().stub.Embed(request)
-        except grpc.aio.AioRpcError as e:
-            await context.abort(e.code(), e.details())
+        return await self._a_decode_servers("Embed", request, context)
+
+    async def Classify(self, request, context):
+        return await self._a_decode_servers("Classify", request, context)
+
+    async def Score(self, request, context):
+        return await self._a_decode_servers("Score", request, context)
 
     async def Abort(self, request, context):
         total = 0

@@ -224,29 +224,91 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
         """Every input admitted as an embedding request (all or none), then their
         embeddings; a client that leaves aborts them all."""
+        pooling = PoolingParams(
+            request.dimensions if request.HasField("dimensions") else None,
+            request.normalize if request.HasField("normalize") else None)
+        prompts = await self._checked(context, self._inputs(request))
+        outputs = await self._pool(request, context, "embd", pooling, prompts)
+        return pb.EmbedResponse(embeddings=[
+            pb.Embedding(values=out.pooled.tolist(), prompt_tokens=len(p))
+            for out, p in zip(outputs, prompts)])
+
+    async def Classify(self, request: pb.ClassifyRequest, context) -> pb.ClassifyResponse:
+        """Every input's class probabilities from the model's head (run as Embed runs)."""
+        pooling = PoolingParams(task="classify", use_activation=request.use_activation
+                                if request.HasField("use_activation") else None)
+        prompts = await self._checked(context, self._inputs(request))
+        outputs = await self._pool(request, context, "classify", pooling, prompts)
+        labels = self.info.classifier.labels
+        return pb.ClassifyResponse(classifications=[
+            pb.Classification(probs=out.pooled.tolist(), prompt_tokens=len(p),
+                              label=labels[int(out.pooled.argmax())] or "")
+            for out, p in zip(outputs, prompts)])
+
+    async def Score(self, request: pb.ScoreRequest, context) -> pb.ScoreResponse:
+        """The (query, document) pairs' scores (jaxserve/scoring.py; run as Embed runs)."""
+        pooling, prompts, to_scores = await self._checked(context, self._scoring(request))
+        if pooling.task == "classify" and request.HasField("use_activation"):
+            pooling = PoolingParams(task="classify", use_activation=request.use_activation)
+        outputs = await self._pool(request, context, "score", pooling, prompts)
+        scores = to_scores([out.pooled for out in outputs])
+        return pb.ScoreResponse(scores=[  # (a bi-encoder's prompts: its queries', then these)
+            pb.Score(score=x, prompt_tokens=len(p))
+            for x, p in zip(scores, prompts[-len(scores):])])
+
+    async def _checked(self, context: grpc.aio.ServicerContext, work):
+        """What `work` (a coroutine preparing a request) returns, once the server is up;
+        INVALID_ARGUMENT with its message for a ValueError."""
         await self._check_up(context)
+        try:
+            return await work
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    async def _inputs(self, request) -> list[list[int]]:
+        """An Embed or Classify request's inputs as token ids."""
+        if not 1 <= len(request.inputs) <= MAX_EMBED_INPUTS:
+            raise ValueError(f"inputs: give 1 to {MAX_EMBED_INPUTS}, got "
+                             f"{len(request.inputs)}")
+        special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        prompts = []
+        for i, item in enumerate(request.inputs):
+            which = item.WhichOneof("input")
+            prompt = (await self.async_engine.encode(item.text, special) if which == "text"
+                      else list(item.token_ids.ids) if which == "token_ids" else [])
+            if not prompt:
+                raise ValueError(f"inputs[{i}]: empty; give text or token_ids")
+            prompts.append(prompt)
+        return prompts
+
+    async def _scoring(self, request: pb.ScoreRequest):
+        """A Score request's pooling, prompts and scoring function (AsyncEngine's)."""
+        if not 1 <= len(request.documents) <= MAX_EMBED_INPUTS:
+            raise ValueError(f"documents: give 1 to {MAX_EMBED_INPUTS}, got "
+                             f"{len(request.documents)}")
+        if not all(request.queries) or not all(request.documents):
+            raise ValueError("queries, documents: a text must not be empty")
+        try:
+            kwargs = json.loads(request.chat_template_kwargs_json or "{}")
+        except json.JSONDecodeError as e:
+            raise ValueError(f"chat_template_kwargs_json: not JSON ({e})") from None
+        if not isinstance(kwargs, dict):
+            raise ValueError("chat_template_kwargs_json: give a JSON object")
+        return await self.async_engine.scoring_prompts(
+            list(request.queries), list(request.documents), request.chat_template or None,
+            kwargs)
+
+    async def _pool(self, request, context: grpc.aio.ServicerContext, kind: str,
+                    pooling: PoolingParams, prompts: list[list[int]]) -> list[StepOutput]:
+        """Every prompt admitted as a pooling request (all or none; under the request's
+        adapter, priority and cache salt), then their last outputs; a client that leaves
+        aborts them all."""
         lora = await self._lora(request.lora_name, context)
         rid = uuid.uuid4().hex
         streams = []
         try:
-            if not 1 <= len(request.inputs) <= MAX_EMBED_INPUTS:
-                raise ValueError(f"inputs: give 1 to {MAX_EMBED_INPUTS}, got "
-                                 f"{len(request.inputs)}")
-            special = (request.add_special_tokens if request.HasField("add_special_tokens")
-                       else True)
-            prompts = []
-            for i, item in enumerate(request.inputs):
-                which = item.WhichOneof("input")
-                prompt = (await self.async_engine.encode(item.text, special) if which == "text"
-                          else list(item.token_ids.ids) if which == "token_ids" else [])
-                if not prompt:
-                    raise ValueError(f"inputs[{i}]: empty; give text or token_ids")
-                prompts.append(prompt)
-            pooling = PoolingParams(
-                request.dimensions if request.HasField("dimensions") else None,
-                request.normalize if request.HasField("normalize") else None)
             added = await asyncio.gather(
-                *(self.async_engine.add(f"embd-{rid}-{i}", p, EMBEDDING_PARAMS, lora,
+                *(self.async_engine.add(f"{kind}-{rid}-{i}", p, EMBEDDING_PARAMS, lora,
                                         priority=request.priority,
                                         cache_salt=request.cache_salt or None, pooling=pooling)
                   for i, p in enumerate(prompts)), return_exceptions=True)
@@ -265,9 +327,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         for out in outputs:
             if out.finish_reason == "error":  # the engine step failed; the server goes on
                 await context.abort(grpc.StatusCode.INTERNAL, f"the step failed: {out.error}")
-        return pb.EmbedResponse(embeddings=[
-            pb.Embedding(values=out.pooled.tolist(), prompt_tokens=len(p))
-            for out, p in zip(outputs, prompts)])
+        return outputs
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         ids = list(request.request_ids)

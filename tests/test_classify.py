@@ -202,13 +202,14 @@ def test_a_bi_encoder_scores_by_cosine_similarity(checkpoints):
 def server(cross_encoder, tmp_path_factory):
     path = cross_encoder[0]
     log = tmp_path_factory.mktemp("classify_http") / "server.log"
-    with running_server(path, log, cold=True) as (_, proc):
-        yield proc.http_url
+    with running_server(path, log, cold=True) as (target, proc):
+        yield proc.http_url, target
 
 
 def test_classify_score_and_rerank_over_http(server, cross_encoder):
     """/classify, /score (each field pair) and /rerank (vLLM's, Jina's) on a one-label
     classifier, against transformers; the usage counts the pairs' tokens."""
+    server = server[0]
     _, model, tokenizer = cross_encoder
     want = [torch.sigmoid(hf_logits(model, tokenizer(QUERY, d)["input_ids"])[0]).item()
             for d in DOCS]
@@ -252,8 +253,40 @@ def test_classify_score_and_rerank_over_http(server, cross_encoder):
 def test_bad_scoring_requests_fail_alone(server, path, body, status, param):
     """A request the model cannot answer gets a 400 naming its field; the server goes on
     serving (the last check)."""
+    server = server[0]
     r = httpx.post(server + path, json=body)
     assert r.status_code == status, r.text
     if status != 200:
         assert r.json()["error"]["param"] == param, r.text
     assert httpx.post(f"{server}/score", json={"text_1": "a", "text_2": "b"}).status_code == 200
+
+
+def test_classify_and_score_over_grpc(server, cross_encoder):
+    """jaxserve.v1's Classify and Score RPCs: what /classify and /score answer (against
+    transformers); bad input is INVALID_ARGUMENT naming its field."""
+    import grpc
+
+    from server.client import Client
+
+    _, model, tokenizer = cross_encoder
+    client = Client(server[1])
+    try:
+        scores = client.score(QUERY, DOCS)
+        for doc, got in zip(DOCS, scores):
+            ids = tokenizer(QUERY, doc)["input_ids"]
+            assert got == pytest.approx(torch.sigmoid(hf_logits(model, ids)[0]).item(),
+                                        abs=2e-6)
+        raw = client.score(DOCS[:2], DOCS[2:], use_activation=False)
+        want = [hf_logits(model, tokenizer(q, d)["input_ids"])[0].item()
+                for q, d in zip(DOCS[:2], DOCS[2:])]
+        assert raw == pytest.approx(want, abs=1e-5)
+        (one,) = client.classify([tokenizer(QUERY, DOCS[0])["input_ids"]])
+        assert (one.label, list(one.probs)) == ("LABEL_0", pytest.approx([scores[0]],
+                                                                          abs=2e-6))
+        for bad, field in (((DOCS[:2], DOCS[:3]), "1:1, 1:N or N:N"), (("q", []), "documents")):
+            with pytest.raises(grpc.RpcError) as e:
+                client.score(*bad)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert field in e.value.details()
+    finally:
+        client.close()

@@ -358,13 +358,17 @@ def test_router_grpc_answers_as_one_server(cluster):
         _generate(router.grpc, text="x", kv_transfer_params_json="{}")
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     embed = pb.EmbedRequest(inputs=[pb.EmbedInput(text="embedded over gRPC")])
+    score = pb.ScoreRequest(queries=["a query"], documents=["one document", "another"])
     answers = []
     for target in (router.grpc, servers["single"].grpc):
         with grpc.insecure_channel(target) as channel:
-            answers.append(pb_grpc.InferenceStub(channel).Embed(embed, timeout=60))
-    got, want = (a.embeddings[0] for a in answers)
-    assert got.prompt_tokens == want.prompt_tokens
-    np.testing.assert_allclose(got.values, want.values, atol=1e-6)
+            stub = pb_grpc.InferenceStub(channel)
+            answers.append((stub.Embed(embed, timeout=60), stub.Score(score, timeout=60)))
+    (got, got_scores), (want, want_scores) = answers
+    assert got.embeddings[0].prompt_tokens == want.embeddings[0].prompt_tokens
+    np.testing.assert_allclose(got.embeddings[0].values, want.embeddings[0].values, atol=1e-6)
+    np.testing.assert_allclose([x.score for x in got_scores.scores],
+                               [x.score for x in want_scores.scores], atol=1e-6)
 
 
 def test_kv_never_pulled_is_released(cluster):

@@ -54,6 +54,16 @@ class InferenceStub:
                 request_serializer=server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.Classify = channel.unary_unary(
+                '/jaxserve.v1.Inference/Classify',
+                request_serializer=server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.ClassifyRequest.SerializeToString,
+                response_deserializer=server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.ClassifyResponse.FromString,
+                _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/jaxserve.v1.Inference/Score',
+                request_serializer=server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.ScoreResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/jaxserve.v1.Inference/GetModelInfo',
                 request_serializer=server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.GetModelInfoRequest.SerializeToString,
@@ -98,6 +108,22 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Classify(self, request, context):
+        """Each input's class probabilities (or raw logits) from the model's classification head
+        at its last token (a *ForSequenceClassification checkpoint, or classifier_from_token).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Score(self, request, context):
+        """A score for each (query, document) pair: a one-label head on the pair as one prompt
+        (a cross-encoder), or the cosine similarity of the two embeddings.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetModelInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -132,6 +158,16 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.EmbedRequest.FromString,
                     response_serializer=server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Classify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Classify,
+                    request_deserializer=server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.ClassifyRequest.FromString,
+                    response_serializer=server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.ClassifyResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.ScoreRequest.FromString,
+                    response_serializer=server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.ScoreResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -252,6 +288,60 @@ class Inference:
             '/jaxserve.v1.Inference/Embed',
             server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.EmbedRequest.SerializeToString,
             server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Classify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.Inference/Classify',
+            server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.ClassifyRequest.SerializeToString,
+            server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.ClassifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxserve.v1.Inference/Score',
+            server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.ScoreRequest.SerializeToString,
+            server_dot_protos_dot_jaxserve_dot_v1_dot_inference__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,
