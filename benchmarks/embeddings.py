@@ -25,7 +25,6 @@ import argparse
 import datetime
 import os
 import platform
-import statistics
 import time
 
 import numpy as np
@@ -87,12 +86,7 @@ def main() -> None:
           f"UTC\n\n- {platform.processor() or platform.machine()}; SmolLM2-135M-Instruct "
           f"float32; {PROMPTS} prompts x {PROMPT_LEN} tokens, {args.rounds} rounds; vLLM: "
           f"{vllm['version'] if vllm else reason}\n")
-    print("| system | prompt tokens/s | of jaxserve |")
-    print("|---|---|---|")
-    base = statistics.median(rates["jaxserve LLM.embed"])
-    for name, values in rates.items():
-        ratio = statistics.median(values) / base
-        print(f"| {name} | {peers.median_range(values)} | {ratio:.2f} |")
+    peers.print_rates(rates, "| system | prompt tokens/s | of jaxserve |", "jaxserve LLM.embed")
     for name, got in parity.items():
         worst = max(float(np.abs(np.array(g) - w).max()) for g, w in zip(got, want))
         print(f"\nparity: the largest |{name} - transformers| entry of two English prompts' "

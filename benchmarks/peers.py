@@ -454,6 +454,16 @@ def median_range(values: list[float]) -> str:
     return f"{statistics.median(values):.0f} [{min(values):.0f}-{max(values):.0f}]"
 
 
+def print_rates(rates: dict[str, list[float]], header: str, base: str) -> None:
+    """A markdown table: each row's rounds (median [min-max]) and its median over row
+    `base`'s; `header` names the three columns."""
+    print(header)
+    print("|---|---|---|")
+    of = statistics.median(rates[base])
+    for name, values in rates.items():
+        print(f"| {name} | {median_range(values)} | {statistics.median(values) / of:.2f} |")
+
+
 def spread(xs: list[float]) -> dict:
     """Repeated rounds' values: their median, min, max and all of them."""
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "all": xs}

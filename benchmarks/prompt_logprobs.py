@@ -25,7 +25,6 @@ import argparse
 import datetime
 import os
 import platform
-import statistics
 import time
 
 import numpy as np
@@ -96,12 +95,7 @@ def main() -> None:
           f" UTC\n\n- {platform.processor() or platform.machine()}; SmolLM2-135M-Instruct "
           f"float32; {PROMPTS} prompts x {PROMPT_LEN} tokens, {args.rounds} rounds; vLLM: "
           f"{vllm['version'] if vllm else reason}\n")
-    print("| variant | prompt tokens/s | of jaxserve without |")
-    print("|---|---|---|")
-    base = statistics.median(rates["jaxserve, no prompt logprobs"])
-    for name, values in rates.items():
-        ratio = statistics.median(values) / base
-        print(f"| {name} | {peers.median_range(values)} | {ratio:.2f} |")
+    peers.print_rates(rates, "| variant | prompt tokens/s | of jaxserve without |", "jaxserve, no prompt logprobs")
     for name, got in parity.items():
         worst = max(float(np.abs(np.array(g) - w).max()) for g, w in zip(got, want))
         print(f"\nparity: the largest |{name} - transformers| prompt logprob over "

@@ -29,7 +29,6 @@ import argparse
 import datetime
 import os
 import platform
-import statistics
 import time
 
 import numpy as np
@@ -101,12 +100,7 @@ def main() -> None:
           f"float32 as a yes/no reranker; 1 query x {DOCS} documents ({tokens} pair tokens "
           f"in the last round), {args.rounds} rounds; vLLM: "
           f"{vllm['version'] if vllm else reason}\n")
-    print("| system | pair tokens/s | of jaxserve |")
-    print("|---|---|---|")
-    base = statistics.median(rates["jaxserve LLM.score"])
-    for name, values in rates.items():
-        ratio = statistics.median(values) / base
-        print(f"| {name} | {peers.median_range(values)} | {ratio:.2f} |")
+    peers.print_rates(rates, "| system | pair tokens/s | of jaxserve |", "jaxserve LLM.score")
     for name, got in parity.items():
         worst = max(abs(g - w) for g, w in zip(got, want))
         print(f"\nparity: the largest |{name} - transformers| score of two English pairs "
