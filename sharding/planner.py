@@ -75,11 +75,12 @@ def tpu_devices(topology: str) -> list:
 
 def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, int],
                  strategy: str, devices: list, num_pages: int, key: BucketKey,
-                 scores: bool = False) -> jax.stages.Compiled:
+                 scores: bool = False, pools: bool = False) -> jax.stages.Compiled:
     """Ahead-of-time compile of one step bucket, sharded over `devices`, with the engine's
     weight quantization, KV cache dtype and kernels (on a TPU: our Pallas kernels).
     `num_pages` is the KV pool of each data shard. `scores`: the bucket's program that
-    also scores its tokens (prompt logprobs: programs.prompt_scores)."""
+    also scores its tokens (prompt logprobs: programs.prompt_scores); `pools`: the one
+    that also sums pool segments' hidden states (embeddings, classification)."""
     shard = model_sharding(make_mesh(mesh_shape, devices=devices), strategy, cfg)
     graphdef, abstract = abstract_model(cfg, jnp.dtype(engine.dtype), shard,
                                         engine.model_options)
@@ -101,9 +102,10 @@ def compile_step(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str, i
     # sampling is a small replicated program of its own); no heads, verifying.
     programs = jit_programs(graphdef, params, jax.tree.map(lambda x: x.sharding, caches),
                             shard, builder.layout, engine.page_size)
-    fn = (programs.score if scores else programs.forward)[False, True]
-    targets = (jax.ShapeDtypeStruct((key.tokens,), jnp.int32, sharding=replicated),) \
-        if scores else ()
+    fn = (programs.pool[False, True, scores] if pools else
+          (programs.score if scores else programs.forward)[False, True])
+    tokens = jax.ShapeDtypeStruct((key.tokens,), jnp.int32, sharding=replicated)
+    targets = (tokens,) * scores + (tokens,) * pools  # (prompt scores' targets, segments)
     carry = jax.ShapeDtypeStruct((builder.layout.size,), jnp.int32, sharding=replicated)
     with no_persistent_cache(), jax.default_device(devices[0]):
         layers = sum(cfg.sparse_layers)

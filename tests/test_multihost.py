@@ -97,14 +97,16 @@ def health(target) -> int:
                                   ("--mesh", "data=2,model=2", "--sharding", "dp+tp")])
 def test_two_processes_serve_one_model(checkpoints, tmp_path, mesh):
     """4-way TP over both processes, or 2 data shards (2-way TP each) over them; prompt
-    logprobs (a step that scores its tokens) and embeddings (one that returns its rows'
-    hidden states) through the HTTP API too."""
+    logprobs (a step that scores its tokens), embeddings (one that returns its rows'
+    hidden states) and a bi-encoder's scores through the HTTP API too."""
     path, _ = checkpoints("llama8")
     llm = LLM(str(path), **ENGINE)
     want = [o.outputs[0].token_ids for o in llm.generate(
         PROMPTS, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))]
     scored = llm.generate(PROMPTS[1], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
     embedded = [o.outputs.embedding for o in llm.embed(PROMPTS)]
+    docs = ["first document", "a second one"]
+    scores = [o.outputs.score for o in llm.score("a query", docs)]
     http_port = free_port()
     with running_job(path, tmp_path, mesh, http_port=http_port) as (leader, follower, target):
         client = Client(target)
@@ -119,6 +121,9 @@ def test_two_processes_serve_one_model(checkpoints, tmp_path, mesh):
                          json={"input": PROMPTS, "encoding_format": "float"}).json()
         for d, want_vector in zip(got["data"], embedded):
             assert d["embedding"] == pytest.approx(want_vector, abs=1e-5)
+        got = httpx.post(f"http://127.0.0.1:{http_port}/score", timeout=60,
+                         json={"text_1": "a query", "text_2": docs}).json()
+        assert [d["score"] for d in got["data"]] == pytest.approx(scores, abs=1e-5)
         # A grammar mask goes to every process's devices (a collective both join).
         _, text, done = client.complete(PROMPTS[0], max_tokens=16, structured_outputs=(
             pb.StructuredOutputs(regex="[a-z]{2,4}-[0-9]")))

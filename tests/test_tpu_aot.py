@@ -193,6 +193,27 @@ def test_the_scoring_step_compiles_on_a_v5e_mesh(devices):
     assert 0 < extra < logits / 8, (extra, logits)
 
 
+def test_the_pooling_step_compiles_on_a_v5e_mesh(devices):
+    """Embeddings' and classification's program (the step's forward pass also summing its
+    pool segments' final hidden states) compiles with the attention kernels over 4
+    chips: it returns each row's float32 sums besides, and its extra temporaries per
+    chip are smaller than those."""
+    key = BucketKey(tokens=256, seqs=8, history=False)
+    engine = dataclasses.replace(ENGINE, max_model_len=1024, max_num_batched_tokens=256,
+                                 token_buckets=(256,))
+    plain, pooling = (compile_step(LLAMA3_8B_2L, engine, {"model": 4}, "tp", devices, PAGES,
+                                   key, pools=pools) for pools in (False, True))
+    assert pooling.as_text().count('custom_call_target="tpu_custom_call"') == \
+        plain.as_text().count('custom_call_target="tpu_custom_call"') == \
+        2 * LLAMA3_8B_2L.num_layers
+    sums = (pooling.memory_analysis().output_size_in_bytes
+            - plain.memory_analysis().output_size_in_bytes)
+    assert sums == key.seqs * LLAMA3_8B_2L.hidden_size * 4  # [rows, hidden] float32
+    extra = (pooling.memory_analysis().temp_size_in_bytes
+             - plain.memory_analysis().temp_size_in_bytes)
+    assert 0 <= extra <= sums, (extra, sums)  # (7.5 KB measured)
+
+
 @pytest.mark.slow
 def test_a_quantized_lm_head_runs_the_tpu_kernel():
     """`lm_head_quantization`: the LM head is one more Mosaic matmul of the step, and the
