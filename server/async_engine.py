@@ -265,19 +265,21 @@ class AsyncEngine:
 
     async def scoring_prompts(self, queries: list[str], documents: list[str],
                               chat_template: str | None = None,
-                              template_kwargs: dict | None = None
+                              template_kwargs: dict | None = None,
+                              use_activation: bool | None = None
                               ) -> tuple[PoolingParams, list[list[int]], Callable]:
         """What scores (query, document) pairs of 1:1, 1:N or N:N texts (jaxserve/
-        scoring.py), tokenized in the tokenizer pool: the pooling to run, its prompts, and
-        the function from their pooled vectors to the pairs' scores. ValueError when the
-        inputs or the model cannot be scored so."""
+        scoring.py), tokenized in the tokenizer pool: the pooling to run (a
+        cross-encoder's with `use_activation`), its prompts, and the function from their
+        pooled vectors to the pairs' scores. ValueError when the inputs or the model
+        cannot be scored so."""
         pairs = scoring.pairs(queries, documents)
         if scoring.cross_encodes(self.info.classifier):
             prompts = [await self._in_pool(_encode_pair, self.info.tokenizer,
                                            self.info.classifier, q, d, chat_template,
                                            template_kwargs or {}, self.max_prompt_bytes)
                        for q, d in pairs]
-            return (PoolingParams(task="classify"), prompts,
+            return (PoolingParams(task="classify", use_activation=use_activation), prompts,
                     lambda vectors: [float(v[0]) for v in vectors])
         prompts = [await self.encode(t) for t in scoring.embedded_texts(pairs)]
         return PoolingParams(), prompts, lambda vectors: scoring.cosine_scores(pairs, vectors)

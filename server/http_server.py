@@ -877,17 +877,17 @@ class HTTPServer:
             ids = await self._token_ids(req.inputs(), req.add_special_tokens is not False,
                                         "input")
         ids = [req.truncated(p, self.info.max_model_len, bool(images)) for p in ids]
-        return await self._run_pooling(request, req, kind, ids, pooling, lora, images,
-                                       "input")
+        return await self._run_pooling(request, req, kind, ids, pooling, lora, images)
 
     async def _run_pooling(self, request: Request, req, kind: str, ids: list[list[int]],
                            pooling: PoolingParams, lora: LoRARequest | None,
-                           images: list = (), field: str = "input"
-                           ) -> tuple[Job, list[list[int]], list]:
+                           images: list = ()) -> tuple[Job, list[list[int]], list]:
+        """Prompts run as pooling requests of one job (`kind` prefixes its id): the job,
+        the prompts and their pooled vectors, in order."""
         job = Job(self.async_engine, oai.new_id(kind, self._request_id(request, req)),
                   [(p, EMBEDDING_PARAMS) for p in ids], lora, list(images),
                   priority=req.priority, cache_salt=req.cache_salt, pooling=pooling)
-        await self._start(request, job, field, type(req))
+        await self._start(request, job, "input", type(req))
         vectors = [None] * len(ids)
         async with _watching(request, job):
             async for i, out in job.outputs():
@@ -904,13 +904,12 @@ class HTTPServer:
         self._tokenizer()
         try:
             pooling, ids, to_scores = await self.async_engine.scoring_prompts(
-                queries, documents, req.chat_template, req.template_kwargs())
+                queries, documents, req.chat_template, req.template_kwargs(),
+                req.use_activation)
         except ValueError as e:  # the inputs' shape, the model's head, the template
             raise oai.bad_request(e, "chat_template" if req.chat_template else None,
                                   type(req)) from e
         ids = [req.truncated(p, self.info.max_model_len, False) for p in ids]
-        pooling = dataclasses.replace(pooling, use_activation=req.use_activation) \
-            if pooling.task == "classify" else pooling
         job, ids, vectors = await self._run_pooling(request, req, kind, ids, pooling, lora)
         return job, ids, to_scores(vectors)
 

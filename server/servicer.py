@@ -248,8 +248,6 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Score(self, request: pb.ScoreRequest, context) -> pb.ScoreResponse:
         """The (query, document) pairs' scores (jaxserve/scoring.py; run as Embed runs)."""
         pooling, prompts, to_scores = await self._checked(context, self._scoring(request))
-        if pooling.task == "classify" and request.HasField("use_activation"):
-            pooling = PoolingParams(task="classify", use_activation=request.use_activation)
         outputs = await self._pool(request, context, "score", pooling, prompts)
         scores = to_scores([out.pooled for out in outputs])
         return pb.ScoreResponse(scores=[  # (a bi-encoder's prompts: its queries', then these)
@@ -296,7 +294,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             raise ValueError("chat_template_kwargs_json: give a JSON object")
         return await self.async_engine.scoring_prompts(
             list(request.queries), list(request.documents), request.chat_template or None,
-            kwargs)
+            kwargs, request.use_activation if request.HasField("use_activation") else None)
 
     async def _pool(self, request, context: grpc.aio.ServicerContext, kind: str,
                     pooling: PoolingParams, prompts: list[list[int]]) -> list[StepOutput]:
