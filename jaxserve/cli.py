@@ -89,6 +89,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "reranker's head from LM head rows, '{\"classifier_from_token\": "
                         "[\"no\", \"yes\"], \"method\": \"from_2_way_softmax\"}' "
                         "(docs/http.md)")
+    g.add_argument("--pooler-config", default=None, metavar="JSON",
+                   help="how embeddings and classifications are pooled, over what the "
+                        "checkpoint says, as vLLM's: e.g. '{\"pooling_type\": \"MEAN\", "
+                        "\"use_activation\": false}' (docs/http.md)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, as vLLM\'s: e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\' (docs/speculative.md)')
@@ -173,6 +177,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "speculative_config": parse_json_object("--speculative-config",
                                                 args.speculative_config),
         "hf_overrides": parse_json_object("--hf-overrides", args.hf_overrides),
+        "pooler_config": parse_json_object("--pooler-config", args.pooler_config),
         "enable_lora": True if args.enable_lora else None, "max_loras": args.max_loras,
         "max_lora_rank": args.max_lora_rank, "max_cpu_loras": args.max_cpu_loras,
         "limit_mm_per_prompt": parse_json_object("--limit-mm-per-prompt",

@@ -971,7 +971,9 @@ class EngineConfig:
     process can sit on devices of their own; `kv_transfer_config` (a KVTransferConfig or
     its dict) makes the engine one side of prefill/decode disaggregation.
     `hf_overrides` (vLLM's): keys set over the checkpoint's config.json (e.g. a
-    classification head from LM head rows: loading/classifier.py).
+    classification head from LM head rows: loading/classifier.py); `pooler_config`
+    (vLLM's) sets how embeddings and classifications are pooled and finished over what
+    the checkpoint says (loading/pooling_config.POOLER_KEYS).
     """
 
     model: str | None = None
@@ -1014,6 +1016,7 @@ class EngineConfig:
     devices: tuple[int, ...] | None = None
     kv_transfer_config: KVTransferConfig | None = None
     hf_overrides: dict[str, Any] | None = None
+    pooler_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):

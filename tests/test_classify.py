@@ -85,6 +85,21 @@ def test_classify_matches_transformers(labeled, prompts):
     assert llm.engine.classifier.labels == ("negative", "neutral", "positive")
 
 
+def test_the_pooler_config_calibrates_and_turns_off_the_activation(labeled, prompts):
+    """--pooler-config's logit_mean / logit_sigma (Platt scaling) before the softmax, and
+    use_activation false by default (a request may still ask for it)."""
+    path, model, llm = labeled
+    tuned = LLM(str(path), **ENGINE, pooler_config={"logit_mean": 0.5, "logit_sigma": 2.0,
+                                                    "use_activation": False})
+    logits = (hf_logits(model, prompts[1]) - 0.5) / 2.0
+    got = tuned.classify(prompts[1])[0].outputs.probs
+    np.testing.assert_allclose(got, logits.numpy(), atol=1e-5)
+    got = tuned.classify(prompts[1], PoolingParams(use_activation=True))[0].outputs.probs
+    np.testing.assert_allclose(got, torch.softmax(logits, -1).numpy(), atol=2e-6)
+    with pytest.raises(ValueError, match="logit_sigma"):
+        LLM(str(path), **ENGINE, pooler_config={"logit_sigma": 0})
+
+
 def test_a_sequence_classifier_refuses_to_generate(labeled, checkpoints):
     """A *ForSequenceClassification checkpoint has no LM head: generation is refused by
     name; a model without a head refuses classification; scoring needs one label."""

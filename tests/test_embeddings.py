@@ -227,3 +227,29 @@ def test_a_failed_request_leaves_no_other_behind(llm, prompts, monkeypatch):
     assert engine.scheduler.allocator.num_used_pages == 0
     monkeypatch.undo()
     assert len(llm.embed(prompts[:2])) == 2
+
+
+def test_the_pooler_config_overrides_the_checkpoint(checkpoints, prompts, tmp_path):
+    """vLLM's --pooler-config over a plain decoder checkpoint: mean pooling, not
+    normalized, a default `dimensions` (a Matryoshka model's; refused at load for one
+    that is not); keys and values not served are refused by name."""
+    path, model = checkpoints("llama")
+    llm = LLM(str(path), **ENGINE, pooler_config={"pooling_type": "MEAN",
+                                                  "use_activation": False})
+    for prompt in prompts[2:4]:  # across chunks, from the prefix cache the second time
+        for _ in range(2):
+            got = llm.embed(prompt)[0].outputs.embedding
+            np.testing.assert_allclose(got, hf_hidden(model, prompt).mean(0), rtol=1e-5,
+                                       atol=1e-5)
+    shutil.copytree(path, tmp_path / "m")
+    hf = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**hf, "is_matryoshka": True}))
+    short = LLM(str(tmp_path / "m"), **ENGINE, pooler_config={"dimensions": 16})
+    got = short.embed(prompts[0])[0].outputs.embedding
+    want = hf_last_hidden(model, prompts[0], False)[:16]
+    np.testing.assert_allclose(got, want / np.linalg.norm(want), atol=2e-6)
+    assert len(short.embed(prompts[0], PoolingParams(dimensions=32))[0].outputs.embedding) == 32
+    for bad, match in (({"dimensions": 16}, "Matryoshka"), ({"pooling_type": "MAX"}, "MEAN"),
+                       ({"normalize": True}, "known")):
+        with pytest.raises(ValueError, match=match):
+            LLM(str(path), **ENGINE, pooler_config=bad)

@@ -42,7 +42,8 @@ from jaxserve.engine.structured_output import GrammarCompiler, MaskFiller
 from jaxserve.engine.token_filters import token_filter
 from jaxserve.loading.digest import weights_digest
 from jaxserve.loading.classifier import Classifier, read_classifier
-from jaxserve.loading.pooling_config import ModelPooling, read_hf_config, read_pooling
+from jaxserve.loading.pooling_config import (ModelPooling, read_hf_config, read_pooling,
+                                             with_pooler_config)
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.models.layers import dense_impl, weights_for_native_matmul
 from jaxserve.models.lora import abstract_stacks, stacks_bytes
@@ -233,8 +234,12 @@ class Engine:
             engine.model_digest = model_digest(m.config, m.model_config, weights)
         if random_weights_preset is None:
             hf = {**read_hf_config(m.config.model), **(config.hf_overrides or {})}
-            engine.pooling = read_pooling(m.config.model, hf)
-            engine.classifier = read_classifier(m.config.model, hf, m.tokenizer)
+            engine.pooling, engine.classifier = with_pooler_config(
+                read_pooling(m.config.model, hf),
+                read_classifier(m.config.model, hf, m.tokenizer), config.pooler_config)
+            if engine.pooling.dimensions is not None:  # a default fit for every request
+                PoolingParams(engine.pooling.dimensions).check(
+                    engine.model_config.hidden_size, engine.pooling.matryoshka)
         return engine
 
     # ----------------------------------------------------------------- requests
@@ -273,6 +278,8 @@ class Engine:
         if pooling is not None:
             if self.pooling.unsupported is not None and pooling.task == "embed":
                 raise ValueError(f"embeddings: {self.pooling.unsupported}")
+            if pooling.task == "embed" and pooling.dimensions is None:
+                pooling = dataclasses.replace(pooling, dimensions=self.pooling.dimensions)
             pooling.check(self.model_config.hidden_size, self.pooling.matryoshka,
                           self.classifier is not None)
             if remote_decode or prefilled is not None:

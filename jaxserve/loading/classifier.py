@@ -38,16 +38,24 @@ class Classifier:
     # A query/document pair is tokenized as a text pair (the tokenizer's pair template)
     # rather than as one concatenated text (config.json's use_sep_token, vLLM's rule).
     use_sep_token: bool
+    # --pooler-config's (pooling_config.with_pooler_config): whether the activation is
+    # applied when a request does not say, and the logits' calibration before it.
+    activates: bool = True
+    logit_mean: float = 0.0
+    logit_sigma: float = 1.0
 
     @property
     def num_labels(self) -> int:
         return self.weight.shape[0]
 
     def classify(self, hidden: np.ndarray, use_activation: bool | None = None) -> np.ndarray:
-        """float32 `[num_labels]`: the head on a pooled hidden state, then its activation
-        unless `use_activation` is False (raw logits)."""
+        """float32 `[num_labels]`: the head on a pooled hidden state (calibrated), then its
+        activation unless `use_activation` is False (or None and `activates` is)."""
         logits = self.weight @ np.asarray(hidden, np.float32)
-        if use_activation is False or self.activation == "identity":
+        if (self.logit_mean, self.logit_sigma) != (0.0, 1.0):
+            logits = ((logits - self.logit_mean) / self.logit_sigma).astype(np.float32)
+        activates = self.activates if use_activation is None else use_activation
+        if not activates or self.activation == "identity":
             return logits
         if self.activation == "sigmoid":
             return 1 / (1 + np.exp(-logits))

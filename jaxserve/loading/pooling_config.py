@@ -1,5 +1,6 @@
 """How a checkpoint pools its hidden states into an embedding: its sentence-transformers
-modules (modules.json, 1_Pooling/config.json) and config.json's Matryoshka sizes.
+modules (modules.json, 1_Pooling/config.json) and config.json's Matryoshka sizes, with
+the server's --pooler-config (vLLM's) over them.
 
 Without those files a decoder model is read as vLLM reads one as an embedding model: its
 last token, normalized. Pooling the last token, the first (CLS) or the mean of all is
@@ -10,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+
+from jaxserve.loading.classifier import Classifier
 
 # sentence-transformers' Pooling config flags and what they pool.
 _MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
@@ -28,6 +31,46 @@ class ModelPooling:
     matryoshka: tuple[int, ...] | bool = False
     # Why this checkpoint's embeddings cannot be made (None: they can).
     unsupported: str | None = None
+    dimensions: int | None = None  # a request's `dimensions` when it gives none
+
+
+# vLLM's --pooler-config keys served: pooling_type (or seq_pooling_type) LAST / MEAN / CLS,
+# use_activation (embeddings: normalized; classifications: the head's activation),
+# dimensions (the embeddings' default), logit_mean / logit_sigma (a classification's logits
+# as (logit - mean) / sigma before the activation: Platt scaling).
+POOLER_KEYS = ("pooling_type", "seq_pooling_type", "use_activation", "dimensions",
+               "logit_mean", "logit_sigma")
+
+
+def with_pooler_config(pooling: ModelPooling, classifier: Classifier | None,
+                       config: dict | None) -> tuple[ModelPooling, Classifier | None]:
+    """The checkpoint's pooling and classification head with a --pooler-config over them;
+    ValueError for keys or values not served."""
+    config = dict(config or {})
+    unknown = sorted(set(config) - set(POOLER_KEYS))
+    if unknown:
+        raise ValueError(f"pooler_config: {unknown} not served; known: {list(POOLER_KEYS)}")
+    kind = config.get("seq_pooling_type") or config.get("pooling_type")
+    if kind is not None:
+        if str(kind).lower() not in POOLED:
+            raise ValueError(f"pooler_config: pooling_type must be one of "
+                             f"{[k.upper() for k in POOLED]}, got {kind!r}")
+        pooling = dataclasses.replace(pooling, kind=str(kind).lower())
+    activation = config.get("use_activation")
+    if activation is not None:
+        pooling = dataclasses.replace(pooling, normalize=bool(activation))
+    if config.get("dimensions") is not None:
+        pooling = dataclasses.replace(pooling, dimensions=config["dimensions"])
+    if classifier is not None:
+        mean, sigma = config.get("logit_mean"), config.get("logit_sigma")
+        if sigma is not None and not sigma:
+            raise ValueError("pooler_config: logit_sigma must not be 0")
+        classifier = dataclasses.replace(
+            classifier, activates=classifier.activates if activation is None else bool(
+                activation),
+            logit_mean=classifier.logit_mean if mean is None else float(mean),
+            logit_sigma=classifier.logit_sigma if sigma is None else float(sigma))
+    return pooling, classifier
 
 
 def read_pooling(model_dir: str | Path | None, hf: dict | None = None) -> ModelPooling:
