@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 from tqdm import tqdm
 
+from jaxserve import scoring
 from jaxserve.beam_search import (BeamSearch, BeamSearchOutput, BeamSearchParams,
                                   advance_all, live_beams)
 from jaxserve.config import EngineConfig
@@ -17,7 +18,6 @@ from jaxserve.engine.disaggregated import DisaggregatedEngine
 from jaxserve.engine.engine import Engine
 from jaxserve.engine.lora import LoRARequest
 from jaxserve.loading.media import MediaPolicy, take_images
-from jaxserve import scoring
 from jaxserve.outputs import (ClassificationOutput, ClassificationRequestOutput,
                               CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
                               RequestOutput, ScoringOutput, ScoringRequestOutput)
