@@ -182,16 +182,21 @@ class LLM:
     def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], /, *,
               pooling_params: PoolingParams | None = None, use_tqdm: bool = False,
               lora_request: LoRARequest | None = None, chat_template: str | None = None,
-              chat_template_kwargs: dict | None = None) -> list[ScoringRequestOutput]:
+              chat_template_kwargs: dict | None = None, max_tokens_per_query: int = 0,
+              max_tokens_per_doc: int = 0) -> list[ScoringRequestOutput]:
         """vLLM's `LLM.score`: a score (`outputs.score`) for each (query, document) pair of
         1:1, 1:N or N:N texts, in `data_2`'s order: a cross-encoder's head output on the
         pair as one prompt, or the cosine similarity of a bi-encoder's two embeddings
-        (jaxserve/scoring.py)."""
+        (jaxserve/scoring.py); each query and document first cut to its first
+        `max_tokens_per_query` / `max_tokens_per_doc` tokens when given."""
         queries = [data_1] if isinstance(data_1, str) else list(data_1)
         documents = [data_2] if isinstance(data_2, str) else list(data_2)
         pairs = scoring.pairs(queries, documents)
         params = pooling_params or PoolingParams()
         tokenizer = self.engine.tokenizer
+        if max_tokens_per_query or max_tokens_per_doc:
+            pairs = scoring.cut_pairs(tokenizer, pairs, max_tokens_per_query,
+                                      max_tokens_per_doc)
         if scoring.cross_encodes(getattr(self.engine, "classifier", None)):
             prompts = [scoring.pair_prompt(tokenizer, self.engine.classifier, q, d,
                                            chat_template, chat_template_kwargs)

@@ -71,6 +71,29 @@ def pair_prompt(tokenizer, classifier: Classifier, query: str, document: str,
     return tokenizer.encode(query + document, True)
 
 
+def truncated_text(tokenizer, text: str, max_tokens: int) -> str:
+    """`text` cut after its first `max_tokens` tokens (0: whole), at a token boundary in
+    the text itself (no decoding round trip), as vLLM's max_tokens_per_query / _doc."""
+    if max_tokens <= 0:
+        return text
+    while True:
+        offsets = tokenizer.token_offsets(text)
+        if len(offsets) <= max_tokens:
+            return text
+        end = min(offsets[max_tokens - 1][1], offsets[max_tokens][0])
+        text = text[:min(end, len(text) - 1)]
+
+
+def cut_pairs(tokenizer, pairs: list[tuple[str, str]], max_tokens_per_query: int,
+              max_tokens_per_doc: int) -> list[tuple[str, str]]:
+    """The pairs with each query and document cut to its first N tokens (0: whole)."""
+    if tokenizer is None:
+        raise ValueError("scoring text needs the model's tokenizer; this model has none")
+    queries = {q: truncated_text(tokenizer, q, max_tokens_per_query)
+               for q in dict.fromkeys(q for q, _ in pairs)}
+    return [(queries[q], truncated_text(tokenizer, d, max_tokens_per_doc)) for q, d in pairs]
+
+
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
     """torch's cosine_similarity (each norm at least 1e-8)."""
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)

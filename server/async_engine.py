@@ -266,14 +266,19 @@ class AsyncEngine:
     async def scoring_prompts(self, queries: list[str], documents: list[str],
                               chat_template: str | None = None,
                               template_kwargs: dict | None = None,
-                              use_activation: bool | None = None
+                              use_activation: bool | None = None,
+                              max_tokens_per_query: int = 0, max_tokens_per_doc: int = 0
                               ) -> tuple[PoolingParams, list[list[int]], Callable]:
         """What scores (query, document) pairs of 1:1, 1:N or N:N texts (jaxserve/
-        scoring.py), tokenized in the tokenizer pool: the pooling to run (a
-        cross-encoder's with `use_activation`), its prompts, and the function from their
-        pooled vectors to the pairs' scores. ValueError when the inputs or the model
-        cannot be scored so."""
+        scoring.py; each query and document first cut to `max_tokens_per_query` /
+        `max_tokens_per_doc` tokens when given), tokenized in the tokenizer pool: the
+        pooling to run (a cross-encoder's with `use_activation`), its prompts, and the
+        function from their pooled vectors to the pairs' scores. ValueError when the
+        inputs or the model cannot be scored so."""
         pairs = scoring.pairs(queries, documents)
+        if max_tokens_per_query or max_tokens_per_doc:
+            pairs = await self._in_pool(scoring.cut_pairs, self.info.tokenizer, pairs,
+                                        max_tokens_per_query, max_tokens_per_doc)
         if scoring.cross_encodes(self.info.classifier):
             prompts = [await self._in_pool(_encode_pair, self.info.tokenizer,
                                            self.info.classifier, q, d, chat_template,

@@ -905,7 +905,7 @@ class HTTPServer:
         try:
             pooling, ids, to_scores = await self.async_engine.scoring_prompts(
                 queries, documents, req.chat_template, req.template_kwargs(),
-                req.use_activation)
+                req.use_activation, req.max_tokens_per_query, req.max_tokens_per_doc)
         except ValueError as e:  # the inputs' shape, the model's head, the template
             raise oai.bad_request(e, "chat_template" if req.chat_template else None,
                                   type(req)) from e

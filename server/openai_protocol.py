@@ -450,6 +450,9 @@ class _ScoringRequest(_Truncation):
     chat_template: str | None = None  # renders [query, document] messages (scoring.py)
     chat_template_kwargs: dict[str, Any] | None = None
     instruction: str | None = None  # chat_template_kwargs' "instruction" (vLLM's)
+    # Each query / document cut to its first N tokens before pairing (0: whole).
+    max_tokens_per_query: int = Field(0, ge=0)
+    max_tokens_per_doc: int = Field(0, ge=0)
     priority: int = 0
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     request_id: str | None = Field(None, min_length=1, max_length=256)

@@ -286,6 +286,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                              f"{len(request.documents)}")
         if not all(request.queries) or not all(request.documents):
             raise ValueError("queries, documents: a text must not be empty")
+        if min(request.max_tokens_per_query, request.max_tokens_per_doc) < 0:
+            raise ValueError("max_tokens_per_query, max_tokens_per_doc: must not be negative")
         try:
             kwargs = json.loads(request.chat_template_kwargs_json or "{}")
         except json.JSONDecodeError as e:
@@ -294,7 +296,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             raise ValueError("chat_template_kwargs_json: give a JSON object")
         return await self.async_engine.scoring_prompts(
             list(request.queries), list(request.documents), request.chat_template or None,
-            kwargs, request.use_activation if request.HasField("use_activation") else None)
+            kwargs, request.use_activation if request.HasField("use_activation") else None,
+            request.max_tokens_per_query, request.max_tokens_per_doc)
 
     async def _pool(self, request, context: grpc.aio.ServicerContext, kind: str,
                     pooling: PoolingParams, prompts: list[list[int]]) -> list[StepOutput]:

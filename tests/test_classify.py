@@ -159,6 +159,14 @@ def test_cross_encoder_scores_match_transformers(cross_encoder):
         assert out.outputs.score == pytest.approx(want, abs=1e-5)
     with pytest.raises(ValueError, match="1:1, 1:N or N:N"):
         llm.score(DOCS[:2], DOCS[:3])
+    # vLLM's max_tokens_per_query / _doc: each text cut to its first N tokens (the byte
+    # tokenizer: a token per ASCII character) before pairing.
+    cut = llm.score(QUERY, DOCS, max_tokens_per_query=4, max_tokens_per_doc=6)
+    for doc, out in zip(DOCS, cut):
+        ids = tokenizer(QUERY[:4], doc[:6])["input_ids"]
+        assert out.prompt_token_ids == ids
+        want = torch.sigmoid(hf_logits(model, ids)[0]).item()
+        assert out.outputs.score == pytest.approx(want, abs=2e-6)
     classified = llm.classify([tokenizer(QUERY, DOCS[0])["input_ids"]])[0].outputs.probs
     assert classified == pytest.approx([outs[0].outputs.score], abs=2e-6)  # (other batches)
 
@@ -251,6 +259,12 @@ def test_classify_score_and_rerank_over_http(server, cross_encoder):
             [want[i] for i in order[:3]], abs=2e-6)
     every = httpx.post(f"{server}/rerank", json={"query": QUERY, "documents": DOCS}).json()
     assert len(every["results"]) == 4 and every["usage"]["prompt_tokens"] == ntok
+    cut = httpx.post(f"{server}/rerank", json={"query": QUERY, "documents": DOCS,
+                                               "max_tokens_per_doc": 6}).json()["results"]
+    want = {i: torch.sigmoid(hf_logits(model, tokenizer(QUERY, d[:6])["input_ids"])[0]).item()
+            for i, d in enumerate(DOCS)}
+    assert {r["index"]: r["relevance_score"] for r in cut} == pytest.approx(want, abs=2e-6)
+    assert {r["document"]["text"] for r in cut} == set(DOCS)  # as sent
 
 
 @pytest.mark.parametrize("path, body, status, param", [
@@ -261,6 +275,8 @@ def test_classify_score_and_rerank_over_http(server, cross_encoder):
     ("/score", {"text_1": "a", "text_2": [""]}, 400, "text_2"),
     ("/rerank", {"documents": ["a"]}, 400, "query"),
     ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, 400, "top_n"),
+    ("/rerank", {"query": "a", "documents": ["b"], "max_tokens_per_doc": -1}, 400,
+     "max_tokens_per_doc"),
     ("/classify", {"input": "a", "dimensions": 4}, 200, None),  # (an embedding's: ignored)
     ("/score", {"text_1": "a", "text_2": "b", "chat_template": "{% if %}"}, 400,
      "chat_template"),
@@ -282,6 +298,7 @@ def test_classify_and_score_over_grpc(server, cross_encoder):
     import grpc
 
     from server.client import Client
+    from server.protos.jaxserve.v1 import inference_pb2 as pb
 
     _, model, tokenizer = cross_encoder
     client = Client(server[1])
@@ -298,6 +315,13 @@ def test_classify_and_score_over_grpc(server, cross_encoder):
         (one,) = client.classify([tokenizer(QUERY, DOCS[0])["input_ids"]])
         assert (one.label, list(one.probs)) == ("LABEL_0", pytest.approx([scores[0]],
                                                                           abs=2e-6))
+        cut = client.stub.Score(pb.ScoreRequest(queries=[QUERY], documents=DOCS[:2],
+                                                max_tokens_per_doc=6)).scores
+        for doc, got in zip(DOCS, cut):
+            ids = tokenizer(QUERY, doc[:6])["input_ids"]
+            assert got.prompt_tokens == len(ids)
+            assert got.score == pytest.approx(
+                torch.sigmoid(hf_logits(model, ids)[0]).item(), abs=2e-6)
         for bad, field in (((DOCS[:2], DOCS[:3]), "1:1, 1:N or N:N"), (("q", []), "documents")):
             with pytest.raises(grpc.RpcError) as e:
                 client.score(*bad)
@@ -305,3 +329,30 @@ def test_classify_and_score_over_grpc(server, cross_encoder):
             assert field in e.value.details()
     finally:
         client.close()
+
+
+def test_texts_are_cut_at_token_boundaries(tmp_path):
+    """max_tokens_per_query / _doc with a BPE of merges: the text cut where its N+1th
+    token starts (no decoding round trip), so the cut text is the original's prefix and
+    tokenizes to the original's first N tokens."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    from jaxserve.loading.tokenizer import Tokenizer
+    from jaxserve.scoring import truncated_text
+
+    corpus = ["the cat sat on the mat", "a cat eats fish and meat", "cats are carnivores"]
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.train_from_iterator(corpus * 20, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_pretrained(tmp_path)
+    text = "the cat eats the fish, and then the cats sat on a mat"
+    ids = tok.encode(text, False)
+    assert len(ids) < len(text)  # merges: tokens of several characters
+    for n in (1, 3, 7, len(ids) - 1):
+        cut = truncated_text(tok, text, n)
+        assert text.startswith(cut) and len(cut) < len(text)
+        assert tok.encode(cut, False) == ids[:n]
+    assert truncated_text(tok, text, len(ids)) == truncated_text(tok, text, 0) == text

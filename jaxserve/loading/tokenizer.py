@@ -64,6 +64,7 @@ class _Backend(Protocol):
     def default_eos_id(self) -> int | None: ...
     def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
     def encode_pair(self, text: str, pair: str) -> list[int]: ...
+    def offsets(self, text: str) -> list[tuple[int, int]]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
     def id_to_token(self, token_id: int) -> str | None: ...
     def token_to_id(self, token: str) -> int | None: ...
@@ -119,6 +120,9 @@ class _HFBackend:
     def encode_pair(self, text: str, pair: str) -> list[int]:
         """The post-processor's pair template (transformers' `tokenizer(text, pair)`)."""
         return self._tok.encode(text, pair, add_special_tokens=True).ids
+
+    def offsets(self, text: str) -> list[tuple[int, int]]:
+        return self._tok.encode(text, add_special_tokens=False).offsets
 
     def decode(self, ids: Sequence[int]) -> str:
         # Ids past the vocabulary (padded embedding rows) are dropped by `tokenizers`.
@@ -261,6 +265,10 @@ class _SentencePieceBackend:
     def encode_pair(self, text: str, pair: str) -> list[int]:
         """Each encoded with its specials, one after the other (LlamaTokenizer's pairs)."""
         return self.encode(text, True) + self.encode(pair, True)
+
+    def offsets(self, text: str) -> list[tuple[int, int]]:
+        raise ValueError("cutting text by tokens needs the model's tokenizer.json (this one "
+                         "is a sentencepiece model)")
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         ids: list[int] = []
@@ -411,6 +419,10 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
+
+    def token_offsets(self, text: str) -> list[tuple[int, int]]:
+        """Each of `text`'s tokens' (start, end) characters (no special tokens added)."""
+        return self._backend.offsets(text)
 
     def tokenizer_json(self) -> str | None:
         """tokenizer.json's text (None for a sentencepiece model), for grammar engines."""
