@@ -59,8 +59,7 @@ def pair_prompt(tokenizer, classifier: Classifier, query: str, document: str,
                 chat_template_kwargs: dict | None = None) -> list[int]:
     """A cross-encoder's prompt for one pair (module doc); ValueError when it cannot be
     made (no tokenizer, a template that fails)."""
-    if tokenizer is None:
-        raise ValueError("scoring text needs the model's tokenizer; this model has none")
+    _need(tokenizer)
     if chat_template is not None:
         text = tokenizer.apply_chat_template(
             [{"role": "query", "content": query}, {"role": "document", "content": document}],
@@ -87,11 +86,15 @@ def truncated_text(tokenizer, text: str, max_tokens: int) -> str:
 def cut_pairs(tokenizer, pairs: list[tuple[str, str]], max_tokens_per_query: int,
               max_tokens_per_doc: int) -> list[tuple[str, str]]:
     """The pairs with each query and document cut to its first N tokens (0: whole)."""
-    if tokenizer is None:
-        raise ValueError("scoring text needs the model's tokenizer; this model has none")
+    _need(tokenizer)
     queries = {q: truncated_text(tokenizer, q, max_tokens_per_query)
                for q in dict.fromkeys(q for q, _ in pairs)}
     return [(queries[q], truncated_text(tokenizer, d, max_tokens_per_doc)) for q, d in pairs]
+
+
+def _need(tokenizer) -> None:
+    if tokenizer is None:
+        raise ValueError("scoring text needs the model's tokenizer; this model has none")
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
