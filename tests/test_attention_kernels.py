@@ -25,9 +25,10 @@ KERNELS = ["tpu", "gpu"]
 
 
 def ragged_batch(rng, kind, *, num_seqs=5, page_size=8, num_kv_heads=2, group=4, head_dim=64,
-                 max_pages=5, dtype=jnp.float32, kv_dtype=None):
+                 max_pages=5, dtype=jnp.float32, kv_dtype=None, latent=False):
     """decode: one new token per sequence; prefill: whole prompts; mixed: both, plus
-    prefill chunks that continue an earlier context."""
+    prefill chunks that continue an earlier context. `latent`: the V pages are the K pages
+    (DeepSeek's latent attention)."""
     kv_lens, q_lens = draw_lengths(rng, kind, num_seqs, max_pages * page_size)
     max_seqs, pad_tokens = num_seqs + 3, 5  # padding sequence slots and padding tokens
     num_pages = num_seqs * max_pages + 7
@@ -36,7 +37,7 @@ def ragged_batch(rng, kind, *, num_seqs=5, page_size=8, num_kv_heads=2, group=4,
         num_seqs, max_pages)
     shape = (num_kv_heads, num_pages, page_size, head_dim)
     k = rng.standard_normal(shape).astype(np.float32)
-    v = rng.standard_normal(shape).astype(np.float32)
+    v = k if latent else rng.standard_normal(shape).astype(np.float32)
     t = sum(q_lens) + pad_tokens
     q = rng.standard_normal((t, num_kv_heads * group, head_dim)).astype(np.float32)
     cu = np.concatenate([[0], np.cumsum(q_lens), np.full(max_seqs - num_seqs, sum(q_lens))])
@@ -92,6 +93,10 @@ CASES = [
     dict(kind="mixed", group=2, images=True, page_size=4, pages_per_block=1,
          queries_per_block=3),
     dict(kind="mixed", group=4, images=True, sliding_window=7, dtype=jnp.bfloat16),
+    # DeepSeek-V3's latent attention: one 576-wide head that is both K and V, 16 query
+    # heads on it (a quarter of a chip's under tensor parallelism 32), 8 queries a block.
+    dict(kind="mixed", group=16, head_dim=576, num_kv_heads=1, latent=True,
+         dtype=jnp.bfloat16, queries_per_block=8),
 ]
 
 
@@ -136,6 +141,9 @@ def reference_output(index: int) -> np.ndarray:
 def test_kernel_matches_reference(impl, index):
     if impl == "tpu" and CASES[index].get("images"):
         pytest.skip("the TPU kernel leaves a step with images to the reference (a lax.cond)")
+    if impl == "gpu" and CASES[index].get("latent"):
+        pytest.skip("the GPU kernel's tiles take power-of-two head dims: latent attention "
+                    "runs the reference there (parallel.paged_attention)")
     batch, real, options = case_inputs(index)
     dtype = CASES[index].get("dtype", jnp.float32)
     interpret = kernel_interpret(impl)

@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec
 from jaxserve.config import ModelOptions
 from jaxserve.models.layers import dense_impl, is_packed, is_transposed, matmul, matmul_group
 from pallas_kernels.platform import current_platform
-from pallas_kernels.ragged_paged_attention import default_impl, ragged_paged_attention, write_kv
+from pallas_kernels.ragged_paged_attention import (
+    default_impl, ragged_paged_attention, write_kv, write_latent)
 from sharding.rules import DATA, MODEL, ShardingContext
 
 # Logical axes of the attention's activations and of one layer's K or V pages.
@@ -29,6 +30,7 @@ Q_AXES = ("tokens", "q_heads", None)
 NEW_KV_AXES = ("tokens", "cache_heads", None)
 KV_CACHE_AXES = ("cache_heads", "pages", None, None)  # [heads, pages, page_size, head_dim]
 RESIDUAL_AXES = ("residual", "embed")
+LATENT_ROWS = 256  # query rows (queries x heads) per block of latent attention on a TPU
 SEQ_AXES = ("seqs",)
 
 
@@ -148,6 +150,13 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple[jax.Arra
                     ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """Write the new tokens' K/V into the paged cache, then ragged paged attention.
 
+    `v` None: latent attention (latent_attention.py), whose one pool (and its scales,
+    quantized) is both K and V: `k` is written there, and the output is `[T, heads,
+    width]` of which the caller keeps the value columns. On a TPU our kernel runs it with
+    blocks of LATENT_ROWS query rows (its 32-query default, times 32 or more heads at 576
+    wide, passes the 16 MiB of scoped VMEM); our GPU kernel's tiles take power-of-two head
+    dims only, so the reference runs it there.
+
     `meta` is the step's AttentionMetadata. Both run per shard under shard_map where XLA
     cannot partition them on its own:
     - over `data` (data parallelism): each shard's page ids and token offsets are local to
@@ -158,6 +167,9 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple[jax.Arra
       pure-JAX reference runs instead and XLA partitions it.
     """
     impl = options.kernel_impl or default_impl()
+    latent = v is None
+    if latent and impl in ("gpu",):
+        impl = "reference"
     q_spec, cache_spec = shard.rules.spec(Q_AXES), shard.rules.spec(KV_CACHE_AXES)
     if shard.mesh.size > 1 and impl != "reference" and cache_spec[0] != q_spec[1]:
         impl = "reference"
@@ -179,12 +191,20 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple[jax.Arra
 
     def local(q, k, v, kv, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, tree,
               image_end):
-        kv = write_kv(kv[0], kv[1], k, v, slot_mapping, *kv[2:], impl=write_impl)
-        scales = dict(k_scales=kv[2], v_scales=kv[3]) if len(kv) == 4 else {}
-        out = ragged_paged_attention(q, kv[0], kv[1], kv_lens, page_indices, cu_q_lens,
+        if latent:
+            kv = write_latent(kv[0], k, slot_mapping, *kv[1:])
+            pages = (kv[0], kv[0])
+            scales = dict(k_scales=kv[1], v_scales=kv[1]) if len(kv) == 2 else {}
+        else:
+            kv = write_kv(kv[0], kv[1], k, v, slot_mapping, *kv[2:], impl=write_impl)
+            pages = kv[:2]
+            scales = dict(k_scales=kv[2], v_scales=kv[3]) if len(kv) == 4 else {}
+        blocks = ({"queries_per_block": max(1, LATENT_ROWS // q.shape[1])}
+                  if latent and impl == "tpu" else {})
+        out = ragged_paged_attention(q, *pages, kv_lens, page_indices, cu_q_lens,
                                      num_seqs[0], impl=impl, interpret=options.interpret,
                                      tree_start=tree[0], tree_mask=tree[1],
-                                     image_end=image_end, **scales, **kwargs)
+                                     image_end=image_end, **scales, **kwargs, **blocks)
         return out, kv
 
     args = (q, k, v, kv, meta.slot_mapping, meta.kv_lens, meta.page_indices, meta.cu_q_lens,
@@ -196,7 +216,8 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple[jax.Arra
     seq_spec, token_spec = spec(SEQ_AXES), spec(("tokens",))
     return jax.shard_map(
         local, mesh=shard.mesh, axis_names=manual, check_vma=False,
-        in_specs=(spec(Q_AXES), spec(NEW_KV_AXES), spec(NEW_KV_AXES), kv_specs, token_spec,
+        in_specs=(spec(Q_AXES), spec(NEW_KV_AXES), None if latent else spec(NEW_KV_AXES),
+                  kv_specs, token_spec,
                   seq_spec, seq_spec, seq_spec, seq_spec, (seq_spec, token_spec), token_spec),
         out_specs=(spec(Q_AXES), kv_specs))(*args)
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from pallas_kernels import cpu as native
 from pallas_kernels.platform import GPU_PLATFORMS, current_platform
 from pallas_kernels.ragged_paged_attention import reference
-from pallas_kernels.ragged_paged_attention.kv_cache import quantize_kv, write_kv
+from pallas_kernels.ragged_paged_attention.kv_cache import quantize_kv, write_kv, write_latent
 from pallas_kernels.ragged_paged_attention.work_items import AttentionInputs
 
 IMPLS = ("reference", "tpu", "gpu", "cpu")
@@ -88,4 +88,5 @@ def _kernel(x: AttentionInputs, impl: str, interpret: bool, block_sizes: dict) -
     raise ValueError(f"attention impl must be one of {IMPLS}, got {impl!r}")
 
 
-__all__ = ["IMPLS", "default_impl", "quantize_kv", "ragged_paged_attention", "write_kv"]
+__all__ = ["IMPLS", "default_impl", "quantize_kv", "ragged_paged_attention", "write_kv",
+           "write_latent"]

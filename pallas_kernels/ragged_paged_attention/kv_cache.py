@@ -91,28 +91,40 @@ def write_kv(
         raise ValueError("the native K/V writer takes unquantized caches only (impl='xla')")
     if impl == "cpu" and not native.available():
         raise RuntimeError(f"native CPU kernels unavailable: {native.unavailable_reason()}")
-    shape = k_pages.shape
-    flat = (shape[0], shape[1] * shape[2], shape[3])
-
-    def rows(pages, x):  # x in the pool's dtype (its bits for a pool of bits)
-        x = x.astype(logical_dtype(pages))
-        return as_bits(x) if pages.dtype == BITS else x
-
     if impl == "cpu":  # takes bf16 rows into a pool of bits as they are (no copy to bits)
-        out = jax.ShapeDtypeStruct(shape, k_pages.dtype)
+        out = jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype)
         call = jax.ffi.ffi_call("jaxserve_write_kv", (out, out), input_output_aliases={0: 0, 1: 1})
         return tuple(call(k_pages, v_pages, k.astype(logical_dtype(k_pages)),
                           v.astype(logical_dtype(v_pages)), slot_mapping.astype(jnp.int32)))
-
-    def put(pages, x):
-        x = rows(pages, x).transpose(1, 0, 2)  # [Hkv, T, D]
-        return pages.reshape(flat).at[:, slot_mapping].set(x, mode="drop").reshape(shape)
-
-    def put_scales(scales, s):
-        flat_scales = scales.reshape(flat[:2])
-        return flat_scales.at[:, slot_mapping].set(s.T, mode="drop").reshape(shape[:3])
-
     if k_scales is None:
-        return put(k_pages, k), put(v_pages, v)
+        return _put(k_pages, k, slot_mapping), _put(v_pages, v, slot_mapping)
     (kq, ks), (vq, vs) = quantize_kv(k, k_pages.dtype), quantize_kv(v, v_pages.dtype)
-    return put(k_pages, kq), put(v_pages, vq), put_scales(k_scales, ks), put_scales(v_scales, vs)
+    return (_put(k_pages, kq, slot_mapping), _put(v_pages, vq, slot_mapping),
+            _put_scales(k_scales, ks, slot_mapping), _put_scales(v_scales, vs, slot_mapping))
+
+
+def write_latent(pages: jax.Array, x: jax.Array, slot_mapping: jax.Array,
+                 scales: jax.Array | None = None) -> tuple[jax.Array, ...]:
+    """Store new tokens' rows `[T, heads, width]` in a pool that is both K and V (DeepSeek's
+    latent attention: its values are the first columns of its keys), as `write_kv` does
+    with impl "xla": `(pages,)`, or `(pages, scales)` quantized."""
+    if scales is None:
+        return (_put(pages, x, slot_mapping),)
+    xq, xs = quantize_kv(x, pages.dtype)
+    return _put(pages, xq, slot_mapping), _put_scales(scales, xs, slot_mapping)
+
+
+def _put(pages: jax.Array, x: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """Rows `x[T, heads, D]` scattered into `pages` at their flat slots (out of range: dropped),
+    in the pool's dtype (its bits for a pool of bits)."""
+    shape = pages.shape
+    x = x.astype(logical_dtype(pages))
+    x = (as_bits(x) if pages.dtype == BITS else x).transpose(1, 0, 2)  # [Hkv, T, D]
+    flat = pages.reshape(shape[0], shape[1] * shape[2], shape[3])
+    return flat.at[:, slot_mapping].set(x, mode="drop").reshape(shape)
+
+
+def _put_scales(scales: jax.Array, s: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    shape = scales.shape
+    flat = scales.reshape(shape[0], shape[1] * shape[2])
+    return flat.at[:, slot_mapping].set(s.T, mode="drop").reshape(shape)
