@@ -20,7 +20,7 @@ from pallas_kernels.ragged_paged_attention.work_items import MAX_TREE_NODES
 from sharding.strategies import MESH_AXES, STRATEGIES
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "mixtral", "qwen2_moe",
-                         "qwen3_moe", "gemma2", "gemma3_text")
+                         "qwen3_moe", "gemma2", "gemma3_text", "deepseek_v2", "deepseek_v3")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 DTYPES = ("bfloat16", "float32")
 # kv_cache_dtype names and the dtype each stores ("auto": the model's dtype).
@@ -551,7 +551,18 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert; 0 = none
+    shared_expert_gated: bool = True  # Qwen2-MoE's sigmoid gate; DeepSeek's have none
     norm_topk_prob: bool = False
+    # DeepSeek's routing (moe.route_grouped; router_scoring "" = the others' softmax
+    # top-k): scores "softmax" (V2) or "sigmoid" (V3, plus a per-expert bias that steers
+    # the choice, not the weights), experts chosen within the best `topk_group` of
+    # `n_group` groups (a group's score: its best expert's (V2) or the sum of its best
+    # two (V3, `router_bias`)), weights times routed_scaling_factor.
+    router_scoring: str = ""
+    router_bias: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
     # Per layer: whether its feed-forward is the experts (else the dense MLP).
     sparse_layers: tuple[bool, ...] = ()
     # A vision-language model's image side (None: text only).
@@ -562,6 +573,19 @@ class ModelConfig:
     # The fraction of each head's dimensions the rope turns (Phi-4-mini: 0.75; the first
     # ones, the rest pass through).
     partial_rotary_factor: float = 1.0
+    # DeepSeek-V2/V3's multi-head latent attention (models/latent_attention.py;
+    # kv_lora_rank 0: none). Queries through a q_lora_rank bottleneck (0: one projection),
+    # each head's qk_nope_head_dim + qk_rope_head_dim wide; keys and values from one
+    # kv_lora_rank latent per token, which the cache holds with the rotated
+    # qk_rope_head_dim key all heads share: num_kv_heads is 1 and head_dim that width
+    # (kv_lora_rank + qk_rope_head_dim), what the cache and the attention kernels see.
+    # `rope_interleave`: the rotated dims pair up as (0, 1), (2, 3), ... (DeepSeek's).
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -575,6 +599,11 @@ class ModelConfig:
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
                              f"[1, num_experts ({self.num_experts})]")
+        if self.router_scoring and (self.num_experts % self.n_group
+                                    or not 0 < self.topk_group <= self.n_group):
+            raise ValueError(f"n_group ({self.n_group}) must divide n_routed_experts "
+                             f"({self.num_experts}) and topk_group ({self.topk_group}) be in "
+                             f"[1, n_group]")
         if len(self.layer_types) != self.num_layers:
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
@@ -610,6 +639,8 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
+        if self.kv_lora_rank:
+            return self.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     def for_context(self, max_model_len: int | None) -> "ModelConfig":
@@ -627,11 +658,22 @@ class ModelConfig:
 
     @property
     def sm_scale(self) -> float:
+        if self.kv_lora_rank:  # YaRN's mscale_all_dim scales every dim's scores (DeepSeek)
+            scaling, mscale = self.rope_scaling, 1.0
+            if scaling.rope_type == "yarn" and scaling.mscale_all_dim and scaling.factor > 1:
+                mscale = 0.1 * scaling.mscale_all_dim * math.log(scaling.factor) + 1.0
+            return (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5 * mscale**2
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def num_params(self) -> int:
         e, m, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = e * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        if self.kv_lora_rank:
+            h, r, qk = self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim + self.qk_rope_head_dim
+            ql = self.q_lora_rank
+            attn = ((e * ql + ql + ql * h * qk) if ql else e * h * qk) \
+                + e * (r + self.qk_rope_head_dim) + r \
+                + r * h * (self.qk_nope_head_dim + self.v_head_dim) + h * self.v_head_dim * e
         if self.qkv_bias:
             attn += d * (self.num_heads + 2 * self.num_kv_heads)
         if self.o_bias:
@@ -642,7 +684,8 @@ class ModelConfig:
         shared = self.shared_expert_intermediate_size
         # router, experts, and the shared expert with its [hidden, 1] gate
         sparse = (self.num_experts * e * (1 + 3 * self.moe_intermediate_size)
-                  + (3 * shared + 1) * e * bool(shared))
+                  + (3 * shared + self.shared_expert_gated) * e * bool(shared)
+                  + self.num_experts * self.router_bias)
         norms = (4 if self.sandwich_norms else 2) * e
         layers = sum(attn + norms + (sparse if s else dense) for s in self.sparse_layers)
         embed = self.vocab_size * e * (1 if self.tie_word_embeddings else 2)
@@ -699,7 +742,11 @@ class ModelConfig:
             raise ValueError(f"hidden_act {act!r} is not supported (only {ACTIVATIONS})")
         num_heads = hf["num_attention_heads"]
         num_layers = hf["num_hidden_layers"]
+        mla = _mla_from_hf(hf, model_type)
         attention_bias = bool(hf.get("attention_bias", False))
+        if mla and attention_bias:
+            raise ValueError("attention_bias=true with DeepSeek's latent attention is not "
+                             "supported")
         qkv_bias, o_bias = attention_bias, attention_bias
         if model_type in ("qwen2", "qwen2_moe"):  # always q/k/v bias, never an o_proj bias
             qkv_bias, o_bias = True, False
@@ -717,8 +764,9 @@ class ModelConfig:
             intermediate_size=hf["intermediate_size"],
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            num_kv_heads=1 if mla else hf.get("num_key_value_heads") or num_heads,
+            head_dim=(mla["kv_lora_rank"] + mla["qk_rope_head_dim"] if mla
+                      else hf.get("head_dim") or hf["hidden_size"] // num_heads),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
@@ -747,6 +795,7 @@ class ModelConfig:
                 (hf.get("rope_parameters") or {}).get("partial_rotary_factor")
                 or hf.get("partial_rotary_factor") or 1.0),
             **moe,
+            **mla,
         ).for_context(None)
 
     @classmethod
@@ -764,15 +813,54 @@ class ModelConfig:
         return cls.from_hf({**data, **(overrides or {})})
 
 
+def _mla_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The latent attention fields of a DeepSeek-V2 / V3 config.json (none for the others).
+    V2 always pairs its rotated dims as (0, 1), (2, 3), ...; V3 unless rope_interleave is
+    false."""
+    if not model_type.startswith("deepseek"):
+        return {}
+    return dict(q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
+                qk_nope_head_dim=hf["qk_nope_head_dim"],
+                qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
+                rope_interleave=model_type == "deepseek_v2"
+                or bool(hf.get("rope_interleave", True)))
+
+
 def _moe_from_hf(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
-    """The mixture-of-experts fields of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json (none
-    for a dense model). Mixtral's experts are all layers' MLPs of intermediate_size, their
-    top-k weights always renormalised; the Qwen models' layer i is sparse unless it is in
-    mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step."""
+    """The mixture-of-experts fields of a Mixtral / Qwen2-MoE / Qwen3-MoE / DeepSeek
+    config.json (none for a dense model). Mixtral's experts are all layers' MLPs of
+    intermediate_size, their top-k weights always renormalised; the Qwen models' layer i
+    is sparse unless it is in mlp_only_layers or (i + 1) is not a multiple of
+    decoder_sparse_step; DeepSeek's from first_k_dense_replace on, every moe_layer_freq-th
+    (as vLLM), with n_shared_experts ungated shared experts."""
     if model_type == "mixtral":
         return dict(num_experts=hf["num_local_experts"],
                     num_experts_per_tok=hf["num_experts_per_tok"],
                     moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=True)
+    if model_type.startswith("deepseek"):
+        experts = hf.get("n_routed_experts") or 0
+        if not experts:
+            return {}
+        first, freq = hf.get("first_k_dense_replace") or 0, hf.get("moe_layer_freq") or 1
+        method = hf.get("topk_method") or ("noaux_tc" if model_type == "deepseek_v3"
+                                           else "greedy")
+        if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+            raise ValueError(f"topk_method {method!r} is not supported")
+        scoring = hf.get("scoring_func") or ("sigmoid" if method == "noaux_tc" else "softmax")
+        if scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"scoring_func {scoring!r} is not supported")
+        grouped = method != "greedy"
+        return dict(
+            num_experts=experts, num_experts_per_tok=hf["num_experts_per_tok"],
+            moe_intermediate_size=hf["moe_intermediate_size"],
+            shared_expert_intermediate_size=hf["moe_intermediate_size"]
+            * (hf.get("n_shared_experts") or 0),
+            shared_expert_gated=False, norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            router_scoring=scoring, router_bias=method == "noaux_tc",
+            n_group=(hf.get("n_group") or 1) if grouped else 1,
+            topk_group=(hf.get("topk_group") or 1) if grouped else 1,
+            routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
+            sparse_layers=tuple(i >= first and i % freq == 0 for i in range(num_layers)))
     if model_type not in ("qwen2_moe", "qwen3_moe"):
         return {}
     experts = hf.get("num_experts") or hf.get("num_local_experts") or 0

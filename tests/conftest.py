@@ -122,6 +122,24 @@ def _hf_config(arch: str):
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                 "rope_theta": 1000000.0}})
+    if arch == "deepseek_v3":  # latent attention with a q bottleneck, YaRN's mscale; experts
+        # by biased sigmoid scores in 2 of 4 groups, one shared expert, layer 0 dense
+        return tf.DeepseekV3ForCausalLM, tf.DeepseekV3Config(
+            **common, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=24, n_routed_experts=8, n_group=4, topk_group=2,
+            num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+            first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "mscale": 1.0, "mscale_all_dim": 1.0,
+                             "original_max_position_embeddings": 64})
+    if arch == "deepseek_v2":  # one q projection, complex-pair rope; softmax experts chosen
+        # in 1 of 2 groups by their best, two shared experts, layer 0 dense
+        return tf.DeepseekV2ForCausalLM, tf.DeepseekV2Config(
+            **common, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=24, n_routed_experts=8, n_group=2, topk_group=1,
+            topk_method="group_limited_greedy", num_experts_per_tok=2,
+            moe_intermediate_size=32, n_shared_experts=2, first_k_dense_replace=1,
+            routed_scaling_factor=1.5)
     raise ValueError(arch)
 
 
@@ -135,6 +153,9 @@ def make_checkpoint(arch: str, path: Path, seed: int = 0):
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = cls(cfg).eval()
+    for name, buffer in model.named_buffers():  # DeepSeek-V3's router bias: not zeros
+        if name.endswith("e_score_correction_bias"):
+            buffer.copy_(0.05 * torch.randn(buffer.shape))
     model.save_pretrained(path)
     write_byte_tokenizer(path)
     return model

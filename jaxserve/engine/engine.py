@@ -135,6 +135,9 @@ class Engine:
         # LoRA adapters (engine/lora.py): where they are, and their device stacks' shapes.
         self.loras, lora_stacks = None, None
         if config.enable_lora:
+            if model_config.kv_lora_rank:
+                raise ValueError("enable_lora: LoRA adapters on DeepSeek's latent attention "
+                                 "are not supported yet")
             self.loras = LoraManager(model_config, config.max_loras, config.max_lora_rank,
                                      config.max_cpu_loras)
             lora_stacks = abstract_stacks(model_config, config.max_loras, config.max_lora_rank,

@@ -64,11 +64,12 @@ from pallas_kernels.quantized_matmul.formats import pack_int4
 METHODS = ("awq", "gptq", "compressed-tensors", "fp8")
 AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # column of each nibble within a word
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                "qkv_proj", "gate_up_proj")  # the last two: Phi-3's fused ones
+                "qkv_proj", "gate_up_proj",  # Phi-3's fused ones
+                "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # DeepSeek's
 # The decoder's linear layers: attention, the MLP, a MoE layer's experts (Mixtral's w1 / w3 /
-# w2) and shared expert; not the router (`mlp.gate`), which stays float.
+# w2) and shared expert(s); not the router (`mlp.gate`), which stays float.
 _LINEAR = re.compile(
-    r"(model\.layers\.\d+\.(?:self_attn|mlp|mlp\.shared_expert|"
+    r"(model\.layers\.\d+\.(?:self_attn|mlp|mlp\.shared_experts?|"
     r"(?:mlp|block_sparse_moe)\.experts\.\d+)\.(?:%s|w1|w2|w3))\.(\w+)$" % "|".join(LINEAR_NAMES))
 # What a checkpoint may leave unquantized: the LM head and a MoE layer's routers.
 _FLOAT_OK = re.compile(r"(?:re:)?(?:\.\*)?(?:.*\.)?(?:lm_head|gate|shared_expert_gate)\$?")

@@ -28,6 +28,7 @@ from jaxserve.config import ModelConfig, ModelOptions
 from jaxserve.loading.prequantized import Prequantized
 from jaxserve.models.transformer import Transformer
 from pallas_kernels.quantized_matmul import quantize
+from pallas_kernels.quantized_matmul.formats import dequantize, kind_of
 from sharding.rules import ShardingContext
 
 _SAFETENSORS_DTYPES = {
@@ -59,6 +60,19 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 def checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, np.ndarray]]:
     """(name, memory-mapped array) for every tensor of the checkpoint, file by file."""
     return (item for file in checkpoint_files(model_dir) for item in read_tensors(file))
+
+
+def decoder_tensors(model_dir: str | Path, cfg: ModelConfig
+                    ) -> Iterator[tuple[str, np.ndarray]]:
+    """`checkpoint_tensors` less DeepSeek-V3's multi-token-prediction module (the layers
+    past num_hidden_layers, `num_nextn_predict_layers` of them), which generation does not
+    run; every tensor of any other checkpoint."""
+    tensors = checkpoint_tensors(model_dir)
+    if not cfg.kv_lora_rank:
+        return tensors
+    past = re.compile(r"model\.layers\.(\d+)\.")
+    return ((name, x) for name, x in tensors
+            if not ((m := past.match(name)) and int(m.group(1)) >= cfg.num_layers))
 
 
 def read_tensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
@@ -147,6 +161,9 @@ def split_fused(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig
              "v_proj": cfg.num_kv_heads * cfg.head_dim, "gate_proj": cfg.intermediate_size,
              "up_proj": cfg.intermediate_size}
     for name, x in tensors:
+        if cfg.kv_lora_rank and name.endswith("self_attn.kv_b_proj.weight"):
+            yield from _split_kv_b_proj(name, x, cfg)
+            continue
         m = _FUSED_NAME.match(name)
         if m is None:
             yield name, x
@@ -169,6 +186,25 @@ def split_fused(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig
             start += n
 
 
+def _split_kv_b_proj(name: str, x, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """DeepSeek's kv_b_proj `[heads x (nope + v), kv_lora_rank]` as latent attention holds
+    it: `k_up` `[heads, nope, rank]` (queries into the latent) and `v_up` `[heads, rank, v]`
+    (the latent into values), dequantized when the checkpoint stores it quantized."""
+    base = name.removesuffix(".weight")
+    if isinstance(x, Prequantized):  # DeepSeek-V3's FP8 checkpoint: absorbed in float
+        w = np.asarray(dequantize(x.values, x.scales, kind_of(x.values)))  # [K, N]
+        if x.perm is not None:  # rows stored in act order: back to the input's
+            w = w[np.argsort(x.perm)]
+        x = w.T
+    h, nope, v = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+    if x.shape != (h * (nope + v), cfg.kv_lora_rank):
+        raise ValueError(f"tensor {name!r} has shape {tuple(x.shape)}; the config expects "
+                         f"{(h * (nope + v), cfg.kv_lora_rank)}")
+    w = x.reshape(h, nope + v, cfg.kv_lora_rank)
+    yield f"{base}.k_up", w[:, :nope]
+    yield f"{base}.v_up", w[:, nope:].transpose(0, 2, 1)
+
+
 def _hf_to_ours(name: str, x: np.ndarray, cfg: ModelConfig, kv_replicas: int = 1
                 ) -> tuple[tuple, np.ndarray, int | None] | None:
     """Map a Hugging Face tensor to (our parameter path, array in our layout, expert),
@@ -189,6 +225,8 @@ def _hf_to_ours(name: str, x: np.ndarray, cfg: ModelConfig, kv_replicas: int = 1
     if not m:
         raise ValueError(f"unexpected tensor {name!r} in checkpoint")
     i, rest = int(m.group(1)), m.group(2)
+    if cfg.kv_lora_rank and rest.startswith("self_attn."):
+        return _latent_attention(i, rest, x, cfg)
     heads = {"q": hq, "k": hkv, "v": hkv}
     table = {
         "input_layernorm.weight": (("input_norm",), lambda: x),
@@ -206,8 +244,12 @@ def _hf_to_ours(name: str, x: np.ndarray, cfg: ModelConfig, kv_replicas: int = 1
     for p, h in heads.items():
         table[f"self_attn.{p}_proj.weight"] = (("attn", f"{p}_proj"), lambda h=h: x.T.reshape(e, h, d))
         table[f"self_attn.{p}_proj.bias"] = (("attn", f"{p}_bias"), lambda h=h: x.reshape(h, d))
+    table["mlp.gate.e_score_correction_bias"] = (("mlp", "router_bias"), lambda: x)
     for hf_name, ours in (("block_sparse_moe.gate", "router"), ("mlp.gate", "router"),
                           ("mlp.shared_expert_gate", "shared_expert_gate"),
+                          ("mlp.shared_experts.gate_proj", "shared_expert.gate_proj"),
+                          ("mlp.shared_experts.up_proj", "shared_expert.up_proj"),
+                          ("mlp.shared_experts.down_proj", "shared_expert.down_proj"),
                           ("mlp.shared_expert.gate_proj", "shared_expert.gate_proj"),
                           ("mlp.shared_expert.up_proj", "shared_expert.up_proj"),
                           ("mlp.shared_expert.down_proj", "shared_expert.down_proj")):
@@ -232,6 +274,31 @@ def _hf_to_ours(name: str, x: np.ndarray, cfg: ModelConfig, kv_replicas: int = 1
     if is_kv_param(path):
         array = repeat_kv_heads(array, path, kv_replicas, d, xp=np)
     return path, array, None
+
+
+def _latent_attention(i: int, rest: str, x, cfg: ModelConfig) -> tuple[tuple, object, None]:
+    """(our path, array in our layout, None) of a DeepSeek attention tensor
+    (latent_attention.py); kv_b_proj comes split in two, in float, by `split_fused`."""
+    e, h = cfg.hidden_size, cfg.num_heads
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    table = {
+        "q_proj.weight": ("q_proj", lambda: x.T.reshape(e, h, qk)),
+        "q_a_proj.weight": ("q_a_proj", lambda: x.T),
+        "q_a_layernorm.weight": ("q_a_norm", lambda: x),
+        "q_b_proj.weight": ("q_b_proj", lambda: x.T.reshape(-1, h, qk)),
+        "kv_a_proj_with_mqa.weight": ("kv_a_proj", lambda: x.T),
+        "kv_a_layernorm.weight": ("kv_a_norm", lambda: x),
+        "kv_b_proj.k_up": ("k_up", lambda: x),
+        "kv_b_proj.v_up": ("v_up", lambda: x),
+        "o_proj.weight": ("o_proj", lambda: x.T.reshape(h, cfg.v_head_dim, e)),
+    }
+    part = rest.removeprefix("self_attn.")
+    if part not in table:
+        raise ValueError(f"unexpected tensor model.layers.{i}.{rest!r} in checkpoint")
+    ours, convert = table[part]
+    if isinstance(x, Prequantized):
+        return ("layers", i, "attn", ours), x, None
+    return ("layers", i, "attn", ours), convert(), None
 
 
 # Expert weight names (Mixtral's w1/w3/w2, the Qwen MoE models' own) -> moe.MoE's.
@@ -286,7 +353,7 @@ def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype, shard: Shard
     tied_head = cfg.tie_word_embeddings and _HEAD in expected
     embedding = None
     if tensors is None:
-        tensors = checkpoint_tensors(model_dir)
+        tensors = decoder_tensors(model_dir, cfg)
     for name, tensor in split_fused(tensors, cfg):
         if _IGNORED.match(name):
             continue

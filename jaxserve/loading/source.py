@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.loading import gguf, prequantized
-from jaxserve.loading.safetensors import checkpoint_tensors
+from jaxserve.loading.safetensors import decoder_tensors
 
 
 @dataclasses.dataclass
@@ -51,5 +51,5 @@ def open_checkpoint(model: str | Path, quantization: str | None,
     if stored is None:
         return Checkpoint(model_dir, config, {}, None, None)
     return Checkpoint(model_dir, config, stored.settings(quantization, config),
-                      prequantized.tensors(checkpoint_tensors(model_dir), stored),
+                      prequantized.tensors(decoder_tensors(model_dir, config), stored),
                       stored.method)

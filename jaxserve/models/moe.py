@@ -1,12 +1,13 @@
-"""Mixture-of-experts feed-forward (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks
-`num_experts_per_tok` experts per token, each a SwiGLU MLP, and their outputs are summed
-with the router's weights (plus Qwen2-MoE's shared expert, gated by a sigmoid).
+"""Mixture-of-experts feed-forward (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 / V3): a
+router picks `num_experts_per_tok` experts per token, each a SwiGLU MLP, and their outputs
+are summed with the router's weights (plus Qwen2-MoE's shared expert, gated by a sigmoid,
+or DeepSeek's shared experts, ungated).
 
 Routing follows transformers exactly: router logits in the model's dtype, softmax in
 float32, `top_k` of the probabilities (ties go to the lower expert index, as torch.topk
 and lax.top_k both do), renormalised over the chosen experts when `norm_topk_prob`
 (always for Mixtral); Mixtral keeps the weights in float32, the Qwen models cast them to
-the model's dtype.
+the model's dtype. DeepSeek's (`route_grouped`) is in float32 throughout.
 
 The experts run as grouped matmuls, not a loop over experts: the token-expert pairs
 (T x top_k of them) are sorted by expert, and each projection is one grouped matmul
@@ -67,6 +68,33 @@ def route(x: jax.Array, router: jax.Array, top_k: int, normalize: bool,
     return weights.astype(weights_dtype), experts
 
 
+def route_grouped(x: jax.Array, router: jax.Array, bias: jax.Array | None, cfg: ModelConfig
+                  ) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek's routing, (float32 weights `[T, top_k]`, expert ids `[T, top_k]`): float32
+    logits, softmax (V2) or sigmoid (V3) scores; V3 adds its per-expert `bias` to the
+    scores it chooses by (the weights are the unbiased scores); the experts are chosen
+    among the `topk_group` best of `n_group` groups, a group scored by its best expert
+    (V2) or the sum of its best two (V3); the weights renormalised when `norm_topk_prob`,
+    then times routed_scaling_factor."""
+    logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32))
+    scores = (jax.nn.sigmoid(logits) if cfg.router_scoring == "sigmoid"
+              else jax.nn.softmax(logits, axis=-1))
+    choice = scores if bias is None else scores + bias
+    if cfg.n_group > 1:
+        groups = choice.reshape(choice.shape[0], cfg.n_group, -1)
+        group_scores = (jax.lax.top_k(groups, 2)[0].sum(-1) if bias is not None
+                        else groups.max(-1))
+        kept = jax.lax.top_k(group_scores, cfg.topk_group)[1]
+        mask = jnp.zeros(group_scores.shape, bool).at[
+            jnp.arange(choice.shape[0])[:, None], kept].set(True)
+        choice = jnp.where(jnp.repeat(mask, groups.shape[-1], axis=-1), choice, -jnp.inf)
+    experts = jax.lax.top_k(choice, cfg.num_experts_per_tok)[1]
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(axis=-1, keepdims=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, experts
+
+
 def grouped_glu(x: jax.Array, weights: jax.Array, experts: jax.Array, stacks: tuple,
                 act=jax.nn.silu, impl: str | None = None,
                 interpret: bool = False) -> jax.Array:
@@ -104,6 +132,8 @@ class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, options: ModelOptions, path: str | None = None):
         e, m, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
         self.router = param((e, n), ("embed", None), dtype)
+        if cfg.router_bias:  # DeepSeek-V3's e_score_correction_bias
+            self.router_bias = param((n,), (None,), jnp.float32)
         # Each stack's format (`path`: this module's parameter path in the decoder).
         gate, up, down = (options.weight_options(path and f"{path}.{p}") for p in PROJECTIONS)
         self.gate_proj, self.gate_proj_scales = expert_stack(
@@ -115,7 +145,8 @@ class MoE(nnx.Module):
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg, dtype, options, cfg.shared_expert_intermediate_size,
                                      path=path and f"{path}.shared_expert")
-            self.shared_expert_gate = param((e, 1), ("embed", None), dtype)
+            if cfg.shared_expert_gated:
+                self.shared_expert_gate = param((e, 1), ("embed", None), dtype)
         self.cfg = cfg
         self.options = options
 
@@ -128,9 +159,13 @@ class MoE(nnx.Module):
         (`expert_tokens`, `[num_experts]`), for the engine's router statistics. `rows` (the
         real tokens' count) reaches the shared expert's dense matmuls."""
         cfg, options = self.cfg, self.options
-        weights_dtype = jnp.float32 if cfg.model_type == "mixtral" else x.dtype
-        weights, chosen = route(x, self.router[...], cfg.num_experts_per_tok,
-                                cfg.norm_topk_prob, weights_dtype)
+        if cfg.router_scoring:
+            weights, chosen = route_grouped(
+                x, self.router[...], self.router_bias[...] if cfg.router_bias else None, cfg)
+        else:
+            weights_dtype = jnp.float32 if cfg.model_type == "mixtral" else x.dtype
+            weights, chosen = route(x, self.router[...], cfg.num_experts_per_tok,
+                                    cfg.norm_topk_prob, weights_dtype)
         if real is not None:
             if sow_stats:
                 counts = jnp.zeros(cfg.num_experts, jnp.int32).at[chosen].add(
@@ -148,6 +183,8 @@ class MoE(nnx.Module):
                   for suffix in ("", "_scales")]
         out = expert_parallel(experts, x, weights, chosen, stacks, shard)
         if cfg.shared_expert_intermediate_size:
-            gate = jax.nn.sigmoid(x @ self.shared_expert_gate[...])
-            out = out + gate * self.shared_expert(x, shard, rows)
+            shared = self.shared_expert(x, shard, rows)
+            if cfg.shared_expert_gated:
+                shared = jax.nn.sigmoid(x @ self.shared_expert_gate[...]) * shared
+            out = out + shared
         return out

@@ -1,5 +1,6 @@
 """The decoder-only transformer: Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text),
-and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE.
+the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, and DeepSeek-V2 / V3 (latent
+attention, latent_attention.py, and DeepSeek's experts).
 
 One model, driven by ModelConfig: GQA/MQA, optional q/k/v bias (Qwen2), q/k RMSNorm
 (Qwen3, Gemma 3), sliding-window layers (Mistral, Gemma) with their own rope (Gemma 3),
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.config import ModelConfig, ModelOptions
+from jaxserve.models.latent_attention import LatentAttention
 from jaxserve.models.layers import (
     act_order_perm, embedding, is_packed, is_transposed, linear, lm_head, param,
     quantized_embedding, quantized_rows, quantized_table, rms_norm, rope_attention_factor,
@@ -33,7 +35,8 @@ from pallas_kernels.rows import rms_norm as rows_rms_norm
 from pallas_kernels.rows import rope
 from sharding.rules import ShardingContext
 
-# Per layer: (k_pages, v_pages), plus (k_scales, v_scales) for a quantized cache.
+# Per layer: (k_pages, v_pages), plus (k_scales, v_scales) for a quantized cache (latent
+# attention: (pages,), plus (scales,)).
 KVCache = list[tuple[jax.Array, ...]]
 QUANTIZED_KV_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
 
@@ -42,17 +45,20 @@ def kv_cache_layout(cfg: ModelConfig, num_pages: int, page_size: int, kv_dtype,
                     kv_head_replicas: int = 1
                     ) -> tuple[tuple[tuple[int, ...], object, tuple], ...]:
     """(shape, dtype, logical axes) of one layer's cache entries: K and V pages, and their
-    float32 per-token scales `[cache_heads, num_pages, page_size]` when quantized.
+    float32 per-token scales `[cache_heads, num_pages, page_size]` when quantized (latent
+    attention: one pool, and its scales).
 
     cache_heads = num_kv_heads x kv_head_replicas (sharding/rules.py): a KV head stored
     once per tensor-parallel device that reads it.
     """
     heads = cfg.num_kv_heads * kv_head_replicas
     pages = ((heads, num_pages, page_size, cfg.head_dim), kv_dtype, KV_CACHE_AXES)
+    # Latent attention's one pool is both K and V (latent_attention.py).
+    copies = 1 if cfg.kv_lora_rank else 2
     if jnp.dtype(kv_dtype) not in [jnp.dtype(d) for d in QUANTIZED_KV_DTYPES]:
-        return pages, pages
+        return (pages,) * copies
     scales = (pages[0][:3], jnp.float32, KV_CACHE_AXES[:3])
-    return pages, pages, scales, scales
+    return (pages,) * copies + (scales,) * copies
 
 
 @jax.tree_util.register_dataclass
@@ -168,7 +174,8 @@ class Block(nnx.Module):
                  kv_replicas: int = 1):
         e = cfg.hidden_size
         self.input_norm = param((e,), ("embed",), dtype)
-        self.attn = Attention(cfg, layer, dtype, options, kv_replicas,
+        attention = LatentAttention if cfg.kv_lora_rank else Attention
+        self.attn = attention(cfg, layer, dtype, options, kv_replicas,
                               path=f"layers.{layer}.attn")
         # Llama: the norm before the MLP. Gemma ("sandwich"): the norm of the attention's
         # output, and pre_mlp_norm / post_mlp_norm around the MLP.
