@@ -669,8 +669,8 @@ class ModelConfig:
         e, m, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = e * d * (self.num_heads * 2 + self.num_kv_heads * 2)
         if self.kv_lora_rank:
-            h, r, qk = self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim + self.qk_rope_head_dim
-            ql = self.q_lora_rank
+            h, r, ql = self.num_heads, self.kv_lora_rank, self.q_lora_rank
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
             attn = ((e * ql + ql + ql * h * qk) if ql else e * h * qk) \
                 + e * (r + self.qk_rope_head_dim) + r \
                 + r * h * (self.qk_nope_head_dim + self.v_head_dim) + h * self.v_head_dim * e

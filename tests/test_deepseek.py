@@ -38,7 +38,8 @@ def test_config_maps_latent_attention_and_routing(checkpoints):
     # YaRN's mscale_all_dim scales the softmax: (0.1 ln 4 + 1)^2 / sqrt(16 + 8)
     assert v3.sm_scale == pytest.approx((0.1 * np.log(4.0) + 1) ** 2 / np.sqrt(24))
     v2 = ModelConfig.from_file(checkpoints("deepseek_v2")[0])
-    assert (v2.q_lora_rank, v2.router_scoring, v2.router_bias, v2.n_group) == (0, "softmax", False, 2)
+    assert (v2.q_lora_rank, v2.router_scoring, v2.router_bias, v2.n_group) == (
+        0, "softmax", False, 2)
     assert v2.shared_expert_intermediate_size == 64
     assert v2.sm_scale == pytest.approx(24 ** -0.5)
     # One pool per layer, both K and V (and its scales when 8-bit).
@@ -61,7 +62,8 @@ def test_routing_matches_transformers_router(arch, checkpoints):
     with torch.no_grad():
         _, want_w, want_e = router(x)
     bias = router.e_score_correction_bias.numpy() if cfg.router_bias else None
-    got_w, got_e = route_grouped(jnp.asarray(x.numpy()), jnp.asarray(router.weight.detach().numpy().T),
+    got_w, got_e = route_grouped(jnp.asarray(x.numpy()),
+                                 jnp.asarray(router.weight.detach().numpy().T),
                                  None if bias is None else jnp.asarray(bias), cfg)
     order_w, order_g = np.argsort(want_e.numpy(), -1), np.argsort(np.asarray(got_e), -1)
     np.testing.assert_array_equal(np.take_along_axis(np.asarray(got_e), order_g, -1),
@@ -133,8 +135,8 @@ def make_fp8_checkpoint(float_dir: Path, out: Path, blocks=(8, 16)) -> tuple[Pat
     """DeepSeek-V3's own checkpoint format at a tiny size: every linear layer of the
     decoder (attention, dense MLP, each expert, the shared expert; not the router)
     float8_e4m3fn in blocks of `blocks` ([out, in]) with float32 `weight_scale_inv`,
-    `quantization_config` fp8, and tensors of a multi-token-prediction layer. Returns it and a float checkpoint of the dequantized
-    weights (the oracle's)."""
+    `quantization_config` fp8, and tensors of a multi-token-prediction layer. Returns it
+    and a float checkpoint of the dequantized weights (the oracle's)."""
     import shutil
 
     from safetensors.numpy import load_file
@@ -149,7 +151,8 @@ def make_fp8_checkpoint(float_dir: Path, out: Path, blocks=(8, 16)) -> tuple[Pat
             tensors[name] = truth[name] = w
             continue
         n, k = w.shape
-        scale = (w.reshape(n // bn, bn, k // bk, bk).abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
+        amax = w.reshape(n // bn, bn, k // bk, bk).abs().amax(dim=(1, 3))
+        scale = (amax / 448.0).clamp(min=1e-12)
         full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
         q = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
         tensors[name], tensors[f"{stem}.weight_scale_inv"] = q, scale.float()
@@ -159,7 +162,8 @@ def make_fp8_checkpoint(float_dir: Path, out: Path, blocks=(8, 16)) -> tuple[Pat
             tensors["model.layers.2.eh_proj.weight_scale_inv"] = scale.float().clone()
             tensors["model.layers.2.enorm.weight"] = torch.ones(64)
     dirs = []
-    for path, state, fp8 in ((out, tensors, True), (out.with_name(out.name + "-float"), truth, False)):
+    oracle = out.with_name(out.name + "-float")
+    for path, state, fp8 in ((out, tensors, True), (oracle, truth, False)):
         path.mkdir()
         for f in float_dir.iterdir():
             if f.suffix != ".safetensors":
@@ -198,6 +202,49 @@ def test_fp8_block_checkpoint_served_as_stored(checkpoints, prompts, tmp_path):
     llm = LLM(str(qdir), **ENGINE)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], GREEDY)]
     assert got == [hf_greedy(oracle, p, GREEDY.max_tokens) for p in prompts[:2]]
+
+
+def test_prefill_decode_disaggregation_moves_the_latent_cache(checkpoints, prompts):
+    """Prefilled on one engine, decoded on another: transformers' greedy tokens, and what
+    moved is the latent pool alone (2 layers x 40 float32 numbers a token, whole pages)."""
+    path, hf_model = checkpoints("deepseek_v3")
+    pd = LLM(str(path), prefill={}, decode={}, **ENGINE)
+    got = [o.outputs[0].token_ids for o in pd.generate(prompts, GREEDY)]
+    assert got == [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts]
+    e = pd.engine
+    pages = sum(-(-len(p) // ENGINE["page_size"]) for p in prompts)
+    assert e.num_handoffs == len(prompts)
+    latent = pages * ENGINE["page_size"] * 40 * 4 * 2  # pages rounded up to their buckets:
+    assert latent <= e.handoff_bytes < 2 * latent  # not a K and a V copy of each
+    for side in (e.prefill, e.decode):
+        assert side.status().num_used_pages == 0
+
+
+def test_int8_weights_converted_and_restored(checkpoints, prompts, tmp_path):
+    """`--quantization int8` quantizes latent attention's projections and the experts
+    (the absorbed kv_b_proj halves stay float); `jaxserve convert` saves those arrays and
+    serving the converted checkpoint restores them and gives the same tokens."""
+    from flax import nnx
+
+    from jaxserve.cli import main
+
+    path, _ = checkpoints("deepseek_v3")
+    out = tmp_path / "int8"
+    assert main(["convert", "--model", str(path), "--out", str(out), "--quantization", "int8",
+                 "--dtype", "float32"]) == 0
+    fresh, restored = LLM(str(path), quantization="int8", **ENGINE), LLM(str(out), **ENGINE)
+    want = dict(nnx.to_flat_state(fresh.engine.runner.params))
+    state = dict(nnx.to_flat_state(restored.engine.runner.params))
+    assert state.keys() == want.keys()
+    for key, var in state.items():
+        np.testing.assert_array_equal(np.asarray(var[...]), np.asarray(want[key][...]))
+    for name in (("layers", 0, "attn", "q_b_proj"), ("layers", 0, "attn", "kv_a_proj"),
+                 ("layers", 1, "mlp", "gate_proj"), ("layers", 1, "mlp", "shared_expert",
+                                                     "down_proj")):
+        assert state[name][...].dtype == jnp.int8, name
+    assert state[("layers", 0, "attn", "k_up")][...].dtype == jnp.float32
+    assert ([o.outputs[0].token_ids for o in restored.generate(prompts, GREEDY)]
+            == [o.outputs[0].token_ids for o in fresh.generate(prompts, GREEDY)])
 
 
 def test_lora_on_latent_attention_is_refused(checkpoints):

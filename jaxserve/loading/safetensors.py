@@ -247,12 +247,9 @@ def _hf_to_ours(name: str, x: np.ndarray, cfg: ModelConfig, kv_replicas: int = 1
     table["mlp.gate.e_score_correction_bias"] = (("mlp", "router_bias"), lambda: x)
     for hf_name, ours in (("block_sparse_moe.gate", "router"), ("mlp.gate", "router"),
                           ("mlp.shared_expert_gate", "shared_expert_gate"),
-                          ("mlp.shared_experts.gate_proj", "shared_expert.gate_proj"),
-                          ("mlp.shared_experts.up_proj", "shared_expert.up_proj"),
-                          ("mlp.shared_experts.down_proj", "shared_expert.down_proj"),
-                          ("mlp.shared_expert.gate_proj", "shared_expert.gate_proj"),
-                          ("mlp.shared_expert.up_proj", "shared_expert.up_proj"),
-                          ("mlp.shared_expert.down_proj", "shared_expert.down_proj")):
+                          *((f"mlp.{s}.{p}", f"shared_expert.{p}")  # Qwen2-MoE's, DeepSeek's
+                            for s in ("shared_expert", "shared_experts")
+                            for p in ("gate_proj", "up_proj", "down_proj"))):
         table[f"{hf_name}.weight"] = (("mlp", *ours.split(".")), lambda: x.T)
     expert = re.fullmatch(r"(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight", rest)
     if expert and expert.group(2) in _EXPERT_WEIGHTS:
