@@ -104,15 +104,13 @@ class LatentAttention(nnx.Module):
                           rows=rows, impl=rows_impl(options, rows))
         if self.rope_factor != 1.0:  # YaRN's scale of what turned
             q_pe, k_pe = q_pe * self.rope_factor, k_pe * self.rope_factor
-        q_latent = jnp.einsum("thd,hdr->thr", q_nope, self.k_up[...],
-                              preferred_element_type=jnp.float32).astype(q.dtype)
+        q_latent = jnp.einsum("thd,hdr->thr", q_nope, self.k_up[...])
         q = shard.constrain(jnp.concatenate([q_latent, q_pe], -1), Q_AXES)
         k = jnp.concatenate([c[:, None, :], k_pe.astype(c.dtype)], -1)
         k = shard.constrain(jnp.broadcast_to(k, (k.shape[0], self.kv_heads, width)),
                             NEW_KV_AXES)
         out, kv = paged_attention(q, k, None, kv, meta, shard, options, sm_scale=cfg.sm_scale)
-        out = jnp.einsum("thr,hrv->thv", out[..., :r], self.v_up[...],
-                         preferred_element_type=jnp.float32).astype(x.dtype)
+        out = jnp.einsum("thr,hrv->thv", out[..., :r], self.v_up[...])
         out = row_parallel(out, self.o_proj, self.o_proj_scales, 2, (cfg.hidden_size,),
                            options, shard, rows)
         return out, kv
