@@ -631,8 +631,12 @@ def test_priority_scheduling_admits_lower_priority_first(checkpoints, tmp_path):
         start("seat", 2000, 0)
         while "seat" not in first_token:
             time.sleep(0.005)
-        for priority in (5, 3, 1, 0):  # arriving in this order, each runs 8 tokens
-            start(f"p{priority}", 8, priority)
+        # Arriving in this order, each runs 96 tokens: each holds the seat long enough
+        # (~50 ms and more) that a client thread the OS leaves waiting for a few ms under
+        # load (CI runs 3 workers on 2 cores) still sees its first token in serving order;
+        # at 8 tokens a request took a few ms and one CI run saw p1's before p0's.
+        for priority in (5, 3, 1, 0):
+            start(f"p{priority}", 96, priority)
         assert threads[0].is_alive(), "the seat's request ended before the others queued"
         release.set()
         for t in threads:
