@@ -170,6 +170,7 @@ def make_fp8_checkpoint(float_dir: Path, out: Path, blocks=(8, 16)) -> tuple[Pat
     return tuple(dirs)
 
 
+@pytest.mark.slow  # an engine or two each: the default run's budget
 def test_fp8_block_checkpoint_served_as_stored(checkpoints, prompts, tmp_path):
     """DeepSeek-V3's FP8 format: the linear layers stay FP8 as stored (kv_b_proj, which
     latent attention absorbs, is dequantized at load), the MTP layer is left out, and the
@@ -195,6 +196,7 @@ def test_fp8_block_checkpoint_served_as_stored(checkpoints, prompts, tmp_path):
     assert got == [hf_greedy(oracle, p, GREEDY.max_tokens) for p in prompts[:2]]
 
 
+@pytest.mark.slow  # an engine or two each: the default run's budget
 def test_prefill_decode_disaggregation_moves_the_latent_cache(checkpoints, prompts):
     """Prefilled on one engine, decoded on another: transformers' greedy tokens, and what
     moved is the latent pool alone (2 layers x 40 float32 numbers a token, whole pages)."""
@@ -211,6 +213,7 @@ def test_prefill_decode_disaggregation_moves_the_latent_cache(checkpoints, promp
         assert side.status().num_used_pages == 0
 
 
+@pytest.mark.slow  # an engine or two each: the default run's budget
 def test_bfloat16_within_transformers_bfloat16_rounding(checkpoints, prompts):
     """In bfloat16 the engine's prompt logprobs stray from transformers' float32 ones as
     little as transformers' own bfloat16 ones do (medians per position; a position whose
@@ -236,6 +239,7 @@ def test_bfloat16_within_transformers_bfloat16_rounding(checkpoints, prompts):
     assert np.mean(np.array(ours) < 0.1) > 0.9
 
 
+@pytest.mark.slow  # an engine or two each: the default run's budget
 def test_int8_weights_converted_and_restored(checkpoints, prompts, tmp_path):
     """`--quantization int8` quantizes latent attention's projections and the experts
     (the absorbed kv_b_proj halves stay float); `jaxserve convert` saves those arrays and
