@@ -168,7 +168,7 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple[jax.Arra
     """
     impl = options.kernel_impl or default_impl()
     latent = v is None
-    if latent and impl in ("gpu",):
+    if latent and impl == "gpu":
         impl = "reference"
     q_spec, cache_spec = shard.rules.spec(Q_AXES), shard.rules.spec(KV_CACHE_AXES)
     if shard.mesh.size > 1 and impl != "reference" and cache_spec[0] != q_spec[1]:
