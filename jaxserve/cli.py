@@ -516,8 +516,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(needs matplotlib)")
     pl.add_argument("--strategy", default="tp", choices=STRATEGIES)
     pl.add_argument("--data-parallel", type=int, default=2, metavar="D",
-                    help="data-parallel groups for dp+tp and dp+tp+sp (mesh data=D, "
-                         "model=chips/D); dp alone puts every chip on data")
+                    help="data-parallel groups for dp+tp, dp+tp+sp, dp+ep and dp+tp+ep "
+                         "(mesh data=D, model=chips/D; D=chips: each chip its own group); "
+                         "dp alone puts every chip on data")
     pl.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     pl.add_argument("--max-model-len", type=int, default=4096)
     pl.add_argument("--max-num-seqs", type=int, default=64)

@@ -277,7 +277,7 @@ def plan(cfg: ModelConfig, target: str, strategy: str = "tp", dtype: str = "bflo
     or a GPU target such as 'h100x8', whose CPU devices this process must have; see
     `plan_target`), and report per-chip memory, KV capacity, collectives and XLA's cost
     estimates. The mesh: tp strategies put every chip on the `model` axis; dp alone every
-    chip on `data`; dp+tp strategies `data_parallel` groups of chips/data_parallel.
+    chip on `data`; the other dp strategies `data_parallel` groups of chips/data_parallel.
 
     The step's shapes do not depend on the KV pool's size, so it compiles with a small
     nominal pool; the tokens of KV that fit come from the HBM left after weights and the

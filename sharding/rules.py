@@ -56,9 +56,11 @@ def _check_strategy(name: str, mesh: Mesh, num_experts: int) -> set[str]:
     if "ep" in parts and not num_experts:
         raise ValueError(f"strategy {name!r} splits experts, and this model has none; use "
                          "tp, tp+sp, dp+tp or dp+tp+sp")
-    if "ep" in parts and tp > 1 and num_experts % tp:
-        raise ValueError(f"expert parallelism over {tp} devices needs num_experts "
-                         f"({num_experts}) divisible by {tp}")
+    if "ep" in parts and num_experts % (dp * tp):
+        raise ValueError(f"expert parallelism over {dp * tp} devices (every device of the "
+                         f"mesh) needs num_experts ({num_experts}) divisible by {dp * tp}; "
+                         "use a smaller mesh, or a strategy without ep (tp splits every "
+                         "expert's MLP instead)")
     return parts
 
 
@@ -78,10 +80,14 @@ def strategy_rules(name: str, mesh: Mesh, num_heads: int, num_kv_heads: int, voc
     dp: weights replicated over `data`; tokens, sequences and KV pages split over `data`
     (each data shard has its own page pool and its own requests).
     Mixtures of experts: under tp each expert's MLP splits by its intermediate columns /
-    rows like the dense MLP; ep instead gives each `model` device whole experts
-    (num_experts / model of them), and alone (ep, dp+ep) leaves the rest of the model
-    replicated over `model`. Either way a layer's experts end in one all-reduce over
-    `model` of their partial sums (models/parallel.py: expert_parallel).
+    rows like the dense MLP; ep instead gives every device of the mesh whole experts
+    (num_experts / (data x model) of them: under dp+ep and dp+tp+ep the data shards share
+    one copy of the experts, as vLLM's data parallelism with expert parallelism and
+    SGLang's DP attention do), and alone (ep, dp+ep) leaves the rest of the model
+    replicated over `model`. A layer's experts end in one all-reduce over `model` of
+    their partial sums, and with experts over `data` its data shards' tokens are
+    all-gathered first and the sums reduce-scattered back (models/parallel.py:
+    expert_parallel).
     """
     parts = _check_strategy(name, mesh, num_experts)
     dp, tp = mesh.shape.get(DATA, 1), mesh.shape.get(MODEL, 1)
@@ -89,8 +95,8 @@ def strategy_rules(name: str, mesh: Mesh, num_heads: int, num_kv_heads: int, voc
     replicas = 1
     if dp > 1:
         table += [("tokens", DATA), ("seqs", DATA), ("pages", DATA), ("residual", DATA)]
-    if tp > 1 and "ep" in parts:
-        table.append(("experts", MODEL))
+    if "ep" in parts and dp * tp > 1:
+        table.append(("experts", MODEL if dp == 1 else DATA if tp == 1 else (DATA, MODEL)))
     elif tp > 1 and num_experts and expert_intermediate_size % tp == 0:
         table.append(("expert_mlp", MODEL))
     if tp > 1 and "tp" in parts:

@@ -114,7 +114,7 @@ def sharded_runs(model_dir: str, prompts: list[list[int]], params: SamplingParam
     constrained.append(SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     results = {}
     for mesh, strategy, extra, suffix in RUNS:
-        llm = LLM(model_dir, mesh=mesh, sharding=strategy, **ENGINE, **extra)
+        llm = LLM(model_dir, mesh=mesh, sharding=strategy, **{**ENGINE, **extra})
         outs = llm.generate(prompts, params)
         shaped = llm.generate(prompts, constrained)
         runner = llm.engine.runner
@@ -188,9 +188,10 @@ def moe_runs(moe_dir: str, prompts: list[list[int]], params: SamplingParams) -> 
     experts split by MLP columns under tp, by whole experts under ep."""
     out = {}
     for mesh, strategy, extra, suffix in MOE_RUNS:
-        llm = LLM(moe_dir, mesh=mesh, sharding=strategy, **ENGINE, **extra)
+        llm = LLM(moe_dir, mesh=mesh, sharding=strategy, **{**ENGINE, **extra})
         runner = llm.engine.runner
-        hlo = runner.compiled(BucketKey(64, 4, False)).as_text()
+        seqs = max(4, (mesh or {}).get("data", 1))  # a bucket's sequences divide over data
+        hlo = runner.compiled(BucketKey(64, seqs, False)).as_text()
         moe = runner.params["layers"][0]["mlp"]
         out[f"moe {json.dumps(mesh)} {strategy}{suffix}"] = {
             "tokens": [o.outputs[0].token_ids for o in llm.generate(prompts, params)],
@@ -273,6 +274,7 @@ MOE_RUNS = [(None, "tp", {}, ""), ({"model": 2}, "tp", {}, ""), ({"model": 4}, "
             ({"data": 2}, "dp", {}, ""), ({"data": 2, "model": 4}, "dp+tp", {}, ""),
             ({"model": 4}, "ep", {}, ""), ({"model": 2}, "tp+ep", {}, ""),
             ({"data": 2, "model": 4}, "dp+ep", {}, ""), ({"data": 2, "model": 2}, "dp+tp+ep", {}, ""),
+            ({"data": 8}, "dp+ep", {"max_num_seqs": 8, "num_pages": 512}, ""),
             ({"model": 8}, "ep", {}, ""), (None, "tp", {"quantization": "int4"}, " int4"),
             ({"model": 4}, "tp+ep", {**KERNELS, "quantization": "int4"}, " int4 tpu-kernels")]
 

@@ -202,11 +202,21 @@ def test_mesh_and_sharding_settings(tmp_path):
     with pytest.raises(ValueError, match=r"shared_expert_intermediate_size \(18\) divisible"):
         strategy_rules("dp+tp", two_by_four, 8, 2, 100, 64, num_experts=8,
                        expert_intermediate_size=32, shared_expert_intermediate_size=18)
+    with pytest.raises(ValueError, match=r"over 8 devices \(every device of the mesh\) needs "
+                       r"num_experts \(4\) divisible by 8"):
+        strategy_rules("dp+ep", two_by_four, 8, 2, 100, 64, num_experts=4)
+    # Experts over every device (the data shards share one copy), attention replicated over
+    # `model` (dp+ep) or split (dp+tp+ep); experts over `data` alone with one model device.
     ep = strategy_rules("dp+ep", two_by_four, 8, 2, 100, 64, num_experts=8,
                         expert_intermediate_size=32)
     assert ep.spec(("experts", "embed", "expert_mlp")) == jax.sharding.PartitionSpec(
-        "model", None, None)
-    assert ep.spec(("q_heads",)) == jax.sharding.PartitionSpec(None)  # attention replicated
+        ("data", "model"), None, None)
+    assert ep.spec(("q_heads",)) == jax.sharding.PartitionSpec(None)
+    assert strategy_rules("dp+tp+ep", two_by_four, 8, 2, 100, 64, num_experts=8).spec(
+        ("experts", "q_heads")) == jax.sharding.PartitionSpec(("data", "model"), "model")
+    eight_by_one = jax.sharding.AbstractMesh((8, 1), ("data", "model"))
+    assert strategy_rules("dp+ep", eight_by_one, 8, 2, 100, 64, num_experts=16).spec(
+        ("experts", "tokens", "pages")) == jax.sharding.PartitionSpec("data", "data", "data")
     rules = strategy_rules("dp+tp+sp", two_by_four, 8, 2, 100, 64)
     assert rules.kv_head_replicas == 2  # 2 KV heads on 4 model devices: each stored twice
     assert rules.spec(("residual", "embed")) == jax.sharding.PartitionSpec(("data", "model"), None)

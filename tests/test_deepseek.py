@@ -275,7 +275,9 @@ def test_lora_on_latent_attention_is_refused(checkpoints):
 @pytest.mark.slow
 def test_tensor_data_and_expert_parallel_match_transformers(checkpoints, prompts, tmp_path):
     """On 8 CPU devices: the heads split over `model` with the latent cached on every
-    device, data parallelism, and the experts split whole: greedy tokens as transformers'."""
+    device, data parallelism, the experts split whole, and data-parallel attention with the
+    experts over every device (the data shards' tokens gathered to them): greedy tokens as
+    transformers'."""
     path, hf_model = checkpoints("deepseek_v3")
     want = [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts]
     out = tmp_path / "runs.json"
@@ -287,10 +289,15 @@ def test_tensor_data_and_expert_parallel_match_transformers(checkpoints, prompts
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     runs = json.loads(out.read_text())
-    assert set(runs) == {"tp 4", "dp+tp 2x2", "ep 4", "tp 4 int8 kv"}
-    # W_uk's heads split over `model` (4 and 2 devices), whole under expert parallelism.
-    assert [runs[n]["k_up_shard"] for n in ("tp 4", "dp+tp 2x2", "ep 4")] == [
-        [1, 16, 32], [2, 16, 32], [4, 16, 32]]
+    names = ("tp 4", "dp+tp 2x2", "ep 4", "dp+ep 8", "dp+tp+ep 4x2")
+    assert set(runs) == {*names, "tp 4 int8 kv"}
+    # W_uk's heads split over `model` (4, 2 devices), whole where attention is not split;
+    # the 8 experts [8, 64, 32] split by MLP columns under tp, whole under ep: over `model`
+    # (ep 4), over every device with data shards (dp+ep, dp+tp+ep: one expert a device).
+    assert [runs[n]["k_up_shard"] for n in names] == [
+        [1, 16, 32], [2, 16, 32], [4, 16, 32], [4, 16, 32], [2, 16, 32]]
+    assert [runs[n]["experts_shard"] for n in names] == [
+        [8, 64, 8], [8, 64, 16], [2, 64, 32], [1, 64, 32], [1, 64, 32]]
     for name, run in runs.items():
         if "int8" in name:  # 8-bit rounding may flip a late near-tie: the first tokens hold
             assert all(got[:8] == w[:8] for got, w in zip(run["tokens"], want)), name

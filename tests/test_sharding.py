@@ -167,12 +167,16 @@ def test_constrained_outputs_hold_on_one_device(runs):
     ('{"model": 4}', "ep", [[2, 64, 32], [2, 32, 64]]),  # whole experts per device
     ('{"model": 8}', "ep", [[1, 64, 32], [1, 32, 64]]),
     ('{"model": 2}', "tp+ep", [[4, 64, 32], [4, 32, 64]]),
-    ('{"data": 2, "model": 4}', "dp+ep", [[2, 64, 32], [2, 32, 64]]),
-    ('{"data": 2, "model": 2}', "dp+tp+ep", [[4, 64, 32], [4, 32, 64]])])
+    # Data and expert parallelism: the data shards share one copy of the experts, split
+    # over all 8 / 4 devices; {"data": 8}: each device its own requests (DP attention).
+    ('{"data": 2, "model": 4}', "dp+ep", [[1, 64, 32], [1, 32, 64]]),
+    ('{"data": 2, "model": 2}', "dp+tp+ep", [[2, 64, 32], [2, 32, 64]]),
+    ('{"data": 8}', "dp+ep", [[1, 64, 32], [1, 32, 64]])])
 def test_mixture_of_experts_on_a_mesh_matches_one_device(runs, mesh, strategy, expert_shards):
     """Qwen2-MoE (8 experts, a shared expert, a dense layer) under tensor, sequence, data
     and expert parallelism (EP 2, 4, 8) gives the single-device greedy tokens; each device
-    holds its share of the expert weights, and the compiled step never all-gathers them."""
+    holds its share of the expert weights, and the compiled step never all-gathers them
+    (under dp+ep the data shards' tokens are gathered instead: 2-D)."""
     one, run = runs["moe null tp"], runs[f"moe {mesh} {strategy}"]
     assert run["tokens"] == one["tokens"]
     assert run["leaked_pages"] == 0 and run["compiles_after_warmup"] == 0

@@ -245,15 +245,18 @@ def expert_parallel(experts, x: jax.Array, weights: jax.Array, chosen: jax.Array
     stack is float; the first one's axes decide the split) it holds, for the tokens'
     routing (`weights`, `chosen`: `[T, top_k]`, computed once).
 
-    Expert parallelism (`experts` over `model`): a device holds num_experts / model whole
-    experts, numbered from `first_expert`; tensor parallelism of the experts
-    (`expert_mlp` over `model`): every expert's gate/up columns and down rows are split.
-    Either way every device sees all of its data shard's tokens (the attention's layout
-    already gathers them over `model`: no dispatch collective), each token's chosen
-    experts add their weighted outputs where they live, and one all-reduce over `model`
-    combines the partial sums, the same collective a dense MLP ends in. Nothing is
-    dropped: every token-expert pair is computed by its expert's device, whatever the
-    load (no capacity factor). Expert weights are never gathered.
+    Expert parallelism (`experts` over the mesh's devices): a device holds whole experts,
+    numbered from `first_expert`; tensor parallelism of the experts (`expert_mlp` over
+    `model`): every expert's gate/up columns and down rows are split. Every device sees
+    all of its data shard's tokens (the attention's layout already gathers them over
+    `model`: no dispatch collective), each token's chosen experts add their weighted
+    outputs where they live, and one all-reduce over `model` combines the partial sums,
+    the same collective a dense MLP ends in. With experts over `data` too (dp+ep,
+    dp+tp+ep: one copy of the experts shared by the data shards), the data shards'
+    tokens and routing are all-gathered first, and the sums are reduce-scattered back to
+    their shards over `data`. Nothing is dropped: every token-expert pair is computed by
+    its expert's device, whatever the load (no capacity factor). Expert weights are
+    never gathered.
     """
     present = [p for p in stacks if p is not None]
     specs = [shard.rules.spec(p.get_metadata()["logical_axes"]) for p in present]
@@ -278,12 +281,20 @@ def expert_parallel(experts, x: jax.Array, weights: jax.Array, chosen: jax.Array
     if shard.mesh.size == 1 or (experts_axis is None and mlp_axis is None):
         return experts(x, weights, chosen, *full(arrays))
     split = experts_axis or mlp_axis
+    axes = (split,) if isinstance(split, str) else tuple(split)
+    over_data = DATA in axes  # each device's experts serve every data shard's tokens
+    reduce = tuple(a for a in axes if a != DATA)
     tokens = PartitionSpec(shard.rules.spec(("tokens",))[0], None)
 
     def local(x, weights, chosen, *arrays):
+        if over_data:
+            x, weights, chosen = (jax.lax.all_gather(a, DATA, tiled=True)
+                                  for a in (x, weights, chosen))
         first = jax.lax.axis_index(split) * arrays[0].shape[0] if experts_axis else 0
-        return jax.lax.psum(experts(x, weights, chosen, *full(arrays), first_expert=first),
-                            split)
+        out = experts(x, weights, chosen, *full(arrays), first_expert=first)
+        if over_data:
+            out = jax.lax.psum_scatter(out, DATA, scatter_dimension=0, tiled=True)
+        return jax.lax.psum(out, reduce) if reduce else out
 
     return jax.shard_map(
         local, mesh=shard.mesh, check_vma=False,
