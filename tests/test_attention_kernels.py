@@ -28,7 +28,7 @@ def ragged_batch(rng, kind, *, num_seqs=5, page_size=8, num_kv_heads=2, group=4,
                  max_pages=5, dtype=jnp.float32, kv_dtype=None, latent=False):
     """decode: one new token per sequence; prefill: whole prompts; mixed: both, plus
     prefill chunks that continue an earlier context. `latent`: the V pages are the K pages
-    (DeepSeek's latent attention)."""
+    (DeepSeek's latent attention), passed as v_pages None (and v_scales None)."""
     kv_lens, q_lens = draw_lengths(rng, kind, num_seqs, max_pages * page_size)
     max_seqs, pad_tokens = num_seqs + 3, 5  # padding sequence slots and padding tokens
     num_pages = num_seqs * max_pages + 7
@@ -53,6 +53,8 @@ def ragged_batch(rng, kind, *, num_seqs=5, page_size=8, num_kv_heads=2, group=4,
         kq, vq, ks, vs = write_kv(empty, empty, tokens(k), tokens(v),
                                   jnp.arange(num_pages * page_size), ones, ones)
         batch.update(k_pages=kq, v_pages=vq, k_scales=ks, v_scales=vs)
+    if latent:
+        batch.update(v_pages=None, v_scales=None)
     return batch, sum(q_lens)
 
 
@@ -97,6 +99,8 @@ CASES = [
     # heads on it (a quarter of a chip's under tensor parallelism 32), 8 queries a block.
     dict(kind="mixed", group=16, head_dim=576, num_kv_heads=1, latent=True,
          dtype=jnp.bfloat16, queries_per_block=8),
+    dict(kind="decode", group=16, head_dim=576, num_kv_heads=1, latent=True,
+         kv_dtype=jnp.int8, queries_per_block=8),
 ]
 
 
@@ -155,6 +159,20 @@ def test_kernel_matches_reference(impl, index):
     assert np.abs(want[:real]).max() > 0.1  # a real signal, not zeros
     np.testing.assert_allclose(got[:real], want[:real], atol=TOL[dtype], rtol=TOL[dtype])
     assert np.all(got[real:] == 0)  # padding tokens
+
+
+def test_shared_kv_is_k_read_as_v():
+    """v_pages None (latent attention) is V = K, K's scales for both: the reference on the
+    latent cases equals it with K passed again as V."""
+    for index in (i for i, c in enumerate(CASES) if c.get("latent")):
+        batch, real, options = case_inputs(index)
+        again = {**batch, "v_pages": batch["k_pages"]}
+        if batch.get("k_scales") is not None:
+            again["v_scales"] = batch["k_scales"]
+        np.testing.assert_array_equal(attend(again, "reference", **options)[:real],
+                                      reference_output(index)[:real])
+    with pytest.raises(ValueError, match="pass no v_scales"):
+        ragged_paged_attention(**{**batch, "v_scales": batch["k_scales"]}, sm_scale=1.0)
 
 
 def image_ends(rng, batch) -> dict:

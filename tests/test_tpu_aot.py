@@ -365,32 +365,48 @@ def test_an_eagle_head_drafting_trees_compiles_with_the_attention_kernel(devices
 
 
 @pytest.mark.slow
-def test_deepseek_v3_latent_attention_and_grouped_experts_compile_for_v5e(devices):
+@pytest.mark.parametrize("mesh, strategy", [({"model": 4}, "tp+ep"), ({"data": 4}, "dp+ep")])
+def test_deepseek_v3_latent_attention_and_grouped_experts_compile_for_v5e(devices, mesh,
+                                                                          strategy):
     """DeepSeek-V3's dimensions (a dense layer and a MoE one of 256 experts; 128 heads of
-    latent attention) under tp+ep on 4 v5e chips: the heads split, each chip caching the
-    576-wide latent of its tokens (one copy per chip, a quarter of the 4 copies) and
-    attending over it with our Mosaic kernel (32 heads x 8 queries a block), 64 whole
-    experts per chip through our grouped-matmul kernel, no expert weight gathered."""
+    latent attention) on 4 v5e chips, 64 whole experts per chip through our grouped-matmul
+    kernel, no expert weight gathered, attention in our Mosaic kernel. tp+ep: the heads
+    split, each chip caching the 576-wide latent of every token (one of 4 copies).
+    dp+ep (data-parallel attention): each chip its own requests, latent pages and
+    attention, its experts serving all 4 shards' tokens (all-gathered over `data`, [64,
+    hidden], and the sums reduce-scattered back, [16, hidden]). The attention kernel
+    takes the latent pool once, as K and V."""
     cfg = dataclasses.replace(
         ModelConfig.from_file("configs/models/deepseek-v3.yaml").first_layers(2),
         vocab_size=1024, sparse_layers=(False, True))
     engine = dataclasses.replace(ENGINE, max_model_len=1024)
-    shard = model_sharding(make_mesh({"model": 4}, devices=devices), "tp+ep", cfg)
-    caches = abstract_kv_cache(cfg, PAGES, engine.page_size, jnp.bfloat16, shard)
+    shard = model_sharding(make_mesh(mesh, devices=devices), strategy, cfg)
+    caches = abstract_kv_cache(cfg, PAGES * shard.data_shards, engine.page_size, jnp.bfloat16,
+                               shard)
     assert [len(layer) for layer in caches] == [1, 1]  # one pool, both K and V
     pages = caches[0][0]
-    assert pages.shape == (4, PAGES, engine.page_size, 576)
+    copies = 1 if shard.data_shards > 1 else 4
+    assert pages.shape == (copies, PAGES * 4 // copies, engine.page_size, 576)
     assert pages.sharding.shard_shape(pages.shape) == (1, PAGES, engine.page_size, 576)
-    compiled = compile_step(cfg, engine, {"model": 4}, "tp+ep", devices, PAGES, KEY)
+    compiled = compile_step(cfg, engine, mesh, strategy, devices, PAGES, KEY)
     text = compiled.as_text()
     kernels = re.findall(r"%([a-z_-]+)[.\d]* = .*custom_call_target=\"tpu_custom_call\"", text)
     assert kernels.count("grouped_matmul") == 3, kernels
     assert kernels.count("ragged_paged_attention") == cfg.num_layers * 2, kernels
-    gathers = [[int(d) for d in g.split(",") if d] for g in
-               re.findall(r"= \w+\[([\d,]*)\]\S* all-gather(?:-start)?\(", text)]
+    # The latent pool goes in once (V is K): 5 scalar-prefetch operands, the queries, it.
+    operands = [len(re.search(r"custom-call\((.*?)\), custom_call_target", line)[1].split(", "))
+                for line in text.splitlines()
+                if "tpu_custom_call" in line and "ragged_paged_attention" in line]
+    assert operands == [7] * len(operands) and operands, operands
+    collectives = {op: [[int(d) for d in g.split(",") if d] for g in re.findall(
+        rf"= \w+\[([\d,]*)\]\S* {op}(?:-start)?\(", text)]
+        for op in ("all-gather", "reduce-scatter")}
     e, m = cfg.hidden_size, cfg.moe_intermediate_size
-    assert not [g for g in gathers if e in g and m in g], gathers
-    # Per chip: a quarter of the heads' weights, 64 of the 256 experts, the latent whole.
+    assert not [g for g in collectives["all-gather"] if e in g and m in g], collectives
+    if shard.data_shards > 1:
+        assert [KEY.tokens, e] in collectives["all-gather"], collectives
+        assert [KEY.tokens // 4, e] in collectives["reduce-scatter"], collectives
+    # Per chip: 64 of the 256 experts, a quarter of the heads' weights or all of them.
     args = compiled.memory_analysis().argument_size_in_bytes
     experts = 3 * 64 * e * m * 2
     assert experts < args < experts + 2 * 1024**3

@@ -152,8 +152,8 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple[jax.Arra
 
     `v` None: latent attention (latent_attention.py), whose one pool (and its scales,
     quantized) is both K and V: `k` is written there, and the output is `[T, heads,
-    width]` of which the caller keeps the value columns. On a TPU our kernel runs it with
-    blocks of LATENT_ROWS query rows (its 32-query default, times 32 or more heads at 576
+    width]` of which the caller keeps the value columns. On a TPU our kernel runs it
+    reading each page once (as K and as V) with blocks of LATENT_ROWS query rows (its 32-query default, times 32 or more heads at 576
     wide, passes the 16 MiB of scoped VMEM); our GPU kernel's tiles take power-of-two head
     dims only, so the reference runs it there.
 
@@ -193,8 +193,8 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple[jax.Arra
               image_end):
         if latent:
             kv = write_latent(kv[0], k, slot_mapping, *kv[1:])
-            pages = (kv[0], kv[0])
-            scales = dict(k_scales=kv[1], v_scales=kv[1]) if len(kv) == 2 else {}
+            pages = (kv[0], None)  # V is K: the TPU kernel copies each page once
+            scales = dict(k_scales=kv[1]) if len(kv) == 2 else {}
         else:
             kv = write_kv(kv[0], kv[1], k, v, slot_mapping, *kv[2:], impl=write_impl)
             pages = kv[:2]

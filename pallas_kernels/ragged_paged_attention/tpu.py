@@ -55,23 +55,26 @@ def _kernel(seq_ref,  # [W] SMEM (scalar prefetch): each item's sequence
             kv_len_ref,  # [W] SMEM: the item's sequence's context length
             pages_ref,  # [S, num_blocks * pages_per_block] SMEM: the padded page table
             *rest, sm_scale, sliding_window, soft_cap, group, pages_per_block, quantized,
-            tree):
+            tree, shared):
     # rest: tree_start_ref [W] SMEM (scalar prefetch: the item's sequence's tree start,
     # trees only); q_ref [rows, head_dim] VMEM: this item's queries of this KV head;
     # k_hbm, v_hbm [Hkv, num_pages, page_size, head_dim] HBM (memory_space=ANY); tm_ref
     # [rows, 1] VMEM (each row's tree mask, trees only); ks_ref, vs_ref [1, num_blocks *
     # block_tokens] VMEM (this head's and sequence's per-token scales, quantized caches
     # only); o_ref [rows, head_dim] VMEM; k_buf, v_buf [2, block_tokens, head_dim] VMEM
-    # double buffers; sems [2 (K/V), 2 (buffer)] DMA.
+    # double buffers; sems [2 (K/V), 2 (buffer)] DMA. `shared` (latent attention: V is
+    # K): no v_hbm, vs_ref nor v_buf; each page is copied once and read as both.
     rest = list(rest)
     tree_start_ref = rest.pop(0) if tree else None
-    q_ref, k_hbm, v_hbm = rest[:3]
-    rest = rest[3:]
+    q_ref, k_hbm = rest.pop(0), rest.pop(0)
+    v_hbm = k_hbm if shared else rest.pop(0)
     tm_ref = rest.pop(0) if tree else None
     if quantized:
-        ks_ref, vs_ref, o_ref, k_buf, v_buf, sems = rest
-    else:
-        o_ref, k_buf, v_buf, sems = rest
+        ks_ref = rest.pop(0)
+        vs_ref = ks_ref if shared else rest.pop(0)
+    o_ref, k_buf = rest.pop(0), rest.pop(0)
+    v_buf = k_buf if shared else rest.pop(0)
+    (sems,) = rest
     h, w = pl.program_id(0), pl.program_id(1)
     rows, head_dim = q_ref.shape
     page_size = k_hbm.shape[2]
@@ -87,7 +90,9 @@ def _kernel(seq_ref,  # [W] SMEM (scalar prefetch): each item's sequence
             page = jnp.minimum(pages_ref[seq, b * pages_per_block + i], num_pages - 1)
             dst = pl.ds(i * page_size, page_size)
             out.append(pltpu.make_async_copy(k_hbm.at[h, page], k_buf.at[slot, dst], sems.at[0, slot]))
-            out.append(pltpu.make_async_copy(v_hbm.at[h, page], v_buf.at[slot, dst], sems.at[1, slot]))
+            if not shared:
+                out.append(pltpu.make_async_copy(v_hbm.at[h, page], v_buf.at[slot, dst],
+                                                 sems.at[1, slot]))
         return out
 
     @pl.when(first < last)
@@ -112,7 +117,7 @@ def _kernel(seq_ref,  # [W] SMEM (scalar prefetch): each item's sequence
                 c.start()
 
         k = k_buf[slot].astype(compute_dtype)
-        v = v_buf[slot].astype(compute_dtype)
+        v = k if shared else v_buf[slot].astype(compute_dtype)
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32) * sm_scale
         start = pl.multiple_of(b * block_tokens, block_tokens)
@@ -163,7 +168,7 @@ def ragged_paged_attention(x: AttentionInputs, *, pages_per_block: int | None = 
         # per (head, sequence): 4 bytes per token and head next to head_dim bytes of values.
         width = plan.page_indices.shape[1] * x.page_size
         scale_rows = [s[:, plan.page_indices].reshape(x.num_kv_heads, x.max_seqs, 1, width)
-                      for s in (x.k_scales, x.v_scales)]
+                      for s in ((x.k_scales,) if x.shared_kv else (x.k_scales, x.v_scales))]
     out = jnp.zeros(x.q.shape, x.q.dtype)
     for items in plan.kinds:
         rows = round_up(items.queries_per_item * x.group, sublane_tile(x.q.dtype))
@@ -185,7 +190,8 @@ def _call(x: AttentionInputs, plan: BlockPlan, items: WorkItems, rows: int,
     block = plan.pages_per_block
     qi = gather_queries(x.q, items, num_kv_heads, rows)  # [Hkv, W, rows, D]
     q_spec = pl.BlockSpec((None, None, rows, head_dim), lambda h, w, *_: (h, w, 0, 0))
-    in_specs = [q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
+    pools = (x.k_pages,) if x.shared_kv else (x.k_pages, x.v_pages)  # V is K: one pool
+    in_specs = [q_spec] + [pl.BlockSpec(memory_space=pl.ANY) for _ in pools]
     prefetch, tree_rows = [], []
     if x.tree:  # the item's tree start (SMEM), each row's mask (a [rows, 1] VMEM block)
         prefetch = [x.tree_start[items.seq]]
@@ -195,7 +201,8 @@ def _call(x: AttentionInputs, plan: BlockPlan, items: WorkItems, rows: int,
                               lambda h, w, seq, *_: (h, seq[w], 0, 0)) for r in scale_rows]
     kernel = functools.partial(
         _kernel, sm_scale=x.sm_scale, sliding_window=x.sliding_window, soft_cap=x.soft_cap,
-        group=x.group, pages_per_block=block, quantized=x.quantized, tree=x.tree)
+        group=x.group, pages_per_block=block, quantized=x.quantized, tree=x.tree,
+        shared=x.shared_kv)
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -203,11 +210,8 @@ def _call(x: AttentionInputs, plan: BlockPlan, items: WorkItems, rows: int,
             grid=(num_kv_heads, items.num_items),
             in_specs=in_specs,
             out_specs=q_spec,
-            scratch_shapes=[
-                pltpu.VMEM((2, block * page_size, head_dim), x.k_pages.dtype),
-                pltpu.VMEM((2, block * page_size, head_dim), x.v_pages.dtype),
-                pltpu.SemaphoreType.DMA((2, 2)),
-            ],
+            scratch_shapes=[pltpu.VMEM((2, block * page_size, head_dim), p.dtype) for p in pools]
+            + [pltpu.SemaphoreType.DMA((2, 2))],
         ),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel"), vmem_limit_bytes=vmem_limit_bytes),
@@ -216,4 +220,4 @@ def _call(x: AttentionInputs, plan: BlockPlan, items: WorkItems, rows: int,
         interpret=interpret,
         name="ragged_paged_attention",
     )(items.seq, items.q_pos, items.num_q, items.kv_len, plan.page_indices, *prefetch, qi,
-      x.k_pages, x.v_pages, *tree_rows, *scale_rows)
+      *pools, *tree_rows, *scale_rows)

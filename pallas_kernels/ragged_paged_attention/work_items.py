@@ -54,6 +54,10 @@ class AttentionInputs:
     int32, each query's nodes it may see (bit j: node j; its ancestors and itself). Keys
     before a tree stay visible as usual; a query sees a node only if its bit is set.
 
+    Latent attention (DeepSeek's): v_pages None at `validate` means V is K, one pool read
+    as both (v_scales None too: K's scales); `shared_kv` says so, and the TPU kernel then
+    copies each page once, not as K and again as V.
+
     Images seen whole (Gemma 3: bidirectional attention among an image's tokens):
     image_end `[T]` int32, for a query inside an image the position of that image's last
     token, which it sees with every token of the image before it (the rest of the step
@@ -75,6 +79,7 @@ class AttentionInputs:
     sliding_window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     soft_cap: float | None = dataclasses.field(default=None, metadata=dict(static=True))
     image_end: jax.Array | None = None
+    shared_kv: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def num_tokens(self) -> int:
@@ -119,12 +124,19 @@ class AttentionInputs:
                  soft_cap: float | None = None, k_scales=None, v_scales=None,
                  tree_start=None, tree_mask=None, image_end=None) -> "AttentionInputs":
         """The inputs as arrays, or a ValueError saying which shape or dtype is wrong."""
+        shared_kv = v_pages is None
+        if shared_kv:
+            if v_scales is not None:
+                raise ValueError("ragged_paged_attention: v_pages None (V is K) takes K's "
+                                 "scales; pass no v_scales")
+            v_pages, v_scales = k_pages, k_scales
         args = [jnp.asarray(a) for a in (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
                                          num_seqs)]
         optional = [None if a is None else jnp.asarray(a)
                     for a in (k_scales, v_scales, tree_start, tree_mask)]
         x = cls(*args, *optional, sm_scale=sm_scale, sliding_window=sliding_window,
-                soft_cap=soft_cap, image_end=None if image_end is None else jnp.asarray(image_end))
+                soft_cap=soft_cap, image_end=None if image_end is None else jnp.asarray(image_end),
+                shared_kv=shared_kv)
         _check(x)
         return x
 
