@@ -12,6 +12,7 @@ import time
 
 from jaxserve.config import (
     DTYPES, KERNEL_IMPLS, KV_CACHE_DTYPES, LM_HEAD_QUANTIZATIONS, QUANTIZATIONS, EngineConfig)
+from server.tool_parsers import PARSERS
 from sharding.strategies import STRATEGIES
 
 
@@ -432,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the model name clients send (default: the --model path, or "
                           "'demo')")
     srv.add_argument("--tool-call-parser", default=None,
-                     choices=["hermes", "llama3_json", "mistral"],
+                     choices=list(PARSERS),
                      help="read tool calls in this format out of model output, for "
                           "tool_choice \"auto\" on /v1/chat/completions (docs/http.md)")
     srv.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],

@@ -24,7 +24,7 @@ import uuid
 from typing import Any
 
 from jaxserve.sampling_params import StructuredOutputsParams
-from server.tool_parsers import ParsedCall, ToolParser
+from server.tool_parsers import PARSERS, ParsedCall, ToolParser
 
 
 class ToolChoiceError(ValueError):
@@ -68,7 +68,7 @@ def plan(tools: list[dict] | None, tool_choice: str | dict | None,
     if choice == "auto":
         if parser is None:
             raise ToolChoiceError('tool_choice "auto" needs the server started with '
-                                  "--tool-call-parser (hermes, llama3_json or mistral); "
+                                  f"--tool-call-parser ({', '.join(PARSERS)}); "
                                   'or ask for "required", a named function, or "none"')
         return ToolPlan("auto", parser=parser)
     if choice == "required":

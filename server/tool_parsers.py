@@ -9,7 +9,12 @@ Formats (as the models' chat templates ask for them):
 - `llama3_json` (Llama 3.1 / 3.2 / 3.3): the whole output is `{"name": ..., "parameters": {...}}`
   (optionally after `<|python_tag|>`), several separated by `;`;
 - `mistral`: `[TOOL_CALLS]` then a JSON array of `{"name", "arguments"}` (v0.3 tokenizers),
-  or `name[ARGS]{...}` per call (v11+ tokenizers; `[CALL_ID]id` may sit between).
+  or `name[ARGS]{...}` per call (v11+ tokenizers; `[CALL_ID]id` may sit between);
+- `deepseek_v3` (DeepSeek-V3, R1, V3-0324, R1-0528; also `deepseek_v31`, whose format it
+  reads too): `<｜tool▁calls▁begin｜>`, then per call `<｜tool▁call▁begin｜>function<｜tool▁sep｜>`
+  NAME, a ```json fenced block of the arguments and `<｜tool▁call▁end｜>` (V3.1 and
+  V3.1-Terminus: NAME `<｜tool▁sep｜>` ARGUMENTS instead), and `<｜tool▁calls▁end｜>` (which
+  the published templates do not always write, so it is optional).
 
 Output that does not parse as the format is content, as vLLM returns it.
 """
@@ -146,8 +151,32 @@ class MistralParser(ToolParser):
         return calls
 
 
+class DeepSeekParser(ToolParser):
+    name = "deepseek_v3"
+    markers = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>")
+    _call_block = re.compile("<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)"
+                             "(?:<｜tool▁call▁end｜>|$)", re.DOTALL)
+    # V3's body after the separator: NAME, then the arguments in a ```json fence.
+    _fenced = re.compile(r"\s*([^\s`{]+)\s*```(?:json)?\s*(.*?)\s*(?:```\s*)?$", re.DOTALL)
+
+    def _calls(self, text: str) -> list[ParsedCall]:
+        calls = []
+        for head, body in self._call_block.findall(text):
+            if body.lstrip().startswith("{"):  # V3.1: NAME<sep>{arguments}
+                args, _ = _DECODER.raw_decode(body.strip())
+                calls.append(_call({"name": head.strip(), "arguments": args}))
+                continue
+            match = self._fenced.match(body)  # V3: TYPE<sep>NAME ```json {arguments} ```
+            if match is None or head.strip() != "function":
+                raise ValueError("not a DeepSeek tool call")
+            args, _ = _DECODER.raw_decode(match.group(2))
+            calls.append(_call({"name": match.group(1), "arguments": args}))
+        return calls
+
+
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser,
-                                                            MistralParser)}
+                                                            MistralParser, DeepSeekParser)}
+PARSERS["deepseek_v31"] = DeepSeekParser  # vLLM's name for V3.1's format
 
 
 def get_parser(name: str) -> ToolParser:

@@ -1,7 +1,7 @@
 """Chat templates render and tokenize exactly as transformers' `apply_chat_template`.
 
 The templates in tests/chat_templates/ are the public ones of Llama 3.1 / 3.2, Qwen2.5,
-Qwen3, Mistral 7B Instruct v0.3 and Gemma 2 / 3. Each family gets a small byte-level BPE
+Qwen3, Mistral 7B Instruct v0.3, Gemma 2 / 3, DeepSeek-R1 and DeepSeek-V3.1. Each family gets a small byte-level BPE
 tokenizer with its control tokens as special tokens, saved as a Hugging Face checkpoint
 directory that both transformers and jaxserve load.
 """
@@ -35,6 +35,11 @@ FAMILIES = {
                  "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]),
     "gemma": (("gemma2", "gemma3"), "<bos>", "<eos>",
               ["<start_of_turn>", "<end_of_turn>", "<start_of_image>"]),
+    "deepseek": (("deepseek-r1", "deepseek-v3.1"), "<｜begin▁of▁sentence｜>",
+                 "<｜end▁of▁sentence｜>", ["<｜User｜>", "<｜Assistant｜>", "<think>", "</think>",
+                                          "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>",
+                                          "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
+                                          "<｜tool▁calls▁end｜>"]),
 }
 TEMPLATE_FAMILY = {t: f for f, (ts, *_) in FAMILIES.items() for t in ts}
 
@@ -133,6 +138,9 @@ def test_template_keyword_arguments_reach_the_template(tokenizers_by_template):
     assert text.endswith("<think>\n\n</think>\n\n")
     text, _ = _both(tokenizers_by_template["llama3.1"], [USER], date_string="1 Jan 2030")
     assert "Today Date: 1 Jan 2030" in text
+    text, _ = _both(tokenizers_by_template["deepseek-v3.1"], [USER], add_generation_prompt=True,
+                    thinking=True)
+    assert text.endswith("<｜Assistant｜><think>")
 
 
 def test_strftime_now_gives_todays_date(tokenizers_by_template):

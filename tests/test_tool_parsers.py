@@ -43,6 +43,24 @@ CASES = [
      None, [("get_weather", '{"city": "Nice"}')]),
     ("mistral", '[TOOL_CALLS]get_weather{"city": "Metz"}',  # [ARGS] decoded away
      None, [("get_weather", '{"city": "Metz"}')]),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+     "```json\n" + WEATHER + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+     None, [("get_weather", WEATHER)]),
+    ("deepseek_v3", "Let me check both.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function"
+     '<｜tool▁sep｜>get_weather\n```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜>\n'
+     '<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{"tz": "CET"}\n```'
+     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+     "Let me check both.", [("get_weather", '{"city": "Paris"}'), ("get_time", '{"tz": "CET"}')]),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+     '```json\n{"city": "Pa',  # cut short
+     "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+     '```json\n{"city": "Pa', []),
+    ("deepseek_v3", "It is sunny ```json\n{}```", "It is sunny ```json\n{}```", []),
+    # V3.1's format: NAME<sep>ARGUMENTS.
+    ("deepseek_v31", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": '
+     '"Oslo"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"tz": "CET"}'
+     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+     None, [("get_weather", '{"city": "Oslo"}'), ("get_time", '{"tz": "CET"}')]),
 ]
 
 
@@ -148,3 +166,35 @@ def test_parsers_read_what_each_family_template_writes(template, parser, bos, en
     assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == wanted, output
     # Qwen3 writes an (empty) reasoning block first: content, as there is no reasoning parser.
     assert (parsed.content or "").strip() in ("", "<think>\n\n</think>"), output
+
+
+@pytest.mark.parametrize("template", ["deepseek-r1", "deepseek-v3.1"])
+@pytest.mark.parametrize("calls", [1, 2])
+def test_deepseek_parser_reads_what_deepseek_templates_write(template, calls):
+    """DeepSeek-R1's template (V3's format: TYPE<sep>NAME and a ```json block; with one
+    call it writes no <｜tool▁calls▁end｜> nor end of sentence) and DeepSeek-V3.1's (NAME<sep>ARGUMENTS) write
+    an assistant turn's calls, with its arguments as the JSON text a request carries:
+    `deepseek_v3` gives them back, and nothing as content."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    wanted = [("get_weather", {"location": "Paris", "unit": "celsius"}),
+              ("get_time", {"tz": "Europe/Paris"})][:calls]
+    turn = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": f"call{i}abcd", "type": "function",
+         "function": {"name": name, "arguments": json.dumps(arguments)}}
+        for i, (name, arguments) in enumerate(wanted)]}
+    user = {"role": "user", "content": "What is the weather and the time in Paris?"}
+    source = (TEMPLATES / f"{template}.jinja").read_text()
+
+    def render(messages):
+        return render_jinja_template([messages], chat_template=source,
+                                     bos_token="<｜begin▁of▁sentence｜>")[0][0]
+
+    asked, whole = render([user]), render([user, turn])
+    assert whole.startswith(asked)
+    # The turn after the user's: what follows <｜Assistant｜> (and V3.1's closed think block).
+    output = whole[len(asked):].removeprefix("<｜Assistant｜>").removeprefix("</think>")
+    output = output.split("<｜end▁of▁sentence｜>")[0]  # R1's: none after one call
+    parsed = get_parser("deepseek_v3").parse(output)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == wanted, output
+    assert parsed.content is None, output
