@@ -28,7 +28,7 @@ KV_CACHE_DTYPES = {"auto": None, "int8": "int8", "fp8": "float8_e4m3fn"}
 KERNEL_IMPLS = ("reference", "tpu", "gpu", "cpu")
 QUANTIZATIONS = ("int8", "int4", "fp8")
 LM_HEAD_QUANTIZATIONS = ("int8", "int4")
-SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3", "mtp")
 
 
 def _check_group(name: str, group, kind: str | None) -> None:
@@ -78,6 +78,8 @@ class SpeculativeConfig:
     guesses with its first `num_speculative_tokens` heads from the target's hidden state.
     "eagle" / "eagle3": `model`, an EAGLE-1 / EAGLE-3 head (config.json and weights),
     guesses `num_speculative_tokens` tokens from the target's features.
+    "mtp": DeepSeek-V3's (and R1's) multi-token-prediction layer, in the target's own
+    checkpoint (no `model`), guesses them as an EAGLE-1 head does (models/mtp.py).
     The step verifies the drafts as extra query tokens (engine/speculative/).
     `speculative_token_tree` (Medusa and EAGLE; vLLM's, as a list or its string): the tree
     of candidates to verify instead of a chain, as paths of ranks, e.g. [[0], [1], [0, 0]]
@@ -111,11 +113,11 @@ class SpeculativeConfig:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config: method must be one of "
                              f"{SPECULATIVE_METHODS}, got {self.method!r}")
-        if self.method != "ngram" and not self.model:
+        if self.method not in ("ngram", "mtp") and not self.model:
             raise ValueError(f"speculative_config: method {self.method!r} needs model, the "
                              "directory of the draft checkpoint, the Medusa heads or the "
                              "EAGLE head")
-        if self.method == "ngram" and self.model is not None:
+        if self.method in ("ngram", "mtp") and self.model is not None:
             raise ValueError(f"speculative_config: method {self.method!r} takes no model")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)
@@ -140,8 +142,8 @@ class SpeculativeConfig:
         def bad(why: str) -> ValueError:
             return ValueError(f"speculative_config: speculative_token_tree {why}")
 
-        if self.method not in ("medusa", "eagle", "eagle3"):
-            raise bad(f"needs method 'medusa', 'eagle' or 'eagle3' (got {self.method!r}): "
+        if self.method not in ("medusa", "eagle", "eagle3", "mtp"):
+            raise bad(f"needs method 'medusa', 'eagle', 'eagle3' or 'mtp' (got {self.method!r}): "
                       "only their heads propose trees")
         tree = self.speculative_token_tree
         if isinstance(tree, str):

@@ -105,6 +105,44 @@ class Eagle3(torch.nn.Module):
         return ids + self.d2t[ids]
 
 
+class DeepSeekMtp(torch.nn.Module):
+    """DeepSeek-V3's multi-token-prediction layer as vLLM and SGLang run it: eh_proj over
+    [enorm(embedding), hnorm(hidden)], a transformers DeepseekV3DecoderLayer (`block`),
+    shared_head.norm; the target's LM head reads that, and the next round reads it as
+    its hidden state (SGLang's NextN). `hidden` is the target's final normed hidden
+    state, as an EAGLE-1 head's."""
+
+    version = 1  # the features as they are (no fc)
+
+    def __init__(self, cfg, block: torch.nn.Module, rotary: torch.nn.Module):
+        super().__init__()
+        from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+        h = cfg.hidden_size
+        self.enorm = ds.DeepseekV3RMSNorm(h, eps=cfg.rms_norm_eps)
+        self.hnorm = ds.DeepseekV3RMSNorm(h, eps=cfg.rms_norm_eps)
+        self.eh_proj = torch.nn.Linear(2 * h, h, bias=False)
+        self.block = block
+        self.head_norm = ds.DeepseekV3RMSNorm(h, eps=cfg.rms_norm_eps)
+        self.rotary = rotary
+
+    def forward(self, embeds, hidden):
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        one = x.dim() == 2
+        x = x[None] if one else x
+        positions, mask = _causal(x.shape[1])
+        out = self.block(x, attention_mask=mask, position_ids=positions,
+                         position_embeddings=self.rotary(x, positions))
+        out = self.head_norm(out[0] if isinstance(out, tuple) else out)
+        return out[0] if one else out
+
+    def logits(self, hidden, target):
+        return target.lm_head(hidden)
+
+    def to_target(self, ids):
+        return ids
+
+
 def eager(cfg: tf.LlamaConfig) -> tf.LlamaConfig:
     """A copy of `cfg` naming transformers' plain attention (the modules stand alone)."""
     cfg = copy.deepcopy(cfg)

@@ -126,8 +126,9 @@ def make_fp8_checkpoint(float_dir: Path, out: Path, blocks=(8, 16)) -> tuple[Pat
     """DeepSeek-V3's own checkpoint format at a tiny size: every linear layer of the
     decoder (attention, dense MLP, each expert, the shared expert; not the router)
     float8_e4m3fn in blocks of `blocks` ([out, in]) with float32 `weight_scale_inv`,
-    `quantization_config` fp8, and tensors of a multi-token-prediction layer. Returns it
-    and a float checkpoint of the dequantized weights (the oracle's)."""
+    `quantization_config` fp8, and tensors of a multi-token-prediction layer (a few, when
+    `float_dir` has none: test_mtp's has a whole one). Returns it and a float checkpoint
+    of the dequantized weights (the oracle's)."""
     import shutil
 
     from safetensors.numpy import load_file
@@ -135,7 +136,10 @@ def make_fp8_checkpoint(float_dir: Path, out: Path, blocks=(8, 16)) -> tuple[Pat
 
     bn, bk = blocks
     tensors, truth = {}, {}
-    for name, w in load_file(float_dir / "model.safetensors").items():
+    source = {n: w for f in sorted(float_dir.glob("*.safetensors"))
+              for n, w in load_file(f).items()}
+    has_mtp = "model.layers.2.eh_proj.weight" in source
+    for name, w in source.items():
         w = torch.from_numpy(w)
         stem = name.removesuffix(".weight")
         if stem == name or stem.split(".")[-1] not in LATENT_LINEARS:
@@ -148,7 +152,7 @@ def make_fp8_checkpoint(float_dir: Path, out: Path, blocks=(8, 16)) -> tuple[Pat
         q = (w / full).clamp(-448, 448).to(torch.float8_e4m3fn)
         tensors[name], tensors[f"{stem}.weight_scale_inv"] = q, scale.float()
         truth[name] = q.float() * full
-        if name == "model.layers.1.self_attn.o_proj.weight":  # the MTP layer's, as V3's
+        if name == "model.layers.1.self_attn.o_proj.weight" and not has_mtp:  # an MTP layer's
             tensors["model.layers.2.eh_proj.weight"] = q.clone()  # (layer num_hidden_layers)
             tensors["model.layers.2.eh_proj.weight_scale_inv"] = scale.float().clone()
             tensors["model.layers.2.enorm.weight"] = torch.ones(64)
@@ -276,9 +280,13 @@ def test_lora_on_latent_attention_is_refused(checkpoints):
 def test_tensor_data_and_expert_parallel_match_transformers(checkpoints, prompts, tmp_path):
     """On 8 CPU devices: the heads split over `model` with the latent cached on every
     device, data parallelism, the experts split whole, and data-parallel attention with the
-    experts over every device (the data shards' tokens gathered to them): greedy tokens as
-    transformers'."""
+    experts over every device (the data shards' tokens gathered to them), there drafting
+    with the checkpoint's MTP layer: greedy tokens as transformers'."""
+    from test_mtp import write_mtp
+
     path, hf_model = checkpoints("deepseek_v3")
+    write_mtp(path, hf_model, tmp_path / "mtp")
+    path = tmp_path / "mtp"
     want = [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts]
     out = tmp_path / "runs.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
@@ -289,7 +297,7 @@ def test_tensor_data_and_expert_parallel_match_transformers(checkpoints, prompts
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     runs = json.loads(out.read_text())
-    names = ("tp 4", "dp+tp 2x2", "ep 4", "dp+ep 8", "dp+tp+ep 4x2")
+    names = ("tp 4", "dp+tp 2x2", "ep 4", "dp+ep 8", "dp+tp+ep 4x2 mtp")
     assert set(runs) == {*names, "tp 4 int8 kv"}
     # W_uk's heads split over `model` (4, 2 devices), whole where attention is not split;
     # the 8 experts [8, 64, 32] split by MLP columns under tp, whole under ep: over `model`
@@ -304,3 +312,4 @@ def test_tensor_data_and_expert_parallel_match_transformers(checkpoints, prompts
         else:
             assert run["tokens"] == want, name
         assert run["leaked_pages"] == 0 and run["compiles_after_warmup"] == 0, name
+        assert (run["proposed"] > 0) == ("mtp" in name), name

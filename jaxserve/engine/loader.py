@@ -114,6 +114,6 @@ def load(config: EngineConfig, random_weights_preset: str | None = None) -> Load
                                                                     "image_size", None)))
     tokenizer = Tokenizer.from_pretrained(model_dir)
     speculative = SpeculativeModels.load(config.speculative_config, model_config, shard,
-                                         config.sharding, dtype, options)
+                                         config.sharding, dtype, options, model_dir)
     return Loaded(config, model_config, graphdef, params, tokenizer, shard, speculative,
                   vision)

@@ -15,7 +15,7 @@ import json
 import math
 import re
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import jax
@@ -336,13 +336,18 @@ def abstract_model(cfg: ModelConfig, dtype, shard: ShardingContext,
 
 def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype, shard: ShardingContext,
                     options: ModelOptions = ModelOptions(),
-                    tensors: Iterable[tuple[str, np.ndarray]] | None = None
+                    tensors: Iterable[tuple[str, np.ndarray]] | None = None,
+                    module: tuple[nnx.GraphDef, nnx.State] | None = None,
+                    own: Callable[[str, np.ndarray], tuple | None] | None = None
                     ) -> tuple[nnx.GraphDef, nnx.State]:
     """Read every tensor of an HF checkpoint straight into sharded device arrays
     (quantizing the linear layers' weights on the way when `options.quantization`).
     `tensors`: (Hugging Face name, array) pairs to read instead of `model_dir`'s files
-    (a GGUF file's, loading/gguf.py)."""
-    graphdef, abstract = abstract_model(cfg, dtype, shard, options)
+    (a GGUF file's, loading/gguf.py). `module`: the (graphdef, abstract state) of another
+    module to fill than the decoder (DeepSeek's MTP layer: loading/mtp.py), whose
+    decoder-named tensors map as a decoder's; `own(name, tensor)`: (path, array, None) of
+    one of its own tensors, None for the others."""
+    graphdef, abstract = module or abstract_model(cfg, dtype, shard, options)
     expected = dict(nnx.to_flat_state(abstract))
     loaded: dict[tuple, jax.Array] = {}
     experts: dict[tuple, dict[int, np.ndarray]] = {}  # stacked parameters being gathered
@@ -358,7 +363,9 @@ def load_checkpoint(model_dir: str | Path, cfg: ModelConfig, dtype, shard: Shard
             embedding = tensor
             if _EMBED not in expected:  # embed_from_lm_head: only the head holds it
                 continue
-        mapped = _hf_to_ours(name, tensor, cfg, shard.rules.kv_head_replicas)
+        mapped = own(name, tensor) if own is not None else None
+        if mapped is None:
+            mapped = _hf_to_ours(name, tensor, cfg, shard.rules.kv_head_replicas)
         if mapped is None:
             continue
         path, array, expert = mapped

@@ -153,9 +153,10 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple[jax.Arra
     `v` None: latent attention (latent_attention.py), whose one pool (and its scales,
     quantized) is both K and V: `k` is written there, and the output is `[T, heads,
     width]` of which the caller keeps the value columns. On a TPU our kernel runs it
-    reading each page once (as K and as V) with blocks of LATENT_ROWS query rows (its 32-query default, times 32 or more heads at 576
-    wide, passes the 16 MiB of scoped VMEM); our GPU kernel's tiles take power-of-two head
-    dims only, so the reference runs it there.
+    reading each page once (as K and as V) with blocks of LATENT_ROWS query rows (its
+    32-query default, times 32 or more heads at 576 wide, passes the 16 MiB of scoped
+    VMEM); our GPU kernel's tiles take power-of-two head dims only, so the reference runs
+    it there.
 
     `meta` is the step's AttentionMetadata. Both run per shard under shard_map where XLA
     cannot partition them on its own:

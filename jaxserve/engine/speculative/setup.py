@@ -1,7 +1,8 @@
 """What a speculative method adds to an engine: its models loaded and sharded beside the
-target (a draft model, Medusa heads or an EAGLE head; none for n-gram), the memory they
-take per KV page, the batch layout its steps need, and its Speculator. Without a
-method (`config` None) it adds nothing, and `speculator()` is the no-op default."""
+target (a draft model, Medusa heads, an EAGLE head or DeepSeek's MTP layer, which the
+EAGLE proposer drives; none for n-gram), the memory they take per KV page, the batch
+layout its steps need, and its Speculator. Without a method (`config` None) it adds
+nothing, and `speculator()` is the no-op default."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from jaxserve.engine.speculative.proposers import MedusaProposer, Proposer
 from jaxserve.engine.speculative.speculator import SpeculativeDecoding, Speculator
 from jaxserve.loading.eagle import load_eagle, read_eagle
 from jaxserve.loading.medusa import load_medusa
+from jaxserve.loading.mtp import load_mtp, read_mtp
 from jaxserve.loading.safetensors import load_checkpoint
 from jaxserve.models.medusa import MedusaHeads
 from sharding.rules import ShardingContext, model_sharding
@@ -36,16 +38,22 @@ class SpeculativeModels:
     config: SpeculativeConfig | None = None
     draft: Loaded | None = None  # (ModelConfig, ...)
     medusa: MedusaHeads | None = None
-    eagle: Loaded | None = None  # (EagleCheckpoint, ...)
+    eagle: Loaded | None = None  # (EagleCheckpoint or MtpCheckpoint, ...)
 
     @classmethod
     def load(cls, config: SpeculativeConfig | None, target: ModelConfig,
-             target_shard: ShardingContext, strategy: str, dtype, options
-             ) -> SpeculativeModels:
-        """The method's models for `target`, placed on its mesh with its `strategy`."""
+             target_shard: ShardingContext, strategy: str, dtype, options,
+             target_dir: str | Path | None = None) -> SpeculativeModels:
+        """The method's models for `target` (read from `target_dir`: DeepSeek's MTP
+        layer), placed on its mesh with its `strategy`."""
         mesh = target_shard.mesh
         if config is None or config.method == "ngram":
             return cls(config)
+        if config.method == "mtp":  # an EAGLE-1-like head from the target's checkpoint
+            mtp = read_mtp(target_dir, target)
+            shard = model_sharding(mesh, strategy, mtp.cfg)
+            return cls(config, eagle=(mtp, shard, *load_mtp(target_dir, mtp, dtype, shard,
+                                                            options)))
         if config.method == "draft_model":
             return cls(config, draft=_load_draft(config.model, target, mesh, strategy, dtype,
                                                  options))
