@@ -733,6 +733,9 @@ class ModelConfig:
                 lm, model_type="qwen2_5_vl",
                 architecture=(hf.get("architectures") or ["Qwen2_5_VLForConditionalGeneration"])[0],
                 vision=QwenVisionConfig.from_hf(hf, lm.hidden_size), mrope_section=section)
+        if model_type == "kimi_k2":  # Kimi K2: DeepSeek-V3's architecture under its own name
+            return dataclasses.replace(cls.from_hf({**hf, "model_type": "deepseek_v3"}),
+                                       model_type="kimi_k2")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"

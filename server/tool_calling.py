@@ -89,7 +89,7 @@ def plan(tools: list[dict] | None, tool_choice: str | dict | None,
 
 
 def _tool_call(call: ParsedCall, index: int | None = None) -> dict:
-    out = {"id": _call_id(), "type": "function",
+    out = {"id": call.id or _call_id(), "type": "function",
            "function": {"name": call.name, "arguments": call.arguments}}
     return out if index is None else {"index": index, **out}
 

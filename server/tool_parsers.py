@@ -15,6 +15,10 @@ Formats (as the models' chat templates ask for them):
   NAME, a ```json fenced block of the arguments and `<｜tool▁call▁end｜>` (V3.1 and
   V3.1-Terminus: NAME `<｜tool▁sep｜>` ARGUMENTS instead), and `<｜tool▁calls▁end｜>` (which
   the published templates do not always write, so it is optional).
+- `kimi_k2` (Kimi K2): `<|tool_calls_section_begin|>`, then per call
+  `<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{...}<|tool_call_end|>`;
+  `functions.NAME:INDEX` becomes the call's id (Kimi's template writes a tool result under
+  the id of its call, as vLLM's kimi_k2 parser keeps it).
 
 Output that does not parse as the format is content, as vLLM returns it.
 """
@@ -33,6 +37,7 @@ _DECODER = json.JSONDecoder()
 class ParsedCall:
     name: str
     arguments: str  # JSON text of an object
+    id: str | None = None  # the model's own id of the call (Kimi K2's); None: we make one
 
 
 @dataclasses.dataclass
@@ -174,8 +179,28 @@ class DeepSeekParser(ToolParser):
         return calls
 
 
+class KimiK2Parser(ToolParser):
+    name = "kimi_k2"
+    markers = ("<|tool_calls_section_begin|>", "<|tool_call_begin|>")
+    _call_block = re.compile(r"<\|tool_call_begin\|>\s*(.+?)\s*<\|tool_call_argument_begin\|>"
+                             r"(.*?)(?:<\|tool_call_end\|>|$)", re.DOTALL)
+    _function_id = re.compile(r"(?:functions\.)?([^\s:]+)(?::\d+)?")
+
+    def _calls(self, text: str) -> list[ParsedCall]:
+        calls = []
+        for function_id, body in self._call_block.findall(text):
+            name = self._function_id.fullmatch(function_id)
+            if name is None:
+                raise ValueError(f"not a Kimi K2 function id: {function_id!r}")
+            args, _ = _DECODER.raw_decode(body.strip())
+            call = _call({"name": name.group(1), "arguments": args})
+            calls.append(dataclasses.replace(call, id=function_id))
+        return calls
+
+
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser,
-                                                            MistralParser, DeepSeekParser)}
+                                                            MistralParser, DeepSeekParser,
+                                                            KimiK2Parser)}
 PARSERS["deepseek_v31"] = DeepSeekParser  # vLLM's name for V3.1's format
 
 

@@ -61,6 +61,18 @@ CASES = [
      '"Oslo"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{"tz": "CET"}'
      "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
      None, [("get_weather", '{"city": "Oslo"}'), ("get_time", '{"tz": "CET"}')]),
+    ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+     "<|tool_call_argument_begin|>" + WEATHER + "<|tool_call_end|><|tool_calls_section_end|>",
+     None, [("get_weather", WEATHER)]),
+    ("kimi_k2", "I will check both.<|tool_calls_section_begin|>\n<|tool_call_begin|>"
+     'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Beijing"}<|tool_call_end|>\n'
+     '<|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{"tz": "CST"}'
+     "<|tool_call_end|>\n<|tool_calls_section_end|>",
+     "I will check both.", [("get_weather", '{"city": "Beijing"}'), ("get_time", '{"tz": "CST"}')]),
+    ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+     '<|tool_call_argument_begin|>{"city": "Bei',  # cut short
+     "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+     '<|tool_call_argument_begin|>{"city": "Bei', []),
 ]
 
 
@@ -90,6 +102,19 @@ def test_streamed_calls_add_up_to_the_message(name, text, content, calls, piece)
     assert stream.num_calls == len(calls)
     assert [d["tool_calls"][0]["index"] for d in deltas if "tool_calls" in d] == list(
         range(len(calls)))
+
+
+def test_kimi_k2_calls_keep_their_own_ids():
+    """Kimi's template writes a tool's result under its call's id: the id goes back as the
+    model wrote it (whole and streamed)."""
+    text = CASES[-2][1]
+    _, calls = tool_calling.message(tool_calling.ToolPlan("auto", parser=get_parser("kimi_k2")),
+                                    text)
+    assert [c["id"] for c in calls] == ["functions.get_weather:0", "functions.get_time:1"]
+    stream = tool_calling.ToolStream(tool_calling.ToolPlan("auto", parser=get_parser("kimi_k2")))
+    deltas = stream.feed(text) + stream.finish()
+    assert [d["tool_calls"][0]["id"] for d in deltas if "tool_calls" in d] == [
+        "functions.get_weather:0", "functions.get_time:1"]
 
 
 def test_content_that_might_open_a_call_is_held_back():

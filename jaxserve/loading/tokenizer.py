@@ -1,8 +1,9 @@
 """Tokenizers loaded from a Hugging Face model directory, and streaming detokenization.
 
-Two formats are read: `tokenizer.json` (the Hugging Face `tokenizers` library; preferred,
+Three formats are read: `tokenizer.json` (the Hugging Face `tokenizers` library; preferred,
 because its normalizer, pre-tokenizer, decoder and post-processor state exactly how the model
-was trained) and, failing that, `tokenizer.model` (a sentencepiece model, Llama-1/2 style).
+was trained), Kimi K2's `tiktoken.model` (tiktoken_files.py: made a `tokenizers` BPE) and,
+failing those, `tokenizer.model` (a sentencepiece model, Llama-1/2 style).
 Both sit behind a small backend interface, so `Tokenizer` owns the rules they share: which
 ids are special, how BOS/EOS are found, the chat template.
 
@@ -88,15 +89,19 @@ def gpt2_byte_table() -> dict[int, str]:
 
 
 class _HFBackend:
-    """A `tokenizers.Tokenizer` read from tokenizer.json and used as the file says."""
+    """A `tokenizers.Tokenizer` read from tokenizer.json and used as the file says (or one
+    built from another format: tiktoken_files.py)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, source):
         from tokenizers import Tokenizer as HFTokenizer
 
-        try:
-            self._tok = HFTokenizer.from_file(str(path))
-        except Exception as e:  # the Rust side raises plain Exception subclasses
-            raise ValueError(f"could not read {path}: {e}") from e
+        if isinstance(source, HFTokenizer):
+            self._tok = source
+        else:
+            try:
+                self._tok = HFTokenizer.from_file(str(source))
+            except Exception as e:  # the Rust side raises plain Exception subclasses
+                raise ValueError(f"could not read {source}: {e}") from e
         # Some tokenizer.json files carry training-time truncation or fixed-length padding;
         # a server must see the whole prompt and nothing added to it.
         self._tok.no_truncation()
@@ -473,9 +478,14 @@ class Tokenizer:
 
 
 def _load_backend(directory: Path, config: dict[str, Any]) -> _Backend:
-    """tokenizer.json if present: it states the whole pipeline; else the sentencepiece model."""
+    """tokenizer.json if present: it states the whole pipeline; else a tiktoken file (Kimi's,
+    tiktoken_files.py); else the sentencepiece model."""
+    from jaxserve.loading import tiktoken_files
+
     if (directory / TOKENIZER_JSON).is_file():
         return _HFBackend(directory / TOKENIZER_JSON)
+    if tiktoken_files.is_tiktoken(directory, config):
+        return _HFBackend(tiktoken_files.tiktoken_tokenizer(directory, config))
     if (directory / SENTENCEPIECE_MODEL).is_file():
         legacy = bool(config.get("legacy", False))
         return _SentencePieceBackend(directory / SENTENCEPIECE_MODEL, legacy=legacy)
