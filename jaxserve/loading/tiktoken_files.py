@@ -10,7 +10,9 @@ tiktoken encodes a piece that is itself a token directly), and the pre-tokenizer
 pattern, which lives in the remote code: Kimi's (`KIMI_PATTERN`, from tokenization_kimi.py)
 for a `TikTokenTokenizer`. The special tokens take the ids after the ranks (256 of them,
 named by tokenizer_config.json's `added_tokens_decoder`, the rest
-`<|reserved_token_{i}|>`), as that tokenizer numbers them.
+`<|reserved_token_{i}|>`), as that tokenizer numbers them. Recovering the merges is
+Python over every token: ~5 s for 164k tokens of 19 bytes on average on a 2-core VM
+(Kimi's are shorter), once at start.
 """
 
 from __future__ import annotations
