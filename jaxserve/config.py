@@ -29,6 +29,7 @@ KERNEL_IMPLS = ("reference", "tpu", "gpu", "cpu")
 QUANTIZATIONS = ("int8", "int4", "fp8")
 LM_HEAD_QUANTIZATIONS = ("int8", "int4")
 SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3", "mtp")
+_NO_MODEL_METHODS = ("ngram", "mtp")  # n-gram needs none; mtp reads the target's own files
 
 
 def _check_group(name: str, group, kind: str | None) -> None:
@@ -113,11 +114,11 @@ class SpeculativeConfig:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config: method must be one of "
                              f"{SPECULATIVE_METHODS}, got {self.method!r}")
-        if self.method not in ("ngram", "mtp") and not self.model:
+        if self.method not in _NO_MODEL_METHODS and not self.model:
             raise ValueError(f"speculative_config: method {self.method!r} needs model, the "
                              "directory of the draft checkpoint, the Medusa heads or the "
                              "EAGLE head")
-        if self.method in ("ngram", "mtp") and self.model is not None:
+        if self.method in _NO_MODEL_METHODS and self.model is not None:
             raise ValueError(f"speculative_config: method {self.method!r} takes no model")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)
@@ -143,8 +144,8 @@ class SpeculativeConfig:
             return ValueError(f"speculative_config: speculative_token_tree {why}")
 
         if self.method not in ("medusa", "eagle", "eagle3", "mtp"):
-            raise bad(f"needs method 'medusa', 'eagle', 'eagle3' or 'mtp' (got {self.method!r}): "
-                      "only their heads propose trees")
+            raise bad(f"needs method 'medusa', 'eagle', 'eagle3' or 'mtp' (got "
+                      f"{self.method!r}): only their heads propose trees")
         tree = self.speculative_token_tree
         if isinstance(tree, str):
             try:

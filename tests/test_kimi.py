@@ -10,14 +10,13 @@ import json
 import shutil
 
 import pytest
+import tiktoken
 
 from conftest import hf_greedy
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import ModelConfig
 from jaxserve.loading.tiktoken_files import KIMI_PATTERN
 from jaxserve.loading.tokenizer import Tokenizer
-
-tiktoken = pytest.importorskip("tiktoken")
 
 CORPUS = ("Hello world! It's 2026, and the model's answer: 12345 tokens. "
           "我们今天去北京看长城，天气很好。 Mixed 中文 and English, numbers 3.14159 and "

@@ -39,8 +39,10 @@ KIMI_PATTERN = "|".join([
 
 def is_tiktoken(directory: Path, config: dict[str, Any]) -> bool:
     """A tiktoken file that a remote-code TikTokenTokenizer (Kimi's) reads."""
-    named = str(config.get("tokenizer_class", "")) + str(config.get("auto_map", ""))
-    return (directory / TIKTOKEN_MODEL).is_file() and "TikTokenTokenizer" in named
+    auto = (config.get("auto_map") or {}).get("AutoTokenizer") or []
+    classes = [config.get("tokenizer_class"), *(auto if isinstance(auto, list) else [auto])]
+    return ((directory / TIKTOKEN_MODEL).is_file()
+            and any(str(c).endswith("TikTokenTokenizer") for c in classes if c))
 
 
 def read_ranks(path: Path) -> dict[bytes, int]:

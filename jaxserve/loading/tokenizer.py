@@ -4,7 +4,7 @@ Three formats are read: `tokenizer.json` (the Hugging Face `tokenizers` library;
 because its normalizer, pre-tokenizer, decoder and post-processor state exactly how the model
 was trained), Kimi K2's `tiktoken.model` (tiktoken_files.py: made a `tokenizers` BPE) and,
 failing those, `tokenizer.model` (a sentencepiece model, Llama-1/2 style).
-Both sit behind a small backend interface, so `Tokenizer` owns the rules they share: which
+They sit behind a small backend interface, so `Tokenizer` owns the rules they share: which
 ids are special, how BOS/EOS are found, the chat template.
 
 `IncrementalDetokenizer` turns a stream of sampled ids into text chunks the way vLLM does:
