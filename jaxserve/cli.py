@@ -34,6 +34,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "powers of two up to --max-num-batched-tokens); fewer buckets start "
                         "faster, a batch pads up to the next one")
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
+                   help="keep the KV pages the prefix cache evicts in this much host memory "
+                        "(GiB) and copy them back for prompts that share their prefix")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=None,
                    help="fcfs (default): requests run in arrival order; priority: a "
                         "request's `priority` (lower first, then arrival) orders admission "
@@ -167,6 +170,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         "num_scheduler_steps": args.num_scheduler_steps,
         "token_buckets": parse_buckets(args.token_buckets), "seed": args.seed,
         "enable_prefix_caching": False if args.no_prefix_caching else None,
+        "kv_offloading_size": args.kv_offloading_size,
         "scheduling_policy": args.scheduling_policy,
         "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
         "quant_group_size": args.quant_group_size,

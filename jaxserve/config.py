@@ -1064,6 +1064,9 @@ class EngineConfig:
     by their index in `jax.devices()` (None: the first ones), so that two engines of one
     process can sit on devices of their own; `kv_transfer_config` (a KVTransferConfig or
     its dict) makes the engine one side of prefill/decode disaggregation.
+    `kv_offloading_size` (GiB; vLLM's) keeps the pages the prefix cache evicts in that
+    much host memory and copies them back for a later prompt with their prefix
+    (engine/host_kv_cache.py).
     `hf_overrides` (vLLM's): keys set over the checkpoint's config.json (e.g. a
     classification head from LM head rows: loading/classifier.py); `pooler_config`
     (vLLM's) sets how embeddings and classifications are pooled and finished over what
@@ -1109,6 +1112,7 @@ class EngineConfig:
     limit_mm_per_prompt: dict[str, int] | None = None
     devices: tuple[int, ...] | None = None
     kv_transfer_config: KVTransferConfig | None = None
+    kv_offloading_size: float | None = None
     hf_overrides: dict[str, Any] | None = None
     pooler_config: dict[str, Any] | None = None
 
@@ -1165,6 +1169,14 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"num_pages must be positive, got {self.num_pages}")
+        size = self.kv_offloading_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float))
+                                 or not size > 0):
+            raise ValueError(f"kv_offloading_size is the host memory for evicted KV pages "
+                             f"in GiB, a number > 0; got {size!r}")
+        if size is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size keeps the prefix cache's evicted pages in "
+                             "host memory: it needs enable_prefix_caching")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"

@@ -23,8 +23,9 @@ import numpy as np
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import compile_cache
 from jaxserve.engine.batch import BatchBuilder, BucketKey, StepBatch
+from jaxserve.engine.host_kv_cache import HostKVCache
 from jaxserve.engine.kv_memory import pages_per_seq, pool_pages
-from jaxserve.engine.kv_transfer import Prefilled, model_digest
+from jaxserve.engine.kv_transfer import KVPages, Prefilled, model_digest
 from jaxserve.engine.loader import Vision, load
 from jaxserve.engine.lora import LoraManager, LoRARequest
 from jaxserve.engine.multimodal.images import Images
@@ -188,6 +189,8 @@ class Engine:
                                   model_config, kv_dtype, broadcaster, spec.medusa,
                                   spec.features_from, decode_steps, lora_stacks,
                                   self.images.encoder if self.images is not None else None)
+        # The prefix cache's second tier in host memory (host_kv_cache.py), or None.
+        self.host_kv = self._host_tier(spec, broadcaster)
         self.speculator = spec.speculator(config, self.runner, self.scheduler,
                                           self.max_model_len, self.running_requests,
                                           self._laid_out)
@@ -212,6 +215,30 @@ class Engine:
         self.num_steps = 0  # steps dispatched
         self.num_overlapped_steps = 0  # dispatched while the step before was still running
         self.num_multi_steps = 0  # decode steps run in programs of several (_decode_steps)
+
+    def _host_tier(self, spec: SpeculativeModels, broadcaster) -> HostKVCache | None:
+        """`kv_offloading_size` GiB of host memory for the pages the prefix cache evicts,
+        given to every data shard's allocator (content-addressed: one shard may load what
+        another evicted)."""
+        size = self.config.kv_offloading_size
+        if size is None:
+            return None
+        if broadcaster is not None:
+            raise ValueError("kv_offloading_size with several hosts is not supported yet")
+        if spec.config is not None and spec.config.method not in ("ngram", "medusa"):
+            raise ValueError(f"kv_offloading_size with {spec.config.method} speculative "
+                             "decoding is not supported yet: its model's K/V shares the "
+                             "target's pages (n-gram and Medusa speculation work with it)")
+        shapes, dtypes = zip(*self.runner.page_layout())
+        page_bytes = HostKVCache.page_bytes(shapes, dtypes)
+        capacity = int(size * 2**30 // page_bytes)
+        if capacity < 1:
+            raise ValueError(f"kv_offloading_size {size} GiB holds no KV page of this model "
+                             f"({page_bytes / 2**20:.1f} MiB each)")
+        host = HostKVCache(capacity, list(shapes), list(dtypes))
+        for allocator in self.scheduler.allocators:
+            allocator.host = host
+        return host
 
     def _laid_out(self, params, shard: ShardingContext):
         """The parameters as the matmuls read them fastest: on one CPU device running the
@@ -516,6 +543,9 @@ class Engine:
             num_running=sched.num_running, num_waiting=sched.num_waiting,
             num_used_pages=sched.num_used_pages, num_pages=sched.num_pages,
             prefix_queries=sched.prefix_queries, prefix_hits=sched.prefix_hits,
+            host_hits=sched.host_hits,
+            host_pages=self.host_kv.num_pages if self.host_kv is not None else 0,
+            pages_offloaded=self.host_kv.pages_stored if self.host_kv is not None else 0,
             num_preemptions=sched.num_preemptions, num_steps=self.num_steps,
             num_overlapped_steps=self.num_overlapped_steps,
             steps_in_flight=int(self._inflight is not None),
@@ -544,7 +574,7 @@ class Engine:
 
     def warmup(self, progress: bool = True) -> None:
         self.runner.warmup(progress)
-        if self.kv_transfer is not None:
+        if self.kv_transfer is not None or self.host_kv is not None:  # pages moved
             self.runner.kv_caches = self.runner.pages.warmup(self.runner.kv_caches)
         self.speculator.warmup(progress)
         if self.images is not None:
@@ -618,6 +648,8 @@ class Engine:
         if self.runner.recover():
             for allocator in self.scheduler.allocators:
                 allocator.reset_prefix_cache()
+            if self.host_kv is not None:  # (its copies under way read the lost cache)
+                self.host_kv.clear()
         return outputs
 
     def running_requests(self) -> list[Request]:
@@ -657,6 +689,8 @@ class Engine:
         drafts = self.speculator.propose(pending)
         steps = self._decode_steps()
         schedule = self.scheduler.schedule(steps, drafts)
+        if self.host_kv is not None:
+            self._move_host_pages()
         for seq, message in schedule.failed:  # each fails alone (finished, pages freed)
             if (req := self._pop(seq.request_id)) is not None:
                 self._failed.append(StepOutput(
@@ -749,6 +783,33 @@ class Engine:
         """Which of a prompt's tokens a pooling request reads: a classification its last,
         an embedding as the checkpoint pools (loading/pooling_config.POOLED)."""
         return "last" if pooling.task == "classify" else self.pooling.kind
+
+    def _move_host_pages(self) -> None:
+        """Copy out the cached pages the schedule recycles and copy in the host tier's
+        pages it gave prompts (page_allocator.py), before the step that writes or reads
+        them: reads of the device's pages first (a recycled page may be a copy's
+        destination), then the writes, then the read pages kept (which may recycle
+        host slots the writes were taken from)."""
+        host, most, size = self.host_kv, self.runner.pages.buckets[-1], self.config.page_size
+        host.land()  # the copies started at earlier steps
+        reads = []
+        for d, allocator in enumerate(self.scheduler.allocators):
+            out, allocator.offloads = allocator.offloads, []
+            for i in range(0, len(out), most):
+                chunk = out[i:i + most]
+                kv = self.runner.read_pages(d, [p for p, _ in chunk], len(chunk) * size)
+                for x in kv.entries:
+                    x.copy_to_host_async()
+                reads.append(([h for _, h in chunk], kv.entries))
+        for d, allocator in enumerate(self.scheduler.allocators):
+            loads, allocator.loads = allocator.loads, []
+            for i in range(0, len(loads), most):
+                chunk = loads[i:i + most]
+                entries = host.take([h for _, h in chunk])
+                kv = self.runner.pages.placed(KVPages(tuple(entries), len(chunk) * size))
+                self.runner.write_pages(kv, d, [p for p, _ in chunk])
+        for hashes, entries in reads:
+            host.store(hashes, entries)
 
     def _write_kv(self, schedule: SchedulerOutput) -> None:
         """Write the moved K/V of the seqs admitted prefilled into their pages, before

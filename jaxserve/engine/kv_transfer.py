@@ -141,21 +141,26 @@ class PageMover:
                 idx[j] = page + data_shard * self.pool_pages
         return self._write(kv_caches, idx, kv.entries)
 
+    def page_layout(self, abstract_kv) -> list[tuple[tuple[int, ...], Any]]:
+        """One page as `read` gives it, per cache entry: its shape without the page axis,
+        `(layers, kv_heads, page_size(, head_dim))`, and its dtype."""
+        return [((self.num_layers, c.shape[0] // self.replicas, *c.shape[2:]),
+                 jnp.dtype(c.dtype)) for c in abstract_kv[0]]
+
     def check(self, kv: KVPages, abstract_kv) -> None:
         """ValueError unless `kv` fits this engine's cache: entries, layers, heads, page
         size, head size and dtypes."""
-        layer = abstract_kv[0]
-        if len(kv.entries) != len(layer):
+        layout = self.page_layout(abstract_kv)
+        if len(kv.entries) != len(layout):
             raise ValueError(f"moved K/V has {len(kv.entries)} entries per layer, this "
-                             f"engine's cache {len(layer)} (one stores quantized K/V with "
+                             f"engine's cache {len(layout)} (one stores quantized K/V with "
                              "scales, the other not): give both the same kv_cache_dtype")
-        for x, c in zip(kv.entries, layer):
-            want = (self.num_layers, c.shape[0] // self.replicas, *c.shape[2:])
+        for x, (want, dtype) in zip(kv.entries, layout):
             got = (x.shape[0], x.shape[1], *x.shape[3:])
-            if got != want or jnp.dtype(x.dtype) != jnp.dtype(c.dtype):
+            if got != want or jnp.dtype(x.dtype) != dtype:
                 raise ValueError(
                     f"moved K/V pages are {x.dtype}{list(got)} (layers, kv heads, page "
-                    f"size, head size), this engine's {jnp.dtype(c.dtype)}{list(want)}: "
+                    f"size, head size), this engine's {dtype}{list(want)}: "
                     "both engines must serve the same model with the same page_size and "
                     "kv_cache_dtype")
             if x.shape[2] * x.shape[3] < kv.num_tokens or x.shape[2] > self.buckets[-1]:

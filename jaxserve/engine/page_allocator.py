@@ -15,6 +15,13 @@ Every page is in exactly one of three states:
 A page's content hash chains the hashes of all pages before it, so one hash identifies the
 whole prefix up to the end of that page: two pages with the same hash hold the same K/V.
 Only pages full of computed tokens are ever registered.
+
+With a host tier (`host`: host_kv_cache.HostKVCache, or anything that answers `hash in
+host`), a cached page recycled for new content is listed in `offloads` for the engine
+to copy out first, and a prompt's prefix may go on past the device's cached pages into
+pages the host holds: those get new pages, registered at once and listed in `loads` for
+the engine to copy in before the step that reads them. The engine takes both lists
+after every `schedule` (copies out first: a page may be both).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import hashlib
 from jaxserve.engine.request import Sequence
 
 PageHash = bytes
+HOST = None  # in a found prefix: a page the host tier holds
 
 # The parent of a sequence's first page is its `cache_root` (b"" without an adapter or a
 # cache salt).
@@ -64,7 +72,8 @@ class _SeqState:
 class PageAllocator:
     """Hands out KV page ids, ref-counts shared prefix pages, evicts LRU cached pages."""
 
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
+                 host=None):
         if num_pages <= 0 or page_size <= 0:
             raise ValueError(f"need num_pages > 0 and page_size > 0, got {num_pages}, {page_size}")
         self.num_pages = num_pages
@@ -80,10 +89,15 @@ class PageAllocator:
         # Keyed by the Sequence object itself (identity-hashed), which also keeps the key
         # alive: no confusion between two requests that reuse an id.
         self._seqs: dict[Sequence, _SeqState] = {}
+        # The host tier, and the copies out and in it waits for (module doc).
+        self.host = host if enable_prefix_caching else None
+        self.offloads: list[tuple[int, PageHash]] = []
+        self.loads: list[tuple[int, PageHash]] = []
 
         # Stats for the server, counted once per successful `allocate_prompt`.
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found in the cache
+        self.host_hits = 0  # of those, found in the host tier
 
     # ----------------------------------------------------------------- counters
 
@@ -124,7 +138,8 @@ class PageAllocator:
 
         Side-effect free for the cache (no refs, no LRU touch, no stats), so the scheduler
         can size the prompt chunk before allocating. At least one token is always left to
-        compute, because the step must produce logits for the last token.
+        compute, because the step must produce logits for the last token. Pages the host
+        tier holds count.
         """
         return len(self._find_cached_pages(seq)) * self.page_size
 
@@ -132,12 +147,14 @@ class PageAllocator:
         """Admit a waiting sequence: reuse cached prefix pages, then cover `num_tokens` more.
 
         Sets `seq.num_computed_tokens = seq.num_cached_tokens = hit tokens` and makes
-        `seq.page_ids` cover `hit + num_tokens` tokens. Returns False, with `seq` and the
-        allocator untouched, if that many pages cannot be had.
+        `seq.page_ids` cover `hit + num_tokens` tokens (hit pages the host tier holds get
+        new pages, listed in `loads`). Returns False, with `seq` and the allocator
+        untouched, if that many pages cannot be had.
         """
         assert not seq.page_ids and seq.num_computed_tokens == 0, "sequence already has pages"
-        hit_pages = self._find_cached_pages(seq)
-        num_hit_tokens = len(hit_pages) * self.page_size
+        found = self._find_cached_pages(seq)
+        hit_pages = [p for p in found if p is not HOST]
+        num_hit_tokens = len(found) * self.page_size
         num_new_pages = self.pages_for(num_hit_tokens + num_tokens) - len(hit_pages)
         # Hit pages that sit in the evictable set stop being obtainable once we take them.
         num_hit_evictable = sum(1 for p in hit_pages if self._refcount[p] == 0)
@@ -146,12 +163,21 @@ class PageAllocator:
 
         for page in hit_pages:  # take refs first, so the new pages cannot evict them
             self._ref(page)
-        seq.page_ids = hit_pages + [self._take_page() for _ in range(num_new_pages)]
+        num_host = len(found) - len(hit_pages)
+        if num_host:
+            hashes = self._page_hashes(seq, len(found))
+            for j, page in enumerate(found):
+                if page is HOST:
+                    found[j] = page = self._take_page()
+                    self._hash_to_page[hashes[j]], self._page_to_hash[page] = page, hashes[j]
+                    self.loads.append((page, hashes[j]))
+        seq.page_ids = found + [self._take_page() for _ in range(num_new_pages - num_host)]
         seq.num_computed_tokens = seq.num_cached_tokens = num_hit_tokens
         if self.enable_prefix_caching:
-            self._state(seq).num_committed = len(hit_pages)
+            self._state(seq).num_committed = len(found)
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += num_hit_tokens
+            self.host_hits += num_host * self.page_size
         return True
 
     def allocate_more(self, seq: Sequence, total_tokens: int) -> bool:
@@ -253,18 +279,19 @@ class PageAllocator:
             hashes.append(hash_page(parent, seq.tokens(j * ps, (j + 1) * ps), extra))
         return hashes
 
-    def _find_cached_pages(self, seq: Sequence) -> list[int]:
-        """Page ids of the longest cached run of full pages at the start of `seq` (none
-        for a seq that scores its prompt or pools all of it: every prompt token is
-        computed)."""
+    def _find_cached_pages(self, seq: Sequence) -> list[int | None]:
+        """Page ids of the longest cached run of full pages at the start of `seq`, HOST
+        for one the host tier holds (none for a seq that scores its prompt or pools all
+        of it: every prompt token is computed)."""
         if not self.enable_prefix_caching or seq.scores_prompt or seq.whole_prompt:
             return []
         max_pages = (seq.num_tokens - 1) // self.page_size
-        pages: list[int] = []
+        pages: list[int | None] = []
         # Hash lazily: a miss on page j makes hashing pages after j pointless.
         for j in range(max_pages):
-            page = self._hash_to_page.get(self._page_hashes(seq, j + 1)[j])
-            if page is None:
+            page_hash = self._page_hashes(seq, j + 1)[j]
+            page = self._hash_to_page.get(page_hash)
+            if page is None and (self.host is None or page_hash not in self.host):
                 break
             pages.append(page)
         return pages
@@ -275,6 +302,9 @@ class PageAllocator:
             page = self._free.popleft()
         else:
             page, _ = self._evictable.popitem(last=False)
+            page_hash = self._page_to_hash[page]
+            if self.host is not None and page_hash not in self.host:
+                self.offloads.append((page, page_hash))
             self._unregister(page)
         self._refcount[page] = 1
         return page

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -402,6 +402,10 @@ class ModelRunner:
     def read_pages(self, data_shard: int, page_ids: list[int], num_tokens: int) -> KVPages:
         """Start reading a sequence's pages out of the KV cache (kv_transfer.py)."""
         return self.pages.read(self.kv_caches, data_shard, page_ids, num_tokens)
+
+    def page_layout(self) -> list[tuple[tuple[int, ...], Any]]:
+        """One page as `read_pages` gives it, per cache entry (PageMover.page_layout)."""
+        return self.pages.page_layout(self._abstract_kv)
 
     def write_pages(self, kv: KVPages, data_shard: int, page_ids: list[int | None]) -> None:
         """Start writing moved pages into the KV cache (kv_transfer.py)."""

@@ -192,6 +192,10 @@ class Scheduler:
     def prefix_hits(self) -> int:
         return sum(a.prefix_hits for a in self.allocators)
 
+    @property
+    def host_hits(self) -> int:
+        return sum(a.host_hits for a in self.allocators)
+
     # ---------------------------------------------------------------- lifecycle
 
     def add(self, seq: Sequence) -> None:
