@@ -153,6 +153,8 @@ class _EngineCollector:
             counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             counter.add_metric(labels, value)
             yield counter
+        if status.host_capacity:
+            yield from self._host_tier(labels, status)
         if status.speculation is not None:
             yield from self._speculation(labels, status.speculation)
         if status.lora_running is not None:
@@ -166,6 +168,23 @@ class _EngineCollector:
             yield from self._images(labels, status.images)
         if self.snapshot.kv is not None:
             yield from self._kv_transfer(labels, self.snapshot.kv)
+
+    @staticmethod
+    def _host_tier(labels: list[str], status):
+        """The prefix cache's pages in host memory (kv_offloading_size)."""
+        usage = GaugeMetricFamily(PREFIX + "host_kv_cache_usage_perc", "Fraction of the "
+                                  "host KV cache's pages holding evicted pages (0-1).",
+                                  labels=["model_name"])
+        usage.add_metric(labels, status.host_pages / status.host_capacity)
+        yield usage
+        for name, doc, value in (
+                ("host_kv_cache_stored_pages", "KV pages copied out to host memory as the "
+                 "device's prefix cache evicted them.", status.pages_offloaded),
+                ("host_prefix_cache_hits", "Prompt tokens found in the host KV cache and "
+                 "copied back (within prefix_cache_hits).", status.host_hits)):
+            counter = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            counter.add_metric(labels, value)
+            yield counter
 
     @staticmethod
     def _kv_transfer(labels: list[str], kv):

@@ -3,6 +3,12 @@ recycles are kept in host memory and copied back for prompts that share their pr
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -12,6 +18,8 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.host_kv_cache import HostKVCache
 from jaxserve.engine.page_allocator import PageAllocator, hash_page
 from jaxserve.engine.request import Sequence
+from server.engine_core import EngineSnapshot
+from server.metrics import Metrics
 
 from conftest import VOCAB, hf_greedy
 
@@ -81,8 +89,7 @@ def test_allocator_lists_pages_to_copy_out_and_in():
     b = Sequence("b", list(range(100, 121)))  # needs all 6 pages: a's 3 are recycled
     admit_and_compute(alloc, b)
     assert sorted(h for _, h in alloc.offloads) == sorted(hashes)
-    assert not alloc.loads
-    host.update(h for _, h in alloc.offloads)
+    assert not alloc.loads and host == set(hashes)
     alloc.offloads.clear()
     alloc.free(b)
 
@@ -147,6 +154,13 @@ def test_evicted_prompts_come_back_from_host_memory(model, kv_cache_dtype):
     status = llm.engine.status()
     assert status.host_hits == 6 * 36  # every prompt's 9 full pages before its last token
     assert [o.num_cached_tokens for o in second] == [36] * 6
+    metrics = dict(line.rsplit(" ", 1) for line in Metrics("m").scrape(
+        EngineSnapshot.of(llm.engine)).decode().splitlines() if line.startswith("jaxserve:"))
+    assert float(metrics['jaxserve:host_prefix_cache_hits_total{model_name="m"}']) == 216
+    assert float(metrics['jaxserve:host_kv_cache_stored_pages_total{model_name="m"}']) == \
+        status.pages_offloaded
+    assert float(metrics['jaxserve:host_kv_cache_usage_perc{model_name="m"}']) == \
+        status.host_pages / llm.engine.host_kv.capacity > 0
     assert [o.outputs[0].token_ids for o in second] == [o.outputs[0].token_ids for o in first]
     if kv_cache_dtype == "auto":
         assert [o.outputs[0].token_ids for o in second] == [hf_greedy(hf, p, 8) for p in prompts]
@@ -157,6 +171,26 @@ def test_evicted_prompts_come_back_from_host_memory(model, kv_cache_dtype):
         for got, want in zip(restored[parent], stored[parent]):
             np.testing.assert_array_equal(got, want)
     llm.engine.scheduler.allocator.check_invariants()
+
+
+def test_a_page_recycled_and_found_in_one_schedule(model):
+    """Admitting one prompt from host memory recycles another's cached pages, and that
+    prompt is admitted in the same step: its pages are written back from their copy out
+    (not taken from the host), and both generate transformers' tokens."""
+    path, hf = model
+    prompts = long_prompts(4, seed=5)
+    llm = LLM(str(path), kv_offloading_size=0.001, **{**ENGINE, "num_pages": 24})
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for p in prompts:  # the pool ends holding prompts 2 and 3 (2 the older)
+        llm.generate([p], params)
+    host = llm.engine.host_kv
+    taken, hits = host.pages_loaded, llm.engine.status().host_hits
+    outs = llm.generate([prompts[0], prompts[2]], params)
+    assert [o.num_cached_tokens for o in outs] == [36, 36]
+    loaded = (llm.engine.status().host_hits - hits) // PS
+    assert loaded > 9 and host.pages_loaded - taken == 9  # prompt 2's from its copy out
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, prompts[i], 8)
+                                                      for i in (0, 2)]
 
 
 def test_preempted_requests_reload_their_pages(model):
@@ -174,6 +208,10 @@ def test_preempted_requests_reload_their_pages(model):
 
 
 def test_kv_offloading_size_is_checked(model):
+    from jaxserve.cli import build_parser, engine_config_from_args
+
+    args = build_parser().parse_args(["serve", "--kv-offloading-size", "2.5"])
+    assert engine_config_from_args(args).kv_offloading_size == 2.5
     with pytest.raises(ValueError, match="kv_offloading_size is the host memory"):
         EngineConfig(kv_offloading_size=0)
     with pytest.raises(ValueError, match="needs enable_prefix_caching"):
@@ -181,3 +219,30 @@ def test_kv_offloading_size_is_checked(model):
     path, _ = model
     with pytest.raises(ValueError, match="holds no KV page"):
         LLM(str(path), kv_offloading_size=1e-9, **ENGINE)
+    with pytest.raises(ValueError, match="draft_model speculative decoding is not supported"):
+        LLM(str(path), kv_offloading_size=1, **ENGINE,
+            speculative_config={"model": str(path), "num_speculative_tokens": 2})
+
+
+@pytest.mark.slow
+def test_data_shards_share_the_host_tier(model, tmp_path):
+    """dp 2 and dp+tp 2x2 on 4 CPU devices: eight prompts outgrow both shards' pools; on
+    the second pass every prompt's full pages come back from host memory (a shard may
+    load what the other evicted), and every output is transformers'."""
+    path, hf = model
+    prompts = long_prompts(8)
+    want = [hf_greedy(hf, p, 8) for p in prompts]
+    out = tmp_path / "runs.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
+           + " --xla_force_host_platform_device_count=4"}
+    script = Path(__file__).parent / "host_kv_multidevice_check.py"
+    proc = subprocess.run([sys.executable, str(script), str(path), str(out),
+                           json.dumps({"prompts": prompts, "new_tokens": 8})], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    runs = json.loads(out.read_text())
+    assert set(runs) == {"dp 2", "dp+tp 2x2"}
+    for name, run in runs.items():
+        assert run["tokens"] == [want, want], name
+        assert run["host_hits"] == 8 * 36 and run["offloaded"] > 0, name
+        assert run["used_pages"] == 0, name

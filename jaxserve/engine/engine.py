@@ -543,15 +543,20 @@ class Engine:
             num_running=sched.num_running, num_waiting=sched.num_waiting,
             num_used_pages=sched.num_used_pages, num_pages=sched.num_pages,
             prefix_queries=sched.prefix_queries, prefix_hits=sched.prefix_hits,
-            host_hits=sched.host_hits,
-            host_pages=self.host_kv.num_pages if self.host_kv is not None else 0,
-            pages_offloaded=self.host_kv.pages_stored if self.host_kv is not None else 0,
+            **self._host_status(),
             num_preemptions=sched.num_preemptions, num_steps=self.num_steps,
             num_overlapped_steps=self.num_overlapped_steps,
             steps_in_flight=int(self._inflight is not None),
             speculation=stats.snapshot() if stats is not None else None,
             lora_running=self.loras.running() if self.loras is not None else None,
             images=self.images.stats() if self.images is not None else None)
+
+    def _host_status(self) -> dict[str, int]:
+        host = self.host_kv
+        if host is None:
+            return {}
+        return dict(host_capacity=host.capacity, host_pages=host.num_pages,
+                    pages_offloaded=host.pages_stored, host_hits=self.scheduler.host_hits)
 
     def expert_load(self) -> np.ndarray | None:
         """`[MoE layers, num_experts]`: how many tokens (prompt and generated) each expert
@@ -787,12 +792,13 @@ class Engine:
     def _move_host_pages(self) -> None:
         """Copy out the cached pages the schedule recycles and copy in the host tier's
         pages it gave prompts (page_allocator.py), before the step that writes or reads
-        them: reads of the device's pages first (a recycled page may be a copy's
-        destination), then the writes, then the read pages kept (which may recycle
-        host slots the writes were taken from)."""
+        them. Reads of the device's pages go first (a recycled page may be a copy's
+        destination); a page recycled and found again in the same schedule is written
+        from its read; the host's pages are taken before the read ones are stored (which
+        may recycle their slots)."""
         host, most, size = self.host_kv, self.runner.pages.buckets[-1], self.config.page_size
-        host.land()  # the copies started at earlier steps
-        reads = []
+        host.land(wait=False)  # the copies out done since
+        reads, fresh = [], {}  # fresh: hash -> (its read, its page there)
         for d, allocator in enumerate(self.scheduler.allocators):
             out, allocator.offloads = allocator.offloads, []
             for i in range(0, len(out), most):
@@ -800,16 +806,27 @@ class Engine:
                 kv = self.runner.read_pages(d, [p for p, _ in chunk], len(chunk) * size)
                 for x in kv.entries:
                     x.copy_to_host_async()
-                reads.append(([h for _, h in chunk], kv.entries))
+                fresh.update((h, (len(reads), j)) for j, (_, h) in enumerate(chunk))
+                reads.append(([h for _, h in chunk], kv))
         for d, allocator in enumerate(self.scheduler.allocators):
             loads, allocator.loads = allocator.loads, []
-            for i in range(0, len(loads), most):
-                chunk = loads[i:i + most]
+            from_reads: dict[int, list[int | None]] = {}  # read -> page_ids to write
+            stored = []
+            for page, h in loads:
+                if h in fresh:
+                    r, j = fresh[h]
+                    from_reads.setdefault(r, [None] * len(reads[r][0]))[j] = page
+                else:
+                    stored.append((page, h))
+            for i in range(0, len(stored), most):
+                chunk = stored[i:i + most]
                 entries = host.take([h for _, h in chunk])
                 kv = self.runner.pages.placed(KVPages(tuple(entries), len(chunk) * size))
                 self.runner.write_pages(kv, d, [p for p, _ in chunk])
-        for hashes, entries in reads:
-            host.store(hashes, entries)
+            for r, page_ids in from_reads.items():
+                self.runner.write_pages(self.runner.pages.placed(reads[r][1]), d, page_ids)
+        for hashes, kv in reads:
+            host.store(hashes, kv.entries)
 
     def _write_kv(self, schedule: SchedulerOutput) -> None:
         """Write the moved K/V of the seqs admitted prefilled into their pages, before

@@ -13,7 +13,8 @@ The store is one preallocated array per cache entry (K, V, their scales when qua
 pages out (each KV head once), in slots handed out and recycled least recently used
 first. A copy out is started as the page is evicted (a read of the cache dispatched
 before the step that overwrites the page: the device runs in order) and lands in its
-slot at the engine's next step (`land`); until then its hash is pending, and loading it
+slot at a later step of the engine once it is done (`land`, which does not wait for
+one under way); until then its hash is pending, and loading it, or recycling its slot,
 waits for the copy. The engine moves pages between here and the device
 (Engine._move_host_pages).
 """
@@ -57,6 +58,9 @@ class HostKVCache:
         self._free = list(range(capacity - 1, -1, -1))
         self._copies: list[_Copy] = []
         self._pending: set[PageHash] = set()
+        # Hashes of pages recycled by the schedule being made, whose copy out the engine
+        # starts after it (`add`): a prompt may find them already.
+        self._incoming: set[PageHash] = set()
         self.pages_stored = 0  # pages copied out, since start
         self.pages_loaded = 0  # pages copied back to the device, since start
 
@@ -70,13 +74,20 @@ class HostKVCache:
         return len(self._slots)
 
     def __contains__(self, page_hash: PageHash) -> bool:
-        return page_hash in self._slots
+        return page_hash in self._slots or page_hash in self._incoming
+
+    def add(self, page_hash: PageHash) -> None:
+        """A page the schedule being made recycles: held from now on (its copy out is
+        `store`d after the schedule; a prompt that finds it before gets it from that
+        copy: Engine._move_host_pages)."""
+        self._incoming.add(page_hash)
 
     def store(self, hashes: list[PageHash], entries: tuple[Any, ...]) -> None:
         """Keep the pages `entries[e][:, :, j]` under `hashes[j]` (device arrays whose copy
         to the host has started, or numpy arrays), least recently used first; a hash
         already held is only marked recently used. The least recently used pages give up
         their slots when none is free (a pending one first lands)."""
+        self._incoming.difference_update(hashes)
         copy = _Copy(entries, [], [], [])
         first = max(0, len(hashes) - self.capacity)  # (the rest would give way at once)
         for j in range(first, len(hashes)):
@@ -95,13 +106,18 @@ class HostKVCache:
             self._copies.append(copy)
             self.pages_stored += len(copy.slots)
 
-    def land(self) -> None:
-        """Put every started copy in its slots (waiting for those still under way)."""
+    def land(self, wait: bool = True) -> None:
+        """Put the started copies in their slots: every one (waiting for those still under
+        way), or with `wait` False those whose arrays are ready."""
+        under_way = []
         for copy in self._copies:
+            if not wait and not all(_is_ready(x) for x in copy.entries):
+                under_way.append(copy)
+                continue
             for pool, x in zip(self._pool, copy.entries):
                 pool[:, :, copy.slots] = jax.device_get(x)[:, :, copy.index]
             self._pending.difference_update(copy.hashes)
-        self._copies = []
+        self._copies = under_way
 
     def take(self, hashes: list[PageHash]) -> list[np.ndarray]:
         """The pages under `hashes` (each held), as `[layers, kv_heads, len(hashes), ...]`
@@ -117,7 +133,7 @@ class HostKVCache:
 
     def clear(self) -> None:
         """Forget every page (the weights changed, or the device's cache was lost)."""
-        self._copies, self._pending = [], set()
+        self._copies, self._pending, self._incoming = [], set(), set()
         self._free = list(range(self.capacity - 1, -1, -1))
         self._slots.clear()
 
@@ -126,3 +142,7 @@ class HostKVCache:
         if h in self._pending:  # its copy would land in a slot given to another
             self.land()
         self._free.append(slot)
+
+
+def _is_ready(x) -> bool:
+    return x.is_ready() if isinstance(x, jax.Array) else True

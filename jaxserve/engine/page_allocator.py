@@ -16,12 +16,13 @@ A page's content hash chains the hashes of all pages before it, so one hash iden
 whole prefix up to the end of that page: two pages with the same hash hold the same K/V.
 Only pages full of computed tokens are ever registered.
 
-With a host tier (`host`: host_kv_cache.HostKVCache, or anything that answers `hash in
-host`), a cached page recycled for new content is listed in `offloads` for the engine
-to copy out first, and a prompt's prefix may go on past the device's cached pages into
-pages the host holds: those get new pages, registered at once and listed in `loads` for
-the engine to copy in before the step that reads them. The engine takes both lists
-after every `schedule` (copies out first: a page may be both).
+With a host tier (`host`: host_kv_cache.HostKVCache, or anything with `in` and `add`,
+such as a set), a cached page recycled for new content is added to the host and listed
+in `offloads` for the engine to copy out first, and a prompt's prefix may go on past the
+device's cached pages into pages the host holds (or is about to: recycled earlier in the
+same schedule): those get new pages, registered at once and listed in `loads` for the
+engine to copy in before the step that reads them. The engine takes both lists after
+every `schedule` (copies out first: a page may be both).
 """
 
 from __future__ import annotations
@@ -304,6 +305,7 @@ class PageAllocator:
             page, _ = self._evictable.popitem(last=False)
             page_hash = self._page_to_hash[page]
             if self.host is not None and page_hash not in self.host:
+                self.host.add(page_hash)
                 self.offloads.append((page, page_hash))
             self._unregister(page)
         self._refcount[page] = 1

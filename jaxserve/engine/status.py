@@ -24,11 +24,13 @@ class EngineStatus:
     speculation: SpeculationStats | None  # None without speculative decoding
     lora_running: dict[str, int] | None = None  # running requests per LoRA adapter; None: off
     images: Any = None  # a vision-language model's ImageStats (multimodal/images.py); else None
-    # The prefix cache's host tier (kv_offloading_size; 0 without one): prompt tokens
-    # found there (within prefix_hits), the pages it holds, and those copied out to it.
-    host_hits: int = 0
+    # The prefix cache's host tier (kv_offloading_size; 0 without one): the pages it
+    # holds at most and now, those copied out to it and prompt tokens found in it (within
+    # prefix_hits), since start.
+    host_capacity: int = 0
     host_pages: int = 0
     pages_offloaded: int = 0
+    host_hits: int = 0
 
     @property
     def prefix_hit_rate(self) -> float:
