@@ -15,6 +15,7 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
+from jaxserve.engine import engine as engine_module
 from jaxserve.engine.host_kv_cache import HostKVCache
 from jaxserve.engine.page_allocator import PageAllocator, hash_page
 from jaxserve.engine.request import Sequence
@@ -173,13 +174,21 @@ def test_evicted_prompts_come_back_from_host_memory(model, kv_cache_dtype):
     llm.engine.scheduler.allocator.check_invariants()
 
 
-def test_a_page_recycled_and_found_in_one_schedule(model):
+def test_a_page_recycled_and_found_in_one_schedule(model, monkeypatch):
     """Admitting one prompt from host memory recycles another's cached pages, and that
     prompt is admitted in the same step: its pages are written back from their copy out
-    (not taken from the host), and both generate transformers' tokens."""
+    (not taken from the host), and both generate transformers' tokens. Copies of two
+    pages at most, each copy out landed before the step (HOST_COPY_BYTES,
+    HOST_PENDING_BYTES): several copies out and in a step."""
     path, hf = model
     prompts = long_prompts(4, seed=5)
+    page_bytes = 2 * 2 * 2 * PS * 16 * 4  # K and V, 2 layers, 2 KV heads, head_dim 16
+    monkeypatch.setattr(engine_module, "HOST_COPY_BYTES", 2 * page_bytes)
+    monkeypatch.setattr(engine_module, "HOST_PENDING_BYTES", 0)
     llm = LLM(str(path), kv_offloading_size=0.001, **{**ENGINE, "num_pages": 24})
+    shapes, dtypes = zip(*llm.engine.runner.page_layout())
+    assert HostKVCache.page_bytes(shapes, dtypes) == page_bytes
+    assert llm.engine._host_chunk == 2
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     for p in prompts:  # the pool ends holding prompts 2 and 3 (2 the older)
         llm.generate([p], params)

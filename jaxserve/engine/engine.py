@@ -97,6 +97,12 @@ def _is_ready(out: SampleOutput) -> bool:
     return all(x.is_ready() for x in jax.tree.leaves(out))
 
 
+# The host KV tier's copies (Engine._move_host_pages): the most bytes one moves, and the
+# most the copies out under way may hold before the engine waits for them to land.
+HOST_COPY_BYTES = 128 * 2**20
+HOST_PENDING_BYTES = 1 << 30
+
+
 class Engine:
     """Continuous-batching engine over one model (see `Engine.from_config`)."""
 
@@ -238,6 +244,11 @@ class Engine:
         host = HostKVCache(capacity, list(shapes), list(dtypes))
         for allocator in self.scheduler.allocators:
             allocator.host = host
+        # Pages a copy moves at most: the largest of PageMover's counts within
+        # HOST_COPY_BYTES (each copy's pages are device memory while it is under way).
+        buckets = self.runner.pages.buckets
+        self._host_chunk = max([b for b in buckets if b * page_bytes <= HOST_COPY_BYTES]
+                               or buckets[:1])
         return host
 
     def _laid_out(self, params, shard: ShardingContext):
@@ -796,7 +807,7 @@ class Engine:
         destination); a page recycled and found again in the same schedule is written
         from its read; the host's pages are taken before the read ones are stored (which
         may recycle their slots)."""
-        host, most, size = self.host_kv, self.runner.pages.buckets[-1], self.config.page_size
+        host, most, size = self.host_kv, self._host_chunk, self.config.page_size
         host.land(wait=False)  # the copies out done since
         reads, fresh = [], {}  # fresh: hash -> (its read, its page there)
         for d, allocator in enumerate(self.scheduler.allocators):
@@ -827,6 +838,8 @@ class Engine:
                 self.runner.write_pages(self.runner.pages.placed(reads[r][1]), d, page_ids)
         for hashes, kv in reads:
             host.store(hashes, kv.entries)
+        if host.pending_bytes > HOST_PENDING_BYTES:  # a burst: bound the device memory held
+            host.land()
 
     def _write_kv(self, schedule: SchedulerOutput) -> None:
         """Write the moved K/V of the seqs admitted prefilled into their pages, before

@@ -74,6 +74,11 @@ class HostKVCache:
         """Pages held (pending copies included)."""
         return len(self._slots)
 
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of the copies under way (on an accelerator, device memory they hold)."""
+        return sum(x.nbytes for copy in self._copies for x in copy.entries)
+
     def __contains__(self, page_hash: PageHash) -> bool:
         return page_hash in self._slots or page_hash in self._incoming
 
