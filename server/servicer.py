@@ -10,6 +10,7 @@ import uuid
 import grpc
 
 from jaxserve.engine.speculative.stats import SpeculationStats
+from jaxserve.engine.status import EngineStatus
 from jaxserve.engine.lora import LoRARequest
 from jaxserve.outputs import Logprob, StepOutput, top_logprobs
 from jaxserve.pooling_params import EMBEDDING_PARAMS, PoolingParams
@@ -376,7 +377,17 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             expert_load=[pb.ExpertLoad(layer=layer, tokens=tokens.tolist(),
                                        imbalance=imbalance)
                          for layer, tokens, imbalance in snapshot.routers],
-            speculation=speculation_status(status.speculation))
+            speculation=speculation_status(status.speculation),
+            host_kv_cache=host_kv_status(status))
+
+
+def host_kv_status(status: EngineStatus) -> pb.HostKVCache | None:
+    """GetServerStatus's host KV tier counters (None without one)."""
+    if not status.host_capacity:
+        return None
+    return pb.HostKVCache(capacity_pages=status.host_capacity, pages_held=status.host_pages,
+                          pages_stored=status.pages_offloaded,
+                          prefix_hit_tokens=status.host_hits)
 
 
 def speculation_status(stats: SpeculationStats | None) -> pb.Speculation | None:

@@ -21,6 +21,7 @@ from jaxserve.engine.page_allocator import PageAllocator, hash_page
 from jaxserve.engine.request import Sequence
 from server.engine_core import EngineSnapshot
 from server.metrics import Metrics
+from server.servicer import host_kv_status
 
 from conftest import VOCAB, hf_greedy
 
@@ -162,6 +163,10 @@ def test_evicted_prompts_come_back_from_host_memory(model, kv_cache_dtype):
         status.pages_offloaded
     assert float(metrics['jaxserve:host_kv_cache_usage_perc{model_name="m"}']) == \
         status.host_pages / llm.engine.host_kv.capacity > 0
+    grpc_status = host_kv_status(status)  # GetServerStatus's
+    assert (grpc_status.capacity_pages, grpc_status.pages_held, grpc_status.pages_stored,
+            grpc_status.prefix_hit_tokens) == (llm.engine.host_kv.capacity, status.host_pages,
+                                               status.pages_offloaded, 216)
     assert [o.outputs[0].token_ids for o in second] == [o.outputs[0].token_ids for o in first]
     if kv_cache_dtype == "auto":
         assert [o.outputs[0].token_ids for o in second] == [hf_greedy(hf, p, 8) for p in prompts]
@@ -214,6 +219,12 @@ def test_preempted_requests_reload_their_pages(model):
     assert status.num_preemptions > 0 and status.host_hits > 0
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 24) for p in prompts]
     assert status.num_used_pages == 0
+
+
+def test_no_host_tier_reports_none():
+    from jaxserve.engine.status import EngineStatus
+
+    assert host_kv_status(EngineStatus(0, 0, 0, 8, 0, 0, 0, 0, 0, 0, None)) is None
 
 
 def test_kv_offloading_size_is_checked(model):
