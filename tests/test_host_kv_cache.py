@@ -102,7 +102,7 @@ def test_allocator_lists_pages_to_copy_out_and_in():
     assert [h for _, h in alloc.loads] == hashes
     assert [p for p, _ in alloc.loads] == again.page_ids[:3]
     assert (alloc.prefix_hits, alloc.host_hits) == (12, 12)
-    # b's pages the loads took were copied out first (listed before the loads).
+    # The pages the loads took held b's cached pages: listed to copy out (first).
     assert len(alloc.offloads) == 3 and set(h for _, h in alloc.offloads).isdisjoint(hashes)
     alloc.check_invariants()
     # A prompt sharing the prefix now finds it on the device.
@@ -127,7 +127,7 @@ def long_prompts(n: int, length: int = 40, seed: int = 0) -> list[list[int]]:
     return [rng.integers(3, VOCAB, size=length).tolist() for _ in range(n)]
 
 
-def cached_pages(llm: LLM) -> dict[bytes, np.ndarray]:
+def cached_pages(llm: LLM) -> dict[bytes, list[np.ndarray]]:
     """Every page the device's prefix cache holds, by hash: its K/V as stored."""
     alloc, runner = llm.engine.scheduler.allocator, llm.engine.runner
     out = {}
