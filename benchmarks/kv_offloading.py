@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
-import statistics
 import time
 from pathlib import Path
 
@@ -100,8 +99,7 @@ def main() -> None:
                   f"a later question, {computed:7.1f} prompt tokens computed", flush=True)
 
     def cell(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
-        v = [x * scale for x in values]
-        return f"{statistics.median(v):.{digits}f} [{min(v):.{digits}f}-{max(v):.{digits}f}]"
+        return peers.median_range([x * scale for x in values], digits)
 
     host = results["host tier"]
     print(f"\nkv_offloading.py: {platform.node()}, "

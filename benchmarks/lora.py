@@ -147,7 +147,7 @@ def main() -> None:
             print(f"round {r} {name:>9}: {results[name][-1]:8.1f} tok/s", flush=True)
 
     def cell(values: list[float]) -> str:
-        return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
+        return peers.median_range(values, 2)
 
     print(f"\nlora.py: {platform.node()}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} "
           f"UTC, {Path(args.preset).stem} {args.dtype}, {args.num_requests} requests x "

@@ -449,9 +449,10 @@ def run_llamacpp_concurrency(model_dir: Path, dtype: str, c: Concurrency) -> dic
             "counts": {n: _spreads(v) for n, v in by_n.items()}}
 
 
-def median_range(values: list[float]) -> str:
-    """Rounds' values as a table cell: "median [min-max]", whole numbers."""
-    return f"{statistics.median(values):.0f} [{min(values):.0f}-{max(values):.0f}]"
+def median_range(values: list[float], digits: int = 0) -> str:
+    """Rounds' values as a table cell: "median [min-max]", with `digits` decimals."""
+    f = f".{digits}f"
+    return f"{statistics.median(values):{f}} [{min(values):{f}}-{max(values):{f}}]"
 
 
 def print_rates(rates: dict[str, list[float]], header: str, base: str) -> None:

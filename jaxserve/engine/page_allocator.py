@@ -303,11 +303,10 @@ class PageAllocator:
             page = self._free.popleft()
         else:
             page, _ = self._evictable.popitem(last=False)
-            page_hash = self._page_to_hash[page]
+            page_hash = self._unregister(page)
             if self.host is not None and page_hash not in self.host:
                 self.host.add(page_hash)
                 self.offloads.append((page, page_hash))
-            self._unregister(page)
         self._refcount[page] = 1
         return page
 
@@ -325,5 +324,7 @@ class PageAllocator:
             else:
                 self._free.append(page)
 
-    def _unregister(self, page: int) -> None:
-        del self._hash_to_page[self._page_to_hash.pop(page)]
+    def _unregister(self, page: int) -> PageHash:
+        page_hash = self._page_to_hash.pop(page)
+        del self._hash_to_page[page_hash]
+        return page_hash
