@@ -101,6 +101,11 @@ CASES = [
          dtype=jnp.bfloat16, queries_per_block=8),
     dict(kind="decode", group=16, head_dim=576, num_kv_heads=1, latent=True,
          kv_dtype=jnp.int8, queries_per_block=8),
+    # gpt-oss: attention sinks, with its 128-token sliding window's kind of layer too.
+    dict(kind="mixed", group=4, sinks=True),
+    dict(kind="mixed", group=2, sinks=True, sliding_window=7, dtype=jnp.bfloat16,
+         queries_per_block=3),
+    dict(kind="decode", group=4, sinks=True, kv_dtype=jnp.int8),
 ]
 
 
@@ -115,13 +120,21 @@ def case_inputs(index: int) -> tuple[dict, int, dict]:
     options = {k: case.pop(k) for k in ("sliding_window", "soft_cap", "pages_per_block",
                                         "queries_per_block") if k in case}
     kind, tree, images = case.pop("kind"), case.pop("tree", False), case.pop("images", False)
+    with_sinks = case.pop("sinks", False)
     rng = np.random.default_rng([index, 17])
     batch, real = ragged_batch(rng, kind, **case)
+    if with_sinks:
+        options["sinks"] = random_sinks(rng, batch)
     if tree:
         options.update(trees(rng, batch))
     if images:
         options.update(image_ends(rng, batch))
     return batch, real, options
+
+
+def random_sinks(rng, batch: dict) -> jax.Array:
+    """A logit per query head, about as large as the scores (gpt-oss's are)."""
+    return jnp.asarray(rng.normal(1.0, 1.5, batch["q"].shape[1]), jnp.float32)
 
 
 def attend(batch: dict, impl: str, **options) -> np.ndarray:
@@ -229,6 +242,7 @@ SPLIT_CASES = [
     dict(num_kv_splits=2, kv_dtype=jnp.int8),
     dict(num_kv_splits=4, kv_dtype=jnp.int8, dtype=jnp.bfloat16, sliding_window=20),
     dict(num_kv_splits=3, kind="mixed", max_pages=8),  # prefill chunks split too
+    dict(num_kv_splits=4, sinks=True),  # the sink joins the first split only
 ]
 
 
@@ -238,6 +252,7 @@ def test_gpu_split_kv_matches_reference(index):
     case = dict(SPLIT_CASES[index])
     options = {k: case.pop(k) for k in ("sliding_window", "soft_cap") if k in case}
     kind = case.pop("kind", "decode")
+    with_sinks = case.pop("sinks", False)
     case.setdefault("max_pages", 16)
     case.setdefault("group", 4)
     rng = np.random.default_rng([index, 29])
@@ -247,6 +262,8 @@ def test_gpu_split_kv_matches_reference(index):
         kv_lens = np.asarray(batch["kv_lens"]).copy()
         kv_lens[:2] = 1, case["max_pages"] * 8
         batch["kv_lens"] = jnp.asarray(kv_lens)
+    if with_sinks:
+        options["sinks"] = random_sinks(rng, batch)
     dtype = case.get("dtype", jnp.float32)
     want = attend(batch, "reference", pages_per_block=2, **options)
     got = attend(batch, "gpu", interpret=kernel_interpret("gpu"), pages_per_block=2,
@@ -458,4 +475,38 @@ def test_tpu_kernel_with_trees_compiles_for_real_tpus(kv_dtype):
 
     with jax.default_device(chip):
         compiled = jax.jit(attend).lower(*args).compile()
+    assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 2
+
+
+def gpt_oss_args(spec, t: int = 256, s: int = 64) -> list:
+    """gpt-oss-120b's attention operands (64 query heads on 8 KV heads of 64, bf16 pages
+    of 16 tokens, 2k context a sequence) and its sinks, of `spec(shape, dtype)`."""
+    return [spec((t, 64, 64), jnp.bfloat16), spec((8, 4096, 16, 64), jnp.bfloat16),
+            spec((8, 4096, 16, 64), jnp.bfloat16), spec((s,), jnp.int32),
+            spec((s, 128), jnp.int32), spec((s + 1,), jnp.int32), spec((), jnp.int32),
+            spec((64,), jnp.float32)]
+
+
+@pytest.mark.parametrize("window", [None, 128])
+def test_kernels_with_sinks_compile_for_tpu_and_lower_for_cuda(window):
+    """Attention sinks at gpt-oss-120b's shapes, on its full and its sliding layers: Mosaic
+    compiles the TPU kernel for a v6e chip ([rows, 1] sink blocks), and the GPU kernel
+    lowers to Triton."""
+    def attention(impl):
+        return lambda *a: ragged_paged_attention(*a[:7], sm_scale=0.125, impl=impl,
+                                                 sliding_window=window, sinks=a[7])
+
+    exported = jax.export.export(
+        jax.jit(attention("gpu")), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(*gpt_oss_args(jax.ShapeDtypeStruct))
+    assert exported.mlir_module().count("__gpu$xla.gpu.triton") == 2
+    pytest.importorskip("libtpu", reason="libtpu is not installed: pip install 'jax[tpu]'")
+    from sharding.planner import tpu_devices
+
+    chip = tpu_devices("v6e:2x2")[0]
+    sharding = jax.sharding.SingleDeviceSharding(chip)
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
+    with jax.default_device(chip):
+        compiled = jax.jit(attention("tpu")).lower(*gpt_oss_args(spec)).compile()
     assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 2

@@ -46,6 +46,7 @@ from test_attention_kernels import CASES as KERNEL_CASES
 from test_attention_kernels import TOL as KERNEL_TOL
 from test_attention_kernels import case_id as kernel_case_id
 from test_attention_kernels import ragged_batch as kernel_batch
+from test_attention_kernels import random_sinks
 from test_attention_kernels import trees as kernel_trees
 
 pytestmark = pytest.mark.skipif(not native.available(),
@@ -476,6 +477,32 @@ def test_attention_with_trees_matches_reference(index, isa):
     np.testing.assert_allclose(got[:real], want[:real], atol=tol, rtol=tol)
     assert np.all(got[real:] == 0)
     assert np.abs(run("cpu") - got)[:real].max() > 10 * tol  # the trees changed it
+
+
+SINK_CASES = [c for c in KERNEL_CASES if c.get("sinks")]
+
+
+@pytest.mark.parametrize("index", range(len(SINK_CASES)),
+                         ids=[kernel_case_id(c) for c in SINK_CASES])
+def test_attention_with_sinks_matches_reference(index, isa):
+    """gpt-oss's attention sinks (test_attention_kernels' sink cases: f32 and int8 K/V,
+    bf16 under a sliding window, prefill and decode rows): the reference's output (itself
+    checked against dense attention with the sink in the softmax), at every instruction-set
+    level; a kernel that ignored the sinks would differ."""
+    case = dict(SINK_CASES[index])
+    options = {k: case.pop(k) for k in ("sliding_window", "queries_per_block") if k in case}
+    case.pop("sinks")
+    rng = np.random.default_rng([index, 31])
+    batch, real = kernel_batch(rng, case.pop("kind"), **case)
+    sinks = random_sinks(rng, batch)
+    run = lambda impl, **kw: np.asarray(ragged_paged_attention(  # noqa: E731
+        **batch, sm_scale=batch["q"].shape[-1] ** -0.5, impl=impl, **options, **kw),
+        np.float32)
+    want, got = run("reference", sinks=sinks), run("cpu", sinks=sinks)
+    tol = KERNEL_TOL[case.get("dtype", jnp.float32)]
+    np.testing.assert_allclose(got[:real], want[:real], atol=tol, rtol=tol)
+    assert np.all(got[real:] == 0)
+    assert np.abs(run("cpu") - got)[:real].max() > 10 * tol  # the sinks changed it
 
 
 def test_attention_dispatch_and_fallback():

@@ -41,8 +41,10 @@ def ancestors_or_self(parents: list[int], node: int) -> set[int]:
 
 
 def dense_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sm_scale,
-                    sliding_window=None, soft_cap=None, trees=None):
-    """`trees`: per sequence, (the position where its tree starts, its parent list)."""
+                    sliding_window=None, soft_cap=None, trees=None, sinks=None):
+    """`trees`: per sequence, (the position where its tree starts, its parent list).
+    `sinks`: a logit per query head joined to every row's scores and dropped after the
+    softmax (transformers' gpt-oss eager attention)."""
     q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
     hkv, page_size = k_pages.shape[0], k_pages.shape[2]
     group = q.shape[1] // hkv
@@ -67,8 +69,13 @@ def dense_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sm_sc
                 path = ancestors_or_self(parents, pos - root) if pos >= root else set()
                 mask &= (keys < root) | np.isin(keys - root, list(path))
             scores = np.where(mask[None], scores, -np.inf)
+            if sinks is not None:
+                scores = np.concatenate([scores, np.asarray(sinks, np.float64)[:, None]], -1)
             p = np.exp(scores - scores.max(-1, keepdims=True))
-            out[t] = np.einsum("hk,khd->hd", p / p.sum(-1, keepdims=True), v)
+            p = p / p.sum(-1, keepdims=True)
+            if sinks is not None:
+                p = p[:, :-1]
+            out[t] = np.einsum("hk,khd->hd", p, v)
     return out
 
 
@@ -82,6 +89,9 @@ CASES = [
     dict(group=4, head_dim=64, page_size=4, queries_per_block=1),
     dict(group=2, head_dim=64, page_size=4, queries_per_block=3, sliding_window=5),
     dict(group=4, head_dim=64, page_size=8, queries_per_block=32),
+    # gpt-oss: attention sinks, on full and sliding layers.
+    dict(group=4, head_dim=64, page_size=4, sinks=True),
+    dict(group=2, head_dim=64, page_size=4, sliding_window=5, sinks=True, pages_per_block=1),
 ]
 
 
@@ -92,7 +102,10 @@ def test_reference_matches_dense(case, seed):
     case = dict(case)
     window, cap = case.pop("sliding_window", None), case.pop("soft_cap", None)
     ppb, qpb = case.pop("pages_per_block", None), case.pop("queries_per_block", None)
+    with_sinks = case.pop("sinks", False)
     b = random_batch(rng, num_seqs=5, num_kv_heads=2, dtype=np.float32, **case)
+    sinks = (rng.normal(1.0, 1.5, 2 * case["group"]).astype(np.float32) if with_sinks
+             else None)
     scale = case["head_dim"] ** -0.5
     max_seqs = 8  # padded sequence slots past num_seqs must be ignored
     pad = max_seqs - 5
@@ -102,10 +115,14 @@ def test_reference_matches_dense(case, seed):
         jnp.asarray(np.pad(b["page_indices"], ((0, pad), (0, 0)))),
         jnp.asarray(np.pad(b["cu_q_lens"], (0, pad), mode="edge")), jnp.int32(5),
         sm_scale=scale, sliding_window=window, soft_cap=cap, pages_per_block=ppb,
-        queries_per_block=qpb)
+        queries_per_block=qpb, sinks=sinks)
     want = dense_attention(b["q"], b["k_pages"], b["v_pages"], b["kv_lens"], b["page_indices"],
-                           b["cu_q_lens"], scale, window, cap)
+                           b["cu_q_lens"], scale, window, cap, sinks=sinks)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
+    if with_sinks:  # the sinks take a real share of the weights
+        plain = dense_attention(b["q"], b["k_pages"], b["v_pages"], b["kv_lens"],
+                                b["page_indices"], b["cu_q_lens"], scale, window, cap)
+        assert np.abs(want - plain).max() > 0.1
 
 
 @pytest.mark.parametrize("case", [dict(), dict(pages_per_block=1, queries_per_block=3),

@@ -42,6 +42,7 @@ struct Attn {
   bool bf16_dot;             // bf16 q and pages on an AVX512_BF16 CPU: q.k by vdpbf16ps
   const int32_t* tree_start;  // [S]: speculative trees (work_items.py), else null
   const int32_t* tree_mask;   // [T]
+  const float* sinks;         // [Hq]: attention sinks (gpt-oss), else null
 };
 
 struct AttnTask {
@@ -319,7 +320,8 @@ JS_INLINE void PrefetchTaskStart(const Attn& a, const AttnTask& t) {
 
 // The start every task path shares: its scratch, its queries loaded, its visible keys
 // [lo, hi), and the online softmax reset (running max, sum and output) for its rows, or
-// for its rows padded to the vector tiles.
+// for its rows padded to the vector tiles: from the row's attention sink when there are
+// sinks (running max = the sink, sum = 1), else empty.
 JS_INLINE void StartTask(const Attn& a, const AttnTask& t, const SeqInfo& si, Work* w,
                          int64_t* lo, int64_t* hi, bool padded) {
   *w = MakeWork((t.q1 - t.q0) * a.group, a.d);
@@ -327,8 +329,8 @@ JS_INLINE void StartTask(const Attn& a, const AttnTask& t, const SeqInfo& si, Wo
   KeyRange(a, si, t.q0, t.q1, lo, hi);
   const int64_t rows = padded ? w->rows_pad : w->rows;
   for (int64_t r = 0; r < rows; ++r) {
-    w->m[r] = kMasked;
-    w->l[r] = 0.0f;
+    w->m[r] = a.sinks ? a.sinks[t.head * a.group + r % a.group] : kMasked;
+    w->l[r] = a.sinks ? 1.0f : 0.0f;
   }
   std::memset(w->o, 0, sizeof(float) * rows * a.d);
 }

@@ -90,8 +90,8 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer 
                          ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
                          ffi::Buffer<ffi::S32> num_seqs, ffi::AnyBuffer k_scales,
                          ffi::AnyBuffer v_scales, ffi::Buffer<ffi::S32> tree_start,
-                         ffi::Buffer<ffi::S32> tree_mask, ffi::Result<ffi::AnyBuffer> out,
-                         float sm_scale, int64_t sliding_window, float soft_cap,
+                         ffi::Buffer<ffi::S32> tree_mask, ffi::Buffer<ffi::F32> sinks,
+                         ffi::Result<ffi::AnyBuffer> out, float sm_scale, int64_t sliding_window, float soft_cap,
                          int64_t queries_per_block) {
   auto bad = [](const std::string& what) {
     return ffi::Error::InvalidArgument("jaxserve_ragged_paged_attention: " + what);
@@ -164,6 +164,11 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer 
       return bad("tree_start must be [S] and tree_mask [T] (both empty: no trees)");
     a.tree_start = tree_start.typed_data();
     a.tree_mask = tree_mask.typed_data();
+  }
+  if (sinks.element_count() > 0) {
+    if (sinks.element_count() != static_cast<size_t>(a.hq))
+      return bad("sinks must be f32 [q_heads] (empty: no sinks)");
+    a.sinks = sinks.typed_data();
   }
   if (a.T == 0 || a.hq == 0 || a.d == 0) return ffi::Error::Success();
   if (a.num_pages == 0 || a.page_size == 0 || a.pps == 0) {
@@ -490,6 +495,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveRaggedPagedAttention, jaxserve::AttentionI
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")

@@ -39,12 +39,13 @@ def default_impl(platform: str | None = None) -> str:
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                            sm_scale: float, sliding_window: int | None = None,
                            soft_cap: float | None = None, k_scales=None, v_scales=None,
-                           tree_start=None, tree_mask=None, image_end=None,
+                           tree_start=None, tree_mask=None, image_end=None, sinks=None,
                            impl: str | None = None, interpret: bool = False,
                            **block_sizes) -> jax.Array:
     """Causal attention of ragged queries over paged K/V (and, with `tree_start` and
     `tree_mask`, trees of speculative tokens whose nodes see their ancestors only; with
-    `image_end`, images whose tokens see each other):
+    `image_end`, images whose tokens see each other; with `sinks`, gpt-oss's attention
+    sinks, a logit per query head in every row's softmax):
     `[T, num_q_heads, head_dim]` in q's dtype, zeros for padding queries.
 
     The reference and the GPU kernel read `image_end`; another `impl` runs as asked for a
@@ -59,7 +60,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
                                  num_seqs, sm_scale=sm_scale, sliding_window=sliding_window,
                                  soft_cap=soft_cap, k_scales=k_scales, v_scales=v_scales,
                                  tree_start=tree_start, tree_mask=tree_mask,
-                                 image_end=image_end)
+                                 image_end=image_end, sinks=sinks)
     if impl is None:
         impl = default_impl()
         if impl == "cpu":

@@ -21,6 +21,7 @@ on AVX-512 into L2, since prefetching into L1 filled its miss buffers:
   bf16 subnormals, below 1.2e-38, count as zero there);
 - many rows (prefill): the chunk's K and V are converted to float32 once, scores come from
   K^T (broadcast query element times a row of K^T, 12 rows at a time).
+Attention sinks start each row's online softmax (running max = the sink, sum = 1).
 P.V accumulates rows of V into the output tile, up to 8 query rows per pass. float8_e4m3fn
 pages are decoded to float32 per chunk. A bf16 pool kept as its uint16 bits
 (kv_cache.pool_dtype, as the engine stores it on CPU) is read as bf16. 8-bit scales multiply the scores of their keys
@@ -75,6 +76,7 @@ def ragged_paged_attention(x: AttentionInputs, *, queries_per_block: int | None 
                 x.k_scales if x.quantized else no_scales,
                 x.v_scales if x.quantized else no_scales,
                 x.tree_start if x.tree else no_tree, x.tree_mask if x.tree else no_tree,
+                no_scales if x.sinks is None else x.sinks,
                 sm_scale=np.float32(x.sm_scale),
                 sliding_window=np.int64(x.sliding_window or 0),
                 soft_cap=np.float32(x.soft_cap or 0.0),

@@ -67,8 +67,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.ragged_paged_attention.kv_cache import BITS
 from pallas_kernels.ragged_paged_attention.work_items import (
     MASKED, AttentionInputs, WorkItems, default_queries_per_block, gather_queries,
-    gather_image_ends, gather_tree_masks, plan_blocks, scatter_outputs, tree_visible,
-    visible_blocks)
+    gather_image_ends, gather_tree_masks, plan_blocks, scatter_outputs, sink_rows,
+    tree_visible, visible_blocks)
 from pallas_kernels.tiling import is_power_of_2, next_power_of_2
 
 MIN_TILE = 16  # smallest dimension Triton's dot accepts
@@ -131,20 +131,21 @@ def _kernel(seq_ref, q_pos_ref, num_q_ref, kv_len_ref,  # [W] each: item metadat
             q_ref,  # [rows, head_dim]: this item's queries of this KV head
             k_ref, v_ref,  # [num_pages, page_size, head_dim]: this KV head's pages
             *rest, sm_scale, sliding_window, soft_cap, group, pages_per_block, quantized,
-            num_splits, tree, images):
+            num_splits, tree, images, sinks):
     # rest: ts_ref [W] and tm_ref [rows] (each item's tree start and its rows' tree masks,
     # trees only), ie_ref [rows] (its rows' image ends, -1 outside images; images only),
     # ks_ref, vs_ref [num_pages, page_size] (this head's scales, quantized caches only),
-    # then the outputs: o_ref [rows, head_dim], or with KV splits acc_ref [rows, head_dim]
+    # sink_ref [rows] (each row's sink, sinks only), then the outputs: o_ref [rows, head_dim], or with KV splits acc_ref [rows, head_dim]
     # and m_ref, l_ref [rows] (this split's unnormalised partials, f32).
     if tree:
         ts_ref, tm_ref, *rest = rest
     if images:
         ie_ref, *rest = rest
     if quantized:
-        ks_ref, vs_ref, *out_refs = rest
-    else:
-        out_refs = rest
+        ks_ref, vs_ref, *rest = rest
+    if sinks:
+        sink_ref, *rest = rest
+    out_refs = rest
     w = pl.program_id(1)
     rows, head_dim = q_ref.shape
     num_pages, page_size = k_ref.shape[0], k_ref.shape[1]
@@ -203,8 +204,12 @@ def _kernel(seq_ref, q_pos_ref, num_q_ref, kv_len_ref,  # [W] each: item metadat
                                  precision=precision, preferred_element_type=jnp.float32)
         return m_new, l, acc * correction[:, None] + pv
 
-    init = (jnp.full((rows,), MASKED, jnp.float32), jnp.zeros((rows,), jnp.float32),
-            jnp.zeros((rows, head_dim), jnp.float32))
+    m, l = jnp.full((rows,), MASKED, jnp.float32), jnp.zeros((rows,), jnp.float32)
+    if sinks:  # the online softmax starts from the row's sink, in the first split only
+        first_split = pl.program_id(2) == 0 if num_splits > 1 else True
+        m = jnp.where(first_split, sink_ref[...], m)
+        l = jnp.where(first_split, 1.0, l)
+    init = (m, l, jnp.zeros((rows, head_dim), jnp.float32))
     m, l, acc = jax.lax.fori_loop(first, last, body, init)
     if num_splits > 1:
         acc_ref, m_ref, l_ref = out_refs
@@ -290,6 +295,9 @@ def _call(x: AttentionInputs, page_indices: jax.Array, items: WorkItems, pages_p
         scales_spec = pl.BlockSpec((None, num_pages, page_size), lambda h, *_: (h, 0, 0))
         in_specs += [scales_spec, scales_spec]
         operands += [x.k_scales, x.v_scales]
+    if x.sinks is not None:  # each row's sink, [Hkv, rows]
+        in_specs.append(pl.BlockSpec((None, rows), lambda h, *_: (h, 0)))
+        operands.append(sink_rows(x, rows))
     if splits > 1:
         grid = (num_kv_heads, num_items, splits)
         out_shape = [
@@ -308,7 +316,8 @@ def _call(x: AttentionInputs, page_indices: jax.Array, items: WorkItems, pages_p
     kernel = functools.partial(
         _kernel, sm_scale=x.sm_scale, sliding_window=x.sliding_window, soft_cap=x.soft_cap,
         group=x.group, pages_per_block=pages_per_block, quantized=x.quantized,
-        num_splits=splits, tree=x.tree, images=x.image_end is not None)
+        num_splits=splits, tree=x.tree, images=x.image_end is not None,
+        sinks=x.sinks is not None)
     out = pl.pallas_call(
         kernel,
         grid=grid,

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from pallas_kernels.ragged_paged_attention.kv_cache import as_bits, as_values
 from pallas_kernels.ragged_paged_attention.work_items import (
     MASKED, AttentionInputs, BlockPlan, WorkItems, default_queries_per_block, gather_image_ends,
-    gather_queries, gather_tree_masks, plan_blocks, scatter_outputs, tree_visible)
+    gather_queries, gather_tree_masks, plan_blocks, scatter_outputs, sink_rows, tree_visible)
 
 KV_TOKENS_PER_BLOCK = 128
 PREFILL_ITEMS_PER_PASS = 4
@@ -100,9 +100,11 @@ def _attend(x: AttentionInputs, plan: BlockPlan, items: WorkItems) -> jax.Array:
         acc = acc * correction[..., None] + jnp.einsum("whrk,whkd->whrd", p, v)
         return m_new, l, acc
 
+    # The online softmax starts from the sinks (work_items.AttentionInputs), if any.
+    start = jnp.broadcast_to(sink_rows(x, rows), (num_items, num_kv_heads, rows))
     init = (
-        jnp.full((num_items, num_kv_heads, rows), MASKED, jnp.float32),
-        jnp.zeros((num_items, num_kv_heads, rows), jnp.float32),
+        start,
+        jnp.full((num_items, num_kv_heads, rows), x.sinks is not None, jnp.float32),
         jnp.zeros((num_items, num_kv_heads, rows, head_dim), jnp.float32),
     )
     _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)

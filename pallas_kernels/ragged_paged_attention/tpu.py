@@ -39,7 +39,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.ragged_paged_attention.kv_cache import BITS
 from pallas_kernels.ragged_paged_attention.work_items import (
     MASKED, AttentionInputs, BlockPlan, WorkItems, default_queries_per_block, gather_queries,
-    gather_tree_masks, plan_blocks, scatter_outputs, tree_visible, visible_blocks)
+    gather_tree_masks, plan_blocks, scatter_outputs, sink_rows, tree_visible, visible_blocks)
 from pallas_kernels.tiling import round_up, sublane_tile
 
 KV_TOKENS_PER_BLOCK = 512
@@ -55,13 +55,14 @@ def _kernel(seq_ref,  # [W] SMEM (scalar prefetch): each item's sequence
             kv_len_ref,  # [W] SMEM: the item's sequence's context length
             pages_ref,  # [S, num_blocks * pages_per_block] SMEM: the padded page table
             *rest, sm_scale, sliding_window, soft_cap, group, pages_per_block, quantized,
-            tree, shared):
+            tree, shared, sinks):
     # rest: tree_start_ref [W] SMEM (scalar prefetch: the item's sequence's tree start,
     # trees only); q_ref [rows, head_dim] VMEM: this item's queries of this KV head;
     # k_hbm, v_hbm [Hkv, num_pages, page_size, head_dim] HBM (memory_space=ANY); tm_ref
     # [rows, 1] VMEM (each row's tree mask, trees only); ks_ref, vs_ref [1, num_blocks *
     # block_tokens] VMEM (this head's and sequence's per-token scales, quantized caches
-    # only); o_ref [rows, head_dim] VMEM; k_buf, v_buf [2, block_tokens, head_dim] VMEM
+    # only); sink_ref [rows, 1] VMEM (each row's sink, sinks only); o_ref [rows, head_dim]
+    # VMEM; k_buf, v_buf [2, block_tokens, head_dim] VMEM
     # double buffers; sems [2 (K/V), 2 (buffer)] DMA. `shared` (latent attention: V is
     # K): no v_hbm, vs_ref nor v_buf; each page is copied once and read as both.
     rest = list(rest)
@@ -72,6 +73,7 @@ def _kernel(seq_ref,  # [W] SMEM (scalar prefetch): each item's sequence
     if quantized:
         ks_ref = rest.pop(0)
         vs_ref = ks_ref if shared else rest.pop(0)
+    sink_ref = rest.pop(0) if sinks else None
     o_ref, k_buf = rest.pop(0), rest.pop(0)
     v_buf = k_buf if shared else rest.pop(0)
     (sems,) = rest
@@ -142,8 +144,12 @@ def _kernel(seq_ref,  # [W] SMEM (scalar prefetch): each item's sequence
                                  preferred_element_type=jnp.float32)
         return m_new, l, acc * correction + pv
 
-    init = (jnp.full((rows, 1), MASKED, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
-            jnp.zeros((rows, head_dim), jnp.float32))
+    # The online softmax starts from the row's sink (work_items.AttentionInputs), if any.
+    if sinks:
+        start = (sink_ref[...], jnp.ones((rows, 1), jnp.float32))
+    else:
+        start = (jnp.full((rows, 1), MASKED, jnp.float32), jnp.zeros((rows, 1), jnp.float32))
+    init = (*start, jnp.zeros((rows, head_dim), jnp.float32))
     _, l, acc = jax.lax.fori_loop(first, last, body, init)
     o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
 
@@ -199,10 +205,12 @@ def _call(x: AttentionInputs, plan: BlockPlan, items: WorkItems, rows: int,
         in_specs.append(pl.BlockSpec((None, rows, 1), lambda h, w, *_: (w, 0, 0)))
     in_specs += [pl.BlockSpec((None, None, 1, r.shape[-1]),
                               lambda h, w, seq, *_: (h, seq[w], 0, 0)) for r in scale_rows]
+    sinks = [] if x.sinks is None else [sink_rows(x, rows)[:, :, None]]  # [Hkv, rows, 1]
+    in_specs += [pl.BlockSpec((None, rows, 1), lambda h, w, *_: (h, 0, 0)) for _ in sinks]
     kernel = functools.partial(
         _kernel, sm_scale=x.sm_scale, sliding_window=x.sliding_window, soft_cap=x.soft_cap,
         group=x.group, pages_per_block=block, quantized=x.quantized, tree=x.tree,
-        shared=x.shared_kv)
+        shared=x.shared_kv, sinks=x.sinks is not None)
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -220,4 +228,4 @@ def _call(x: AttentionInputs, plan: BlockPlan, items: WorkItems, rows: int,
         interpret=interpret,
         name="ragged_paged_attention",
     )(items.seq, items.q_pos, items.num_q, items.kv_len, plan.page_indices, *prefetch, qi,
-      *pools, *tree_rows, *scale_rows)
+      *pools, *tree_rows, *scale_rows, *sinks)

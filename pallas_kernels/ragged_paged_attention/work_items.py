@@ -62,6 +62,13 @@ class AttentionInputs:
     image_end `[T]` int32, for a query inside an image the position of that image's last
     token, which it sees with every token of the image before it (the rest of the step
     writes them first); -1 elsewhere. A sliding window still counts back from the query.
+
+    Attention sinks (gpt-oss): sinks `[num_q_heads]` float32, a learned logit per query
+    head that joins every row's softmax as one more term of its denominator, with no value
+    (the row's weights sum to less than one); None without. Every backend starts its
+    online softmax from it (running max = the sink, sum = 1, output 0), so a row's result
+    is `sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j))` of the scores s as the sink's
+    (after sm_scale and any soft-cap).
     """
 
     q: jax.Array
@@ -79,6 +86,7 @@ class AttentionInputs:
     sliding_window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     soft_cap: float | None = dataclasses.field(default=None, metadata=dict(static=True))
     image_end: jax.Array | None = None
+    sinks: jax.Array | None = None
     shared_kv: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
@@ -122,7 +130,8 @@ class AttentionInputs:
     def validate(cls, q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *,
                  sm_scale: float, sliding_window: int | None = None,
                  soft_cap: float | None = None, k_scales=None, v_scales=None,
-                 tree_start=None, tree_mask=None, image_end=None) -> "AttentionInputs":
+                 tree_start=None, tree_mask=None, image_end=None,
+                 sinks=None) -> "AttentionInputs":
         """The inputs as arrays, or a ValueError saying which shape or dtype is wrong."""
         shared_kv = v_pages is None
         if shared_kv:
@@ -136,7 +145,7 @@ class AttentionInputs:
                     for a in (k_scales, v_scales, tree_start, tree_mask)]
         x = cls(*args, *optional, sm_scale=sm_scale, sliding_window=sliding_window,
                 soft_cap=soft_cap, image_end=None if image_end is None else jnp.asarray(image_end),
-                shared_kv=shared_kv)
+                sinks=None if sinks is None else jnp.asarray(sinks), shared_kv=shared_kv)
         _check(x)
         return x
 
@@ -187,6 +196,20 @@ def _check(x: AttentionInputs) -> None:
         need(x.image_end.shape == (x.num_tokens,) and x.image_end.dtype == jnp.int32,
              f"image_end must be int32 [{x.num_tokens}], got {x.image_end.dtype} "
              f"{list(x.image_end.shape)}")
+    if x.sinks is not None:
+        need(x.sinks.shape == (x.q.shape[1],) and x.sinks.dtype == jnp.float32,
+             f"sinks must be float32 [{x.q.shape[1]}] (one per query head), got "
+             f"{x.sinks.dtype} {list(x.sinks.shape)}")
+
+
+def sink_rows(x: AttentionInputs, rows: int) -> jax.Array:
+    """The sink of each row of a KV head's tile, `[num_kv_heads, rows]` float32 (row r:
+    query head `head * group + r % group`), where a backend's online softmax starts;
+    MASKED without sinks."""
+    if x.sinks is None:
+        return jnp.full((x.num_kv_heads, rows), MASKED, jnp.float32)
+    heads = x.sinks.reshape(x.num_kv_heads, x.group)
+    return heads[:, jnp.arange(rows) % x.group]
 
 
 MAX_TREE_NODES = 32  # bits of an int32 tree_mask
