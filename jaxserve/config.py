@@ -20,7 +20,8 @@ from pallas_kernels.ragged_paged_attention.work_items import MAX_TREE_NODES
 from sharding.strategies import MESH_AXES, STRATEGIES
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "mixtral", "qwen2_moe",
-                         "qwen3_moe", "gemma2", "gemma3_text", "deepseek_v2", "deepseek_v3")
+                         "qwen3_moe", "gemma2", "gemma3_text", "deepseek_v2", "deepseek_v3",
+                         "gpt_oss")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 DTYPES = ("bfloat16", "float32")
 # kv_cache_dtype names and the dtype each stores ("auto": the model's dtype).
@@ -532,6 +533,9 @@ class ModelConfig:
     o_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    # gpt-oss: a learned logit per query head in every softmax (ragged_paged_attention's
+    # `sinks`).
+    attention_sinks: bool = False
     # Per layer: "full_attention" or "sliding_attention" (uses sliding_window).
     layer_types: tuple[str, ...] = ()
     bos_token_id: int | None = None
@@ -566,6 +570,12 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # gpt-oss: biases on the router's logits and on each expert's projections, and its
+    # clamped SwiGLU: (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate,
+    # limit) (swiglu_limit 0: the plain activation of hidden_act).
+    expert_biases: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.0
     # Per layer: whether its feed-forward is the experts (else the dense MLP).
     sparse_layers: tuple[bool, ...] = ()
     # A vision-language model's image side (None: text only).
@@ -681,6 +691,8 @@ class ModelConfig:
             attn += d * (self.num_heads + 2 * self.num_kv_heads)
         if self.o_bias:
             attn += e
+        if self.attention_sinks:
+            attn += self.num_heads
         if self.qk_norm:
             attn += 2 * d
         dense = 3 * e * m
@@ -688,7 +700,9 @@ class ModelConfig:
         # router, experts, and the shared expert with its [hidden, 1] gate
         sparse = (self.num_experts * e * (1 + 3 * self.moe_intermediate_size)
                   + (3 * shared + self.shared_expert_gated) * e * bool(shared)
-                  + self.num_experts * self.router_bias)
+                  + self.num_experts * self.router_bias
+                  + self.expert_biases * self.num_experts * (1 + 2 * self.moe_intermediate_size
+                                                             + e))
         norms = (4 if self.sandwich_norms else 2) * e
         layers = sum(attn + norms + (sparse if s else dense) for s in self.sparse_layers)
         embed = self.vocab_size * e * (1 if self.tie_word_embeddings else 2)
@@ -785,6 +799,7 @@ class ModelConfig:
             o_bias=o_bias,
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             sliding_window=sliding_window or None,
+            attention_sinks=model_type == "gpt_oss",
             layer_types=layer_types,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -833,9 +848,10 @@ def _mla_from_hf(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
 
 
 def _moe_from_hf(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:
-    """The mixture-of-experts fields of a Mixtral / Qwen2-MoE / Qwen3-MoE / DeepSeek
-    config.json (none for a dense model). Mixtral's experts are all layers' MLPs of
-    intermediate_size, their top-k weights always renormalised; the Qwen models' layer i
+    """The mixture-of-experts fields of a Mixtral / Qwen2-MoE / Qwen3-MoE / DeepSeek /
+    gpt-oss config.json (none for a dense model). Mixtral's and gpt-oss's experts are all
+    layers' MLPs of intermediate_size, their top-k weights always renormalised (gpt-oss
+    with biases and its clamped SwiGLU); the Qwen models' layer i
     is sparse unless it is in mlp_only_layers or (i + 1) is not a multiple of
     decoder_sparse_step; DeepSeek's from first_k_dense_replace on, every moe_layer_freq-th
     (as vLLM), with n_shared_experts ungated shared experts."""
@@ -843,6 +859,12 @@ def _moe_from_hf(hf: dict[str, Any], model_type: str, num_layers: int) -> dict[s
         return dict(num_experts=hf["num_local_experts"],
                     num_experts_per_tok=hf["num_experts_per_tok"],
                     moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=True)
+    if model_type == "gpt_oss":  # a softmax over the top-k logits = top-k renormalised
+        return dict(num_experts=hf["num_local_experts"],
+                    num_experts_per_tok=hf["num_experts_per_tok"],
+                    moe_intermediate_size=hf["intermediate_size"], norm_topk_prob=True,
+                    expert_biases=True, swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+                    swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
     if model_type.startswith("deepseek"):
         experts = hf.get("n_routed_experts") or 0
         if not experts:

@@ -140,6 +140,15 @@ def _hf_config(arch: str):
             topk_method="group_limited_greedy", num_experts_per_tok=2,
             moe_intermediate_size=32, n_shared_experts=2, first_k_dense_replace=1,
             routed_scaling_factor=1.5)
+    if arch == "gpt_oss":  # sinks, biases everywhere, a clamp low enough to bite, 4 experts
+        # top-2 softmaxed over their logits; sliding then full layers, YaRN untruncated
+        return tf.GptOssForCausalLM, tf.GptOssConfig(
+            **{**common, "intermediate_size": 32}, num_key_value_heads=2, head_dim=16,
+            num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"], swiglu_limit=0.3,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                             "original_max_position_embeddings": 64})
     raise ValueError(arch)
 
 
@@ -156,6 +165,12 @@ def make_checkpoint(arch: str, path: Path, seed: int = 0):
     for name, buffer in model.named_buffers():  # DeepSeek-V3's router bias: not zeros
         if name.endswith("e_score_correction_bias"):
             buffer.copy_(0.05 * torch.randn(buffer.shape))
+    with torch.no_grad():  # gpt-oss's sinks and biases: as large as what they join
+        for name, param in model.named_parameters():
+            if name.endswith("sinks"):
+                param.copy_(1.0 + torch.randn(param.shape))
+            elif arch == "gpt_oss" and name.endswith("bias"):
+                param.copy_(0.1 * torch.randn(param.shape))
     model.save_pretrained(path)
     write_byte_tokenizer(path)
     return model

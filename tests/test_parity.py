@@ -104,7 +104,7 @@ LAYOUTS = {"kn": (False, False, ModelOptions()), "nk": (True, False, ModelOption
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("arch", ARCHS + ["deepseek_v3", "deepseek_v2"])  # test_deepseek.py
+@pytest.mark.parametrize("arch", ARCHS + ["deepseek_v3", "deepseek_v2", "gpt_oss"])
 def test_prompt_logits_match_transformers(arch, layout, checkpoints, prompts):
     path, hf_model = checkpoints(arch)
     laid_out, pack, options = LAYOUTS[layout]

@@ -42,6 +42,9 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq$|score\.weight$")
 # Phi-3's fused projections: q, k and v's rows in one; the MLP's gate's then up's.
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _FUSED_NAME = re.compile(r"(model\.layers\.\d+\.\w+\.)(qkv_proj|gate_up_proj)\.(weight|bias)$")
+# gpt-oss's experts: every expert's gate and up columns interleaved in one stack
+# `[E, hidden, 2I]` (gate the even columns, up the odd), and their biases `[E, 2I]`.
+_GPT_OSS_GATE_UP = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)gate_up_proj(_bias)?$")
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
@@ -164,6 +167,16 @@ def split_fused(tensors: Iterable[tuple[str, np.ndarray]], cfg: ModelConfig
         if cfg.kv_lora_rank and name.endswith("self_attn.kv_b_proj.weight"):
             yield from _split_kv_b_proj(name, x, cfg)
             continue
+        m = _GPT_OSS_GATE_UP.match(name) if cfg.model_type == "gpt_oss" else None
+        if m is not None:
+            prefix, bias = m.group(1), m.group(2) is not None
+            if isinstance(x, Prequantized):  # MXFP4 (loading/prequantized.py): columns too
+                yield f"{prefix}gate_proj", Prequantized(x.values[..., ::2], x.scales[..., ::2])
+                yield f"{prefix}up_proj", Prequantized(x.values[..., 1::2], x.scales[..., 1::2])
+            else:
+                yield f"{prefix}{'gate_bias' if bias else 'gate_proj'}", x[..., ::2]
+                yield f"{prefix}{'up_bias' if bias else 'up_proj'}", x[..., 1::2]
+            continue
         m = _FUSED_NAME.match(name)
         if m is None:
             yield name, x
@@ -245,6 +258,15 @@ def _hf_to_ours(name: str, x: np.ndarray, cfg: ModelConfig, kv_replicas: int = 1
         table[f"self_attn.{p}_proj.weight"] = (("attn", f"{p}_proj"), lambda h=h: x.T.reshape(e, h, d))
         table[f"self_attn.{p}_proj.bias"] = (("attn", f"{p}_bias"), lambda h=h: x.reshape(h, d))
     table["mlp.gate.e_score_correction_bias"] = (("mlp", "router_bias"), lambda: x)
+    # gpt-oss: sinks, the router's bias, the experts' stacks `[E, in, out]` (split_fused
+    # took its gate / up columns apart) and biases.
+    table["self_attn.sinks"] = (("attn", "sinks"), lambda: x)
+    table["mlp.router.weight"] = (("mlp", "router"), lambda: x.T)
+    table["mlp.router.bias"] = (("mlp", "router_logit_bias"), lambda: x)
+    for hf_name, ours in (("gate_proj", "gate_proj"), ("up_proj", "up_proj"),
+                          ("down_proj", "down_proj"), ("gate_bias", "gate_bias"),
+                          ("up_bias", "up_bias"), ("down_proj_bias", "down_bias")):
+        table[f"mlp.experts.{hf_name}"] = (("mlp", ours), lambda: x)
     for hf_name, ours in (("block_sparse_moe.gate", "router"), ("mlp.gate", "router"),
                           ("mlp.shared_expert_gate", "shared_expert_gate"),
                           *((f"mlp.{s}.{p}", f"shared_expert.{p}")  # Qwen2-MoE's, DeepSeek's

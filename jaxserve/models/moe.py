@@ -58,9 +58,13 @@ def expert_stack(shape: tuple[int, int, int], axes: tuple[str, ...], dtype,
 
 
 def route(x: jax.Array, router: jax.Array, top_k: int, normalize: bool,
-          weights_dtype) -> tuple[jax.Array, jax.Array]:
-    """(weights `[T, top_k]`, expert ids `[T, top_k]`) for tokens `x[T, hidden]`."""
+          weights_dtype, bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(weights `[T, top_k]`, expert ids `[T, top_k]`) for tokens `x[T, hidden]`; `bias`
+    (gpt-oss) is added to the logits. gpt-oss's softmax over the top-k logits is this
+    top-k of the softmax renormalised (`normalize`)."""
     logits = jnp.dot(x, router.astype(x.dtype))
+    if bias is not None:
+        logits = logits + bias.astype(x.dtype)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
     if normalize:
@@ -95,14 +99,25 @@ def route_grouped(x: jax.Array, router: jax.Array, bias: jax.Array | None, cfg: 
     return weights * cfg.routed_scaling_factor, experts
 
 
+def clamped_swiglu(limit: float, alpha: float):
+    """gpt-oss's gated activation of (gate, up), as transformers computes it."""
+    def glu(gate: jax.Array, up: jax.Array) -> jax.Array:
+        gate = jnp.minimum(gate, limit)
+        return (jnp.clip(up, -limit, limit) + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+    return glu
+
+
 def grouped_glu(x: jax.Array, weights: jax.Array, experts: jax.Array, stacks: tuple,
-                act=jax.nn.silu, impl: str | None = None,
-                interpret: bool = False) -> jax.Array:
+                act=jax.nn.silu, impl: str | None = None, interpret: bool = False,
+                biases: tuple[jax.Array, jax.Array] | None = None, glu=None) -> jax.Array:
     """`sum_j weights[t, j] * expert_{experts[t, j]}(x[t])` for every token, each expert
-    `down(act(x @ gate) * (x @ up))`, as grouped matmuls over the pairs sorted by expert
-    (an expert no token chose is an empty group). `stacks` is (gate, gate scales, up, up
-    scales, down, down scales), the scales None for float stacks (a quantized stack's
-    kind is read from its values: a GGUF file may hold each in another format). Pairs
+    `down(act(x @ gate) * (x @ up))` (`glu(x @ gate, x @ up)` when given), as grouped
+    matmuls over the pairs sorted by expert (an expert no token chose is an empty group).
+    `stacks` is (gate, gate scales, up, up scales, down, down scales), the scales None for
+    float stacks (a quantized stack's kind is read from its values: a GGUF file may hold
+    each in another format); `biases` (gpt-oss): the experts' gate and up biases `[E, I]`,
+    added to their projections (a down bias is the caller's: it must be added once where
+    the experts' MLP columns are split over devices). Pairs
     whose expert is outside `[0, num_experts)` add nothing: another device holds that
     expert (expert parallelism), and sorted last they fall outside every group."""
     gate_w, gate_s, up_w, up_s, down_w, down_s = stacks
@@ -120,7 +135,12 @@ def grouped_glu(x: jax.Array, weights: jax.Array, experts: jax.Array, stacks: tu
                               interpret=interpret)
 
     rows = x[tokens]
-    h = act(project(rows, gate_w, gate_s)) * project(rows, up_w, up_s)
+    gate, up = project(rows, gate_w, gate_s), project(rows, up_w, up_s)
+    if biases is not None:  # each sorted row's expert's (an outside pair's: any, unused)
+        row_expert = jnp.minimum(ids[order], num_experts - 1)
+        gate = gate + biases[0][row_expert].astype(gate.dtype)
+        up = up + biases[1][row_expert].astype(up.dtype)
+    h = glu(gate, up) if glu is not None else act(gate) * up
     out = project(h, down_w, down_s)
     out = out * jnp.where(ids < num_experts, weights.reshape(-1), 0)[order][:, None]
     return jnp.zeros((t, x.shape[-1]), out.dtype).at[tokens].add(out).astype(x.dtype)
@@ -134,6 +154,11 @@ class MoE(nnx.Module):
         self.router = param((e, n), ("embed", None), dtype)
         if cfg.router_bias:  # DeepSeek-V3's e_score_correction_bias
             self.router_bias = param((n,), (None,), jnp.float32)
+        if cfg.expert_biases:  # gpt-oss: the router's logits, the experts' projections
+            self.router_logit_bias = param((n,), (None,), dtype)
+            self.gate_bias = param((n, m), EXPERT_IN_AXES[::2], dtype)
+            self.up_bias = param((n, m), EXPERT_IN_AXES[::2], dtype)
+            self.down_bias = param((n, e), EXPERT_OUT_AXES[::2], dtype)
         # Each stack's format (`path`: this module's parameter path in the decoder).
         gate, up, down = (options.weight_options(path and f"{path}.{p}") for p in PROJECTIONS)
         self.gate_proj, self.gate_proj_scales = expert_stack(
@@ -164,8 +189,9 @@ class MoE(nnx.Module):
                 x, self.router[...], self.router_bias[...] if cfg.router_bias else None, cfg)
         else:
             weights_dtype = jnp.float32 if cfg.model_type == "mixtral" else x.dtype
-            weights, chosen = route(x, self.router[...], cfg.num_experts_per_tok,
-                                    cfg.norm_topk_prob, weights_dtype)
+            weights, chosen = route(
+                x, self.router[...], cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                weights_dtype, self.router_logit_bias[...] if cfg.expert_biases else None)
         if real is not None:
             if sow_stats:
                 counts = jnp.zeros(cfg.num_experts, jnp.int32).at[chosen].add(
@@ -174,14 +200,23 @@ class MoE(nnx.Module):
             chosen = jnp.where(real[:, None], chosen, -1)
         impl = options.kernel_impl  # None, "reference", "cpu", "tpu" or "gpu", as here
 
+        glu = clamped_swiglu(cfg.swiglu_limit, cfg.swiglu_alpha) if cfg.swiglu_limit else None
+
         def experts(x, weights, chosen, *stacks, first_expert=0):
-            return grouped_glu(x, weights, chosen - first_expert, stacks,
+            return grouped_glu(x, weights, chosen - first_expert, stacks[:6],
                                activation(cfg.hidden_act), impl,
-                               options.interpret and impl in ("tpu", "gpu"))
+                               options.interpret and impl in ("tpu", "gpu"),
+                               biases=stacks[6:] or None, glu=glu)
 
         stacks = [getattr(self, name + suffix) for name in PROJECTIONS
                   for suffix in ("", "_scales")]
+        if cfg.expert_biases:
+            stacks += [self.gate_bias, self.up_bias]
         out = expert_parallel(experts, x, weights, chosen, stacks, shard)
+        if cfg.expert_biases:  # each chosen expert's down bias, weighted (none for padding)
+            bias = self.down_bias[...][jnp.maximum(chosen, 0)]  # [T, top_k, hidden]
+            w = jnp.where(chosen >= 0, weights, 0).astype(bias.dtype)
+            out = out + jnp.einsum("tk,tkh->th", w, bias).astype(out.dtype)
         if cfg.shared_expert_intermediate_size:
             shared = self.shared_expert(x, shard, rows)
             if cfg.shared_expert_gated:

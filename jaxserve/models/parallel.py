@@ -146,7 +146,8 @@ def row_parallel(x: jax.Array, w: nnx.Param, scales: nnx.Param | None, n_in: int
 
 
 def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple[jax.Array, ...],
-                    meta, shard: ShardingContext, options: ModelOptions, **kwargs
+                    meta, shard: ShardingContext, options: ModelOptions,
+                    sinks: jax.Array | None = None, **kwargs
                     ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """Write the new tokens' K/V into the paged cache, then ragged paged attention.
 
@@ -158,7 +159,8 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple[jax.Arra
     VMEM); our GPU kernel's tiles take power-of-two head dims only, so the reference runs
     it there.
 
-    `meta` is the step's AttentionMetadata. Both run per shard under shard_map where XLA
+    `meta` is the step's AttentionMetadata; `sinks` gpt-oss's `[q_heads]` attention sinks
+    (split as the query heads). Both run per shard under shard_map where XLA
     cannot partition them on its own:
     - over `data` (data parallelism): each shard's page ids and token offsets are local to
       its own page pool and tokens;
@@ -191,7 +193,7 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple[jax.Arra
     write_impl = None if whole else "xla"
 
     def local(q, k, v, kv, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, tree,
-              image_end):
+              image_end, sinks):
         if latent:
             kv = write_latent(kv[0], k, slot_mapping, *kv[1:])
             pages = (kv[0], None)  # V is K: the TPU kernel copies each page once
@@ -205,11 +207,12 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple[jax.Arra
         out = ragged_paged_attention(q, *pages, kv_lens, page_indices, cu_q_lens,
                                      num_seqs[0], impl=impl, interpret=options.interpret,
                                      tree_start=tree[0], tree_mask=tree[1],
-                                     image_end=image_end, **scales, **kwargs, **blocks)
+                                     image_end=image_end, sinks=sinks, **scales, **kwargs,
+                                     **blocks)
         return out, kv
 
     args = (q, k, v, kv, meta.slot_mapping, meta.kv_lens, meta.page_indices, meta.cu_q_lens,
-            meta.num_seqs, (meta.tree_start, meta.tree_mask), meta.image_end)
+            meta.num_seqs, (meta.tree_start, meta.tree_mask), meta.image_end, sinks)
     if not manual:
         return local(*args)
     spec = lambda axes: _only(shard.rules.spec(axes), manual)  # noqa: E731
@@ -219,7 +222,8 @@ def paged_attention(q: jax.Array, k: jax.Array, v: jax.Array, kv: tuple[jax.Arra
         local, mesh=shard.mesh, axis_names=manual, check_vma=False,
         in_specs=(spec(Q_AXES), spec(NEW_KV_AXES), None if latent else spec(NEW_KV_AXES),
                   kv_specs, token_spec,
-                  seq_spec, seq_spec, seq_spec, seq_spec, (seq_spec, token_spec), token_spec),
+                  seq_spec, seq_spec, seq_spec, seq_spec, (seq_spec, token_spec), token_spec,
+                  spec(Q_AXES[1:2])),
         out_specs=(spec(Q_AXES), kv_specs))(*args)
 
 
@@ -267,7 +271,7 @@ def expert_parallel(experts, x: jax.Array, weights: jax.Array, chosen: jax.Array
         it = iter(arrays)
         return [None if p is None else next(it) for p in stacks]
 
-    for values, scales in zip(stacks[::2], stacks[1::2]):
+    for values, scales in zip(stacks[:6:2], stacks[1:6:2]):  # (after them: gpt-oss biases)
         split = shard.rules.spec(values.get_metadata()["logical_axes"])[1]
         # int4 (uint8 values, scales [E, K / group, N]): a K split must keep whole groups
         # on each device, as in `dense`.

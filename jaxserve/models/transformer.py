@@ -1,6 +1,7 @@
 """The decoder-only transformer: Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text),
-the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, and DeepSeek-V2 / V3 (latent
-attention, latent_attention.py, and DeepSeek's experts).
+the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss (attention sinks, biased
+experts), and DeepSeek-V2 / V3 (latent attention, latent_attention.py, and DeepSeek's
+experts).
 
 One model, driven by ModelConfig: GQA/MQA, optional q/k/v bias (Qwen2), q/k RMSNorm
 (Qwen3, Gemma 3), sliding-window layers (Mistral, Gemma) with their own rope (Gemma 3),
@@ -121,6 +122,8 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = param((d,), ("head_dim",), dtype)
             self.k_norm = param((d,), ("head_dim",), dtype)
+        if cfg.attention_sinks:  # gpt-oss: a logit per query head (float32: the kernels')
+            self.sinks = param((hq,), ("q_heads",), jnp.float32)
         self.cfg = cfg
         self.options = options
         self.window = cfg.layer_window(layer)
@@ -158,7 +161,8 @@ class Attention(nnx.Module):
         k, v = shard.constrain(k, NEW_KV_AXES), shard.constrain(v, NEW_KV_AXES)
         out, kv = paged_attention(q, k, v, kv, meta, shard, self.options,
                                   sm_scale=cfg.sm_scale, sliding_window=self.window,
-                                  soft_cap=cfg.attn_logit_softcap)
+                                  soft_cap=cfg.attn_logit_softcap,
+                                  sinks=self.sinks[...] if cfg.attention_sinks else None)
         attended = out
         out = row_parallel(out, self.o_proj, self.o_proj_scales, 2, (cfg.hidden_size,),
                            self.options, shard, rows, self.o_proj_perm)
