@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from conftest import hf_greedy
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import ModelConfig
+from pallas_kernels.quantized_matmul.formats import dequantize
 from test_parity import ENGINE
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -71,3 +76,77 @@ def test_tensor_expert_and_data_parallel_match_transformers(checkpoints, prompts
     for name, run in runs.items():
         assert run["tokens"] == want, name
         assert run["leaked_pages"] == 0 and run["compiles_after_warmup"] == 0, name
+
+
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """An expert stack `[E, K, N]` as OpenAI's checkpoints store it: each output column's
+    groups of 32 inputs as e2m1 codes, two a byte (the low nibble first), `[E, N, K / 32,
+    16]`, under a power-of-two scale (e8m0, 2^(s - 127)) that fits the group's largest
+    value in 6."""
+    e, k, n = w.shape
+    groups = w.transpose(0, 2, 1).reshape(e, n, k // 32, 32)
+    amax = np.abs(groups).max(-1, keepdims=True)
+    exp = np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0)).astype(np.int32)
+    codes = np.abs((groups / np.exp2(exp))[..., None] - E2M1).argmin(-1).astype(np.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (exp[..., 0] + 127).astype(np.uint8)
+
+
+def write_mxfp4_checkpoint(src: Path, dst: Path) -> Path:
+    """The float checkpoint with its experts in MXFP4, as openai/gpt-oss-* are published
+    (the attention, routers, embedding and head left float)."""
+    shutil.copytree(src, dst)
+    tensors = {}
+    for name, x in load_file(dst / "model.safetensors").items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = mxfp4(x.numpy())
+            tensors[f"{name}_blocks"] = torch.from_numpy(np.ascontiguousarray(blocks))
+            tensors[f"{name}_scales"] = torch.from_numpy(np.ascontiguousarray(scales))
+        else:
+            tensors[name] = x
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+            "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_mxfp4_experts_served_as_int8_equal_transformers_dequantized(checkpoints, prompts,
+                                                                      tmp_path):
+    """An MXFP4 checkpoint (the experts' e2m1 codes and e8m0 scales): each expert stack held
+    as int8 in groups of 32 that dequantizes to exactly what transformers' own MXFP4 reader
+    dequantizes (Mxfp4Config(dequantize=True)), gate and up taken apart from their
+    interleaved columns; attention left float; greedy tokens as transformers' on those
+    weights."""
+    from transformers import GptOssForCausalLM, Mxfp4Config
+
+    path = write_mxfp4_checkpoint(checkpoints("gpt_oss")[0], tmp_path / "mxfp4")
+    hf_model = GptOssForCausalLM.from_pretrained(
+        path, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32).eval()
+    llm = LLM(str(path), **{**ENGINE, "max_num_batched_tokens": 16, "token_buckets": (16,)})
+    assert (llm.engine.config.quantization, llm.engine.config.quant_group_size) == ("int8", 32)
+    float_experts = load_file(checkpoints("gpt_oss")[0] / "model.safetensors")
+    for i in range(2):
+        layer = llm.engine.runner.params["layers"][i]
+        assert layer["attn"]["q_proj"].value.dtype == np.float32
+        experts = hf_model.model.layers[i].mlp.experts
+        gate_up = experts.gate_up_proj.detach().numpy()
+        for ours, want in (("gate_proj", gate_up[..., 0::2]), ("up_proj", gate_up[..., 1::2]),
+                           ("down_proj", experts.down_proj.detach().numpy())):
+            values, scales = layer["mlp"][ours].value, layer["mlp"][f"{ours}_scales"].value
+            assert values.dtype == np.int8 and scales.shape[1] == values.shape[1] // 32
+            got = np.stack([np.asarray(dequantize(v, s, "int8"))
+                            for v, s in zip(values, scales)])
+            np.testing.assert_array_equal(got, want)
+        # 4-bit codes: not the float weights themselves
+        assert np.abs(gate_up - float_experts[f"model.layers.{i}.mlp.experts.gate_up_proj"]
+                      .numpy()).max() > 1e-3
+    outs = llm.generate(prompts, GREEDY)
+    for out, prompt in zip(outs, prompts):
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, GREEDY.max_tokens)
+    assert llm.engine.scheduler.allocator.num_used_pages == 0

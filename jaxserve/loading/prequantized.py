@@ -1,5 +1,5 @@
-"""Checkpoints quantized by their makers: AWQ, GPTQ, compressed-tensors and block-wise FP8,
-served as stored.
+"""Checkpoints quantized by their makers: AWQ, GPTQ, compressed-tensors, block-wise FP8 and
+gpt-oss's MXFP4, served as stored.
 
 `config.json`'s `quantization_config` says which; `read` turns it into a
 `CheckpointQuantization` (or refuses, naming the field it cannot serve), and `tensors`
@@ -39,6 +39,13 @@ What each becomes (K = in-features, N = out-features, G = the group size):
   float8_e4m3fn `[N, K]`, `weight_scale_inv` float32 `[N / bn, K / bk]` for
   `weight_block_size` `[bn, bk]` (w = q * weight_scale_inv) -> fp8 in groups of bk rows,
   as the compressed-tensors blocks.
+- MXFP4 (`quant_method: mxfp4`, gpt-oss's experts only; attention, routers, embedding and
+  head stay float): `*_blocks` uint8 `[E, N, K / 32, 16]` (two e2m1 codes a byte, the low
+  nibble first) and `*_scales` uint8 `[E, N, K / 32]` (e8m0: 2^(s - 127)) per expert
+  stack -> int8 in groups of 32: each code's value times two ({0, 1, 2, 3, 4, 6, 8, 12}
+  and their negatives) with scale 2^(s - 128), the same products exactly (8 bits a weight
+  where the file spends 4.25; no e2m1 matmul kernel here). The attention projections are
+  `quant_overrides` held in the dtype.
 
 Otherwise only the decoder's linear layers are quantized in our models (embeddings, norms,
 MoE routers and the LM head stay in the model's dtype), so a checkpoint that leaves one of
@@ -61,7 +68,11 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from pallas_kernels.quantized_matmul.formats import pack_int4
 
-METHODS = ("awq", "gptq", "compressed-tensors", "fp8")
+METHODS = ("awq", "gptq", "compressed-tensors", "fp8", "mxfp4")
+# e2m1 codes (index: the 4 bits) times two: the integers an MXFP4 block holds.
+MXFP4_TIMES_TWO = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+_MXFP4_PART = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.(?:gate_up_proj|down_proj))_"
+                         r"(blocks|scales)$")
 AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # column of each nibble within a word
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                 "qkv_proj", "gate_up_proj",  # Phi-3's fused ones
@@ -79,7 +90,7 @@ _FLOAT_OK = re.compile(r"(?:re:)?(?:\.\*)?(?:.*\.)?(?:lm_head|gate|shared_expert
 class CheckpointQuantization:
     """A checkpoint's own quantization, as this loader serves it."""
 
-    method: str  # "awq" | "gptq" | "compressed-tensors" | "fp8"
+    method: str  # "awq" | "gptq" | "compressed-tensors" | "fp8" | "mxfp4"
     kind: str  # what it becomes: "int4" | "int8" | "fp8"
     group_size: int | None  # rows per group; None: one group per column (all of K)
     zero_points: bool  # asymmetric: with zero points
@@ -107,6 +118,10 @@ class CheckpointQuantization:
         if self.lm_head:
             settings.update(lm_head_quantization=self.kind, lm_head_group_size=group,
                             lm_head_zero_points=self.zero_points)
+        if self.method == "mxfp4":  # the experts only: every attention projection in float
+            settings["quant_overrides"] = tuple(
+                (f"layers.{i}.attn.{p}_proj", None, None, False)
+                for i in range(cfg.num_layers) for p in "qkvo")
         return settings
 
     @property
@@ -135,6 +150,8 @@ def read(model_dir: str | Path) -> CheckpointQuantization | None:
         return _read_compressed_tensors(qc)
     if method == "fp8":
         return _read_fp8(qc)
+    if method == "mxfp4":
+        return CheckpointQuantization("mxfp4", "int8", 32, False)
     raise _refuse("quant_method", method, f"jaxserve serves {', '.join(METHODS)} checkpoints "
                   "(and GGUF files); or give the float checkpoint with --quantization")
 
@@ -425,6 +442,9 @@ def tensors(stream: Iterable[tuple[str, np.ndarray]], q: CheckpointQuantization
     layer at a time at its end. A float `.weight` of a decoder linear layer is refused (the
     checkpoint left it unquantized), as are quantized tensors of any other layer.
     """
+    if q.method == "mxfp4":
+        yield from _mxfp4_tensors(stream)
+        return
     layers: dict[str, dict[str, np.ndarray]] = {}
     for name, array in stream:
         m = _LINEAR.match(name) or (_HEAD.match(name) if q.lm_head else None)
@@ -455,3 +475,41 @@ def tensors(stream: Iterable[tuple[str, np.ndarray]], q: CheckpointQuantization
             raise ValueError(f"{prefix}: the checkpoint lacks {', '.join(missing)} for this "
                              f"{q.method} layer (it has {', '.join(sorted(parts))})")
         yield prefix + ".weight", _CONVERT[q.method](prefix, parts, q)
+
+
+def _mxfp4_tensors(stream: Iterable[tuple[str, np.ndarray]]
+                   ) -> Iterator[tuple[str, np.ndarray | Prequantized]]:
+    """`tensors` of an MXFP4 checkpoint: each expert stack's blocks and scales gathered
+    into `(prefix, Prequantized)` (int8 `[E, K, N]`, scales `[E, K / 32, N]`; module doc),
+    converted once both are read; the float tensors pass through."""
+    stacks: dict[str, dict[str, np.ndarray]] = {}
+    for name, array in stream:
+        m = _MXFP4_PART.match(name)
+        if m is None:
+            yield name, array
+            continue
+        parts = stacks.setdefault(m.group(1), {})
+        parts[m.group(2)] = array
+        if len(parts) == 2:
+            yield m.group(1), mxfp4_as_int8(m.group(1), parts["blocks"], parts["scales"])
+            del stacks[m.group(1)]
+    if stacks:
+        raise ValueError(f"{sorted(stacks)[0]}: the checkpoint lacks its MXFP4 "
+                         f"{'scales' if 'blocks' in stacks[sorted(stacks)[0]] else 'blocks'}")
+
+
+def mxfp4_as_int8(name: str, blocks: np.ndarray, scales: np.ndarray) -> Prequantized:
+    """An MXFP4 expert stack (blocks `[E, N, G, 16]`, e8m0 scales `[E, N, G]`) as int8 in
+    groups of 32: values `[E, K, N]` (K = 32 G), float32 scales `[E, G, N]`."""
+    blocks, scales = np.asarray(blocks), np.asarray(scales)
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.ndim != 4 \
+            or blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"{name}: MXFP4 blocks {blocks.shape} {blocks.dtype} and scales "
+                         f"{scales.shape} {scales.dtype} are not uint8 [E, N, K / 32, 16] and "
+                         "[E, N, K / 32]")
+    e, n, g, _ = blocks.shape
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1)  # [E, N, G, 16, 2]: low first
+    values = MXFP4_TIMES_TWO[codes].reshape(e, n, g * 32).transpose(0, 2, 1)
+    scale = np.ldexp(np.float32(1.0), scales.astype(np.int32) - 128).astype(np.float32)
+    return Prequantized(np.ascontiguousarray(values),
+                        np.ascontiguousarray(scale.transpose(0, 2, 1)))
