@@ -440,9 +440,11 @@ def build_parser() -> argparse.ArgumentParser:
                      choices=list(PARSERS),
                      help="read tool calls in this format out of model output, for "
                           "tool_choice \"auto\" on /v1/chat/completions (docs/http.md)")
-    srv.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
-                     help="split a thinking model's <think> block from its chat answers "
-                          "into reasoning_content (docs/http.md)")
+    srv.add_argument("--reasoning-parser", default=None,
+                     choices=["deepseek_r1", "qwen3", "openai_gptoss"],
+                     help="split a thinking model's <think> block (openai_gptoss: gpt-oss's "
+                          "analysis channel) from its chat answers into reasoning_content "
+                          "(docs/http.md)")
     srv.add_argument("--engine-thread", action="store_true",
                      help="run the engine loop on a thread of the server's process instead "
                           "of a process of its own (as multi-host's process 0 does); the "

@@ -1,5 +1,6 @@
-"""One streamed chat choice's text as deltas: its reasoning block (server/reasoning.py),
-then content or tool calls (server/tool_calling.py). The chat completions stream sends
+"""One streamed chat choice's text as deltas: its reasoning block (server/reasoning.py; or
+gpt-oss's analysis messages, server/harmony.py), then content or tool calls
+(server/tool_calling.py). The chat completions stream sends
 them as chunks; the Responses API (server/responses.py) as its events."""
 
 from __future__ import annotations
@@ -7,19 +8,21 @@ from __future__ import annotations
 from typing import Any
 
 from jaxserve.outputs import StepOutput
-from server import reasoning, tool_calling
+from server import harmony, reasoning, tool_calling
 
 
 class ChatDeltas:
     """A choice's outputs in, chat deltas out: {"reasoning_content", "reasoning"} (only
     with `include_reasoning`), {"content"} and {"tool_calls": [...]} dicts. `think`: where
-    the output starts (reasoning.prompt_state; None: no reasoning parser); `plan`: its
-    tools (None: none)."""
+    the output starts (reasoning.prompt_state; harmony.MODE: gpt-oss's harmony; None: no
+    reasoning parser); `plan`: its tools (None: none)."""
 
-    def __init__(self, plan: tool_calling.ToolPlan | None, think: bool | None,
+    def __init__(self, plan: tool_calling.ToolPlan | None, think: bool | str | None,
                  include_reasoning: bool = True):
         self.tools = tool_calling.ToolStream(plan) if plan is not None else None
-        self.thought = reasoning.ReasoningStream.after(think) if think is not None else None
+        self.thought = (harmony.HarmonyStream(calls=plan is not None) if think == harmony.MODE
+                        else reasoning.ReasoningStream.after(think) if think is not None
+                        else None)
         self.include_reasoning = include_reasoning
 
     @property

@@ -39,7 +39,7 @@ from jaxserve.outputs import StepOutput
 from jaxserve.pooling_params import EMBEDDING_PARAMS, PoolingParams
 from jaxserve.sampling_params import SamplingParams
 from server import openai_protocol as oai
-from server import reasoning, responses, tool_calling
+from server import harmony, reasoning, responses, tool_calling
 from server.async_engine import AsyncEngine, QueueFullError
 from server.chat_deltas import ChatDeltas
 from server.kv_transfer import KVTransferError
@@ -49,15 +49,26 @@ from server.tool_parsers import ToolParser
 
 log = logging.getLogger(__name__)
 
+
+def _constrained(req: oai.ChatCompletionRequest) -> bool:
+    """Whether a chat request asks for an output constraint besides its tool_choice (a
+    malformed one is refused later, naming its field)."""
+    try:
+        return req.structured() is not None
+    except ValueError:
+        return True
+
+
 @dataclasses.dataclass
 class _ChatRun:
-    """A chat request admitted: its job, prompt ids, tool plan, where its output starts
-    (reasoning.prompt_state; None: no reasoning parser) and its logprobs count."""
+    """A chat request admitted: its job, prompt ids, tool plan, how its output is read
+    (`think`: where it starts, reasoning.prompt_state; harmony.MODE for gpt-oss's harmony;
+    None: no reasoning parser) and its logprobs count."""
 
     job: Job
     ids: list[int]
     plan: tool_calling.ToolPlan | None
-    think: bool | None
+    think: bool | str | None
     logprobs: int | None
 
 
@@ -380,9 +391,11 @@ class HTTPServer:
         markers may be special tokens: they are kept in the text. `reasoning_block`
         (StructuredOutputsParams.reasoning): a block the constraint holds after."""
         try:
+            keep_special = (tools is not None and tools.mode == "auto") \
+                or self.reasoning_parser == "openai_gptoss"  # harmony's markers
             params = [req.sampling_params(
                 max_tokens, logprobs, i, tools.constraint() if tools else None,
-                skip_special_tokens=False if tools and tools.mode == "auto" else None)
+                skip_special_tokens=False if keep_special else None)
                 for i in range(req.n)]
         except ValueError as e:
             raise oai.bad_request(e) from e
@@ -485,12 +498,21 @@ class HTTPServer:
                 add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
                 continue_final_message=req.continue_final_message, tools=tools,
                 **({"documents": req.documents} if req.documents is not None else {}),
-                **(req.chat_template_kwargs or {}))
+                **{**({"reasoning_effort": req.reasoning_effort} if req.reasoning_effort
+                      else {}), **(req.chat_template_kwargs or {})})
         except ValueError as e:  # ChatTemplateError, a bad image, over --max-prompt-bytes
             raise oai.APIError(400, str(e), "messages") from e
         ids = req.truncated(ids, self.info.max_model_len, bool(images))
         think = block = None  # (no reasoning parser)
-        if self.reasoning_parser is not None:
+        if self.reasoning_parser == "openai_gptoss":
+            field = "tool_choice" if plan is not None and plan.mode != "auto" else (
+                req.constraint_field() if _constrained(req) else None)
+            if field is not None:
+                raise oai.APIError(400, f"{field}: an output constraint is not served with "
+                                        "--reasoning-parser openai_gptoss yet (it would have "
+                                        "to hold inside harmony's final message)", field)
+            think = harmony.MODE
+        elif self.reasoning_parser is not None:
             state = reasoning.prompt_state(
                 self.info.tokenizer.decode(ids[-16:], skip_special_tokens=False))
             think = state == "open"  # the output starts inside a block
@@ -569,12 +591,17 @@ class HTTPServer:
         return choices
 
     @staticmethod
-    def _chat_message(c: Choice, plan: tool_calling.ToolPlan | None, think: bool | None,
-                      include_reasoning: bool, echoed: str = "") -> dict:
+    def _chat_message(c: Choice, plan: tool_calling.ToolPlan | None,
+                      think: bool | str | None, include_reasoning: bool,
+                      echoed: str = "") -> dict:
         """A finished choice's message and finish_reason (its reasoning split off when
-        `think` is not None: server/reasoning.py; tool calls read out of the rest;
-        `echoed` put before its content)."""
-        thought, content = (None, c.text) if think is None else reasoning.split(c.text, think)
+        `think` is not None: server/reasoning.py, or server/harmony.py; tool calls read out
+        of the rest; `echoed` put before its content)."""
+        if think == harmony.MODE:
+            thought, content = harmony.split(c.text, calls=plan is not None)
+        else:
+            thought, content = (None, c.text) if think is None else reasoning.split(c.text,
+                                                                                    think)
         calls = []
         if plan is not None and content is not None:
             content, calls = tool_calling.message(plan, content)
@@ -592,7 +619,7 @@ class HTTPServer:
     async def _chat_stream(self, request: Request, req: oai.ChatCompletionRequest, job: Job,
                            rid: str, prompt_ids: list[int],
                            plan: tool_calling.ToolPlan | None,
-                           think: bool | None) -> AsyncIterator[str]:
+                           think: bool | str | None) -> AsyncIterator[str]:
         created, logprobs, echoed = int(time.time()), req.logprob_count(), req.echoed()
         choices = [Choice() for _ in job.requests]
         streams = [ChatDeltas(plan, think, req.include_reasoning) for _ in choices]

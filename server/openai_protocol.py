@@ -325,6 +325,9 @@ class ChatCompletionRequest(_Request):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True  # vLLM's: False drops the reasoning (server/reasoning.py)
+    # OpenAI's; the chat template reads it (gpt-oss's writes "Reasoning: low" ...), as vLLM
+    # passes it (a chat_template_kwargs' own reasoning_effort wins).
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     # vLLM's: the new message starts with the last one's content when both are the
     # assistant's (with continue_final_message: the whole message comes back).
     echo: bool = False

@@ -242,7 +242,8 @@ def chat_body(req: ResponsesRequest, messages: list[dict]) -> dict:
         "priority": req.priority, "cache_salt": req.cache_salt, "stop": req.stop,
         "stop_token_ids": req.stop_token_ids,
         "include_stop_str_in_output": req.include_stop_str_in_output,
-        "structured_outputs": req.structured_outputs}
+        "structured_outputs": req.structured_outputs,
+        "reasoning_effort": (req.reasoning or {}).get("effort")}
     if req.logprobs:
         body["logprobs"], body["top_logprobs"] = True, req.top_logprobs or 0
     if req.tools:

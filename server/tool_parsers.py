@@ -19,6 +19,9 @@ Formats (as the models' chat templates ask for them):
   `<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{...}<|tool_call_end|>`;
   `functions.NAME:INDEX` becomes the call's id (Kimi's template writes a tool result under
   the id of its call, as vLLM's kimi_k2 parser keeps it).
+- `openai` (gpt-oss, with `--reasoning-parser openai_gptoss`): the harmony messages to a
+  recipient, which server/harmony.py passes on as
+  `<|channel|>commentary to=functions.NAME<|message|>{...}<|call|>`.
 
 Output that does not parse as the format is content, as vLLM returns it.
 """
@@ -198,9 +201,23 @@ class KimiK2Parser(ToolParser):
         return calls
 
 
+class OpenAIParser(ToolParser):
+    """gpt-oss's harmony calls, as server/harmony.py hands them on (harmony.call_text)."""
+
+    name = "openai"
+    markers = ("<|channel|>commentary to=",)
+    _call_block = re.compile(r"<\|channel\|>commentary to=(\S+?)<\|message\|>(.*?)"
+                             r"(?:<\|call\|>|$)", re.DOTALL)
+
+    def _calls(self, text: str) -> list[ParsedCall]:
+        return [_call({"name": recipient.removeprefix("functions."),
+                       "arguments": json.loads(body)})
+                for recipient, body in self._call_block.findall(text)]
+
+
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser,
                                                             MistralParser, DeepSeekParser,
-                                                            KimiK2Parser)}
+                                                            KimiK2Parser, OpenAIParser)}
 PARSERS["deepseek_v31"] = DeepSeekParser  # vLLM's name for V3.1's format
 
 
