@@ -234,6 +234,20 @@ def save_peft_adapter(base, path, rank: int = 8, alpha: int = 16, rslora: bool =
     return model
 
 
+def run_on_cpu_devices(script: str, *args, devices: int = 8, timeout: int = 900) -> None:
+    """Run tests/`script` with `args` in a process of its own on `devices` CPU devices
+    (the count is fixed when JAX starts); fail with its stderr's end if it fails."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
+           + f" --xla_force_host_platform_device_count={devices}"}
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / script),
+                           *map(str, args)], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     """Greedy continuation by transformers' own incremental decoding (its KV cache)."""
     import torch

@@ -33,8 +33,8 @@ def main(model_dir: str, out_path: str, prompts: list[list[int]], new_tokens: in
         layer = llm.engine.runner.params["layers"][0]
         shard = lambda a: list(a.sharding.shard_shape(a.shape))  # noqa: E731
         out[name] = {"tokens": [o.outputs[0].token_ids for o in results],
-                     "sinks_shard": shard(layer["attn"]["sinks"].value),
-                     "gate_bias_shard": shard(layer["mlp"]["gate_bias"].value),
+                     "sinks_shard": shard(layer["attn"]["sinks"].get_value()),
+                     "gate_bias_shard": shard(layer["mlp"]["gate_bias"].get_value()),
                      "leaked_pages": llm.engine.scheduler.num_used_pages,
                      "compiles_after_warmup": llm.engine.runner.compiles_after_warmup}
         del llm

@@ -8,9 +8,6 @@ there."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -18,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import hf_greedy
+from conftest import hf_greedy, run_on_cpu_devices
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import ModelConfig
 from jaxserve.models.moe import route_grouped
@@ -289,13 +286,8 @@ def test_tensor_data_and_expert_parallel_match_transformers(checkpoints, prompts
     path = tmp_path / "mtp"
     want = [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts]
     out = tmp_path / "runs.json"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
-           + " --xla_force_host_platform_device_count=8"}
-    script = Path(__file__).parent / "mla_multidevice_check.py"
-    spec = json.dumps({"prompts": prompts, "new_tokens": GREEDY.max_tokens})
-    proc = subprocess.run([sys.executable, str(script), str(path), str(out), spec], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_on_cpu_devices("mla_multidevice_check.py", path, out,
+                       json.dumps({"prompts": prompts, "new_tokens": GREEDY.max_tokens}))
     runs = json.loads(out.read_text())
     names = ("tp 4", "dp+tp 2x2", "ep 4", "dp+ep 8", "dp+tp+ep 4x2 mtp")
     assert set(runs) == {*names, "tp 4 int8 kv"}

@@ -135,6 +135,7 @@ def test_a_gpus_eagle_programs_hold_no_branch_on_device_data(checkpoints, head, 
     check_drawing_proposer(found, branch_free)
 
 
+@pytest.mark.slow  # ~60 s: EAGLE-3's chains run in the default suite, its trees here
 def test_trees_are_the_published_heads_top_guesses(checkpoints, head, version, want,
                                                   prompts):
     """Every node of every whole tree is the torch head's guess of its rank after its
@@ -163,6 +164,7 @@ def test_trees_are_the_published_heads_top_guesses(checkpoints, head, version, w
     check_clean(llm)
 
 
+@pytest.mark.slow  # ~55 s
 def test_preemption_chunks_and_prefix_hits(checkpoints, head, version, want, prompts):
     """A pool too small for the four (preemption and recompute), prompts cut in chunks,
     then a second run on cached prompts: the features of cached pages are the ones

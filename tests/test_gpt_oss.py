@@ -8,10 +8,7 @@ weight layout are test_parity's; tolerances as there."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import hf_greedy
+from conftest import hf_greedy, run_on_cpu_devices
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import ModelConfig
 from pallas_kernels.quantized_matmul.formats import dequantize
@@ -59,13 +56,8 @@ def test_tensor_expert_and_data_parallel_match_transformers(checkpoints, prompts
     path, hf_model = checkpoints("gpt_oss")
     want = [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts]
     out = tmp_path / "runs.json"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
-           + " --xla_force_host_platform_device_count=8"}
-    script = Path(__file__).parent / "gpt_oss_multidevice_check.py"
-    spec = json.dumps({"prompts": prompts, "new_tokens": GREEDY.max_tokens})
-    proc = subprocess.run([sys.executable, str(script), str(path), str(out), spec], env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_on_cpu_devices("gpt_oss_multidevice_check.py", path, out,
+                       json.dumps({"prompts": prompts, "new_tokens": GREEDY.max_tokens}))
     runs = json.loads(out.read_text())
     assert set(runs) == {"tp 2", "tp 4", "tp 2 tpu-kernels", "ep 4", "dp+tp 2x2"}
     # 4 sinks over 2 / 4 model devices; the gate bias [4 experts, 32]: its MLP columns
@@ -133,12 +125,12 @@ def test_mxfp4_experts_served_as_int8_equal_transformers_dequantized(checkpoints
     float_experts = load_file(checkpoints("gpt_oss")[0] / "model.safetensors")
     for i in range(2):
         layer = llm.engine.runner.params["layers"][i]
-        assert layer["attn"]["q_proj"].value.dtype == np.float32
+        assert layer["attn"]["q_proj"][...].dtype == np.float32
         experts = hf_model.model.layers[i].mlp.experts
         gate_up = experts.gate_up_proj.detach().numpy()
         for ours, want in (("gate_proj", gate_up[..., 0::2]), ("up_proj", gate_up[..., 1::2]),
                            ("down_proj", experts.down_proj.detach().numpy())):
-            values, scales = layer["mlp"][ours].value, layer["mlp"][f"{ours}_scales"].value
+            values, scales = layer["mlp"][ours][...], layer["mlp"][f"{ours}_scales"][...]
             assert values.dtype == np.int8 and scales.shape[1] == values.shape[1] // 32
             got = np.stack([np.asarray(dequantize(v, s, "int8"))
                             for v, s in zip(values, scales)])

@@ -658,7 +658,8 @@ def test_qwen_prefill_and_decode_engines(qwen):
             assert side.status().num_used_pages == 0
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", pytest.param("draft_model",
+                                                          marks=pytest.mark.slow)])  # ~60 s
 def test_qwen_requests_speculate(qwen, checkpoints, method):
     """n-gram drafts, or a text model's (a Qwen2 of the same vocabulary, which sees the
     images' placeholders as tokens), verified on requests with images: the draft tokens'
