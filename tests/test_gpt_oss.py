@@ -142,3 +142,24 @@ def test_mxfp4_experts_served_as_int8_equal_transformers_dequantized(checkpoints
     for out, prompt in zip(outs, prompts):
         assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, GREEDY.max_tokens)
     assert llm.engine.scheduler.allocator.num_used_pages == 0
+
+
+def test_an_mxfp4_config_alone_gives_the_settings_that_serve_it(checkpoints, tmp_path):
+    """`jaxserve plan` opens a directory of an MXFP4 checkpoint's config.json alone (no
+    weights to read until they are loaded): int8 in groups of 32 for the experts, every
+    attention projection held float."""
+    from jaxserve.loading.source import open_checkpoint
+
+    config = json.loads((checkpoints("gpt_oss")[0] / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ckpt = open_checkpoint(tmp_path, None)
+    assert (ckpt.method, ckpt.settings["quantization"], ckpt.settings["quant_group_size"],
+            ckpt.settings["quant_zero_points"]) == ("mxfp4", "int8", 32, False)
+    assert sorted(o[0] for o in ckpt.settings["quant_overrides"]) == sorted(
+        f"layers.{i}.attn.{p}_proj" for i in range(2) for p in "qkvo")
+    assert all(o[1:] == (None, None, False) for o in ckpt.settings["quant_overrides"])
+    with pytest.raises(ValueError, match="no \\*.safetensors files"):
+        next(iter(ckpt.tensors))
+    with pytest.raises(ValueError, match="mxfp4.*int8.*--quantization"):
+        open_checkpoint(tmp_path, "int4")

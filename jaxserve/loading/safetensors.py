@@ -61,8 +61,11 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 
 
 def checkpoint_tensors(model_dir: str | Path) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, memory-mapped array) for every tensor of the checkpoint, file by file."""
-    return (item for file in checkpoint_files(model_dir) for item in read_tensors(file))
+    """(name, memory-mapped array) for every tensor of the checkpoint, file by file (the
+    files are looked for when the first is asked for: `jaxserve plan` opens a config-only
+    directory of a quantized checkpoint for its settings alone)."""
+    for file in checkpoint_files(model_dir):
+        yield from read_tensors(file)
 
 
 def decoder_tensors(model_dir: str | Path, cfg: ModelConfig
