@@ -174,6 +174,7 @@ def test_engine_step_compiles_with_pallas_kernels(topology, quant):
     assert abs(args - expected) / expected < 0.03, (args, expected)  # + norms, channel scales
 
 
+@pytest.mark.slow  # ~35 s of compiling
 def test_the_scoring_step_compiles_on_a_v5e_mesh(devices):
     """Prompt logprobs' program (the step's forward pass scoring each of its 256 tokens
     against Llama 3's 128k vocabulary, split over 4 chips) compiles with the attention
@@ -193,6 +194,7 @@ def test_the_scoring_step_compiles_on_a_v5e_mesh(devices):
     assert 0 < extra < logits / 8, (extra, logits)
 
 
+@pytest.mark.slow  # ~30 s of compiling
 def test_the_pooling_step_compiles_on_a_v5e_mesh(devices):
     """Embeddings' and classification's program (the step's forward pass also summing its
     pool segments' final hidden states) compiles with the attention kernels over 4

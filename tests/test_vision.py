@@ -624,6 +624,7 @@ def test_qwen_requests_match_transformers(qwen, qwen_llm):
     assert engine.images.encoder.compiles_after_warmup == 0
 
 
+@pytest.mark.slow  # ~40 s
 def test_qwen_prefill_and_decode_engines(qwen):
     """Prefill/decode disaggregation with images: the prefill engine runs the tower and
     computes the prompts' K/V, the decode engine places the same images (M-RoPE's
