@@ -5,9 +5,9 @@ parallelism 2, expert parallelism 4 (whole experts, their biases with them), and
 tensor parallelism.
 
 Started by tests/test_gpt_oss.py in its own process (the device count is fixed when JAX
-starts): `python tests/gpt_oss_multidevice_check.py MODEL_DIR OUT.json SPEC.json` (tests/mesh_runs.py). Writes
-each run's greedy tokens, the shard shapes of a layer's sinks and gate bias, leaked pages
-and compiles after warm-up.
+starts): `python tests/gpt_oss_multidevice_check.py MODEL_DIR OUT.json SPEC.json`
+(tests/mesh_runs.py). Writes each run's greedy tokens, the shard shapes of a layer's sinks
+and gate bias, leaked pages and compiles after warm-up.
 """
 
 from mesh_runs import main

@@ -5,9 +5,9 @@ device (dp+ep on data 8, dp+tp+ep on data 4 x model 2, drafting with the checkpo
 layer), and tensor parallelism with an 8-bit latent cache.
 
 Started by tests/test_deepseek.py in its own process (the device count is fixed when JAX
-starts): `python tests/mla_multidevice_check.py MODEL_DIR OUT.json SPEC.json` (tests/mesh_runs.py). Writes each
-run's greedy tokens, W_uk's and an expert stack's shard shapes, leaked pages and compiles
-after warm-up.
+starts): `python tests/mla_multidevice_check.py MODEL_DIR OUT.json SPEC.json`
+(tests/mesh_runs.py). Writes each run's greedy tokens, W_uk's and an expert stack's shard
+shapes, leaked pages and compiles after warm-up.
 """
 
 from mesh_runs import main

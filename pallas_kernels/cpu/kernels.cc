@@ -91,8 +91,8 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer 
                          ffi::Buffer<ffi::S32> num_seqs, ffi::AnyBuffer k_scales,
                          ffi::AnyBuffer v_scales, ffi::Buffer<ffi::S32> tree_start,
                          ffi::Buffer<ffi::S32> tree_mask, ffi::Buffer<ffi::F32> sinks,
-                         ffi::Result<ffi::AnyBuffer> out, float sm_scale, int64_t sliding_window, float soft_cap,
-                         int64_t queries_per_block) {
+                         ffi::Result<ffi::AnyBuffer> out, float sm_scale,
+                         int64_t sliding_window, float soft_cap, int64_t queries_per_block) {
   auto bad = [](const std::string& what) {
     return ffi::Error::InvalidArgument("jaxserve_ragged_paged_attention: " + what);
   };

@@ -135,8 +135,9 @@ def _kernel(seq_ref, q_pos_ref, num_q_ref, kv_len_ref,  # [W] each: item metadat
     # rest: ts_ref [W] and tm_ref [rows] (each item's tree start and its rows' tree masks,
     # trees only), ie_ref [rows] (its rows' image ends, -1 outside images; images only),
     # ks_ref, vs_ref [num_pages, page_size] (this head's scales, quantized caches only),
-    # sink_ref [rows] (each row's sink, sinks only), then the outputs: o_ref [rows, head_dim], or with KV splits acc_ref [rows, head_dim]
-    # and m_ref, l_ref [rows] (this split's unnormalised partials, f32).
+    # sink_ref [rows] (each row's sink, sinks only), then the outputs: o_ref [rows,
+    # head_dim], or with KV splits acc_ref [rows, head_dim] and m_ref, l_ref [rows] (this
+    # split's unnormalised partials, f32).
     if tree:
         ts_ref, tm_ref, *rest = rest
     if images:
