@@ -49,9 +49,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "`jaxserve convert`, AWQ, GPTQ or compressed-tensors is served as "
                         "stored)")
     g.add_argument("--quant-group-size", type=int, default=None, metavar="G",
-                   help="int4 / int8: rows per scale group when jaxserve quantizes (int4 "
-                        "default 128, int8 default per output channel; it must divide "
-                        "every layer's input width)")
+                   help="int4 / int8 / fp4: rows per scale group when jaxserve quantizes "
+                        "(int4 default 128, fp4 32, int8 default per output channel; it "
+                        "must divide every layer's input width)")
     g.add_argument("--quant-zero-points", action="store_true",
                    help="int4 / int8: asymmetric groups with zero points (GPTQ's min-max)")
     g.add_argument("--lm-head-quantization", choices=list(LM_HEAD_QUANTIZATIONS),

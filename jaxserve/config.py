@@ -27,17 +27,17 @@ DTYPES = ("bfloat16", "float32")
 # kv_cache_dtype names and the dtype each stores ("auto": the model's dtype).
 KV_CACHE_DTYPES = {"auto": None, "int8": "int8", "fp8": "float8_e4m3fn"}
 KERNEL_IMPLS = ("reference", "tpu", "gpu", "cpu")
-QUANTIZATIONS = ("int8", "int4", "fp8")
+QUANTIZATIONS = ("int8", "int4", "fp8", "fp4")
 LM_HEAD_QUANTIZATIONS = ("int8", "int4")
 SPECULATIVE_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3", "mtp")
 _NO_MODEL_METHODS = ("ngram", "mtp")  # n-gram needs none; mtp reads the target's own files
 
 
 def _check_group(name: str, group, kind: str | None) -> None:
-    """A group size: a positive integer (even for int4), or unset."""
+    """A group size: a positive integer (even for int4 and fp4), or unset."""
     if group is not None and (not isinstance(group, int) or group < 1
-                              or (kind == "int4" and group % 2)):
-        raise ValueError(f"{name} must be a positive integer (even for int4), or unset; "
+                              or (kind in ("int4", "fp4") and group % 2)):
+        raise ValueError(f"{name} must be a positive integer (even for int4 and fp4), or unset; "
                          f"got {group!r}")
 
 
@@ -58,10 +58,13 @@ def _check_overrides(overrides, quantization: str | None) -> tuple:
                              f"(or null, null, false: the layer in the model's dtype)")
         _check_group(f"quant_overrides {path!r}: the group size", group, kind)
         checked.append((path, kind, group, zero_points))
-    if any(path != "embed" for path, *_ in checked) and quantization not in ("int8", "int4"):
+    integer = quantization in ("int8", "int4")
+    if any(path != "embed" and not (integer or (kind is None and quantization))
+           for path, kind, *_ in checked):
         raise ValueError("quant_overrides name layers held in another integer format than "
                          "`quantization`'s; set quantization: int4 or int8 (only an 'embed' "
-                         "entry, a quantized embedding, stands without it)")
+                         "entry, a quantized embedding, stands without it; a layer held in "
+                         "the model's dtype needs some quantization)")
     if len({path for path, *_ in checked}) < len(checked):
         raise ValueError("quant_overrides names a layer twice")
     return tuple(checked)
@@ -981,8 +984,8 @@ def _rope(params: dict[str, Any], scaling: dict[str, Any], theta: float, hf: dic
 @dataclasses.dataclass(frozen=True)
 class ModelOptions:
     """How the model runs, beyond its shape: the kernels (None: by platform; "reference" |
-    "tpu" | "gpu"), weight quantization (None | "int8" | "int4" | "fp8"), and interpret
-    mode for the Pallas kernels (CPU tests). Integer weights come in groups of
+    "tpu" | "gpu"), weight quantization (None | "int8" | "int4" | "fp8" | "fp4"), and
+    interpret mode for the Pallas kernels (CPU tests). Integer weights come in groups of
     `quant_group_size` rows (None: int4 by 128, int8 per output channel; a checkpoint's
     own otherwise), with `quant_zero_points` when the checkpoint is asymmetric (AWQ, GPTQ;
     pallas_kernels/quantized_matmul), and with `quant_act_order` (GPTQ's desc_act) each
@@ -1049,9 +1052,10 @@ class EngineConfig:
     sequences, so each token bucket is a fixed set of compiled programs (runner.py).
     `kv_cache_dtype` "auto" stores K/V in `dtype`; "int8" / "fp8" (e4m3) store them
     quantized with a float32 scale per token and head. `quantization` ("int8" | "int4" |
-    "fp8") quantizes the linear layers' weights at load (embeddings, norms and the LM head
-    stay in `dtype`); int4 by groups of `quant_group_size` rows (default 128), int8 and
-    fp8 per output channel or by groups of `quant_group_size`, integers asymmetric with
+    "fp8" | "fp4") quantizes the linear layers' weights at load (embeddings, norms and the
+    LM head stay in `dtype`); int4 by groups of `quant_group_size` rows (default 128), fp4
+    (MXFP4) by groups of 32, int8 and fp8 per output channel or by groups of
+    `quant_group_size`, integers asymmetric with
     `quant_zero_points`. A checkpoint quantized by its makers (AWQ, GPTQ,
     compressed-tensors; our converted ones) sets these to its own at load, and
     `quant_act_order` for GPTQ's act-order (desc_act) checkpoints. `lm_head_quantization`

@@ -1,8 +1,9 @@
 """gpt-oss (attention sinks, biased experts) on a mesh of 8 CPU devices: tensor parallelism
 2 (the sinks split with the query heads) and 4 (each KV head stored on the 2 devices that
-read it), the TPU Pallas attention kernel per device (interpret mode) under tensor
-parallelism 2, expert parallelism 4 (whole experts, their biases with them), and data +
-tensor parallelism.
+read it), the TPU Pallas kernels per device (interpret mode) under tensor parallelism 2,
+expert parallelism 4 (whole experts, their biases with them), and data + tensor
+parallelism; the test picks the runs (an MXFP4 checkpoint's: its fp4 experts whole on 2
+devices through the TPU or the GPU kernels, interpret mode).
 
 Started by tests/test_gpt_oss.py in its own process (the device count is fixed when JAX
 starts): `python tests/gpt_oss_multidevice_check.py MODEL_DIR OUT.json SPEC.json`
@@ -16,6 +17,10 @@ ENGINE = dict(dtype="float32", max_model_len=128, page_size=4, max_num_seqs=4,
               max_num_batched_tokens=64, token_buckets=(64,))
 RUNS = {"tp 2": ({"model": 2}, "tp", {}), "tp 4": ({"model": 4}, "tp", {}),
         "tp 2 tpu-kernels": ({"model": 2}, "tp", {"kernel_impl": "tpu",
+                                                 "interpret_kernels": True}),
+        "ep 2 tpu-kernels": ({"model": 2}, "ep", {"kernel_impl": "tpu",
+                                                 "interpret_kernels": True}),
+        "ep 2 gpu-kernels": ({"model": 2}, "ep", {"kernel_impl": "gpu",
                                                  "interpret_kernels": True}),
         "ep 4": ({"model": 4}, "ep", {}),
         "dp+tp 2x2": ({"data": 2, "model": 2}, "dp+tp", {})}

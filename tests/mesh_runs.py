@@ -1,7 +1,8 @@
 """The loop the multi-device check scripts share (tests/mla_multidevice_check.py,
 tests/gpt_oss_multidevice_check.py): each run's engine on its mesh, the prompts' greedy
 tokens, what the script reads of the engine, leaked pages and compiles after warm-up,
-written as JSON. `python SCRIPT MODEL_DIR OUT.json SPEC.json` (SPEC: prompts, new_tokens)."""
+written as JSON. `python SCRIPT MODEL_DIR OUT.json SPEC.json` (SPEC: prompts, new_tokens,
+and optionally runs: the names of the script's runs to make, else all)."""
 
 import json
 import sys
@@ -15,7 +16,8 @@ def main(runs: dict, engine: dict, describe) -> None:
     model_dir, out_path, spec = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     params = SamplingParams(temperature=0.0, max_tokens=spec["new_tokens"], ignore_eos=True)
     out = {}
-    for name, (mesh, strategy, extra) in runs.items():
+    for name in spec.get("runs", list(runs)):
+        mesh, strategy, extra = runs[name]
         llm = LLM(model_dir, mesh=mesh, sharding=strategy, **{**engine, **extra})
         results = llm.generate(spec["prompts"], params)
         out[name] = {"tokens": [o.outputs[0].token_ids for o in results], **describe(llm),

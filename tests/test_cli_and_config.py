@@ -26,7 +26,7 @@ def test_help_lists_every_command_and_its_flags(capsys):
     flags = {
         ("serve",): ["--port", "--mesh",
                      "--sharding {tp,tp+sp,dp,dp+tp,dp+tp+sp,ep,tp+ep,dp+ep,dp+tp+ep}",
-                     "--dtype {bfloat16,float32}", "--quantization {int8,int4,fp8}",
+                     "--dtype {bfloat16,float32}", "--quantization {int8,int4,fp8,fp4}",
                      "--kv-cache-dtype {auto,int8,fp8}", "--random-weights", "--coordinator",
                      "--grace", "--http-port", "--no-http", "--served-model-name",
                      "--stream-interval", "--kv-transfer-config"],

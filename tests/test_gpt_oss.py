@@ -11,6 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -56,10 +57,11 @@ def test_tensor_expert_and_data_parallel_match_transformers(checkpoints, prompts
     path, hf_model = checkpoints("gpt_oss")
     want = [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts]
     out = tmp_path / "runs.json"
-    run_on_cpu_devices("gpt_oss_multidevice_check.py", path, out,
-                       json.dumps({"prompts": prompts, "new_tokens": GREEDY.max_tokens}))
+    names = ["tp 2", "tp 4", "tp 2 tpu-kernels", "ep 4", "dp+tp 2x2"]
+    run_on_cpu_devices("gpt_oss_multidevice_check.py", path, out, json.dumps(
+        {"prompts": prompts, "new_tokens": GREEDY.max_tokens, "runs": names}))
     runs = json.loads(out.read_text())
-    assert set(runs) == {"tp 2", "tp 4", "tp 2 tpu-kernels", "ep 4", "dp+tp 2x2"}
+    assert set(runs) == set(names)
     # 4 sinks over 2 / 4 model devices; the gate bias [4 experts, 32]: its MLP columns
     # split under tp, whole experts under ep.
     assert [runs[n]["sinks_shard"] for n in ("tp 2", "tp 4", "dp+tp 2x2")] == [[2], [1], [2]]
@@ -108,20 +110,20 @@ def write_mxfp4_checkpoint(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_mxfp4_experts_served_as_int8_equal_transformers_dequantized(checkpoints, prompts,
-                                                                      tmp_path):
+def test_mxfp4_experts_served_as_fp4_equal_transformers_dequantized(checkpoints, prompts,
+                                                                     tmp_path):
     """An MXFP4 checkpoint (the experts' e2m1 codes and e8m0 scales): each expert stack held
-    as int8 in groups of 32 that dequantizes to exactly what transformers' own MXFP4 reader
-    dequantizes (Mxfp4Config(dequantize=True)), gate and up taken apart from their
-    interleaved columns; attention left float; greedy tokens as transformers' on those
-    weights."""
+    as fp4 in groups of 32 (half a byte a weight, bf16 scales) that dequantizes to exactly
+    what transformers' own MXFP4 reader dequantizes (Mxfp4Config(dequantize=True)), gate
+    and up taken apart from their interleaved columns; attention left float; greedy tokens
+    as transformers' on those weights."""
     from transformers import GptOssForCausalLM, Mxfp4Config
 
     path = write_mxfp4_checkpoint(checkpoints("gpt_oss")[0], tmp_path / "mxfp4")
     hf_model = GptOssForCausalLM.from_pretrained(
         path, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32).eval()
     llm = LLM(str(path), **{**ENGINE, "max_num_batched_tokens": 16, "token_buckets": (16,)})
-    assert (llm.engine.config.quantization, llm.engine.config.quant_group_size) == ("int8", 32)
+    assert (llm.engine.config.quantization, llm.engine.config.quant_group_size) == ("fp4", 32)
     float_experts = load_file(checkpoints("gpt_oss")[0] / "model.safetensors")
     for i in range(2):
         layer = llm.engine.runner.params["layers"][i]
@@ -131,8 +133,9 @@ def test_mxfp4_experts_served_as_int8_equal_transformers_dequantized(checkpoints
         for ours, want in (("gate_proj", gate_up[..., 0::2]), ("up_proj", gate_up[..., 1::2]),
                            ("down_proj", experts.down_proj.detach().numpy())):
             values, scales = layer["mlp"][ours][...], layer["mlp"][f"{ours}_scales"][...]
-            assert values.dtype == np.int8 and scales.shape[1] == values.shape[1] // 32
-            got = np.stack([np.asarray(dequantize(v, s, "int8"))
+            assert values.dtype == np.uint8 and scales.dtype == jnp.bfloat16
+            assert scales.shape[1] == 2 * values.shape[1] // 32
+            got = np.stack([np.asarray(dequantize(v, s, "fp4"))
                             for v, s in zip(values, scales)])
             np.testing.assert_array_equal(got, want)
         # 4-bit codes: not the float weights themselves
@@ -144,9 +147,32 @@ def test_mxfp4_experts_served_as_int8_equal_transformers_dequantized(checkpoints
     assert llm.engine.scheduler.allocator.num_used_pages == 0
 
 
+@pytest.mark.slow
+def test_mxfp4_experts_on_a_mesh_match_transformers(checkpoints, prompts, tmp_path):
+    """The MXFP4 checkpoint's fp4 experts on 8 CPU devices, whole experts over 4 devices
+    and over 2 through the TPU and the GPU kernels per device (interpret mode: fp4 decoded
+    in the grouped kernels): the greedy tokens of transformers' dequantized model. (Its
+    32-wide experts are one group of 32 rows: no tp split of them, which is refused.)"""
+    from transformers import GptOssForCausalLM, Mxfp4Config
+
+    path = write_mxfp4_checkpoint(checkpoints("gpt_oss")[0], tmp_path / "mxfp4")
+    hf_model = GptOssForCausalLM.from_pretrained(
+        path, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.float32).eval()
+    want = [hf_greedy(hf_model, p, GREEDY.max_tokens) for p in prompts]
+    names = ["ep 4", "ep 2 tpu-kernels", "ep 2 gpu-kernels"]
+    out = tmp_path / "runs.json"
+    run_on_cpu_devices("gpt_oss_multidevice_check.py", path, out, json.dumps(
+        {"prompts": prompts, "new_tokens": GREEDY.max_tokens, "runs": names}))
+    runs = json.loads(out.read_text())
+    assert set(runs) == set(names)
+    for name, run in runs.items():
+        assert run["tokens"] == want, name
+        assert run["leaked_pages"] == 0 and run["compiles_after_warmup"] == 0, name
+
+
 def test_an_mxfp4_config_alone_gives_the_settings_that_serve_it(checkpoints, tmp_path):
     """`jaxserve plan` opens a directory of an MXFP4 checkpoint's config.json alone (no
-    weights to read until they are loaded): int8 in groups of 32 for the experts, every
+    weights to read until they are loaded): fp4 in groups of 32 for the experts, every
     attention projection held float."""
     from jaxserve.loading.source import open_checkpoint
 
@@ -155,11 +181,11 @@ def test_an_mxfp4_config_alone_gives_the_settings_that_serve_it(checkpoints, tmp
     (tmp_path / "config.json").write_text(json.dumps(config))
     ckpt = open_checkpoint(tmp_path, None)
     assert (ckpt.method, ckpt.settings["quantization"], ckpt.settings["quant_group_size"],
-            ckpt.settings["quant_zero_points"]) == ("mxfp4", "int8", 32, False)
+            ckpt.settings["quant_zero_points"]) == ("mxfp4", "fp4", 32, False)
     assert sorted(o[0] for o in ckpt.settings["quant_overrides"]) == sorted(
         f"layers.{i}.attn.{p}_proj" for i in range(2) for p in "qkvo")
     assert all(o[1:] == (None, None, False) for o in ckpt.settings["quant_overrides"])
     with pytest.raises(ValueError, match="no \\*.safetensors files"):
         next(iter(ckpt.tensors))
-    with pytest.raises(ValueError, match="mxfp4.*int8.*--quantization"):
+    with pytest.raises(ValueError, match="mxfp4.*fp4.*--quantization"):
         open_checkpoint(tmp_path, "int4")

@@ -30,8 +30,10 @@ SIZES = {"mixed": [5, 0, 19, 9], "one group takes all": [0, 0, 37, 0],
          "small groups": [1, 2, 3, 1], "all empty": [0, 0, 0, 0]}
 # Float, the three kinds, and the checkpoints' variants: "-g" group scales, "-zp" groups
 # with zero points (AWQ / GPTQ / compressed-tensors experts), and GGUF's small groups
-# (a number: rows per group; Q4_K's int4 in 32s with zero points, Q6_K's int8 in 16s).
-KINDS = [None, "int8", "int4", "fp8", "int8-g", "int4-zp", "int8-zp", "int4-zp32", "int8-g16"]
+# (a number: rows per group; Q4_K's int4 in 32s with zero points, Q6_K's int8 in 16s);
+# fp4 in MXFP4's groups of 32 (gpt-oss's experts).
+KINDS = [None, "int8", "int4", "fp8", "int8-g", "int4-zp", "int8-zp", "int4-zp32", "int8-g16",
+         "fp4"]
 
 
 def base(kind):
@@ -180,7 +182,7 @@ def abstract(m, g, k, n, kind, sharding=None):
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4", "int4-zp", "int8-zp", "int4-zp32", "int8-g16",
-                                  None], ids=str)
+                                  "fp4", None], ids=str)
 def test_gpu_kernel_lowers_to_triton_for_mixtral(kind):
     from pallas_kernels.grouped_matmul import gpu
 
@@ -197,7 +199,7 @@ def test_gpu_kernel_lowers_to_triton_for_mixtral(kind):
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4", "fp8", "int4-zp", "int8-zp", "int4-zp32",
-                                  "int8-g16", None], ids=str)
+                                  "int8-g16", "fp4", None], ids=str)
 def test_tpu_kernel_compiles_with_the_stack_quantized_in_hbm(chip, kind):
     """Mosaic accepts the kernel on v5e and v6e at Mixtral's shapes, and the program's
     arguments are x, the stack as stored and its scales: no dequantized copy of an
@@ -211,9 +213,75 @@ def test_tpu_kernel_compiles_with_the_stack_quantized_in_hbm(chip, kind):
         compiled = jax.jit(lambda x, v, s, sc: gm.grouped_matmul(x, v, s, sc, kind=base(kind))
                            ).lower(*args).compile()
     mem = compiled.memory_analysis()
-    stack = g * k * n * {None: 2, "int8": 1, "fp8": 1, "int4": 0.5}[base(kind)]
-    scales = 0 if kind is None else args[3].size * 4
+    stack = g * k * n * {None: 2, "int8": 1, "fp8": 1, "int4": 0.5, "fp4": 0.5}[base(kind)]
+    scales = 0 if kind is None else args[3].size * args[3].dtype.itemsize  # fp4's: bf16
     # group_sizes (int32[8]) takes one 512-byte tile on the chip.
     assert mem.argument_size_in_bytes == m * k * 2 + stack + scales + 512
     assert mem.temp_size_in_bytes < k * n // 16  # less than a 16th of ONE expert
     assert "tpu_custom_call" in compiled.as_text()
+
+
+GPT_OSS_20B_EXPERT = (16, 32, 2880, 2880)  # 4 decode tokens x top-4 rows, 32 experts
+
+
+def test_tpu_kernel_compiles_for_gpt_oss_mxfp4_experts(chip):
+    """gpt-oss-20b's expert stack as its checkpoint holds it (MXFP4: fp4 in groups of 32;
+    K = N = 2880, no multiple of 128): Mosaic compiles the kernel with the stack an
+    argument as stored, half a byte a weight and a bf16 scale per 32 (4.5 bits), read in
+    place with ragged edge blocks: no padded copy of it (~150 MB a call when it was).
+    (120b's 128 experts: XLA's default TPU layout for that stack puts the experts minor,
+    and the kernel's operand is copied into row-major order every call; not yet mended.)"""
+    from jax.sharding import SingleDeviceSharding
+
+    m, g, k, n = GPT_OSS_20B_EXPERT
+    args = abstract(m, g, k, n, "fp4", SingleDeviceSharding(chip))
+    assert args[3].shape == (g, k // 32, n) and args[3].dtype == jnp.bfloat16
+    with jax.default_device(chip):
+        compiled = jax.jit(lambda x, v, s, sc: gm.grouped_matmul(x, v, s, sc, kind="fp4")
+                           ).lower(*args).compile()
+    mem = compiled.memory_analysis()
+    # 4.5 bits a weight, plus the tiles' padding of 2880 columns to 2944 (2.2%).
+    stored = m * k * 2 + g * k * n * 4.5 / 8 + 512
+    assert stored <= mem.argument_size_in_bytes <= stored * 2944 / 2880
+    assert mem.temp_size_in_bytes < k * n // 16
+    assert "tpu_custom_call" in compiled.as_text()
+
+
+RAGGED_BLOCKS = {"tpu": dict(block_n=128, block_k=512), "gpu": dict(block_n=64, block_k=512)}
+
+
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+@pytest.mark.parametrize("kind", [None, "int8", "fp8", "int4-zp32", "int8-zp", "fp4"], ids=str)
+def test_kernels_read_ragged_edges_in_place(rng, impl, kind):
+    """K = 640 and N = 320 under 512-row K blocks: the last K block runs 384 rows past
+    the stack and the last N block past its columns. The stack is read in place (not
+    padded): what lies past it (NaN in interpret mode, ints at their minimum) must not
+    reach the output: the TPU kernel zeroes the rows past K and their groups' scales, the
+    GPU kernel's loads are masked."""
+    from pallas_kernels.grouped_matmul import tpu
+
+    x, values, scales, gs = draw(rng, SIZES["mixed"], 640, 320, kind, group_size=32)
+    group, is_grouped, _ = formats.layout(base(kind), 640, scales)
+    assert tpu.reads_ragged(values, scales, base(kind), 640, 512, group, is_grouped)
+    y = gm.grouped_matmul(x, values, gs, scales, kind=base(kind), impl=impl,
+                          interpret=kernel_interpret(impl), **RAGGED_BLOCKS[impl])
+    ref = gm.grouped_matmul(x, values, gs, scales, kind=base(kind), impl="reference")
+    assert np.isfinite(np.asarray(y)).all()
+    assert_close(y, np.asarray(ref, np.float64))
+
+
+def test_gpu_kernel_lowers_for_gpt_oss_mxfp4_experts_unpadded():
+    """The Triton lowering takes gpt-oss-20b's fp4 expert stack (K = N = 2880, no power
+    of two) as it is: the kernel's operand is the stored `u8[32, 1440, 2880]` (masked
+    loads at the edges), not a padded copy."""
+    from pallas_kernels.grouped_matmul import gpu
+
+    fn = jax.jit(lambda x, v, s, sc: gpu.grouped_matmul(x, v, s, sc, kind="fp4"))
+    exported = jax.export.export(
+        fn, platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(*abstract(*GPT_OSS_20B_EXPERT, "fp4"))
+    text = exported.mlir_module()
+    call = next(line for line in text.splitlines() if "__gpu$xla.gpu.triton" in line)
+    assert "tensor<32x1440x2880xui8>" in call and "tensor<32x90x2880xbf16>" in call
+    assert "1440x2944" not in text and "1472x" not in text  # no padded stack anywhere

@@ -21,10 +21,12 @@ ARCHS = ["llama", "qwen3"]
 
 # Relative rms noise per element, for Gaussian weights over rows of 64 (scale = amax / qmax,
 # amax ~ 2.5 sigma, uniform rounding error of rms step / sqrt(12)):
-#   int8: 2.5 / 127 / 3.46 = 0.6%; fp8 e4m3 (3 mantissa bits): ~2.3%; int4: 2.5 / 7 / 3.46 = 10%.
+#   int8: 2.5 / 127 / 3.46 = 0.6%; fp8 e4m3 (3 mantissa bits): ~2.3%; int4: 2.5 / 7 / 3.46 = 10%;
+#   fp4 (MXFP4, groups of 32: e2m1's uneven steps under a power-of-two scale) about int4's.
 # Logit deltas scale with that noise and KL ~ var(delta) / 2, so KL(int4) ~ 300 x KL(int8)
 # and KL(fp8) ~ 15 x KL(int8). Measured on llama / qwen3 (95 positions): int8 weights
 # 1.3e-4 / 1.4e-4 (top-1 0.97), fp8 2.2e-3 (0.85-0.87), int4 4.0e-2 / 3.5e-2 (0.56-0.58),
+# fp4 4.7e-2 / 4.0e-2 (0.46-0.52),
 # int8 KV 3e-5 (0.98), fp8 KV 5.6e-4 (0.95): the ratios theory predicts. Top-1 agreement is
 # low for int4 because these random models' next-token distributions are nearly flat (the
 # top two logits are often closer than int4's logit noise); chance would be ~1/vocab.
@@ -34,6 +36,7 @@ CASES = {
     "int8 weights": (dict(options=ModelOptions(quantization="int8")), 1e-3, 0.9),
     "fp8 weights": (dict(options=ModelOptions(quantization="fp8")), 1e-2, 0.75),
     "int4 weights": (dict(options=ModelOptions(quantization="int4")), 0.1, 0.45),
+    "fp4 weights": (dict(options=ModelOptions(quantization="fp4")), 0.15, 0.35),
     "int8 KV": (dict(kv_dtype=jnp.int8), 5e-4, 0.9),
     "fp8 KV": (dict(kv_dtype=jnp.float8_e4m3fn), 5e-3, 0.85),
 }

@@ -8,8 +8,8 @@ absolute products each output element adds up):
   summation order, so they agree to 1e-5 of the output's magnitude (max |y|).
 - bfloat16 x (8 significant bits, so rounding is relative 2^-8): the reference rounds every
   dequantized weight to bf16 (2^-8 Σ in all), sums in f32, and rounds y to bf16 (2^-8 |y|
-  <= 2^-8 Σ): within 2^-7 Σ of the float64 oracle. The kernels keep int8 / int4 / fp8
-  values exact in bf16 (integers up to 256 and e4m3's 4 significant bits fit; products
+  <= 2^-8 Σ): within 2^-7 Σ of the float64 oracle. The kernels keep int8 / int4 / fp8 / fp4
+  values exact in bf16 (integers up to 256, e4m3's 4 and e2m1's 2 significant bits fit; products
   with x are exact in f32) and apply the scales in f32, so their only bf16 rounding is
   y's: within 2^-8 |y| + 2^-14 Σ (f32 summation) of the oracle, and within the sum of both
   bounds of the reference.
@@ -21,6 +21,7 @@ import zlib
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -35,13 +36,13 @@ def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
 
 
-def numpy_unpack_int4(values: np.ndarray, group: int) -> np.ndarray:
-    """An unpacker written from the format's description alone, byte by byte."""
+def numpy_unpack_nibbles(values: np.ndarray, group: int) -> np.ndarray:
+    """The 4-bit fields (0-15) of packed bytes in row order: an unpacker written from the
+    format's description alone, byte by byte."""
     v = np.asarray(values, dtype=np.uint8)
     half, n = v.shape
     low = (v & 0x0F).astype(np.int16)
     high = (v >> 4).astype(np.int16)
-    low, high = np.where(low >= 8, low - 16, low), np.where(high >= 8, high - 16, high)
     out = np.empty((2 * half, n), dtype=np.int16)
     per = group // 2
     for start in range(0, half, per):
@@ -50,9 +51,21 @@ def numpy_unpack_int4(values: np.ndarray, group: int) -> np.ndarray:
     return out
 
 
+def numpy_unpack_int4(values: np.ndarray, group: int) -> np.ndarray:
+    """The signed ints (two's complement nibbles)."""
+    u = numpy_unpack_nibbles(values, group)
+    return np.where(u >= 8, u - 16, u)
+
+
+def numpy_unpack_fp4(values: np.ndarray, group: int) -> np.ndarray:
+    """The e2m1 values, decoded by ml_dtypes' float4_e2m1fn (the oracle)."""
+    u = numpy_unpack_nibbles(values, group).astype(np.uint8)
+    return u.view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+
+
 # Test variants of the kernels' kinds: "-g" int8 / fp8 with group scales, "-zp" with zero points
 # (int8: grouped too), "-czp" int8 per channel with zero points.
-VARIANTS = ["int8", "int8-g", "int8-zp", "int4", "int4-zp", "fp8", "fp8-g"]
+VARIANTS = ["int8", "int8-g", "int8-zp", "int4", "int4-zp", "fp8", "fp8-g", "fp4"]
 
 
 def base(kind: str) -> str:
@@ -65,18 +78,20 @@ def has_zp(kind: str) -> bool:
 
 
 def variant_group(kind: str, group_size: int = 128) -> int | None:
-    """The group_size a variant quantizes with: int8 per channel unless "-g" / "-zp"."""
+    """The group_size a variant quantizes with: int8 per channel unless "-g" / "-zp"; fp4
+    in MXFP4's groups of 32."""
     if kind in ("int8", "int8-czp", "fp8"):
         return None
-    return group_size
+    return 32 if kind == "fp4" else group_size
 
 
 def numpy_dequantize(values, scales, kind: str) -> np.ndarray:
     """float64 weight from the stored format, independently of formats.dequantize."""
-    scales = np.asarray(scales, np.float64)
+    scales = np.asarray(scales.astype(jnp.float32), np.float64)
     scales, zeros = scales if has_zp(kind) else (scales, np.zeros_like(scales))
-    if base(kind) == "int4":
-        q = numpy_unpack_int4(np.asarray(values), 2 * values.shape[0] // scales.shape[0])
+    if base(kind) in ("int4", "fp4"):
+        unpack = numpy_unpack_int4 if base(kind) == "int4" else numpy_unpack_fp4
+        q = unpack(np.asarray(values), 2 * values.shape[0] // scales.shape[0])
     else:
         q = np.asarray(values.astype(jnp.float32), np.float64)
     rep = lambda a: np.repeat(a, q.shape[0] // scales.shape[0], axis=0)  # noqa: E731
@@ -171,15 +186,17 @@ def test_int4_packing_round_trip_against_numpy(rng):
 
 
 @pytest.mark.parametrize("kind, group, zp", [("int4", 32, True), ("int4", 16, False),
-                                             ("int8", 32, True), ("int8", None, False)])
+                                             ("int8", 32, True), ("int8", None, False),
+                                             ("fp4", 32, False)])
 def test_dequantize_rows_against_numpy(rng, kind, group, zp):
     """A weight held by rows (an embedding table: values `[N, K']`, scales `[(2,) N, G']`)
     dequantizes to the numpy unpacking of its integers, minus zero points, times scales."""
     w = rng.standard_normal((64, 24), dtype=np.float32)  # [K, N]
     values, scales = formats.quantize(jnp.asarray(w), kind, group, zero_points=zp)
     g = group or 64
-    q = numpy_unpack_int4(np.asarray(values), g) if kind == "int4" else np.asarray(values)
-    s = np.asarray(scales)
+    unpack = {"int4": numpy_unpack_int4, "fp4": numpy_unpack_fp4}.get(kind)
+    q = unpack(np.asarray(values), g) if unpack else np.asarray(values)
+    s = np.asarray(scales.astype(jnp.float32))
     scale, zero = (s[0], s[1]) if zp else (s, np.zeros_like(s))
     want = ((q.reshape(64 // g, g, 24) - zero[:, None]) * scale[:, None]).reshape(64, 24).T
     got = formats.dequantize_rows(values.T, jnp.swapaxes(scales, -1, -2), kind)
@@ -192,6 +209,32 @@ def test_int4_quantize_matches_numpy_rounding(rng):
     s = np.asarray(scales)
     expected = np.round(w.reshape(2, 128, 40) / s[:, None, :]).reshape(256, 40)
     np.testing.assert_array_equal(numpy_unpack_int4(np.asarray(values), 128), expected)
+
+
+def test_fp4_quantize_is_mxfp4(rng):
+    """fp4 as the OCP microscaling spec quantizes: each group of 32 under the power of two
+    2^(floor(log2 max|w|) - 2) (so its largest value lands in [4, 8)), every element the
+    e2m1 value nearest w / scale (ml_dtypes' float4_e2m1fn conversion, ties to even,
+    saturating at 6); the scales are bf16, which is how kind_of tells fp4 from int4."""
+    w = rng.standard_normal((128, 40), dtype=np.float32) * np.exp2(rng.integers(-9, 9, 40))
+    w[:, 3] = 0.0
+    w[:32, 5] = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.9] * 4  # ties, and past 6
+    values, scales = formats.quantize(jnp.asarray(w), "fp4")
+    assert values.dtype == jnp.uint8 and values.shape == (64, 40)
+    assert scales.dtype == jnp.bfloat16 and scales.shape == (4, 40)
+    assert formats.kind_of(values, scales) == "fp4"
+    assert formats.kind_of(values, scales.astype(jnp.float32)) == "int4"
+    s = np.asarray(scales.astype(jnp.float32), np.float64)
+    amax = np.abs(w.reshape(4, 32, 40)).max(axis=1)
+    want_s = np.exp2(np.floor(np.log2(np.where(amax > 0, amax, 1.0))) - 2)
+    np.testing.assert_array_equal(s, want_s)
+    codes = (w.reshape(4, 32, 40) / s[:, None, :]).astype(ml_dtypes.float4_e2m1fn)
+    want = codes.astype(np.float64) * s[:, None, :]
+    np.testing.assert_array_equal(numpy_dequantize(values, scales, "fp4"), want.reshape(128, 40))
+    np.testing.assert_array_equal(np.asarray(formats.dequantize(values, scales, "fp4")),
+                                  want.reshape(128, 40).astype(np.float32))
+    # max 7.9: scale 1; the ties to even, and 7.9 saturating at 6
+    assert s[0, 5] == 1.0 and list(want[0, :8, 5]) == [0, 1, 1, 2, 2, 4, 4, 6]
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
@@ -232,7 +275,8 @@ def test_reference_matmul_against_float64(rng, kind, dtype):
     ("int8", 100, 24, None, False, (1, 24)), ("int8", 96, 24, 32, False, (3, 24)),
     ("int8", 96, 24, 32, True, (2, 3, 24)), ("fp8", 100, 24, None, False, (1, 24)),
     ("int4", 96, 24, 32, False, (3, 24)), ("int4", 96, 24, None, True, (2, 1, 24)),
-    ("fp8", 96, 24, 32, False, (3, 24))])
+    ("fp8", 96, 24, 32, False, (3, 24)), ("fp4", 96, 24, None, False, (3, 24)),
+    ("fp4", 96, 24, 96, False, (1, 24))])
 def test_quantized_shapes_match_quantize(kind, k, n, group, zp, scales_shape):
     values, scales = formats.quantize(jnp.ones((k, n)), kind, group, zero_points=zp)
     (vs, vd), (ss, sd) = qmm.quantized_shapes(k, n, kind, group, zero_points=zp)
@@ -249,6 +293,8 @@ def test_bad_formats_say_what_to_do():
         formats.quantize(jnp.ones((100, 8)), "int8", group_size=32)
     with pytest.raises(ValueError, match="fp8 is symmetric"):
         formats.quantize(jnp.ones((64, 8)), "fp8", zero_points=True)
+    with pytest.raises(ValueError, match="fp4 is symmetric"):
+        formats.quantize(jnp.ones((64, 8)), "fp4", zero_points=True)
     with pytest.raises(ValueError, match="unknown quantization kind"):
         formats.quantize(jnp.ones((8, 8)), "int3")
     values, scales = formats.quantize(jnp.ones((128, 8)), "int8")
@@ -418,8 +464,9 @@ def test_tpu_kernel_compiles_with_weights_quantized_in_hbm(chip, kind, m, k, n):
     compiled = compile_on_chip(
         lambda x, v, s: qmm.quantized_matmul(x, v, s, kind=base(kind), impl="tpu"), args, chip)
     mem = compiled.memory_analysis()
-    weight_bytes = k * n // (2 if kind.startswith("int4") else 1)
-    assert mem.argument_size_in_bytes == m * k * 2 + weight_bytes + args[2].size * 4
+    weight_bytes = k * n // (2 if base(kind) in ("int4", "fp4") else 1)
+    scale_bytes = args[2].size * args[2].dtype.itemsize  # fp4's bf16, else float32
+    assert mem.argument_size_in_bytes == m * k * 2 + weight_bytes + scale_bytes
     assert mem.output_size_in_bytes == m * n * 2
     assert mem.temp_size_in_bytes < weight_bytes // 16
     assert "tpu_custom_call" in compiled.as_text()

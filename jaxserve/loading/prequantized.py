@@ -42,10 +42,10 @@ What each becomes (K = in-features, N = out-features, G = the group size):
 - MXFP4 (`quant_method: mxfp4`, gpt-oss's experts only; attention, routers, embedding and
   head stay float): `*_blocks` uint8 `[E, N, K / 32, 16]` (two e2m1 codes a byte, the low
   nibble first) and `*_scales` uint8 `[E, N, K / 32]` (e8m0: 2^(s - 127)) per expert
-  stack -> int8 in groups of 32: each code's value times two ({0, 1, 2, 3, 4, 6, 8, 12}
-  and their negatives) with scale 2^(s - 128), the same products exactly (8 bits a weight
-  where the file spends 4.25; no e2m1 matmul kernel here). The attention projections are
-  `quant_overrides` held in the dtype.
+  stack -> fp4 in groups of 32 (pallas_kernels/quantized_matmul: the same e2m1 codes,
+  each group's repacked as its halves in the low / high nibbles, the scales 2^(s - 127)
+  in bfloat16: exact), 4.5 bits a weight where the file spends 4.25. The attention
+  projections are `quant_overrides` held in the dtype.
 
 Otherwise only the decoder's linear layers are quantized in our models (embeddings, norms,
 MoE routers and the LM head stay in the model's dtype), so a checkpoint that leaves one of
@@ -69,8 +69,6 @@ from jaxserve.config import ModelConfig
 from pallas_kernels.quantized_matmul.formats import pack_int4
 
 METHODS = ("awq", "gptq", "compressed-tensors", "fp8", "mxfp4")
-# e2m1 codes (index: the 4 bits) times two: the integers an MXFP4 block holds.
-MXFP4_TIMES_TWO = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 _MXFP4_PART = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.(?:gate_up_proj|down_proj))_"
                          r"(blocks|scales)$")
 AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # column of each nibble within a word
@@ -91,7 +89,7 @@ class CheckpointQuantization:
     """A checkpoint's own quantization, as this loader serves it."""
 
     method: str  # "awq" | "gptq" | "compressed-tensors" | "fp8" | "mxfp4"
-    kind: str  # what it becomes: "int4" | "int8" | "fp8"
+    kind: str  # what it becomes: "int4" | "int8" | "fp8" | "fp4"
     group_size: int | None  # rows per group; None: one group per column (all of K)
     zero_points: bool  # asymmetric: with zero points
     block_columns: int | None = None  # block-wise FP8: output columns sharing a scale
@@ -126,7 +124,7 @@ class CheckpointQuantization:
 
     @property
     def bits(self) -> int:
-        return 4 if self.kind == "int4" else 8
+        return 4 if self.kind in ("int4", "fp4") else 8
 
 
 def _refuse(field: str, value, what: str) -> ValueError:
@@ -151,7 +149,7 @@ def read(model_dir: str | Path) -> CheckpointQuantization | None:
     if method == "fp8":
         return _read_fp8(qc)
     if method == "mxfp4":
-        return CheckpointQuantization("mxfp4", "int8", 32, False)
+        return CheckpointQuantization("mxfp4", "fp4", 32, False)
     raise _refuse("quant_method", method, f"jaxserve serves {', '.join(METHODS)} checkpoints "
                   "(and GGUF files); or give the float checkpoint with --quantization")
 
@@ -480,7 +478,7 @@ def tensors(stream: Iterable[tuple[str, np.ndarray]], q: CheckpointQuantization
 def _mxfp4_tensors(stream: Iterable[tuple[str, np.ndarray]]
                    ) -> Iterator[tuple[str, np.ndarray | Prequantized]]:
     """`tensors` of an MXFP4 checkpoint: each expert stack's blocks and scales gathered
-    into `(prefix, Prequantized)` (int8 `[E, K, N]`, scales `[E, K / 32, N]`; module doc),
+    into `(prefix, Prequantized)` (fp4 `[E, K / 2, N]`, scales `[E, K / 32, N]`; module doc),
     converted once both are read; the float tensors pass through."""
     stacks: dict[str, dict[str, np.ndarray]] = {}
     for name, array in stream:
@@ -491,16 +489,17 @@ def _mxfp4_tensors(stream: Iterable[tuple[str, np.ndarray]]
         parts = stacks.setdefault(m.group(1), {})
         parts[m.group(2)] = array
         if len(parts) == 2:
-            yield m.group(1), mxfp4_as_int8(m.group(1), parts["blocks"], parts["scales"])
+            yield m.group(1), mxfp4_as_fp4(m.group(1), parts["blocks"], parts["scales"])
             del stacks[m.group(1)]
     if stacks:
         raise ValueError(f"{sorted(stacks)[0]}: the checkpoint lacks its MXFP4 "
                          f"{'scales' if 'blocks' in stacks[sorted(stacks)[0]] else 'blocks'}")
 
 
-def mxfp4_as_int8(name: str, blocks: np.ndarray, scales: np.ndarray) -> Prequantized:
-    """An MXFP4 expert stack (blocks `[E, N, G, 16]`, e8m0 scales `[E, N, G]`) as int8 in
-    groups of 32: values `[E, K, N]` (K = 32 G), float32 scales `[E, G, N]`."""
+def mxfp4_as_fp4(name: str, blocks: np.ndarray, scales: np.ndarray) -> Prequantized:
+    """An MXFP4 expert stack (blocks `[E, N, G, 16]`, e8m0 scales `[E, N, G]`) as our fp4
+    in groups of 32: values uint8 `[E, 16 G, N]` (group g's byte row j: its row j in the
+    low nibble, row j + 16 in the high one), bfloat16 scales `[E, G, N]`."""
     blocks, scales = np.asarray(blocks), np.asarray(scales)
     if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.ndim != 4 \
             or blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
@@ -508,8 +507,9 @@ def mxfp4_as_int8(name: str, blocks: np.ndarray, scales: np.ndarray) -> Prequant
                          f"{scales.shape} {scales.dtype} are not uint8 [E, N, K / 32, 16] and "
                          "[E, N, K / 32]")
     e, n, g, _ = blocks.shape
-    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1)  # [E, N, G, 16, 2]: low first
-    values = MXFP4_TIMES_TWO[codes].reshape(e, n, g * 32).transpose(0, 2, 1)
-    scale = np.ldexp(np.float32(1.0), scales.astype(np.int32) - 128).astype(np.float32)
-    return Prequantized(np.ascontiguousarray(values),
+    # A block's byte b holds its elements 2b (low nibble) and 2b + 1 (high).
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(e, n, g, 32)
+    values = (codes[..., :16] | (codes[..., 16:] << 4)).transpose(0, 2, 3, 1)
+    scale = np.ldexp(np.float32(1.0), scales.astype(np.int32) - 127).astype(ml_dtypes.bfloat16)
+    return Prequantized(np.ascontiguousarray(values.reshape(e, g * 16, n)),
                         np.ascontiguousarray(scale.transpose(0, 2, 1)))

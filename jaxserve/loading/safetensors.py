@@ -208,7 +208,7 @@ def _split_kv_b_proj(name: str, x, cfg: ModelConfig) -> Iterator[tuple[str, np.n
     (the latent into values), dequantized when the checkpoint stores it quantized."""
     base = name.removesuffix(".weight")
     if isinstance(x, Prequantized):  # DeepSeek-V3's FP8 checkpoint: absorbed in float
-        w = np.asarray(dequantize(x.values, x.scales, kind_of(x.values)))  # [K, N]
+        w = np.asarray(dequantize(x.values, x.scales, kind_of(x.values, x.scales)))  # [K, N]
         if x.perm is not None:  # rows stored in act order: back to the input's
             w = w[np.argsort(x.perm)]
         x = w.T

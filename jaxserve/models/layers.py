@@ -48,8 +48,8 @@ def linear(in_shape: tuple[int, ...], out_shape: tuple[int, ...],
     pallas_kernels/quantized_matmul (K and N the flattened in and out dims; int4 with zero
     points `[2, K / G, N]`), each tagged with the logical axis of its leading in / out
     dim, which keeps whole heads on one shard; checkpoints overwrite the zeros at load.
-    The values are tagged `quantized` and int8 / int4 scales `quantized_scales`
-    (`weights_for_native_matmul` packs both on a CPU).
+    int8 / int4 values are tagged `quantized` and their scales `quantized_scales`
+    (`weights_for_native_matmul` packs both on a CPU; the native kernel takes no others).
     """
     if options.quantization is None:
         return param(in_shape + out_shape, in_axes + out_axes, dtype,
@@ -57,12 +57,13 @@ def linear(in_shape: tuple[int, ...], out_shape: tuple[int, ...],
     (vshape, vdtype), (sshape, sdtype) = quantized_shapes(
         math.prod(in_shape), math.prod(out_shape), options.quantization,
         options.quant_group_size, options.quant_zero_points)
+    native = options.quantization in ("int8", "int4")
     values = nnx.Param(jnp.zeros(vshape, vdtype), logical_axes=(in_axes[0], out_axes[0]),
-                       quantized=True)
+                       quantized=native)
     scale_axes = (in_axes[0] if sshape[-2] > 1 else None, out_axes[0])
     scales = nnx.Param(jnp.ones(sshape, sdtype),
                        logical_axes=(None,) * (len(sshape) - 2) + scale_axes,
-                       quantized_scales=options.quantization in ("int8", "int4"))
+                       quantized_scales=native)
     return values, scales
 
 
@@ -116,7 +117,7 @@ def matmul(x: jax.Array, w: jax.Array, scales: jax.Array | None, n_in: int,
                          packed_w=packed)
     else:
         impl = impl or options.kernel_impl
-        y = quantized_matmul(x2, w, scales, kind=kind_of(w), impl=impl,
+        y = quantized_matmul(x2, w, scales, kind=kind_of(w, scales), impl=impl,
                              interpret=options.interpret and impl not in (None, "reference",
                                                                            "cpu"),
                              rows=rows, packed=packed)
@@ -236,7 +237,7 @@ def quantized_embedding(values: nnx.Param, scales: nnx.Param, ids: jax.Array,
         v, s = jnp.take(v, ids, axis=-1), jnp.take(s, ids, axis=-1)
     # The few columns taken, transposed to rows: dequantizing by rows is the fast way
     # (a 512-token lookup of Llama 3's table took half the time of column order).
-    return dequantize_rows(v.T, jnp.swapaxes(s, -1, -2), kind_of(v), dtype)
+    return dequantize_rows(v.T, jnp.swapaxes(s, -1, -2), kind_of(v, s), dtype)
 
 
 def quantized_rows(values: nnx.Param, scales: nnx.Param, ids: jax.Array,
@@ -244,7 +245,7 @@ def quantized_rows(values: nnx.Param, scales: nnx.Param, ids: jax.Array,
     """Rows `ids` (`[T, K]` in `dtype`) of a table held quantized by rows
     (`quantized_table`: an untied embedding, quant_overrides' "embed"), dequantized."""
     v, s = values[...], scales[...]
-    return dequantize_rows(jnp.take(v, ids, axis=0), jnp.take(s, ids, axis=-2), kind_of(v),
+    return dequantize_rows(jnp.take(v, ids, axis=0), jnp.take(s, ids, axis=-2), kind_of(v, s),
                            dtype)
 
 

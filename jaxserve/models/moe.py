@@ -131,7 +131,7 @@ def grouped_glu(x: jax.Array, weights: jax.Array, experts: jax.Array, stacks: tu
 
     def project(rows, w, scales):
         return grouped_matmul(rows, w, group_sizes, scales,
-                              kind=None if scales is None else kind_of(w), impl=impl,
+                              kind=None if scales is None else kind_of(w, scales), impl=impl,
                               interpret=interpret)
 
     rows = x[tokens]

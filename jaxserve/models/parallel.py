@@ -273,12 +273,12 @@ def expert_parallel(experts, x: jax.Array, weights: jax.Array, chosen: jax.Array
 
     for values, scales in zip(stacks[:6:2], stacks[1:6:2]):  # (after them: gpt-oss biases)
         split = shard.rules.spec(values.get_metadata()["logical_axes"])[1]
-        # int4 (uint8 values, scales [E, K / group, N]): a K split must keep whole groups
-        # on each device, as in `dense`.
+        # int4 / fp4 (uint8 values, scales [E, K / group, N]): a K split must keep whole
+        # groups on each device, as in `dense`.
         if values.dtype == jnp.uint8 and split is not None \
                 and scales.shape[1] % shard.axis_size(split):
             raise ValueError(
-                f"int4 expert weights split over {shard.axis_size(split)} devices by their "
+                f"int4 / fp4 expert weights split over {shard.axis_size(split)} devices by their "
                 f"intermediate rows need whole groups of rows on each device ({scales.shape[1]}"
                 " groups do not divide): use an ep strategy (whole experts per device), int8 "
                 "or fp8, or fewer model devices")

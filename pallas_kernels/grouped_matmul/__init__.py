@@ -1,7 +1,8 @@
 """Grouped matmul: `y[i] = x[i] @ w[g(i)]`, the experts' projections of a mixture of
 experts. x `[M, K]` holds rows sorted by group (group g: the `group_sizes[g]` rows after
 groups 0..g-1); w is a stack `[G, K, N]`, float or quantized per group (formats.py: the
-int8 / int4 / fp8 formats of pallas_kernels/quantized_matmul, with scales `[G, ., N]`).
+int8 / int4 / fp8 / fp4 formats of pallas_kernels/quantized_matmul, with scales
+`[G, ., N]`).
 Rows past the last group come out as zeros (as `jax.lax.ragged_dot` gives). An empty
 group costs nothing: no kernel reads its weight.
 
@@ -13,9 +14,9 @@ Implementations, one signature:
 - "tpu" (tpu.py): Pallas Mosaic kernel, grid (N blocks, visits, K blocks), the visit plan
   in SMEM (scalar prefetch) choosing each step's x tile and weight block.
 - "gpu" (gpu.py): Pallas Triton kernel, one program per (visit, N block), masked stores.
-  fp8 needs compute capability >= 8.9 and groups powers of two (int4 >= 32, 8-bit >= 16), as the
-  quantized matmul's kernel does; where either fails impl=None uses "cpu"'s loop
-  (plain JAX, which XLA:GPU compiles too).
+  fp8 needs compute capability >= 8.9 and groups powers of two (int4 / fp4 >= 32, 8-bit
+  >= 16), as the quantized matmul's kernel does; where either fails impl=None uses "cpu"'s
+  loop (plain JAX, which XLA:GPU compiles too).
 
 `impl=None` picks by platform (the default device's if one is set, as when compiling
 ahead of time for a TPU): "tpu" on a TPU, "gpu" on a GPU where the format allows, else

@@ -1,7 +1,7 @@
 """Expert weights `[G, K, N]` (one `[K, N]` weight per group), float or quantized.
 
 A quantized stack is each group's weight in a format of pallas_kernels/quantized_matmul
-(int8, int4, fp8), stacked: values `[G, K, N]` (int4: `[G, K // 2, N]`) and scales
+(int8, int4, fp8, fp4), stacked: values `[G, K, N]` (int4, fp4: `[G, K // 2, N]`) and scales
 `[G, K // group_size, N]` (`[G, 1, N]` per channel), with zero points `[G, 2, K //
 group_size, N]`. Float weights have no scales.
 """

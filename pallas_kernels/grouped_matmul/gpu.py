@@ -8,7 +8,9 @@ share a tile write disjoint rows. Programs past the active visits return at once
 
 Triton has no scalar prefetch, so every operand is passed whole and the kernel indexes it
 with the plan's values; its K step (`k_step`), block rules and group limits are
-quantized_matmul/gpu.py's.
+quantized_matmul/gpu.py's. A stack whose K or N the blocks do not divide (gpt-oss's 2880)
+is read as it is, with masked loads (zeros past its rows and columns), and x alone is
+padded: no copy of the stack per call.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ from pallas_kernels.tiling import round_up
 
 def _kernel(offsets_ref, group_ref, tile_ref, active_ref,  # the visit plan
             x_ref,  # [Mp, Kp] whole
-            w_ref,  # [G, Kp, Np] (float, int8, fp8) or [G, Kp / 2, Np] (int4) whole
-            *refs,  # (s_ref: [G, K / Gs, Np] scales, [G, 2, K / Gs, Np] with zero points,
+            w_ref,  # [G, K, N] (float, int8, fp8) or [G, K / 2, N] (int4, fp4) whole
+            *refs,  # (s_ref: [G, K / Gs, N] scales, [G, 2, K / Gs, N] with zero points,
                     # if quantized), o_ref
             kind: str | None, group: int, is_grouped: bool, zero_points: bool,
-            block_m: int, block_n: int, block_k: int):
+            block_m: int, block_n: int, block_k: int, ragged: bool):
     s_ref, o_ref = refs if kind else (None, *refs)
     v, j = pl.program_id(0), pl.program_id(1)  # (read outside the branch, as interpret needs)
 
@@ -41,9 +43,20 @@ def _kernel(offsets_ref, group_ref, tile_ref, active_ref,  # the visit plan
     def _visit():
         g, t = group_ref[v], tile_ref[v]
         rows, cols = pl.ds(t * block_m, block_m), pl.ds(j * block_n, block_n)
-        loads = Loads(x=lambda ks: x_ref[rows, ks], w=lambda ks: w_ref[g, ks, cols],
-                      s=lambda part, gs: (s_ref[g, part, gs, cols] if zero_points
-                                          else s_ref[g, gs, cols]))
+
+        def load(ref, lead: tuple, ks: pl.Slice):
+            """Rows `ks` of the stack's (or scales') columns `cols`: where the blocks run
+            past it (`ragged`), masked to zeros there."""
+            if not ragged:
+                return ref[(*lead, ks, cols)]
+            r = ks.start + jax.lax.broadcasted_iota(jnp.int32, (ks.size, 1), 0)
+            c = j * block_n + jax.lax.broadcasted_iota(jnp.int32, (1, block_n), 1)
+            inside = (r < ref.shape[-2]) & (c < ref.shape[-1])
+            return plgpu.load(ref.at[(*lead, ks, cols)], mask=inside, other=0)
+
+        loads = Loads(x=lambda ks: x_ref[rows, ks], w=lambda ks: load(w_ref, (g,), ks),
+                      s=lambda part, gs: load(s_ref, (g, jnp.int32(part)) if zero_points
+                                              else (g,), gs))
         if kind:
             body = k_step(loads, kind, group, is_grouped, zero_points, block_k)
         else:
@@ -73,11 +86,12 @@ def grouped_matmul(x: jax.Array, values: jax.Array, group_sizes: jax.Array,
     require_support(kind, group)
     bm, bn, bk = block_sizes(m, k, n, kind, group, block_m, block_n, block_k)
     mp, kp, np_ = round_up(m, bm), round_up(k, bk), round_up(n, bn)
-    x, values, scales = formats.pad_operands(x, values, scales, kind, mp, kp, np_)
+    x = jnp.pad(x, ((0, mp - m), (0, kp - k)))  # zeros: small; the stack is read as it is
     plan = plan_visits(group_sizes, m, bm)
     out = pl.pallas_call(
         functools.partial(_kernel, kind=kind, group=group, is_grouped=is_grouped,
-                          zero_points=zero_points, block_m=bm, block_n=bn, block_k=bk),
+                          zero_points=zero_points, block_m=bm, block_n=bn, block_k=bk,
+                          ragged=(kp, np_) != (k, n)),
         out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
         grid=(plan.group.shape[0], np_ // bn),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),

@@ -1,7 +1,7 @@
 """Weight-only quantized matmul (W8A16, W4A16, W8A16-fp8): `y[M, N] = x[M, K] @ w[K, N]`.
 
-Weight formats (K = in-features, N = out-features; all scales float32; symmetric unless
-they carry zero points):
+Weight formats (K = in-features, N = out-features; scales float32 but fp4's; symmetric
+unless they carry zero points):
 
 - "int8": values int8 `[K, N]`; scales `[K // G, N]` = max|w| over the group / 127, with
   G = K by default (one scale per output channel, `[1, N]`) or G = min(group_size, K)
@@ -22,6 +22,12 @@ they carry zero points):
 - "fp8": values float8_e4m3fn `[K, N]`, scales `[1, N]` = max|w| over K / 448, or
   `[K // G, N]` by groups of rows (block-wise FP8 checkpoints: each block's scale repeated
   over its columns).
+- "fp4": MXFP4 (OCP microscaling; gpt-oss's experts): values uint8 `[K // 2, N]` packed
+  as int4's (a group's first half in the low nibbles), each nibble an e2m1 code (sign,
+  2 exponent bits, 1 mantissa bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives);
+  scales bfloat16 `[K // G, N]`, powers of two 2^(floor(log2 max|w|) - 2) (a checkpoint's
+  e8m0 exponents, exact in bf16), G = 32 by default; 4.5 bits a weight (the file's 4.25).
+  The scales' dtype tells fp4 from int4 (formats.kind_of).
 
 formats.py quantizes, packs, dequantizes, checks and pads them.
 
@@ -30,16 +36,16 @@ Implementations, all with the signature of `reference.quantized_matmul`:
 - "reference" (reference.py): dequantize to x's dtype, one XLA dot accumulating in
   float32. The truth, and the CPU path.
 - "tpu" (tpu.py): Pallas Mosaic kernel, grid (M, N, K blocks), f32 VMEM accumulator.
-  Compiles ahead of time for v5e and v6e for all three kinds: Mosaic accepts the
+  Compiles ahead of time for v5e and v6e for every kind: Mosaic accepts the
   float8_e4m3fn -> f32 conversion on both, though neither has fp8 arithmetic (the
-  kernel never asks for any: fp8 is a storage format here, as int8 and int4 are).
+  kernel never asks for any: fp8 is a storage format here, as the others are).
 - "cpu" (cpu.py): the native CPU kernel for at most 64 rows (decode), int8 and int4, the
-  weight read as stored and converted in registers; the reference for anything else.
+  weight read as stored and converted in registers; the reference for anything else
+  (fp8, fp4).
 - "gpu" (gpu.py): Pallas Triton kernel, grid (M, N blocks), K loop in a fori_loop. fp8
   needs a CUDA GPU of compute capability >= 8.9 (Ada, Hopper) for the conversion (Pallas
-  refuses it below); groups must be powers of two (int4 >= 32, int8 / fp8 >= 16). Where either
-  fails,
-  `impl=None` uses the reference instead (XLA converts fp8 on any GPU).
+  refuses it below); groups must be powers of two (int4 / fp4 >= 32, int8 / fp8 >= 16).
+  Where either fails, `impl=None` uses the reference instead (XLA converts fp8 on any GPU).
 
 `impl=None` picks by platform: the default device's if one is set (as when compiling
 ahead of time under `jax.default_device(tpu_device)`), else `jax.default_backend()`; on a
@@ -48,7 +54,7 @@ CPU the native kernel where it applies, else the reference.
 Block sizes (override with block_m / block_n / block_k), from the shapes only:
 - TPU: bm = min(round_up(M, 8 for f32 / 16 for bf16), 256); bn = min(round_up(N, 128),
   512); bk = min(round_up(K, u), max(u, L rounded down to a multiple of u)) with
-  L = 512 for 8-bit or 1024 for int4 (256 KiB of weight per 512 columns per step) and
+  L = 512 for 8-bit or 1024 for int4 / fp4 (256 KiB of weight per 512 columns per step) and
   u = lcm(128, G) for grouped weights, else 128.
 - GPU: powers of two; bm = clamp(next_pow2(M), 16, 64); bn = clamp(next_pow2(N), 16, 128);
   bk = clamp(next_pow2(K), 16, 128), at least G for grouped weights.

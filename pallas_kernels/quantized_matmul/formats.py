@@ -9,13 +9,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-KINDS = ("int8", "int4", "fp8")
+KINDS = ("int8", "int4", "fp8", "fp4")
+NIBBLE_KINDS = ("int4", "fp4")  # two values a byte, a group's halves in the low / high nibbles
 INT8_MAX = 127
 INT4_MAX = 7  # symmetric: -8 is representable but never produced by quantize
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_DTYPE = jnp.float8_e4m3fn
 INT_RANGE = {"int8": (-128, 127), "int4": (-8, 7)}  # the stored integers (two's complement)
 DEFAULT_INT4_GROUP = 128
+DEFAULT_FP4_GROUP = 32  # MXFP4's block
+FP4_MAX = 6.0  # the largest e2m1 magnitude
+FP4_EMAX = 2  # e2m1's largest exponent: a group's scale is 2^(floor(log2 max|w|) - 2)
 
 
 def check_kind(kind: str) -> None:
@@ -23,32 +27,39 @@ def check_kind(kind: str) -> None:
         raise ValueError(f"unknown quantization kind {kind!r}: use one of {', '.join(KINDS)}")
 
 
-def kind_of(values: jax.Array) -> str:
-    """A quantized weight's kind, read from its values' dtype (int4: two to a uint8)."""
+def kind_of(values: jax.Array, scales: jax.Array) -> str:
+    """A quantized weight's kind, read from its dtypes: values int8, float8_e4m3fn, or
+    uint8 (two nibbles a byte): int4 with float32 scales, fp4 with bfloat16 ones."""
     kinds = {jnp.dtype(jnp.int8): "int8", jnp.dtype(jnp.uint8): "int4",
              jnp.dtype(FP8_DTYPE): "fp8"}
     if jnp.dtype(values.dtype) not in kinds:
-        raise ValueError(f"quantized values must be int8, uint8 (int4) or {jnp.dtype(FP8_DTYPE)}; "
-                         f"got {values.dtype}")
-    return kinds[jnp.dtype(values.dtype)]
+        raise ValueError(f"quantized values must be int8, uint8 (int4, fp4) or "
+                         f"{jnp.dtype(FP8_DTYPE)}; got {values.dtype}")
+    kind = kinds[jnp.dtype(values.dtype)]
+    return "fp4" if kind == "int4" and jnp.dtype(scales.dtype) == jnp.dtype(jnp.bfloat16) else kind
+
+
+def rows_stored(k: int, kind: str) -> int:
+    """The rows of a `[K, N]` weight's values: K, or K / 2 for two nibbles a byte."""
+    return k // 2 if kind in NIBBLE_KINDS else k
 
 
 def group_rows(k: int, kind: str, group_size: int | None = None) -> int:
     """The rows G per scale group actually used for a weight of K rows, validated.
 
-    int4: min(group_size or 128, K), even. int8 and fp8: min(group_size, K), or all of K
-    (one scale per output channel) when group_size is None.
+    int4: min(group_size or 128, K), even; fp4 the same with 32. int8 and fp8:
+    min(group_size, K), or all of K (one scale per output channel) when group_size is None.
     """
     check_kind(kind)
     if group_size is None:
-        group_size = DEFAULT_INT4_GROUP if kind == "int4" else k
+        group_size = {"int4": DEFAULT_INT4_GROUP, "fp4": DEFAULT_FP4_GROUP}.get(kind, k)
     if group_size <= 0:
         raise ValueError(f"{kind} group_size must be positive, got {group_size}")
     g = min(group_size, k)
-    if k % g or (kind == "int4" and g % 2):
+    if k % g or (kind in NIBBLE_KINDS and g % 2):
         raise ValueError(
             f"{kind} needs K ({k}) to be a multiple of the group size"
-            + (" (an even one)" if kind == "int4" else "")
+            + (" (an even one)" if kind in NIBBLE_KINDS else "")
             + f"; got group size {g}: pick a group_size that divides K (128, 64 and 32 "
             "are usual)")
     return g
@@ -65,10 +76,10 @@ def quantized_shapes(k: int, n: int, kind: str, group_size: int | None = None,
     Lets a model be built abstractly (jax.ShapeDtypeStruct) without quantizing anything.
     """
     g = group_rows(k, kind, group_size)
-    if zero_points and kind == "fp8":
-        raise ValueError("zero points are an integer format; fp8 is symmetric")
+    if zero_points and kind in ("fp8", "fp4"):
+        raise ValueError(f"zero points are an integer format; {kind} is symmetric")
     lead = (2,) if zero_points else ()
-    scales = (lead + (k // g, n), jnp.dtype(jnp.float32))
+    scales = (lead + (k // g, n), jnp.dtype(jnp.bfloat16 if kind == "fp4" else jnp.float32))
     if kind == "int8":
         return ((k, n), jnp.dtype(jnp.int8)), scales
     if kind == "fp8":
@@ -93,7 +104,8 @@ def _safe_scale(amax: jax.Array, qmax: float) -> jax.Array:
 
 
 def pack_int4(q: jax.Array, group: int) -> jax.Array:
-    """Signed 4-bit ints `[K, N]` (in [-8, 7]) to bytes `[K // 2, N]`.
+    """Signed 4-bit ints `[K, N]` (in [-8, 7]), or e2m1 codes (in [0, 15]), to bytes
+    `[K // 2, N]`.
 
     Within each group of `group` rows, byte row j holds row j in the low nibble and row
     j + group/2 in the high one, so a kernel unpacks a group into two contiguous halves.
@@ -117,6 +129,36 @@ def _nibbles(v: jax.Array) -> tuple[jax.Array, jax.Array]:
     return (v << 28) >> 28, (v << 24) >> 28
 
 
+def e2m1_values(codes: jax.Array) -> jax.Array:
+    """float32 values of e2m1 codes (int32, 0-15; bit 3 the sign, bits 2-1 the exponent,
+    bit 0 the mantissa): 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives. Selects and
+    arithmetic only (no gather, no bitcast), so every backend's kernels run it as is:
+    magnitude code u = 0..7 gives u / 2 below 4, u - 2 for 4-5, 2u - 8 for 6-7."""
+    u = (codes & 7).astype(jnp.float32)
+    magnitude = jnp.where(u < 4, 0.5 * u, jnp.where(u < 6, u - 2.0, 2.0 * u - 8.0))
+    return jnp.where((codes & 8) != 0, -magnitude, magnitude)
+
+
+def nibble_values(v: jax.Array, kind: str) -> tuple[jax.Array, jax.Array]:
+    """The low and high nibbles of bytes (int32) as the float32 numbers they store: int4's
+    signed integers or fp4's e2m1 values."""
+    if kind == "fp4":
+        return e2m1_values(v & 0xF), e2m1_values((v >> 4) & 0xF)
+    low, high = _nibbles(v)
+    return low.astype(jnp.float32), high.astype(jnp.float32)
+
+
+def _fp4_codes(x: jax.Array) -> jax.Array:
+    """The e2m1 code (int32) nearest each float32 of x, ties to the even code (OCP MX's
+    round-to-nearest-even), beyond 6 clamped to 6."""
+    a = jnp.abs(x)
+    # Midpoints between the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; at a midpoint the even
+    # code (mantissa bit 0) wins: <= toward even codes, < toward odd ones.
+    u = ((a > 0.25).astype(jnp.int32) + (a >= 0.75) + (a > 1.25) + (a >= 1.75)
+         + (a > 2.5) + (a >= 3.5) + (a > 5.0))
+    return jnp.where(x < 0, u | 8, u)
+
+
 def quantize(w: jax.Array, kind: str, group_size: int | None = None,
              zero_points: bool = False) -> tuple[jax.Array, jax.Array]:
     """Quantize a float weight `w[K, N]`; returns (values, scales) as described in __init__.
@@ -130,6 +172,14 @@ def quantize(w: jax.Array, kind: str, group_size: int | None = None,
     (_, vdtype), _ = quantized_shapes(k, n, kind, group_size, zero_points)
     g = group_rows(k, kind, group_size)
     grouped = w.astype(jnp.float32).reshape(k // g, g, n)
+    if kind == "fp4":
+        # OCP MX: a power-of-two scale per group, 2^(floor(log2 max|w|) - emax), so the
+        # largest magnitude lands in [4, 8) (above 6 it rounds down to 6).
+        amax = jnp.max(jnp.abs(grouped), axis=1)
+        exponent = jnp.floor(jnp.log2(jnp.where(amax > 0, amax, 1.0))) - FP4_EMAX
+        scales = jnp.exp2(jnp.clip(exponent, -126, 127)).astype(jnp.float32)
+        codes = _fp4_codes(grouped / scales[:, None, :]).reshape(k, n)
+        return pack_int4(codes, g), scales.astype(jnp.bfloat16)
     if kind == "fp8":
         scales = _safe_scale(jnp.max(jnp.abs(grouped), axis=1), FP8_MAX)
         # float8_e4m3fn has no infinity: anything rounding past 448 would become NaN.
@@ -164,7 +214,8 @@ STRIP = 32
 
 
 def packable(values: jax.Array) -> bool:
-    """Whether an int8 / int4 weight (its values) can be packed: N a multiple of STRIP."""
+    """Whether an int8 / int4 weight (its values; the caller knows it is not fp4) can be
+    packed: N a multiple of STRIP."""
     return (values.ndim == 2 and values.dtype in (jnp.int8, jnp.uint8)
             and values.shape[1] % STRIP == 0)
 
@@ -183,9 +234,12 @@ def unpack_strips(a: jax.Array) -> jax.Array:
 
 
 def integers(values: jax.Array, kind: str, group: int) -> jax.Array:
-    """The stored integers (int8, int4) or floats (fp8) `[K, N]`, unscaled, as float32."""
-    if kind == "int4":
-        return unpack_int4(values, group).astype(jnp.float32)
+    """The stored integers (int8, int4) or floats (fp8, fp4) `[K, N]`, unscaled, as
+    float32."""
+    if kind in NIBBLE_KINDS:
+        half, n = values.shape
+        v = values.astype(jnp.int32).reshape(2 * half // group, 1, group // 2, n)
+        return jnp.concatenate(nibble_values(v, kind), axis=1).reshape(2 * half, n)
     return values.astype(jnp.float32)
 
 
@@ -193,11 +247,12 @@ def dequantize(values: jax.Array, scales: jax.Array, kind: str,
                dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """The float weight `[K, N]` in `dtype` (scaled in float32, then cast)."""
     check_kind(kind)
-    k = values.shape[0] * (2 if kind == "int4" else 1)
+    k = values.shape[0] * (2 if kind in NIBBLE_KINDS else 1)
     n = values.shape[1]
     groups = scale_groups(scales)
     g = k // groups
     q = integers(values, kind, g).reshape(groups, g, n)
+    scales = scales.astype(jnp.float32)
     if has_zero_points(scales):
         scales, zeros = scales[0], scales[1]
         q = q - zeros[:, None, :]  # exact: small integers
@@ -210,15 +265,16 @@ def dequantize_rows(values: jax.Array, scales: jax.Array, kind: str,
     `[N, K / G]` (`[2, N, K / G]` with zero points) give the float `[N, K]` (an embedding
     table's looked-up rows: each row's groups contiguous, so no transpose on the way)."""
     check_kind(kind)
-    n, k = values.shape[0], values.shape[1] * (2 if kind == "int4" else 1)
+    n, k = values.shape[0], values.shape[1] * (2 if kind in NIBBLE_KINDS else 1)
     groups = scales.shape[-1]
     g = k // groups
-    if kind == "int4":
+    if kind in NIBBLE_KINDS:
         v = values.astype(jnp.int32).reshape(n, groups, 1, g // 2)
-        q = jnp.concatenate(_nibbles(v), axis=2).astype(jnp.float32)
+        q = jnp.concatenate(nibble_values(v, kind), axis=2)
     else:
         q = values.astype(jnp.float32)
     q = q.reshape(n, groups, g)
+    scales = scales.astype(jnp.float32)
     if has_zero_points(scales):
         scales, zeros = scales[0], scales[1]
         q = q - zeros[..., None]
@@ -232,7 +288,7 @@ def check_operands(x: jax.Array, values: jax.Array, scales: jax.Array, kind: str
         raise ValueError(f"quantized_matmul expects x[M, K], values 2-D and scales [K / G, N] "
                          f"(or [2, K / G, N] with zero points); got "
                          f"{x.shape}, {values.shape}, {scales.shape}")
-    k, n = values.shape[0] * (2 if kind == "int4" else 1), values.shape[1]
+    k, n = values.shape[0] * (2 if kind in NIBBLE_KINDS else 1), values.shape[1]
     groups = max(scale_groups(scales), 1)
     want = quantized_shapes(k, n, kind, max(k // groups, 1), zero_points=has_zero_points(scales))
     if x.shape[1] != k or (values.shape, values.dtype) != want[0] or \
@@ -245,9 +301,9 @@ def check_operands(x: jax.Array, values: jax.Array, scales: jax.Array, kind: str
 
 
 def grouped(kind: str, scales: jax.Array) -> bool:
-    """Whether the kernels scale each group of rows' partial sum (int4, and int8 / fp8
-    with group scales) rather than the finished sum once (per-channel 8-bit scales)."""
-    return kind == "int4" or scale_groups(scales) > 1
+    """Whether the kernels scale each group of rows' partial sum (int4, fp4, and int8 /
+    fp8 with group scales) rather than the finished sum once (per-channel 8-bit scales)."""
+    return kind in NIBBLE_KINDS or scale_groups(scales) > 1
 
 
 def kernel_group(kind: str, k: int, scales: jax.Array) -> int:
@@ -259,14 +315,14 @@ def pad_operands(x: jax.Array, values: jax.Array, scales: jax.Array, kind: str,
                  m: int, k: int, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Zero-pad the operands of a quantized matmul to x[m, k] and a weight of [k, n].
 
-    The kernels pad to whole blocks. For grouped weights (int4, 8-bit with group scales),
-    k - K must be whole groups, so that the padding forms groups of its own (and, for
-    int4, leaves the byte layout of the real ones alone). Padded weights are zero bytes
-    with zero scales and zero points (zero in every format), and padded x is zero, so
-    they add nothing to the dot.
+    The kernels pad to whole blocks. For grouped weights (int4, fp4, 8-bit with group
+    scales), k - K must be whole groups, so that the padding forms groups of its own (and,
+    for two nibbles a byte, leaves the byte layout of the real ones alone). Padded weights
+    are zero bytes with zero scales and zero points (zero in every format), and padded x
+    is zero, so they add nothing to the dot.
     """
     big_k, big_n = x.shape[1], values.shape[1]
-    values_rows = k // 2 if kind == "int4" else k
+    values_rows = rows_stored(k, kind)
     x = jnp.pad(x, ((0, m - x.shape[0]), (0, k - big_k)))
     values = jnp.pad(values, ((0, values_rows - values.shape[0]), (0, n - big_n)))
     groups = scale_groups(scales)

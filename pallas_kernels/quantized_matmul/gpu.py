@@ -4,7 +4,8 @@ One program per (M block, N block[, K split]); a `lax.fori_loop` walks K, loadin
 and a quantized weight tile per step, dequantizing the tile in registers to x's dtype and
 accumulating `tl.dot` results in float32. Triton has no scratch memory, so the
 accumulator is the loop carry, and no tensor slicing, so every piece the kernel needs is
-loaded from its ref directly (an int4 group as its low-nibble and high-nibble halves).
+loaded from its ref directly (an int4 or fp4 group as its low-nibble and high-nibble
+halves).
 
 Split-K. A decode batch (one M block) over a narrow weight has few programs: Llama-3-8B's
 down projection [14336, 4096] is 32 N blocks for an H100's 132 SMs, and there the kernel
@@ -15,7 +16,7 @@ writing float32 partials that XLA sums; the sum is one pass over `splits x M x N
 small beside the weight. Not yet timed on a GPU.
 
 Triton shapes are powers of two and `dot` needs every dimension >= 16, which fixes the
-block rule and limits groups to powers of two: int4 >= 32 (each half a dot operand),
+block rule and limits groups to powers of two: int4 / fp4 >= 32 (each half a dot operand),
 int8 / fp8 >= 16 (see `supports`).
 """
 
@@ -31,7 +32,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.quantized_matmul.formats import (
-    check_operands, grouped, has_zero_points, kernel_group, pad_operands)
+    NIBBLE_KINDS, check_operands, grouped, has_zero_points, kernel_group, nibble_values,
+    pad_operands, rows_stored)
 from pallas_kernels.tiling import is_power_of_2, next_power_of_2, round_up
 
 MIN_BLOCK = 16  # smallest dimension Triton's dot accepts
@@ -54,16 +56,15 @@ def _clamped_power_of_2(n: int, most: int) -> int:
 
 def supports(kind: str, group: int) -> bool:
     """Whether this kernel handles the format (`group` 1: per-channel scales): a group is
-    a dot operand, an int4 group's halves each."""
+    a dot operand, an int4 / fp4 group's halves each."""
     if group == 1:
         return True
-    rows = group // 2 if kind == "int4" else group
-    return is_power_of_2(group) and rows >= MIN_BLOCK
+    return is_power_of_2(group) and rows_stored(group, kind) >= MIN_BLOCK
 
 
 def require_support(kind: str | None, group: int) -> None:
     if not supports(kind, group):
-        least = 2 * MIN_BLOCK if kind == "int4" else MIN_BLOCK
+        least = 2 * MIN_BLOCK if kind in NIBBLE_KINDS else MIN_BLOCK
         raise ValueError(f"the GPU kernel needs a {kind} group size that is a power of two "
                          f">= {least}, got {group}: use impl='reference'")
 
@@ -89,13 +90,6 @@ def block_sizes(m: int, k: int, n: int, kind: str, group: int,
     return bm, bn, bk
 
 
-def int4_halves(packed: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """A loaded int4 tile's low and high nibbles as signed int32: uint8 -> int32
-    zero-extends; shifting the nibble to the top and back arithmetically sign-extends it."""
-    packed = packed.astype(jnp.int32)
-    return (packed << 28) >> 28, (packed << 24) >> 28
-
-
 def tile_dot(x: jax.Array, w: jax.Array) -> jax.Array:
     """x's tile times a (dequantized) weight tile in x's dtype, accumulated in float32."""
     return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
@@ -104,7 +98,7 @@ def tile_dot(x: jax.Array, w: jax.Array) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class Loads:
     """How a kernel reads its operands for `k_step` (each a function of pl.ds slices):
-    `x(ks)` x's tile over the K slice, `w(rows)` the weight's (packed, for int4) rows,
+    `x(ks)` x's tile over the K slice, `w(rows)` the weight's (packed: int4, fp4) rows,
     `s(part, groups)` the scales' group rows (part 0) or zero points' (part 1)."""
 
     x: Callable
@@ -115,14 +109,14 @@ class Loads:
 def k_step(loads: Loads, kind: str, group: int, is_grouped: bool, zero_points: bool,
            block_k: int) -> Callable:
     """The fori_loop body adding one K step to the float32 accumulator: one dot per group
-    scaled by the group's scale when grouped (int4; int8 / fp8 with group scales), else one
+    scaled by the group's scale when grouped (int4, fp4; int8 / fp8 with group scales), else one
     dot of the block (scaled once at the end: `finish`). Zero points come off the integers
     before the dot (exact: |q - z| <= 255)."""
     def zero(start):
         return loads.s(1, pl.ds(start // group, 1))
 
-    def scale(start):
-        return loads.s(0, pl.ds(start // group, 1))
+    def scale(start):  # fp4's are bf16
+        return loads.s(0, pl.ds(start // group, 1)).astype(jnp.float32)
 
     def dense_step(step, acc):
         ks = pl.ds(step * block_k, block_k)
@@ -142,12 +136,13 @@ def k_step(loads: Loads, kind: str, group: int, is_grouped: bool, zero_points: b
             acc = acc + tile_dot(loads.x(pl.ds(start, group)), w) * scale(start)
         return acc
 
-    def int4_step(step, acc):
+    def nibbles_step(step, acc):
         half = group // 2
         for g in range(block_k // group):
             start = step * block_k + g * group
-            low, high = int4_halves(loads.w(pl.ds(start // 2, half)))
-            low, high = low.astype(jnp.float32), high.astype(jnp.float32)
+            # uint8 -> int32 zero-extends; nibble_values sign-extends int4's nibbles or
+            # reads fp4's e2m1 codes.
+            low, high = nibble_values(loads.w(pl.ds(start // 2, half)).astype(jnp.int32), kind)
             if zero_points:
                 low, high = low - zero(start), high - zero(start)
             part = (tile_dot(loads.x(pl.ds(start, half)), low)
@@ -157,7 +152,7 @@ def k_step(loads: Loads, kind: str, group: int, is_grouped: bool, zero_points: b
 
     if not is_grouped:
         return dense_step
-    return int4_step if kind == "int4" else groups_step_8bit
+    return nibbles_step if kind in NIBBLE_KINDS else groups_step_8bit
 
 
 def finish(acc: jax.Array, loads: Loads, is_grouped: bool) -> jax.Array:
@@ -166,7 +161,7 @@ def finish(acc: jax.Array, loads: Loads, is_grouped: bool) -> jax.Array:
 
 
 def _kernel(x_ref,  # [bm, K]: this program's rows of x, all of K (the loop slices it)
-            w_ref,  # [K, bn] (int8, fp8) or [K / 2, bn] (int4, packed): its columns
+            w_ref,  # [K, bn] (int8, fp8) or [K / 2, bn] (int4, fp4: packed): its columns
             s_ref,  # [K / G, bn] scales (per channel: [1, bn]), with zero points
                     # [2, K / G, bn]
             o_ref,  # [bm, bn], or with K splits this split's float32 partial
@@ -196,7 +191,7 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
                      interpret: bool = False) -> jax.Array:
     """`x[M, K] @ dequantize(values, scales)` -> `[M, N]` in x's dtype, on a GPU.
 
-    Operands are zero-padded to whole blocks (K by whole int4 groups) and the result
+    Operands are zero-padded to whole blocks (K by whole groups) and the result
     sliced back. `num_k_splits` overrides default_num_k_splits.
     """
     k = check_operands(x, values, scales, kind)

@@ -6,7 +6,7 @@ weight tile, dequantizes the tile in VMEM to x's dtype and feeds the MXU; the we
 quantized in HBM, which is the point: decode is bound by weight bytes read.
 
 Scales: a per-channel scale (int8, fp8) is the same for every K, so it multiplies the
-accumulator once, at the last K step. A group scale (int4; int8 with group scales) changes
+accumulator once, at the last K step. A group scale (int4, fp4; int8 with group scales) changes
 every G rows, so each group gets its own dot and its scale multiplies that partial sum
 inside the K step. A zero point is subtracted from the integers before the dot (exact:
 |q - z| <= 255 is exact in bf16 too).
@@ -23,7 +23,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.quantized_matmul.formats import (
-    check_operands, grouped, has_zero_points, kernel_group, pad_operands)
+    NIBBLE_KINDS, check_operands, grouped, has_zero_points, kernel_group, nibble_values,
+    pad_operands, rows_stored)
 from pallas_kernels.tiling import round_up, sublane_tile
 
 MAX_BLOCK_M = 256
@@ -31,7 +32,7 @@ MAX_BLOCK_N = 512
 # K per step: 512 rows of 8-bit weights or 1024 rows of int4 are both 256 KiB of weight
 # per 512 columns, large enough to hide the ~0.35 us fixed cost of a grid step behind
 # the DMA of the next tile on v5e/v6e HBM.
-MAX_BLOCK_K = {"int8": 512, "fp8": 512, "int4": 1024}
+MAX_BLOCK_K = {"int8": 512, "fp8": 512, "int4": 1024, "fp4": 1024}
 LANES = 128
 
 
@@ -77,23 +78,21 @@ def dequantize_8bit_tile(w: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return w.astype(jnp.float32).astype(dtype)
 
 
-def grouped_block_dot(x_ref, w_ref, s_ref, kind: str, group: int,
-                      zero_points: bool) -> jax.Array:
+def grouped_block_dot(x_ref, w_ref, s_ref, kind: str, group: int, zero_points: bool,
+                      rows_left: jax.Array | None = None) -> jax.Array:
     """Sum over the block's groups of (x_group @ (w_group - zero_group)) * scale_group, in
-    float32; `s_ref` holds the block's group scales `[bk / G, bn]`, or with zero points
-    scales and zero points `[2, bk / G, bn]`."""
-    if kind == "int4":
+    float32; `s_ref` holds the block's group scales `[bk / G, bn]` (fp4's in bf16), or
+    with zero points scales and zero points `[2, bk / G, bn]`. `rows_left`: the weight's
+    rows from this block's first on, where the block may run past them (`mask_rows`)."""
+    nibbles = kind in NIBBLE_KINDS
+    if nibbles:
         half = group // 2
-        packed = w_ref[...].astype(jnp.int32)
-        # Nibble to the top of the int32, then an arithmetic shift back: sign extension
-        # of two's complement 4-bit values without selects.
-        low = ((packed << 28) >> 28).astype(jnp.float32)
-        high = ((packed << 24) >> 28).astype(jnp.float32)
+        low, high = nibble_values(w_ref[...].astype(jnp.int32), kind)
     else:
         dense = w_ref[...].astype(jnp.float32)
     total = None
     for g in range(x_ref.shape[1] // group):
-        if kind == "int4":
+        if nibbles:
             # The format puts a group's first half in the low nibbles and its second half
             # in the high ones, so the group is two contiguous pieces: no interleave.
             rows = slice(g * half, (g + 1) * half)
@@ -102,22 +101,37 @@ def grouped_block_dot(x_ref, w_ref, s_ref, kind: str, group: int,
             w = dense[g * group:(g + 1) * group]
         if zero_points:
             w = w - s_ref[1, g:g + 1, :]
-        part = mxu_dot(x_ref[:, g * group:(g + 1) * group], w.astype(x_ref.dtype))
-        part = part * (s_ref[0, g:g + 1, :] if zero_points else s_ref[g:g + 1, :])
+        scale = (s_ref[0, g:g + 1, :] if zero_points else s_ref[g:g + 1, :]).astype(jnp.float32)
+        if rows_left is not None:  # K is whole groups: a group is all in or all past it
+            w = mask_rows(w, rows_left - g * group)
+            scale = mask_rows(scale, rows_left - g * group)
+        part = mxu_dot(x_ref[:, g * group:(g + 1) * group], w.astype(x_ref.dtype)) * scale
         total = part if total is None else total + part
     return total
 
 
+def mask_rows(w: jax.Array, rows_left: jax.Array | None) -> jax.Array:
+    """A weight block whose rows from `rows_left` on lie past the weight (a ragged last K
+    block: whatever memory held there, NaN as like as not) zeroed; x's columns there are
+    zero padding, but 0 x NaN is NaN."""
+    if rows_left is None:
+        return w
+    rows = jax.lax.broadcasted_iota(jnp.int32, w.shape, 0)
+    return jnp.where(rows < rows_left, w, jnp.zeros((), w.dtype))
+
+
 def block_dot(x_ref, w_ref, s_ref, kind: str, group: int, is_grouped: bool,
-              zero_points: bool) -> jax.Array:
+              zero_points: bool, rows_left: jax.Array | None = None) -> jax.Array:
     """One K step's float32 contribution: the groups' scaled dots when grouped, else the
-    block's dot (scaled once at the end: `finish`), zero points off the integers first."""
+    block's dot (scaled once at the end: `finish`), zero points off the integers first.
+    `rows_left`: see `mask_rows` (None: the block is all inside the weight)."""
     if is_grouped:
-        return grouped_block_dot(x_ref, w_ref, s_ref, kind, group, zero_points)
+        return grouped_block_dot(x_ref, w_ref, s_ref, kind, group, zero_points, rows_left)
     if zero_points:  # per channel: the column's zero point off every row
         w = w_ref[...].astype(jnp.float32) - s_ref[1]
-        return mxu_dot(x_ref[...], w.astype(x_ref.dtype))
-    return mxu_dot(x_ref[...], dequantize_8bit_tile(w_ref[...], x_ref.dtype))
+        return mxu_dot(x_ref[...], mask_rows(w, rows_left).astype(x_ref.dtype))
+    w = dequantize_8bit_tile(w_ref[...], x_ref.dtype)
+    return mxu_dot(x_ref[...], mask_rows(w, rows_left))
 
 
 def finish(acc: jax.Array, s_ref, is_grouped: bool, zero_points: bool) -> jax.Array:
@@ -128,7 +142,7 @@ def finish(acc: jax.Array, s_ref, is_grouped: bool, zero_points: bool) -> jax.Ar
 
 
 def _kernel(x_ref,  # [bm, bk] VMEM: x's tile at (M block, K step)
-            w_ref,  # [bk, bn] (int8, fp8) or [bk / 2, bn] (int4, packed) VMEM
+            w_ref,  # [bk, bn] (int8, fp8) or [bk / 2, bn] (int4, fp4: packed) VMEM
             s_ref,  # [1, bn] channel scales ([2, 1, bn] with zero points), or grouped:
                     # [bk / G, bn] group scales ([2, bk / G, bn] with zero points), VMEM
             o_ref,  # [bm, bn] VMEM, written at the last K step
@@ -154,7 +168,7 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
                      block_k: int | None = None, interpret: bool = False) -> jax.Array:
     """`x[M, K] @ dequantize(values, scales)` -> `[M, N]` in x's dtype, on a TPU core.
 
-    Operands are zero-padded to whole blocks here (K by whole int4 groups) and the result
+    Operands are zero-padded to whole blocks here (K by whole groups) and the result
     sliced back, so any M, K, N the format allows works.
     """
     k = check_operands(x, values, scales, kind)
@@ -165,7 +179,7 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
     mp, kp, np_ = round_up(m, bm), round_up(k, bk), round_up(n, bn)
     x, values, scales = pad_operands(x, values, scales, kind, mp, kp, np_)
 
-    w_spec = pl.BlockSpec((bk // 2 if kind == "int4" else bk, bn), lambda i, j, s: (s, j))
+    w_spec = pl.BlockSpec((rows_stored(bk, kind), bn), lambda i, j, s: (s, j))
     if is_grouped:
         # One K step's group scales as a block whose rows are the whole (middle) axis:
         # a [bk // G, bn] block of a 2-D array would break the 8-row tiling rule.
