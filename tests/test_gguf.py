@@ -389,7 +389,7 @@ def assert_linear_layers_are(loaded, truth: dict, num_layers: int, types: dict[s
             want = truth[f"model.layers.{i}.{hf}.weight"].T  # [K, N]
             if KEPT.get(types[hf]) and loaded.config.quantization:
                 values, scales = flat[path_][...], flat[path_[:-1] + (proj + "_scales",)][...]
-                kind = kind_of(values)
+                kind = kind_of(values, scales)
                 held = (kind, want.shape[0] // scales.shape[-2], scales.ndim == 3)
                 assert held == KEPT[types[hf]], (i, hf, held)
                 got = np.asarray(dequantize(values, scales, kind))
@@ -810,7 +810,7 @@ def assert_experts_are(path: Path, truth: dict, cfg, weight_type: str, layer_typ
                 np.testing.assert_array_equal(got, want, err_msg=f"{i} {name}")
                 continue
             values, scales = flat[path_][...], flat[scales_path][...]
-            kind, k = kind_of(values), want.shape[1]
+            kind, k = kind_of(values, scales), want.shape[1]
             held = (kind, k // scales.shape[-2], scales.ndim == values.ndim + 1)
             assert held == KEPT[gguf_type], (i, name, held)
             if values.ndim == 2:  # the shared expert: one [K, N] weight
