@@ -914,6 +914,11 @@ QMM_CASES = [  # m, num_rows, k, n, kind, group, zero points
     (7, 7, 256, 64, "int4", 16, True),     # Q2_K's groups; AVX-512's row tails 4 + 2 + 1
     (150, 133, 256, 96, "int4", 32, True),  # a prefill chunk: blocks of 64, 64 and 5 rows
     (100, 100, 128, 64, "int8", 16, False),
+    (1, 1, 640, 200, "fp4", 32, False),    # MXFP4: e2m1 codes through the table
+    (2, 2, 384, 256, "fp4", 32, False),
+    (5, 4, 384, 96, "fp4", 32, False),     # panels
+    (7, 7, 256, 64, "fp4", 64, False),
+    (150, 133, 256, 96, "fp4", 32, False),
 ]
 
 
@@ -921,9 +926,10 @@ QMM_CASES = [  # m, num_rows, k, n, kind, group, zero points
                          f"-m{c[0]}")
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_quantized_matmul_kernel_against_float64(isa, dtype, case):
-    """x @ W for int8 and int4 (per channel or grouped, symmetric and with zero points)
-    against the exact product with the weight dequantized in float64 from the stored
-    integers (an unpacker written here), on the real rows. For one or two rows the kernel
+    """x @ W for int8 and int4 (per channel or grouped, symmetric and with zero points) and
+    fp4 against the exact product with the weight dequantized in float64 from the stored
+    integers (an unpacker written here; fp4's codes read by ml_dtypes' float4_e2m1fn), on
+    the real rows. For one or two rows the kernel
     sums x * u over the stored unsigned integers and subtracts (8 + z) * sum(x) per group;
     for more it dequantizes u * s - (8 + z) * s first: the bound holds both terms'
     magnitudes."""
@@ -954,7 +960,7 @@ def _check_quantized_matmul(dtype, case, packed: bool) -> None:
                                                               packed=packed))(
         x, *stored, jnp.int32(rows))
     assert got.dtype == dtype and got.shape == (m, n)
-    v, s = np.asarray(values), np.asarray(scales, np.float64)
+    v, s = np.asarray(values), np.asarray(scales.astype(jnp.float32), np.float64)
     s, z = (s[0], s[1]) if zp else (s, np.zeros_like(s))
     g = k // s.shape[0]
     if kind == "int8":
@@ -963,9 +969,13 @@ def _check_quantized_matmul(dtype, case, packed: bool) -> None:
         lo, hi = (v & 0xF).astype(np.int64), (v >> 4).astype(np.int64)
         u = np.empty((k, n))
         for j in range(k // g):  # byte row r of group j: rows j g + r (low), j g + g/2 + r
-            u[j * g:j * g + g // 2] = (lo[j * g // 2:(j + 1) * g // 2] ^ 8)
-            u[j * g + g // 2:(j + 1) * g] = (hi[j * g // 2:(j + 1) * g // 2] ^ 8)
-        off = 8 + z
+            u[j * g:j * g + g // 2] = lo[j * g // 2:(j + 1) * g // 2]
+            u[j * g + g // 2:(j + 1) * g] = hi[j * g // 2:(j + 1) * g // 2]
+        if kind == "fp4":
+            u = u.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+            off = z
+        else:
+            u, off = u.astype(np.int64) ^ 8, 8 + z
     rep = lambda a: np.repeat(a, g, axis=0)  # noqa: E731
     xe = np.asarray(x.astype(jnp.float32), np.float64)
     exact = xe @ ((u - rep(off)) * rep(s))

@@ -427,7 +427,7 @@ ffi::Error LoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32
 ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
                                ffi::Buffer<ffi::S32> num_rows, ffi::AnyBuffer values,
                                ffi::Buffer<ffi::F32> scales, ffi::Result<ffi::AnyBuffer> y,
-                               bool packed) {
+                               bool packed, bool fp4) {
   auto bad = [](const std::string& what) {
     return ffi::Error::InvalidArgument("jaxserve_quantized_matmul: " + what);
   };
@@ -438,8 +438,10 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   if (y->element_type() != dt) return bad("y must have x's dtype");
   const bool int4 = values.element_type() == ffi::DataType::U8;
   if (!int4 && values.element_type() != ffi::DataType::S8)
-    return bad("values must be int8 or uint8 (int4)");
+    return bad("values must be int8 or uint8 (int4, fp4)");
+  if (fp4 && !int4) return bad("fp4 values are uint8, two e2m1 codes a byte");
   const bool zeros = sd.size() == 3;
+  if (fp4 && zeros) return bad("fp4 has no zero points");
   if (sd.size() != 2 && !(zeros && sd[0] == 2))
     return bad("scales must be [G, N] (or [2, G, N] with zero points)");
   const int64_t k = xd[1], n = vd[1], groups = sd[sd.size() - 2];
@@ -451,7 +453,7 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   if (packed && n % kQmmCols) return bad("packed values need N a multiple of 32");
   Qmm q{nullptr, nullptr, values.untyped_data(), scales.typed_data(),
         zeros ? scales.typed_data() + groups * n : nullptr, y->untyped_data(), m, k, n,
-        k / groups, int4, dt == ffi::DataType::BF16, packed};
+        k / groups, int4, dt == ffi::DataType::BF16, packed, fp4};
   std::vector<float> xf, sums;
   Runner run(&pool);
   QuantizedMatmul(run, x.untyped_data(), q, xf, sums);
@@ -469,7 +471,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantizedMatmul, jaxserve::QuantizedMatmul
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<bool>("packed"));
+                                  .Attr<bool>("packed")
+                                  .Attr<bool>("fp4"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmul, jaxserve::MatmulImpl,
                               ffi::Ffi::Bind()

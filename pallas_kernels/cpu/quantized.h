@@ -7,6 +7,8 @@
 // - int8: values int8 [K, N], groups of G rows (G = K: per channel);
 // - int4: values uint8 [K/2, N], groups of G rows (byte row j of a group holds its row j in
 //   the low nibble and row j + G/2 in the high one, two's complement);
+// - fp4 (MXFP4): int4's layout, each nibble an e2m1 code (sign, 2 exponent bits, 1
+//   mantissa bit), decoded through a table in registers (offset 0, no zero points);
 // scales [K/G, N], or [2, K/G, N] with zero points z (w = (q - z) * scale). The values may
 // be packed with their scales (Qmm::packed, quantized_matmul/formats.py's pack_strips, what
 // the engine does on one CPU device): each strip of kQmmCols columns holds its K' byte
@@ -52,7 +54,15 @@ struct Qmm {
   int64_t m, k, n, group;
   bool int4, bf16;
   bool packed;      // values in strips of kQmmCols columns (QmmColumn)
+  bool fp4;         // int4's nibbles are e2m1 codes (int4 is set too)
 };
+
+// e2m1's 16 values by code, and what the integer paths add to a nibble before converting
+// it (int4: ^ 8 makes two's complement q the unsigned u = q + 8, taken off per group).
+alignas(64) constexpr float kE2m1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                          -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+JS_INLINE float QmmOffset(const Qmm& q) { return q.int4 && !q.fp4 ? 8.0f : 0.0f; }
+JS_INLINE char QmmFlip(const Qmm& q) { return static_cast<char>(q.fp4 ? 0 : 0x88); }
 
 JS_INLINE int64_t QmmGroups(const Qmm& q) { return q.k / q.group; }
 
@@ -81,9 +91,11 @@ JS_INLINE const B* QmmColumn(const Qmm& q, int64_t c) {
 JS_INLINE float QmmValue(const Qmm& q, int64_t kk, int64_t c) {
   if (!q.int4) return static_cast<float>(QmmColumn<int8_t>(q, c)[kk * QmmStride(q)]);
   const int64_t g = kk / q.group, r = kk % q.group, half = q.group / 2;
-  // Two's complement nibbles; ^ 8 makes each the unsigned u = q + 8.
-  const uint8_t b = QmmColumn<uint8_t>(q, c)[(g * half + r % half) * QmmStride(q)] ^ 0x88;
-  return static_cast<float>(r < half ? (b & 0xF) : (b >> 4));
+  // Two's complement nibbles; ^ 8 makes each the unsigned u = q + 8 (fp4: as stored).
+  const uint8_t b = QmmColumn<uint8_t>(q, c)[(g * half + r % half) * QmmStride(q)] ^
+                    static_cast<uint8_t>(QmmFlip(q));
+  const int u = r < half ? (b & 0xF) : (b >> 4);
+  return q.fp4 ? kE2m1[u] : static_cast<float>(u);
 }
 
 template <typename T>
@@ -95,7 +107,7 @@ JS_INLINE void QmmStore(const Qmm& q, int64_t row, int64_t c0, const float* acc,
 // Generic loops: any column count (the tail of N, and CPUs without AVX2).
 template <typename T>
 void GenericQmmCols(const Qmm& q, int64_t c0, int64_t nc) {
-  const float offset = q.int4 ? 8.0f : 0.0f;
+  const float offset = QmmOffset(q);
   for (int64_t m = 0; m < q.m; ++m) {
     float acc[kQmmTaskCols] = {};
     const float* x = q.x + m * q.k;
@@ -119,26 +131,36 @@ void GenericQmmCols(const Qmm& q, int64_t c0, int64_t nc) {
 // A tile: 2 rows of x by kQmmCols columns, 8 accumulators, the group's partial sums; the
 // rows' running totals live in memory (one update per group).
 
-JS_AVX2 JS_INLINE __m256 QmmCvt(__m128i bytes8, bool is_signed) {  // low 8 bytes -> floats
+// e2m1 codes (0-15 an int32 lane) as floats: the magnitude from the table's first 8 by
+// the code's low 3 bits, the sign bit from its bit 3.
+JS_AVX2 JS_INLINE __m256 E2m1Avx2(__m256i codes) {
+  const __m256 magnitude = _mm256_permutevar8x32_ps(_mm256_load_ps(kE2m1), codes);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(codes, _mm256_set1_epi32(8)), 28);
+  return _mm256_xor_ps(magnitude, _mm256_castsi256_ps(sign));
+}
+
+// Low 8 bytes -> floats: as integers, or (fp4) as e2m1 codes.
+JS_AVX2 JS_INLINE __m256 QmmCvt(__m128i bytes8, bool is_signed, bool fp4) {
+  if (fp4) return E2m1Avx2(_mm256_cvtepu8_epi32(bytes8));
   return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(bytes8)
                                       : _mm256_cvtepu8_epi32(bytes8));
 }
 
 // The 32 bytes' 4 groups of 8 as floats.
-JS_AVX2 JS_INLINE void QmmWiden(__m256i v, bool is_signed, __m256* out) {
+JS_AVX2 JS_INLINE void QmmWiden(__m256i v, bool is_signed, __m256* out, bool fp4 = false) {
   const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
-  out[0] = QmmCvt(lo, is_signed);
-  out[1] = QmmCvt(_mm_srli_si128(lo, 8), is_signed);
-  out[2] = QmmCvt(hi, is_signed);
-  out[3] = QmmCvt(_mm_srli_si128(hi, 8), is_signed);
+  out[0] = QmmCvt(lo, is_signed, fp4);
+  out[1] = QmmCvt(_mm_srli_si128(lo, 8), is_signed, fp4);
+  out[2] = QmmCvt(hi, is_signed, fp4);
+  out[3] = QmmCvt(_mm_srli_si128(hi, 8), is_signed, fp4);
 }
 
 template <int R>
 JS_AVX2 void Avx2QmmTile(const Qmm& q, int64_t m0, int64_t c0, float (*acc)[kQmmCols]) {
   const int64_t groups = QmmGroups(q), half = q.group / 2, ld = QmmStride(q);
   const int64_t ahead = QmmAhead(q);
-  const __m256 offset = _mm256_set1_ps(q.int4 ? 8.0f : 0.0f);
-  const __m256i nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x88));
+  const __m256 offset = _mm256_set1_ps(QmmOffset(q));
+  const __m256i nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(QmmFlip(q));
   const float* x[R];
   JS_UNROLL for (int r = 0; r < R; ++r) x[r] = q.x + (m0 + r) * q.k;
   for (int64_t g = 0; g < groups; ++g) {
@@ -153,8 +175,8 @@ JS_AVX2 void Avx2QmmTile(const Qmm& q, int64_t m0, int64_t c0, float (*acc)[kQmm
         const __m256i v = _mm256_xor_si256(  // two's complement nibbles -> u = q + 8
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * ld)), flip);
         __m256 lo[4], hi[4];
-        QmmWiden(_mm256_and_si256(v, nibble), false, lo);
-        QmmWiden(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), false, hi);
+        QmmWiden(_mm256_and_si256(v, nibble), false, lo, q.fp4);
+        QmmWiden(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), false, hi, q.fp4);
         JS_UNROLL for (int r = 0; r < R; ++r) {
           const __m256 xl = _mm256_set1_ps(x[r][k0 + j]), xh = _mm256_set1_ps(x[r][k0 + half + j]);
           JS_UNROLL for (int c = 0; c < 4; ++c)
@@ -215,7 +237,7 @@ JS_INLINE int64_t QmmChunks(const Qmm& q, int64_t panel_rows) {
 JS_AVX2 JS_INLINE void Avx2QmmDequantize(const Qmm& q, int64_t g, int64_t j0, int64_t rows,
                                          int64_t c0, float* panel, int64_t ldp) {
   const int64_t ld = QmmStride(q), at = QmmScaleAt(q, g, c0);  // kQmmCols scales in a row
-  const __m256 offset = _mm256_set1_ps(q.int4 ? 8.0f : 0.0f);
+  const __m256 offset = _mm256_set1_ps(QmmOffset(q));
   __m256 scale[4], bias[4];
   JS_UNROLL for (int c = 0; c < 4; ++c) {
     scale[c] = _mm256_loadu_ps(q.s + at + 8 * c);
@@ -223,14 +245,14 @@ JS_AVX2 JS_INLINE void Avx2QmmDequantize(const Qmm& q, int64_t g, int64_t j0, in
     bias[c] = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(z, scale[c]));
   }
   if (q.int4) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x88));
+    const __m256i nibble = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(QmmFlip(q));
     const uint8_t* w = QmmColumn<uint8_t>(q, c0) + (g * (q.group / 2) + j0) * ld;
     for (int64_t j = 0; j < rows; ++j) {
       const __m256i v = _mm256_xor_si256(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * ld)), flip);
       __m256 lo[4], hi[4];
-      QmmWiden(_mm256_and_si256(v, nibble), false, lo);
-      QmmWiden(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), false, hi);
+      QmmWiden(_mm256_and_si256(v, nibble), false, lo, q.fp4);
+      QmmWiden(_mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), false, hi, q.fp4);
       JS_UNROLL for (int c = 0; c < 4; ++c) {
         _mm256_storeu_ps(panel + j * ldp + 8 * c, _mm256_fmadd_ps(lo[c], scale[c], bias[c]));
         _mm256_storeu_ps(panel + (rows + j) * ldp + 8 * c,
@@ -335,9 +357,10 @@ template <int R>
 JS_AVX512 void Avx512QmmTile(const Qmm& q, int64_t m0, int64_t c0, float (*acc)[kQmmCols]) {
   const int64_t groups = QmmGroups(q), half = q.group / 2, ld = QmmStride(q);
   const int64_t ahead = QmmAhead(q);
-  const __m512 offset = _mm512_set1_ps(q.int4 ? 8.0f : 0.0f);
+  const __m512 offset = _mm512_set1_ps(QmmOffset(q));
   const __m512i nibble = _mm512_set1_epi32(0x0F);
-  const __m128i flip = _mm_set1_epi8(static_cast<char>(0x88));
+  const __m128i flip = _mm_set1_epi8(QmmFlip(q));
+  const __m512 table = _mm512_load_ps(kE2m1);  // fp4: a code's value by permute
   const float* x[R];
   JS_UNROLL for (int r = 0; r < R; ++r) x[r] = q.x + (m0 + r) * q.k;
   __m512 total[R][2];
@@ -353,11 +376,12 @@ JS_AVX512 void Avx512QmmTile(const Qmm& q, int64_t m0, int64_t c0, float (*acc)[
       for (int64_t j = 0; j < half; ++j) {
         _mm_prefetch(reinterpret_cast<const char*>(w + j * ld + ahead), _MM_HINT_T0);
         __m512 lo[2], hi[2];
-        JS_UNROLL for (int c = 0; c < 2; ++c) {  // u = q + 8 in each nibble, 0..255 a lane
+        JS_UNROLL for (int c = 0; c < 2; ++c) {  // u = q + 8 in each nibble (fp4: its code)
           const __m512i u = _mm512_cvtepu8_epi32(_mm_xor_si128(
               _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * ld + 16 * c)), flip));
-          lo[c] = _mm512_cvtepi32_ps(_mm512_and_si512(u, nibble));
-          hi[c] = _mm512_cvtepi32_ps(_mm512_srli_epi32(u, 4));
+          const __m512i low = _mm512_and_si512(u, nibble), high = _mm512_srli_epi32(u, 4);
+          lo[c] = q.fp4 ? _mm512_permutexvar_ps(low, table) : _mm512_cvtepi32_ps(low);
+          hi[c] = q.fp4 ? _mm512_permutexvar_ps(high, table) : _mm512_cvtepi32_ps(high);
         }
         JS_UNROLL for (int r = 0; r < R; ++r) {
           const __m512 xl = _mm512_set1_ps(x[r][k0 + j]), xh = _mm512_set1_ps(x[r][k0 + half + j]);

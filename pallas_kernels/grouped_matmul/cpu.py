@@ -3,7 +3,7 @@ one row tile times one group's weight, so only the groups that have rows are rea
 dequantized, for a quantized stack), once per tile they touch. XLA:CPU's own ragged_dot
 multiplies every row by every group's weight instead (reference.py).
 
-An int4 stack, or one with zero points, goes through the native quantized kernel
+An int4 or fp4 stack, or one with zero points, goes through the native quantized kernel
 (pallas_kernels/quantized_matmul/cpu.py) on each visit, reading the group's weight as
 stored: XLA:CPU's dequantization of a dynamically sliced group, which it fuses, costs
 0.6-1 ms for a [1024, 768] weight where the same dequantization of a whole array takes
@@ -55,8 +55,9 @@ def grouped_matmul(x: jax.Array, values: jax.Array, group_sizes: jax.Array,
             return values[g].astype(x.dtype)
         return single.dequantize(values[g], scales[g], kind, x.dtype)
 
-    # int4 and zero points: the native kernel on the group's weight as stored (module doc).
-    native = (kind == "int4" or (kind == "int8" and single.has_zero_points(scales[0]))) \
+    # int4, fp4 and zero points: the native kernel on the group's weight as stored (module
+    # doc).
+    native = (kind in ("int4", "fp4") or (kind == "int8" and single.has_zero_points(scales[0]))) \
         and native_quantized.supports(x, kind)
 
     def product(t, g):

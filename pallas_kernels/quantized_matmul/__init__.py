@@ -39,9 +39,8 @@ Implementations, all with the signature of `reference.quantized_matmul`:
   Compiles ahead of time for v5e and v6e for every kind: Mosaic accepts the
   float8_e4m3fn -> f32 conversion on both, though neither has fp8 arithmetic (the
   kernel never asks for any: fp8 is a storage format here, as the others are).
-- "cpu" (cpu.py): the native CPU kernel for at most 64 rows (decode), int8 and int4, the
-  weight read as stored and converted in registers; the reference for anything else
-  (fp8, fp4).
+- "cpu" (cpu.py): the native CPU kernel, int8, int4 and fp4, the weight read as stored
+  and converted in registers; the reference for anything else (fp8).
 - "gpu" (gpu.py): Pallas Triton kernel, grid (M, N blocks), K loop in a fori_loop. fp8
   needs a CUDA GPU of compute capability >= 8.9 (Ada, Hopper) for the conversion (Pallas
   refuses it below); groups must be powers of two (int4 / fp4 >= 32, int8 / fp8 >= 16).

@@ -2,11 +2,13 @@
 `jaxserve_quantized_matmul`): decode steps, draft verifications and prefill chunks.
 
 A CPU decode step is bound by the bytes of weight it reads; the kernel reads them as stored
-(int8, or int4 two per byte) and converts them in registers, where the reference
+(int8, or int4 / fp4 two per byte; fp4's e2m1 codes through a table in registers) and
+converts them in registers, where the reference
 dequantizes the whole weight to x's dtype in memory first (3x slower than float weights
 at batch 1: benchmarks/RESULTS.md). Past two rows it dequantizes a panel of the weight in
 L1 at a time and runs the rows over it in blocks of 64, compute-bound like the float
-matmul. int8 and int4 (any even group, zero points too); fp8 takes the reference. Rows at
+matmul. int8, int4 (any even group, zero points too) and fp4 (its bf16 scales widened
+to float32 on the way in); fp8 takes the reference. Rows at
 or past `rows` (the batch's real tokens) are left unwritten and cost nothing, as in the
 float kernel.
 """
@@ -21,7 +23,7 @@ from pallas_kernels.quantized_matmul import reference
 from pallas_kernels.quantized_matmul.formats import unpack_strips
 
 TARGET = "jaxserve_quantized_matmul"
-KINDS = ("int8", "int4")
+KINDS = ("int8", "int4", "fp4")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -43,7 +45,8 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
     rows = jnp.asarray(x.shape[0] if rows is None else rows, jnp.int32).reshape(())
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], values.shape[1]),
                                                          x.dtype))
-    return call(x, rows, values, scales.astype(jnp.float32), packed=bool(packed))
+    return call(x, rows, values, scales.astype(jnp.float32), packed=bool(packed),
+                fp4=kind == "fp4")
 
 
 __all__ = ["quantized_matmul", "supports"]
