@@ -402,7 +402,7 @@ def weight_variants(k: int, n: int, seed: int) -> dict[str, tuple[jax.Array, ...
     """The bf16 weight and its int8 / int4 / fp8 quantizations of the same random matrix."""
     w = jax.random.normal(jax.random.PRNGKey(seed), (k, n), jnp.float32) / math.sqrt(k)
     variants = {"bf16": (w.astype(jnp.bfloat16),)}
-    for kind in ("int8", "int4", "fp8"):
+    for kind in ("int8", "int4", "fp8", "fp4"):
         variants[kind] = quantize(w, kind, group_size=INT4_GROUP if kind == "int4" else None)
     return variants
 
@@ -430,7 +430,7 @@ def matmul_rows(on_cpu: bool, full: bool, impl: str | None, bandwidth: float, it
             nbytes = k * n * 2
             rows.append(Row(f"bf16 dot M={m} [{k}x{n}]", nbytes, 1e3 * nbytes / bandwidth, peer_ms,
                             kernel_note="(the peer)", peer_ms=peer_ms))
-            for kind in ("int8", "int4", "fp8"):
+            for kind in ("int8", "int4", "fp8", "fp4"):
                 rows.append(quantized_row(kind, x, weights[kind], impl, bandwidth, iters, peer_ms))
             del x
         del weights

@@ -48,7 +48,7 @@ def linear(in_shape: tuple[int, ...], out_shape: tuple[int, ...],
     pallas_kernels/quantized_matmul (K and N the flattened in and out dims; int4 with zero
     points `[2, K / G, N]`), each tagged with the logical axis of its leading in / out
     dim, which keeps whole heads on one shard; checkpoints overwrite the zeros at load.
-    int8 / int4 values are tagged `quantized` and their scales `quantized_scales`
+    int8 / int4 / fp4 values are tagged `quantized` and their scales `quantized_scales`
     (`weights_for_native_matmul` packs both on a CPU; the native kernel takes no others).
     """
     if options.quantization is None:
@@ -57,7 +57,7 @@ def linear(in_shape: tuple[int, ...], out_shape: tuple[int, ...],
     (vshape, vdtype), (sshape, sdtype) = quantized_shapes(
         math.prod(in_shape), math.prod(out_shape), options.quantization,
         options.quant_group_size, options.quant_zero_points)
-    native = options.quantization in ("int8", "int4")
+    native = options.quantization in ("int8", "int4", "fp4")
     values = nnx.Param(jnp.zeros(vshape, vdtype), logical_axes=(in_axes[0], out_axes[0]),
                        quantized=native)
     scale_axes = (in_axes[0] if sshape[-2] > 1 else None, out_axes[0])
@@ -172,7 +172,7 @@ def weights_for_native_matmul(state: nnx.State, pack: bool | None = None) -> nnx
     EPYC, bf16 / float32): 32 rows 0.79-0.80x / 0.92-0.93x the time of `[N, K]`, 5 rows
     0.84-0.85x / 0.84-0.88x, one row 0.91x / 1.01-1.02x (docs/kernels.md).
 
-    The int8 / int4 values and scales of quantized linear layers (N a multiple of 32) are
+    The int8 / int4 / fp4 values and scales of quantized linear layers (N a multiple of 32) are
     packed in strips of 32 columns, the quantized kernel's layout
     (quantized_matmul.pack_strips: each of its tiles then reads sequential streams);
     `pack=False` leaves them too.
