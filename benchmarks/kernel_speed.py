@@ -506,9 +506,9 @@ def dense_loop_experts(x, weights, chosen, gate, up, down):
     return out.astype(x.dtype)
 
 
-# The experts' stacks: float, and int4 in groups of 32 with zero points (a GGUF file's
-# Q4_K or an AWQ checkpoint's experts, kept as stored).
-MOE_FORMATS = (None, ("int4", 32, True))
+# The experts' stacks: float, int4 in groups of 32 with zero points (a GGUF file's Q4_K or
+# an AWQ checkpoint's experts, kept as stored), and fp4 (an MXFP4 checkpoint's: gpt-oss's).
+MOE_FORMATS = (None, ("int4", 32, True), ("fp4", 32, False))
 
 
 def moe_rows(on_cpu: bool, full: bool, impl: str | None, bandwidth: float, iters: int) -> list[Row]:
@@ -536,7 +536,9 @@ def moe_rows(on_cpu: bool, full: bool, impl: str | None, bandwidth: float, iters
             gate, up, down = (grouped_dequantize(*stacks[i:i + 2], kind, dtype)
                               for i in (0, 2, 4))
             label = f"{dtype}, {kind} g{group}{' zp' if zero_points else ''} experts"
-            per_weight = (0.5 if kind == "int4" else 1) + 4 * (2 if zero_points else 1) / group
+            scale_bytes = 2 if kind == "fp4" else 4  # bf16 / float32 scales (and zero points)
+            per_weight = ((0.5 if kind in ("int4", "fp4") else 1)
+                          + scale_bytes * (2 if zero_points else 1) / group)
         loop = jax.jit(dense_loop_experts)
         variants = {i: jax.jit(functools.partial(grouped_glu, impl=i))
                     for i in ("reference", grouped)}

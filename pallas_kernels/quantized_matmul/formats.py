@@ -18,7 +18,6 @@ FP8_DTYPE = jnp.float8_e4m3fn
 INT_RANGE = {"int8": (-128, 127), "int4": (-8, 7)}  # the stored integers (two's complement)
 DEFAULT_INT4_GROUP = 128
 DEFAULT_FP4_GROUP = 32  # MXFP4's block
-FP4_MAX = 6.0  # the largest e2m1 magnitude
 FP4_EMAX = 2  # e2m1's largest exponent: a group's scale is 2^(floor(log2 max|w|) - 2)
 
 
