@@ -122,7 +122,7 @@ def reads_ragged(values: jax.Array, scales: jax.Array | None, kind: str | None, 
     blocks: a copy of it every call."""
     if k % bk == 0:
         return True
-    rows = rows_stored(bk, kind) if kind else bk
+    rows = rows_stored(bk, kind)
     return rows % sublane_tile(values.dtype) == 0 and (
         not is_grouped or (bk // group) % sublane_tile(scales.dtype) == 0)
 
@@ -152,7 +152,7 @@ def grouped_matmul(x: jax.Array, values: jax.Array, group_sizes: jax.Array,
         return groups[v], s, n
 
     in_specs = [pl.BlockSpec((bm, bk), lambda n, v, s, o, g, t, a: (t[v], s)),
-                pl.BlockSpec((pl.squeezed, rows_stored(bk, kind) if kind else bk, bn), w_index)]
+                pl.BlockSpec((pl.squeezed, rows_stored(bk, kind), bn), w_index)]
     operands = [x, values]
     zp = (2,) if zero_points else ()  # scales and zero points: both at every index
     if is_grouped and ragged_k:  # bk // G rows of [G, (2,) K / G, N]: whole tiles (reads_ragged)

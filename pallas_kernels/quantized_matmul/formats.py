@@ -38,8 +38,8 @@ def kind_of(values: jax.Array, scales: jax.Array) -> str:
     return "fp4" if kind == "int4" and jnp.dtype(scales.dtype) == jnp.dtype(jnp.bfloat16) else kind
 
 
-def rows_stored(k: int, kind: str) -> int:
-    """The rows of a `[K, N]` weight's values: K, or K / 2 for two nibbles a byte."""
+def rows_stored(k: int, kind: str | None) -> int:
+    """The rows of a `[K, N]` weight's values: K (float too), or K / 2 for two nibbles a byte."""
     return k // 2 if kind in NIBBLE_KINDS else k
 
 
