@@ -35,7 +35,10 @@ class StructuredOutputsParams:
     `reasoning` leaves a thinking model's reasoning block free before the constraint
     holds (the servers' --reasoning-parser sets it): "open" when the prompt opened the
     block (free text up to REASONING_END first), "optional" when the output may open one
-    with REASONING_START; whitespace may follow the block.
+    with REASONING_START; whitespace may follow the block. "harmony" is gpt-oss's turn
+    (server/harmony.py): any analysis messages first, then the constraint holds as the
+    text of the final message (`<|channel|>final<|message|>`, the tokenizer's special
+    tokens); the prompt must end with the generation prompt's `<|start|>assistant`.
     """
 
     json: dict[str, Any] | str | None = None
@@ -63,9 +66,9 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs.regex must be a string")
         if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar):
             raise ValueError("structured_outputs.grammar must be a non-empty string")
-        if self.reasoning not in (None, "open", "optional"):
-            raise ValueError(f"structured_outputs.reasoning must be 'open' or 'optional', "
-                             f"got {self.reasoning!r}")
+        if self.reasoning not in (None, "open", "optional", "harmony"):
+            raise ValueError(f"structured_outputs.reasoning must be 'open', 'optional' or "
+                             f"'harmony', got {self.reasoning!r}")
         if self.choice is not None:
             if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(
                     isinstance(c, str) and c for c in self.choice):

@@ -19,15 +19,26 @@ first message's `<|channel|>`. What becomes of each message:
 The markers are special tokens: the output is detokenized with them kept. Output that
 does not start as harmony (no `<|channel|>` or `<|start|>` first) is all content; a
 message cut short (max_tokens) keeps what it wrote. Streamed, text that could be the
-start of a marker is held back until it cannot. An output constraint (response_format,
-guided_*, a required or named tool) is not served with this parser yet: it would have to
-hold inside the final message only.
+start of a marker is held back until it cannot.
+
+Output constraints hold where harmony puts what they describe, with any analysis
+messages before it (free: the chain of thought is not constrained): response_format and
+guided_* the final message's text (StructuredOutputsParams.reasoning "harmony"); a
+required or named tool_choice one message to `functions.NAME` on commentary whose text is
+the function's arguments (`call_plan`), read back as a tool call as with "auto" (one call:
+gpt-oss's turn ends at `<|call|>`). Preambles are not allowed then. Both need the prompt to
+end with the generation prompt's `<|start|>assistant` (`opens_a_turn`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+
+from jaxserve.engine.structured_output import COMPACT_JSON, harmony_grammar
+from server import tool_calling
+from server.tool_parsers import get_parser
 
 MODE = "harmony"  # the `think` of a chat run read as harmony (server/http_server.py)
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
@@ -41,6 +52,31 @@ _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*([^\s<]+)")
 def call_text(recipient: str, arguments: str) -> str:
     """A tool call as the tool stage reads it (tool_parsers.OpenAIParser)."""
     return f"{CHANNEL}commentary to={recipient}{MESSAGE}{arguments}{CALL}"
+
+
+def opens_a_turn(prompt_text: str) -> bool:
+    """Whether a prompt ends with the generation prompt (its output starts a turn's first
+    message): what a constraint's grammar starts from."""
+    return prompt_text.endswith(f"{START}assistant")
+
+
+def call_plan(plan: tool_calling.ToolPlan, tools: list[dict]) -> tool_calling.ToolPlan:
+    """A required or named tool_choice's plan as gpt-oss writes a call: after any analysis
+    messages, `<|channel|>commentary to=functions.NAME [<|constrain|>json]<|message|>`
+    and the arguments (compact JSON of the function's parameters schema), then its EOS;
+    read back by the openai tool parser."""
+    names = ([plan.function] if plan.mode == "named"
+             else [t["function"]["name"] for t in tools])
+    schemas = {t["function"]["name"]: tool_calling.parameters(t) for t in tools}
+    # Names are [a-zA-Z0-9_-] (the protocol checks them): safe in a Lark string.
+    rules = "".join(
+        f'call_{i}: "commentary to=functions.{name}" " "? (<|constrain|> "json")? '
+        f'<|message|> %json {json.dumps({**schemas[name], "x-guidance": COMPACT_JSON})}\n'
+        for i, name in enumerate(names))
+    grammar = harmony_grammar("(" + " | ".join(f"call_{i}" for i in range(len(names))) + ")",
+                              rules)
+    return dataclasses.replace(plan, parser=get_parser("openai"), schema=None,
+                               grammar=grammar)
 
 
 def _held(text: str, markers: tuple[str, ...]) -> int:

@@ -391,7 +391,7 @@ class HTTPServer:
         markers may be special tokens: they are kept in the text. `reasoning_block`
         (StructuredOutputsParams.reasoning): a block the constraint holds after."""
         try:
-            keep_special = (tools is not None and tools.mode == "auto") \
+            keep_special = (tools is not None and tools.parser is not None) \
                 or self.reasoning_parser == "openai_gptoss"  # harmony's markers
             params = [req.sampling_params(
                 max_tokens, logprobs, i, tools.constraint() if tools else None,
@@ -505,13 +505,20 @@ class HTTPServer:
         ids = req.truncated(ids, self.info.max_model_len, bool(images))
         think = block = None  # (no reasoning parser)
         if self.reasoning_parser == "openai_gptoss":
-            field = "tool_choice" if plan is not None and plan.mode != "auto" else (
-                req.constraint_field() if _constrained(req) else None)
-            if field is not None:
-                raise oai.APIError(400, f"{field}: an output constraint is not served with "
-                                        "--reasoning-parser openai_gptoss yet (it would have "
-                                        "to hold inside harmony's final message)", field)
             think = harmony.MODE
+            calls = plan is not None and plan.mode != "auto"
+            field = "tool_choice" if calls else (
+                req.constraint_field() if _constrained(req) else None)
+            if field is not None and not harmony.opens_a_turn(
+                    self.info.tokenizer.decode(ids[-16:], skip_special_tokens=False)):
+                raise oai.APIError(400, f"{field}: with --reasoning-parser openai_gptoss an "
+                                        "output constraint needs the prompt to end with "
+                                        "the generation prompt's <|start|>assistant (a chat "
+                                        "template for gpt-oss, add_generation_prompt)", field)
+            if calls:  # its grammar says where the call goes
+                plan = harmony.call_plan(plan, tools)
+            else:  # a constraint holds as the final message's text
+                block = "harmony"
         elif self.reasoning_parser is not None:
             state = reasoning.prompt_state(
                 self.info.tokenizer.decode(ids[-16:], skip_special_tokens=False))
@@ -647,7 +654,7 @@ class HTTPServer:
                 if not c.started:
                     c.started = True
                     yield chunk(i, {"role": "assistant", "content": "" if tools is None
-                                    or tools.plan.mode == "auto" else None}, first=True)
+                                    or tools.plan.parser is not None else None}, first=True)
                     if echoed:
                         yield chunk(i, {"content": echoed})
                 self._accumulate(c, out)

@@ -10,6 +10,10 @@ The tools go to the chat template. `tool_choice` then decides what the output is
   `parallel_tool_calls` is false;
 - a named function: its arguments, enforced by the function's parameters schema.
 
+With gpt-oss's harmony parser a required or named call is enforced as gpt-oss writes one
+(server/harmony.py: a message to `functions.NAME` holding its arguments) and read back by
+the tool parser, as with "auto".
+
 Streamed as OpenAI streams them: a named call's header (id, name) comes first and its
 arguments follow as they are generated; a required or parsed call is sent whole when it
 is complete; content before a parsed call streams as content, with text that could be the
@@ -39,7 +43,8 @@ def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _parameters(tool: dict) -> dict:
+def parameters(tool: dict) -> dict:
+    """A tool's parameters schema (an object with no properties when it gives none)."""
     return tool["function"].get("parameters") or {"type": "object", "properties": {}}
 
 
@@ -48,11 +53,14 @@ class ToolPlan:
     """How one request's output becomes tool calls."""
 
     mode: str  # "auto" | "required" | "named"
-    parser: ToolParser | None = None  # auto
+    parser: ToolParser | None = None  # auto (and harmony's calls): reads calls out of text
     function: str | None = None  # named
     schema: dict | None = None  # required / named: what the output must be
+    grammar: str | None = None  # or, as Lark (harmony's calls): what the output must be
 
     def constraint(self) -> StructuredOutputsParams | None:
+        if self.grammar is not None:
+            return StructuredOutputsParams(grammar=self.grammar)
         return None if self.schema is None else StructuredOutputsParams(json=self.schema)
 
 
@@ -75,7 +83,7 @@ def plan(tools: list[dict] | None, tool_choice: str | dict | None,
         branches = [{"type": "object", "additionalProperties": False,
                      "required": ["name", "parameters"],
                      "properties": {"name": {"const": t["function"]["name"]},
-                                    "parameters": _parameters(t)}} for t in tools]
+                                    "parameters": parameters(t)}} for t in tools]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
         if parallel_tool_calls is False:
             schema["maxItems"] = 1
@@ -85,7 +93,7 @@ def plan(tools: list[dict] | None, tool_choice: str | dict | None,
     if tool is None:
         raise ToolChoiceError(f"tool_choice names the function {name!r}, which is not in "
                               f"tools")
-    return ToolPlan("named", function=name, schema=_parameters(tool))
+    return ToolPlan("named", function=name, schema=parameters(tool))
 
 
 def _tool_call(call: ParsedCall, index: int | None = None) -> dict:
@@ -105,13 +113,13 @@ def _required_calls(text: str) -> list[ParsedCall] | None:
 
 def message(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:
     """A finished choice's (content, tool_calls)."""
+    if plan.parser is not None:
+        parsed = plan.parser.parse(text)
+        return parsed.content, [_tool_call(c) for c in parsed.calls]
     if plan.mode == "named":
         return None, [_tool_call(ParsedCall(plan.function, text))]
-    if plan.mode == "required":
-        calls = _required_calls(text)
-        return (text, []) if calls is None else (None, [_tool_call(c) for c in calls])
-    parsed = plan.parser.parse(text)
-    return parsed.content, [_tool_call(c) for c in parsed.calls]
+    calls = _required_calls(text)
+    return (text, []) if calls is None else (None, [_tool_call(c) for c in calls])
 
 
 def finish_reason(plan: ToolPlan, reason: str | None, tool_calls: list) -> str | None:
@@ -133,7 +141,7 @@ class ToolStream:
 
     def feed(self, new_text: str) -> list[dict[str, Any]]:
         self.text += new_text
-        if self.plan.mode == "named":
+        if self.plan.parser is None and self.plan.mode == "named":
             if not new_text and self.sent:
                 return []
             first = self.sent == 0 and not self.num_calls
@@ -144,7 +152,7 @@ class ToolStream:
                 call = {"index": 0, "id": self._named_id, "type": "function",
                         "function": {"name": self.plan.function, "arguments": new_text}}
             return [{"tool_calls": [call]}]
-        if self.plan.mode == "required" or self.call_start is not None:
+        if self.plan.parser is None or self.call_start is not None:  # required
             return []
         start = self.plan.parser.start(self.text)
         if start is not None:
@@ -154,9 +162,9 @@ class ToolStream:
 
     def finish(self) -> list[dict[str, Any]]:
         """The deltas left when the choice has ended."""
-        if self.plan.mode == "named":
+        if self.plan.parser is None and self.plan.mode == "named":
             return self.feed("") if not self.num_calls else []
-        if self.plan.mode == "required":
+        if self.plan.parser is None:  # required
             calls = _required_calls(self.text)
             if calls is None:
                 return self._content(len(self.text))

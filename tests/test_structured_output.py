@@ -214,7 +214,7 @@ def test_bad_constraints_fail_at_add_naming_the_problem(llm, constraint, problem
     (dict(regex="a", choice=["a"]), "exactly one"),
     (dict(choice=[]), "non-empty list"),
     (dict(json="{not json"), "not valid JSON"),
-    (dict(regex="a", reasoning="closed"), "reasoning must be 'open' or 'optional'"),
+    (dict(regex="a", reasoning="closed"), "reasoning must be 'open', 'optional' or 'harmony'"),
 ])
 def test_constraint_fields_are_checked(fields, problem):
     with pytest.raises(ValueError, match=problem):

@@ -37,11 +37,14 @@ log = logging.getLogger(__name__)
 
 # Compiled constraints kept (least recently used dropped first).
 GRAMMAR_CACHE_SIZE = 256
+# llguidance's JSON options for JSON without free whitespace (also as a schema's
+# "x-guidance" in a Lark grammar's %json).
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def grammar_source(c: StructuredOutputsParams) -> str:
     """llguidance's grammar for a constraint (not yet checked), after a free reasoning
-    block when `c.reasoning` asks for one."""
+    block (or harmony's analysis messages) when `c.reasoning` asks for one."""
     source = _constraint_source(c)
     if c.reasoning is None:
         return source
@@ -50,6 +53,9 @@ def grammar_source(c: StructuredOutputsParams) -> str:
     grammars = (json.loads(source)["grammars"] if source.lstrip().startswith("{")
                 else [{"lark_grammar": source}])
     grammars[0] = {**grammars[0], "name": "constraint"}
+    if c.reasoning == "harmony":
+        lark = harmony_grammar('"final" (" "? <|constrain|> /[a-zA-Z]+/)? <|message|> @constraint')
+        return json.dumps({"grammars": [{"lark_grammar": lark}, *grammars]})
     block = "thought /[ \\t\\r\\n]*/"
     start = (f"start: {block} @constraint" if c.reasoning == "open"
              else f"start: ({json.dumps(REASONING_START)} {block})? @constraint")
@@ -57,11 +63,20 @@ def grammar_source(c: StructuredOutputsParams) -> str:
     return json.dumps({"grammars": [{"lark_grammar": f"{start}\n{thought}\n"}, *grammars]})
 
 
+def harmony_grammar(message: str, rules: str = "") -> str:
+    """Lark for gpt-oss's harmony turn after the generation prompt's `<|start|>assistant`:
+    any analysis messages (free text, each ended by `<|end|>` and the next header), then
+    one message `<|channel|>` + `message` (the rest of its header and its text; `rules`
+    defines what it refers to). The markers are the tokenizer's special tokens, which a
+    text pattern never matches: THOUGHT runs up to the next one."""
+    return (f'start: (<|channel|> "analysis" <|message|> THOUGHT <|end|> <|start|> '
+            f'"assistant")* <|channel|> {message}\nTHOUGHT: /(?s:.*)/\n{rules}')
+
+
 def _constraint_source(c: StructuredOutputsParams) -> str:
     if c.json is not None or c.json_object:
         schema = c.json if c.json is not None else {"type": "object"}
-        options = ({"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-                   if c.disable_any_whitespace else {"whitespace_flexible": True})
+        options = COMPACT_JSON if c.disable_any_whitespace else {"whitespace_flexible": True}
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
         except ValueError as e:
