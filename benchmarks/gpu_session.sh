@@ -18,6 +18,10 @@
 #   hostloop     benchmarks/host_overhead.py (tiny model, no peers) with the step's host
 #                inputs packed in one transfer and not (jaxserve/engine/packing.py); on an
 #                H200 its tiny model's 32 programs compile in ~2.5 minutes per run
+#   servers      benchmarks/http_vs_grpc.py: issue 54's 256 streams of the tiny model through
+#                gRPC and HTTP against the offline LLM, on the host's CPU cores
+#                (JAX_PLATFORMS=cpu): the servers' share where the front, the engine and
+#                the client do not share two cores (~4 minutes)
 # Each step has a time limit (SIGINT, so pytest still prints what failed) and a log. The
 # Python packages the device's image lacks travel as wheels in .whl, and the 8B model's
 # tokenizer in .tok8b (both ignored by git, named in the call's carry):
@@ -106,6 +110,17 @@ jaxlib.__version__, 'triton', triton.__version__, 'torch', torch.__version__); p
         step "hostloop-$pack" 300 python3 benchmarks/host_overhead.py --skip-peers --rounds 1 \
           --pack "$pack"
         sed -n '/^|/p' "$OUT/hostloop-$pack.log"
+      done ;;
+    servers)
+      step servers-model 120 python3 -c "import sys; sys.path.insert(0, 'benchmarks')
+import peers
+print(peers.checkpoint('configs/models/tiny-llama.yaml', dtype='float32'))"
+      model=$(tail -1 "$OUT/servers-model.log")
+      for interval in 1 16; do
+        step "servers-$interval" 200 env JAX_PLATFORMS=cpu python3 benchmarks/http_vs_grpc.py \
+          --model "$model" --dtype float32 --concurrency 256 --num-prompts 1024 \
+          --input-len 16 --output-len 128 --offline --rounds 1 --stream-interval "$interval"
+        sed -n '/^|/p;/^offline LLM/p' "$OUT/servers-$interval.log"
       done ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
