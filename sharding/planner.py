@@ -43,6 +43,7 @@ from jaxserve.engine.packing import pack
 from jaxserve.engine.programs import jit_programs
 from jaxserve.loading.safetensors import abstract_model
 from jaxserve.models.lora import abstract_stacks, stacks_bytes
+from sharding.layouts import kernel_format
 from sharding.mesh import make_mesh
 from sharding.platforms import allow_shared_libtpu
 from sharding.rules import ShardingContext, model_sharding
@@ -133,11 +134,12 @@ def lora_stacks(cfg: ModelConfig, engine: EngineConfig, shard: ShardingContext) 
 
 
 def placed(abstract: nnx.State, shard: ShardingContext) -> nnx.State:
-    """Abstract parameters with the shardings their logical axes get under `shard`."""
+    """Abstract parameters with the shardings their logical axes get under `shard` (and
+    the layouts the kernels take: layouts.kernel_format)."""
     flat = nnx.to_flat_state(abstract)
     for _, var in flat:
-        sharding = shard.param_sharding(var)
-        var.set_value(jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=sharding))
+        where = kernel_format(var, shard.param_sharding(var))
+        var.set_value(jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=where))
     return nnx.from_flat_state(flat)
 
 

@@ -49,6 +49,32 @@ def test_greedy_batch_matches_transformers(checkpoints, prompts):
     assert llm.engine.runner.compiles_after_warmup == 0
 
 
+def test_expert_stacks_in_another_layout_serve_the_same_tokens(checkpoints, prompts,
+                                                              monkeypatch):
+    """sharding/layouts.py moves the loaded expert stacks into the layout the grouped
+    kernel takes (row-major, on a TPU). Made to ask for another one here, where every
+    default is row-major: the stacks are moved into it and the engine's programs take
+    them as they lie (a committed argument's layout), with transformers' tokens."""
+    from jax.experimental.layout import Format, Layout
+
+    from sharding import layouts
+
+    def columns_first(var, sharding):
+        if not layouts.is_expert_stack(var):
+            return sharding
+        return Format(Layout(major_to_minor=(2, 0, 1)), sharding)
+
+    monkeypatch.setattr(layouts, "kernel_format", columns_first)
+    path, hf_model = checkpoints("gpt_oss")
+    llm = LLM(str(path), **{**ENGINE, "max_num_batched_tokens": 16, "token_buckets": (16,)})
+    moved = {x.shape for x in llm.engine.runner.param_leaves
+             if x.format.layout.major_to_minor == (2, 0, 1)}
+    assert moved == {(4, 64, 32), (4, 32, 64)}  # gate and up, down: every expert stack
+    outs = llm.generate(prompts[:2], GREEDY)
+    for out, prompt in zip(outs, prompts):
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt, GREEDY.max_tokens)
+
+
 @pytest.mark.slow
 def test_tensor_expert_and_data_parallel_match_transformers(checkpoints, prompts, tmp_path):
     """On 8 CPU devices (tests/gpt_oss_multidevice_check.py): the 4 heads and their sinks

@@ -7,8 +7,8 @@ compiled program by what it is built from instead: jaxserve's source (every Pyth
 module and kernel source of the packages below), the JAX and jaxlib versions, JAX's
 settings and the environment's (XLA_FLAGS, JAXSERVE_*, ...), the devices (and on a CPU
 the instruction sets XLA compiles for and the native kernels' build), the model's
-structure (its graphdef, with every static setting of its layers) and the shapes, dtypes
-and shardings of the program's arguments. Anything else a program depends on must be
+structure (its graphdef, with every static setting of its layers) and the shapes, dtypes,
+shardings and layouts of the program's arguments. Anything else a program depends on must be
 one of those; a change to any of them misses and compiles anew (through JAX's cache,
 which still hits when the HLO is unchanged).
 
@@ -89,11 +89,13 @@ def _cpu_flags() -> bytes:
 
 
 def signature(args) -> str:
-    """The pytree structure and every leaf's shape, dtype and sharding of `args`."""
+    """The pytree structure and every leaf's shape, dtype and sharding of `args` (with
+    its layout where it has one: a program takes its arguments as they lie)."""
     leaves, treedef = jax.tree.flatten(args)
     return repr((str(treedef), [
         (getattr(x, "shape", ()), str(getattr(x, "dtype", type(x).__name__)),
-         getattr(x, "weak_type", False), str(getattr(x, "sharding", None)))
+         getattr(x, "weak_type", False),
+         str(getattr(x, "format", None) or getattr(x, "sharding", None)))
         for x in leaves]))
 
 

@@ -20,6 +20,7 @@ from jaxserve.loading.source import open_checkpoint
 from jaxserve.loading.image_processor import load_image_processor
 from jaxserve.loading.tokenizer import Tokenizer
 from jaxserve.loading.vision import VisionTensors
+from sharding.layouts import lay_out_for_kernels
 from sharding.mesh import make_mesh
 from sharding.rules import ShardingContext, model_sharding
 
@@ -59,7 +60,17 @@ def load(config: EngineConfig, random_weights_preset: str | None = None) -> Load
     """The checkpoint directory `config.model` (the demo model when None), placed as
     `config.mesh` ({"data": d, "model": m}) and `config.sharding` (a strategy of
     sharding/rules.py) say; with `random_weights_preset` (a YAML model preset) random
-    weights instead, and no tokenizer."""
+    weights instead, and no tokenizer. Its models' parameters are laid out as the
+    kernels take them (sharding/layouts.py)."""
+    loaded = _load(config, random_weights_preset)
+    speculative = loaded.speculative or SpeculativeModels()
+    for params in [loaded.params] + [m[3] for m in (speculative.draft, speculative.eagle)
+                                     if m is not None]:
+        lay_out_for_kernels(params)
+    return loaded
+
+
+def _load(config: EngineConfig, random_weights_preset: str | None) -> Loaded:
     mesh = make_mesh(config.mesh, _devices(config))
     vision = None
     dtype = jnp.dtype(config.dtype)
