@@ -207,28 +207,25 @@ def resolve_target(target: str) -> tuple[str, list, int]:
     return "gpu", cpus[:count], int(GPU_HBM_GIB[name] * 2**30)
 
 
+# An HLO instruction's result shape (an array, or a tuple of them where XLA combined
+# several collectives into one: "(bf16[64,2880]{...}, bf16[64,4,2880]{...})"), its kind
+# and whether it starts an asynchronous one.
 _COLLECTIVE_SHAPE = re.compile(
-    r"= (\(?[a-z0-9]+\[[\d,]*\][^ ]*) (all-reduce|reduce-scatter|all-gather|all-to-all|"
-    r"collective-permute)(?:-start)?\(")
+    r"= (.+?) (all-reduce|reduce-scatter|all-gather|all-to-all|collective-permute)"
+    r"(-start)?\(")
 _ARRAY = re.compile(r"([a-z]+)(\d+)\[([\d,]*)\]")
 
 
-def _bytes_of(shape_text: str) -> int:
-    total = 0
-    for _, bits, dims in _ARRAY.findall(shape_text):
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        total += n * max(int(bits), 8) // 8
-    return total
-
-
-def collective_bytes(compiled: jax.stages.Compiled) -> dict[str, tuple[int, int]]:
-    """{kind: (count, bytes of results per chip)} from the compiled HLO."""
+def collective_bytes(hlo_text: str) -> dict[str, tuple[int, int]]:
+    """{kind: (count, bytes of results per chip)} from a compiled program's HLO text."""
     out: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
-    for shape, kind in _COLLECTIVE_SHAPE.findall(compiled.as_text()):
+    for shape, kind, start in _COLLECTIVE_SHAPE.findall(hlo_text):
+        arrays = _ARRAY.findall(shape)
+        if start and kind in ("all-gather", "collective-permute"):
+            arrays = arrays[1:2]  # (operand, result, ...): the result
         out[kind][0] += 1
-        out[kind][1] += _bytes_of(shape)
+        out[kind][1] += sum(math.prod(int(d) for d in dims.split(",") if d)
+                            * max(int(bits), 8) // 8 for _, bits, dims in arrays)
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
@@ -405,7 +402,7 @@ def _compile_bucket(cfg: ModelConfig, engine: EngineConfig, mesh_shape: dict[str
     bucket = {
         "tokens": tokens, "argument_bytes": mem.argument_size_in_bytes,
         "temp_bytes": mem.temp_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
-        "collectives": collective_bytes(compiled),
+        "collectives": collective_bytes(text),
         "flops": float(cost.get("flops", 0.0)),
         "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
         "tpu_kernels": text.count('custom_call_target="tpu_custom_call"'),

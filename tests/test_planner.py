@@ -205,3 +205,21 @@ def test_compare_entries_take_the_command_flags_as_defaults():
         {"target": "v5e:4x4", "strategy": "tp", "quantization": "int4",
          "kv_cache_dtype_name": "fp8"},
     ]
+
+
+def test_collectives_are_counted_where_xla_combined_them():
+    """A TPU program's all-reduces combined into one of a tuple (as in gpt-oss-120b's step
+    under ep, whose plan read "none"): counted once with every result's bytes; operands
+    that name a collective (get-tuple-element(%all-reduce.28)) are not collectives; an
+    asynchronous all-gather's (operand, result) counts its result."""
+    from sharding.planner import collective_bytes
+
+    hlo = """
+  %all-reduce.28 = (bf16[64,2880]{1,0:T(8,128)(2,1)S(1)}, bf16[64,4,2880]{2,1,0:T(4,128)(2,1)S(1)}) all-reduce(%scatter_custom_fusion.7, %broadcast_select), channel_id=3, replica_groups={{0,1,2,3}}, to_apply=%add
+  %get-tuple-element.966 = bf16[64,4,2880]{2,1,0:T(4,128)(2,1)S(1)} get-tuple-element(%all-reduce.28), index=1
+  %all-gather-start.1 = (f32[8,128]{1,0}, f32[32,128]{1,0}) all-gather-start(%p.1), dimensions={0}
+  %all-reduce.3 = f32[16,4096]{1,0:T(8,128)} all-reduce(%dot.2), to_apply=%add
+"""
+    assert collective_bytes(hlo) == {
+        "all-reduce": (2, 2 * (64 * 2880 + 64 * 4 * 2880) + 4 * 16 * 4096),
+        "all-gather": (1, 4 * 32 * 128)}

@@ -28,7 +28,7 @@ from jaxserve.models.eagle import EagleHead  # noqa: E402
 from jaxserve.loading.safetensors import abstract_model  # noqa: E402
 from sharding.mesh import make_mesh  # noqa: E402
 from sharding.planner import (  # noqa: E402
-    collectives, compile_step, no_persistent_cache, placed, tpu_devices)
+    collective_bytes, collectives, compile_step, no_persistent_cache, placed, tpu_devices)
 from sharding.rules import ShardingContext, model_sharding, strategy_rules  # noqa: E402
 
 CFG = ModelConfig(model_type="llama", architecture="LlamaForCausalLM", vocab_size=1024,
@@ -312,6 +312,20 @@ def test_gpt_oss_120b_expert_stacks_reach_the_kernel_as_placed(devices):
     three_d = [f.layout.major_to_minor for f in formats if len(f.layout.major_to_minor) == 3]
     assert three_d and set(three_d) == {(0, 1, 2)}
     assert compiled.memory_analysis().temp_size_in_bytes < 64 * 2**20
+
+
+def test_gpt_oss_under_ep_all_reduces_the_hidden_state_alone(devices):
+    """gpt-oss-120b's dimensions (2 layers, fp4 experts) on 4 v5e chips under ep: each MoE
+    layer's one collective is the all-reduce of its partial sums, [tokens, hidden], the
+    experts' down biases included (gathered where each token is: before, a masked gather
+    from the chips' own experts and an all-reduce of [tokens, top_k, hidden] more)."""
+    cfg = dataclasses.replace(
+        ModelConfig.from_file("configs/models/gpt-oss-120b.yaml").first_layers(2),
+        vocab_size=1024)
+    engine = dataclasses.replace(ENGINE, quantization="fp4")
+    compiled = compile_step(cfg, engine, {"model": 4}, "ep", devices, PAGES, KEY)
+    assert collective_bytes(compiled.as_text()) == {
+        "all-reduce": (cfg.num_layers, cfg.num_layers * KEY.tokens * cfg.hidden_size * 2)}
 
 
 @pytest.mark.slow

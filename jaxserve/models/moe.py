@@ -158,7 +158,10 @@ class MoE(nnx.Module):
             self.router_logit_bias = param((n,), (None,), dtype)
             self.gate_bias = param((n, m), EXPERT_IN_AXES[::2], dtype)
             self.up_bias = param((n, m), EXPERT_IN_AXES[::2], dtype)
-            self.down_bias = param((n, e), EXPERT_OUT_AXES[::2], dtype)
+            # Whole on every device (E x hidden: 0.7 MB for gpt-oss-120b's): each token's
+            # chosen rows are gathered where it is. Split by experts, the gather was a masked
+            # local one and an all-reduce of [T, top_k, hidden] per layer under ep.
+            self.down_bias = param((n, e), (None, EXPERT_OUT_AXES[2]), dtype)
         # Each stack's format (`path`: this module's parameter path in the decoder).
         gate, up, down = (options.weight_options(path and f"{path}.{p}") for p in PROJECTIONS)
         self.gate_proj, self.gate_proj_scales = expert_stack(
