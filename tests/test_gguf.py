@@ -1120,3 +1120,88 @@ def test_k_quants_are_kept_as_stored(prompts, tmp_path, weight_type, layer_types
     assert_head_is(loaded, truth, (layer_types or {}).get("output", weight_type), weight_type)
     del loaded
     assert_serves_oracle_tokens(path, tf.LlamaForCausalLM(cfg).eval(), truth, prompts[:2])
+
+
+# --- gpt-oss: llama.cpp's own converter writes the file ------------------------------------
+
+def test_mxfp4_blocks_are_held_as_fp4_exactly():
+    """An MXFP4 stack as the `gguf` package quantizes it (ggml's block_mxfp4), held as our
+    fp4 (gguf_blocks.mxfp4_as_ours: the blocks' bytes as they are, the e8m0 scales as
+    bfloat16 powers of two): what our kernels' format decodes is the `gguf` package's
+    dequantization of the same bytes, exactly, expert by expert."""
+    gguf = pytest.importorskip("gguf")
+    import jax.numpy as jnp
+
+    from jaxserve.loading import gguf_blocks
+    from pallas_kernels.quantized_matmul.formats import dequantize
+
+    w = np.random.default_rng(0).normal(size=(3, 8, 96)).astype(np.float32)
+    w[1] *= 1e-3  # other scales
+    data = gguf.quants.quantize(w, gguf.GGMLQuantizationType.MXFP4)
+    want = gguf.quants.dequantize(data, gguf.GGMLQuantizationType.MXFP4)  # [E, N, K]
+    held = gguf_blocks.mxfp4_as_ours(data, w.shape)
+    assert held.values.shape == (3, 48, 8) and held.scales.shape == (3, 3, 8)
+    for e in range(3):
+        got = dequantize(jnp.asarray(held.values[e]), jnp.asarray(held.scales[e]), "fp4")
+        np.testing.assert_array_equal(np.asarray(got), want[e].T)
+
+
+CONVERT = """import runpy, sys
+sys.path[:0] = [{source!r}, {source!r} + "/gguf-py"]
+import conversion.base
+# The tiny checkpoint's byte-level vocabulary is none the converter knows by its hash:
+# take it as gpt-oss's own ("gpt-4o"), as a real gpt-oss file names its splitting.
+conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-4o"
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[1:]]
+runpy.run_path({source!r} + "/convert_hf_to_gguf.py", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_a_gpt_oss_file_from_llama_cpp_keeps_its_mxfp4_experts(checkpoints, prompts, tmp_path):
+    """llama.cpp's convert_hf_to_gguf.py (the llama-cpp-python sdist's, which
+    benchmarks/peers.py fetches from PyPI and caches) turns a tiny gpt-oss MXFP4 checkpoint
+    into a GGUF file (gate and up split, MXFP4 blocks repacked, sinks, biases, YaRN in
+    its metadata). Served from the file, its experts held as fp4 as stored, the greedy
+    tokens are transformers' on the checkpoint (its MXFP4 dequantized). The file does not
+    carry gpt-oss's SwiGLU clamp (llama.cpp's constant is the models' 7): the checkpoint
+    is made with it."""
+    import shutil
+    import subprocess
+    import sys
+
+    import torch
+    import transformers
+
+    from conftest import hf_greedy
+    from jaxserve import LLM, SamplingParams
+    from test_gpt_oss import write_mxfp4_checkpoint
+    from test_parity import ENGINE
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import peers
+
+    try:
+        source = peers.llamacpp_source()
+    except Exception as e:  # noqa: BLE001 - no network, no pip download
+        pytest.skip(f"llama.cpp's converter is not to be had here: {e}")
+    float_dir, mxfp4_dir = tmp_path / "float", tmp_path / "mxfp4"
+    shutil.copytree(checkpoints("gpt_oss")[0], float_dir)
+    config = json.loads((float_dir / "config.json").read_text())
+    (float_dir / "config.json").write_text(json.dumps({**config, "swiglu_limit": 7.0}))
+    write_mxfp4_checkpoint(float_dir, mxfp4_dir)
+    path = tmp_path / "gpt-oss.gguf"
+    done = subprocess.run([sys.executable, "-c", CONVERT.format(source=str(source)),
+                           str(mxfp4_dir), "--outtype", "f32", "--outfile", str(path)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    llm = LLM(str(path), **{**ENGINE, "max_num_batched_tokens": 16, "token_buckets": (16,)})
+    config = llm.engine.config
+    assert (config.quantization, config.quant_group_size) == ("fp4", 32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        mxfp4_dir, quantization_config=transformers.Mxfp4Config(dequantize=True),
+        dtype=torch.float32).eval()
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for out, prompt in zip(llm.generate(prompts, greedy), prompts):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, greedy.max_tokens)

@@ -7,9 +7,12 @@ one tensor per expert; Qwen2-MoE's shared expert), Gemma 2 and Gemma 3 (soft-cap
 layers, Gemma 3's local rope and linear rope scaling; llama.cpp stores their norms as
 1 + weight), Phi-3 (fused attn_qkv and ffn_up, split as they load; its sliding window,
 which transformers applies and llama.cpp ignores; LongRoPE from the rope_factors_long /
-_short tensors; a partial rope by rope.dimension_count); with a byte-level BPE vocabulary
+_short tensors; a partial rope by rope.dimension_count), gpt-oss (`_gpt_oss_config`; its
+gate / up / down expert stacks as Hugging Face's stacked names, MXFP4 ones kept as our fp4:
+gguf_blocks.mxfp4_as_ours); with a byte-level BPE vocabulary
 (`tokenizer.ggml.model` "gpt2") split as GPT-2 splits (`tokenizer.ggml.pre` "default",
-"gpt2", "smollm") or by Llama 3's or Qwen2's regex ("llama-bpe", "qwen2" and their
+"gpt2", "smollm") or by Llama 3's, Qwen2's, Tekken's or o200k's regex ("llama-bpe",
+"qwen2", "tekken", "gpt-4o" and their
 aliases, as transformers' GGUF loader names them), or a SentencePiece BPE vocabulary
 (`tokenizer.ggml.model` "llama": Llama 2, Mistral, TinyLlama; merges implied by the
 scores, byte fallback; Gemma's variant by architecture).
@@ -70,7 +73,8 @@ ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwe
                  "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
                  "gemma2": ("gemma2", "Gemma2ForCausalLM"),
                  "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
-                 "phi3": ("phi3", "Phi3ForCausalLM")}
+                 "phi3": ("phi3", "Phi3ForCausalLM"),
+                 "gpt-oss": ("gpt_oss", "GptOssForCausalLM")}
 MIXTRAL = ("mixtral", "MixtralForCausalLM")
 # llama.cpp's converter interleaves q/k's rotary halves for these (its LlamaModel only).
 PERMUTED_QK = {"llama", "mixtral"}
@@ -89,10 +93,17 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 _TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
                  r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
                  r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# OpenAI's o200k (gpt-oss; llama.cpp's "gpt-4o"): Tekken's case-change words with
+# contractions, digits in threes.
+_O200K_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 REGEX_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
                 "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT,
                 "pixtral": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
-                "megrez": _QWEN2_SPLIT, "tekken": _TEKKEN_SPLIT}
+                "megrez": _QWEN2_SPLIT, "tekken": _TEKKEN_SPLIT, "gpt-4o": _O200K_SPLIT}
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 # Part of the metadata directory's cache key: bump it when what is written there changes.
 METADATA_VERSION = 4
@@ -119,6 +130,19 @@ _EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
 _MIXTRAL_EXPERTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                  "output": "lm_head"}
+# gpt-oss (llama.cpp's converter splits its interleaved gate_up stack into gate and up
+# and stores its sinks as a weight): Hugging Face's stacked names, as our loader reads
+# them after split_fused (loading/safetensors.py), by (GGUF stem, suffix).
+_GPT_OSS_NAMES = {
+    ("ffn_gate_exps", "weight"): "mlp.experts.gate_proj",
+    ("ffn_up_exps", "weight"): "mlp.experts.up_proj",
+    ("ffn_down_exps", "weight"): "mlp.experts.down_proj",
+    ("ffn_gate_exps", "bias"): "mlp.experts.gate_bias",
+    ("ffn_up_exps", "bias"): "mlp.experts.up_bias",
+    ("ffn_down_exps", "bias"): "mlp.experts.down_proj_bias",
+    ("ffn_gate_inp", "weight"): "mlp.router.weight", ("ffn_gate_inp", "bias"): "mlp.router.bias",
+    ("attn_sinks", "weight"): "self_attn.sinks",
+    ("post_attention_norm", "weight"): "post_attention_layernorm.weight"}
 
 
 def is_gguf(path: str | os.PathLike | None) -> bool:
@@ -203,6 +227,8 @@ def hf_config(reader) -> dict:
         config.update(_moe_config(reader, arch, model_type, experts, names, layers))
     if arch in GEMMA:
         config.update(_gemma_config(reader, arch, hidden, heads, head_dim, layers))
+    if arch == "gpt-oss":
+        config.update(_gpt_oss_config(reader, arch, layers, config.get("rope_scaling")))
     for key in ("bos", "eos"):
         value = _field(reader, f"tokenizer.ggml.{key}_token_id")
         if value is not None:
@@ -301,7 +327,7 @@ def _moe_config(reader, arch: str, model_type: str, experts: int, names: set[str
     """Mixtral's and the Qwen MoE models' expert fields. A layer without a router
     (`ffn_gate_inp`) is dense (Qwen's mlp_only_layers)."""
     used = int(_required(reader, f"{arch}.expert_used_count"))
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "gpt_oss"):
         return {"num_local_experts": experts, "num_experts_per_tok": used}
     config = {"num_experts": experts, "num_experts_per_tok": used,
               "moe_intermediate_size": int(_required(reader,
@@ -316,6 +342,26 @@ def _moe_config(reader, arch: str, model_type: str, experts: int, names: set[str
     if arch == "qwen2moe":
         config["shared_expert_intermediate_size"] = int(_field(
             reader, f"{arch}.expert_shared_feed_forward_length", 0))
+    return config
+
+
+def _gpt_oss_config(reader, arch: str, layers: int, rope_scaling: dict | None) -> dict:
+    """gpt-oss's fields a GGUF file does not spell as Hugging Face does: biased attention,
+    its sliding window on every other layer from the first (llama.cpp's pattern of 2,
+    unless the file gives one), and YaRN without truncated correction dimensions (the
+    released models' `truncate: false`, what transformers computes; llama.cpp's ggml
+    rounds them to whole dimensions). The SwiGLU clamp (7) and alpha (1.702) are the
+    models' and llama.cpp's constants (our config's defaults)."""
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", 2)
+    if isinstance(pattern, list):  # per layer: true for a sliding-window one
+        types = ["sliding_attention" if p else "full_attention" for p in pattern]
+    else:
+        types = ["full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention"
+                 for i in range(layers)]
+    config = {"attention_bias": True, "layer_types": types,
+              "sliding_window": int(_required(reader, f"{arch}.attention.sliding_window"))}
+    if rope_scaling is not None and rope_scaling["rope_type"] == "yarn":
+        config["rope_scaling"] = {**rope_scaling, "truncate": False}
     return config
 
 
@@ -363,6 +409,8 @@ def _hf_name(name: str, model_type: str) -> str:
     parts = stem.split(".")
     if len(parts) == 3 and parts[0] == "blk":
         layer, part = f"model.layers.{parts[1]}", parts[2]
+        if model_type == "gpt_oss" and (part, suffix) in _GPT_OSS_NAMES:
+            return f"{layer}.{_GPT_OSS_NAMES[part, suffix]}"
         moe = "block_sparse_moe" if model_type == "mixtral" else "mlp"
         if model_type.startswith("gemma") and part in _GEMMA_NAMES:
             return f"{layer}.{_GEMMA_NAMES[part]}.{suffix}"
@@ -519,6 +567,14 @@ def tensors(reader, config: dict, keep: bool = False, keep_head: bool = True
             w = gguf_blocks.decode(t.data, int(t.tensor_type), *shape)
             yield name, gguf_blocks.as_ours(w, embed)
             continue
+        if model_type == "gpt_oss" and ".mlp.experts." in name and len(shape) == 3:
+            # an expert stack [E, N, K], as [E, K, N]
+            if kept and kept.get(t.name) and kept[t.name].kind == "fp4":
+                yield name, gguf_blocks.mxfp4_as_ours(t.data, shape)
+            else:  # (another type: dequantized, quantized our way where it is held so)
+                w = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
+                yield name, w.transpose(0, 2, 1)
+            continue
         if kept and kept.get(t.name) and "{expert}" in name:  # [E, N, K]
             w = gguf_blocks.decode(t.data, int(t.tensor_type), shape[0] * shape[1], shape[2])
             for j, one in enumerate(gguf_blocks.split(w, shape[0])):
@@ -574,7 +630,8 @@ def _byte_level_bpe(reader, tokens: list[str], types: list[int]):
     alphabet = set(spelling.values())
     vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode())): i
              for i, t in enumerate(tokens)}
-    merges = [tuple(m.split(" ")) for m in _required(reader, "tokenizer.ggml.merges")]
+    # (none: a vocabulary of single bytes and added tokens, as a BPE without merges)
+    merges = [tuple(m.split(" ")) for m in _field(reader, "tokenizer.ggml.merges", [])]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     if split in REGEX_SPLITS:

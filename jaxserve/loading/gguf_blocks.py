@@ -23,6 +23,9 @@ with offsets, zero points z = -c - b / s, so that w = (q - z) * s, our zero-poin
 | IQ4_NL | 8       | 32 | no     | d L[u] (u in 0..15)                 |
 | IQ4_XS | 8       | 32 | no     | d (sc - 32) L[u] (u in 0..15)       |
 
+MXFP4 (gpt-oss's experts) is held as our fp4 in groups of 32 (`mxfp4_as_ours`): its blocks'
+bytes as they are and its e8m0 scales as bfloat16 powers of two, not through `decode`.
+
 IQ4_NL and IQ4_XS store 4-bit indices into a fixed table L of 16 non-uniform levels
 (integers from -127 to 113, ggml's kvalues_iq4nl): no 4-bit affine format holds them, so
 they are held as int8, the levels themselves (exact; 8 bits a weight where the file
@@ -65,6 +68,7 @@ Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
 IQ4_NL, IQ4_XS = 20, 23
 IQ2_XXS, IQ2_XS, IQ3_XXS, IQ3_S, IQ2_S = 16, 17, 18, 21, 22
 IQ1_S, IQ1_M = 19, 29
+MXFP4 = 39  # gpt-oss's experts: e2m1 codes in blocks of 32 with an e8m0 scale
 # IQ4_NL's and IQ4_XS's levels (ggml-common.h's kvalues_iq4nl).
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
                        113], np.int8)
@@ -97,7 +101,7 @@ TYPES = {t: BlockType(*spec) for t, spec in {
 @dataclasses.dataclass(frozen=True)
 class Format:
     """Our format for a file's linear layers (EngineConfig's quantization fields)."""
-    kind: str  # "int4" | "int8"
+    kind: str  # "int4" | "int8" | "fp4"
     group: int
     zero_points: bool
 
@@ -105,6 +109,8 @@ class Format:
 def stored_format(kind: int) -> Format | None:
     """The format that holds a tensor of GGML type `kind` as stored; None when it is not a
     type this module reads (floats): the tensor is dequantized."""
+    if kind == MXFP4:
+        return Format("fp4", 32, False)
     if kind not in TYPES:
         return None
     spec = TYPES[kind]
@@ -288,3 +294,18 @@ def as_ours(t: Decoded, fmt: Format):
         halves = q.reshape(k // fmt.group, 2, fmt.group // 2, n).astype(np.uint8) & 0xF
         q = (halves[:, 0] | (halves[:, 1] << 4)).reshape(k // 2, n)
     return Prequantized(np.ascontiguousarray(q), np.ascontiguousarray(scales, np.float32))
+
+
+def mxfp4_as_ours(data: np.ndarray, shape: tuple[int, ...]):
+    """An MXFP4 tensor (`shape` [..., N, K]; ggml's block_mxfp4 per 32 weights of a row:
+    an e8m0 byte e, then 16 bytes whose low nibbles are the block's e2m1 codes 0-15 and
+    high nibbles 16-31, with w = e2m1(code) 2^(e - 127)) as our fp4 in groups of 32:
+    values `[..., K / 2, N]` (those bytes are our packing of a group already: its row j in
+    the low nibble, row j + 16 in the high one), bfloat16 scales `[..., K / 32, N]`."""
+    from jaxserve.loading.prequantized import Prequantized, e8m0_as_bfloat16
+
+    *lead, n, k = shape
+    blocks = np.asarray(data, np.uint8).reshape(*lead, n, k // 32, 17)
+    values = np.moveaxis(blocks[..., 1:].reshape(*lead, n, k // 2), -1, -2)
+    scales = np.moveaxis(e8m0_as_bfloat16(blocks[..., 0]), -1, -2)
+    return Prequantized(np.ascontiguousarray(values), np.ascontiguousarray(scales))

@@ -510,6 +510,11 @@ def mxfp4_as_fp4(name: str, blocks: np.ndarray, scales: np.ndarray) -> Prequanti
     # A block's byte b holds its elements 2b (low nibble) and 2b + 1 (high).
     codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(e, n, g, 32)
     values = (codes[..., :16] | (codes[..., 16:] << 4)).transpose(0, 2, 3, 1)
-    scale = np.ldexp(np.float32(1.0), scales.astype(np.int32) - 127).astype(ml_dtypes.bfloat16)
     return Prequantized(np.ascontiguousarray(values.reshape(e, g * 16, n)),
-                        np.ascontiguousarray(scale.transpose(0, 2, 1)))
+                        np.ascontiguousarray(e8m0_as_bfloat16(scales).transpose(0, 2, 1)))
+
+
+def e8m0_as_bfloat16(scales: np.ndarray) -> np.ndarray:
+    """MX scales (e8m0 bytes e) as the powers of two 2^(e - 127) they hold, in bfloat16
+    (exact)."""
+    return np.ldexp(np.float32(1.0), scales.astype(np.int32) - 127).astype(ml_dtypes.bfloat16)
