@@ -422,11 +422,12 @@ ffi::Error LoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32
 }
 
 // Quantized matmul: x [M, K] (f32 / bf16), num_rows, values (int8 [K, N] or uint8
-// [K/2, N]), scales f32 ([G', N], or [2, G', N] with zero points), both in strips of 32
+// [K/2, N]), scales f32 ([G', N], or [2, G', N] with zero points; fp4's may be bf16, read
+// as stored), both in strips of 32
 // columns when `packed` (quantized.h); y [M, N] in x's dtype, rows >= num_rows unwritten.
 ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
                                ffi::Buffer<ffi::S32> num_rows, ffi::AnyBuffer values,
-                               ffi::Buffer<ffi::F32> scales, ffi::Result<ffi::AnyBuffer> y,
+                               ffi::AnyBuffer scales, ffi::Result<ffi::AnyBuffer> y,
                                bool packed, bool fp4) {
   auto bad = [](const std::string& what) {
     return ffi::Error::InvalidArgument("jaxserve_quantized_matmul: " + what);
@@ -442,6 +443,10 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   if (fp4 && !int4) return bad("fp4 values are uint8, two e2m1 codes a byte");
   const bool zeros = sd.size() == 3;
   if (fp4 && zeros) return bad("fp4 has no zero points");
+  const bool s_bf16 = scales.element_type() == ffi::DataType::BF16;
+  if (!s_bf16 && scales.element_type() != ffi::DataType::F32)
+    return bad("scales must be f32 (or bf16)");
+  if (s_bf16 && zeros) return bad("bf16 scales take no zero points");
   if (sd.size() != 2 && !(zeros && sd[0] == 2))
     return bad("scales must be [G, N] (or [2, G, N] with zero points)");
   const int64_t k = xd[1], n = vd[1], groups = sd[sd.size() - 2];
@@ -451,9 +456,10 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   if (num_rows.element_count() != 1) return bad("num_rows must be a scalar");
   const int64_t m = std::clamp<int64_t>(num_rows.typed_data()[0], 0, xd[0]);
   if (packed && n % kQmmCols) return bad("packed values need N a multiple of 32");
-  Qmm q{nullptr, nullptr, values.untyped_data(), scales.typed_data(),
-        zeros ? scales.typed_data() + groups * n : nullptr, y->untyped_data(), m, k, n,
-        k / groups, int4, dt == ffi::DataType::BF16, packed, fp4};
+  const float* z = zeros ? static_cast<const float*>(scales.untyped_data()) + groups * n
+                         : nullptr;
+  Qmm q{nullptr, nullptr, values.untyped_data(), scales.untyped_data(), z, y->untyped_data(),
+        m, k, n, k / groups, int4, dt == ffi::DataType::BF16, packed, fp4, s_bf16};
   std::vector<float> xf, sums;
   Runner run(&pool);
   QuantizedMatmul(run, x.untyped_data(), q, xf, sums);
@@ -469,7 +475,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantizedMatmul, jaxserve::QuantizedMatmul
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<bool>("packed")
                                   .Attr<bool>("fp4"));

@@ -48,13 +48,14 @@ struct Qmm {
   const float* x;   // [m, k], float32 (converted once from bf16 when x is bf16)
   const float* sx;  // [m, groups]: each group's sum of x
   const void* w;    // int8 [k, n] or uint8 [k / 2, n]
-  const float* s;   // [groups, n]
+  const void* s;    // [groups, n] float32, or bfloat16 (`s_bf16`: fp4's, read as stored)
   const float* z;   // [groups, n] zero points, or null
   void* y;          // [m_all, n] in x's dtype
   int64_t m, k, n, group;
   bool int4, bf16;
   bool packed;      // values in strips of kQmmCols columns (QmmColumn)
   bool fp4;         // int4's nibbles are e2m1 codes (int4 is set too)
+  bool s_bf16;      // the scales are bfloat16 (widened as they are read)
 };
 
 // e2m1's 16 values by code, and what the integer paths add to a nibble before converting
@@ -65,6 +66,13 @@ JS_INLINE float QmmOffset(const Qmm& q) { return q.int4 && !q.fp4 ? 8.0f : 0.0f;
 JS_INLINE char QmmFlip(const Qmm& q) { return static_cast<char>(q.fp4 ? 0 : 0x88); }
 
 JS_INLINE int64_t QmmGroups(const Qmm& q) { return q.k / q.group; }
+
+// Scale `at` of the plane, and 8 / 16 consecutive ones, as float32 (a bfloat16 one is the
+// top half of its float32: widened by a shift, not converted in a pass of its own).
+JS_INLINE float QmmScale(const Qmm& q, int64_t at) {
+  return q.s_bf16 ? Bf16ToF32(static_cast<const uint16_t*>(q.s)[at])
+                  : static_cast<const float*>(q.s)[at];
+}
 
 // Byte row 0 of column c (a multiple of kQmmCols for a packed weight) and the distance
 // between byte rows: [K', N] row-major, or packed: strip c / kQmmCols's K' rows of
@@ -119,7 +127,7 @@ void GenericQmmCols(const Qmm& q, int64_t c0, int64_t nc) {
       for (int64_t c = 0; c < nc; ++c) {
         const int64_t at = QmmScaleAt(q, g, c0 + c);
         const float z = offset + (q.z ? q.z[at] : 0.0f);
-        acc[c] += (part[c] - z * sum) * q.s[at];
+        acc[c] += (part[c] - z * sum) * QmmScale(q, at);
       }
     }
     QmmStore<T>(q, m, c0, acc, nc);
@@ -128,6 +136,13 @@ void GenericQmmCols(const Qmm& q, int64_t c0, int64_t nc) {
 
 #if JS_X86
 // ---------------------------------------------------------------- AVX2
+JS_AVX2 JS_INLINE __m256 Avx2QmmScales(const Qmm& q, int64_t at) {
+  if (!q.s_bf16) return _mm256_loadu_ps(static_cast<const float*>(q.s) + at);
+  const __m128i h = _mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(q.s) + at));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 // A tile: 2 rows of x by kQmmCols columns, 8 accumulators, the group's partial sums; the
 // rows' running totals live in memory (one update per group).
 
@@ -198,7 +213,7 @@ JS_AVX2 void Avx2QmmTile(const Qmm& q, int64_t m0, int64_t c0, float (*acc)[kQmm
     }
     JS_UNROLL for (int c = 0; c < 4; ++c) {
       const int64_t col = QmmScaleAt(q, g, c0 + 8 * c);  // 8 in a row, packed or not
-      const __m256 s = _mm256_loadu_ps(q.s + col);
+      const __m256 s = Avx2QmmScales(q, col);
       const __m256 z = q.z ? _mm256_add_ps(offset, _mm256_loadu_ps(q.z + col)) : offset;
       JS_UNROLL for (int r = 0; r < R; ++r) {
         const __m256 sum = _mm256_set1_ps(q.sx[(m0 + r) * groups + g]);
@@ -240,7 +255,7 @@ JS_AVX2 JS_INLINE void Avx2QmmDequantize(const Qmm& q, int64_t g, int64_t j0, in
   const __m256 offset = _mm256_set1_ps(QmmOffset(q));
   __m256 scale[4], bias[4];
   JS_UNROLL for (int c = 0; c < 4; ++c) {
-    scale[c] = _mm256_loadu_ps(q.s + at + 8 * c);
+    scale[c] = Avx2QmmScales(q, at + 8 * c);
     const __m256 z = q.z ? _mm256_add_ps(offset, _mm256_loadu_ps(q.z + at + 8 * c)) : offset;
     bias[c] = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(z, scale[c]));
   }
@@ -348,6 +363,13 @@ JS_AVX2 void Avx2QmmCols(const Qmm& q, int64_t c0) {  // kQmmCols columns, every
 }
 
 // ---------------------------------------------------------------- AVX-512
+JS_AVX512 JS_INLINE __m512 Avx512QmmScales(const Qmm& q, int64_t at) {
+  if (!q.s_bf16) return _mm512_loadu_ps(static_cast<const float*>(q.s) + at);
+  const __m256i h = _mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(q.s) + at));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 // The direct tile (up to kQmmDirectRows rows) with 16 lanes: each 16 stored bytes widen
 // to 16 int32 in one instruction (AVX2 spends four shuffles on 32: its widening port bounds
 // its tile, packed int8 18-19 and int4 14-15 GB/s on a 2-core Xeon, AVX-512 19-21 and
@@ -411,7 +433,7 @@ JS_AVX512 void Avx512QmmTile(const Qmm& q, int64_t m0, int64_t c0, float (*acc)[
     }
     JS_UNROLL for (int c = 0; c < 2; ++c) {
       const int64_t col = QmmScaleAt(q, g, c0 + 16 * c);  // 16 in a row, packed or not
-      const __m512 s = _mm512_loadu_ps(q.s + col);
+      const __m512 s = Avx512QmmScales(q, col);
       const __m512 z = q.z ? _mm512_add_ps(offset, _mm512_loadu_ps(q.z + col)) : offset;
       JS_UNROLL for (int r = 0; r < R; ++r) {
         const __m512 sum = _mm512_set1_ps(q.sx[(m0 + r) * groups + g]);

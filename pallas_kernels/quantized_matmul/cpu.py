@@ -7,8 +7,8 @@ converts them in registers, where the reference
 dequantizes the whole weight to x's dtype in memory first (3x slower than float weights
 at batch 1: benchmarks/RESULTS.md). Past two rows it dequantizes a panel of the weight in
 L1 at a time and runs the rows over it in blocks of 64, compute-bound like the float
-matmul. int8, int4 (any even group, zero points too) and fp4 (its bf16 scales widened
-to float32 on the way in); fp8 takes the reference. Rows at
+matmul. int8, int4 (any even group, zero points too) and fp4 (its bf16 scales read as
+stored, widened in registers); fp8 takes the reference. Rows at
 or past `rows` (the batch's real tokens) are left unwritten and cost nothing, as in the
 float kernel.
 """
@@ -45,8 +45,10 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind
     rows = jnp.asarray(x.shape[0] if rows is None else rows, jnp.int32).reshape(())
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], values.shape[1]),
                                                          x.dtype))
-    return call(x, rows, values, scales.astype(jnp.float32), packed=bool(packed),
-                fp4=kind == "fp4")
+    # fp4's bf16 scales go as stored: the kernel widens them as it reads them (a float32
+    # copy made every call cost a write and a read of twice their bytes: 1 bit a weight).
+    scales = scales if kind == "fp4" else scales.astype(jnp.float32)
+    return call(x, rows, values, scales, packed=bool(packed), fp4=kind == "fp4")
 
 
 __all__ = ["quantized_matmul", "supports"]
