@@ -421,20 +421,26 @@ ffi::Error LoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32
   return ffi::Error::Success();
 }
 
-// Quantized matmul: x [M, K] (f32 / bf16), num_rows, values (int8 [K, N] or uint8
+// Quantized matmul: x [M, K] (f32 / bf16), num_rows, expert, values (int8 [K, N] or uint8
 // [K/2, N]), scales f32 ([G', N], or [2, G', N] with zero points; fp4's may be bf16, read
-// as stored), both in strips of 32
-// columns when `packed` (quantized.h); y [M, N] in x's dtype, rows >= num_rows unwritten.
+// as stored), both in strips of 32 columns when `packed` (quantized.h); y [M, N] in x's
+// dtype, rows >= num_rows unwritten. Values and scales may be stacks of experts' weights
+// ([E, ...] each, not packed): `expert` then picks the one multiplied, read in place (a
+// grouped matmul's visit: no copy of the expert's weight).
 ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
-                               ffi::Buffer<ffi::S32> num_rows, ffi::AnyBuffer values,
-                               ffi::AnyBuffer scales, ffi::Result<ffi::AnyBuffer> y,
-                               bool packed, bool fp4) {
+                               ffi::Buffer<ffi::S32> num_rows, ffi::Buffer<ffi::S32> expert,
+                               ffi::AnyBuffer values, ffi::AnyBuffer scales,
+                               ffi::Result<ffi::AnyBuffer> y, bool packed, bool fp4) {
   auto bad = [](const std::string& what) {
     return ffi::Error::InvalidArgument("jaxserve_quantized_matmul: " + what);
   };
-  const auto xd = x.dimensions(), vd = values.dimensions(), sd = scales.dimensions();
+  const auto xd = x.dimensions();
+  const bool stack = values.dimensions().size() == 3;
+  // One expert's dimensions (the stack's without its leading one).
+  const std::vector<int64_t> vd(values.dimensions().begin() + stack, values.dimensions().end()),
+      sd(scales.dimensions().begin() + stack, scales.dimensions().end());
   const ffi::DataType dt = x.element_type();
-  if (xd.size() != 2 || vd.size() != 2) return bad("x and values must be 2-D");
+  if (xd.size() != 2 || vd.size() != 2) return bad("x must be 2-D, values 2-D or a 3-D stack");
   if (dt != ffi::DataType::F32 && dt != ffi::DataType::BF16) return bad("x must be f32 or bf16");
   if (y->element_type() != dt) return bad("y must have x's dtype");
   const bool int4 = values.element_type() == ffi::DataType::U8;
@@ -453,12 +459,24 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
   if ((int4 ? 2 * vd[0] : vd[0]) != k || sd[sd.size() - 1] != n || groups < 1 ||
       k % groups || (int4 && (k / groups) % 2))
     return bad("shapes do not match");
-  if (num_rows.element_count() != 1) return bad("num_rows must be a scalar");
+  if (num_rows.element_count() != 1 || expert.element_count() != 1)
+    return bad("num_rows and expert must be scalars");
   const int64_t m = std::clamp<int64_t>(num_rows.typed_data()[0], 0, xd[0]);
-  if (packed && n % kQmmCols) return bad("packed values need N a multiple of 32");
-  const float* z = zeros ? static_cast<const float*>(scales.untyped_data()) + groups * n
-                         : nullptr;
-  Qmm q{nullptr, nullptr, values.untyped_data(), scales.untyped_data(), z, y->untyped_data(),
+  if (packed && (n % kQmmCols || stack)) return bad("packed values need N a multiple of 32 "
+                                                     "and one weight, not a stack");
+  int64_t e = 0;
+  if (stack) {
+    const int64_t experts = values.dimensions()[0];
+    if (scales.dimensions().size() != sd.size() + 1 || scales.dimensions()[0] != experts)
+      return bad("a stack's values and scales must have its experts first");
+    e = std::clamp<int64_t>(expert.typed_data()[0], 0, experts - 1);
+  }
+  const int64_t s_size = static_cast<int64_t>(sd.size() == 3 ? 2 : 1) * groups * n;
+  const char* w = static_cast<const char*>(values.untyped_data()) + e * vd[0] * vd[1];
+  const char* s = static_cast<const char*>(scales.untyped_data()) +
+                  e * s_size * (s_bf16 ? 2 : 4);
+  const float* z = zeros ? reinterpret_cast<const float*>(s) + groups * n : nullptr;
+  Qmm q{nullptr, nullptr, w, s, z, y->untyped_data(),
         m, k, n, k / groups, int4, dt == ffi::DataType::BF16, packed, fp4, s_bf16};
   std::vector<float> xf, sums;
   Runner run(&pool);
@@ -473,6 +491,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveQuantizedMatmul, jaxserve::QuantizedMatmul
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()

@@ -5,9 +5,13 @@ multiplies every row by every group's weight instead (reference.py).
 
 An int4 or fp4 stack, or one with zero points, goes through the native quantized kernel
 (pallas_kernels/quantized_matmul/cpu.py) on each visit, reading the group's weight as
-stored: XLA:CPU's dequantization of a dynamically sliced group, which it fuses, costs
-0.6-1 ms for a [1024, 768] weight where the same dequantization of a whole array takes
-0.1. Measured on 2 Zen 5 cores, a SwiGLU of 64 experts [1024, 768], top 8
+stored where it lies in the stack (`expert`: a sliced-out group was a copy of its weight
+every visit) and the visit's own rows alone: XLA:CPU's dequantization of a dynamically
+sliced group, which it fuses, costs 0.6-1 ms for a [1024, 768] weight where the same
+dequantization of a whole array takes 0.1. Qwen3-30B-A3B's experts (128 of [2048, 768],
+top 8, float32 activations, 2 Zen 4 cores, 2026-12-07), 1 / 16 tokens: fp4 3.3-3.4 /
+36.6-37.2 ms with whole tiles and sliced weights, 2.0-2.3 / 26.2-27.2 now; int4 in groups
+of 32 with zero points 3.5-3.7 / 38.5-38.8, now 3.1-4.0 / 32.8-36.3. Measured on 2 Zen 5 cores, a SwiGLU of 64 experts [1024, 768], top 8
 (moe.grouped_glu): 1 / 64 / 512 tokens, int4 in groups of 32 with zero points 2.0-3.2 /
 25-43 / 117-180 ms against 23-29 / 305-311 / 441-460 through XLA; int8 with zero points
 2.1 / 29 / 128 against 16 / 220-232 / 346-388; float32 3-5 / 40-45 / 150.
@@ -76,10 +80,9 @@ def grouped_matmul(x: jax.Array, values: jax.Array, group_sizes: jax.Array,
         g, t = plan.group[i], plan.tile[i]
         start = jnp.maximum(plan.offsets[g], t * bm)
         count = jnp.minimum(plan.offsets[g + 1], (t + 1) * bm) - start
-        pick = functools.partial(jax.lax.dynamic_index_in_dim, index=g, keepdims=False)
         y = native_quantized.quantized_matmul(
-            jax.lax.dynamic_slice_in_dim(xp, start, bm), pick(values), pick(scales),
-            kind=kind, rows=count)
+            jax.lax.dynamic_slice_in_dim(xp, start, bm), values, scales, kind=kind,
+            rows=count, expert=g)  # the group's weight read in the stack, not sliced out
         old = jax.lax.dynamic_slice_in_dim(out, start, bm)
         new = jnp.where(jnp.arange(bm)[:, None] < count, y.astype(out.dtype), old)
         return jax.lax.dynamic_update_slice_in_dim(out, new, start, axis=0)

@@ -34,21 +34,26 @@ def supports(x: jax.Array, kind: str) -> bool:
 
 def quantized_matmul(x: jax.Array, values: jax.Array, scales: jax.Array, *, kind: str,
                      rows: jax.Array | None = None, packed: bool = False,
-                     **unused_kernel_options) -> jax.Array:
+                     expert: jax.Array | None = None, **unused_kernel_options) -> jax.Array:
     """`x[M, K] @ dequantize(values, scales)` -> `[M, N]` in x's dtype; the reference where
     the kernel does not apply (`supports`). `packed`: values and scales in
-    formats.pack_strips' layout (the reference unpacks them)."""
+    formats.pack_strips' layout (the reference unpacks them). `expert`: values and scales
+    are stacks of experts' weights (`[E, ...]`, not packed) and this one is multiplied,
+    read in the stack where it lies (no copy of it)."""
     if not supports(x, kind):
+        if expert is not None:
+            values, scales = values[expert], scales[expert]
         if packed:
             values, scales = unpack_strips(values), unpack_strips(scales)
         return reference.quantized_matmul(x, values, scales, kind=kind)
     rows = jnp.asarray(x.shape[0] if rows is None else rows, jnp.int32).reshape(())
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], values.shape[1]),
+    expert = jnp.asarray(0 if expert is None else expert, jnp.int32).reshape(())
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], values.shape[-1]),
                                                          x.dtype))
     # fp4's bf16 scales go as stored: the kernel widens them as it reads them (a float32
     # copy made every call cost a write and a read of twice their bytes: 1 bit a weight).
     scales = scales if kind == "fp4" else scales.astype(jnp.float32)
-    return call(x, rows, values, scales, packed=bool(packed), fp4=kind == "fp4")
+    return call(x, rows, expert, values, scales, packed=bool(packed), fp4=kind == "fp4")
 
 
 __all__ = ["quantized_matmul", "supports"]
