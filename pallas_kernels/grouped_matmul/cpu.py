@@ -11,10 +11,11 @@ sliced group, which it fuses, costs 0.6-1 ms for a [1024, 768] weight where the 
 dequantization of a whole array takes 0.1. Qwen3-30B-A3B's experts (128 of [2048, 768],
 top 8, float32 activations, 2 Zen 4 cores, 2026-12-07), 1 / 16 tokens: fp4 3.3-3.4 /
 36.6-37.2 ms with whole tiles and sliced weights, 2.0-2.3 / 26.2-27.2 now; int4 in groups
-of 32 with zero points 3.5-3.7 / 38.5-38.8, now 3.1-4.0 / 32.8-36.3. Measured on 2 Zen 5 cores, a SwiGLU of 64 experts [1024, 768], top 8
-(moe.grouped_glu): 1 / 64 / 512 tokens, int4 in groups of 32 with zero points 2.0-3.2 /
-25-43 / 117-180 ms against 23-29 / 305-311 / 441-460 through XLA; int8 with zero points
-2.1 / 29 / 128 against 16 / 220-232 / 346-388; float32 3-5 / 40-45 / 150.
+of 32 with zero points 3.5-3.7 / 38.5-38.8, now 3.1-4.0 / 32.8-36.3. Earlier, on 2 Zen 5
+cores, a SwiGLU of 64 experts [1024, 768], top 8 (moe.grouped_glu): 1 / 64 / 512 tokens,
+int4 in groups of 32 with zero points 2.0-3.2 / 25-43 / 117-180 ms against 23-29 /
+305-311 / 441-460 through XLA; int8 with zero points 2.1 / 29 / 128 against 16 / 220-232
+/ 346-388; float32 3-5 / 40-45 / 150.
 Symmetric int8 stays with XLA (per channel 2.0 / 25 / 132, the kernel 2.3-3.2 / 26-27 /
 119-131)."""
 
