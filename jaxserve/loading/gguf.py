@@ -352,17 +352,24 @@ def _gpt_oss_config(reader, arch: str, layers: int, rope_scaling: dict | None) -
     released models' `truncate: false`, what transformers computes; llama.cpp's ggml
     rounds them to whole dimensions). The SwiGLU clamp (7) and alpha (1.702) are the
     models' and llama.cpp's constants (our config's defaults)."""
-    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern", 2)
-    if isinstance(pattern, list):  # per layer: true for a sliding-window one
-        types = ["sliding_attention" if p else "full_attention" for p in pattern]
-    else:
-        types = ["full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention"
-                 for i in range(layers)]
+    types = _layer_types(reader, arch, layers, 2)
     config = {"attention_bias": True, "layer_types": types,
               "sliding_window": int(_required(reader, f"{arch}.attention.sliding_window"))}
     if rope_scaling is not None and rope_scaling["rope_type"] == "yarn":
         config["rope_scaling"] = {**rope_scaling, "truncate": False}
     return config
+
+
+def _layer_types(reader, arch: str, layers: int, period: int) -> list[str]:
+    """Each layer's attention: the file's `sliding_window_pattern` (per layer, true for a
+    sliding-window one; or a period), else every `period`-th layer full, the others
+    sliding (llama.cpp's default for the architecture)."""
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        return ["sliding_attention" if p else "full_attention" for p in pattern]
+    period = int(pattern or period)
+    return ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
+            for i in range(layers)]
 
 
 _LAYERS_27B = {"gemma2": 46, "gemma3": 62}
@@ -381,16 +388,7 @@ def _gemma_config(reader, arch: str, hidden: int, heads: int, head_dim: int,
     window = _field(reader, f"{arch}.attention.sliding_window")
     if window:
         config["sliding_window"] = int(window)
-        pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
-        if arch == "gemma2":
-            pattern = 2 if pattern is None else pattern
-        if isinstance(pattern, list):  # per layer: true for a sliding-window one
-            types = ["sliding_attention" if p else "full_attention" for p in pattern]
-        else:
-            period = int(pattern or 6)
-            types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
-                     for i in range(layers)]
-        config["layer_types"] = types
+        config["layer_types"] = _layer_types(reader, arch, layers, 2 if arch == "gemma2" else 6)
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         value = _field(reader, f"{arch}.{key}")
         if value:
